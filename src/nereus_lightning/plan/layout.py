@@ -1,0 +1,108 @@
+"""`Layout`, `Candidate` and `Plan`: what runs where (no predictions; see the cost model for those)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+from nereus_lightning.spec.errors import require
+
+
+@dataclass(frozen=True, order=True)
+class Layout:
+    """The shape of one replica (an EMU): ``tp`` x ``pp`` ranks."""
+
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        require(self.tp >= 1, "layout.tp", f"must be >= 1, got {self.tp}")
+        require(self.pp >= 1, "layout.pp", f"must be >= 1, got {self.pp}")
+
+    @property
+    def size(self) -> int:
+        """Ranks per replica."""
+        return self.tp * self.pp
+
+    def __str__(self) -> str:
+        return f"TP{self.tp}xPP{self.pp}"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One model-stage's choice: ``dp`` replicas of ``layout`` on ``gpus``.
+
+    ``gpus`` lists global GPU ids replica-major, then pipeline stage, then TP rank (TP varies
+    fastest, so a TP group sits on neighbouring GPUs, inside a node when it fits).
+    """
+
+    layout: Layout
+    dp: int
+    gpus: tuple[int, ...]
+    micro_batch: int = 1
+    recompute: bool = False
+
+    def __post_init__(self) -> None:
+        require(self.dp >= 1, "candidate.dp", f"must be >= 1, got {self.dp}")
+        require(self.micro_batch >= 1, "candidate.micro_batch", f"must be >= 1, got {self.micro_batch}")
+        require(
+            len(self.gpus) == self.dp * self.layout.size,
+            "candidate.gpus",
+            f"{len(self.gpus)} GPUs given for dp={self.dp} x {self.layout} = {self.dp * self.layout.size}",
+        )
+        require(len(set(self.gpus)) == len(self.gpus), "candidate.gpus", f"GPU ids repeat in {self.gpus}")
+
+    @property
+    def num_gpus(self) -> int:
+        """GPUs this model-stage occupies."""
+        return len(self.gpus)
+
+    def replica_gpus(self, replica: int) -> tuple[int, ...]:
+        """The GPUs of replica ``replica`` (pp-major, tp-minor)."""
+        size = self.layout.size
+        return self.gpus[replica * size : (replica + 1) * size]
+
+    def gpu_at(self, replica: int, pp_rank: int, tp_rank: int) -> int:
+        """The GPU holding position (pp_rank, tp_rank) of replica ``replica``."""
+        return self.gpus[replica * self.layout.size + pp_rank * self.layout.tp + tp_rank]
+
+    def describe(self) -> str:
+        """A short human-readable form, e.g. ``dp4 TP2xPP1 mb2``."""
+        rc = " rc" if self.recompute else ""
+        return f"dp{self.dp} {self.layout} mb{self.micro_batch}{rc}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A candidate for every model-stage, keyed by model-stage name (see ``spec.workload``)."""
+
+    assignments: tuple[tuple[str, Candidate], ...]
+
+    @classmethod
+    def of(cls, mapping: Mapping[str, Candidate]) -> Plan:
+        """Build from a mapping, keeping its order."""
+        return cls(tuple(mapping.items()))
+
+    def __getitem__(self, model_stage: str) -> Candidate:
+        for name, cand in self.assignments:
+            if name == model_stage:
+                return cand
+        raise KeyError(f"plan has no model-stage {model_stage!r}; it has {[n for n, _ in self.assignments]}")
+
+    def __contains__(self, model_stage: object) -> bool:
+        return any(name == model_stage for name, _ in self.assignments)
+
+    def __iter__(self) -> Iterator[str]:
+        return (name for name, _ in self.assignments)
+
+    def items(self) -> tuple[tuple[str, Candidate], ...]:
+        """(model-stage, candidate) pairs in workflow order."""
+        return self.assignments
+
+    def as_dict(self) -> dict[str, Candidate]:
+        """A plain dict copy."""
+        return dict(self.assignments)
+
+    def replace(self, model_stage: str, candidate: Candidate) -> Plan:
+        """A copy with one model-stage's candidate replaced."""
+        return Plan(tuple((n, candidate if n == model_stage else c) for n, c in self.assignments))

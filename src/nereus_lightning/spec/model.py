@@ -1,0 +1,173 @@
+"""`ModelSpec`: the architecture numbers the cost model and the sharding rules need."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, replace
+from typing import Any
+
+from nereus_lightning.spec.errors import NereusConfigError, require, unknown_preset
+
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer (Llama / Qwen / Mistral family) described by its config numbers."""
+
+    name: str
+    num_layers: int
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    vocab: int
+    intermediate: int
+    head_dim: int = 0  # 0: hidden // num_heads
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    dtype: str = "bfloat16"
+    max_position: int = 131072
+
+    def __post_init__(self) -> None:
+        for field in ("num_layers", "hidden", "num_heads", "num_kv_heads", "vocab", "intermediate"):
+            require(getattr(self, field) > 0, f"model.{field}", f"must be positive, got {getattr(self, field)}")
+        require(self.head_dim >= 0, "model.head_dim", f"must be >= 0, got {self.head_dim}")
+        require(
+            self.num_heads % self.num_kv_heads == 0,
+            "model.num_kv_heads",
+            f"{self.num_kv_heads} does not divide num_heads={self.num_heads}",
+        )
+        require(self.dtype in DTYPE_BYTES, "model.dtype", f"{self.dtype!r} not in {sorted(DTYPE_BYTES)}")
+        if self.head_dim == 0:
+            require(
+                self.hidden % self.num_heads == 0,
+                "model.hidden",
+                f"{self.hidden} is not divisible by num_heads={self.num_heads}; set head_dim",
+            )
+            object.__setattr__(self, "head_dim", self.hidden // self.num_heads)
+
+    @property
+    def dtype_bytes(self) -> int:
+        """Bytes per parameter element in the training/inference dtype."""
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the query projection output."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of one of the key / value projection outputs."""
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one transformer block (attention, MLP, two norms, optional biases and qk-norms)."""
+        attn = self.hidden * (self.q_dim + 2 * self.kv_dim) + self.q_dim * self.hidden
+        if self.qkv_bias:
+            attn += self.q_dim + 2 * self.kv_dim
+        if self.qk_norm:
+            attn += 2 * self.head_dim
+        mlp = 3 * self.hidden * self.intermediate
+        return attn + mlp + 2 * self.hidden
+
+    @property
+    def embedding_params(self) -> int:
+        """Input embedding parameters (the LM head counts separately unless tied)."""
+        return self.vocab * self.hidden
+
+    @property
+    def lm_head_params(self) -> int:
+        """LM head parameters; zero when tied to the embedding."""
+        return 0 if self.tie_embeddings else self.vocab * self.hidden
+
+    @property
+    def num_params(self) -> int:
+        """Total parameter count."""
+        return self.num_layers * self.layer_params + self.embedding_params + self.lm_head_params + self.hidden
+
+    def kv_bytes_per_token(self) -> int:
+        """KV-cache bytes for one token across all layers (K and V)."""
+        return 2 * self.num_layers * self.kv_dim * self.dtype_bytes
+
+    def validate_tp(self, tp: int) -> None:
+        """Reject a TP degree that would split an attention head or KV head."""
+        require(tp >= 1, "layout.tp", f"must be >= 1, got {tp}")
+        require(self.num_heads % tp == 0, "layout.tp", f"tp={tp} does not divide num_heads={self.num_heads} of {self.name}")
+        require(
+            self.num_kv_heads % tp == 0,
+            "layout.tp",
+            f"tp={tp} does not divide num_kv_heads={self.num_kv_heads} of {self.name}",
+        )
+
+    def validate_pp(self, pp: int) -> None:
+        """Reject a PP degree larger than the number of layers."""
+        require(pp >= 1, "layout.pp", f"must be >= 1, got {pp}")
+        require(pp <= self.num_layers, "layout.pp", f"pp={pp} exceeds num_layers={self.num_layers} of {self.name}")
+
+    def with_name(self, name: str) -> ModelSpec:
+        """A copy under another name."""
+        return replace(self, name=name)
+
+    @classmethod
+    def from_hf_config(cls, config: Any, name: str | None = None) -> ModelSpec:
+        """Build from a transformers config object, a dict, or a path to a ``config.json`` (or its folder)."""
+        if isinstance(config, (str, os.PathLike)):
+            path = os.fspath(config)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            if not os.path.isfile(path):
+                raise NereusConfigError(f"model.config: no config.json at {path!r}")
+            with open(path) as f:
+                config = json.load(f)
+        if not isinstance(config, dict):
+            config = config.to_dict()
+        try:
+            heads = int(config["num_attention_heads"])
+            hidden = int(config["hidden_size"])
+            spec = cls(
+                name=name or str(config.get("_name_or_path") or config.get("model_type", "model")),
+                num_layers=int(config["num_hidden_layers"]),
+                hidden=hidden,
+                num_heads=heads,
+                num_kv_heads=int(config.get("num_key_value_heads") or heads),
+                vocab=int(config["vocab_size"]),
+                intermediate=int(config["intermediate_size"]),
+                head_dim=int(config.get("head_dim") or hidden // heads),
+                tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+                qkv_bias=bool(config.get("attention_bias", False)) or config.get("model_type") == "qwen2",
+                qk_norm=config.get("model_type") in ("qwen3", "qwen3_moe"),
+                dtype=_dtype_name(config.get("torch_dtype") or config.get("dtype") or "bfloat16"),
+                max_position=int(config.get("max_position_embeddings", 131072)),
+            )
+        except KeyError as exc:
+            raise NereusConfigError(f"model.config: missing key {exc.args[0]!r} in the transformers config") from exc
+        return spec
+
+
+def _dtype_name(value: Any) -> str:
+    text = str(value).replace("torch.", "")
+    return text if text in DTYPE_BYTES else "bfloat16"
+
+
+# Published architecture numbers (the models' config.json files).
+MODEL_PRESETS: dict[str, ModelSpec] = {
+    "llama3_8b": ModelSpec("Llama-3.1-8B", 32, 4096, 32, 8, 128256, 14336, max_position=131072),
+    "llama3_70b": ModelSpec("Llama-3.3-70B", 80, 8192, 64, 8, 128256, 28672, max_position=131072),
+    "qwen3_14b": ModelSpec("Qwen3-14B", 40, 5120, 40, 8, 151936, 17408, head_dim=128, qk_norm=True, max_position=40960),
+    "qwen3_32b": ModelSpec("Qwen3-32B", 64, 5120, 64, 8, 151936, 25600, head_dim=128, qk_norm=True, max_position=40960),
+    # Tiny models for tests and the embedded default (random weights, built from configs).
+    "tiny_llama": ModelSpec("tiny-llama", 4, 64, 4, 4, 256, 128, dtype="float32", max_position=512),
+    "tiny_gqa": ModelSpec("tiny-gqa-tied", 4, 64, 8, 4, 256, 160, tie_embeddings=True, dtype="float32", max_position=512),
+    "tiny_qwen2": ModelSpec("tiny-qwen2", 4, 64, 4, 2, 256, 128, qkv_bias=True, dtype="float32", max_position=512),
+}
+
+
+def model_preset(name: str) -> ModelSpec:
+    """The preset called ``name``; unknown names list the known ones."""
+    if name not in MODEL_PRESETS:
+        raise unknown_preset("model", name, list(MODEL_PRESETS))
+    return MODEL_PRESETS[name]
