@@ -1,5 +1,36 @@
-"""How a transformers causal LM is cut into TP shards and PP stages."""
+"""How a transformers causal LM is cut into TP shards and PP stages, and how the shards compute."""
 
+from nereus_lightning.models.groups import ReplicaComm, group_for, replica_groups
+from nereus_lightning.models.pipeline import (
+    MicroBatch,
+    forward_logits,
+    pipeline_forward,
+    split_micro_batches,
+    token_logprobs,
+    train_step,
+)
+from nereus_lightning.models.sharded import ShardedCausalLM, local_config, shard_state, validate_layout
 from nereus_lightning.models.sharding import Placement, layer_range, placement, pp_stages, shard_shape, tp_plan_of, tp_slices
 
-__all__ = ["Placement", "layer_range", "placement", "pp_stages", "shard_shape", "tp_plan_of", "tp_slices"]
+__all__ = [
+    "MicroBatch",
+    "Placement",
+    "ReplicaComm",
+    "ShardedCausalLM",
+    "forward_logits",
+    "group_for",
+    "layer_range",
+    "local_config",
+    "pipeline_forward",
+    "placement",
+    "pp_stages",
+    "replica_groups",
+    "shard_shape",
+    "shard_state",
+    "split_micro_batches",
+    "token_logprobs",
+    "tp_plan_of",
+    "tp_slices",
+    "train_step",
+    "validate_layout",
+]

@@ -1,0 +1,168 @@
+"""Process groups of sharded replicas, created deterministically and cached by rank tuple.
+
+``torch.distributed.new_group`` is collective over the whole world: every rank must call it for
+every group, in the same order, even ranks that are not members. :func:`group_for` therefore
+must be called by ALL ranks with the same arguments in the same order (on a cache miss it
+creates the group; on a hit it returns the cached one without communicating).
+:func:`replica_groups` creates every group a set of replicas needs in one fixed order, so calling
+it on all ranks first makes later :func:`group_for` / :meth:`ReplicaComm.of` calls pure lookups.
+
+A replica's ranks are given in ``Candidate`` order: pp-major then tp, i.e. replica rank index
+``pp_rank * tp + tp_rank``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from nereus_lightning.plan.layout import Layout
+from nereus_lightning.spec.errors import require
+
+_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def group_for(ranks: Sequence[int]) -> dist.ProcessGroup:
+    """The process group of ``ranks`` (any order; cached by the sorted tuple).
+
+    Collective over the world on a cache miss: all ranks must call it in the same order.
+    """
+    key = tuple(sorted(ranks))
+    require(len(key) > 0 and len(set(key)) == len(key), "ranks", f"need distinct ranks, got {tuple(ranks)}")
+    group = _GROUPS.get(key)
+    if group is None:
+        group = dist.new_group(list(key))
+        _GROUPS[key] = group
+    return group
+
+
+def cached_groups() -> tuple[tuple[int, ...], ...]:
+    """The rank tuples whose groups exist on this rank (creation order)."""
+    return tuple(_GROUPS)
+
+
+def tp_ranks(replica: Sequence[int], layout: Layout, pp_rank: int) -> tuple[int, ...]:
+    """Global ranks of the TP group of stage ``pp_rank`` (in tp-rank order)."""
+    return tuple(replica[pp_rank * layout.tp : (pp_rank + 1) * layout.tp])
+
+
+def tied_ranks(replica: Sequence[int], layout: Layout, tp_rank: int) -> tuple[int, int]:
+    """The first- and last-stage ranks at ``tp_rank`` that both hold a tied embedding shard."""
+    return replica[tp_rank], replica[(layout.pp - 1) * layout.tp + tp_rank]
+
+
+def dp_ranks(replicas: Sequence[Sequence[int]], index: int) -> tuple[int, ...]:
+    """Global ranks at replica position ``index`` across ``replicas`` (one DP group)."""
+    return tuple(r[index] for r in replicas)
+
+
+def replica_groups(replicas: Sequence[Sequence[int]], layout: Layout, tied: bool = False) -> None:
+    """Create (collectively, on ALL ranks, same order) every group ``replicas`` of ``layout`` use.
+
+    Per replica: the TP group of each stage, the tied-embedding pairs (pp > 1 and ``tied``) and
+    the whole-replica group; then one DP group per replica position when there are several replicas.
+    """
+    for replica in replicas:
+        require(
+            len(replica) == layout.size, "replica", f"{len(replica)} ranks given for {layout} ({layout.size} needed)"
+        )
+        for pp_rank in range(layout.pp):
+            group_for(tp_ranks(replica, layout, pp_rank))
+        if tied and layout.pp > 1:
+            for tp_rank in range(layout.tp):
+                group_for(tied_ranks(replica, layout, tp_rank))
+        group_for(tuple(replica))
+    if len(replicas) > 1:
+        for index in range(layout.size):
+            group_for(dp_ranks(replicas, index))
+
+
+@dataclass(frozen=True)
+class ReplicaComm:
+    """What one rank of a replica needs to communicate: its position, groups and pipeline peers."""
+
+    layout: Layout
+    ranks: tuple[int, ...]  # the replica's global ranks, pp-major then tp
+    rank: int  # this global rank
+    tp_group: dist.ProcessGroup
+    replica_group: dist.ProcessGroup
+    tied_group: dist.ProcessGroup | None  # first/last stage pair at this tp rank (tied, pp > 1)
+    dp_group: dist.ProcessGroup | None  # same position in every replica of the model-stage
+
+    @classmethod
+    def of(
+        cls,
+        ranks: Sequence[int],
+        layout: Layout,
+        rank: int | None = None,
+        tied: bool = False,
+        dp_ranks: Sequence[int] | None = None,
+    ) -> ReplicaComm:
+        """This rank's view of replica ``ranks``; groups come from :func:`group_for` (create them first)."""
+        ranks = tuple(ranks)
+        rank = dist.get_rank() if rank is None else rank
+        require(len(ranks) == layout.size, "replica", f"{len(ranks)} ranks given for {layout} ({layout.size} needed)")
+        require(rank in ranks, "rank", f"rank {rank} is not in replica {ranks}")
+        index = ranks.index(rank)
+        pp_rank, tp_rank = divmod(index, layout.tp)
+        tied_group = group_for(tied_ranks(ranks, layout, tp_rank)) if tied and layout.pp > 1 else None
+        dp_group = None
+        if dp_ranks is not None and len(dp_ranks) > 1:
+            require(rank in dp_ranks, "dp_ranks", f"rank {rank} is not in DP group {tuple(dp_ranks)}")
+            dp_group = group_for(dp_ranks)
+        return cls(
+            layout=layout,
+            ranks=ranks,
+            rank=rank,
+            tp_group=group_for(tp_ranks(ranks, layout, pp_rank)),
+            replica_group=group_for(ranks),
+            tied_group=tied_group,
+            dp_group=dp_group,
+        )
+
+    @property
+    def index(self) -> int:
+        """This rank's index in the replica (``pp_rank * tp + tp_rank``)."""
+        return self.ranks.index(self.rank)
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline stage."""
+        return self.index // self.layout.tp
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's tensor-parallel rank."""
+        return self.index % self.layout.tp
+
+    @property
+    def tp_ranks(self) -> tuple[int, ...]:
+        """Global ranks of this rank's TP group, in tp-rank order."""
+        return tp_ranks(self.ranks, self.layout, self.pp_rank)
+
+    @property
+    def is_first_stage(self) -> bool:
+        """Whether this rank holds the embedding."""
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Whether this rank holds the final norm and LM head."""
+        return self.pp_rank == self.layout.pp - 1
+
+    @property
+    def prev_rank(self) -> int | None:
+        """The rank of the previous stage at this tp rank (None on the first stage)."""
+        return None if self.is_first_stage else self.ranks[self.index - self.layout.tp]
+
+    @property
+    def next_rank(self) -> int | None:
+        """The rank of the next stage at this tp rank (None on the last stage)."""
+        return None if self.is_last_stage else self.ranks[self.index + self.layout.tp]
+
+    @property
+    def last_stage_rank(self) -> int:
+        """The rank of the last stage at this tp rank."""
+        return self.ranks[(self.layout.pp - 1) * self.layout.tp + self.tp_rank]

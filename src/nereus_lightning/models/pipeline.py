@@ -1,0 +1,221 @@
+"""Micro-batched pipeline schedules over a :class:`ShardedCausalLM`: scoring and one training step.
+
+The schedule is GPipe: every stage runs all micro-batch forwards (receiving from the previous
+stage, sending to the next), then all backwards in reverse order (receiving the output gradient
+from the next stage, ``torch.autograd.backward`` on it, sending the input gradient back).
+Activations flow between the stage ranks at the same TP rank with blocking point-to-point
+send / recv, which cannot deadlock because data moves one way per phase. Every rank of a replica
+must call these functions with the same micro-batches (the token ids are needed everywhere for
+shapes and masks; only the first stage embeds them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from nereus_lightning.models.sharded import ShardedCausalLM, _all_reduce_flat
+from nereus_lightning.models.tp_ops import vocab_parallel_logprobs
+from nereus_lightning.spec.errors import require
+
+Where = Literal["all", "first", "last"]
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch: token ids ``[B, S]``, optional padding mask / positions, and loss inputs."""
+
+    input_ids: Tensor
+    attention_mask: Tensor | None = None
+    position_ids: Tensor | None = None
+    extras: dict[str, Tensor] = field(default_factory=dict)
+
+
+def split_micro_batches(
+    input_ids: Tensor,
+    num: int,
+    attention_mask: Tensor | None = None,
+    position_ids: Tensor | None = None,
+    **extras: Tensor,
+) -> list[MicroBatch]:
+    """Cut a batch (and every per-sample tensor with it) into ``num`` equal micro-batches along dim 0."""
+    batch = input_ids.shape[0]
+    require(num >= 1 and batch % num == 0, "micro_batches", f"{num} does not divide the batch size {batch}")
+
+    def cut(t: Tensor | None, i: int) -> Tensor | None:
+        return None if t is None else t.chunk(num)[i]
+
+    return [
+        MicroBatch(
+            input_ids.chunk(num)[i],
+            cut(attention_mask, i),
+            cut(position_ids, i),
+            {k: v.chunk(num)[i] for k, v in extras.items()},
+        )
+        for i in range(num)
+    ]
+
+
+def _as_micro_batches(batch: Tensor | MicroBatch | Sequence[MicroBatch]) -> list[MicroBatch]:
+    if isinstance(batch, Tensor):
+        return [MicroBatch(batch)]
+    if isinstance(batch, MicroBatch):
+        return [batch]
+    return list(batch)
+
+
+def _hidden_buffer(model: ShardedCausalLM, mb: MicroBatch) -> Tensor:
+    weight = next(model.parameters())
+    b, s = mb.input_ids.shape
+    return torch.empty(b, s, model.config.hidden_size, dtype=weight.dtype, device=weight.device)
+
+
+def _recv(buffer: Tensor, src: int) -> Tensor:
+    dist.recv(buffer, src=src)
+    return buffer
+
+
+def _send(t: Tensor, dst: int) -> None:
+    dist.send(t.detach().contiguous(), dst=dst)
+
+
+def pipeline_forward(
+    model: ShardedCausalLM, micro_batches: Sequence[MicroBatch], head: Callable[[Tensor, MicroBatch], Tensor]
+) -> list[Tensor] | None:
+    """Forward every micro-batch through the pipeline (no autograd); ``head(local_logits, mb)`` on the last stage.
+
+    Returns the list of head outputs on last-stage ranks and None elsewhere.
+    """
+    comm = model.comm
+    outs: list[Tensor] = []
+    with torch.no_grad():
+        for mb in micro_batches:
+            hidden = None if comm.is_first_stage else _recv(_hidden_buffer(model, mb), comm.prev_rank)  # type: ignore[arg-type]
+            out = model(mb.input_ids, hidden, mb.attention_mask, mb.position_ids)
+            if comm.is_last_stage:
+                outs.append(head(out, mb))
+            else:
+                _send(out, comm.next_rank)  # type: ignore[arg-type]
+    return outs if comm.is_last_stage else None
+
+
+def _deliver(model: ShardedCausalLM, value: Tensor | None, like: Tensor, where: Where) -> Tensor | None:
+    """Move a last-stage result (shape/dtype of ``like``) to ``where``: every replica rank, its first, or stay."""
+    comm = model.comm
+    source = comm.ranks[(comm.layout.pp - 1) * comm.layout.tp]
+    if where == "last":
+        return value if comm.is_last_stage else None
+    if where == "first":
+        first = comm.ranks[0]
+        if source != first:
+            if comm.rank == source:
+                _send(value, first)  # type: ignore[arg-type]
+            elif comm.rank == first:
+                value = _recv(torch.empty_like(like), source)
+        return value if comm.rank == first else None
+    buffer = value.contiguous() if comm.rank == source else torch.empty_like(like)  # type: ignore[union-attr]
+    if comm.layout.size > 1:
+        dist.broadcast(buffer, src=source, group=comm.replica_group)
+    return buffer
+
+
+def _like(model: ShardedCausalLM, micro_batches: Sequence[MicroBatch], last_dim: int | None, shift: int, dtype: torch.dtype) -> Tensor:
+    weight = next(model.parameters())
+    b = sum(mb.input_ids.shape[0] for mb in micro_batches)
+    s = micro_batches[0].input_ids.shape[1] - shift
+    shape = (b, s) if last_dim is None else (b, s, last_dim)
+    return torch.empty(shape, dtype=dtype, device=weight.device)
+
+
+def forward_logits(
+    model: ShardedCausalLM, batch: Tensor | MicroBatch | Sequence[MicroBatch], where: Where = "all"
+) -> Tensor | None:
+    """Full-vocabulary logits ``[B, S, V]`` of the replica, concatenated over micro-batches.
+
+    ``where``: "all" (every rank of the replica), "first" (the replica's first rank) or "last"
+    (last-stage ranks); other ranks get None.
+    """
+    mbs = _as_micro_batches(batch)
+    outs = pipeline_forward(model, mbs, lambda local, mb: model.full_logits(local))
+    value = None if outs is None else torch.cat(outs)
+    like = _like(model, mbs, model.config.vocab_size, 0, next(model.parameters()).dtype)
+    return _deliver(model, value, like, where)
+
+
+def _logprobs_of(model: ShardedCausalLM, local_logits: Tensor, input_ids: Tensor) -> Tensor:
+    group = model.comm.tp_group if model.comm.layout.tp > 1 else None
+    return vocab_parallel_logprobs(local_logits[:, :-1], input_ids[:, 1:], model.vocab_start, group)
+
+
+def token_logprobs(
+    model: ShardedCausalLM, batch: Tensor | MicroBatch | Sequence[MicroBatch], where: Where = "all"
+) -> Tensor | None:
+    """``log p(input_ids[:, t+1] | input_ids[:, :t+1])`` as float32 ``[B, S-1]``, without gathering logits."""
+    mbs = _as_micro_batches(batch)
+    outs = pipeline_forward(model, mbs, lambda local, mb: _logprobs_of(model, local, mb.input_ids))
+    value = None if outs is None else torch.cat(outs)
+    return _deliver(model, value, _like(model, mbs, None, 1, torch.float32), where)
+
+
+LossFn = Callable[[Tensor, MicroBatch], Tensor]
+
+
+def train_step(
+    model: ShardedCausalLM,
+    micro_batches: Sequence[MicroBatch],
+    loss_fn: LossFn,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> Tensor:
+    """One optimisation step of a replica: forward + backward of every micro-batch, then gradient sync.
+
+    ``loss_fn(logprobs, mb)`` maps the float32 ``[b, S-1]`` token log-probs of a micro-batch to a
+    scalar; the objective is the mean over micro-batches. Gradients are summed over TP where
+    needed, over tied-embedding copies, and averaged over ``model.comm.dp_group`` (so the objective
+    is also the mean over replicas). Then ``optimizer.step()`` when given (grads are left in
+    ``.grad`` either way). Returns this replica's mean loss (float32 scalar) on every replica rank.
+    """
+    comm = model.comm
+    mbs = list(micro_batches)
+    require(len(mbs) >= 1, "micro_batches", "need at least one micro-batch")
+    params = list(model.parameters())
+    for p in params:
+        p.grad = None
+    model.train(False)
+    saved: list[tuple[Tensor | None, Tensor]] = []
+    total = torch.zeros((), dtype=torch.float32, device=params[0].device)
+    for mb in mbs:
+        inp = None
+        if not comm.is_first_stage:
+            inp = _recv(_hidden_buffer(model, mb), comm.prev_rank).requires_grad_()  # type: ignore[arg-type]
+        out = model(mb.input_ids, inp, mb.attention_mask, mb.position_ids)
+        if comm.is_last_stage:
+            out = loss_fn(_logprobs_of(model, out, mb.input_ids), mb) / len(mbs)
+            total += out.detach().float()
+        else:
+            _send(out, comm.next_rank)  # type: ignore[arg-type]
+        saved.append((inp, out))
+    for mb, (inp, out) in reversed(list(zip(mbs, saved, strict=True))):
+        if comm.is_last_stage:
+            torch.autograd.backward(out)
+        else:
+            grad = _recv(torch.empty_like(out), comm.next_rank)  # type: ignore[arg-type]
+            torch.autograd.backward(out, grad)
+        if inp is not None:
+            _send(inp.grad, comm.prev_rank)  # type: ignore[arg-type]
+    saved.clear()
+    model.sync_grads()
+    if comm.dp_group is not None:
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        _all_reduce_flat([p.grad for p in params], comm.dp_group, average=True)  # type: ignore[misc]
+    if optimizer is not None:
+        optimizer.step()
+    loss = _deliver(model, total if comm.is_last_stage else None, total, "all")
+    assert loss is not None
+    return loss

@@ -1,0 +1,132 @@
+"""Tensor-parallel collectives as autograd functions (Megatron-style), device-agnostic.
+
+- :func:`copy_to_tp`: identity forward, all-reduce backward (before a column-parallel matmul).
+- :func:`reduce_from_tp`: all-reduce forward, identity backward (after a row-parallel matmul).
+- :func:`gather_from_tp`: all-gather along the last dim forward, keep own slice backward.
+- :func:`vocab_parallel_logprobs`: log p(target) from vocabulary-sharded logits without gathering them.
+
+Every function is a no-op when the group has one rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def _size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _all_reduce(x: Tensor, group: dist.ProcessGroup, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Tensor:
+    x = x.contiguous()
+    dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:  # type: ignore[override]
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        return _all_reduce(grad.clone(), ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:  # type: ignore[override]
+        return _all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        return grad, None
+
+
+def _gather_last(x: Tensor, group: dist.ProcessGroup, order: Sequence[int]) -> Tensor:
+    parts = [torch.empty_like(x) for _ in range(_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    # all_gather lists group ranks (sorted global ranks); reorder to tp-rank order.
+    return torch.cat([parts[i] for i in order], dim=-1)
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup, order: tuple[int, ...], tp_rank: int) -> Tensor:  # type: ignore[override]
+        ctx.width, ctx.tp_rank = x.shape[-1], tp_rank
+        return _gather_last(x, group, order)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
+        start = ctx.tp_rank * ctx.width
+        return grad[..., start : start + ctx.width].contiguous(), None, None, None
+
+
+def copy_to_tp(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """Identity forward, sum of gradients over ``group`` backward."""
+    return x if _size(group) == 1 else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """Sum over ``group`` forward, identity backward."""
+    return x if _size(group) == 1 else _ReduceFromTP.apply(x, group)
+
+
+def group_order(group: dist.ProcessGroup, ranks: Sequence[int]) -> tuple[int, ...]:
+    """For global ``ranks`` in tp order, their indices in ``group`` (whose ranks are sorted)."""
+    return tuple(dist.get_group_rank(group, r) for r in ranks)
+
+
+def gather_from_tp(x: Tensor, group: dist.ProcessGroup | None, ranks: Sequence[int], tp_rank: int) -> Tensor:
+    """Concatenate the last dim of ``x`` over ``group`` in the tp order of ``ranks``; backward keeps own slice."""
+    if _size(group) == 1:
+        return x
+    assert group is not None
+    return _GatherFromTP.apply(x, group, group_order(group, ranks), tp_rank)
+
+
+class _VocabParallelLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor, vocab_start: int, group: dist.ProcessGroup | None) -> Tensor:  # type: ignore[override]
+        logits = logits.float()
+        # Max is only for stability; no gradient flows through it.
+        shift = logits.max(dim=-1, keepdim=True).values
+        if _size(group) > 1:
+            shift = _all_reduce(shift, group, dist.ReduceOp.MAX)
+        shifted = logits - shift
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1, keepdim=True)
+        local = targets - vocab_start
+        inside = (local >= 0) & (local < logits.shape[-1])
+        local = local.clamp(0, logits.shape[-1] - 1)
+        target_logit = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1) * inside
+        if _size(group) > 1:
+            both = torch.cat([sum_exp.squeeze(-1).unsqueeze(0), target_logit.unsqueeze(0)])
+            both = _all_reduce(both, group)
+            sum_exp, target_logit = both[0].unsqueeze(-1), both[1]
+        ctx.save_for_backward(exp, sum_exp, local, inside)
+        return target_logit - sum_exp.squeeze(-1).log()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
+        exp, sum_exp, local, inside = ctx.saved_tensors
+        # d logp / d logit_v = 1[v == target] - softmax_v; each rank handles its vocabulary slice.
+        g = -(exp / sum_exp) * grad.unsqueeze(-1)
+        g.scatter_add_(-1, local.unsqueeze(-1), (grad * inside).unsqueeze(-1))
+        return g, None, None, None
+
+
+def vocab_parallel_logprobs(
+    logits: Tensor, targets: Tensor, vocab_start: int, group: dist.ProcessGroup | None
+) -> Tensor:
+    """log softmax(full logits)[target] from this rank's vocabulary slice ``[vocab_start, +width)``.
+
+    ``logits``: ``[..., V/tp]`` local slice; ``targets``: ``[...]`` global token ids. Returns float32
+    ``[...]``, identical on every rank of ``group``; differentiable w.r.t. the local logits.
+    """
+    return _VocabParallelLogprobs.apply(logits, targets, vocab_start, group)
