@@ -1,1 +1,51 @@
-"""control."""
+"""The controller: monitor signals, resource providers, triggers, admission and the decision log (pure Python)."""
+
+from nereus_lightning.control.backend import PlannerBackend, PlanningBackend
+from nereus_lightning.control.controller import Controller, ControllerConfig
+from nereus_lightning.control.decision import Decision, DecisionLog, describe_plan, plan_to_json
+from nereus_lightning.control.resources import (
+    DeviceInventoryError,
+    NvmlResources,
+    ResourceProvider,
+    SchedulerFileResources,
+    SequenceResources,
+    StaticResources,
+    TraceResources,
+    load_spot_trace,
+    scale_count,
+)
+from nereus_lightning.control.signals import StepSignals, as_pool
+from nereus_lightning.control.state import plan_from_state, plan_to_state
+from nereus_lightning.control.triggers import CrossingClock, DriftTrigger, PoolTrigger, Trigger, smallest_horizon
+from nereus_lightning.control.variants import follow_pool, relief_variants
+
+__all__ = [
+    "Controller",
+    "ControllerConfig",
+    "CrossingClock",
+    "Decision",
+    "DecisionLog",
+    "DeviceInventoryError",
+    "DriftTrigger",
+    "NvmlResources",
+    "PlannerBackend",
+    "PlanningBackend",
+    "PoolTrigger",
+    "ResourceProvider",
+    "SchedulerFileResources",
+    "SequenceResources",
+    "StaticResources",
+    "StepSignals",
+    "TraceResources",
+    "Trigger",
+    "as_pool",
+    "describe_plan",
+    "follow_pool",
+    "load_spot_trace",
+    "plan_from_state",
+    "plan_to_json",
+    "plan_to_state",
+    "relief_variants",
+    "scale_count",
+    "smallest_horizon",
+]

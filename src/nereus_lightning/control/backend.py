@@ -1,0 +1,73 @@
+"""What the controller needs from the planner and the transition DAG, as a small protocol.
+
+`PlannerBackend` is the real implementation (plan/planner.py and transition/); tests may pass any
+object with the same three methods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from nereus_lightning.plan.layout import Plan
+from nereus_lightning.spec.cluster import ClusterSpec
+from nereus_lightning.spec.workload import Workload
+
+
+class Estimate(Protocol):
+    """The parts of a plan estimate the controller reads."""
+
+    step_latency: float
+    feasible: bool
+
+
+class PlanningBackend(Protocol):
+    """Planner, cost model and transition cost, as the controller calls them."""
+
+    def plan(self, cluster: ClusterSpec, workload: Workload, calibration: Any) -> list[tuple[Plan, Estimate]]:
+        """The best plan and its next-best alternatives, fastest first (raises InfeasiblePlanError)."""
+        ...
+
+    def estimate(self, plan: Plan, cluster: ClusterSpec, workload: Workload, calibration: Any) -> Estimate:
+        """Predicted step latency and memory feasibility of ``plan``."""
+        ...
+
+    def transition_cost(self, current: Plan, target: Plan, cluster: ClusterSpec, workload: Workload) -> float:
+        """L_tran in seconds (raises InfeasiblePlanError when no safe DAG exists)."""
+        ...
+
+
+class PlannerBackend:
+    """The real planner (``plan.planner``) and transition DAG (``transition``) for fixed models."""
+
+    def __init__(self, models: Mapping[str, Any], alternatives: int = 4) -> None:
+        self.models = models
+        self.alternatives = alternatives
+
+    @classmethod
+    def for_models(cls, actor: Any, critic: Any = None, reference: Any = None, reward: Any = None, **kwargs: Any) -> PlannerBackend:
+        """Build the per-role model map with the planner's ``job_models``."""
+        from nereus_lightning.plan.planner import job_models
+
+        return cls(job_models(actor, critic=critic, reference=reference, reward=reward), **kwargs)
+
+    def plan(self, cluster: ClusterSpec, workload: Workload, calibration: Any) -> list[tuple[Plan, Estimate]]:
+        """``plan_job`` best plan first, then its alternatives, sorted by predicted latency."""
+        from nereus_lightning.plan.planner import plan_job
+
+        result = plan_job(self.models, cluster, workload, calibration=calibration, alternatives=self.alternatives)
+        options = [(result.plan, result.estimate), *result.alternatives]
+        return sorted(options, key=lambda pe: pe[1].step_latency)
+
+    def estimate(self, plan: Plan, cluster: ClusterSpec, workload: Workload, calibration: Any) -> Estimate:
+        """``estimate_plan`` of the cost model."""
+        from nereus_lightning.plan.planner import estimate_plan
+
+        return estimate_plan(plan, self.models, cluster, workload, calibration=calibration)
+
+    def transition_cost(self, current: Plan, target: Plan, cluster: ClusterSpec, workload: Workload) -> float:
+        """The critical path of the global transition DAG from ``current`` to ``target``."""
+        from nereus_lightning.transition import build_transition, transition_cost
+
+        dag = build_transition(current, target, self.models, cluster, workload)
+        return float(transition_cost(dag, cluster))

@@ -1,0 +1,400 @@
+"""`Controller`: triggers, admission (feasibility + payback), urgent path and calibration loop.
+
+One instance runs on the head rank. Feed it the monitor's `StepSignals` at every safe boundary
+(`step`); it answers with a `Decision` that the body acts on. The rules follow section 4 of the
+paper (see /work/shared/reference/nereus-rules.md):
+
+* triggers: a pool change, a predicted or measured memory violation, or a drifting signal that
+  moved more than ``delta`` (relative) from its reference; references reset after every replan;
+* admission: the target must be feasible (the cost model's memory check with its headroom, and a
+  safe transition DAG); then it must pay back: ``dL > 0 and L_tran / dL <= gamma * H_x`` with
+  H_x the smallest horizon of the firing triggers; if the best target fails, slower candidates
+  with cheaper transitions are tried before the current plan is kept;
+* urgent path (revocation, memory pressure that breaks the current plan): profitability is
+  waived, smaller micro-batches and recomputation are considered, and checkpoint/restart is the
+  last resort.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from nereus_lightning.control.backend import Estimate, PlanningBackend
+from nereus_lightning.control.decision import Decision, DecisionLog, describe_plan
+from nereus_lightning.control.signals import DRIFT_SIGNALS, StepSignals
+from nereus_lightning.control.state import plan_from_state, plan_to_state
+from nereus_lightning.control.triggers import CrossingClock, DriftTrigger, PoolTrigger, Trigger, smallest_horizon
+from nereus_lightning.control.variants import follow_pool, relief_variants
+from nereus_lightning.plan.layout import Plan
+from nereus_lightning.spec.cluster import ClusterSpec
+from nereus_lightning.spec.errors import InfeasiblePlanError, require
+from nereus_lightning.spec.workload import Workload
+
+ADMISSION_RULES = ("payback", "any_gain")
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    """Knobs of the controller; the defaults are the paper's.
+
+    ``admission="any_gain"`` admits every dL > 0 (the DynaRL-style baseline); ``replan_every=k``
+    adds a replan every k steps, and with ``drift_triggers=False`` only that schedule (plus the
+    urgent triggers) starts replans (the every-k-steps baseline).
+    """
+
+    gamma: float = 0.5
+    delta_len: float = 0.3
+    drift_signals: tuple[str, ...] = ("response_len", "response_len_p95", "prompt_len")
+    ema_alpha: float = 0.5
+    admission: str = "payback"
+    replan_every: int = 0
+    drift_triggers: bool = True
+    pool_triggers: bool = True
+    try_follow_pool: bool = True
+    transition_alpha: float = 0.5
+    memory_check_tolerance: float = 0.01
+
+    def __post_init__(self) -> None:
+        require(self.gamma >= 0, "controller.gamma", f"must be >= 0, got {self.gamma}")
+        require(self.delta_len > 0, "controller.delta_len", f"must be positive, got {self.delta_len}")
+        require(self.admission in ADMISSION_RULES, "controller.admission", f"{self.admission!r} not in {ADMISSION_RULES}")
+        require(self.replan_every >= 0, "controller.replan_every", f"must be >= 0, got {self.replan_every}")
+        for name in self.drift_signals:
+            require(name in DRIFT_SIGNALS, "controller.drift_signals", f"{name!r} is not one of {list(DRIFT_SIGNALS)}")
+        require(0 < self.transition_alpha <= 1, "controller.transition_alpha", f"must be in (0, 1], got {self.transition_alpha}")
+        object.__setattr__(self, "drift_signals", tuple(self.drift_signals))
+
+
+@dataclass
+class _Option:
+    plan: Plan
+    estimate: Estimate
+    source: str
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+class Controller:
+    """The adaptive-parallelism controller of one job (pure Python, one process)."""
+
+    def __init__(
+        self,
+        backend: PlanningBackend,
+        cluster: ClusterSpec,
+        workload: Workload,
+        config: ControllerConfig | None = None,
+        calibration: Any = None,
+        log: DecisionLog | str | None = None,
+        plan: Plan | None = None,
+    ) -> None:
+        self.backend = backend
+        self.cluster = cluster
+        self.workload = workload
+        self.config = config or ControllerConfig()
+        self.calibration = calibration
+        self.log = DecisionLog(log) if isinstance(log, str) else log
+        self.plan = plan
+        self.drift = {n: DriftTrigger(n, self.config.delta_len, self.config.ema_alpha) for n in self.config.drift_signals}
+        self.pool = PoolTrigger(self.config.ema_alpha)
+        self.memory_clock = CrossingClock(self.config.ema_alpha)
+        self.transition_scale = 1.0
+        self.last_replan_step: int | None = None
+        self.decisions = 0
+        self._pending_transition: float | None = None  # raw predicted L_tran of the last admitted transition
+        self._memory_key: tuple | None = None
+        self._memory_ok = True
+        self._estimate: Estimate | None = None
+
+    # ----------------------------------------------------------------------------- per step
+    def step(self, signals: StepSignals) -> Decision:
+        """Consume one step's signals; return what the body must do before the next step."""
+        self._calibrate(signals)
+        if self.plan is None:
+            decision = self._initial(signals)
+        else:
+            triggers = self._triggers(signals)
+            if not triggers:
+                return Decision(signals.step, "none")
+            decision = self._replan(signals, triggers)
+            self._reset_references(signals)
+        if decision.changes_plan:
+            self.plan = decision.target
+            self._memory_key = None
+            self._pending_transition = (
+                decision.transition_cost / self.transition_scale
+                if decision.kind == "transition" and decision.transition_cost
+                else None
+            )
+        if self.log is not None:
+            self.log.append(decision)
+        self.decisions += 1
+        return decision
+
+    def workload_at(self, signals: StepSignals) -> Workload:
+        """The job's workload with the measured lengths of ``signals``."""
+        return replace(
+            self.workload,
+            response_len=float(signals.response_len),
+            response_len_p95=float(signals.response_len_p95),
+            prompt_len=int(round(signals.prompt_len)),
+        )
+
+    def cluster_at(self, signals: StepSignals) -> ClusterSpec:
+        """The cluster restricted to the pool of ``signals``."""
+        return self.cluster.with_gpus(signals.num_gpus)
+
+    # ------------------------------------------------------------------------------ triggers
+    def _triggers(self, signals: StepSignals) -> list[Trigger]:
+        step = signals.step
+        triggers: list[Trigger] = []
+        assert self.plan is not None
+        used = frozenset(g for _, c in self.plan.items() for g in c.gpus)
+        pool_trigger = self.pool.check(step, signals.gpus, used)
+        if pool_trigger is not None and (pool_trigger.urgent or self.config.pool_triggers):
+            triggers.append(pool_trigger)
+        if self.config.drift_triggers:
+            for name, drift in self.drift.items():
+                fired = drift.check(step, signals.value(name))
+                if fired is not None:
+                    triggers.append(fired)
+        if not (used - set(signals.gpus)) and not self._current_fits(signals):
+            self.memory_clock.cross(step)
+            triggers.append(Trigger("memory", self.memory_clock.horizon, urgent=True, detail=self._memory_detail))
+        if self.last_replan_step is None:
+            self.last_replan_step = step  # a plan handed in counts as planned now
+        k = self.config.replan_every
+        if k and step - self.last_replan_step >= k:
+            triggers.append(Trigger("schedule", float(k), detail=f"every {k} steps"))
+        return triggers
+
+    def _current_fits(self, signals: StepSignals) -> bool:
+        """Predicted (cost model) and measured memory of the current plan within the cap."""
+        cap = self.cluster.gpu_memory
+        over = [r for r, b in signals.peak_memory.items() if b > cap]
+        if over:
+            self._memory_detail = f"measured peak memory above the {cap / 1e9:.0f} GB cap on ranks {over[:8]}"
+            return False
+        tol = self.config.memory_check_tolerance
+        key = (
+            signals.num_gpus,
+            _bucket(signals.response_len, tol),
+            _bucket(signals.response_len_p95, tol),
+            _bucket(signals.prompt_len + 1, tol),
+        )
+        if key != self._memory_key:
+            assert self.plan is not None
+            est = self.backend.estimate(self.plan, self.cluster_at(signals), self.workload_at(signals), self.calibration)
+            self._estimate = est
+            self._memory_ok = bool(est.feasible)
+            self._memory_key = key
+            self._memory_detail = "predicted peak memory exceeds the cap: " + "; ".join(
+                str(v) for v in getattr(est, "violations", ())
+            )
+        return self._memory_ok
+
+    def _reset_references(self, signals: StepSignals) -> None:
+        # Every replan, admitted or rejected, moves every reference to the current value.
+        for name, drift in self.drift.items():
+            drift.reset(signals.value(name))
+        self.pool.reset(signals.gpus)
+        self.last_replan_step = signals.step
+
+    # ------------------------------------------------------------------------------ planning
+    def _initial(self, signals: StepSignals) -> Decision:
+        cluster, workload = self.cluster_at(signals), self.workload_at(signals)
+        options = self.backend.plan(cluster, workload, self.calibration)  # raises InfeasiblePlanError
+        plan, est = options[0]
+        self._reset_references(signals)
+        return Decision(
+            signals.step, "initial", "first plan for this job", target=plan, target_latency=est.step_latency,
+            gamma=self.config.gamma, signals=signals,
+        )
+
+    def _replan(self, signals: StepSignals, triggers: list[Trigger]) -> Decision:
+        assert self.plan is not None
+        cfg = self.config
+        cluster, workload = self.cluster_at(signals), self.workload_at(signals)
+        horizon = smallest_horizon(triggers)
+        urgent = any(t.urgent for t in triggers)
+        pool = set(signals.gpus)
+        intact = _intact(self.plan, pool)
+        current_est = (
+            self.backend.estimate(self.plan, cluster, workload, self.calibration) if intact == self.plan else None
+        )
+        current_ok = current_est is not None and bool(current_est.feasible)
+        current_latency = current_est.step_latency if current_ok else None
+        reasons: list[str] = []
+        if not current_ok:
+            urgent = True
+            reasons.append("the current plan no longer fits" if current_est is not None else "GPUs of the current plan were lost")
+        options = self._options(cluster, workload, signals, urgent, reasons)
+        base = dict(
+            step=signals.step, triggers=tuple(triggers), current=self.plan, current_latency=current_latency,
+            horizon=horizon, gamma=cfg.gamma, urgent=urgent, signals=signals,
+        )
+        considered: list[dict[str, Any]] = []
+        for opt in options:
+            lat = opt.estimate.step_latency
+            d_l = math.inf if current_latency is None else current_latency - lat
+            if not urgent and d_l <= 0:
+                break  # sorted by latency: nothing further is faster than the current plan
+            entry = {"source": opt.source, "latency": round(lat, 6), "dL": None if math.isinf(d_l) else round(d_l, 6)}
+            considered.append(entry)
+            if intact is None:
+                entry["verdict"] = "no intact replica of some model-stage: a transition cannot start"
+                continue
+            try:
+                l_tran = self.backend.transition_cost(intact, opt.plan, cluster, workload) * self.transition_scale
+            except InfeasiblePlanError as exc:
+                entry["verdict"] = f"transition infeasible: {exc}"
+                continue
+            entry["L_tran"] = round(l_tran, 6)
+            if urgent:
+                entry["verdict"] = "admitted (urgent: profitability waived)"
+                return Decision(
+                    kind="transition", target=opt.plan, target_latency=lat, delta_latency=None if math.isinf(d_l) else d_l,
+                    transition_cost=l_tran, considered=tuple(considered),
+                    reason="; ".join([*reasons, f"urgent ({_kinds(triggers)}): fastest feasible target ({opt.source})"]),
+                    **base,
+                )
+            ok, why = self._profitable(d_l, l_tran, horizon)
+            entry["verdict"] = why
+            if ok:
+                return Decision(
+                    kind="transition", target=opt.plan, target_latency=lat, delta_latency=d_l, transition_cost=l_tran,
+                    considered=tuple(considered), reason=f"{_kinds(triggers)}: {why} ({opt.source})", **base,
+                )
+        if urgent:
+            best = options[0] if options else None
+            return Decision(
+                kind="restart", target=None if best is None else best.plan,
+                target_latency=None if best is None else best.estimate.step_latency, considered=tuple(considered),
+                reason="; ".join(
+                    [*reasons, "no feasible transition: checkpoint/restart"
+                     + (" into the best plan" if best else "; no plan fits the pool, wait for GPUs")]
+                ),
+                **base,
+            )
+        first = considered[0] if considered else None
+        why = "no faster feasible plan" if first is None else f"payback failed for every candidate (best: {first['verdict']})"
+        return Decision(kind="keep", target=None, considered=tuple(considered), reason=why, **base)
+
+    def _options(
+        self, cluster: ClusterSpec, workload: Workload, signals: StepSignals, urgent: bool, reasons: list[str]
+    ) -> list[_Option]:
+        """Feasible candidate plans, fastest first: the planner's, DP-only re-fits, and urgent relief."""
+        assert self.plan is not None
+        options: list[_Option] = []
+        try:
+            for i, (plan, est) in enumerate(self.backend.plan(cluster, workload, self.calibration)):
+                options.append(_Option(plan, est, "planner best" if i == 0 else f"planner alternative {i}"))
+        except InfeasiblePlanError as exc:
+            reasons.append(f"planner: {exc}")
+        extra: list[tuple[Plan, str]] = []
+        refit = follow_pool(self.plan, self.workload.algorithm, signals.num_gpus, self.workload.sequences_per_step) \
+            if self.config.try_follow_pool else None
+        if refit is not None and refit != self.plan:
+            extra.append((refit, "current layouts, DP re-fitted to the pool"))
+        if urgent:
+            base = refit if refit is not None else self.plan
+            if _intact(base, set(signals.gpus)) == base:
+                extra += [(p, "smaller micro-batches / recomputation") for p in relief_variants(base)]
+        for plan, source in extra:
+            if any(o.plan == plan for o in options):
+                continue
+            options.append(_Option(plan, self.backend.estimate(plan, cluster, workload, self.calibration), source))
+        feasible = [o for o in options if o.estimate.feasible and o.plan != self.plan]
+        return sorted(feasible, key=lambda o: o.estimate.step_latency)
+
+    def _profitable(self, d_l: float, l_tran: float, horizon: float) -> tuple[bool, str]:
+        cfg = self.config
+        if d_l <= 0:
+            return False, f"not faster (dL={d_l:.3f} s)"
+        if cfg.admission == "any_gain":
+            return True, f"dL={d_l:.3f} s > 0 (any gain admitted)"
+        if cfg.gamma <= 0:
+            return False, "gamma=0 admits only urgent transitions"
+        payback = l_tran / d_l
+        if payback <= cfg.gamma * horizon:
+            return True, f"pays back in {payback:.2f} steps <= gamma*H_x = {cfg.gamma:g}*{horizon:.2f}"
+        return False, f"pays back in {payback:.2f} steps > gamma*H_x = {cfg.gamma:g}*{horizon:.2f}"
+
+    # ---------------------------------------------------------------------------- calibration
+    def _calibrate(self, signals: StepSignals) -> None:
+        """Feed measured op-class and transition times back into the cost model after every step."""
+        if signals.transition_time is not None and self._pending_transition:
+            ratio = signals.transition_time / self._pending_transition
+            a = self.config.transition_alpha
+            self.transition_scale = a * ratio + (1 - a) * self.transition_scale
+            self._pending_transition = None
+        if self.calibration is None or not signals.op_time or self.plan is None:
+            return
+        predicted = self.predicted_op_times(signals)
+        for op_class, measured in signals.op_time.items():
+            if predicted.get(op_class, 0) > 0 and measured > 0:
+                self.calibration.observe(op_class, predicted[op_class], measured)
+        self._memory_key = None  # efficiencies moved: re-estimate next time
+
+    def predicted_op_times(self, signals: StepSignals) -> dict[str, float]:
+        """The cost model's per-op-class times for the current plan at this step's workload."""
+        assert self.plan is not None
+        est = self.backend.estimate(self.plan, self.cluster_at(signals), self.workload_at(signals), self.calibration)
+        return dict(getattr(est, "op_time", None) or {})
+
+    # -------------------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable controller state: plan, references, H_x clocks, calibration."""
+        cal = self.calibration.state_dict() if hasattr(self.calibration, "state_dict") else None
+        return {
+            "config": asdict(self.config),
+            "plan": plan_to_state(self.plan),
+            "drift": {n: d.state_dict() for n, d in self.drift.items()},
+            "pool": self.pool.state_dict(),
+            "memory_clock": self.memory_clock.state_dict(),
+            "transition_scale": self.transition_scale,
+            "last_replan_step": self.last_replan_step,
+            "decisions": self.decisions,
+            "calibration": cal,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output (the config stays the one this controller was built with)."""
+        self.plan = plan_from_state(state["plan"])
+        for name, sub in state["drift"].items():
+            if name in self.drift:
+                self.drift[name].load_state_dict(sub)
+        self.pool.load_state_dict(state["pool"])
+        self.memory_clock.load_state_dict(state["memory_clock"])
+        self.transition_scale = float(state["transition_scale"])
+        self.last_replan_step = state["last_replan_step"]
+        self.decisions = int(state["decisions"])
+        if state.get("calibration") is not None and hasattr(self.calibration, "load_state_dict"):
+            self.calibration.load_state_dict(state["calibration"])
+        self._memory_key = None
+
+    def __repr__(self) -> str:
+        return f"Controller(gamma={self.config.gamma}, plan={describe_plan(self.plan)})"
+
+
+def _bucket(value: float, tol: float) -> int:
+    return int(math.floor(math.log(max(value, 1e-9)) / math.log1p(tol)))
+
+
+def _kinds(triggers: list[Trigger]) -> str:
+    return "+".join(t.kind for t in triggers)
+
+
+def _intact(plan: Plan, pool: set[int]) -> Plan | None:
+    """The replicas of ``plan`` whose GPUs all survive in ``pool`` (None if a model-stage lost every replica)."""
+    out = []
+    for name, cand in plan.items():
+        keep = [r for r in range(cand.dp) if set(cand.replica_gpus(r)) <= pool]
+        if not keep:
+            return None
+        if len(keep) == cand.dp:
+            out.append((name, cand))
+        else:
+            gpus = tuple(g for r in keep for g in cand.replica_gpus(r))
+            out.append((name, replace(cand, dp=len(keep), gpus=gpus)))
+    return Plan(tuple(out))

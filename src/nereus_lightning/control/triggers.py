@@ -1,0 +1,146 @@
+"""Triggers: relative drift thresholds, pool changes, memory pressure, and their horizons H_x.
+
+H_x estimates how many steps remain until signal x crosses its threshold again: an exponential
+moving average of past intervals between crossings, updated at crossings only, and 1 step before
+any interval has been seen (the paper's rule).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from nereus_lightning.spec.errors import require
+
+URGENT_KINDS = ("revocation", "memory")
+
+
+@dataclass(frozen=True)
+class Trigger:
+    """One reason to replan: ``kind`` is ``drift:<signal>``, ``pool``, ``revocation``, ``memory`` or ``schedule``."""
+
+    kind: str
+    horizon: float  # H_x in steps
+    urgent: bool = False
+    detail: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-serialisable form."""
+        return {"kind": self.kind, "horizon": self.horizon, "urgent": self.urgent, "detail": self.detail}
+
+
+class CrossingClock:
+    """Steps between threshold crossings of one signal, as an EMA (H_x)."""
+
+    def __init__(self, alpha: float = 0.5) -> None:
+        require(0 < alpha <= 1, "controller.ema_alpha", f"must be in (0, 1], got {alpha}")
+        self.alpha = alpha
+        self.last_crossing: int | None = None
+        self.ema: float | None = None
+
+    @property
+    def horizon(self) -> float:
+        """H_x: the EMA of intervals, or 1 step before any interval is seen."""
+        return 1.0 if self.ema is None else self.ema
+
+    def cross(self, step: int) -> None:
+        """Record a crossing at ``step``; the only place the EMA changes."""
+        if self.last_crossing is not None and step > self.last_crossing:
+            interval = float(step - self.last_crossing)
+            self.ema = interval if self.ema is None else self.alpha * interval + (1 - self.alpha) * self.ema
+        self.last_crossing = step
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable state."""
+        return {"alpha": self.alpha, "last_crossing": self.last_crossing, "ema": self.ema}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output."""
+        self.alpha = float(state["alpha"])
+        self.last_crossing = state["last_crossing"]
+        self.ema = state["ema"]
+
+
+class DriftTrigger:
+    """Fires when a signal differs from its reference by more than ``delta`` (relative)."""
+
+    def __init__(self, name: str, delta: float = 0.3, alpha: float = 0.5) -> None:
+        require(delta > 0, f"controller.delta.{name}", f"must be positive, got {delta}")
+        self.name = name
+        self.delta = delta
+        self.reference: float | None = None
+        self.clock = CrossingClock(alpha)
+
+    def check(self, step: int, value: float) -> Trigger | None:
+        """A trigger if ``value`` crossed the threshold (the clock records the crossing), else None."""
+        if self.reference is None:
+            self.reference = value
+            return None
+        base = max(abs(self.reference), 1e-12)
+        change = (value - self.reference) / base
+        if abs(change) <= self.delta:
+            return None
+        self.clock.cross(step)
+        return Trigger(
+            f"drift:{self.name}",
+            self.clock.horizon,
+            detail=f"{self.name} {self.reference:.1f} -> {value:.1f} ({change:+.1%}, threshold {self.delta:.0%})",
+        )
+
+    def reset(self, value: float) -> None:
+        """Move the reference to ``value`` (after every replan, admitted or not)."""
+        self.reference = value
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable state."""
+        return {"delta": self.delta, "reference": self.reference, "clock": self.clock.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output."""
+        self.delta = float(state["delta"])
+        self.reference = state["reference"]
+        self.clock.load_state_dict(state["clock"])
+
+
+class PoolTrigger:
+    """Fires when the GPU pool differs from the pool of the last replan.
+
+    Losing a GPU the current plan uses is a revocation (urgent); any other change is not.
+    """
+
+    def __init__(self, alpha: float = 0.5) -> None:
+        self.reference: tuple[int, ...] | None = None
+        self.clock = CrossingClock(alpha)
+
+    def check(self, step: int, pool: tuple[int, ...], used: frozenset[int]) -> Trigger | None:
+        """A ``pool`` or ``revocation`` trigger if the pool changed since the reference."""
+        if self.reference is None:
+            self.reference = pool
+            return None
+        if pool == self.reference:
+            return None
+        self.clock.cross(step)
+        lost = used - set(pool)
+        detail = f"{len(self.reference)} -> {len(pool)} GPUs"
+        if lost:
+            return Trigger("revocation", self.clock.horizon, urgent=True, detail=f"{detail}; lost {len(lost)} in use")
+        return Trigger("pool", self.clock.horizon, detail=detail)
+
+    def reset(self, pool: tuple[int, ...]) -> None:
+        """Move the reference to ``pool``."""
+        self.reference = pool
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable state."""
+        return {"reference": None if self.reference is None else list(self.reference), "clock": self.clock.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output."""
+        self.reference = None if state["reference"] is None else tuple(state["reference"])
+        self.clock.load_state_dict(state["clock"])
+
+
+def smallest_horizon(triggers: list[Trigger] | tuple[Trigger, ...]) -> float:
+    """With several triggers, the smallest H_x decides (the paper's rule)."""
+    require(len(triggers) > 0, "triggers", "need at least one trigger to take a horizon")
+    return min(t.horizon for t in triggers)

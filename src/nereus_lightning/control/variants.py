@@ -1,0 +1,78 @@
+"""Cheap plan variants: the same layouts re-fitted to a pool, or with smaller batches / recompute.
+
+These are the "slightly slower candidates with cheaper transitions" the admission rule tries when
+the planner's best target fails, and the memory relief the urgent path considers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from nereus_lightning.plan.layout import Candidate, Plan
+from nereus_lightning.spec.workload import STAGES, ModelStage, workflow
+
+
+def relief_variants(plan: Plan) -> list[Plan]:
+    """``plan`` with activation recomputation on, with halved micro-batches, and with both."""
+    out: list[Plan] = []
+    recompute = Plan(tuple((n, replace(c, recompute=True)) for n, c in plan.items()))
+    halved = Plan(tuple((n, replace(c, micro_batch=max(1, c.micro_batch // 2))) for n, c in plan.items()))
+    both = Plan(tuple((n, replace(c, recompute=True, micro_batch=max(1, c.micro_batch // 2))) for n, c in plan.items()))
+    for variant in (recompute, halved, both):
+        if variant != plan and variant not in out:
+            out.append(variant)
+    return out
+
+
+def _dp_ok(ms: ModelStage, dp: int, batch: int) -> bool:
+    # Training keeps the global batch dp * b * a fixed, so its DP degree must divide the batch.
+    return not ms.trains or batch % dp == 0
+
+
+def follow_pool(plan: Plan, algorithm: str, num_gpus: int, batch: int) -> Plan | None:
+    """Keep every model-stage's TP/PP layout and re-fit only its DP degree to ``num_gpus`` GPUs.
+
+    Model-stages of one stage share the stage's GPUs; each keeps at least one replica and the
+    spare GPUs go, one replica at a time, to the model-stage with the most work per replica
+    (work = its replica count in ``plan``). GPUs are handed out in contiguous blocks, largest
+    layouts first, so power-of-two TP groups stay node-aligned. Returns None if even one replica
+    per model-stage does not fit.
+    """
+    stages = {ms.name: ms for ms in workflow(algorithm)}
+    chosen: dict[str, Candidate] = {}
+    for stage in STAGES:
+        names = [n for n, _ in plan.items() if stages[n].stage == stage]
+        if not names:
+            continue
+        dp = {n: 1 for n in names}
+        used = sum(plan[n].layout.size for n in names)
+        if used > num_gpus:
+            return None
+        # Keep the GPU shares the plan gave each model-stage (its share of the work).
+        work = {n: float(plan[n].num_gpus) for n in names}
+        while True:
+            options = []
+            for n in names:
+                nxt = _next_dp(stages[n], dp[n], batch)
+                if nxt is not None and used + (nxt - dp[n]) * plan[n].layout.size <= num_gpus:
+                    options.append((n, nxt))
+            if not options:
+                break
+            n, nxt = max(options, key=lambda o: (work[o[0]] / (dp[o[0]] * plan[o[0]].layout.size), -names.index(o[0])))
+            used += (nxt - dp[n]) * plan[n].layout.size
+            dp[n] = nxt
+        start = 0
+        for n in sorted(names, key=lambda m: -plan[m].layout.size):
+            old = plan[n]
+            size = dp[n] * old.layout.size
+            chosen[n] = replace(old, dp=dp[n], gpus=tuple(range(start, start + size)))
+            start += size
+    return Plan(tuple((n, chosen[n]) for n, _ in plan.items()))
+
+
+def _next_dp(ms: ModelStage, dp: int, batch: int) -> int | None:
+    # The next admissible DP degree above dp (training: the next divisor of the batch).
+    for cand in range(dp + 1, batch + 1):
+        if _dp_ok(ms, cand, batch):
+            return cand
+    return None

@@ -1,0 +1,63 @@
+"""A scripted planning backend: latencies, feasibility and transition costs chosen by the test."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nereus_lightning.control import StepSignals
+from nereus_lightning.plan.layout import Candidate, Layout, Plan
+from nereus_lightning.spec.errors import InfeasiblePlanError
+
+
+def gen_plan(tp: int, dp: int, micro_batch: int = 1, recompute: bool = False) -> Plan:
+    """A one-model-stage plan on GPUs 0 .. tp*dp-1."""
+    return Plan.of({"actor_gen": Candidate(Layout(tp, 1), dp, tuple(range(tp * dp)), micro_batch, recompute)})
+
+
+@dataclass
+class FakeEstimate:
+    step_latency: float
+    feasible: bool = True
+    violations: tuple = ()
+    op_time: dict = field(default_factory=dict)
+
+
+class FakeBackend:
+    """``latency[plan]`` and ``feasible[plan]`` (default True); ``candidates`` is what the planner returns."""
+
+    def __init__(self, candidates, latency, tran=None, feasible=None, op_time=None):
+        self.candidates = candidates
+        self.latency = latency
+        self.tran = tran or {}
+        self.feasible = feasible or {}
+        self.op_time = op_time or {}
+        self.calls = {"plan": 0, "estimate": 0, "transition_cost": 0}
+
+    def _est(self, plan):
+        if plan not in self.latency:  # plans the test did not script do not fit
+            return FakeEstimate(float("inf"), False)
+        return FakeEstimate(self.latency[plan], self.feasible.get(plan, True), op_time=dict(self.op_time))
+
+    def plan(self, cluster, workload, calibration):
+        self.calls["plan"] += 1
+        cands = self.candidates(cluster, workload) if callable(self.candidates) else self.candidates
+        opts = [(p, self._est(p)) for p in cands if self.feasible.get(p, True)]
+        if not opts:
+            raise InfeasiblePlanError("nothing fits")
+        return sorted(opts, key=lambda pe: pe[1].step_latency)
+
+    def estimate(self, plan, cluster, workload, calibration):
+        self.calls["estimate"] += 1
+        return self._est(plan)
+
+    def transition_cost(self, current, target, cluster, workload):
+        self.calls["transition_cost"] += 1
+        cost = self.tran.get(target, 1.0)
+        if cost is None:
+            raise InfeasiblePlanError("no safe DAG")
+        return cost
+
+
+def sig(step: int, length: float = 1000.0, gpus: int = 8, p95: float | None = None, **kw) -> StepSignals:
+    """Signals with p95 = 1.1 x mean unless given."""
+    return StepSignals(step, length, p95 if p95 is not None else 1.1 * length, 256, tuple(range(gpus)), **kw)

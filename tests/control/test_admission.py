@@ -1,0 +1,152 @@
+"""Admission rules of the controller, each on a scripted backend."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nereus_lightning.control import Controller, ControllerConfig, DecisionLog
+from nereus_lightning.spec import CLUSTER_PRESETS, Workload
+from tests.control.fakes import FakeBackend, gen_plan, sig
+
+CLUSTER = CLUSTER_PRESETS["paper_cluster2"]
+A, B, C = gen_plan(1, 4), gen_plan(2, 4), gen_plan(4, 2)
+
+
+def make(backend, plan=A, **cfg):
+    cfg.setdefault("try_follow_pool", False)
+    return Controller(backend, CLUSTER, Workload(), ControllerConfig(**cfg), plan=plan)
+
+
+def test_gamma_zero_admits_only_urgent():
+    backend = FakeBackend([A, B], {A: 10.0, B: 5.0}, tran={B: 0.0})
+    ctl = make(backend, gamma=0.0)
+    assert ctl.step(sig(0)).kind == "none"
+    d = ctl.step(sig(1, length=2000))  # drift: B is faster and even free, but gamma=0
+    assert d.kind == "keep" and not d.urgent
+    assert "gamma=0" in d.considered[0]["verdict"]
+    # Losing GPUs the plan uses is urgent: admitted despite gamma=0.
+    backend.candidates = [gen_plan(1, 2)]
+    backend.latency[gen_plan(1, 2)] = 20.0
+    d = ctl.step(sig(2, length=2000, gpus=2))
+    assert d.kind == "transition" and d.urgent and d.target == gen_plan(1, 2)
+
+
+def test_reference_resets_after_rejected_replan():
+    ctl = make(FakeBackend([A, B], {A: 10.0, B: 5.0}, tran={B: 1000.0}))
+    ctl.step(sig(0, length=1000))
+    d = ctl.step(sig(1, length=1400))  # +40% > 30%: replan, payback fails
+    assert d.kind == "keep"
+    assert ctl.drift["response_len"].reference == 1400
+    assert ctl.step(sig(2, length=1500)).kind == "none"  # +7% of the new reference: no trigger
+    assert ctl.step(sig(3, length=1900)).kind == "keep"  # +36% of 1400
+
+
+def test_horizon_is_one_step_before_any_interval_and_updates_only_at_crossings():
+    ctl = make(FakeBackend([A, B], {A: 10.0, B: 5.0}, tran={B: 1000.0}), drift_signals=("response_len",))
+    ctl.step(sig(0, length=1000))
+    d = ctl.step(sig(1, length=1400))
+    assert d.horizon == 1.0  # first crossing: no interval seen yet
+    for s in range(2, 6):  # no crossing: the EMA must not move
+        ctl.step(sig(s, length=1450))
+        assert ctl.drift["response_len"].clock.ema is None
+    d = ctl.step(sig(6, length=2000))
+    assert d.horizon == 5.0  # interval 6 - 1
+    d = ctl.step(sig(9, length=2700))
+    assert d.horizon == pytest.approx(0.5 * 3 + 0.5 * 5)
+
+
+def test_smallest_horizon_wins():
+    # payback L_tran / dL = 3 steps; gamma = 1: admitted with H = 10, rejected with H = 2.
+    backend = FakeBackend([A, B], {A: 10.0, B: 5.0}, tran={B: 15.0})
+    ctl = make(backend, gamma=1.0, drift_signals=("response_len", "response_len_p95"))
+    ctl.step(sig(0, length=1000, p95=1100))
+    ctl.drift["response_len"].clock.ema, ctl.drift["response_len"].clock.last_crossing = 10.0, 0
+    ctl.drift["response_len_p95"].clock.ema, ctl.drift["response_len_p95"].clock.last_crossing = 2.0, 0
+    d = ctl.step(sig(10, length=1500, p95=1650))  # both cross at step 10 (interval 10)
+    assert {t.kind for t in d.triggers} == {"drift:response_len", "drift:response_len_p95"}
+    horizons = {t.kind: t.horizon for t in d.triggers}
+    assert horizons["drift:response_len"] == 10.0 and horizons["drift:response_len_p95"] == 6.0
+    assert d.horizon == 6.0 and d.kind == "transition"
+    ctl2 = make(FakeBackend([A, B], {A: 10.0, B: 5.0}, tran={B: 15.0}), gamma=1.0,
+                drift_signals=("response_len", "response_len_p95"))
+    ctl2.step(sig(0, length=1000, p95=1100))
+    ctl2.drift["response_len_p95"].clock.ema, ctl2.drift["response_len_p95"].clock.last_crossing = 1.0, 9
+    d = ctl2.step(sig(10, length=1500, p95=1650))
+    assert d.horizon == 1.0 and d.kind == "keep"  # 3 > gamma * min(H) = 1
+
+
+def test_infeasible_current_plan_takes_urgent_path_even_when_payback_fails():
+    backend = FakeBackend([B], {A: 10.0, B: 9.9}, tran={B: 1e6}, feasible={A: False})
+    d = make(backend, gamma=0.5).step(sig(0))
+    assert d.urgent and d.kind == "transition" and d.target == B
+    assert any(t.kind == "memory" for t in d.triggers)
+    assert d.transition_cost == 1e6  # payback 1e6 / 0.1 steps would fail by far
+
+
+def test_urgent_path_considers_recompute_and_falls_back_to_restart():
+    relief = gen_plan(1, 4, recompute=True)
+    backend = FakeBackend([], {A: 10.0, relief: 12.0}, feasible={A: False})
+    d = make(backend).step(sig(0))
+    assert d.kind == "transition" and d.target == relief
+    backend = FakeBackend([B], {A: 10.0, B: 5.0, relief: 12.0}, tran={B: None, relief: None}, feasible={A: False})
+    d = make(backend).step(sig(0))
+    assert d.kind == "restart" and d.target == B
+    assert "checkpoint/restart" in d.reason
+
+
+def test_slower_alternative_with_cheaper_transition():
+    backend = FakeBackend([A, B, C], {A: 10.0, B: 5.0, C: 6.0}, tran={B: 100.0, C: 1.0})
+    ctl = make(backend)
+    ctl.step(sig(0))
+    d = ctl.step(sig(1, length=2000))  # H = 1: B needs 20 steps, C 0.25 <= 0.5
+    assert d.kind == "transition" and d.target == C
+    assert [c["source"] for c in d.considered] == ["planner best", "planner alternative 1"]
+    assert ctl.plan == C
+
+
+def test_any_gain_and_schedule():
+    backend = FakeBackend([A, B], {A: 10.0, B: 9.99}, tran={B: 1e4})
+    ctl = make(backend, admission="any_gain", replan_every=3, drift_triggers=False)
+    assert ctl.step(sig(0)).kind == "none"
+    kinds = [ctl.step(sig(s, length=1000 * (1 + s))).kind for s in range(1, 4)]
+    assert kinds == ["none", "none", "transition"]  # drift ignored; the schedule fires at step 3
+
+
+def test_decision_log_and_state_roundtrip(tmp_path):
+    path = tmp_path / "decisions.jsonl"
+    backend = FakeBackend([A, B], {A: 10.0, B: 5.0}, tran={B: 1.0})
+    ctl = Controller(backend, CLUSTER, Workload(), ControllerConfig(try_follow_pool=False), plan=A, log=str(path))
+    ctl.step(sig(0))
+    ctl.step(sig(1, length=2000))
+    records = DecisionLog(path).read()
+    assert len(records) == 1
+    rec = records[0]
+    for key in ("step", "trigger", "signals", "current_plan", "target_plan", "current_latency", "target_latency",
+                "dL", "L_tran", "H_x", "gamma", "decision", "reason"):
+        assert key in rec
+    assert rec["decision"] == "transition" and rec["dL"] == 5.0 and rec["target_plan"]["actor_gen"]["tp"] == 2
+    state = json.loads(json.dumps(ctl.state_dict()))
+    other = Controller(backend, CLUSTER, Workload(), ControllerConfig(try_follow_pool=False))
+    other.load_state_dict(state)
+    assert other.plan == ctl.plan and other.drift["response_len"].reference == 2000
+    assert other.state_dict() == ctl.state_dict()
+
+
+def test_calibration_loop_observes_op_classes_and_transitions():
+    class Cal:
+        def __init__(self):
+            self.seen = []
+
+        def observe(self, op, predicted, measured):
+            self.seen.append((op, predicted, measured))
+
+    backend = FakeBackend([A, B], {A: 10.0, B: 5.0}, tran={B: 2.0}, op_time={"gemm": 4.0})
+    cal = Cal()
+    ctl = Controller(backend, CLUSTER, Workload(), ControllerConfig(try_follow_pool=False), calibration=cal, plan=A)
+    ctl.step(sig(0, op_time={"gemm": 6.0}))
+    assert cal.seen == [("gemm", 4.0, 6.0)]
+    assert ctl.step(sig(1, length=2000)).kind == "transition"
+    ctl.step(sig(2, length=2000, transition_time=4.0))  # measured twice the prediction
+    assert ctl.transition_scale == pytest.approx(1.5)  # EMA with alpha 0.5
