@@ -1,24 +1,47 @@
-"""Per-GPU memory of a model-stage replica (a first cut; the cost-model work extends this file)."""
+"""Per-GPU memory of a model-stage replica: state, activations, KV cache, logits, workspace.
+
+Every term is a small function of the model's numbers, so each can be checked by hand. Sizes
+are bytes on the most-loaded GPU of a pipeline stage; TP divides everything it shards (we
+assume sequence parallelism, so norm and residual activations are divided by TP as well).
+"""
 
 from __future__ import annotations
 
+from nereus_lightning.plan.compute import kv_bytes_per_token_layer, stage_layers
 from nereus_lightning.plan.layout import Layout
+from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.model import ModelSpec
 
 # Mixed-precision AdamW, ZeRO-0: fp32 master weights + exp_avg + exp_avg_sq per parameter.
 OPTIMIZER_BYTES_PER_PARAM = 12
+GIB = 2**30
+#: cuBLAS / NCCL workspaces and allocator fragmentation, per GPU.
+WORKSPACE_BYTES = 1 * GIB
+#: Fraction of GPU memory kept free by the feasibility check (Eq. 1 uses a 10% headroom).
+MEMORY_HEADROOM = 0.10
+#: Logits are materialised in fp32, twice (logits and their log-softmax / gradient).
+LOGIT_BYTES_PER_ELEMENT = 8
+
+
+def memory_cap(cluster: ClusterSpec) -> float:
+    """Bytes a plan may use per GPU: the GPU's memory less the headroom."""
+    return cluster.gpu_memory * (1 - MEMORY_HEADROOM)
 
 
 def stage_params(model: ModelSpec, pp: int, pp_rank: int) -> int:
     """Parameters held by pipeline stage ``pp_rank`` (embedding first, final norm and LM head last)."""
-    base, extra = divmod(model.num_layers, pp)
-    layers = base + (1 if pp_rank < extra else 0)
-    params = layers * model.layer_params
+    params = stage_layers(model, pp, pp_rank) * model.layer_params
     if pp_rank == 0:
         params += model.embedding_params
     if pp_rank == pp - 1:
         params += model.hidden + (model.lm_head_params if not model.tie_embeddings or pp == 1 else model.embedding_params)
     return params
+
+
+def rank_state_bytes(model: ModelSpec, trains: bool, layout: Layout, pp_rank: int) -> float:
+    """Resident state on one GPU of pipeline stage ``pp_rank``: weights (+ grads and AdamW when training)."""
+    per_param = model.dtype_bytes * (2 if trains else 1) + (OPTIMIZER_BYTES_PER_PARAM if trains else 0)
+    return stage_params(model, layout.pp, pp_rank) / layout.tp * per_param
 
 
 def state_bytes_per_gpu(model: ModelSpec, trains: bool, layout: Layout) -> float:
@@ -27,6 +50,90 @@ def state_bytes_per_gpu(model: ModelSpec, trains: bool, layout: Layout) -> float
     Inference holds weights; training adds gradients (weight dtype) and AdamW state.
     TP splits every stage's parameters evenly (replicated norms are negligible).
     """
-    per_param = model.dtype_bytes * (2 if trains else 1) + (OPTIMIZER_BYTES_PER_PARAM if trains else 0)
-    worst = max(stage_params(model, layout.pp, r) for r in range(layout.pp))
-    return worst / layout.tp * per_param
+    return max(rank_state_bytes(model, trains, layout, r) for r in range(layout.pp))
+
+
+def activation_bytes_per_token_layer(model: ModelSpec) -> float:
+    """Activations one token keeps in one block for the backward pass (flash attention, no scores).
+
+    Attention keeps its norm input, the QKV input, q, k, v and the attention output (the o_proj
+    input): 2h + 2q + 2kv. The MLP keeps its norm input, its input, gate, up, silu(gate) and the
+    down-projection input: 2h + 4i.
+    """
+    h, q, kv, i = model.hidden, model.q_dim, model.kv_dim, model.intermediate
+    return model.dtype_bytes * (4 * h + 2 * q + 2 * kv + 4 * i)
+
+
+def checkpoint_bytes_per_token_layer(model: ModelSpec) -> float:
+    """What activation recompute keeps per token and block: the block input only."""
+    return model.dtype_bytes * model.hidden
+
+
+def logits_bytes(model: ModelSpec, tokens: float, tp: int) -> float:
+    """fp32 logits (and their log-softmax / gradient) for ``tokens`` tokens, vocabulary split over TP."""
+    return tokens * model.vocab / tp * LOGIT_BYTES_PER_ELEMENT
+
+
+def kv_cache_bytes(model: ModelSpec, tokens: float, layers: int, tp: int) -> float:
+    """KV cache of ``tokens`` tokens over ``layers`` blocks, KV heads split over TP."""
+    return tokens * layers * kv_bytes_per_token_layer(model) / tp
+
+
+def training_activation_bytes(
+    model: ModelSpec, layers: int, tokens: float, in_flight: int, tp: int, recompute: bool
+) -> float:
+    """Activations of a 1F1B pipeline stage holding ``in_flight`` micro-batches of ``tokens`` tokens."""
+    if recompute:
+        kept = in_flight * tokens * layers * checkpoint_bytes_per_token_layer(model)
+        return (kept + tokens * activation_bytes_per_token_layer(model)) / tp  # one block recomputed at a time
+    return in_flight * tokens * layers * activation_bytes_per_token_layer(model) / tp
+
+
+def training_peak_bytes(
+    model: ModelSpec,
+    layout: Layout,
+    pp_rank: int,
+    micro_batch: int,
+    seq_len: float,
+    micro_batches: int,
+    recompute: bool,
+    lm_head: bool,
+) -> float:
+    """Peak bytes on one GPU of pipeline stage ``pp_rank`` while training (1F1B schedule).
+
+    Stage ``p`` of ``pp`` keeps ``min(pp - p, micro_batches)`` micro-batches in flight.
+    """
+    tokens = micro_batch * seq_len
+    in_flight = min(layout.pp - pp_rank, micro_batches)
+    layers = stage_layers(model, layout.pp, pp_rank)
+    total = rank_state_bytes(model, True, layout, pp_rank) + WORKSPACE_BYTES
+    total += training_activation_bytes(model, layers, tokens, in_flight, layout.tp, recompute)
+    if lm_head and pp_rank == layout.pp - 1:
+        total += logits_bytes(model, tokens, layout.tp)
+    return total
+
+
+def inference_peak_bytes(
+    model: ModelSpec, layout: Layout, pp_rank: int, micro_batch: int, seq_len: float, lm_head: bool
+) -> float:
+    """Peak bytes on one GPU of stage ``pp_rank`` for a forward pass (one block's activations live)."""
+    tokens = micro_batch * seq_len
+    total = rank_state_bytes(model, False, layout, pp_rank) + WORKSPACE_BYTES
+    total += tokens * activation_bytes_per_token_layer(model) / layout.tp
+    if lm_head and pp_rank == layout.pp - 1:
+        total += logits_bytes(model, tokens, layout.tp)
+    return total
+
+
+def generation_peak_bytes(model: ModelSpec, layout: Layout, pp_rank: int, batch: int, prompt_len: int, max_len: float) -> float:
+    """Peak bytes on one GPU of stage ``pp_rank`` while decoding ``batch`` sequences of up to ``max_len`` tokens.
+
+    Weights, the full KV cache, the prefill's live block activations and last-token logits.
+    """
+    layers = stage_layers(model, layout.pp, pp_rank)
+    total = rank_state_bytes(model, False, layout, pp_rank) + WORKSPACE_BYTES
+    total += kv_cache_bytes(model, batch * max_len, layers, layout.tp)
+    total += batch * prompt_len * activation_bytes_per_token_layer(model) / layout.tp
+    if pp_rank == layout.pp - 1:
+        total += logits_bytes(model, batch, layout.tp)
+    return total

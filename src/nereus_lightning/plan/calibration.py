@@ -1,0 +1,114 @@
+"""`Calibration`: one learned efficiency per operation class, read by the cost model.
+
+The cost model prices every operation at its *ideal* time (peak FLOP/s, peak HBM bandwidth,
+nominal link bandwidth and latency) and divides it by the efficiency of its class. A measured
+time therefore implies an efficiency: ``implied = current * predicted / measured``. We average
+implied efficiencies in log space (an exponential moving average), so over- and
+under-predictions by the same factor pull equally hard and efficiencies stay positive.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from nereus_lightning.spec.errors import NereusConfigError, require
+
+LINKS = ("intra", "inter")
+COLLECTIVES = ("allreduce", "allgather", "p2p")
+
+#: Every operation class the cost model emits, e.g. ``allreduce_inter``.
+OP_CLASSES: tuple[str, ...] = ("gemm", "attention", "decode", "offload") + tuple(
+    f"{c}_{link}" for c in COLLECTIVES for link in LINKS
+)
+
+#: Priors for classes never observed: deliberately conservative (well below what tuned
+#: kernels reach), so an uncalibrated plan over-estimates time rather than promising too much.
+DEFAULT_EFFICIENCY: dict[str, float] = {
+    "gemm": 0.5,
+    "attention": 0.35,
+    "decode": 0.5,
+    "offload": 0.5,
+    **{f"{c}_intra": 0.6 for c in COLLECTIVES},
+    **{f"{c}_inter": 0.5 for c in COLLECTIVES},
+}
+
+
+def op_class(collective: str, inter_node: bool) -> str:
+    """The class name of a collective on the link it spans, e.g. ``allreduce_inter``."""
+    return f"{collective}_{'inter' if inter_node else 'intra'}"
+
+
+class Calibration:
+    """Per-class efficiencies in (0, 1.5], learned from measured timings.
+
+    Args:
+        efficiencies: starting values per class; missing classes use ``DEFAULT_EFFICIENCY``.
+        rate: weight of a new observation in the log-space moving average (0 < rate <= 1).
+    """
+
+    def __init__(self, efficiencies: Mapping[str, float] | None = None, rate: float = 0.5) -> None:
+        require(0 < rate <= 1, "calibration.rate", f"must be in (0, 1], got {rate}")
+        self.rate = float(rate)
+        self._eff: dict[str, float] = dict(DEFAULT_EFFICIENCY)
+        self._count: dict[str, int] = {c: 0 for c in OP_CLASSES}
+        for name, value in (efficiencies or {}).items():
+            self._check_class(name)
+            require(value > 0, f"calibration.{name}", f"efficiency must be positive, got {value}")
+            self._eff[name] = float(value)
+
+    @staticmethod
+    def _check_class(name: str) -> None:
+        if name not in DEFAULT_EFFICIENCY:
+            raise NereusConfigError(f"calibration: unknown op class {name!r}; known: {', '.join(OP_CLASSES)}")
+
+    def efficiency(self, name: str) -> float:
+        """The current efficiency of class ``name``."""
+        self._check_class(name)
+        return self._eff[name]
+
+    def efficiencies(self) -> dict[str, float]:
+        """A copy of every class's efficiency."""
+        return dict(self._eff)
+
+    def observations(self, name: str) -> int:
+        """How many timings of class ``name`` were observed."""
+        self._check_class(name)
+        return self._count[name]
+
+    def observe(self, name: str, predicted_s: float, measured_s: float) -> float:
+        """Update class ``name`` from one timing predicted with the current efficiencies.
+
+        Returns the new efficiency. Non-positive times are rejected (they carry no information).
+        """
+        self._check_class(name)
+        require(predicted_s > 0, "calibration.predicted_s", f"must be positive, got {predicted_s}")
+        require(measured_s > 0, "calibration.measured_s", f"must be positive, got {measured_s}")
+        implied = self._eff[name] * predicted_s / measured_s
+        # The first observation replaces the prior outright: the prior is a guess, not data.
+        weight = 1.0 if self._count[name] == 0 else self.rate
+        log_eff = (1 - weight) * math.log(self._eff[name]) + weight * math.log(implied)
+        self._eff[name] = min(1.5, math.exp(log_eff))
+        self._count[name] += 1
+        return self._eff[name]
+
+    def version(self) -> tuple[tuple[str, float], ...]:
+        """A hashable snapshot, used as a cache key by the cost model."""
+        return tuple(sorted(self._eff.items()))
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable state (stored in Lightning checkpoints by the controller)."""
+        return {"rate": self.rate, "efficiency": dict(self._eff), "count": dict(self._count)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore from :meth:`state_dict` output."""
+        for name in state.get("efficiency", {}):
+            self._check_class(name)
+        self.rate = float(state.get("rate", self.rate))
+        self._eff.update({k: float(v) for k, v in state.get("efficiency", {}).items()})
+        self._count.update({k: int(v) for k, v in state.get("count", {}).items()})
+
+    def __repr__(self) -> str:
+        seen = {k: round(v, 3) for k, v in self._eff.items() if self._count[k]}
+        return f"Calibration(observed={seen})"

@@ -1,0 +1,118 @@
+"""`estimate_plan`: price any concrete plan (the planner's choice, the running plan after drift, ...)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from nereus_lightning.plan.calibration import Calibration
+from nereus_lightning.plan.comm import links_of
+from nereus_lightning.plan.cost import ideal_time, rank_peak_memory, replica_sequences, stage_work
+from nereus_lightning.plan.layout import Plan
+from nereus_lightning.plan.memory import memory_cap
+from nereus_lightning.spec.cluster import ClusterSpec
+from nereus_lightning.spec.errors import NereusConfigError
+from nereus_lightning.spec.model import ModelSpec
+from nereus_lightning.spec.workload import STAGES, Workload
+
+
+@dataclass(frozen=True)
+class PlanEstimate:
+    """Predicted step latency and per-GPU peak memory of a plan.
+
+    Attributes:
+        step_latency: seconds per RL step (sum over stages of the slowest model-stage).
+        stage_latency: seconds per model-stage (key: model-stage name).
+        peak_memory: peak bytes per GPU id (GPUs no model-stage uses are absent).
+        memory_cap: bytes allowed per GPU (GPU memory less the 10% headroom).
+        feasible: no violation.
+        violations: human-readable reasons the plan cannot run as priced.
+        phase_latency: seconds per stage (generation, inference, training).
+        breakdown: predicted seconds per operation class, per model-stage (for calibration).
+    """
+
+    step_latency: float
+    stage_latency: dict[str, float]
+    peak_memory: dict[int, float]
+    memory_cap: float
+    feasible: bool
+    violations: tuple[str, ...] = ()
+    phase_latency: dict[str, float] = field(default_factory=dict)
+    breakdown: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def peak_of(self, gpus: tuple[int, ...]) -> float:
+        """The largest peak memory among ``gpus``."""
+        return max((self.peak_memory.get(g, 0.0) for g in gpus), default=0.0)
+
+
+def estimate_plan(
+    plan: Plan,
+    models: Mapping[str, ModelSpec],
+    cluster: ClusterSpec,
+    workload: Workload,
+    calibration: Calibration | None = None,
+) -> PlanEstimate:
+    """Price ``plan`` on its concrete GPUs; infeasibilities are reported, not raised.
+
+    Raises:
+        NereusConfigError: the plan misses a model-stage of the workload, names an unknown one,
+            or uses a TP/PP degree the model cannot be cut into.
+    """
+    stages = workload.stages
+    names = [ms.name for ms in stages]
+    missing = [n for n in names if n not in plan]
+    extra = [n for n in plan if n not in names]
+    if missing or extra:
+        raise NereusConfigError(f"plan: model-stages must be exactly {names}; missing {missing}, unknown {extra}")
+    cap = memory_cap(cluster)
+    violations: list[str] = []
+    stage_latency: dict[str, float] = {}
+    breakdown: dict[str, dict[str, float]] = {}
+    peak: dict[int, float] = {}
+    cal = calibration or Calibration()
+    for ms in stages:
+        work, cand = stage_work(ms, models, workload), plan[ms.name]
+        work.model.validate_tp(cand.layout.tp)
+        work.model.validate_pp(cand.layout.pp)
+        outside = [g for g in cand.gpus if not 0 <= g < cluster.num_gpus]
+        if outside:
+            violations.append(f"{ms.name}: GPUs {outside} are outside the pool of {cluster.num_gpus}")
+        if replica_sequences(work, cand.dp) is None:
+            violations.append(f"{ms.name}: dp={cand.dp} cannot split the batch of {work.sequences} sequences")
+            stage_latency[ms.name] = float("inf")
+            continue
+        links = links_of(cand.gpus, cand.layout, cand.dp, cluster)
+        ideal = ideal_time(work, cand.layout, cand.dp, cand.micro_batch, cand.recompute, links, cluster)
+        breakdown[ms.name] = {c: s / cal.efficiency(c) for c, s in ideal.items()}
+        stage_latency[ms.name] = sum(breakdown[ms.name].values())
+        ranks = rank_peak_memory(work, cand.layout, cand.dp, cand.micro_batch, cand.recompute)
+        worst = max(ranks)
+        if worst > cap:
+            violations.append(f"{ms.name}: {worst / 1e9:.1f} GB per GPU exceeds the cap {cap / 1e9:.1f} GB ({cand.describe()})")
+        for r in range(cand.dp):
+            for p in range(cand.layout.pp):
+                for t in range(cand.layout.tp):
+                    g = cand.gpu_at(r, p, t)
+                    peak[g] = max(peak.get(g, 0.0), ranks[p])
+    phase: dict[str, float] = {}
+    for stage in STAGES:
+        members = [ms.name for ms in stages if ms.stage == stage]
+        if not members:
+            continue
+        phase[stage] = max(stage_latency[n] for n in members)
+        seen: dict[int, str] = {}
+        for n in members:
+            for g in plan[n].gpus:
+                if g in seen:
+                    violations.append(f"{stage}: {seen[g]} and {n} both use GPU {g} but run concurrently")
+                seen[g] = n
+    return PlanEstimate(
+        step_latency=sum(phase.values()),
+        stage_latency=stage_latency,
+        peak_memory=dict(sorted(peak.items())),
+        memory_cap=cap,
+        feasible=not violations,
+        violations=tuple(violations),
+        phase_latency=phase,
+        breakdown=breakdown,
+    )

@@ -1,0 +1,270 @@
+"""The planner (Eq. 1): fastest plan under the memory cap and the stage-wise GPU budgets.
+
+1. Per model-stage, enumerate candidates (power-of-two TP dividing the heads, power-of-two PP,
+   DP from the GPUs left, micro-batch options, recompute for training) and price each with
+   the cost model, placed as the planner will place it (``comm.canonical_links``).
+2. Drop the ones over the memory cap and the dominated ones: the frontier keeps, per GPU count,
+   only candidates faster than every candidate with fewer GPUs.
+3. Stages run one after another, so the step latency is the sum of independent per-stage
+   problems. In one stage the model-stages run concurrently on disjoint GPUs, so the stage
+   latency is the largest chosen latency: the optimum is the smallest threshold ``lam`` such
+   that the cheapest frontier points with latency ``<= lam`` fit in the pool together. We
+   search ``lam`` over the frontier latencies (a dynamic programme over thresholds; exact).
+4. Assign GPU ids: in the training stage by decreasing GPU count, elsewhere by decreasing
+   replica size, each from the lowest free id. With power-of-two sizes and nodes this keeps
+   every replica aligned (TP groups inside nodes) and every training candidate that fits in a
+   node inside one node, which is exactly how step 1 priced it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from nereus_lightning.plan.calibration import Calibration
+from nereus_lightning.plan.comm import canonical_links
+from nereus_lightning.plan.cost import (
+    StageWork,
+    ideal_time,
+    latency,
+    micro_batch_options,
+    rank_peak_memory,
+    replica_sequences,
+    stage_work,
+)
+from nereus_lightning.plan.estimate import PlanEstimate, estimate_plan
+from nereus_lightning.plan.layout import Candidate, Layout, Plan
+from nereus_lightning.plan.memory import memory_cap
+from nereus_lightning.spec.cluster import ClusterSpec
+from nereus_lightning.spec.errors import InfeasiblePlanError
+from nereus_lightning.spec.model import ModelSpec
+from nereus_lightning.spec.workload import STAGES, Workload
+
+ROLES = ("actor", "critic", "reference", "reward")
+
+
+def job_models(
+    actor: ModelSpec, critic: ModelSpec | None = None, reference: ModelSpec | None = None, reward: ModelSpec | None = None
+) -> dict[str, ModelSpec]:
+    """The role -> model mapping of an RL job; missing roles use the actor's architecture."""
+    return {"actor": actor, "critic": critic or actor, "reference": reference or actor, "reward": reward or actor}
+
+
+@dataclass(frozen=True)
+class Option:
+    """One priced candidate shape of a model-stage (no GPU ids yet)."""
+
+    gpus: int
+    latency: float
+    layout: Layout
+    dp: int
+    micro_batch: int
+    recompute: bool
+    peak_memory: float
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """The chosen plan, its estimate, and the next-best plans (slower, usually on fewer GPUs)."""
+
+    plan: Plan
+    estimate: PlanEstimate
+    alternatives: tuple[tuple[Plan, PlanEstimate], ...] = ()
+
+
+def layouts_for(model: ModelSpec, max_gpus: int) -> list[Layout]:
+    """Power-of-two (tp, pp) the model can be cut into, with at most ``max_gpus`` ranks."""
+    out = []
+    tp = 1
+    while tp <= max_gpus and model.num_heads % tp == 0 and model.num_kv_heads % tp == 0:
+        pp = 1
+        while pp <= model.num_layers and tp * pp <= max_gpus:
+            out.append(Layout(tp, pp))
+            pp *= 2
+        tp *= 2
+    return out
+
+
+def dp_options(work: StageWork, layout: Layout, max_gpus: int) -> list[int]:
+    """DP degrees worth pricing: training ones keep ``dp * b * a`` fixed (powers of two, so DP
+    groups align to nodes); for generation/inference, the smallest dp per distinct replica share."""
+    top = max_gpus // layout.size
+    if work.trains:
+        return [1 << k for k in range(top.bit_length()) if replica_sequences(work, 1 << k) is not None]
+    out, last = [], None
+    for dp in range(1, min(top, work.sequences) + 1):
+        share = replica_sequences(work, dp)
+        if share != last:
+            out.append(dp)
+            last = share
+    return out
+
+
+def stage_options(
+    work: StageWork, cluster: ClusterSpec, calibration: Calibration | None, max_gpus: int, cap: float
+) -> list[Option]:
+    """Every candidate of ``work`` within ``max_gpus`` GPUs and the memory ``cap``, priced."""
+    out = []
+    for layout in layouts_for(work.model, max_gpus):
+        for dp in dp_options(work, layout, max_gpus):
+            share = replica_sequences(work, dp)
+            assert share is not None
+            links = canonical_links(layout, dp, cluster)
+            for mb in micro_batch_options(work, share):
+                for rc in (False, True) if work.trains else (False,):
+                    peak = max(rank_peak_memory(work, layout, dp, mb, rc))
+                    if peak > cap:
+                        continue
+                    lat = latency(ideal_time(work, layout, dp, mb, rc, links, cluster), calibration)
+                    out.append(Option(dp * layout.size, lat, layout, dp, mb, rc, peak))
+    return out
+
+
+def frontier(options: list[Option]) -> list[Option]:
+    """Non-dominated options: increasing GPU count, strictly decreasing latency."""
+    best: list[Option] = []
+    for opt in sorted(options, key=lambda o: (o.gpus, o.latency, o.peak_memory)):
+        if not best or opt.latency < best[-1].latency:
+            best.append(opt)
+    return best
+
+
+def _cheapest(front: list[Option], lam: float) -> Option | None:
+    """The fewest-GPU option with latency <= lam (latencies decrease along the frontier)."""
+    neg = [-o.latency for o in front]
+    i = bisect.bisect_left(neg, -lam)
+    return front[i] if i < len(front) else None
+
+
+def _select(fronts: dict[str, list[Option]], lam: float, budget: int) -> dict[str, Option] | None:
+    pick = {}
+    for name, front in fronts.items():
+        opt = _cheapest(front, lam)
+        if opt is None:
+            return None
+        pick[name] = opt
+    return pick if sum(o.gpus for o in pick.values()) <= budget else None
+
+
+def solve_stage(fronts: dict[str, list[Option]], budget: int, count: int = 1) -> list[dict[str, Option]]:
+    """The ``count`` best distinct selections of one stage (best first); [] when none fits.
+
+    The stage latency of a selection is its largest latency; selections come from thresholds.
+    """
+    lams = sorted({o.latency for front in fronts.values() for o in front})
+    lo, hi = 0, len(lams)
+    while lo < hi:  # smallest feasible threshold (feasibility is monotone in lam)
+        mid = (lo + hi) // 2
+        if _select(fronts, lams[mid], budget) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    out: list[dict[str, Option]] = []
+    for lam in lams[lo:]:
+        pick = _select(fronts, lam, budget)
+        if pick is not None and pick not in out:
+            out.append(pick)
+            if len(out) >= count:
+                break
+    return out
+
+
+def assign_gpus(selection: Mapping[str, Option], stage_of: Mapping[str, str], order: list[str]) -> Plan:
+    """Concrete GPU ids for a selection; model-stages of one stage get disjoint ids."""
+    cands: dict[str, Candidate] = {}
+    for stage in STAGES:
+        members = [n for n in order if stage_of[n] == stage]
+        if stage == "training":
+            members.sort(key=lambda n: -selection[n].gpus)
+        else:
+            members.sort(key=lambda n: (-selection[n].layout.size, -selection[n].gpus))
+        offset = 0
+        for n in members:
+            o = selection[n]
+            cands[n] = Candidate(o.layout, o.dp, tuple(range(offset, offset + o.gpus)), o.micro_batch, o.recompute)
+            offset += o.gpus
+    return Plan.of({n: cands[n] for n in order})
+
+
+def plan_job(
+    models: Mapping[str, ModelSpec],
+    cluster: ClusterSpec,
+    workload: Workload,
+    calibration: Calibration | None = None,
+    alternatives: int = 4,
+) -> PlanResult:
+    """The fastest feasible plan for ``workload`` on ``cluster`` and up to ``alternatives`` next-best plans.
+
+    Raises:
+        InfeasiblePlanError: a model-stage fits no candidate, or a stage's model-stages cannot
+            share the pool; the message names the model-stage, its memory and the GPUs it needs.
+    """
+    stages = workload.stages
+    works = {ms.name: stage_work(ms, models, workload) for ms in stages}
+    cap, budget = memory_cap(cluster), cluster.num_gpus
+    fronts: dict[str, list[Option]] = {}
+    for name, work in works.items():
+        fronts[name] = frontier(stage_options(work, cluster, calibration, budget, cap))
+        if not fronts[name]:
+            raise InfeasiblePlanError(diagnose_memory(work, cluster, budget, cap))
+    per_stage: list[list[dict[str, Option]]] = []
+    for stage in STAGES:
+        group = {ms.name: fronts[ms.name] for ms in stages if ms.stage == stage}
+        if not group:
+            continue
+        picks = solve_stage(group, budget, alternatives + 1)
+        if not picks:
+            need = {n: f[0].gpus for n, f in group.items()}
+            raise InfeasiblePlanError(
+                f"{stage} stage: its concurrent model-stages need at least {sum(need.values())} GPUs together "
+                f"({', '.join(f'{n} {g}' for n, g in need.items())}) but the pool has {budget}; "
+                f"raise cluster.num_gpus to {sum(need.values())}"
+            )
+        per_stage.append(picks)
+    stage_of = {ms.name: ms.stage for ms in stages}
+    order = [ms.name for ms in stages]
+
+    def total(combo: tuple[dict[str, Option], ...]) -> float:
+        return sum(max(o.latency for o in pick.values()) for pick in combo)
+
+    combos = sorted(itertools.product(*per_stage), key=total)[: alternatives + 1]
+    results = []
+    for combo in combos:
+        selection = {n: o for pick in combo for n, o in pick.items()}
+        plan = assign_gpus(selection, stage_of, order)
+        results.append((plan, estimate_plan(plan, models, cluster, workload, calibration)))
+    best, rest = results[0], tuple(results[1:])
+    return PlanResult(best[0], best[1], rest)
+
+
+def diagnose_memory(work: StageWork, cluster: ClusterSpec, budget: int, cap: float) -> str:
+    """Why ``work`` fits no candidate: its least memory within the pool, and the GPUs that would fit it."""
+    best = None
+    for layout in layouts_for(work.model, budget):
+        for dp in dp_options(work, layout, budget)[:1]:
+            share = replica_sequences(work, dp) or 1
+            for mb in micro_batch_options(work, share)[:1]:
+                peak = max(rank_peak_memory(work, layout, dp, mb, work.trains))
+                if best is None or peak < best[0]:
+                    best = (peak, layout)
+    fits = None
+    for layout in sorted(layouts_for(work.model, 1 << 20), key=lambda l: l.size):
+        share = replica_sequences(work, 1) or 1
+        options = micro_batch_options(work, share)
+        if options and max(rank_peak_memory(work, layout, 1, options[0], work.trains)) <= cap:
+            fits = layout
+            break
+    where = f" at its best layout {best[1]}" if best else ""
+    need = f"{best[0] / 1e9:.1f} GB per GPU{where}" if best else "more GPUs than the pool has for any layout"
+    hint = (
+        f"it would fit on {fits.size} GPUs ({fits}); raise cluster.num_gpus to at least {fits.size}"
+        if fits
+        else "it does not fit at any layout; use GPUs with more memory or shorter sequences"
+    )
+    return (
+        f"{work.name} ({work.model.name}, {work.kind}) cannot fit: it needs {need}, "
+        f"over the cap of {cap / 1e9:.1f} GB ({cluster.gpu_memory / 1e9:.0f} GB less 10% headroom) "
+        f"with {budget} GPUs; {hint}"
+    )
