@@ -1,1 +1,32 @@
-"""transition."""
+"""Transitions between plans: local DAGs, the global DAG with resource edges, validation, ``L_tran``.
+
+Pure Python (the brain). The body's executor runs :class:`TransitionDAG` nodes one-to-one.
+"""
+
+from nereus_lightning.transition.baseline import BaselineOutcome, per_component_baseline
+from nereus_lightning.transition.build import build_transition
+from nereus_lightning.transition.cost import Schedule, schedule, transition_cost
+from nereus_lightning.transition.dag import MemEffect, Node, Primitive, TransitionDAG, Unit
+from nereus_lightning.transition.local import common_layout
+from nereus_lightning.transition.pieces import Piece, Transfer, piece_bytes
+from nereus_lightning.transition.validate import ValidationReport, validate
+
+__all__ = [
+    "BaselineOutcome",
+    "MemEffect",
+    "Node",
+    "Piece",
+    "Primitive",
+    "Schedule",
+    "Transfer",
+    "TransitionDAG",
+    "Unit",
+    "ValidationReport",
+    "build_transition",
+    "common_layout",
+    "per_component_baseline",
+    "piece_bytes",
+    "schedule",
+    "transition_cost",
+    "validate",
+]

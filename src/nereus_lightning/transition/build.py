@@ -1,0 +1,256 @@
+"""The global transition DAG: local DAGs plus resource edges, found by one ordered replay.
+
+The union of the local DAGs is replayed with a priority list scheduler (releases first: Destroy,
+then Merge; then generation -> inference -> training, workflow order, local order). An acquisition
+is *blocked* while a model-stage of the same stage still holds one of its GPUs, or while the
+memory bound of a GPU would pass the cap. When it can go, it gets a resource edge from every
+release it relied on, so ANY execution of the final DAG is safe:
+
+* GPU disjointness: an Extend of X onto GPU g depends on every Destroy by which a same-stage
+  model-stage left g (and that model-stage never comes back to g: the target is disjoint).
+* Memory: on a GPU whose worst case (resident + every node's growth) fits, no edge is needed.
+  On a tight GPU each acquisition depends on every earlier node on that GPU that freed memory,
+  and is admitted only if ``resident + growth of all earlier acquisitions + its own growth - those
+  frees`` fits. Any set of started nodes is then bounded by the check of its last acquisition.
+
+A Destroy that depends on the blocked acquisition never runs before it (the replay respects
+dependencies), so the edges keep the graph acyclic. If nothing can run while acquisitions are
+blocked, no releasing Destroy exists: :class:`InfeasiblePlanError` names the stuck acquisitions.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict
+from collections.abc import Mapping
+from functools import lru_cache
+
+from nereus_lightning.plan.layout import Candidate, Layout, Plan
+from nereus_lightning.plan.memory import memory_cap, state_bytes_per_gpu
+from nereus_lightning.spec.cluster import ClusterSpec
+from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
+from nereus_lightning.spec.model import ModelSpec
+from nereus_lightning.spec.workload import ModelStage, Workload
+from nereus_lightning.transition.dag import Node, Primitive, TransitionContext, TransitionDAG
+from nereus_lightning.transition.local import common_layout, local_dag
+from nereus_lightning.transition.pieces import geometry
+
+_OP_RANK = {Primitive.DESTROY: 0, Primitive.MERGE: 1, Primitive.SPLIT: 2, Primitive.EXTEND: 3}
+GB = 1e9
+
+
+def build_transition(
+    current: Plan, target: Plan, models: Mapping[str, ModelSpec], cluster: ClusterSpec, workload: Workload
+) -> TransitionDAG:
+    """The global transition DAG from ``current`` to ``target`` (cached per argument tuple).
+
+    Args:
+        current: the plan the job runs now.
+        target: the plan to move to (the same model-stages).
+        models: ModelSpec per model role (``actor``, ``critic``, ``reference``, ``reward``).
+        cluster: GPUs, links and memory.
+        workload: its algorithm names the model-stages and their stages.
+
+    Raises:
+        NereusConfigError: the plans or ``models`` do not match the workload.
+        InfeasiblePlanError: no safe order exists (the message names the stuck acquisition),
+            or a plan does not fit in GPU memory.
+    """
+    return _build(current, target, tuple(sorted(models.items())), cluster, workload)
+
+
+@lru_cache(maxsize=128)
+def _build(
+    current: Plan, target: Plan, models: tuple[tuple[str, ModelSpec], ...], cluster: ClusterSpec, workload: Workload
+) -> TransitionDAG:
+    ctx = make_context(current, target, dict(models), cluster, workload)
+    nodes = union_of_local_dags(ctx)
+    order = _order_with_resource_edges(nodes, ctx)
+    return TransitionDAG(order, ctx, global_order=True)
+
+
+def make_context(
+    current: Plan, target: Plan, models: Mapping[str, ModelSpec], cluster: ClusterSpec, workload: Workload
+) -> TransitionContext:
+    """Check the inputs and collect what every later step needs (unit memory per layout)."""
+    stages = {ms.name: ms for ms in workload.stages}
+    for label, plan in (("current", current), ("target", target)):
+        for name in plan:
+            if name not in stages:
+                raise NereusConfigError(
+                    f"{label} plan: model-stage {name!r} is not in the {workload.algorithm} workflow {list(stages)}"
+                )
+    if set(current) != set(target):
+        raise NereusConfigError(
+            f"target plan: model-stages {sorted(set(target))} differ from the current plan's {sorted(set(current))}; "
+            "a transition moves existing model-stages only"
+        )
+    for name in current:
+        role = stages[name].model
+        if role not in models:
+            raise NereusConfigError(f"models: no ModelSpec for role {role!r} (needed by {name}); pass models[{role!r}]")
+    unit_memory: dict[tuple[str, Layout], float] = {}
+    for name in current:
+        ms = stages[name]
+        a, b = current[name].layout, target[name].layout
+        for layout in (a, b, common_layout(a, b)):
+            unit_memory[(name, layout)] = state_bytes_per_gpu(models[ms.model], ms.trains, layout)
+    ctx = TransitionContext(current, target, stages, dict(models), cluster, workload, unit_memory)
+    for label, plan in (("current", current), ("target", target)):
+        _check_plan(label, plan, ctx)
+    return ctx
+
+
+def _check_plan(label: str, plan: Plan, ctx: TransitionContext) -> None:
+    """GPU ids exist, same-stage model-stages are disjoint, resident state fits."""
+    owner: dict[tuple[str, int], str] = {}
+    mem: dict[int, float] = defaultdict(float)
+    n = ctx.cluster.num_gpus
+    for name, cand in plan.items():
+        stage = ctx.stages[name].stage
+        per_gpu = ctx.memory_of(name, cand.layout)
+        for g in cand.gpus:
+            if not 0 <= g < n:
+                raise NereusConfigError(f"{label} plan: {name} uses GPU {g}, outside the pool 0..{n - 1}")
+            other = owner.setdefault((stage, g), name)
+            if other != name:
+                raise NereusConfigError(
+                    f"{label} plan: {other} and {name} both use GPU {g} in the {stage} stage; "
+                    "model-stages of one stage need disjoint GPUs"
+                )
+            mem[g] += per_gpu
+    cap = memory_cap(ctx.cluster)
+    for g, used in mem.items():
+        if used > cap:
+            holders = [name for name, c in plan.items() if g in c.gpus]
+            raise InfeasiblePlanError(
+                f"{label} plan does not fit on GPU {g}: {used / GB:.1f} GB resident ({', '.join(holders)}) "
+                f"> cap {cap / GB:.1f} GB"
+            )
+
+
+def union_of_local_dags(ctx: TransitionContext) -> list[Node]:
+    """Every model-stage's local DAG in workflow order, ids global (deps local only)."""
+    nodes: list[Node] = []
+    for name, cur in ctx.current.items():
+        ms = ctx.stages[name]
+        geo = geometry(ctx.models[ms.model], ms.trains)
+        local = local_dag(name, geo, lambda layout, _n=name: ctx.memory_of(_n, layout), cur, ctx.target[name], ctx.cluster)
+        base = len(nodes)
+        for node in local:
+            node.id += base
+            node.deps = [d + base for d in node.deps]
+            nodes.append(node)
+    return nodes
+
+
+def _order_with_resource_edges(nodes: list[Node], ctx: TransitionContext) -> list[Node]:
+    """Replay ``nodes`` in priority order, adding resource edges; return them renumbered."""
+    stages: dict[str, ModelStage] = ctx.stages
+    index = {name: i for i, name in enumerate(ctx.current)}
+    peers = {
+        name: [o for o in ctx.current if o != name and stages[o].stage == stages[name].stage] for name in ctx.current
+    }
+    cap = memory_cap(ctx.cluster)
+    holders: dict[int, dict[str, int]] = defaultdict(dict)
+    base: dict[int, float] = defaultdict(float)
+    for name, cand in ctx.current.items():
+        per_gpu = ctx.memory_of(name, cand.layout)
+        for g in cand.gpus:
+            holders[g][name] = holders[g].get(name, 0) + 1
+            base[g] += per_gpu
+    worst = dict(base)
+    for node in nodes:
+        for e in node.mem:
+            worst[e.gpu] = worst.get(e.gpu, 0.0) + max(e.net, 0.0) + e.transient
+    tight = {g for g, w in worst.items() if w > cap}
+
+    grown: dict[int, float] = defaultdict(float)
+    freed: dict[int, float] = defaultdict(float)
+    freers: dict[int, list[int]] = defaultdict(list)  # executed nodes that freed memory, per tight GPU
+    left: dict[tuple[int, str], list[int]] = defaultdict(list)  # Destroys by which a model-stage left a GPU
+    succs: list[list[int]] = [[] for _ in nodes]
+    indeg = [len(n.deps) for n in nodes]
+    for n in nodes:
+        for d in n.deps:
+            succs[d].append(n.id)
+
+    def key(n: Node) -> tuple[int, int, int, int]:
+        return (_OP_RANK[n.op], stages[n.model_stage].stage_index, index[n.model_stage], n.id)
+
+    heap = [(key(n), n.id) for n in nodes if indeg[n.id] == 0]
+    heapq.heapify(heap)
+
+    def blocked(n: Node) -> str | None:
+        if n.op is Primitive.EXTEND:
+            for g in n.targets[0].gpus:
+                for other in peers[n.model_stage]:
+                    if holders[g].get(other):
+                        return f"GPU {g} is still held by {other} (same {stages[other].stage} stage)"
+        for g, net, transient in n.mem:
+            grow = max(net, 0.0) + transient
+            if grow > 0 and g in tight and base[g] + grown[g] + grow - freed[g] > cap:
+                need = base[g] + grown[g] + grow - freed[g]
+                return f"GPU {g} would need {need / GB:.1f} GB > cap {cap / GB:.1f} GB"
+        return None
+
+    order: list[Node] = []
+    stuck: list[tuple[Node, str]] = []
+    while True:
+        progressed = False
+        while heap:
+            _, nid = heapq.heappop(heap)
+            n = nodes[nid]
+            why = blocked(n)
+            if why:
+                stuck.append((n, why))
+                continue
+            extra: set[int] = set()
+            if n.op is Primitive.EXTEND:
+                for g in n.targets[0].gpus:
+                    for other in peers[n.model_stage]:
+                        extra.update(left.get((g, other), ()))
+                    holders[g][n.model_stage] = holders[g].get(n.model_stage, 0) + 1
+            elif n.op is Primitive.DESTROY:
+                for g in n.sources[0].gpus:
+                    holders[g][n.model_stage] -= 1
+                    left[(g, n.model_stage)].append(n.id)
+            for g, net, transient in n.mem:
+                grow = max(net, 0.0) + transient
+                if grow > 0 and g in tight:
+                    extra.update(freers[g])
+                grown[g] += grow
+                free = max(-net, 0.0) + transient
+                if free > 0:
+                    freed[g] += free
+                    if g in tight:
+                        freers[g].append(n.id)
+            extra.difference_update(n.deps)
+            extra.discard(n.id)
+            if extra:
+                n.resource_deps = sorted(extra)
+            order.append(n)
+            progressed = True
+            for s in succs[nid]:
+                indeg[s] -= 1
+                if indeg[s] == 0:
+                    heapq.heappush(heap, (key(nodes[s]), s))
+        if not stuck:
+            break
+        if not progressed:
+            lines = "; ".join(f"{n.op.value} of {n.model_stage} onto {list(n.targets[0].gpus)}: {why}" for n, why in stuck[:4])
+            raise InfeasiblePlanError(
+                f"no safe transition order: {len(stuck)} acquisition(s) blocked and no release can run; "
+                f"stuck: {lines}. Choose a target that leaves these GPUs free or frees memory first"
+            )
+        for n, _ in stuck:
+            heapq.heappush(heap, (key(n), n.id))
+        stuck = []
+    if len(order) != len(nodes):  # pragma: no cover - a bug in the local DAGs, not bad input
+        raise RuntimeError(f"transition replay ran {len(order)} of {len(nodes)} nodes")
+    renumber = {n.id: i for i, n in enumerate(order)}
+    for i, n in enumerate(order):
+        n.id = i
+        n.resource_deps = sorted(renumber[d] for d in n.resource_deps)
+        n.deps = sorted({renumber[d] for d in n.deps}.union(n.resource_deps))
+    return order

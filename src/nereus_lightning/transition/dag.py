@@ -1,0 +1,148 @@
+"""The transition DAG: one node per primitive call on one model-stage, with its explicit transfers.
+
+An executor runs the nodes one-to-one: a node is ready when every node in ``deps`` has finished;
+ready nodes may run concurrently. ``sources`` are the units the primitive reads (and, except for
+Extend, consumes); ``targets`` the units it creates. A unit is a layout and its GPUs in
+``Candidate`` order (index ``pp_rank * tp + tp_rank``). The transfers of a node are exactly what
+it sends; they price the node (``transition.cost``) and the executor checks its bytes against them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, NamedTuple
+
+from nereus_lightning.plan.layout import Layout, Plan
+from nereus_lightning.spec.cluster import ClusterSpec
+from nereus_lightning.spec.model import ModelSpec
+from nereus_lightning.spec.workload import ModelStage, Workload
+from nereus_lightning.transition.pieces import Transfer
+
+if TYPE_CHECKING:
+    from nereus_lightning.transition.validate import ValidationReport
+
+
+class Primitive(str, Enum):
+    """The four EMU primitives (section 5.2 of the paper)."""
+
+    SPLIT = "split"  # one unit -> k units of a smaller layout on the same GPUs (gather within groups)
+    MERGE = "merge"  # k units -> one unit of a larger layout on their GPUs (only non-resident pieces move)
+    EXTEND = "extend"  # copy one unit onto new GPUs, rank-aligned (the source stays)
+    DESTROY = "destroy"  # drop one unit and free its GPUs (no transfers)
+
+
+class Unit(NamedTuple):
+    """One replica (EMU) of a model-stage: ``layout`` on ``gpus`` (index ``pp_rank * tp + tp_rank``)."""
+
+    layout: Layout
+    gpus: tuple[int, ...]
+
+    def __str__(self) -> str:
+        return f"{self.layout}@{list(self.gpus)}"
+
+
+class MemEffect(NamedTuple):
+    """A node's memory effect on one GPU: ``net`` bytes kept after it ends, ``transient`` buffers while it runs."""
+
+    gpu: int
+    net: float
+    transient: float
+
+
+@dataclass(eq=False, slots=True)
+class Node:
+    """One primitive call on one model-stage (treat as read-only once built)."""
+
+    id: int
+    op: Primitive
+    model_stage: str
+    sources: tuple[Unit, ...]
+    targets: tuple[Unit, ...]
+    transfers: tuple[Transfer, ...]
+    deps: list[int] = field(default_factory=list)
+    mem: tuple[MemEffect, ...] = ()
+    resource_deps: list[int] = field(default_factory=list)  # the deps added by the global ordering
+
+    @property
+    def bytes(self) -> int:
+        """Total bytes this node moves between GPUs."""
+        return sum(t.bytes for t in self.transfers if t.src_gpu != t.dst_gpu)
+
+    @property
+    def gpus(self) -> tuple[int, ...]:
+        """Every GPU the node touches."""
+        seen: dict[int, None] = {}
+        for u in self.sources + self.targets:
+            for g in u.gpus:
+                seen[g] = None
+        return tuple(seen)
+
+    def __str__(self) -> str:
+        src = ", ".join(map(str, self.sources))
+        dst = ", ".join(map(str, self.targets))
+        return f"#{self.id} {self.op.value}({self.model_stage}: {src} -> {dst}; {self.bytes / 1e9:.3g} GB)"
+
+
+@dataclass(frozen=True)
+class TransitionContext:
+    """What a DAG was built for: the two plans and what the model-stages are."""
+
+    current: Plan
+    target: Plan
+    stages: Mapping[str, ModelStage]
+    models: Mapping[str, ModelSpec]
+    cluster: ClusterSpec
+    workload: Workload
+    unit_memory: Mapping[tuple[str, Layout], float]  # per-GPU resident bytes of one unit
+
+    def memory_of(self, model_stage: str, layout: Layout) -> float:
+        """Per-GPU bytes one unit of ``model_stage`` under ``layout`` keeps resident."""
+        return self.unit_memory[(model_stage, layout)]
+
+
+@dataclass(eq=False)
+class TransitionDAG:
+    """Nodes in a topological order (``nodes[i].id == i``; every dep is an earlier id)."""
+
+    nodes: list[Node]
+    context: TransitionContext
+    global_order: bool = True  # False for the per-component baseline (no resource edges)
+    _cost: float | None = field(default=None, repr=False)
+
+    @property
+    def cost(self) -> float:
+        """``L_tran`` in seconds on the context's cluster (cached)."""
+        if self._cost is None:
+            from nereus_lightning.transition.cost import transition_cost
+
+            self._cost = transition_cost(self, self.context.cluster)
+        return self._cost
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes moved between GPUs by all nodes."""
+        return sum(n.bytes for n in self.nodes)
+
+    @property
+    def resource_edges(self) -> int:
+        """How many edges the global ordering added to the local DAGs."""
+        return sum(len(n.resource_deps) for n in self.nodes)
+
+    def counts(self) -> dict[str, int]:
+        """Nodes per primitive."""
+        out = {p.value: 0 for p in Primitive}
+        for n in self.nodes:
+            out[n.op.value] += 1
+        return out
+
+    def validate(self) -> ValidationReport:
+        """Shorthand for :func:`transition.validate.validate`."""
+        from nereus_lightning.transition.validate import validate
+
+        return validate(self)
+
+    def describe(self) -> str:
+        """One line per node."""
+        return "\n".join(f"{n}  deps={n.deps}" for n in self.nodes)

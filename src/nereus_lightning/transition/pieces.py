@@ -1,0 +1,205 @@
+"""What one GPU holds of a model-stage's logical state, and the exact bytes of every transfer.
+
+The logical state of a model-stage is its parameters (inference) or its parameters plus fp32
+master weights and AdamW moments (training; ``plan.memory.OPTIMIZER_BYTES_PER_PARAM``).
+Gradients are not state: they are empty at a safe boundary. Under ``Layout(tp, pp)`` the GPU at
+position ``(pp_rank, tp_rank)`` holds
+
+* the blocks ``layer_range(num_layers, pp, pp_rank)`` (earlier stages take the remainder,
+  as ``plan.compute.stage_layers`` and ``models.sharding.layer_range``),
+* the input embedding on stage 0, the final norm and the LM head on the last stage (a tied LM
+  head is a copy of the embedding and lives on the last stage too when ``pp > 1``),
+* of every TP-split tensor the contiguous fraction ``[tp_rank / tp, (tp_rank + 1) / tp)``,
+  and every TP-replicated tensor (the two block norms, Qwen3's q/k norms, the final norm) whole.
+
+A :class:`Piece` names a part of that state; :func:`piece_bytes` is THE byte formula, used both
+to price a transition and (by the executor) to check what it sent::
+
+    bytes = bpp * ( (layer_hi - layer_lo) * (split(layer) * f + (replicated(layer) if layer_norms))
+                    + embed * split(embedding) * f + lm_head * split(lm_head) * f
+                    + final_norm * hidden )
+
+with ``f = (tp_hi - tp_lo) / tp_den`` (integer division of the product, exact whenever TP divides
+the tensor, which ``ModelSpec.validate_tp`` and ``models.sharding.tp_slices`` require),
+``replicated(layer) = 2 * hidden (+ 2 * head_dim with q/k norms)``,
+``split(layer) = layer_params - replicated(layer)`` and
+``bpp = dtype_bytes (+ OPTIMIZER_BYTES_PER_PARAM when the model-stage trains)``.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from math import gcd
+from typing import NamedTuple
+
+from nereus_lightning.plan.layout import Layout
+from nereus_lightning.plan.memory import OPTIMIZER_BYTES_PER_PARAM
+from nereus_lightning.spec.model import ModelSpec
+
+
+class Piece(NamedTuple):
+    """A part of one model-stage's state: blocks, top-level tensors and a TP fraction.
+
+    ``embed`` means the embedding matrix (on a tied model's last stage: its LM-head copy);
+    ``lm_head`` the untied LM-head weight; ``final_norm`` and ``layer_norms`` the TP-replicated
+    tensors of the final norm and of the listed blocks. TP-split tensors are included for the
+    fraction ``[tp_lo / tp_den, tp_hi / tp_den)`` of their split dimension.
+    """
+
+    layer_lo: int
+    layer_hi: int
+    embed: bool
+    lm_head: bool
+    final_norm: bool
+    layer_norms: bool
+    tp_lo: int
+    tp_hi: int
+    tp_den: int
+
+    def __str__(self) -> str:
+        parts = []
+        if self.layer_hi > self.layer_lo:
+            parts.append(f"layers {self.layer_lo}-{self.layer_hi - 1}{'' if self.layer_norms else ' (no norms)'}")
+        if self.embed:
+            parts.append("embed")
+        if self.lm_head:
+            parts.append("lm_head")
+        if self.final_norm:
+            parts.append("final_norm")
+        return f"{'+'.join(parts)} tp[{self.tp_lo}:{self.tp_hi}]/{self.tp_den}"
+
+
+class Transfer(NamedTuple):
+    """One point-to-point copy of ``bytes`` bytes of ``what`` from ``src_gpu`` to ``dst_gpu``."""
+
+    src_gpu: int
+    dst_gpu: int
+    bytes: int
+    what: Piece
+
+
+class Geometry(NamedTuple):
+    """Per-parameter sizes of one model-stage's state (see the module docstring)."""
+
+    model: ModelSpec
+    bytes_per_param: int
+    layer_split: int
+    layer_replicated: int
+    embedding: int
+    lm_head: int
+
+
+@lru_cache(maxsize=256)
+def geometry(model: ModelSpec, trains: bool) -> Geometry:
+    """The state geometry of ``model`` for an inference (``trains=False``) or training model-stage."""
+    replicated = 2 * model.hidden + (2 * model.head_dim if model.qk_norm else 0)
+    bpp = model.dtype_bytes + (OPTIMIZER_BYTES_PER_PARAM if trains else 0)
+    return Geometry(model, bpp, model.layer_params - replicated, replicated, model.embedding_params, model.lm_head_params)
+
+
+def piece_bytes(geo: Geometry, p: Piece) -> int:
+    """Bytes of piece ``p`` (the formula in the module docstring)."""
+    num, den = p.tp_hi - p.tp_lo, p.tp_den
+    params = (p.layer_hi - p.layer_lo) * (geo.layer_split * num // den + (geo.layer_replicated if p.layer_norms else 0))
+    if p.embed:
+        params += geo.embedding * num // den
+    if p.lm_head:
+        params += geo.lm_head * num // den
+    if p.final_norm:
+        params += geo.model.hidden
+    return params * geo.bytes_per_param
+
+
+class StageContent(NamedTuple):
+    """The blocks and top-level tensors of one pipeline stage."""
+
+    lo: int
+    hi: int
+    embed: bool
+    lm_head: bool
+    final_norm: bool
+
+
+@lru_cache(maxsize=4096)
+def stage_content(model: ModelSpec, pp: int, pp_rank: int) -> StageContent:
+    """What pipeline stage ``pp_rank`` of ``pp`` holds (see the module docstring)."""
+    base, extra = divmod(model.num_layers, pp)
+    lo = pp_rank * base + min(pp_rank, extra)
+    hi = lo + base + (1 if pp_rank < extra else 0)
+    last = pp_rank == pp - 1
+    embed = pp_rank == 0 or (model.tie_embeddings and last)
+    return StageContent(lo, hi, embed, last and not model.tie_embeddings, last)
+
+
+@lru_cache(maxsize=4096)
+def shard_bytes(geo: Geometry, layout: Layout, pp_rank: int) -> int:
+    """Bytes held by one GPU of pipeline stage ``pp_rank`` under ``layout``."""
+    c = stage_content(geo.model, layout.pp, pp_rank)
+    return piece_bytes(geo, Piece(c.lo, c.hi, c.embed, c.lm_head, c.final_norm, True, 0, 1, layout.tp))
+
+
+def full_piece(model: ModelSpec, layout: Layout, pp_rank: int, tp_rank: int) -> Piece:
+    """The whole shard at position ``(pp_rank, tp_rank)`` of ``layout``."""
+    c = stage_content(model, layout.pp, pp_rank)
+    return Piece(c.lo, c.hi, c.embed, c.lm_head, c.final_norm, True, tp_rank, tp_rank + 1, layout.tp)
+
+
+def extend_transfers(geo: Geometry, layout: Layout, src: tuple[int, ...], dst: tuple[int, ...]) -> list[Transfer]:
+    """Extend: the GPU at each position of ``dst`` receives the whole shard of that position from ``src``."""
+    out = []
+    tp = layout.tp
+    for i, (s, d) in enumerate(zip(src, dst)):
+        p, t = divmod(i, tp)
+        out.append(Transfer(s, d, shard_bytes(geo, layout, p), full_piece(geo.model, layout, p, t)))
+    return out
+
+
+def gather_transfers(
+    geo: Geometry,
+    have: Layout,
+    have_gpus: tuple[int, ...],
+    dst_index: int,
+    want: Layout,
+    want_pp: int,
+    want_tp: int,
+) -> list[Transfer]:
+    """What the GPU ``have_gpus[dst_index]`` lacks to hold shard ``(want_pp, want_tp)`` of ``want``.
+
+    ``have_gpus`` is one full replica under ``have`` (the GPU's own unit, so it already holds
+    shard ``dst_index`` of it). Each missing TP-split part comes from the one rank of that unit
+    that holds it; the replicated tensors of a block the GPU lacks come from the first rank of
+    their stage that sends anything. Used by Split (``want`` smaller) and Merge (``want`` larger).
+    """
+    model = geo.model
+    dst = have_gpus[dst_index]
+    p0, t0 = divmod(dst_index, have.tp)
+    w = stage_content(model, want.pp, want_pp)
+    den = have.tp * want.tp // gcd(have.tp, want.tp)
+    w_lo, w_hi = want_tp * (den // want.tp), (want_tp + 1) * (den // want.tp)
+    step = den // have.tp
+    # A tied model may hold the embedding on two stages: take it from one (the resident's if any).
+    embed_from = p0 if stage_content(model, have.pp, p0).embed else (0 if w.embed else -1)
+    out = []
+    for p in range(have.pp):
+        h = stage_content(model, have.pp, p)
+        lo, hi = max(h.lo, w.lo), min(h.hi, w.hi)
+        if hi < lo:
+            hi = lo
+        embed = w.embed and p == embed_from
+        lm_head, norm = h.lm_head and w.lm_head, h.final_norm and w.final_norm
+        if hi == lo and not (embed or lm_head or norm):
+            continue
+        first = True
+        for t in range(w_lo // step, -(-w_hi // step)):
+            f_lo, f_hi = max(w_lo, t * step), min(w_hi, (t + 1) * step)
+            if f_hi <= f_lo:
+                continue
+            replicated = first and p != p0
+            first = False
+            if p == p0 and t == t0:
+                continue  # resident
+            piece = Piece(lo, hi, embed, lm_head, norm and replicated, replicated and hi > lo, f_lo, f_hi, den)
+            size = piece_bytes(geo, piece)
+            if size:
+                out.append(Transfer(have_gpus[p * have.tp + t], dst, size, piece))
+    return out

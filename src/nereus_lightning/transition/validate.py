@@ -1,0 +1,232 @@
+"""Validation of a transition DAG by replay.
+
+Three checks, each independent of how the DAG was built:
+
+1. **Sequential replay** in the DAG's own order (``dag.nodes``): every node finds its source units
+   alive; every model-stage keeps at least one unit (a full copy of its state) at every moment;
+   same-stage model-stages never share a GPU; per-GPU memory (resident units + the running
+   node's transfer buffers) stays under ``plan.memory.memory_cap``; the end state is the target.
+2. **Any order, GPUs**: an Extend of X onto GPU g must have, as an ancestor, every Destroy by which
+   a same-stage model-stage leaves g. Then no topological order or concurrent run can overlap them.
+3. **Adversarial concurrent replay**: every ready node starts at once and releases finish last
+   (acquisitions finish first), the worst case for memory and GPU conflicts among the orders a
+   concurrent executor may take.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from dataclasses import dataclass
+
+from nereus_lightning.plan.memory import memory_cap
+from nereus_lightning.transition.dag import Node, Primitive, TransitionDAG, Unit
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class ValidationReport:
+    """The outcome of :func:`validate`; ``problems`` start with their kind (``gpu conflict``, ``memory``, ...)."""
+
+    valid: bool
+    problems: tuple[str, ...]
+    peak_memory: float  # bytes on the most loaded GPU over the replays
+    memory_cap: float
+
+    def kinds(self) -> set[str]:
+        """The kinds of the problems found."""
+        return {p.split(":", 1)[0] for p in self.problems}
+
+    def __bool__(self) -> bool:
+        return self.valid
+
+
+def validate(dag: TransitionDAG, *, random_orders: int = 0, seed: int = 0, max_problems: int = 8) -> ValidationReport:
+    """Check ``dag`` (see the module docstring); ``random_orders`` adds replays of random topological orders."""
+    problems: list[str] = []
+    problems += _structure(dag)
+    if problems:
+        return ValidationReport(False, tuple(problems[:max_problems]), 0.0, memory_cap(dag.context.cluster))
+    peak = _replay(dag, dag.nodes, problems, "")
+    problems += _any_order_gpus(dag)
+    peak = max(peak, _adversarial(dag, problems))
+    rng = random.Random(seed)
+    for k in range(random_orders):
+        peak = max(peak, _replay(dag, _random_order(dag, rng), problems, f" (random order {k})"))
+    return ValidationReport(not problems, tuple(problems[:max_problems]), peak, memory_cap(dag.context.cluster))
+
+
+def _structure(dag: TransitionDAG) -> list[str]:
+    out = []
+    for i, n in enumerate(dag.nodes):
+        if n.id != i:
+            out.append(f"structure: node at position {i} has id {n.id}")
+        bad = [d for d in n.deps if not 0 <= d < i]
+        if bad:
+            out.append(f"structure: {n} depends on {bad}, not earlier nodes (a cycle or a bad order)")
+    return out
+
+
+def _initial(dag: TransitionDAG) -> dict[str, set[Unit]]:
+    ctx = dag.context
+    return {name: {Unit(c.layout, c.replica_gpus(i)) for i in range(c.dp)} for name, c in ctx.current.items()}
+
+
+def _replay(dag: TransitionDAG, order: list[Node], problems: list[str], label: str) -> float:
+    """Sequential replay in ``order``; returns the peak per-GPU memory."""
+    ctx = dag.context
+    cap = memory_cap(ctx.cluster)
+    alive = _initial(dag)
+    mem: dict[int, float] = defaultdict(float)
+    held: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for name, units in alive.items():
+        for u in units:
+            for g in u.gpus:
+                mem[g] += ctx.memory_of(name, u.layout)
+                held[g][name] += 1
+    peak = max(mem.values(), default=0.0)
+    stage = {name: ms.stage for name, ms in ctx.stages.items()}
+    for n in order:
+        units = alive[n.model_stage]
+        missing = [u for u in n.sources if u not in units]
+        if missing:
+            problems.append(f"structure{label}: {n} reads units that do not exist: {missing}")
+            return peak
+        for g, net, transient in n.mem:
+            top = mem[g] + max(net, 0.0) + transient
+            peak = max(peak, top)
+            if top > cap * (1 + 1e-9):
+                problems.append(f"memory{label}: GPU {g} reaches {top / GB:.1f} GB > cap {cap / GB:.1f} GB during {n}")
+            mem[g] += net
+        if n.op is not Primitive.EXTEND:
+            units.difference_update(n.sources)
+        units.update(n.targets)
+        if not units:
+            problems.append(f"last copy{label}: {n.model_stage} has no unit left after {n}")
+        if n.op is Primitive.EXTEND:
+            for g in n.targets[0].gpus:
+                held[g][n.model_stage] += 1
+                for other, count in held[g].items():
+                    if count and other != n.model_stage and stage[other] == stage[n.model_stage]:
+                        problems.append(f"gpu conflict{label}: {n} lands on GPU {g} still held by {other}")
+        elif n.op is Primitive.DESTROY:
+            for g in n.sources[0].gpus:
+                held[g][n.model_stage] -= 1
+    for name, cand in ctx.target.items():
+        want = {Unit(cand.layout, cand.replica_gpus(i)) for i in range(cand.dp)}
+        if alive[name] != want:
+            problems.append(f"structure{label}: {name} ends with {sorted(map(str, alive[name]))}, not the target")
+    return peak
+
+
+def _ancestors(dag: TransitionDAG) -> list[int]:
+    """Ancestor sets as bit masks."""
+    anc: list[int] = []
+    for n in dag.nodes:
+        mask = 0
+        for d in n.deps:
+            mask |= anc[d] | (1 << d)
+        anc.append(mask)
+    return anc
+
+
+def _any_order_gpus(dag: TransitionDAG) -> list[str]:
+    ctx = dag.context
+    stage = {name: ms.stage for name, ms in ctx.stages.items()}
+    leaves: dict[tuple[int, str], list[int]] = defaultdict(list)
+    for n in dag.nodes:
+        if n.op is Primitive.DESTROY:
+            for g in n.sources[0].gpus:
+                leaves[(g, n.model_stage)].append(n.id)
+    peers = {a: [b for b in ctx.current if b != a and stage[a] == stage[b]] for a in ctx.current}
+    anc = _ancestors(dag)
+    out = []
+    for n in dag.nodes:
+        if n.op is not Primitive.EXTEND:
+            continue
+        for g in n.targets[0].gpus:
+            for other in peers[n.model_stage]:
+                for d in leaves.get((g, other), ()):
+                    if not anc[n.id] >> d & 1:
+                        out.append(
+                            f"gpu conflict: {n} may land on GPU {g} before {other} leaves it "
+                            f"(#{d} is not ordered before it)"
+                        )
+                        break
+    return out
+
+
+def _adversarial(dag: TransitionDAG, problems: list[str]) -> float:
+    """Start every ready node at once; finish acquisitions before releases."""
+    ctx = dag.context
+    cap = memory_cap(ctx.cluster)
+    stage = {name: ms.stage for name, ms in ctx.stages.items()}
+    mem: dict[int, float] = defaultdict(float)
+    held: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for name, c in ctx.current.items():
+        per = ctx.memory_of(name, c.layout)
+        for g in c.gpus:
+            mem[g] += per
+            held[g][name] += 1
+    peak = max(mem.values(), default=0.0)
+    succs: list[list[int]] = [[] for _ in dag.nodes]
+    indeg = [len(n.deps) for n in dag.nodes]
+    for n in dag.nodes:
+        for d in n.deps:
+            succs[d].append(n.id)
+    ready = [n.id for n in dag.nodes if not n.deps]
+    running: list[int] = []
+    reported = 0
+    while ready or running:
+        for nid in ready:
+            n = dag.nodes[nid]
+            for g, net, transient in n.mem:
+                mem[g] += max(net, 0.0) + transient
+                if mem[g] > peak:
+                    peak = mem[g]
+                if mem[g] > cap * (1 + 1e-9) and reported < 4:
+                    reported += 1
+                    problems.append(f"memory (concurrent): GPU {g} reaches {mem[g] / GB:.1f} GB > cap during {n}")
+            if n.op is Primitive.EXTEND:
+                for g in n.targets[0].gpus:
+                    held[g][n.model_stage] += 1
+                    for other, count in held[g].items():
+                        if count and other != n.model_stage and stage[other] == stage[n.model_stage] and reported < 8:
+                            reported += 1
+                            problems.append(f"gpu conflict (concurrent): {n} lands on GPU {g} held by {other}")
+            running.append(nid)
+        ready = []
+        # Finish one node: an acquisition if any runs (keeps releases pending longest).
+        pick = next((i for i, nid in enumerate(running) if dag.nodes[nid].op is not Primitive.DESTROY), 0)
+        nid = running.pop(pick)
+        n = dag.nodes[nid]
+        for g, net, transient in n.mem:
+            mem[g] -= transient + max(net, 0.0)
+            mem[g] += net
+        if n.op is Primitive.DESTROY:
+            for g in n.sources[0].gpus:
+                held[g][n.model_stage] -= 1
+        for s in succs[nid]:
+            indeg[s] -= 1
+            if indeg[s] == 0:
+                ready.append(s)
+    return peak
+
+
+def _random_order(dag: TransitionDAG, rng: random.Random) -> list[Node]:
+    indeg = [len(n.deps) for n in dag.nodes]
+    succs: list[list[int]] = [[] for _ in dag.nodes]
+    for n in dag.nodes:
+        for d in n.deps:
+            succs[d].append(n.id)
+    ready = [n.id for n in dag.nodes if not n.deps]
+    out = []
+    while ready:
+        nid = ready.pop(rng.randrange(len(ready)))
+        out.append(dag.nodes[nid])
+        for s in succs[nid]:
+            indeg[s] -= 1
+            if indeg[s] == 0:
+                ready.append(s)
+    return out
