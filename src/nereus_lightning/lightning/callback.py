@@ -1,0 +1,200 @@
+"""`NereusCallback`: the monitor -> controller -> strategy loop at every RL-step boundary.
+
+After each step every rank builds the same :class:`~nereus_lightning.control.StepSignals` (the
+step metrics are global); rank 0 asks the controller for a decision, broadcasts it
+(``broadcast_object_list``), and every rank hands an admitted plan to the strategy, which
+executes the transition before the next step. The controller's state (references, H_x,
+calibration) and the run's history live in this callback's ``state_dict``, so they survive a
+checkpoint and a resume under another world size.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch.distributed as dist
+from typing_extensions import override
+
+from nereus_lightning.lightning.stages import data_parallel_plan
+from nereus_lightning.plan.layout import Plan
+from nereus_lightning.spec.errors import InfeasiblePlanError
+
+
+class PoolFollower:
+    """The fallback controller without a planner: every model-stage data-parallel over the pool."""
+
+    def __init__(self, algorithm: str) -> None:
+        self.algorithm = algorithm
+        self.plan: Plan | None = None
+
+    def step(self, signals: Any) -> Any:
+        """A new all-DP plan when the pool changed, else nothing."""
+        from nereus_lightning.control.decision import Decision
+
+        target = data_parallel_plan(self.algorithm, signals.gpus)
+        if self.plan is not None and target == self.plan:
+            return Decision(signals.step, "none")
+        kind = "initial" if self.plan is None else "transition"
+        decision = Decision(signals.step, kind, reason="pool changed", current=self.plan, target=target, signals=signals)
+        self.plan = target
+        return decision
+
+    def state_dict(self) -> dict[str, Any]:
+        """The current plan."""
+        return {"plan": self.plan}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the current plan."""
+        self.plan = state.get("plan")
+
+
+class NereusCallback(pl.Callback):
+    """Feeds the controller every step and applies its decisions through :class:`NereusStrategy`.
+
+    Args:
+        controller: an object with ``step(StepSignals) -> Decision`` (and ``state_dict`` /
+            ``load_state_dict``), e.g. :class:`nereus_lightning.control.Controller`. A callable
+            ``f(module, world_size) -> controller`` is built lazily on rank 0; ``None`` builds
+            the planner-backed controller (or :class:`PoolFollower` when no planner is installed).
+        resources: the GPU pool per step (``pool(step) -> tuple[int, ...]``); ``None``: all ranks.
+        decision_log: a JSON-lines file for the decision log (rank 0 appends).
+        plot_path: where to write the reward / latency plot at the end (``None``: no plot).
+    """
+
+    def __init__(self, controller: Any = None, resources: Any = None, decision_log: str | None = None,
+                 plot_path: str | None = None) -> None:
+        self.controller_factory = controller
+        self.controller: Any = None
+        self.resources = resources
+        self.decision_log = decision_log
+        self.plot_path = plot_path
+        self.history: list[dict[str, float]] = []
+        self.decisions: list[dict[str, Any]] = []
+        self._restored: dict[str, Any] | None = None
+
+    # ---- setup ---------------------------------------------------------------------------
+    def _build_controller(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
+        factory = self.controller_factory
+        if factory is not None and hasattr(factory, "step"):
+            return factory
+        if factory is not None:
+            return factory(pl_module, trainer.world_size)
+        from nereus_lightning.lightning.control import default_controller
+
+        return default_controller(pl_module, trainer.world_size, self.decision_log)
+
+    def pool(self, step: int, world_size: int) -> tuple[int, ...]:
+        """The GPU pool at ``step`` (all ranks without a resource provider), clipped to the job's ranks."""
+        if self.resources is None:
+            return tuple(range(world_size))
+        return tuple(g for g in self.resources.pool(step) if g < world_size)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero:
+            self.controller = self._build_controller(trainer, pl_module)
+            if self._restored is not None and hasattr(self.controller, "load_state_dict"):
+                self.controller.load_state_dict(self._restored)
+        strategy = trainer.strategy
+        step = trainer.global_step
+        if getattr(strategy, "plan", None) is None or self._restored is None:
+            # Initial plan before the first step (or on resume: the controller's plan for this pool).
+            signals = _initial_signals(pl_module, step, self.pool(step, trainer.world_size))
+            self._decide_and_apply(trainer, pl_module, signals, initial=True)
+
+    # ---- every step ----------------------------------------------------------------------
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        stats = dict(getattr(pl_module, "step_stats", {}) or {})
+        step = trainer.global_step  # already counts the step just finished
+        strategy = trainer.strategy
+        plan = getattr(strategy, "plan", None)
+        if plan is not None:
+            for name, cand in plan.items():
+                for key, val in (("dp", cand.dp), ("tp", cand.layout.tp), ("pp", cand.layout.pp)):
+                    stats[f"plan/{name}/{key}"] = float(val)
+        stats["plan/num_gpus"] = float(len(_used_gpus(plan))) if plan is not None else float(trainer.world_size)
+        signals = _signals(pl_module, step, stats, self.pool(step, trainer.world_size))
+        seconds = self._decide_and_apply(trainer, pl_module, signals)
+        stats["timing_s/transition"] = seconds
+        if trainer.is_global_zero:
+            record = {"step": float(step - 1), **{k: float(v) for k, v in stats.items()}}
+            self.history.append(record)
+        pl_module.log("timing_s/transition", seconds, rank_zero_only=True)
+        pl_module.log_dict({k: v for k, v in stats.items() if k.startswith("plan/")}, rank_zero_only=True)
+
+    def _decide_and_apply(self, trainer: pl.Trainer, pl_module: pl.LightningModule, signals: Any,
+                          initial: bool = False) -> float:
+        """Rank 0 decides, everyone receives the decision, an admitted plan is executed; returns seconds."""
+        payload: Any = None
+        if trainer.is_global_zero:
+            try:
+                decision = self.controller.step(signals)
+                payload = ("ok", decision.kind, decision.target if decision.changes_plan else None, decision.to_json())
+            except InfeasiblePlanError as exc:
+                payload = ("infeasible", str(exc), None, None)
+        if dist.is_available() and dist.is_initialized():
+            box = [payload]
+            dist.broadcast_object_list(box, 0)
+            payload = box[0]
+        status, kind, target, record = payload
+        if status == "infeasible":
+            raise InfeasiblePlanError(f"the controller found no feasible plan at step {signals.step}: {kind}")
+        if record is not None and kind != "none":
+            self.decisions.append(record)
+        if target is None:
+            return 0.0
+        strategy = trainer.strategy
+        if not hasattr(strategy, "transition"):
+            return 0.0
+        seconds = strategy.transition(target)
+        if trainer.is_global_zero and not initial:
+            record["measured_s"] = seconds
+        return 0.0 if initial else seconds
+
+    # ---- the end -------------------------------------------------------------------------
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero and self.plot_path and self.history:
+            from nereus_lightning.lightning.plot import plot_run
+
+            os.makedirs(os.path.dirname(os.path.abspath(self.plot_path)), exist_ok=True)
+            plot_run(self.history, self.plot_path)
+
+    # ---- state ---------------------------------------------------------------------------
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        controller = self.controller.state_dict() if self.controller is not None and hasattr(self.controller, "state_dict") else None
+        return {"controller": controller, "history": list(self.history), "decisions": list(self.decisions)}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored = state_dict.get("controller")
+        self.history = list(state_dict.get("history", []))
+        self.decisions = list(state_dict.get("decisions", []))
+
+
+def _used_gpus(plan: Plan | None) -> set[int]:
+    return {g for _, c in plan.items() for g in c.gpus} if plan is not None else set()
+
+
+def _initial_signals(pl_module: pl.LightningModule, step: int, pool: Sequence[int]) -> Any:
+    from nereus_lightning.control.signals import StepSignals
+
+    task = getattr(pl_module, "task", None)
+    length = float(task.max_response_len(step)) if task is not None else 1.0
+    return StepSignals(step=step, response_len=length, response_len_p95=length, prompt_len=4.0, gpus=tuple(pool))
+
+
+def _signals(pl_module: pl.LightningModule, step: int, stats: dict[str, float], pool: Sequence[int]) -> Any:
+    from nereus_lightning.control.signals import StepSignals
+
+    mean = max(stats.get("response_length/mean", 1.0), 1.0)
+    p95 = max(stats.get("response_length/p95", mean), mean)
+    stage_time = {k.split("/", 1)[1]: v for k, v in stats.items() if k.startswith("timing_s/")}
+    return StepSignals(step=step, response_len=mean, response_len_p95=p95,
+                       prompt_len=stats.get("prompt_length/mean", 0.0), gpus=tuple(pool), stage_time=stage_time)

@@ -1,0 +1,331 @@
+"""RL LightningModules: PPO (actor, critic, reference, function reward; GAE), GRPO (group-normalised
+advantages, no critic) and ReMax (greedy-rollout baseline).
+
+The module owns the logical models (full transformers modules) and the algorithm; *where* each
+model-stage runs comes from the strategy's current plan (:class:`NereusStrategy`): every stage
+runs on its replicas' slice of the global batch (see :mod:`nereus_lightning.lightning.stages`)
+and the results are gathered in global sample order before the next stage. Losses are
+normalised by global token counts, so one update is the same under any DP layout up to
+floating-point reduction order.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import lightning as L
+import torch
+from torch import Tensor
+from typing_extensions import override
+
+from nereus_lightning.lightning import sampling
+from nereus_lightning.lightning.build import build_causal_lm, frozen_copy
+from nereus_lightning.lightning.stages import StageSlot, all_reduce_grads, data_parallel_plan, run_partitioned
+from nereus_lightning.rl import advantages as adv
+from nereus_lightning.rl import losses
+from nereus_lightning.spec.errors import require
+
+
+class _StepClock(torch.utils.data.IterableDataset):
+    """An endless stream of ticks: prompts come from the task by RL step, not from the loader."""
+
+    def __iter__(self):  # noqa: ANN204
+        i = 0
+        while True:
+            yield torch.tensor(i)
+            i += 1
+
+
+class RLModule(L.LightningModule):
+    """Shared machinery of the RL algorithms; subclasses set ``algorithm`` and the advantage rule.
+
+    Args:
+        actor: a model preset name (``spec.MODEL_PRESETS``), a transformers config dict, or a local folder.
+        critic: same for the critic (PPO); ``None`` uses the actor's architecture.
+        task: the prompt source and reward (see :mod:`nereus_lightning.rl.tasks`); a task object or a name.
+        prompts_per_step, samples_per_prompt: global batch of one RL step.
+        actor_lr, critic_lr: AdamW learning rates.
+        kl_coef: KL-to-reference coefficient (in-reward penalty for PPO/ReMax, loss term for GRPO).
+        clip_ratio, cliprange_value: PPO clipping.
+        gamma, lam: GAE discount and lambda.
+        temperature: sampling temperature.
+        mini_batches, ppo_epochs: optimizer updates per RL step.
+        seed: seeds weights and every sample's generator.
+    """
+
+    algorithm: ClassVar[str] = "ppo"
+    uses_critic: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        actor: Any = "tiny_llama",
+        critic: Any = None,
+        task: Any = "repeat",
+        prompts_per_step: int = 16,
+        samples_per_prompt: int = 1,
+        actor_lr: float = 3e-3,
+        critic_lr: float = 3e-3,
+        kl_coef: float = 0.0,
+        kl_estimator: str = "low_var_kl",
+        clip_ratio: float = 0.2,
+        cliprange_value: float = 0.5,
+        gamma: float = 1.0,
+        lam: float = 0.95,
+        temperature: float = 1.0,
+        mini_batches: int = 1,
+        ppo_epochs: int = 1,
+        entropy_coef: float = 0.0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        require(prompts_per_step >= 1, "algorithm.prompts_per_step", f"must be >= 1, got {prompts_per_step}")
+        require(mini_batches >= 1 and ppo_epochs >= 1, "algorithm.mini_batches", "mini_batches and ppo_epochs must be >= 1")
+        self.save_hyperparameters(ignore=["task"])
+        self.automatic_optimization = False
+        from nereus_lightning.lightning.tasks import make_task
+
+        self.task = make_task(task, seed=seed)
+        self.tokenizer = self.task.tokenizer
+        vocab = self.tokenizer.vocab_size
+        pad = self.tokenizer.pad_token_id
+        self.actor = build_causal_lm(actor, seed, vocab, pad)
+        self.reference = frozen_copy(self.actor)
+        self.critic = build_causal_lm(critic if critic is not None else actor, seed + 1, vocab, pad) if self.uses_critic else None
+        self.step_stats: dict[str, float] = {}
+
+    # ---- Lightning hooks -------------------------------------------------------------------
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        groups = [{"params": list(self.actor.parameters()), "lr": self.hparams.actor_lr}]
+        if self.critic is not None:
+            groups.append({"params": list(self.critic.parameters()), "lr": self.hparams.critic_lr})
+        return torch.optim.AdamW(groups, betas=(0.9, 0.95), weight_decay=0.0, eps=1e-8)
+
+    @override
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(_StepClock(), batch_size=None)
+
+    @override
+    def training_step(self, batch: Tensor, batch_idx: int) -> None:
+        self.step_stats = self.rl_step(self.global_step)
+        self.log_dict(self.step_stats, on_step=True, prog_bar=False, sync_dist=False, rank_zero_only=True)
+        self.log("reward", self.step_stats["critic/score/mean"], prog_bar=True, rank_zero_only=True)
+        self.log("resp_len", self.step_stats["response_length/mean"], prog_bar=True, rank_zero_only=True)
+
+    # ---- the plan ------------------------------------------------------------------------
+    def current_plan(self):  # noqa: ANN201
+        """The strategy's plan, or every stage data-parallel over all ranks (plain Trainer)."""
+        strategy = self.trainer.strategy if self._trainer is not None else None
+        plan = getattr(strategy, "plan", None)
+        if plan is not None:
+            return plan
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        return data_parallel_plan(self.algorithm, range(world))
+
+    @property
+    def rank(self) -> int:
+        """This process's global rank."""
+        return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+    # ---- one RL step -----------------------------------------------------------------------
+    def rl_step(self, step: int) -> dict[str, float]:
+        """Generate, score, compute advantages and update; returns the step's metrics (verl names)."""
+        hp = self.hparams
+        plan = self.current_plan()
+        t0 = time.perf_counter()
+        prompts, groups = self.task.prompts(step, hp.prompts_per_step, hp.samples_per_prompt)
+        n = len(prompts)
+        max_new = self.task.max_response_len(step)
+        tok = self.tokenizer
+
+        def gen(slot: StageSlot, greedy: bool = False) -> list[list[int]]:
+            idx = list(slot.indices)
+            seeds = None if greedy else [sampling.sample_seed(hp.seed, step, i) for i in idx]
+            return sampling.generate(self.actor, [prompts[i] for i in idx], max_new, seeds, tok.eos_token_id,
+                                     tok.pad_token_id, hp.temperature)
+
+        responses = run_partitioned(plan, "actor_gen", self.rank, n, gen)
+        t_gen = time.perf_counter()
+        greedy = None
+        if self.algorithm == "remax":
+            greedy = run_partitioned(plan, "actor_greedy_gen", self.rank, n, lambda s: gen(s, greedy=True))
+        scores = torch.tensor([self.task.score(p, r) for p, r in zip(prompts, responses)], dtype=torch.float32)
+
+        ids, attn, mask, width = sampling.pack_sequences(prompts, responses, tok.pad_token_id, self.device)
+        plens = [len(p) for p in prompts]
+
+        def rows(fn):  # noqa: ANN001, ANN202
+            def run(slot: StageSlot) -> list[Tensor]:
+                s = slice(slot.start, slot.stop)
+                with torch.no_grad():
+                    out = fn(ids[s], attn[s], plens[s])
+                return list(out.unbind(0))
+            return run
+
+        old_lp = torch.stack(run_partitioned(plan, "actor_infer", self.rank, n,
+                                             rows(lambda i, a, p: sampling.response_log_probs(self.actor, i, a, p, width))))
+        ref_lp = torch.stack(run_partitioned(plan, "ref_infer", self.rank, n,
+                                             rows(lambda i, a, p: sampling.response_log_probs(self.reference, i, a, p, width))))
+        values = None
+        if self.critic is not None:
+            values = torch.stack(run_partitioned(plan, "critic_infer", self.rank, n,
+                                                 rows(lambda i, a, p: sampling.response_values(self.critic, i, a, p, width))))
+        t_infer = time.perf_counter()
+
+        metrics: dict[str, float] = {}
+        advantages, returns, extra = self.compute_advantages(scores, mask, old_lp, ref_lp, values, groups, greedy, prompts)
+        metrics.update({k: float(v) for k, v in extra.items()})
+        t_adv = time.perf_counter()
+        metrics.update(self.update(plan, ids, attn, plens, width, mask, old_lp, ref_lp, values, advantages, returns))
+        t_upd = time.perf_counter()
+
+        lengths = mask.sum(-1)
+        metrics.update({
+            "critic/score/mean": float(scores.mean()),
+            "critic/rewards/mean": float(scores.mean()),
+            "critic/advantages/mean": float(losses.masked_mean(advantages, mask)),
+            "response_length/mean": float(lengths.mean()),
+            "response_length/max": float(lengths.max()),
+            "response_length/p95": float(torch.quantile(lengths, 0.95)),
+            "prompt_length/mean": float(sum(plens) / n),
+            "task/max_response_len": float(max_new),
+            "timing_s/gen": t_gen - t0,
+            "timing_s/infer": t_infer - t_gen,
+            "timing_s/adv": t_adv - t_infer,
+            "timing_s/update_actor": t_upd - t_adv,
+            "timing_s/step": t_upd - t0,
+            "perf/total_num_tokens": float(attn.sum()),
+            "perf/throughput": float(attn.sum()) / max(t_upd - t0, 1e-9) / max(len(plan[ "actor_gen"].gpus), 1),
+        })
+        return metrics
+
+    def compute_advantages(self, scores: Tensor, mask: Tensor, old_lp: Tensor, ref_lp: Tensor, values: Tensor | None,
+                           groups: Sequence[int], greedy: list[list[int]] | None, prompts: Sequence[Sequence[int]]
+                           ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """PPO: in-reward KL penalty then GAE (whitened)."""
+        hp = self.hparams
+        rewards = adv.scores_to_token_rewards(scores, mask)
+        rewards, kl_metrics = adv.apply_kl_penalty(rewards, old_lp, ref_lp, mask, hp.kl_coef, "kl")
+        a, r = adv.gae_advantages(rewards, values, mask, hp.gamma, hp.lam, whiten=True)
+        return a, r, kl_metrics
+
+    def actor_loss(self, lp: Tensor, old_lp: Tensor, ref_lp: Tensor, a: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """Clipped policy loss (token-mean over ``mask``) plus optional entropy bonus / KL loss."""
+        loss, m = losses.policy_loss(lp, old_lp, a, mask, clip_eps=self.hparams.clip_ratio)
+        return loss, m
+
+    # ---- training stage ------------------------------------------------------------------
+    def update(self, plan, ids: Tensor, attn: Tensor, plens: list[int], width: int, mask: Tensor, old_lp: Tensor,  # noqa: ANN001
+               ref_lp: Tensor, values: Tensor | None, advantages: Tensor, returns: Tensor) -> dict[str, float]:
+        """Actor (and critic) updates on this rank's slice; gradients summed over all replicas."""
+        hp = self.hparams
+        opt = self.optimizers()
+        n = ids.shape[0]
+        minis = [(lo, hi) for lo, hi in _chunks(n, hp.mini_batches)]
+        sums: dict[str, float] = {}
+        updates = 0
+        for _epoch in range(hp.ppo_epochs):
+            for lo, hi in minis:
+                total_tokens = mask[lo:hi].sum().clamp_min(1.0)
+                opt.zero_grad(set_to_none=True)
+                part = {}
+                for stage in ("actor_train", "critic_train"):
+                    if stage not in plan:
+                        continue
+                    from nereus_lightning.lightning.stages import chunk_bounds, slot_of
+
+                    slot = slot_of(plan, stage, self.rank, hi - lo)
+                    if not slot.active or slot.stop <= slot.start:
+                        continue
+                    s = slice(lo + slot.start, lo + slot.stop)
+                    weight = mask[s].sum() / total_tokens  # local token-mean -> global token-mean
+                    if stage == "actor_train":
+                        lp = sampling.response_log_probs(self.actor, ids[s], attn[s], plens[s], width)
+                        loss, m = self.actor_loss(lp, old_lp[s], ref_lp[s], advantages[s], mask[s])
+                    else:
+                        v = sampling.response_values(self.critic, ids[s], attn[s], plens[s], width)
+                        loss, m = losses.value_loss(v, values[s], returns[s], mask[s], hp.cliprange_value)
+                    (loss * weight).backward()
+                    if slot.is_leader:
+                        for k, val in m.items():
+                            part[k] = part.get(k, 0.0) + float(val) * float(weight)
+                params = [p for g in opt.optimizer.param_groups for p in g["params"]]
+                all_reduce_grads(params)
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+                sums["actor/grad_norm"] = sums.get("actor/grad_norm", 0.0) + float(grad_norm)
+                last = _epoch == hp.ppo_epochs - 1 and (lo, hi) == minis[-1]
+                if last:
+                    opt.step()  # counts one Lightning step per RL step
+                else:
+                    opt.optimizer.step()
+                updates += 1
+                for k, val in _sum_over_ranks(part).items():
+                    sums[k] = sums.get(k, 0.0) + val
+        return {k: v / updates for k, v in sums.items()}
+
+
+def _chunks(n: int, parts: int) -> list[tuple[int, int]]:
+    from nereus_lightning.lightning.stages import chunk_bounds
+
+    return [b for b in chunk_bounds(n, parts) if b[1] > b[0]]
+
+
+def _sum_over_ranks(values: dict[str, float]) -> dict[str, float]:
+    """Sum per-leader metric parts over the world (every rank gets the totals)."""
+    if not torch.distributed.is_initialized():
+        return values
+    parts: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(parts, values)
+    out: dict[str, float] = {}
+    for part in parts:
+        for k, v in part.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
+class PPOModule(RLModule):
+    """PPO: actor, critic, reference and a function reward; GAE advantages; clipped losses."""
+
+    algorithm = "ppo"
+    uses_critic = True
+
+
+class GRPOModule(RLModule):
+    """GRPO: several samples per prompt, group-normalised scores as advantages, KL as a loss term."""
+
+    algorithm = "grpo"
+    uses_critic = False
+
+    def __init__(self, *args: Any, samples_per_prompt: int = 4, kl_coef: float = 0.001, **kwargs: Any) -> None:
+        require(samples_per_prompt >= 2, "algorithm.samples_per_prompt", f"GRPO needs >= 2 samples per prompt, got {samples_per_prompt}")
+        super().__init__(*args, samples_per_prompt=samples_per_prompt, kl_coef=kl_coef, **kwargs)
+
+    @override
+    def compute_advantages(self, scores, mask, old_lp, ref_lp, values, groups, greedy, prompts):  # noqa: ANN001, ANN201
+        a, r = adv.grpo_advantages(scores, mask, groups)
+        return a, r, {}
+
+    @override
+    def actor_loss(self, lp, old_lp, ref_lp, a, mask):  # noqa: ANN001, ANN201
+        loss, m = losses.policy_loss(lp, old_lp, a, mask, clip_eps=self.hparams.clip_ratio)
+        kl, km = losses.kl_loss(lp, ref_lp, mask, self.hparams.kl_estimator)
+        m.update(km)
+        return loss + self.hparams.kl_coef * kl, m
+
+
+class ReMaxModule(RLModule):
+    """ReMax: REINFORCE with the greedy response's reward as the baseline (no critic)."""
+
+    algorithm = "remax"
+    uses_critic = False
+
+    @override
+    def compute_advantages(self, scores, mask, old_lp, ref_lp, values, groups, greedy, prompts):  # noqa: ANN001, ANN201
+        base = torch.tensor([self.task.score(p, g) for p, g in zip(prompts, greedy)], dtype=torch.float32)
+        rewards = adv.scores_to_token_rewards(scores, mask)
+        rewards, kl_metrics = adv.apply_kl_penalty(rewards, old_lp, ref_lp, mask, self.hparams.kl_coef, "kl")
+        a, r = adv.remax_advantages(rewards, base, mask)
+        kl_metrics["critic/baseline/mean"] = base.mean()
+        return a, r, kl_metrics

@@ -1,0 +1,122 @@
+"""Per-sample deterministic generation and scoring with a causal LM replica.
+
+Each sequence draws its tokens from its own generator seeded by ``(seed, step, global index)``
+(Gumbel-max over the temperature-scaled logits), so a sample's response does not depend on
+which replica generated it or on which other samples shared its batch: the property that makes
+a run reproducible across DP layouts and resumable under another world size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from nereus_lightning.rl.losses import token_log_probs
+
+
+def sample_seed(seed: int, step: int, index: int) -> int:
+    """The generator seed of sample ``index`` at RL step ``step``."""
+    return (seed * 1_000_003 + step * 10_007 + index) % (2**63 - 1)
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Token ids ``[B, P]`` left-padded to the longest prompt, and the attention mask."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):
+        if len(p):
+            ids[i, width - len(p) :] = torch.tensor(list(p), dtype=torch.long, device=device)
+            mask[i, width - len(p) :] = 1
+    return ids, mask
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    seeds: Sequence[int] | None,
+    eos_id: int,
+    pad_id: int,
+    temperature: float = 1.0,
+) -> list[list[int]]:
+    """Sample up to ``max_new_tokens`` per prompt (``seeds=None``: greedy); stops at ``eos_id`` (kept)."""
+    if not prompts:
+        return []
+    device = next(model.parameters()).device
+    ids, mask = left_pad(prompts, pad_id, device)
+    gens = None
+    if seeds is not None:
+        gens = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
+    out: list[list[int]] = [[] for _ in prompts]
+    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    cache = None
+    step_ids = ids
+    for _ in range(max_new_tokens):
+        position_ids = (mask.cumsum(-1) - 1).clamp_min(0)[:, -step_ids.shape[1] :]
+        result = model(input_ids=step_ids, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True)
+        cache = result.cache if "cache" in result else result.past_key_values
+        logits = result.logits[:, -1, :].float()
+        if gens is None:
+            next_ids = logits.argmax(-1)
+        else:
+            noise = torch.stack([torch.rand(logits.shape[-1], generator=g, device=device) for g in gens])
+            gumbel = -torch.log(-torch.log(noise.clamp(1e-10, 1.0 - 1e-7)))
+            next_ids = (logits / max(temperature, 1e-6) + gumbel).argmax(-1)
+        alive = ~done
+        next_ids = torch.where(alive, next_ids, torch.full_like(next_ids, pad_id))
+        for i, tok in enumerate(next_ids.tolist()):
+            if alive[i]:
+                out[i].append(tok)
+        done = done | (next_ids == eos_id)
+        if bool(done.all()):
+            break
+        step_ids = next_ids.unsqueeze(-1)
+        mask = torch.cat([mask, alive.long().unsqueeze(-1)], dim=-1)
+    return out
+
+
+def pack_sequences(
+    prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int, device: torch.device
+) -> tuple[Tensor, Tensor, Tensor, int]:
+    """Right-padded ``prompt + response`` ids ``[B, L]``, attention mask, response mask ``[B, R]``, and R.
+
+    The response mask marks response tokens; position ``j`` of the response of row ``i`` is token
+    ``len(prompt_i) + j`` of the sequence.
+    """
+    resp_width = max(1, max((len(r) for r in responses), default=1))
+    width = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
+    attn = torch.zeros_like(ids)
+    resp_mask = torch.zeros((len(prompts), resp_width), dtype=torch.float32, device=device)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        seq = list(p) + list(r)
+        ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long, device=device)
+        attn[i, : len(seq)] = 1
+        resp_mask[i, : len(r)] = 1.0
+    return ids, attn, resp_mask, resp_width
+
+
+def response_positions(prompt_lens: Sequence[int], resp_width: int, device: torch.device) -> Tensor:
+    """Index ``[B, R]`` of the logit position that predicts each response token (clamped for padding)."""
+    starts = torch.tensor([max(n - 1, 0) for n in prompt_lens], device=device).unsqueeze(-1)
+    return starts + torch.arange(resp_width, device=device).unsqueeze(0)
+
+
+def response_log_probs(model: nn.Module, ids: Tensor, attn: Tensor, prompt_lens: Sequence[int], resp_width: int) -> Tensor:
+    """Log-probabilities ``[B, R]`` of each response token under ``model`` (differentiable)."""
+    logits = model(input_ids=ids, attention_mask=attn).logits
+    pos = response_positions(prompt_lens, resp_width, ids.device).clamp_max(ids.shape[1] - 2)
+    picked = logits.gather(1, pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+    targets = ids.gather(1, (pos + 1).clamp_max(ids.shape[1] - 1))
+    return token_log_probs(picked, targets)
+
+
+def response_values(critic: nn.Module, ids: Tensor, attn: Tensor, prompt_lens: Sequence[int], resp_width: int) -> Tensor:
+    """Values ``[B, R]``: the critic's value head (row 0 of its LM head) at each response token's state."""
+    logits = critic(input_ids=ids, attention_mask=attn).logits
+    pos = response_positions(prompt_lens, resp_width, ids.device).clamp_max(ids.shape[1] - 2)
+    return logits[..., 0].float().gather(1, pos)

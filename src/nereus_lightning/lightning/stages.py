@@ -1,0 +1,132 @@
+"""Which rank does what in one RL step: partitions of the global batch per model-stage, and the
+collectives that move per-sample results between stages with different DP layouts.
+
+A model-stage with ``dp`` replicas splits the global batch into ``dp`` contiguous chunks of
+global sample indices (replica ``r`` gets chunk ``r``). The split depends only on the global
+sample count and ``dp``, never on which ranks hold the replicas, so results are identical under
+any placement. Each replica's "leader" (its first GPU) reports the replica's results; every rank
+then holds the whole batch again in global order, which is how a batch moves from one stage's DP
+layout to the next one's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from nereus_lightning.plan.layout import Candidate, Layout, Plan
+from nereus_lightning.spec.errors import require
+from nereus_lightning.spec.workload import workflow
+
+T = TypeVar("T")
+
+
+def chunk_bounds(num_samples: int, dp: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of each replica's contiguous chunk of global sample indices."""
+    require(dp >= 1, "candidate.dp", f"must be >= 1, got {dp}")
+    base, extra = divmod(num_samples, dp)
+    bounds, start = [], 0
+    for r in range(dp):
+        stop = start + base + (1 if r < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+@dataclass(frozen=True)
+class StageSlot:
+    """This rank's place in one model-stage: its replica (or None) and that replica's sample range."""
+
+    stage: str
+    candidate: Candidate
+    replica: int | None
+    position: int | None  # index inside the replica (pp_rank * tp + tp_rank)
+    start: int = 0
+    stop: int = 0
+
+    @property
+    def active(self) -> bool:
+        """Whether this rank holds a unit of the model-stage."""
+        return self.replica is not None
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this rank reports its replica's results (the replica's first GPU)."""
+        return self.position == 0
+
+    @property
+    def indices(self) -> range:
+        """Global sample indices this rank's replica processes."""
+        return range(self.start, self.stop)
+
+
+def slot_of(plan: Plan, stage: str, rank: int, num_samples: int) -> StageSlot:
+    """This rank's slot in ``stage`` of ``plan`` for a batch of ``num_samples`` samples."""
+    cand = plan[stage]
+    if rank not in cand.gpus:
+        return StageSlot(stage, cand, None, None)
+    index = cand.gpus.index(rank)
+    replica, position = divmod(index, cand.layout.size)
+    start, stop = chunk_bounds(num_samples, cand.dp)[replica]
+    return StageSlot(stage, cand, replica, position, start, stop)
+
+
+def gather_samples(local: Sequence[T] | None, start: int, num_samples: int) -> list[T]:
+    """All ranks: every sample's result in global order; ``local`` is this rank's results from ``start``.
+
+    Ranks that report nothing pass ``None``. Every index must be reported exactly once.
+    """
+    payload = None if local is None else (start, list(local))
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, payload)
+    out: list[Any] = [None] * num_samples
+    seen = 0
+    for part in parts:
+        if part is None:
+            continue
+        begin, items = part
+        out[begin : begin + len(items)] = items
+        seen += len(items)
+    require(seen == num_samples, "stage results", f"{seen} sample results reported for a batch of {num_samples}")
+    return out
+
+
+def run_partitioned(
+    plan: Plan, stage: str, rank: int, num_samples: int, fn: Callable[[StageSlot], Sequence[T]]
+) -> list[T]:
+    """Run ``fn`` on this rank's slot of ``stage`` (if any) and return all samples' results on every rank."""
+    slot = slot_of(plan, stage, rank, num_samples)
+    local = fn(slot) if slot.active and slot.stop > slot.start else ([] if slot.active else None)
+    return gather_samples(local if slot.is_leader else None, slot.start, num_samples)
+
+
+def all_reduce_grads(params: Sequence[torch.nn.Parameter]) -> None:
+    """Sum gradients over the world through one flat buffer; absent gradients count as zeros."""
+    if not params:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat[offset : offset + n].view_as(p).clone()
+        offset += n
+
+
+def data_parallel_plan(algorithm: str, gpus: Sequence[int]) -> Plan:
+    """Every model-stage as ``len(gpus)`` replicas of ``Layout(1, 1)`` (the fallback plan)."""
+    gpus = tuple(gpus)
+    require(len(gpus) >= 1, "pool", "no GPUs available for the plan")
+    return Plan.of({m.name: Candidate(Layout(1, 1), len(gpus), gpus) for m in workflow(algorithm)})
+
+
+def broadcast_tensor_(t: Tensor, src: int = 0) -> Tensor:
+    """Broadcast ``t`` in place from ``src`` over the world."""
+    dist.broadcast(t, src)
+    return t

@@ -1,0 +1,277 @@
+"""`NereusStrategy`: a Lightning `ParallelStrategy` whose parallel layout may change between steps.
+
+The strategy sets up one process group over all ranks (gloo on CPU, NCCL on GPUs) and holds the
+current :class:`~nereus_lightning.plan.layout.Plan`: which ranks run each model-stage, in which
+layout. The RL module asks it where each stage runs (``plan``); the callback hands it admitted
+decisions, which it executes at the safe boundary before the next step (``transition``).
+Ranks outside the GPU pool stay alive as processes but get no work from the plan.
+
+Checkpoints are layout-independent: the logical state (full parameters and optimizer state by
+parameter name) goes through ``torch.distributed.checkpoint`` into a directory, so a run saved
+under one plan and world size resumes under another.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import time
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import Tensor
+from typing_extensions import override
+
+from nereus_lightning.plan.layout import Plan
+from nereus_lightning.spec.errors import NereusConfigError, require
+
+log = logging.getLogger(__name__)
+
+META_FILE = "nereus_meta.pt"
+
+
+class NereusStrategy(ParallelStrategy):
+    """Adaptive DP/TP/PP for RL post-training, as a Lightning strategy (registered as ``"nereus"``).
+
+    Args:
+        plan: the initial plan; ``None`` lets the callback's controller choose one before step 0
+            (every model-stage data-parallel over all ranks until then).
+        start_method: ``"fork"`` (default on CPU: fast start, works in notebooks), ``"spawn"``,
+            or ``"popen"`` (re-run the script per rank, as Lightning's DDP does).
+        process_group_backend: ``"gloo"`` / ``"nccl"``; by default from the device.
+        timeout: collective timeout; a rank that dies makes the others fail after it.
+    """
+
+    strategy_name = "nereus"
+
+    def __init__(
+        self,
+        plan: Plan | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | float = timedelta(seconds=120),
+        start_method: Literal["fork", "spawn", "popen"] = "fork",
+    ) -> None:
+        super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
+        require(start_method in ("fork", "spawn", "popen"), "strategy.start_method",
+                f"{start_method!r} is not one of 'fork', 'spawn', 'popen'")
+        self._num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+        self._start_method = start_method
+        self.plan: Plan | None = plan
+        self.transitions: list[dict[str, Any]] = []
+
+    # ---- processes and the process group ------------------------------------------------
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes of the job (the Trainer sets this)."""
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        """Processes on this node."""
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every rank sees the whole global batch; the plan partitions it per model-stage.
+        return {"num_replicas": 1, "rank": 0}
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self.cluster_environment.creates_processes_externally:
+            return
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        assert self.cluster_environment is not None
+        self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        assert self.model is not None
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if self.plan is not None:
+            self.validate_plan(self.plan)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # ---- collectives Lightning needs ----------------------------------------------------
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # ---- plans and transitions ----------------------------------------------------------
+    def validate_plan(self, plan: Plan) -> None:
+        """Reject a plan that uses ranks this job does not have (before any state changes)."""
+        for name, cand in plan.items():
+            bad = [g for g in cand.gpus if not 0 <= g < self.world_size]
+            require(not bad, f"plan.{name}.gpus", f"GPUs {bad} are outside this job's {self.world_size} ranks; "
+                    f"give the planner a pool within range(0, {self.world_size})")
+
+    def transition(self, target: Plan) -> float:
+        """Execute the move from the current plan to ``target`` on every rank; returns seconds taken.
+
+        The model-stages here hold full replicas on every rank, so changing a plan re-partitions
+        work (DP degree, GPU set, per-replica batch) without moving parameters; the time covers
+        agreeing on the plan (a barrier) on all ranks.
+        """
+        self.validate_plan(target)
+        start = time.perf_counter()
+        previous = self.plan
+        self.plan = target
+        self.barrier("nereus-transition")
+        seconds = time.perf_counter() - start
+        self.transitions.append({"from": previous, "to": target, "seconds": seconds})
+        return seconds
+
+    # ---- layout-independent checkpoints -------------------------------------------------
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint restores the optimizer by parameter name
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any = None) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        path = Path(self.broadcast(str(filepath)))
+        tensors = {"model": checkpoint.pop("state_dict"), "optim": self._optimizer_state()}
+        checkpoint.pop("optimizer_states", None)
+        dcp.save(tensors, checkpoint_id=str(path))
+        if self.is_global_zero:
+            with open(path / META_FILE, "wb") as f:
+                pickle.dump(checkpoint, f)
+        self.barrier("nereus-save")
+
+    @override
+    def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if not (path / META_FILE).is_file():
+            raise NereusConfigError(f"ckpt_path: {path} is not a Nereus checkpoint directory (no {META_FILE})")
+        with open(path / META_FILE, "rb") as f:
+            meta = pickle.load(f)
+        module = self.lightning_module
+        assert module is not None
+        state = {"model": module.state_dict(), "optim": self._optimizer_state()}
+        dcp.load(state, checkpoint_id=str(path))
+        module.load_state_dict(state["model"])
+        for opt in self.optimizers:
+            set_optimizer_state_dict(module, opt, state["optim"])
+        meta["state_dict"] = state["model"]
+        return meta
+
+    @override
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        pass  # done in load_checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        pass  # done in load_checkpoint
+
+    @override
+    def remove_checkpoint(self, filepath: str | os.PathLike) -> None:
+        if self.is_global_zero:
+            import shutil
+
+            shutil.rmtree(filepath, ignore_errors=True)
+
+    def _optimizer_state(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        module = self.lightning_module
+        if not self.optimizers or module is None:
+            return {}
+        return get_optimizer_state_dict(module, self.optimizers[0])
+
+    @contextmanager
+    def _noop(self):  # noqa: ANN202
+        yield
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(cls.strategy_name, cls, description="Nereus adaptive DP/TP/PP strategy")
+        strategy_registry.register("nereus_spawn", cls, description="Nereus strategy, spawned ranks", start_method="spawn")
+
+
+if "nereus" not in StrategyRegistry:
+    NereusStrategy.register_strategies(StrategyRegistry)
