@@ -87,6 +87,7 @@ class Workload:
     mini_batches: int = 1  # optimizer steps per epoch
     micro_batch_min: int = 1
     micro_batch_max: int = 16
+    reward_model: bool = True  # False: rewards come from a Python function (no reward_infer model-stage)
 
     def __post_init__(self) -> None:
         require(self.algorithm in ALGORITHMS, "workload.algorithm", f"{self.algorithm!r} is not one of {list(ALGORITHMS)}")
@@ -115,5 +116,6 @@ class Workload:
 
     @property
     def stages(self) -> tuple[ModelStage, ...]:
-        """The model-stages of this workload's algorithm."""
-        return workflow(self.algorithm)
+        """The model-stages of this workload's algorithm (without ``reward_infer`` for a function reward)."""
+        stages = workflow(self.algorithm)
+        return stages if self.reward_model else tuple(m for m in stages if m.model != "reward")
