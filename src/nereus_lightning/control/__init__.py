@@ -17,7 +17,7 @@ from nereus_lightning.control.resources import (
 from nereus_lightning.control.signals import StepSignals, as_pool
 from nereus_lightning.control.state import plan_from_state, plan_to_state
 from nereus_lightning.control.triggers import CrossingClock, DriftTrigger, PoolTrigger, Trigger, smallest_horizon
-from nereus_lightning.control.variants import follow_pool, relief_variants
+from nereus_lightning.control.variants import follow_pool, intact_plan, relief_variants
 
 __all__ = [
     "Controller",
@@ -41,6 +41,7 @@ __all__ = [
     "as_pool",
     "describe_plan",
     "follow_pool",
+    "intact_plan",
     "load_spot_trace",
     "plan_from_state",
     "plan_to_json",

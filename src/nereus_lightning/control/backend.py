@@ -6,7 +6,7 @@ object with the same three methods.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from nereus_lightning.plan.layout import Plan
@@ -19,6 +19,22 @@ class Estimate(Protocol):
 
     step_latency: float
     feasible: bool
+
+
+def op_totals(estimate: Any) -> dict[str, float]:
+    """Predicted seconds per operation class, summed over model-stages.
+
+    Reads ``op_time`` (op class -> s) or the planner's ``breakdown`` (model-stage -> op class -> s).
+    Summing is safe for calibration: every term of one class scales with the same efficiency.
+    """
+    direct = getattr(estimate, "op_time", None)
+    if direct:
+        return dict(direct)
+    totals: dict[str, float] = {}
+    for per_class in (getattr(estimate, "breakdown", None) or {}).values():
+        for op, seconds in per_class.items():
+            totals[op] = totals.get(op, 0.0) + seconds
+    return totals
 
 
 class PlanningBackend(Protocol):
@@ -40,9 +56,15 @@ class PlanningBackend(Protocol):
 class PlannerBackend:
     """The real planner (``plan.planner``) and transition DAG (``transition``) for fixed models."""
 
-    def __init__(self, models: Mapping[str, Any], alternatives: int = 4) -> None:
+    def __init__(
+        self,
+        models: Mapping[str, Any],
+        alternatives: int = 4,
+        transition: Callable[[Plan, Plan, ClusterSpec, Workload], float] | None = None,
+    ) -> None:
         self.models = models
         self.alternatives = alternatives
+        self._transition = transition
 
     @classmethod
     def for_models(cls, actor: Any, critic: Any = None, reference: Any = None, reward: Any = None, **kwargs: Any) -> PlannerBackend:
@@ -67,6 +89,8 @@ class PlannerBackend:
 
     def transition_cost(self, current: Plan, target: Plan, cluster: ClusterSpec, workload: Workload) -> float:
         """The critical path of the global transition DAG from ``current`` to ``target``."""
+        if self._transition is not None:
+            return float(self._transition(current, target, cluster, workload))
         from nereus_lightning.transition import build_transition, transition_cost
 
         dag = build_transition(current, target, self.models, cluster, workload)

@@ -21,12 +21,12 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from nereus_lightning.control.backend import Estimate, PlanningBackend
+from nereus_lightning.control.backend import Estimate, PlanningBackend, op_totals
 from nereus_lightning.control.decision import Decision, DecisionLog, describe_plan
 from nereus_lightning.control.signals import DRIFT_SIGNALS, StepSignals
 from nereus_lightning.control.state import plan_from_state, plan_to_state
 from nereus_lightning.control.triggers import CrossingClock, DriftTrigger, PoolTrigger, Trigger, smallest_horizon
-from nereus_lightning.control.variants import follow_pool, relief_variants
+from nereus_lightning.control.variants import follow_pool, intact_plan, relief_variants
 from nereus_lightning.plan.layout import Plan
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.errors import InfeasiblePlanError, require
@@ -103,8 +103,8 @@ class Controller:
         self.decisions = 0
         self._pending_transition: float | None = None  # raw predicted L_tran of the last admitted transition
         self._memory_key: tuple | None = None
-        self._memory_ok = True
         self._estimate: Estimate | None = None
+        self._estimate_eff: dict[str, float] = {}
 
     # ----------------------------------------------------------------------------- per step
     def step(self, signals: StepSignals) -> Decision:
@@ -133,12 +133,7 @@ class Controller:
 
     def workload_at(self, signals: StepSignals) -> Workload:
         """The job's workload with the measured lengths of ``signals``."""
-        return replace(
-            self.workload,
-            response_len=float(signals.response_len),
-            response_len_p95=float(signals.response_len_p95),
-            prompt_len=int(round(signals.prompt_len)),
-        )
+        return workload_at(self.workload, signals)
 
     def cluster_at(self, signals: StepSignals) -> ClusterSpec:
         """The cluster restricted to the pool of ``signals``."""
@@ -175,6 +170,19 @@ class Controller:
         if over:
             self._memory_detail = f"measured peak memory above the {cap / 1e9:.0f} GB cap on ranks {over[:8]}"
             return False
+        est = self._current_estimate(signals)
+        self._memory_detail = "predicted peak memory exceeds the cap: " + "; ".join(
+            str(v) for v in getattr(est, "violations", ())
+        )
+        return bool(est.feasible)
+
+    def _current_estimate(self, signals: StepSignals) -> Estimate:
+        """The current plan's estimate, re-priced only when the pool or a length moved by > tolerance.
+
+        Memory does not depend on the efficiencies, and op-class predictions are rescaled to the
+        current efficiencies in :meth:`predicted_op_times`, so the cache stays valid across
+        calibration updates. This keeps the per-step cost without a trigger tiny.
+        """
         tol = self.config.memory_check_tolerance
         key = (
             signals.num_gpus,
@@ -182,16 +190,14 @@ class Controller:
             _bucket(signals.response_len_p95, tol),
             _bucket(signals.prompt_len + 1, tol),
         )
-        if key != self._memory_key:
+        if key != self._memory_key or self._estimate is None:
             assert self.plan is not None
-            est = self.backend.estimate(self.plan, self.cluster_at(signals), self.workload_at(signals), self.calibration)
-            self._estimate = est
-            self._memory_ok = bool(est.feasible)
-            self._memory_key = key
-            self._memory_detail = "predicted peak memory exceeds the cap: " + "; ".join(
-                str(v) for v in getattr(est, "violations", ())
+            self._estimate = self.backend.estimate(
+                self.plan, self.cluster_at(signals), self.workload_at(signals), self.calibration
             )
-        return self._memory_ok
+            self._estimate_eff = _efficiencies(self.calibration)
+            self._memory_key = key
+        return self._estimate
 
     def _reset_references(self, signals: StepSignals) -> None:
         # Every replan, admitted or rejected, moves every reference to the current value.
@@ -218,9 +224,14 @@ class Controller:
         horizon = smallest_horizon(triggers)
         urgent = any(t.urgent for t in triggers)
         pool = set(signals.gpus)
-        intact = _intact(self.plan, pool)
+        # A transition may read state from draining GPUs (revocation notice); it starts from the
+        # units that are still readable, priced on a cluster large enough to hold them.
+        readable = pool | set(signals.draining)
+        intact = intact_plan(self.plan, readable)
+        dag_cluster = self.cluster.with_gpus(max(signals.num_gpus, max(readable, default=0) + 1))
         current_est = (
-            self.backend.estimate(self.plan, cluster, workload, self.calibration) if intact == self.plan else None
+            self.backend.estimate(self.plan, cluster, workload, self.calibration)
+            if intact_plan(self.plan, pool) == self.plan else None
         )
         current_ok = current_est is not None and bool(current_est.feasible)
         current_latency = current_est.step_latency if current_ok else None
@@ -245,7 +256,7 @@ class Controller:
                 entry["verdict"] = "no intact replica of some model-stage: a transition cannot start"
                 continue
             try:
-                l_tran = self.backend.transition_cost(intact, opt.plan, cluster, workload) * self.transition_scale
+                l_tran = self.backend.transition_cost(intact, opt.plan, dag_cluster, workload) * self.transition_scale
             except InfeasiblePlanError as exc:
                 entry["verdict"] = f"transition infeasible: {exc}"
                 continue
@@ -298,7 +309,7 @@ class Controller:
             extra.append((refit, "current layouts, DP re-fitted to the pool"))
         if urgent:
             base = refit if refit is not None else self.plan
-            if _intact(base, set(signals.gpus)) == base:
+            if intact_plan(base, set(signals.gpus)) == base:
                 extra += [(p, "smaller micro-batches / recomputation") for p in relief_variants(base)]
         for plan, source in extra:
             if any(o.plan == plan for o in options):
@@ -334,13 +345,12 @@ class Controller:
         for op_class, measured in signals.op_time.items():
             if predicted.get(op_class, 0) > 0 and measured > 0:
                 self.calibration.observe(op_class, predicted[op_class], measured)
-        self._memory_key = None  # efficiencies moved: re-estimate next time
 
     def predicted_op_times(self, signals: StepSignals) -> dict[str, float]:
-        """The cost model's per-op-class times for the current plan at this step's workload."""
-        assert self.plan is not None
-        est = self.backend.estimate(self.plan, self.cluster_at(signals), self.workload_at(signals), self.calibration)
-        return dict(getattr(est, "op_time", None) or {})
+        """The cost model's per-op-class times for the current plan at this step, at the current efficiencies."""
+        est = self._current_estimate(signals)
+        then, now = self._estimate_eff, _efficiencies(self.calibration)
+        return {op: t * then.get(op, 1.0) / now.get(op, 1.0) for op, t in op_totals(est).items()}
 
     # -------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -377,24 +387,24 @@ class Controller:
         return f"Controller(gamma={self.config.gamma}, plan={describe_plan(self.plan)})"
 
 
+def workload_at(workload: Workload, signals: StepSignals) -> Workload:
+    """``workload`` with the response and prompt lengths measured in ``signals``."""
+    return replace(
+        workload,
+        response_len=float(signals.response_len),
+        response_len_p95=float(signals.response_len_p95),
+        prompt_len=int(round(signals.prompt_len)),
+    )
+
+
+def _efficiencies(calibration: Any) -> dict[str, float]:
+    # Efficiencies the estimate was priced with (empty when the calibration does not expose them).
+    return calibration.efficiencies() if hasattr(calibration, "efficiencies") else {}
+
+
 def _bucket(value: float, tol: float) -> int:
     return int(math.floor(math.log(max(value, 1e-9)) / math.log1p(tol)))
 
 
 def _kinds(triggers: list[Trigger]) -> str:
     return "+".join(t.kind for t in triggers)
-
-
-def _intact(plan: Plan, pool: set[int]) -> Plan | None:
-    """The replicas of ``plan`` whose GPUs all survive in ``pool`` (None if a model-stage lost every replica)."""
-    out = []
-    for name, cand in plan.items():
-        keep = [r for r in range(cand.dp) if set(cand.replica_gpus(r)) <= pool]
-        if not keep:
-            return None
-        if len(keep) == cand.dp:
-            out.append((name, cand))
-        else:
-            gpus = tuple(g for r in keep for g in cand.replica_gpus(r))
-            out.append((name, replace(cand, dp=len(keep), gpus=gpus)))
-    return Plan(tuple(out))

@@ -30,6 +30,8 @@ class StepSignals:
     model-stage name to its measured time; ``op_time`` maps an operation class (the
     calibration's names, e.g. ``"gemm"``) to its measured time; ``transition_time`` is the
     measured duration of the transition executed just before this step (``None`` if none ran).
+    ``draining`` lists GPUs that are being revoked but can still be read until the transition
+    ends (a spot two-minute notice): a transition may copy state off them.
     """
 
     step: int
@@ -41,6 +43,7 @@ class StepSignals:
     stage_time: Mapping[str, float] = field(default_factory=lambda: EMPTY)
     op_time: Mapping[str, float] = field(default_factory=lambda: EMPTY)
     transition_time: float | None = None
+    draining: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         require(self.step >= 0, "signals.step", f"must be >= 0, got {self.step}")
@@ -52,6 +55,7 @@ class StepSignals:
         )
         require(self.prompt_len >= 0, "signals.prompt_len", f"must be >= 0, got {self.prompt_len}")
         object.__setattr__(self, "gpus", as_pool(self.gpus))
+        object.__setattr__(self, "draining", tuple(g for g in as_pool(self.draining) if g not in set(self.gpus)))
 
     @property
     def num_gpus(self) -> int:

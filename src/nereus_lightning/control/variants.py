@@ -76,3 +76,22 @@ def _next_dp(ms: ModelStage, dp: int, batch: int) -> int | None:
         if _dp_ok(ms, cand, batch):
             return cand
     return None
+
+
+def intact_plan(plan: Plan, pool: set[int] | frozenset[int]) -> Plan | None:
+    """The replicas of ``plan`` whose GPUs all survive in ``pool``.
+
+    A transition after a revocation starts from these intact units. None if some model-stage
+    lost every replica (its state must come from a checkpoint).
+    """
+    out = []
+    for name, cand in plan.items():
+        keep = [r for r in range(cand.dp) if set(cand.replica_gpus(r)) <= pool]
+        if not keep:
+            return None
+        if len(keep) == cand.dp:
+            out.append((name, cand))
+        else:
+            gpus = tuple(g for r in keep for g in cand.replica_gpus(r))
+            out.append((name, replace(cand, dp=len(keep), gpus=gpus)))
+    return Plan(tuple(out))
