@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 from nereus_lightning.plan.layout import Layout
 from nereus_lightning.spec.cluster import ClusterSpec
@@ -47,6 +48,10 @@ def _group_link(groups: Sequence[Sequence[int]], gpn: int) -> GroupLink:
 def links_of(gpus: Sequence[int], layout: Layout, dp: int, cluster: ClusterSpec) -> Links:
     """The links a candidate with these concrete ``gpus`` (replica, pp, tp order) uses."""
     tp, pp, size, gpn = layout.tp, layout.pp, layout.size, cluster.gpus_per_node
+    first = gpus[0] if len(gpus) else 0
+    aligned = gpn % size == 0 if size <= gpn else size % gpn == 0
+    if dp > 1 and aligned and first % size == 0 and tuple(gpus) == tuple(range(first, first + len(gpus))):
+        return _aligned_range_links(first, len(gpus), layout, cluster)
     tp_groups = [gpus[b : b + tp] for b in range(0, len(gpus), tp)]
     pp_link = GroupLink()
     for r in range(dp):
@@ -60,6 +65,7 @@ def links_of(gpus: Sequence[int], layout: Layout, dp: int, cluster: ClusterSpec)
     return Links(_group_link(tp_groups, gpn), pp_link, _group_link(dp_groups, gpn))
 
 
+@lru_cache(maxsize=1 << 14)
 def canonical_links(layout: Layout, dp: int, cluster: ClusterSpec) -> Links:
     """Links of the candidate placed at GPU 0 (how the planner places it on power-of-two nodes).
 
@@ -67,7 +73,7 @@ def canonical_links(layout: Layout, dp: int, cluster: ClusterSpec) -> Links:
     groups cross nodes exactly when the candidate is larger than a node, and then every GPU of
     a node takes part (arithmetic instead of a walk over thousands of GPUs).
     """
-    one = links_of(range(layout.size), layout, 1, cluster)
+    one = links_of(range(layout.size), layout, 1, cluster) if dp == 1 else canonical_links(layout, 1, cluster)
     gpn = cluster.gpus_per_node
     total = dp * layout.size
     size = layout.size
@@ -77,6 +83,21 @@ def canonical_links(layout: Layout, dp: int, cluster: ClusterSpec) -> Links:
     if dp > 1 and total > gpn:
         return links_of(range(total), layout, dp, cluster)
     return one
+
+
+def _aligned_range_links(first: int, count: int, layout: Layout, cluster: ClusterSpec) -> Links:
+    """Links of a candidate on GPUs ``first .. first+count-1`` with replicas aligned to node
+    boundaries: every replica looks like one at GPU 0, and when the range crosses nodes every
+    DP group does, so a node's NIC is shared by all the candidate's GPUs on it."""
+    one = canonical_links(layout, 1, cluster)
+    gpn = cluster.gpus_per_node
+    last = first + count - 1
+    if first // gpn == last // gpn:
+        return Links(one.tp, one.pp, GroupLink())
+    head = (first // gpn + 1) * gpn - first
+    tail = last - (last // gpn) * gpn + 1
+    share = max(head, tail, gpn if last // gpn - first // gpn >= 2 else 0)
+    return Links(one.tp, one.pp, GroupLink(True, share))
 
 
 def link_bandwidth(link: GroupLink, cluster: ClusterSpec) -> tuple[float, float]:

@@ -110,11 +110,17 @@ def replica_sequences(work: StageWork, dp: int) -> int | None:
     return -(-work.sequences // dp) if dp <= work.sequences else None
 
 
-def micro_batch_options(work: StageWork, per_replica: int) -> tuple[int, ...]:
-    """Per-replica micro-batch (decode batch for generation) sizes the planner considers."""
+def micro_batch_options(work: StageWork, layout: Layout, per_replica: int, cap: float) -> tuple[int, ...]:
+    """Per-replica micro-batch sizes the planner considers for a replica with ``per_replica`` sequences.
+
+    Generation: the one decode batch :func:`generation_batch` (none if not even one sequence
+    fits). Training: sizes in [micro_batch_min, micro_batch_max] that divide the share (so
+    ``dp * b * a`` stays the mini-batch). Inference: powers of two in those bounds and the
+    largest allowed size.
+    """
     if work.kind == "generation":
-        # Powers of two below the replica's share, and the whole share at once.
-        return tuple(sorted({1 << k for k in range(per_replica.bit_length()) if 1 << k < per_replica} | {per_replica}))
+        batch = generation_batch(work, layout, per_replica, cap)
+        return (batch,) if batch else ()
     lo, hi = work.micro_batch_min, min(work.micro_batch_max, per_replica)
     if work.trains:
         return tuple(b for b in range(lo, hi + 1) if per_replica % b == 0)
@@ -145,48 +151,104 @@ def _pipeline_stage(work: StageWork, pp: int) -> tuple[int, bool]:
     return (last, head) if last_flops > first_flops else (first, False)
 
 
-@lru_cache(maxsize=1 << 16)
-def _slot(work: StageWork, layout: Layout, micro_batch: int, recompute: bool, links: Links, cluster: ClusterSpec) -> Ideal:
+@dataclass(frozen=True)
+class Affine:
+    """Ideal seconds per class for a batch of ``n`` sequences: ``fixed + per_seq * n`` per class,
+    plus (generation only) ``steps * max(decode_flops * n, decode_fixed + decode_per_seq * n)``,
+    the decode roofline in seconds (compute vs HBM reads of weights and KV cache).
+
+    Every term of a slot or a wave is affine in the batch except the roofline's max, so the
+    planner evaluates thousands of batch sizes from one set of coefficients.
+    """
+
+    fixed: tuple[tuple[str, float], ...]
+    per_seq: tuple[tuple[str, float], ...]
+    steps: int = 0
+    decode_flops: float = 0.0
+    decode_fixed: float = 0.0
+    decode_per_seq: float = 0.0
+
+    def at(self, n: int) -> Ideal:
+        """The ideal seconds per class for ``n`` sequences."""
+        out: Ideal = {}
+        _add(out, dict(self.fixed))
+        _add(out, dict(self.per_seq), n)
+        if self.steps:
+            _add(out, {"decode": self.steps * max(self.decode_flops * n, self.decode_fixed + self.decode_per_seq * n)})
+        return out
+
+
+def _affine(parts: list[tuple[str, float, float]], **decode: float) -> Affine:
+    fixed: Ideal = {}
+    per_seq: Ideal = {}
+    for name, a, b in parts:
+        _add(fixed, {name: a})
+        _add(per_seq, {name: b})
+    return Affine(tuple(fixed.items()), tuple(per_seq.items()), **decode)  # type: ignore[arg-type]
+
+
+def _comm_part(collective: str, link: GroupLink, times: float, fn, bytes_per_seq: float) -> tuple[str, float, float]:
+    """A collective of ``bytes_per_seq * n`` bytes as (class, fixed, per-sequence) seconds."""
+    one, two = fn(bytes_per_seq), fn(2 * bytes_per_seq)
+    return op_class(collective, link.inter), times * (2 * one - two), times * (two - one)
+
+
+@lru_cache(maxsize=1 << 14)
+def slot_affine(work: StageWork, layout: Layout, recompute: bool, links: Links, cluster: ClusterSpec) -> Affine:
     """One micro-batch through the slowest pipeline stage (training: fwd + bwd; inference: fwd)."""
     model, tp = work.model, layout.tp
     layers, head = _pipeline_stage(work, layout.pp)
-    tokens = micro_batch * work.mean_len
+    tokens = work.mean_len  # per sequence
     mult = compute.training_multiplier(recompute) if work.trains else 1.0
     gemm = mult * tokens * compute.gemm_flops_per_token(model, layers, head) / tp / cluster.peak_flops
     attn = mult * tokens * compute.attention_flops_per_token(model, layers, work.mean_len / 2) / tp / cluster.peak_flops
     act = tokens * model.hidden * model.dtype_bytes
     passes = (4 if recompute else 3) if work.trains else 1  # forward-like passes, 2 all-reduces per block each
-    slot: Ideal = {"gemm": gemm, "attention": attn}
+    parts = [("gemm", 0.0, gemm), ("attention", 0.0, attn)]
     if tp > 1:
-        _add(slot, _comm("allreduce", links.tp, 2 * layers * passes * allreduce_time(act, tp, links.tp, cluster)))
+        parts.append(_comm_part("allreduce", links.tp, 2 * layers * passes, lambda b: allreduce_time(b, tp, links.tp, cluster), act))
     if layout.pp > 1:
-        _add(slot, _comm("p2p", links.pp, (2 if work.trains else 1) * p2p_time(act, links.pp, cluster)))
-    return slot
+        parts.append(_comm_part("p2p", links.pp, 2 if work.trains else 1, lambda b: p2p_time(b, links.pp, cluster), act))
+    return _affine(parts)
 
 
-@lru_cache(maxsize=1 << 16)
-def _wave(work: StageWork, layout: Layout, batch: int, links: Links, cluster: ClusterSpec) -> Ideal:
-    """Generation of ``batch`` sequences on one replica: prefill, then p95-response decode steps."""
+@lru_cache(maxsize=1 << 14)
+def wave_affine(work: StageWork, layout: Layout, links: Links, cluster: ClusterSpec) -> Affine:
+    """Generation of a batch on one replica: prefill, then p95-response decode steps."""
     model, tp, pp = work.model, layout.tp, layout.pp
-    L, h, peak = model.num_layers, model.hidden, cluster.peak_flops
-    prompt = batch * work.prompt_len
-    wave: Ideal = {
-        "gemm": (prompt * compute.gemm_flops_per_token(model, L, False) + batch * 2.0 * model.vocab * h) / tp / peak,
-        "attention": prompt * compute.attention_flops_per_token(model, L, work.prompt_len / 2) / tp / peak,
-    }
+    L, h, peak, nbytes = model.num_layers, model.hidden, cluster.peak_flops, model.dtype_bytes
+    P = work.prompt_len
+    gemm = (P * compute.gemm_flops_per_token(model, L, False) + 2.0 * model.vocab * h) / tp / peak
+    attn = P * compute.attention_flops_per_token(model, L, P / 2) / tp / peak
     steps = math.ceil(work.response_len_p95)
     context = work.prompt_len + work.response_len / 2
-    flops = batch * (compute.gemm_flops_per_token(model, L, True) + compute.attention_flops_per_token(model, L, context))
-    reads = compute.weight_bytes(model.num_params, model) + memory.kv_cache_bytes(model, batch * context, L, 1)
-    wave["decode"] = steps * max(flops / tp / peak, reads / tp / cluster.hbm_bw)
+    flops = compute.gemm_flops_per_token(model, L, True) + compute.attention_flops_per_token(model, L, context)
+    parts = [("gemm", 0.0, gemm), ("attention", 0.0, attn)]
     if tp > 1:
-        per_step = 2 * L * allreduce_time(batch * h * model.dtype_bytes, tp, links.tp, cluster)
-        _add(wave, _comm("allreduce", links.tp, 2 * L * allreduce_time(prompt * h * model.dtype_bytes, tp, links.tp, cluster)))
-        _add(wave, _comm("allreduce", links.tp, steps * per_step))
+        allreduce = lambda b: allreduce_time(b, tp, links.tp, cluster)  # noqa: E731
+        parts.append(_comm_part("allreduce", links.tp, 2 * L, allreduce, P * h * nbytes))  # prefill
+        parts.append(_comm_part("allreduce", links.tp, 2 * L * steps, allreduce, h * nbytes))  # decode
     if pp > 1:
-        send = (pp - 1) * (p2p_time(prompt * h * model.dtype_bytes, links.pp, cluster) + steps * p2p_time(batch * h * model.dtype_bytes, links.pp, cluster))
-        _add(wave, _comm("p2p", links.pp, send))
-    return wave
+        send = lambda b: p2p_time(b, links.pp, cluster)  # noqa: E731
+        parts.append(_comm_part("p2p", links.pp, pp - 1, send, P * h * nbytes))
+        parts.append(_comm_part("p2p", links.pp, (pp - 1) * steps, send, h * nbytes))
+    return _affine(
+        parts,
+        steps=steps,
+        decode_flops=flops / tp / peak,
+        decode_fixed=compute.weight_bytes(model.num_params, model) / tp / cluster.hbm_bw,
+        decode_per_seq=memory.kv_cache_bytes(model, context, L, tp) / cluster.hbm_bw,
+    )
+
+
+def _slot(work: StageWork, layout: Layout, micro_batch: int, recompute: bool, links: Links, cluster: ClusterSpec) -> Ideal:
+    """One micro-batch of ``micro_batch`` sequences through the slowest pipeline stage."""
+    return slot_affine(work, layout, recompute, links, cluster).at(micro_batch)
+
+
+def _wave(work: StageWork, layout: Layout, batch: int, links: Links, cluster: ClusterSpec) -> Ideal:
+    """Generation of ``batch`` sequences on one replica."""
+    return wave_affine(work, layout, links, cluster).at(batch)
 
 
 def _offload(work: StageWork, layout: Layout) -> Ideal:
@@ -196,7 +258,7 @@ def _offload(work: StageWork, layout: Layout) -> Ideal:
 
 def _optimizer_step(work: StageWork, layout: Layout, dp: int, links: Links, cluster: ClusterSpec) -> Ideal:
     """Per optimizer step: DP gradient all-reduce (weight dtype) and the HBM-bound AdamW update."""
-    params = max(memory.stage_params(work.model, layout.pp, r) for r in range(layout.pp)) / layout.tp
+    params = memory.max_stage_params(work.model, layout.pp) / layout.tp
     step: Ideal = {"decode": params * ADAMW_BYTES_PER_PARAM / cluster.hbm_bw}
     _add(step, _comm("allreduce", links.dp, allreduce_time(params * work.model.dtype_bytes, dp, links.dp, cluster)))
     return step
@@ -238,21 +300,62 @@ def latency(ideal: Mapping[str, float], calibration: Calibration | None = None) 
 def rank_peak_memory(work: StageWork, layout: Layout, dp: int, micro_batch: int, recompute: bool) -> tuple[float, ...]:
     """Peak bytes on one GPU of each pipeline stage (index = pp rank)."""
     per_replica = replica_sequences(work, dp) or 1
-    model = work.model
     if work.kind == "generation":
-        batch = min(micro_batch, per_replica)
-        return tuple(
-            memory.generation_peak_bytes(model, layout, r, batch, work.prompt_len, work.max_len) for r in range(layout.pp)
-        )
+        return _rank_memory(work, layout, min(micro_batch, per_replica), False, 0)
     if work.kind == "inference":
-        return tuple(
-            memory.inference_peak_bytes(model, layout, r, micro_batch, work.max_len, work.lm_head) for r in range(layout.pp)
-        )
+        return _rank_memory(work, layout, micro_batch, False, 0)
     micro_batches = -(-per_replica // micro_batch)
+    return _rank_memory(work, layout, micro_batch, recompute, min(micro_batches, layout.pp))
+
+
+@lru_cache(maxsize=1 << 16)
+def _rank_memory(
+    work: StageWork, layout: Layout, batch: int, recompute: bool, micro_batches: int, ranks: tuple[int, ...] | None = None
+) -> tuple[float, ...]:
+    model = work.model
+    ranks = tuple(range(layout.pp)) if ranks is None else ranks
+    if work.kind == "generation":
+        return tuple(memory.generation_peak_bytes(model, layout, r, batch, work.prompt_len, work.max_len) for r in ranks)
+    if work.kind == "inference":
+        return tuple(memory.inference_peak_bytes(model, layout, r, batch, work.max_len, work.lm_head) for r in ranks)
     return tuple(
-        memory.training_peak_bytes(model, layout, r, micro_batch, work.max_len, micro_batches, recompute, work.lm_head)
-        for r in range(layout.pp)
+        memory.training_peak_bytes(model, layout, r, batch, work.max_len, micro_batches, recompute, work.lm_head)
+        for r in ranks
     )
+
+
+def peak_memory(work: StageWork, layout: Layout, dp: int, micro_batch: int, recompute: bool) -> float:
+    """Peak bytes on the most-loaded GPU of a replica: always the first or the last pipeline stage.
+
+    The first stage holds the most layers, the embedding and the most in-flight micro-batches;
+    the last holds the LM head and the logits; middle stages hold no more than the first.
+    """
+    share = replica_sequences(work, dp) or 1
+    ends = (0, layout.pp - 1) if layout.pp > 1 else (0,)
+    if work.kind == "generation":
+        return max(_rank_memory(work, layout, min(micro_batch, share), False, 0, ends))
+    if work.kind == "inference":
+        return max(_rank_memory(work, layout, micro_batch, False, 0, ends))
+    return max(_rank_memory(work, layout, micro_batch, recompute, min(-(-share // micro_batch), layout.pp), ends))
+
+
+@lru_cache(maxsize=1 << 14)
+def generation_batch(work: StageWork, layout: Layout, per_replica: int, cap: float) -> int:
+    """Sequences a generation replica decodes at once: as many as fit under ``cap`` (like vLLM's
+    KV-cache-filling continuous batching), at most its share; 0 when not even one fits.
+
+    Generation memory is affine in the batch on every pipeline rank, so the largest batch is
+    solved in closed form and then checked exactly.
+    """
+    ends = (0, layout.pp - 1) if layout.pp > 1 else (0,)
+    base = _rank_memory(work, layout, 0, False, 0, ends)
+    one = _rank_memory(work, layout, 1, False, 0, ends)
+    fit = per_replica
+    for b0, b1 in zip(base, one):
+        fit = min(fit, int((cap - b0) // (b1 - b0)) if cap >= b0 else -1)
+    while fit > 0 and max(_rank_memory(work, layout, fit, False, 0, ends)) > cap:
+        fit -= 1
+    return max(fit, 0)
 
 
 _DEFAULT = Calibration()

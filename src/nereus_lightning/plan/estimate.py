@@ -89,11 +89,11 @@ def estimate_plan(
         worst = max(ranks)
         if worst > cap:
             violations.append(f"{ms.name}: {worst / 1e9:.1f} GB per GPU exceeds the cap {cap / 1e9:.1f} GB ({cand.describe()})")
-        for r in range(cand.dp):
-            for p in range(cand.layout.pp):
-                for t in range(cand.layout.tp):
-                    g = cand.gpu_at(r, p, t)
-                    peak[g] = max(peak.get(g, 0.0), ranks[p])
+        tp = cand.layout.tp
+        per_gpu = [ranks[p] for _ in range(cand.dp) for p in range(cand.layout.pp) for _ in range(tp)]
+        for g, value in zip(cand.gpus, per_gpu):
+            if value > peak.get(g, 0.0):
+                peak[g] = value
     phase: dict[str, float] = {}
     for stage in STAGES:
         members = [ms.name for ms in stages if ms.stage == stage]
@@ -102,10 +102,13 @@ def estimate_plan(
         phase[stage] = max(stage_latency[n] for n in members)
         seen: dict[int, str] = {}
         for n in members:
+            clashes: dict[str, list[int]] = {}
             for g in plan[n].gpus:
                 if g in seen:
-                    violations.append(f"{stage}: {seen[g]} and {n} both use GPU {g} but run concurrently")
+                    clashes.setdefault(seen[g], []).append(g)
                 seen[g] = n
+            for other, gpus in clashes.items():
+                violations.append(f"{stage}: {other} and {n} run concurrently but share GPUs {gpus}")
     return PlanEstimate(
         step_latency=sum(phase.values()),
         stage_latency=stage_latency,

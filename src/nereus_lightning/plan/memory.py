@@ -7,6 +7,8 @@ assume sequence parallelism, so norm and residual activations are divided by TP 
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from nereus_lightning.plan.compute import kv_bytes_per_token_layer, stage_layers
 from nereus_lightning.plan.layout import Layout
 from nereus_lightning.spec.cluster import ClusterSpec
@@ -23,6 +25,16 @@ MEMORY_HEADROOM = 0.10
 LOGIT_BYTES_PER_ELEMENT = 8
 
 
+@lru_cache(maxsize=256)
+def _layer_params(model: ModelSpec) -> int:
+    return model.layer_params
+
+
+def max_stage_params(model: ModelSpec, pp: int) -> int:
+    """Parameters of the largest pipeline stage (the first or the last)."""
+    return max(stage_params(model, pp, r) for r in {0, pp - 1})
+
+
 def memory_cap(cluster: ClusterSpec) -> float:
     """Bytes a plan may use per GPU: the GPU's memory less the headroom."""
     return cluster.gpu_memory * (1 - MEMORY_HEADROOM)
@@ -30,7 +42,7 @@ def memory_cap(cluster: ClusterSpec) -> float:
 
 def stage_params(model: ModelSpec, pp: int, pp_rank: int) -> int:
     """Parameters held by pipeline stage ``pp_rank`` (embedding first, final norm and LM head last)."""
-    params = stage_layers(model, pp, pp_rank) * model.layer_params
+    params = stage_layers(model, pp, pp_rank) * _layer_params(model)
     if pp_rank == 0:
         params += model.embedding_params
     if pp_rank == pp - 1:
@@ -50,7 +62,8 @@ def state_bytes_per_gpu(model: ModelSpec, trains: bool, layout: Layout) -> float
     Inference holds weights; training adds gradients (weight dtype) and AdamW state.
     TP splits every stage's parameters evenly (replicated norms are negligible).
     """
-    return max(rank_state_bytes(model, trains, layout, r) for r in range(layout.pp))
+    # The first stage holds at least as many layers as any middle one, plus the embedding.
+    return max(rank_state_bytes(model, trains, layout, r) for r in {0, layout.pp - 1})
 
 
 def activation_bytes_per_token_layer(model: ModelSpec) -> float:

@@ -21,16 +21,20 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from nereus_lightning.plan.calibration import Calibration
 from nereus_lightning.plan.comm import canonical_links
 from nereus_lightning.plan.cost import (
+    Affine,
     StageWork,
-    ideal_time,
-    latency,
+    _offload,
+    _optimizer_step,
+    generation_batch,
+    slot_affine,
+    wave_affine,
     micro_batch_options,
-    rank_peak_memory,
+    peak_memory,
     replica_sequences,
     stage_work,
 )
@@ -93,42 +97,127 @@ def dp_options(work: StageWork, layout: Layout, max_gpus: int) -> list[int]:
     top = max_gpus // layout.size
     if work.trains:
         return [1 << k for k in range(top.bit_length()) if replica_sequences(work, 1 << k) is not None]
-    out, last = [], None
-    for dp in range(1, min(top, work.sequences) + 1):
-        share = replica_sequences(work, dp)
-        if share != last:
-            out.append(dp)
-            last = share
+    out, n, dp = [], work.sequences, 1
+    while dp <= min(top, n):
+        out.append(dp)
+        share = -(-n // dp)
+        if share == 1:
+            break
+        dp = -(-n // (share - 1))  # the smallest dp whose share is below this one
     return out
+
+
+class _Scalars:
+    """Calibrated seconds of one model-stage's cost pieces, evaluated in O(1) per candidate.
+
+    Mirrors :func:`cost.ideal_time` term by term (so it agrees with :func:`estimate_plan` up to
+    float rounding): each affine piece collapses to ``fixed + per_seq * n`` seconds.
+    """
+
+    def __init__(self, work: StageWork, cluster: ClusterSpec, calibration: Calibration | None) -> None:
+        self.work, self.cluster = work, cluster
+        self.eff = (calibration or Calibration()).efficiencies()
+
+    def scalar(self, ideal: Mapping[str, float]) -> float:
+        """Calibrated seconds of an ideal-time dict."""
+        return sum(seconds / self.eff[name] for name, seconds in ideal.items())
+
+    def affine(self, piece: Affine) -> tuple[float, float, float, float, float, float]:
+        """(fixed, per_seq, steps/eff_decode, decode_flops, decode_fixed, decode_per_seq) in calibrated seconds."""
+        fixed = sum(v / self.eff[c] for c, v in piece.fixed)
+        per_seq = sum(v / self.eff[c] for c, v in piece.per_seq)
+        return fixed, per_seq, piece.steps / self.eff["decode"], piece.decode_flops, piece.decode_fixed, piece.decode_per_seq
+
+
+def _at(coef: tuple[float, float, float, float, float, float], n: int) -> float:
+    fixed, per_seq, steps, flops, reads, kv = coef
+    value = fixed + per_seq * n
+    if steps:
+        value += steps * max(flops * n, reads + kv * n)
+    return value
 
 
 def stage_options(
     work: StageWork, cluster: ClusterSpec, calibration: Calibration | None, max_gpus: int, cap: float
 ) -> list[Option]:
-    """Every candidate of ``work`` within ``max_gpus`` GPUs and the memory ``cap``, priced."""
-    out = []
+    """Every candidate of ``work`` within ``max_gpus`` GPUs and the memory ``cap``, priced.
+
+    For generation and inference only the smallest dp of each distinct replica share is kept
+    (larger ones cost GPUs and gain nothing), and per (layout, dp) only the fastest micro-batch.
+    """
+    rows: list[tuple] = []  # (gpus, latency, peak, layout, dp, micro_batch, recompute)
+    sc = _Scalars(work, cluster, calibration)
+    mb_cache: dict[int, tuple[int, ...]] = {}
+    repeats = work.epochs * work.mini_batches
     for layout in layouts_for(work.model, max_gpus):
-        for dp in dp_options(work, layout, max_gpus):
-            share = replica_sequences(work, dp)
-            assert share is not None
-            links = canonical_links(layout, dp, cluster)
-            for mb in micro_batch_options(work, share):
-                for rc in (False, True) if work.trains else (False,):
-                    peak = max(rank_peak_memory(work, layout, dp, mb, rc))
+        one = canonical_links(layout, 1, cluster)
+        offload = sc.scalar(_offload(work, layout))
+        size, pp = layout.size, layout.pp
+        dps = dp_options(work, layout, max_gpus)
+        if work.kind == "generation":
+            fit = generation_batch(work, layout, work.sequences, cap)
+            if not fit:
+                continue
+            coef = sc.affine(wave_affine(work, layout, one, cluster))
+            for dp in dps:
+                share = -(-work.sequences // dp)
+                batch = min(share, fit)
+                full, rest = divmod(share, batch)
+                lat = offload + full * _at(coef, batch) + (_at(coef, rest) if rest else 0.0)
+                rows.append((dp * size, lat, None, layout, dp, batch, False))
+            continue
+        memo: dict[tuple, float] = {}
+        steps: dict[int, float] = {}
+        for rc in (False, True) if work.trains else (False,):
+            fixed, per_seq = sc.affine(slot_affine(work, layout, rc, one, cluster))[:2]
+            for dp in dps:
+                share = replica_sequences(work, dp)
+                options = mb_cache.get(share)
+                if options is None:
+                    options = mb_cache[share] = micro_batch_options(work, layout, share, cap)
+                step = steps.get(dp, 0.0)
+                if work.trains and dp not in steps:
+                    links = canonical_links(layout, dp, cluster)
+                    step = steps[dp] = sc.scalar(_optimizer_step(work, layout, dp, links, cluster))
+                best_lat, best = float("inf"), None
+                for mb in options:
+                    count = -(-share // mb)
+                    key = (mb, rc, min(count, pp)) if work.trains else mb
+                    peak = memo.get(key)
+                    if peak is None:
+                        peak = memo[key] = peak_memory(work, layout, dp, mb, rc)
                     if peak > cap:
                         continue
-                    lat = latency(ideal_time(work, layout, dp, mb, rc, links, cluster), calibration)
-                    out.append(Option(dp * layout.size, lat, layout, dp, mb, rc, peak))
+                    lat = (count + pp - 1) * (fixed + per_seq * mb)
+                    if work.trains:
+                        lat = repeats * (lat + step)
+                    lat += offload
+                    if lat < best_lat:
+                        best_lat, best = lat, (mb, peak)
+                if best is not None:
+                    rows.append((dp * size, best_lat, best[1], layout, dp, best[0], rc))
+    out = []
+    for gpus, lat, peak, layout, dp, mb, rc in rows:
+        out.append(Option(gpus, lat, layout, dp, mb, rc, peak if peak is not None else -1.0))
     return out
 
 
 def frontier(options: list[Option]) -> list[Option]:
     """Non-dominated options: increasing GPU count, strictly decreasing latency."""
     best: list[Option] = []
-    for opt in sorted(options, key=lambda o: (o.gpus, o.latency, o.peak_memory)):
+    for opt in sorted(options, key=lambda o: (o.gpus, o.latency)):
         if not best or opt.latency < best[-1].latency:
             best.append(opt)
     return best
+
+
+def _fill_peaks(work: StageWork, front: list[Option]) -> list[Option]:
+    """Generation options are priced without their peak memory (the batch fits by construction)."""
+    return [
+        o if o.peak_memory >= 0 else Option(o.gpus, o.latency, o.layout, o.dp, o.micro_batch, o.recompute,
+                                            peak_memory(work, o.layout, o.dp, o.micro_batch, o.recompute))
+        for o in front
+    ]
 
 
 def _cheapest(front: list[Option], lam: float) -> Option | None:
@@ -205,8 +294,12 @@ def plan_job(
     works = {ms.name: stage_work(ms, models, workload) for ms in stages}
     cap, budget = memory_cap(cluster), cluster.num_gpus
     fronts: dict[str, list[Option]] = {}
+    shared: dict[StageWork, list[Option]] = {}  # e.g. actor and reference inference price alike
     for name, work in works.items():
-        fronts[name] = frontier(stage_options(work, cluster, calibration, budget, cap))
+        key = replace(work, name="")
+        if key not in shared:
+            shared[key] = _fill_peaks(work, frontier(stage_options(work, cluster, calibration, budget, cap)))
+        fronts[name] = shared[key]
         if not fronts[name]:
             raise InfeasiblePlanError(diagnose_memory(work, cluster, budget, cap))
     per_stage: list[list[dict[str, Option]]] = []
@@ -245,15 +338,15 @@ def diagnose_memory(work: StageWork, cluster: ClusterSpec, budget: int, cap: flo
     for layout in layouts_for(work.model, budget):
         for dp in dp_options(work, layout, budget)[:1]:
             share = replica_sequences(work, dp) or 1
-            for mb in micro_batch_options(work, share)[:1]:
-                peak = max(rank_peak_memory(work, layout, dp, mb, work.trains))
+            for mb in micro_batch_options(work, layout, share, float("inf"))[:1]:
+                peak = peak_memory(work, layout, dp, mb, work.trains)
                 if best is None or peak < best[0]:
                     best = (peak, layout)
     fits = None
     for layout in sorted(layouts_for(work.model, 1 << 20), key=lambda l: l.size):
         share = replica_sequences(work, 1) or 1
-        options = micro_batch_options(work, share)
-        if options and max(rank_peak_memory(work, layout, 1, options[0], work.trains)) <= cap:
+        options = micro_batch_options(work, layout, share, cap)
+        if options and peak_memory(work, layout, 1, options[0], work.trains) <= cap:
             fits = layout
             break
     where = f" at its best layout {best[1]}" if best else ""
