@@ -1,5 +1,6 @@
-"""Pack / unpack of many strided slices into one flat buffer (torch reference; GPU kernels when present)."""
+"""Pack / unpack of many strided slices into one flat buffer (fused GPU kernels; torch reference elsewhere)."""
 
-from nereus_lightning.kernels.pack import byte_offsets, pack, unpack
+from nereus_lightning.kernels._ext import kernel_status
+from nereus_lightning.kernels.pack import byte_offsets, pack, pack_reference, unpack, unpack_reference
 
-__all__ = ["byte_offsets", "pack", "unpack"]
+__all__ = ["byte_offsets", "kernel_status", "pack", "pack_reference", "unpack", "unpack_reference"]

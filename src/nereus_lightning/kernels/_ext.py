@@ -1,0 +1,105 @@
+"""Lazy build and load of the fused pack/unpack kernels (``nereus_lightning/cuda``).
+
+The extension is built through :func:`torch.utils.cpp_extension.load` on the first pack/unpack of
+GPU tensors and cached by torch (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``);
+the extension name carries a hash of the sources, so an edited kernel rebuilds. On a ROCm build of
+torch the same call hipifies the CUDA sources (see ``nereus_lightning/hip/README.md``). Without a
+GPU, with ``NEREUS_PACK_KERNELS=0``, or when the build fails, pack/unpack use the torch reference
+and one warning says why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger("nereus_lightning.kernels")
+
+CUDA_DIR = Path(__file__).resolve().parent.parent / "cuda"
+SOURCES = ("pack_host.cpp", "pack_kernels.cu")
+HEADERS = ("pack_kernels.cuh",)
+DEFAULT_CHUNK_BYTES = 64 * 1024
+
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_reason: str | None = None  # why the kernels are off; None while untried or loaded
+_tried = False
+
+
+def build(defines: Sequence[str] = (), verbose: bool = False) -> ModuleType:
+    """Build (or load from torch's extension cache) the kernels; raises if the build fails.
+
+    Args:
+        defines: extra preprocessor definitions such as ``"NEREUS_PACK_UNROLL=8"`` (benchmark variants).
+        verbose: print the compiler commands.
+    """
+    from torch.utils import cpp_extension
+
+    files = [CUDA_DIR / name for name in (*SOURCES, *HEADERS)]
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.read_bytes())
+    digest.update(repr(tuple(defines)).encode())
+    flags = ["-O3", *(f"-D{d}" for d in defines)]
+    return cpp_extension.load(
+        name=f"nereus_pack_{digest.hexdigest()[:12]}",
+        sources=[str(CUDA_DIR / name) for name in SOURCES],
+        extra_cflags=flags,
+        extra_cuda_cflags=flags,
+        extra_include_paths=[str(CUDA_DIR)],
+        verbose=verbose,
+    )
+
+
+def _load() -> ModuleType | None:
+    global _module, _reason, _tried
+    with _lock:
+        if _tried:
+            return _module
+        _tried = True
+        if os.environ.get("NEREUS_PACK_KERNELS", "1") == "0":
+            _reason = "disabled by NEREUS_PACK_KERNELS=0"
+        elif not torch.cuda.is_available():
+            _reason = "no GPU (torch.cuda.is_available() is False)"
+        else:
+            try:
+                _module = build(verbose=os.environ.get("NEREUS_PACK_VERBOSE") == "1")
+            except Exception as exc:  # any build/load failure falls back to the reference
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                _reason = f"build failed: {type(exc).__name__}: {first[:300]}"
+        if _reason is not None:
+            log.warning("fused pack/unpack kernels off (%s); using the torch reference", _reason)
+        return _module
+
+
+def note_reference_use() -> None:
+    """Called when pack/unpack run on non-GPU tensors: on a machine with no GPU, say once why."""
+    if not _tried and not torch.cuda.is_available():
+        _load()
+
+
+def kernel_status() -> tuple[bool, str]:
+    """Whether the fused kernels are loaded, and why not (loads them if a GPU is present)."""
+    module = _load()
+    return module is not None, "loaded" if module is not None else str(_reason)
+
+
+def copy_views(views: Sequence[torch.Tensor], buffer: torch.Tensor, pack: bool, chunk_bytes: int | None = None) -> bool:
+    """Run the fused kernel (``pack``: views -> buffer, else buffer -> views); False if it did not run.
+
+    False means nothing was written and the caller must use the reference: kernels unavailable, or
+    a case the kernel does not reproduce bit for bit (views on another device, conjugate/negative
+    views, autograd recording, more than 8 non-mergeable dims).
+    """
+    module = _load()
+    if module is None:
+        return False
+    chunk = chunk_bytes or int(os.environ.get("NEREUS_PACK_CHUNK_BYTES", DEFAULT_CHUNK_BYTES))
+    return bool(module.copy_views(list(views), buffer, pack, chunk))
