@@ -44,6 +44,19 @@ class StepOutcome:
     stage_time: dict[str, float]
 
 
+def runs(estimate: Any, cluster: ClusterSpec) -> bool:
+    """Whether a plan actually runs: the planner's 10% headroom is a margin, an OOM is physical memory.
+
+    Any violation other than the headroom (GPUs outside the pool, a DP degree that cannot split
+    the batch, two concurrent model-stages on one GPU) still fails the step.
+    """
+    if estimate.feasible:
+        return True
+    peak = max(getattr(estimate, "peak_memory", {}).values(), default=0.0)
+    others = [v for v in getattr(estimate, "violations", ()) if "exceeds the cap" not in str(v)]
+    return not others and peak <= cluster.gpu_memory
+
+
 class TrueMachine:
     """Runs plans on the cost model with hidden efficiencies ``truth`` and seeded noise.
 
@@ -90,7 +103,7 @@ class TrueMachine:
         f = self.noise_at(step)
         ops = {k: v * f for k, v in op_totals(est).items()}
         stages = {k: v * f for k, v in (getattr(est, "stage_latency", None) or {}).items()}
-        return StepOutcome(est.step_latency * f, bool(est.feasible), ops, stages)
+        return StepOutcome(est.step_latency * f, runs(est, cluster), ops, stages)
 
     def transition_time(self, step: int, predicted_raw: float) -> float:
         """The real duration of a transition the DAG priced at ``predicted_raw`` seconds."""

@@ -179,3 +179,21 @@ def compare(
 
 def _slug(name: str) -> str:
     return "".join(ch if ch.isalnum() else "_" for ch in name).strip("_")
+
+
+def gamma_sweep(
+    trace: DriftTrace, gammas: Sequence[float], backend: PlanningBackend, cluster: ClusterSpec, workload: Workload,
+    machine: TrueMachine, calibration_factory: Callable[[], Any], controller: ControllerConfig | None = None,
+    oracle: Sequence[StepRecord] | None = None, notice: bool = True,
+) -> list[dict[str, Any]]:
+    """Nereus(gamma) for every gamma of ``gammas``: one summary row each (gap against the oracle)."""
+    if oracle is None:
+        policy = make_policy(PolicySpec("oracle"), backend, cluster, workload, machine.truth, calibration_factory)
+        oracle = simulate(policy, trace, machine, backend, cluster, workload, notice)
+    rows = []
+    for gamma in gammas:
+        spec = PolicySpec("nereus", gamma=float(gamma))
+        policy = make_policy(spec, backend, cluster, workload, machine.truth, calibration_factory, controller)
+        summary = summarise(simulate(policy, trace, machine, backend, cluster, workload, notice), oracle)
+        rows.append({"gamma": float(gamma), **asdict(summary)})
+    return rows
