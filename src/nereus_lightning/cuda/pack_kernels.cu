@@ -163,8 +163,12 @@ cudaError_t launch_copy_views(const ViewDesc* descs, const int64_t* begin, int n
                               int log2_chunk, uint8_t* buffer, bool pack, cudaStream_t stream) {
   const int64_t cap = int64_t{1} << 30;
   const unsigned grid = static_cast<unsigned>(total_chunks < cap ? total_chunks : cap);
-  if (pack) pack_kernel<true><<<grid, kThreads, 0, stream>>>(descs, begin, n, total_chunks, log2_chunk, buffer);
-  else pack_kernel<false><<<grid, kThreads, 0, stream>>>(descs, begin, n, total_chunks, log2_chunk, buffer);
+  // Braced statements: hipify rewrites each launch into a call and would glue it to a bare `else`.
+  if (pack) {
+    pack_kernel<true><<<grid, kThreads, 0, stream>>>(descs, begin, n, total_chunks, log2_chunk, buffer);
+  } else {
+    pack_kernel<false><<<grid, kThreads, 0, stream>>>(descs, begin, n, total_chunks, log2_chunk, buffer);
+  }
   return cudaGetLastError();
 }
 
