@@ -3,6 +3,7 @@
 All functions take per-token tensors of shape ``(batch, response_len)`` and a ``mask`` of the same
 shape (1 for response tokens that count, 0 for padding) and return ``(loss, metrics)`` where
 ``metrics`` maps verl's metric names to detached 0-dim tensors (no host sync in the hot path).
+Losses accept a ``normalizer`` (see :func:`agg_loss`) for micro-batched / data-parallel updates.
 """
 
 from __future__ import annotations
@@ -37,18 +38,26 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     return (x * mask).sum(dim) / mask.sum(dim).clamp_min(1.0)
 
 
-def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str = "token-mean") -> Tensor:
+def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str = "token-mean", normalizer: float | Tensor | None = None) -> Tensor:
     """Reduce a per-token loss to a scalar.
 
     ``token-mean`` averages over all valid tokens of the batch; ``seq-mean-token-mean`` averages
     each sequence over its tokens, then over sequences; ``seq-mean-token-sum`` sums each sequence,
     then averages over sequences.
+
+    Args:
+        normalizer: the denominator to use instead of this batch's own count: the number of
+            valid tokens (``token-mean``) or of non-empty sequences (``seq-*``) of the whole
+            global mini-batch. With it, the losses (and gradients) of the micro-batches of all
+            DP ranks *sum* to the global mini-batch loss, whatever the DP degree and micro-batch
+            size: this is what keeps an update layout-independent.
     """
     mask = mask.to(loss_mat.dtype)
     if mode == "token-mean":
-        return masked_mean(loss_mat, mask)
+        count = mask.sum().clamp_min(1.0) if normalizer is None else normalizer
+        return (loss_mat * mask).sum() / count
     seq_has_tokens = (mask.sum(-1) > 0).to(loss_mat.dtype)
-    num_seqs = seq_has_tokens.sum().clamp_min(1.0)
+    num_seqs = seq_has_tokens.sum().clamp_min(1.0) if normalizer is None else normalizer
     if mode == "seq-mean-token-mean":
         return (masked_mean(loss_mat, mask, dim=-1) * seq_has_tokens).sum() / num_seqs
     if mode == "seq-mean-token-sum":
@@ -65,6 +74,7 @@ def policy_loss(
     clip_eps_high: float | None = None,
     dual_clip: float | None = None,
     agg: str = "token-mean",
+    normalizer: float | Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate loss.
 
@@ -93,7 +103,7 @@ def policy_loss(
         lower = (advantages < 0) & (capped < loss_mat)
         loss_mat = torch.where(advantages < 0, capped, loss_mat)
         metrics["actor/pg_clipfrac_lower"] = masked_mean(lower.to(log_probs.dtype), mask).detach()
-    loss = agg_loss(loss_mat, mask, agg)
+    loss = agg_loss(loss_mat, mask, agg, normalizer)
     metrics["actor/pg_loss"] = loss.detach()
     return loss, metrics
 
@@ -105,6 +115,7 @@ def value_loss(
     mask: Tensor,
     clip_eps: float = 0.5,
     agg: str = "token-mean",
+    normalizer: float | Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped value loss: ``0.5 * max((v - R)^2, (old + clamp(v - old, -eps, eps) - R)^2)``.
 
@@ -115,7 +126,7 @@ def value_loss(
     clipped_values = old_values + torch.clamp(values - old_values, -clip_eps, clip_eps)
     unclipped_err = (values - returns) ** 2
     clipped_err = (clipped_values - returns) ** 2
-    loss = 0.5 * agg_loss(torch.maximum(unclipped_err, clipped_err), mask, agg)
+    loss = 0.5 * agg_loss(torch.maximum(unclipped_err, clipped_err), mask, agg, normalizer)
     metrics = {
         "critic/vf_loss": loss.detach(),
         "critic/vf_clipfrac": masked_mean((clipped_err > unclipped_err).to(values.dtype), mask).detach(),
@@ -150,9 +161,10 @@ def kl_loss(
     mask: Tensor,
     kind: str = "low_var_kl",
     agg: str = "token-mean",
+    normalizer: float | Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """KL to the reference policy used as a loss term (GRPO style); returns ``actor/kl_loss``, ``actor/kl``."""
-    loss = agg_loss(kl_penalty(log_probs, ref_log_probs, kind), mask, agg)
+    loss = agg_loss(kl_penalty(log_probs, ref_log_probs, kind), mask, agg, normalizer)
     return loss, {"actor/kl_loss": loss.detach(), "actor/kl": loss.detach()}
 
 
@@ -168,7 +180,9 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     return -(log_p.exp() * log_p).sum(-1)
 
 
-def entropy_loss(entropy: Tensor, mask: Tensor, agg: str = "token-mean") -> tuple[Tensor, dict[str, Tensor]]:
+def entropy_loss(
+    entropy: Tensor, mask: Tensor, agg: str = "token-mean", normalizer: float | Tensor | None = None
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Aggregated entropy (subtract ``coef * loss`` to use it as a bonus); returns ``actor/entropy``."""
-    loss = agg_loss(entropy, mask, agg)
+    loss = agg_loss(entropy, mask, agg, normalizer)
     return loss, {"actor/entropy": loss.detach()}

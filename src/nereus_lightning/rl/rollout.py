@@ -1,0 +1,197 @@
+"""Rollout engines: the interface, the default over transformers ``generate``, and a vLLM stub.
+
+Sampling is seeded per sample, not per batch: row ``i`` draws its tokens from its own Gumbel
+noise, seeded by ``sample_seeds[i]`` (derive them from the global sample index with
+:func:`sample_seeds`). Sampling ``argmax(logits / T + Gumbel)`` is exact sampling from
+``softmax(logits / T)``, and a sample's tokens do not depend on which other samples share its
+batch, so a rollout is the same under any DP partition of the prompts (up to float ties).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from nereus_lightning.spec.errors import NereusConfigError, require
+
+
+@dataclass
+class RolloutOutput:
+    """Left-padded prompts and right-padded responses; a response's mask covers its eos."""
+
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    response_ids: Tensor
+    response_mask: Tensor
+
+    @property
+    def sequences(self) -> Tensor:
+        """``prompt_ids`` followed by ``response_ids``."""
+        return torch.cat([self.prompt_ids, self.response_ids], dim=-1)
+
+    @property
+    def attention_mask(self) -> Tensor:
+        """Mask of :attr:`sequences`."""
+        return torch.cat([self.prompt_mask, self.response_mask], dim=-1)
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """Generates responses for a batch of left-padded prompts."""
+
+    def generate(
+        self,
+        prompt_ids: Tensor,
+        attention_mask: Tensor,
+        max_new_tokens: int,
+        do_sample: bool = True,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        sample_seeds: Sequence[int] | Tensor | None = None,
+    ) -> RolloutOutput:
+        """Responses (``max_new_tokens`` wide, padded) and their masks; greedy when ``do_sample`` is False."""
+        ...
+
+
+def sample_seeds(seed: int, step: int, indices: Sequence[int] | Tensor) -> list[int]:
+    """One sampling seed per global sample index, fixed by ``(seed, step, index)``."""
+    if isinstance(indices, Tensor):
+        indices = indices.tolist()
+    return [random.Random(f"nereus-sample:{seed}:{step}:{int(i)}").getrandbits(63) for i in indices]
+
+
+def response_mask_from_ids(response_ids: Tensor, eos_token_id: int) -> Tensor:
+    """1 on every token up to and including the first eos of each row, 0 after it."""
+    is_eos = (response_ids == eos_token_id).long()
+    eos_before = is_eos.cumsum(-1) - is_eos  # eos tokens strictly before this position
+    return (eos_before == 0).long()
+
+
+class _SeededGumbel:
+    """A logits processor that turns greedy decoding into per-row seeded sampling."""
+
+    def __init__(self, seeds: list[int], prompt_len: int, max_new_tokens: int, temperature: float, top_k: int, top_p: float):
+        self.seeds = seeds
+        self.prompt_len = prompt_len
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.top_k = top_k
+        self.top_p = top_p
+        self.noise: Tensor | None = None
+
+    def _draw(self, vocab: int, device: torch.device) -> Tensor:
+        rows = []
+        for seed in self.seeds:
+            gen = torch.Generator(device=device).manual_seed(seed)
+            rows.append(torch.rand((self.max_new_tokens, vocab), generator=gen, device=device))
+        u = torch.stack(rows).clamp_min(torch.finfo(torch.float32).tiny)
+        return -torch.log(-torch.log(u))
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        if self.noise is None:
+            self.noise = self._draw(scores.shape[-1], scores.device)
+        scores = scores.float() / self.temperature
+        if self.top_k > 0:
+            kth = torch.topk(scores, min(self.top_k, scores.shape[-1]), dim=-1).values[..., -1:]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if self.top_p < 1.0:
+            sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
+            probs = torch.softmax(sorted_scores, dim=-1)
+            drop_sorted = probs.cumsum(-1) - probs > self.top_p  # mass before this token already covers top_p
+            scores = scores.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+        step = input_ids.shape[-1] - self.prompt_len
+        return scores + self.noise[:, step]
+
+
+class HFGenerateEngine:
+    """The default engine: any module with transformers' ``generate`` (e.g. an unsharded actor).
+
+    Args:
+        model: a transformers causal LM (or a wrapper exposing its ``generate``).
+        eos_token_id: id that ends a response.
+        pad_token_id: id written after a response's end.
+    """
+
+    def __init__(self, model: Any, eos_token_id: int, pad_token_id: int) -> None:
+        if not hasattr(model, "generate"):
+            raise NereusConfigError(f"rollout.engine: {type(model).__name__} has no transformers-style generate()")
+        self.model = model
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt_ids: Tensor,
+        attention_mask: Tensor,
+        max_new_tokens: int,
+        do_sample: bool = True,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        sample_seeds: Sequence[int] | Tensor | None = None,
+    ) -> RolloutOutput:
+        """See :class:`RolloutEngine`; sampling needs one seed per row (``sample_seeds``)."""
+        from transformers import GenerationConfig, LogitsProcessorList
+
+        batch, prompt_len = prompt_ids.shape
+        require(max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {max_new_tokens}")
+        processors = LogitsProcessorList()
+        if do_sample:
+            require(temperature > 0, "rollout.temperature", f"must be > 0 when sampling, got {temperature}")
+            require(0.0 < top_p <= 1.0, "rollout.top_p", f"must be in (0, 1], got {top_p}")
+            require(sample_seeds is not None, "sample_seeds", "sampling needs one seed per row; see rl.rollout.sample_seeds")
+            seeds = sample_seeds.tolist() if isinstance(sample_seeds, Tensor) else list(sample_seeds)
+            require(len(seeds) == batch, "sample_seeds", f"{len(seeds)} seeds for {batch} prompts")
+            processors.append(_SeededGumbel(seeds, prompt_len, max_new_tokens, temperature, top_k, top_p))
+        config = GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            do_sample=False,  # sampling happens in the seeded processor; the argmax picks its draw
+            eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id,
+        )
+        was_training = getattr(self.model, "training", False)
+        if was_training:
+            self.model.eval()
+        try:
+            out = self.model.generate(
+                input_ids=prompt_ids, attention_mask=attention_mask, generation_config=config, logits_processor=processors
+            )
+        finally:
+            if was_training:
+                self.model.train()
+        response = out[:, prompt_len:]
+        if response.shape[-1] < max_new_tokens:  # every row stopped early
+            fill = response.new_full((batch, max_new_tokens - response.shape[-1]), self.pad_token_id)
+            response = torch.cat([response, fill], dim=-1)
+        mask = response_mask_from_ids(response, self.eos_token_id)
+        response = response.masked_fill(mask == 0, self.pad_token_id)
+        return RolloutOutput(prompt_ids, attention_mask, response, mask)
+
+
+class VLLMEngine:
+    """Rollouts through vLLM. A placeholder here: its own issue wires and verifies it.
+
+    Constructing it without vllm installed raises a :class:`NereusConfigError` that says how to
+    install it; with vllm installed, :meth:`generate` raises ``NotImplementedError`` until that
+    issue lands. Use :class:`HFGenerateEngine` meanwhile.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            import vllm  # noqa: F401
+        except ImportError as exc:
+            raise NereusConfigError(
+                "rollout.engine=vllm: vllm is not installed; `pip install nereus-lightning[vllm]` "
+                "or use rollout.engine=hf (transformers generate)"
+            ) from exc
+
+    def generate(self, *args: Any, **kwargs: Any) -> RolloutOutput:
+        """Not wired yet; see the class docstring."""
+        raise NotImplementedError("VLLMEngine is verified in its own issue; use HFGenerateEngine for now")
