@@ -80,7 +80,10 @@ class Calibration:
     def observe(self, name: str, predicted_s: float, measured_s: float) -> float:
         """Update class ``name`` from one timing predicted with the current efficiencies.
 
-        Returns the new efficiency. Non-positive times are rejected (they carry no information).
+        ``predicted_s`` must come from the current efficiency of ``name``: sum a step's
+        predictions and measurements of one class and observe them once, rather than observing
+        many timings predicted before the first update. Returns the new efficiency.
+        Non-positive times are rejected (they carry no information).
         """
         self._check_class(name)
         require(predicted_s > 0, "calibration.predicted_s", f"must be positive, got {predicted_s}")

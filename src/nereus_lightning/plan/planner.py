@@ -300,8 +300,12 @@ def plan_job(
         if key not in shared:
             shared[key] = _fill_peaks(work, frontier(stage_options(work, cluster, calibration, budget, cap)))
         fronts[name] = shared[key]
-        if not fronts[name]:
-            raise InfeasiblePlanError(diagnose_memory(work, cluster, budget, cap))
+    failed = [diagnose_memory(works[n], cluster, budget, cap) for n, f in fronts.items() if not f]
+    if failed:
+        # The binding constraint is the model-stage that needs the most GPUs.
+        failed.sort(key=lambda x: -(x[0] if x[0] is not None else 1 << 30))
+        others = f" (also infeasible: {len(failed) - 1} more model-stages)" if len(failed) > 1 else ""
+        raise InfeasiblePlanError(failed[0][1] + others)
     per_stage: list[list[dict[str, Option]]] = []
     for stage in STAGES:
         group = {ms.name: fronts[ms.name] for ms in stages if ms.stage == stage}
@@ -332,32 +336,33 @@ def plan_job(
     return PlanResult(best[0], best[1], rest)
 
 
-def diagnose_memory(work: StageWork, cluster: ClusterSpec, budget: int, cap: float) -> str:
-    """Why ``work`` fits no candidate: its least memory within the pool, and the GPUs that would fit it."""
-    best = None
-    for layout in layouts_for(work.model, budget):
-        for dp in dp_options(work, layout, budget)[:1]:
-            share = replica_sequences(work, dp) or 1
-            for mb in micro_batch_options(work, layout, share, float("inf"))[:1]:
-                peak = peak_memory(work, layout, dp, mb, work.trains)
-                if best is None or peak < best[0]:
-                    best = (peak, layout)
-    fits = None
-    for layout in sorted(layouts_for(work.model, 1 << 20), key=lambda l: l.size):
-        share = replica_sequences(work, 1) or 1
-        options = micro_batch_options(work, layout, share, cap)
-        if options and peak_memory(work, layout, 1, options[0], work.trains) <= cap:
-            fits = layout
-            break
-    where = f" at its best layout {best[1]}" if best else ""
-    need = f"{best[0] / 1e9:.1f} GB per GPU{where}" if best else "more GPUs than the pool has for any layout"
+def _least_memory(work: StageWork, layout: Layout) -> float:
+    """Peak bytes of one replica of ``layout`` at its leanest: smallest micro-batch, recompute on."""
+    share = replica_sequences(work, 1) or 1
+    if work.kind == "generation":
+        return peak_memory(work, layout, 1, 1, False)
+    options = micro_batch_options(work, layout, share, float("inf"))
+    return peak_memory(work, layout, 1, options[0], work.trains) if options else float("inf")
+
+
+def diagnose_memory(work: StageWork, cluster: ClusterSpec, budget: int, cap: float) -> tuple[int | None, str]:
+    """Why ``work`` fits no candidate: (GPUs that would fit it or None, a message naming its
+    least memory within the pool, the cap, and the GPU count to ask for)."""
+    inside = [(_least_memory(work, lay), lay) for lay in layouts_for(work.model, budget)]
+    best = min(inside, key=lambda x: x[0], default=None)
+    fits = next(
+        (lay for lay in sorted(layouts_for(work.model, 1 << 20), key=lambda l: l.size) if _least_memory(work, lay) <= cap),
+        None,
+    )
+    need = f"{best[0] / 1e9:.1f} GB per GPU at its best layout {best[1]}" if best else "more GPUs than the pool has"
     hint = (
         f"it would fit on {fits.size} GPUs ({fits}); raise cluster.num_gpus to at least {fits.size}"
         if fits
         else "it does not fit at any layout; use GPUs with more memory or shorter sequences"
     )
-    return (
+    message = (
         f"{work.name} ({work.model.name}, {work.kind}) cannot fit: it needs {need}, "
         f"over the cap of {cap / 1e9:.1f} GB ({cluster.gpu_memory / 1e9:.0f} GB less 10% headroom) "
         f"with {budget} GPUs; {hint}"
     )
+    return (fits.size if fits else None), message

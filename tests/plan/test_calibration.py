@@ -1,0 +1,77 @@
+"""Calibration learns the efficiencies of a machine from measured timings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nereus_lightning.plan import Calibration, estimate_plan, job_models, plan_job
+from nereus_lightning.plan.calibration import DEFAULT_EFFICIENCY, OP_CLASSES
+from nereus_lightning.spec import NereusConfigError, Workload, cluster_preset, model_preset
+
+#: A "true machine" whose efficiencies differ from the conservative priors in both directions.
+TRUE = {name: eff for name, eff in zip(OP_CLASSES, (0.8, 0.6, 0.3, 0.9, 0.85, 0.2, 0.7, 0.4, 0.95, 0.35))}
+
+
+def test_every_class_has_a_conservative_prior():
+    assert set(DEFAULT_EFFICIENCY) == set(OP_CLASSES)
+    assert all(0 < v <= 0.6 for v in DEFAULT_EFFICIENCY.values())
+    assert Calibration().observations("gemm") == 0
+
+
+def test_one_observation_recovers_the_implied_efficiency():
+    cal = Calibration()
+    # Predicted 2 s at efficiency 0.5 => ideal 1 s; measured 1.25 s => efficiency 0.8.
+    assert cal.observe("gemm", 2.0, 1.25) == pytest.approx(0.8)
+    # Later observations move in log space by `rate`.
+    cal.observe("gemm", 1.0, 2.0)
+    assert cal.efficiency("gemm") == pytest.approx((0.8 * 0.4) ** 0.5)
+
+
+def test_predictions_converge_to_a_machine_with_other_efficiencies():
+    models = job_models(model_preset("llama3_8b"))
+    cluster = cluster_preset("paper_cluster2").with_gpus(32)
+    workload = Workload(response_len=1024)
+    plan = plan_job(models, cluster, workload).plan
+    cal = Calibration()
+    truth = estimate_plan(plan, models, cluster, workload, Calibration(TRUE))
+    first = estimate_plan(plan, models, cluster, workload, cal)
+    for _ in range(6):  # six RL steps of measured kernel / collective timings
+        predicted = estimate_plan(plan, models, cluster, workload, cal)
+        totals: dict[str, list[float]] = {}  # per class: [predicted, measured] summed over the step
+        for name, per_class in predicted.breakdown.items():
+            for op, seconds in per_class.items():
+                pair = totals.setdefault(op, [0.0, 0.0])
+                pair[0] += seconds
+                pair[1] += truth.breakdown[name][op]
+        for op, (pred, meas) in totals.items():
+            cal.observe(op, pred, meas)
+    final = estimate_plan(plan, models, cluster, workload, cal)
+    def worst_error(est):
+        return max(abs(est.stage_latency[n] / truth.stage_latency[n] - 1) for n in truth.stage_latency)
+
+    assert worst_error(first) > 0.3
+    assert worst_error(final) < 1e-6
+    assert final.step_latency == pytest.approx(truth.step_latency, rel=1e-6)
+    for op in truth.breakdown["actor_train"]:
+        assert cal.efficiency(op) == pytest.approx(TRUE[op], rel=1e-6)
+
+
+def test_state_dict_round_trips_through_json():
+    cal = Calibration(rate=0.3)
+    cal.observe("allreduce_inter", 1.0, 3.0)
+    state = json.loads(json.dumps(cal.state_dict()))
+    other = Calibration()
+    other.load_state_dict(state)
+    assert other.efficiencies() == cal.efficiencies()
+    assert other.observations("allreduce_inter") == 1 and other.rate == 0.3
+
+
+def test_bad_input_is_rejected():
+    with pytest.raises(NereusConfigError, match="unknown op class 'matmul'"):
+        Calibration().observe("matmul", 1.0, 1.0)
+    with pytest.raises(NereusConfigError, match="measured_s"):
+        Calibration().observe("gemm", 1.0, 0.0)
+    with pytest.raises(NereusConfigError, match="calibration.rate"):
+        Calibration(rate=0)

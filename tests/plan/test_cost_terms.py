@@ -1,0 +1,186 @@
+"""Every cost-model term against a value computed by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from nereus_lightning.plan import compute, memory
+from nereus_lightning.plan.calibration import Calibration
+from nereus_lightning.plan.comm import GroupLink, Links, allgather_time, allreduce_time, canonical_links, links_of, p2p_time
+from nereus_lightning.plan.cost import (
+    HOST_BW,
+    StageWork,
+    generation_batch,
+    ideal_time,
+    latency,
+    peak_memory,
+    rank_peak_memory,
+    slot_affine,
+    wave_affine,
+)
+from nereus_lightning.plan.layout import Layout
+from nereus_lightning.spec import ClusterSpec, model_preset
+
+L8 = model_preset("llama3_8b")
+KIB = 1024
+
+
+def _cluster(gpn: int = 4, nodes: int = 4) -> ClusterSpec:
+    return ClusterSpec("test", nodes, gpn, 64e9, 100e12, 1e12, 100e9, 10e9, 5e-6, 10e-6)
+
+
+def _work(kind: str, role: str = "actor", model=L8, **kw) -> StageWork:
+    base = dict(sequences=8, prompt_len=100, response_len=200.0, response_len_p95=300.0)
+    base.update(kw)
+    return StageWork(f"{role}_{kind}", kind, role, model, **base)
+
+
+def test_kv_cache_llama8b_is_128kib_per_token():
+    assert L8.kv_bytes_per_token() == 128 * KIB
+    assert memory.kv_cache_bytes(L8, tokens=1, layers=32, tp=1) == 128 * KIB
+    assert memory.kv_cache_bytes(L8, tokens=1000, layers=16, tp=2) == 1000 * 32 * KIB  # half the layers, half the heads
+
+
+def test_training_state_is_16_bytes_per_param():
+    # bf16 weights (2) + bf16 grads (2) + fp32 master/exp_avg/exp_avg_sq (12); 8,030,261,248 params.
+    assert L8.num_params == 8_030_261_248
+    assert memory.state_bytes_per_gpu(L8, True, Layout(1, 1)) == 16 * 8_030_261_248
+    assert memory.state_bytes_per_gpu(L8, False, Layout(2, 1)) == 8_030_261_248
+
+
+def test_state_max_is_at_an_end_stage():
+    for pp in (1, 2, 4, 8, 16, 32):
+        full = max(memory.rank_state_bytes(L8, True, Layout(1, pp), r) for r in range(pp))
+        assert memory.state_bytes_per_gpu(L8, True, Layout(1, pp)) == full
+
+
+def test_gemm_and_attention_flops():
+    per_block = 4096 * (4096 + 2 * 1024) + 4096 * 4096 + 3 * 4096 * 14336
+    assert compute.layer_matmul_params(L8) == per_block == 218_103_808
+    assert compute.gemm_flops_per_token(L8, 32, True) == 2 * (32 * per_block + 128256 * 4096)
+    assert compute.attention_flops_per_token(L8, 1, 1000) == 4 * 1000 * 4096
+    assert compute.training_multiplier(False) == 3 and compute.training_multiplier(True) == 4
+
+
+def test_activation_and_logit_bytes():
+    # bf16 x (4h + 2q + 2kv + 4i) = 2 x (16384 + 8192 + 2048 + 57344)
+    assert memory.activation_bytes_per_token_layer(L8) == 167_936
+    assert memory.checkpoint_bytes_per_token_layer(L8) == 8192
+    assert memory.logits_bytes(L8, tokens=10, tp=2) == 10 * 128256 / 2 * 8
+
+
+def test_1f1b_in_flight_micro_batches():
+    lay = Layout(1, 4)
+    # stage 0 keeps 4 micro-batches in flight, stage 3 one; with only 2 micro-batches, stage 0 keeps 2.
+    a0 = memory.training_activation_bytes(L8, 8, 1000, 4, 1, False)
+    assert a0 == 4 * 1000 * 8 * 167_936
+    r0 = memory.training_peak_bytes(L8, lay, 0, 1, 1000, 16, False, False)
+    r3 = memory.training_peak_bytes(L8, lay, 3, 1, 1000, 16, False, False)
+    assert r0 - memory.rank_state_bytes(L8, True, lay, 0) - memory.WORKSPACE_BYTES == pytest.approx(a0)
+    assert r3 - memory.rank_state_bytes(L8, True, lay, 3) - memory.WORKSPACE_BYTES == pytest.approx(a0 / 4)
+    rc = memory.training_activation_bytes(L8, 8, 1000, 4, 1, True)
+    assert rc == 4 * 1000 * 8 * 8192 + 1000 * 167_936  # block inputs + one block being recomputed
+
+
+def test_memory_cap_keeps_ten_percent():
+    assert memory.memory_cap(_cluster()) == pytest.approx(0.9 * 64e9)
+
+
+def test_collectives_alpha_beta():
+    c = _cluster()
+    intra, inter = GroupLink(), GroupLink(True, 4)
+    assert allreduce_time(1e9, 4, intra, c) == pytest.approx(2 * 3 / 4 * 1e9 / 100e9 + 6 * 5e-6)
+    assert allreduce_time(1e9, 4, inter, c) == pytest.approx(2 * 3 / 4 * 1e9 / (10e9 / 4) + 6 * 10e-6)
+    assert allgather_time(1e9, 2, intra, c) == pytest.approx(0.5 * 1e9 / 100e9 + 5e-6)
+    assert p2p_time(1e6, intra, c) == pytest.approx(1e6 / 100e9 + 5e-6)
+    assert allreduce_time(1e9, 1, intra, c) == 0.0
+
+
+def test_tp_group_spanning_nodes_uses_the_nic():
+    c = _cluster(gpn=4)
+    links = links_of(tuple(range(8)), Layout(8, 1), 1, c)
+    assert links.tp == GroupLink(True, 4)
+    assert links_of(tuple(range(4)), Layout(4, 1), 1, c).tp == GroupLink()
+    # A misplaced TP pair (GPUs 3 and 4) crosses a node boundary too.
+    assert links_of((3, 4), Layout(2, 1), 1, c).tp.inter
+
+
+def test_pp_and_dp_links():
+    c = _cluster(gpn=4)
+    links = links_of(tuple(range(8)), Layout(2, 4), 1, c)  # stages 0,1 on node 0; 2,3 on node 1
+    assert links.pp == GroupLink(True, 2) and not links.tp.inter
+    links = links_of(tuple(range(8)), Layout(2, 1), 4, c)  # 4 replicas over 2 nodes
+    assert links.dp == GroupLink(True, 4)
+    assert links_of(tuple(range(4)), Layout(2, 1), 2, c).dp == GroupLink()
+
+
+def test_canonical_links_match_a_walk_over_gpus():
+    for gpn in (1, 2, 4, 8):
+        c = _cluster(gpn=gpn, nodes=64 // gpn)
+        for tp in (1, 2, 4, 8):
+            for pp in (1, 2, 4):
+                for dp in (1, 2, 3, 4, 8):
+                    if dp * tp * pp <= 64:
+                        walk = links_of(list(range(dp * tp * pp)), Layout(tp, pp), dp, c)
+                        assert canonical_links(Layout(tp, pp), dp, c) == walk, (gpn, tp, pp, dp)
+
+
+def test_decode_is_memory_bound_and_reads_weights_plus_kv():
+    c = _cluster()
+    w = _work("generation", sequences=4)
+    wave = wave_affine(w, Layout(2, 1), Links(), c)
+    assert wave.steps == 300
+    assert wave.decode_fixed == pytest.approx(2 * L8.num_params / 2 / 1e12)  # bf16 weights / tp / HBM
+    context = 100 + 200 / 2
+    assert wave.decode_per_seq == pytest.approx(context * 128 * KIB / 2 / 1e12)
+    # One sequence: reads dominate (8 GB per step at 1 TB/s vs 15 GFLOP at 100 TFLOP/s).
+    assert wave.at(1)["decode"] == pytest.approx(300 * (wave.decode_fixed + wave.decode_per_seq))
+
+
+def test_inference_pipeline_bubble_and_offload():
+    c = _cluster()
+    w = _work("inference", sequences=8)
+    links = canonical_links(Layout(1, 2), 1, c)
+    ideal = ideal_time(w, Layout(1, 2), 1, 2, False, links, c)
+    slot = slot_affine(w, Layout(1, 2), False, links, c).at(2)
+    slots = 8 // 2 + 2 - 1  # a + pp - 1
+    assert ideal["gemm"] == pytest.approx(slots * slot["gemm"])
+    assert ideal["offload"] == pytest.approx(2 * memory.state_bytes_per_gpu(L8, False, Layout(1, 2)) / HOST_BW)
+
+
+def test_latency_divides_by_calibrated_efficiency():
+    ideal = {"gemm": 1.0, "allreduce_inter": 2.0}
+    cal = Calibration({"gemm": 0.5, "allreduce_inter": 0.25})
+    assert latency(ideal, cal) == pytest.approx(1 / 0.5 + 2 / 0.25)
+
+
+def test_generation_batch_is_the_largest_that_fits():
+    w = _work("generation", sequences=10_000, prompt_len=512, response_len=4096.0, response_len_p95=4096.0)
+    cap = 57.6e9
+    for lay in (Layout(1, 1), Layout(2, 1), Layout(4, 2)):
+        b = generation_batch(w, lay, 10_000, cap)
+        assert b > 0
+        assert max(rank_peak_memory(w, lay, 1, b, False)) <= cap < max(rank_peak_memory(w, lay, 1, b + 1, False))
+    assert generation_batch(w, Layout(1, 1), 3, cap) == 3  # never more than the replica's share
+
+
+def test_peak_memory_shortcut_equals_all_ranks():
+    for kind in ("generation", "inference", "training"):
+        w = _work(kind, sequences=64)
+        for lay in (Layout(1, 1), Layout(2, 4), Layout(1, 8)):
+            for rc in (False, True):
+                full = max(rank_peak_memory(w, lay, 2, 4, rc))
+                assert peak_memory(w, lay, 2, 4, rc) == pytest.approx(full)
+
+
+def test_longer_responses_never_lower_peak_memory():
+    for kind in ("generation", "inference", "training"):
+        prev = 0.0
+        for resp in (64, 128, 512, 1024, 4096):
+            w = _work(kind, sequences=16, response_len=float(resp), response_len_p95=1.2 * resp)
+            peak = max(rank_peak_memory(w, Layout(2, 2), 2, 2, False))
+            assert peak >= prev
+            prev = peak
+    assert math.isfinite(prev)

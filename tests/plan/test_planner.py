@@ -1,0 +1,236 @@
+"""The planner: exact against brute force, physically sane, clear when infeasible."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+
+from nereus_lightning.plan import Calibration, Candidate, Layout, Plan, estimate_plan, job_models, plan_job
+from nereus_lightning.plan.calibration import OP_CLASSES
+from nereus_lightning.plan.comm import canonical_links
+from nereus_lightning.plan.cost import ideal_time, latency, micro_batch_options, rank_peak_memory, replica_sequences, stage_work
+from nereus_lightning.plan.memory import memory_cap
+from nereus_lightning.spec import (
+    ClusterSpec,
+    InfeasiblePlanError,
+    ModelSpec,
+    NereusConfigError,
+    Workload,
+    cluster_preset,
+    model_preset,
+)
+from nereus_lightning.spec.workload import STAGES
+
+# ---------------------------------------------------------------- brute force
+
+
+def _pow2_upto(n: int) -> list[int]:
+    return [1 << k for k in range(n.bit_length()) if 1 << k <= n]
+
+
+def _brute_force(models, cluster, workload, calibration) -> float:
+    """Exhaustive: every (tp, pp, dp, micro-batch, recompute) per model-stage, every combination per stage."""
+    G, cap = cluster.num_gpus, memory_cap(cluster)
+    best_by_gpus: dict[str, dict[int, float]] = {}
+    for ms in workload.stages:
+        work = stage_work(ms, models, workload)
+        m = work.model
+        table: dict[int, float] = {}
+        for tp in _pow2_upto(G):
+            if m.num_heads % tp or m.num_kv_heads % tp:
+                continue
+            for pp in _pow2_upto(min(m.num_layers, G // tp)):
+                lay = Layout(tp, pp)
+                for dp in range(1, G // lay.size + 1):
+                    if work.trains and dp & (dp - 1):
+                        continue  # training DP degrees are powers of two
+                    share = replica_sequences(work, dp)
+                    if share is None:
+                        continue
+                    links = canonical_links(lay, dp, cluster)
+                    for mb in micro_batch_options(work, lay, share, cap):
+                        for rc in (False, True) if work.trains else (False,):
+                            if max(rank_peak_memory(work, lay, dp, mb, rc)) > cap:
+                                continue
+                            lat = latency(ideal_time(work, lay, dp, mb, rc, links, cluster), calibration)
+                            t = dp * lay.size
+                            table[t] = min(table.get(t, math.inf), lat)
+        best_by_gpus[ms.name] = table
+    total = 0.0
+    for stage in STAGES:
+        names = [ms.name for ms in workload.stages if ms.stage == stage]
+        best = math.inf
+        for combo in itertools.product(*(sorted(best_by_gpus[n].items()) for n in names)):
+            if sum(t for t, _ in combo) <= G:
+                best = min(best, max(lat for _, lat in combo))
+        total += best
+    return total
+
+
+def _random_instance(rng: random.Random):
+    heads = rng.choice([2, 4, 8])
+    kv = rng.choice([h for h in (1, 2, 4, 8) if heads % h == 0])
+    hidden = heads * rng.choice([16, 32])
+    model = ModelSpec("rand", rng.choice([1, 2, 3, 4, 6]), hidden, heads, kv, rng.choice([256, 1000]), 2 * hidden)
+    gpn = rng.choice([1, 2, 4, 8])
+    num_gpus = rng.randint(1, 16)
+    nodes = -(-num_gpus // gpn)
+    memory = rng.choice([0.0004, 0.0008, 0.002, 0.01]) * 1e9 + 1.2 * 2**30  # tight to roomy, above the workspace
+    cluster = ClusterSpec(
+        "rand", nodes, gpn, memory, rng.choice([1e12, 1e14]), rng.choice([1e11, 1e12]), rng.choice([1e10, 1e11]),
+        rng.choice([1e9, 1e10]), 5e-6, 2e-5, num_gpus=num_gpus,
+    )
+    prompts, samples = rng.randint(1, 6), rng.choice([1, 2])
+    n = prompts * samples
+    workload = Workload(
+        algorithm=rng.choice(["ppo", "grpo", "remax"]),
+        prompts_per_step=prompts,
+        samples_per_prompt=samples,
+        prompt_len=rng.randint(8, 64),
+        response_len=float(rng.randint(4, 128)),
+        mini_batches=rng.choice([d for d in (1, 2) if n % d == 0]),
+        micro_batch_max=rng.choice([1, 2, 4]),
+    )
+    calibration = None
+    if rng.random() < 0.5:
+        calibration = Calibration({c: rng.uniform(0.2, 1.0) for c in OP_CLASSES})
+    models = job_models(model, critic=model.with_name("critic") if rng.random() < 0.5 else None)
+    return models, cluster, workload, calibration
+
+
+def test_planner_matches_brute_force_on_random_instances():
+    rng = random.Random(20260)
+    compared = infeasible = 0
+    for _ in range(220):
+        models, cluster, workload, calibration = _random_instance(rng)
+        expected = _brute_force(models, cluster, workload, calibration)
+        try:
+            result = plan_job(models, cluster, workload, calibration)
+        except InfeasiblePlanError:
+            assert expected == math.inf, (cluster, workload)
+            infeasible += 1
+            continue
+        assert result.estimate.feasible, result.estimate.violations
+        assert result.estimate.step_latency == pytest.approx(expected, rel=1e-9), (cluster, workload)
+        for plan, est in result.alternatives:
+            assert est.feasible and est.step_latency >= result.estimate.step_latency * (1 - 1e-12)
+        compared += 1
+    assert compared >= 150 and infeasible >= 5
+
+
+# ---------------------------------------------------------------- physics
+
+L8 = model_preset("llama3_8b")
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "grpo", "remax"])
+def test_more_gpus_never_slower(algorithm):
+    models = job_models(L8)
+    workload = Workload(algorithm=algorithm, response_len=2048)
+    prev = math.inf
+    for gpus in (8, 12, 16, 20, 24, 32, 48, 64):
+        step = plan_job(models, cluster_preset("paper_cluster2").with_gpus(gpus), workload, alternatives=0).estimate.step_latency
+        assert step <= prev * (1 + 1e-12)
+        prev = step
+
+
+def test_longer_responses_never_lower_peak_memory_of_a_fixed_plan():
+    models = job_models(L8)
+    cluster = cluster_preset("paper_cluster2").with_gpus(32)
+    plan = plan_job(models, cluster, Workload(response_len=512)).plan
+    prev = None
+    for resp in (512, 1024, 2048, 4096, 8192):
+        est = estimate_plan(plan, models, cluster, Workload(response_len=resp))
+        if prev is not None:
+            assert all(est.peak_memory[g] >= prev.peak_memory[g] for g in est.peak_memory)
+        prev = est
+
+
+def _tp8_plan(workload: Workload) -> Plan:
+    cands = {}
+    for ms in workload.stages:
+        cands[ms.name] = Candidate(Layout(8, 1), 1, tuple(range(8)))
+    return Plan.of(cands)
+
+
+def test_tp_group_spanning_nodes_is_priced_on_the_inter_node_link():
+    models = job_models(L8)
+    workload = Workload(algorithm="grpo")
+    four = cluster_preset("paper_cluster2").with_gpus(8)  # 4 GPUs per node: TP8 spans two nodes
+    eight = cluster_preset("h200x8")
+    # Same links otherwise: give the 8-GPU node the 4-GPU node's numbers.
+    eight = ClusterSpec("8x", 1, 8, four.gpu_memory, four.peak_flops, four.hbm_bw, four.intra_bw, four.inter_bw)
+    plan = _tp8_plan(workload)
+    across = estimate_plan(plan, models, four, workload)
+    inside = estimate_plan(plan, models, eight, workload)
+    assert "allreduce_inter" in across.breakdown["actor_train"]
+    assert "allreduce_intra" not in across.breakdown["actor_train"]
+    assert "allreduce_intra" in inside.breakdown["actor_train"]
+    assert across.stage_latency["actor_train"] > inside.stage_latency["actor_train"]
+
+
+def test_plan_is_consistent_with_its_estimate():
+    models = job_models(L8)
+    cluster = cluster_preset("paper_cluster1").with_gpus(64)
+    workload = Workload(response_len=2048)
+    result = plan_job(models, cluster, workload, alternatives=3)
+    assert len(result.alternatives) == 3
+    for stage in STAGES:
+        used = [g for n, c in result.plan.items() if workload.stages[[m.name for m in workload.stages].index(n)].stage == stage for g in c.gpus]
+        assert len(used) == len(set(used)) and all(0 <= g < 64 for g in used)
+    again = estimate_plan(result.plan, models, cluster, workload)
+    assert again.step_latency == result.estimate.step_latency
+    assert max(again.peak_memory.values()) <= again.memory_cap
+    # TP groups sit inside a node.
+    for _, cand in result.plan.items():
+        for r in range(cand.dp):
+            for p in range(cand.layout.pp):
+                group = [cand.gpu_at(r, p, t) for t in range(cand.layout.tp)]
+                assert not cluster.spans_nodes(group) or cand.layout.tp > cluster.gpus_per_node
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_70b_training_on_two_gpus_names_the_binding_constraint():
+    with pytest.raises(InfeasiblePlanError) as err:
+        plan_job(job_models(model_preset("llama3_70b")), cluster_preset("paper_cluster2").with_gpus(2), Workload(algorithm="grpo"))
+    text = str(err.value)
+    assert "actor_train" in text and "GB per GPU" in text and "cap of 57.6 GB" in text
+    assert "raise cluster.num_gpus to at least 32" in text
+
+
+def test_stage_budget_error_names_the_stage():
+    with pytest.raises(InfeasiblePlanError, match="inference stage.*raise cluster.num_gpus to 4"):
+        plan_job(job_models(L8), cluster_preset("h200x8").with_gpus(3), Workload())
+
+
+def test_invalid_plans_and_numbers_are_rejected():
+    models, cluster, workload = job_models(L8), cluster_preset("h200x8"), Workload(algorithm="grpo")
+    bad_tp = Plan.of({ms.name: Candidate(Layout(3, 1), 1, (0, 1, 2)) for ms in workload.stages})
+    with pytest.raises(NereusConfigError, match="layout.tp"):
+        estimate_plan(bad_tp, models, cluster, workload)
+    partial = Plan.of({"actor_gen": Candidate(Layout(1, 1), 1, (0,))})
+    with pytest.raises(NereusConfigError, match="missing"):
+        estimate_plan(partial, models, cluster, workload)
+    with pytest.raises(NereusConfigError, match="cluster.num_gpus"):
+        cluster.with_gpus(0)
+    with pytest.raises(NereusConfigError, match="workload.response_len"):
+        Workload(response_len=-1)
+
+
+def test_estimate_reports_violations_instead_of_raising():
+    models, cluster, workload = job_models(L8), cluster_preset("paper_cluster2").with_gpus(8), Workload(algorithm="grpo")
+    one_gpu = Plan.of({ms.name: Candidate(Layout(1, 1), 1, (0,)) for ms in workload.stages})
+    est = estimate_plan(one_gpu, models, cluster, workload)
+    assert not est.feasible
+    assert any("actor_train" in v and "exceeds the cap" in v for v in est.violations)
+    assert any("share GPUs [0]" in v for v in est.violations)
+
+
+def test_job_models_defaults_to_the_actor():
+    models = job_models(L8, reward=model_preset("qwen3_14b"))
+    assert models["critic"] is L8 and models["reference"] is L8 and models["reward"].name == "Qwen3-14B"
