@@ -105,6 +105,7 @@ class Controller:
         self._memory_key: tuple | None = None
         self._estimate: Estimate | None = None
         self._estimate_eff: dict[str, float] = {}
+        self._used: tuple[Plan, frozenset[int]] | None = None  # (plan, its GPU ids), cached per plan
 
     # ----------------------------------------------------------------------------- per step
     def step(self, signals: StepSignals) -> Decision:
@@ -144,7 +145,9 @@ class Controller:
         step = signals.step
         triggers: list[Trigger] = []
         assert self.plan is not None
-        used = frozenset(g for _, c in self.plan.items() for g in c.gpus)
+        if self._used is None or self._used[0] is not self.plan:
+            self._used = (self.plan, frozenset(g for _, c in self.plan.items() for g in c.gpus))
+        used = self._used[1]
         pool_trigger = self.pool.check(step, signals.gpus, used)
         if pool_trigger is not None and (pool_trigger.urgent or self.config.pool_triggers):
             triggers.append(pool_trigger)
@@ -153,7 +156,7 @@ class Controller:
                 fired = drift.check(step, signals.value(name))
                 if fired is not None:
                     triggers.append(fired)
-        if not (used - set(signals.gpus)) and not self._current_fits(signals):
+        if (pool_trigger is None or not pool_trigger.urgent) and not self._current_fits(signals):
             self.memory_clock.cross(step)
             triggers.append(Trigger("memory", self.memory_clock.horizon, urgent=True, detail=self._memory_detail))
         if self.last_replan_step is None:

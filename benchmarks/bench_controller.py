@@ -1,0 +1,105 @@
+"""Controller overhead and policy comparisons.
+
+Default run (a couple of minutes on one core):
+- one replan with admission at 1,024 GPUs (Llama-3.1-8B PPO on paper_cluster1): a drift trigger
+  and a revocation (urgent) trigger; target < 200 ms each;
+- the per-step cost of ``Controller.step`` when no trigger fires; target < 1 ms;
+- the paper's 25-step drift trace (paper_cluster2, 8-32 GPUs): the policy table and a gamma sweep.
+``--long`` adds the 1,000-step traces (64 ... 1,024 GPUs, each shipped spot trace; slow).
+
+Usage: ``python benchmarks/bench_controller.py [--long] [--repeats N]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from nereus_lightning.control import Controller, ControllerConfig, PlannerBackend, StepSignals
+from nereus_lightning.plan import Calibration, job_models
+from nereus_lightning.sim.experiment import make_setup, run_experiment
+from nereus_lightning.sim.trace import SPOT_TRACES, long_trace, paper_trace
+from nereus_lightning.spec import CLUSTER_PRESETS, MODEL_PRESETS, Workload
+
+RESULTS = Path(__file__).resolve().parent / "results"
+GAMMAS = (0.0, 0.1, 0.25, 0.4, 0.5, 0.65, 0.8, 1.0, 2.0, 5.0)
+
+
+def _signals(step: int, length: float, gpus: int, draining: int = 0) -> StepSignals:
+    return StepSignals(step, length, 1.15 * length, 512, tuple(range(gpus)), draining=tuple(range(gpus, gpus + draining)))
+
+
+def replan_times(repeats: int) -> dict[str, float]:
+    """Median seconds of one replan (planner + admission + DAG costs) at 1,024 GPUs."""
+    backend = PlannerBackend(job_models(MODEL_PRESETS["llama3_8b"]))
+    cluster = CLUSTER_PRESETS["paper_cluster1"]
+    out: dict[str, list[float]] = {"drift": [], "revocation": [], "no_trigger": []}
+    for r in range(repeats):
+        ctl = Controller(backend, cluster, Workload(), ControllerConfig(), calibration=Calibration())
+        ctl.step(_signals(0, 4000.0, 1024))  # initial plan (not timed)
+        ctl.step(_signals(1, 4000.0, 1024))
+        t = time.perf_counter()
+        d = ctl.step(_signals(2, 6000.0 + r, 1024))  # +50%: drift trigger
+        out["drift"].append(time.perf_counter() - t)
+        assert d.kind in ("keep", "transition"), d
+        t = time.perf_counter()
+        d = ctl.step(_signals(3, 6000.0 + r, 960, draining=64))  # revocation with notice: urgent
+        out["revocation"].append(time.perf_counter() - t)
+        assert d.urgent, d
+        steps = 2000
+        quiet = [_signals(4 + s, 6000.0 + r + (s % 7), 960) for s in range(steps)]  # tiny jitter: no trigger
+        t = time.perf_counter()
+        for sig in quiet:
+            d = ctl.step(sig)
+        out["no_trigger"].append((time.perf_counter() - t) / steps)
+        assert d.kind == "none", d
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
+def policy_table(trace, setup_kwargs, gammas=None, out_dir=None) -> dict:
+    """Run every policy on ``trace``; return the summary rows (and the gamma sweep)."""
+    setup = make_setup(**setup_kwargs)
+    res = run_experiment(setup, trace, ["static", "always", "every_k:3", "nereus:0.5", "oracle"],
+                         out_dir=out_dir, gammas=gammas, plot=out_dir is not None)
+    print(res["text"])
+    if gammas:
+        print("gamma sweep:", ", ".join(f"{r['gamma']:g}: {r['mean_step_s']:.2f} s ({r['transitions']})"
+                                         for r in res["gamma_sweep"]), "| best", res["best_gamma"])
+    return {k: v for k, v in res.items() if k not in ("comparison", "text")}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the benchmark; print tables; write benchmarks/results/controller.json."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--long", action="store_true", help="also run the 1,000-step traces (slow)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=str(RESULTS / "controller"), help="folder for CSV/PNG outputs")
+    args = parser.parse_args(argv)
+    result: dict = {}
+    times = replan_times(args.repeats)
+    result["overhead"] = {
+        "replan_drift_1024_ms": times["drift"] * 1e3,
+        "replan_revocation_1024_ms": times["revocation"] * 1e3,
+        "step_no_trigger_ms": times["no_trigger"] * 1e3,
+        "targets_ms": {"replan": 200.0, "step_no_trigger": 1.0},
+    }
+    print("| what | measured | target |\n|---|---|---|")
+    print(f"| replan at 1,024 GPUs (drift) | {times['drift'] * 1e3:.1f} ms | < 200 ms |")
+    print(f"| replan at 1,024 GPUs (revocation, urgent) | {times['revocation'] * 1e3:.1f} ms | < 200 ms |")
+    print(f"| Controller.step without a trigger | {times['no_trigger'] * 1e3:.3f} ms | < 1 ms |")
+    paper = {"model": "llama3_8b", "cluster": "paper_cluster2", "workload": {"algorithm": "ppo"}}
+    result["paper25"] = policy_table(paper_trace(), paper, gammas=GAMMAS, out_dir=f"{args.out}/paper25")
+    if args.long:
+        big = {"model": "llama3_8b", "cluster": "paper_cluster1", "workload": {"algorithm": "ppo"}}
+        for supply in SPOT_TRACES:
+            result[f"long1000_{supply}"] = policy_table(long_trace(supply), big, out_dir=f"{args.out}/long_{supply}")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "controller.json").write_text(json.dumps(result, indent=1, default=str))
+    return result
+
+
+if __name__ == "__main__":
+    main()
