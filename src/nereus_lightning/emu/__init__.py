@@ -1,1 +1,46 @@
-"""emu."""
+"""Elastic Model Units: sharded model-stage replicas and the Split / Merge / Extend / Destroy primitives."""
+
+from nereus_lightning.emu.check import LogicalState, StateMismatchError, gather_logical_state
+from nereus_lightning.emu.groups import member_group
+from nereus_lightning.emu.ops import Destroy, Extend, Merge, Primitive, Split, Unit, canonical_merge_ranks, destroy, extend, merge, split
+from nereus_lightning.emu.plan import Move, TransferPlan, plan_transfer, unit_holdings
+from nereus_lightning.emu.primitives import TransferReport, create_unit, execute, reshard_plan
+from nereus_lightning.emu.registry import Registry, registry
+from nereus_lightning.emu.schema import OPTIM_KEYS, Position, StateSchema, position_of
+from nereus_lightning.emu.transfer import default_device
+from nereus_lightning.emu.unit import EMU, Counters
+
+__all__ = [
+    "EMU",
+    "OPTIM_KEYS",
+    "Counters",
+    "Destroy",
+    "Extend",
+    "LogicalState",
+    "Merge",
+    "Move",
+    "Position",
+    "Primitive",
+    "Registry",
+    "Split",
+    "StateMismatchError",
+    "StateSchema",
+    "TransferPlan",
+    "TransferReport",
+    "Unit",
+    "canonical_merge_ranks",
+    "create_unit",
+    "default_device",
+    "destroy",
+    "execute",
+    "extend",
+    "gather_logical_state",
+    "member_group",
+    "merge",
+    "plan_transfer",
+    "position_of",
+    "reshard_plan",
+    "registry",
+    "split",
+    "unit_holdings",
+]

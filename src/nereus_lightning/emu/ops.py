@@ -1,0 +1,231 @@
+"""The four primitives as data: one small frozen dataclass per call, over (layout, ranks) units.
+
+A transition DAG node maps to one of these; :func:`nereus_lightning.emu.primitives.execute` runs
+it. Building one validates everything that can be checked without a registry (degrees, rank
+counts, disjointness); pure Python, no torch.
+
+- :class:`Split`: one unit -> k units of a smaller layout on the same ranks. Source rank at
+  (pp, tp) joins target unit ``(pp % b) * a + (tp % a)`` at position (pp // b, tp // a), where
+  ``a``, ``b`` are the TP and PP factors: the ranks that pool their shards are neighbours.
+- :class:`Merge`: k units of one layout -> one larger unit on their ranks (the inverse mapping
+  by default, which moves nothing when the shards already nest).
+- :class:`Extend`: one unit -> the same unit plus copies on disjoint rank tuples (same positions).
+- :class:`Destroy`: drop one unit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+from nereus_lightning.emu.schema import Position, StateSchema, position_of
+from nereus_lightning.plan.layout import Layout
+from nereus_lightning.spec.errors import require
+
+
+@dataclass(frozen=True, order=True)
+class Unit:
+    """Where one replica lives: its ``layout`` and its global ``ranks`` (pp-major, tp-minor, as in ``Candidate``)."""
+
+    layout: Layout
+    ranks: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
+        require(
+            len(self.ranks) == self.layout.size,
+            "unit.ranks",
+            f"{len(self.ranks)} ranks given for {self.layout} ({self.layout.size} needed)",
+        )
+        require(len(set(self.ranks)) == len(self.ranks), "unit.ranks", f"ranks repeat in {self.ranks}")
+
+    def position(self, rank: int) -> Position:
+        """The (pp_rank, tp_rank) of global ``rank`` in this unit."""
+        require(rank in self.ranks, "rank", f"rank {rank} is not in unit {self}")
+        return position_of(self.layout, self.ranks.index(rank))
+
+    def rank_at(self, pp_rank: int, tp_rank: int) -> int:
+        """The global rank at position (``pp_rank``, ``tp_rank``)."""
+        return self.ranks[pp_rank * self.layout.tp + tp_rank]
+
+    def __str__(self) -> str:
+        return f"{self.layout}@{list(self.ranks)}"
+
+
+@dataclass(frozen=True)
+class Split:
+    """Split ``source`` into ``targets`` (smaller layout, same ranks)."""
+
+    kind: ClassVar[str] = "split"
+    model_stage: str
+    source: Unit
+    targets: tuple[Unit, ...]
+
+    @property
+    def sources(self) -> tuple[Unit, ...]:
+        """The units consumed."""
+        return (self.source,)
+
+
+@dataclass(frozen=True)
+class Merge:
+    """Merge replicated ``sources`` into ``target`` (larger layout on the union of their ranks)."""
+
+    kind: ClassVar[str] = "merge"
+    model_stage: str
+    sources: tuple[Unit, ...]
+    target: Unit
+
+    @property
+    def targets(self) -> tuple[Unit, ...]:
+        """The units produced."""
+        return (self.target,)
+
+
+@dataclass(frozen=True)
+class Extend:
+    """Copy ``source`` onto the disjoint rank tuples of ``targets`` (same layout); ``source`` stays."""
+
+    kind: ClassVar[str] = "extend"
+    model_stage: str
+    source: Unit
+    targets: tuple[Unit, ...]
+
+    @property
+    def sources(self) -> tuple[Unit, ...]:
+        """The unit copied (it stays alive)."""
+        return (self.source,)
+
+
+@dataclass(frozen=True)
+class Destroy:
+    """Drop replica ``source`` and free its memory."""
+
+    kind: ClassVar[str] = "destroy"
+    model_stage: str
+    source: Unit
+
+    @property
+    def sources(self) -> tuple[Unit, ...]:
+        """The unit dropped."""
+        return (self.source,)
+
+    @property
+    def targets(self) -> tuple[Unit, ...]:
+        """Nothing is produced."""
+        return ()
+
+
+Primitive = Split | Merge | Extend | Destroy
+
+
+def _factor(big: int, small: int, field: str) -> int:
+    require(
+        small >= 1 and big % small == 0 and (big // small) & (big // small - 1) == 0,
+        field,
+        f"{small} must divide {big} by a power of two",
+    )
+    return big // small
+
+
+def split(model_stage: str, source: Unit, layout: Layout) -> Split:
+    """Split ``source`` into ``tp/layout.tp * pp/layout.pp`` units of ``layout`` on its ranks."""
+    a = _factor(source.layout.tp, layout.tp, "split.layout.tp")
+    b = _factor(source.layout.pp, layout.pp, "split.layout.pp")
+    require(a * b > 1, "split.layout", f"{layout} is not smaller than {source.layout}")
+    ranks: list[list[int]] = [[0] * layout.size for _ in range(a * b)]
+    for index, rank in enumerate(source.ranks):
+        pos = position_of(source.layout, index)
+        unit = (pos.pp_rank % b) * a + pos.tp_rank % a
+        ranks[unit][(pos.pp_rank // b) * layout.tp + pos.tp_rank // a] = rank
+    return Split(model_stage, source, tuple(Unit(layout, tuple(r)) for r in ranks))
+
+
+def canonical_merge_ranks(sources: Sequence[Unit], layout: Layout) -> tuple[int, ...]:
+    """The inverse of :func:`split`'s mapping: unit ``m * a + s`` at (pp, tp) goes to (pp*b + m, tp*a + s)."""
+    small = sources[0].layout
+    a = _factor(layout.tp, small.tp, "merge.layout.tp")
+    b = _factor(layout.pp, small.pp, "merge.layout.pp")
+    require(len(sources) == a * b, "merge.sources", f"{len(sources)} units given, {small} -> {layout} needs {a * b}")
+    out = [0] * layout.size
+    for j, unit in enumerate(sources):
+        m, s = divmod(j, a)
+        for index, rank in enumerate(unit.ranks):
+            pos = position_of(small, index)
+            out[(pos.pp_rank * b + m) * layout.tp + pos.tp_rank * a + s] = rank
+    return tuple(out)
+
+
+def merge(
+    model_stage: str,
+    sources: Sequence[Unit],
+    layout: Layout,
+    ranks: Sequence[int] | None = None,
+    schema: StateSchema | None = None,
+    trains: bool = True,
+) -> Merge:
+    """Merge ``sources`` (one layout, disjoint ranks) into one unit of ``layout`` on their ranks.
+
+    ``ranks`` fixes the target order; without it the order that moves the fewest bytes is chosen
+    (the canonical inverse of Split, or a greedy assignment when ``schema`` says it is cheaper).
+    """
+    sources = tuple(sources)
+    require(len(sources) >= 2, "merge.sources", f"need at least two units, got {len(sources)}")
+    small = sources[0].layout
+    require(all(u.layout == small for u in sources), "merge.sources", f"units differ in layout: {[str(u) for u in sources]}")
+    pool = [r for u in sources for r in u.ranks]
+    require(len(set(pool)) == len(pool), "merge.sources", f"units share ranks: {[str(u) for u in sources]}")
+    canonical = canonical_merge_ranks(sources, layout)
+    if ranks is None:
+        ranks = canonical if schema is None else _cheapest_order(schema, sources, layout, canonical, trains)
+    ranks = tuple(ranks)
+    require(sorted(ranks) == sorted(pool), "merge.ranks", f"{ranks} must be exactly the source ranks {sorted(pool)}")
+    return Merge(model_stage, sources, Unit(layout, ranks))
+
+
+def _cheapest_order(
+    schema: StateSchema, sources: Sequence[Unit], layout: Layout, canonical: tuple[int, ...], trains: bool
+) -> tuple[int, ...]:
+    from nereus_lightning.emu.plan import merged_holdings, plan_transfer, position_holdings, unit_holdings
+
+    held = merged_holdings(*(unit_holdings(schema, u.layout, u.ranks) for u in sources))
+
+    def cost(order: tuple[int, ...]) -> int:
+        plan = plan_transfer(schema, held, unit_holdings(schema, layout, order), trains)
+        return sum(plan.payload_bytes(schema, trains).values())
+
+    # Greedy: each target position takes the free rank that already holds most of its shard.
+    free = sorted(held)
+    greedy: list[int] = []
+    for index in range(layout.size):
+        want = position_holdings(schema, layout, index)
+        best = min(free, key=lambda r: (_missing(schema, want, held[r]), r))
+        greedy.append(best)
+        free.remove(best)
+    return min((canonical, tuple(greedy)), key=cost)
+
+
+def _missing(schema: StateSchema, want: dict, have: dict) -> int:
+    from nereus_lightning.emu.plan import element_count
+
+    total = 0
+    for name, (lo, hi) in want.items():
+        h = have.get(name)
+        covered = 0 if h is None else max(0, min(hi, h[1]) - max(lo, h[0]))
+        total += element_count(schema, name, 0, (hi - lo) - covered) if hi - lo > covered else 0
+    return total
+
+
+def extend(model_stage: str, source: Unit, new_ranks: Sequence[Sequence[int]]) -> Extend:
+    """Copy ``source`` onto each rank tuple of ``new_ranks`` (disjoint from it and from each other)."""
+    targets = tuple(Unit(source.layout, tuple(r)) for r in new_ranks)
+    require(len(targets) >= 1, "extend.new_ranks", "give at least one rank tuple")
+    used = list(source.ranks) + [r for t in targets for r in t.ranks]
+    require(len(set(used)) == len(used), "extend.new_ranks", f"{[t.ranks for t in targets]} overlap each other or {source}")
+    return Extend(model_stage, source, targets)
+
+
+def destroy(model_stage: str, source: Unit) -> Destroy:
+    """Drop ``source``."""
+    return Destroy(model_stage, source)

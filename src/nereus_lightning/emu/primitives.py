@@ -1,0 +1,256 @@
+"""Running the four primitives on real state: ``execute(op)`` and the unit constructor.
+
+Protocol: call :func:`execute` with the same op on EVERY rank (a DAG executor runs the whole
+global DAG everywhere). Members move state; the collectives span exactly the ranks that move
+something (Split/Merge: one P2P batch among them; Extend: one broadcast group per position);
+non-members only update their registry and return an empty report, without communicating.
+A rank that skips an op it is not part of is safe, but its registry no longer sees that op.
+Every check runs on every calling rank before any tensor moves, so a bad op fails everywhere.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from nereus_lightning.emu.ops import Destroy, Extend, Merge, Primitive, Split, Unit
+from nereus_lightning.emu.plan import TransferPlan, merged_holdings, plan_transfer, unit_holdings
+from nereus_lightning.emu.registry import registry
+from nereus_lightning.emu.schema import StateSchema
+from nereus_lightning.emu.transfer import StateDict, Traffic, broadcast_views, default_device, run_plan
+from nereus_lightning.emu.unit import EMU, Counters
+from nereus_lightning.plan.layout import Layout
+from nereus_lightning.spec.errors import NereusConfigError, require
+
+
+@dataclass(frozen=True)
+class TransferReport:
+    """What one rank did in one primitive call (sum the ranks' reports for the whole op)."""
+
+    kind: str
+    model_stage: str
+    rank: int
+    sent_bytes: int = 0  # packed buffer bytes sent, once per receiving peer
+    received_bytes: int = 0
+    payload_sent: int = 0  # tensor bytes inside those buffers (no alignment padding)
+    payload_received: int = 0
+    buffers_sent: int = 0
+    peers: tuple[int, ...] = ()
+    freed_bytes: int = 0  # state bytes released on this rank
+    seconds: float = 0.0
+
+
+def create_unit(
+    model_stage: str,
+    config: Any,
+    model_or_state: Any | None,
+    layout: Layout,
+    ranks: Sequence[int],
+    *,
+    trains: bool = False,
+    full_optim: Mapping[str, Mapping[str, Tensor]] | None = None,
+    counters: Counters | None = None,
+    schema: StateSchema | None = None,
+    device: torch.device | str | None = None,
+    colocate_with: Collection[str] = (),
+) -> EMU | None:
+    """Create a live unit of ``model_stage`` from a full model; call on every rank (members cut their shards).
+
+    Non-members may pass ``model_or_state=None``. Returns this rank's EMU, or None off the unit.
+    """
+    reg = registry()
+    schema = schema or StateSchema.of(config, model_or_state)
+    unit = Unit(layout, tuple(ranks))
+    schema.validate(layout)
+    reg.declare(model_stage, schema, trains)
+    reg.require_free(model_stage, unit.ranks, colocate_with=colocate_with)
+    emu = None
+    if dist.get_rank() in unit.ranks:
+        require(model_or_state is not None, "model", f"rank {dist.get_rank()} is in {unit} but got no model")
+        emu = EMU.from_model(
+            model_stage,
+            schema,
+            model_or_state,
+            unit,
+            dist.get_rank(),
+            trains=trains,
+            full_optim=full_optim,
+            counters=counters,
+            device=device or default_device(),
+        )
+    reg.add(model_stage, unit, emu)
+    return emu
+
+
+def execute(
+    op: Primitive,
+    *,
+    colocate_with: Collection[str] = (),
+    device: torch.device | str | None = None,
+) -> TransferReport:
+    """Run ``op`` (call on every rank; see the module docstring). Returns this rank's report."""
+    start = time.perf_counter()
+    reg = registry()
+    schema, trains = reg.schema(op.model_stage), reg.trains[op.model_stage]
+    _check(op, schema, colocate_with)
+    me = dist.get_rank()
+    device = torch.device(device) if device is not None else default_device()
+    involved = {r for u in (*op.sources, *op.targets) for r in u.ranks}
+    traffic, freed = Traffic(), 0
+    if me in involved:
+        if isinstance(op, Destroy):
+            freed = _destroy(op)
+        elif isinstance(op, Extend):
+            traffic = _extend(op, schema, trains, device)
+        else:
+            traffic, freed = _reshard(op, schema, trains, device)
+    else:
+        _record(op, {})
+    return TransferReport(
+        op.kind,
+        op.model_stage,
+        me,
+        traffic.sent_bytes,
+        traffic.received_bytes,
+        traffic.payload_sent,
+        traffic.payload_received,
+        traffic.buffers_sent,
+        tuple(sorted(traffic.peers)),
+        freed,
+        time.perf_counter() - start,
+    )
+
+
+def _check(op: Primitive, schema: StateSchema, colocate_with: Collection[str]) -> None:
+    reg = registry()
+    reg.require_live(op.model_stage, op.sources)
+    for unit in op.targets:
+        schema.validate(unit.layout)
+    old = {r for u in op.sources for r in u.ranks}
+    new = {r for u in op.targets for r in u.ranks} - old
+    reg.require_free(op.model_stage, new, ignore=op.sources, colocate_with=colocate_with)
+    if isinstance(op, Destroy) and len(reg.live(op.model_stage)) <= 1:
+        raise NereusConfigError(
+            f"destroy: {op.source} is the last copy of {op.model_stage!r}'s state; Extend it onto other ranks first"
+        )
+    world = dist.get_world_size()
+    bad = sorted(r for r in new if not 0 <= r < world)
+    require(not bad, "target ranks", f"ranks {bad} are outside the world (size {world})")
+
+
+def _record(op: Primitive, local: dict[Unit, EMU]) -> None:
+    reg = registry()
+    if not isinstance(op, Extend):
+        for unit in op.sources:
+            reg.remove(op.model_stage, unit)
+    for unit in op.targets:
+        reg.add(op.model_stage, unit, local.get(unit))
+
+
+def _destroy(op: Destroy) -> int:
+    emu = registry().local(op.model_stage, op.source)
+    freed = emu.nbytes()
+    emu.free()
+    _record(op, {})
+    return freed
+
+
+def _extend(op: Extend, schema: StateSchema, trains: bool, device: torch.device) -> Traffic:
+    me = dist.get_rank()
+    index = next(i for u in (op.source, *op.targets) for i, r in enumerate(u.ranks) if r == me)
+    ranks = (op.source.ranks[index], *(u.ranks[index] for u in op.targets))
+    if me == op.source.ranks[index]:
+        emu = registry().local(op.model_stage, op.source)
+        counters = emu.counters.as_tensor(emu.device)
+        traffic = broadcast_views([t for _, _, t in emu.tensors()] + [counters], ranks[0], ranks, device)
+        local = {}
+    else:
+        target = next(u for u in op.targets if me in u.ranks)
+        emu = EMU.empty(op.model_stage, schema, target, me, trains=trains, device=device)
+        counters = torch.empty(Counters.size(), dtype=torch.int64, device=device)
+        traffic = broadcast_views([t for _, _, t in emu.tensors()] + [counters], ranks[0], ranks, device)
+        emu.counters = Counters.from_tensor(counters)
+        local = {target: emu}
+    _record(op, local)
+    return traffic
+
+
+def reshard_plan(op: Split | Merge, schema: StateSchema, trains: bool) -> TransferPlan:
+    """The moves of a Split or Merge (the same list on every rank)."""
+    held = merged_holdings(*(unit_holdings(schema, u.layout, u.ranks) for u in op.sources))
+    needed = merged_holdings(*(unit_holdings(schema, u.layout, u.ranks) for u in op.targets))
+    return plan_transfer(schema, held, needed, trains)
+
+
+def _reshard(op: Split | Merge, schema: StateSchema, trains: bool, device: torch.device) -> tuple[Traffic, int]:
+    me = dist.get_rank()
+    reg = registry()
+    source = next(u for u in op.sources if me in u.ranks)
+    target = next(u for u in op.targets if me in u.ranks)
+    old_emu = reg.local(op.model_stage, source)
+    old_iv = unit_holdings(schema, source.layout, source.ranks)[me]
+    new_iv = unit_holdings(schema, target.layout, target.ranks)[me]
+    old: StateDict = {(n, k): t for n, k, t in old_emu.tensors()}
+    new = _new_state(schema, old, old_iv, new_iv, trains, device)
+    traffic = run_plan(schema, reshard_plan(op, schema, trains), trains, old, old_iv, new, new_iv, device)
+    emu = EMU(op.model_stage, schema, target, me, {}, {}, old_emu.counters, trains)
+    for (name, key), tensor in new.items():
+        if key == "param":
+            emu.params[name] = tensor
+        else:
+            emu.optim_state.setdefault(name, {})[key] = tensor
+    kept = {id(t) for t in new.values()}
+    freed = sum(t.numel() * t.element_size() for t in old.values() if id(t) not in kept)
+    old_emu.free()
+    _record(op, {target: emu})
+    return traffic, freed
+
+
+def _new_state(
+    schema: StateSchema,
+    old: StateDict,
+    old_iv: Mapping[str, tuple[int, int]],
+    new_iv: Mapping[str, tuple[int, int]],
+    trains: bool,
+    device: torch.device,
+) -> StateDict:
+    """This rank's new shards: reused when unchanged, else allocated and filled with what it already holds."""
+    from nereus_lightning.emu.transfer import slice_of
+
+    keys = ("param", "exp_avg", "exp_avg_sq", "step") if trains else ("param",)
+    new: StateDict = {}
+    for name, want in new_iv.items():
+        have = old_iv.get(name)
+        if have == want:
+            for key in keys:
+                new[(name, key)] = old[(name, key)]
+            continue
+        layout_shape = _shape_of_interval(schema, name, want)
+        for key in keys:
+            if key == "step":
+                new[(name, key)] = old[(name, key)].clone() if have is not None else torch.empty((), dtype=torch.float32, device=device)
+                continue
+            new[(name, key)] = torch.empty(layout_shape, dtype=schema.dtype_of(name), device=device)
+        if have is not None:
+            lo, hi = max(want[0], have[0]), min(want[1], have[1])
+            if lo < hi:
+                for key in keys:
+                    if key != "step":
+                        slice_of(schema, name, new[(name, key)], want, lo, hi).copy_(
+                            slice_of(schema, name, old[(name, key)], have, lo, hi)
+                        )
+    return new
+
+
+def _shape_of_interval(schema: StateSchema, name: str, interval: tuple[int, int]) -> tuple[int, ...]:
+    shape = list(schema.shape_of[name])
+    dim = schema.placements[name].tp_dim
+    if dim is not None:
+        shape[dim] = interval[1] - interval[0]
+    return tuple(shape)

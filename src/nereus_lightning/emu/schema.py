@@ -1,0 +1,158 @@
+"""`StateSchema`: the full shapes of a model's parameters and where each shard of them lives.
+
+A schema is what every rank must agree on to move state without asking anyone: the global
+parameter names (``named_parameters`` order, so a tied LM head appears once, as the
+embedding), their full shapes and dtypes, the TP plan, and the counts that bound a layout.
+Regions are computed from :mod:`nereus_lightning.models.sharding`, the single source of truth
+for how a transformers causal LM is cut.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+from nereus_lightning.models.sharding import Placement, layer_range, placement, pp_stages, tp_plan_of
+from nereus_lightning.plan.layout import Layout
+from nereus_lightning.spec.errors import require
+
+# Optimizer tensors per parameter (torch AdamW names); ``step`` is a 0-d tensor, never cut.
+OPTIM_KEYS: tuple[str, ...] = ("exp_avg", "exp_avg_sq", "step")
+SHAPED_OPTIM_KEYS: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class Position:
+    """One rank's place in a unit: its pipeline stage and TP rank."""
+
+    pp_rank: int
+    tp_rank: int
+
+
+def position_of(layout: Layout, index: int) -> Position:
+    """The position of rank index ``index`` (``pp_rank * tp + tp_rank``, as in ``Candidate``)."""
+    pp_rank, tp_rank = divmod(index, layout.tp)
+    return Position(pp_rank, tp_rank)
+
+
+@dataclass(frozen=True)
+class StateSchema:
+    """Names, full shapes and dtypes of a causal LM's parameters, plus its TP plan and layer/head counts."""
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]  # torch dtype names, e.g. "float32"
+    tp_plan: tuple[tuple[str, str], ...]
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    tied: bool = False
+
+    def __post_init__(self) -> None:
+        require(
+            len(self.names) == len(self.shapes) == len(self.dtypes),
+            "schema",
+            f"{len(self.names)} names, {len(self.shapes)} shapes, {len(self.dtypes)} dtypes",
+        )
+
+    @classmethod
+    def of(cls, config: Any, model_or_state: Any | None = None) -> StateSchema:
+        """The schema of a transformers causal LM from its ``config`` (and optionally the model or its state dict).
+
+        Without a model, one is instantiated on the meta device (no memory) to read the shapes.
+        """
+        import torch
+
+        if model_or_state is None:
+            from transformers import AutoModelForCausalLM
+
+            with torch.device("meta"):
+                model_or_state = AutoModelForCausalLM.from_config(config)
+        if isinstance(model_or_state, Mapping):
+            tensors = dict(model_or_state)
+        else:
+            tensors = dict(model_or_state.named_parameters())
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        if tied:
+            tensors.pop("lm_head.weight", None)  # the embedding, held once under its own name
+        heads = int(config.num_attention_heads)
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        return cls(
+            names=tuple(tensors),
+            shapes=tuple(tuple(t.shape) for t in tensors.values()),
+            dtypes=tuple(str(t.dtype).removeprefix("torch.") for t in tensors.values()),
+            tp_plan=tuple(tp_plan_of(config).items()),
+            num_layers=int(config.num_hidden_layers),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            tied=tied,
+        )
+
+    @cached_property
+    def placements(self) -> dict[str, Placement]:
+        """Placement (TP dim, layer, kind) of every parameter."""
+        plan = dict(self.tp_plan)
+        return {name: placement(name, plan) for name in self.names}
+
+    @cached_property
+    def shape_of(self) -> dict[str, tuple[int, ...]]:
+        """Full shape by name."""
+        return dict(zip(self.names, self.shapes))
+
+    def dtype_of(self, name: str) -> Any:
+        """The torch dtype of parameter ``name``."""
+        import torch
+
+        return getattr(torch, self.dtypes[self.names.index(name)])
+
+    def validate(self, layout: Layout) -> None:
+        """Reject a layout that would split a head, a KV head or a cut dimension, or exceed the layers."""
+        tp, pp = layout.tp, layout.pp
+        require(self.num_heads % tp == 0, "layout.tp", f"tp={tp} does not divide num_heads={self.num_heads}; pick a divisor")
+        require(
+            self.num_kv_heads % tp == 0,
+            "layout.tp",
+            f"tp={tp} does not divide num_kv_heads={self.num_kv_heads}; pick a divisor",
+        )
+        require(pp <= self.num_layers, "layout.pp", f"pp={pp} exceeds num_layers={self.num_layers}; use pp <= {self.num_layers}")
+        require(tp & (tp - 1) == 0, "layout.tp", f"tp={tp} must be a power of two")
+        require(pp & (pp - 1) == 0, "layout.pp", f"pp={pp} must be a power of two")
+        for name, shape in zip(self.names, self.shapes):
+            dim = self.placements[name].tp_dim
+            if dim is not None:
+                require(shape[dim] % tp == 0, "layout.tp", f"tp={tp} does not divide dim {dim} ({shape[dim]}) of {name}")
+
+    def stage_names(self, layout: Layout, pp_rank: int) -> tuple[str, ...]:
+        """The parameters held by pipeline stage ``pp_rank`` under ``layout``."""
+        return tuple(
+            name
+            for name in self.names
+            if pp_rank in pp_stages(self.placements[name], self.num_layers, layout.pp, self.tied)
+        )
+
+    def interval(self, name: str, layout: Layout, tp_rank: int) -> tuple[int, int]:
+        """The ``[lo, hi)`` range along the TP dim that ``tp_rank`` holds (the whole extent when not cut).
+
+        Replicated tensors use their first dim's extent (or (0, 1) for scalars) so that every
+        region is one interval.
+        """
+        shape = self.shape_of[name]
+        dim = self.placements[name].tp_dim
+        if dim is None:
+            return (0, shape[0] if shape else 1)
+        chunk = shape[dim] // layout.tp
+        return (tp_rank * chunk, (tp_rank + 1) * chunk)
+
+    def shard_shape(self, name: str, layout: Layout) -> tuple[int, ...]:
+        """Shape of one shard of ``name`` under ``layout``."""
+        shape = list(self.shape_of[name])
+        dim = self.placements[name].tp_dim
+        if dim is not None:
+            shape[dim] //= layout.tp
+        return tuple(shape)
+
+    def layers_of(self, layout: Layout, pp_rank: int) -> range:
+        """The transformer blocks of stage ``pp_rank``."""
+        return layer_range(self.num_layers, layout.pp, pp_rank)

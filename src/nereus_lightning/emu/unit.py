@@ -1,0 +1,203 @@
+"""The Elastic Model Unit: one replica of one model-stage, as held by one of its ranks.
+
+An EMU on ``ranks`` with ``Layout(tp, pp)`` puts rank index ``pp_rank * tp + tp_rank`` (as in
+``Candidate``) at that position. Each rank holds, as plain tensors keyed by global names:
+the parameter shards of its pipeline stage (``params``), for a training unit the AdamW state in
+the same layout (``optim_state[name] = {"exp_avg", "exp_avg_sq", "step"}``, ZeRO-0), and the
+unit's logical ``counters``. RNG streams are derived from the counters and the DP rank, so a new
+replica needs no RNG state sent to it. The models/ code builds its modules from these very
+tensors (same storage), so an optimizer step on the module updates the EMU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import astuple, dataclass, fields
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from nereus_lightning.emu.ops import Unit
+from nereus_lightning.emu.schema import OPTIM_KEYS, SHAPED_OPTIM_KEYS, Position, StateSchema
+from nereus_lightning.models.sharding import tp_slices
+from nereus_lightning.plan.layout import Layout
+from nereus_lightning.spec.errors import require
+
+
+@dataclass(frozen=True)
+class Counters:
+    """The logical counters of a replica; equal on every rank of every replica of a model-stage."""
+
+    optimizer_step: int = 0
+    update_count: int = 0
+    policy_version: int = 0
+    stage_version: int = 0
+    sample_position: int = 0  # global sample index after the last completed update
+    seed: int = 0
+
+    def as_tensor(self, device: torch.device | str = "cpu") -> Tensor:
+        """The counters as an int64 vector (they travel inside the packed buffer)."""
+        return torch.tensor(astuple(self), dtype=torch.int64, device=device)
+
+    @classmethod
+    def from_tensor(cls, values: Tensor) -> Counters:
+        """Inverse of :meth:`as_tensor`."""
+        return cls(*(int(v) for v in values.tolist()))
+
+    @classmethod
+    def size(cls) -> int:
+        """Number of counters."""
+        return len(fields(cls))
+
+
+def _device(device: torch.device | str | None) -> torch.device:
+    return torch.device("cpu") if device is None else torch.device(device)
+
+
+class EMU:
+    """One rank's part of one replica of ``model_stage`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        model_stage: str,
+        schema: StateSchema,
+        unit: Unit,
+        rank: int,
+        params: dict[str, Tensor],
+        optim_state: dict[str, dict[str, Tensor]] | None = None,
+        counters: Counters | None = None,
+        trains: bool | None = None,
+    ) -> None:
+        self.model_stage = model_stage
+        self.schema = schema
+        self.unit = unit
+        self.rank = rank
+        self.params = params
+        self.optim_state = optim_state if optim_state is not None else {}
+        self.counters = counters or Counters()
+        self.trains = bool(self.optim_state) if trains is None else trains
+
+    # -- construction -------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_model(
+        cls,
+        model_stage: str,
+        schema: StateSchema,
+        model_or_state: Any,
+        unit: Unit,
+        rank: int,
+        *,
+        trains: bool = False,
+        full_optim: Mapping[str, Mapping[str, Tensor]] | None = None,
+        counters: Counters | None = None,
+        device: torch.device | str | None = None,
+    ) -> EMU:
+        """Cut ``rank``'s shards from a full model (or its state dict), and AdamW state if ``trains``.
+
+        ``full_optim`` maps global names to full-size ``exp_avg`` / ``exp_avg_sq`` / ``step``;
+        without it a training unit starts from zeros (a fresh AdamW).
+        """
+        schema.validate(unit.layout)
+        full = dict(model_or_state) if isinstance(model_or_state, Mapping) else dict(model_or_state.named_parameters())
+        device = _device(device)
+        pos = unit.position(rank)
+        params: dict[str, Tensor] = {}
+        optim: dict[str, dict[str, Tensor]] = {}
+        for name in schema.stage_names(unit.layout, pos.pp_rank):
+            require(name in full, "model", f"parameter {name} missing from the given model/state dict")
+            index = tp_slices(schema.shape_of[name], schema.placements[name], unit.layout.tp, pos.tp_rank)
+            params[name] = full[name].detach()[index].to(device=device, copy=True).contiguous()
+            if trains:
+                given = (full_optim or {}).get(name)
+                state = {}
+                for key in SHAPED_OPTIM_KEYS:
+                    src = given[key][index] if given is not None else torch.zeros_like(params[name])
+                    state[key] = src.detach().to(device=device, copy=True).contiguous()
+                step = given["step"] if given is not None else torch.zeros((), dtype=torch.float32)
+                state["step"] = step.detach().to(device=device, copy=True).reshape(())
+                optim[name] = state
+        return cls(model_stage, schema, unit, rank, params, optim, counters, trains)
+
+    @classmethod
+    def empty(
+        cls,
+        model_stage: str,
+        schema: StateSchema,
+        unit: Unit,
+        rank: int,
+        *,
+        trains: bool,
+        device: torch.device | str | None = None,
+    ) -> EMU:
+        """Uninitialised shards of the right shapes on ``rank`` (to be filled by a transfer)."""
+        schema.validate(unit.layout)
+        device = _device(device)
+        pos = unit.position(rank)
+        params: dict[str, Tensor] = {}
+        optim: dict[str, dict[str, Tensor]] = {}
+        for name in schema.stage_names(unit.layout, pos.pp_rank):
+            shape, dtype = schema.shard_shape(name, unit.layout), schema.dtype_of(name)
+            params[name] = torch.empty(shape, dtype=dtype, device=device)
+            if trains:
+                optim[name] = {key: torch.empty(shape, dtype=dtype, device=device) for key in SHAPED_OPTIM_KEYS}
+                optim[name]["step"] = torch.empty((), dtype=torch.float32, device=device)
+        return cls(model_stage, schema, unit, rank, params, optim, None, trains)
+
+    # -- views -------------------------------------------------------------------------------------------
+
+    @property
+    def layout(self) -> Layout:
+        """The unit's layout."""
+        return self.unit.layout
+
+    @property
+    def position(self) -> Position:
+        """This rank's (pp_rank, tp_rank)."""
+        return self.unit.position(self.rank)
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the shards."""
+        return next(iter(self.params.values())).device if self.params else torch.device("cpu")
+
+    def tensors(self) -> Iterator[tuple[str, str, Tensor]]:
+        """Every state tensor as ``(name, key, tensor)``, key ``"param"`` or an optimizer key, in schema order."""
+        for name in self.schema.names:
+            if name not in self.params:
+                continue
+            yield name, "param", self.params[name]
+            state = self.optim_state.get(name)
+            if state is not None:
+                for key in OPTIM_KEYS:
+                    yield name, key, state[key]
+
+    def tensor(self, name: str, key: str) -> Tensor:
+        """One state tensor (``key`` = ``"param"`` or an optimizer key)."""
+        return self.params[name] if key == "param" else self.optim_state[name][key]
+
+    def nbytes(self) -> int:
+        """Bytes of every state tensor on this rank."""
+        return sum(t.numel() * t.element_size() for _, _, t in self.tensors())
+
+    def generator(self, dp_rank: int, stream: int = 0) -> torch.Generator:
+        """A generator derived from the seed, the sample position and ``dp_rank`` (same on every rank of the replica)."""
+        c = self.counters
+        seed = hash((c.seed, c.sample_position, dp_rank, stream)) & 0x7FFF_FFFF_FFFF_FFFF
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def free(self) -> None:
+        """Drop every tensor this rank holds for the unit (no collectives)."""
+        self.params = {}
+        self.optim_state = {}
+
+    def __repr__(self) -> str:
+        return f"EMU({self.model_stage!r}, {self.unit}, rank={self.rank}, {len(self.params)} tensors, {self.nbytes()} B)"
+
+
+def check_same_schema(emus: Sequence[EMU]) -> None:
+    """Reject units of different models or model-stages."""
+    for emu in emus[1:]:
+        require(emu.model_stage == emus[0].model_stage, "units", f"{emu.model_stage} != {emus[0].model_stage}")
+        require(emu.schema == emus[0].schema, "units", f"units of {emu.model_stage} have different schemas")
