@@ -79,12 +79,10 @@ def _blocking_deadlocks(dag: TransitionDAG) -> bool:
                     break
                 for g, net, _ in n.mem:
                     mem[g] += net
-                if n.op is Primitive.EXTEND:
-                    for g in n.targets[0].gpus:
-                        held[g][name] += 1
-                elif n.op is Primitive.DESTROY:
-                    for g in n.sources[0].gpus:
-                        held[g][name] -= 1
+                for g in n.acquired_gpus:
+                    held[g][name] += 1
+                for g in n.released_gpus:
+                    held[g][name] -= 1
                 pos[name] += 1
                 moved = True
         if all(pos[name] == len(q) for name, q in queues.items()):

@@ -101,32 +101,43 @@ def make_context(
     return ctx
 
 
-def _check_plan(label: str, plan: Plan, ctx: TransitionContext) -> None:
-    """GPU ids exist, same-stage model-stages are disjoint, resident state fits."""
-    owner: dict[tuple[str, int], str] = {}
-    mem: dict[int, float] = defaultdict(float)
-    n = ctx.cluster.num_gpus
+def resident_memory(plan: Plan, ctx: TransitionContext) -> list[float]:
+    """Resident state bytes per GPU (index = GPU id) under ``plan``."""
+    mem = [0.0] * ctx.cluster.num_gpus
     for name, cand in plan.items():
-        stage = ctx.stages[name].stage
         per_gpu = ctx.memory_of(name, cand.layout)
         for g in cand.gpus:
-            if not 0 <= g < n:
-                raise NereusConfigError(f"{label} plan: {name} uses GPU {g}, outside the pool 0..{n - 1}")
-            other = owner.setdefault((stage, g), name)
-            if other != name:
-                raise NereusConfigError(
-                    f"{label} plan: {other} and {name} both use GPU {g} in the {stage} stage; "
-                    "model-stages of one stage need disjoint GPUs"
-                )
             mem[g] += per_gpu
-    cap = memory_cap(ctx.cluster)
-    for g, used in mem.items():
-        if used > cap:
-            holders = [name for name, c in plan.items() if g in c.gpus]
-            raise InfeasiblePlanError(
-                f"{label} plan does not fit on GPU {g}: {used / GB:.1f} GB resident ({', '.join(holders)}) "
-                f"> cap {cap / GB:.1f} GB"
+    return mem
+
+
+def _check_plan(label: str, plan: Plan, ctx: TransitionContext) -> None:
+    """GPU ids exist, same-stage model-stages are disjoint, resident state fits."""
+    n = ctx.cluster.num_gpus
+    used: dict[str, dict[int, str]] = defaultdict(dict)
+    for name, cand in plan.items():
+        if min(cand.gpus) < 0 or max(cand.gpus) >= n:
+            bad = next(g for g in cand.gpus if not 0 <= g < n)
+            raise NereusConfigError(f"{label} plan: {name} uses GPU {bad}, outside the pool 0..{n - 1}")
+        stage = ctx.stages[name].stage
+        owner = used[stage]
+        if not owner.keys().isdisjoint(cand.gpus):
+            g = next(g for g in cand.gpus if g in owner)
+            raise NereusConfigError(
+                f"{label} plan: {owner[g]} and {name} both use GPU {g} in the {stage} stage; "
+                "model-stages of one stage need disjoint GPUs"
             )
+        owner.update(dict.fromkeys(cand.gpus, name))
+    mem = resident_memory(plan, ctx)
+    cap = memory_cap(ctx.cluster)
+    top = max(mem)
+    if top > cap:
+        g = mem.index(top)
+        holders = [name for name, c in plan.items() if g in c.gpus]
+        raise InfeasiblePlanError(
+            f"{label} plan does not fit on GPU {g}: {top / GB:.1f} GB resident ({', '.join(holders)}) "
+            f"> cap {cap / GB:.1f} GB"
+        )
 
 
 def union_of_local_dags(ctx: TransitionContext) -> list[Node]:
@@ -152,17 +163,19 @@ def _order_with_resource_edges(nodes: list[Node], ctx: TransitionContext) -> lis
         name: [o for o in ctx.current if o != name and stages[o].stage == stages[name].stage] for name in ctx.current
     }
     cap = memory_cap(ctx.cluster)
-    holders: dict[int, dict[str, int]] = defaultdict(dict)
-    base: dict[int, float] = defaultdict(float)
+    n_gpus = ctx.cluster.num_gpus
+    # Units of each model-stage per GPU (only model-stages with same-stage peers need counting).
+    holders: dict[str, list[int]] = {}
     for name, cand in ctx.current.items():
-        per_gpu = ctx.memory_of(name, cand.layout)
-        for g in cand.gpus:
-            holders[g][name] = holders[g].get(name, 0) + 1
-            base[g] += per_gpu
-    worst = dict(base)
+        if peers[name]:
+            count = holders[name] = [0] * n_gpus
+            for g in cand.gpus:
+                count[g] += 1
+    base = resident_memory(ctx.current, ctx)
+    worst: dict[int, float] = {}
     for node in nodes:
-        for e in node.mem:
-            worst[e.gpu] = worst.get(e.gpu, 0.0) + max(e.net, 0.0) + e.transient
+        for g, net, transient in node.mem:
+            worst[g] = worst.get(g, base[g]) + (net if net > 0 else 0.0) + transient
     tight = {g for g, w in worst.items() if w > cap}
 
     grown: dict[int, float] = defaultdict(float)
@@ -183,13 +196,16 @@ def _order_with_resource_edges(nodes: list[Node], ctx: TransitionContext) -> lis
 
     def blocked(n: Node) -> str | None:
         if n.op is Primitive.EXTEND:
-            for g in n.targets[0].gpus:
-                for other in peers[n.model_stage]:
-                    if holders[g].get(other):
+            for other in peers[n.model_stage]:
+                count = holders[other]
+                for g in n.targets[0].gpus:
+                    if count[g]:
                         return f"GPU {g} is still held by {other} (same {stages[other].stage} stage)"
         for g, net, transient in n.mem:
+            if g not in tight:
+                continue
             grow = max(net, 0.0) + transient
-            if grow > 0 and g in tight and base[g] + grown[g] + grow - freed[g] > cap:
+            if grow > 0 and base[g] + grown[g] + grow - freed[g] > cap:
                 need = base[g] + grown[g] + grow - freed[g]
                 return f"GPU {g} would need {need / GB:.1f} GB > cap {cap / GB:.1f} GB"
         return None
@@ -206,25 +222,30 @@ def _order_with_resource_edges(nodes: list[Node], ctx: TransitionContext) -> lis
                 stuck.append((n, why))
                 continue
             extra: set[int] = set()
-            if n.op is Primitive.EXTEND:
-                for g in n.targets[0].gpus:
-                    for other in peers[n.model_stage]:
-                        extra.update(left.get((g, other), ()))
-                    holders[g][n.model_stage] = holders[g].get(n.model_stage, 0) + 1
-            elif n.op is Primitive.DESTROY:
-                for g in n.sources[0].gpus:
-                    holders[g][n.model_stage] -= 1
-                    left[(g, n.model_stage)].append(n.id)
+            ms = n.model_stage
+            if peers[ms]:
+                if n.op is Primitive.EXTEND:
+                    count = holders[ms]
+                    for g in n.targets[0].gpus:
+                        for other in peers[ms]:
+                            extra.update(left.get((g, other), ()))
+                        count[g] += 1
+                elif n.op is not Primitive.MERGE:  # Destroy, or Split releasing the GPUs it does not keep
+                    count = holders[ms]
+                    for g in n.released_gpus:
+                        count[g] -= 1
+                        left[(g, ms)].append(n.id)
             for g, net, transient in n.mem:
+                if g not in tight:
+                    continue
                 grow = max(net, 0.0) + transient
-                if grow > 0 and g in tight:
+                if grow > 0:
                     extra.update(freers[g])
                 grown[g] += grow
                 free = max(-net, 0.0) + transient
                 if free > 0:
                     freed[g] += free
-                    if g in tight:
-                        freers[g].append(n.id)
+                    freers[g].append(n.id)
             extra.difference_update(n.deps)
             extra.discard(n.id)
             if extra:

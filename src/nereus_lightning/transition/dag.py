@@ -71,6 +71,21 @@ class Node:
         return sum(t.bytes for t in self.transfers if t.src_gpu != t.dst_gpu)
 
     @property
+    def acquired_gpus(self) -> tuple[int, ...]:
+        """GPUs this node newly places state of its model-stage on (Extend's target)."""
+        return self.targets[0].gpus if self.op is Primitive.EXTEND else ()
+
+    @property
+    def released_gpus(self) -> tuple[int, ...]:
+        """GPUs whose unit of this model-stage the node drops (Destroy; Split's GPUs it does not keep)."""
+        if self.op is Primitive.DESTROY:
+            return self.sources[0].gpus
+        if self.op is Primitive.SPLIT:
+            keep = {g for t in self.targets for g in t.gpus}
+            return tuple(g for g in self.sources[0].gpus if g not in keep)
+        return ()
+
+    @property
     def gpus(self) -> tuple[int, ...]:
         """Every GPU the node touches."""
         seen: dict[int, None] = {}

@@ -15,10 +15,12 @@ the blocks its target shard needs (``models.sharding``: chunk ``r`` of ``k * tp`
 
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict
 from collections.abc import Callable
 from functools import lru_cache
 from math import gcd
+from operator import itemgetter
 
 from nereus_lightning.plan.layout import Candidate, Layout
 from nereus_lightning.spec.cluster import ClusterSpec
@@ -45,6 +47,18 @@ def sub_positions(x: Layout, s: Layout) -> tuple[tuple[int, ...], ...]:
 
 
 @lru_cache(maxsize=1024)
+def _pickers(x: Layout, s: Layout) -> tuple[Callable[[tuple[int, ...]], tuple[int, ...]], ...]:
+    """For each sub-unit of ``sub_positions(x, s)``: a function from a unit's GPUs to the sub-unit's."""
+    out = []
+    for idx in sub_positions(x, s):
+        if len(idx) == 1:
+            out.append(lambda gpus, _i=idx[0]: (gpus[_i],))
+        else:
+            out.append(itemgetter(*idx))
+    return tuple(out)
+
+
+@lru_cache(maxsize=1024)
 def _inverse(x: Layout, s: Layout) -> tuple[tuple[int, int], ...]:
     """For each position of ``x``: (sub-unit, index inside it)."""
     inv: list[tuple[int, int]] = [(0, 0)] * x.size
@@ -55,7 +69,9 @@ def _inverse(x: Layout, s: Layout) -> tuple[tuple[int, int], ...]:
 
 
 def _transient(transfers: list[Transfer]) -> dict[int, float]:
-    """Send and receive buffers per GPU (every transfer is one contiguous buffer on each side)."""
+    """Transfer buffers per GPU while a Split or Merge runs: each transfer is packed into one
+    contiguous send buffer and lands in one receive buffer before it is unpacked. (Extend sends a
+    whole shard in the same layout: the unit's flat storage is the buffer on both sides.)"""
     out: dict[int, float] = defaultdict(float)
     for t in transfers:
         out[t.src_gpu] += t.bytes
@@ -82,33 +98,61 @@ def local_dag(
     if a == b and current.gpus == target.gpus:
         return []
     s = common_layout(a, b)
-    subs_a, subs_b = sub_positions(a, s), sub_positions(b, s)
-    cur_units = [Unit(a, current.replica_gpus(i)) for i in range(current.dp)]
-    tgt_units = [Unit(b, target.replica_gpus(i)) for i in range(target.dp)]
+    pick_a, pick_b = _pickers(a, s), _pickers(b, s)
+    cur_units = [Unit(a, current.gpus[i : i + a.size]) for i in range(0, len(current.gpus), a.size)]
+    tgt_units = [Unit(b, target.gpus[i : i + b.size]) for i in range(0, len(target.gpus), b.size)]
 
     # T_sub units each current unit would split into, indexed by their GPU tuple: the target's
     # strided slots when they tile the unit exactly (then Merge or nothing follows in place),
     # else the position-wise split.
-    slot_at = {g: t for v in tgt_units for t in (tuple(v.gpus[x] for x in idx) for idx in subs_b) for g in t}
+    slot_at = {g: t for v in tgt_units for t in (f(v.gpus) for f in pick_b) for g in t}
     split_into: list[list[tuple[int, ...]]] = []
     where: dict[tuple[int, ...], tuple[int, int]] = {}
     for i, u in enumerate(cur_units):
         mine = set(u.gpus)
         tiles = list(dict.fromkeys(slot_at[g] for g in u.gpus if g in slot_at))
         if a == s or not (sum(map(len, tiles)) == len(mine) and all(mine.issuperset(t) for t in tiles)):
-            tiles = [tuple(u.gpus[x] for x in idx) for idx in subs_a]
+            tiles = [f(u.gpus) for f in pick_a]
         split_into.append(tiles)
         for j, t in enumerate(tiles):
             where[t] = (i, j)
     sub_at = {g: t for t in where for g in t}  # the T_sub unit each current GPU would be part of
-    slots = [_slots_of(v, b, s, subs_b, where, sub_at) for v in tgt_units]  # per target unit, its Merge inputs
+    slots = [_slots_of(v, b, s, pick_b, where, sub_at) for v in tgt_units]  # per target unit, its Merge inputs
     reused = {t for row in slots for t in row if t in where}
     missing = [t for row in slots for t in row if t not in where]
     split_units = sorted({where[t][0] for t in reused})
     if missing and not split_units:
         # Nothing stays in place: split just enough current units to have one source per slot.
-        k = len(subs_a)
+        k = len(pick_a)
         split_units = list(range(min(len(cur_units), -(-len(missing) // k))))
+
+    # Plan the Extends first, so that Split keeps only the T_sub units that are used: the slot's
+    # node first (chaining inside the node), then the least-loaded source, reused ones on ties.
+    node_of = cluster.node_of
+    candidates = [t for i in split_units for t in split_into[i]]
+    load: dict[tuple[int, ...], int] = {t: 0 for t in candidates}
+    local: dict[int, list[tuple[int, ...]]] = defaultdict(list)
+    for t in candidates:
+        local[node_of(t[0])].append(t)
+    extends: list[tuple[tuple[int, ...], tuple[int, ...]]] = []  # (source, slot)
+    # Across nodes: the source whose node has sent least so far (spread over NICs), then by load.
+    sent: dict[int, int] = defaultdict(int)
+    remote = [(0, 0, t not in reused, k, t) for k, t in enumerate(candidates)]  # a lazy heap
+    for slot in missing:
+        pool = local.get(node_of(slot[0]))
+        if pool:
+            src = min(pool, key=lambda t: (load[t], t not in reused))
+        else:
+            while (remote[0][0], remote[0][1]) != (sent[node_of(remote[0][4][0])], load[remote[0][4]]):
+                _, _, r, k, t = heapq.heappop(remote)
+                heapq.heappush(remote, (sent[node_of(t[0])], load[t], r, k, t))
+            src = remote[0][4]
+            sent[node_of(src[0])] += 1
+        load[src] += 1
+        extends.append((src, slot))
+        load[slot] = 0
+        local[node_of(slot[0])].append(slot)
+    kept = reused | {src for src, _ in extends if src in where}
 
     nodes: list[Node] = []
 
@@ -118,58 +162,43 @@ def local_dag(
 
     mem_a, mem_s, mem_b = memory_of(a), memory_of(s), memory_of(b)
     made_by: dict[tuple[int, ...], int] = {}  # T_sub unit gpus -> node that created it
-    sources: list[tuple[int, ...]] = []
-    split_set = set(split_units)
-    for i in split_units:
-        u = cur_units[i]
-        if a == s:
-            sources.append(u.gpus)
-            continue
-        subs = split_into[i]
-        index = {g: x for x, g in enumerate(u.gpus)}
-        transfers: list[Transfer] = []
-        for t in subs:
-            for q, g in enumerate(t):
-                transfers += gather_transfers(geo, a, u.gpus, index[g], s, q // s.tp, q % s.tp)
-        nid = add(Primitive.SPLIT, [u], [Unit(s, t) for t in subs], transfers, [], _effects(u.gpus, mem_s - mem_a, transfers))
-        for t in subs:
-            made_by[t] = nid
-            sources.append(t)
+    splitting = [i for i in split_units if any(t in kept for t in split_into[i])]
+    if a != s:
+        for i in splitting:
+            # Split keeps only the used T_sub units; the unit's other GPUs just send and free their shard.
+            u = cur_units[i]
+            subs = [t for t in split_into[i] if t in kept]
+            index = {g: x for x, g in enumerate(u.gpus)}
+            transfers: list[Transfer] = []
+            for t in subs:
+                for q, g in enumerate(t):
+                    transfers += gather_transfers(geo, a, u.gpus, index[g], s, q // s.tp, q % s.tp)
+            stays = {g for t in subs for g in t}
+            buf = _transient(transfers)
+            mem = tuple(MemEffect(g, (mem_s if g in stays else 0.0) - mem_a, buf.get(g, 0.0)) for g in u.gpus)
+            nid = add(Primitive.SPLIT, [u], [Unit(s, t) for t in subs], transfers, [], mem)
+            for t in subs:
+                made_by[t] = nid
     # Current units that neither stay nor feed anything go first (release before acquire).
+    keep_units = set(splitting)
     for i, u in enumerate(cur_units):
-        if i not in split_set:
+        if i not in keep_units:
             add(Primitive.DESTROY, [u], [], [], [], _effects(u.gpus, -mem_a, []))
 
-    # Extend every missing slot: a source on the slot's node if any (chaining inside the node),
-    # else the least-loaded source anywhere; ties keep the order of the list.
-    node_of = cluster.node_of
-    load: dict[tuple[int, ...], int] = {t: 0 for t in sources}
-    local: dict[int, list[tuple[int, ...]]] = defaultdict(list)
-    for t in sources:
-        local[node_of(t[0])].append(t)
     readers: dict[tuple[int, ...], list[int]] = defaultdict(list)
-    for slot in missing:
-        near = local.get(node_of(slot[0]))
-        pool = near if near else sources
-        src = min(pool, key=load.__getitem__)
-        load[src] += 1
+    for src, slot in extends:
         transfers = extend_transfers(geo, s, src, slot)
-        buf = _transient(transfers)
-        mem = tuple(MemEffect(g, mem_s, buf.get(g, 0.0)) for g in slot) + tuple(
-            MemEffect(g, 0.0, buf.get(g, 0.0)) for g in src if g not in slot
-        )
+        mem = tuple(MemEffect(g, mem_s, 0.0) for g in slot)
         deps = [made_by[src]] if src in made_by else []
         nid = add(Primitive.EXTEND, [Unit(s, src)], [Unit(s, slot)], transfers, deps, mem)
-        made_by[slot] = nid  # a slot is never a source of the list above, so its Destroy is never due
+        made_by[slot] = nid
         readers[src].append(nid)
-        load[slot] = 0
-        local[node_of(slot[0])].append(slot)
 
-    # Leftover T_sub units of split units: drop them (after the Extends that read them).
-    for t in sources:
-        if t not in reused:
-            deps = ([made_by[t]] if t in made_by else []) + readers.get(t, [])
-            add(Primitive.DESTROY, [Unit(s, t)], [], [], deps, _effects(t, -mem_s, []))
+    # Sources that are not part of the target: drop them after the Extends that read them
+    # (the last copy of the state is never dropped before it has been copied).
+    for t in sorted(kept - reused, key=lambda t: where[t]):
+        deps = ([made_by[t]] if t in made_by else []) + readers.get(t, [])
+        add(Primitive.DESTROY, [Unit(s, t)], [], [], deps, _effects(t, -mem_s, []))
 
     # Merge each target unit from its slots; a T_sub target unit sitting exactly on one slot is done.
     for v, row in zip(tgt_units, slots):
@@ -180,7 +209,8 @@ def local_dag(
         for x, g in enumerate(v.gpus):
             t, q = at[g]
             transfers += gather_transfers(geo, s, t, q, b, x // b.tp, x % b.tp)
-        deps = sorted({made_by[t] for t in row if t in made_by})
+        # A Merge consumes its inputs: after whatever created them and every Extend that reads them.
+        deps = sorted({made_by[t] for t in row if t in made_by}.union(*(readers.get(t, ()) for t in row)))
         add(Primitive.MERGE, [Unit(s, t) for t in row], [v], transfers, deps, _effects(v.gpus, mem_b - mem_s, transfers))
     return nodes
 
@@ -189,7 +219,7 @@ def _slots_of(
     v: Unit,
     b: Layout,
     s: Layout,
-    subs_b: tuple[tuple[int, ...], ...],
+    pick_b: tuple[Callable[[tuple[int, ...]], tuple[int, ...]], ...],
     where: dict[tuple[int, ...], tuple[int, int]],
     sub_at: dict[int, tuple[int, ...]],
 ) -> list[tuple[int, ...]]:
@@ -203,8 +233,8 @@ def _slots_of(
     inside = set(v.gpus)
     row: list[tuple[int, ...]] = []
     covered: set[int] = set()
-    for idx in subs_b:
-        t = tuple(v.gpus[x] for x in idx)
+    for f in pick_b:
+        t = f(v.gpus)
         if t in where:
             row.append(t)
             covered.update(t)

@@ -144,14 +144,18 @@ def full_piece(model: ModelSpec, layout: Layout, pp_rank: int, tp_rank: int) -> 
     return Piece(c.lo, c.hi, c.embed, c.lm_head, c.final_norm, True, tp_rank, tp_rank + 1, layout.tp)
 
 
+@lru_cache(maxsize=1024)
+def _extend_pattern(geo: Geometry, layout: Layout) -> tuple[tuple[int, Piece], ...]:
+    """(bytes, piece) of every position of ``layout``."""
+    return tuple(
+        (shard_bytes(geo, layout, i // layout.tp), full_piece(geo.model, layout, i // layout.tp, i % layout.tp))
+        for i in range(layout.size)
+    )
+
+
 def extend_transfers(geo: Geometry, layout: Layout, src: tuple[int, ...], dst: tuple[int, ...]) -> list[Transfer]:
     """Extend: the GPU at each position of ``dst`` receives the whole shard of that position from ``src``."""
-    out = []
-    tp = layout.tp
-    for i, (s, d) in enumerate(zip(src, dst)):
-        p, t = divmod(i, tp)
-        out.append(Transfer(s, d, shard_bytes(geo, layout, p), full_piece(geo.model, layout, p, t)))
-    return out
+    return [Transfer(s, d, size, piece) for s, d, (size, piece) in zip(src, dst, _extend_pattern(geo, layout))]
 
 
 def gather_transfers(
@@ -170,8 +174,19 @@ def gather_transfers(
     that holds it; the replicated tensors of a block the GPU lacks come from the first rank of
     their stage that sends anything. Used by Split (``want`` smaller) and Merge (``want`` larger).
     """
-    model = geo.model
     dst = have_gpus[dst_index]
+    return [
+        Transfer(have_gpus[i], dst, size, piece)
+        for i, size, piece in _gather_pattern(geo, have, dst_index, want, want_pp, want_tp)
+    ]
+
+
+@lru_cache(maxsize=65536)
+def _gather_pattern(
+    geo: Geometry, have: Layout, dst_index: int, want: Layout, want_pp: int, want_tp: int
+) -> tuple[tuple[int, int, Piece], ...]:
+    """:func:`gather_transfers` by positions: (source index, bytes, piece)."""
+    model = geo.model
     p0, t0 = divmod(dst_index, have.tp)
     w = stage_content(model, want.pp, want_pp)
     den = have.tp * want.tp // gcd(have.tp, want.tp)
@@ -201,5 +216,5 @@ def gather_transfers(
             piece = Piece(lo, hi, embed, lm_head, norm and replicated, replicated and hi > lo, f_lo, f_hi, den)
             size = piece_bytes(geo, piece)
             if size:
-                out.append(Transfer(have_gpus[p * have.tp + t], dst, size, piece))
-    return out
+                out.append((p * have.tp + t, size, piece))
+    return tuple(out)

@@ -73,46 +73,74 @@ def _initial(dag: TransitionDAG) -> dict[str, set[Unit]]:
     return {name: {Unit(c.layout, c.replica_gpus(i)) for i in range(c.dp)} for name, c in ctx.current.items()}
 
 
+class _Gpus:
+    """Per-GPU memory and, for model-stages with same-stage peers, unit counts per GPU."""
+
+    def __init__(self, dag: TransitionDAG) -> None:
+        ctx = dag.context
+        n = ctx.cluster.num_gpus
+        self.stage = {name: ctx.stages[name].stage for name in ctx.current}
+        self.peers = {a: [b for b in ctx.current if b != a and self.stage[a] == self.stage[b]] for a in ctx.current}
+        self.count = {name: [0] * n for name in ctx.current if self.peers[name]}
+        self.mem = [0.0] * n
+        for name, c in ctx.current.items():
+            per = ctx.memory_of(name, c.layout)
+            mem = self.mem
+            for g in c.gpus:
+                mem[g] += per
+            if name in self.count:
+                count = self.count[name]
+                for g in c.gpus:
+                    count[g] += 1
+
+    def acquire(self, n: Node) -> list[str]:
+        """Count ``n``'s new GPUs; name any a same-stage model-stage holds."""
+        out = []
+        if n.model_stage in self.count:
+            count = self.count[n.model_stage]
+            for g in n.acquired_gpus:
+                count[g] += 1
+                for other in self.peers[n.model_stage]:
+                    if self.count[other][g]:
+                        out.append(f"{n} lands on GPU {g} still held by {other}")
+        return out
+
+    def release(self, n: Node) -> None:
+        """Uncount the GPUs ``n`` leaves."""
+        if n.model_stage in self.count:
+            count = self.count[n.model_stage]
+            for g in n.released_gpus:
+                count[g] -= 1
+
+
 def _replay(dag: TransitionDAG, order: list[Node], problems: list[str], label: str) -> float:
     """Sequential replay in ``order``; returns the peak per-GPU memory."""
     ctx = dag.context
-    cap = memory_cap(ctx.cluster)
+    cap = memory_cap(ctx.cluster) * (1 + 1e-9)
     alive = _initial(dag)
-    mem: dict[int, float] = defaultdict(float)
-    held: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-    for name, units in alive.items():
-        for u in units:
-            for g in u.gpus:
-                mem[g] += ctx.memory_of(name, u.layout)
-                held[g][name] += 1
-    peak = max(mem.values(), default=0.0)
-    stage = {name: ms.stage for name, ms in ctx.stages.items()}
+    gpus = _Gpus(dag)
+    mem = gpus.mem
+    peak = max(mem, default=0.0)
     for n in order:
         units = alive[n.model_stage]
-        missing = [u for u in n.sources if u not in units]
-        if missing:
+        if not units.issuperset(n.sources):
+            missing = [u for u in n.sources if u not in units]
             problems.append(f"structure{label}: {n} reads units that do not exist: {missing}")
             return peak
         for g, net, transient in n.mem:
-            top = mem[g] + max(net, 0.0) + transient
-            peak = max(peak, top)
-            if top > cap * (1 + 1e-9):
-                problems.append(f"memory{label}: GPU {g} reaches {top / GB:.1f} GB > cap {cap / GB:.1f} GB during {n}")
+            top = mem[g] + (net if net > 0 else 0.0) + transient
+            if top > peak:
+                peak = top
+                if top > cap:
+                    problems.append(f"memory{label}: GPU {g} reaches {top / GB:.1f} GB > cap {cap / GB:.1f} GB during {n}")
             mem[g] += net
         if n.op is not Primitive.EXTEND:
             units.difference_update(n.sources)
         units.update(n.targets)
         if not units:
             problems.append(f"last copy{label}: {n.model_stage} has no unit left after {n}")
-        if n.op is Primitive.EXTEND:
-            for g in n.targets[0].gpus:
-                held[g][n.model_stage] += 1
-                for other, count in held[g].items():
-                    if count and other != n.model_stage and stage[other] == stage[n.model_stage]:
-                        problems.append(f"gpu conflict{label}: {n} lands on GPU {g} still held by {other}")
-        elif n.op is Primitive.DESTROY:
-            for g in n.sources[0].gpus:
-                held[g][n.model_stage] -= 1
+        problems.extend(f"gpu conflict{label}: {p}" for p in gpus.acquire(n))
+        gpus.release(n)
     for name, cand in ctx.target.items():
         want = {Unit(cand.layout, cand.replica_gpus(i)) for i in range(cand.dp)}
         if alive[name] != want:
@@ -136,9 +164,8 @@ def _any_order_gpus(dag: TransitionDAG) -> list[str]:
     stage = {name: ms.stage for name, ms in ctx.stages.items()}
     leaves: dict[tuple[int, str], list[int]] = defaultdict(list)
     for n in dag.nodes:
-        if n.op is Primitive.DESTROY:
-            for g in n.sources[0].gpus:
-                leaves[(g, n.model_stage)].append(n.id)
+        for g in n.released_gpus:
+            leaves[(g, n.model_stage)].append(n.id)
     peers = {a: [b for b in ctx.current if b != a and stage[a] == stage[b]] for a in ctx.current}
     anc = _ancestors(dag)
     out = []
@@ -159,17 +186,10 @@ def _any_order_gpus(dag: TransitionDAG) -> list[str]:
 
 def _adversarial(dag: TransitionDAG, problems: list[str]) -> float:
     """Start every ready node at once; finish acquisitions before releases."""
-    ctx = dag.context
-    cap = memory_cap(ctx.cluster)
-    stage = {name: ms.stage for name, ms in ctx.stages.items()}
-    mem: dict[int, float] = defaultdict(float)
-    held: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-    for name, c in ctx.current.items():
-        per = ctx.memory_of(name, c.layout)
-        for g in c.gpus:
-            mem[g] += per
-            held[g][name] += 1
-    peak = max(mem.values(), default=0.0)
+    cap = memory_cap(dag.context.cluster) * (1 + 1e-9)
+    gpus = _Gpus(dag)
+    mem = gpus.mem
+    peak = max(mem, default=0.0)
     succs: list[list[int]] = [[] for _ in dag.nodes]
     indeg = [len(n.deps) for n in dag.nodes]
     for n in dag.nodes:
@@ -177,36 +197,30 @@ def _adversarial(dag: TransitionDAG, problems: list[str]) -> float:
             succs[d].append(n.id)
     ready = [n.id for n in dag.nodes if not n.deps]
     running: list[int] = []
+    releases: list[int] = []
     reported = 0
-    while ready or running:
+    while ready or running or releases:
         for nid in ready:
             n = dag.nodes[nid]
             for g, net, transient in n.mem:
-                mem[g] += max(net, 0.0) + transient
+                mem[g] += (net if net > 0 else 0.0) + transient
                 if mem[g] > peak:
                     peak = mem[g]
-                if mem[g] > cap * (1 + 1e-9) and reported < 4:
+                    if peak > cap and reported < 4:
+                        reported += 1
+                        problems.append(f"memory (concurrent): GPU {g} reaches {peak / GB:.1f} GB > cap during {n}")
+            for p in gpus.acquire(n)[:1]:
+                if reported < 8:
                     reported += 1
-                    problems.append(f"memory (concurrent): GPU {g} reaches {mem[g] / GB:.1f} GB > cap during {n}")
-            if n.op is Primitive.EXTEND:
-                for g in n.targets[0].gpus:
-                    held[g][n.model_stage] += 1
-                    for other, count in held[g].items():
-                        if count and other != n.model_stage and stage[other] == stage[n.model_stage] and reported < 8:
-                            reported += 1
-                            problems.append(f"gpu conflict (concurrent): {n} lands on GPU {g} held by {other}")
-            running.append(nid)
+                    problems.append(f"gpu conflict (concurrent): {p}")
+            (releases if n.op is Primitive.DESTROY else running).append(nid)
         ready = []
         # Finish one node: an acquisition if any runs (keeps releases pending longest).
-        pick = next((i for i, nid in enumerate(running) if dag.nodes[nid].op is not Primitive.DESTROY), 0)
-        nid = running.pop(pick)
+        nid = running.pop() if running else releases.pop()
         n = dag.nodes[nid]
         for g, net, transient in n.mem:
-            mem[g] -= transient + max(net, 0.0)
-            mem[g] += net
-        if n.op is Primitive.DESTROY:
-            for g in n.sources[0].gpus:
-                held[g][n.model_stage] -= 1
+            mem[g] += net - transient - (net if net > 0 else 0.0)
+        gpus.release(n)
         for s in succs[nid]:
             indeg[s] -= 1
             if indeg[s] == 0:

@@ -1,0 +1,197 @@
+"""Random plan pairs for tests and benchmarks: PPO plans on 8 to 1,024 GPUs with chosen overlaps.
+
+GPUs are cut into 8 equal blocks (one GPU per block on 8 GPUs). A plan gives each model-stage a
+run of consecutive blocks (1, 2, 4 or 8 of them) and a layout that tiles it; model-stages of one
+stage get disjoint runs. A case moves some model-stages so that a moved one lands on GPUs that
+another model-stage holds now, of the requested *overlap kind*:
+
+* ``same_model_cross_stage``: the same model in another stage (actor_gen onto actor_train),
+* ``cross_model_same_stage``: another model in the same stage (critic_infer onto ref_infer),
+* ``cross_model_cross_stage``: another model in another stage (critic_train onto actor_gen).
+
+The GPU memory of the case's cluster is drawn between the plans' own peak and 1.6 times it, so
+that co-residency during the transition is sometimes what decides.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from dataclasses import dataclass, replace
+
+from nereus_lightning.plan.layout import Candidate, Layout, Plan
+from nereus_lightning.plan.memory import MEMORY_HEADROOM, state_bytes_per_gpu
+from nereus_lightning.spec.cluster import CLUSTER_PRESETS, ClusterSpec
+from nereus_lightning.spec.model import MODEL_PRESETS, ModelSpec
+from nereus_lightning.spec.workload import ModelStage, Workload
+
+OVERLAP_KINDS = ("same_model_cross_stage", "cross_model_same_stage", "cross_model_cross_stage")
+BLOCKS = 8
+_RUN_SIZES = {"generation": (2, 4, 8), "inference": (1, 2), "training": (1, 2, 4)}
+
+
+@dataclass(frozen=True)
+class TransitionCase:
+    """One random transition: everything :func:`build_transition` takes, plus its overlap kinds."""
+
+    current: Plan
+    target: Plan
+    models: dict[str, ModelSpec]
+    cluster: ClusterSpec
+    workload: Workload
+    kind: str
+    overlaps: frozenset[str]
+
+    def args(self) -> tuple[Plan, Plan, dict[str, ModelSpec], ClusterSpec, Workload]:
+        """The positional arguments of ``build_transition`` / ``per_component_baseline``."""
+        return self.current, self.target, self.models, self.cluster, self.workload
+
+
+def default_models(model: ModelSpec | None = None) -> dict[str, ModelSpec]:
+    """The same model for all four PPO roles (Llama-3.1-8B unless given)."""
+    m = model or MODEL_PRESETS["llama3_8b"]
+    return {"actor": m, "critic": m, "reference": m, "reward": m}
+
+
+def overlap_kind(a: ModelStage, b: ModelStage) -> str:
+    """The overlap kind of ``a`` landing on GPUs that ``b`` holds."""
+    if a.model == b.model:
+        return "same_model_cross_stage"
+    return "cross_model_same_stage" if a.stage == b.stage else "cross_model_cross_stage"
+
+
+def overlaps_of(current: Plan, target: Plan, workload: Workload) -> frozenset[str]:
+    """Kinds of overlap in a transition: a model-stage's new GPUs held now by another model-stage."""
+    stages = {ms.name: ms for ms in workload.stages}
+    out = set()
+    for name, cand in target.items():
+        new = set(cand.gpus) - set(current[name].gpus)
+        for other, cur in current.items():
+            if other != name and new.intersection(cur.gpus):
+                out.add(overlap_kind(stages[name], stages[other]))
+    return frozenset(out)
+
+
+def random_layout(rng: random.Random, model: ModelSpec, gpus: int, gpus_per_node: int) -> Layout:
+    """A layout with power-of-two TP (inside a node, dividing the heads) and PP that tiles ``gpus``."""
+    tps = [t for t in (1, 2, 4, 8) if t <= min(gpus, gpus_per_node) and model.num_kv_heads % t == 0 and gpus % t == 0]
+    tp = rng.choice(tps)
+    pps = [p for p in (1, 2, 4) if p <= model.num_layers and gpus % (tp * p) == 0]
+    return Layout(tp, rng.choice(pps))
+
+
+def _candidate(rng: random.Random, model: ModelSpec, start: int, blocks: int, block: int, gpn: int) -> Candidate:
+    gpus = tuple(range(start * block, (start + blocks) * block))
+    layout = random_layout(rng, model, len(gpus), gpn)
+    return Candidate(layout, len(gpus) // layout.size, gpus)
+
+
+def _place(rng: random.Random, sizes: list[int], taken: set[int]) -> list[int] | None:
+    """Start blocks for runs of ``sizes`` blocks, disjoint from ``taken`` and each other."""
+    starts = []
+    used = set(taken)
+    for size in sizes:
+        options = [s for s in range(0, BLOCKS - size + 1) if not used.intersection(range(s, s + size))]
+        if not options:
+            return None
+        s = rng.choice(options)
+        starts.append(s)
+        used.update(range(s, s + size))
+    return starts
+
+
+def random_plan(
+    rng: random.Random, workload: Workload, models: dict[str, ModelSpec], num_gpus: int, gpus_per_node: int = 8
+) -> Plan:
+    """A random plan with disjoint runs per stage (see the module docstring)."""
+    block = max(1, num_gpus // BLOCKS)
+    by_stage: dict[str, list[ModelStage]] = defaultdict(list)
+    for ms in workload.stages:
+        by_stage[ms.stage].append(ms)
+    chosen: dict[str, Candidate] = {}
+    for stage, members in by_stage.items():
+        while True:
+            sizes = [rng.choice(_RUN_SIZES[stage]) for _ in members]
+            starts = _place(rng, sizes, set())
+            if starts is not None:
+                break
+        for ms, size, start in zip(members, sizes, starts):
+            chosen[ms.name] = _candidate(rng, models[ms.model], start, size, block, gpus_per_node)
+    return Plan.of({ms.name: chosen[ms.name] for ms in workload.stages})
+
+
+def _blocks(c: Candidate, block: int) -> set[int]:
+    return {g // block for g in c.gpus}
+
+
+def _moved_target(
+    rng: random.Random, current: Plan, workload: Workload, models: dict[str, ModelSpec], kind: str, num_gpus: int, gpn: int
+) -> Plan | None:
+    block = max(1, num_gpus // BLOCKS)
+    stages = {ms.name: ms for ms in workload.stages}
+    names = list(current)
+    if kind == "same_model_cross_stage":
+        movers = [n for n in names if stages[n].model == "actor"]
+        rng.shuffle(movers)
+        movers = movers[: rng.randint(1, len(movers))]
+    elif kind == "cross_model_same_stage":
+        stage = rng.choice([s for s in ("inference", "training") if sum(stages[n].stage == s for n in names) > 1])
+        movers = [n for n in names if stages[n].stage == stage]
+        rng.shuffle(movers)
+        movers = movers[: rng.randint(2, len(movers))]
+    else:
+        movers = rng.sample(names, rng.randint(1, 3))
+    target = current.as_dict()
+    fixed = [n for n in names if n not in movers]
+    for name in movers:
+        taken = set().union(*(_blocks(target[o], block) for o in fixed if stages[o].stage == stages[name].stage))
+        size = rng.choice(_RUN_SIZES[stages[name].stage])
+        starts = _place(rng, [size], taken)
+        if starts is None:
+            return None
+        target[name] = _candidate(rng, models[stages[name].model], starts[0], size, block, gpn)
+        fixed.append(name)
+    plan = Plan.of({n: target[n] for n in names})
+    if kind not in overlaps_of(current, plan, workload):
+        return None
+    return plan
+
+
+def _resident_peak(plan: Plan, workload: Workload, models: dict[str, ModelSpec]) -> float:
+    stages = {ms.name: ms for ms in workload.stages}
+    mem: dict[int, float] = defaultdict(float)
+    for name, c in plan.items():
+        ms = stages[name]
+        per = state_bytes_per_gpu(models[ms.model], ms.trains, c.layout)
+        for g in c.gpus:
+            mem[g] += per
+    return max(mem.values())
+
+
+def random_case(
+    rng: random.Random,
+    kind: str,
+    num_gpus: int,
+    *,
+    models: dict[str, ModelSpec] | None = None,
+    workload: Workload | None = None,
+    slack: tuple[float, float] = (1.0, 1.6),
+) -> TransitionCase:
+    """A random PPO transition on ``num_gpus`` GPUs whose moves include overlap ``kind``."""
+    if kind not in OVERLAP_KINDS:
+        raise ValueError(f"kind {kind!r} is not one of {OVERLAP_KINDS}")
+    models = models or default_models()
+    workload = workload or Workload("ppo")
+    gpn = min(8, num_gpus)
+    for _ in range(1000):
+        current = random_plan(rng, workload, models, num_gpus, gpn)
+        target = _moved_target(rng, current, workload, models, kind, num_gpus, gpn)
+        if target is not None:
+            break
+    else:  # pragma: no cover - the generator always finds one quickly
+        raise RuntimeError(f"no {kind} case found on {num_gpus} GPUs")
+    peak = max(_resident_peak(current, workload, models), _resident_peak(target, workload, models))
+    memory = peak / (1 - MEMORY_HEADROOM) * rng.uniform(*slack) * (1 + 1e-9)
+    base = CLUSTER_PRESETS["paper_cluster3"]
+    cluster = replace(base, num_nodes=max(1, num_gpus // gpn), gpus_per_node=gpn, gpu_memory=memory, num_gpus=0)
+    return TransitionCase(current, target, models, cluster, workload, kind, overlaps_of(current, target, workload))

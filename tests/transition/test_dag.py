@@ -1,0 +1,153 @@
+"""Local and global transition DAGs on hand-built plans: structure, resource edges, errors, cost."""
+
+from __future__ import annotations
+
+import pytest
+
+from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
+from nereus_lightning.transition import (
+    Primitive,
+    build_transition,
+    per_component_baseline,
+    schedule,
+    transition_cost,
+    validate,
+)
+from nereus_lightning.transition.pieces import geometry, shard_bytes
+from tests.transition.helpers import CLUSTER, MODELS, PPO, cand, plan, with_memory
+
+
+def ops(dag) -> list[str]:
+    return [n.op.value for n in dag.nodes]
+
+
+def test_unchanged_plan_needs_no_nodes() -> None:
+    p = plan(actor_train=cand(2, 1, range(8)))
+    dag = build_transition(p, p, MODELS, CLUSTER, PPO)
+    assert dag.nodes == [] and dag.cost == 0.0 and validate(dag).valid
+
+
+def test_dp_doubling_is_extend_only_and_rank_aligned() -> None:
+    cur = plan(actor_train=cand(2, 1, range(0, 4)))
+    tgt = plan(actor_train=cand(2, 1, (0, 1, 2, 3, 4, 5, 6, 7)))
+    dag = build_transition(cur, tgt, MODELS, CLUSTER, PPO)
+    assert ops(dag) == ["extend", "extend"]
+    geo = geometry(MODELS["actor"], True)
+    for n in dag.nodes:
+        src, dst = n.sources[0].gpus, n.targets[0].gpus
+        assert [(t.src_gpu, t.dst_gpu) for t in n.transfers] == list(zip(src, dst))
+        assert all(t.bytes == shard_bytes(geo, n.targets[0].layout, 0) for t in n.transfers)
+    assert validate(dag).valid
+
+
+def test_tp_merge_in_place_copies_nothing() -> None:
+    cur = plan(reward_infer=cand(1, 1, range(4)))
+    tgt = plan(reward_infer=cand(2, 1, range(4)))
+    dag = build_transition(cur, tgt, MODELS, CLUSTER, PPO)
+    assert ops(dag) == ["merge", "merge"] and dag.total_bytes == 0
+
+
+def test_tp_split_in_place_is_one_split() -> None:
+    cur = plan(reward_infer=cand(4, 1, range(4)))
+    tgt = plan(reward_infer=cand(2, 1, range(4)))
+    dag = build_transition(cur, tgt, MODELS, CLUSTER, PPO)
+    assert ops(dag) == ["split"]
+    assert {u.gpus for u in dag.nodes[0].targets} == {(0, 1), (2, 3)}
+    assert validate(dag).valid
+
+
+def test_paper_example_reshards_through_tsub() -> None:
+    """Reward inference TP4 x PP8 -> TP8 x PP2 goes through T_sub = TP4 x PP2."""
+    cur = plan(reward_infer=cand(4, 8, range(32)))
+    tgt = plan(reward_infer=cand(8, 2, range(32)))
+    dag = build_transition(cur, tgt, MODELS, CLUSTER, PPO)
+    assert {u.layout for n in dag.nodes for u in n.sources + n.targets} >= {cur["reward_infer"].layout}
+    assert all(u.layout.tp in (4, 8) and u.layout.pp in (2, 8) for n in dag.nodes for u in n.sources + n.targets)
+    assert ops(dag).count("merge") == 2 and validate(dag).valid
+
+
+def test_moving_the_only_copy_extends_before_destroying() -> None:
+    cur = plan(critic_train=cand(2, 1, (0, 1)))
+    tgt = plan(critic_train=cand(2, 1, (8, 9)))
+    dag = build_transition(cur, tgt, MODELS, CLUSTER, PPO)
+    assert ops(dag) == ["extend", "destroy"]
+    assert dag.nodes[1].deps == [0]
+    assert validate(dag).valid
+
+
+def test_same_stage_handover_gets_a_resource_edge() -> None:
+    """ref_infer takes critic_infer's GPUs while critic_infer moves away: release before acquire."""
+    cur = plan(ref_infer=cand(1, 1, (0,)), critic_infer=cand(1, 1, (1,)))
+    tgt = plan(ref_infer=cand(1, 1, (1,)), critic_infer=cand(1, 1, (2,)))
+    dag = build_transition(cur, tgt, MODELS, CLUSTER, PPO)
+    ext_ref = next(n for n in dag.nodes if n.op is Primitive.EXTEND and n.model_stage == "ref_infer")
+    gone = next(n for n in dag.nodes if n.op is Primitive.DESTROY and n.model_stage == "critic_infer")
+    assert gone.id in ext_ref.resource_deps
+    assert validate(dag).valid and dag.resource_edges >= 1
+    base = per_component_baseline(cur, tgt, MODELS, CLUSTER, PPO)
+    assert base.outcome == "conflict" and "gpu conflict" in base.report.kinds()
+
+
+def test_same_stage_swap_is_infeasible_and_names_the_acquisition() -> None:
+    cur = plan(ref_infer=cand(1, 1, (0,)), critic_infer=cand(1, 1, (1,)))
+    tgt = plan(ref_infer=cand(1, 1, (1,)), critic_infer=cand(1, 1, (0,)))
+    with pytest.raises(InfeasiblePlanError, match=r"extend of (ref|critic)_infer onto \[[01]\]"):
+        build_transition(cur, tgt, MODELS, CLUSTER, PPO)
+    assert per_component_baseline(cur, tgt, MODELS, CLUSTER, PPO).outcome == "wait cycle"
+
+
+def test_cross_stage_memory_gets_a_resource_edge() -> None:
+    """actor_train lands where actor_gen is now; both do not fit at once, so gen must leave first."""
+    cur = plan(actor_gen=cand(1, 1, (0, 1)), actor_train=cand(2, 1, (2, 3)))
+    tgt = plan(actor_gen=cand(1, 1, (4, 5)), actor_train=cand(2, 1, (0, 1)))
+    cluster = with_memory(85)  # 76.5 GB cap: 64 GB training state + 16 GB weights do not fit
+    dag = build_transition(cur, tgt, MODELS, cluster, PPO)
+    ext = next(n for n in dag.nodes if n.op is Primitive.EXTEND and n.model_stage == "actor_train")
+    gen_gone = {n.id for n in dag.nodes if n.op is Primitive.DESTROY and n.model_stage == "actor_gen"}
+    assert gen_gone & set(ext.resource_deps)
+    assert validate(dag, random_orders=3).valid
+    assert not per_component_baseline(cur, tgt, MODELS, cluster, PPO).ok
+
+
+def test_bad_plans_are_rejected_with_the_field() -> None:
+    cur = plan(ref_infer=cand(1, 1, (0,)), critic_infer=cand(1, 1, (0,)))
+    with pytest.raises(NereusConfigError, match="both use GPU 0 in the inference stage"):
+        build_transition(cur, cur, MODELS, CLUSTER, PPO)
+    with pytest.raises(NereusConfigError, match="differ from the current plan"):
+        build_transition(plan(ref_infer=cand(1, 1, (0,))), plan(critic_infer=cand(1, 1, (0,))), MODELS, CLUSTER, PPO)
+    with pytest.raises(NereusConfigError, match="no ModelSpec for role 'reward'"):
+        p = plan(reward_infer=cand(1, 1, (0,)))
+        build_transition(p, p, {"actor": MODELS["actor"]}, CLUSTER, PPO)
+    big = plan(actor_train=cand(1, 1, (0,)))  # 8B x 16 bytes = 128 GB > 127 GB cap
+    with pytest.raises(InfeasiblePlanError, match="does not fit on GPU 0"):
+        build_transition(big, big, MODELS, CLUSTER, PPO)
+
+
+def test_plans_are_cached_per_pair() -> None:
+    cur = plan(actor_train=cand(2, 1, range(0, 4)))
+    tgt = plan(actor_train=cand(2, 1, range(0, 8)))
+    assert build_transition(cur, tgt, MODELS, CLUSTER, PPO) is build_transition(cur, tgt, dict(MODELS), CLUSTER, PPO)
+
+
+def test_cost_of_one_intra_node_extend() -> None:
+    cur = plan(actor_train=cand(2, 1, (0, 1)))
+    tgt = plan(actor_train=cand(2, 1, (0, 1, 2, 3)))
+    dag = build_transition(cur, tgt, MODELS, CLUSTER, PPO)
+    shard = dag.nodes[0].transfers[0].bytes
+    expected = CLUSTER.comm_setup + shard / CLUSTER.intra_bw + CLUSTER.intra_latency
+    assert transition_cost(dag) == pytest.approx(expected)
+
+
+def test_cost_shares_a_nic() -> None:
+    """Two model-stages extending across the same pair of nodes share one NIC: twice the time."""
+    one = plan(actor_train=cand(2, 1, (0, 1)), critic_train=cand(2, 1, (2, 3)))
+    cur_a = plan(actor_train=cand(2, 1, (0, 1)), critic_train=cand(2, 1, (2, 3)))
+    tgt_a = plan(actor_train=cand(2, 1, (0, 1, 8, 9)), critic_train=cand(2, 1, (2, 3)))
+    tgt_b = plan(actor_train=cand(2, 1, (0, 1, 8, 9)), critic_train=cand(2, 1, (2, 3, 10, 11)))
+    single = build_transition(cur_a, tgt_a, MODELS, CLUSTER, PPO)
+    double = build_transition(one, tgt_b, MODELS, CLUSTER, PPO)
+    nic = 2 * single.nodes[0].transfers[0].bytes / CLUSTER.inter_bw
+    assert single.cost == pytest.approx(CLUSTER.comm_setup + nic + CLUSTER.inter_latency)
+    assert double.cost == pytest.approx(CLUSTER.comm_setup + 2 * nic + CLUSTER.inter_latency)
+    sched = schedule(double)
+    assert sched.makespan == double.cost and len(sched.critical_path) >= 1
