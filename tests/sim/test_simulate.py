@@ -56,7 +56,25 @@ def test_gamma_zero_never_transitions_without_urgency(tiny_run):
 
 
 def test_policy_spec_parsing():
-    assert PolicySpec.parse("nereus:0.25").gamma == 0.25
+    assert PolicySpec.parse("nereus:0.25").gamma == 0.25 and PolicySpec.parse("nereus").gamma is None
     assert PolicySpec.parse("every_k:4").name == "every-4-steps"
     with pytest.raises(NereusConfigError, match="simulate.policies"):
         PolicySpec.parse("greedy")
+
+
+def test_simulate_config_composes_and_runs(tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from nereus_lightning.cli.simulate import simulate_from_config
+
+    config_dir = str(__import__("pathlib").Path(__file__).resolve().parents[2] / "src/nereus_lightning/configs")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        cfg = compose("simulate", overrides=[
+            "model=tiny_llama", "cluster=cpu4", "workload.prompts_per_step=16", "trace.steps=4",
+            "trace.mean=[40,80]", "trace.p95=[48,96]", "trace.prompt_len=16", "trace.min_gpus=4", "trace.max_gpus=8",
+            "policies=[static,nereus]", "plot=false", f"output_dir={tmp_path}", "controller.gamma=0.25",
+        ])
+    assert cfg.controller.delta_len == 0.3 and cfg.trace.supply == "us-east-2b_v100_1"
+    res = simulate_from_config(cfg)
+    assert [r["policy"] for r in res["table"]] == ["oracle", "static", "nereus(gamma=0.25)"]
+    assert (tmp_path / "steps.csv").exists() and (tmp_path / "summary.md").exists()

@@ -14,7 +14,7 @@ from nereus_lightning.control.backend import PlanningBackend
 from nereus_lightning.control.controller import Controller, ControllerConfig, workload_at
 from nereus_lightning.control.decision import DecisionLog
 from nereus_lightning.control.signals import StepSignals
-from nereus_lightning.control.variants import follow_pool, relief_variants
+from nereus_lightning.control.variants import follow_pool
 from nereus_lightning.plan.layout import Plan
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.errors import NereusConfigError, require
@@ -52,13 +52,14 @@ class ControllerPolicy:
 
 
 class StaticPolicy:
-    """The paper's static baseline: the initial TP/PP layouts stay; only DP follows the pool.
+    """The paper's static baseline: the launch configuration stays; only DP follows the pool.
 
-    Micro-batch size and recomputation may change when memory demands it (no state moves). When
-    the kept layouts cannot run on the pool at all (a replica needs more GPUs than the pool has,
-    or nothing fits in memory), the job is checkpointed and relaunched with the planner's best
-    plan for the pool, whose layouts are kept from then on: what an operator of a static system
-    would do.
+    Every model-stage keeps its TP/PP layout, micro-batch size and recomputation flag; when the
+    pool changes, only the number of replicas is re-fitted (``follow_pool``). A static system
+    cannot re-plan, so when the kept configuration stops fitting (a replica needs more GPUs than
+    the pool has, or memory runs out as sequences grow) the job is checkpointed and relaunched
+    with the planner's best plan for the new conditions, which is kept from then on: what an
+    operator does after an OOM or a lost node.
     """
 
     name = "static"
@@ -77,29 +78,22 @@ class StaticPolicy:
         return self.plan
 
     def decide(self, signals: StepSignals) -> Action:
-        """Re-fit DP when the pool changes; relieve memory when the plan stops fitting."""
+        """Re-fit DP when the pool changes; relaunch when the kept configuration no longer fits."""
         assert self.initial is not None and self.plan is not None
         cluster, workload = self.cluster.with_gpus(signals.num_gpus), workload_at(self.workload, signals)
-        fits = max(g for _, c in self.plan.items() for g in c.gpus) < signals.num_gpus and bool(
-            self.backend.estimate(self.plan, cluster, workload, self.calibration).feasible
-        )
-        if fits and signals.num_gpus == self._pool:
-            return Action("none", self.plan)
-        self._pool = signals.num_gpus
-        base = follow_pool(self.initial, self.workload.algorithm, signals.num_gpus, self.workload.sequences_per_step)
-        options = []
-        for plan in () if base is None else (base, *relief_variants(base)):
-            est = self.backend.estimate(plan, cluster, workload, self.calibration)
-            if est.feasible:
-                options.append((est.step_latency, plan))
-        if not options:
+        plan = self.plan
+        if signals.num_gpus != self._pool:
+            self._pool = signals.num_gpus
+            refit = follow_pool(self.initial, self.workload.algorithm, signals.num_gpus, self.workload.sequences_per_step)
+            plan = refit if refit is not None else plan
+        inside = max(g for _, c in plan.items() for g in c.gpus) < signals.num_gpus
+        if not inside or not self.backend.estimate(plan, cluster, workload, self.calibration).feasible:
             self.initial = self.plan = self.backend.plan(cluster, workload, self.calibration)[0][0]
             return Action("restart", self.plan)
-        best = min(options, key=lambda o: o[0])[1]
-        if best == self.plan:
-            return Action("none", self.plan)
-        self.plan = best
-        return Action("transition", best)
+        if plan == self.plan:
+            return Action("none", plan)
+        self.plan = plan
+        return Action("transition", plan)
 
 
 class OraclePolicy:
@@ -140,7 +134,7 @@ class PolicySpec:
     """Which policy to run: ``kind`` in POLICY_KINDS, plus ``gamma`` (nereus) or ``k`` (every_k)."""
 
     kind: str
-    gamma: float = 0.5
+    gamma: float | None = None  # None: the controller config's gamma
     k: int = 3
     label: str = ""
 
@@ -155,21 +149,28 @@ class PolicySpec:
             return self.label
         return {
             "static": "static", "always": "always-switch", "every_k": f"every-{self.k}-steps",
-            "nereus": f"nereus(gamma={self.gamma:g})", "oracle": "oracle",
+            "nereus": "nereus" if self.gamma is None else f"nereus(gamma={self.gamma:g})", "oracle": "oracle",
         }[self.kind]
 
     @classmethod
     def parse(cls, text: str) -> PolicySpec:
-        """Parse ``static``, ``always``, ``every_k:3``, ``nereus:0.5`` or ``oracle``."""
+        """Parse ``static``, ``always``, ``every_k:3``, ``nereus`` (the controller's gamma), ``nereus:0.5`` or ``oracle``."""
         kind, _, arg = text.partition(":")
         try:
             if kind == "nereus":
-                return cls("nereus", gamma=float(arg) if arg else 0.5)
+                return cls("nereus", gamma=float(arg) if arg else None)
             if kind == "every_k":
                 return cls("every_k", k=int(arg) if arg else 3)
         except ValueError as exc:
             raise NereusConfigError(f"simulate.policies: cannot parse {text!r} ({exc})") from exc
         return cls(kind)
+
+
+def resolve(spec: PolicySpec, controller: ControllerConfig | None) -> PolicySpec:
+    """Fill in a Nereus spec's gamma from the controller config (so names show the gamma used)."""
+    if spec.kind == "nereus" and spec.gamma is None:
+        return PolicySpec("nereus", gamma=(controller or ControllerConfig()).gamma, k=spec.k, label=spec.label)
+    return spec
 
 
 def make_policy(
@@ -187,7 +188,7 @@ def make_policy(
     elif spec.kind == "every_k":
         cfg = _with(base, admission="any_gain", replan_every=spec.k, drift_triggers=False, pool_triggers=False)
     else:
-        cfg = _with(base, gamma=spec.gamma)
+        cfg = base if spec.gamma is None else _with(base, gamma=spec.gamma)
     ctl = Controller(backend, cluster, workload, cfg, calibration=calibration_factory(),
                      log=DecisionLog(log) if log else None)
     return ControllerPolicy(spec.name, ctl)

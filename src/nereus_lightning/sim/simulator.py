@@ -14,7 +14,7 @@ from nereus_lightning.control.signals import StepSignals
 from nereus_lightning.control.variants import intact_plan
 from nereus_lightning.plan.layout import Plan
 from nereus_lightning.sim.machine import TrueMachine
-from nereus_lightning.sim.policies import PolicySpec, make_policy
+from nereus_lightning.sim.policies import PolicySpec, make_policy, resolve
 from nereus_lightning.sim.trace import DriftTrace
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.errors import InfeasiblePlanError
@@ -163,7 +163,7 @@ def compare(
     log_dir: str | None = None, notice: bool = True,
 ) -> Comparison:
     """Run every policy of ``specs`` (the oracle always runs, first, for the gap column)."""
-    specs = list(specs)
+    specs = [resolve(s, controller) for s in specs]
     if not any(s.kind == "oracle" for s in specs):
         specs.insert(0, PolicySpec("oracle"))
     specs.sort(key=lambda s: s.kind != "oracle")
