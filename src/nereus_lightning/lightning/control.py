@@ -16,7 +16,7 @@ def job_workload(pl_module: Any) -> Workload:
     length = float(task.max_response_len(0))
     return Workload(algorithm=pl_module.algorithm, prompts_per_step=hp.prompts_per_step,
                     samples_per_prompt=hp.samples_per_prompt, prompt_len=4, response_len=length,
-                    mini_batches=hp.mini_batches, ppo_epochs=hp.ppo_epochs)
+                    mini_batches=hp.mini_batches, ppo_epochs=hp.ppo_epochs, reward_model=False)
 
 
 def model_specs(pl_module: Any) -> dict[str, ModelSpec]:

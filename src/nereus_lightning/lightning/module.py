@@ -22,7 +22,8 @@ from typing_extensions import override
 
 from nereus_lightning.lightning import sampling
 from nereus_lightning.lightning.build import build_causal_lm, frozen_copy
-from nereus_lightning.lightning.stages import StageSlot, all_reduce_grads, data_parallel_plan, run_partitioned
+from nereus_lightning.lightning.stages import StageSlot, chunk_bounds, all_reduce_grads, data_parallel_plan, run_partitioned, slot_of
+from nereus_lightning.plan.layout import Plan
 from nereus_lightning.rl import advantages as adv
 from nereus_lightning.rl import losses
 from nereus_lightning.spec.errors import require
@@ -130,10 +131,14 @@ class RLModule(L.LightningModule):
         return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
     # ---- one RL step -----------------------------------------------------------------------
-    def rl_step(self, step: int) -> dict[str, float]:
-        """Generate, score, compute advantages and update; returns the step's metrics (verl names)."""
+    def rl_step(self, step: int, plan: Plan | None = None, optimizer: Any = None) -> dict[str, float]:
+        """Generate, score, compute advantages and update; returns the step's metrics (verl names).
+
+        ``plan`` defaults to the strategy's; ``optimizer`` to the Lightning one (pass both to run
+        a step outside a Trainer, e.g. in tests).
+        """
         hp = self.hparams
-        plan = self.current_plan()
+        plan = plan if plan is not None else self.current_plan()
         t0 = time.perf_counter()
         prompts, groups = self.task.prompts(step, hp.prompts_per_step, hp.samples_per_prompt)
         n = len(prompts)
@@ -178,7 +183,8 @@ class RLModule(L.LightningModule):
         advantages, returns, extra = self.compute_advantages(scores, mask, old_lp, ref_lp, values, groups, greedy, prompts)
         metrics.update({k: float(v) for k, v in extra.items()})
         t_adv = time.perf_counter()
-        metrics.update(self.update(plan, ids, attn, plens, width, mask, old_lp, ref_lp, values, advantages, returns))
+        metrics.update(self.update(plan, ids, attn, plens, width, mask, old_lp, ref_lp, values, advantages, returns,
+                                   optimizer))
         t_upd = time.perf_counter()
 
         lengths = mask.sum(-1)
@@ -218,10 +224,12 @@ class RLModule(L.LightningModule):
 
     # ---- training stage ------------------------------------------------------------------
     def update(self, plan, ids: Tensor, attn: Tensor, plens: list[int], width: int, mask: Tensor, old_lp: Tensor,  # noqa: ANN001
-               ref_lp: Tensor, values: Tensor | None, advantages: Tensor, returns: Tensor) -> dict[str, float]:
+               ref_lp: Tensor, values: Tensor | None, advantages: Tensor, returns: Tensor,
+               optimizer: Any = None) -> dict[str, float]:
         """Actor (and critic) updates on this rank's slice; gradients summed over all replicas."""
         hp = self.hparams
-        opt = self.optimizers()
+        opt = optimizer if optimizer is not None else self.optimizers()
+        raw = getattr(opt, "optimizer", opt)
         n = ids.shape[0]
         minis = [(lo, hi) for lo, hi in _chunks(n, hp.mini_batches)]
         sums: dict[str, float] = {}
@@ -234,8 +242,6 @@ class RLModule(L.LightningModule):
                 for stage in ("actor_train", "critic_train"):
                     if stage not in plan:
                         continue
-                    from nereus_lightning.lightning.stages import chunk_bounds, slot_of
-
                     slot = slot_of(plan, stage, self.rank, hi - lo)
                     if not slot.active or slot.stop <= slot.start:
                         continue
@@ -251,7 +257,7 @@ class RLModule(L.LightningModule):
                     if slot.is_leader:
                         for k, val in m.items():
                             part[k] = part.get(k, 0.0) + float(val) * float(weight)
-                params = [p for g in opt.optimizer.param_groups for p in g["params"]]
+                params = [p for g in raw.param_groups for p in g["params"]]
                 all_reduce_grads(params)
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
                 sums["actor/grad_norm"] = sums.get("actor/grad_norm", 0.0) + float(grad_norm)
@@ -259,7 +265,7 @@ class RLModule(L.LightningModule):
                 if last:
                     opt.step()  # counts one Lightning step per RL step
                 else:
-                    opt.optimizer.step()
+                    raw.step()
                 updates += 1
                 for k, val in _sum_over_ranks(part).items():
                     sums[k] = sums.get(k, 0.0) + val
@@ -267,8 +273,6 @@ class RLModule(L.LightningModule):
 
 
 def _chunks(n: int, parts: int) -> list[tuple[int, int]]:
-    from nereus_lightning.lightning.stages import chunk_bounds
-
     return [b for b in chunk_bounds(n, parts) if b[1] > b[0]]
 
 

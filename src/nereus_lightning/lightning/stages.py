@@ -82,8 +82,11 @@ def gather_samples(local: Sequence[T] | None, start: int, num_samples: int) -> l
     Ranks that report nothing pass ``None``. Every index must be reported exactly once.
     """
     payload = None if local is None else (start, list(local))
-    parts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, payload)
+    if dist.is_initialized():
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, payload)
+    else:
+        parts = [payload]
     out: list[Any] = [None] * num_samples
     seen = 0
     for part in parts:
@@ -107,7 +110,7 @@ def run_partitioned(
 
 def all_reduce_grads(params: Sequence[torch.nn.Parameter]) -> None:
     """Sum gradients over the world through one flat buffer; absent gradients count as zeros."""
-    if not params:
+    if not params or not dist.is_initialized():
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])

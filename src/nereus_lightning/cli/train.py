@@ -1,0 +1,157 @@
+"""``nereus-train``: RL post-training with adaptive parallelism, configured by Hydra.
+
+With no arguments it runs the embedded default: a tiny Llama-style actor built from a config,
+the byte tokenizer, the repeat task (answers grow as training goes on), PPO on 4 gloo CPU
+processes, and a GPU-supply schedule that takes a rank away and gives it back. Examples::
+
+    nereus-train
+    nereus-train algorithm=grpo trainer.max_steps=40
+    nereus-train +experiment=quick logger=tensorboard
+    nereus-train ckpt_path=outputs/.../checkpoints/last trainer.devices=2
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+from typing import Any
+
+from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
+def check_feasible(cfg: Any, world_size: int) -> None:
+    """Fail fast, before any model is built: the planner must find a plan for the first pool."""
+    from nereus_lightning.plan.planner import job_models, plan_job
+    from nereus_lightning.spec import Workload, cluster_preset, model_preset
+
+    actor = model_preset(cfg.actor.preset)
+    critic = model_preset(cfg.actor.critic) if cfg.actor.get("critic") else actor
+    algorithm = _algorithm_name(cfg)
+    counts = (cfg.resources or {}).get("counts") if cfg.get("resources") else None
+    pool = min(int(counts[0]), world_size) if counts else world_size
+    workload = Workload(algorithm=algorithm, prompts_per_step=int(cfg.algorithm.prompts_per_step),
+                        samples_per_prompt=int(cfg.algorithm.get("samples_per_prompt", 1)), prompt_len=4,
+                        response_len=float(cfg.task.get("start_len", 8)) + 3, reward_model=False)
+    cluster = cluster_preset(cfg.cluster).with_gpus(pool)
+    plan_job(job_models(actor, critic=critic if algorithm == "ppo" else None), cluster, workload)
+
+
+def _algorithm_name(cfg: Any) -> str:
+    target = str(cfg.algorithm._target_)
+    for name, cls in (("grpo", "GRPOModule"), ("remax", "ReMaxModule"), ("ppo", "PPOModule")):
+        if target.endswith(cls):
+            return name
+    raise NereusConfigError(f"algorithm._target_: {target!r} is not one of PPOModule, GRPOModule, ReMaxModule")
+
+
+def _world_size(cfg: Any) -> int:
+    devices = cfg.trainer.get("devices", 1)
+    if isinstance(devices, int) and devices > 0:
+        return devices
+    if cfg.trainer.get("accelerator") == "cpu":
+        return os.cpu_count() or 1
+    import torch
+
+    return max(torch.cuda.device_count(), 1)
+
+
+def run(cfg: Any) -> dict[str, Any]:
+    """Train as configured; returns a summary (reward first/last 10 steps, transitions, paths)."""
+    import lightning.pytorch as pl
+    from hydra.utils import instantiate
+
+    from nereus_lightning.control import SequenceResources
+    from nereus_lightning.lightning import NereusCallback, NereusStrategy
+
+    world = _world_size(cfg)
+    check_feasible(cfg, world)
+    out = str(cfg.output_dir)
+    os.makedirs(out, exist_ok=True)
+    task = instantiate(cfg.task, seed=int(cfg.seed))
+    # Partial first: objects passed to instantiate() would be turned into configs.
+    module = instantiate(cfg.algorithm, _partial_=True)(actor=cfg.actor.preset, critic=cfg.actor.get("critic"),
+                                                         task=task, seed=int(cfg.seed))
+    counts = cfg.resources.get("counts") if cfg.get("resources") else None
+    resources = SequenceResources(tuple(int(c) for c in counts)) if counts else None
+
+    def controller(pl_module: Any, world_size: int) -> Any:
+        from nereus_lightning.lightning.control import default_controller
+
+        return default_controller(pl_module, world_size, os.path.join(out, "decisions.jsonl"), cluster=str(cfg.cluster),
+                                  **dict(cfg.controller or {}))
+
+    plot_path = os.path.join(out, "run.png") if cfg.plot else None
+    callback = NereusCallback(controller=controller, resources=resources, plot_path=plot_path)
+    ckpt_dir = os.path.join(out, "checkpoints")
+    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, filename="step{step}", every_n_train_steps=10,
+                                              save_top_k=-1, auto_insert_metric_name=False)
+    loggers = [instantiate(v) for v in (cfg.logger or {}).values()]
+    callbacks = [callback, pl.callbacks.RichProgressBar()] + ([checkpoint] if cfg.save_checkpoint else [])
+    trainer = instantiate(cfg.trainer, strategy=NereusStrategy(), callbacks=callbacks, logger=loggers or False,
+                          enable_checkpointing=bool(cfg.save_checkpoint))
+    try:
+        trainer.fit(module, ckpt_path=cfg.ckpt_path)
+    except Exception as exc:  # a rank died or raised: say so and point at the last checkpoint
+        last = latest_checkpoint(ckpt_dir)
+        hint = f"resume with: nereus-train ckpt_path={last}" if last else "no checkpoint was written yet"
+        raise RuntimeError(f"training stopped: {type(exc).__name__}: {exc}\n{hint}") from exc
+    if cfg.save_checkpoint:
+        trainer.save_checkpoint(os.path.join(ckpt_dir, "last"))
+    summary = summarize(out)
+    summary["plot"] = plot_path
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    return summary
+
+
+def latest_checkpoint(ckpt_dir: str) -> str | None:
+    """The newest checkpoint directory under ``ckpt_dir`` (None if there is none)."""
+    found = [p for p in glob.glob(os.path.join(ckpt_dir, "*")) if os.path.isdir(p)]
+    return max(found, key=os.path.getmtime) if found else None
+
+
+def summarize(out: str) -> dict[str, Any]:
+    """Reward over the first and last 10 steps, transitions and plan changes, from the CSV log."""
+    import csv
+
+    files = sorted(glob.glob(os.path.join(out, "logs", "*", "metrics.csv")), key=os.path.getmtime)
+    if not files:
+        return {}
+    rows = [r for r in csv.DictReader(open(files[-1])) if r.get("critic/score/mean")]
+    scores = [float(r["critic/score/mean"]) for r in rows]
+    trans = [r for r in rows if float(r.get("timing_s/transition") or 0) > 0]
+    first = scores[:10]
+    last = scores[-10:]
+    return {
+        "steps": len(scores),
+        "reward_first10": sum(first) / max(len(first), 1),
+        "reward_last10": sum(last) / max(len(last), 1),
+        "transitions": len(trans),
+        "transition_steps": [int(float(r["step"])) for r in trans],
+        "metrics_csv": files[-1],
+    }
+
+
+def main() -> None:
+    """The ``nereus-train`` entry point (Hydra)."""
+    import hydra
+    from omegaconf import DictConfig
+
+    @hydra.main(version_base="1.3", config_path="../configs", config_name="train")
+    def _main(cfg: DictConfig) -> None:
+        try:
+            summary = run(cfg)
+        except (NereusConfigError, InfeasiblePlanError) as exc:
+            print(f"nereus-train: {exc}", file=sys.stderr)
+            sys.exit(2)
+        print(json.dumps(summary, indent=2))
+
+    _main()
+
+
+if __name__ == "__main__":
+    main()
