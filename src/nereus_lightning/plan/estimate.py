@@ -29,6 +29,7 @@ class PlanEstimate:
         violations: human-readable reasons the plan cannot run as priced.
         phase_latency: seconds per stage (generation, inference, training).
         breakdown: predicted seconds per operation class, per model-stage (for calibration).
+        stage_memory: peak bytes on the most-loaded GPU of each model-stage.
     """
 
     step_latency: float
@@ -39,6 +40,7 @@ class PlanEstimate:
     violations: tuple[str, ...] = ()
     phase_latency: dict[str, float] = field(default_factory=dict)
     breakdown: dict[str, dict[str, float]] = field(default_factory=dict)
+    stage_memory: dict[str, float] = field(default_factory=dict)
 
     def peak_of(self, gpus: tuple[int, ...]) -> float:
         """The largest peak memory among ``gpus``."""
@@ -69,6 +71,7 @@ def estimate_plan(
     stage_latency: dict[str, float] = {}
     breakdown: dict[str, dict[str, float]] = {}
     peak: dict[int, float] = {}
+    stage_memory: dict[str, float] = {}
     cal = calibration or Calibration()
     for ms in stages:
         work, cand = stage_work(ms, models, workload), plan[ms.name]
@@ -86,7 +89,7 @@ def estimate_plan(
         breakdown[ms.name] = {c: s / cal.efficiency(c) for c, s in ideal.items()}
         stage_latency[ms.name] = sum(breakdown[ms.name].values())
         ranks = rank_peak_memory(work, cand.layout, cand.dp, cand.micro_batch, cand.recompute)
-        worst = max(ranks)
+        worst = stage_memory[ms.name] = max(ranks)
         if worst > cap:
             violations.append(f"{ms.name}: {worst / 1e9:.1f} GB per GPU exceeds the cap {cap / 1e9:.1f} GB ({cand.describe()})")
         tp = cand.layout.tp
@@ -118,4 +121,5 @@ def estimate_plan(
         violations=tuple(violations),
         phase_latency=phase,
         breakdown=breakdown,
+        stage_memory=stage_memory,
     )

@@ -1,0 +1,179 @@
+"""`nereus-plan`: the fastest DP/TP/PP plan of an RL job per model-stage, without any GPU.
+
+Example::
+
+    nereus-plan model=llama3_8b cluster=paper_cluster2 cluster.num_gpus=16 workload.response_len=4096
+    nereus-plan model=qwen3_14b cluster=h200x8 algorithm=grpo output.json=plan.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from nereus_lightning.cli._hydra import CONFIG_ROOT, compose, to_dict
+from nereus_lightning.plan.calibration import Calibration
+from nereus_lightning.plan.estimate import PlanEstimate
+from nereus_lightning.plan.layout import Plan
+from nereus_lightning.plan.planner import plan_job
+from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
+from nereus_lightning.spec.workload import workflow
+
+#: nereus-plan's own config root (kept apart so its `model`/`cluster` groups do not clash with
+#: the plain `model:`/`cluster:` keys of nereus-simulate and nereus-train).
+PLAN_CONFIGS = CONFIG_ROOT / "plan"
+GB = 1e9
+
+
+def plan_config(overrides: Sequence[str] = ()) -> DictConfig:
+    """The composed nereus-plan config with command-line style ``overrides``."""
+    return compose(PLAN_CONFIGS, "plan", overrides)
+
+
+def _stage_rows(plan: Plan, est: PlanEstimate, algorithm: str) -> list[dict[str, Any]]:
+    stage_of = {ms.name: ms.stage for ms in workflow(algorithm)}
+    rows = []
+    for name, cand in plan.items():
+        rows.append(
+            {
+                "model_stage": name,
+                "stage": stage_of[name],
+                "dp": cand.dp,
+                "tp": cand.layout.tp,
+                "pp": cand.layout.pp,
+                "num_gpus": cand.num_gpus,
+                "gpus": list(cand.gpus),
+                "micro_batch": cand.micro_batch,
+                "recompute": cand.recompute,
+                "latency_s": est.stage_latency[name],
+                "peak_memory_bytes": est.stage_memory.get(name, 0.0),
+            }
+        )
+    return rows
+
+
+def _plan_dict(plan: Plan, est: PlanEstimate, algorithm: str) -> dict[str, Any]:
+    return {
+        "step_latency_s": est.step_latency,
+        "phase_latency_s": dict(est.phase_latency),
+        "feasible": est.feasible,
+        "violations": list(est.violations),
+        "model_stages": _stage_rows(plan, est, algorithm),
+    }
+
+
+def _build(node: Any) -> Any:
+    """``hydra.utils.instantiate`` that re-raises our config errors as themselves (not wrapped)."""
+    try:
+        return instantiate(node)
+    except InstantiationException as exc:
+        if isinstance(exc.__cause__, (NereusConfigError, InfeasiblePlanError)):
+            raise exc.__cause__ from None
+        raise
+
+
+def plan_from_config(cfg: DictConfig) -> dict[str, Any]:
+    """Plan the job a composed nereus-plan config describes; returns a JSON-ready dict.
+
+    Raises:
+        NereusConfigError: an invalid config value (the message names the field).
+        InfeasiblePlanError: nothing fits (the message names the binding constraint).
+    """
+    models = _build(cfg.model)
+    cluster = _build(cfg.cluster)
+    workload_cfg = to_dict(cfg.workload)
+    if cfg.get("algorithm"):
+        workload_cfg["algorithm"] = cfg.algorithm
+    workload = _build(workload_cfg)
+    calibration = None
+    if cfg.get("calibration"):
+        path = Path(str(cfg.calibration))
+        if not path.is_file():
+            raise NereusConfigError(f"calibration: no file at {str(path)!r}")
+        calibration = Calibration()
+        calibration.load_state_dict(json.loads(path.read_text()))
+    alternatives = int(cfg.output.alternatives)
+    if alternatives < 0:
+        raise NereusConfigError(f"output.alternatives: must be >= 0, got {alternatives}")
+    result = plan_job(models, cluster, workload, calibration, alternatives=alternatives)
+    algorithm = workload.algorithm
+    out = {
+        "models": {role: spec.name for role, spec in models.items()},
+        "cluster": {"name": cluster.name, "num_gpus": cluster.num_gpus, "gpus_per_node": cluster.gpus_per_node,
+                    "gpu_memory_bytes": cluster.gpu_memory},
+        "workload": {k: getattr(workload, k) for k in workload_cfg if k != "_target_"},
+        "memory_cap_bytes": result.estimate.memory_cap,
+        **_plan_dict(result.plan, result.estimate, algorithm),
+        "alternatives": [_plan_dict(p, e, algorithm) for p, e in result.alternatives],
+    }
+    target = cfg.output.get("json")
+    if target:
+        Path(str(target)).write_text(json.dumps(out, indent=2))
+    return out
+
+
+def render(result: dict[str, Any]) -> None:
+    """Print the plan as a rich table per model-stage, then the step latency."""
+    from rich.console import Console
+    from rich.table import Table
+
+    cap = result["memory_cap_bytes"]
+    cl, wl = result["cluster"], result["workload"]
+    title = (
+        f"{result['models']['actor']} {wl['algorithm'].upper()} on {cl['num_gpus']} GPUs of {cl['name']}, "
+        f"prompt {wl['prompt_len']} + response {wl['response_len']:g} tokens, {wl['prompts_per_step']} prompts"
+    )
+    table = Table(title=title, title_justify="left")
+    for col in ("model-stage", "dp", "tp", "pp", "GPUs", "micro-batch", "recompute", "time s", "peak/cap GB"):
+        table.add_column(col, justify="left" if col in ("model-stage", "GPUs") else "right", no_wrap=True)
+    stage = None
+    for row in result["model_stages"]:
+        if stage is not None and row["stage"] != stage:
+            table.add_section()
+        stage = row["stage"]
+        gpus = row["gpus"]
+        contiguous = gpus == list(range(gpus[0], gpus[-1] + 1))
+        span = f"{row['num_gpus']} [{gpus[0]}-{gpus[-1]}]" if contiguous else f"{row['num_gpus']} {gpus}"
+        table.add_row(
+            row["model_stage"], str(row["dp"]), str(row["tp"]), str(row["pp"]), span, str(row["micro_batch"]),
+            "yes" if row["recompute"] else "no", f"{row['latency_s']:.2f}",
+            f"{row['peak_memory_bytes'] / GB:.1f}/{cap / GB:.1f}",
+        )
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=120)  # pipes and logs: do not squeeze the table into 80 columns
+    console.print(table)
+    phases = ", ".join(f"{k} {v:.2f} s" for k, v in result["phase_latency_s"].items())
+    console.print(f"step latency: [bold]{result['step_latency_s']:.2f} s[/bold] ({phases})")
+    for i, alt in enumerate(result["alternatives"], 1):
+        layout = ", ".join(f"{r['model_stage']} ({r['dp']},{r['tp']},{r['pp']})" for r in alt["model_stages"])
+        console.print(f"alternative {i}: {alt['step_latency_s']:.2f} s: {layout}")
+
+
+@hydra.main(config_path="../configs/plan", config_name="plan", version_base=None)
+def _app(cfg: DictConfig) -> None:
+    try:
+        result = plan_from_config(cfg)
+    except (NereusConfigError, InfeasiblePlanError) as exc:
+        print(f"nereus-plan: {exc}", file=sys.stderr)
+        sys.exit(2)
+    render(result)
+    if cfg.output.get("json"):
+        print(f"wrote {cfg.output.json}")
+
+
+def main() -> None:
+    """Console entry point (Hydra parses the command line)."""
+    _app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""nereus-plan through its Python entry (composed Hydra config -> plan -> table / JSON)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hydra.errors import ConfigCompositionException
+
+from nereus_lightning.cli.plan import plan_config, plan_from_config, render
+from nereus_lightning.spec import CLUSTER_PRESETS, MODEL_PRESETS, InfeasiblePlanError, NereusConfigError
+
+PAPER_CLUSTERS = ["paper_cluster1", "paper_cluster2", "paper_cluster3"]
+BIG = ["llama3_8b", "llama3_70b", "qwen3_14b", "qwen3_32b"]
+
+
+def test_the_readme_example(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    cfg = plan_config(
+        ["model=llama3_8b", "cluster=paper_cluster2", "cluster.num_gpus=16", "workload.response_len=4096", f"output.json={out}"]
+    )
+    result = plan_from_config(cfg)
+    render(result)
+    text = capsys.readouterr().out
+    assert "actor_train" in text and "step latency" in text and "/57.6" in text
+    saved = json.loads(out.read_text())
+    assert saved["step_latency_s"] == pytest.approx(result["step_latency_s"])
+    assert saved["cluster"]["num_gpus"] == 16
+    assert {r["model_stage"] for r in saved["model_stages"]} >= {"actor_gen", "actor_train", "critic_train"}
+    assert all(r["peak_memory_bytes"] <= saved["memory_cap_bytes"] for r in saved["model_stages"])
+    assert len(saved["alternatives"]) == 2
+
+
+@pytest.mark.parametrize("cluster", PAPER_CLUSTERS + ["h200x8"])
+def test_every_preset_model_and_algorithm_answers(cluster):
+    for model in sorted(MODEL_PRESETS):
+        cfg = plan_config([f"model={model}", f"cluster={cluster}", "output.alternatives=0"])
+        for algorithm in ("ppo", "grpo", "remax"):
+            cfg.algorithm = algorithm
+            try:
+                result = plan_from_config(cfg)
+            except InfeasiblePlanError as exc:
+                # One 8xH200 node cannot hold the AdamW state of a 70B model (1.1 TB), nor two 32B ones.
+                assert cluster == "h200x8" and model in ("llama3_70b", "qwen3_32b"), str(exc)
+                assert "raise cluster.num_gpus" in str(exc)
+                continue
+            assert result["feasible"] and result["step_latency_s"] > 0
+            assert result["workload"]["algorithm"] == algorithm
+
+
+def test_paper_clusters_fit_70b_by_default():
+    for cluster in PAPER_CLUSTERS:
+        result = plan_from_config(plan_config(["model=llama3_70b", f"cluster={cluster}", "output.alternatives=0"]))
+        assert result["feasible"]
+
+
+def test_every_cluster_preset_has_a_config():
+    for name in CLUSTER_PRESETS:
+        assert plan_config([f"cluster={name}"]).cluster.preset == name
+
+
+def test_unknown_choices_list_the_valid_ones():
+    with pytest.raises(ConfigCompositionException, match="llama3_70b"):
+        plan_config(["model=nope"])
+    with pytest.raises(NereusConfigError, match="known presets: .*paper_cluster1"):
+        plan_from_config(plan_config(["cluster.preset=nope"]))
+    with pytest.raises(NereusConfigError, match="workload.algorithm.*ppo"):
+        plan_from_config(plan_config(["algorithm=dpo"]))
+
+
+def test_invalid_numbers_name_the_field():
+    with pytest.raises(NereusConfigError, match="cluster.num_gpus"):
+        plan_from_config(plan_config(["cluster.num_gpus=0"]))
+    with pytest.raises(NereusConfigError, match="workload.response_len"):
+        plan_from_config(plan_config(["workload.response_len=-1"]))
+    with pytest.raises(InfeasiblePlanError, match="actor_train.*raise cluster.num_gpus to at least 32"):
+        plan_from_config(plan_config(["model=llama3_70b", "cluster.num_gpus=2", "algorithm=grpo"]))
+
+
+def test_custom_cluster_and_hf_config(tmp_path):
+    config = {
+        "model_type": "llama", "num_hidden_layers": 8, "hidden_size": 512, "num_attention_heads": 8,
+        "num_key_value_heads": 4, "vocab_size": 32000, "intermediate_size": 1024,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    cfg = plan_config(["model=hf", f"model.config={tmp_path}", "cluster=custom", "cluster.num_gpus=8", "algorithm=grpo"])
+    result = plan_from_config(cfg)
+    assert result["feasible"] and result["cluster"]["num_gpus"] == 8
