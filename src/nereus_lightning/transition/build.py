@@ -172,26 +172,25 @@ def _order_with_resource_edges(nodes: list[Node], ctx: TransitionContext) -> lis
             for g in cand.gpus:
                 count[g] += 1
     base = resident_memory(ctx.current, ctx)
-    worst: dict[int, float] = {}
+    worst = base[:]
     for node in nodes:
         for g, net, transient in node.mem:
-            worst[g] = worst.get(g, base[g]) + (net if net > 0 else 0.0) + transient
-    tight = {g for g, w in worst.items() if w > cap}
+            worst[g] += (net if net > 0 else 0.0) + transient
+    tight = {g for g, w in enumerate(worst) if w > cap}
+    # Nodes that touch a tight GPU: only they need memory bookkeeping.
+    careful = [bool(tight) and not tight.isdisjoint([e[0] for e in n.mem]) for n in nodes]
 
     grown: dict[int, float] = defaultdict(float)
     freed: dict[int, float] = defaultdict(float)
     freers: dict[int, list[int]] = defaultdict(list)  # executed nodes that freed memory, per tight GPU
-    left: dict[tuple[int, str], list[int]] = defaultdict(list)  # Destroys by which a model-stage left a GPU
+    left: dict[str, dict[int, list[int]]] = {ms: defaultdict(list) for ms in holders}  # who left a GPU, by what
     succs: list[list[int]] = [[] for _ in nodes]
     indeg = [len(n.deps) for n in nodes]
     for n in nodes:
         for d in n.deps:
             succs[d].append(n.id)
-
-    def key(n: Node) -> tuple[int, int, int, int]:
-        return (_OP_RANK[n.op], stages[n.model_stage].stage_index, index[n.model_stage], n.id)
-
-    heap = [(key(n), n.id) for n in nodes if indeg[n.id] == 0]
+    keys = [(_OP_RANK[n.op], stages[n.model_stage].stage_index, index[n.model_stage], n.id) for n in nodes]
+    heap = [keys[n.id] for n in nodes if indeg[n.id] == 0]
     heapq.heapify(heap)
 
     def blocked(n: Node) -> str | None:
@@ -201,13 +200,14 @@ def _order_with_resource_edges(nodes: list[Node], ctx: TransitionContext) -> lis
                 for g in n.targets[0].gpus:
                     if count[g]:
                         return f"GPU {g} is still held by {other} (same {stages[other].stage} stage)"
-        for g, net, transient in n.mem:
-            if g not in tight:
-                continue
-            grow = max(net, 0.0) + transient
-            if grow > 0 and base[g] + grown[g] + grow - freed[g] > cap:
-                need = base[g] + grown[g] + grow - freed[g]
-                return f"GPU {g} would need {need / GB:.1f} GB > cap {cap / GB:.1f} GB"
+        if careful[n.id]:
+            for g, net, transient in n.mem:
+                if g not in tight:
+                    continue
+                grow = max(net, 0.0) + transient
+                if grow > 0 and base[g] + grown[g] + grow - freed[g] > cap:
+                    need = base[g] + grown[g] + grow - freed[g]
+                    return f"GPU {g} would need {need / GB:.1f} GB > cap {cap / GB:.1f} GB"
         return None
 
     order: list[Node] = []
@@ -215,7 +215,7 @@ def _order_with_resource_edges(nodes: list[Node], ctx: TransitionContext) -> lis
     while True:
         progressed = False
         while heap:
-            _, nid = heapq.heappop(heap)
+            nid = heapq.heappop(heap)[3]
             n = nodes[nid]
             why = blocked(n)
             if why:
@@ -223,39 +223,43 @@ def _order_with_resource_edges(nodes: list[Node], ctx: TransitionContext) -> lis
                 continue
             extra: set[int] = set()
             ms = n.model_stage
-            if peers[ms]:
+            if ms in holders:
+                count = holders[ms]
                 if n.op is Primitive.EXTEND:
-                    count = holders[ms]
+                    for other in peers[ms]:
+                        gone = left[other]
+                        for g in n.targets[0].gpus:
+                            if g in gone:
+                                extra.update(gone[g])
                     for g in n.targets[0].gpus:
-                        for other in peers[ms]:
-                            extra.update(left.get((g, other), ()))
                         count[g] += 1
                 elif n.op is not Primitive.MERGE:  # Destroy, or Split releasing the GPUs it does not keep
-                    count = holders[ms]
+                    mine = left[ms]
                     for g in n.released_gpus:
                         count[g] -= 1
-                        left[(g, ms)].append(n.id)
-            for g, net, transient in n.mem:
-                if g not in tight:
-                    continue
-                grow = max(net, 0.0) + transient
-                if grow > 0:
-                    extra.update(freers[g])
-                grown[g] += grow
-                free = max(-net, 0.0) + transient
-                if free > 0:
-                    freed[g] += free
-                    freers[g].append(n.id)
-            extra.difference_update(n.deps)
-            extra.discard(n.id)
+                        mine[g].append(nid)
+            if careful[nid]:
+                for g, net, transient in n.mem:
+                    if g not in tight:
+                        continue
+                    grow = max(net, 0.0) + transient
+                    if grow > 0:
+                        extra.update(freers[g])
+                    grown[g] += grow
+                    free = max(-net, 0.0) + transient
+                    if free > 0:
+                        freed[g] += free
+                        freers[g].append(nid)
             if extra:
+                extra.difference_update(n.deps)
+                extra.discard(nid)
                 n.resource_deps = sorted(extra)
             order.append(n)
             progressed = True
             for s in succs[nid]:
                 indeg[s] -= 1
                 if indeg[s] == 0:
-                    heapq.heappush(heap, (key(nodes[s]), s))
+                    heapq.heappush(heap, keys[s])
         if not stuck:
             break
         if not progressed:
@@ -265,7 +269,7 @@ def _order_with_resource_edges(nodes: list[Node], ctx: TransitionContext) -> lis
                 f"stuck: {lines}. Choose a target that leaves these GPUs free or frees memory first"
             )
         for n, _ in stuck:
-            heapq.heappush(heap, (key(n), n.id))
+            heapq.heappush(heap, keys[n.id])
         stuck = []
     if len(order) != len(nodes):  # pragma: no cover - a bug in the local DAGs, not bad input
         raise RuntimeError(f"transition replay ran {len(order)} of {len(nodes)} nodes")

@@ -43,12 +43,9 @@ class Unit(NamedTuple):
         return f"{self.layout}@{list(self.gpus)}"
 
 
-class MemEffect(NamedTuple):
-    """A node's memory effect on one GPU: ``net`` bytes kept after it ends, ``transient`` buffers while it runs."""
-
-    gpu: int
-    net: float
-    transient: float
+#: A node's memory effect on one GPU: ``(gpu, net, transient)``: ``net`` bytes it leaves allocated
+#: (negative: freed) once it ends, ``transient`` buffer bytes it holds only while it runs.
+MemEffect = tuple[int, float, float]
 
 
 @dataclass(eq=False, slots=True)

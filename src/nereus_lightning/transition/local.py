@@ -25,7 +25,10 @@ from operator import itemgetter
 from nereus_lightning.plan.layout import Candidate, Layout
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.transition.dag import MemEffect, Node, Primitive, Unit
-from nereus_lightning.transition.pieces import Geometry, Transfer, extend_transfers, gather_transfers
+from nereus_lightning.transition.pieces import Geometry, Piece, Transfer, extend_transfers, gather_pattern
+
+
+_new = tuple.__new__  # builds a NamedTuple without its (slow) Python-level __new__
 
 
 def common_layout(a: Layout, b: Layout) -> Layout:
@@ -68,6 +71,33 @@ def _inverse(x: Layout, s: Layout) -> tuple[tuple[int, int], ...]:
     return tuple(inv)
 
 
+@lru_cache(maxsize=4096)
+def _split_pattern(
+    geo: Geometry, a: Layout, s: Layout, tiles: tuple[tuple[int, ...], ...]
+) -> tuple[tuple[int, int, int, Piece], ...]:
+    """Split of a layout-``a`` unit into ``s`` units at ``tiles`` (its positions): (src, dst, bytes, piece)."""
+    out = []
+    for tile in tiles:
+        for q, x in enumerate(tile):
+            for src, size, piece in gather_pattern(geo, a, x, s, q // s.tp, q % s.tp):
+                out.append((src, x, size, piece))
+    return tuple(out)
+
+
+@lru_cache(maxsize=4096)
+def _merge_pattern(
+    geo: Geometry, s: Layout, b: Layout, tiles: tuple[tuple[int, ...], ...]
+) -> tuple[tuple[int, int, int, Piece], ...]:
+    """Merge of ``s`` units at ``tiles`` (positions of the layout-``b`` result): (src, dst, bytes, piece)."""
+    at = {x: (tile, q) for tile in tiles for q, x in enumerate(tile)}
+    out = []
+    for x in range(b.size):
+        tile, q = at[x]
+        for src, size, piece in gather_pattern(geo, s, q, b, x // b.tp, x % b.tp):
+            out.append((tile[src], x, size, piece))
+    return tuple(out)
+
+
 def _transient(transfers: list[Transfer]) -> dict[int, float]:
     """Transfer buffers per GPU while a Split or Merge runs: each transfer is packed into one
     contiguous send buffer and lands in one receive buffer before it is unpacked. (Extend sends a
@@ -81,8 +111,10 @@ def _transient(transfers: list[Transfer]) -> dict[int, float]:
 
 
 def _effects(gpus: tuple[int, ...], net: float, transfers: list[Transfer]) -> tuple[MemEffect, ...]:
+    if not transfers:
+        return tuple([(g, net, 0.0) for g in gpus])
     buf = _transient(transfers)
-    return tuple(MemEffect(g, net, buf.get(g, 0.0)) for g in gpus)
+    return tuple([(g, net, buf.get(g, 0.0)) for g in gpus])
 
 
 def local_dag(
@@ -169,13 +201,12 @@ def local_dag(
             u = cur_units[i]
             subs = [t for t in split_into[i] if t in kept]
             index = {g: x for x, g in enumerate(u.gpus)}
-            transfers: list[Transfer] = []
-            for t in subs:
-                for q, g in enumerate(t):
-                    transfers += gather_transfers(geo, a, u.gpus, index[g], s, q // s.tp, q % s.tp)
+            tiles = tuple(tuple(index[g] for g in t) for t in subs)
+            ug = u.gpus
+            transfers = [_new(Transfer, (ug[sx], ug[dx], size, piece)) for sx, dx, size, piece in _split_pattern(geo, a, s, tiles)]
             stays = {g for t in subs for g in t}
             buf = _transient(transfers)
-            mem = tuple(MemEffect(g, (mem_s if g in stays else 0.0) - mem_a, buf.get(g, 0.0)) for g in u.gpus)
+            mem = tuple([(g, (mem_s if g in stays else 0.0) - mem_a, buf.get(g, 0.0)) for g in u.gpus])
             nid = add(Primitive.SPLIT, [u], [Unit(s, t) for t in subs], transfers, [], mem)
             for t in subs:
                 made_by[t] = nid
@@ -188,7 +219,7 @@ def local_dag(
     readers: dict[tuple[int, ...], list[int]] = defaultdict(list)
     for src, slot in extends:
         transfers = extend_transfers(geo, s, src, slot)
-        mem = tuple(MemEffect(g, mem_s, 0.0) for g in slot)
+        mem = tuple([(g, mem_s, 0.0) for g in slot])
         deps = [made_by[src]] if src in made_by else []
         nid = add(Primitive.EXTEND, [Unit(s, src)], [Unit(s, slot)], transfers, deps, mem)
         made_by[slot] = nid
@@ -204,11 +235,10 @@ def local_dag(
     for v, row in zip(tgt_units, slots):
         if b == s and row[0] == v.gpus:
             continue
-        at = {g: (t, q) for t in row for q, g in enumerate(t)}
-        transfers = []
-        for x, g in enumerate(v.gpus):
-            t, q = at[g]
-            transfers += gather_transfers(geo, s, t, q, b, x // b.tp, x % b.tp)
+        index = {g: x for x, g in enumerate(v.gpus)}
+        tiles = tuple(tuple(index[g] for g in t) for t in row)
+        vg = v.gpus
+        transfers = [_new(Transfer, (vg[sx], vg[dx], size, piece)) for sx, dx, size, piece in _merge_pattern(geo, s, b, tiles)]
         # A Merge consumes its inputs: after whatever created them and every Extend that reads them.
         deps = sorted({made_by[t] for t in row if t in made_by}.union(*(readers.get(t, ()) for t in row)))
         add(Primitive.MERGE, [Unit(s, t) for t in row], [v], transfers, deps, _effects(v.gpus, mem_b - mem_s, transfers))
@@ -230,14 +260,12 @@ def _slots_of(
     GPUs lack), then new slots for Extend on the rest, each GPU at the sub-position whose shard
     contains its target shard where possible.
     """
+    row = [f(v.gpus) for f in pick_b]
+    if all(t in where for t in row):
+        return row  # the common case: every strided slot already exists
+    row = [t for t in row if t in where]
     inside = set(v.gpus)
-    row: list[tuple[int, ...]] = []
-    covered: set[int] = set()
-    for f in pick_b:
-        t = f(v.gpus)
-        if t in where:
-            row.append(t)
-            covered.update(t)
+    covered = {g for t in row for g in t}
     if len(covered) < len(inside):
         for g in v.gpus:
             t = sub_at.get(g)

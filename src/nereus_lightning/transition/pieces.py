@@ -155,7 +155,8 @@ def _extend_pattern(geo: Geometry, layout: Layout) -> tuple[tuple[int, Piece], .
 
 def extend_transfers(geo: Geometry, layout: Layout, src: tuple[int, ...], dst: tuple[int, ...]) -> list[Transfer]:
     """Extend: the GPU at each position of ``dst`` receives the whole shard of that position from ``src``."""
-    return [Transfer(s, d, size, piece) for s, d, (size, piece) in zip(src, dst, _extend_pattern(geo, layout))]
+    new = tuple.__new__  # a NamedTuple without its slow Python-level __new__
+    return [new(Transfer, (s, d, size, piece)) for s, d, (size, piece) in zip(src, dst, _extend_pattern(geo, layout))]
 
 
 def gather_transfers(
@@ -177,12 +178,12 @@ def gather_transfers(
     dst = have_gpus[dst_index]
     return [
         Transfer(have_gpus[i], dst, size, piece)
-        for i, size, piece in _gather_pattern(geo, have, dst_index, want, want_pp, want_tp)
+        for i, size, piece in gather_pattern(geo, have, dst_index, want, want_pp, want_tp)
     ]
 
 
 @lru_cache(maxsize=65536)
-def _gather_pattern(
+def gather_pattern(
     geo: Geometry, have: Layout, dst_index: int, want: Layout, want_pp: int, want_tp: int
 ) -> tuple[tuple[int, int, Piece], ...]:
     """:func:`gather_transfers` by positions: (source index, bytes, piece)."""
