@@ -17,7 +17,7 @@ from nereus_lightning.control.resources import (
 from nereus_lightning.control.signals import StepSignals, as_pool
 from nereus_lightning.control.state import plan_from_state, plan_to_state
 from nereus_lightning.control.triggers import CrossingClock, DriftTrigger, PoolTrigger, Trigger, smallest_horizon
-from nereus_lightning.control.variants import follow_pool, intact_plan, relief_variants
+from nereus_lightning.control.variants import follow_pool, intact_plan, keep_layouts, place_near, relief_variants
 
 __all__ = [
     "Controller",
@@ -42,7 +42,9 @@ __all__ = [
     "describe_plan",
     "follow_pool",
     "intact_plan",
+    "keep_layouts",
     "load_spot_trace",
+    "place_near",
     "plan_from_state",
     "plan_to_json",
     "plan_to_state",

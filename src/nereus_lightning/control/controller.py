@@ -26,7 +26,7 @@ from nereus_lightning.control.decision import Decision, DecisionLog, describe_pl
 from nereus_lightning.control.signals import DRIFT_SIGNALS, StepSignals
 from nereus_lightning.control.state import plan_from_state, plan_to_state
 from nereus_lightning.control.triggers import CrossingClock, DriftTrigger, PoolTrigger, Trigger, smallest_horizon
-from nereus_lightning.control.variants import follow_pool, intact_plan, relief_variants
+from nereus_lightning.control.variants import follow_pool, intact_plan, keep_layouts, place_near, relief_variants
 from nereus_lightning.plan.layout import Plan
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.errors import InfeasiblePlanError, require
@@ -306,6 +306,15 @@ class Controller:
         except InfeasiblePlanError as exc:
             reasons.append(f"planner: {exc}")
         extra: list[tuple[Plan, str]] = []
+        for opt in list(options):
+            # The same targets placed near the current GPUs (no swap deadlocks), and with the
+            # current layouts kept where they fit (Extend/Destroy only): cheaper transitions.
+            near = place_near(opt.plan, self.plan, self.workload.algorithm)
+            if near != opt.plan:
+                extra.append((near, f"{opt.source}, placed near the current GPUs"))
+            kept = keep_layouts(near, self.plan)
+            if kept != near:
+                extra.append((kept, f"{opt.source}, current layouts kept"))
         refit = follow_pool(self.plan, self.workload.algorithm, signals.num_gpus, self.workload.sequences_per_step) \
             if self.config.try_follow_pool else None
         if refit is not None and refit != self.plan:

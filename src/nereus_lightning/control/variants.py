@@ -95,3 +95,41 @@ def intact_plan(plan: Plan, pool: set[int] | frozenset[int]) -> Plan | None:
             gpus = tuple(g for r in keep for g in cand.replica_gpus(r))
             out.append((name, replace(cand, dp=len(keep), gpus=gpus)))
     return Plan(tuple(out))
+
+
+def place_near(plan: Plan, current: Plan, algorithm: str) -> Plan:
+    """``plan`` with each stage's GPU blocks reordered to follow where ``current`` has them.
+
+    The planner hands out contiguous blocks in a canonical order; when two model-stages of one
+    stage swap places between plans, neither can move first (each waits for GPUs the other
+    holds). Keeping every model-stage's block near its current GPUs avoids such swaps and moves
+    less state. Sizes and layouts are unchanged; callers re-price the result, since a reordering
+    can break node alignment.
+    """
+    stages = {ms.name: ms.stage for ms in workflow(algorithm)}
+    chosen: dict[str, Candidate] = {}
+    for stage in STAGES:
+        names = [n for n, _ in plan.items() if stages[n] == stage]
+        where = {n: min(current[n].gpus) if n in current else 0 for n in names}
+        start = min((min(plan[n].gpus) for n in names), default=0)
+        for n in sorted(names, key=lambda m: (where[m], names.index(m))):
+            size = plan[n].num_gpus
+            chosen[n] = replace(plan[n], gpus=tuple(range(start, start + size)))
+            start += size
+    return Plan(tuple((n, chosen[n]) for n, _ in plan.items()))
+
+
+def keep_layouts(plan: Plan, current: Plan) -> Plan:
+    """``plan``'s GPU blocks, but every model-stage keeps its current layout where it fits the block.
+
+    A model-stage whose block holds a whole number of current replicas needs no Split or Merge,
+    only Extend/Destroy: a slightly slower target with a much cheaper (and more often feasible)
+    transition. Callers re-price the result (DP degrees may not split the batch).
+    """
+    out = []
+    for name, cand in plan.items():
+        cur = current[name] if name in current else None
+        if cur is not None and cur.layout != cand.layout and cand.num_gpus % cur.layout.size == 0:
+            cand = Candidate(cur.layout, cand.num_gpus // cur.layout.size, cand.gpus, cur.micro_batch, cur.recompute)
+        out.append((name, cand))
+    return Plan(tuple(out))

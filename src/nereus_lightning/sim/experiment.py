@@ -36,7 +36,7 @@ class Setup:
 def make_setup(
     model: str | ModelSpec = "llama3_8b", cluster: str | ClusterSpec = "paper_cluster2",
     workload: Mapping[str, Any] | Workload | None = None, noise: float = 0.03, transition_factor: float = 1.25,
-    restart_s: float = 300.0, seed: int = 0, efficiency: Mapping[str, float] | None = None,
+    restart_s: float = 300.0, seed: int = 0, efficiency: Mapping[str, float] | None = None, alternatives: int = 4,
 ) -> Setup:
     """Build a :class:`Setup` from preset names and plain numbers."""
     spec = model_preset(model) if isinstance(model, str) else model
@@ -49,7 +49,7 @@ def make_setup(
         work = Workload(**dict(workload or {}))
     else:
         work = workload
-    backend = PlannerBackend(job_models(spec))
+    backend = PlannerBackend(job_models(spec), alternatives=alternatives)
     truth = Calibration({**TRUE_EFFICIENCY, **dict(efficiency or {})})
     machine = TrueMachine(backend, truth, noise=noise, transition_factor=transition_factor, restart_s=restart_s, seed=seed)
     return Setup(backend, clus, work, machine)

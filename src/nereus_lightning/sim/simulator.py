@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -85,7 +86,7 @@ def simulate(policy: Any, trace: DriftTrace, machine: TrueMachine, backend: Plan
             act = policy.decide(sig)
             action = act.kind
             if act.kind == "transition" and not act.free:
-                transition_s = _transition_time(
+                transition_s, action = _transition_time(
                     machine, backend, s, plan, act.plan, cluster.with_gpus(max(pool, prev) if draining else pool),
                     workload_at(workload, sig),
                 )
@@ -107,17 +108,16 @@ def simulate(policy: Any, trace: DriftTrace, machine: TrueMachine, backend: Plan
 
 
 def _transition_time(machine: TrueMachine, backend: PlanningBackend, step: int, current: Plan, target: Plan | None,
-                     cluster: ClusterSpec, workload: Workload) -> float:
-    # The real duration: the DAG from the intact units, priced by the cost model, times the machine's factor.
-    if target is None:
-        return machine.restart_s
-    start = intact_plan(current, frozenset(range(cluster.num_gpus)))  # cluster covers the readable GPUs
-    if start is None:
-        return machine.restart_s
+                     cluster: ClusterSpec, workload: Workload) -> tuple[float, str]:
+    """Real duration and kind of a move: the DAG from the intact units, priced by the cost model
+    and scaled by the machine; a move with no safe DAG is a checkpoint/restart."""
+    start = None if target is None else intact_plan(current, frozenset(range(cluster.num_gpus)))
+    if target is None or start is None:
+        return machine.restart_s, "restart"
     try:
-        return machine.transition_time(step, backend.transition_cost(start, target, cluster, workload))
+        return machine.transition_time(step, backend.transition_cost(start, target, cluster, workload)), "transition"
     except InfeasiblePlanError:
-        return machine.restart_s
+        return machine.restart_s, "restart"
 
 
 def summarise(records: Sequence[StepRecord], oracle: Sequence[StepRecord] | None = None) -> Summary:
@@ -170,6 +170,8 @@ def compare(
     records: dict[str, list[StepRecord]] = {}
     for spec in specs:
         log = None if log_dir is None or spec.kind in ("static", "oracle") else f"{log_dir}/decisions_{_slug(spec.name)}.jsonl"
+        if log is not None and os.path.exists(log):
+            os.remove(log)  # one simulation per file (the controller itself appends, for resumed jobs)
         policy = make_policy(spec, backend, cluster, workload, machine.truth, calibration_factory, controller, log)
         records[spec.name] = simulate(policy, trace, machine, backend, cluster, workload, notice)
     oracle = records["oracle"]
