@@ -86,8 +86,8 @@ class ReplicaComm:
     layout: Layout
     ranks: tuple[int, ...]  # the replica's global ranks, pp-major then tp
     rank: int  # this global rank
-    tp_group: dist.ProcessGroup
-    replica_group: dist.ProcessGroup
+    tp_group: dist.ProcessGroup | None  # None only for a single-rank replica (see ``single``)
+    replica_group: dist.ProcessGroup | None
     tied_group: dist.ProcessGroup | None  # first/last stage pair at this tp rank (tied, pp > 1)
     dp_group: dist.ProcessGroup | None  # same position in every replica of the model-stage
 
@@ -121,6 +121,11 @@ class ReplicaComm:
             tied_group=tied_group,
             dp_group=dp_group,
         )
+
+    @classmethod
+    def single(cls, rank: int = 0) -> ReplicaComm:
+        """A one-rank replica (``Layout(1, 1)``) that needs no process group, nor torch.distributed at all."""
+        return cls(Layout(1, 1), (rank,), rank, None, None, None, None)
 
     @property
     def index(self) -> int:
