@@ -359,3 +359,11 @@ def generation_batch(work: StageWork, layout: Layout, per_replica: int, cap: flo
 
 
 _DEFAULT = Calibration()
+
+
+def clear_cost_caches() -> None:
+    """Drop every memoised cost piece (benchmarks measure cold planning; long simulations bound memory)."""
+    from nereus_lightning.plan import comm
+
+    for cached in (slot_affine, wave_affine, _rank_memory, generation_batch, comm.canonical_links, memory._layer_params):
+        cached.cache_clear()

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 from nereus_lightning.plan.calibration import Calibration
 from nereus_lightning.plan.comm import canonical_links
@@ -149,6 +151,7 @@ def stage_options(
     sc = _Scalars(work, cluster, calibration)
     mb_cache: dict[int, tuple[int, ...]] = {}
     repeats = work.epochs * work.mini_batches
+    trains = work.trains
     for layout in layouts_for(work.model, max_gpus):
         one = canonical_links(layout, 1, cluster)
         offload = sc.scalar(_offload(work, layout))
@@ -166,36 +169,38 @@ def stage_options(
                 lat = offload + full * _at(coef, batch) + (_at(coef, rest) if rest else 0.0)
                 rows.append((dp * size, lat, None, layout, dp, batch, False))
             continue
-        memo: dict[tuple, float] = {}
+        memo: dict[Any, float] = {}
         steps: dict[int, float] = {}
-        for rc in (False, True) if work.trains else (False,):
+        for rc in (False, True) if trains else (False,):
             fixed, per_seq = sc.affine(slot_affine(work, layout, rc, one, cluster))[:2]
             for dp in dps:
-                share = replica_sequences(work, dp)
+                share = work.mini_batch_size // dp if trains else -(-work.sequences // dp)
                 options = mb_cache.get(share)
                 if options is None:
                     options = mb_cache[share] = micro_batch_options(work, layout, share, cap)
-                step = steps.get(dp, 0.0)
-                if work.trains and dp not in steps:
-                    links = canonical_links(layout, dp, cluster)
-                    step = steps[dp] = sc.scalar(_optimizer_step(work, layout, dp, links, cluster))
-                best_lat, best = float("inf"), None
+                step = 0.0
+                if trains:
+                    step = steps.get(dp, -1.0)
+                    if step < 0:
+                        links = canonical_links(layout, dp, cluster)
+                        step = steps[dp] = sc.scalar(_optimizer_step(work, layout, dp, links, cluster))
+                best_lat, best_mb, best_peak = math.inf, 0, 0.0
                 for mb in options:
                     count = -(-share // mb)
-                    key = (mb, rc, min(count, pp)) if work.trains else mb
+                    key = (mb, rc, count if count < pp else pp) if trains else mb
                     peak = memo.get(key)
                     if peak is None:
                         peak = memo[key] = peak_memory(work, layout, dp, mb, rc)
                     if peak > cap:
                         continue
                     lat = (count + pp - 1) * (fixed + per_seq * mb)
-                    if work.trains:
+                    if trains:
                         lat = repeats * (lat + step)
                     lat += offload
                     if lat < best_lat:
-                        best_lat, best = lat, (mb, peak)
-                if best is not None:
-                    rows.append((dp * size, best_lat, best[1], layout, dp, best[0], rc))
+                        best_lat, best_mb, best_peak = lat, mb, peak
+                if best_mb:
+                    rows.append((dp * size, best_lat, best_peak, layout, dp, best_mb, rc))
     out = []
     for gpus, lat, peak, layout, dp, mb, rc in rows:
         out.append(Option(gpus, lat, layout, dp, mb, rc, peak if peak is not None else -1.0))
