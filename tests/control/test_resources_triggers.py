@@ -109,3 +109,21 @@ def test_follow_pool_keeps_layouts_and_fills_the_pool():
     assert follow_pool(plan, "ppo", 3, batch=256) is None  # four inference replicas need 4 GPUs
     variants = relief_variants(plan)
     assert all(c.recompute for _, c in variants[0].items()) and len(variants) == 1  # micro-batch 1 cannot halve
+
+
+def test_place_near_and_keep_layouts():
+    from nereus_lightning.control import keep_layouts, place_near
+
+    def c(tp, pp, dp, start):
+        return Candidate(Layout(tp, pp), dp, tuple(range(start, start + tp * pp * dp)))
+
+    current = _ppo_plan()
+    # A target whose training blocks are swapped relative to the current plan (critic first).
+    target = current.replace("critic_train", c(1, 1, 4, 0)).replace("actor_train", c(4, 2, 1, 4))
+    near = place_near(target, current, "ppo")
+    assert min(near["actor_train"].gpus) == 0 and min(near["critic_train"].gpus) == 8
+    assert near["actor_train"].layout == Layout(4, 2)  # only the placement moves
+    kept = keep_layouts(near, current)
+    assert kept["actor_train"].layout == Layout(2, 1) and kept["actor_train"].dp == 4  # 8 GPUs / TP2 replicas
+    assert kept["critic_train"].layout == Layout(2, 1) and kept["critic_train"].dp == 2
+    assert kept["actor_gen"] == near["actor_gen"]  # same layout: untouched

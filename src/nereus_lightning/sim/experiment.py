@@ -79,13 +79,15 @@ def controller_config(cfg: Mapping[str, Any] | None) -> ControllerConfig:
 def run_experiment(
     setup: Setup, trace: DriftTrace, policies: Sequence[str | PolicySpec], controller: ControllerConfig | None = None,
     out_dir: str | None = None, gammas: Sequence[float] | None = None, plot: bool = True, notice: bool = True,
+    oracle_tolerance: float = 0.0,
 ) -> dict[str, Any]:
     """Compare ``policies`` on ``trace``; write CSV, table, JSON, decision logs and plots to ``out_dir``."""
     specs = [p if isinstance(p, PolicySpec) else PolicySpec.parse(str(p)) for p in policies]
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
     comparison: Comparison = compare(trace, specs, setup.backend, setup.cluster, setup.workload, setup.machine,
-                                     Calibration, controller, log_dir=out_dir, notice=notice)
+                                     Calibration, controller, log_dir=out_dir, notice=notice,
+                                     oracle_tolerance=oracle_tolerance)
     table = format_table(list(comparison.summaries.values()), title=trace.name)
     result: dict[str, Any] = {"trace": trace.name, "steps": len(trace), "table": comparison.table(), "text": table}
     if gammas:

@@ -104,12 +104,27 @@ class OraclePolicy:
 
     name = "oracle"
 
-    def __init__(self, backend: PlanningBackend, cluster: ClusterSpec, workload: Workload, truth: Any) -> None:
+    def __init__(
+        self, backend: PlanningBackend, cluster: ClusterSpec, workload: Workload, truth: Any, tolerance: float = 0.0
+    ) -> None:
         self.backend, self.cluster, self.workload, self.truth = backend, cluster, workload, truth
+        self.tolerance = tolerance
         self.plan: Plan | None = None
+        self._key: tuple | None = None
 
     def best(self, signals: StepSignals) -> Plan:
-        """Plan for exactly these signals with the true efficiencies."""
+        """Plan for these signals with the true efficiencies.
+
+        With ``tolerance`` > 0 (long traces), the plan is reused until the pool changes or a
+        length moves by more than that fraction since it was made (an approximation that saves
+        one planner call per step).
+        """
+        key = (signals.num_gpus, signals.response_len, signals.response_len_p95, signals.prompt_len)
+        if self.plan is not None and self._key is not None and self.tolerance > 0 and key[0] == self._key[0] and all(
+            abs(a - b) <= self.tolerance * max(b, 1.0) for a, b in zip(key[1:], self._key[1:])
+        ):
+            return self.plan
+        self._key = key
         cluster = self.cluster.with_gpus(signals.num_gpus)
         return self.backend.plan(cluster, workload_at(self.workload, signals), self.truth)[0][0]
 
@@ -176,13 +191,14 @@ def resolve(spec: PolicySpec, controller: ControllerConfig | None) -> PolicySpec
 def make_policy(
     spec: PolicySpec, backend: PlanningBackend, cluster: ClusterSpec, workload: Workload, truth: Any,
     calibration_factory: Callable[[], Any], controller: ControllerConfig | None = None, log: str | None = None,
+    oracle_tolerance: float = 0.0,
 ):
     """Instantiate ``spec`` over one backend; controller policies get a fresh calibration each."""
     base = controller or ControllerConfig()
     if spec.kind == "static":
         return StaticPolicy(backend, cluster, workload, calibration_factory())
     if spec.kind == "oracle":
-        return OraclePolicy(backend, cluster, workload, truth)
+        return OraclePolicy(backend, cluster, workload, truth, oracle_tolerance)
     if spec.kind == "always":
         cfg = _with(base, admission="any_gain", replan_every=1)
     elif spec.kind == "every_k":

@@ -160,7 +160,7 @@ class Comparison:
 def compare(
     trace: DriftTrace, specs: Sequence[PolicySpec], backend: PlanningBackend, cluster: ClusterSpec, workload: Workload,
     machine: TrueMachine, calibration_factory: Callable[[], Any], controller: ControllerConfig | None = None,
-    log_dir: str | None = None, notice: bool = True,
+    log_dir: str | None = None, notice: bool = True, oracle_tolerance: float = 0.0,
 ) -> Comparison:
     """Run every policy of ``specs`` (the oracle always runs, first, for the gap column)."""
     specs = [resolve(s, controller) for s in specs]
@@ -172,7 +172,8 @@ def compare(
         log = None if log_dir is None or spec.kind in ("static", "oracle") else f"{log_dir}/decisions_{_slug(spec.name)}.jsonl"
         if log is not None and os.path.exists(log):
             os.remove(log)  # one simulation per file (the controller itself appends, for resumed jobs)
-        policy = make_policy(spec, backend, cluster, workload, machine.truth, calibration_factory, controller, log)
+        policy = make_policy(spec, backend, cluster, workload, machine.truth, calibration_factory, controller, log,
+                             oracle_tolerance)
         records[spec.name] = simulate(policy, trace, machine, backend, cluster, workload, notice)
     oracle = records["oracle"]
     summaries = {n: summarise(r, None if n == "oracle" else oracle) for n, r in records.items()}
