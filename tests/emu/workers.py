@@ -111,3 +111,117 @@ def pp_and_tp_pairs(rank: int, world: int, kind: str):
         diffs = (before.differences(mid), before.differences(after)) if rank == 0 else (None, None)
         out.append((str(big), str(small), *diffs, back.target.ranks, report.payload_sent))
     return out
+
+
+def _names_bytes(emu) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for name, _, t in emu.tensors():
+        out[name] = out.get(name, 0) + t.numel() * t.element_size()
+    return out
+
+
+def byte_counts(rank: int, world: int):
+    """Bytes each primitive moves, next to the minimum its definition implies (per rank)."""
+    stage = "actor_train"
+    reg = registry()
+    out: dict[str, dict] = {}
+
+    # Extend: one copy of the unit's state (plus 48 B of counters per position) per new replica.
+    start("gqa_tied", Layout(2, 1), (0, 1))
+    src = Unit(Layout(2, 1), (0, 1))
+    own = reg.local(stage, src).nbytes() if rank in (0, 1) else 0
+    report = execute(extend(stage, src, [(2, 3)]))
+    got = reg.local(stage, Unit(Layout(2, 1), (2, 3))).nbytes() if rank in (2, 3) else 0
+    out["extend"] = dict(own=own, got=got, report=report)
+
+    start("llama", Layout(1, 1), (0,))
+    own = reg.local(stage, Unit(Layout(1, 1), (0,))).nbytes() if rank == 0 else 0
+    report = execute(extend(stage, Unit(Layout(1, 1), (0,)), [(1,), (2,), (3,)]))
+    out["extend3"] = dict(own=own, report=report)
+
+    # Split: each rank receives exactly what it lacks (TP split: new minus old; PP split: the new stages' tensors).
+    for name, kind, layers, big, small in (
+        ("split_tp", "gqa_tied", 4, Layout(2, 2), Layout(1, 2)),
+        ("split_pp_uneven", "llama", 6, Layout(1, 4), Layout(1, 2)),
+        ("split_both", "qwen2", 4, Layout(2, 2), Layout(1, 1)),
+    ):
+        registry().clear()
+        config, model, optim = tiny(kind, layers)
+        unit = Unit(big, (0, 1, 2, 3))
+        create_unit(stage, config, model, big, unit.ranks, trains=True, full_optim=optim, counters=COUNTERS)
+        old = _names_bytes(reg.local(stage, unit))
+        op = split(stage, unit, small)
+        report = execute(op)
+        mine = next(u for u in op.targets if rank in u.ranks)
+        new = _names_bytes(reg.local(stage, mine))
+        if big.tp == small.tp:
+            lacked = sum(b for n, b in new.items() if n not in old)
+        else:
+            lacked = sum(new.values()) - sum(b for n, b in old.items() if n in new)
+        out[name] = dict(lacked=lacked, report=report)
+
+    # Merge: nothing moves in the cheapest order; a forced order moves exactly what the ranks lack.
+    for name, order in (("merge_chosen", None), ("merge_forced", (0, 2, 1, 3))):
+        start("llama", Layout(1, 2), (0, 2))
+        execute(extend(stage, Unit(Layout(1, 2), (0, 2)), [(1, 3)]))
+        units = registry().live(stage)
+        old = _names_bytes(reg.local(stage, next(u for u in units if rank in u.ranks)))
+        op = merge(stage, units, Layout(2, 2), ranks=order, schema=reg.schema(stage))
+        report = execute(op)
+        new = _names_bytes(reg.local(stage, op.target))
+        lacked = sum(b for n, b in new.items() if n not in old)
+        out[name] = dict(lacked=lacked, report=report, ranks=op.target.ranks)
+    return out
+
+
+def bad_inputs(rank: int, world: int):
+    """Each bad op raises the same NereusConfigError on every rank, and the state stays as it was."""
+    stage = "actor_train"
+    out = {}
+
+    def attempt(label, fn):
+        try:
+            fn()
+        except NereusConfigError as exc:
+            out[label] = str(exc)
+        else:
+            out[label] = None
+
+    registry().clear()
+    config, model, optim = tiny("llama")
+    attempt("tp_heads", lambda: create_unit(stage, config, model, Layout(3, 1), (0, 1, 2), trains=True))
+    config, model, optim = tiny("qwen2")
+    attempt("tp_kv_heads", lambda: create_unit(stage, config, model, Layout(4, 1), (0, 1, 2, 3)))
+
+    # A merge to TP4 of a model with 2 KV heads is refused before anything moves.
+    start("qwen2", Layout(1, 1), (0,))
+    execute(extend(stage, Unit(Layout(1, 1), (0,)), [(1,), (2,), (3,)]))
+    before = gather_logical_state(stage, dst=0)
+    units = registry().live(stage)
+    attempt("merge_kv_heads", lambda: execute(merge(stage, units, Layout(4, 1))))
+    out["merge_kv_heads_intact"] = registry().live(stage) == units
+    after = gather_logical_state(stage, dst=0)
+    out["merge_kv_heads_state"] = before.differences(after) if rank == 0 else []
+
+    # PP larger than the number of layers (2 layers, PP 4).
+    registry().clear()
+    config, model, optim = tiny("llama", layers=2)
+    create_unit(stage, config, model, Layout(1, 1), (0,), trains=True, full_optim=optim)
+    execute(extend(stage, Unit(Layout(1, 1), (0,)), [(1,), (2,), (3,)]))
+    attempt("pp_layers", lambda: execute(merge(stage, registry().live(stage), Layout(1, 4))))
+    attempt("split_factor", lambda: split(stage, Unit(Layout(2, 1), (0, 1)), Layout(3, 1)))
+
+    # Overlap with another model-stage's live unit; destroying the last copy.
+    registry().clear()
+    config, model, optim = tiny("llama")
+    create_unit("actor_train", config, model, Layout(2, 1), (0, 1), trains=True)
+    create_unit("critic_train", config, model if rank == 2 else None, Layout(1, 1), (2,), trains=True)
+    attempt("overlap", lambda: execute(extend("critic_train", Unit(Layout(1, 1), (2,)), [(1,)])))
+    attempt("overlap_create", lambda: create_unit("ref_infer", config, model, Layout(1, 1), (0,)))
+    out["overlap_live"] = [str(u) for u in registry().live("critic_train")]
+    attempt("last_copy", lambda: execute(destroy("critic_train", Unit(Layout(1, 1), (2,)))))
+    out["last_copy_live"] = [str(u) for u in registry().live("critic_train")]
+    attempt("colocated_ok", lambda: execute(extend("critic_train", Unit(Layout(1, 1), (2,)), [(1,)]), colocate_with=("actor_train",)))
+    attempt("destroy_ok", lambda: execute(destroy("critic_train", Unit(Layout(1, 1), (2,)))))
+    out["final_live"] = [str(u) for u in registry().live("critic_train")]
+    return out
