@@ -80,7 +80,9 @@ def main(argv: list[str] | None = None) -> dict:
             "peak_memory_mb<100": peak_mb < 100,
         },
     }
-    print(f"{'GPUs':>6} {'prompts':>8} {'CPU ms (median)':>16} {'CPU ms (min)':>13} {'wall ms':>8} {'step s':>8}")
+    print(
+        f"{'GPUs':>6} {'prompts':>8} {'CPU ms (median)':>16} {'CPU ms (min)':>13} {'wall ms':>8} {'step s':>8}"
+    )
     for r in rows:
         print(
             f"{r['gpus']:>6} {r['prompts_per_step']:>8} {r['median_cpu_ms']:>16.1f} {r['min_cpu_ms']:>13.1f} "

@@ -17,7 +17,13 @@ BIG = ["llama3_8b", "llama3_70b", "qwen3_14b", "qwen3_32b"]
 def test_the_readme_example(tmp_path, capsys):
     out = tmp_path / "plan.json"
     cfg = plan_config(
-        ["model=llama3_8b", "cluster=paper_cluster2", "cluster.num_gpus=16", "workload.response_len=4096", f"output.json={out}"]
+        [
+            "model=llama3_8b",
+            "cluster=paper_cluster2",
+            "cluster.num_gpus=16",
+            "workload.response_len=4096",
+            f"output.json={out}",
+        ]
     )
     result = plan_from_config(cfg)
     render(result)
@@ -50,7 +56,9 @@ def test_every_preset_model_and_algorithm_answers(cluster):
 
 def test_paper_clusters_fit_70b_by_default():
     for cluster in PAPER_CLUSTERS:
-        result = plan_from_config(plan_config(["model=llama3_70b", f"cluster={cluster}", "output.alternatives=0"]))
+        result = plan_from_config(
+            plan_config(["model=llama3_70b", f"cluster={cluster}", "output.alternatives=0"])
+        )
         assert result["feasible"]
 
 
@@ -79,10 +87,17 @@ def test_invalid_numbers_name_the_field():
 
 def test_custom_cluster_and_hf_config(tmp_path):
     config = {
-        "model_type": "llama", "num_hidden_layers": 8, "hidden_size": 512, "num_attention_heads": 8,
-        "num_key_value_heads": 4, "vocab_size": 32000, "intermediate_size": 1024,
+        "model_type": "llama",
+        "num_hidden_layers": 8,
+        "hidden_size": 512,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "vocab_size": 32000,
+        "intermediate_size": 1024,
     }
     (tmp_path / "config.json").write_text(json.dumps(config))
-    cfg = plan_config(["model=hf", f"model.config={tmp_path}", "cluster=custom", "cluster.num_gpus=8", "algorithm=grpo"])
+    cfg = plan_config(
+        ["model=hf", f"model.config={tmp_path}", "cluster=custom", "cluster.num_gpus=8", "algorithm=grpo"]
+    )
     result = plan_from_config(cfg)
     assert result["feasible"] and result["cluster"]["num_gpus"] == 8

@@ -11,7 +11,10 @@ from nereus_lightning.plan.calibration import DEFAULT_EFFICIENCY, OP_CLASSES
 from nereus_lightning.spec import NereusConfigError, Workload, cluster_preset, model_preset
 
 #: A "true machine" whose efficiencies differ from the conservative priors in both directions.
-TRUE = {name: eff for name, eff in zip(OP_CLASSES, (0.8, 0.6, 0.3, 0.9, 0.85, 0.2, 0.7, 0.4, 0.95, 0.35))}
+TRUE = {
+    name: eff
+    for name, eff in zip(OP_CLASSES, (0.8, 0.6, 0.3, 0.9, 0.85, 0.2, 0.7, 0.4, 0.95, 0.35), strict=False)
+}
 
 
 def test_every_class_has_a_conservative_prior():
@@ -48,6 +51,7 @@ def test_predictions_converge_to_a_machine_with_other_efficiencies():
         for op, (pred, meas) in totals.items():
             cal.observe(op, pred, meas)
     final = estimate_plan(plan, models, cluster, workload, cal)
+
     def worst_error(est):
         return max(abs(est.stage_latency[n] / truth.stage_latency[n] - 1) for n in truth.stage_latency)
 

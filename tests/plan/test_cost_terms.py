@@ -8,7 +8,15 @@ import pytest
 
 from nereus_lightning.plan import compute, memory
 from nereus_lightning.plan.calibration import Calibration
-from nereus_lightning.plan.comm import GroupLink, Links, allgather_time, allreduce_time, canonical_links, links_of, p2p_time
+from nereus_lightning.plan.comm import (
+    GroupLink,
+    Links,
+    allgather_time,
+    allreduce_time,
+    canonical_links,
+    links_of,
+    p2p_time,
+)
 from nereus_lightning.plan.cost import (
     HOST_BW,
     StageWork,
@@ -40,7 +48,9 @@ def _work(kind: str, role: str = "actor", model=L8, **kw) -> StageWork:
 def test_kv_cache_llama8b_is_128kib_per_token():
     assert L8.kv_bytes_per_token() == 128 * KIB
     assert memory.kv_cache_bytes(L8, tokens=1, layers=32, tp=1) == 128 * KIB
-    assert memory.kv_cache_bytes(L8, tokens=1000, layers=16, tp=2) == 1000 * 32 * KIB  # half the layers, half the heads
+    assert (
+        memory.kv_cache_bytes(L8, tokens=1000, layers=16, tp=2) == 1000 * 32 * KIB
+    )  # half the layers, half the heads
 
 
 def test_training_state_is_16_bytes_per_param():
@@ -147,7 +157,9 @@ def test_inference_pipeline_bubble_and_offload():
     slot = slot_affine(w, Layout(1, 2), False, links, c).at(2)
     slots = 8 // 2 + 2 - 1  # a + pp - 1
     assert ideal["gemm"] == pytest.approx(slots * slot["gemm"])
-    assert ideal["offload"] == pytest.approx(2 * memory.state_bytes_per_gpu(L8, False, Layout(1, 2)) / HOST_BW)
+    assert ideal["offload"] == pytest.approx(
+        2 * memory.state_bytes_per_gpu(L8, False, Layout(1, 2)) / HOST_BW
+    )
 
 
 def test_latency_divides_by_calibrated_efficiency():
@@ -162,7 +174,9 @@ def test_generation_batch_is_the_largest_that_fits():
     for lay in (Layout(1, 1), Layout(2, 1), Layout(4, 2)):
         b = generation_batch(w, lay, 10_000, cap)
         assert b > 0
-        assert max(rank_peak_memory(w, lay, 1, b, False)) <= cap < max(rank_peak_memory(w, lay, 1, b + 1, False))
+        assert (
+            max(rank_peak_memory(w, lay, 1, b, False)) <= cap < max(rank_peak_memory(w, lay, 1, b + 1, False))
+        )
     assert generation_batch(w, Layout(1, 1), 3, cap) == 3  # never more than the replica's share
 
 

@@ -11,7 +11,14 @@ import pytest
 from nereus_lightning.plan import Calibration, Candidate, Layout, Plan, estimate_plan, job_models, plan_job
 from nereus_lightning.plan.calibration import OP_CLASSES
 from nereus_lightning.plan.comm import canonical_links
-from nereus_lightning.plan.cost import ideal_time, latency, micro_batch_options, rank_peak_memory, replica_sequences, stage_work
+from nereus_lightning.plan.cost import (
+    ideal_time,
+    latency,
+    micro_batch_options,
+    rank_peak_memory,
+    replica_sequences,
+    stage_work,
+)
 from nereus_lightning.plan.memory import memory_cap
 from nereus_lightning.spec import (
     ClusterSpec,
@@ -74,14 +81,27 @@ def _random_instance(rng: random.Random):
     heads = rng.choice([2, 4, 8])
     kv = rng.choice([h for h in (1, 2, 4, 8) if heads % h == 0])
     hidden = heads * rng.choice([16, 32])
-    model = ModelSpec("rand", rng.choice([1, 2, 3, 4, 6]), hidden, heads, kv, rng.choice([256, 1000]), 2 * hidden)
+    model = ModelSpec(
+        "rand", rng.choice([1, 2, 3, 4, 6]), hidden, heads, kv, rng.choice([256, 1000]), 2 * hidden
+    )
     gpn = rng.choice([1, 2, 4, 8])
     num_gpus = rng.randint(1, 16)
     nodes = -(-num_gpus // gpn)
-    memory = rng.choice([0.0004, 0.0008, 0.002, 0.01]) * 1e9 + 1.2 * 2**30  # tight to roomy, above the workspace
+    memory = (
+        rng.choice([0.0004, 0.0008, 0.002, 0.01]) * 1e9 + 1.2 * 2**30
+    )  # tight to roomy, above the workspace
     cluster = ClusterSpec(
-        "rand", nodes, gpn, memory, rng.choice([1e12, 1e14]), rng.choice([1e11, 1e12]), rng.choice([1e10, 1e11]),
-        rng.choice([1e9, 1e10]), 5e-6, 2e-5, num_gpus=num_gpus,
+        "rand",
+        nodes,
+        gpn,
+        memory,
+        rng.choice([1e12, 1e14]),
+        rng.choice([1e11, 1e12]),
+        rng.choice([1e10, 1e11]),
+        rng.choice([1e9, 1e10]),
+        5e-6,
+        2e-5,
+        num_gpus=num_gpus,
     )
     prompts, samples = rng.randint(1, 6), rng.choice([1, 2])
     n = prompts * samples
@@ -115,7 +135,7 @@ def test_planner_matches_brute_force_on_random_instances():
             continue
         assert result.estimate.feasible, result.estimate.violations
         assert result.estimate.step_latency == pytest.approx(expected, rel=1e-9), (cluster, workload)
-        for plan, est in result.alternatives:
+        for _plan, est in result.alternatives:
             assert est.feasible and est.step_latency >= result.estimate.step_latency * (1 - 1e-12)
         compared += 1
     assert compared >= 150 and infeasible >= 5
@@ -132,7 +152,9 @@ def test_more_gpus_never_slower(algorithm):
     workload = Workload(algorithm=algorithm, response_len=2048)
     prev = math.inf
     for gpus in (8, 12, 16, 20, 24, 32, 48, 64):
-        step = plan_job(models, cluster_preset("paper_cluster2").with_gpus(gpus), workload, alternatives=0).estimate.step_latency
+        step = plan_job(
+            models, cluster_preset("paper_cluster2").with_gpus(gpus), workload, alternatives=0
+        ).estimate.step_latency
         assert step <= prev * (1 + 1e-12)
         prev = step
 
@@ -162,7 +184,9 @@ def test_tp_group_spanning_nodes_is_priced_on_the_inter_node_link():
     four = cluster_preset("paper_cluster2").with_gpus(8)  # 4 GPUs per node: TP8 spans two nodes
     eight = cluster_preset("h200x8")
     # Same links otherwise: give the 8-GPU node the 4-GPU node's numbers.
-    eight = ClusterSpec("8x", 1, 8, four.gpu_memory, four.peak_flops, four.hbm_bw, four.intra_bw, four.inter_bw)
+    eight = ClusterSpec(
+        "8x", 1, 8, four.gpu_memory, four.peak_flops, four.hbm_bw, four.intra_bw, four.inter_bw
+    )
     plan = _tp8_plan(workload)
     across = estimate_plan(plan, models, four, workload)
     inside = estimate_plan(plan, models, eight, workload)
@@ -179,7 +203,12 @@ def test_plan_is_consistent_with_its_estimate():
     result = plan_job(models, cluster, workload, alternatives=3)
     assert len(result.alternatives) == 3
     for stage in STAGES:
-        used = [g for n, c in result.plan.items() if workload.stages[[m.name for m in workload.stages].index(n)].stage == stage for g in c.gpus]
+        used = [
+            g
+            for n, c in result.plan.items()
+            if workload.stages[[m.name for m in workload.stages].index(n)].stage == stage
+            for g in c.gpus
+        ]
         assert len(used) == len(set(used)) and all(0 <= g < 64 for g in used)
     again = estimate_plan(result.plan, models, cluster, workload)
     assert again.step_latency == result.estimate.step_latency
@@ -197,7 +226,11 @@ def test_plan_is_consistent_with_its_estimate():
 
 def test_70b_training_on_two_gpus_names_the_binding_constraint():
     with pytest.raises(InfeasiblePlanError) as err:
-        plan_job(job_models(model_preset("llama3_70b")), cluster_preset("paper_cluster2").with_gpus(2), Workload(algorithm="grpo"))
+        plan_job(
+            job_models(model_preset("llama3_70b")),
+            cluster_preset("paper_cluster2").with_gpus(2),
+            Workload(algorithm="grpo"),
+        )
     text = str(err.value)
     assert "actor_train" in text and "GB per GPU" in text and "cap of 57.6 GB" in text
     assert "raise cluster.num_gpus to at least 32" in text
@@ -223,7 +256,11 @@ def test_invalid_plans_and_numbers_are_rejected():
 
 
 def test_estimate_reports_violations_instead_of_raising():
-    models, cluster, workload = job_models(L8), cluster_preset("paper_cluster2").with_gpus(8), Workload(algorithm="grpo")
+    models, cluster, workload = (
+        job_models(L8),
+        cluster_preset("paper_cluster2").with_gpus(8),
+        Workload(algorithm="grpo"),
+    )
     one_gpu = Plan.of({ms.name: Candidate(Layout(1, 1), 1, (0,)) for ms in workload.stages})
     est = estimate_plan(one_gpu, models, cluster, workload)
     assert not est.feasible

@@ -44,7 +44,9 @@ def _with_fields(spec: Any, fields: Mapping[str, Any], kind: str) -> Any:
     valid = {f.name for f in dataclasses.fields(spec)}
     unknown = sorted(set(fields) - valid)
     if unknown:
-        raise NereusConfigError(f"{kind}: unknown field(s) {unknown}; valid fields: {', '.join(sorted(valid))}")
+        raise NereusConfigError(
+            f"{kind}: unknown field(s) {unknown}; valid fields: {', '.join(sorted(valid))}"
+        )
     changes = {k: v for k, v in fields.items() if v is not None}
     return dataclasses.replace(spec, **changes) if changes else spec
 
@@ -56,7 +58,9 @@ def build_model(preset: str | None = None, config: str | None = None, **fields: 
     elif preset:
         spec = model_preset(preset)
     else:
-        raise NereusConfigError("model: set model.preset (a spec.MODEL_PRESETS name) or model.config (a config.json path)")
+        raise NereusConfigError(
+            "model: set model.preset (a spec.MODEL_PRESETS name) or model.config (a config.json path)"
+        )
     return _with_fields(spec, fields, "model")
 
 
@@ -77,7 +81,11 @@ def build_models(
     def other(value: str | None) -> ModelSpec | None:
         if value is None:
             return None
-        return ModelSpec.from_hf_config(value) if ("/" in value or value.endswith(".json")) else model_preset(value)
+        return (
+            ModelSpec.from_hf_config(value)
+            if ("/" in value or value.endswith(".json"))
+            else model_preset(value)
+        )
 
     return job_models(actor, other(critic), other(reference), other(reward))
 
@@ -92,7 +100,9 @@ def build_cluster(preset: str | None = None, num_gpus: int | None = None, **fiel
             spec = ClusterSpec(**given)
         except TypeError as exc:
             valid = ", ".join(f.name for f in dataclasses.fields(ClusterSpec))
-            raise NereusConfigError(f"cluster: a custom cluster needs every field ({exc}); fields: {valid}") from exc
+            raise NereusConfigError(
+                f"cluster: a custom cluster needs every field ({exc}); fields: {valid}"
+            ) from exc
     return spec.with_gpus(int(num_gpus)) if num_gpus is not None else spec
 
 

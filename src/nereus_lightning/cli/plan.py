@@ -107,8 +107,12 @@ def plan_from_config(cfg: DictConfig) -> dict[str, Any]:
     algorithm = workload.algorithm
     out = {
         "models": {role: spec.name for role, spec in models.items()},
-        "cluster": {"name": cluster.name, "num_gpus": cluster.num_gpus, "gpus_per_node": cluster.gpus_per_node,
-                    "gpu_memory_bytes": cluster.gpu_memory},
+        "cluster": {
+            "name": cluster.name,
+            "num_gpus": cluster.num_gpus,
+            "gpus_per_node": cluster.gpus_per_node,
+            "gpu_memory_bytes": cluster.gpu_memory,
+        },
         "workload": {k: getattr(workload, k) for k in workload_cfg if k != "_target_"},
         "memory_cap_bytes": result.estimate.memory_cap,
         **_plan_dict(result.plan, result.estimate, algorithm),
@@ -143,8 +147,14 @@ def render(result: dict[str, Any]) -> None:
         contiguous = gpus == list(range(gpus[0], gpus[-1] + 1))
         span = f"{row['num_gpus']} [{gpus[0]}-{gpus[-1]}]" if contiguous else f"{row['num_gpus']} {gpus}"
         table.add_row(
-            row["model_stage"], str(row["dp"]), str(row["tp"]), str(row["pp"]), span, str(row["micro_batch"]),
-            "yes" if row["recompute"] else "no", f"{row['latency_s']:.2f}",
+            row["model_stage"],
+            str(row["dp"]),
+            str(row["tp"]),
+            str(row["pp"]),
+            span,
+            str(row["micro_batch"]),
+            "yes" if row["recompute"] else "no",
+            f"{row['latency_s']:.2f}",
             f"{row['peak_memory_bytes'] / GB:.1f}/{cap / GB:.1f}",
         )
     console = Console()

@@ -86,15 +86,26 @@ class StageWork:
 def stage_work(ms: ModelStage, models: Mapping[str, ModelSpec], workload: Workload) -> StageWork:
     """The work of model-stage ``ms`` of ``workload`` with the role -> model mapping ``models``."""
     if ms.model not in models:
-        raise NereusConfigError(f"models: no model for role {ms.model!r} (model-stage {ms.name}); give {sorted(models)}")
+        raise NereusConfigError(
+            f"models: no model for role {ms.model!r} (model-stage {ms.name}); give {sorted(models)}"
+        )
     sequences = workload.prompts_per_step if ms.name == "actor_greedy_gen" else workload.sequences_per_step
     if ms.stage == "training" and sequences % workload.mini_batches:
         raise NereusConfigError(
             f"workload.mini_batches: {workload.mini_batches} does not divide the {sequences} sequences per step"
         )
     return StageWork(
-        ms.name, ms.stage, ms.model, models[ms.model], sequences, workload.prompt_len, workload.response_len,
-        workload.response_len_p95, workload.mini_batches, workload.ppo_epochs, workload.micro_batch_min,
+        ms.name,
+        ms.stage,
+        ms.model,
+        models[ms.model],
+        sequences,
+        workload.prompt_len,
+        workload.response_len,
+        workload.response_len_p95,
+        workload.mini_batches,
+        workload.ppo_epochs,
+        workload.micro_batch_min,
         workload.micro_batch_max,
     )
 
@@ -174,7 +185,13 @@ class Affine:
         _add(out, dict(self.fixed))
         _add(out, dict(self.per_seq), n)
         if self.steps:
-            _add(out, {"decode": self.steps * max(self.decode_flops * n, self.decode_fixed + self.decode_per_seq * n)})
+            _add(
+                out,
+                {
+                    "decode": self.steps
+                    * max(self.decode_flops * n, self.decode_fixed + self.decode_per_seq * n)
+                },
+            )
         return out
 
 
@@ -187,28 +204,52 @@ def _affine(parts: list[tuple[str, float, float]], **decode: float) -> Affine:
     return Affine(tuple(fixed.items()), tuple(per_seq.items()), **decode)  # type: ignore[arg-type]
 
 
-def _comm_part(collective: str, link: GroupLink, times: float, fn, bytes_per_seq: float) -> tuple[str, float, float]:
+def _comm_part(
+    collective: str, link: GroupLink, times: float, fn, bytes_per_seq: float
+) -> tuple[str, float, float]:
     """A collective of ``bytes_per_seq * n`` bytes as (class, fixed, per-sequence) seconds."""
     one, two = fn(bytes_per_seq), fn(2 * bytes_per_seq)
     return op_class(collective, link.inter), times * (2 * one - two), times * (two - one)
 
 
 @lru_cache(maxsize=1 << 14)
-def slot_affine(work: StageWork, layout: Layout, recompute: bool, links: Links, cluster: ClusterSpec) -> Affine:
+def slot_affine(
+    work: StageWork, layout: Layout, recompute: bool, links: Links, cluster: ClusterSpec
+) -> Affine:
     """One micro-batch through the slowest pipeline stage (training: fwd + bwd; inference: fwd)."""
     model, tp = work.model, layout.tp
     layers, head = _pipeline_stage(work, layout.pp)
     tokens = work.mean_len  # per sequence
     mult = compute.training_multiplier(recompute) if work.trains else 1.0
     gemm = mult * tokens * compute.gemm_flops_per_token(model, layers, head) / tp / cluster.peak_flops
-    attn = mult * tokens * compute.attention_flops_per_token(model, layers, work.mean_len / 2) / tp / cluster.peak_flops
+    attn = (
+        mult
+        * tokens
+        * compute.attention_flops_per_token(model, layers, work.mean_len / 2)
+        / tp
+        / cluster.peak_flops
+    )
     act = tokens * model.hidden * model.dtype_bytes
-    passes = (4 if recompute else 3) if work.trains else 1  # forward-like passes, 2 all-reduces per block each
+    passes = (
+        (4 if recompute else 3) if work.trains else 1
+    )  # forward-like passes, 2 all-reduces per block each
     parts = [("gemm", 0.0, gemm), ("attention", 0.0, attn)]
     if tp > 1:
-        parts.append(_comm_part("allreduce", links.tp, 2 * layers * passes, lambda b: allreduce_time(b, tp, links.tp, cluster), act))
+        parts.append(
+            _comm_part(
+                "allreduce",
+                links.tp,
+                2 * layers * passes,
+                lambda b: allreduce_time(b, tp, links.tp, cluster),
+                act,
+            )
+        )
     if layout.pp > 1:
-        parts.append(_comm_part("p2p", links.pp, 2 if work.trains else 1, lambda b: p2p_time(b, links.pp, cluster), act))
+        parts.append(
+            _comm_part(
+                "p2p", links.pp, 2 if work.trains else 1, lambda b: p2p_time(b, links.pp, cluster), act
+            )
+        )
     return _affine(parts)
 
 
@@ -222,7 +263,9 @@ def wave_affine(work: StageWork, layout: Layout, links: Links, cluster: ClusterS
     attn = P * compute.attention_flops_per_token(model, L, P / 2) / tp / peak
     steps = math.ceil(work.response_len_p95)
     context = work.prompt_len + work.response_len / 2
-    flops = compute.gemm_flops_per_token(model, L, True) + compute.attention_flops_per_token(model, L, context)
+    flops = compute.gemm_flops_per_token(model, L, True) + compute.attention_flops_per_token(
+        model, L, context
+    )
     parts = [("gemm", 0.0, gemm), ("attention", 0.0, attn)]
     if tp > 1:
         allreduce = lambda b: allreduce_time(b, tp, links.tp, cluster)  # noqa: E731
@@ -241,7 +284,9 @@ def wave_affine(work: StageWork, layout: Layout, links: Links, cluster: ClusterS
     )
 
 
-def _slot(work: StageWork, layout: Layout, micro_batch: int, recompute: bool, links: Links, cluster: ClusterSpec) -> Ideal:
+def _slot(
+    work: StageWork, layout: Layout, micro_batch: int, recompute: bool, links: Links, cluster: ClusterSpec
+) -> Ideal:
     """One micro-batch of ``micro_batch`` sequences through the slowest pipeline stage."""
     return slot_affine(work, layout, recompute, links, cluster).at(micro_batch)
 
@@ -260,12 +305,21 @@ def _optimizer_step(work: StageWork, layout: Layout, dp: int, links: Links, clus
     """Per optimizer step: DP gradient all-reduce (weight dtype) and the HBM-bound AdamW update."""
     params = memory.max_stage_params(work.model, layout.pp) / layout.tp
     step: Ideal = {"decode": params * ADAMW_BYTES_PER_PARAM / cluster.hbm_bw}
-    _add(step, _comm("allreduce", links.dp, allreduce_time(params * work.model.dtype_bytes, dp, links.dp, cluster)))
+    _add(
+        step,
+        _comm("allreduce", links.dp, allreduce_time(params * work.model.dtype_bytes, dp, links.dp, cluster)),
+    )
     return step
 
 
 def ideal_time(
-    work: StageWork, layout: Layout, dp: int, micro_batch: int, recompute: bool, links: Links, cluster: ClusterSpec
+    work: StageWork,
+    layout: Layout,
+    dp: int,
+    micro_batch: int,
+    recompute: bool,
+    links: Links,
+    cluster: ClusterSpec,
 ) -> Ideal:
     """Ideal seconds per operation class for one RL step of ``work`` under this candidate."""
     per_replica = replica_sequences(work, dp)
@@ -297,7 +351,9 @@ def latency(ideal: Mapping[str, float], calibration: Calibration | None = None) 
     return sum(seconds / cal.efficiency(name) for name, seconds in ideal.items())
 
 
-def rank_peak_memory(work: StageWork, layout: Layout, dp: int, micro_batch: int, recompute: bool) -> tuple[float, ...]:
+def rank_peak_memory(
+    work: StageWork, layout: Layout, dp: int, micro_batch: int, recompute: bool
+) -> tuple[float, ...]:
     """Peak bytes on one GPU of each pipeline stage (index = pp rank)."""
     per_replica = replica_sequences(work, dp) or 1
     if work.kind == "generation":
@@ -310,16 +366,28 @@ def rank_peak_memory(work: StageWork, layout: Layout, dp: int, micro_batch: int,
 
 @lru_cache(maxsize=1 << 16)
 def _rank_memory(
-    work: StageWork, layout: Layout, batch: int, recompute: bool, micro_batches: int, ranks: tuple[int, ...] | None = None
+    work: StageWork,
+    layout: Layout,
+    batch: int,
+    recompute: bool,
+    micro_batches: int,
+    ranks: tuple[int, ...] | None = None,
 ) -> tuple[float, ...]:
     model = work.model
     ranks = tuple(range(layout.pp)) if ranks is None else ranks
     if work.kind == "generation":
-        return tuple(memory.generation_peak_bytes(model, layout, r, batch, work.prompt_len, work.max_len) for r in ranks)
+        return tuple(
+            memory.generation_peak_bytes(model, layout, r, batch, work.prompt_len, work.max_len)
+            for r in ranks
+        )
     if work.kind == "inference":
-        return tuple(memory.inference_peak_bytes(model, layout, r, batch, work.max_len, work.lm_head) for r in ranks)
+        return tuple(
+            memory.inference_peak_bytes(model, layout, r, batch, work.max_len, work.lm_head) for r in ranks
+        )
     return tuple(
-        memory.training_peak_bytes(model, layout, r, batch, work.max_len, micro_batches, recompute, work.lm_head)
+        memory.training_peak_bytes(
+            model, layout, r, batch, work.max_len, micro_batches, recompute, work.lm_head
+        )
         for r in ranks
     )
 
@@ -336,7 +404,9 @@ def peak_memory(work: StageWork, layout: Layout, dp: int, micro_batch: int, reco
         return max(_rank_memory(work, layout, min(micro_batch, share), False, 0, ends))
     if work.kind == "inference":
         return max(_rank_memory(work, layout, micro_batch, False, 0, ends))
-    return max(_rank_memory(work, layout, micro_batch, recompute, min(-(-share // micro_batch), layout.pp), ends))
+    return max(
+        _rank_memory(work, layout, micro_batch, recompute, min(-(-share // micro_batch), layout.pp), ends)
+    )
 
 
 @lru_cache(maxsize=1 << 14)
@@ -351,7 +421,7 @@ def generation_batch(work: StageWork, layout: Layout, per_replica: int, cap: flo
     base = _rank_memory(work, layout, 0, False, 0, ends)
     one = _rank_memory(work, layout, 1, False, 0, ends)
     fit = per_replica
-    for b0, b1 in zip(base, one):
+    for b0, b1 in zip(base, one, strict=False):
         fit = min(fit, int((cap - b0) // (b1 - b0)) if cap >= b0 else -1)
     while fit > 0 and max(_rank_memory(work, layout, fit, False, 0, ends)) > cap:
         fit -= 1
@@ -365,5 +435,12 @@ def clear_cost_caches() -> None:
     """Drop every memoised cost piece (benchmarks measure cold planning; long simulations bound memory)."""
     from nereus_lightning.plan import comm
 
-    for cached in (slot_affine, wave_affine, _rank_memory, generation_batch, comm.canonical_links, memory._layer_params):
+    for cached in (
+        slot_affine,
+        wave_affine,
+        _rank_memory,
+        generation_batch,
+        comm.canonical_links,
+        memory._layer_params,
+    ):
         cached.cache_clear()

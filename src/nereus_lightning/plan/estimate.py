@@ -65,7 +65,9 @@ def estimate_plan(
     missing = [n for n in names if n not in plan]
     extra = [n for n in plan if n not in names]
     if missing or extra:
-        raise NereusConfigError(f"plan: model-stages must be exactly {names}; missing {missing}, unknown {extra}")
+        raise NereusConfigError(
+            f"plan: model-stages must be exactly {names}; missing {missing}, unknown {extra}"
+        )
     cap = memory_cap(cluster)
     violations: list[str] = []
     stage_latency: dict[str, float] = {}
@@ -91,10 +93,12 @@ def estimate_plan(
         ranks = rank_peak_memory(work, cand.layout, cand.dp, cand.micro_batch, cand.recompute)
         worst = stage_memory[ms.name] = max(ranks)
         if worst > cap:
-            violations.append(f"{ms.name}: {worst / 1e9:.1f} GB per GPU exceeds the cap {cap / 1e9:.1f} GB ({cand.describe()})")
+            violations.append(
+                f"{ms.name}: {worst / 1e9:.1f} GB per GPU exceeds the cap {cap / 1e9:.1f} GB ({cand.describe()})"
+            )
         tp = cand.layout.tp
         per_gpu = [ranks[p] for _ in range(cand.dp) for p in range(cand.layout.pp) for _ in range(tp)]
-        for g, value in zip(cand.gpus, per_gpu):
+        for g, value in zip(cand.gpus, per_gpu, strict=False):
             if value > peak.get(g, 0.0):
                 peak[g] = value
     phase: dict[str, float] = {}

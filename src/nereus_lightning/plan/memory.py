@@ -46,7 +46,9 @@ def stage_params(model: ModelSpec, pp: int, pp_rank: int) -> int:
     if pp_rank == 0:
         params += model.embedding_params
     if pp_rank == pp - 1:
-        params += model.hidden + (model.lm_head_params if not model.tie_embeddings or pp == 1 else model.embedding_params)
+        params += model.hidden + (
+            model.lm_head_params if not model.tie_embeddings or pp == 1 else model.embedding_params
+        )
     return params
 
 
@@ -98,7 +100,9 @@ def training_activation_bytes(
     """Activations of a 1F1B pipeline stage holding ``in_flight`` micro-batches of ``tokens`` tokens."""
     if recompute:
         kept = in_flight * tokens * layers * checkpoint_bytes_per_token_layer(model)
-        return (kept + tokens * activation_bytes_per_token_layer(model)) / tp  # one block recomputed at a time
+        return (
+            kept + tokens * activation_bytes_per_token_layer(model)
+        ) / tp  # one block recomputed at a time
     return in_flight * tokens * layers * activation_bytes_per_token_layer(model) / tp
 
 
@@ -138,7 +142,9 @@ def inference_peak_bytes(
     return total
 
 
-def generation_peak_bytes(model: ModelSpec, layout: Layout, pp_rank: int, batch: int, prompt_len: int, max_len: float) -> float:
+def generation_peak_bytes(
+    model: ModelSpec, layout: Layout, pp_rank: int, batch: int, prompt_len: int, max_len: float
+) -> float:
     """Peak bytes on one GPU of stage ``pp_rank`` while decoding ``batch`` sequences of up to ``max_len`` tokens.
 
     Weights, the full KV cache, the prefill's live block activations and last-token logits.

@@ -33,12 +33,12 @@ from nereus_lightning.plan.cost import (
     _offload,
     _optimizer_step,
     generation_batch,
-    slot_affine,
-    wave_affine,
     micro_batch_options,
     peak_memory,
     replica_sequences,
+    slot_affine,
     stage_work,
+    wave_affine,
 )
 from nereus_lightning.plan.estimate import PlanEstimate, estimate_plan
 from nereus_lightning.plan.layout import Candidate, Layout, Plan
@@ -52,10 +52,18 @@ ROLES = ("actor", "critic", "reference", "reward")
 
 
 def job_models(
-    actor: ModelSpec, critic: ModelSpec | None = None, reference: ModelSpec | None = None, reward: ModelSpec | None = None
+    actor: ModelSpec,
+    critic: ModelSpec | None = None,
+    reference: ModelSpec | None = None,
+    reward: ModelSpec | None = None,
 ) -> dict[str, ModelSpec]:
     """The role -> model mapping of an RL job; missing roles use the actor's architecture."""
-    return {"actor": actor, "critic": critic or actor, "reference": reference or actor, "reward": reward or actor}
+    return {
+        "actor": actor,
+        "critic": critic or actor,
+        "reference": reference or actor,
+        "reward": reward or actor,
+    }
 
 
 @dataclass(frozen=True)
@@ -128,7 +136,14 @@ class _Scalars:
         """(fixed, per_seq, steps/eff_decode, decode_flops, decode_fixed, decode_per_seq) in calibrated seconds."""
         fixed = sum(v / self.eff[c] for c, v in piece.fixed)
         per_seq = sum(v / self.eff[c] for c, v in piece.per_seq)
-        return fixed, per_seq, piece.steps / self.eff["decode"], piece.decode_flops, piece.decode_fixed, piece.decode_per_seq
+        return (
+            fixed,
+            per_seq,
+            piece.steps / self.eff["decode"],
+            piece.decode_flops,
+            piece.decode_fixed,
+            piece.decode_per_seq,
+        )
 
 
 def _at(coef: tuple[float, float, float, float, float, float], n: int) -> float:
@@ -219,8 +234,17 @@ def frontier(options: list[Option]) -> list[Option]:
 def _fill_peaks(work: StageWork, front: list[Option]) -> list[Option]:
     """Generation options are priced without their peak memory (the batch fits by construction)."""
     return [
-        o if o.peak_memory >= 0 else Option(o.gpus, o.latency, o.layout, o.dp, o.micro_batch, o.recompute,
-                                            peak_memory(work, o.layout, o.dp, o.micro_batch, o.recompute))
+        o
+        if o.peak_memory >= 0
+        else Option(
+            o.gpus,
+            o.latency,
+            o.layout,
+            o.dp,
+            o.micro_batch,
+            o.recompute,
+            peak_memory(work, o.layout, o.dp, o.micro_batch, o.recompute),
+        )
         for o in front
     ]
 
@@ -277,7 +301,9 @@ def assign_gpus(selection: Mapping[str, Option], stage_of: Mapping[str, str], or
         offset = 0
         for n in members:
             o = selection[n]
-            cands[n] = Candidate(o.layout, o.dp, tuple(range(offset, offset + o.gpus)), o.micro_batch, o.recompute)
+            cands[n] = Candidate(
+                o.layout, o.dp, tuple(range(offset, offset + o.gpus)), o.micro_batch, o.recompute
+            )
             offset += o.gpus
     return Plan.of({n: cands[n] for n in order})
 
@@ -356,10 +382,18 @@ def diagnose_memory(work: StageWork, cluster: ClusterSpec, budget: int, cap: flo
     inside = [(_least_memory(work, lay), lay) for lay in layouts_for(work.model, budget)]
     best = min(inside, key=lambda x: x[0], default=None)
     fits = next(
-        (lay for lay in sorted(layouts_for(work.model, 1 << 20), key=lambda l: l.size) if _least_memory(work, lay) <= cap),
+        (
+            lay
+            for lay in sorted(layouts_for(work.model, 1 << 20), key=lambda lay: lay.size)
+            if _least_memory(work, lay) <= cap
+        ),
         None,
     )
-    need = f"{best[0] / 1e9:.1f} GB per GPU at its best layout {best[1]}" if best else "more GPUs than the pool has"
+    need = (
+        f"{best[0] / 1e9:.1f} GB per GPU at its best layout {best[1]}"
+        if best
+        else "more GPUs than the pool has"
+    )
     hint = (
         f"it would fit on {fits.size} GPUs ({fits}); raise cluster.num_gpus to at least {fits.size}"
         if fits
