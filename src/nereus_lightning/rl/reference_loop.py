@@ -120,6 +120,7 @@ def build_models(cfg: RLConfig, model_config: Any | None = None) -> RLModels:
     if cfg.uses_critic:
         critic_config = copy.deepcopy(model_config)
         critic_config.num_labels = 1
+        critic_config.classifier_dropout = 0.0  # the head's default dropout would make values random
         models.critic = LlamaForTokenClassification(critic_config)
         models.critic_optim = torch.optim.AdamW(models.critic.parameters(), lr=cfg.critic_lr, weight_decay=0.0)
     return models
@@ -205,9 +206,8 @@ def update_actor(actor: nn.Module, optim: torch.optim.Optimizer, batch: RolloutB
                     m.update(km)
                 loss.backward()
                 share = mask.sum() / mini.response_mask.sum().clamp_min(1)
-                for name in ("actor/pg_clipfrac", "actor/ppo_kl", "actor/kl"):  # token-weighted means
-                    if name in m:
-                        m[name] = m[name] * share
+                for name in ("actor/pg_clipfrac", "actor/ppo_kl"):  # per-micro means -> token-weighted
+                    m[name] = m[name] * share
                 _accumulate(sums, m, 1.0 / (cfg.ppo_epochs * cfg.mini_batches))
             grad_norm = torch.nn.utils.clip_grad_norm_(actor.parameters(), cfg.grad_clip)
             optim.step()
