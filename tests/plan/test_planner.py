@@ -271,3 +271,23 @@ def test_estimate_reports_violations_instead_of_raising():
 def test_job_models_defaults_to_the_actor():
     models = job_models(L8, reward=model_preset("qwen3_14b"))
     assert models["critic"] is L8 and models["reference"] is L8 and models["reward"].name == "Qwen3-14B"
+
+
+def test_nodes_that_are_not_a_power_of_two():
+    cluster = ClusterSpec("six", 3, 6, 80e9, 989e12, 3.35e12, 450e9, 50e9, num_gpus=18)
+    result = plan_job(job_models(L8), cluster, Workload(algorithm="grpo"))
+    assert result.estimate.feasible
+    assert (
+        result.estimate.step_latency
+        == estimate_plan(result.plan, job_models(L8), cluster, Workload(algorithm="grpo")).step_latency
+    )
+    assert all(result.estimate.step_latency <= est.step_latency for _, est in result.alternatives)
+
+
+def test_plan_package_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, nereus_lightning.plan, nereus_lightning.spec; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "False"

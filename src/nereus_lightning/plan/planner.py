@@ -363,6 +363,9 @@ def plan_job(
         selection = {n: o for pick in combo for n, o in pick.items()}
         plan = assign_gpus(selection, stage_of, order)
         results.append((plan, estimate_plan(plan, models, cluster, workload, calibration)))
+    # On power-of-two nodes the concrete estimate equals the search's objective; elsewhere a
+    # placement can cost more than its shape promised, so order by the concrete estimate.
+    results.sort(key=lambda r: (not r[1].feasible, r[1].step_latency))
     best, rest = results[0], tuple(results[1:])
     return PlanResult(best[0], best[1], rest)
 
