@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
@@ -151,3 +153,36 @@ def test_cost_shares_a_nic() -> None:
     assert double.cost == pytest.approx(CLUSTER.comm_setup + 2 * nic + CLUSTER.inter_latency)
     sched = schedule(double)
     assert sched.makespan == double.cost and len(sched.critical_path) >= 1
+
+
+def test_validation_catches_a_missing_resource_edge() -> None:
+    cur = plan(ref_infer=cand(1, 1, (0,)), critic_infer=cand(1, 1, (1,)))
+    tgt = plan(ref_infer=cand(1, 1, (1,)), critic_infer=cand(1, 1, (2,)))
+    dag = build_transition(cur, tgt, MODELS, CLUSTER, PPO)
+    broken = copy.deepcopy(dag)
+    for n in broken.nodes:
+        n.deps = [d for d in n.deps if d not in n.resource_deps]
+    report = validate(broken)
+    assert not report.valid and "gpu conflict" in report.kinds()
+
+
+def test_validation_catches_destroying_the_last_copy_first() -> None:
+    cur = plan(critic_train=cand(2, 1, (0, 1)))
+    tgt = plan(critic_train=cand(2, 1, (8, 9)))
+    dag = copy.deepcopy(build_transition(cur, tgt, MODELS, CLUSTER, PPO))
+    extend, destroy = dag.nodes
+    destroy.deps, destroy.id, extend.id = [], 0, 1
+    extend.deps = []
+    dag.nodes = [destroy, extend]
+    report = validate(dag)
+    assert not report.valid and {"last copy", "structure"} <= report.kinds()
+
+
+def test_validation_catches_memory_overflow() -> None:
+    cur = plan(actor_gen=cand(1, 1, (0, 1)), actor_train=cand(2, 1, (2, 3)))
+    tgt = plan(actor_gen=cand(1, 1, (4, 5)), actor_train=cand(2, 1, (0, 1)))
+    dag = copy.deepcopy(build_transition(cur, tgt, MODELS, with_memory(85), PPO))
+    for n in dag.nodes:
+        n.deps = [d for d in n.deps if d not in n.resource_deps]
+    report = validate(dag)
+    assert not report.valid and report.kinds() & {"memory", "memory (concurrent)"}

@@ -23,6 +23,7 @@ from __future__ import annotations
 import heapq
 from collections import defaultdict
 from collections.abc import Mapping
+from dataclasses import replace
 from functools import lru_cache
 
 from nereus_lightning.plan.layout import Candidate, Layout, Plan
@@ -96,9 +97,9 @@ def make_context(
         for layout in (a, b, common_layout(a, b)):
             unit_memory[(name, layout)] = state_bytes_per_gpu(models[ms.model], ms.trains, layout)
     ctx = TransitionContext(current, target, stages, dict(models), cluster, workload, unit_memory)
-    for label, plan in (("current", current), ("target", target)):
-        _check_plan(label, plan, ctx)
-    return ctx
+    resident = _check_plan("current", current, ctx)
+    _check_plan("target", target, ctx)
+    return replace(ctx, current_memory=tuple(resident))
 
 
 def resident_memory(plan: Plan, ctx: TransitionContext) -> list[float]:
@@ -111,8 +112,8 @@ def resident_memory(plan: Plan, ctx: TransitionContext) -> list[float]:
     return mem
 
 
-def _check_plan(label: str, plan: Plan, ctx: TransitionContext) -> None:
-    """GPU ids exist, same-stage model-stages are disjoint, resident state fits."""
+def _check_plan(label: str, plan: Plan, ctx: TransitionContext) -> list[float]:
+    """GPU ids exist, same-stage model-stages are disjoint, resident state fits; returns it per GPU."""
     n = ctx.cluster.num_gpus
     used: dict[str, dict[int, str]] = defaultdict(dict)
     for name, cand in plan.items():
@@ -138,6 +139,7 @@ def _check_plan(label: str, plan: Plan, ctx: TransitionContext) -> None:
             f"{label} plan does not fit on GPU {g}: {top / GB:.1f} GB resident ({', '.join(holders)}) "
             f"> cap {cap / GB:.1f} GB"
         )
+    return mem
 
 
 def union_of_local_dags(ctx: TransitionContext) -> list[Node]:
@@ -171,7 +173,7 @@ def _order_with_resource_edges(nodes: list[Node], ctx: TransitionContext) -> lis
             count = holders[name] = [0] * n_gpus
             for g in cand.gpus:
                 count[g] += 1
-    base = resident_memory(ctx.current, ctx)
+    base = list(ctx.current_memory) or resident_memory(ctx.current, ctx)
     worst = base[:]
     for node in nodes:
         for g, net, transient in node.mem:

@@ -108,6 +108,7 @@ class TransitionContext:
     cluster: ClusterSpec
     workload: Workload
     unit_memory: Mapping[tuple[str, Layout], float]  # per-GPU resident bytes of one unit
+    current_memory: tuple[float, ...] = ()  # resident bytes per GPU under ``current``
 
     def memory_of(self, model_stage: str, layout: Layout) -> float:
         """Per-GPU bytes one unit of ``model_stage`` under ``layout`` keeps resident."""

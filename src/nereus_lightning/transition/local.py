@@ -137,17 +137,21 @@ def local_dag(
     # T_sub units each current unit would split into, indexed by their GPU tuple: the target's
     # strided slots when they tile the unit exactly (then Merge or nothing follows in place),
     # else the position-wise split.
-    slot_at = {g: t for v in tgt_units for t in (f(v.gpus) for f in pick_b) for g in t}
     split_into: list[list[tuple[int, ...]]] = []
     where: dict[tuple[int, ...], tuple[int, int]] = {}
-    for i, u in enumerate(cur_units):
-        mine = set(u.gpus)
-        tiles = list(dict.fromkeys(slot_at[g] for g in u.gpus if g in slot_at))
-        if a == s or not (sum(map(len, tiles)) == len(mine) and all(mine.issuperset(t) for t in tiles)):
-            tiles = [f(u.gpus) for f in pick_a]
-        split_into.append(tiles)
-        for j, t in enumerate(tiles):
-            where[t] = (i, j)
+    if a == s:
+        split_into = [[u.gpus] for u in cur_units]
+        where = {u.gpus: (i, 0) for i, u in enumerate(cur_units)}
+    else:
+        slot_at = {g: t for v in tgt_units for t in (f(v.gpus) for f in pick_b) for g in t}
+        for i, u in enumerate(cur_units):
+            mine = set(u.gpus)
+            tiles = list(dict.fromkeys(slot_at[g] for g in u.gpus if g in slot_at))
+            if not (sum(map(len, tiles)) == len(mine) and all(mine.issuperset(t) for t in tiles)):
+                tiles = [f(u.gpus) for f in pick_a]
+            split_into.append(tiles)
+            for j, t in enumerate(tiles):
+                where[t] = (i, j)
     sub_at = {g: t for t in where for g in t}  # the T_sub unit each current GPU would be part of
     slots = [_slots_of(v, b, s, pick_b, where, sub_at) for v in tgt_units]  # per target unit, its Merge inputs
     reused = {t for row in slots for t in row if t in where}
@@ -160,30 +164,31 @@ def local_dag(
 
     # Plan the Extends first, so that Split keeps only the T_sub units that are used: the slot's
     # node first (chaining inside the node), then the least-loaded source, reused ones on ties.
-    node_of = cluster.node_of
+    gpn = cluster.gpus_per_node
     candidates = [t for i in split_units for t in split_into[i]]
     load: dict[tuple[int, ...], int] = {t: 0 for t in candidates}
     local: dict[int, list[tuple[int, ...]]] = defaultdict(list)
     for t in candidates:
-        local[node_of(t[0])].append(t)
+        local[t[0] // gpn].append(t)
     extends: list[tuple[tuple[int, ...], tuple[int, ...]]] = []  # (source, slot)
     # Across nodes: the source whose node has sent least so far (spread over NICs), then by load.
     sent: dict[int, int] = defaultdict(int)
     remote = [(0, 0, t not in reused, k, t) for k, t in enumerate(candidates)]  # a lazy heap
     for slot in missing:
-        pool = local.get(node_of(slot[0]))
+        node = slot[0] // gpn
+        pool = local.get(node)
         if pool:
-            src = min(pool, key=lambda t: (load[t], t not in reused))
+            src = min(pool, key=lambda t: (load[t], t not in reused)) if len(pool) > 1 else pool[0]
         else:
-            while (remote[0][0], remote[0][1]) != (sent[node_of(remote[0][4][0])], load[remote[0][4]]):
+            while (remote[0][0], remote[0][1]) != (sent[remote[0][4][0] // gpn], load[remote[0][4]]):
                 _, _, r, k, t = heapq.heappop(remote)
-                heapq.heappush(remote, (sent[node_of(t[0])], load[t], r, k, t))
+                heapq.heappush(remote, (sent[t[0] // gpn], load[t], r, k, t))
             src = remote[0][4]
-            sent[node_of(src[0])] += 1
+            sent[src[0] // gpn] += 1
         load[src] += 1
         extends.append((src, slot))
         load[slot] = 0
-        local[node_of(slot[0])].append(slot)
+        local[node].append(slot)
     kept = reused | {src for src, _ in extends if src in where}
 
     nodes: list[Node] = []
@@ -201,7 +206,8 @@ def local_dag(
             u = cur_units[i]
             subs = [t for t in split_into[i] if t in kept]
             index = {g: x for x, g in enumerate(u.gpus)}
-            tiles = tuple(tuple(index[g] for g in t) for t in subs)
+            at = index.__getitem__
+            tiles = tuple(tuple(map(at, t)) for t in subs)
             ug = u.gpus
             transfers = [_new(Transfer, (ug[sx], ug[dx], size, piece)) for sx, dx, size, piece in _split_pattern(geo, a, s, tiles)]
             stays = {g for t in subs for g in t}
@@ -236,7 +242,8 @@ def local_dag(
         if b == s and row[0] == v.gpus:
             continue
         index = {g: x for x, g in enumerate(v.gpus)}
-        tiles = tuple(tuple(index[g] for g in t) for t in row)
+        at = index.__getitem__
+        tiles = tuple(tuple(map(at, t)) for t in row)
         vg = v.gpus
         transfers = [_new(Transfer, (vg[sx], vg[dx], size, piece)) for sx, dx, size, piece in _merge_pattern(geo, s, b, tiles)]
         # A Merge consumes its inputs: after whatever created them and every Extend that reads them.
@@ -260,10 +267,12 @@ def _slots_of(
     GPUs lack), then new slots for Extend on the rest, each GPU at the sub-position whose shard
     contains its target shard where possible.
     """
-    row = [f(v.gpus) for f in pick_b]
-    if all(t in where for t in row):
-        return row  # the common case: every strided slot already exists
-    row = [t for t in row if t in where]
+    strided = [f(v.gpus) for f in pick_b]
+    row = [t for t in strided if t in where]
+    if len(row) == len(strided):
+        return row  # every strided slot already exists
+    if not row and all(g not in sub_at for g in v.gpus):
+        return strided  # nothing of this model-stage inside: Extend onto the strided slots
     inside = set(v.gpus)
     covered = {g for t in row for g in t}
     if len(covered) < len(inside):
@@ -284,7 +293,7 @@ def _slots_of(
         slot = []
         for q in range(s.size):
             src = queues[q] if queues[q] else next(qq for qq in queues if qq)
-            slot.append(src.pop(0))
+            slot.append(src.pop())
         row.append(tuple(slot))
     return row
 

@@ -19,6 +19,7 @@ import random
 from collections import defaultdict
 from dataclasses import dataclass
 
+from nereus_lightning.plan.layout import Plan
 from nereus_lightning.plan.memory import memory_cap
 from nereus_lightning.transition.dag import Node, Primitive, TransitionDAG, Unit
 
@@ -68,9 +69,18 @@ def _structure(dag: TransitionDAG) -> list[str]:
     return out
 
 
+def _units(plan: Plan) -> dict[str, set[Unit]]:
+    """The units of every model-stage of ``plan``."""
+    new = tuple.__new__
+    out = {}
+    for name, c in plan.items():
+        size, gpus = c.layout.size, c.gpus
+        out[name] = {new(Unit, (c.layout, gpus[i : i + size])) for i in range(0, len(gpus), size)}
+    return out
+
+
 def _initial(dag: TransitionDAG) -> dict[str, set[Unit]]:
-    ctx = dag.context
-    return {name: {Unit(c.layout, c.replica_gpus(i)) for i in range(c.dp)} for name, c in ctx.current.items()}
+    return _units(dag.context.current)
 
 
 class _Gpus:
@@ -141,8 +151,7 @@ def _replay(dag: TransitionDAG, order: list[Node], problems: list[str], label: s
             problems.append(f"last copy{label}: {n.model_stage} has no unit left after {n}")
         problems.extend(f"gpu conflict{label}: {p}" for p in gpus.acquire(n))
         gpus.release(n)
-    for name, cand in ctx.target.items():
-        want = {Unit(cand.layout, cand.replica_gpus(i)) for i in range(cand.dp)}
+    for name, want in _units(ctx.target).items():
         if alive[name] != want:
             problems.append(f"structure{label}: {name} ends with {sorted(map(str, alive[name]))}, not the target")
     return peak
