@@ -150,3 +150,16 @@ def test_calibration_loop_observes_op_classes_and_transitions():
     assert ctl.step(sig(1, length=2000)).kind == "transition"
     ctl.step(sig(2, length=2000, transition_time=4.0))  # measured twice the prediction
     assert ctl.transition_scale == pytest.approx(1.5)  # EMA with alpha 0.5
+
+
+def test_restart_without_any_plan_waits_then_restarts():
+    small = gen_plan(1, 2)
+    backend = FakeBackend([], {A: 10.0, small: 20.0})
+    ctl = make(backend)
+    ctl.step(sig(0))
+    d = ctl.step(sig(1, gpus=2))  # lost GPUs 2-7, nothing fits: checkpoint and wait
+    assert d.kind == "restart" and d.target is None and "wait for GPUs" in d.reason
+    assert ctl.step(sig(2, gpus=2)).kind == "wait"
+    backend.candidates = [small]
+    d = ctl.step(sig(3, gpus=2))
+    assert d.kind == "restart" and d.target == small and ctl.plan == small

@@ -41,7 +41,7 @@ def test_oracle_bounds_every_policy(tiny_run):
     oracle = comp.records["oracle"]
     for name, recs in comp.records.items():
         assert all(r.feasible for r in recs), name
-        for r, o in zip(recs, oracle):
+        for r, o in zip(recs, oracle, strict=False):
             assert r.step_s >= o.step_s * 0.999, (name, r.step)  # same noise, oracle plans with the truth
 
 
@@ -49,7 +49,7 @@ def test_gamma_zero_never_transitions_without_urgency(tiny_run):
     _, trace, res = tiny_run
     by_gamma = {r["gamma"]: r for r in res["gamma_sweep"]}
     # This trace only grows or loses unused GPUs... any gamma=0 move must have been a revocation.
-    drops = sum(1 for a, b in zip(trace.num_gpus, trace.num_gpus[1:]) if b < a)
+    drops = sum(1 for a, b in zip(trace.num_gpus, trace.num_gpus[1:], strict=False) if b < a)
     assert by_gamma[0.0]["transitions"] <= drops
     assert by_gamma[2.0]["mean_step_s"] < by_gamma[0.0]["mean_step_s"]
     assert res["best_gamma"] in by_gamma

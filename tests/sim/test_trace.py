@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 
 from nereus_lightning.control import load_spot_trace
-from nereus_lightning.sim.trace import SPOT_TRACES, DriftTrace, build_trace, length_curve, long_trace, paper_trace, spot_trace_path
+from nereus_lightning.sim.trace import (
+    SPOT_TRACES,
+    DriftTrace,
+    build_trace,
+    length_curve,
+    long_trace,
+    paper_trace,
+    spot_trace_path,
+)
 from nereus_lightning.spec.errors import NereusConfigError
 
 
@@ -47,4 +55,4 @@ def test_noise_is_seeded():
     b = build_trace(10, (1000, 2000), noise=0.05, seed=1)
     c = build_trace(10, (1000, 2000), noise=0.05, seed=2)
     assert a == b and a != c
-    assert all(p >= m for m, p in zip(a.response_len, a.response_len_p95))
+    assert all(p >= m for m, p in zip(a.response_len, a.response_len_p95, strict=False))

@@ -16,8 +16,20 @@ from nereus_lightning.control.resources import (
 )
 from nereus_lightning.control.signals import StepSignals, as_pool
 from nereus_lightning.control.state import plan_from_state, plan_to_state
-from nereus_lightning.control.triggers import CrossingClock, DriftTrigger, PoolTrigger, Trigger, smallest_horizon
-from nereus_lightning.control.variants import follow_pool, intact_plan, keep_layouts, place_near, relief_variants
+from nereus_lightning.control.triggers import (
+    CrossingClock,
+    DriftTrigger,
+    PoolTrigger,
+    Trigger,
+    smallest_horizon,
+)
+from nereus_lightning.control.variants import (
+    follow_pool,
+    intact_plan,
+    keep_layouts,
+    place_near,
+    relief_variants,
+)
 
 __all__ = [
     "Controller",

@@ -25,8 +25,20 @@ from nereus_lightning.control.backend import Estimate, PlanningBackend, op_total
 from nereus_lightning.control.decision import Decision, DecisionLog, describe_plan
 from nereus_lightning.control.signals import DRIFT_SIGNALS, StepSignals
 from nereus_lightning.control.state import plan_from_state, plan_to_state
-from nereus_lightning.control.triggers import CrossingClock, DriftTrigger, PoolTrigger, Trigger, smallest_horizon
-from nereus_lightning.control.variants import follow_pool, intact_plan, keep_layouts, place_near, relief_variants
+from nereus_lightning.control.triggers import (
+    CrossingClock,
+    DriftTrigger,
+    PoolTrigger,
+    Trigger,
+    smallest_horizon,
+)
+from nereus_lightning.control.variants import (
+    follow_pool,
+    intact_plan,
+    keep_layouts,
+    place_near,
+    relief_variants,
+)
 from nereus_lightning.plan.layout import Plan
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.errors import InfeasiblePlanError, require
@@ -212,12 +224,19 @@ class Controller:
     # ------------------------------------------------------------------------------ planning
     def _initial(self, signals: StepSignals) -> Decision:
         cluster, workload = self.cluster_at(signals), self.workload_at(signals)
-        options = self.backend.plan(cluster, workload, self.calibration)  # raises InfeasiblePlanError
+        suspended = self.decisions > 0  # a restart with no plan left the job checkpointed, waiting
+        try:
+            options = self.backend.plan(cluster, workload, self.calibration)
+        except InfeasiblePlanError as exc:
+            if not suspended:
+                raise  # the job cannot start at all: the error names the binding constraint
+            return Decision(signals.step, "wait", f"checkpointed; still no plan fits: {exc}", signals=signals)
         plan, est = options[0]
         self._reset_references(signals)
         return Decision(
-            signals.step, "initial", "first plan for this job", target=plan, target_latency=est.step_latency,
-            gamma=self.config.gamma, signals=signals,
+            signals.step, "restart" if suspended else "initial",
+            "a plan fits again: restart from the checkpoint" if suspended else "first plan for this job",
+            target=plan, target_latency=est.step_latency, gamma=self.config.gamma, signals=signals,
         )
 
     def _replan(self, signals: StepSignals, triggers: list[Trigger]) -> Decision:

@@ -14,8 +14,9 @@ from nereus_lightning.plan.layout import Plan
 
 # What the body does: nothing ("none": no trigger; "keep": replanned, current plan kept),
 # execute the transition DAG to `target` ("transition"), or checkpoint and restart into
-# `target` ("restart"; `target` None = checkpoint and wait until a plan fits again).
-DECISION_KINDS = ("none", "initial", "keep", "transition", "restart")
+# `target` ("restart"; `target` None = checkpoint and wait until a plan fits again; then
+# "wait" at every step while none does).
+DECISION_KINDS = ("none", "initial", "keep", "transition", "restart", "wait")
 
 
 @dataclass(frozen=True)

@@ -121,7 +121,7 @@ class OraclePolicy:
         """
         key = (signals.num_gpus, signals.response_len, signals.response_len_p95, signals.prompt_len)
         if self.plan is not None and self._key is not None and self.tolerance > 0 and key[0] == self._key[0] and all(
-            abs(a - b) <= self.tolerance * max(b, 1.0) for a, b in zip(key[1:], self._key[1:])
+            abs(a - b) <= self.tolerance * max(b, 1.0) for a, b in zip(key[1:], self._key[1:], strict=False)
         ):
             return self.plan
         self._key = key

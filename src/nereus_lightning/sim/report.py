@@ -42,7 +42,7 @@ def format_table(summaries: Sequence[Summary], title: str = "") -> str:
             row.append("-" if value is None else fmt.format(value))
         rows.append(row)
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
-    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=False)) + " |"  # noqa: E731
     out = [title] if title else []
     out += [line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *(line(r) for r in rows)]
     return "\n".join(out)
@@ -64,12 +64,12 @@ def plot_comparison(comparison: Comparison, path: str | os.PathLike, title: str 
         ys = [r.step_s + r.transition_s for r in recs]
         style = ":" if name == "oracle" else "-"
         top.plot(steps, ys, style, color=color, lw=1.4, label=f"{name} ({comparison.summaries[name].mean_step_s:.1f} s/step)")
-        marks = [(r.step, y) for r, y in zip(recs, ys) if r.action in ("transition", "restart") and name != "oracle"]
+        marks = [(r.step, y) for r, y in zip(recs, ys, strict=False) if r.action in ("transition", "restart") and name != "oracle"]
         if marks:
-            top.scatter(*zip(*marks), color=color, marker="v", s=28, zorder=3)
-        bad = [(r.step, y if math.isfinite(y) else 0) for r, y in zip(recs, ys) if not r.feasible]
+            top.scatter(*zip(*marks, strict=False), color=color, marker="v", s=28, zorder=3)
+        bad = [(r.step, y if math.isfinite(y) else 0) for r, y in zip(recs, ys, strict=False) if not r.feasible]
         if bad:
-            top.scatter(*zip(*bad), color=color, marker="x", s=40, zorder=4)
+            top.scatter(*zip(*bad, strict=False), color=color, marker="x", s=40, zorder=4)
     top.set_ylabel("step latency (s)\n(incl. transition)")
     top.legend(fontsize=8, loc="upper left")
     top.set_title(title or trace.name)

@@ -62,7 +62,7 @@ def simulate(policy: Any, trace: DriftTrace, machine: TrueMachine, backend: Plan
     warning does): the transition may still read state from them.
     """
     records: list[StepRecord] = []
-    name = getattr(policy, "name")
+    name = policy.name
     plan: Plan | None = None
     last = None
     last_transition: float | None = None
@@ -128,7 +128,7 @@ def summarise(records: Sequence[StepRecord], oracle: Sequence[StepRecord] | None
     total = sum(finite) + tran
     gap = None
     if oracle is not None:
-        gaps = [(r.step_s + r.transition_s) / o.step_s - 1 for r, o in zip(records, oracle)
+        gaps = [(r.step_s + r.transition_s) / o.step_s - 1 for r, o in zip(records, oracle, strict=False)
                 if math.isfinite(r.step_s) and o.step_s > 0]
         gap = sum(gaps) / len(gaps) if gaps else None
     return Summary(
