@@ -152,3 +152,34 @@ def test_values_and_reward_scorers():
         make_scorer(repeat_reward)
     with pytest.raises(NereusConfigError, match="callable"):
         make_scorer(3)
+
+
+def test_forward_engine_matches_hf_generate():
+    from nereus_lightning.rl.rollout import ForwardEngine
+
+    def logits(input_ids, attention_mask, position_ids):
+        return _actor()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+
+    ids, mask = _prompts(["2*a=", "31*b=", "7*a="])
+    seeds = sample_seeds(1, 0, [0, 1, 2])
+    plain = ForwardEngine(logits, TOK.eos_token_id, TOK.pad_token_id)
+    for kwargs in (dict(sample_seeds=seeds, temperature=0.7, top_k=50), dict(do_sample=False)):
+        a = plain.generate(ids, mask, 5, **kwargs)
+        b = _engine().generate(ids, mask, 5, **kwargs)
+        assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.response_mask, b.response_mask)
+
+
+def test_forward_engine_stops_rows_at_eos_and_pads_after():
+    from nereus_lightning.rl.rollout import ForwardEngine
+
+    def logits(input_ids, attention_mask, position_ids):
+        out = torch.zeros(*input_ids.shape, TOK.vocab_size)
+        out[..., 97] = 1.0
+        stop = (position_ids[:, -1] >= 5) & (input_ids[:, 1] == TOK.bos_token_id)  # row 0 is left-padded by one
+        out[stop, -1, TOK.eos_token_id] = 2.0
+        return out
+
+    ids, mask = _prompts(["2*a=", "13*a="])
+    out = ForwardEngine(logits, TOK.eos_token_id, TOK.pad_token_id).generate(ids, mask, 5, do_sample=False)
+    assert out.response_ids.tolist() == [[97, 258, 256, 256, 256], [97] * 5]
+    assert out.response_mask.tolist() == [[1, 1, 0, 0, 0], [1] * 5]

@@ -10,7 +10,7 @@ batch, so a rollout is the same under any DP partition of the prompts (up to flo
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -141,15 +141,8 @@ class HFGenerateEngine:
         from transformers import GenerationConfig, LogitsProcessorList
 
         batch, prompt_len = prompt_ids.shape
-        require(max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {max_new_tokens}")
-        processors = LogitsProcessorList()
-        if do_sample:
-            require(temperature > 0, "rollout.temperature", f"must be > 0 when sampling, got {temperature}")
-            require(0.0 < top_p <= 1.0, "rollout.top_p", f"must be in (0, 1], got {top_p}")
-            require(sample_seeds is not None, "sample_seeds", "sampling needs one seed per row; see rl.rollout.sample_seeds")
-            seeds = sample_seeds.tolist() if isinstance(sample_seeds, Tensor) else list(sample_seeds)
-            require(len(seeds) == batch, "sample_seeds", f"{len(seeds)} seeds for {batch} prompts")
-            processors.append(_SeededGumbel(seeds, prompt_len, max_new_tokens, temperature, top_k, top_p))
+        pick = _make_picker(batch, prompt_len, max_new_tokens, do_sample, temperature, top_k, top_p, sample_seeds)
+        processors = LogitsProcessorList([pick] if pick is not None else [])
         config = GenerationConfig(
             max_new_tokens=max_new_tokens,
             do_sample=False,  # sampling happens in the seeded processor; the argmax picks its draw
@@ -166,13 +159,74 @@ class HFGenerateEngine:
         finally:
             if was_training:
                 self.model.train()
-        response = out[:, prompt_len:]
-        if response.shape[-1] < max_new_tokens:  # every row stopped early
-            fill = response.new_full((batch, max_new_tokens - response.shape[-1]), self.pad_token_id)
-            response = torch.cat([response, fill], dim=-1)
-        mask = response_mask_from_ids(response, self.eos_token_id)
-        response = response.masked_fill(mask == 0, self.pad_token_id)
-        return RolloutOutput(prompt_ids, attention_mask, response, mask)
+        return _finish(prompt_ids, attention_mask, out[:, prompt_len:], max_new_tokens, self.eos_token_id, self.pad_token_id)
+
+
+def _make_picker(batch: int, prompt_len: int, max_new_tokens: int, do_sample: bool, temperature: float, top_k: int,
+                 top_p: float, seeds: Sequence[int] | Tensor | None) -> _SeededGumbel | None:
+    """Validate the sampling arguments; the seeded processor, or None for greedy decoding."""
+    require(max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {max_new_tokens}")
+    if not do_sample:
+        return None
+    require(temperature > 0, "rollout.temperature", f"must be > 0 when sampling, got {temperature}")
+    require(0.0 < top_p <= 1.0, "rollout.top_p", f"must be in (0, 1], got {top_p}")
+    require(top_k >= 0, "rollout.top_k", f"must be >= 0 (0 = off), got {top_k}")
+    require(seeds is not None, "sample_seeds", "sampling needs one seed per row; see rl.rollout.sample_seeds")
+    seeds = seeds.tolist() if isinstance(seeds, Tensor) else list(seeds)
+    require(len(seeds) == batch, "sample_seeds", f"{len(seeds)} seeds for {batch} prompts")
+    return _SeededGumbel(seeds, prompt_len, max_new_tokens, temperature, top_k, top_p)
+
+
+def _finish(prompt_ids: Tensor, prompt_mask: Tensor, response: Tensor, max_new_tokens: int, eos: int, pad: int) -> RolloutOutput:
+    """Pad responses to ``max_new_tokens``, mask everything after the first eos."""
+    if response.shape[-1] < max_new_tokens:  # every row stopped early
+        fill = response.new_full((response.shape[0], max_new_tokens - response.shape[-1]), pad)
+        response = torch.cat([response, fill], dim=-1)
+    mask = response_mask_from_ids(response, eos)
+    return RolloutOutput(prompt_ids, prompt_mask, response.masked_fill(mask == 0, pad), mask)
+
+
+class ForwardEngine:
+    """Decoding over any logits function, without a KV cache: the engine for sharded actors.
+
+    ``forward(input_ids, attention_mask, position_ids) -> logits (B, T, V)`` may run a TP/PP-
+    sharded model; each new token re-runs the whole (short) sequence. It samples exactly as
+    :class:`HFGenerateEngine` (same seeded Gumbel draw), so both give the same responses.
+    """
+
+    def __init__(self, forward: Callable[[Tensor, Tensor, Tensor], Tensor], eos_token_id: int, pad_token_id: int) -> None:
+        self.forward = forward
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt_ids: Tensor,
+        attention_mask: Tensor,
+        max_new_tokens: int,
+        do_sample: bool = True,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        sample_seeds: Sequence[int] | Tensor | None = None,
+    ) -> RolloutOutput:
+        """See :class:`RolloutEngine`."""
+        batch, prompt_len = prompt_ids.shape
+        pick = _make_picker(batch, prompt_len, max_new_tokens, do_sample, temperature, top_k, top_p, sample_seeds)
+        ids, mask = prompt_ids, attention_mask
+        done = torch.zeros(batch, dtype=torch.bool, device=prompt_ids.device)
+        for _ in range(max_new_tokens):
+            positions = mask.long().cumsum(-1) - 1
+            logits = self.forward(ids, mask, positions.masked_fill(mask == 0, 0))[:, -1]
+            nxt = logits.argmax(-1) if pick is None else pick(ids, logits).argmax(-1)
+            nxt = torch.where(done, torch.full_like(nxt, self.pad_token_id), nxt)
+            ids = torch.cat([ids, nxt.unsqueeze(-1)], dim=-1)
+            mask = torch.cat([mask, (~done).long().unsqueeze(-1)], dim=-1)
+            done = done | (nxt == self.eos_token_id)
+            if bool(done.all()):
+                break
+        return _finish(prompt_ids, attention_mask, ids[:, prompt_len:], max_new_tokens, self.eos_token_id, self.pad_token_id)
 
 
 class VLLMEngine:
