@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nereus_lightning.models import MicroBatch, ShardedCausalLM, shard_state, split_micro_batches, train_step
+from nereus_lightning.models import MicroBatch, bind_adamw, ShardedCausalLM, shard_state, split_micro_batches, train_step
 from nereus_lightning.plan.layout import Layout
 from tests.models.tiny import VOCAB, my_replica, rel_err, tiny_model
 
@@ -30,7 +30,7 @@ def _loss(logprobs: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
     return -(logprobs * mb.extras["adv"]).mean() + 0.1 * (logprobs**2).mean()
 
 
-def _reference(kind: str) -> tuple[torch.nn.Module, list[float], dict[str, torch.Tensor]]:
+def _reference(kind: str, clip: float | None) -> tuple[torch.nn.Module, list[float], dict[str, torch.Tensor]]:
     model = tiny_model(kind)
     first_grads: dict[str, torch.Tensor] = {}
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
@@ -42,14 +42,16 @@ def _reference(kind: str) -> tuple[torch.nn.Module, list[float], dict[str, torch
         loss = _loss(lp, MicroBatch(ids, extras={"adv": adv}))
         opt.zero_grad()
         loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip is not None else float("inf"))
         if step == 0:
             first_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            first_grads["norm"] = norm
         opt.step()
         losses.append(float(loss.detach()))
     return model, losses, first_grads
 
 
-def _train_errors(rank: int, world: int, kind: str, tp: int, pp: int) -> dict[str, float]:
+def _train_errors(rank: int, world: int, kind: str, tp: int, pp: int, clip: float | None = None) -> dict[str, float]:
     layout = Layout(tp, pp)
     start = tiny_model(kind)
     tied = bool(start.config.tie_word_embeddings)
@@ -58,18 +60,21 @@ def _train_errors(rank: int, world: int, kind: str, tp: int, pp: int) -> dict[st
     shards = shard_state(start, start.config, layout, comm.pp_rank, comm.tp_rank)
     before = {n: t.clone() for n, t in shards.items()}
     sharded = ShardedCausalLM(start.config, comm, shards)
-    opt = torch.optim.AdamW(sharded.parameters(), lr=LR, eps=EPS)
+    # An EMU-style optimizer state (zeros = fresh AdamW) that the optimizer must update in place.
+    state = {n: {"exp_avg": torch.zeros_like(t), "exp_avg_sq": torch.zeros_like(t), "step": torch.zeros(())} for n, t in shards.items()}
+    opt = bind_adamw(sharded, state, lr=LR, eps=EPS)
     losses = []
     for step in range(STEPS):
         ids, adv = _batch(step)
         rows = slice(index * BATCH // dp, (index + 1) * BATCH // dp)
         mbs = split_micro_batches(ids[rows], 2, adv=adv[rows])
         # The first step leaves its gradients for inspection, then steps by hand.
-        losses.append(float(train_step(sharded, mbs, _loss, opt if step else None)))
+        losses.append(float(train_step(sharded, mbs, _loss, opt if step else None, max_grad_norm=clip)))
         if step == 0:
             grads = {n: p.grad.clone() for n, p in sharded.named_parameters()}
             opt.step()
-    ref_model, ref_losses, ref_grads = _reference(kind)
+    ref_model, ref_losses, ref_grads = _reference(kind, clip)
+    ref_norm = float(ref_grads.pop("norm"))
     ref_grads = shard_state(ref_grads, ref_model.config, layout, comm.pp_rank, comm.tp_rank)
     grad_err = max(rel_err(grads[n], ref_grads[n]) for n in ref_grads)
     expected = shard_state(ref_model, ref_model.config, layout, comm.pp_rank, comm.tp_rank)
@@ -77,16 +82,32 @@ def _train_errors(rank: int, world: int, kind: str, tp: int, pp: int) -> dict[st
     errors = {name: rel_err(shards[name], expected[name]) for name in expected}
     # The EMU-style dict sees the optimizer's updates: its tensors are the parameters.
     assert all(params[n] is shards[n] or params[n].data_ptr() == shards[n].data_ptr() for n in shards)
+    assert all(float(state[n]["step"]) == STEPS and opt.state[params[n]]["exp_avg"] is state[n]["exp_avg"] for n in shards)
     moved = min(rel_err(shards[n], before[n]) for n in shards)
     loss_err = abs(sum(losses) / len(losses) - sum(ref_losses) / len(ref_losses)) if dp == 1 else 0.0
-    return {"param": max(errors.values()), "grad": grad_err, "moved": moved, "loss": loss_err}
+    return {"param": max(errors.values()), "grad": grad_err, "moved": moved, "loss": loss_err, "ref_norm": ref_norm}
 
 
-@pytest.mark.parametrize("kind", ["gqa_tied", "qwen3"])
-@pytest.mark.parametrize(("tp", "pp"), [(2, 2), (2, 1), (1, 2)])
+@pytest.mark.parametrize(
+    ("kind", "tp", "pp"),
+    [
+        ("gqa_tied", 2, 2),  # TP 2 x PP 2: tied embedding on both end stages
+        ("gqa_tied", 2, 1),  # TP 2 x DP 2
+        ("gqa_tied", 1, 2),  # PP 2 x DP 2
+        ("qwen3", 2, 2),  # q/k norms see only this rank's heads: gradients summed over TP
+    ],
+)
 def test_adamw_steps_match_unsharded(dist4, kind: str, tp: int, pp: int) -> None:
     for rank, res in enumerate(dist4.run(_train_errors, kind, tp, pp)):
         assert res["grad"] <= 1e-5, f"rank {rank}: first-step gradients differ by {res['grad']:.2e} relative"
         assert res["param"] <= 1e-5, f"rank {rank}: parameters differ by {res['param']:.2e} relative"
         assert res["moved"] > 1e-4, f"rank {rank}: some parameter did not change ({res['moved']:.1e})"
         assert res["loss"] <= 1e-5, f"rank {rank}: loss differs by {res['loss']:.2e}"
+
+
+def test_clipped_adamw_steps_match_unsharded(dist4) -> None:
+    # A bound too small for the batch's gradient, so every step is clipped.
+    for rank, res in enumerate(dist4.run(_train_errors, "gqa_tied", 2, 2, 0.05)):
+        assert res["ref_norm"] > 0.05 * 2, "the bound must actually clip"
+        assert res["grad"] <= 1e-5, f"rank {rank}: clipped gradients differ by {res['grad']:.2e} relative"
+        assert res["param"] <= 1e-5, f"rank {rank}: parameters differ by {res['param']:.2e} relative"

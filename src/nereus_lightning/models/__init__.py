@@ -1,6 +1,7 @@
 """How a transformers causal LM is cut into TP shards and PP stages, and how the shards compute."""
 
 from nereus_lightning.models.groups import ReplicaComm, group_for, replica_groups
+from nereus_lightning.models.optim import bind_adamw, clip_grad_norm_, grad_norm
 from nereus_lightning.models.pipeline import (
     MicroBatch,
     forward_logits,
@@ -17,7 +18,10 @@ __all__ = [
     "Placement",
     "ReplicaComm",
     "ShardedCausalLM",
+    "bind_adamw",
+    "clip_grad_norm_",
     "forward_logits",
+    "grad_norm",
     "group_for",
     "layer_range",
     "local_config",

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from nereus_lightning.models.optim import clip_grad_norm_
 from nereus_lightning.models.sharded import ShardedCausalLM, _all_reduce_flat
 from nereus_lightning.models.tp_ops import vocab_parallel_logprobs
 from nereus_lightning.spec.errors import require
@@ -170,14 +171,16 @@ def train_step(
     micro_batches: Sequence[MicroBatch],
     loss_fn: LossFn,
     optimizer: torch.optim.Optimizer | None = None,
+    max_grad_norm: float | None = None,
 ) -> Tensor:
     """One optimisation step of a replica: forward + backward of every micro-batch, then gradient sync.
 
     ``loss_fn(logprobs, mb)`` maps the float32 ``[b, S-1]`` token log-probs of a micro-batch to a
     scalar; the objective is the mean over micro-batches. Gradients are summed over TP where
     needed, over tied-embedding copies, and averaged over ``model.comm.dp_group`` (so the objective
-    is also the mean over replicas). Then ``optimizer.step()`` when given (grads are left in
-    ``.grad`` either way). Returns this replica's mean loss (float32 scalar) on every replica rank.
+    is also the mean over replicas), clipped to a global norm of ``max_grad_norm`` when given
+    (:func:`~nereus_lightning.models.optim.clip_grad_norm_`), then ``optimizer.step()`` when given
+    (grads are left in ``.grad`` either way). Returns this replica's mean loss (float32 scalar) on every replica rank.
     """
     comm = model.comm
     mbs = list(micro_batches)
@@ -214,6 +217,8 @@ def train_step(
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         _all_reduce_flat([p.grad for p in params], comm.dp_group, average=True)  # type: ignore[misc]
+    if max_grad_norm is not None:
+        clip_grad_norm_(model, max_grad_norm)
     if optimizer is not None:
         optimizer.step()
     loss = _deliver(model, total if comm.is_last_stage else None, total, "all")
