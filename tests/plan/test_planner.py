@@ -291,3 +291,21 @@ def test_plan_package_imports_no_torch():
     code = "import sys, nereus_lightning.plan, nereus_lightning.spec; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "False"
+
+
+def test_paper_drift_fact_llama8b_on_16_a100s():
+    """Paper: at 16 A100-64GB, (dp,tp,pp)=(4,2,2) trains at 2K tokens but OOMs at 4K; (4,4,1) fits at 4K."""
+    from nereus_lightning.plan.cost import peak_memory
+
+    models, cluster = job_models(L8), cluster_preset("paper_cluster2").with_gpus(16)
+    cap = memory_cap(cluster)
+    chosen = {}
+    for resp in (2048, 4096):
+        workload = Workload(algorithm="grpo", response_len=resp, micro_batch_min=2)  # actor training gets all 16 GPUs
+        work = stage_work(next(ms for ms in workload.stages if ms.name == "actor_train"), models, workload)
+        fits_422 = peak_memory(work, Layout(2, 2), 4, 2, False) <= cap
+        fits_441 = peak_memory(work, Layout(4, 1), 4, 2, False) <= cap
+        assert fits_441 and fits_422 == (resp == 2048)
+        cand = plan_job(models, cluster, workload, alternatives=0).plan["actor_train"]
+        chosen[resp] = (cand.dp, cand.layout.tp, cand.layout.pp)
+    assert chosen[4096] == (4, 4, 1) and chosen[2048] != chosen[4096]
