@@ -37,7 +37,7 @@ def test_dp_doubling_is_extend_only_and_rank_aligned() -> None:
     geo = geometry(MODELS["actor"], True)
     for n in dag.nodes:
         src, dst = n.sources[0].gpus, n.targets[0].gpus
-        assert [(t.src_gpu, t.dst_gpu) for t in n.transfers] == list(zip(src, dst))
+        assert [(t.src_gpu, t.dst_gpu) for t in n.transfers] == list(zip(src, dst, strict=True))
         assert all(t.bytes == shard_bytes(geo, n.targets[0].layout, 0) for t in n.transfers)
     assert validate(dag).valid
 
@@ -64,7 +64,9 @@ def test_paper_example_reshards_through_tsub() -> None:
     tgt = plan(reward_infer=cand(8, 2, range(32)))
     dag = build_transition(cur, tgt, MODELS, CLUSTER, PPO)
     assert {u.layout for n in dag.nodes for u in n.sources + n.targets} >= {cur["reward_infer"].layout}
-    assert all(u.layout.tp in (4, 8) and u.layout.pp in (2, 8) for n in dag.nodes for u in n.sources + n.targets)
+    assert all(
+        u.layout.tp in (4, 8) and u.layout.pp in (2, 8) for n in dag.nodes for u in n.sources + n.targets
+    )
     assert ops(dag).count("merge") == 2 and validate(dag).valid
 
 
@@ -116,7 +118,9 @@ def test_bad_plans_are_rejected_with_the_field() -> None:
     with pytest.raises(NereusConfigError, match="both use GPU 0 in the inference stage"):
         build_transition(cur, cur, MODELS, CLUSTER, PPO)
     with pytest.raises(NereusConfigError, match="differ from the current plan"):
-        build_transition(plan(ref_infer=cand(1, 1, (0,))), plan(critic_infer=cand(1, 1, (0,))), MODELS, CLUSTER, PPO)
+        build_transition(
+            plan(ref_infer=cand(1, 1, (0,))), plan(critic_infer=cand(1, 1, (0,))), MODELS, CLUSTER, PPO
+        )
     with pytest.raises(NereusConfigError, match="no ModelSpec for role 'reward'"):
         p = plan(reward_infer=cand(1, 1, (0,)))
         build_transition(p, p, {"actor": MODELS["actor"]}, CLUSTER, PPO)
@@ -128,7 +132,9 @@ def test_bad_plans_are_rejected_with_the_field() -> None:
 def test_plans_are_cached_per_pair() -> None:
     cur = plan(actor_train=cand(2, 1, range(0, 4)))
     tgt = plan(actor_train=cand(2, 1, range(0, 8)))
-    assert build_transition(cur, tgt, MODELS, CLUSTER, PPO) is build_transition(cur, tgt, dict(MODELS), CLUSTER, PPO)
+    assert build_transition(cur, tgt, MODELS, CLUSTER, PPO) is build_transition(
+        cur, tgt, dict(MODELS), CLUSTER, PPO
+    )
 
 
 def test_cost_of_one_intra_node_extend() -> None:

@@ -44,8 +44,13 @@ def atoms_of_piece(p: Piece) -> set[tuple]:
 
 def atom_bytes(model: ModelSpec, trains: bool, atoms: set[tuple]) -> int:
     geo = geometry(model, trains)
-    per = {"block": geo.layer_split // D, "norms": geo.layer_replicated, "embed": geo.embedding // D,
-           "lm_head": geo.lm_head // D, "final_norm": model.hidden}
+    per = {
+        "block": geo.layer_split // D,
+        "norms": geo.layer_replicated,
+        "embed": geo.embedding // D,
+        "lm_head": geo.lm_head // D,
+        "final_norm": model.hidden,
+    }
     return sum(per[a[0]] for a in atoms) * geo.bytes_per_param
 
 
@@ -59,7 +64,9 @@ def test_shard_bytes_match_plan_memory(model: ModelSpec, trains: bool) -> None:
             assert shard_bytes(geo, Layout(1, pp), r) == stage_params(model, pp, r) * bpp
             # TP splits everything but the norms, which every TP rank holds whole.
             layers = full_piece(model, Layout(1, pp), r, 0)
-            norms = (layers.layer_hi - layers.layer_lo) * geo.layer_replicated + (model.hidden if r == pp - 1 else 0)
+            norms = (layers.layer_hi - layers.layer_lo) * geo.layer_replicated + (
+                model.hidden if r == pp - 1 else 0
+            )
             assert 2 * shard_bytes(geo, Layout(2, pp), r) - shard_bytes(geo, Layout(1, pp), r) == norms * bpp
 
 

@@ -17,7 +17,9 @@ SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32 - 1), kind=st.sampled_from(OVERLAP_KINDS), num_gpus=st.sampled_from(SIZES))
-def test_global_dag_is_acyclic_and_safe_or_infeasible_with_reason(seed: int, kind: str, num_gpus: int) -> None:
+def test_global_dag_is_acyclic_and_safe_or_infeasible_with_reason(
+    seed: int, kind: str, num_gpus: int
+) -> None:
     check_case(seed, kind, num_gpus)
 
 

@@ -72,7 +72,9 @@ def _blocking_deadlocks(dag: TransitionDAG) -> bool:
             while pos[name] < len(q):
                 n = q[pos[name]]
                 if n.op is Primitive.EXTEND and any(
-                    c and o != name and stage[o] == stage[name] for g in n.targets[0].gpus for o, c in held[g].items()
+                    c and o != name and stage[o] == stage[name]
+                    for g in n.targets[0].gpus
+                    for o, c in held[g].items()
                 ):
                     break
                 if any(mem[g] + max(net, 0.0) + tr > cap * (1 + 1e-9) for g, net, tr in n.mem):

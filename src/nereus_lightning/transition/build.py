@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from functools import lru_cache
 
-from nereus_lightning.plan.layout import Candidate, Layout, Plan
+from nereus_lightning.plan.layout import Layout, Plan
 from nereus_lightning.plan.memory import memory_cap, state_bytes_per_gpu
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
@@ -62,7 +62,11 @@ def build_transition(
 
 @lru_cache(maxsize=128)
 def _build(
-    current: Plan, target: Plan, models: tuple[tuple[str, ModelSpec], ...], cluster: ClusterSpec, workload: Workload
+    current: Plan,
+    target: Plan,
+    models: tuple[tuple[str, ModelSpec], ...],
+    cluster: ClusterSpec,
+    workload: Workload,
 ) -> TransitionDAG:
     ctx = make_context(current, target, dict(models), cluster, workload)
     nodes = union_of_local_dags(ctx)
@@ -89,7 +93,9 @@ def make_context(
     for name in current:
         role = stages[name].model
         if role not in models:
-            raise NereusConfigError(f"models: no ModelSpec for role {role!r} (needed by {name}); pass models[{role!r}]")
+            raise NereusConfigError(
+                f"models: no ModelSpec for role {role!r} (needed by {name}); pass models[{role!r}]"
+            )
     unit_memory: dict[tuple[str, Layout], float] = {}
     for name in current:
         ms = stages[name]
@@ -148,7 +154,9 @@ def union_of_local_dags(ctx: TransitionContext) -> list[Node]:
     for name, cur in ctx.current.items():
         ms = ctx.stages[name]
         geo = geometry(ctx.models[ms.model], ms.trains)
-        local = local_dag(name, geo, lambda layout, _n=name: ctx.memory_of(_n, layout), cur, ctx.target[name], ctx.cluster)
+        local = local_dag(
+            name, geo, lambda layout, _n=name: ctx.memory_of(_n, layout), cur, ctx.target[name], ctx.cluster
+        )
         base = len(nodes)
         for node in local:
             node.id += base
@@ -162,7 +170,8 @@ def _order_with_resource_edges(nodes: list[Node], ctx: TransitionContext) -> lis
     stages: dict[str, ModelStage] = ctx.stages
     index = {name: i for i, name in enumerate(ctx.current)}
     peers = {
-        name: [o for o in ctx.current if o != name and stages[o].stage == stages[name].stage] for name in ctx.current
+        name: [o for o in ctx.current if o != name and stages[o].stage == stages[name].stage]
+        for name in ctx.current
     }
     cap = memory_cap(ctx.cluster)
     n_gpus = ctx.cluster.num_gpus
@@ -185,7 +194,9 @@ def _order_with_resource_edges(nodes: list[Node], ctx: TransitionContext) -> lis
     grown: dict[int, float] = defaultdict(float)
     freed: dict[int, float] = defaultdict(float)
     freers: dict[int, list[int]] = defaultdict(list)  # executed nodes that freed memory, per tight GPU
-    left: dict[str, dict[int, list[int]]] = {ms: defaultdict(list) for ms in holders}  # who left a GPU, by what
+    left: dict[str, dict[int, list[int]]] = {
+        ms: defaultdict(list) for ms in holders
+    }  # who left a GPU, by what
     succs: list[list[int]] = [[] for _ in nodes]
     indeg = [len(n.deps) for n in nodes]
     for n in nodes:
@@ -265,7 +276,10 @@ def _order_with_resource_edges(nodes: list[Node], ctx: TransitionContext) -> lis
         if not stuck:
             break
         if not progressed:
-            lines = "; ".join(f"{n.op.value} of {n.model_stage} onto {list(n.targets[0].gpus)}: {why}" for n, why in stuck[:4])
+            lines = "; ".join(
+                f"{n.op.value} of {n.model_stage} onto {list(n.targets[0].gpus)}: {why}"
+                for n, why in stuck[:4]
+            )
             raise InfeasiblePlanError(
                 f"no safe transition order: {len(stuck)} acquisition(s) blocked and no release can run; "
                 f"stuck: {lines}. Choose a target that leaves these GPUs free or frees memory first"

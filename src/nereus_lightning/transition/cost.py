@@ -34,25 +34,27 @@ class Schedule:
     critical_path: tuple[int, ...]
 
 
-def _loads(n: Node, cluster: ClusterSpec) -> tuple[dict[tuple[str, int], float], float]:
-    """Seconds each link is busy for node ``n`` and the node's message latency."""
-    busy: dict[tuple[str, int], float] = defaultdict(float)
+_LINK = 1 << 24  # link ids: kind * _LINK + GPU or node index
+
+
+def _loads(n: Node, cluster: ClusterSpec) -> tuple[dict[int, float], float]:
+    """Bytes each link carries for node ``n`` (NVLink out/in per GPU, NIC out/in per node, HBM) and its latency."""
+    busy: dict[int, float] = defaultdict(float)
     latency = 0.0
     gpn = cluster.gpus_per_node
-    for t in n.transfers:
-        if t.bytes <= 0:
+    for s, d, size, _ in n.transfers:
+        if size <= 0:
             continue
-        s, d = t.src_gpu, t.dst_gpu
         if s == d:
-            busy[("hbm", s)] += 2 * t.bytes / cluster.hbm_bw
+            busy[4 * _LINK + s] += 2 * size
         elif s // gpn == d // gpn:
-            busy[("out", s)] += t.bytes / cluster.intra_bw
-            busy[("in", d)] += t.bytes / cluster.intra_bw
-            latency = max(latency, cluster.intra_latency)
+            busy[s] += size
+            busy[_LINK + d] += size
+            latency = cluster.intra_latency if latency < cluster.intra_latency else latency
         else:
-            busy[("nic_out", s // gpn)] += t.bytes / cluster.inter_bw
-            busy[("nic_in", d // gpn)] += t.bytes / cluster.inter_bw
-            latency = max(latency, cluster.inter_latency)
+            busy[2 * _LINK + s // gpn] += size
+            busy[3 * _LINK + d // gpn] += size
+            latency = cluster.inter_latency if latency < cluster.inter_latency else latency
     return busy, latency
 
 
@@ -63,7 +65,8 @@ def schedule(dag: TransitionDAG, cluster: ClusterSpec | None = None) -> Schedule
     start = [0.0] * len(nodes)
     finish = [0.0] * len(nodes)
     why = [-1] * len(nodes)  # the node whose end delayed this one (a dep or a link's previous user)
-    free: dict[tuple[str, int], tuple[float, int]] = {}
+    free: dict[int, tuple[float, int]] = {}
+    bandwidth = (cluster.intra_bw, cluster.intra_bw, cluster.inter_bw, cluster.inter_bw, cluster.hbm_bw)
     succs: list[list[int]] = [[] for _ in nodes]
     indeg = [len(n.deps) for n in nodes]
     ready_at = [0.0] * len(nodes)
@@ -80,7 +83,8 @@ def schedule(dag: TransitionDAG, cluster: ClusterSpec | None = None) -> Schedule
         end = t0
         if busy:
             begin = t0 + cluster.comm_setup
-            for link, secs in busy.items():
+            for link, size in busy.items():
+                secs = size / bandwidth[link // _LINK]
                 prev_end, prev = free.get(link, (0.0, -1))
                 b = max(begin, prev_end)
                 if b + secs > end:

@@ -9,7 +9,7 @@ it sends; they price the node (``transition.cost``) and the executor checks its 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, NamedTuple
@@ -48,19 +48,59 @@ class Unit(NamedTuple):
 MemEffect = tuple[int, float, float]
 
 
-@dataclass(eq=False, slots=True)
 class Node:
-    """One primitive call on one model-stage (treat as read-only once built)."""
+    """One primitive call on one model-stage (treat as read-only once built).
 
-    id: int
-    op: Primitive
-    model_stage: str
-    sources: tuple[Unit, ...]
-    targets: tuple[Unit, ...]
-    transfers: tuple[Transfer, ...]
-    deps: list[int] = field(default_factory=list)
-    mem: tuple[MemEffect, ...] = ()
-    resource_deps: list[int] = field(default_factory=list)  # the deps added by the global ordering
+    ``transfers`` may be given as a zero-argument function (Extend builds its list only when
+    something reads it: the replay and validation need only ``mem``).
+    """
+
+    __slots__ = (
+        "id",
+        "op",
+        "model_stage",
+        "sources",
+        "targets",
+        "_transfers",
+        "deps",
+        "mem",
+        "resource_deps",
+    )
+
+    def __init__(
+        self,
+        id: int,
+        op: Primitive,
+        model_stage: str,
+        sources: tuple[Unit, ...],
+        targets: tuple[Unit, ...],
+        transfers: tuple[Transfer, ...] | Callable[[], list[Transfer]],
+        deps: list[int] | None = None,
+        mem: tuple[MemEffect, ...] = (),
+        resource_deps: list[int] | None = None,
+    ) -> None:
+        self.id = id
+        self.op = op
+        self.model_stage = model_stage
+        self.sources = sources
+        self.targets = targets
+        self._transfers = transfers if callable(transfers) else tuple(transfers)
+        self.deps: list[int] = deps if deps is not None else []
+        self.mem = mem
+        self.resource_deps: list[int] = (
+            resource_deps if resource_deps is not None else []
+        )  # added by the global order
+
+    @property
+    def transfers(self) -> tuple[Transfer, ...]:
+        """Every point-to-point copy this node makes (``src_gpu == dst_gpu``: a local copy)."""
+        t = self._transfers
+        if callable(t):
+            t = self._transfers = tuple(t())
+        return t
+
+    def __repr__(self) -> str:
+        return f"Node({self})"
 
     @property
     def bytes(self) -> int:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import heapq
 from collections import defaultdict
 from collections.abc import Callable
-from functools import lru_cache
+from functools import lru_cache, partial
 from math import gcd
 from operator import itemgetter
 
@@ -26,7 +26,6 @@ from nereus_lightning.plan.layout import Candidate, Layout
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.transition.dag import MemEffect, Node, Primitive, Unit
 from nereus_lightning.transition.pieces import Geometry, Piece, Transfer, extend_transfers, gather_pattern
-
 
 _new = tuple.__new__  # builds a NamedTuple without its (slow) Python-level __new__
 
@@ -153,7 +152,9 @@ def local_dag(
             for j, t in enumerate(tiles):
                 where[t] = (i, j)
     sub_at = {g: t for t in where for g in t}  # the T_sub unit each current GPU would be part of
-    slots = [_slots_of(v, b, s, pick_b, where, sub_at) for v in tgt_units]  # per target unit, its Merge inputs
+    slots = [
+        _slots_of(v, b, s, pick_b, where, sub_at) for v in tgt_units
+    ]  # per target unit, its Merge inputs
     reused = {t for row in slots for t in row if t in where}
     missing = [t for row in slots for t in row if t not in where]
     split_units = sorted({where[t][0] for t in reused})
@@ -194,7 +195,7 @@ def local_dag(
     nodes: list[Node] = []
 
     def add(op: Primitive, srcs, tgts, transfers, deps, mem) -> int:
-        nodes.append(Node(len(nodes), op, name, tuple(srcs), tuple(tgts), tuple(transfers), list(deps), mem))
+        nodes.append(Node(len(nodes), op, name, tuple(srcs), tuple(tgts), transfers, list(deps), mem))
         return len(nodes) - 1
 
     mem_a, mem_s, mem_b = memory_of(a), memory_of(s), memory_of(b)
@@ -209,7 +210,10 @@ def local_dag(
             at = index.__getitem__
             tiles = tuple(tuple(map(at, t)) for t in subs)
             ug = u.gpus
-            transfers = [_new(Transfer, (ug[sx], ug[dx], size, piece)) for sx, dx, size, piece in _split_pattern(geo, a, s, tiles)]
+            transfers = [
+                _new(Transfer, (ug[sx], ug[dx], size, piece))
+                for sx, dx, size, piece in _split_pattern(geo, a, s, tiles)
+            ]
             stays = {g for t in subs for g in t}
             buf = _transient(transfers)
             mem = tuple([(g, (mem_s if g in stays else 0.0) - mem_a, buf.get(g, 0.0)) for g in u.gpus])
@@ -224,7 +228,7 @@ def local_dag(
 
     readers: dict[tuple[int, ...], list[int]] = defaultdict(list)
     for src, slot in extends:
-        transfers = extend_transfers(geo, s, src, slot)
+        transfers = partial(extend_transfers, geo, s, src, slot)  # built when read
         mem = tuple([(g, mem_s, 0.0) for g in slot])
         deps = [made_by[src]] if src in made_by else []
         nid = add(Primitive.EXTEND, [Unit(s, src)], [Unit(s, slot)], transfers, deps, mem)
@@ -238,17 +242,27 @@ def local_dag(
         add(Primitive.DESTROY, [Unit(s, t)], [], [], deps, _effects(t, -mem_s, []))
 
     # Merge each target unit from its slots; a T_sub target unit sitting exactly on one slot is done.
-    for v, row in zip(tgt_units, slots):
+    for v, row in zip(tgt_units, slots, strict=True):
         if b == s and row[0] == v.gpus:
             continue
         index = {g: x for x, g in enumerate(v.gpus)}
         at = index.__getitem__
         tiles = tuple(tuple(map(at, t)) for t in row)
         vg = v.gpus
-        transfers = [_new(Transfer, (vg[sx], vg[dx], size, piece)) for sx, dx, size, piece in _merge_pattern(geo, s, b, tiles)]
+        transfers = [
+            _new(Transfer, (vg[sx], vg[dx], size, piece))
+            for sx, dx, size, piece in _merge_pattern(geo, s, b, tiles)
+        ]
         # A Merge consumes its inputs: after whatever created them and every Extend that reads them.
         deps = sorted({made_by[t] for t in row if t in made_by}.union(*(readers.get(t, ()) for t in row)))
-        add(Primitive.MERGE, [Unit(s, t) for t in row], [v], transfers, deps, _effects(v.gpus, mem_b - mem_s, transfers))
+        add(
+            Primitive.MERGE,
+            [Unit(s, t) for t in row],
+            [v],
+            transfers,
+            deps,
+            _effects(v.gpus, mem_b - mem_s, transfers),
+        )
     return nodes
 
 
@@ -296,4 +310,3 @@ def _slots_of(
             slot.append(src.pop())
         row.append(tuple(slot))
     return row
-

@@ -59,7 +59,9 @@ class Piece(NamedTuple):
     def __str__(self) -> str:
         parts = []
         if self.layer_hi > self.layer_lo:
-            parts.append(f"layers {self.layer_lo}-{self.layer_hi - 1}{'' if self.layer_norms else ' (no norms)'}")
+            parts.append(
+                f"layers {self.layer_lo}-{self.layer_hi - 1}{'' if self.layer_norms else ' (no norms)'}"
+            )
         if self.embed:
             parts.append("embed")
         if self.lm_head:
@@ -94,13 +96,17 @@ def geometry(model: ModelSpec, trains: bool) -> Geometry:
     """The state geometry of ``model`` for an inference (``trains=False``) or training model-stage."""
     replicated = 2 * model.hidden + (2 * model.head_dim if model.qk_norm else 0)
     bpp = model.dtype_bytes + (OPTIMIZER_BYTES_PER_PARAM if trains else 0)
-    return Geometry(model, bpp, model.layer_params - replicated, replicated, model.embedding_params, model.lm_head_params)
+    return Geometry(
+        model, bpp, model.layer_params - replicated, replicated, model.embedding_params, model.lm_head_params
+    )
 
 
 def piece_bytes(geo: Geometry, p: Piece) -> int:
     """Bytes of piece ``p`` (the formula in the module docstring)."""
     num, den = p.tp_hi - p.tp_lo, p.tp_den
-    params = (p.layer_hi - p.layer_lo) * (geo.layer_split * num // den + (geo.layer_replicated if p.layer_norms else 0))
+    params = (p.layer_hi - p.layer_lo) * (
+        geo.layer_split * num // den + (geo.layer_replicated if p.layer_norms else 0)
+    )
     if p.embed:
         params += geo.embedding * num // den
     if p.lm_head:
@@ -148,15 +154,23 @@ def full_piece(model: ModelSpec, layout: Layout, pp_rank: int, tp_rank: int) -> 
 def _extend_pattern(geo: Geometry, layout: Layout) -> tuple[tuple[int, Piece], ...]:
     """(bytes, piece) of every position of ``layout``."""
     return tuple(
-        (shard_bytes(geo, layout, i // layout.tp), full_piece(geo.model, layout, i // layout.tp, i % layout.tp))
+        (
+            shard_bytes(geo, layout, i // layout.tp),
+            full_piece(geo.model, layout, i // layout.tp, i % layout.tp),
+        )
         for i in range(layout.size)
     )
 
 
-def extend_transfers(geo: Geometry, layout: Layout, src: tuple[int, ...], dst: tuple[int, ...]) -> list[Transfer]:
+def extend_transfers(
+    geo: Geometry, layout: Layout, src: tuple[int, ...], dst: tuple[int, ...]
+) -> list[Transfer]:
     """Extend: the GPU at each position of ``dst`` receives the whole shard of that position from ``src``."""
     new = tuple.__new__  # a NamedTuple without its slow Python-level __new__
-    return [new(Transfer, (s, d, size, piece)) for s, d, (size, piece) in zip(src, dst, _extend_pattern(geo, layout))]
+    return [
+        new(Transfer, (s, d, size, piece))
+        for s, d, (size, piece) in zip(src, dst, _extend_pattern(geo, layout), strict=True)
+    ]
 
 
 def gather_transfers(
@@ -214,7 +228,9 @@ def gather_pattern(
             first = False
             if p == p0 and t == t0:
                 continue  # resident
-            piece = Piece(lo, hi, embed, lm_head, norm and replicated, replicated and hi > lo, f_lo, f_hi, den)
+            piece = Piece(
+                lo, hi, embed, lm_head, norm and replicated, replicated and hi > lo, f_lo, f_hi, den
+            )
             size = piece_bytes(geo, piece)
             if size:
                 out.append((p * have.tp + t, size, piece))

@@ -74,13 +74,19 @@ def overlaps_of(current: Plan, target: Plan, workload: Workload) -> frozenset[st
 
 def random_layout(rng: random.Random, model: ModelSpec, gpus: int, gpus_per_node: int) -> Layout:
     """A layout with power-of-two TP (inside a node, dividing the heads) and PP that tiles ``gpus``."""
-    tps = [t for t in (1, 2, 4, 8) if t <= min(gpus, gpus_per_node) and model.num_kv_heads % t == 0 and gpus % t == 0]
+    tps = [
+        t
+        for t in (1, 2, 4, 8)
+        if t <= min(gpus, gpus_per_node) and model.num_kv_heads % t == 0 and gpus % t == 0
+    ]
     tp = rng.choice(tps)
     pps = [p for p in (1, 2, 4) if p <= model.num_layers and gpus % (tp * p) == 0]
     return Layout(tp, rng.choice(pps))
 
 
-def _candidate(rng: random.Random, model: ModelSpec, start: int, blocks: int, block: int, gpn: int) -> Candidate:
+def _candidate(
+    rng: random.Random, model: ModelSpec, start: int, blocks: int, block: int, gpn: int
+) -> Candidate:
     gpus = tuple(range(start * block, (start + blocks) * block))
     layout = random_layout(rng, model, len(gpus), gpn)
     return Candidate(layout, len(gpus) // layout.size, gpus)
@@ -101,7 +107,11 @@ def _place(rng: random.Random, sizes: list[int], taken: set[int]) -> list[int] |
 
 
 def random_plan(
-    rng: random.Random, workload: Workload, models: dict[str, ModelSpec], num_gpus: int, gpus_per_node: int = 8
+    rng: random.Random,
+    workload: Workload,
+    models: dict[str, ModelSpec],
+    num_gpus: int,
+    gpus_per_node: int = 8,
 ) -> Plan:
     """A random plan with disjoint runs per stage (see the module docstring)."""
     block = max(1, num_gpus // BLOCKS)
@@ -115,7 +125,7 @@ def random_plan(
             starts = _place(rng, sizes, set())
             if starts is not None:
                 break
-        for ms, size, start in zip(members, sizes, starts):
+        for ms, size, start in zip(members, sizes, starts, strict=True):
             chosen[ms.name] = _candidate(rng, models[ms.model], start, size, block, gpus_per_node)
     return Plan.of({ms.name: chosen[ms.name] for ms in workload.stages})
 
@@ -125,7 +135,13 @@ def _blocks(c: Candidate, block: int) -> set[int]:
 
 
 def _moved_target(
-    rng: random.Random, current: Plan, workload: Workload, models: dict[str, ModelSpec], kind: str, num_gpus: int, gpn: int
+    rng: random.Random,
+    current: Plan,
+    workload: Workload,
+    models: dict[str, ModelSpec],
+    kind: str,
+    num_gpus: int,
+    gpn: int,
 ) -> Plan | None:
     block = max(1, num_gpus // BLOCKS)
     stages = {ms.name: ms for ms in workload.stages}
@@ -135,7 +151,9 @@ def _moved_target(
         rng.shuffle(movers)
         movers = movers[: rng.randint(1, len(movers))]
     elif kind == "cross_model_same_stage":
-        stage = rng.choice([s for s in ("inference", "training") if sum(stages[n].stage == s for n in names) > 1])
+        stage = rng.choice(
+            [s for s in ("inference", "training") if sum(stages[n].stage == s for n in names) > 1]
+        )
         movers = [n for n in names if stages[n].stage == stage]
         rng.shuffle(movers)
         movers = movers[: rng.randint(2, len(movers))]
@@ -144,7 +162,9 @@ def _moved_target(
     target = current.as_dict()
     fixed = [n for n in names if n not in movers]
     for name in movers:
-        taken = set().union(*(_blocks(target[o], block) for o in fixed if stages[o].stage == stages[name].stage))
+        taken = set().union(
+            *(_blocks(target[o], block) for o in fixed if stages[o].stage == stages[name].stage)
+        )
         size = rng.choice(_RUN_SIZES[stages[name].stage])
         starts = _place(rng, [size], taken)
         if starts is None:
@@ -193,5 +213,9 @@ def random_case(
     peak = max(_resident_peak(current, workload, models), _resident_peak(target, workload, models))
     memory = peak / (1 - MEMORY_HEADROOM) * rng.uniform(*slack) * (1 + 1e-9)
     base = CLUSTER_PRESETS["paper_cluster3"]
-    cluster = replace(base, num_nodes=max(1, num_gpus // gpn), gpus_per_node=gpn, gpu_memory=memory, num_gpus=0)
-    return TransitionCase(current, target, models, cluster, workload, kind, overlaps_of(current, target, workload))
+    cluster = replace(
+        base, num_nodes=max(1, num_gpus // gpn), gpus_per_node=gpn, gpu_memory=memory, num_gpus=0
+    )
+    return TransitionCase(
+        current, target, models, cluster, workload, kind, overlaps_of(current, target, workload)
+    )

@@ -43,7 +43,9 @@ class ValidationReport:
         return self.valid
 
 
-def validate(dag: TransitionDAG, *, random_orders: int = 0, seed: int = 0, max_problems: int = 8) -> ValidationReport:
+def validate(
+    dag: TransitionDAG, *, random_orders: int = 0, seed: int = 0, max_problems: int = 8
+) -> ValidationReport:
     """Check ``dag`` (see the module docstring); ``random_orders`` adds replays of random topological orders."""
     problems: list[str] = []
     problems += _structure(dag)
@@ -55,7 +57,9 @@ def validate(dag: TransitionDAG, *, random_orders: int = 0, seed: int = 0, max_p
     rng = random.Random(seed)
     for k in range(random_orders):
         peak = max(peak, _replay(dag, _random_order(dag, rng), problems, f" (random order {k})"))
-    return ValidationReport(not problems, tuple(problems[:max_problems]), peak, memory_cap(dag.context.cluster))
+    return ValidationReport(
+        not problems, tuple(problems[:max_problems]), peak, memory_cap(dag.context.cluster)
+    )
 
 
 def _structure(dag: TransitionDAG) -> list[str]:
@@ -90,7 +94,9 @@ class _Gpus:
         ctx = dag.context
         n = ctx.cluster.num_gpus
         self.stage = {name: ctx.stages[name].stage for name in ctx.current}
-        self.peers = {a: [b for b in ctx.current if b != a and self.stage[a] == self.stage[b]] for a in ctx.current}
+        self.peers = {
+            a: [b for b in ctx.current if b != a and self.stage[a] == self.stage[b]] for a in ctx.current
+        }
         self.count = {name: [0] * n for name in ctx.current if self.peers[name]}
         self.mem = [0.0] * n
         for name, c in ctx.current.items():
@@ -142,7 +148,9 @@ def _replay(dag: TransitionDAG, order: list[Node], problems: list[str], label: s
             if top > peak:
                 peak = top
                 if top > cap:
-                    problems.append(f"memory{label}: GPU {g} reaches {top / GB:.1f} GB > cap {cap / GB:.1f} GB during {n}")
+                    problems.append(
+                        f"memory{label}: GPU {g} reaches {top / GB:.1f} GB > cap {cap / GB:.1f} GB during {n}"
+                    )
             mem[g] += net
         if n.op is not Primitive.EXTEND:
             units.difference_update(n.sources)
@@ -153,7 +161,9 @@ def _replay(dag: TransitionDAG, order: list[Node], problems: list[str], label: s
         gpus.release(n)
     for name, want in _units(ctx.target).items():
         if alive[name] != want:
-            problems.append(f"structure{label}: {name} ends with {sorted(map(str, alive[name]))}, not the target")
+            problems.append(
+                f"structure{label}: {name} ends with {sorted(map(str, alive[name]))}, not the target"
+            )
     return peak
 
 
@@ -217,7 +227,9 @@ def _adversarial(dag: TransitionDAG, problems: list[str]) -> float:
                     peak = mem[g]
                     if peak > cap and reported < 4:
                         reported += 1
-                        problems.append(f"memory (concurrent): GPU {g} reaches {peak / GB:.1f} GB > cap during {n}")
+                        problems.append(
+                            f"memory (concurrent): GPU {g} reaches {peak / GB:.1f} GB > cap during {n}"
+                        )
             for p in gpus.acquire(n)[:1]:
                 if reported < 8:
                     reported += 1
