@@ -198,3 +198,35 @@ def test_longer_responses_never_lower_peak_memory():
             assert peak >= prev
             prev = peak
     assert math.isfinite(prev)
+
+
+def test_optimizer_step_is_dp_allreduce_plus_adamw_traffic():
+    from nereus_lightning.plan.cost import ADAMW_BYTES_PER_PARAM, _optimizer_step
+
+    c = _cluster(gpn=4)
+    w = _work("training", sequences=64)
+    lay = Layout(2, 1)
+    params = L8.num_params / 2  # one pipeline stage, split over TP=2
+    links = canonical_links(lay, 4, c)  # 8 GPUs over two 4-GPU nodes: DP groups cross nodes
+    step = _optimizer_step(w, lay, 4, links, c)
+    assert step["decode"] == pytest.approx(params * ADAMW_BYTES_PER_PARAM / 1e12)
+    assert step["allreduce_inter"] == pytest.approx(2 * 3 / 4 * params * 2 / (10e9 / 4) + 6 * 10e-6)
+
+
+def test_training_slot_counts_tp_allreduces_per_block():
+    c = _cluster(gpn=4)
+    w = _work("training", role="critic", sequences=64)  # no LM head
+    lay = Layout(2, 1)
+    for rc, passes in ((False, 3), (True, 4)):
+        slot = slot_affine(w, lay, rc, canonical_links(lay, 1, c), c).at(1)
+        tokens = 100 + 200  # prompt + mean response
+        one = allreduce_time(tokens * 4096 * 2, 2, GroupLink(), c)
+        assert slot["allreduce_intra"] == pytest.approx(2 * 32 * passes * one)
+        gemm = (
+            compute.training_multiplier(rc)
+            * tokens
+            * compute.gemm_flops_per_token(L8, 32, False)
+            / 2
+            / 100e12
+        )
+        assert slot["gemm"] == pytest.approx(gemm)

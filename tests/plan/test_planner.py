@@ -301,7 +301,9 @@ def test_paper_drift_fact_llama8b_on_16_a100s():
     cap = memory_cap(cluster)
     chosen = {}
     for resp in (2048, 4096):
-        workload = Workload(algorithm="grpo", response_len=resp, micro_batch_min=2)  # actor training gets all 16 GPUs
+        workload = Workload(
+            algorithm="grpo", response_len=resp, micro_batch_min=2
+        )  # actor training gets all 16 GPUs
         work = stage_work(next(ms for ms in workload.stages if ms.name == "actor_train"), models, workload)
         fits_422 = peak_memory(work, Layout(2, 2), 4, 2, False) <= cap
         fits_441 = peak_memory(work, Layout(4, 1), 4, 2, False) <= cap
