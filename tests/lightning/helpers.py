@@ -17,10 +17,14 @@ def small_task(seed: int = 0) -> RepeatTask:
     return RepeatTask(start_len=3, max_len=6, grow_every=2, seed=seed)
 
 
-def plan_of(algorithm: str, placement: dict[str, tuple[int, ...]]) -> Plan:
-    """Layout(1,1) replicas on the given GPUs per model-stage (all ranks by default)."""
-    return Plan.of({m.name: Candidate(Layout(1, 1), len(placement.get(m.name, (0, 1, 2, 3))),
-                                      placement.get(m.name, (0, 1, 2, 3))) for m in workflow(algorithm)})
+def plan_of(algorithm: str, placement: dict) -> Plan:
+    """Per model-stage: GPUs (Layout(1,1) replicas) or ``((tp, pp), gpus)``; all ranks, dp4 by default."""
+    out = {}
+    for m in workflow(algorithm):
+        spec = placement.get(m.name, (0, 1, 2, 3))
+        layout, gpus = (Layout(*spec[0]), tuple(spec[1])) if isinstance(spec[0], tuple) else (Layout(1, 1), tuple(spec))
+        out[m.name] = Candidate(layout, len(gpus) // layout.size, gpus)
+    return Plan.of(out)
 
 
 def one_update(rank: int, world_size: int, placement: dict[str, tuple[int, ...]], algorithm: str = "ppo") -> dict:
@@ -34,3 +38,41 @@ def one_update(rank: int, world_size: int, placement: dict[str, tuple[int, ...]]
     if module.critic is not None:
         params.update({f"critic.{n}": p.detach().clone() for n, p in module.critic.named_parameters()})
     return {"params": params, "metrics": metrics}
+
+
+def fit(tmp: str, devices: int, max_steps: int, algorithm: str = "ppo", ckpt_path: str | None = None,
+        every: int = 0, module=None):  # noqa: ANN001, ANN201
+    """A short Trainer run with DP-only plans over all ranks; returns the trainer and metric rows."""
+    import csv
+    import glob
+
+    import lightning.pytorch as pl
+
+    from nereus_lightning.lightning import NereusCallback, NereusStrategy, PoolFollower, ReMaxModule
+
+    classes = {"ppo": PPOModule, "grpo": GRPOModule, "remax": ReMaxModule}
+    if module is None:
+        kwargs = {"samples_per_prompt": 2, "prompts_per_step": 4} if algorithm == "grpo" else {"prompts_per_step": 8}
+        module = classes[algorithm](task=small_task(), seed=3, **kwargs)
+    callbacks = [NereusCallback(controller=PoolFollower(module.algorithm))]
+    if every:
+        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=os.path.join(tmp, "ckpt"), filename="s{step}",
+                                                      every_n_train_steps=every, save_top_k=-1,
+                                                      auto_insert_metric_name=False))
+    logger = pl.loggers.CSVLogger(tmp, name="logs")
+    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=NereusStrategy(), max_steps=max_steps,
+                         callbacks=callbacks, logger=logger, log_every_n_steps=1, enable_checkpointing=bool(every),
+                         enable_model_summary=False, enable_progress_bar=False)
+    trainer.fit(module, ckpt_path=ckpt_path)
+    files = sorted(glob.glob(os.path.join(tmp, "logs", "*", "metrics.csv")), key=os.path.getmtime)
+    rows = [r for r in csv.DictReader(open(files[-1])) if r.get("critic/score/mean")]
+    return trainer, rows
+
+
+class DyingPPOModule(PPOModule):
+    """PPO whose rank 1 dies (hard exit) at RL step 2: the failure-path test."""
+
+    def rl_step(self, step, plan=None, optimizer=None):  # noqa: ANN001, ANN201
+        if step == 2 and torch.distributed.get_rank() == 1:
+            os._exit(3)
+        return super().rl_step(step, plan, optimizer)

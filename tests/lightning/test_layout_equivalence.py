@@ -20,10 +20,30 @@ LAYOUT_B = {  # different DP degrees and GPU sets per model-stage (the planner's
     "critic_train": (2,),
 }
 
+LAYOUT_C = {  # TP and PP: sharded units compute generation, inference and both updates
+    "actor_gen": ((2, 1), (0, 1, 2, 3)),  # dp2 x TP2
+    "actor_infer": ((1, 2), (3, 2)),  # PP2
+    "ref_infer": ((2, 1), (0, 1)),
+    "critic_infer": ((2, 2), (0, 1, 2, 3)),  # TP2 x PP2
+    "reward_infer": (0,),
+    "actor_train": ((2, 2), (3, 2, 1, 0)),
+    "critic_train": ((1, 2), (0, 1, 2, 3)),  # dp2 x PP2
+}
 
-def test_ppo_update_is_layout_independent(dist4):
-    a = dist4.run(one_update, LAYOUT_A)
-    b = dist4.run(one_update, LAYOUT_B)
+
+_RUNS: dict[str, list] = {}
+
+
+def _run(pool, name: str) -> list:
+    if name not in _RUNS:  # the reference run is shared by both comparisons
+        _RUNS[name] = pool.run(one_update, {"A": LAYOUT_A, "B": LAYOUT_B, "C": LAYOUT_C}[name])
+    return _RUNS[name]
+
+
+@pytest.mark.parametrize("other", ["B", "C"], ids=["dp_layouts", "tp_pp_layouts"])
+def test_ppo_update_is_layout_independent(dist4, other):
+    a = _run(dist4, "A")
+    b = _run(dist4, other)
     # Every rank ends with the same parameters within one run ...
     for rank in range(1, 4):
         for name, p in a[0]["params"].items():

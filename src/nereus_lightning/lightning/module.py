@@ -12,6 +12,7 @@ floating-point reduction order.
 from __future__ import annotations
 
 import time
+from functools import partial
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -95,6 +96,9 @@ class RLModule(L.LightningModule):
         self.reference = frozen_copy(self.actor)
         self.critic = build_causal_lm(critic if critic is not None else actor, seed + 1, vocab, pad) if self.uses_critic else None
         self.step_stats: dict[str, float] = {}
+        from nereus_lightning.lightning.units import StageUnits
+
+        self.units = StageUnits(self.algorithm)
 
     # ---- Lightning hooks -------------------------------------------------------------------
     @override
@@ -139,6 +143,7 @@ class RLModule(L.LightningModule):
         """
         hp = self.hparams
         plan = plan if plan is not None else self.current_plan()
+        self.units.ensure(plan, self.role_models(), self.rank)  # no-op unless the plan changed
         t0 = time.perf_counter()
         prompts, groups = self.task.prompts(step, hp.prompts_per_step, hp.samples_per_prompt)
         n = len(prompts)
@@ -148,8 +153,9 @@ class RLModule(L.LightningModule):
         def gen(slot: StageSlot, greedy: bool = False) -> list[list[int]]:
             idx = list(slot.indices)
             seeds = None if greedy else [sampling.sample_seed(hp.seed, step, i) for i in idx]
-            return sampling.generate(self.actor, [prompts[i] for i in idx], max_new, seeds, tok.eos_token_id,
-                                     tok.pad_token_id, hp.temperature)
+            unit = self.units.get(slot.stage)
+            fn = partial(sampling.generate_sharded, unit) if unit is not None else partial(sampling.generate, self.actor)
+            return fn([prompts[i] for i in idx], max_new, seeds, tok.eos_token_id, tok.pad_token_id, hp.temperature)
 
         responses = run_partitioned(plan, "actor_gen", self.rank, n, gen)
         t_gen = time.perf_counter()
@@ -161,22 +167,17 @@ class RLModule(L.LightningModule):
         ids, attn, mask, width = sampling.pack_sequences(prompts, responses, tok.pad_token_id, self.device)
         plens = [len(p) for p in prompts]
 
-        def rows(fn):  # noqa: ANN001, ANN202
+        def infer(stage: str, model: torch.nn.Module, values: bool = False) -> Tensor:
             def run(slot: StageSlot) -> list[Tensor]:
                 s = slice(slot.start, slot.stop)
                 with torch.no_grad():
-                    out = fn(ids[s], attn[s], plens[s])
+                    out = self._score(slot.stage, model, ids[s], attn[s], plens[s], width, values)
                 return list(out.unbind(0))
-            return run
+            return torch.stack(run_partitioned(plan, stage, self.rank, n, run))
 
-        old_lp = torch.stack(run_partitioned(plan, "actor_infer", self.rank, n,
-                                             rows(lambda i, a, p: sampling.response_log_probs(self.actor, i, a, p, width))))
-        ref_lp = torch.stack(run_partitioned(plan, "ref_infer", self.rank, n,
-                                             rows(lambda i, a, p: sampling.response_log_probs(self.reference, i, a, p, width))))
-        values = None
-        if self.critic is not None:
-            values = torch.stack(run_partitioned(plan, "critic_infer", self.rank, n,
-                                                 rows(lambda i, a, p: sampling.response_values(self.critic, i, a, p, width))))
+        old_lp = infer("actor_infer", self.actor)
+        ref_lp = infer("ref_infer", self.reference)
+        values = infer("critic_infer", self.critic, values=True) if self.critic is not None else None
         t_infer = time.perf_counter()
 
         metrics: dict[str, float] = {}
@@ -222,6 +223,25 @@ class RLModule(L.LightningModule):
         loss, m = losses.policy_loss(lp, old_lp, a, mask, clip_eps=self.hparams.clip_ratio)
         return loss, m
 
+    def role_models(self) -> dict[str, torch.nn.Module | None]:
+        """The logical model of each role."""
+        return {"actor": self.actor, "reference": self.reference, "critic": self.critic}
+
+    def _score(self, stage: str, model: torch.nn.Module, ids: Tensor, attn: Tensor, plens: list[int], width: int,
+               values: bool = False) -> Tensor:
+        """Response log-probs (or values) ``[b, R]`` through this rank's unit of ``stage`` (or the logical model)."""
+        from nereus_lightning.models import MicroBatch, forward_logits, token_logprobs
+
+        unit = self.units.get(stage)
+        if unit is None:
+            fn = sampling.response_values if values else sampling.response_log_probs
+            return fn(model, ids, attn, plens, width)
+        if values:
+            per_pos = forward_logits(unit, MicroBatch(ids, attn), where="all")[:, :-1, 0].float()
+        else:
+            per_pos = token_logprobs(unit, MicroBatch(ids, attn), where="all")
+        return sampling.pick_response(per_pos, plens, width)
+
     # ---- training stage ------------------------------------------------------------------
     def update(self, plan, ids: Tensor, attn: Tensor, plens: list[int], width: int, mask: Tensor, old_lp: Tensor,  # noqa: ANN001
                ref_lp: Tensor, values: Tensor | None, advantages: Tensor, returns: Tensor,
@@ -247,14 +267,9 @@ class RLModule(L.LightningModule):
                         continue
                     s = slice(lo + slot.start, lo + slot.stop)
                     weight = mask[s].sum() / total_tokens  # local token-mean -> global token-mean
-                    if stage == "actor_train":
-                        lp = sampling.response_log_probs(self.actor, ids[s], attn[s], plens[s], width)
-                        loss, m = self.actor_loss(lp, old_lp[s], ref_lp[s], advantages[s], mask[s])
-                    else:
-                        v = sampling.response_values(self.critic, ids[s], attn[s], plens[s], width)
-                        loss, m = losses.value_loss(v, values[s], returns[s], mask[s], hp.cliprange_value)
-                    (loss * weight).backward()
-                    if slot.is_leader:
+                    m, reporter = self._train_slice(stage, s, ids, attn, plens, width, mask, old_lp, ref_lp, values,
+                                                    advantages, returns, weight, slot.is_leader)
+                    if reporter:
                         for k, val in m.items():
                             part[k] = part.get(k, 0.0) + float(val) * float(weight)
                 params = [p for g in raw.param_groups for p in g["params"]]
@@ -269,7 +284,45 @@ class RLModule(L.LightningModule):
                 updates += 1
                 for k, val in _sum_over_ranks(part).items():
                     sums[k] = sums.get(k, 0.0) + val
+                self.units.refresh("actor", self.actor)  # weight sync into the actor's other units
+                if self.critic is not None:
+                    self.units.refresh("critic", self.critic)
         return {k: v / updates for k, v in sums.items()}
+
+    def _train_slice(self, stage: str, s: slice, ids: Tensor, attn: Tensor, plens: list[int], width: int, mask: Tensor,
+                     old_lp: Tensor, ref_lp: Tensor, values: Tensor | None, advantages: Tensor, returns: Tensor,
+                     weight: Tensor, leader: bool) -> tuple[dict[str, Tensor], bool]:
+        """Backward of one replica's slice into the logical model's gradients; returns (metrics, reports)."""
+        from nereus_lightning.lightning.units import StageUnits, value_train_step
+        from nereus_lightning.models import MicroBatch, train_step
+
+        hp = self.hparams
+        unit = self.units.get(stage)
+        sub = plens[s]
+        metrics: dict[str, Tensor] = {}
+        if stage == "actor_train":
+            def actor_loss(lp: Tensor) -> Tensor:
+                loss, m = self.actor_loss(lp, old_lp[s], ref_lp[s], advantages[s], mask[s])
+                metrics.update(m)
+                return loss * weight
+
+            if unit is None:
+                actor_loss(sampling.response_log_probs(self.actor, ids[s], attn[s], sub, width)).backward()
+                return metrics, leader
+            train_step(unit, [MicroBatch(ids[s], attn[s])], lambda lp, mb: actor_loss(sampling.pick_response(lp, sub, width)))
+            StageUnits.add_grads_to(unit, self.actor)
+        else:
+            def critic_loss(v: Tensor) -> Tensor:
+                loss, m = losses.value_loss(v, values[s], returns[s], mask[s], hp.cliprange_value)
+                metrics.update(m)
+                return loss * weight
+
+            if unit is None:
+                critic_loss(sampling.response_values(self.critic, ids[s], attn[s], sub, width)).backward()
+                return metrics, leader
+            value_train_step(unit, ids[s], attn[s], lambda v: critic_loss(sampling.pick_response(v[:, :-1], sub, width)))
+            StageUnits.add_grads_to(unit, self.critic)
+        return metrics, unit.comm.is_last_stage and unit.comm.tp_rank == 0
 
 
 def _chunks(n: int, parts: int) -> list[tuple[int, int]]:

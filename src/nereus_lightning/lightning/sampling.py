@@ -59,13 +59,7 @@ def generate(
         position_ids = (mask.cumsum(-1) - 1).clamp_min(0)[:, -step_ids.shape[1] :]
         result = model(input_ids=step_ids, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True)
         cache = result.cache if "cache" in result else result.past_key_values
-        logits = result.logits[:, -1, :].float()
-        if gens is None:
-            next_ids = logits.argmax(-1)
-        else:
-            noise = torch.stack([torch.rand(logits.shape[-1], generator=g, device=device) for g in gens])
-            gumbel = -torch.log(-torch.log(noise.clamp(1e-10, 1.0 - 1e-7)))
-            next_ids = (logits / max(temperature, 1e-6) + gumbel).argmax(-1)
+        next_ids = _pick(result.logits[:, -1, :], gens, temperature)
         alive = ~done
         next_ids = torch.where(alive, next_ids, torch.full_like(next_ids, pad_id))
         for i, tok in enumerate(next_ids.tolist()):
@@ -120,3 +114,60 @@ def response_values(critic: nn.Module, ids: Tensor, attn: Tensor, prompt_lens: S
     logits = critic(input_ids=ids, attention_mask=attn).logits
     pos = response_positions(prompt_lens, resp_width, ids.device).clamp_max(ids.shape[1] - 2)
     return logits[..., 0].float().gather(1, pos)
+
+
+def _pick(logits: Tensor, gens: list[torch.Generator] | None, temperature: float) -> Tensor:
+    """Next token per row: greedy, or Gumbel-max with each row's own generator."""
+    logits = logits.float()
+    if gens is None:
+        return logits.argmax(-1)
+    noise = torch.stack([torch.rand(logits.shape[-1], generator=g, device=logits.device) for g in gens])
+    gumbel = -torch.log(-torch.log(noise.clamp(1e-10, 1.0 - 1e-7)))
+    return (logits / max(temperature, 1e-6) + gumbel).argmax(-1)
+
+
+@torch.no_grad()
+def generate_sharded(
+    unit: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    seeds: Sequence[int] | None,
+    eos_id: int,
+    pad_id: int,
+    temperature: float = 1.0,
+) -> list[list[int]]:
+    """:func:`generate` over a TP/PP-sharded replica (every rank of the replica calls it with the same prompts).
+
+    Recomputes the whole sequence per token (no KV cache across pipeline stages); the sampling
+    rule and per-sample generators are those of :func:`generate`, so responses match it.
+    """
+    from nereus_lightning.models import MicroBatch, forward_logits
+
+    if not prompts:
+        return []
+    device = next(unit.parameters()).device
+    ids, mask = left_pad(prompts, pad_id, device)
+    gens = None if seeds is None else [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
+    out: list[list[int]] = [[] for _ in prompts]
+    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    for _ in range(max_new_tokens):
+        position_ids = (mask.cumsum(-1) - 1).clamp_min(0)
+        logits = forward_logits(unit, MicroBatch(ids, mask, position_ids), where="all")
+        next_ids = _pick(logits[:, -1, :], gens, temperature)
+        alive = ~done
+        next_ids = torch.where(alive, next_ids, torch.full_like(next_ids, pad_id))
+        for i, tok in enumerate(next_ids.tolist()):
+            if alive[i]:
+                out[i].append(tok)
+        done = done | (next_ids == eos_id)
+        if bool(done.all()):
+            break
+        ids = torch.cat([ids, next_ids.unsqueeze(-1)], dim=-1)
+        mask = torch.cat([mask, alive.long().unsqueeze(-1)], dim=-1)
+    return out
+
+
+def pick_response(token_lp: Tensor, prompt_lens: Sequence[int], resp_width: int) -> Tensor:
+    """Response-token entries ``[B, R]`` of per-position values ``[B, S-1]`` (log-probs of token t+1)."""
+    pos = response_positions(prompt_lens, resp_width, token_lp.device).clamp_max(token_lp.shape[1] - 1)
+    return token_lp.gather(1, pos)

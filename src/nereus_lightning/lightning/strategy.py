@@ -182,14 +182,18 @@ class NereusStrategy(ParallelStrategy):
     def transition(self, target: Plan) -> float:
         """Execute the move from the current plan to ``target`` on every rank; returns seconds taken.
 
-        The model-stages here hold full replicas on every rank, so changing a plan re-partitions
-        work (DP degree, GPU set, per-replica batch) without moving parameters; the time covers
-        agreeing on the plan (a barrier) on all ranks.
+        Every rank keeps the logical state (full parameters and optimizer state); the units of
+        model-stages with TP/PP layouts are rebuilt from it for the target plan, and DP changes
+        re-partition the batch. The time covers rebuilding the units and a barrier.
         """
         self.validate_plan(target)
         start = time.perf_counter()
         previous = self.plan
         self.plan = target
+        module = self.lightning_module
+        if module is not None and hasattr(module, "units"):
+            # Rebuild this rank's sharded units in the target layouts from the logical state.
+            module.units.ensure(target, module.role_models(), self.global_rank)
         self.barrier("nereus-transition")
         seconds = time.perf_counter() - start
         self.transitions.append({"from": previous, "to": target, "seconds": seconds})

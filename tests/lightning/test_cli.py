@@ -1,0 +1,54 @@
+"""nereus-train's configs: composition, valid-choice errors, fail-fast planner errors, a short run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hydra import compose, initialize_config_module
+
+from nereus_lightning.spec.errors import InfeasiblePlanError
+
+
+def _cfg(*overrides: str):
+    with initialize_config_module(config_module="nereus_lightning.configs", version_base="1.3"):
+        return compose(config_name="train", overrides=list(overrides))
+
+
+def test_default_config_composes_to_the_embedded_default():
+    cfg = _cfg("output_dir=/tmp/x")
+    assert cfg.trainer.devices == 4 and cfg.trainer.accelerator == "cpu"
+    assert cfg.algorithm._target_.endswith("PPOModule") and cfg.actor.preset == "tiny_llama"
+    assert min(cfg.resources.counts) < max(cfg.resources.counts)  # the supply schedule takes ranks away
+    assert cfg.controller.gamma == 0.5
+
+
+def test_unknown_group_value_lists_the_valid_choices():
+    from hydra.errors import MissingConfigException
+
+    with pytest.raises(MissingConfigException) as info:
+        _cfg("algorithm=dpo")
+    text = str(info.value)
+    assert "grpo" in text and "ppo" in text and "remax" in text
+
+
+def test_model_too_large_fails_fast_with_the_planners_explanation():
+    from nereus_lightning.cli.train import check_feasible
+
+    cfg = _cfg("actor=llama3_70b", "output_dir=/tmp/x")
+    with pytest.raises(InfeasiblePlanError, match="GB|memory|fit"):
+        check_feasible(cfg, world_size=4)
+
+
+@pytest.mark.distributed
+def test_quick_experiment_trains_transitions_and_plots(tmp_path):
+    from nereus_lightning.cli.train import run
+
+    cfg = _cfg("experiment=quick", f"output_dir={tmp_path}", "trainer.max_steps=6", "resources.counts=[4,4,3]",
+               "save_checkpoint=false")
+    summary = run(cfg)
+    assert summary["steps"] == 6
+    assert summary["transitions"] >= 1  # the pool shrank from 4 to 3 ranks
+    assert (tmp_path / "run.png").stat().st_size > 1000
+    decisions = [json.loads(line) for line in open(tmp_path / "decisions.jsonl")]
+    assert decisions[0]["decision"] == "initial" and any(d["decision"] == "transition" for d in decisions)

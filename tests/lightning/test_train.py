@@ -1,0 +1,46 @@
+"""End-to-end training through Lightning: resume under another world size, GRPO/ReMax, failures, bad input."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.lightning.helpers import fit
+
+pytestmark = pytest.mark.distributed
+
+
+def test_resume_under_another_world_size_matches_uninterrupted(tmp_path):
+    # Uninterrupted: 3 steps on 4 ranks (dp4), checkpoint after step 2.
+    _, full = fit(str(tmp_path / "a"), devices=4, max_steps=3, every=2)
+    ckpt = tmp_path / "a" / "ckpt" / "s2.ckpt"
+    assert (ckpt / "nereus_meta.pt").is_file()
+    # Resumed: step 3 on 2 ranks (dp2), from the checkpoint written under dp4.
+    _, resumed = fit(str(tmp_path / "b"), devices=2, max_steps=3, ckpt_path=str(ckpt))
+    assert [int(float(r["step"])) for r in resumed] == [2]
+    for key in ("actor/pg_loss", "critic/vf_loss", "critic/score/mean"):
+        a, b = float(full[2][key]), float(resumed[0][key])
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (key, a, b)
+    assert float(resumed[0]["plan/actor_train/dp"]) == 2 and float(full[2]["plan/actor_train/dp"]) == 4
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "remax"])
+def test_grpo_and_remax_run_end_to_end(tmp_path, algorithm):
+    trainer, rows = fit(str(tmp_path), devices=2, max_steps=2, algorithm=algorithm)
+    assert [int(float(r["step"])) for r in rows] == [0, 1]
+    assert all(0.0 <= float(r["critic/score/mean"]) <= 1.0 for r in rows)
+    assert "critic/vf_loss" not in rows[0] or rows[0]["critic/vf_loss"] == ""
+    assert float(rows[0]["actor/grad_norm"]) > 0
+
+
+def test_dead_rank_stops_the_job_with_a_resumable_checkpoint(tmp_path):
+    from tests.lightning.helpers import DyingPPOModule, small_task
+
+    module = DyingPPOModule(task=small_task(), seed=3, prompts_per_step=8)
+    with pytest.raises(Exception, match="exit code|terminated|signal"):
+        fit(str(tmp_path / "a"), devices=2, max_steps=4, every=1, module=module)
+    ckpts = sorted(os.listdir(tmp_path / "a" / "ckpt"))
+    assert ckpts == ["s1.ckpt", "s2.ckpt"]  # the steps that finished before the death
+    trainer, rows = fit(str(tmp_path / "b"), devices=2, max_steps=3, ckpt_path=str(tmp_path / "a" / "ckpt" / "s2.ckpt"))
+    assert trainer.state.finished and [int(float(r["step"])) for r in rows] == [2]
