@@ -152,9 +152,8 @@ def local_dag(
             for j, t in enumerate(tiles):
                 where[t] = (i, j)
     sub_at = {g: t for t in where for g in t}  # the T_sub unit each current GPU would be part of
-    slots = [
-        _slots_of(v, b, s, pick_b, where, sub_at) for v in tgt_units
-    ]  # per target unit, its Merge inputs
+    # Per target unit, the T_sub units its Merge fuses (reused in place or to be extended).
+    slots = [_slots_of(v, b, s, pick_b, where, sub_at) for v in tgt_units]
     reused = {t for row in slots for t in row if t in where}
     missing = [t for row in slots for t in row if t not in where]
     split_units = sorted({where[t][0] for t in reused})
