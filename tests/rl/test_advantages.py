@@ -116,7 +116,9 @@ def test_scores_on_last_token_and_kl_penalty():
     # k1 per token: logp - ref = .5 and -1; coef .1 -> rewards 0 - .05, 1 + .1
     lp = torch.tensor([[-1.0, -2.0]])
     ref = torch.tensor([[-1.5, -1.0]])
-    penalised, m = apply_kl_penalty(torch.tensor([[0.0, 1.0]]), lp, ref, torch.ones(1, 2), kl_coef=0.1, kind="kl")
+    penalised, m = apply_kl_penalty(
+        torch.tensor([[0.0, 1.0]]), lp, ref, torch.ones(1, 2), kl_coef=0.1, kind="kl"
+    )
     assert penalised.tolist() == _rows(torch.tensor([[-0.05, 1.1]]))
     assert m["actor/kl"].item() == pytest.approx(-0.25)
     assert m["actor/reward_kl_penalty_coeff"].item() == pytest.approx(0.1)

@@ -58,7 +58,7 @@ def test_repartition_between_dp_degrees_is_by_global_index():
     three_way = RolloutBatch.repartition(list(reversed(four_way)), 3)
     assert [p.sample_index.tolist() for p in three_way] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
     back = RolloutBatch.repartition(three_way, 4)
-    for a, b in zip(back, four_way):
+    for a, b in zip(back, four_way, strict=False):
         assert all(torch.equal(a.tensors()[k], b.tensors()[k]) for k in a.tensors())
 
 

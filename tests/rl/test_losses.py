@@ -54,7 +54,9 @@ def test_policy_loss_sequence_aggregations():
 def test_policy_loss_asymmetric_and_dual_clip():
     # ratio 1.5, A = +1, clip high 0.6: clamp(1.5, 0.8, 1.6) = 1.5 -> not clipped, loss -1.5
     lp = torch.tensor([[math.log(1.5)]])
-    loss, m = policy_loss(lp, torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1), clip_eps=0.2, clip_eps_high=0.6)
+    loss, m = policy_loss(
+        lp, torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1), clip_eps=0.2, clip_eps_high=0.6
+    )
     assert loss.item() == pytest.approx(-1.5)
     assert m["actor/pg_clipfrac"].item() == 0.0
     # ratio 5, A = -1: max(5, 1.2) = 5; dual clip c = 3 caps it at -A * c = 3
@@ -109,7 +111,9 @@ def test_entropy_and_token_log_probs():
     ent = entropy_from_logits(logits)
     # uniform over 2: ln 2; p = (1/4, 3/4): 0.25 ln 4 + 0.75 ln(4/3)
     assert ent.tolist()[0] == pytest.approx([LN2, 0.25 * math.log(4) + 0.75 * math.log(4 / 3)])
-    assert token_log_probs(logits, torch.tensor([[0, 1]])).tolist()[0] == pytest.approx([-LN2, math.log(0.75)])
+    assert token_log_probs(logits, torch.tensor([[0, 1]])).tolist()[0] == pytest.approx(
+        [-LN2, math.log(0.75)]
+    )
     loss, m = entropy_loss(ent, torch.tensor([[1, 0]]))
     assert loss.item() == pytest.approx(LN2)
     assert m["actor/entropy"].item() == pytest.approx(LN2)

@@ -31,13 +31,17 @@ SMALL = dict(hidden=32, layers=1, heads=2, kv_heads=2, intermediate=64)
 
 
 def test_grpo_learns_the_repeat_task_and_responses_grow():
-    cfg = RLConfig(algorithm="grpo", steps=70, prompts_per_step=8, samples_per_prompt=8, actor_lr=3e-3, seed=0)
+    cfg = RLConfig(
+        algorithm="grpo", steps=70, prompts_per_step=8, samples_per_prompt=8, actor_lr=3e-3, seed=0
+    )
     start = time.perf_counter()
     result = run_reference(cfg, task=RepeatTask(alphabet="a", start_count=2, max_count=8))
     seconds = time.perf_counter() - start
     first, last = result.mean_score(first=10), result.mean_score(last=10)
-    print(f"grpo 70 steps: first-10 {first:.3f} last-10 {last:.3f}, response length "
-          f"{result.response_lengths[0]:.1f} -> {result.response_lengths[-1]:.1f}, {seconds:.1f} s")
+    print(
+        f"grpo 70 steps: first-10 {first:.3f} last-10 {last:.3f}, response length "
+        f"{result.response_lengths[0]:.1f} -> {result.response_lengths[-1]:.1f}, {seconds:.1f} s"
+    )
     assert last > first + 0.5
     assert result.counts[-1] > result.counts[0]
     assert result.response_lengths[-1] > result.response_lengths[0] + 2
@@ -57,8 +61,17 @@ def _one_batch(cfg, models):
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
 def test_updates_do_not_depend_on_the_micro_batch_size(agg):
-    cfg = RLConfig(algorithm="ppo", prompts_per_step=4, samples_per_prompt=3, mini_batches=2, ppo_epochs=2,
-                   kl_loss_coef=0.1, entropy_coef=0.01, loss_agg=agg, seed=2)
+    cfg = RLConfig(
+        algorithm="ppo",
+        prompts_per_step=4,
+        samples_per_prompt=3,
+        mini_batches=2,
+        ppo_epochs=2,
+        kl_loss_coef=0.1,
+        entropy_coef=0.01,
+        loss_agg=agg,
+        seed=2,
+    )
     models = build_models(cfg, tiny_llama_config(**SMALL))
     batch = _one_batch(cfg, models)
     finals = []
@@ -68,27 +81,55 @@ def test_updates_do_not_depend_on_the_micro_batch_size(agg):
         update_critic(run.critic, run.critic_optim, batch, c)
         update_actor(run.actor, run.actor_optim, batch, c)
         finals.append([p.detach().clone() for p in [*run.actor.parameters(), *run.critic.parameters()]])
-    moved = max((a - b).abs().max().item() for a, b in zip(finals[0], models.actor.parameters()))
+    moved = max(
+        (a - b).abs().max().item() for a, b in zip(finals[0], models.actor.parameters(), strict=False)
+    )
     assert moved > 1e-4  # the update did something
     for other in finals[1:]:
-        for a, b in zip(finals[0], other):  # relative to the tensor's norm, fp32 reduction order aside
+        for a, b in zip(
+            finals[0], other, strict=False
+        ):  # relative to the tensor's norm, fp32 reduction order aside
             assert (a - b).norm() <= 1e-5 * a.norm()
 
 
 @pytest.mark.parametrize("algorithm", ["ppo", "remax"])
 def test_ppo_and_remax_run_with_kl_and_report_verl_metrics(algorithm):
-    cfg = RLConfig(algorithm=algorithm, steps=3, prompts_per_step=4, samples_per_prompt=2, kl_coef=0.05,
-                   kl_loss_coef=0.01, mini_batches=2, seed=1)
+    cfg = RLConfig(
+        algorithm=algorithm,
+        steps=3,
+        prompts_per_step=4,
+        samples_per_prompt=2,
+        kl_coef=0.05,
+        kl_loss_coef=0.01,
+        mini_batches=2,
+        seed=1,
+    )
+
     def spread_reward(prompts, responses):  # varied scores, so an untrained policy still moves
         return [(sum(map(ord, r)) % 7) / 7 for r in responses]
 
-    result = run_reference(cfg, task=RepeatTask(start_count=3), model_config=tiny_llama_config(**SMALL),
-                           reward=spread_reward)
+    result = run_reference(
+        cfg, task=RepeatTask(start_count=3), model_config=tiny_llama_config(**SMALL), reward=spread_reward
+    )
     metrics = result.metrics[-1]
-    names = ["actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/kl", "actor/kl_loss", "actor/entropy",
-             "actor/grad_norm", "critic/score/mean", "critic/rewards/mean", "critic/advantages/mean",
-             "response_length/mean", "response_length/clip_ratio", "timing_s/gen", "timing_s/update_actor",
-             "timing_s/step", "perf/throughput"]
+    names = [
+        "actor/pg_loss",
+        "actor/pg_clipfrac",
+        "actor/ppo_kl",
+        "actor/kl",
+        "actor/kl_loss",
+        "actor/entropy",
+        "actor/grad_norm",
+        "critic/score/mean",
+        "critic/rewards/mean",
+        "critic/advantages/mean",
+        "response_length/mean",
+        "response_length/clip_ratio",
+        "timing_s/gen",
+        "timing_s/update_actor",
+        "timing_s/step",
+        "perf/throughput",
+    ]
     if algorithm == "ppo":
         names += ["critic/vf_loss", "critic/vf_clipfrac", "critic/values/mean", "timing_s/update_critic"]
     for name in names:

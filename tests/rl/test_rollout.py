@@ -32,7 +32,9 @@ def _actor():
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(tiny_llama_config(hidden=32, layers=1, heads=2, kv_heads=2, intermediate=64)).eval()
+    return LlamaForCausalLM(
+        tiny_llama_config(hidden=32, layers=1, heads=2, kv_heads=2, intermediate=64)
+    ).eval()
 
 
 def _engine():
@@ -69,7 +71,9 @@ def test_greedy_matches_a_plain_argmax_loop_on_left_padded_prompts():
 def test_sampling_depends_on_the_sample_seed_not_the_batch():
     ids, mask = _prompts(["2*a=", "31*b=", "7*a="])
     seeds = sample_seeds(seed=3, step=5, indices=[10, 11, 12])
-    assert seeds == sample_seeds(3, 5, torch.tensor([10, 11, 12])) and seeds != sample_seeds(3, 6, [10, 11, 12])
+    assert seeds == sample_seeds(3, 5, torch.tensor([10, 11, 12])) and seeds != sample_seeds(
+        3, 6, [10, 11, 12]
+    )
     engine = _engine()
     together = engine.generate(ids, mask, 6, sample_seeds=seeds)
     again = engine.generate(ids, mask, 6, sample_seeds=seeds)
@@ -85,7 +89,9 @@ def test_sampling_depends_on_the_sample_seed_not_the_batch():
 
 def test_seeded_gumbel_samples_the_softmax():
     # two tokens with probabilities .7 / .3 (temperature 2 on logits 2 ln .7, 2 ln .3): 4000 seeds
-    proc = _SeededGumbel(list(range(4000)), prompt_len=1, max_new_tokens=1, temperature=2.0, top_k=0, top_p=1.0)
+    proc = _SeededGumbel(
+        list(range(4000)), prompt_len=1, max_new_tokens=1, temperature=2.0, top_k=0, top_p=1.0
+    )
     logits = torch.tensor([2 * math.log(0.7), 2 * math.log(0.3)]).expand(4000, 2)
     picks = proc(torch.zeros(4000, 1, dtype=torch.long), logits).argmax(-1).float()
     assert abs((1 - picks.mean()).item() - 0.7) < 0.03  # 4 sigma
@@ -141,13 +147,19 @@ def test_values_and_reward_scorers():
     # as a reward model, the score is the value head at the last valid token of prompt + response
     scores = ModelReward(critic)(ids, mask, response, rmask)
     full_ids, full_mask = torch.cat([ids, response], -1), torch.cat([mask, rmask], -1)
-    logits = critic(input_ids=full_ids, attention_mask=full_mask, position_ids=position_ids_from_mask(full_mask)).logits
+    logits = critic(
+        input_ids=full_ids, attention_mask=full_mask, position_ids=position_ids_from_mask(full_mask)
+    ).logits
     assert scores.tolist() == pytest.approx([logits[0, -1, 0].item(), logits[1, -2, 0].item()], abs=1e-6)
-    assert ModelReward(lambda input_ids, attention_mask: attention_mask.sum(-1).float())(ids, mask, response, rmask).tolist() == [8.0, 7.0]
+    assert ModelReward(lambda input_ids, attention_mask: attention_mask.sum(-1).float())(
+        ids, mask, response, rmask
+    ).tolist() == [8.0, 7.0]
     # a text function sees decoded prompts (without bos / padding) and responses (up to eos)
     text = FunctionReward(repeat_reward, TOK)(ids, mask, response, rmask)
     assert text.tolist() == pytest.approx([2 / 3, 1.0])
-    assert isinstance(make_scorer(critic), ModelReward) and isinstance(make_scorer(repeat_reward, TOK), FunctionReward)
+    assert isinstance(make_scorer(critic), ModelReward) and isinstance(
+        make_scorer(repeat_reward, TOK), FunctionReward
+    )
     with pytest.raises(NereusConfigError, match="tokenizer"):
         make_scorer(repeat_reward)
     with pytest.raises(NereusConfigError, match="callable"):
@@ -175,7 +187,9 @@ def test_forward_engine_stops_rows_at_eos_and_pads_after():
     def logits(input_ids, attention_mask, position_ids):
         out = torch.zeros(*input_ids.shape, TOK.vocab_size)
         out[..., 97] = 1.0
-        stop = (position_ids[:, -1] >= 5) & (input_ids[:, 1] == TOK.bos_token_id)  # row 0 is left-padded by one
+        stop = (position_ids[:, -1] >= 5) & (
+            input_ids[:, 1] == TOK.bos_token_id
+        )  # row 0 is left-padded by one
         out[stop, -1, TOK.eos_token_id] = 2.0
         return out
 

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nereus_lightning.rl.tasks import PromptSampler, RepeatTask, parse_repeat_prompt, repeat_prompt, repeat_reward
+from nereus_lightning.rl.tasks import (
+    PromptSampler,
+    RepeatTask,
+    parse_repeat_prompt,
+    repeat_prompt,
+    repeat_reward,
+)
 from nereus_lightning.rl.tokenizer import ByteTokenizer
 from nereus_lightning.spec.errors import NereusConfigError
 

@@ -1,1 +1,79 @@
-"""rl."""
+"""RL algorithms (PPO, GRPO, ReMax), rollout engines, rewards and the embedded default's task.
+
+Pure torch on one process; the Lightning strategy distributes the stage functions.
+"""
+
+from nereus_lightning.rl.advantages import (
+    apply_kl_penalty,
+    gae_advantages,
+    grpo_advantages,
+    masked_var,
+    masked_whiten,
+    remax_advantages,
+    returns_to_go,
+    scores_to_token_rewards,
+)
+from nereus_lightning.rl.batch import RolloutBatch, dp_slice
+from nereus_lightning.rl.forward import position_ids_from_mask, response_log_probs, response_values
+from nereus_lightning.rl.losses import (
+    agg_loss,
+    entropy_from_logits,
+    entropy_loss,
+    kl_loss,
+    kl_penalty,
+    masked_mean,
+    policy_loss,
+    token_log_probs,
+    value_loss,
+)
+from nereus_lightning.rl.reward import FunctionReward, ModelReward, RewardScorer, make_scorer
+from nereus_lightning.rl.rollout import (
+    ForwardEngine,
+    HFGenerateEngine,
+    RolloutEngine,
+    RolloutOutput,
+    VLLMEngine,
+    sample_seeds,
+)
+from nereus_lightning.rl.tasks import PromptSampler, RepeatTask, TaskPrompt, repeat_reward
+from nereus_lightning.rl.tokenizer import ByteTokenizer
+
+__all__ = [
+    "ByteTokenizer",
+    "ForwardEngine",
+    "FunctionReward",
+    "HFGenerateEngine",
+    "ModelReward",
+    "PromptSampler",
+    "RepeatTask",
+    "RewardScorer",
+    "RolloutBatch",
+    "RolloutEngine",
+    "RolloutOutput",
+    "TaskPrompt",
+    "VLLMEngine",
+    "agg_loss",
+    "apply_kl_penalty",
+    "dp_slice",
+    "entropy_from_logits",
+    "entropy_loss",
+    "gae_advantages",
+    "grpo_advantages",
+    "kl_loss",
+    "kl_penalty",
+    "make_scorer",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "policy_loss",
+    "position_ids_from_mask",
+    "remax_advantages",
+    "repeat_reward",
+    "response_log_probs",
+    "response_values",
+    "returns_to_go",
+    "sample_seeds",
+    "scores_to_token_rewards",
+    "token_log_probs",
+    "value_loss",
+]

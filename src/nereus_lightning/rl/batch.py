@@ -56,7 +56,11 @@ class RolloutBatch:
         for f in fields(self):
             value = getattr(self, f.name)
             if value is not None:
-                require(value.shape[0] == n, f"RolloutBatch.{f.name}", f"has {value.shape[0]} rows, prompt_ids has {n}")
+                require(
+                    value.shape[0] == n,
+                    f"RolloutBatch.{f.name}",
+                    f"has {value.shape[0]} rows, prompt_ids has {n}",
+                )
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
@@ -87,7 +91,11 @@ class RolloutBatch:
         require(len(batches) > 0, "concat", "needs at least one batch")
         names = set(batches[0].tensors())
         for b in batches[1:]:
-            require(set(b.tensors()) == names, "concat", f"pieces carry different fields: {sorted(names ^ set(b.tensors()))}")
+            require(
+                set(b.tensors()) == names,
+                "concat",
+                f"pieces carry different fields: {sorted(names ^ set(b.tensors()))}",
+            )
         prompt_width = max(b.prompt_ids.shape[-1] for b in batches)
         response_width = max(b.response_ids.shape[-1] for b in batches)
         joined = {}

@@ -19,7 +19,9 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     return positions.masked_fill(attention_mask == 0, 0)
 
 
-def _joined(prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor) -> tuple[Tensor, Tensor]:
+def _joined(
+    prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor
+) -> tuple[Tensor, Tensor]:
     return torch.cat([prompt_ids, response_ids], dim=-1), torch.cat([prompt_mask, response_mask], dim=-1)
 
 
@@ -55,7 +57,9 @@ def response_values(
     token-classification model with one label, as verl's critic) or ``(B, T)``.
     """
     input_ids, mask = _joined(prompt_ids, prompt_mask, response_ids, response_mask)
-    values = critic(input_ids=input_ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)).logits
+    values = critic(
+        input_ids=input_ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)
+    ).logits
     if values.dim() == 3:
         values = values.squeeze(-1)
     return values[:, prompt_ids.shape[-1] - 1 : -1].float()

@@ -38,7 +38,9 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     return (x * mask).sum(dim) / mask.sum(dim).clamp_min(1.0)
 
 
-def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str = "token-mean", normalizer: float | Tensor | None = None) -> Tensor:
+def agg_loss(
+    loss_mat: Tensor, mask: Tensor, mode: str = "token-mean", normalizer: float | Tensor | None = None
+) -> Tensor:
     """Reduce a per-token loss to a scalar.
 
     ``token-mean`` averages over all valid tokens of the batch; ``seq-mean-token-mean`` averages
@@ -62,7 +64,9 @@ def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str = "token-mean", normalize
         return (masked_mean(loss_mat, mask, dim=-1) * seq_has_tokens).sum() / num_seqs
     if mode == "seq-mean-token-sum":
         return (loss_mat * mask).sum(-1).sum() / num_seqs
-    raise NereusConfigError(f"loss_agg_mode: unknown mode {mode!r}; choose one of {', '.join(LOSS_AGG_MODES)}")
+    raise NereusConfigError(
+        f"loss_agg_mode: unknown mode {mode!r}; choose one of {', '.join(LOSS_AGG_MODES)}"
+    )
 
 
 def policy_loss(
@@ -142,7 +146,9 @@ def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, kind: str = "low_var_kl
     variance; clamped to [-10, 10] for stability, as verl does).
     """
     if kind not in KL_ESTIMATORS:
-        raise NereusConfigError(f"kl_penalty: unknown estimator {kind!r}; choose one of {', '.join(KL_ESTIMATORS)}")
+        raise NereusConfigError(
+            f"kl_penalty: unknown estimator {kind!r}; choose one of {', '.join(KL_ESTIMATORS)}"
+        )
     diff = log_probs - ref_log_probs
     estimator = KL_ESTIMATORS[kind]
     if estimator == "k1":

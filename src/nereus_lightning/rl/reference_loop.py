@@ -65,13 +65,29 @@ class RLConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        require(self.algorithm in ALGORITHMS, "algorithm", f"{self.algorithm!r} is not one of {', '.join(ALGORITHMS)}")
-        for name in ("steps", "prompts_per_step", "samples_per_prompt", "ppo_epochs", "mini_batches", "micro_batch_size"):
+        require(
+            self.algorithm in ALGORITHMS,
+            "algorithm",
+            f"{self.algorithm!r} is not one of {', '.join(ALGORITHMS)}",
+        )
+        for name in (
+            "steps",
+            "prompts_per_step",
+            "samples_per_prompt",
+            "ppo_epochs",
+            "mini_batches",
+            "micro_batch_size",
+        ):
             require(getattr(self, name) >= 1, f"rl.{name}", f"must be >= 1, got {getattr(self, name)}")
-        require(self.mini_batches <= self.prompts_per_step * self.samples_per_prompt, "rl.mini_batches",
-                "more mini-batches than samples per step")
+        require(
+            self.mini_batches <= self.prompts_per_step * self.samples_per_prompt,
+            "rl.mini_batches",
+            "more mini-batches than samples per step",
+        )
         if self.algorithm == "grpo":
-            require(self.samples_per_prompt >= 2, "rl.samples_per_prompt", "GRPO needs >= 2 samples per prompt")
+            require(
+                self.samples_per_prompt >= 2, "rl.samples_per_prompt", "GRPO needs >= 2 samples per prompt"
+            )
 
     @property
     def uses_critic(self) -> bool:
@@ -84,16 +100,32 @@ class RLConfig:
         return self.kl_coef > 0 or self.kl_loss_coef > 0
 
 
-def tiny_llama_config(vocab_size: int = 264, hidden: int = 64, layers: int = 2, heads: int = 4,
-                      kv_heads: int = 4, intermediate: int = 128, max_position: int = 256) -> Any:
+def tiny_llama_config(
+    vocab_size: int = 264,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 4,
+    intermediate: int = 128,
+    max_position: int = 256,
+) -> Any:
     """A transformers ``LlamaConfig`` for a tiny fp32 model (built locally, nothing downloaded)."""
     from transformers import LlamaConfig
 
     tok = ByteTokenizer
-    return LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate,
-                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                       max_position_embeddings=max_position, pad_token_id=tok.pad_token_id,
-                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=False)
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_position,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=False,
+    )
 
 
 @dataclass
@@ -122,25 +154,43 @@ def build_models(cfg: RLConfig, model_config: Any | None = None) -> RLModels:
         critic_config.num_labels = 1
         critic_config.classifier_dropout = 0.0  # the head's default dropout would make values random
         models.critic = LlamaForTokenClassification(critic_config)
-        models.critic_optim = torch.optim.AdamW(models.critic.parameters(), lr=cfg.critic_lr, weight_decay=0.0)
+        models.critic_optim = torch.optim.AdamW(
+            models.critic.parameters(), lr=cfg.critic_lr, weight_decay=0.0
+        )
     return models
 
 
-def rollout(step: int, sampler: PromptSampler, tokenizer: ByteTokenizer, engine: RolloutEngine, scorer: RewardScorer,
-            cfg: RLConfig) -> RolloutBatch:
+def rollout(
+    step: int,
+    sampler: PromptSampler,
+    tokenizer: ByteTokenizer,
+    engine: RolloutEngine,
+    scorer: RewardScorer,
+    cfg: RLConfig,
+) -> RolloutBatch:
     """Draw prompts, sample ``samples_per_prompt`` responses each, score them (and the greedy baseline for ReMax)."""
     prompts = sampler.next_prompts(cfg.prompts_per_step)
     n = cfg.samples_per_prompt
-    prompt_ids, prompt_mask = tokenizer.pad([tokenizer.encode(p.text, add_bos=True) for p in prompts for _ in range(n)])
+    prompt_ids, prompt_mask = tokenizer.pad(
+        [tokenizer.encode(p.text, add_bos=True) for p in prompts for _ in range(n)]
+    )
     index = torch.arange(len(prompt_ids))
     groups = torch.tensor([p.index for p in prompts for _ in range(n)])
-    out = engine.generate(prompt_ids, prompt_mask, sampler.max_new_tokens, do_sample=True, temperature=cfg.temperature,
-                          sample_seeds=sample_seeds(cfg.seed, step, index))
+    out = engine.generate(
+        prompt_ids,
+        prompt_mask,
+        sampler.max_new_tokens,
+        do_sample=True,
+        temperature=cfg.temperature,
+        sample_seeds=sample_seeds(cfg.seed, step, index),
+    )
     batch = RolloutBatch(out.prompt_ids, out.prompt_mask, out.response_ids, out.response_mask, index, groups)
     batch.scores = scorer(batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask)
     if cfg.algorithm == "remax":
         first = torch.arange(0, len(prompt_ids), n)  # one greedy answer per prompt
-        greedy = engine.generate(prompt_ids[first], prompt_mask[first], sampler.max_new_tokens, do_sample=False)
+        greedy = engine.generate(
+            prompt_ids[first], prompt_mask[first], sampler.max_new_tokens, do_sample=False
+        )
         baseline = scorer(greedy.prompt_ids, greedy.prompt_mask, greedy.response_ids, greedy.response_mask)
         batch.baseline_scores = baseline.repeat_interleave(n)
     return batch
@@ -164,7 +214,9 @@ def compute_advantages(batch: RolloutBatch, cfg: RLConfig) -> tuple[RolloutBatch
     rewards = scores_to_token_rewards(batch.scores, mask)
     metrics: dict[str, Tensor] = {}
     if cfg.kl_coef > 0:
-        rewards, metrics = apply_kl_penalty(rewards, batch.old_log_probs, batch.ref_log_probs, mask, cfg.kl_coef, cfg.kl_kind)
+        rewards, metrics = apply_kl_penalty(
+            rewards, batch.old_log_probs, batch.ref_log_probs, mask, cfg.kl_coef, cfg.kl_kind
+        )
     batch.token_rewards = rewards
     if cfg.algorithm == "ppo":
         batch.advantages, batch.returns = gae_advantages(rewards, batch.values, mask, cfg.gamma, cfg.lam)
@@ -183,7 +235,9 @@ def _micro_batches(mini: RolloutBatch, micro_batch_size: int) -> list[RolloutBat
     return mini.split(max(1, math.ceil(len(mini) / micro_batch_size)))
 
 
-def update_actor(actor: nn.Module, optim: torch.optim.Optimizer, batch: RolloutBatch, cfg: RLConfig) -> dict[str, Tensor]:
+def update_actor(
+    actor: nn.Module, optim: torch.optim.Optimizer, batch: RolloutBatch, cfg: RLConfig
+) -> dict[str, Tensor]:
     """PPO epochs over mini-batches of the clipped policy loss (+ KL loss, - entropy bonus)."""
     actor.train()
     sums: dict[str, Tensor] = {}
@@ -193,10 +247,19 @@ def update_actor(actor: nn.Module, optim: torch.optim.Optimizer, batch: RolloutB
             optim.zero_grad(set_to_none=True)
             for micro in _micro_batches(mini, cfg.micro_batch_size):
                 ids = (micro.prompt_ids, micro.prompt_mask, micro.response_ids, micro.response_mask)
-                log_probs, entropy = response_log_probs(actor, *ids, temperature=cfg.temperature, with_entropy=True)
+                log_probs, entropy = response_log_probs(
+                    actor, *ids, temperature=cfg.temperature, with_entropy=True
+                )
                 mask = micro.response_mask
-                loss, m = policy_loss(log_probs, micro.old_log_probs, micro.advantages, mask, cfg.clip_eps,
-                                      agg=cfg.loss_agg, normalizer=norm)
+                loss, m = policy_loss(
+                    log_probs,
+                    micro.old_log_probs,
+                    micro.advantages,
+                    mask,
+                    cfg.clip_eps,
+                    agg=cfg.loss_agg,
+                    normalizer=norm,
+                )
                 ent, em = entropy_loss(entropy, mask, cfg.loss_agg, norm)
                 m.update(em)
                 loss = loss - cfg.entropy_coef * ent
@@ -211,12 +274,16 @@ def update_actor(actor: nn.Module, optim: torch.optim.Optimizer, batch: RolloutB
                 _accumulate(sums, m, 1.0 / (cfg.ppo_epochs * cfg.mini_batches))
             grad_norm = torch.nn.utils.clip_grad_norm_(actor.parameters(), cfg.grad_clip)
             optim.step()
-            _accumulate(sums, {"actor/grad_norm": grad_norm.detach()}, 1.0 / (cfg.ppo_epochs * cfg.mini_batches))
+            _accumulate(
+                sums, {"actor/grad_norm": grad_norm.detach()}, 1.0 / (cfg.ppo_epochs * cfg.mini_batches)
+            )
     sums["actor/lr"] = torch.tensor(optim.param_groups[0]["lr"])
     return sums
 
 
-def update_critic(critic: nn.Module, optim: torch.optim.Optimizer, batch: RolloutBatch, cfg: RLConfig) -> dict[str, Tensor]:
+def update_critic(
+    critic: nn.Module, optim: torch.optim.Optimizer, batch: RolloutBatch, cfg: RLConfig
+) -> dict[str, Tensor]:
     """PPO epochs over mini-batches of the clipped value loss."""
     critic.train()
     sums: dict[str, Tensor] = {}
@@ -227,15 +294,24 @@ def update_critic(critic: nn.Module, optim: torch.optim.Optimizer, batch: Rollou
             for micro in _micro_batches(mini, cfg.micro_batch_size):
                 ids = (micro.prompt_ids, micro.prompt_mask, micro.response_ids, micro.response_mask)
                 values = response_values(critic, *ids)
-                loss, m = value_loss(values, micro.values, micro.returns, micro.response_mask, cfg.value_clip,
-                                     cfg.loss_agg, norm)
+                loss, m = value_loss(
+                    values,
+                    micro.values,
+                    micro.returns,
+                    micro.response_mask,
+                    cfg.value_clip,
+                    cfg.loss_agg,
+                    norm,
+                )
                 loss.backward()
                 share = micro.response_mask.sum() / mini.response_mask.sum().clamp_min(1)
                 m["critic/vf_clipfrac"] = m["critic/vf_clipfrac"] * share
                 _accumulate(sums, m, 1.0 / (cfg.ppo_epochs * cfg.mini_batches))
             grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.grad_clip)
             optim.step()
-            _accumulate(sums, {"critic/grad_norm": grad_norm.detach()}, 1.0 / (cfg.ppo_epochs * cfg.mini_batches))
+            _accumulate(
+                sums, {"critic/grad_norm": grad_norm.detach()}, 1.0 / (cfg.ppo_epochs * cfg.mini_batches)
+            )
     return sums
 
 
@@ -276,13 +352,23 @@ class ReferenceResult:
 
     def mean_score(self, first: int | None = None, last: int | None = None) -> float:
         """Mean score over the first or the last ``n`` steps (all steps if neither is given)."""
-        window = self.scores[:first] if first is not None else self.scores[-last:] if last is not None else self.scores
+        window = (
+            self.scores[:first]
+            if first is not None
+            else self.scores[-last:]
+            if last is not None
+            else self.scores
+        )
         return sum(window) / max(len(window), 1)
 
 
-def run_reference(cfg: RLConfig, task: RepeatTask | None = None, model_config: Any | None = None,
-                  reward: Callable[..., Any] | nn.Module | None = None,
-                  on_step: Callable[[int, dict[str, float]], None] | None = None) -> ReferenceResult:
+def run_reference(
+    cfg: RLConfig,
+    task: RepeatTask | None = None,
+    model_config: Any | None = None,
+    reward: Callable[..., Any] | nn.Module | None = None,
+    on_step: Callable[[int, dict[str, float]], None] | None = None,
+) -> ReferenceResult:
     """Train ``cfg.steps`` steps on the repeat task (or ``reward``) and return the history."""
     tokenizer = ByteTokenizer()
     model_config = model_config or tiny_llama_config(vocab_size=tokenizer.vocab_size)
@@ -304,8 +390,15 @@ def run_reference(cfg: RLConfig, task: RepeatTask | None = None, model_config: A
     return result
 
 
-def train_step(step: int, models: RLModels, sampler: PromptSampler, tokenizer: ByteTokenizer, engine: RolloutEngine,
-               scorer: RewardScorer, cfg: RLConfig) -> dict[str, float]:
+def train_step(
+    step: int,
+    models: RLModels,
+    sampler: PromptSampler,
+    tokenizer: ByteTokenizer,
+    engine: RolloutEngine,
+    scorer: RewardScorer,
+    cfg: RLConfig,
+) -> dict[str, float]:
     """One RL step: generate, score, advantages, critic and actor updates, curriculum; returns metrics."""
     timing: dict[str, float] = {}
     t_step = time.perf_counter()
@@ -336,6 +429,18 @@ def train_step(step: int, models: RLModels, sampler: PromptSampler, tokenizer: B
 
 
 __all__ = [
-    "ALGORITHMS", "RLConfig", "RLModels", "ReferenceResult", "batch_metrics", "build_models", "compute_advantages",
-    "rollout", "run_reference", "score_batch", "tiny_llama_config", "train_step", "update_actor", "update_critic",
+    "ALGORITHMS",
+    "RLConfig",
+    "RLModels",
+    "ReferenceResult",
+    "batch_metrics",
+    "build_models",
+    "compute_advantages",
+    "rollout",
+    "run_reference",
+    "score_batch",
+    "tiny_llama_config",
+    "train_step",
+    "update_actor",
+    "update_critic",
 ]

@@ -24,7 +24,9 @@ RewardFn = Callable[[Sequence[str], Sequence[str]], Sequence[float]]
 class RewardScorer(Protocol):
     """Scores a batch of (prompt, response) token sequences, one float per sequence."""
 
-    def __call__(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor) -> Tensor:
+    def __call__(
+        self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor
+    ) -> Tensor:
         """One score per sequence, on the inputs' device."""
         ...
 
@@ -36,13 +38,23 @@ class FunctionReward:
         self.fn = fn
         self.tokenizer = tokenizer
 
-    def __call__(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor) -> Tensor:
+    def __call__(
+        self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor
+    ) -> Tensor:
         """Decode prompts and responses (valid tokens only) and call the function."""
-        prompts = [self.tokenizer.decode(ids[m.bool()].tolist()) for ids, m in zip(prompt_ids, prompt_mask)]
-        responses = [self.tokenizer.decode(ids[m.bool()].tolist()) for ids, m in zip(response_ids, response_mask)]
+        prompts = [
+            self.tokenizer.decode(ids[m.bool()].tolist())
+            for ids, m in zip(prompt_ids, prompt_mask, strict=False)
+        ]
+        responses = [
+            self.tokenizer.decode(ids[m.bool()].tolist())
+            for ids, m in zip(response_ids, response_mask, strict=False)
+        ]
         scores = list(self.fn(prompts, responses))
         if len(scores) != len(prompts):
-            raise NereusConfigError(f"reward function returned {len(scores)} scores for {len(prompts)} responses")
+            raise NereusConfigError(
+                f"reward function returned {len(scores)} scores for {len(prompts)} responses"
+            )
         return torch.tensor(scores, dtype=torch.float32, device=response_ids.device)
 
 
@@ -60,7 +72,9 @@ class ModelReward:
         self.model = model
 
     @torch.no_grad()
-    def __call__(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor) -> Tensor:
+    def __call__(
+        self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor
+    ) -> Tensor:
         """Run the model over ``prompt + response`` and return one score per sequence."""
         input_ids = torch.cat([prompt_ids, response_ids], dim=-1)
         mask = torch.cat([prompt_mask, response_mask], dim=-1)
@@ -76,7 +90,9 @@ class ModelReward:
             return scores.gather(-1, last_token_index(mask).unsqueeze(-1)).squeeze(-1)
         if scores.dim() == 1:
             return scores
-        raise NereusConfigError(f"reward model returned shape {tuple(scores.shape)}; expected (B,), (B, 1), (B, T) or (B, T, 1)")
+        raise NereusConfigError(
+            f"reward model returned shape {tuple(scores.shape)}; expected (B,), (B, 1), (B, T) or (B, T, 1)"
+        )
 
 
 def make_scorer(reward: Any, tokenizer: Any = None) -> RewardScorer:
@@ -89,4 +105,6 @@ def make_scorer(reward: Any, tokenizer: Any = None) -> RewardScorer:
         if tokenizer is None:
             raise NereusConfigError("reward: a text reward function needs a tokenizer to decode responses")
         return FunctionReward(reward, tokenizer)
-    raise NereusConfigError(f"reward: {type(reward).__name__} is neither a reward model (nn.Module) nor a callable")
+    raise NereusConfigError(
+        f"reward: {type(reward).__name__} is neither a reward model (nn.Module) nor a callable"
+    )

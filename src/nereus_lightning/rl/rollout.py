@@ -76,7 +76,15 @@ def response_mask_from_ids(response_ids: Tensor, eos_token_id: int) -> Tensor:
 class _SeededGumbel:
     """A logits processor that turns greedy decoding into per-row seeded sampling."""
 
-    def __init__(self, seeds: list[int], prompt_len: int, max_new_tokens: int, temperature: float, top_k: int, top_p: float):
+    def __init__(
+        self,
+        seeds: list[int],
+        prompt_len: int,
+        max_new_tokens: int,
+        temperature: float,
+        top_k: int,
+        top_p: float,
+    ):
         self.seeds = seeds
         self.prompt_len = prompt_len
         self.max_new_tokens = max_new_tokens
@@ -120,7 +128,9 @@ class HFGenerateEngine:
 
     def __init__(self, model: Any, eos_token_id: int, pad_token_id: int) -> None:
         if not hasattr(model, "generate"):
-            raise NereusConfigError(f"rollout.engine: {type(model).__name__} has no transformers-style generate()")
+            raise NereusConfigError(
+                f"rollout.engine: {type(model).__name__} has no transformers-style generate()"
+            )
         self.model = model
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
@@ -141,7 +151,9 @@ class HFGenerateEngine:
         from transformers import GenerationConfig, LogitsProcessorList
 
         batch, prompt_len = prompt_ids.shape
-        pick = _make_picker(batch, prompt_len, max_new_tokens, do_sample, temperature, top_k, top_p, sample_seeds)
+        pick = _make_picker(
+            batch, prompt_len, max_new_tokens, do_sample, temperature, top_k, top_p, sample_seeds
+        )
         processors = LogitsProcessorList([pick] if pick is not None else [])
         config = GenerationConfig(
             max_new_tokens=max_new_tokens,
@@ -154,16 +166,34 @@ class HFGenerateEngine:
             self.model.eval()
         try:
             out = self.model.generate(
-                input_ids=prompt_ids, attention_mask=attention_mask, generation_config=config, logits_processor=processors
+                input_ids=prompt_ids,
+                attention_mask=attention_mask,
+                generation_config=config,
+                logits_processor=processors,
             )
         finally:
             if was_training:
                 self.model.train()
-        return _finish(prompt_ids, attention_mask, out[:, prompt_len:], max_new_tokens, self.eos_token_id, self.pad_token_id)
+        return _finish(
+            prompt_ids,
+            attention_mask,
+            out[:, prompt_len:],
+            max_new_tokens,
+            self.eos_token_id,
+            self.pad_token_id,
+        )
 
 
-def _make_picker(batch: int, prompt_len: int, max_new_tokens: int, do_sample: bool, temperature: float, top_k: int,
-                 top_p: float, seeds: Sequence[int] | Tensor | None) -> _SeededGumbel | None:
+def _make_picker(
+    batch: int,
+    prompt_len: int,
+    max_new_tokens: int,
+    do_sample: bool,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    seeds: Sequence[int] | Tensor | None,
+) -> _SeededGumbel | None:
     """Validate the sampling arguments; the seeded processor, or None for greedy decoding."""
     require(max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {max_new_tokens}")
     if not do_sample:
@@ -177,7 +207,9 @@ def _make_picker(batch: int, prompt_len: int, max_new_tokens: int, do_sample: bo
     return _SeededGumbel(seeds, prompt_len, max_new_tokens, temperature, top_k, top_p)
 
 
-def _finish(prompt_ids: Tensor, prompt_mask: Tensor, response: Tensor, max_new_tokens: int, eos: int, pad: int) -> RolloutOutput:
+def _finish(
+    prompt_ids: Tensor, prompt_mask: Tensor, response: Tensor, max_new_tokens: int, eos: int, pad: int
+) -> RolloutOutput:
     """Pad responses to ``max_new_tokens``, mask everything after the first eos."""
     if response.shape[-1] < max_new_tokens:  # every row stopped early
         fill = response.new_full((response.shape[0], max_new_tokens - response.shape[-1]), pad)
@@ -194,7 +226,9 @@ class ForwardEngine:
     :class:`HFGenerateEngine` (same seeded Gumbel draw), so both give the same responses.
     """
 
-    def __init__(self, forward: Callable[[Tensor, Tensor, Tensor], Tensor], eos_token_id: int, pad_token_id: int) -> None:
+    def __init__(
+        self, forward: Callable[[Tensor, Tensor, Tensor], Tensor], eos_token_id: int, pad_token_id: int
+    ) -> None:
         self.forward = forward
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
@@ -213,7 +247,9 @@ class ForwardEngine:
     ) -> RolloutOutput:
         """See :class:`RolloutEngine`."""
         batch, prompt_len = prompt_ids.shape
-        pick = _make_picker(batch, prompt_len, max_new_tokens, do_sample, temperature, top_k, top_p, sample_seeds)
+        pick = _make_picker(
+            batch, prompt_len, max_new_tokens, do_sample, temperature, top_k, top_p, sample_seeds
+        )
         ids, mask = prompt_ids, attention_mask
         done = torch.zeros(batch, dtype=torch.bool, device=prompt_ids.device)
         for _ in range(max_new_tokens):
@@ -226,7 +262,14 @@ class ForwardEngine:
             done = done | (nxt == self.eos_token_id)
             if bool(done.all()):
                 break
-        return _finish(prompt_ids, attention_mask, ids[:, prompt_len:], max_new_tokens, self.eos_token_id, self.pad_token_id)
+        return _finish(
+            prompt_ids,
+            attention_mask,
+            ids[:, prompt_len:],
+            max_new_tokens,
+            self.eos_token_id,
+            self.pad_token_id,
+        )
 
 
 class VLLMEngine:

@@ -44,9 +44,11 @@ def repeat_reward(prompts: Sequence[str], responses: Sequence[str], require_eos:
     (count + 1); ``responses`` are the decoded texts up to (not including) eos, so a response
     equal to the target is one that stopped right after the last symbol.
     """
-    require(len(prompts) == len(responses), "responses", f"{len(responses)} responses for {len(prompts)} prompts")
+    require(
+        len(prompts) == len(responses), "responses", f"{len(responses)} responses for {len(prompts)} prompts"
+    )
     scores = []
-    for prompt, response in zip(prompts, responses):
+    for prompt, response in zip(prompts, responses, strict=False):
         symbol, count = parse_repeat_prompt(prompt)
         prefix = 0
         while prefix < min(count, len(response)) and response[prefix] == symbol:
@@ -92,12 +94,21 @@ class RepeatTask:
 
     def __post_init__(self) -> None:
         require(len(self.alphabet) > 0, "task.alphabet", "must hold at least one symbol")
-        require(all(len(c.encode()) == 1 and c not in "*=" for c in self.alphabet), "task.alphabet",
-                f"{self.alphabet!r}: symbols must be single-byte characters other than '*' and '='")
-        require(1 <= self.start_count <= self.max_count, "task.start_count",
-                f"need 1 <= start_count ({self.start_count}) <= max_count ({self.max_count})")
-        require(0 <= self.count_spread < self.start_count, "task.count_spread",
-                f"must be in [0, start_count), got {self.count_spread}")
+        require(
+            all(len(c.encode()) == 1 and c not in "*=" for c in self.alphabet),
+            "task.alphabet",
+            f"{self.alphabet!r}: symbols must be single-byte characters other than '*' and '='",
+        )
+        require(
+            1 <= self.start_count <= self.max_count,
+            "task.start_count",
+            f"need 1 <= start_count ({self.start_count}) <= max_count ({self.max_count})",
+        )
+        require(
+            0 <= self.count_spread < self.start_count,
+            "task.count_spread",
+            f"must be in [0, start_count), got {self.count_spread}",
+        )
         require(self.patience >= 1, "task.patience", f"must be >= 1, got {self.patience}")
         require(self.slack >= 0, "task.slack", f"must be >= 0, got {self.slack}")
 
@@ -156,8 +167,11 @@ class PromptSampler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; the seed must match the one this sampler was built with."""
-        require(state.get("seed") == self.seed, "sampler.seed",
-                f"checkpoint was drawn with seed {state.get('seed')}, this sampler has {self.seed}")
+        require(
+            state.get("seed") == self.seed,
+            "sampler.seed",
+            f"checkpoint was drawn with seed {state.get('seed')}, this sampler has {self.seed}",
+        )
         self.position = int(state["position"])
         self.count = int(state["count"])
         self.streak = int(state["streak"])

@@ -36,7 +36,9 @@ class ByteTokenizer:
         ids = list(text.encode("utf-8"))
         return ([self.bos_token_id] if add_bos else []) + ids + ([self.eos_token_id] if add_eos else [])
 
-    def decode(self, ids: Sequence[int] | Tensor, skip_special_tokens: bool = True, stop_at_eos: bool = True) -> str:
+    def decode(
+        self, ids: Sequence[int] | Tensor, skip_special_tokens: bool = True, stop_at_eos: bool = True
+    ) -> str:
         """Text of ``ids``: stops at the first eos (unless told not to) and drops special ids."""
         if isinstance(ids, Tensor):
             ids = ids.tolist()
@@ -55,7 +57,9 @@ class ByteTokenizer:
         """:meth:`decode` of every row."""
         return [self.decode(row, **kwargs) for row in rows]
 
-    def pad(self, sequences: Sequence[Sequence[int]], side: str = "left", length: int | None = None) -> tuple[Tensor, Tensor]:
+    def pad(
+        self, sequences: Sequence[Sequence[int]], side: str = "left", length: int | None = None
+    ) -> tuple[Tensor, Tensor]:
         """Stack id lists into ``(input_ids, attention_mask)`` padded on ``side`` ("left" for generation)."""
         if side not in ("left", "right"):
             raise NereusConfigError(f"padding_side: {side!r} is not one of 'left', 'right'")
@@ -72,7 +76,9 @@ class ByteTokenizer:
             mask[row, span] = 1
         return ids, mask
 
-    def __call__(self, texts: str | Sequence[str], padding_side: str = "left", add_bos: bool = True) -> dict[str, Tensor]:
+    def __call__(
+        self, texts: str | Sequence[str], padding_side: str = "left", add_bos: bool = True
+    ) -> dict[str, Tensor]:
         """Encode and pad a batch: ``{"input_ids", "attention_mask"}`` (prompts start with bos by default)."""
         if isinstance(texts, str):
             texts = [texts]
