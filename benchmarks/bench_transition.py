@@ -17,6 +17,7 @@ Usage: ``python benchmarks/bench_transition.py [--cases N] [--repeats N]``
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -97,13 +98,19 @@ def _time(fn, repeats: int) -> float:
     """Best CPU seconds of ``fn()`` over ``repeats`` runs.
 
     CPU time (``process_time``), and the best run, so that other processes sharing the machine
-    count as little as possible; the median is in the JSON as ``*_median_ms``.
+    count as little as possible; the median is in the JSON as ``*_median_ms``. The garbage
+    collector is off while timing, as in ``timeit``.
     """
     samples = []
     for _ in range(repeats):
-        t0 = time.process_time()
-        fn()
-        samples.append(time.process_time() - t0)
+        gc.collect()
+        gc.disable()  # as timeit does
+        try:
+            t0 = time.process_time()
+            fn()
+            samples.append(time.process_time() - t0)
+        finally:
+            gc.enable()
     _time.median = statistics.median(samples)  # type: ignore[attr-defined]
     return min(samples)
 
