@@ -34,7 +34,7 @@ def _forward_errors(rank: int, world: int, kind: str) -> dict[str, float]:
     return errors
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "gqa_tied"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gqa_tied", "mistral"])
 def test_sharded_logits_equal_unsharded(dist4, kind: str) -> None:
     results = dist4.run(_forward_errors, kind)
     for rank, errors in enumerate(results):

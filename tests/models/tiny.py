@@ -11,7 +11,8 @@ VOCAB = 256
 
 
 def tiny_config(kind: str):
-    """A tiny config: "llama" (MHA), "qwen2" (q/k/v bias, GQA), "gqa_tied" (Llama GQA, tied), "qwen3" (q/k norm, tied)."""
+    """A tiny config: "llama" (MHA), "qwen2" (q/k/v bias, GQA), "gqa_tied" (Llama GQA, tied), "qwen3" (q/k norm, tied),
+    "mistral" (sliding window 5)."""
     import transformers as tf
 
     common = dict(hidden_size=64, vocab_size=VOCAB, max_position_embeddings=128, attn_implementation="eager")
@@ -28,6 +29,11 @@ def tiny_config(kind: str):
         return tf.Qwen3Config(
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128, num_hidden_layers=2,
             tie_word_embeddings=True, **common,
+        )
+    if kind == "mistral":  # a sliding window shorter than the test sequences
+        return tf.MistralConfig(
+            num_attention_heads=4, num_key_value_heads=4, intermediate_size=128, num_hidden_layers=4, sliding_window=5,
+            **common,
         )
     raise ValueError(kind)
 

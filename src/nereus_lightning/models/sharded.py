@@ -16,6 +16,7 @@ updates are seen by the owner either way.
 from __future__ import annotations
 
 import copy
+import functools
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -246,7 +247,8 @@ class ShardedCausalLM(nn.Module):
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         cfg = self.local_config
-        kwargs = dict(config=cfg, inputs_embeds=hidden, attention_mask=attention_mask, cache=None, position_ids=position_ids)
+        kwargs = dict(config=cfg, inputs_embeds=hidden, attention_mask=attention_mask, position_ids=position_ids)
+        kwargs[_cache_kwarg()] = None
         types = set(getattr(cfg, "layer_types", None) or ())
         masks: dict[str, Any] = {"full_attention": create_causal_mask(**kwargs)}
         if "sliding_attention" in types or (not types and getattr(cfg, "sliding_window", None) is not None):
@@ -328,6 +330,17 @@ class ShardedCausalLM(nn.Module):
             if weight.grad is None:
                 weight.grad = torch.zeros_like(weight)
             _all_reduce_flat([weight.grad], self.comm.tied_group)
+
+
+@functools.cache
+def _cache_kwarg() -> str:
+    """transformers renamed the masks' ``past_key_values`` argument to ``cache`` (5.2x)."""
+    import inspect
+
+    from transformers.masking_utils import create_causal_mask
+
+    return "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+
 
 
 def _tp_partial(name: str, config: Any) -> bool:
