@@ -1,6 +1,15 @@
 """Transitions between plans: local DAGs, the global DAG with resource edges, validation, ``L_tran``.
 
-Pure Python (the brain). The body's executor runs :class:`TransitionDAG` nodes one-to-one.
+Pure Python (the brain). The body's executor runs :class:`TransitionDAG` nodes one-to-one::
+
+    dag = build_transition(current, target, models, cluster, workload)  # InfeasiblePlanError: why
+    report = validate(dag)          # replay: GPUs disjoint per stage, memory under cap, last copy kept
+    seconds = dag.cost              # L_tran = transition_cost(dag, cluster)
+    for node in dag.nodes:          # topological order; node.deps are earlier ids
+        node.op, node.model_stage, node.sources, node.targets, node.transfers
+
+``per_component_baseline`` runs the same local DAGs without coordination, for comparison.
+``pieces`` defines the byte formula every transfer uses; ``scenarios`` makes random plan pairs.
 """
 
 from nereus_lightning.transition.baseline import BaselineOutcome, per_component_baseline

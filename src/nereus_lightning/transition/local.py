@@ -130,8 +130,8 @@ def local_dag(
         return []
     s = common_layout(a, b)
     pick_a, pick_b = _pickers(a, s), _pickers(b, s)
-    cur_units = [Unit(a, current.gpus[i : i + a.size]) for i in range(0, len(current.gpus), a.size)]
-    tgt_units = [Unit(b, target.gpus[i : i + b.size]) for i in range(0, len(target.gpus), b.size)]
+    cur_units = [_new(Unit, (a, current.gpus[i : i + a.size])) for i in range(0, len(current.gpus), a.size)]
+    tgt_units = [_new(Unit, (b, target.gpus[i : i + b.size])) for i in range(0, len(target.gpus), b.size)]
 
     # T_sub units each current unit would split into, indexed by their GPU tuple: the target's
     # strided slots when they tile the unit exactly (then Merge or nothing follows in place),
@@ -216,7 +216,7 @@ def local_dag(
             stays = {g for t in subs for g in t}
             buf = _transient(transfers)
             mem = tuple([(g, (mem_s if g in stays else 0.0) - mem_a, buf.get(g, 0.0)) for g in u.gpus])
-            nid = add(Primitive.SPLIT, [u], [Unit(s, t) for t in subs], transfers, [], mem)
+            nid = add(Primitive.SPLIT, [u], [_new(Unit, (s, t)) for t in subs], transfers, [], mem)
             for t in subs:
                 made_by[t] = nid
     # Current units that neither stay nor feed anything go first (release before acquire).
@@ -230,7 +230,7 @@ def local_dag(
         transfers = partial(extend_transfers, geo, s, src, slot)  # built when read
         mem = tuple([(g, mem_s, 0.0) for g in slot])
         deps = [made_by[src]] if src in made_by else []
-        nid = add(Primitive.EXTEND, [Unit(s, src)], [Unit(s, slot)], transfers, deps, mem)
+        nid = add(Primitive.EXTEND, [_new(Unit, (s, src))], [_new(Unit, (s, slot))], transfers, deps, mem)
         made_by[slot] = nid
         readers[src].append(nid)
 
@@ -238,7 +238,7 @@ def local_dag(
     # (the last copy of the state is never dropped before it has been copied).
     for t in sorted(kept - reused, key=lambda t: where[t]):
         deps = ([made_by[t]] if t in made_by else []) + readers.get(t, [])
-        add(Primitive.DESTROY, [Unit(s, t)], [], [], deps, _effects(t, -mem_s, []))
+        add(Primitive.DESTROY, [_new(Unit, (s, t))], [], [], deps, _effects(t, -mem_s, []))
 
     # Merge each target unit from its slots; a T_sub target unit sitting exactly on one slot is done.
     for v, row in zip(tgt_units, slots, strict=True):
@@ -256,7 +256,7 @@ def local_dag(
         deps = sorted({made_by[t] for t in row if t in made_by}.union(*(readers.get(t, ()) for t in row)))
         add(
             Primitive.MERGE,
-            [Unit(s, t) for t in row],
+            [_new(Unit, (s, t)) for t in row],
             [v],
             transfers,
             deps,
