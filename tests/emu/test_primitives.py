@@ -23,3 +23,11 @@ def test_split_then_merge_back_is_exact_and_merge_moves_nothing(dist4, kind):
         assert mid == [] and after == [], (big, small, mid, after)
         assert ranks == (0, 1, 2, 3)  # the cheapest order is the original one
     assert all(row[5] == 0 for res in per_rank for row in res), "merging full replicas back moved bytes"
+
+
+@pytest.mark.parametrize("kind", ["gqa_tied", "qwen2"])
+def test_models_built_on_moved_shards_compute_the_same_logits(dist4, kind):
+    for rows in dist4.run(workers.forward_after_transitions, kind):
+        assert [label for label, _, _ in rows] == ["start", "split", "merge"]
+        for label, unit, err in rows:
+            assert err <= 1e-5, (label, unit, err)

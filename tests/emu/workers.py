@@ -265,3 +265,41 @@ def dcp_oracle(rank: int, world: int, path: str):
         bad = [f"{n}.{k}" for (n, k), t in ours_t.items() if not torch.equal(t, theirs[(n, k)])]
         results.append((label, str(mine), len(ours_t), ours_t.keys() == theirs.keys(), bad, oracle.counters == ours.counters))
     return results
+
+
+def forward_after_transitions(rank: int, world: int, kind: str):
+    """Logits of models/ ShardedCausalLM replicas built on the moved shards, vs the full model, after each step."""
+    from nereus_lightning.models.groups import ReplicaComm, replica_groups
+    from nereus_lightning.models.pipeline import forward_logits
+    from nereus_lightning.models.sharded import ShardedCausalLM
+
+    stage = "actor_train"
+    config, model, _ = start(kind, Layout(2, 2), (0, 1, 2, 3))
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    ids = torch.randint(0, config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = model(ids).logits
+    errors = []
+
+    def check(label):
+        units = registry().live(stage)
+        replica_groups([u.ranks for u in units], units[0].layout, tied=tied)  # world-collective, same order
+        mine = next(u for u in units if rank in u.ranks)
+        emu = registry().local(stage, mine)
+        sharded = ShardedCausalLM(config, ReplicaComm.of(mine.ranks, mine.layout, tied=tied), emu.params)
+        with torch.no_grad():
+            logits = forward_logits(sharded, ids, where="all")
+        err = ((logits - expected).abs().max() / expected.abs().max()).item()
+        errors.append((label, str(mine), err))
+
+    check("start")
+    s = split(stage, Unit(Layout(2, 2), (0, 1, 2, 3)), Layout(1, 2))
+    execute(s)
+    check("split")
+    for unit in s.targets:
+        execute(split(stage, unit, Layout(1, 1)))
+    by_rank = {u.ranks[0]: u for u in registry().live(stage)}
+    execute(merge(stage, [by_rank[0], by_rank[1]], Layout(2, 1)))
+    execute(merge(stage, [by_rank[2], by_rank[3]], Layout(2, 1)))
+    check("merge")
+    return errors
