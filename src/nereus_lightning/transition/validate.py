@@ -11,6 +11,9 @@ Three checks, each independent of how the DAG was built:
 3. **Adversarial concurrent replay**: every ready node starts at once and releases finish last
    (acquisitions finish first), the worst case for memory and GPU conflicts among the orders a
    concurrent executor may take.
+
+Memory is replayed only on *tight* GPUs: a GPU that fits its resident state plus all growth of
+every node on it (nothing ever freed) is safe in any order, so it needs no replay.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ class ValidationReport:
 
     valid: bool
     problems: tuple[str, ...]
-    peak_memory: float  # bytes on the most loaded GPU over the replays
+    peak_memory: float  # per-GPU bytes: replayed on GPUs that could overflow, worst-case bound elsewhere
     memory_cap: float
 
     def kinds(self) -> set[str]:
@@ -51,15 +54,48 @@ def validate(
     problems += _structure(dag)
     if problems:
         return ValidationReport(False, tuple(problems[:max_problems]), 0.0, memory_cap(dag.context.cluster))
-    peak = _replay(dag, dag.nodes, problems, "")
+    mem = _Memory(dag)
+    peak = max(mem.bound_elsewhere, _replay(dag, dag.nodes, problems, "", mem))
     problems += _any_order_gpus(dag)
-    peak = max(peak, _adversarial(dag, problems))
+    peak = max(peak, _adversarial(dag, problems, mem))
     rng = random.Random(seed)
     for k in range(random_orders):
-        peak = max(peak, _replay(dag, _random_order(dag, rng), problems, f" (random order {k})"))
-    return ValidationReport(
-        not problems, tuple(problems[:max_problems]), peak, memory_cap(dag.context.cluster)
-    )
+        peak = max(peak, _replay(dag, _random_order(dag, rng), problems, f" (random order {k})", mem))
+    return ValidationReport(not problems, tuple(problems[:max_problems]), peak, mem.cap)
+
+
+class _Memory:
+    """Which GPUs can overflow at all, and the memory effects the replays must follow there.
+
+    A GPU whose resident state plus every node's growth on it (net allocations and transfer
+    buffers, as if nothing were ever freed) fits under the cap is safe in every order; only the
+    other, *tight* GPUs are replayed. ``bound_elsewhere`` is that worst case over the safe GPUs.
+    """
+
+    def __init__(self, dag: TransitionDAG) -> None:
+        ctx = dag.context
+        self.cap = memory_cap(ctx.cluster)
+        self.base = list(ctx.current_memory) if ctx.current_memory else _resident(ctx.current, dag)
+        worst = self.base[:]
+        for n in dag.nodes:
+            for g, net, transient in n.mem:
+                worst[g] += (net if net > 0 else 0.0) + transient
+        self.tight = {g for g, w in enumerate(worst) if w > self.cap}
+        self.bound_elsewhere = max((w for g, w in enumerate(worst) if g not in self.tight), default=0.0)
+        tight = self.tight
+        self.effects: list[tuple[tuple[int, float, float], ...]] = (
+            [tuple(e for e in n.mem if e[0] in tight) for n in dag.nodes] if tight else [()] * len(dag.nodes)
+        )
+
+
+def _resident(plan: Plan, dag: TransitionDAG) -> list[float]:
+    ctx = dag.context
+    mem = [0.0] * ctx.cluster.num_gpus
+    for name, c in plan.items():
+        per = ctx.memory_of(name, c.layout)
+        for g in c.gpus:
+            mem[g] += per
+    return mem
 
 
 def _structure(dag: TransitionDAG) -> list[str]:
@@ -90,7 +126,7 @@ def _initial(dag: TransitionDAG) -> dict[str, set[Unit]]:
 class _Gpus:
     """Per-GPU memory and, for model-stages with same-stage peers, unit counts per GPU."""
 
-    def __init__(self, dag: TransitionDAG) -> None:
+    def __init__(self, dag: TransitionDAG, memory: _Memory) -> None:
         ctx = dag.context
         n = ctx.cluster.num_gpus
         self.stage = {name: ctx.stages[name].stage for name in ctx.current}
@@ -98,12 +134,8 @@ class _Gpus:
             a: [b for b in ctx.current if b != a and self.stage[a] == self.stage[b]] for a in ctx.current
         }
         self.count = {name: [0] * n for name in ctx.current if self.peers[name]}
-        self.mem = [0.0] * n
+        self.mem = memory.base[:]
         for name, c in ctx.current.items():
-            per = ctx.memory_of(name, c.layout)
-            mem = self.mem
-            for g in c.gpus:
-                mem[g] += per
             if name in self.count:
                 count = self.count[name]
                 for g in c.gpus:
@@ -129,21 +161,22 @@ class _Gpus:
                 count[g] -= 1
 
 
-def _replay(dag: TransitionDAG, order: list[Node], problems: list[str], label: str) -> float:
-    """Sequential replay in ``order``; returns the peak per-GPU memory."""
+def _replay(dag: TransitionDAG, order: list[Node], problems: list[str], label: str, memory: _Memory) -> float:
+    """Sequential replay in ``order``; returns the peak memory of the tight GPUs."""
     ctx = dag.context
-    cap = memory_cap(ctx.cluster) * (1 + 1e-9)
+    cap = memory.cap * (1 + 1e-9)
     alive = _initial(dag)
-    gpus = _Gpus(dag)
+    gpus = _Gpus(dag, memory)
     mem = gpus.mem
-    peak = max(mem, default=0.0)
+    effects = memory.effects
+    peak = max((mem[g] for g in memory.tight), default=0.0)
     for n in order:
         units = alive[n.model_stage]
         if not units.issuperset(n.sources):
             missing = [u for u in n.sources if u not in units]
             problems.append(f"structure{label}: {n} reads units that do not exist: {missing}")
             return peak
-        for g, net, transient in n.mem:
+        for g, net, transient in effects[n.id]:
             top = mem[g] + (net if net > 0 else 0.0) + transient
             if top > peak:
                 peak = top
@@ -203,12 +236,13 @@ def _any_order_gpus(dag: TransitionDAG) -> list[str]:
     return out
 
 
-def _adversarial(dag: TransitionDAG, problems: list[str]) -> float:
+def _adversarial(dag: TransitionDAG, problems: list[str], memory: _Memory) -> float:
     """Start every ready node at once; finish acquisitions before releases."""
-    cap = memory_cap(dag.context.cluster) * (1 + 1e-9)
-    gpus = _Gpus(dag)
+    cap = memory.cap * (1 + 1e-9)
+    gpus = _Gpus(dag, memory)
     mem = gpus.mem
-    peak = max(mem, default=0.0)
+    effects = memory.effects
+    peak = max((mem[g] for g in memory.tight), default=0.0)
     succs: list[list[int]] = [[] for _ in dag.nodes]
     indeg = [len(n.deps) for n in dag.nodes]
     for n in dag.nodes:
@@ -221,7 +255,7 @@ def _adversarial(dag: TransitionDAG, problems: list[str]) -> float:
     while ready or running or releases:
         for nid in ready:
             n = dag.nodes[nid]
-            for g, net, transient in n.mem:
+            for g, net, transient in effects[nid]:
                 mem[g] += (net if net > 0 else 0.0) + transient
                 if mem[g] > peak:
                     peak = mem[g]
@@ -239,7 +273,7 @@ def _adversarial(dag: TransitionDAG, problems: list[str]) -> float:
         # Finish one node: an acquisition if any runs (keeps releases pending longest).
         nid = running.pop() if running else releases.pop()
         n = dag.nodes[nid]
-        for g, net, transient in n.mem:
+        for g, net, transient in effects[nid]:
             mem[g] += net - transient - (net if net > 0 else 0.0)
         gpus.release(n)
         for s in succs[nid]:
