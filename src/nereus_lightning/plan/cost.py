@@ -12,9 +12,10 @@ is as slow as its slowest replica, which gets ``ceil(sequences / dp)`` sequences
   gradient all-reduce and the AdamW update, for every mini-batch and PPO epoch.
 - TP all-reduces per block, PP sends per micro-batch and DP all-reduces are priced on the link
   each group spans (``comm.py``).
-- Idle model-stages do not stay on the GPU: each model-stage loads its state from host memory
-  when its stage starts and offloads it after (``offload`` time), so one GPU's peak memory is
-  that of the model-stage running on it.
+- Memory: a training model-stage keeps its state (weights, gradients, AdamW) resident on its
+  GPUs for the whole step; a generation or inference model-stage loads its weights from host
+  memory when its stage starts and drops them after (``offload`` time), and runs next to the
+  training state resident on the same GPUs.
 """
 
 from __future__ import annotations
@@ -297,8 +298,11 @@ def _wave(work: StageWork, layout: Layout, batch: int, links: Links, cluster: Cl
 
 
 def _offload(work: StageWork, layout: Layout) -> Ideal:
-    """Loading this model-stage's state from host memory before its stage and offloading it after."""
-    return {"offload": 2 * memory.state_bytes_per_gpu(work.model, work.trains, layout) / HOST_BW}
+    """Loading a generation/inference model-stage's weights from host memory before its stage and
+    dropping them after; training state stays resident on its GPUs (too big to move every step)."""
+    if work.trains:
+        return {}
+    return {"offload": 2 * memory.state_bytes_per_gpu(work.model, False, layout) / HOST_BW}
 
 
 def _optimizer_step(work: StageWork, layout: Layout, dp: int, links: Links, cluster: ClusterSpec) -> Ideal:

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from nereus_lightning.plan.calibration import Calibration
 from nereus_lightning.plan.comm import links_of
 from nereus_lightning.plan.cost import ideal_time, rank_peak_memory, replica_sequences, stage_work
-from nereus_lightning.plan.layout import Plan
-from nereus_lightning.plan.memory import memory_cap
+from nereus_lightning.plan.layout import Candidate, Plan
+from nereus_lightning.plan.memory import memory_cap, rank_state_bytes
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.errors import NereusConfigError
 from nereus_lightning.spec.model import ModelSpec
@@ -23,13 +23,16 @@ class PlanEstimate:
     Attributes:
         step_latency: seconds per RL step (sum over stages of the slowest model-stage).
         stage_latency: seconds per model-stage (key: model-stage name).
-        peak_memory: peak bytes per GPU id (GPUs no model-stage uses are absent).
+        peak_memory: peak bytes per GPU id over the step (GPUs no model-stage uses are absent):
+            the largest of the training state and activations of the training unit on it, and of
+            each generation / inference unit's own peak plus the training state resident on it.
         memory_cap: bytes allowed per GPU (GPU memory less the 10% headroom).
         feasible: no violation.
         violations: human-readable reasons the plan cannot run as priced.
         phase_latency: seconds per stage (generation, inference, training).
         breakdown: predicted seconds per operation class, per model-stage (for calibration).
-        stage_memory: peak bytes on the most-loaded GPU of each model-stage.
+        stage_memory: peak bytes on the most-loaded GPU of each model-stage (generation and
+            inference include the training state resident on the same GPU).
     """
 
     step_latency: float
@@ -45,6 +48,12 @@ class PlanEstimate:
     def peak_of(self, gpus: tuple[int, ...]) -> float:
         """The largest peak memory among ``gpus``."""
         return max((self.peak_memory.get(g, 0.0) for g in gpus), default=0.0)
+
+
+def _per_gpu(ranks: list[float] | tuple[float, ...], cand: Candidate) -> list[float]:
+    """Per-pipeline-rank values spread over the candidate's GPUs (replica, pp, tp order)."""
+    tp = cand.layout.tp
+    return [ranks[p] for _ in range(cand.dp) for p in range(cand.layout.pp) for _ in range(tp)]
 
 
 def estimate_plan(
@@ -75,6 +84,14 @@ def estimate_plan(
     peak: dict[int, float] = {}
     stage_memory: dict[str, float] = {}
     cal = calibration or Calibration()
+    # Training state stays on its GPUs all step; generation and inference run next to it.
+    resident: dict[int, float] = {}
+    for ms in stages:
+        if ms.trains and replica_sequences(stage_work(ms, models, workload), plan[ms.name].dp) is not None:
+            cand, model = plan[ms.name], models[ms.model]
+            per_rank = [rank_state_bytes(model, True, cand.layout, p) for p in range(cand.layout.pp)]
+            for g, value in zip(cand.gpus, _per_gpu(per_rank, cand), strict=True):
+                resident[g] = max(resident.get(g, 0.0), value)
     for ms in stages:
         work, cand = stage_work(ms, models, workload), plan[ms.name]
         work.model.validate_tp(cand.layout.tp)
@@ -91,16 +108,22 @@ def estimate_plan(
         breakdown[ms.name] = {c: s / cal.efficiency(c) for c, s in ideal.items()}
         stage_latency[ms.name] = sum(breakdown[ms.name].values())
         ranks = rank_peak_memory(work, cand.layout, cand.dp, cand.micro_batch, cand.recompute)
-        worst = stage_memory[ms.name] = max(ranks)
-        if worst > cap:
-            violations.append(
-                f"{ms.name}: {worst / 1e9:.1f} GB per GPU exceeds the cap {cap / 1e9:.1f} GB ({cand.describe()})"
-            )
-        tp = cand.layout.tp
-        per_gpu = [ranks[p] for _ in range(cand.dp) for p in range(cand.layout.pp) for _ in range(tp)]
-        for g, value in zip(cand.gpus, per_gpu, strict=False):
+        worst, worst_gpu = 0.0, -1
+        for g, value in zip(cand.gpus, _per_gpu(ranks, cand), strict=True):
+            if not work.trains:
+                value += resident.get(g, 0.0)
+            if value > worst:
+                worst, worst_gpu = value, g
             if value > peak.get(g, 0.0):
                 peak[g] = value
+        stage_memory[ms.name] = worst
+        if worst > cap:
+            extra = resident.get(worst_gpu, 0.0) if not work.trains else 0.0
+            beside = f", {extra / 1e9:.1f} GB of it resident training state" if extra else ""
+            violations.append(
+                f"{ms.name}: GPU {worst_gpu} needs {worst / 1e9:.1f} GB{beside}, over the cap "
+                f"{cap / 1e9:.1f} GB ({cand.describe()})"
+            )
     phase: dict[str, float] = {}
     for stage in STAGES:
         members = [ms.name for ms in stages if ms.stage == stage]

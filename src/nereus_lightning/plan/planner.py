@@ -2,15 +2,23 @@
 
 1. Per model-stage, enumerate candidates (power-of-two TP dividing the heads, power-of-two PP,
    DP from the GPUs left, micro-batch options, recompute for training) and price each with
-   the cost model, placed as the planner will place it (``comm.canonical_links``).
+   the cost model, placed as the planner will place it (``comm.canonical_links``); see
+   ``options.py``.
 2. Drop the ones over the memory cap and the dominated ones: the frontier keeps, per GPU count,
    only candidates faster than every candidate with fewer GPUs.
-3. Stages run one after another, so the step latency is the sum of independent per-stage
-   problems. In one stage the model-stages run concurrently on disjoint GPUs, so the stage
-   latency is the largest chosen latency: the optimum is the smallest threshold ``lam`` such
-   that the cheapest frontier points with latency ``<= lam`` fit in the pool together. We
-   search ``lam`` over the frontier latencies (a dynamic programme over thresholds; exact).
-4. Assign GPU ids: in the training stage by decreasing GPU count, elsewhere by decreasing
+3. Stages run one after another, so for a fixed memory budget the step latency is a sum of
+   independent per-stage problems. In one stage the model-stages run concurrently on disjoint
+   GPUs, so the stage latency is the largest chosen latency: the optimum is the smallest
+   threshold ``lam`` such that the cheapest frontier points with latency ``<= lam`` fit in the
+   pool together (a dynamic programme over thresholds; exact).
+4. Co-resident state couples the stages: training state stays on its GPUs all step, and a
+   generation or inference unit may land on any of them (transitions move units), so it must
+   fit next to the largest per-GPU training state ``rho`` of the plan. We solve step 3 for each
+   level ``rho`` of training state (training candidates with state ``<= rho``; the other stages
+   with ``cap - rho`` per GPU) and keep the best; levels are tried from the unconstrained
+   training optimum downwards and the search stops once training alone plus the other stages'
+   unconstrained optimum cannot beat the best plan found (exact).
+5. Assign GPU ids: in the training stage by decreasing GPU count, elsewhere by decreasing
    replica size, each from the lowest free id. With power-of-two sizes and nodes this keeps
    every replica aligned (TP groups inside nodes) and every training candidate that fits in a
    node inside one node, which is exactly how step 1 priced it.
@@ -23,26 +31,27 @@ import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
 
 from nereus_lightning.plan.calibration import Calibration
-from nereus_lightning.plan.comm import canonical_links
 from nereus_lightning.plan.cost import (
-    Affine,
     StageWork,
-    _offload,
-    _optimizer_step,
-    generation_batch,
     micro_batch_options,
     peak_memory,
     replica_sequences,
-    slot_affine,
     stage_work,
-    wave_affine,
 )
 from nereus_lightning.plan.estimate import PlanEstimate, estimate_plan
 from nereus_lightning.plan.layout import Candidate, Layout, Plan
 from nereus_lightning.plan.memory import memory_cap
+from nereus_lightning.plan.options import (  # noqa: F401  (re-exported for callers of the first API)
+    CandidateTable,
+    Option,
+    dp_options,
+    fill_peaks,
+    frontier,
+    layouts_for,
+    stage_options,
+)
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.errors import InfeasiblePlanError
 from nereus_lightning.spec.model import ModelSpec
@@ -67,186 +76,12 @@ def job_models(
 
 
 @dataclass(frozen=True)
-class Option:
-    """One priced candidate shape of a model-stage (no GPU ids yet)."""
-
-    gpus: int
-    latency: float
-    layout: Layout
-    dp: int
-    micro_batch: int
-    recompute: bool
-    peak_memory: float
-
-
-@dataclass(frozen=True)
 class PlanResult:
     """The chosen plan, its estimate, and the next-best plans (slower, usually on fewer GPUs)."""
 
     plan: Plan
     estimate: PlanEstimate
     alternatives: tuple[tuple[Plan, PlanEstimate], ...] = ()
-
-
-def layouts_for(model: ModelSpec, max_gpus: int) -> list[Layout]:
-    """Power-of-two (tp, pp) the model can be cut into, with at most ``max_gpus`` ranks."""
-    out = []
-    tp = 1
-    while tp <= max_gpus and model.num_heads % tp == 0 and model.num_kv_heads % tp == 0:
-        pp = 1
-        while pp <= model.num_layers and tp * pp <= max_gpus:
-            out.append(Layout(tp, pp))
-            pp *= 2
-        tp *= 2
-    return out
-
-
-def dp_options(work: StageWork, layout: Layout, max_gpus: int) -> list[int]:
-    """DP degrees worth pricing: training ones keep ``dp * b * a`` fixed (powers of two, so DP
-    groups align to nodes); for generation/inference, the smallest dp per distinct replica share."""
-    top = max_gpus // layout.size
-    if work.trains:
-        return [1 << k for k in range(top.bit_length()) if replica_sequences(work, 1 << k) is not None]
-    out, n, dp = [], work.sequences, 1
-    while dp <= min(top, n):
-        out.append(dp)
-        share = -(-n // dp)
-        if share == 1:
-            break
-        dp = -(-n // (share - 1))  # the smallest dp whose share is below this one
-    return out
-
-
-class _Scalars:
-    """Calibrated seconds of one model-stage's cost pieces, evaluated in O(1) per candidate.
-
-    Mirrors :func:`cost.ideal_time` term by term (so it agrees with :func:`estimate_plan` up to
-    float rounding): each affine piece collapses to ``fixed + per_seq * n`` seconds.
-    """
-
-    def __init__(self, work: StageWork, cluster: ClusterSpec, calibration: Calibration | None) -> None:
-        self.work, self.cluster = work, cluster
-        self.eff = (calibration or Calibration()).efficiencies()
-
-    def scalar(self, ideal: Mapping[str, float]) -> float:
-        """Calibrated seconds of an ideal-time dict."""
-        return sum(seconds / self.eff[name] for name, seconds in ideal.items())
-
-    def affine(self, piece: Affine) -> tuple[float, float, float, float, float, float]:
-        """(fixed, per_seq, steps/eff_decode, decode_flops, decode_fixed, decode_per_seq) in calibrated seconds."""
-        fixed = sum(v / self.eff[c] for c, v in piece.fixed)
-        per_seq = sum(v / self.eff[c] for c, v in piece.per_seq)
-        return (
-            fixed,
-            per_seq,
-            piece.steps / self.eff["decode"],
-            piece.decode_flops,
-            piece.decode_fixed,
-            piece.decode_per_seq,
-        )
-
-
-def _at(coef: tuple[float, float, float, float, float, float], n: int) -> float:
-    fixed, per_seq, steps, flops, reads, kv = coef
-    value = fixed + per_seq * n
-    if steps:
-        value += steps * max(flops * n, reads + kv * n)
-    return value
-
-
-def stage_options(
-    work: StageWork, cluster: ClusterSpec, calibration: Calibration | None, max_gpus: int, cap: float
-) -> list[Option]:
-    """Every candidate of ``work`` within ``max_gpus`` GPUs and the memory ``cap``, priced.
-
-    For generation and inference only the smallest dp of each distinct replica share is kept
-    (larger ones cost GPUs and gain nothing), and per (layout, dp) only the fastest micro-batch.
-    """
-    rows: list[tuple] = []  # (gpus, latency, peak, layout, dp, micro_batch, recompute)
-    sc = _Scalars(work, cluster, calibration)
-    mb_cache: dict[int, tuple[int, ...]] = {}
-    repeats = work.epochs * work.mini_batches
-    trains = work.trains
-    for layout in layouts_for(work.model, max_gpus):
-        one = canonical_links(layout, 1, cluster)
-        offload = sc.scalar(_offload(work, layout))
-        size, pp = layout.size, layout.pp
-        dps = dp_options(work, layout, max_gpus)
-        if work.kind == "generation":
-            fit = generation_batch(work, layout, work.sequences, cap)
-            if not fit:
-                continue
-            coef = sc.affine(wave_affine(work, layout, one, cluster))
-            for dp in dps:
-                share = -(-work.sequences // dp)
-                batch = min(share, fit)
-                full, rest = divmod(share, batch)
-                lat = offload + full * _at(coef, batch) + (_at(coef, rest) if rest else 0.0)
-                rows.append((dp * size, lat, None, layout, dp, batch, False))
-            continue
-        memo: dict[Any, float] = {}
-        steps: dict[int, float] = {}
-        for rc in (False, True) if trains else (False,):
-            fixed, per_seq = sc.affine(slot_affine(work, layout, rc, one, cluster))[:2]
-            for dp in dps:
-                share = work.mini_batch_size // dp if trains else -(-work.sequences // dp)
-                options = mb_cache.get(share)
-                if options is None:
-                    options = mb_cache[share] = micro_batch_options(work, layout, share, cap)
-                step = 0.0
-                if trains:
-                    step = steps.get(dp, -1.0)
-                    if step < 0:
-                        links = canonical_links(layout, dp, cluster)
-                        step = steps[dp] = sc.scalar(_optimizer_step(work, layout, dp, links, cluster))
-                best_lat, best_mb, best_peak = math.inf, 0, 0.0
-                for mb in options:
-                    count = -(-share // mb)
-                    key = (mb, rc, count if count < pp else pp) if trains else mb
-                    peak = memo.get(key)
-                    if peak is None:
-                        peak = memo[key] = peak_memory(work, layout, dp, mb, rc)
-                    if peak > cap:
-                        continue
-                    lat = (count + pp - 1) * (fixed + per_seq * mb)
-                    if trains:
-                        lat = repeats * (lat + step)
-                    lat += offload
-                    if lat < best_lat:
-                        best_lat, best_mb, best_peak = lat, mb, peak
-                if best_mb:
-                    rows.append((dp * size, best_lat, best_peak, layout, dp, best_mb, rc))
-    out = []
-    for gpus, lat, peak, layout, dp, mb, rc in rows:
-        out.append(Option(gpus, lat, layout, dp, mb, rc, peak if peak is not None else -1.0))
-    return out
-
-
-def frontier(options: list[Option]) -> list[Option]:
-    """Non-dominated options: increasing GPU count, strictly decreasing latency."""
-    best: list[Option] = []
-    for opt in sorted(options, key=lambda o: (o.gpus, o.latency)):
-        if not best or opt.latency < best[-1].latency:
-            best.append(opt)
-    return best
-
-
-def _fill_peaks(work: StageWork, front: list[Option]) -> list[Option]:
-    """Generation options are priced without their peak memory (the batch fits by construction)."""
-    return [
-        o
-        if o.peak_memory >= 0
-        else Option(
-            o.gpus,
-            o.latency,
-            o.layout,
-            o.dp,
-            o.micro_batch,
-            o.recompute,
-            peak_memory(work, o.layout, o.dp, o.micro_batch, o.recompute),
-        )
-        for o in front
-    ]
 
 
 def _cheapest(front: list[Option], lam: float) -> Option | None:
@@ -324,50 +159,146 @@ def plan_job(
     stages = workload.stages
     works = {ms.name: stage_work(ms, models, workload) for ms in stages}
     cap, budget = memory_cap(cluster), cluster.num_gpus
-    fronts: dict[str, list[Option]] = {}
-    shared: dict[StageWork, list[Option]] = {}  # e.g. actor and reference inference price alike
-    for name, work in works.items():
-        key = replace(work, name="")
-        if key not in shared:
-            shared[key] = _fill_peaks(work, frontier(stage_options(work, cluster, calibration, budget, cap)))
-        fronts[name] = shared[key]
-    failed = [diagnose_memory(works[n], cluster, budget, cap) for n, f in fronts.items() if not f]
+    search = _Search(works, {ms.name: ms.stage for ms in stages}, cluster, calibration, budget, cap)
+    failed = [diagnose_memory(works[n], cluster, budget, cap) for n in works if not search.fronts(n, cap)]
     if failed:
         # The binding constraint is the model-stage that needs the most GPUs.
         failed.sort(key=lambda x: -(x[0] if x[0] is not None else 1 << 30))
         others = f" (also infeasible: {len(failed) - 1} more model-stages)" if len(failed) > 1 else ""
         raise InfeasiblePlanError(failed[0][1] + others)
-    per_stage: list[list[dict[str, Option]]] = []
-    for stage in STAGES:
-        group = {ms.name: fronts[ms.name] for ms in stages if ms.stage == stage}
-        if not group:
-            continue
-        picks = solve_stage(group, budget, alternatives + 1)
-        if not picks:
-            need = {n: f[0].gpus for n, f in group.items()}
-            raise InfeasiblePlanError(
-                f"{stage} stage: its concurrent model-stages need at least {sum(need.values())} GPUs together "
-                f"({', '.join(f'{n} {g}' for n, g in need.items())}) but the pool has {budget}; "
-                f"raise cluster.num_gpus to {sum(need.values())}"
-            )
-        per_stage.append(picks)
-    stage_of = {ms.name: ms.stage for ms in stages}
-    order = [ms.name for ms in stages]
+    rho = search.best_level()
+    per_stage = [search.solve(stage, rho, alternatives + 1) for stage in search.stages]
 
     def total(combo: tuple[dict[str, Option], ...]) -> float:
         return sum(max(o.latency for o in pick.values()) for pick in combo)
 
+    order = [ms.name for ms in stages]
     combos = sorted(itertools.product(*per_stage), key=total)[: alternatives + 1]
     results = []
     for combo in combos:
         selection = {n: o for pick in combo for n, o in pick.items()}
-        plan = assign_gpus(selection, stage_of, order)
+        for n in selection:
+            if selection[n].peak_memory < 0:
+                selection[n] = fill_peaks(works[n], [selection[n]])[0]
+        plan = assign_gpus(selection, search.stage_of, order)
         results.append((plan, estimate_plan(plan, models, cluster, workload, calibration)))
     # On power-of-two nodes the concrete estimate equals the search's objective; elsewhere a
     # placement can cost more than its shape promised, so order by the concrete estimate.
     results.sort(key=lambda r: (not r[1].feasible, r[1].step_latency))
-    best, rest = results[0], tuple(results[1:])
-    return PlanResult(best[0], best[1], rest)
+    return PlanResult(results[0][0], results[0][1], tuple(results[1:]))
+
+
+class _Search:
+    """Frontiers per (model-stage, memory budget, resident level), stage solves, and the search
+    over levels of co-resident training state (step 4 of the module docstring)."""
+
+    def __init__(
+        self,
+        works: Mapping[str, StageWork],
+        stage_of: Mapping[str, str],
+        cluster: ClusterSpec,
+        calibration: Calibration | None,
+        budget: int,
+        cap: float,
+    ) -> None:
+        self.works, self.stage_of, self.budget, self.cap = works, dict(stage_of), budget, cap
+        self.stages = [s for s in STAGES if any(v == s for v in stage_of.values())]
+        self.tables: dict[str, CandidateTable] = {}
+        shared: dict[StageWork, CandidateTable] = {}  # e.g. actor and reference inference price alike
+        for name, work in works.items():
+            key = replace(work, name="")
+            if key not in shared:
+                shared[key] = CandidateTable(work, cluster, calibration, budget, cap)
+            self.tables[name] = shared[key]
+        self._fronts: dict[tuple, list[Option]] = {}
+
+    def fronts(self, name: str, memory: float, resident: float = math.inf) -> list[Option]:
+        """The frontier of ``name`` within ``memory`` bytes per GPU and ``resident`` bytes of state."""
+        table = self.tables[name]
+        key = (id(table), memory, resident if self.works[name].trains else math.inf)
+        if key not in self._fronts:
+            self._fronts[key] = frontier(table.options(memory, resident))
+        return self._fronts[key]
+
+    def stage_fronts(self, stage: str, rho: float) -> dict[str, list[Option]]:
+        """Frontiers of a stage's model-stages at training-state level ``rho``."""
+        names = [n for n, s in self.stage_of.items() if s == stage]
+        if stage == "training":
+            return {n: self.fronts(n, self.cap, rho) for n in names}
+        return {n: self.fronts(n, self.cap - rho) for n in names}
+
+    def solve(self, stage: str, rho: float, count: int = 1) -> list[dict[str, Option]]:
+        """The ``count`` best selections of ``stage`` at level ``rho`` ([] if none fits)."""
+        fronts = self.stage_fronts(stage, rho)
+        if any(not f for f in fronts.values()):
+            return []
+        return solve_stage(fronts, self.budget, count)
+
+    def _latency(self, stage: str, rho: float) -> float:
+        picks = self.solve(stage, rho)
+        return max(o.latency for o in picks[0].values()) if picks else math.inf
+
+    def best_level(self) -> float:
+        """The training-state level ``rho`` of the fastest plan (raises when no level works)."""
+        others = [s for s in self.stages if s != "training"]
+        if "training" not in self.stages:
+            self._require(others, 0.0)
+            return 0.0
+        self._require(others, 0.0)  # the other stages on their own (no co-resident state)
+        self._require(["training"], math.inf)
+        top = max(o.resident for o in self.solve("training", math.inf)[0].values())
+        levels = sorted(
+            {
+                lvl
+                for n, s in self.stage_of.items()
+                if s == "training"
+                for lvl in self.tables[n].resident_levels()
+            },
+            reverse=True,
+        )
+        bound = sum(self._latency(s, 0.0) for s in others)
+        best, best_rho = math.inf, None
+        for rho in (lvl for lvl in levels if lvl <= top):
+            train = self._latency("training", rho)
+            if train == math.inf or train + bound >= best:
+                break  # smaller levels only slow training down further
+            step = train + sum(self._latency(s, rho) for s in others)
+            if step < best:
+                best, best_rho = step, rho
+        if best_rho is None:
+            raise InfeasiblePlanError(self._coresidency_message(levels[-1] if levels else 0.0))
+        return best_rho
+
+    def _require(self, stages: list[str], rho: float) -> None:
+        for stage in stages:
+            if self.solve(stage, rho):
+                continue
+            fronts = self.stage_fronts(stage, rho)
+            need = {n: f[0].gpus for n, f in fronts.items() if f}
+            raise InfeasiblePlanError(
+                f"{stage} stage: its concurrent model-stages need at least {sum(need.values())} GPUs together "
+                f"({', '.join(f'{n} {g}' for n, g in need.items())}) but the pool has {self.budget}; "
+                f"raise cluster.num_gpus to {sum(need.values())}"
+            )
+
+    def _coresidency_message(self, leanest: float) -> str:
+        for stage in self.stages:
+            if stage == "training":
+                continue
+            for name, front in self.stage_fronts(stage, leanest).items():
+                if not front:
+                    _, text = diagnose_memory(
+                        self.works[name], self.cluster_of(), self.budget, self.cap - leanest
+                    )
+                    return f"next to {leanest / 1e9:.1f} GB of resident training state per GPU, {text}"
+        return (
+            f"no plan fits: the generation and inference model-stages need more GPUs than the pool of "
+            f"{self.budget} once {leanest / 1e9:.1f} GB per GPU of training state stays resident; raise cluster.num_gpus"
+        )
+
+    def cluster_of(self) -> ClusterSpec:
+        """The cluster the tables were priced for."""
+        return next(iter(self.tables.values())).cluster
 
 
 def _least_memory(work: StageWork, layout: Layout) -> float:

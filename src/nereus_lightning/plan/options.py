@@ -1,0 +1,234 @@
+"""Candidate enumeration: every (layout, dp, micro-batch, recompute) of a model-stage, priced once.
+
+A :class:`CandidateTable` prices all candidates of one model-stage and then answers, cheaply
+and many times, "which candidates fit under this much memory (and keep at most this much state
+resident)?" (the planner asks once per level of co-resident training state it tries).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from nereus_lightning.plan.calibration import Calibration
+from nereus_lightning.plan.comm import canonical_links
+from nereus_lightning.plan.cost import (
+    Affine,
+    StageWork,
+    _offload,
+    _optimizer_step,
+    generation_batch,
+    micro_batch_options,
+    peak_memory,
+    replica_sequences,
+    slot_affine,
+    wave_affine,
+)
+from nereus_lightning.plan.layout import Layout
+from nereus_lightning.plan.memory import state_bytes_per_gpu
+from nereus_lightning.spec.cluster import ClusterSpec
+from nereus_lightning.spec.model import ModelSpec
+
+
+@dataclass(frozen=True)
+class Option:
+    """One priced candidate shape of a model-stage (no GPU ids yet).
+
+    ``peak_memory`` is the model-stage's own peak per GPU (-1 until filled in for generation,
+    whose batch fits by construction); ``resident`` is the state a training candidate keeps on
+    each of its GPUs through the whole step (0 for generation and inference).
+    """
+
+    gpus: int
+    latency: float
+    layout: Layout
+    dp: int
+    micro_batch: int
+    recompute: bool
+    peak_memory: float
+    resident: float = 0.0
+
+
+def layouts_for(model: ModelSpec, max_gpus: int) -> list[Layout]:
+    """Power-of-two (tp, pp) the model can be cut into, with at most ``max_gpus`` ranks."""
+    out = []
+    tp = 1
+    while tp <= max_gpus and model.num_heads % tp == 0 and model.num_kv_heads % tp == 0:
+        pp = 1
+        while pp <= model.num_layers and tp * pp <= max_gpus:
+            out.append(Layout(tp, pp))
+            pp *= 2
+        tp *= 2
+    return out
+
+
+def dp_options(work: StageWork, layout: Layout, max_gpus: int) -> list[int]:
+    """DP degrees worth pricing: training ones keep ``dp * b * a`` fixed (powers of two, so DP
+    groups align to nodes); for generation/inference, the smallest dp per distinct replica share."""
+    top = max_gpus // layout.size
+    if work.trains:
+        return [1 << k for k in range(top.bit_length()) if replica_sequences(work, 1 << k) is not None]
+    out, n, dp = [], work.sequences, 1
+    while dp <= min(top, n):
+        out.append(dp)
+        share = -(-n // dp)
+        if share == 1:
+            break
+        dp = -(-n // (share - 1))  # the smallest dp whose share is below this one
+    return out
+
+
+class _Scalars:
+    """Calibrated seconds of one model-stage's cost pieces, evaluated in O(1) per candidate.
+
+    Mirrors :func:`cost.ideal_time` term by term (so it agrees with ``estimate_plan`` up to
+    float rounding): each affine piece collapses to ``fixed + per_seq * n`` seconds.
+    """
+
+    def __init__(self, calibration: Calibration | None) -> None:
+        self.eff = (calibration or Calibration()).efficiencies()
+
+    def scalar(self, ideal: Mapping[str, float]) -> float:
+        """Calibrated seconds of an ideal-time dict."""
+        return sum(seconds / self.eff[name] for name, seconds in ideal.items())
+
+    def affine(self, piece: Affine) -> tuple[float, float, float, float, float, float]:
+        """(fixed, per_seq, steps / eff_decode, decode_flops, decode_fixed, decode_per_seq)."""
+        fixed = sum(v / self.eff[c] for c, v in piece.fixed)
+        per_seq = sum(v / self.eff[c] for c, v in piece.per_seq)
+        decode = piece.steps / self.eff["decode"]
+        return fixed, per_seq, decode, piece.decode_flops, piece.decode_fixed, piece.decode_per_seq
+
+
+def _at(coef: tuple[float, float, float, float, float, float], n: int) -> float:
+    fixed, per_seq, steps, flops, reads, kv = coef
+    value = fixed + per_seq * n
+    if steps:
+        value += steps * max(flops * n, reads + kv * n)
+    return value
+
+
+class CandidateTable:
+    """All candidates of one model-stage within ``max_gpus`` GPUs and ``cap`` bytes, priced.
+
+    For generation and inference only the smallest dp of each distinct replica share is kept
+    (larger ones cost GPUs and gain nothing). Per (layout, dp) the table keeps every feasible
+    micro-batch / recompute choice ordered by latency, so :meth:`options` can pick the fastest
+    one that fits a tighter memory budget without pricing anything again.
+    """
+
+    def __init__(
+        self,
+        work: StageWork,
+        cluster: ClusterSpec,
+        calibration: Calibration | None,
+        max_gpus: int,
+        cap: float,
+    ) -> None:
+        self.work, self.cluster, self.cap = work, cluster, cap
+        sc = _Scalars(calibration)
+        # generation: (layout, wave coefficients, offload seconds, dps); others: (gpus, layout, dp,
+        # resident bytes, [(latency, peak, micro_batch, recompute)] fastest first)
+        self.waves: list[tuple] = []
+        self.rows: list[tuple] = []
+        trains, repeats = work.trains, work.epochs * work.mini_batches
+        mb_cache: dict[int, tuple[int, ...]] = {}
+        for layout in layouts_for(work.model, max_gpus):
+            one = canonical_links(layout, 1, cluster)
+            offload = sc.scalar(_offload(work, layout))
+            dps = dp_options(work, layout, max_gpus)
+            if work.kind == "generation":
+                if generation_batch(work, layout, work.sequences, cap):
+                    self.waves.append(
+                        (layout, sc.affine(wave_affine(work, layout, one, cluster)), offload, dps)
+                    )
+                continue
+            pp = layout.pp
+            resident = state_bytes_per_gpu(work.model, True, layout) if trains else 0.0
+            slots = {
+                rc: sc.affine(slot_affine(work, layout, rc, one, cluster))[:2]
+                for rc in ((False, True) if trains else (False,))
+            }
+            memo: dict[object, float] = {}
+            for dp in dps:
+                share = work.mini_batch_size // dp if trains else -(-work.sequences // dp)
+                mbs = mb_cache.get(share)
+                if mbs is None:
+                    mbs = mb_cache[share] = micro_batch_options(work, layout, share, cap)
+                step = 0.0
+                if trains:
+                    links = canonical_links(layout, dp, cluster)
+                    step = sc.scalar(_optimizer_step(work, layout, dp, links, cluster))
+                choices = []
+                for rc, (fixed, per_seq) in slots.items():
+                    for mb in mbs:
+                        count = -(-share // mb)
+                        key = (mb, rc, count if count < pp else pp) if trains else mb
+                        peak = memo.get(key)
+                        if peak is None:
+                            peak = memo[key] = peak_memory(work, layout, dp, mb, rc)
+                        if peak > cap:
+                            continue
+                        lat = (count + pp - 1) * (fixed + per_seq * mb)
+                        if trains:
+                            lat = repeats * (lat + step)
+                        choices.append((lat + offload, peak, mb, rc))
+                if choices:
+                    choices.sort(key=lambda c: c[0])
+                    self.rows.append((dp * layout.size, layout, dp, resident, choices))
+
+    def options(self, memory: float | None = None, resident: float = math.inf) -> list[Option]:
+        """The fastest choice per (layout, dp) whose peak fits ``memory`` (default: the cap) and
+        whose resident state is at most ``resident``."""
+        memory = self.cap if memory is None else memory
+        work, out = self.work, []
+        for layout, coef, offload, dps in self.waves:
+            fit = generation_batch(work, layout, work.sequences, memory)
+            if not fit:
+                continue
+            for dp in dps:
+                share = -(-work.sequences // dp)
+                batch = min(share, fit)
+                full, rest = divmod(share, batch)
+                lat = offload + full * _at(coef, batch) + (_at(coef, rest) if rest else 0.0)
+                out.append(Option(dp * layout.size, lat, layout, dp, batch, False, -1.0))
+        for gpus, layout, dp, res, choices in self.rows:
+            if res > resident:
+                continue
+            for lat, peak, mb, rc in choices:
+                if peak <= memory:
+                    out.append(Option(gpus, lat, layout, dp, mb, rc, peak, res))
+                    break
+        return out
+
+    def resident_levels(self) -> list[float]:
+        """Distinct per-GPU resident state of this table's candidates (training only), ascending."""
+        return sorted({row[3] for row in self.rows})
+
+
+def frontier(options: list[Option]) -> list[Option]:
+    """Non-dominated options: increasing GPU count, strictly decreasing latency."""
+    best: list[Option] = []
+    for opt in sorted(options, key=lambda o: (o.gpus, o.latency)):
+        if not best or opt.latency < best[-1].latency:
+            best.append(opt)
+    return best
+
+
+def fill_peaks(work: StageWork, front: list[Option]) -> list[Option]:
+    """Give generation options their peak memory (priced lazily: the batch fits by construction)."""
+    out = []
+    for o in front:
+        if o.peak_memory < 0:
+            peak = peak_memory(work, o.layout, o.dp, o.micro_batch, o.recompute)
+            o = Option(o.gpus, o.latency, o.layout, o.dp, o.micro_batch, o.recompute, peak, o.resident)
+        out.append(o)
+    return out
+
+
+def stage_options(
+    work: StageWork, cluster: ClusterSpec, calibration: Calibration | None, max_gpus: int, cap: float
+) -> list[Option]:
+    """Every candidate of ``work`` (fastest micro-batch per layout and dp) within the pool and ``cap``."""
+    return CandidateTable(work, cluster, calibration, max_gpus, cap).options()
