@@ -35,6 +35,7 @@ from nereus_lightning.transition.scenarios import OVERLAP_KINDS, default_models,
 RESULTS = Path(__file__).resolve().parent / "results"
 PAPER_EXTEND_S = {4: 2.45, 8: 5.58, 16: 6.52, 32: 8.48}  # from N GPUs to 2N
 PAPER_TABLE5 = "global 100% vs per-component 34-62% success"
+TP1, TP2 = Layout(1, 1), Layout(2, 1)
 
 
 def overlap_table(cases_per_kind: int, sizes: tuple[int, ...], seed: int = 0) -> dict[str, dict[str, float]]:
@@ -125,6 +126,14 @@ def planning_times(sizes: tuple[int, ...], repeats: int) -> list[dict[str, objec
             models, cluster, work, pairs = planned
             for name, (a, b) in pairs.items():
                 scenarios[name] = (a, b, models, cluster, work)
+        models, cluster, work = (
+            default_models(),
+            CLUSTER_PRESETS["paper_cluster3"].with_gpus(n),
+            Workload("ppo"),
+        )
+        scenarios["colocated: DP x2"] = (colocated_plan(n // 2), colocated_plan(n), models, cluster, work)
+        relayout = colocated_plan(n, gen=Layout(1, 1), infer=Layout(2, 1), train=Layout(4, 1))
+        scenarios["colocated: relayout"] = (colocated_plan(n), relayout, models, cluster, work)
         case = random_case(random.Random(n), "cross_model_cross_stage", n, slack=(1.5, 2.0))
         scenarios["random relocation"] = case.args()
         for name, args in scenarios.items():
@@ -168,6 +177,26 @@ def _swallow(fn) -> None:
         fn()
     except InfeasiblePlanError:
         pass
+
+
+def colocated_plan(n: int, gen: Layout = TP2, infer: Layout = TP1, train: Layout = TP2) -> Plan:
+    """A PPO plan on ``n`` GPUs (a multiple of 8) that time-shares every GPU between the stages.
+
+    Each block of 8 GPUs holds the same pattern: generation on all 8; actor, reference, critic
+    and reward inference on 2 each; actor and critic training on 4 each. ``colocated_plan(2n)``
+    keeps every unit of ``colocated_plan(n)`` in place, so doubling is pure Extend.
+    """
+    blocks = range(0, n, 8)
+    span = {
+        "actor_gen": (0, 8, gen), "actor_infer": (0, 2, infer), "ref_infer": (2, 4, infer),
+        "critic_infer": (4, 6, infer), "reward_infer": (6, 8, infer),
+        "actor_train": (0, 4, train), "critic_train": (4, 8, train),
+    }  # fmt: skip
+    out = {}
+    for name, (lo, hi, layout) in span.items():
+        gpus = tuple(b + g for b in blocks for g in range(lo, hi))
+        out[name] = Candidate(layout, len(gpus) // layout.size, gpus)
+    return Plan.of(out)
 
 
 def doubling_plan(n: int) -> Plan:
