@@ -217,7 +217,7 @@ def _order_with_resource_edges(nodes: list[Node], ctx: TransitionContext) -> lis
             for g, net, transient in n.mem:
                 if g not in tight:
                     continue
-                grow = max(net, 0.0) + transient
+                grow = (net if net > 0 else 0.0) + transient
                 if grow > 0 and base[g] + grown[g] + grow - freed[g] > cap:
                     need = base[g] + grown[g] + grow - freed[g]
                     return f"GPU {g} would need {need / GB:.1f} GB > cap {cap / GB:.1f} GB"
@@ -255,11 +255,11 @@ def _order_with_resource_edges(nodes: list[Node], ctx: TransitionContext) -> lis
                 for g, net, transient in n.mem:
                     if g not in tight:
                         continue
-                    grow = max(net, 0.0) + transient
+                    grow = (net if net > 0 else 0.0) + transient
                     if grow > 0:
                         extra.update(freers[g])
                     grown[g] += grow
-                    free = max(-net, 0.0) + transient
+                    free = (-net if net < 0 else 0.0) + transient
                     if free > 0:
                         freed[g] += free
                         freers[g].append(nid)

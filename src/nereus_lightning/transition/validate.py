@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from nereus_lightning.plan.layout import Plan
 from nereus_lightning.plan.memory import memory_cap
-from nereus_lightning.transition.dag import Node, Primitive, TransitionDAG, Unit
+from nereus_lightning.transition.dag import Node, Primitive, TransitionDAG
 
 GB = 1e9
 
@@ -109,17 +109,20 @@ def _structure(dag: TransitionDAG) -> list[str]:
     return out
 
 
-def _units(plan: Plan) -> dict[str, set[Unit]]:
-    """The units of every model-stage of ``plan``."""
-    new = tuple.__new__
+def _units(plan: Plan) -> dict[str, dict[tuple[int, ...], tuple[int, int]]]:
+    """The units of every model-stage of ``plan``: GPUs -> (tp, pp).
+
+    Keyed by GPU tuple (hashing a ``Layout`` is slow): two live units of one model-stage never
+    sit on the same GPU tuple, and a DAG that tries is caught as a unit that does not exist.
+    """
     out = {}
     for name, c in plan.items():
-        size, gpus = c.layout.size, c.gpus
-        out[name] = {new(Unit, (c.layout, gpus[i : i + size])) for i in range(0, len(gpus), size)}
+        size, gpus, lay = c.layout.size, c.gpus, (c.layout.tp, c.layout.pp)
+        out[name] = {gpus[i : i + size]: lay for i in range(0, len(gpus), size)}
     return out
 
 
-def _initial(dag: TransitionDAG) -> dict[str, set[Unit]]:
+def _initial(dag: TransitionDAG) -> dict[str, dict[tuple[int, ...], tuple[int, int]]]:
     return _units(dag.context.current)
 
 
@@ -172,8 +175,8 @@ def _replay(dag: TransitionDAG, order: list[Node], problems: list[str], label: s
     peak = max((mem[g] for g in memory.tight), default=0.0)
     for n in order:
         units = alive[n.model_stage]
-        if not units.issuperset(n.sources):
-            missing = [u for u in n.sources if u not in units]
+        missing = [u for u in n.sources if units.get(u.gpus) != (u.layout.tp, u.layout.pp)]
+        if missing:
             problems.append(f"structure{label}: {n} reads units that do not exist: {missing}")
             return peak
         for g, net, transient in effects[n.id]:
@@ -186,8 +189,12 @@ def _replay(dag: TransitionDAG, order: list[Node], problems: list[str], label: s
                     )
             mem[g] += net
         if n.op is not Primitive.EXTEND:
-            units.difference_update(n.sources)
-        units.update(n.targets)
+            for u in n.sources:
+                del units[u.gpus]
+        for u in n.targets:
+            if u.gpus in units:
+                problems.append(f"structure{label}: {n} creates {u} where a unit already is")
+            units[u.gpus] = (u.layout.tp, u.layout.pp)
         if not units:
             problems.append(f"last copy{label}: {n.model_stage} has no unit left after {n}")
         problems.extend(f"gpu conflict{label}: {p}" for p in gpus.acquire(n))
@@ -195,7 +202,7 @@ def _replay(dag: TransitionDAG, order: list[Node], problems: list[str], label: s
     for name, want in _units(ctx.target).items():
         if alive[name] != want:
             problems.append(
-                f"structure{label}: {name} ends with {sorted(map(str, alive[name]))}, not the target"
+                f"structure{label}: {name} ends with {sorted(alive[name].items())}, not the target"
             )
     return peak
 
