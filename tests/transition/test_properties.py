@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from nereus_lightning.spec.errors import InfeasiblePlanError
 from nereus_lightning.transition import build_transition, per_component_baseline, validate
 from nereus_lightning.transition.scenarios import OVERLAP_KINDS, random_case
+from tests.transition.helpers import CLUSTER, MODELS, PPO, cand, plan
 
 SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)
 
@@ -66,3 +67,26 @@ def test_random_cases_have_the_requested_overlap(kind: str) -> None:
     for n in (8, 64, 1024):
         case = random_case(rng, kind, n)
         assert kind in case.overlaps and case.current != case.target
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    a=st.sampled_from([(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (1, 4), (4, 2), (2, 4)]),
+    b=st.sampled_from([(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (1, 4), (4, 2), (2, 4)]),
+)
+def test_one_model_stage_on_shuffled_gpus_is_always_safe(
+    seed: int, a: tuple[int, int], b: tuple[int, int]
+) -> None:
+    """Any layout change onto any GPU order, with memory to spare: always a valid DAG that ends on the target."""
+    rng = random.Random(seed)
+    pool = list(range(16))
+    cur_gpus = rng.sample(pool, rng.choice([n for n in (8, 16) if n % (a[0] * a[1]) == 0]))
+    tgt_gpus = rng.sample(pool, rng.choice([n for n in (8, 16) if n % (b[0] * b[1]) == 0]))
+    cur = plan(reward_infer=cand(*a, tuple(cur_gpus)))
+    tgt = plan(reward_infer=cand(*b, tuple(tgt_gpus)))
+    dag = build_transition(cur, tgt, MODELS, CLUSTER, PPO)
+    report = validate(dag, random_orders=1, seed=seed)
+    assert report.valid, report.problems
+    moved = sum(n.bytes for n in dag.nodes)
+    assert moved >= 0 and all(t.bytes > 0 for n in dag.nodes for t in n.transfers)
