@@ -10,17 +10,15 @@ import time
 import pytest
 import torch
 
-from nereus_lightning.rl.reference_loop import (
+from nereus_lightning.rl.algorithm import (
     RLConfig,
-    build_models,
     compute_advantages,
     rollout,
-    run_reference,
     score_batch,
-    tiny_llama_config,
     update_actor,
     update_critic,
 )
+from nereus_lightning.rl.reference_loop import build_models, run_reference, tiny_llama_config
 from nereus_lightning.rl.reward import make_scorer
 from nereus_lightning.rl.rollout import HFGenerateEngine
 from nereus_lightning.rl.tasks import PromptSampler, RepeatTask

@@ -13,6 +13,17 @@ from nereus_lightning.rl.advantages import (
     returns_to_go,
     scores_to_token_rewards,
 )
+from nereus_lightning.rl.algorithm import (
+    ALGORITHMS,
+    RLConfig,
+    RLModels,
+    batch_metrics,
+    compute_advantages,
+    rollout,
+    score_batch,
+    update_actor,
+    update_critic,
+)
 from nereus_lightning.rl.batch import RolloutBatch, dp_slice
 from nereus_lightning.rl.forward import position_ids_from_mask, response_log_probs, response_values
 from nereus_lightning.rl.losses import (
@@ -39,6 +50,15 @@ from nereus_lightning.rl.tasks import PromptSampler, RepeatTask, TaskPrompt, rep
 from nereus_lightning.rl.tokenizer import ByteTokenizer
 
 __all__ = [
+    "ALGORITHMS",
+    "RLConfig",
+    "RLModels",
+    "batch_metrics",
+    "compute_advantages",
+    "rollout",
+    "score_batch",
+    "update_actor",
+    "update_critic",
     "ByteTokenizer",
     "ForwardEngine",
     "FunctionReward",

@@ -1,0 +1,286 @@
+"""RL stages of one step as functions over a whole :class:`RolloutBatch`: PPO, GRPO, ReMax.
+
+:func:`rollout` (generate + score), :func:`score_batch` (old / reference log-probs, values),
+:func:`compute_advantages`, :func:`update_critic`, :func:`update_actor`. The reference loop runs
+them on one process; the strategy runs the same functions on each stage's DP shards. Updates
+split each mini-batch into micro-batches whose losses are normalised by the mini-batch's global
+token (or sequence) count, so the result does not depend on the micro-batch size (nor on DP,
+when the strategy passes the count over all ranks and sums gradients).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from nereus_lightning.rl.advantages import (
+    apply_kl_penalty,
+    gae_advantages,
+    grpo_advantages,
+    remax_advantages,
+    scores_to_token_rewards,
+)
+from nereus_lightning.rl.batch import RolloutBatch
+from nereus_lightning.rl.forward import response_log_probs, response_values
+from nereus_lightning.rl.losses import entropy_loss, kl_loss, masked_mean, policy_loss, value_loss
+from nereus_lightning.rl.reward import RewardScorer
+from nereus_lightning.rl.rollout import RolloutEngine, sample_seeds
+from nereus_lightning.rl.tasks import PromptSampler
+from nereus_lightning.rl.tokenizer import ByteTokenizer
+from nereus_lightning.spec.errors import require
+
+ALGORITHMS = ("ppo", "grpo", "remax")
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    """Knobs of one RL run (verl's names in comments where they differ)."""
+
+    algorithm: str = "grpo"
+    steps: int = 100
+    prompts_per_step: int = 8  # data.train_batch_size
+    samples_per_prompt: int = 8  # actor_rollout_ref.rollout.n
+    actor_lr: float = 1.5e-3
+    critic_lr: float = 5e-3
+    ppo_epochs: int = 1
+    mini_batches: int = 1  # train batch / ppo_mini_batch_size
+    micro_batch_size: int = 64  # ppo_micro_batch_size_per_gpu
+    clip_eps: float = 0.2  # clip_ratio
+    value_clip: float = 0.5  # cliprange_value
+    kl_coef: float = 0.0  # in-reward KL penalty (algorithm.kl_ctrl.kl_coef)
+    kl_loss_coef: float = 0.0  # KL as a loss term (actor.kl_loss_coef)
+    kl_kind: str = "low_var_kl"
+    entropy_coef: float = 0.0
+    gamma: float = 1.0
+    lam: float = 0.95
+    temperature: float = 1.0
+    loss_agg: str = "token-mean"
+    grad_clip: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        require(
+            self.algorithm in ALGORITHMS,
+            "algorithm",
+            f"{self.algorithm!r} is not one of {', '.join(ALGORITHMS)}",
+        )
+        for name in (
+            "steps",
+            "prompts_per_step",
+            "samples_per_prompt",
+            "ppo_epochs",
+            "mini_batches",
+            "micro_batch_size",
+        ):
+            require(getattr(self, name) >= 1, f"rl.{name}", f"must be >= 1, got {getattr(self, name)}")
+        require(
+            self.mini_batches <= self.prompts_per_step * self.samples_per_prompt,
+            "rl.mini_batches",
+            "more mini-batches than samples per step",
+        )
+        if self.algorithm == "grpo":
+            require(
+                self.samples_per_prompt >= 2, "rl.samples_per_prompt", "GRPO needs >= 2 samples per prompt"
+            )
+
+    @property
+    def uses_critic(self) -> bool:
+        """Only PPO trains a critic."""
+        return self.algorithm == "ppo"
+
+    @property
+    def uses_reference(self) -> bool:
+        """A reference model is needed when any KL term is on."""
+        return self.kl_coef > 0 or self.kl_loss_coef > 0
+
+
+@dataclass
+class RLModels:
+    """The models and optimisers of one run; ``reference`` and ``critic`` only when needed."""
+
+    actor: nn.Module
+    actor_optim: torch.optim.Optimizer
+    reference: nn.Module | None = None
+    critic: nn.Module | None = None
+    critic_optim: torch.optim.Optimizer | None = None
+
+
+def rollout(
+    step: int,
+    sampler: PromptSampler,
+    tokenizer: ByteTokenizer,
+    engine: RolloutEngine,
+    scorer: RewardScorer,
+    cfg: RLConfig,
+) -> RolloutBatch:
+    """Draw prompts, sample ``samples_per_prompt`` responses each, score them (and the greedy baseline for ReMax)."""
+    prompts = sampler.next_prompts(cfg.prompts_per_step)
+    n = cfg.samples_per_prompt
+    prompt_ids, prompt_mask = tokenizer.pad(
+        [tokenizer.encode(p.text, add_bos=True) for p in prompts for _ in range(n)]
+    )
+    index = torch.arange(len(prompt_ids))
+    groups = torch.tensor([p.index for p in prompts for _ in range(n)])
+    out = engine.generate(
+        prompt_ids,
+        prompt_mask,
+        sampler.max_new_tokens,
+        do_sample=True,
+        temperature=cfg.temperature,
+        sample_seeds=sample_seeds(cfg.seed, step, index),
+    )
+    batch = RolloutBatch(out.prompt_ids, out.prompt_mask, out.response_ids, out.response_mask, index, groups)
+    batch.scores = scorer(batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask)
+    if cfg.algorithm == "remax":
+        first = torch.arange(0, len(prompt_ids), n)  # one greedy answer per prompt
+        greedy = engine.generate(
+            prompt_ids[first], prompt_mask[first], sampler.max_new_tokens, do_sample=False
+        )
+        baseline = scorer(greedy.prompt_ids, greedy.prompt_mask, greedy.response_ids, greedy.response_mask)
+        batch.baseline_scores = baseline.repeat_interleave(n)
+    return batch
+
+
+@torch.no_grad()
+def score_batch(batch: RolloutBatch, models: RLModels, cfg: RLConfig) -> RolloutBatch:
+    """Old log-probs (actor), reference log-probs and values, as the inference stages compute them."""
+    ids = (batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask)
+    batch.old_log_probs, _ = response_log_probs(models.actor, *ids, temperature=cfg.temperature)
+    if models.reference is not None:
+        batch.ref_log_probs, _ = response_log_probs(models.reference, *ids, temperature=cfg.temperature)
+    if models.critic is not None:
+        batch.values = response_values(models.critic, *ids)
+    return batch
+
+
+def compute_advantages(batch: RolloutBatch, cfg: RLConfig) -> tuple[RolloutBatch, dict[str, Tensor]]:
+    """Token rewards (score on the last token, minus the in-reward KL), advantages and returns."""
+    mask = batch.response_mask
+    rewards = scores_to_token_rewards(batch.scores, mask)
+    metrics: dict[str, Tensor] = {}
+    if cfg.kl_coef > 0:
+        rewards, metrics = apply_kl_penalty(
+            rewards, batch.old_log_probs, batch.ref_log_probs, mask, cfg.kl_coef, cfg.kl_kind
+        )
+    batch.token_rewards = rewards
+    if cfg.algorithm == "ppo":
+        batch.advantages, batch.returns = gae_advantages(rewards, batch.values, mask, cfg.gamma, cfg.lam)
+    elif cfg.algorithm == "grpo":
+        batch.advantages, batch.returns = grpo_advantages(batch.scores, mask, batch.group_index)
+    else:
+        batch.advantages, batch.returns = remax_advantages(rewards, batch.baseline_scores, mask)
+    return batch, metrics
+
+
+def _normalizer(mask: Tensor, agg: str) -> Tensor:
+    return mask.sum() if agg == "token-mean" else (mask.sum(-1) > 0).sum()
+
+
+def _micro_batches(mini: RolloutBatch, micro_batch_size: int) -> list[RolloutBatch]:
+    return mini.split(max(1, math.ceil(len(mini) / micro_batch_size)))
+
+
+def update_actor(
+    actor: nn.Module, optim: torch.optim.Optimizer, batch: RolloutBatch, cfg: RLConfig
+) -> dict[str, Tensor]:
+    """PPO epochs over mini-batches of the clipped policy loss (+ KL loss, - entropy bonus)."""
+    actor.train()
+    sums: dict[str, Tensor] = {}
+    for _ in range(cfg.ppo_epochs):
+        for mini in batch.split(cfg.mini_batches):
+            norm = _normalizer(mini.response_mask, cfg.loss_agg)
+            optim.zero_grad(set_to_none=True)
+            for micro in _micro_batches(mini, cfg.micro_batch_size):
+                ids = (micro.prompt_ids, micro.prompt_mask, micro.response_ids, micro.response_mask)
+                log_probs, entropy = response_log_probs(
+                    actor, *ids, temperature=cfg.temperature, with_entropy=True
+                )
+                mask = micro.response_mask
+                loss, m = policy_loss(
+                    log_probs,
+                    micro.old_log_probs,
+                    micro.advantages,
+                    mask,
+                    cfg.clip_eps,
+                    agg=cfg.loss_agg,
+                    normalizer=norm,
+                )
+                ent, em = entropy_loss(entropy, mask, cfg.loss_agg, norm)
+                m.update(em)
+                loss = loss - cfg.entropy_coef * ent
+                if cfg.kl_loss_coef > 0:
+                    kl, km = kl_loss(log_probs, micro.ref_log_probs, mask, cfg.kl_kind, cfg.loss_agg, norm)
+                    loss = loss + cfg.kl_loss_coef * kl
+                    m.update(km)
+                loss.backward()
+                share = mask.sum() / mini.response_mask.sum().clamp_min(1)
+                for name in ("actor/pg_clipfrac", "actor/ppo_kl"):  # per-micro means -> token-weighted
+                    m[name] = m[name] * share
+                _accumulate(sums, m, 1.0 / (cfg.ppo_epochs * cfg.mini_batches))
+            grad_norm = torch.nn.utils.clip_grad_norm_(actor.parameters(), cfg.grad_clip)
+            optim.step()
+            _accumulate(
+                sums, {"actor/grad_norm": grad_norm.detach()}, 1.0 / (cfg.ppo_epochs * cfg.mini_batches)
+            )
+    sums["actor/lr"] = torch.tensor(optim.param_groups[0]["lr"])
+    return sums
+
+
+def update_critic(
+    critic: nn.Module, optim: torch.optim.Optimizer, batch: RolloutBatch, cfg: RLConfig
+) -> dict[str, Tensor]:
+    """PPO epochs over mini-batches of the clipped value loss."""
+    critic.train()
+    sums: dict[str, Tensor] = {}
+    for _ in range(cfg.ppo_epochs):
+        for mini in batch.split(cfg.mini_batches):
+            norm = _normalizer(mini.response_mask, cfg.loss_agg)
+            optim.zero_grad(set_to_none=True)
+            for micro in _micro_batches(mini, cfg.micro_batch_size):
+                ids = (micro.prompt_ids, micro.prompt_mask, micro.response_ids, micro.response_mask)
+                values = response_values(critic, *ids)
+                loss, m = value_loss(
+                    values,
+                    micro.values,
+                    micro.returns,
+                    micro.response_mask,
+                    cfg.value_clip,
+                    cfg.loss_agg,
+                    norm,
+                )
+                loss.backward()
+                share = micro.response_mask.sum() / mini.response_mask.sum().clamp_min(1)
+                m["critic/vf_clipfrac"] = m["critic/vf_clipfrac"] * share
+                _accumulate(sums, m, 1.0 / (cfg.ppo_epochs * cfg.mini_batches))
+            grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.grad_clip)
+            optim.step()
+            _accumulate(
+                sums, {"critic/grad_norm": grad_norm.detach()}, 1.0 / (cfg.ppo_epochs * cfg.mini_batches)
+            )
+    return sums
+
+
+def _accumulate(into: dict[str, Tensor], metrics: dict[str, Tensor], weight: float) -> None:
+    for name, value in metrics.items():
+        into[name] = into.get(name, torch.zeros(())) + value.detach().float() * weight
+
+
+def batch_metrics(batch: RolloutBatch, max_new_tokens: int) -> dict[str, Tensor]:
+    """verl's data metrics: score, rewards, advantages, returns, response length (mean / max / clip ratio)."""
+    mask = batch.response_mask
+    lengths = mask.sum(-1).float()
+    metrics = {
+        "critic/score/mean": batch.scores.float().mean(),
+        "critic/rewards/mean": batch.token_rewards.sum(-1).mean(),
+        "critic/advantages/mean": masked_mean(batch.advantages, mask),
+        "critic/returns/mean": masked_mean(batch.returns, mask),
+        "response_length/mean": lengths.mean(),
+        "response_length/max": lengths.max(),
+        "response_length/clip_ratio": (lengths >= max_new_tokens).float().mean(),
+    }
+    if batch.values is not None:
+        metrics["critic/values/mean"] = masked_mean(batch.values, mask)
+    return metrics
