@@ -151,54 +151,72 @@ class CandidateTable:
                 for rc in ((False, True) if trains else (False,))
             }
             memo: dict[object, float] = {}
+            size = layout.size
             for dp in dps:
                 share = work.mini_batch_size // dp if trains else -(-work.sequences // dp)
                 mbs = mb_cache.get(share)
                 if mbs is None:
                     mbs = mb_cache[share] = micro_batch_options(work, layout, share, cap)
-                step = 0.0
+                choices = []
                 if trains:
                     links = canonical_links(layout, dp, cluster)
                     step = sc.scalar(_optimizer_step(work, layout, dp, links, cluster))
-                choices = []
-                for rc, (fixed, per_seq) in slots.items():
+                    for rc, (fixed, per_seq) in slots.items():
+                        for mb in mbs:
+                            count = -(-share // mb)
+                            key = (mb, rc, count if count < pp else pp)
+                            peak = memo.get(key)
+                            if peak is None:
+                                peak = memo[key] = peak_memory(work, layout, dp, mb, rc)
+                            if peak <= cap:
+                                lat = repeats * ((count + pp - 1) * (fixed + per_seq * mb) + step)
+                                choices.append((lat + offload, peak, mb, rc))
+                else:
+                    fixed, per_seq = slots[False]
                     for mb in mbs:
-                        count = -(-share // mb)
-                        key = (mb, rc, count if count < pp else pp) if trains else mb
-                        peak = memo.get(key)
+                        peak = memo.get(mb)
                         if peak is None:
-                            peak = memo[key] = peak_memory(work, layout, dp, mb, rc)
-                        if peak > cap:
-                            continue
-                        lat = (count + pp - 1) * (fixed + per_seq * mb)
-                        if trains:
-                            lat = repeats * (lat + step)
-                        choices.append((lat + offload, peak, mb, rc))
+                            peak = memo[mb] = peak_memory(work, layout, dp, mb, False)
+                        if peak <= cap:
+                            lat = (-(-share // mb) + pp - 1) * (fixed + per_seq * mb)
+                            choices.append((lat + offload, peak, mb, False))
+                if len(choices) > 1:
+                    choices.sort()
+                    lean = [choices[0]]  # only choices leaner than every faster one can ever be picked
+                    for choice in choices[1:]:
+                        if choice[1] < lean[-1][1]:
+                            lean.append(choice)
+                    choices = lean
                 if choices:
-                    choices.sort(key=lambda c: c[0])
-                    self.rows.append((dp * layout.size, layout, dp, resident, choices))
+                    self.rows.append((dp * size, layout, dp, resident, choices))
 
     def options(self, memory: float | None = None, resident: float = math.inf) -> list[Option]:
         """The fastest choice per (layout, dp) whose peak fits ``memory`` (default: the cap) and
         whose resident state is at most ``resident``."""
+        return [_option(row) for row in self.rows_within(memory, resident)]
+
+    def rows_within(self, memory: float | None = None, resident: float = math.inf) -> list[tuple]:
+        """:meth:`options` as plain tuples ``(gpus, latency, peak, resident, layout, dp, mb, rc)``."""
         memory = self.cap if memory is None else memory
         work, out = self.work, []
+        n = work.sequences
         for layout, coef, offload, dps in self.waves:
-            fit = generation_batch(work, layout, work.sequences, memory)
+            fit = generation_batch(work, layout, n, memory)
             if not fit:
                 continue
+            size = layout.size
             for dp in dps:
-                share = -(-work.sequences // dp)
-                batch = min(share, fit)
+                share = -(-n // dp)
+                batch = share if share < fit else fit
                 full, rest = divmod(share, batch)
                 lat = offload + full * _at(coef, batch) + (_at(coef, rest) if rest else 0.0)
-                out.append(Option(dp * layout.size, lat, layout, dp, batch, False, -1.0))
+                out.append((dp * size, lat, -1.0, 0.0, layout, dp, batch, False))
         for gpus, layout, dp, res, choices in self.rows:
             if res > resident:
                 continue
             for lat, peak, mb, rc in choices:
                 if peak <= memory:
-                    out.append(Option(gpus, lat, layout, dp, mb, rc, peak, res))
+                    out.append((gpus, lat, peak, res, layout, dp, mb, rc))
                     break
         return out
 
@@ -214,6 +232,21 @@ def frontier(options: list[Option]) -> list[Option]:
         if not best or opt.latency < best[-1].latency:
             best.append(opt)
     return best
+
+
+def frontier_of_rows(rows: list[tuple]) -> list[Option]:
+    """:func:`frontier` of :meth:`CandidateTable.rows_within` tuples (only the survivors become Options)."""
+    rows = sorted(rows)
+    best: list[tuple] = []
+    for row in rows:
+        if not best or row[1] < best[-1][1]:
+            best.append(row)
+    return [_option(row) for row in best]
+
+
+def _option(row: tuple) -> Option:
+    gpus, lat, peak, res, layout, dp, mb, rc = row
+    return Option(gpus, lat, layout, dp, mb, rc, peak, res)
 
 
 def fill_peaks(work: StageWork, front: list[Option]) -> list[Option]:

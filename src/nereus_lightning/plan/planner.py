@@ -49,6 +49,7 @@ from nereus_lightning.plan.options import (  # noqa: F401  (re-exported for call
     dp_options,
     fill_peaks,
     frontier,
+    frontier_of_rows,
     layouts_for,
     stage_options,
 )
@@ -217,7 +218,7 @@ class _Search:
         table = self.tables[name]
         key = (id(table), memory, resident if self.works[name].trains else math.inf)
         if key not in self._fronts:
-            self._fronts[key] = frontier(table.options(memory, resident))
+            self._fronts[key] = frontier_of_rows(table.rows_within(memory, resident))
         return self._fronts[key]
 
     def stage_fronts(self, stage: str, rho: float) -> dict[str, list[Option]]:
