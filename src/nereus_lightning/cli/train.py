@@ -26,7 +26,7 @@ CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 def check_feasible(cfg: Any, world_size: int) -> None:
     """Fail fast, before any model is built: the planner must find a plan for the first pool."""
     from nereus_lightning.plan.planner import job_models, plan_job
-    from nereus_lightning.spec import Workload, cluster_preset, model_preset
+    from nereus_lightning.spec import Workload, model_preset
 
     actor = model_preset(cfg.actor.preset)
     critic = model_preset(cfg.actor.critic) if cfg.actor.get("critic") else actor
@@ -36,8 +36,19 @@ def check_feasible(cfg: Any, world_size: int) -> None:
     workload = Workload(algorithm=algorithm, prompts_per_step=int(cfg.algorithm.prompts_per_step),
                         samples_per_prompt=int(cfg.algorithm.get("samples_per_prompt", 1)), prompt_len=4,
                         response_len=float(cfg.task.get("start_len", 8)) + 3, reward_model=False)
-    cluster = cluster_preset(cfg.cluster).with_gpus(pool)
+    cluster = job_cluster(cfg).with_gpus(pool)
     plan_job(job_models(actor, critic=critic if algorithm == "ppo" else None), cluster, workload)
+
+
+def job_cluster(cfg: Any) -> Any:
+    """The cluster preset of ``cfg`` with its per-GPU memory override applied."""
+    from dataclasses import replace
+
+    from nereus_lightning.spec import cluster_preset
+
+    cluster = cluster_preset(str(cfg.cluster))
+    memory = cfg.get("cluster_gpu_memory")
+    return replace(cluster, gpu_memory=float(memory)) if memory else cluster
 
 
 def _algorithm_name(cfg: Any) -> str:
@@ -59,9 +70,20 @@ def _world_size(cfg: Any) -> int:
     return max(torch.cuda.device_count(), 1)
 
 
+def _quiet() -> None:
+    """Silence third-party warnings that say nothing about this run (inherited by forked ranks)."""
+    import warnings
+
+    for pattern in (".*past_key_values.*", ".*LeafSpec.*", ".*modules? in eval mode.*", ".*optimizer.step\\(\\).*",
+                    ".*weights_only.*", ".*ModelCheckpoint with manual optimization.*", ".*does not have many workers.*", ".*Checkpoint directory.*exists.*"):
+        warnings.filterwarnings("ignore", message=pattern)
+
+
 def run(cfg: Any) -> dict[str, Any]:
     """Train as configured; returns a summary (reward first/last 10 steps, transitions, paths)."""
     import lightning.pytorch as pl
+
+    _quiet()
     from hydra.utils import instantiate
 
     from nereus_lightning.control import SequenceResources
@@ -81,7 +103,7 @@ def run(cfg: Any) -> dict[str, Any]:
     def controller(pl_module: Any, world_size: int) -> Any:
         from nereus_lightning.lightning.control import default_controller
 
-        return default_controller(pl_module, world_size, os.path.join(out, "decisions.jsonl"), cluster=str(cfg.cluster),
+        return default_controller(pl_module, world_size, os.path.join(out, "decisions.jsonl"), cluster=job_cluster(cfg),
                                   **dict(cfg.controller or {}))
 
     plot_path = os.path.join(out, "run.png") if cfg.plot else None

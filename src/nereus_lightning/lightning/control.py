@@ -29,8 +29,8 @@ def model_specs(pl_module: Any) -> dict[str, ModelSpec]:
 
 
 def default_controller(pl_module: Any, world_size: int, decision_log: str | None = None,
-                       cluster: str = "cpu4", **config: Any) -> Any:
-    """The planner-backed controller on a ``cluster`` preset sized to ``world_size`` ranks.
+                       cluster: Any = "cpu4", **config: Any) -> Any:
+    """The planner-backed controller on ``cluster`` (a ``ClusterSpec`` or preset name) sized to ``world_size`` ranks.
 
     Falls back to :class:`~nereus_lightning.lightning.callback.PoolFollower` (all model-stages
     data-parallel over the pool) when the planner is not installed.
@@ -45,5 +45,5 @@ def default_controller(pl_module: Any, world_size: int, decision_log: str | None
         return PoolFollower(pl_module.algorithm)
     specs = model_specs(pl_module)
     backend = PlannerBackend.for_models(specs["actor"], critic=specs.get("critic"), reference=specs["reference"])
-    spec = cluster_preset(cluster).with_gpus(world_size)
+    spec = (cluster_preset(cluster) if isinstance(cluster, str) else cluster).with_gpus(world_size)
     return Controller(backend, spec, job_workload(pl_module), ControllerConfig(**config), log=decision_log)

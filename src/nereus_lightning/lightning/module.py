@@ -99,6 +99,9 @@ class RLModule(L.LightningModule):
         from nereus_lightning.lightning.units import StageUnits
 
         self.units = StageUnits(self.algorithm)
+        from nereus_lightning.lightning.metrics import RunMetrics
+
+        self.run_metrics = RunMetrics()
 
     # ---- Lightning hooks -------------------------------------------------------------------
     @override
@@ -115,6 +118,7 @@ class RLModule(L.LightningModule):
     @override
     def training_step(self, batch: Tensor, batch_idx: int) -> None:
         self.step_stats = self.rl_step(self.global_step)
+        self.step_stats.update(self.run_metrics.update(self.step_stats))
         self.log_dict(self.step_stats, on_step=True, prog_bar=False, sync_dist=False, rank_zero_only=True)
         self.log("reward", self.step_stats["critic/score/mean"], prog_bar=True, rank_zero_only=True)
         self.log("resp_len", self.step_stats["response_length/mean"], prog_bar=True, rank_zero_only=True)

@@ -21,14 +21,29 @@ def plot_run(history: Sequence[dict[str, float]], path: str, title: str = "nereu
     bottom.set_ylabel("seconds")
     bottom.set_xlabel("RL step")
     bottom.legend(loc="upper left")
-    for h in history:
+    for i, h in enumerate(history):
         if h.get("timing_s/transition", 0.0) > 0:
             for ax in (top, bottom):
                 ax.axvline(h["step"] + 0.5, color="tab:red", linestyle="--", alpha=0.6)
-            top.annotate(f"{int(h.get('plan/num_gpus', 0))} GPUs", (h["step"] + 0.5, top.get_ylim()[1]),
-                         fontsize=7, rotation=90, va="top", color="tab:red")
+            label = change_label(h, history[i + 1]) if i + 1 < len(history) else "transition"
+            top.annotate(label, (h["step"] + 0.5, top.get_ylim()[0]), fontsize=7, rotation=90, va="bottom",
+                         ha="right", color="tab:red")
     top.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def change_label(before: dict[str, float], after: dict[str, float]) -> str:
+    """What a transition changed, e.g. ``GPUs 4->3`` or ``actor_train TP1PP1->TP1PP2``."""
+    parts = []
+    if before.get("plan/num_gpus") != after.get("plan/num_gpus"):
+        parts.append(f"GPUs {int(before.get('plan/num_gpus', 0))}->{int(after.get('plan/num_gpus', 0))}")
+    stages = sorted({k.split("/")[1] for k in after if k.startswith("plan/") and k.count("/") == 2})
+    for stage in stages:
+        if any(before.get(f"plan/{stage}/{d}") != after.get(f"plan/{stage}/{d}") for d in ("tp", "pp")):
+            b = {d: int(before.get(f"plan/{stage}/{d}", 0)) for d in ("tp", "pp")}
+            a = {d: int(after.get(f"plan/{stage}/{d}", 0)) for d in ("tp", "pp")}
+            parts.append(f"{stage} TP{b['tp']}PP{b['pp']}->TP{a['tp']}PP{a['pp']}")
+    return "; ".join(parts[:2]) or "DP re-fit"
