@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from nereus_lightning.control.backend import PlanningBackend, op_totals
 from nereus_lightning.plan.layout import Plan
+from nereus_lightning.plan.memory import MEMORY_HEADROOM
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.errors import require
 from nereus_lightning.spec.workload import Workload
@@ -44,17 +45,13 @@ class StepOutcome:
     stage_time: dict[str, float]
 
 
-def runs(estimate: Any, cluster: ClusterSpec) -> bool:
-    """Whether a plan actually runs: the planner's 10% headroom is a margin, an OOM is physical memory.
+def physical(cluster: ClusterSpec) -> ClusterSpec:
+    """The cluster as the cost model must see it to test a real OOM: its memory cap = the GPU memory.
 
-    Any violation other than the headroom (GPUs outside the pool, a DP degree that cannot split
-    the batch, two concurrent model-stages on one GPU) still fails the step.
+    The planner keeps a headroom below the GPU memory (``plan.memory.MEMORY_HEADROOM``); on the
+    true machine a plan runs until it needs more than the GPU has.
     """
-    if estimate.feasible:
-        return True
-    peak = max(getattr(estimate, "peak_memory", {}).values(), default=0.0)
-    others = [v for v in getattr(estimate, "violations", ()) if "exceeds the cap" not in str(v)]
-    return not others and peak <= cluster.gpu_memory
+    return replace(cluster, gpu_memory=cluster.gpu_memory / (1 - MEMORY_HEADROOM))
 
 
 class TrueMachine:
@@ -96,14 +93,14 @@ class TrueMachine:
         key = (plan, cluster.num_gpus, workload)
         est = self._cache.get(key)
         if est is None:
-            est = self.backend.estimate(plan, cluster, workload, self.truth)
+            est = self.backend.estimate(plan, physical(cluster), workload, self.truth)
             if len(self._cache) > 4096:
                 self._cache.clear()
             self._cache[key] = est
         f = self.noise_at(step)
         ops = {k: v * f for k, v in op_totals(est).items()}
         stages = {k: v * f for k, v in (getattr(est, "stage_latency", None) or {}).items()}
-        return StepOutcome(est.step_latency * f, runs(est, cluster), ops, stages)
+        return StepOutcome(est.step_latency * f, bool(est.feasible), ops, stages)
 
     def transition_time(self, step: int, predicted_raw: float) -> float:
         """The real duration of a transition the DAG priced at ``predicted_raw`` seconds."""

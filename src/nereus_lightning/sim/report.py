@@ -59,17 +59,24 @@ def plot_comparison(comparison: Comparison, path: str | os.PathLike, title: str 
     steps = list(range(len(trace)))
     fig, axes = plt.subplots(3, 1, figsize=(10, 7.5), sharex=True, gridspec_kw={"height_ratios": [3, 1, 1]})
     top, mid, low = axes
+    # Restarts cost minutes: clip the axis at 1.6x the slowest step so step latencies stay
+    # readable; clipped points sit on the top edge with their value written beside them.
+    values = [r.step_s for recs in comparison.records.values() for r in recs if math.isfinite(r.step_s)]
+    cap = 1.6 * max(values, default=1.0)
     for i, (name, recs) in enumerate(comparison.records.items()):
         color = f"C{i}"
-        ys = [r.step_s + r.transition_s for r in recs]
+        ys = [min(r.step_s + r.transition_s, cap) for r in recs]
         style = ":" if name == "oracle" else "-"
         top.plot(steps, ys, style, color=color, lw=1.4, label=f"{name} ({comparison.summaries[name].mean_step_s:.1f} s/step)")
-        marks = [(r.step, y) for r, y in zip(recs, ys, strict=False) if r.action in ("transition", "restart") and name != "oracle"]
-        if marks:
-            top.scatter(*zip(*marks, strict=False), color=color, marker="v", s=28, zorder=3)
-        bad = [(r.step, y if math.isfinite(y) else 0) for r, y in zip(recs, ys, strict=False) if not r.feasible]
-        if bad:
-            top.scatter(*zip(*bad, strict=False), color=color, marker="x", s=40, zorder=4)
+        for r, y in zip(recs, ys, strict=True):
+            if r.action in ("transition", "restart") and name != "oracle":
+                top.scatter([r.step], [y], color=color, marker="v", s=28, zorder=3)
+            if r.step_s + r.transition_s > cap:
+                top.annotate(f"{r.step_s + r.transition_s:.0f} s", (r.step, cap), fontsize=7, ha="left", va="top",
+                             color=color, xytext=(3, -2), textcoords="offset points")
+            if not r.feasible:
+                top.scatter([r.step], [y if math.isfinite(y) else 0], color=color, marker="x", s=40, zorder=4)
+    top.set_ylim(0, cap * 1.02)
     top.set_ylabel("step latency (s)\n(incl. transition)")
     top.legend(fontsize=8, loc="upper left")
     top.set_title(title or trace.name)
