@@ -19,6 +19,7 @@ import heapq
 from collections import defaultdict
 from collections.abc import Callable
 from functools import lru_cache, partial
+from itertools import repeat
 from math import gcd
 from operator import itemgetter
 
@@ -70,50 +71,56 @@ def _inverse(x: Layout, s: Layout) -> tuple[tuple[int, int], ...]:
     return tuple(inv)
 
 
+Pattern = tuple[tuple[int, int, int, Piece], ...]  # (src position, dst position, bytes, piece)
+
+
 @lru_cache(maxsize=4096)
 def _split_pattern(
     geo: Geometry, a: Layout, s: Layout, tiles: tuple[tuple[int, ...], ...]
-) -> tuple[tuple[int, int, int, Piece], ...]:
-    """Split of a layout-``a`` unit into ``s`` units at ``tiles`` (its positions): (src, dst, bytes, piece)."""
+) -> tuple[Pattern, tuple[int, ...]]:
+    """Split of a layout-``a`` unit into ``s`` units at ``tiles`` (its positions), and buffers per position."""
     out = []
     for tile in tiles:
         for q, x in enumerate(tile):
             for src, size, piece in gather_pattern(geo, a, x, s, q // s.tp, q % s.tp):
                 out.append((src, x, size, piece))
-    return tuple(out)
+    return tuple(out), _buffers(out, a.size)
 
 
 @lru_cache(maxsize=4096)
 def _merge_pattern(
     geo: Geometry, s: Layout, b: Layout, tiles: tuple[tuple[int, ...], ...]
-) -> tuple[tuple[int, int, int, Piece], ...]:
-    """Merge of ``s`` units at ``tiles`` (positions of the layout-``b`` result): (src, dst, bytes, piece)."""
+) -> tuple[Pattern, tuple[int, ...]]:
+    """Merge of ``s`` units at ``tiles`` (positions of the layout-``b`` result), and buffers per position."""
     at = {x: (tile, q) for tile in tiles for q, x in enumerate(tile)}
     out = []
     for x in range(b.size):
         tile, q = at[x]
         for src, size, piece in gather_pattern(geo, s, q, b, x // b.tp, x % b.tp):
             out.append((tile[src], x, size, piece))
-    return tuple(out)
+    return tuple(out), _buffers(out, b.size)
 
 
-def _transient(transfers: list[Transfer]) -> dict[int, float]:
-    """Transfer buffers per GPU while a Split or Merge runs: each transfer is packed into one
+def _buffers(pattern: list[tuple[int, int, int, Piece]], size: int) -> tuple[int, ...]:
+    """Transfer buffers per position while a Split or Merge runs: each transfer is packed into one
     contiguous send buffer and lands in one receive buffer before it is unpacked. (Extend sends a
     whole shard in the same layout: the unit's flat storage is the buffer on both sides.)"""
-    out: dict[int, float] = defaultdict(float)
-    for t in transfers:
-        out[t.src_gpu] += t.bytes
-        if t.dst_gpu != t.src_gpu:
-            out[t.dst_gpu] += t.bytes
-    return out
+    buf = [0] * size
+    for sx, dx, nbytes, _ in pattern:
+        buf[sx] += nbytes
+        if dx != sx:
+            buf[dx] += nbytes
+    return tuple(buf)
 
 
-def _effects(gpus: tuple[int, ...], net: float, transfers: list[Transfer]) -> tuple[MemEffect, ...]:
-    if not transfers:
-        return tuple([(g, net, 0.0) for g in gpus])
-    buf = _transient(transfers)
-    return tuple([(g, net, buf.get(g, 0.0)) for g in gpus])
+def _placed(gpus: tuple[int, ...], pattern: Pattern) -> list[Transfer]:
+    """A position pattern placed on ``gpus``."""
+    return [_new(Transfer, (gpus[sx], gpus[dx], size, piece)) for sx, dx, size, piece in pattern]
+
+
+def _uniform(gpus: tuple[int, ...], net: float) -> tuple[MemEffect, ...]:
+    """The same net effect on every GPU, no buffers."""
+    return tuple(zip(gpus, repeat(net), repeat(0.0)))
 
 
 def local_dag(
@@ -208,14 +215,11 @@ def local_dag(
             index = {g: x for x, g in enumerate(u.gpus)}
             at = index.__getitem__
             tiles = tuple(tuple(map(at, t)) for t in subs)
-            ug = u.gpus
-            transfers = [
-                _new(Transfer, (ug[sx], ug[dx], size, piece))
-                for sx, dx, size, piece in _split_pattern(geo, a, s, tiles)
-            ]
-            stays = {g for t in subs for g in t}
-            buf = _transient(transfers)
-            mem = tuple([(g, (mem_s if g in stays else 0.0) - mem_a, buf.get(g, 0.0)) for g in u.gpus])
+            pattern, buf = _split_pattern(geo, a, s, tiles)
+            stays = {x for t in tiles for x in t}
+            nets = [mem_s - mem_a if x in stays else -mem_a for x in range(a.size)]
+            mem = tuple(zip(u.gpus, nets, buf, strict=True))
+            transfers = partial(_placed, u.gpus, pattern)  # built when read
             nid = add(Primitive.SPLIT, [u], [_new(Unit, (s, t)) for t in subs], transfers, [], mem)
             for t in subs:
                 made_by[t] = nid
@@ -223,12 +227,12 @@ def local_dag(
     keep_units = set(splitting)
     for i, u in enumerate(cur_units):
         if i not in keep_units:
-            add(Primitive.DESTROY, [u], [], [], [], _effects(u.gpus, -mem_a, []))
+            add(Primitive.DESTROY, [u], [], (), [], _uniform(u.gpus, -mem_a))
 
     readers: dict[tuple[int, ...], list[int]] = defaultdict(list)
     for src, slot in extends:
         transfers = partial(extend_transfers, geo, s, src, slot)  # built when read
-        mem = tuple([(g, mem_s, 0.0) for g in slot])
+        mem = _uniform(slot, mem_s)
         deps = [made_by[src]] if src in made_by else []
         nid = add(Primitive.EXTEND, [_new(Unit, (s, src))], [_new(Unit, (s, slot))], transfers, deps, mem)
         made_by[slot] = nid
@@ -238,7 +242,7 @@ def local_dag(
     # (the last copy of the state is never dropped before it has been copied).
     for t in sorted(kept - reused, key=lambda t: where[t]):
         deps = ([made_by[t]] if t in made_by else []) + readers.get(t, [])
-        add(Primitive.DESTROY, [_new(Unit, (s, t))], [], [], deps, _effects(t, -mem_s, []))
+        add(Primitive.DESTROY, [_new(Unit, (s, t))], [], (), deps, _uniform(t, -mem_s))
 
     # Merge each target unit from its slots; a T_sub target unit sitting exactly on one slot is done.
     for v, row in zip(tgt_units, slots, strict=True):
@@ -247,11 +251,8 @@ def local_dag(
         index = {g: x for x, g in enumerate(v.gpus)}
         at = index.__getitem__
         tiles = tuple(tuple(map(at, t)) for t in row)
-        vg = v.gpus
-        transfers = [
-            _new(Transfer, (vg[sx], vg[dx], size, piece))
-            for sx, dx, size, piece in _merge_pattern(geo, s, b, tiles)
-        ]
+        pattern, buf = _merge_pattern(geo, s, b, tiles)
+        transfers = partial(_placed, v.gpus, pattern)  # built when read
         # A Merge consumes its inputs: after whatever created them and every Extend that reads them.
         deps = sorted({made_by[t] for t in row if t in made_by}.union(*(readers.get(t, ()) for t in row)))
         add(
@@ -260,7 +261,7 @@ def local_dag(
             [v],
             transfers,
             deps,
-            _effects(v.gpus, mem_b - mem_s, transfers),
+            tuple(zip(v.gpus, repeat(mem_b - mem_s), buf)),
         )
     return nodes
 
