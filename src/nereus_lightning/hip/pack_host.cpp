@@ -132,7 +132,7 @@ bool copy_views(const std::vector<at::Tensor>& views, const at::Tensor& buffer, 
   std::memcpy(host.data_ptr<uint8_t>() + desc_bytes, begin.data(), begin_bytes);
 
   c10::cuda::CUDAGuard guard(buffer.device());
-  at::Tensor meta = host.to(buffer.device(), /*non_blocking=*/true);
+  at::Tensor meta = host.to(buffer.device(), at::kByte, /*non_blocking=*/true);
   const auto* d_descs = reinterpret_cast<const ViewDesc*>(meta.data_ptr<uint8_t>());
   const auto* d_begin = reinterpret_cast<const int64_t*>(meta.data_ptr<uint8_t>() + desc_bytes);
   C10_CUDA_CHECK(launch_copy_views(d_descs, d_begin, static_cast<int>(descs.size()), chunks, log2_chunk,
