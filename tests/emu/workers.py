@@ -303,3 +303,47 @@ def forward_after_transitions(rank: int, world: int, kind: str):
     execute(merge(stage, [by_rank[2], by_rank[3]], Layout(2, 1)))
     check("merge")
     return errors
+
+
+def run_local_dags(rank: int, world: int, kind: str, trains: bool):
+    """Execute transition.local_dag's nodes through from_node + execute; per node: state diff and bytes vs the node's."""
+    from dataclasses import replace
+
+    from nereus_lightning.emu import from_node
+    from nereus_lightning.plan.layout import Candidate
+    from nereus_lightning.spec.cluster import CLUSTER_PRESETS
+    from nereus_lightning.spec.model import ModelSpec
+    from nereus_lightning.transition.local import local_dag
+    from nereus_lightning.transition.pieces import geometry
+
+    stage = "actor_train"
+    cases = (
+        (Candidate(Layout(2, 2), 1, (0, 1, 2, 3)), Candidate(Layout(2, 1), 2, (0, 1, 2, 3))),
+        (Candidate(Layout(2, 2), 1, (0, 1, 2, 3)), Candidate(Layout(4, 1), 1, (0, 1, 2, 3))),
+        (Candidate(Layout(1, 2), 2, (0, 1, 2, 3)), Candidate(Layout(1, 4), 1, (0, 1, 2, 3))),
+        (Candidate(Layout(2, 1), 1, (0, 1)), Candidate(Layout(2, 1), 2, (0, 1, 2, 3))),
+        (Candidate(Layout(1, 1), 4, (0, 1, 2, 3)), Candidate(Layout(2, 2), 1, (0, 1, 2, 3))),
+        (Candidate(Layout(1, 2), 1, (0, 1)), Candidate(Layout(2, 1), 1, (2, 3))),
+    )
+    out = []
+    for current, target in cases:
+        registry().clear()
+        config, model, optim = tiny(kind)
+        geo = geometry(replace(ModelSpec.from_hf_config(config), dtype="float32"), False)
+        first = current.replica_gpus(0)
+        create_unit(stage, config, model, current.layout, first, trains=trains, full_optim=optim if trains else None, counters=COUNTERS)
+        if current.dp > 1:
+            execute(extend(stage, Unit(current.layout, first), [current.replica_gpus(i) for i in range(1, current.dp)]))
+        before = gather_logical_state(stage, dst=0)
+        nodes = local_dag(stage, geo, lambda layout: 0.0, current, target, CLUSTER_PRESETS["cpu4"])
+        rows = []
+        for node in nodes:
+            report = execute(from_node(node))
+            brain = sum(t.bytes for t in node.transfers if t.src_gpu != t.dst_gpu and t.dst_gpu == rank)
+            body = report.payload_received - (Counters.size() * 8 if node.op.value == "extend" and report.payload_received else 0)
+            rows.append((node.op.value, brain, body))
+        after = gather_logical_state(stage, dst=0)
+        live = sorted(u for u in registry().live(stage))
+        wanted = sorted(Unit(target.layout, target.replica_gpus(i)) for i in range(target.dp))
+        out.append((str(current.layout), str(target.layout), rows, before.differences(after) if rank == 0 else [], live == wanted))
+    return out

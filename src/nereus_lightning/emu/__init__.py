@@ -2,7 +2,7 @@
 
 from nereus_lightning.emu.check import LogicalState, StateMismatchError, gather_logical_state
 from nereus_lightning.emu.groups import member_group
-from nereus_lightning.emu.ops import Destroy, Extend, Merge, Primitive, Split, Unit, canonical_merge_ranks, destroy, extend, merge, split
+from nereus_lightning.emu.ops import Destroy, Extend, Merge, Primitive, Split, Unit, canonical_merge_ranks, destroy, extend, from_node, merge, split, validate_op
 from nereus_lightning.emu.plan import Move, TransferPlan, plan_transfer, unit_holdings
 from nereus_lightning.emu.primitives import TransferReport, create_unit, execute, reshard_plan
 from nereus_lightning.emu.registry import Registry, registry
@@ -34,6 +34,7 @@ __all__ = [
     "destroy",
     "execute",
     "extend",
+    "from_node",
     "gather_logical_state",
     "member_group",
     "merge",
@@ -43,4 +44,5 @@ __all__ = [
     "registry",
     "split",
     "unit_holdings",
+    "validate_op",
 ]

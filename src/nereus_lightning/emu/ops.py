@@ -15,9 +15,9 @@ counts, disjointness); pure Python, no torch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from nereus_lightning.emu.schema import Position, StateSchema, position_of
 from nereus_lightning.plan.layout import Layout
@@ -229,3 +229,42 @@ def extend(model_stage: str, source: Unit, new_ranks: Sequence[Sequence[int]]) -
 def destroy(model_stage: str, source: Unit) -> Destroy:
     """Drop ``source``."""
     return Destroy(model_stage, source)
+
+
+def validate_op(op: Primitive) -> None:
+    """Check an op built directly (e.g. from a DAG node): degrees, rank partitions, disjointness."""
+    if isinstance(op, Split):
+        small = op.targets[0].layout if op.targets else None
+        require(small is not None and all(u.layout == small for u in op.targets), "split.targets", "need units of one layout")
+        a = _factor(op.source.layout.tp, small.tp, "split.layout.tp")
+        b = _factor(op.source.layout.pp, small.pp, "split.layout.pp")
+        require(len(op.targets) == a * b > 1, "split.targets", f"{len(op.targets)} units for {op.source.layout} -> {small}")
+        ranks = [r for u in op.targets for r in u.ranks]
+        require(sorted(ranks) == sorted(op.source.ranks), "split.targets", f"{ranks} must partition {op.source.ranks}")
+    elif isinstance(op, Merge):
+        merge(op.model_stage, op.sources, op.target.layout, ranks=op.target.ranks)
+    elif isinstance(op, Extend):
+        extend(op.model_stage, op.source, [u.ranks for u in op.targets])
+        require(all(u.layout == op.source.layout for u in op.targets), "extend.targets", "copies keep the source layout")
+
+
+def from_node(node: Any, rank_of: Mapping[int, int] | None = None) -> Primitive:
+    """The op of a ``transition.dag.Node`` (GPU ids mapped to global ranks by ``rank_of``; identity by default)."""
+
+    def unit(u: Any) -> Unit:
+        return Unit(u.layout, tuple(rank_of[g] if rank_of is not None else g for g in u.gpus))
+
+    kind = getattr(node.op, "value", node.op)
+    sources, targets = tuple(unit(u) for u in node.sources), tuple(unit(u) for u in node.targets)
+    if kind == "split":
+        op: Primitive = Split(node.model_stage, sources[0], targets)
+    elif kind == "merge":
+        op = Merge(node.model_stage, sources, targets[0])
+    elif kind == "extend":
+        op = Extend(node.model_stage, sources[0], targets)
+    elif kind == "destroy":
+        op = Destroy(node.model_stage, sources[0])
+    else:
+        raise ValueError(f"unknown primitive {kind!r}")
+    validate_op(op)
+    return op

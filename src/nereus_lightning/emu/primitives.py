@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from nereus_lightning.emu.ops import Destroy, Extend, Merge, Primitive, Split, Unit
+from nereus_lightning.emu.ops import Destroy, Extend, Merge, Primitive, Split, Unit, validate_op
 from nereus_lightning.emu.plan import TransferPlan, merged_holdings, plan_transfer, unit_holdings
 from nereus_lightning.emu.registry import registry
 from nereus_lightning.emu.schema import StateSchema
@@ -129,6 +129,7 @@ def execute(
 
 def _check(op: Primitive, schema: StateSchema, colocate_with: Collection[str]) -> None:
     reg = registry()
+    validate_op(op)
     reg.require_live(op.model_stage, op.sources)
     for unit in op.targets:
         schema.validate(unit.layout)
