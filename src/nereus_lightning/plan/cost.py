@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from functools import lru_cache
 
 from nereus_lightning.plan import compute, memory
@@ -57,11 +57,15 @@ class StageWork:
     epochs: int = 1
     micro_batch_min: int = 1
     micro_batch_max: int = 16
+    trains: bool = field(init=False, compare=False, repr=False)  # holds gradients and optimizer state
 
-    @property
-    def trains(self) -> bool:
-        """Whether this model-stage holds gradients and optimizer state."""
-        return self.kind == "training"
+    def __post_init__(self) -> None:
+        # Hashed on every memoised cost lookup: compute the (nested) field hash once.
+        object.__setattr__(self, "trains", self.kind == "training")
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in fields(self) if f.init)))
+
+    def __hash__(self) -> int:
+        return self._hash  # type: ignore[attr-defined]
 
     @property
     def lm_head(self) -> bool:

@@ -40,6 +40,7 @@ def memory_cap(cluster: ClusterSpec) -> float:
     return cluster.gpu_memory * (1 - MEMORY_HEADROOM)
 
 
+@lru_cache(maxsize=1 << 13)
 def stage_params(model: ModelSpec, pp: int, pp_rank: int) -> int:
     """Parameters held by pipeline stage ``pp_rank`` (embedding first, final norm and LM head last)."""
     params = stage_layers(model, pp, pp_rank) * _layer_params(model)
