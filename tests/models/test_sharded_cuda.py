@@ -33,7 +33,9 @@ def test_cuda_forward_matches_transformers(kind: str, dtype: torch.dtype) -> Non
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert rel_err(forward_logits(sharded, split_micro_batches(ids, 2)), ref) <= tol
     ref_lp = torch.log_softmax(ref.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
-    assert float((token_logprobs(sharded, ids) - ref_lp).abs().max()) <= (1e-4 if dtype == torch.float32 else 0.1)
+    assert float((token_logprobs(sharded, ids) - ref_lp).abs().max()) <= (
+        1e-4 if dtype == torch.float32 else 0.1
+    )
 
 
 def test_cuda_adamw_steps_match_transformers() -> None:
@@ -47,7 +49,9 @@ def test_cuda_adamw_steps_match_transformers() -> None:
     for _ in range(3):
         ids = torch.randint(0, VOCAB, (8, 12), device="cuda", generator=gen)
         adv = torch.randn(8, 11, device="cuda", generator=gen)
-        loss = train_step(sharded, split_micro_batches(ids, 2, adv=adv), lambda lp, mb: -(lp * mb.extras["adv"]).mean(), opt)
+        loss = train_step(
+            sharded, split_micro_batches(ids, 2, adv=adv), lambda lp, mb: -(lp * mb.extras["adv"]).mean(), opt
+        )
         lp = torch.log_softmax(ref(ids).logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
         ref_loss = -(lp * adv).mean()
         ref_opt.zero_grad()

@@ -48,7 +48,9 @@ def test_wrong_shard_dict_names_the_tensor() -> None:
     with pytest.raises(NereusConfigError, match=r"needs \['model.layers.3.self_attn.q_proj.bias'\]"):
         ShardedCausalLM(model.config, _comm(layout, index=2), missing)
     with pytest.raises(NereusConfigError, match=r"does not hold \['model.embed_tokens.weight'\]"):
-        ShardedCausalLM(model.config, _comm(layout, index=2), {**shards, "model.embed_tokens.weight": torch.zeros(1)})
+        ShardedCausalLM(
+            model.config, _comm(layout, index=2), {**shards, "model.embed_tokens.weight": torch.zeros(1)}
+        )
     full = dict(shards, **{"lm_head.weight": model.lm_head.weight.detach()})
     with pytest.raises(NereusConfigError, match="lm_head.weight"):
         ShardedCausalLM(model.config, _comm(layout, index=2), full)
@@ -56,7 +58,9 @@ def test_wrong_shard_dict_names_the_tensor() -> None:
 
 def test_single_rank_replica_without_distributed_uses_given_tensors() -> None:
     model = tiny_model("qwen3")
-    shards = {n: torch.nn.Parameter(t) for n, t in shard_state(model, model.config, Layout(1, 1), 0, 0).items()}
+    shards = {
+        n: torch.nn.Parameter(t) for n, t in shard_state(model, model.config, Layout(1, 1), 0, 0).items()
+    }
     sharded = ShardedCausalLM(model.config, ReplicaComm.single(), shards)
     params = dict(sharded.named_parameters())
     assert params.keys() == shards.keys()

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nereus_lightning.models import MicroBatch, bind_adamw, ShardedCausalLM, shard_state, split_micro_batches, train_step
+from nereus_lightning.models import (
+    MicroBatch,
+    ShardedCausalLM,
+    bind_adamw,
+    shard_state,
+    split_micro_batches,
+    train_step,
+)
 from nereus_lightning.plan.layout import Layout
 from tests.models.tiny import VOCAB, my_replica, rel_err, tiny_model
 
@@ -51,7 +58,9 @@ def _reference(kind: str, clip: float | None) -> tuple[torch.nn.Module, list[flo
     return model, losses, first_grads
 
 
-def _train_errors(rank: int, world: int, kind: str, tp: int, pp: int, clip: float | None = None) -> dict[str, float]:
+def _train_errors(
+    rank: int, world: int, kind: str, tp: int, pp: int, clip: float | None = None
+) -> dict[str, float]:
     layout = Layout(tp, pp)
     start = tiny_model(kind)
     tied = bool(start.config.tie_word_embeddings)
@@ -61,7 +70,10 @@ def _train_errors(rank: int, world: int, kind: str, tp: int, pp: int, clip: floa
     before = {n: t.clone() for n, t in shards.items()}
     sharded = ShardedCausalLM(start.config, comm, shards)
     # An EMU-style optimizer state (zeros = fresh AdamW) that the optimizer must update in place.
-    state = {n: {"exp_avg": torch.zeros_like(t), "exp_avg_sq": torch.zeros_like(t), "step": torch.zeros(())} for n, t in shards.items()}
+    state = {
+        n: {"exp_avg": torch.zeros_like(t), "exp_avg_sq": torch.zeros_like(t), "step": torch.zeros(())}
+        for n, t in shards.items()
+    }
     opt = bind_adamw(sharded, state, lr=LR, eps=EPS)
     losses = []
     for step in range(STEPS):
@@ -82,10 +94,19 @@ def _train_errors(rank: int, world: int, kind: str, tp: int, pp: int, clip: floa
     errors = {name: rel_err(shards[name], expected[name]) for name in expected}
     # The EMU-style dict sees the optimizer's updates: its tensors are the parameters.
     assert all(params[n] is shards[n] or params[n].data_ptr() == shards[n].data_ptr() for n in shards)
-    assert all(float(state[n]["step"]) == STEPS and opt.state[params[n]]["exp_avg"] is state[n]["exp_avg"] for n in shards)
+    assert all(
+        float(state[n]["step"]) == STEPS and opt.state[params[n]]["exp_avg"] is state[n]["exp_avg"]
+        for n in shards
+    )
     moved = min(rel_err(shards[n], before[n]) for n in shards)
     loss_err = abs(sum(losses) / len(losses) - sum(ref_losses) / len(ref_losses)) if dp == 1 else 0.0
-    return {"param": max(errors.values()), "grad": grad_err, "moved": moved, "loss": loss_err, "ref_norm": ref_norm}
+    return {
+        "param": max(errors.values()),
+        "grad": grad_err,
+        "moved": moved,
+        "loss": loss_err,
+        "ref_norm": ref_norm,
+    }
 
 
 @pytest.mark.parametrize(

@@ -17,22 +17,39 @@ def tiny_config(kind: str):
 
     common = dict(hidden_size=64, vocab_size=VOCAB, max_position_embeddings=128, attn_implementation="eager")
     if kind == "llama":
-        return tf.LlamaConfig(num_attention_heads=4, num_key_value_heads=4, intermediate_size=128, num_hidden_layers=4, **common)
+        return tf.LlamaConfig(
+            num_attention_heads=4, num_key_value_heads=4, intermediate_size=128, num_hidden_layers=4, **common
+        )
     if kind == "qwen2":
-        return tf.Qwen2Config(num_attention_heads=8, num_key_value_heads=4, intermediate_size=128, num_hidden_layers=4, **common)
+        return tf.Qwen2Config(
+            num_attention_heads=8, num_key_value_heads=4, intermediate_size=128, num_hidden_layers=4, **common
+        )
     if kind == "gqa_tied":
         return tf.LlamaConfig(
-            num_attention_heads=8, num_key_value_heads=4, intermediate_size=160, num_hidden_layers=4,
-            tie_word_embeddings=True, **common,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            intermediate_size=160,
+            num_hidden_layers=4,
+            tie_word_embeddings=True,
+            **common,
         )
     if kind == "qwen3":
         return tf.Qwen3Config(
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128, num_hidden_layers=2,
-            tie_word_embeddings=True, **common,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            tie_word_embeddings=True,
+            **common,
         )
     if kind == "mistral":  # a sliding window shorter than the test sequences
         return tf.MistralConfig(
-            num_attention_heads=4, num_key_value_heads=4, intermediate_size=128, num_hidden_layers=4, sliding_window=5,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            sliding_window=5,
             **common,
         )
     raise ValueError(kind)
@@ -46,7 +63,7 @@ def tiny_model(kind: str, seed: int = 0):
     model = tf.AutoModelForCausalLM.from_config(tiny_config(kind)).float().eval()
     # Non-trivial norm weights and biases, so mistakes in replicated tensors show up.
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for _name, p in model.named_parameters():
             if p.ndim == 1:
                 p.add_(0.1 * torch.randn_like(p))
     return model

@@ -11,7 +11,15 @@ from nereus_lightning.models.pipeline import (
     train_step,
 )
 from nereus_lightning.models.sharded import ShardedCausalLM, local_config, shard_state, validate_layout
-from nereus_lightning.models.sharding import Placement, layer_range, placement, pp_stages, shard_shape, tp_plan_of, tp_slices
+from nereus_lightning.models.sharding import (
+    Placement,
+    layer_range,
+    placement,
+    pp_stages,
+    shard_shape,
+    tp_plan_of,
+    tp_slices,
+)
 
 __all__ = [
     "MicroBatch",

@@ -13,7 +13,7 @@ A replica's ranks are given in ``Candidate`` order: pp-major then tp, i.e. repli
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -66,7 +66,9 @@ def replica_groups(replicas: Sequence[Sequence[int]], layout: Layout, tied: bool
     """
     for replica in replicas:
         require(
-            len(replica) == layout.size, "replica", f"{len(replica)} ranks given for {layout} ({layout.size} needed)"
+            len(replica) == layout.size,
+            "replica",
+            f"{len(replica)} ranks given for {layout} ({layout.size} needed)",
         )
         for pp_rank in range(layout.pp):
             group_for(tp_ranks(replica, layout, pp_rank))
@@ -99,25 +101,36 @@ class ReplicaComm:
         rank: int | None = None,
         tied: bool = False,
         dp_ranks: Sequence[int] | None = None,
+        group_factory: Callable[[Sequence[int]], dist.ProcessGroup] = group_for,
     ) -> ReplicaComm:
-        """This rank's view of replica ``ranks``; groups come from :func:`group_for` (create them first)."""
+        """This rank's view of replica ``ranks`` (Candidate order) of ``layout``.
+
+        Groups come from ``group_factory`` (default :func:`group_for`: create them first on all
+        ranks with :func:`replica_groups`). A member-only factory such as
+        ``emu.groups.member_group`` also works when every rank of every replica (and of the DP
+        group) calls ``of`` together: groups are asked for in the fixed order tied, DP, TP, replica.
+        """
         ranks = tuple(ranks)
         rank = dist.get_rank() if rank is None else rank
-        require(len(ranks) == layout.size, "replica", f"{len(ranks)} ranks given for {layout} ({layout.size} needed)")
+        require(
+            len(ranks) == layout.size,
+            "replica",
+            f"{len(ranks)} ranks given for {layout} ({layout.size} needed)",
+        )
         require(rank in ranks, "rank", f"rank {rank} is not in replica {ranks}")
         index = ranks.index(rank)
         pp_rank, tp_rank = divmod(index, layout.tp)
-        tied_group = group_for(tied_ranks(ranks, layout, tp_rank)) if tied and layout.pp > 1 else None
+        tied_group = group_factory(tied_ranks(ranks, layout, tp_rank)) if tied and layout.pp > 1 else None
         dp_group = None
         if dp_ranks is not None and len(dp_ranks) > 1:
             require(rank in dp_ranks, "dp_ranks", f"rank {rank} is not in DP group {tuple(dp_ranks)}")
-            dp_group = group_for(dp_ranks)
+            dp_group = group_factory(dp_ranks)
         return cls(
             layout=layout,
             ranks=ranks,
             rank=rank,
-            tp_group=group_for(tp_ranks(ranks, layout, pp_rank)),
-            replica_group=group_for(ranks),
+            tp_group=group_factory(tp_ranks(ranks, layout, pp_rank)),
+            replica_group=group_factory(ranks),
             tied_group=tied_group,
             dp_group=dp_group,
         )

@@ -38,7 +38,11 @@ def bind_adamw(
     )
     for name, param in named.items():
         entry = state[name]
-        require(set(ADAMW_KEYS) <= set(entry), "optim_state", f"{name} needs keys {ADAMW_KEYS}, has {sorted(entry)}")
+        require(
+            set(ADAMW_KEYS) <= set(entry),
+            "optim_state",
+            f"{name} needs keys {ADAMW_KEYS}, has {sorted(entry)}",
+        )
         for key in ("exp_avg", "exp_avg_sq"):
             require(
                 entry[key].shape == param.shape,
@@ -57,7 +61,9 @@ def _counted_once(model: ShardedCausalLM) -> list[bool]:
     counted = []
     for name, _ in model.named_parameters():
         replicated = placement(name, plan).tp_dim is None
-        counted.append(not (replicated and comm.tp_rank != 0) and not (tied_copy and name == "model.embed_tokens.weight"))
+        counted.append(
+            not (replicated and comm.tp_rank != 0) and not (tied_copy and name == "model.embed_tokens.weight")
+        )
     return counted
 
 

@@ -125,7 +125,13 @@ def _deliver(model: ShardedCausalLM, value: Tensor | None, like: Tensor, where: 
     return buffer
 
 
-def _like(model: ShardedCausalLM, micro_batches: Sequence[MicroBatch], last_dim: int | None, shift: int, dtype: torch.dtype) -> Tensor:
+def _like(
+    model: ShardedCausalLM,
+    micro_batches: Sequence[MicroBatch],
+    last_dim: int | None,
+    shift: int,
+    dtype: torch.dtype,
+) -> Tensor:
     weight = next(model.parameters())
     b = sum(mb.input_ids.shape[0] for mb in micro_batches)
     s = micro_batches[0].input_ids.shape[1] - shift
@@ -188,7 +194,6 @@ def train_step(
     params = list(model.parameters())
     for p in params:
         p.grad = None
-    model.train(False)
     saved: list[tuple[Tensor | None, Tensor]] = []
     total = torch.zeros((), dtype=torch.float32, device=params[0].device)
     for mb in mbs:
@@ -202,7 +207,7 @@ def train_step(
         else:
             _send(out, comm.next_rank)  # type: ignore[arg-type]
         saved.append((inp, out))
-    for mb, (inp, out) in reversed(list(zip(mbs, saved, strict=True))):
+    for inp, out in reversed(saved):
         if comm.is_last_stage:
             torch.autograd.backward(out)
         else:

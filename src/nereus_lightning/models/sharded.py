@@ -40,7 +40,11 @@ def validate_layout(config: Any, layout: Layout) -> None:
     spec.validate_tp(layout.tp)
     spec.validate_pp(layout.pp)
     for field, size in (("intermediate_size", spec.intermediate), ("vocab_size", spec.vocab)):
-        require(size % layout.tp == 0, "layout.tp", f"tp={layout.tp} does not divide {field}={size} of {spec.name}")
+        require(
+            size % layout.tp == 0,
+            "layout.tp",
+            f"tp={layout.tp} does not divide {field}={size} of {spec.name}",
+        )
 
 
 def is_tied(config: Any) -> bool:
@@ -61,7 +65,9 @@ def _modules_of(config: Any) -> tuple[type, type, type]:
     names = (f"{prefix}DecoderLayer", f"{prefix}RMSNorm", f"{prefix}RotaryEmbedding")
     missing = [n for n in names if not hasattr(module, n)]
     if missing:
-        raise NotImplementedError(f"{lm_class.__name__}: no {missing} in {module.__name__}; not a Llama-like model")
+        raise NotImplementedError(
+            f"{lm_class.__name__}: no {missing} in {module.__name__}; not a Llama-like model"
+        )
     return tuple(getattr(module, n) for n in names)  # type: ignore[return-value]
 
 
@@ -70,7 +76,9 @@ def local_config(config: Any, tp: int) -> Any:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     local = copy.deepcopy(config)
     local.num_attention_heads = config.num_attention_heads // tp
-    local.num_key_value_heads = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) // tp
+    local.num_key_value_heads = (
+        getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    ) // tp
     local.intermediate_size = config.intermediate_size // tp
     local.head_dim = head_dim
     local._attn_implementation = config._attn_implementation or "sdpa"
@@ -100,7 +108,9 @@ def shard_state(
 class VocabParallelEmbedding(nn.Module):
     """Embedding whose rows ``[vocab_start, vocab_start + rows)`` live here; summed over TP."""
 
-    def __init__(self, weight: nn.Parameter, vocab_start: int, padding_idx: int | None, comm: ReplicaComm) -> None:
+    def __init__(
+        self, weight: nn.Parameter, vocab_start: int, padding_idx: int | None, comm: ReplicaComm
+    ) -> None:
         super().__init__()
         self.weight = weight
         self.vocab_start = vocab_start
@@ -131,7 +141,9 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """``all_reduce(x @ W_local^T) + b``."""
-        out = reduce_from_tp(F.linear(x, self.weight), self.comm.tp_group if self.comm.layout.tp > 1 else None)
+        out = reduce_from_tp(
+            F.linear(x, self.weight), self.comm.tp_group if self.comm.layout.tp > 1 else None
+        )
         return out if self.bias is None else out + self.bias
 
 
@@ -197,7 +209,7 @@ class ShardedCausalLM(nn.Module):
                 params["model.embed_tokens.weight"], comm.tp_rank * vocab_rows, config.pad_token_id, comm
             )
         self.model.layers = skeleton.model.layers
-        for name, module in skeleton.model.layers.items():
+        for module in skeleton.model.layers.values():
             for part, proj in (("self_attn", "o_proj"), ("mlp", "down_proj")):
                 parent = getattr(module, part)
                 row = RowParallelLinear(getattr(parent, proj).weight, getattr(parent, proj).bias, comm)
@@ -247,7 +259,9 @@ class ShardedCausalLM(nn.Module):
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         cfg = self.local_config
-        kwargs = dict(config=cfg, inputs_embeds=hidden, attention_mask=attention_mask, position_ids=position_ids)
+        kwargs = dict(
+            config=cfg, inputs_embeds=hidden, attention_mask=attention_mask, position_ids=position_ids
+        )
         kwargs[_cache_kwarg()] = None
         types = set(getattr(cfg, "layer_types", None) or ())
         masks: dict[str, Any] = {"full_attention": create_causal_mask(**kwargs)}
@@ -276,7 +290,9 @@ class ShardedCausalLM(nn.Module):
         if self.comm.is_first_stage:
             hidden = self.model.embed_tokens(input_ids)
         else:
-            require(hidden_states is not None, "hidden_states", "stages after the first need the previous output")
+            require(
+                hidden_states is not None, "hidden_states", "stages after the first need the previous output"
+            )
             hidden = hidden_states
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=hidden.device).unsqueeze(0)
@@ -340,7 +356,6 @@ def _cache_kwarg() -> str:
     from transformers.masking_utils import create_causal_mask
 
     return "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
-
 
 
 def _tp_partial(name: str, config: Any) -> bool:

@@ -21,7 +21,9 @@ def _size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def _all_reduce(x: Tensor, group: dist.ProcessGroup, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Tensor:
+def _all_reduce(
+    x: Tensor, group: dist.ProcessGroup, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+) -> Tensor:
     x = x.contiguous()
     dist.all_reduce(x, op=op, group=group)
     return x
@@ -92,7 +94,9 @@ def gather_from_tp(x: Tensor, group: dist.ProcessGroup | None, ranks: Sequence[i
 
 class _VocabParallelLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor, vocab_start: int, group: dist.ProcessGroup | None) -> Tensor:  # type: ignore[override]
+    def forward(
+        ctx, logits: Tensor, targets: Tensor, vocab_start: int, group: dist.ProcessGroup | None
+    ) -> Tensor:  # type: ignore[override]
         logits = logits.float()
         # Max is only for stability; no gradient flows through it.
         shift = logits.max(dim=-1, keepdim=True).values
