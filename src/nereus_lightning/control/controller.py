@@ -18,6 +18,7 @@ paper (see /work/shared/reference/nereus-rules.md):
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -261,17 +262,16 @@ class Controller:
         if not current_ok:
             urgent = True
             reasons.append("the current plan no longer fits" if current_est is not None else "GPUs of the current plan were lost")
-        options = self._options(cluster, workload, signals, urgent, reasons)
         base = dict(
             step=signals.step, triggers=tuple(triggers), current=self.plan, current_latency=current_latency,
             horizon=horizon, gamma=cfg.gamma, urgent=urgent, signals=signals,
         )
         considered: list[dict[str, Any]] = []
-        for opt in options:
+        seen: list[_Option] = []
+        for opt in self._candidates(cluster, workload, signals, urgent, current_latency, reasons):
+            seen.append(opt)
             lat = opt.estimate.step_latency
             d_l = math.inf if current_latency is None else current_latency - lat
-            if not urgent and d_l <= 0:
-                break  # sorted by latency: nothing further is faster than the current plan
             entry = {"source": opt.source, "latency": round(lat, 6), "dL": None if math.isinf(d_l) else round(d_l, 6)}
             considered.append(entry)
             if intact is None:
@@ -299,7 +299,7 @@ class Controller:
                     considered=tuple(considered), reason=f"{_kinds(triggers)}: {why} ({opt.source})", **base,
                 )
         if urgent:
-            best = options[0] if options else None
+            best = min(seen, key=lambda o: o.estimate.step_latency) if seen else None
             return Decision(
                 kind="restart", target=None if best is None else best.plan,
                 target_latency=None if best is None else best.estimate.step_latency, considered=tuple(considered),
@@ -313,41 +313,61 @@ class Controller:
         why = "no faster feasible plan" if first is None else f"payback failed for every candidate (best: {first['verdict']})"
         return Decision(kind="keep", target=None, considered=tuple(considered), reason=why, **base)
 
-    def _options(
-        self, cluster: ClusterSpec, workload: Workload, signals: StepSignals, urgent: bool, reasons: list[str]
-    ) -> list[_Option]:
-        """Feasible candidate plans, fastest first: the planner's, DP-only re-fits, and urgent relief."""
+    def _candidates(
+        self, cluster: ClusterSpec, workload: Workload, signals: StepSignals, urgent: bool,
+        current_latency: float | None, reasons: list[str],
+    ) -> Iterator[_Option]:
+        """Feasible targets in the order admission tries them, priced lazily.
+
+        The planner's plans, fastest first; right after each one, the same plan placed near the
+        current GPUs (no swap deadlocks) and with the current layouts kept where they fit
+        (Extend/Destroy only): slightly slower targets with cheaper transitions. Then the current
+        layouts with DP re-fitted to the pool and, on the urgent path, smaller micro-batches and
+        recomputation. Outside the urgent path, targets not faster than the current plan are
+        skipped, so an admitted best target costs no extra pricing.
+        """
         assert self.plan is not None
-        options: list[_Option] = []
+        seen: set[Plan] = {self.plan}
+
+        def priced(plan: Plan, source: str, est: Estimate | None = None) -> _Option | None:
+            if plan in seen:
+                return None
+            seen.add(plan)
+            est = est if est is not None else self.backend.estimate(plan, cluster, workload, self.calibration)
+            if not est.feasible:
+                return None
+            if not urgent and current_latency is not None and est.step_latency >= current_latency:
+                return None
+            return _Option(plan, est, source)
+
         try:
-            for i, (plan, est) in enumerate(self.backend.plan(cluster, workload, self.calibration)):
-                options.append(_Option(plan, est, "planner best" if i == 0 else f"planner alternative {i}"))
+            planned = self.backend.plan(cluster, workload, self.calibration)
         except InfeasiblePlanError as exc:
             reasons.append(f"planner: {exc}")
-        extra: list[tuple[Plan, str]] = []
-        for opt in list(options):
-            # The same targets placed near the current GPUs (no swap deadlocks), and with the
-            # current layouts kept where they fit (Extend/Destroy only): cheaper transitions.
-            near = place_near(opt.plan, self.plan, self.workload.algorithm)
-            if near != opt.plan:
-                extra.append((near, f"{opt.source}, placed near the current GPUs"))
-            kept = keep_layouts(near, self.plan)
-            if kept != near:
-                extra.append((kept, f"{opt.source}, current layouts kept"))
-        refit = follow_pool(self.plan, self.workload.algorithm, signals.num_gpus, self.workload.sequences_per_step) \
-            if self.config.try_follow_pool else None
-        if refit is not None and refit != self.plan:
-            extra.append((refit, "current layouts, DP re-fitted to the pool"))
-        if urgent:
-            base = refit if refit is not None else self.plan
-            if intact_plan(base, set(signals.gpus)) == base:
-                extra += [(p, "smaller micro-batches / recomputation") for p in relief_variants(base)]
-        for plan, source in extra:
-            if any(o.plan == plan for o in options):
+            planned = []
+        for i, (plan, est) in enumerate(planned):
+            source = "planner best" if i == 0 else f"planner alternative {i}"
+            opt = priced(plan, source, est)
+            if opt is None:
                 continue
-            options.append(_Option(plan, self.backend.estimate(plan, cluster, workload, self.calibration), source))
-        feasible = [o for o in options if o.estimate.feasible and o.plan != self.plan]
-        return sorted(feasible, key=lambda o: o.estimate.step_latency)
+            yield opt
+            near = place_near(plan, self.plan, self.workload.algorithm)
+            for variant, label in ((near, "placed near the current GPUs"), (keep_layouts(near, self.plan), "current layouts kept")):
+                extra = priced(variant, f"{source}, {label}")
+                if extra is not None:
+                    yield extra
+        if self.config.try_follow_pool:
+            refit = follow_pool(self.plan, self.workload.algorithm, signals.num_gpus, self.workload.sequences_per_step)
+            opt = None if refit is None else priced(refit, "current layouts, DP re-fitted to the pool")
+            if opt is not None:
+                yield opt
+        if urgent:
+            base = refit if self.config.try_follow_pool and refit is not None else self.plan
+            if intact_plan(base, set(signals.gpus)) == base:
+                for variant in relief_variants(base):
+                    opt = priced(variant, "smaller micro-batches / recomputation")
+                    if opt is not None:
+                        yield opt
 
     def _profitable(self, d_l: float, l_tran: float, horizon: float) -> tuple[bool, str]:
         cfg = self.config
