@@ -8,9 +8,9 @@ Three checks, each independent of how the DAG was built:
    node's transfer buffers) stays under ``plan.memory.memory_cap``; the end state is the target.
 2. **Any order, GPUs**: an Extend of X onto GPU g must have, as an ancestor, every Destroy by which
    a same-stage model-stage leaves g. Then no topological order or concurrent run can overlap them.
-3. **Adversarial concurrent replay**: every ready node starts at once and releases finish last
-   (acquisitions finish first), the worst case for memory and GPU conflicts among the orders a
-   concurrent executor may take.
+3. **Adversarial concurrent replay** (when some GPU is tight, see below): every ready node starts
+   at once and releases finish last (acquisitions finish first), the worst case for memory and
+   GPU conflicts among the orders a concurrent executor may take.
 
 Memory is replayed only on *tight* GPUs: a GPU that fits its resident state plus all growth of
 every node on it (nothing ever freed) is safe in any order, so it needs no replay.
@@ -57,7 +57,8 @@ def validate(
     mem = _Memory(dag)
     peak = max(mem.bound_elsewhere, _replay(dag, dag.nodes, problems, "", mem))
     problems += _any_order_gpus(dag)
-    peak = max(peak, _adversarial(dag, problems, mem))
+    if mem.tight:  # GPU conflicts in any order are covered by the static check above
+        peak = max(peak, _adversarial(dag, problems, mem))
     rng = random.Random(seed)
     for k in range(random_orders):
         peak = max(peak, _replay(dag, _random_order(dag, rng), problems, f" (random order {k})", mem))
