@@ -141,3 +141,27 @@ def test_rl_config_rejects_bad_input():
         RLConfig(algorithm="dpo")
     with pytest.raises(NereusConfigError, match="GRPO needs"):
         RLConfig(algorithm="grpo", samples_per_prompt=1)
+
+
+def test_reference_cli_writes_a_summary(tmp_path):
+    from nereus_lightning.rl.reference_loop import main
+
+    out = tmp_path / "run.json"
+    summary = main(
+        [
+            "--steps",
+            "2",
+            "--prompts",
+            "2",
+            "--samples",
+            "2",
+            "--hidden",
+            "32",
+            "--layers",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
+    assert summary["steps"] == 2 and 0.0 <= summary["last10_score"] <= 1.0
+    assert out.exists() and "response_lengths" in out.read_text()
