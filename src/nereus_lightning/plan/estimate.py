@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from nereus_lightning.plan.calibration import Calibration
 from nereus_lightning.plan.comm import links_of
-from nereus_lightning.plan.cost import ideal_time, rank_peak_memory, replica_sequences, stage_work
+from nereus_lightning.plan.cost import StageWork, ideal_time, rank_peak_memory, replica_sequences, stage_work
 from nereus_lightning.plan.layout import Candidate, Plan
 from nereus_lightning.plan.memory import memory_cap, rank_state_bytes
 from nereus_lightning.spec.cluster import ClusterSpec
@@ -54,6 +55,18 @@ def _per_gpu(ranks: list[float] | tuple[float, ...], cand: Candidate) -> list[fl
     """Per-pipeline-rank values spread over the candidate's GPUs (replica, pp, tp order)."""
     tp = cand.layout.tp
     return [ranks[p] for _ in range(cand.dp) for p in range(cand.layout.pp) for _ in range(tp)]
+
+
+@lru_cache(maxsize=1024)
+def _candidate_cost(
+    work: StageWork, cand: Candidate, cluster: ClusterSpec
+) -> tuple[dict[str, float], list[float]]:
+    """Ideal seconds per class and own peak bytes per GPU of one placed candidate (memoised: the
+    planner estimates several plans that share most candidates)."""
+    links = links_of(cand.gpus, cand.layout, cand.dp, cluster)
+    ideal = ideal_time(work, cand.layout, cand.dp, cand.micro_batch, cand.recompute, links, cluster)
+    ranks = rank_peak_memory(work, cand.layout, cand.dp, cand.micro_batch, cand.recompute)
+    return ideal, _per_gpu(ranks, cand)
 
 
 def estimate_plan(
@@ -103,13 +116,11 @@ def estimate_plan(
             violations.append(f"{ms.name}: dp={cand.dp} cannot split the batch of {work.sequences} sequences")
             stage_latency[ms.name] = float("inf")
             continue
-        links = links_of(cand.gpus, cand.layout, cand.dp, cluster)
-        ideal = ideal_time(work, cand.layout, cand.dp, cand.micro_batch, cand.recompute, links, cluster)
+        ideal, per_gpu = _candidate_cost(work, cand, cluster)
         breakdown[ms.name] = {c: s / cal.efficiency(c) for c, s in ideal.items()}
         stage_latency[ms.name] = sum(breakdown[ms.name].values())
-        ranks = rank_peak_memory(work, cand.layout, cand.dp, cand.micro_batch, cand.recompute)
         worst, worst_gpu = 0.0, -1
-        for g, value in zip(cand.gpus, _per_gpu(ranks, cand), strict=True):
+        for g, value in zip(cand.gpus, per_gpu, strict=True):
             if not work.trains:
                 value += resident.get(g, 0.0)
             if value > worst:

@@ -172,14 +172,23 @@ class CandidateTable:
                                 lat = repeats * ((count + pp - 1) * (fixed + per_seq * mb) + step)
                                 choices.append((lat + offload, peak, mb, rc))
                 else:
+                    # Inference memory grows with the micro-batch: one pass keeps the lean choices.
                     fixed, per_seq = slots[False]
+                    fastest = math.inf
                     for mb in mbs:
                         peak = memo.get(mb)
                         if peak is None:
                             peak = memo[mb] = peak_memory(work, layout, dp, mb, False)
-                        if peak <= cap:
-                            lat = (-(-share // mb) + pp - 1) * (fixed + per_seq * mb)
-                            choices.append((lat + offload, peak, mb, False))
+                        if peak > cap:
+                            break
+                        lat = (-(-share // mb) + pp - 1) * (fixed + per_seq * mb) + offload
+                        if lat < fastest:
+                            fastest = lat
+                            choices.append((lat, peak, mb, False))
+                    choices.reverse()
+                    if choices:
+                        self.rows.append((dp * size, layout, dp, resident, choices))
+                    continue
                 if len(choices) > 1:
                     choices.sort()
                     lean = [choices[0]]  # only choices leaner than every faster one can ever be picked
