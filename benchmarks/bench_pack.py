@@ -32,7 +32,10 @@ HERE = Path(__file__).resolve().parent
 TRANSITIONS = ((1, 2, 0, 1), (2, 4, 0, 1), (4, 2, 1, 0), (2, 1, 1, 0))  # old_tp, new_tp, old_rank, new_rank
 CEILING_BYTES = 4 << 30
 # Tunable variants timed with --variants (each is a separate build of the same sources).
-VARIANTS = {"unroll8_minblocks2": ("NEREUS_PACK_UNROLL=8", "NEREUS_PACK_MIN_BLOCKS=2")}
+VARIANTS = {
+    "unroll8_minblocks2": ("NEREUS_PACK_UNROLL=8", "NEREUS_PACK_MIN_BLOCKS=2"),
+    "threads128_minblocks6": ("NEREUS_PACK_THREADS=128", "NEREUS_PACK_MIN_BLOCKS=6"),
+}
 
 
 def _sharding():
@@ -168,9 +171,9 @@ def main(argv: list[str] | None = None) -> dict:
             timings[f"pack_chunk{chunk}"] = lambda c=chunk: _ext.copy_views(sources, buffer, True, c)
             timings[f"unpack_chunk{chunk}"] = lambda c=chunk: _ext.copy_views(targets, buffer, False, c)
         for name, module in variants.items():
-            chunk = _ext.DEFAULT_CHUNK_BYTES
-            timings[f"pack_{name}"] = lambda m=module: m.copy_views(sources, buffer, True, chunk)
-            timings[f"unpack_{name}"] = lambda m=module: m.copy_views(targets, buffer, False, chunk)
+            for chunk in sorted({_ext.DEFAULT_CHUNK_BYTES, *args.chunks}):
+                timings[f"pack_{name}_chunk{chunk}"] = lambda m=module, c=chunk: m.copy_views(sources, buffer, True, c)
+                timings[f"unpack_{name}_chunk{chunk}"] = lambda m=module, c=chunk: m.copy_views(targets, buffer, False, c)
         for name, fn in timings.items():
             seconds = timed(fn, device, args.warmup, args.repeats)
             row[f"{name}_ms"] = round(seconds * 1e3, 4)

@@ -9,15 +9,18 @@
 namespace nereus {
 
 constexpr int kMaxDims = 8;
-constexpr int kThreads = 256;
-// Tunables (the benchmark builds variants with -D): independent loads in flight per thread, and
+// Tunables (the benchmark builds variants with -D): threads per block, independent loads in flight per thread, and
 // the blocks per multiprocessor the register budget must allow (3: 80 registers, no spills).
+#ifndef NEREUS_PACK_THREADS
+#define NEREUS_PACK_THREADS 256
+#endif
 #ifndef NEREUS_PACK_UNROLL
 #define NEREUS_PACK_UNROLL 4
 #endif
 #ifndef NEREUS_PACK_MIN_BLOCKS
 #define NEREUS_PACK_MIN_BLOCKS 3
 #endif
+constexpr int kThreads = NEREUS_PACK_THREADS;
 constexpr int kUnroll = NEREUS_PACK_UNROLL;
 constexpr int kMinBlocks = NEREUS_PACK_MIN_BLOCKS;
 constexpr int64_t kAlign = 16;
