@@ -23,7 +23,9 @@ def test_primitives_move_the_minimum_bytes(dist4):
         rows = [r[case] for r in ranks]
         assert [row["report"].payload_received for row in rows] == [row["lacked"] for row in rows], case
         assert sum(row["report"].payload_sent for row in rows) == sum(row["lacked"] for row in rows) > 0
-        assert sum(row["report"].sent_bytes for row in rows) == sum(row["report"].received_bytes for row in rows)
+        assert sum(row["report"].sent_bytes for row in rows) == sum(
+            row["report"].received_bytes for row in rows
+        )
     # Merge: the chosen order moves nothing; a forced order moves exactly what is missing.
     chosen = [r["merge_chosen"] for r in ranks]
     assert all(row["report"].sent_bytes == 0 and row["report"].received_bytes == 0 for row in chosen)
@@ -50,4 +52,6 @@ def test_bad_input_is_refused_before_any_state_moves(dist4):
     assert out["colocated_ok"] is None and out["destroy_ok"] is None
     assert out["final_live"] == ["TP1xPP1@[1]"]
     for r in results:  # every rank refused the same ops with the same words
-        assert {k: v for k, v in r.items() if isinstance(v, str)} == {k: v for k, v in out.items() if isinstance(v, str)}
+        assert {k: v for k, v in r.items() if isinstance(v, str)} == {
+            k: v for k, v in out.items() if isinstance(v, str)
+        }

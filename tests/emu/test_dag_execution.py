@@ -15,4 +15,9 @@ def test_local_dag_nodes_execute_exactly(dist4, trains):
             assert diff == [], (current, target, diff[:3])
             assert reached, (rank, current, target)
             if not trains:  # the brain prices inference state exactly as the body moves it
-                assert [brain for _, brain, _ in rows] == [body for _, _, body in rows], (rank, current, target, rows)
+                assert [brain for _, brain, _ in rows] == [body for _, _, body in rows], (
+                    rank,
+                    current,
+                    target,
+                    rows,
+                )

@@ -10,7 +10,16 @@ def test_chain_preserves_logical_state_bit_for_bit(dist4, kind):
     results = dist4.run(workers.chain, kind)
     initial, steps, reports, live = results[0]
     assert initial == []  # the gathered state is the model's own tensors
-    assert [k for k, _ in steps] == ["split", "destroy", "extend", "split", "split", "merge", "merge", "merge"]
+    assert [k for k, _ in steps] == [
+        "split",
+        "destroy",
+        "extend",
+        "split",
+        "split",
+        "merge",
+        "merge",
+        "merge",
+    ]
     for kind_, diff in steps:
         assert diff == [], f"{kind_} changed the state: {diff[:3]}"
     assert len(live) == 1
@@ -19,7 +28,7 @@ def test_chain_preserves_logical_state_bit_for_bit(dist4, kind):
 @pytest.mark.parametrize("kind", ["llama", "gqa_tied"])
 def test_split_then_merge_back_is_exact_and_merge_moves_nothing(dist4, kind):
     per_rank = dist4.run(workers.pp_and_tp_pairs, kind)
-    for big, small, mid, after, ranks, merge_sent in per_rank[0]:
+    for big, small, mid, after, ranks, _ in per_rank[0]:
         assert mid == [] and after == [], (big, small, mid, after)
         assert ranks == (0, 1, 2, 3)  # the cheapest order is the original one
     assert all(row[5] == 0 for res in per_rank for row in res), "merging full replicas back moved bytes"

@@ -44,7 +44,10 @@ def test_split_and_merge_bytes_match_transition_pieces(kind, layers):
                 pp, tp = divmod(index, small.tp)
                 sent = gather_transfers(geo, big, op.source.ranks, op.source.ranks.index(gpu), small, pp, tp)
                 brain[gpu] = sum(t.bytes for t in sent if t.src_gpu != t.dst_gpu)
-        assert _received(reshard_plan(op, schema, False), schema) == {g: b for g, b in brain.items() if b}, (big, small)
+        assert _received(reshard_plan(op, schema, False), schema) == {g: b for g, b in brain.items() if b}, (
+            big,
+            small,
+        )
         for order in (None, (3, 2, 1, 0)):
             back = merge("s", op.targets, big, ranks=order)
             brain = {}
@@ -53,6 +56,8 @@ def test_split_and_merge_bytes_match_transition_pieces(kind, layers):
                 pp, tp = divmod(index, big.tp)
                 sent = gather_transfers(geo, small, own.ranks, own.ranks.index(gpu), big, pp, tp)
                 brain[gpu] = sum(t.bytes for t in sent if t.src_gpu != t.dst_gpu)
-            assert _received(reshard_plan(back, schema, False), schema) == {g: b for g, b in brain.items() if b}
+            assert _received(reshard_plan(back, schema, False), schema) == {
+                g: b for g, b in brain.items() if b
+            }
             checked += 1
     assert checked >= 8

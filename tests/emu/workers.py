@@ -19,14 +19,22 @@ from nereus_lightning.emu import (
 from nereus_lightning.plan.layout import Layout
 from nereus_lightning.spec.errors import NereusConfigError
 
-COUNTERS = Counters(optimizer_step=3, update_count=3, policy_version=2, stage_version=1, sample_position=96, seed=1234)
+COUNTERS = Counters(
+    optimizer_step=3, update_count=3, policy_version=2, stage_version=1, sample_position=96, seed=1234
+)
 
 
 def tiny(kind: str = "llama", layers: int = 4):
     """A tiny fp32 causal LM with random weights (same on every rank) and a random full AdamW state."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, max_position_embeddings=64)
+    common = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        max_position_embeddings=64,
+    )
     if kind == "llama":
         config = LlamaConfig(num_attention_heads=4, num_key_value_heads=4, **common)
     elif kind == "gqa_tied":
@@ -53,7 +61,16 @@ def start(kind: str, layout: Layout, ranks: tuple[int, ...], stage: str = "actor
     """A fresh registry with one unit of ``stage``."""
     registry().clear()
     config, model, optim = tiny(kind)
-    create_unit(stage, config, model, layout, ranks, trains=trains, full_optim=optim if trains else None, counters=COUNTERS)
+    create_unit(
+        stage,
+        config,
+        model,
+        layout,
+        ranks,
+        trains=trains,
+        full_optim=optim if trains else None,
+        counters=COUNTERS,
+    )
     return config, model, optim
 
 
@@ -97,7 +114,12 @@ def pp_and_tp_pairs(rank: int, world: int, kind: str):
     """Every single-step Split and Merge on 4 ranks between (TP2,PP2), (TP1,PP4), (TP4,PP1) and their halves."""
     out = []
     stage = "actor_train"
-    for big, small in ((Layout(1, 4), Layout(1, 2)), (Layout(4, 1), Layout(2, 1)), (Layout(2, 2), Layout(1, 1)), (Layout(1, 4), Layout(1, 1))):
+    for big, small in (
+        (Layout(1, 4), Layout(1, 2)),
+        (Layout(4, 1), Layout(2, 1)),
+        (Layout(2, 2), Layout(1, 1)),
+        (Layout(1, 4), Layout(1, 1)),
+    ):
         if kind == "qwen2" and big.tp == 4:
             continue  # 2 KV heads
         start(kind, big, (0, 1, 2, 3))
@@ -221,7 +243,12 @@ def bad_inputs(rank: int, world: int):
     out["overlap_live"] = [str(u) for u in registry().live("critic_train")]
     attempt("last_copy", lambda: execute(destroy("critic_train", Unit(Layout(1, 1), (2,)))))
     out["last_copy_live"] = [str(u) for u in registry().live("critic_train")]
-    attempt("colocated_ok", lambda: execute(extend("critic_train", Unit(Layout(1, 1), (2,)), [(1,)]), colocate_with=("actor_train",)))
+    attempt(
+        "colocated_ok",
+        lambda: execute(
+            extend("critic_train", Unit(Layout(1, 1), (2,)), [(1,)]), colocate_with=("actor_train",)
+        ),
+    )
     attempt("destroy_ok", lambda: execute(destroy("critic_train", Unit(Layout(1, 1), (2,)))))
     out["final_live"] = [str(u) for u in registry().live("critic_train")]
     return out
@@ -263,7 +290,16 @@ def dcp_oracle(rank: int, world: int, path: str):
         ours_t = {(n, k): t for n, k, t in ours.tensors()}
         theirs = {(n, k): t for n, k, t in oracle.tensors()}
         bad = [f"{n}.{k}" for (n, k), t in ours_t.items() if not torch.equal(t, theirs[(n, k)])]
-        results.append((label, str(mine), len(ours_t), ours_t.keys() == theirs.keys(), bad, oracle.counters == ours.counters))
+        results.append(
+            (
+                label,
+                str(mine),
+                len(ours_t),
+                ours_t.keys() == theirs.keys(),
+                bad,
+                oracle.counters == ours.counters,
+            )
+        )
     return results
 
 
@@ -331,19 +367,44 @@ def run_local_dags(rank: int, world: int, kind: str, trains: bool):
         config, model, optim = tiny(kind)
         geo = geometry(replace(ModelSpec.from_hf_config(config), dtype="float32"), False)
         first = current.replica_gpus(0)
-        create_unit(stage, config, model, current.layout, first, trains=trains, full_optim=optim if trains else None, counters=COUNTERS)
+        create_unit(
+            stage,
+            config,
+            model,
+            current.layout,
+            first,
+            trains=trains,
+            full_optim=optim if trains else None,
+            counters=COUNTERS,
+        )
         if current.dp > 1:
-            execute(extend(stage, Unit(current.layout, first), [current.replica_gpus(i) for i in range(1, current.dp)]))
+            execute(
+                extend(
+                    stage,
+                    Unit(current.layout, first),
+                    [current.replica_gpus(i) for i in range(1, current.dp)],
+                )
+            )
         before = gather_logical_state(stage, dst=0)
         nodes = local_dag(stage, geo, lambda layout: 0.0, current, target, CLUSTER_PRESETS["cpu4"])
         rows = []
         for node in nodes:
             report = execute(from_node(node))
             brain = sum(t.bytes for t in node.transfers if t.src_gpu != t.dst_gpu and t.dst_gpu == rank)
-            body = report.payload_received - (Counters.size() * 8 if node.op.value == "extend" and report.payload_received else 0)
+            body = report.payload_received - (
+                Counters.size() * 8 if node.op.value == "extend" and report.payload_received else 0
+            )
             rows.append((node.op.value, brain, body))
         after = gather_logical_state(stage, dst=0)
         live = sorted(u for u in registry().live(stage))
         wanted = sorted(Unit(target.layout, target.replica_gpus(i)) for i in range(target.dp))
-        out.append((str(current.layout), str(target.layout), rows, before.differences(after) if rank == 0 else [], live == wanted))
+        out.append(
+            (
+                str(current.layout),
+                str(target.layout),
+                rows,
+                before.differences(after) if rank == 0 else [],
+                live == wanted,
+            )
+        )
     return out

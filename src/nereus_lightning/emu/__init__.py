@@ -2,7 +2,21 @@
 
 from nereus_lightning.emu.check import LogicalState, StateMismatchError, gather_logical_state
 from nereus_lightning.emu.groups import member_group
-from nereus_lightning.emu.ops import Destroy, Extend, Merge, Primitive, Split, Unit, canonical_merge_ranks, destroy, extend, from_node, merge, split, validate_op
+from nereus_lightning.emu.ops import (
+    Destroy,
+    Extend,
+    Merge,
+    Primitive,
+    Split,
+    Unit,
+    canonical_merge_ranks,
+    destroy,
+    extend,
+    from_node,
+    merge,
+    split,
+    validate_op,
+)
 from nereus_lightning.emu.plan import Move, TransferPlan, plan_transfer, unit_holdings
 from nereus_lightning.emu.primitives import TransferReport, create_unit, execute, reshard_plan
 from nereus_lightning.emu.registry import Registry, registry

@@ -39,7 +39,10 @@ class LogicalState:
         out = []
         if self.counters != other.counters:
             out.append(f"counters {self.counters} != {other.counters}")
-        for mine, theirs, what in ((self.params, other.params, "param"), (_flat(self.optim), _flat(other.optim), "optim")):
+        for mine, theirs, what in (
+            (self.params, other.params, "param"),
+            (_flat(self.optim), _flat(other.optim), "optim"),
+        ):
             if mine.keys() != theirs.keys():
                 out.append(f"{what} names differ: {sorted(set(mine) ^ set(theirs))[:5]}")
             out += [f"{what} {k}" for k in mine if k in theirs and not _same(mine[k], theirs[k])]
@@ -86,7 +89,7 @@ def gather_logical_state(model_stage: str, dst: int | None = None) -> LogicalSta
     states = [_assemble(schema, unit, parts) for unit, parts in sorted(by_unit.items())]
     if not states:
         raise StateMismatchError(f"{model_stage!r} has no live replica")
-    for unit, state in zip(sorted(by_unit), states[1:]):
+    for unit, state in zip(sorted(by_unit)[1:], states[1:], strict=True):
         diff = states[0].differences(state)
         if diff:
             raise StateMismatchError(f"replicas of {model_stage!r} diverge ({unit}): {diff[:5]}")
@@ -98,7 +101,7 @@ def _unpacked(meta: list, packed: bytes) -> dict[tuple[str, str], Tensor]:
     views = [torch.empty(shape, dtype=getattr(torch, dtype)) for _, _, shape, dtype in meta]
     if views:
         unpack(torch.frombuffer(bytearray(packed), dtype=torch.uint8), views)
-    return {(name, key): view for (name, key, _, _), view in zip(meta, views)}
+    return {(name, key): view for (name, key, _, _), view in zip(meta, views, strict=True)}
 
 
 def _assemble(schema, unit, parts) -> LogicalState:
@@ -123,11 +126,15 @@ def _assemble(schema, unit, parts) -> LogicalState:
             if target is None:
                 target = torch.empty(schema.shape_of[name], dtype=shard.dtype)
                 box[name if key == "param" else key] = target
-            region = target[tp_slices(schema.shape_of[name], schema.placements[name], unit.layout.tp, pos.tp_rank)]
+            region = target[
+                tp_slices(schema.shape_of[name], schema.placements[name], unit.layout.tp, pos.tp_rank)
+            ]
             where = (name, slot, pos.tp_rank if schema.placements[name].tp_dim is not None else -1)
             if where in written:
                 if not torch.equal(region, shard):
-                    raise StateMismatchError(f"{unit}: copies of {name} ({slot}) at tp rank {pos.tp_rank} differ")
+                    raise StateMismatchError(
+                        f"{unit}: copies of {name} ({slot}) at tp rank {pos.tp_rank} differ"
+                    )
             else:
                 region.copy_(shard)
                 written.add(where)

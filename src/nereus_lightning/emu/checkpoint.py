@@ -46,7 +46,14 @@ def dcp_state_dict(emu: EMU) -> dict[str, Tensor]:
         dim = emu.schema.placements[name].tp_dim
         if mesh is not None and dim is not None and tensor.dim() > 0:
             shape = emu.schema.shape_of[name]
-            tensor = DTensor.from_local(tensor, mesh, [Shard(dim)], run_check=False, shape=torch.Size(shape), stride=_contiguous_stride(shape))
+            tensor = DTensor.from_local(
+                tensor,
+                mesh,
+                [Shard(dim)],
+                run_check=False,
+                shape=torch.Size(shape),
+                stride=_contiguous_stride(shape),
+            )
         out[f"{key}/{name}"] = tensor
     out["counters"] = emu.counters.as_tensor(emu.device)
     return out

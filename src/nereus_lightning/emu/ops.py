@@ -147,7 +147,11 @@ def canonical_merge_ranks(sources: Sequence[Unit], layout: Layout) -> tuple[int,
     small = sources[0].layout
     a = _factor(layout.tp, small.tp, "merge.layout.tp")
     b = _factor(layout.pp, small.pp, "merge.layout.pp")
-    require(len(sources) == a * b, "merge.sources", f"{len(sources)} units given, {small} -> {layout} needs {a * b}")
+    require(
+        len(sources) == a * b,
+        "merge.sources",
+        f"{len(sources)} units given, {small} -> {layout} needs {a * b}",
+    )
     out = [0] * layout.size
     for j, unit in enumerate(sources):
         m, s = divmod(j, a)
@@ -173,14 +177,22 @@ def merge(
     sources = tuple(sources)
     require(len(sources) >= 2, "merge.sources", f"need at least two units, got {len(sources)}")
     small = sources[0].layout
-    require(all(u.layout == small for u in sources), "merge.sources", f"units differ in layout: {[str(u) for u in sources]}")
+    require(
+        all(u.layout == small for u in sources),
+        "merge.sources",
+        f"units differ in layout: {[str(u) for u in sources]}",
+    )
     pool = [r for u in sources for r in u.ranks]
     require(len(set(pool)) == len(pool), "merge.sources", f"units share ranks: {[str(u) for u in sources]}")
     canonical = canonical_merge_ranks(sources, layout)
     if ranks is None:
         ranks = canonical if schema is None else _cheapest_order(schema, sources, layout, canonical, trains)
     ranks = tuple(ranks)
-    require(sorted(ranks) == sorted(pool), "merge.ranks", f"{ranks} must be exactly the source ranks {sorted(pool)}")
+    require(
+        sorted(ranks) == sorted(pool),
+        "merge.ranks",
+        f"{ranks} must be exactly the source ranks {sorted(pool)}",
+    )
     return Merge(model_stage, sources, Unit(layout, ranks))
 
 
@@ -222,7 +234,11 @@ def extend(model_stage: str, source: Unit, new_ranks: Sequence[Sequence[int]]) -
     targets = tuple(Unit(source.layout, tuple(r)) for r in new_ranks)
     require(len(targets) >= 1, "extend.new_ranks", "give at least one rank tuple")
     used = list(source.ranks) + [r for t in targets for r in t.ranks]
-    require(len(set(used)) == len(used), "extend.new_ranks", f"{[t.ranks for t in targets]} overlap each other or {source}")
+    require(
+        len(set(used)) == len(used),
+        "extend.new_ranks",
+        f"{[t.ranks for t in targets]} overlap each other or {source}",
+    )
     return Extend(model_stage, source, targets)
 
 
@@ -235,17 +251,33 @@ def validate_op(op: Primitive) -> None:
     """Check an op built directly (e.g. from a DAG node): degrees, rank partitions, disjointness."""
     if isinstance(op, Split):
         small = op.targets[0].layout if op.targets else None
-        require(small is not None and all(u.layout == small for u in op.targets), "split.targets", "need units of one layout")
+        require(
+            small is not None and all(u.layout == small for u in op.targets),
+            "split.targets",
+            "need units of one layout",
+        )
         a = _factor(op.source.layout.tp, small.tp, "split.layout.tp")
         b = _factor(op.source.layout.pp, small.pp, "split.layout.pp")
-        require(len(op.targets) == a * b > 1, "split.targets", f"{len(op.targets)} units for {op.source.layout} -> {small}")
+        require(
+            len(op.targets) == a * b > 1,
+            "split.targets",
+            f"{len(op.targets)} units for {op.source.layout} -> {small}",
+        )
         ranks = [r for u in op.targets for r in u.ranks]
-        require(sorted(ranks) == sorted(op.source.ranks), "split.targets", f"{ranks} must partition {op.source.ranks}")
+        require(
+            sorted(ranks) == sorted(op.source.ranks),
+            "split.targets",
+            f"{ranks} must partition {op.source.ranks}",
+        )
     elif isinstance(op, Merge):
         merge(op.model_stage, op.sources, op.target.layout, ranks=op.target.ranks)
     elif isinstance(op, Extend):
         extend(op.model_stage, op.source, [u.ranks for u in op.targets])
-        require(all(u.layout == op.source.layout for u in op.targets), "extend.targets", "copies keep the source layout")
+        require(
+            all(u.layout == op.source.layout for u in op.targets),
+            "extend.targets",
+            "copies keep the source layout",
+        )
 
 
 def from_node(node: Any, rank_of: Mapping[int, int] | None = None) -> Primitive:

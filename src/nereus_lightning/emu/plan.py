@@ -9,7 +9,7 @@ the rest, each missing segment from one holder; the holder is the least-loaded o
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from nereus_lightning.emu.schema import StateSchema, position_of
@@ -63,7 +63,9 @@ class TransferPlan:
 def position_holdings(schema: StateSchema, layout: Layout, index: int) -> dict[str, Interval]:
     """What rank index ``index`` of a unit of ``layout`` holds: its stage's parameters, each as its TP interval."""
     pos = position_of(layout, index)
-    return {name: schema.interval(name, layout, pos.tp_rank) for name in schema.stage_names(layout, pos.pp_rank)}
+    return {
+        name: schema.interval(name, layout, pos.tp_rank) for name in schema.stage_names(layout, pos.pp_rank)
+    }
 
 
 def unit_holdings(schema: StateSchema, layout: Layout, ranks: Iterable[int]) -> Holdings:
@@ -154,9 +156,13 @@ def _source(
     holders = sorted((rank, h[name]) for rank, h in held.items() if rank != dst and name in h)
     cuts = sorted({seg[0], seg[1]} | {p for _, iv in holders for p in iv if seg[0] < p < seg[1]})
     spans: list[tuple[int, int, int]] = []  # (src, lo, hi), adjacent spans of one source merged
-    for lo, hi in zip(cuts, cuts[1:]):
+    for lo, hi in zip(cuts, cuts[1:], strict=False):
         options = [rank for rank, iv in holders if iv[0] <= lo and hi <= iv[1]]
-        require(bool(options), "state", f"no live copy holds {name}[{lo}:{hi}] for rank {dst}; the state would be lost")
+        require(
+            bool(options),
+            "state",
+            f"no live copy holds {name}[{lo}:{hi}] for rank {dst}; the state would be lost",
+        )
         src = min(options, key=lambda r: (load[r], abs(r - dst), r))
         load[src] += element_count(schema, name, lo, hi)
         if spans and spans[-1][0] == src and spans[-1][2] == lo:

@@ -23,7 +23,14 @@ from nereus_lightning.emu.ops import Destroy, Extend, Merge, Primitive, Split, U
 from nereus_lightning.emu.plan import TransferPlan, merged_holdings, plan_transfer, unit_holdings
 from nereus_lightning.emu.registry import registry
 from nereus_lightning.emu.schema import StateSchema
-from nereus_lightning.emu.transfer import StateDict, Traffic, broadcast_views, default_device, run_plan
+from nereus_lightning.emu.transfer import (
+    StateDict,
+    Traffic,
+    broadcast_views,
+    default_device,
+    run_plan,
+    slice_of,
+)
 from nereus_lightning.emu.unit import EMU, Counters
 from nereus_lightning.plan.layout import Layout
 from nereus_lightning.spec.errors import NereusConfigError, require
@@ -189,7 +196,9 @@ def reshard_plan(op: Split | Merge, schema: StateSchema, trains: bool) -> Transf
     return plan_transfer(schema, held, needed, trains)
 
 
-def _reshard(op: Split | Merge, schema: StateSchema, trains: bool, device: torch.device) -> tuple[Traffic, int]:
+def _reshard(
+    op: Split | Merge, schema: StateSchema, trains: bool, device: torch.device
+) -> tuple[Traffic, int]:
     me = dist.get_rank()
     reg = registry()
     source = next(u for u in op.sources if me in u.ranks)
@@ -222,8 +231,6 @@ def _new_state(
     device: torch.device,
 ) -> StateDict:
     """This rank's new shards: reused when unchanged, else allocated and filled with what it already holds."""
-    from nereus_lightning.emu.transfer import slice_of
-
     keys = ("param", "exp_avg", "exp_avg_sq", "step") if trains else ("param",)
     new: StateDict = {}
     for name, want in new_iv.items():
@@ -235,7 +242,11 @@ def _new_state(
         layout_shape = _shape_of_interval(schema, name, want)
         for key in keys:
             if key == "step":
-                new[(name, key)] = old[(name, key)].clone() if have is not None else torch.empty((), dtype=torch.float32, device=device)
+                new[(name, key)] = (
+                    old[(name, key)].clone()
+                    if have is not None
+                    else torch.empty((), dtype=torch.float32, device=device)
+                )
                 continue
             new[(name, key)] = torch.empty(layout_shape, dtype=schema.dtype_of(name), device=device)
         if have is not None:

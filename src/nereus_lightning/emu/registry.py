@@ -26,7 +26,11 @@ class Registry:
     def declare(self, model_stage: str, schema: StateSchema, trains: bool) -> None:
         """Record a model-stage's schema (so a rank can receive its state without holding any)."""
         known = self.schemas.get(model_stage)
-        require(known is None or known == schema, "model_stage", f"{model_stage!r} was declared with another schema")
+        require(
+            known is None or known == schema,
+            "model_stage",
+            f"{model_stage!r} was declared with another schema",
+        )
         self.schemas[model_stage] = schema
         self.trains[model_stage] = trains
         self.units.setdefault(model_stage, {})
@@ -56,7 +60,11 @@ class Registry:
     def local(self, model_stage: str, unit: Unit) -> EMU:
         """This rank's EMU of ``unit``."""
         units = self.units.get(model_stage, {})
-        require(unit in units, "unit", f"{unit} is not a live unit of {model_stage!r}; live: {[str(u) for u in units]}")
+        require(
+            unit in units,
+            "unit",
+            f"{unit} is not a live unit of {model_stage!r}; live: {[str(u) for u in units]}",
+        )
         emu = units[unit]
         require(emu is not None, "unit", f"this rank holds no part of {model_stage!r} unit {unit}")
         return emu
@@ -65,7 +73,11 @@ class Registry:
         """Reject units that are not live units of ``model_stage``."""
         live = self.units.get(model_stage, {})
         for unit in units:
-            require(unit in live, "unit", f"{unit} is not a live unit of {model_stage!r}; live: {[str(u) for u in live]}")
+            require(
+                unit in live,
+                "unit",
+                f"{unit} is not a live unit of {model_stage!r}; live: {[str(u) for u in live]}",
+            )
 
     def require_free(
         self,

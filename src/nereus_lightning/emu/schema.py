@@ -99,7 +99,7 @@ class StateSchema:
     @cached_property
     def shape_of(self) -> dict[str, tuple[int, ...]]:
         """Full shape by name."""
-        return dict(zip(self.names, self.shapes))
+        return dict(zip(self.names, self.shapes, strict=True))
 
     def dtype_of(self, name: str) -> Any:
         """The torch dtype of parameter ``name``."""
@@ -110,19 +110,31 @@ class StateSchema:
     def validate(self, layout: Layout) -> None:
         """Reject a layout that would split a head, a KV head or a cut dimension, or exceed the layers."""
         tp, pp = layout.tp, layout.pp
-        require(self.num_heads % tp == 0, "layout.tp", f"tp={tp} does not divide num_heads={self.num_heads}; pick a divisor")
+        require(
+            self.num_heads % tp == 0,
+            "layout.tp",
+            f"tp={tp} does not divide num_heads={self.num_heads}; pick a divisor",
+        )
         require(
             self.num_kv_heads % tp == 0,
             "layout.tp",
             f"tp={tp} does not divide num_kv_heads={self.num_kv_heads}; pick a divisor",
         )
-        require(pp <= self.num_layers, "layout.pp", f"pp={pp} exceeds num_layers={self.num_layers}; use pp <= {self.num_layers}")
+        require(
+            pp <= self.num_layers,
+            "layout.pp",
+            f"pp={pp} exceeds num_layers={self.num_layers}; use pp <= {self.num_layers}",
+        )
         require(tp & (tp - 1) == 0, "layout.tp", f"tp={tp} must be a power of two")
         require(pp & (pp - 1) == 0, "layout.pp", f"pp={pp} must be a power of two")
-        for name, shape in zip(self.names, self.shapes):
+        for name, shape in zip(self.names, self.shapes, strict=True):
             dim = self.placements[name].tp_dim
             if dim is not None:
-                require(shape[dim] % tp == 0, "layout.tp", f"tp={tp} does not divide dim {dim} ({shape[dim]}) of {name}")
+                require(
+                    shape[dim] % tp == 0,
+                    "layout.tp",
+                    f"tp={tp} does not divide dim {dim} ({shape[dim]}) of {name}",
+                )
 
     def stage_names(self, layout: Layout, pp_rank: int) -> tuple[str, ...]:
         """The parameters held by pipeline stage ``pp_rank`` under ``layout``."""

@@ -50,11 +50,16 @@ def slice_of(schema: StateSchema, name: str, tensor: Tensor, base: Interval, lo:
     return tensor.narrow(dim, lo - base[0], hi - lo)
 
 
-def move_views(schema: StateSchema, move: Move, state: StateDict, base: Interval, trains: bool) -> list[Tensor]:
+def move_views(
+    schema: StateSchema, move: Move, state: StateDict, base: Interval, trains: bool
+) -> list[Tensor]:
     """The views one move reads (sender) or writes (receiver), in a fixed order."""
     views = [slice_of(schema, move.name, state[(move.name, "param")], base, move.lo, move.hi)]
     if trains:
-        views += [slice_of(schema, move.name, state[(move.name, k)], base, move.lo, move.hi) for k in SHAPED_OPTIM_KEYS]
+        views += [
+            slice_of(schema, move.name, state[(move.name, k)], base, move.lo, move.hi)
+            for k in SHAPED_OPTIM_KEYS
+        ]
         if move.with_step:
             views.append(state[(move.name, "step")])
     return views

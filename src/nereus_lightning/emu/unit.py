@@ -11,7 +11,7 @@ tensors (same storage), so an optimizer step on the module updates the EMU.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import astuple, dataclass, fields
 from typing import Any
 
@@ -100,7 +100,11 @@ class EMU:
         without it a training unit starts from zeros (a fresh AdamW).
         """
         schema.validate(unit.layout)
-        full = dict(model_or_state) if isinstance(model_or_state, Mapping) else dict(model_or_state.named_parameters())
+        full = (
+            dict(model_or_state)
+            if isinstance(model_or_state, Mapping)
+            else dict(model_or_state.named_parameters())
+        )
         device = _device(device)
         pos = unit.position(rank)
         params: dict[str, Tensor] = {}
@@ -141,7 +145,9 @@ class EMU:
             shape, dtype = schema.shard_shape(name, unit.layout), schema.dtype_of(name)
             params[name] = torch.empty(shape, dtype=dtype, device=device)
             if trains:
-                optim[name] = {key: torch.empty(shape, dtype=dtype, device=device) for key in SHAPED_OPTIM_KEYS}
+                optim[name] = {
+                    key: torch.empty(shape, dtype=dtype, device=device) for key in SHAPED_OPTIM_KEYS
+                }
                 optim[name]["step"] = torch.empty((), dtype=torch.float32, device=device)
         return cls(model_stage, schema, unit, rank, params, optim, None, trains)
 
@@ -194,10 +200,3 @@ class EMU:
 
     def __repr__(self) -> str:
         return f"EMU({self.model_stage!r}, {self.unit}, rank={self.rank}, {len(self.params)} tensors, {self.nbytes()} B)"
-
-
-def check_same_schema(emus: Sequence[EMU]) -> None:
-    """Reject units of different models or model-stages."""
-    for emu in emus[1:]:
-        require(emu.model_stage == emus[0].model_stage, "units", f"{emu.model_stage} != {emus[0].model_stage}")
-        require(emu.schema == emus[0].schema, "units", f"units of {emu.model_stage} have different schemas")
