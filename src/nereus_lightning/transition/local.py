@@ -30,6 +30,10 @@ from nereus_lightning.transition.pieces import Geometry, Piece, Transfer, extend
 
 _new = tuple.__new__  # builds a NamedTuple without its (slow) Python-level __new__
 
+#: Whether Split may keep only the T_sub units the transition uses (less memory and traffic) or
+#: makes all of them, as the paper's Split(EMU, T_sub) -> k EMUs and ``emu.ops.validate_op`` do.
+PARTIAL_SPLIT = False
+
 
 def common_layout(a: Layout, b: Layout) -> Layout:
     """``T_sub``: the largest layout into which both ``a`` and ``b`` can be split."""
@@ -209,9 +213,10 @@ def local_dag(
     splitting = [i for i in split_units if any(t in kept for t in split_into[i])]
     if a != s:
         for i in splitting:
-            # Split keeps only the used T_sub units; the unit's other GPUs just send and free their shard.
+            # A partial Split keeps only the used T_sub units (the unit's other GPUs just send and
+            # free their shard); a full one (the paper's) makes all of them, the unused dropped next.
             u = cur_units[i]
-            subs = [t for t in split_into[i] if t in kept]
+            subs = [t for t in split_into[i] if t in kept] if PARTIAL_SPLIT else split_into[i]
             index = {g: x for x, g in enumerate(u.gpus)}
             at = index.__getitem__
             tiles = tuple(tuple(map(at, t)) for t in subs)
@@ -223,6 +228,8 @@ def local_dag(
             nid = add(Primitive.SPLIT, [u], [_new(Unit, (s, t)) for t in subs], transfers, [], mem)
             for t in subs:
                 made_by[t] = nid
+                if t not in kept:
+                    add(Primitive.DESTROY, [_new(Unit, (s, t))], [], (), [nid], _uniform(t, -mem_s))
     # Current units that neither stay nor feed anything go first (release before acquire).
     keep_units = set(splitting)
     for i, u in enumerate(cur_units):
