@@ -352,3 +352,39 @@ def test_paper_drift_fact_llama8b_on_16_a100s():
     # (4,2,2) (which would need recompute) as the paper does.
     assert chosen[2048][:3] == (4, 4, 1)
     assert chosen[4096][:3] != (4, 2, 2)
+
+
+def test_generation_and_inference_run_next_to_resident_training_state():
+    from nereus_lightning.plan.memory import state_bytes_per_gpu
+
+    models, cluster = job_models(L8), cluster_preset("h200x8")
+    workload = Workload(algorithm="grpo", response_len=512)
+    plan = Plan.of(
+        {
+            "actor_gen": Candidate(Layout(4, 1), 1, (0, 1, 2, 3), micro_batch=32),
+            "actor_infer": Candidate(Layout(1, 1), 1, (0,), micro_batch=2),
+            "ref_infer": Candidate(Layout(1, 1), 1, (4,), micro_batch=2),
+            "reward_infer": Candidate(Layout(1, 1), 1, (5,), micro_batch=2),
+            "actor_train": Candidate(Layout(4, 1), 1, (0, 1, 2, 3), micro_batch=1),
+        }
+    )
+    est = estimate_plan(plan, models, cluster, workload)
+    state = state_bytes_per_gpu(L8, True, Layout(4, 1))  # 16 bytes/param over TP4
+    works = {ms.name: stage_work(ms, models, workload) for ms in workload.stages}
+    own_infer = max(rank_peak_memory(works["actor_infer"], Layout(1, 1), 1, 2, False))
+    own_ref = max(rank_peak_memory(works["ref_infer"], Layout(1, 1), 1, 2, False))
+    assert est.stage_memory["actor_infer"] == pytest.approx(own_infer + state)  # GPU 0 holds training state
+    assert est.stage_memory["ref_infer"] == pytest.approx(own_ref)  # GPU 4 holds none
+    assert est.peak_memory[0] >= own_infer + state
+    # The planner budgets every generation/inference unit next to the largest training state.
+    ppo = Workload(response_len=4096)
+    result = plan_job(models, cluster_preset("paper_cluster2").with_gpus(16), ppo)
+    assert result.estimate.feasible
+    rho = max(state_bytes_per_gpu(L8, True, c.layout) for n, c in result.plan.items() if n.endswith("_train"))
+    for ms in ppo.stages:
+        if not ms.trains:
+            cand = result.plan[ms.name]
+            own = max(
+                rank_peak_memory(stage_work(ms, models, ppo), cand.layout, cand.dp, cand.micro_batch, False)
+            )
+            assert own + rho <= memory_cap(cluster_preset("paper_cluster2"))
