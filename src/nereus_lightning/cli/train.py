@@ -25,30 +25,105 @@ CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 
 def check_feasible(cfg: Any, world_size: int) -> None:
     """Fail fast, before any model is built: the planner must find a plan for the first pool."""
-    from nereus_lightning.plan.planner import job_models, plan_job
-    from nereus_lightning.spec import Workload, model_preset
+    from nereus_lightning.plan.planner import plan_job
 
-    actor = model_preset(cfg.actor.preset)
-    critic = model_preset(cfg.actor.critic) if cfg.actor.get("critic") else actor
-    algorithm = _algorithm_name(cfg)
-    counts = (cfg.resources or {}).get("counts") if cfg.get("resources") else None
+    counts = cfg.resources.get("counts") if cfg.get("resources") else None
     pool = min(int(counts[0]), world_size) if counts else world_size
-    workload = Workload(algorithm=algorithm, prompts_per_step=int(cfg.algorithm.prompts_per_step),
-                        samples_per_prompt=int(cfg.algorithm.get("samples_per_prompt", 1)), prompt_len=4,
-                        response_len=float(cfg.task.get("start_len", 8)) + 3, reward_model=False)
     cluster = job_cluster(cfg).with_gpus(pool)
-    plan_job(job_models(actor, critic=critic if algorithm == "ppo" else None), cluster, workload)
+    plan_job(_job_models(cfg), cluster, _workload(cfg, float(cfg.task.get("start_len", 8)) + 3))
 
 
 def job_cluster(cfg: Any) -> Any:
-    """The cluster preset of ``cfg`` with its per-GPU memory override applied."""
+    """The cluster preset of ``cfg`` with its per-GPU memory override applied (``"auto"``: see below)."""
     from dataclasses import replace
 
     from nereus_lightning.spec import cluster_preset
 
     cluster = cluster_preset(str(cfg.cluster))
     memory = cfg.get("cluster_gpu_memory")
+    if memory == "auto":
+        memory = tight_gpu_memory(cfg, cluster)
     return replace(cluster, gpu_memory=float(memory)) if memory else cluster
+
+
+def job_cluster_preset(cfg: Any) -> Any:
+    """The cluster preset named by ``cfg.cluster``."""
+    from nereus_lightning.spec import cluster_preset
+
+    return cluster_preset(str(cfg.cluster))
+
+
+def _workload(cfg: Any, length: float) -> Any:
+    from nereus_lightning.spec import Workload
+
+    return Workload(algorithm=_algorithm_name(cfg), prompts_per_step=int(cfg.algorithm.prompts_per_step),
+                    samples_per_prompt=int(cfg.algorithm.get("samples_per_prompt", 1)), prompt_len=4,
+                    response_len=float(length), response_len_p95=float(length), reward_model=False)
+
+
+def _job_models(cfg: Any) -> Any:
+    from nereus_lightning.plan.planner import job_models
+    from nereus_lightning.spec import model_preset
+
+    actor = model_preset(cfg.actor.preset)
+    critic = model_preset(cfg.actor.critic) if cfg.actor.get("critic") else actor
+    return job_models(actor, critic=critic if _algorithm_name(cfg) == "ppo" else None)
+
+
+def _threshold(ok: Any, lo: float, hi: float) -> float | None:
+    """The smallest memory in [lo, hi] for which ``ok(memory)`` holds (bisection to 1 kB), None if none."""
+    if not ok(hi):
+        return None
+    while hi - lo > 1e3:
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if ok(mid) else (mid, hi)
+    return hi
+
+
+def tight_gpu_memory(cfg: Any, cluster: Any) -> float | None:
+    """Per-GPU memory that makes the run's drift matter, found with the planner itself.
+
+    Just too small for the longest responses' state under one-rank layouts (the planner must
+    split a model-stage with TP or PP when responses have grown), yet enough for one-rank layouts
+    at the first steps and for a feasible plan while the supply schedule holds the fewest ranks.
+    None (keep the preset) when no such memory exists.
+    """
+    from dataclasses import replace
+
+    from nereus_lightning.plan.planner import plan_job
+    from nereus_lightning.spec.errors import InfeasiblePlanError
+
+    task = cfg.task
+    models = _job_models(cfg)
+    steps = int(cfg.trainer.max_steps)
+
+    def budget(step: int) -> float:
+        grown = int(task.start_len) + step // max(int(task.grow_every), 1)
+        return float(min(int(task.max_len), grown) + 3)
+
+    counts = list(cfg.resources.counts) if cfg.get("resources") and cfg.resources.get("counts") else [0]
+    full = max(counts) if counts[0] else int(cfg.trainer.devices)
+    fewest = min(counts) if counts[0] else full
+    low_steps = [i for i, c in enumerate(counts) if c == fewest] or [0]
+
+    def plan(memory: float, length: float, gpus: int) -> Any:
+        try:
+            return plan_job(models, replace(cluster, gpu_memory=memory).with_gpus(gpus), _workload(cfg, length)).plan
+        except InfeasiblePlanError:
+            return None
+
+    def single(memory: float, length: float, gpus: int) -> bool:
+        p = plan(memory, length, gpus)
+        return p is not None and all(c.layout.size == 1 for _, c in p.items())
+
+    lo, hi = 0.0, cluster.gpu_memory
+    start = _threshold(lambda m: single(m, budget(0), full), lo, hi)
+    during_drop = _threshold(lambda m: plan(m, budget(max(low_steps)), fewest) is not None, lo, hi)
+    end = _threshold(lambda m: single(m, budget(steps - 1), full), lo, hi)
+    if start is None or during_drop is None or end is None:
+        return None
+    floor = max(start, during_drop)
+    return (floor + end) / 2 if end - floor > 2e3 else None
 
 
 def _algorithm_name(cfg: Any) -> str:
@@ -90,6 +165,12 @@ def run(cfg: Any) -> dict[str, Any]:
     from nereus_lightning.lightning import NereusCallback, NereusStrategy
 
     world = _world_size(cfg)
+    if cfg.get("cluster_gpu_memory") == "auto":  # resolve once, here, for every rank
+        from omegaconf import open_dict
+
+        with open_dict(cfg):
+            cfg.cluster_gpu_memory = tight_gpu_memory(cfg, job_cluster_preset(cfg))
+        print(f"nereus-train: per-GPU memory {cfg.cluster_gpu_memory} bytes (auto)")
     check_feasible(cfg, world)
     out = str(cfg.output_dir)
     os.makedirs(out, exist_ok=True)
