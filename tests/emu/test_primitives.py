@@ -40,3 +40,11 @@ def test_models_built_on_moved_shards_compute_the_same_logits(dist4, kind):
         assert [label for label, _, _ in rows] == ["start", "split", "merge"]
         for label, unit, err in rows:
             assert err <= 1e-5, (label, unit, err)
+
+
+def test_ranks_outside_an_op_need_not_call_it(dist4):
+    results = dist4.run(workers.disjoint_ops_without_bystanders)
+    reports = [r for r, _ in results]
+    assert [r.kind for r in reports] == ["extend", "extend", "split", "split"]
+    assert reports[0].payload_sent > 0 and reports[2].payload_sent > 0
+    assert results[0][1] == (2, 2, [], True)

@@ -408,3 +408,33 @@ def run_local_dags(rank: int, world: int, kind: str, trains: bool):
             )
         )
     return out
+
+
+def disjoint_ops_without_bystanders(rank: int, world: int):
+    """Ranks 0-1 extend one model-stage while ranks 2-3 split another; neither pair calls the other's op."""
+    registry().clear()
+    config, model, optim = tiny("llama")
+    create_unit(
+        "actor_train", config, model, Layout(1, 1), (0,), trains=True, full_optim=optim, counters=COUNTERS
+    )
+    create_unit("critic_train", config, model, Layout(2, 1), (2, 3), trains=True, full_optim=optim)
+    if rank in (0, 1):
+        report = execute(extend("actor_train", Unit(Layout(1, 1), (0,)), [(1,)]))
+    else:
+        report = execute(split("critic_train", Unit(Layout(2, 1), (2, 3)), Layout(1, 1)))
+    # Bring every registry up to date (non-members only record), then check both states on all ranks.
+    if rank in (0, 1):
+        execute(split("critic_train", Unit(Layout(2, 1), (2, 3)), Layout(1, 1)))
+    else:
+        execute(extend("actor_train", Unit(Layout(1, 1), (0,)), [(1,)]))
+    actor = gather_logical_state("actor_train", dst=0)
+    critic = gather_logical_state("critic_train", dst=0)
+    if rank != 0:
+        return report, None
+    want = {n: p.detach() for n, p in model.named_parameters()}
+    wrong = [
+        n
+        for n in want
+        if not torch.equal(actor.params[n], want[n]) or not torch.equal(critic.params[n], want[n])
+    ]
+    return report, (actor.replicas, critic.replicas, wrong, actor.counters == COUNTERS)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -189,8 +190,9 @@ def _extend(op: Extend, schema: StateSchema, trains: bool, device: torch.device)
     return traffic
 
 
+@lru_cache(maxsize=256)
 def reshard_plan(op: Split | Merge, schema: StateSchema, trains: bool) -> TransferPlan:
-    """The moves of a Split or Merge (the same list on every rank)."""
+    """The moves of a Split or Merge (the same list on every rank; cached per op)."""
     held = merged_holdings(*(unit_holdings(schema, u.layout, u.ranks) for u in op.sources))
     needed = merged_holdings(*(unit_holdings(schema, u.layout, u.ranks) for u in op.targets))
     return plan_transfer(schema, held, needed, trains)
