@@ -388,3 +388,9 @@ def test_generation_and_inference_run_next_to_resident_training_state():
                 rank_peak_memory(stage_work(ms, models, ppo), cand.layout, cand.dp, cand.micro_batch, False)
             )
             assert own + rho <= memory_cap(cluster_preset("paper_cluster2"))
+
+
+def test_resident_training_state_can_be_the_binding_constraint():
+    cluster = ClusterSpec("tight", 1, 4, 60e9, 312e12, 1.6e12, 300e9, 25e9)
+    with pytest.raises(InfeasiblePlanError, match="GB per GPU of training state stays resident"):
+        plan_job(job_models(L8), cluster, Workload(algorithm="grpo", response_len=4096, prompts_per_step=64))
