@@ -34,7 +34,7 @@ CEILING_BYTES = 4 << 30
 # Tunable variants timed with --variants (each is a separate build of the same sources).
 VARIANTS = {
     "unroll8_minblocks2": ("NEREUS_PACK_UNROLL=8", "NEREUS_PACK_MIN_BLOCKS=2"),
-    "threads128_minblocks6": ("NEREUS_PACK_THREADS=128", "NEREUS_PACK_MIN_BLOCKS=6"),
+    "threads256_minblocks3": ("NEREUS_PACK_THREADS=256", "NEREUS_PACK_MIN_BLOCKS=3"),
 }
 
 

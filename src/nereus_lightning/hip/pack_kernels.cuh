@@ -10,15 +10,17 @@ namespace nereus {
 
 constexpr int kMaxDims = 8;
 // Tunables (the benchmark builds variants with -D): threads per block, independent loads in flight per thread, and
-// the blocks per multiprocessor the register budget must allow (3: 80 registers, no spills).
+// the blocks per multiprocessor the register budget must allow (6 x 128 threads: 80 registers, no
+// spills). With the host's 8 KiB chunks each thread moves exactly kUnroll 16-byte vectors per chunk;
+// H200 sweep (benchmarks/results/pack_h200_sweep.json): this is the best of the variants tried.
 #ifndef NEREUS_PACK_THREADS
-#define NEREUS_PACK_THREADS 256
+#define NEREUS_PACK_THREADS 128
 #endif
 #ifndef NEREUS_PACK_UNROLL
 #define NEREUS_PACK_UNROLL 4
 #endif
 #ifndef NEREUS_PACK_MIN_BLOCKS
-#define NEREUS_PACK_MIN_BLOCKS 3
+#define NEREUS_PACK_MIN_BLOCKS 6
 #endif
 constexpr int kThreads = NEREUS_PACK_THREADS;
 constexpr int kUnroll = NEREUS_PACK_UNROLL;
