@@ -163,3 +163,15 @@ def test_restart_without_any_plan_waits_then_restarts():
     backend.candidates = [small]
     d = ctl.step(sig(3, gpus=2))
     assert d.kind == "restart" and d.target == small and ctl.plan == small
+
+
+def test_restart_when_no_safe_dag_but_the_gain_pays_for_it():
+    backend = FakeBackend([A, B], {A: 1000.0, B: 100.0}, tran={B: None})
+    ctl = make(backend, restart_s=300.0)
+    ctl.step(sig(0))
+    d = ctl.step(sig(1, length=2000))  # 300 s / 900 s per step = 0.33 steps <= 0.5 * H(=1)
+    assert d.kind == "restart" and d.target == B and not d.urgent and d.transition_cost == 300.0
+    backend = FakeBackend([A, B], {A: 1000.0, B: 800.0}, tran={B: None})
+    ctl = make(backend, restart_s=300.0)
+    ctl.step(sig(0))
+    assert ctl.step(sig(1, length=2000)).kind == "keep"  # 1.5 steps > 0.5: not worth a restart

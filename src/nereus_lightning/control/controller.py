@@ -68,6 +68,7 @@ class ControllerConfig:
     try_follow_pool: bool = True
     transition_alpha: float = 0.5
     memory_check_tolerance: float = 0.01
+    restart_s: float = 300.0  # expected seconds of a checkpoint/restart (save, relaunch, load)
 
     def __post_init__(self) -> None:
         require(self.gamma >= 0, "controller.gamma", f"must be >= 0, got {self.gamma}")
@@ -76,6 +77,7 @@ class ControllerConfig:
         require(self.replan_every >= 0, "controller.replan_every", f"must be >= 0, got {self.replan_every}")
         for name in self.drift_signals:
             require(name in DRIFT_SIGNALS, "controller.drift_signals", f"{name!r} is not one of {list(DRIFT_SIGNALS)}")
+        require(self.restart_s > 0, "controller.restart_s", f"must be positive, got {self.restart_s}")
         require(0 < self.transition_alpha <= 1, "controller.transition_alpha", f"must be in (0, 1], got {self.transition_alpha}")
         object.__setattr__(self, "drift_signals", tuple(self.drift_signals))
 
@@ -309,6 +311,20 @@ class Controller:
                 ),
                 **base,
             )
+        # No DAG transition was admitted. When the best gain had no safe DAG at all, a
+        # checkpoint/restart is one more way to reach it: admitted under the same payback rule,
+        # with L_tran = the restart's cost.
+        blocked = [(o, e) for o, e in zip(seen, considered, strict=True) if e["verdict"].startswith("transition infeasible")]
+        if blocked and current_latency is not None:
+            opt, entry = blocked[0]
+            d_l = current_latency - opt.estimate.step_latency
+            ok, why = self._profitable(d_l, cfg.restart_s, horizon)
+            if ok:
+                return Decision(
+                    kind="restart", target=opt.plan, target_latency=opt.estimate.step_latency, delta_latency=d_l,
+                    transition_cost=cfg.restart_s, considered=tuple(considered),
+                    reason=f"{_kinds(triggers)}: no safe transition DAG; checkpoint/restart {why} ({opt.source})", **base,
+                )
         first = considered[0] if considered else None
         why = "no faster feasible plan" if first is None else f"payback failed for every candidate (best: {first['verdict']})"
         return Decision(kind="keep", target=None, considered=tuple(considered), reason=why, **base)
