@@ -85,20 +85,16 @@ class PlanResult:
     alternatives: tuple[tuple[Plan, PlanEstimate], ...] = ()
 
 
-def _cheapest(front: list[Option], lam: float) -> Option | None:
-    """The fewest-GPU option with latency <= lam (latencies decrease along the frontier)."""
-    neg = [-o.latency for o in front]
-    i = bisect.bisect_left(neg, -lam)
-    return front[i] if i < len(front) else None
-
-
-def _select(fronts: dict[str, list[Option]], lam: float, budget: int) -> dict[str, Option] | None:
+def _select(
+    fronts: dict[str, list[Option]], keys: dict[str, list[float]], lam: float, budget: int
+) -> dict[str, Option] | None:
+    """Per model-stage the fewest-GPU frontier point with latency <= lam, if they fit together."""
     pick = {}
     for name, front in fronts.items():
-        opt = _cheapest(front, lam)
-        if opt is None:
+        i = bisect.bisect_left(keys[name], -lam)  # latencies decrease along the frontier
+        if i == len(front):
             return None
-        pick[name] = opt
+        pick[name] = front[i]
     return pick if sum(o.gpus for o in pick.values()) <= budget else None
 
 
@@ -107,17 +103,18 @@ def solve_stage(fronts: dict[str, list[Option]], budget: int, count: int = 1) ->
 
     The stage latency of a selection is its largest latency; selections come from thresholds.
     """
+    keys = {name: [-o.latency for o in front] for name, front in fronts.items()}
     lams = sorted({o.latency for front in fronts.values() for o in front})
     lo, hi = 0, len(lams)
     while lo < hi:  # smallest feasible threshold (feasibility is monotone in lam)
         mid = (lo + hi) // 2
-        if _select(fronts, lams[mid], budget) is None:
+        if _select(fronts, keys, lams[mid], budget) is None:
             lo = mid + 1
         else:
             hi = mid
     out: list[dict[str, Option]] = []
     for lam in lams[lo:]:
-        pick = _select(fronts, lam, budget)
+        pick = _select(fronts, keys, lam, budget)
         if pick is not None and pick not in out:
             out.append(pick)
             if len(out) >= count:
