@@ -57,7 +57,7 @@ def _per_gpu(ranks: list[float] | tuple[float, ...], cand: Candidate) -> list[fl
     return [ranks[p] for _ in range(cand.dp) for p in range(cand.layout.pp) for _ in range(tp)]
 
 
-@lru_cache(maxsize=1024)
+@lru_cache(maxsize=64)  # one plan_job's plans share most candidates; per-GPU lists can be long
 def _candidate_cost(
     work: StageWork, cand: Candidate, cluster: ClusterSpec
 ) -> tuple[dict[str, float], list[float]]:
