@@ -394,3 +394,29 @@ def test_resident_training_state_can_be_the_binding_constraint():
     cluster = ClusterSpec("tight", 1, 4, 60e9, 312e12, 1.6e12, 300e9, 25e9)
     with pytest.raises(InfeasiblePlanError, match="GB per GPU of training state stays resident"):
         plan_job(job_models(L8), cluster, Workload(algorithm="grpo", response_len=4096, prompts_per_step=64))
+
+
+def test_estimate_prices_arbitrary_plans_without_crashing():
+    rng = random.Random(7)
+    models = job_models(model_preset("tiny_gqa"))
+    cluster = cluster_preset("paper_cluster2").with_gpus(16)
+    for _ in range(100):
+        workload = Workload(
+            algorithm=rng.choice(["ppo", "grpo", "remax"]), prompts_per_step=rng.randint(1, 8)
+        )
+        cands = {}
+        for ms in workload.stages:
+            layout = Layout(rng.choice([1, 2, 4]), rng.choice([1, 2, 4]))
+            dp = rng.randint(1, 3)
+            gpus = (
+                tuple(rng.sample(range(20), dp * layout.size))
+                if dp * layout.size <= 20
+                else tuple(range(dp * layout.size))
+            )
+            cands[ms.name] = Candidate(layout, dp, gpus, rng.randint(1, 4), rng.random() < 0.5)
+        est = estimate_plan(Plan.of(cands), models, cluster, workload)
+        assert est.feasible == (not est.violations)
+        if est.feasible:
+            assert math.isfinite(est.step_latency) and max(est.peak_memory.values()) <= est.memory_cap
+        else:
+            assert all(isinstance(v, str) and v for v in est.violations)
