@@ -35,28 +35,36 @@ def _signals(step: int, length: float, gpus: int, draining: int = 0) -> StepSign
 
 
 def replan_times(repeats: int) -> dict[str, float]:
-    """Median seconds of one replan (planner + admission + DAG costs) at 1,024 GPUs."""
+    """Median wall and CPU seconds of one replan (planner + admission + DAG costs) at 1,024 GPUs.
+
+    CPU time (``time.process_time``) is reported beside wall time because shared machines
+    time-slice this single-threaded work: the CPU time is what the controller costs.
+    """
     backend = PlannerBackend(job_models(MODEL_PRESETS["llama3_8b"]))
     cluster = CLUSTER_PRESETS["paper_cluster1"]
-    out: dict[str, list[float]] = {"drift": [], "revocation": [], "no_trigger": []}
+    out: dict[str, list[float]] = {k: [] for k in ("drift", "drift_cpu", "revocation", "revocation_cpu", "no_trigger")}
+
+    def timed(key: str, fn):
+        wall, cpu = time.perf_counter(), time.process_time()
+        result = fn()
+        out[key].append(time.perf_counter() - wall)
+        out[f"{key}_cpu"].append(time.process_time() - cpu)
+        return result
+
     for r in range(repeats):
         ctl = Controller(backend, cluster, Workload(), ControllerConfig(), calibration=Calibration())
         ctl.step(_signals(0, 4000.0, 1024))  # initial plan (not timed)
         ctl.step(_signals(1, 4000.0, 1024))
-        t = time.perf_counter()
-        d = ctl.step(_signals(2, 6000.0 + r, 1024))  # +50%: drift trigger
-        out["drift"].append(time.perf_counter() - t)
-        assert d.kind in ("keep", "transition"), d
-        t = time.perf_counter()
-        d = ctl.step(_signals(3, 6000.0 + r, 960, draining=64))  # revocation with notice: urgent
-        out["revocation"].append(time.perf_counter() - t)
+        d = timed("drift", lambda r=r, ctl=ctl: ctl.step(_signals(2, 6000.0 + r, 1024)))  # +50%: drift trigger
+        assert d.kind in ("keep", "transition", "restart"), d
+        d = timed("revocation", lambda r=r, ctl=ctl: ctl.step(_signals(3, 6000.0 + r, 960, draining=64)))
         assert d.urgent, d
         steps = 2000
         quiet = [_signals(4 + s, 6000.0 + r + (s % 7), 960) for s in range(steps)]  # tiny jitter: no trigger
-        t = time.perf_counter()
+        t = time.process_time()
         for sig in quiet:
             d = ctl.step(sig)
-        out["no_trigger"].append((time.perf_counter() - t) / steps)
+        out["no_trigger"].append((time.process_time() - t) / steps)
         assert d.kind == "none", d
     return {k: statistics.median(v) for k, v in out.items()}
 
@@ -90,14 +98,17 @@ def main(argv: list[str] | None = None) -> dict:
     times = replan_times(args.repeats)
     result["overhead"] = {
         "replan_drift_1024_ms": times["drift"] * 1e3,
+        "replan_drift_1024_cpu_ms": times["drift_cpu"] * 1e3,
         "replan_revocation_1024_ms": times["revocation"] * 1e3,
-        "step_no_trigger_ms": times["no_trigger"] * 1e3,
+        "replan_revocation_1024_cpu_ms": times["revocation_cpu"] * 1e3,
+        "step_no_trigger_cpu_ms": times["no_trigger"] * 1e3,
         "targets_ms": {"replan": 200.0, "step_no_trigger": 1.0},
     }
-    print("| what | measured | target |\n|---|---|---|")
-    print(f"| replan at 1,024 GPUs (drift) | {times['drift'] * 1e3:.1f} ms | < 200 ms |")
-    print(f"| replan at 1,024 GPUs (revocation, urgent) | {times['revocation'] * 1e3:.1f} ms | < 200 ms |")
-    print(f"| Controller.step without a trigger | {times['no_trigger'] * 1e3:.3f} ms | < 1 ms |")
+    print("| what | wall | CPU | target |\n|---|---|---|---|")
+    print(f"| replan at 1,024 GPUs (drift) | {times['drift'] * 1e3:.1f} ms | {times['drift_cpu'] * 1e3:.1f} ms | < 200 ms |")
+    print(f"| replan at 1,024 GPUs (revocation, urgent) | {times['revocation'] * 1e3:.1f} ms "
+          f"| {times['revocation_cpu'] * 1e3:.1f} ms | < 200 ms |")
+    print(f"| Controller.step without a trigger | - | {times['no_trigger'] * 1e3:.3f} ms | < 1 ms |")
     paper = {"model": "llama3_8b", "cluster": "paper_cluster2", "workload": {"algorithm": "ppo"}}
     if not args.skip_paper:
         result["paper25"] = policy_table(paper_trace(), paper, gammas=GAMMAS, out_dir=f"{args.out}/paper25")
