@@ -129,6 +129,42 @@ def copy_ceiling(device: torch.device, nbytes: int, warmup: int, repeats: int) -
     return 2 * nbytes / seconds
 
 
+def _time_transition(shapes, transition, dtype, device, ceiling, loaded, variants, args) -> dict:
+    """Time pack/unpack (kernel, loop, variants) for one (old_tp, new_tp, old_rank, new_rank) transfer."""
+    old_tp, new_tp, old_rank, new_rank = transition
+    sources, targets, _shards = transfer_views(shapes, old_tp, new_tp, old_rank, new_rank, dtype, device)
+    nbytes = sum(v.numel() * v.element_size() for v in sources)
+    buffer = pack_reference(sources)
+    row = {
+        "transition": f"{old_tp}->{new_tp}", "old_rank": old_rank, "new_rank": new_rank,
+        "tensors": len(sources), "bytes": nbytes, "buffer_bytes": buffer.numel(),
+    }
+    timings = {
+        "pack": lambda: pack(sources, buffer),
+        "pack_loop": lambda: pack_reference(sources, buffer),
+        "unpack": lambda: unpack(buffer, targets),
+        "unpack_loop": lambda: unpack_reference(buffer, targets),
+    }
+    for chunk in args.chunks if loaded else []:
+        timings[f"pack_chunk{chunk}"] = lambda c=chunk: _ext.copy_views(sources, buffer, True, c)
+        timings[f"unpack_chunk{chunk}"] = lambda c=chunk: _ext.copy_views(targets, buffer, False, c)
+    for name, module in variants.items():
+        for chunk in sorted({_ext.DEFAULT_CHUNK_BYTES, *args.chunks}):
+            timings[f"pack_{name}_chunk{chunk}"] = lambda m=module, c=chunk: m.copy_views(sources, buffer, True, c)
+            timings[f"unpack_{name}_chunk{chunk}"] = lambda m=module, c=chunk: m.copy_views(targets, buffer, False, c)
+    for name, fn in timings.items():
+        seconds = timed(fn, device, args.warmup, args.repeats)
+        row[f"{name}_ms"] = round(seconds * 1e3, 4)
+        row[f"{name}_GBps"] = round(2 * nbytes / seconds / 1e9, 1)
+        row[f"{name}_of_ceiling"] = round(2 * nbytes / seconds / ceiling, 3)
+    row["pack_speedup_vs_loop"] = round(row["pack_loop_ms"] / row["pack_ms"], 3)
+    row["unpack_speedup_vs_loop"] = round(row["unpack_loop_ms"] / row["unpack_ms"], 3)
+    # The timed kernels must still be right: unpacked targets equal the sources.
+    unpack(pack(sources, buffer), targets)
+    row["round_trip_exact"] = all(torch.equal(s, t) for s, t in zip(sources, targets, strict=True))
+    return row
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark, print a table, write JSON; returns the results."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -154,38 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     rows = []
     for old_tp, new_tp, old_rank, new_rank in TRANSITIONS:
-        sources, targets, shards = transfer_views(shapes, old_tp, new_tp, old_rank, new_rank, dtype, device)
-        nbytes = sum(v.numel() * v.element_size() for v in sources)
-        buffer = pack_reference(sources)
-        row = {
-            "transition": f"{old_tp}->{new_tp}", "old_rank": old_rank, "new_rank": new_rank,
-            "tensors": len(sources), "bytes": nbytes, "buffer_bytes": buffer.numel(),
-        }
-        timings = {
-            "pack": lambda: pack(sources, buffer),
-            "pack_loop": lambda: pack_reference(sources, buffer),
-            "unpack": lambda: unpack(buffer, targets),
-            "unpack_loop": lambda: unpack_reference(buffer, targets),
-        }
-        for chunk in args.chunks if loaded else []:
-            timings[f"pack_chunk{chunk}"] = lambda c=chunk: _ext.copy_views(sources, buffer, True, c)
-            timings[f"unpack_chunk{chunk}"] = lambda c=chunk: _ext.copy_views(targets, buffer, False, c)
-        for name, module in variants.items():
-            for chunk in sorted({_ext.DEFAULT_CHUNK_BYTES, *args.chunks}):
-                timings[f"pack_{name}_chunk{chunk}"] = lambda m=module, c=chunk: m.copy_views(sources, buffer, True, c)
-                timings[f"unpack_{name}_chunk{chunk}"] = lambda m=module, c=chunk: m.copy_views(targets, buffer, False, c)
-        for name, fn in timings.items():
-            seconds = timed(fn, device, args.warmup, args.repeats)
-            row[f"{name}_ms"] = round(seconds * 1e3, 4)
-            row[f"{name}_GBps"] = round(2 * nbytes / seconds / 1e9, 1)
-            row[f"{name}_of_ceiling"] = round(2 * nbytes / seconds / ceiling, 3)
-        row["pack_speedup_vs_loop"] = round(row["pack_loop_ms"] / row["pack_ms"], 3)
-        row["unpack_speedup_vs_loop"] = round(row["unpack_loop_ms"] / row["unpack_ms"], 3)
-        # The timed kernels must still be right: unpacked targets equal the sources.
-        unpack(pack(sources, buffer), targets)
-        row["round_trip_exact"] = all(torch.equal(s, t) for s, t in zip(sources, targets))
-        rows.append(row)
-        del sources, targets, shards, buffer
+        rows.append(_time_transition(shapes, (old_tp, new_tp, old_rank, new_rank), dtype, device, ceiling, loaded, variants, args))
         if gpu:
             torch.cuda.empty_cache()
 

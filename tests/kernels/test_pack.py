@@ -8,8 +8,15 @@ import random
 import pytest
 import torch
 
-from nereus_lightning.kernels import byte_offsets, kernel_status, pack, pack_reference, unpack, unpack_reference
-from nereus_lightning.kernels import _ext
+from nereus_lightning.kernels import (
+    _ext,
+    byte_offsets,
+    kernel_status,
+    pack,
+    pack_reference,
+    unpack,
+    unpack_reference,
+)
 from tests.kernels.views import POISON, as_bytes, poisoned_like, random_views
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU (the fused kernels); CPU runs the reference tests")
@@ -18,7 +25,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROC
 def _expected_buffer(views: list[torch.Tensor]) -> torch.Tensor:
     offsets, total = byte_offsets(views)
     out = torch.full((total,), POISON, dtype=torch.uint8)
-    for view, offset in zip(views, offsets):
+    for view, offset in zip(views, offsets, strict=True):
         data = as_bytes(view.cpu())
         out[offset : offset + data.numel()] = data
     return out
@@ -52,7 +59,7 @@ def test_reference_unpack_writes_exactly_the_views(n, seed):
     targets = [poisoned_like(src) for src in sources]
     before = [parent.clone() for parent, _ in targets]
     unpack(buffer, [dst for _, dst in targets])
-    for src, (parent, dst), old in zip(sources, targets, before):
+    for src, (parent, dst), old in zip(sources, targets, before, strict=True):
         assert torch.equal(as_bytes(dst), as_bytes(src))
         # Bytes of the parent outside the view keep their poison.
         inside = torch.zeros(parent.numel() // dst.element_size(), dtype=torch.bool)
@@ -69,7 +76,7 @@ def test_round_trip_restores_column_blocks_of_parameters():
     buffer = pack(views)
     copies = [torch.empty_like(v) for v in views]
     unpack(buffer, copies)
-    for v, c in zip(views, copies):
+    for v, c in zip(views, copies, strict=True):
         assert torch.equal(v, c)
 
 
@@ -136,10 +143,10 @@ def test_kernel_unpack_is_bit_exact(n, seed, chunk_bytes):
     buffer = pack_reference(sources)
     mine = [poisoned_like(src) for src in sources]
     ref_parents = [parent.clone() for parent, _ in mine]
-    ref_views = [p.view(d.dtype).as_strided(d.shape, d.stride(), d.storage_offset()) for p, (_, d) in zip(ref_parents, mine)]
+    ref_views = [p.view(d.dtype).as_strided(d.shape, d.stride(), d.storage_offset()) for p, (_, d) in zip(ref_parents, mine, strict=True)]
     assert _ext.copy_views([d for _, d in mine], buffer, pack=False, chunk_bytes=chunk_bytes)
     unpack_reference(buffer, ref_views)
-    for (parent, _), ref_parent in zip(mine, ref_parents):
+    for (parent, _), ref_parent in zip(mine, ref_parents, strict=True):
         assert torch.equal(parent, ref_parent)
 
 
@@ -158,7 +165,7 @@ def test_kernel_long_rows_short_rows_and_large_views(chunk_bytes):
     assert torch.equal(got, want)
     copies = [torch.full_like(v, float("nan")) for v in views]
     unpack(got, copies)
-    for v, c in zip(views, copies):
+    for v, c in zip(views, copies, strict=True):
         assert torch.equal(v, c)
 
 
@@ -171,12 +178,12 @@ def test_pack_unpack_dispatch_to_the_kernel_and_round_trip():
     assert buffer.is_cuda
     want = pack_reference([v.cpu() for v in views])
     offsets, _ = byte_offsets(views)
-    for v, offset in zip(views, offsets):
+    for v, offset in zip(views, offsets, strict=True):
         nbytes = v.numel() * v.element_size()
         assert torch.equal(buffer[offset : offset + nbytes].cpu(), want[offset : offset + nbytes])
     copies = [poisoned_like(v)[1] for v in views]
     unpack(buffer, copies)
-    for v, c in zip(views, copies):
+    for v, c in zip(views, copies, strict=True):
         assert torch.equal(as_bytes(v), as_bytes(c))
 
 

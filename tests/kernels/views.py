@@ -81,7 +81,7 @@ def poisoned_like(view: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dst = parent[16 : 16 + view.numel() * view.element_size()].view(view.dtype).reshape(view.shape)
         return parent, dst
     # Same strides as the source, in a parent buffer with a few poisoned elements around.
-    span = 1 + sum((s - 1) * st for s, st in zip(view.shape, view.stride()))
+    span = 1 + sum((s - 1) * st for s, st in zip(view.shape, view.stride(), strict=True))
     lead = 3
     parent = torch.full(((span + 2 * lead) * view.element_size(),), POISON, dtype=torch.uint8, device=view.device)
     base = parent.view(view.dtype) if view.dtype != torch.bool else parent.view(torch.bool)

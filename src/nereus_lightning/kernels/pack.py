@@ -56,7 +56,7 @@ def pack_reference(views: Sequence[torch.Tensor], out: torch.Tensor | None = Non
     """:func:`pack` with one torch copy per view (the contract; any device)."""
     offsets, total = byte_offsets(views)
     out = _packed_buffer(views, out, total)
-    for view, offset in zip(views, offsets):
+    for view, offset in zip(views, offsets, strict=True):
         _slot(out, offset, view).copy_(view)
     return out
 
@@ -65,7 +65,7 @@ def unpack_reference(buffer: torch.Tensor, views: Sequence[torch.Tensor]) -> Non
     """:func:`unpack` with one torch copy per view (the contract; any device)."""
     offsets, total = byte_offsets(views)
     _check_buffer(buffer, total)
-    for view, offset in zip(views, offsets):
+    for view, offset in zip(views, offsets, strict=True):
         view.copy_(_slot(buffer, offset, view))
 
 
