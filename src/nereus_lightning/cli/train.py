@@ -188,7 +188,12 @@ def run(cfg: Any) -> dict[str, Any]:
                                   **dict(cfg.controller or {}))
 
     plot_path = os.path.join(out, "run.png") if cfg.plot else None
-    callback = NereusCallback(controller=controller, resources=resources, plot_path=plot_path)
+    if cfg.get("adapt", True):
+        callback = NereusCallback(controller=controller, resources=resources, plot_path=plot_path)
+    else:  # adaptation off: every model-stage data-parallel over all ranks, never changed
+        from nereus_lightning.lightning import PoolFollower
+
+        callback = NereusCallback(controller=PoolFollower(_algorithm_name(cfg)), plot_path=plot_path)
     ckpt_dir = os.path.join(out, "checkpoints")
     checkpoint = pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, filename="step{step}", every_n_train_steps=10,
                                               save_top_k=-1, auto_insert_metric_name=False)
