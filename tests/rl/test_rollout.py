@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.util
 import math
@@ -169,16 +170,46 @@ def test_values_and_reward_scorers():
 def test_forward_engine_matches_hf_generate():
     from nereus_lightning.rl.rollout import ForwardEngine
 
-    def logits(input_ids, attention_mask, position_ids):
-        return _actor()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    def logits_of(model):
+        def logits(input_ids, attention_mask, position_ids):
+            return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+
+        return logits
 
     ids, mask = _prompts(["2*a=", "31*b=", "7*a="])
     seeds = sample_seeds(1, 0, [0, 1, 2])
-    plain = ForwardEngine(logits, TOK.eos_token_id, TOK.pad_token_id)
     for kwargs in (dict(sample_seeds=seeds, temperature=0.7, top_k=50), dict(do_sample=False)):
-        a = plain.generate(ids, mask, 5, **kwargs)
+        a = ForwardEngine(logits_of(_actor()), TOK.eos_token_id, TOK.pad_token_id).generate(
+            ids, mask, 5, **kwargs
+        )
         b = _engine().generate(ids, mask, 5, **kwargs)
         assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.response_mask, b.response_mask)
+
+
+def test_checkpoint_generation_defaults_do_not_leak_into_sampling():
+    from transformers import GenerationConfig
+
+    from nereus_lightning.rl.rollout import ForwardEngine
+
+    model = copy.deepcopy(_actor())
+    with torch.no_grad():
+        model.model.norm.weight.zero_()  # all logits 0: greedy repeats token 0 unless something bans repeats
+    model.generation_config = GenerationConfig(
+        do_sample=True, top_k=3, temperature=0.3, repetition_penalty=3.0, no_repeat_ngram_size=1
+    )
+    ids, mask = _prompts(["2*a="])
+    out = HFGenerateEngine(model, TOK.eos_token_id, TOK.pad_token_id).generate(ids, mask, 4, do_sample=False)
+    assert out.response_ids.tolist() == [[0, 0, 0, 0]]
+    seeds = sample_seeds(0, 0, [0])
+    hf = HFGenerateEngine(model, TOK.eos_token_id, TOK.pad_token_id).generate(
+        ids, mask, 4, sample_seeds=seeds
+    )
+    plain = ForwardEngine(
+        lambda i, m, p: model(input_ids=i, attention_mask=m, position_ids=p).logits,
+        TOK.eos_token_id,
+        TOK.pad_token_id,
+    ).generate(ids, mask, 4, sample_seeds=seeds)
+    assert torch.equal(hf.response_ids, plain.response_ids)
 
 
 def test_forward_engine_stops_rows_at_eos_and_pads_after():

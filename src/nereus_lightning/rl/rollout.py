@@ -155,9 +155,17 @@ class HFGenerateEngine:
             batch, prompt_len, max_new_tokens, do_sample, temperature, top_k, top_p, sample_seeds
         )
         processors = LogitsProcessorList([pick] if pick is not None else [])
+        # Every field that shapes the distribution is set, so that the model's own generation_config
+        # (e.g. a checkpoint's repetition_penalty or do_sample) cannot fill it in.
         config = GenerationConfig(
             max_new_tokens=max_new_tokens,
+            min_new_tokens=0,
             do_sample=False,  # sampling happens in the seeded processor; the argmax picks its draw
+            num_beams=1,
+            repetition_penalty=1.0,
+            no_repeat_ngram_size=0,
+            suppress_tokens=[],
+            begin_suppress_tokens=[],
             eos_token_id=self.eos_token_id,
             pad_token_id=self.pad_token_id,
         )
