@@ -1,4 +1,19 @@
-"""Elastic Model Units: sharded model-stage replicas and the Split / Merge / Extend / Destroy primitives."""
+"""Elastic Model Units: sharded model-stage replicas and the Split / Merge / Extend / Destroy primitives.
+
+Typical use (every rank runs the same lines; members move state, others only record)::
+
+    from nereus_lightning import emu
+
+    actor = emu.create_unit("actor_train", config, model, Layout(2, 2), (0, 1, 2, 3), trains=True)
+    op = emu.split("actor_train", emu.Unit(Layout(2, 2), (0, 1, 2, 3)), Layout(1, 2))
+    report = emu.execute(op)  # this rank's TransferReport (bytes sent / received, seconds)
+    state = emu.gather_logical_state("actor_train")  # full params, AdamW tensors, counters
+
+A transition DAG node runs as ``emu.execute(emu.from_node(node))``. On a member rank,
+``registry().local(model_stage, unit)`` is this rank's :class:`EMU`: ``params`` and
+``optim_state`` (plain tensors keyed by global names; models/ builds its modules on them) and
+``counters``.
+"""
 
 from nereus_lightning.emu.check import LogicalState, StateMismatchError, gather_logical_state
 from nereus_lightning.emu.groups import member_group

@@ -70,14 +70,16 @@ def create_unit(
 ) -> EMU | None:
     """Create a live unit of ``model_stage`` from a full model; call on every rank (members cut their shards).
 
-    Non-members may pass ``model_or_state=None``. Returns this rank's EMU, or None off the unit.
+    Non-members may pass ``model_or_state=None``; they then read the shapes and dtypes from
+    ``config`` (``config.dtype``), so pass ``schema`` on every rank when the model's dtype differs.
+    Returns this rank's EMU, or None off the unit. Nothing is recorded if a check fails.
     """
     reg = registry()
     schema = schema or StateSchema.of(config, model_or_state)
     unit = Unit(layout, tuple(ranks))
     schema.validate(layout)
-    reg.declare(model_stage, schema, trains)
     reg.require_free(model_stage, unit.ranks, colocate_with=colocate_with)
+    reg.declare(model_stage, schema, trains)
     emu = None
     if dist.get_rank() in unit.ranks:
         require(model_or_state is not None, "model", f"rank {dist.get_rank()} is in {unit} but got no model")
