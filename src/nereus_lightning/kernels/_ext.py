@@ -5,7 +5,9 @@ GPU tensors and cached by torch (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/to
 the extension name carries a hash of the sources, so an edited kernel rebuilds. On a ROCm build of
 torch the same call hipifies the CUDA sources (see ``nereus_lightning/hip/README.md``). Without a
 GPU, with ``NEREUS_PACK_KERNELS=0``, or when the build fails, pack/unpack use the torch reference
-and one warning says why.
+and one warning says why. Environment: ``NEREUS_PACK_KERNELS=0`` (force the reference),
+``NEREUS_PACK_VERBOSE=1`` (show the compiler commands), ``NEREUS_PACK_CHUNK_BYTES`` (bytes per
+block of work, a power of two >= 1024; default 8 KiB).
 """
 
 from __future__ import annotations
@@ -47,13 +49,23 @@ def build(defines: Sequence[str] = (), verbose: bool = False) -> ModuleType:
     for path in files:
         digest.update(path.read_bytes())
     digest.update(repr(tuple(defines)).encode())
+    name = f"nereus_pack_{digest.hexdigest()[:12]}"
+    source_dir = CUDA_DIR
+    if torch.version.hip:
+        # ROCm: load() hipifies the sources and writes the results beside them (cuda/ -> hip/); use a
+        # writable copy in the extension cache so an installed, read-only package still builds.
+        cache = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+        source_dir = cache / f"{name}_src" / "cuda"
+        source_dir.mkdir(parents=True, exist_ok=True)
+        for path in files:
+            (source_dir / path.name).write_bytes(path.read_bytes())
     flags = ["-O3", *(f"-D{d}" for d in defines)]
     return cpp_extension.load(
-        name=f"nereus_pack_{digest.hexdigest()[:12]}",
-        sources=[str(CUDA_DIR / name) for name in SOURCES],
+        name=name,
+        sources=[str(source_dir / s) for s in SOURCES],
         extra_cflags=flags,
         extra_cuda_cflags=flags,
-        extra_include_paths=[str(CUDA_DIR)],
+        extra_include_paths=[str(source_dir)],
         verbose=verbose,
     )
 
