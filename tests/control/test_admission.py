@@ -154,13 +154,13 @@ def test_calibration_loop_observes_op_classes_and_transitions():
 
 def test_restart_without_any_plan_waits_then_restarts():
     small = gen_plan(1, 2)
-    backend = FakeBackend([], {A: 10.0, small: 20.0})
+    backend = FakeBackend([], {A: 10.0})  # not even the surviving replicas fit
     ctl = make(backend)
     ctl.step(sig(0))
     d = ctl.step(sig(1, gpus=2))  # lost GPUs 2-7, nothing fits: checkpoint and wait
     assert d.kind == "restart" and d.target is None and "wait for GPUs" in d.reason
     assert ctl.step(sig(2, gpus=2)).kind == "wait"
-    backend.candidates = [small]
+    backend.candidates, backend.latency[small] = [small], 20.0
     d = ctl.step(sig(3, gpus=2))
     assert d.kind == "restart" and d.target == small and ctl.plan == small
 
@@ -175,3 +175,13 @@ def test_restart_when_no_safe_dag_but_the_gain_pays_for_it():
     ctl = make(backend, restart_s=300.0)
     ctl.step(sig(0))
     assert ctl.step(sig(1, length=2000)).kind == "keep"  # 1.5 steps > 0.5: not worth a restart
+
+
+def test_revocation_falls_back_to_the_intact_units_before_restarting():
+    survivors, other = gen_plan(1, 2), gen_plan(2, 1)
+    backend = FakeBackend([other], {A: 10.0, other: 15.0, survivors: 20.0}, tran={other: None, survivors: 0.0})
+    ctl = make(backend)
+    ctl.step(sig(0))
+    d = ctl.step(sig(1, gpus=2))  # GPUs 2-3 lost; the planner's target has no safe DAG
+    assert d.kind == "transition" and d.target == survivors and d.urgent
+    assert d.transition_cost == 0.0  # only Destroy: the replicas on lost GPUs are dropped

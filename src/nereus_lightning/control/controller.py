@@ -339,7 +339,7 @@ class Controller:
         current GPUs (no swap deadlocks) and with the current layouts kept where they fit
         (Extend/Destroy only): slightly slower targets with cheaper transitions. Then the current
         layouts with DP re-fitted to the pool and, on the urgent path, smaller micro-batches and
-        recomputation. Outside the urgent path, targets not faster than the current plan are
+        recomputation, and the intact units alone. Outside the urgent path, targets not faster than the current plan are
         skipped, so an admitted best target costs no extra pricing.
         """
         assert self.plan is not None
@@ -378,6 +378,13 @@ class Controller:
             if opt is not None:
                 yield opt
         if urgent:
+            # Drop the replicas on lost GPUs and keep the intact units (Destroy only): often
+            # slower, but always reachable, and the next replan can grow back into the pool.
+            survivors = intact_plan(self.plan, set(signals.gpus))
+            if survivors is not None and survivors != self.plan:
+                opt = priced(survivors, "intact units only (replicas on lost GPUs dropped)")
+                if opt is not None:
+                    yield opt
             base = refit if self.config.try_follow_pool and refit is not None else self.plan
             if intact_plan(base, set(signals.gpus)) == base:
                 for variant in relief_variants(base):
