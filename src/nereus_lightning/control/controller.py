@@ -374,6 +374,8 @@ class Controller:
                     yield extra
         if self.config.try_follow_pool:
             refit = follow_pool(self.plan, self.workload.algorithm, signals.num_gpus, self.workload.sequences_per_step)
+            if refit is not None:
+                refit = place_near(refit, self.plan, self.workload.algorithm)
             opt = None if refit is None else priced(refit, "current layouts, DP re-fitted to the pool")
             if opt is not None:
                 yield opt
