@@ -22,12 +22,16 @@ def plan_of(algorithm: str, placement: dict) -> Plan:
     out = {}
     for m in workflow(algorithm):
         spec = placement.get(m.name, (0, 1, 2, 3))
-        layout, gpus = (Layout(*spec[0]), tuple(spec[1])) if isinstance(spec[0], tuple) else (Layout(1, 1), tuple(spec))
+        layout, gpus = (
+            (Layout(*spec[0]), tuple(spec[1])) if isinstance(spec[0], tuple) else (Layout(1, 1), tuple(spec))
+        )
         out[m.name] = Candidate(layout, len(gpus) // layout.size, gpus)
     return Plan.of(out)
 
 
-def one_update(rank: int, world_size: int, placement: dict[str, tuple[int, ...]], algorithm: str = "ppo") -> dict:
+def one_update(
+    rank: int, world_size: int, placement: dict[str, tuple[int, ...]], algorithm: str = "ppo"
+) -> dict:
     """Build the module (same seed everywhere), run one RL step under ``placement``; return params and metrics."""
     torch.manual_seed(0)
     cls = PPOModule if algorithm == "ppo" else GRPOModule
@@ -40,8 +44,15 @@ def one_update(rank: int, world_size: int, placement: dict[str, tuple[int, ...]]
     return {"params": params, "metrics": metrics}
 
 
-def fit(tmp: str, devices: int, max_steps: int, algorithm: str = "ppo", ckpt_path: str | None = None,
-        every: int = 0, module=None):  # noqa: ANN001, ANN201
+def fit(
+    tmp: str,
+    devices: int,
+    max_steps: int,
+    algorithm: str = "ppo",
+    ckpt_path: str | None = None,
+    every: int = 0,
+    module=None,
+):  # noqa: ANN001, ANN201
     """A short Trainer run with DP-only plans over all ranks; returns the trainer and metric rows."""
     import csv
     import glob
@@ -52,17 +63,36 @@ def fit(tmp: str, devices: int, max_steps: int, algorithm: str = "ppo", ckpt_pat
 
     classes = {"ppo": PPOModule, "grpo": GRPOModule, "remax": ReMaxModule}
     if module is None:
-        kwargs = {"samples_per_prompt": 2, "prompts_per_step": 4} if algorithm == "grpo" else {"prompts_per_step": 8}
+        kwargs = (
+            {"samples_per_prompt": 2, "prompts_per_step": 4}
+            if algorithm == "grpo"
+            else {"prompts_per_step": 8}
+        )
         module = classes[algorithm](task=small_task(), seed=3, **kwargs)
     callbacks = [NereusCallback(controller=PoolFollower(module.algorithm))]
     if every:
-        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=os.path.join(tmp, "ckpt"), filename="s{step}",
-                                                      every_n_train_steps=every, save_top_k=-1,
-                                                      auto_insert_metric_name=False))
+        callbacks.append(
+            pl.callbacks.ModelCheckpoint(
+                dirpath=os.path.join(tmp, "ckpt"),
+                filename="s{step}",
+                every_n_train_steps=every,
+                save_top_k=-1,
+                auto_insert_metric_name=False,
+            )
+        )
     logger = pl.loggers.CSVLogger(tmp, name="logs")
-    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=NereusStrategy(), max_steps=max_steps,
-                         callbacks=callbacks, logger=logger, log_every_n_steps=1, enable_checkpointing=bool(every),
-                         enable_model_summary=False, enable_progress_bar=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=NereusStrategy(),
+        max_steps=max_steps,
+        callbacks=callbacks,
+        logger=logger,
+        log_every_n_steps=1,
+        enable_checkpointing=bool(every),
+        enable_model_summary=False,
+        enable_progress_bar=False,
+    )
     trainer.fit(module, ckpt_path=ckpt_path)
     files = sorted(glob.glob(os.path.join(tmp, "logs", "*", "metrics.csv")), key=os.path.getmtime)
     rows = [r for r in csv.DictReader(open(files[-1])) if r.get("critic/score/mean")]

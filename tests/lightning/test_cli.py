@@ -44,8 +44,13 @@ def test_model_too_large_fails_fast_with_the_planners_explanation():
 def test_quick_experiment_trains_transitions_and_plots(tmp_path):
     from nereus_lightning.cli.train import run
 
-    cfg = _cfg("experiment=quick", f"output_dir={tmp_path}", "trainer.max_steps=6", "resources.counts=[4,4,3]",
-               "save_checkpoint=false")
+    cfg = _cfg(
+        "experiment=quick",
+        f"output_dir={tmp_path}",
+        "trainer.max_steps=6",
+        "resources.counts=[4,4,3]",
+        "save_checkpoint=false",
+    )
     summary = run(cfg)
     assert summary["steps"] == 6
     assert summary["transitions"] >= 1  # the pool shrank from 4 to 3 ranks

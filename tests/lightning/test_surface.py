@@ -11,7 +11,9 @@ from tests.lightning.helpers import plan_of
 
 def test_importing_the_package_does_not_import_lightning():
     code = "import sys, nereus_lightning, nereus_lightning.control; print('lightning' in sys.modules, 'torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split()
     assert out == ["False", "False"]
 
 
@@ -20,7 +22,9 @@ def test_strategy_is_registered_as_nereus():
 
     from nereus_lightning import NereusStrategy
 
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="nereus", logger=False, enable_progress_bar=False)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="nereus", logger=False, enable_progress_bar=False
+    )
     assert isinstance(trainer.strategy, NereusStrategy) and trainer.strategy.num_processes == 2
 
 
@@ -29,15 +33,28 @@ def test_chunks_cover_the_batch_once_in_order():
     assert chunk_bounds(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]
     plan = plan_of("ppo", {"actor_train": ((1, 2), (3, 2, 1, 0))})  # dp2 x PP2
     slots = [slot_of(plan, "actor_train", r, 8) for r in range(4)]
-    assert [(s.replica, s.position, s.start, s.stop) for s in slots] == [(1, 1, 4, 8), (1, 0, 4, 8), (0, 1, 0, 4), (0, 0, 0, 4)]
+    assert [(s.replica, s.position, s.start, s.stop) for s in slots] == [
+        (1, 1, 4, 8),
+        (1, 0, 4, 8),
+        (0, 1, 0, 4),
+        (0, 0, 0, 4),
+    ]
     assert [s.is_leader for s in slots] == [False, True, False, True]
 
 
 def test_plot_marks_what_each_transition_changed(tmp_path):
     from nereus_lightning.lightning.plot import change_label, plot_run
 
-    a = {"step": 0.0, "critic/score/mean": 0.1, "timing_s/step": 1.0, "timing_s/transition": 0.2, "plan/num_gpus": 4.0,
-         "plan/actor_train/dp": 2.0, "plan/actor_train/tp": 1.0, "plan/actor_train/pp": 1.0}
+    a = {
+        "step": 0.0,
+        "critic/score/mean": 0.1,
+        "timing_s/step": 1.0,
+        "timing_s/transition": 0.2,
+        "plan/num_gpus": 4.0,
+        "plan/actor_train/dp": 2.0,
+        "plan/actor_train/tp": 1.0,
+        "plan/actor_train/pp": 1.0,
+    }
     b = {**a, "step": 1.0, "timing_s/transition": 0.0, "plan/actor_train/dp": 1.0, "plan/actor_train/pp": 2.0}
     assert change_label(a, b) == "actor_train TP1PP1->TP1PP2"
     assert change_label(a, {**a, "plan/num_gpus": 3.0}) == "GPUs 4->3"

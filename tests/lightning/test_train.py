@@ -42,5 +42,7 @@ def test_dead_rank_stops_the_job_with_a_resumable_checkpoint(tmp_path):
         fit(str(tmp_path / "a"), devices=2, max_steps=4, every=1, module=module)
     ckpts = sorted(os.listdir(tmp_path / "a" / "ckpt"))
     assert ckpts == ["s1.ckpt", "s2.ckpt"]  # the steps that finished before the death
-    trainer, rows = fit(str(tmp_path / "b"), devices=2, max_steps=3, ckpt_path=str(tmp_path / "a" / "ckpt" / "s2.ckpt"))
+    trainer, rows = fit(
+        str(tmp_path / "b"), devices=2, max_steps=3, ckpt_path=str(tmp_path / "a" / "ckpt" / "s2.ckpt")
+    )
     assert trainer.state.finished and [int(float(r["step"])) for r in rows] == [2]

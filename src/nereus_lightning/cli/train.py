@@ -56,9 +56,15 @@ def job_cluster_preset(cfg: Any) -> Any:
 def _workload(cfg: Any, length: float) -> Any:
     from nereus_lightning.spec import Workload
 
-    return Workload(algorithm=_algorithm_name(cfg), prompts_per_step=int(cfg.algorithm.prompts_per_step),
-                    samples_per_prompt=int(cfg.algorithm.get("samples_per_prompt", 1)), prompt_len=4,
-                    response_len=float(length), response_len_p95=float(length), reward_model=False)
+    return Workload(
+        algorithm=_algorithm_name(cfg),
+        prompts_per_step=int(cfg.algorithm.prompts_per_step),
+        samples_per_prompt=int(cfg.algorithm.get("samples_per_prompt", 1)),
+        prompt_len=4,
+        response_len=float(length),
+        response_len_p95=float(length),
+        reward_model=False,
+    )
 
 
 def _job_models(cfg: Any) -> Any:
@@ -108,7 +114,9 @@ def tight_gpu_memory(cfg: Any, cluster: Any) -> float | None:
 
     def plan(memory: float, length: float, gpus: int) -> Any:
         try:
-            return plan_job(models, replace(cluster, gpu_memory=memory).with_gpus(gpus), _workload(cfg, length)).plan
+            return plan_job(
+                models, replace(cluster, gpu_memory=memory).with_gpus(gpus), _workload(cfg, length)
+            ).plan
         except InfeasiblePlanError:
             return None
 
@@ -131,7 +139,9 @@ def _algorithm_name(cfg: Any) -> str:
     for name, cls in (("grpo", "GRPOModule"), ("remax", "ReMaxModule"), ("ppo", "PPOModule")):
         if target.endswith(cls):
             return name
-    raise NereusConfigError(f"algorithm._target_: {target!r} is not one of PPOModule, GRPOModule, ReMaxModule")
+    raise NereusConfigError(
+        f"algorithm._target_: {target!r} is not one of PPOModule, GRPOModule, ReMaxModule"
+    )
 
 
 def _world_size(cfg: Any) -> int:
@@ -149,8 +159,16 @@ def _quiet() -> None:
     """Silence third-party warnings that say nothing about this run (inherited by forked ranks)."""
     import warnings
 
-    for pattern in (".*past_key_values.*", ".*LeafSpec.*", ".*modules? in eval mode.*", ".*optimizer.step\\(\\).*",
-                    ".*weights_only.*", ".*ModelCheckpoint with manual optimization.*", ".*does not have many workers.*", ".*Checkpoint directory.*exists.*"):
+    for pattern in (
+        ".*past_key_values.*",
+        ".*LeafSpec.*",
+        ".*modules? in eval mode.*",
+        ".*optimizer.step\\(\\).*",
+        ".*weights_only.*",
+        ".*ModelCheckpoint with manual optimization.*",
+        ".*does not have many workers.*",
+        ".*Checkpoint directory.*exists.*",
+    ):
         warnings.filterwarnings("ignore", message=pattern)
 
 
@@ -176,16 +194,22 @@ def run(cfg: Any) -> dict[str, Any]:
     os.makedirs(out, exist_ok=True)
     task = instantiate(cfg.task, seed=int(cfg.seed))
     # Partial first: objects passed to instantiate() would be turned into configs.
-    module = instantiate(cfg.algorithm, _partial_=True)(actor=cfg.actor.preset, critic=cfg.actor.get("critic"),
-                                                         task=task, seed=int(cfg.seed))
+    module = instantiate(cfg.algorithm, _partial_=True)(
+        actor=cfg.actor.preset, critic=cfg.actor.get("critic"), task=task, seed=int(cfg.seed)
+    )
     counts = cfg.resources.get("counts") if cfg.get("resources") else None
     resources = SequenceResources(tuple(int(c) for c in counts)) if counts else None
 
     def controller(pl_module: Any, world_size: int) -> Any:
         from nereus_lightning.lightning.control import default_controller
 
-        return default_controller(pl_module, world_size, os.path.join(out, "decisions.jsonl"), cluster=job_cluster(cfg),
-                                  **dict(cfg.controller or {}))
+        return default_controller(
+            pl_module,
+            world_size,
+            os.path.join(out, "decisions.jsonl"),
+            cluster=job_cluster(cfg),
+            **dict(cfg.controller or {}),
+        )
 
     plot_path = os.path.join(out, "run.png") if cfg.plot else None
     if cfg.get("adapt", True):
@@ -195,12 +219,22 @@ def run(cfg: Any) -> dict[str, Any]:
 
         callback = NereusCallback(controller=PoolFollower(_algorithm_name(cfg)), plot_path=plot_path)
     ckpt_dir = os.path.join(out, "checkpoints")
-    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, filename="step{step}", every_n_train_steps=10,
-                                              save_top_k=-1, auto_insert_metric_name=False)
+    checkpoint = pl.callbacks.ModelCheckpoint(
+        dirpath=ckpt_dir,
+        filename="step{step}",
+        every_n_train_steps=10,
+        save_top_k=-1,
+        auto_insert_metric_name=False,
+    )
     loggers = [instantiate(v) for v in (cfg.logger or {}).values()]
     callbacks = [callback, pl.callbacks.RichProgressBar()] + ([checkpoint] if cfg.save_checkpoint else [])
-    trainer = instantiate(cfg.trainer, strategy=NereusStrategy(), callbacks=callbacks, logger=loggers or False,
-                          enable_checkpointing=bool(cfg.save_checkpoint))
+    trainer = instantiate(
+        cfg.trainer,
+        strategy=NereusStrategy(),
+        callbacks=callbacks,
+        logger=loggers or False,
+        enable_checkpointing=bool(cfg.save_checkpoint),
+    )
     try:
         trainer.fit(module, ckpt_path=cfg.ckpt_path)
     except Exception as exc:  # a rank died or raised: say so and point at the last checkpoint

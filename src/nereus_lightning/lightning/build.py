@@ -37,8 +37,12 @@ def hf_config_of(spec: ModelSpec, vocab_size: int | None = None, pad_token_id: i
     return tf.LlamaConfig(**common)
 
 
-def build_causal_lm(source: str | Mapping[str, Any] | ModelSpec | Any, seed: int, vocab_size: int | None = None,
-                    pad_token_id: int | None = None) -> nn.Module:
+def build_causal_lm(
+    source: str | Mapping[str, Any] | ModelSpec | Any,
+    seed: int,
+    vocab_size: int | None = None,
+    pad_token_id: int | None = None,
+) -> nn.Module:
     """A causal LM in fp32 from a preset name, a ``ModelSpec``, a transformers config (or dict), or a local path.
 
     Presets and configs get random weights drawn from ``seed`` (no downloads); a path loads weights.

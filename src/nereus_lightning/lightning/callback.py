@@ -38,7 +38,9 @@ class PoolFollower:
         if self.plan is not None and target == self.plan:
             return Decision(signals.step, "none")
         kind = "initial" if self.plan is None else "transition"
-        decision = Decision(signals.step, kind, reason="pool changed", current=self.plan, target=target, signals=signals)
+        decision = Decision(
+            signals.step, kind, reason="pool changed", current=self.plan, target=target, signals=signals
+        )
         self.plan = target
         return decision
 
@@ -64,8 +66,13 @@ class NereusCallback(pl.Callback):
         plot_path: where to write the reward / latency plot at the end (``None``: no plot).
     """
 
-    def __init__(self, controller: Any = None, resources: Any = None, decision_log: str | None = None,
-                 plot_path: str | None = None) -> None:
+    def __init__(
+        self,
+        controller: Any = None,
+        resources: Any = None,
+        decision_log: str | None = None,
+        plot_path: str | None = None,
+    ) -> None:
         self.controller_factory = controller
         self.controller: Any = None
         self.resources = resources
@@ -107,8 +114,9 @@ class NereusCallback(pl.Callback):
 
     # ---- every step ----------------------------------------------------------------------
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         stats = dict(getattr(pl_module, "step_stats", {}) or {})
         step = trainer.global_step  # already counts the step just finished
         strategy = trainer.strategy
@@ -117,7 +125,9 @@ class NereusCallback(pl.Callback):
             for name, cand in plan.items():
                 for key, val in (("dp", cand.dp), ("tp", cand.layout.tp), ("pp", cand.layout.pp)):
                     stats[f"plan/{name}/{key}"] = float(val)
-        stats["plan/num_gpus"] = float(len(_used_gpus(plan))) if plan is not None else float(trainer.world_size)
+        stats["plan/num_gpus"] = (
+            float(len(_used_gpus(plan))) if plan is not None else float(trainer.world_size)
+        )
         signals = _signals(pl_module, step, stats, self.pool(step, trainer.world_size))
         seconds = self._decide_and_apply(trainer, pl_module, signals)
         stats["timing_s/transition"] = seconds
@@ -127,14 +137,19 @@ class NereusCallback(pl.Callback):
         pl_module.log("timing_s/transition", seconds, rank_zero_only=True)
         pl_module.log_dict({k: v for k, v in stats.items() if k.startswith("plan/")}, rank_zero_only=True)
 
-    def _decide_and_apply(self, trainer: pl.Trainer, pl_module: pl.LightningModule, signals: Any,
-                          initial: bool = False) -> float:
+    def _decide_and_apply(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, signals: Any, initial: bool = False
+    ) -> float:
         """Rank 0 decides, everyone receives the decision, an admitted plan is executed; returns seconds."""
         payload: Any = None
         if trainer.is_global_zero:
             try:
                 decision = self.controller.step(signals)
-                payload = ("ok", decision.kind, decision.target if decision.changes_plan else None, decision.to_json())
+                target = decision.target if decision.changes_plan else None
+                if initial and target is None:
+                    # Resumed controller that keeps its plan: the fresh strategy still needs it.
+                    target = getattr(self.controller, "plan", None)
+                payload = ("ok", decision.kind, target, decision.to_json())
             except InfeasiblePlanError as exc:
                 payload = ("infeasible", str(exc), None, None)
         if dist.is_available() and dist.is_initialized():
@@ -168,7 +183,11 @@ class NereusCallback(pl.Callback):
     # ---- state ---------------------------------------------------------------------------
     @override
     def state_dict(self) -> dict[str, Any]:
-        controller = self.controller.state_dict() if self.controller is not None and hasattr(self.controller, "state_dict") else None
+        controller = (
+            self.controller.state_dict()
+            if self.controller is not None and hasattr(self.controller, "state_dict")
+            else None
+        )
         return {"controller": controller, "history": list(self.history), "decisions": list(self.decisions)}
 
     @override
@@ -187,7 +206,9 @@ def _initial_signals(pl_module: pl.LightningModule, step: int, pool: Sequence[in
 
     task = getattr(pl_module, "task", None)
     length = float(task.max_response_len(step)) if task is not None else 1.0
-    return StepSignals(step=step, response_len=length, response_len_p95=length, prompt_len=4.0, gpus=tuple(pool))
+    return StepSignals(
+        step=step, response_len=length, response_len_p95=length, prompt_len=4.0, gpus=tuple(pool)
+    )
 
 
 def _signals(pl_module: pl.LightningModule, step: int, stats: dict[str, float], pool: Sequence[int]) -> Any:
@@ -196,5 +217,11 @@ def _signals(pl_module: pl.LightningModule, step: int, stats: dict[str, float], 
     mean = max(stats.get("response_length/mean", 1.0), 1.0)
     p95 = max(stats.get("response_length/p95", mean), mean)
     stage_time = {k.split("/", 1)[1]: v for k, v in stats.items() if k.startswith("timing_s/")}
-    return StepSignals(step=step, response_len=mean, response_len_p95=p95,
-                       prompt_len=stats.get("prompt_length/mean", 0.0), gpus=tuple(pool), stage_time=stage_time)
+    return StepSignals(
+        step=step,
+        response_len=mean,
+        response_len_p95=p95,
+        prompt_len=stats.get("prompt_length/mean", 0.0),
+        gpus=tuple(pool),
+        stage_time=stage_time,
+    )

@@ -14,9 +14,16 @@ def job_workload(pl_module: Any) -> Workload:
     hp = pl_module.hparams
     task = pl_module.task
     length = float(task.max_response_len(0))
-    return Workload(algorithm=pl_module.algorithm, prompts_per_step=hp.prompts_per_step,
-                    samples_per_prompt=hp.samples_per_prompt, prompt_len=4, response_len=length,
-                    mini_batches=hp.mini_batches, ppo_epochs=hp.ppo_epochs, reward_model=False)
+    return Workload(
+        algorithm=pl_module.algorithm,
+        prompts_per_step=hp.prompts_per_step,
+        samples_per_prompt=hp.samples_per_prompt,
+        prompt_len=4,
+        response_len=length,
+        mini_batches=hp.mini_batches,
+        ppo_epochs=hp.ppo_epochs,
+        reward_model=False,
+    )
 
 
 def model_specs(pl_module: Any) -> dict[str, ModelSpec]:
@@ -28,8 +35,9 @@ def model_specs(pl_module: Any) -> dict[str, ModelSpec]:
     return specs
 
 
-def default_controller(pl_module: Any, world_size: int, decision_log: str | None = None,
-                       cluster: Any = "cpu4", **config: Any) -> Any:
+def default_controller(
+    pl_module: Any, world_size: int, decision_log: str | None = None, cluster: Any = "cpu4", **config: Any
+) -> Any:
     """The planner-backed controller on ``cluster`` (a ``ClusterSpec`` or preset name) sized to ``world_size`` ranks.
 
     Falls back to :class:`~nereus_lightning.lightning.callback.PoolFollower` (all model-stages
@@ -44,6 +52,8 @@ def default_controller(pl_module: Any, world_size: int, decision_log: str | None
 
         return PoolFollower(pl_module.algorithm)
     specs = model_specs(pl_module)
-    backend = PlannerBackend.for_models(specs["actor"], critic=specs.get("critic"), reference=specs["reference"])
+    backend = PlannerBackend.for_models(
+        specs["actor"], critic=specs.get("critic"), reference=specs["reference"]
+    )
     spec = (cluster_preset(cluster) if isinstance(cluster, str) else cluster).with_gpus(world_size)
     return Controller(backend, spec, job_workload(pl_module), ControllerConfig(**config), log=decision_log)

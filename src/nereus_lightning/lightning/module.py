@@ -12,18 +12,25 @@ floating-point reduction order.
 from __future__ import annotations
 
 import time
-from functools import partial
 from collections.abc import Sequence
+from functools import partial
 from typing import Any, ClassVar
 
-import lightning as L
 import torch
 from torch import Tensor
 from typing_extensions import override
 
+import lightning as L
 from nereus_lightning.lightning import sampling
 from nereus_lightning.lightning.build import build_causal_lm, frozen_copy
-from nereus_lightning.lightning.stages import StageSlot, chunk_bounds, all_reduce_grads, data_parallel_plan, run_partitioned, slot_of
+from nereus_lightning.lightning.stages import (
+    StageSlot,
+    all_reduce_grads,
+    chunk_bounds,
+    data_parallel_plan,
+    run_partitioned,
+    slot_of,
+)
 from nereus_lightning.plan.layout import Plan
 from nereus_lightning.rl import advantages as adv
 from nereus_lightning.rl import losses
@@ -83,7 +90,11 @@ class RLModule(L.LightningModule):
     ) -> None:
         super().__init__()
         require(prompts_per_step >= 1, "algorithm.prompts_per_step", f"must be >= 1, got {prompts_per_step}")
-        require(mini_batches >= 1 and ppo_epochs >= 1, "algorithm.mini_batches", "mini_batches and ppo_epochs must be >= 1")
+        require(
+            mini_batches >= 1 and ppo_epochs >= 1,
+            "algorithm.mini_batches",
+            "mini_batches and ppo_epochs must be >= 1",
+        )
         self.save_hyperparameters(ignore=["task"])
         self.automatic_optimization = False
         from nereus_lightning.lightning.tasks import make_task
@@ -94,7 +105,11 @@ class RLModule(L.LightningModule):
         pad = self.tokenizer.pad_token_id
         self.actor = build_causal_lm(actor, seed, vocab, pad)
         self.reference = frozen_copy(self.actor)
-        self.critic = build_causal_lm(critic if critic is not None else actor, seed + 1, vocab, pad) if self.uses_critic else None
+        self.critic = (
+            build_causal_lm(critic if critic is not None else actor, seed + 1, vocab, pad)
+            if self.uses_critic
+            else None
+        )
         self.step_stats: dict[str, float] = {}
         from nereus_lightning.lightning.units import StageUnits
 
@@ -158,15 +173,23 @@ class RLModule(L.LightningModule):
             idx = list(slot.indices)
             seeds = None if greedy else [sampling.sample_seed(hp.seed, step, i) for i in idx]
             unit = self.units.get(slot.stage)
-            fn = partial(sampling.generate_sharded, unit) if unit is not None else partial(sampling.generate, self.actor)
-            return fn([prompts[i] for i in idx], max_new, seeds, tok.eos_token_id, tok.pad_token_id, hp.temperature)
+            fn = (
+                partial(sampling.generate_sharded, unit)
+                if unit is not None
+                else partial(sampling.generate, self.actor)
+            )
+            return fn(
+                [prompts[i] for i in idx], max_new, seeds, tok.eos_token_id, tok.pad_token_id, hp.temperature
+            )
 
         responses = run_partitioned(plan, "actor_gen", self.rank, n, gen)
         t_gen = time.perf_counter()
         greedy = None
         if self.algorithm == "remax":
             greedy = run_partitioned(plan, "actor_greedy_gen", self.rank, n, lambda s: gen(s, greedy=True))
-        scores = torch.tensor([self.task.score(p, r) for p, r in zip(prompts, responses)], dtype=torch.float32)
+        scores = torch.tensor(
+            [self.task.score(p, r) for p, r in zip(prompts, responses, strict=True)], dtype=torch.float32
+        )
 
         ids, attn, mask, width = sampling.pack_sequences(prompts, responses, tok.pad_token_id, self.device)
         plens = [len(p) for p in prompts]
@@ -177,6 +200,7 @@ class RLModule(L.LightningModule):
                 with torch.no_grad():
                     out = self._score(slot.stage, model, ids[s], attn[s], plens[s], width, values)
                 return list(out.unbind(0))
+
             return torch.stack(run_partitioned(plan, stage, self.rank, n, run))
 
         old_lp = infer("actor_infer", self.actor)
@@ -185,36 +209,53 @@ class RLModule(L.LightningModule):
         t_infer = time.perf_counter()
 
         metrics: dict[str, float] = {}
-        advantages, returns, extra = self.compute_advantages(scores, mask, old_lp, ref_lp, values, groups, greedy, prompts)
+        advantages, returns, extra = self.compute_advantages(
+            scores, mask, old_lp, ref_lp, values, groups, greedy, prompts
+        )
         metrics.update({k: float(v) for k, v in extra.items()})
         t_adv = time.perf_counter()
-        metrics.update(self.update(plan, ids, attn, plens, width, mask, old_lp, ref_lp, values, advantages, returns,
-                                   optimizer))
+        metrics.update(
+            self.update(
+                plan, ids, attn, plens, width, mask, old_lp, ref_lp, values, advantages, returns, optimizer
+            )
+        )
         t_upd = time.perf_counter()
 
         lengths = mask.sum(-1)
-        metrics.update({
-            "critic/score/mean": float(scores.mean()),
-            "critic/rewards/mean": float(scores.mean()),
-            "critic/advantages/mean": float(losses.masked_mean(advantages, mask)),
-            "response_length/mean": float(lengths.mean()),
-            "response_length/max": float(lengths.max()),
-            "response_length/p95": float(torch.quantile(lengths, 0.95)),
-            "prompt_length/mean": float(sum(plens) / n),
-            "task/max_response_len": float(max_new),
-            "timing_s/gen": t_gen - t0,
-            "timing_s/infer": t_infer - t_gen,
-            "timing_s/adv": t_adv - t_infer,
-            "timing_s/update_actor": t_upd - t_adv,
-            "timing_s/step": t_upd - t0,
-            "perf/total_num_tokens": float(attn.sum()),
-            "perf/throughput": float(attn.sum()) / max(t_upd - t0, 1e-9) / max(len(plan[ "actor_gen"].gpus), 1),
-        })
+        metrics.update(
+            {
+                "critic/score/mean": float(scores.mean()),
+                "critic/rewards/mean": float(scores.mean()),
+                "critic/advantages/mean": float(losses.masked_mean(advantages, mask)),
+                "response_length/mean": float(lengths.mean()),
+                "response_length/max": float(lengths.max()),
+                "response_length/p95": float(torch.quantile(lengths, 0.95)),
+                "prompt_length/mean": float(sum(plens) / n),
+                "task/max_response_len": float(max_new),
+                "timing_s/gen": t_gen - t0,
+                "timing_s/infer": t_infer - t_gen,
+                "timing_s/adv": t_adv - t_infer,
+                "timing_s/update_actor": t_upd - t_adv,
+                "timing_s/step": t_upd - t0,
+                "perf/total_num_tokens": float(attn.sum()),
+                "perf/throughput": float(attn.sum())
+                / max(t_upd - t0, 1e-9)
+                / max(len(plan["actor_gen"].gpus), 1),
+            }
+        )
         return metrics
 
-    def compute_advantages(self, scores: Tensor, mask: Tensor, old_lp: Tensor, ref_lp: Tensor, values: Tensor | None,
-                           groups: Sequence[int], greedy: list[list[int]] | None, prompts: Sequence[Sequence[int]]
-                           ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    def compute_advantages(
+        self,
+        scores: Tensor,
+        mask: Tensor,
+        old_lp: Tensor,
+        ref_lp: Tensor,
+        values: Tensor | None,
+        groups: Sequence[int],
+        greedy: list[list[int]] | None,
+        prompts: Sequence[Sequence[int]],
+    ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """PPO: in-reward KL penalty then GAE (whitened)."""
         hp = self.hparams
         rewards = adv.scores_to_token_rewards(scores, mask)
@@ -222,7 +263,9 @@ class RLModule(L.LightningModule):
         a, r = adv.gae_advantages(rewards, values, mask, hp.gamma, hp.lam, whiten=True)
         return a, r, kl_metrics
 
-    def actor_loss(self, lp: Tensor, old_lp: Tensor, ref_lp: Tensor, a: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    def actor_loss(
+        self, lp: Tensor, old_lp: Tensor, ref_lp: Tensor, a: Tensor, mask: Tensor
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         """Clipped policy loss (token-mean over ``mask``) plus optional entropy bonus / KL loss."""
         loss, m = losses.policy_loss(lp, old_lp, a, mask, clip_eps=self.hparams.clip_ratio)
         return loss, m
@@ -231,8 +274,16 @@ class RLModule(L.LightningModule):
         """The logical model of each role."""
         return {"actor": self.actor, "reference": self.reference, "critic": self.critic}
 
-    def _score(self, stage: str, model: torch.nn.Module, ids: Tensor, attn: Tensor, plens: list[int], width: int,
-               values: bool = False) -> Tensor:
+    def _score(
+        self,
+        stage: str,
+        model: torch.nn.Module,
+        ids: Tensor,
+        attn: Tensor,
+        plens: list[int],
+        width: int,
+        values: bool = False,
+    ) -> Tensor:
         """Response log-probs (or values) ``[b, R]`` through this rank's unit of ``stage`` (or the logical model)."""
         from nereus_lightning.models import MicroBatch, forward_logits, token_logprobs
 
@@ -247,9 +298,21 @@ class RLModule(L.LightningModule):
         return sampling.pick_response(per_pos, plens, width)
 
     # ---- training stage ------------------------------------------------------------------
-    def update(self, plan, ids: Tensor, attn: Tensor, plens: list[int], width: int, mask: Tensor, old_lp: Tensor,  # noqa: ANN001
-               ref_lp: Tensor, values: Tensor | None, advantages: Tensor, returns: Tensor,
-               optimizer: Any = None) -> dict[str, float]:
+    def update(
+        self,
+        plan,
+        ids: Tensor,
+        attn: Tensor,
+        plens: list[int],
+        width: int,
+        mask: Tensor,
+        old_lp: Tensor,  # noqa: ANN001
+        ref_lp: Tensor,
+        values: Tensor | None,
+        advantages: Tensor,
+        returns: Tensor,
+        optimizer: Any = None,
+    ) -> dict[str, float]:
         """Actor (and critic) updates on this rank's slice; gradients summed over all replicas."""
         hp = self.hparams
         opt = optimizer if optimizer is not None else self.optimizers()
@@ -271,8 +334,22 @@ class RLModule(L.LightningModule):
                         continue
                     s = slice(lo + slot.start, lo + slot.stop)
                     weight = mask[s].sum() / total_tokens  # local token-mean -> global token-mean
-                    m, reporter = self._train_slice(stage, s, ids, attn, plens, width, mask, old_lp, ref_lp, values,
-                                                    advantages, returns, weight, slot.is_leader)
+                    m, reporter = self._train_slice(
+                        stage,
+                        s,
+                        ids,
+                        attn,
+                        plens,
+                        width,
+                        mask,
+                        old_lp,
+                        ref_lp,
+                        values,
+                        advantages,
+                        returns,
+                        weight,
+                        slot.is_leader,
+                    )
                     if reporter:
                         for k, val in m.items():
                             part[k] = part.get(k, 0.0) + float(val) * float(weight)
@@ -293,9 +370,23 @@ class RLModule(L.LightningModule):
                     self.units.refresh("critic", self.critic)
         return {k: v / updates for k, v in sums.items()}
 
-    def _train_slice(self, stage: str, s: slice, ids: Tensor, attn: Tensor, plens: list[int], width: int, mask: Tensor,
-                     old_lp: Tensor, ref_lp: Tensor, values: Tensor | None, advantages: Tensor, returns: Tensor,
-                     weight: Tensor, leader: bool) -> tuple[dict[str, Tensor], bool]:
+    def _train_slice(
+        self,
+        stage: str,
+        s: slice,
+        ids: Tensor,
+        attn: Tensor,
+        plens: list[int],
+        width: int,
+        mask: Tensor,
+        old_lp: Tensor,
+        ref_lp: Tensor,
+        values: Tensor | None,
+        advantages: Tensor,
+        returns: Tensor,
+        weight: Tensor,
+        leader: bool,
+    ) -> tuple[dict[str, Tensor], bool]:
         """Backward of one replica's slice into the logical model's gradients; returns (metrics, reports)."""
         from nereus_lightning.lightning.units import StageUnits, value_train_step
         from nereus_lightning.models import MicroBatch, train_step
@@ -305,6 +396,7 @@ class RLModule(L.LightningModule):
         sub = plens[s]
         metrics: dict[str, Tensor] = {}
         if stage == "actor_train":
+
             def actor_loss(lp: Tensor) -> Tensor:
                 loss, m = self.actor_loss(lp, old_lp[s], ref_lp[s], advantages[s], mask[s])
                 metrics.update(m)
@@ -313,9 +405,14 @@ class RLModule(L.LightningModule):
             if unit is None:
                 actor_loss(sampling.response_log_probs(self.actor, ids[s], attn[s], sub, width)).backward()
                 return metrics, leader
-            train_step(unit, [MicroBatch(ids[s], attn[s])], lambda lp, mb: actor_loss(sampling.pick_response(lp, sub, width)))
+            train_step(
+                unit,
+                [MicroBatch(ids[s], attn[s])],
+                lambda lp, mb: actor_loss(sampling.pick_response(lp, sub, width)),
+            )
             StageUnits.add_grads_to(unit, self.actor)
         else:
+
             def critic_loss(v: Tensor) -> Tensor:
                 loss, m = losses.value_loss(v, values[s], returns[s], mask[s], hp.cliprange_value)
                 metrics.update(m)
@@ -324,7 +421,9 @@ class RLModule(L.LightningModule):
             if unit is None:
                 critic_loss(sampling.response_values(self.critic, ids[s], attn[s], sub, width)).backward()
                 return metrics, leader
-            value_train_step(unit, ids[s], attn[s], lambda v: critic_loss(sampling.pick_response(v[:, :-1], sub, width)))
+            value_train_step(
+                unit, ids[s], attn[s], lambda v: critic_loss(sampling.pick_response(v[:, :-1], sub, width))
+            )
             StageUnits.add_grads_to(unit, self.critic)
         return metrics, unit.comm.is_last_stage and unit.comm.tp_rank == 0
 
@@ -359,8 +458,14 @@ class GRPOModule(RLModule):
     algorithm = "grpo"
     uses_critic = False
 
-    def __init__(self, *args: Any, samples_per_prompt: int = 4, kl_coef: float = 0.001, **kwargs: Any) -> None:
-        require(samples_per_prompt >= 2, "algorithm.samples_per_prompt", f"GRPO needs >= 2 samples per prompt, got {samples_per_prompt}")
+    def __init__(
+        self, *args: Any, samples_per_prompt: int = 4, kl_coef: float = 0.001, **kwargs: Any
+    ) -> None:
+        require(
+            samples_per_prompt >= 2,
+            "algorithm.samples_per_prompt",
+            f"GRPO needs >= 2 samples per prompt, got {samples_per_prompt}",
+        )
         super().__init__(*args, samples_per_prompt=samples_per_prompt, kl_coef=kl_coef, **kwargs)
 
     @override
@@ -384,7 +489,9 @@ class ReMaxModule(RLModule):
 
     @override
     def compute_advantages(self, scores, mask, old_lp, ref_lp, values, groups, greedy, prompts):  # noqa: ANN001, ANN201
-        base = torch.tensor([self.task.score(p, g) for p, g in zip(prompts, greedy)], dtype=torch.float32)
+        base = torch.tensor(
+            [self.task.score(p, g) for p, g in zip(prompts, greedy, strict=True)], dtype=torch.float32
+        )
         rewards = adv.scores_to_token_rewards(scores, mask)
         rewards, kl_metrics = adv.apply_kl_penalty(rewards, old_lp, ref_lp, mask, self.hparams.kl_coef, "kl")
         a, r = adv.remax_advantages(rewards, base, mask)

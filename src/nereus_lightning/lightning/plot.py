@@ -16,8 +16,12 @@ def plot_run(history: Sequence[dict[str, float]], path: str, title: str = "nereu
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True)
     top.plot(steps, [h.get("critic/score/mean", float("nan")) for h in history], color="tab:blue")
     top.set_ylabel("reward (mean score)")
-    bottom.plot(steps, [h.get("timing_s/step", float("nan")) for h in history], color="tab:orange", label="step")
-    bottom.plot(steps, [h.get("timing_s/transition", 0.0) for h in history], color="tab:red", label="transition")
+    bottom.plot(
+        steps, [h.get("timing_s/step", float("nan")) for h in history], color="tab:orange", label="step"
+    )
+    bottom.plot(
+        steps, [h.get("timing_s/transition", 0.0) for h in history], color="tab:red", label="transition"
+    )
     bottom.set_ylabel("seconds")
     bottom.set_xlabel("RL step")
     bottom.legend(loc="upper left")
@@ -26,8 +30,15 @@ def plot_run(history: Sequence[dict[str, float]], path: str, title: str = "nereu
             for ax in (top, bottom):
                 ax.axvline(h["step"] + 0.5, color="tab:red", linestyle="--", alpha=0.6)
             label = change_label(h, history[i + 1]) if i + 1 < len(history) else "transition"
-            top.annotate(label, (h["step"] + 0.5, top.get_ylim()[0]), fontsize=7, rotation=90, va="bottom",
-                         ha="right", color="tab:red")
+            top.annotate(
+                label,
+                (h["step"] + 0.5, top.get_ylim()[0]),
+                fontsize=7,
+                rotation=90,
+                va="bottom",
+                ha="right",
+                color="tab:red",
+            )
     top.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

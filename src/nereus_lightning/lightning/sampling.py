@@ -57,7 +57,9 @@ def generate(
     step_ids = ids
     for _ in range(max_new_tokens):
         position_ids = (mask.cumsum(-1) - 1).clamp_min(0)[:, -step_ids.shape[1] :]
-        result = model(input_ids=step_ids, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True)
+        result = model(
+            input_ids=step_ids, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True
+        )
         cache = result.cache if "cache" in result else result.past_key_values
         next_ids = _pick(result.logits[:, -1, :], gens, temperature)
         alive = ~done
@@ -82,11 +84,11 @@ def pack_sequences(
     ``len(prompt_i) + j`` of the sequence.
     """
     resp_width = max(1, max((len(r) for r in responses), default=1))
-    width = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    width = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
     attn = torch.zeros_like(ids)
     resp_mask = torch.zeros((len(prompts), resp_width), dtype=torch.float32, device=device)
-    for i, (p, r) in enumerate(zip(prompts, responses)):
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
         seq = list(p) + list(r)
         ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long, device=device)
         attn[i, : len(seq)] = 1
@@ -100,7 +102,9 @@ def response_positions(prompt_lens: Sequence[int], resp_width: int, device: torc
     return starts + torch.arange(resp_width, device=device).unsqueeze(0)
 
 
-def response_log_probs(model: nn.Module, ids: Tensor, attn: Tensor, prompt_lens: Sequence[int], resp_width: int) -> Tensor:
+def response_log_probs(
+    model: nn.Module, ids: Tensor, attn: Tensor, prompt_lens: Sequence[int], resp_width: int
+) -> Tensor:
     """Log-probabilities ``[B, R]`` of each response token under ``model`` (differentiable)."""
     logits = model(input_ids=ids, attention_mask=attn).logits
     pos = response_positions(prompt_lens, resp_width, ids.device).clamp_max(ids.shape[1] - 2)
@@ -109,7 +113,9 @@ def response_log_probs(model: nn.Module, ids: Tensor, attn: Tensor, prompt_lens:
     return token_log_probs(picked, targets)
 
 
-def response_values(critic: nn.Module, ids: Tensor, attn: Tensor, prompt_lens: Sequence[int], resp_width: int) -> Tensor:
+def response_values(
+    critic: nn.Module, ids: Tensor, attn: Tensor, prompt_lens: Sequence[int], resp_width: int
+) -> Tensor:
     """Values ``[B, R]``: the critic's value head (row 0 of its LM head) at each response token's state."""
     logits = critic(input_ids=ids, attention_mask=attn).logits
     pos = response_positions(prompt_lens, resp_width, ids.device).clamp_max(ids.shape[1] - 2)

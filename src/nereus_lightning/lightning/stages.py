@@ -17,7 +17,6 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 
 from nereus_lightning.plan.layout import Candidate, Layout, Plan
 from nereus_lightning.spec.errors import require
@@ -95,7 +94,9 @@ def gather_samples(local: Sequence[T] | None, start: int, num_samples: int) -> l
         begin, items = part
         out[begin : begin + len(items)] = items
         seen += len(items)
-    require(seen == num_samples, "stage results", f"{seen} sample results reported for a batch of {num_samples}")
+    require(
+        seen == num_samples, "stage results", f"{seen} sample results reported for a batch of {num_samples}"
+    )
     return out
 
 
@@ -127,9 +128,3 @@ def data_parallel_plan(algorithm: str, gpus: Sequence[int]) -> Plan:
     gpus = tuple(gpus)
     require(len(gpus) >= 1, "pool", "no GPUs available for the plan")
     return Plan.of({m.name: Candidate(Layout(1, 1), len(gpus), gpus) for m in workflow(algorithm)})
-
-
-def broadcast_tensor_(t: Tensor, src: int = 0) -> Tensor:
-    """Broadcast ``t`` in place from ``src`` over the world."""
-    dist.broadcast(t, src)
-    return t

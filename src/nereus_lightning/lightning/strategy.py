@@ -17,7 +17,6 @@ import logging
 import os
 import pickle
 import time
-from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -76,8 +75,11 @@ class NereusStrategy(ParallelStrategy):
         start_method: Literal["fork", "spawn", "popen"] = "fork",
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
-        require(start_method in ("fork", "spawn", "popen"), "strategy.start_method",
-                f"{start_method!r} is not one of 'fork', 'spawn', 'popen'")
+        require(
+            start_method in ("fork", "spawn", "popen"),
+            "strategy.start_method",
+            f"{start_method!r} is not one of 'fork', 'spawn', 'popen'",
+        )
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
         self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
@@ -118,7 +120,9 @@ class NereusStrategy(ParallelStrategy):
         if self.cluster_environment.creates_processes_externally:
             return
         if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = _SubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
         else:
             self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
 
@@ -130,7 +134,9 @@ class NereusStrategy(ParallelStrategy):
         self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
         self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = self.global_rank
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
         self._process_group_backend = backend
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
 
@@ -176,8 +182,12 @@ class NereusStrategy(ParallelStrategy):
         """Reject a plan that uses ranks this job does not have (before any state changes)."""
         for name, cand in plan.items():
             bad = [g for g in cand.gpus if not 0 <= g < self.world_size]
-            require(not bad, f"plan.{name}.gpus", f"GPUs {bad} are outside this job's {self.world_size} ranks; "
-                    f"give the planner a pool within range(0, {self.world_size})")
+            require(
+                not bad,
+                f"plan.{name}.gpus",
+                f"GPUs {bad} are outside this job's {self.world_size} ranks; "
+                f"give the planner a pool within range(0, {self.world_size})",
+            )
 
     def transition(self, target: Plan) -> float:
         """Execute the move from the current plan to ``target`` on every rank; returns seconds taken.
@@ -211,7 +221,9 @@ class NereusStrategy(ParallelStrategy):
         return False  # load_checkpoint restores the optimizer by parameter name
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any = None
+    ) -> None:
         import torch.distributed.checkpoint as dcp
 
         path = Path(self.broadcast(str(filepath)))
@@ -224,13 +236,17 @@ class NereusStrategy(ParallelStrategy):
         self.barrier("nereus-save")
 
     @override
-    def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
         path = Path(self.broadcast(str(checkpoint_path)))
         if not (path / META_FILE).is_file():
-            raise NereusConfigError(f"ckpt_path: {path} is not a Nereus checkpoint directory (no {META_FILE})")
+            raise NereusConfigError(
+                f"ckpt_path: {path} is not a Nereus checkpoint directory (no {META_FILE})"
+            )
         with open(path / META_FILE, "rb") as f:
             meta = pickle.load(f)
         module = self.lightning_module
@@ -266,15 +282,13 @@ class NereusStrategy(ParallelStrategy):
             return {}
         return get_optimizer_state_dict(module, self.optimizers[0])
 
-    @contextmanager
-    def _noop(self):  # noqa: ANN202
-        yield
-
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls, description="Nereus adaptive DP/TP/PP strategy")
-        strategy_registry.register("nereus_spawn", cls, description="Nereus strategy, spawned ranks", start_method="spawn")
+        strategy_registry.register(
+            "nereus_spawn", cls, description="Nereus strategy, spawned ranks", start_method="spawn"
+        )
 
 
 if "nereus" not in StrategyRegistry:

@@ -43,7 +43,9 @@ class RepeatTask:
         """Generation budget at ``step`` (the answer, eos, and two tokens of slack)."""
         return self.target_len(step) + 3
 
-    def prompts(self, step: int, num_prompts: int, samples_per_prompt: int = 1) -> tuple[list[list[int]], list[int]]:
+    def prompts(
+        self, step: int, num_prompts: int, samples_per_prompt: int = 1
+    ) -> tuple[list[list[int]], list[int]]:
         """``num_prompts * samples_per_prompt`` prompts (samples of one prompt adjacent) and group ids."""
         rng = random.Random(self.seed * 7919 + step)
         out, groups = [], []

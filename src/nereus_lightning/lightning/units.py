@@ -104,8 +104,9 @@ def stage_order(plan: Plan, algorithm: str) -> list[str]:
     return sorted(plan, key=lambda n: STAGES.index(ms[n].stage))
 
 
-def value_train_step(unit: ShardedCausalLM, input_ids: Tensor, attention_mask: Tensor,
-                     loss_fn: Any) -> Tensor | None:
+def value_train_step(
+    unit: ShardedCausalLM, input_ids: Tensor, attention_mask: Tensor, loss_fn: Any
+) -> Tensor | None:
     """Forward + backward of a sharded critic for one micro-batch; ``loss_fn(values [B, S])`` on the last stage.
 
     The value head is row 0 of the LM head, which lives on TP rank 0; the other TP ranks of the
