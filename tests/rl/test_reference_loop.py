@@ -18,6 +18,7 @@ from nereus_lightning.rl.algorithm import (
     update_actor,
     update_critic,
 )
+from nereus_lightning.rl.batch import RolloutBatch
 from nereus_lightning.rl.reference_loop import build_models, run_reference, tiny_llama_config
 from nereus_lightning.rl.reward import make_scorer
 from nereus_lightning.rl.rollout import HFGenerateEngine
@@ -165,3 +166,22 @@ def test_reference_cli_writes_a_summary(tmp_path):
     )
     assert summary["steps"] == 2 and 0.0 <= summary["last10_score"] <= 1.0
     assert out.exists() and "response_lengths" in out.read_text()
+
+
+def test_rollout_blocks_of_any_dp_degree_join_to_the_whole_rollout():
+    cfg = RLConfig(algorithm="remax", prompts_per_step=3, samples_per_prompt=3, seed=3)
+    models = build_models(cfg, tiny_llama_config(**SMALL))
+    tok = ByteTokenizer()
+    task = RepeatTask(alphabet="ab", start_count=15, count_spread=14)  # seed 3: '8*b=', '14*b=', '4*a='
+    engine = HFGenerateEngine(models.actor, tok.eos_token_id, tok.pad_token_id)
+    scorer = make_scorer(lambda p, r: [(sum(map(ord, x)) % 5) / 5 for x in r], tok)
+
+    def blocks(dp):
+        return [rollout(2, PromptSampler(task, seed=3), tok, engine, scorer, cfg, dp, r) for r in range(dp)]
+
+    whole = blocks(1)[0]
+    assert whole.prompt_mask.sum(-1).unique().numel() > 1  # some prompts really are left-padded
+    for dp in (2, 4):
+        joined = RolloutBatch.concat(blocks(dp))
+        for name, tensor in whole.tensors().items():
+            assert torch.equal(joined.tensors()[name], tensor), (dp, name)

@@ -23,7 +23,7 @@ from nereus_lightning.rl.advantages import (
     remax_advantages,
     scores_to_token_rewards,
 )
-from nereus_lightning.rl.batch import RolloutBatch
+from nereus_lightning.rl.batch import RolloutBatch, dp_slice
 from nereus_lightning.rl.forward import response_log_probs, response_values
 from nereus_lightning.rl.losses import entropy_loss, kl_loss, masked_mean, policy_loss, value_loss
 from nereus_lightning.rl.reward import RewardScorer
@@ -115,15 +115,28 @@ def rollout(
     engine: RolloutEngine,
     scorer: RewardScorer,
     cfg: RLConfig,
+    dp: int = 1,
+    dp_rank: int = 0,
+    device: torch.device | str | None = None,
 ) -> RolloutBatch:
-    """Draw prompts, sample ``samples_per_prompt`` responses each, score them (and the greedy baseline for ReMax)."""
+    """Draw the step's prompts, sample ``samples_per_prompt`` responses each, score them (and, for
+    ReMax, the greedy answer of each prompt).
+
+    Every rank draws the same global prompts (the sampler advances identically everywhere) and
+    generates only its DP block (:func:`~nereus_lightning.rl.batch.dp_slice` of the global sample
+    order). Prompts are padded to the global width and each sample is seeded by its global index,
+    so a sample's tokens do not depend on ``dp``.
+    """
     prompts = sampler.next_prompts(cfg.prompts_per_step)
     n = cfg.samples_per_prompt
-    prompt_ids, prompt_mask = tokenizer.pad(
+    all_ids, all_mask = tokenizer.pad(
         [tokenizer.encode(p.text, add_bos=True) for p in prompts for _ in range(n)]
     )
-    index = torch.arange(len(prompt_ids))
-    groups = torch.tensor([p.index for p in prompts for _ in range(n)])
+    all_groups = torch.tensor([p.index for p in prompts for _ in range(n)])
+    rows = dp_slice(len(all_ids), dp, dp_rank)
+    prompt_ids, prompt_mask = all_ids[rows].to(device), all_mask[rows].to(device)
+    index = torch.arange(len(all_ids))[rows].to(device)
+    groups = all_groups[rows].to(device)
     out = engine.generate(
         prompt_ids,
         prompt_mask,
@@ -135,12 +148,14 @@ def rollout(
     batch = RolloutBatch(out.prompt_ids, out.prompt_mask, out.response_ids, out.response_mask, index, groups)
     batch.scores = scorer(batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask)
     if cfg.algorithm == "remax":
-        first = torch.arange(0, len(prompt_ids), n)  # one greedy answer per prompt
+        # one greedy answer per prompt present in this block (samples of a prompt are contiguous)
+        starts = torch.ones_like(groups, dtype=torch.bool)
+        starts[1:] = groups[1:] != groups[:-1]
         greedy = engine.generate(
-            prompt_ids[first], prompt_mask[first], sampler.max_new_tokens, do_sample=False
+            prompt_ids[starts], prompt_mask[starts], sampler.max_new_tokens, do_sample=False
         )
         baseline = scorer(greedy.prompt_ids, greedy.prompt_mask, greedy.response_ids, greedy.response_mask)
-        batch.baseline_scores = baseline.repeat_interleave(n)
+        batch.baseline_scores = baseline[starts.long().cumsum(0) - 1]
     return batch
 
 
