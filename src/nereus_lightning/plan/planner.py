@@ -165,13 +165,19 @@ def plan_job(
         others = f" (also infeasible: {len(failed) - 1} more model-stages)" if len(failed) > 1 else ""
         raise InfeasiblePlanError(failed[0][1] + others)
     rho = search.best_level()
-    per_stage = [search.solve(stage, rho, alternatives + 1) for stage in search.stages]
+    # Alternatives: the next-best plans at the best level, plus the best plans that keep less
+    # training state resident (leaner per-GPU memory: the admission rule's "slightly slower
+    # candidates with cheaper transitions" often need that room).
+    leaner = search.leaner_levels(rho, alternatives // 2)
+    per_stage = [search.solve(stage, rho, alternatives + 1 - len(leaner)) for stage in search.stages]
 
     def total(combo: tuple[dict[str, Option], ...]) -> float:
         return sum(max(o.latency for o in pick.values()) for pick in combo)
 
     order = [ms.name for ms in stages]
-    combos = sorted(itertools.product(*per_stage), key=total)[: alternatives + 1]
+    combos = sorted(itertools.product(*per_stage), key=total)[: alternatives + 1 - len(leaner)]
+    for level in leaner:
+        combos.append(tuple(search.solve(stage, level)[0] for stage in search.stages))
     results = []
     for combo in combos:
         selection = {n: o for pick in combo for n, o in pick.items()}
@@ -179,7 +185,8 @@ def plan_job(
             if selection[n].peak_memory < 0:
                 selection[n] = fill_peaks(works[n], [selection[n]])[0]
         plan = assign_gpus(selection, search.stage_of, order)
-        results.append((plan, estimate_plan(plan, models, cluster, workload, calibration)))
+        if all(plan != seen for seen, _ in results):
+            results.append((plan, estimate_plan(plan, models, cluster, workload, calibration)))
     # On power-of-two nodes the concrete estimate equals the search's objective; elsewhere a
     # placement can cost more than its shape promised, so order by the concrete estimate.
     results.sort(key=lambda r: (not r[1].feasible, r[1].step_latency))
@@ -266,6 +273,25 @@ class _Search:
         if best_rho is None:
             raise InfeasiblePlanError(self._coresidency_message(levels[-1] if levels else 0.0))
         return best_rho
+
+    def leaner_levels(self, rho: float, count: int) -> list[float]:
+        """Up to ``count`` training-state levels below ``rho`` at which a whole plan still fits."""
+        levels = sorted(
+            {
+                lvl
+                for n, s in self.stage_of.items()
+                if s == "training"
+                for lvl in self.tables[n].resident_levels()
+            },
+            reverse=True,
+        )
+        out: list[float] = []
+        for level in (lvl for lvl in levels if lvl < rho):
+            if len(out) >= count:
+                break
+            if all(self.solve(stage, level) for stage in self.stages):
+                out.append(level)
+        return out
 
     def _require(self, stages: list[str], rho: float) -> None:
         for stage in stages:
