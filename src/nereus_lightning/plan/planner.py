@@ -78,7 +78,12 @@ def job_models(
 
 @dataclass(frozen=True)
 class PlanResult:
-    """The chosen plan, its estimate, and the next-best plans (slower, usually on fewer GPUs)."""
+    """The chosen plan, its estimate, and up to ``alternatives`` other feasible plans, fastest first.
+
+    Alternatives are the next-best plans at the chosen level of resident training state and (up
+    to half of them) the best plans that keep less training state resident per GPU, so the
+    admission rule has slower but leaner targets to fall back to.
+    """
 
     plan: Plan
     estimate: PlanEstimate
