@@ -312,10 +312,10 @@ class Controller:
                 **base,
             )
         # No DAG transition was admitted. When the best gain had no safe DAG at all, a
-        # checkpoint/restart is one more way to reach it: admitted under the same payback rule,
-        # with L_tran = the restart's cost.
+        # checkpoint/restart is one more way to reach it: admitted under the payback rule, with
+        # L_tran = the restart's cost (the any-gain baselines do not restart voluntarily).
         blocked = [(o, e) for o, e in zip(seen, considered, strict=True) if e["verdict"].startswith("transition infeasible")]
-        if blocked and current_latency is not None:
+        if blocked and current_latency is not None and cfg.admission == "payback":
             opt, entry = blocked[0]
             d_l = current_latency - opt.estimate.step_latency
             ok, why = self._profitable(d_l, cfg.restart_s, horizon)
@@ -333,14 +333,15 @@ class Controller:
         self, cluster: ClusterSpec, workload: Workload, signals: StepSignals, urgent: bool,
         current_latency: float | None, reasons: list[str],
     ) -> Iterator[_Option]:
-        """Feasible targets in the order admission tries them, priced lazily.
+        """Feasible targets in the order admission tries them.
 
-        The planner's plans, fastest first; right after each one, the same plan placed near the
-        current GPUs (no swap deadlocks) and with the current layouts kept where they fit
-        (Extend/Destroy only): slightly slower targets with cheaper transitions. Then the current
-        layouts with DP re-fitted to the pool and, on the urgent path, smaller micro-batches and
-        recomputation, and the intact units alone. Outside the urgent path, targets not faster than the current plan are
-        skipped, so an admitted best target costs no extra pricing.
+        First the planner's best plan (so an admitted best target costs no extra pricing). If it
+        fails, every fallback is priced and tried fastest first: the planner's alternatives;
+        each planner plan placed near the current GPUs (no swap deadlocks) and with the current
+        layouts kept where they fit (Extend/Destroy only), slightly slower targets with cheaper
+        transitions; the current layouts with DP re-fitted to the pool; and on the urgent path
+        the intact units alone and smaller micro-batches / recomputation. Outside the urgent
+        path, targets not faster than the current plan are skipped.
         """
         assert self.plan is not None
         seen: set[Plan] = {self.plan}
@@ -361,38 +362,35 @@ class Controller:
         except InfeasiblePlanError as exc:
             reasons.append(f"planner: {exc}")
             planned = []
+        if planned:
+            best = priced(planned[0][0], "planner best", planned[0][1])
+            if best is not None:
+                yield best
+        # The best target failed (or did not pay back): price every fallback, fastest first.
+        rest: list[_Option | None] = []
         for i, (plan, est) in enumerate(planned):
             source = "planner best" if i == 0 else f"planner alternative {i}"
-            opt = priced(plan, source, est)
-            if opt is None:
-                continue
-            yield opt
+            if i > 0:
+                rest.append(priced(plan, source, est))
             near = place_near(plan, self.plan, self.workload.algorithm)
-            for variant, label in ((near, "placed near the current GPUs"), (keep_layouts(near, self.plan), "current layouts kept")):
-                extra = priced(variant, f"{source}, {label}")
-                if extra is not None:
-                    yield extra
+            rest.append(priced(near, f"{source}, placed near the current GPUs"))
+            rest.append(priced(keep_layouts(near, self.plan), f"{source}, current layouts kept"))
+        refit = None
         if self.config.try_follow_pool:
             refit = follow_pool(self.plan, self.workload.algorithm, signals.num_gpus, self.workload.sequences_per_step)
             if refit is not None:
                 refit = place_near(refit, self.plan, self.workload.algorithm)
-            opt = None if refit is None else priced(refit, "current layouts, DP re-fitted to the pool")
-            if opt is not None:
-                yield opt
+                rest.append(priced(refit, "current layouts, DP re-fitted to the pool"))
         if urgent:
             # Drop the replicas on lost GPUs and keep the intact units (Destroy only): often
             # slower, but always reachable, and the next replan can grow back into the pool.
             survivors = intact_plan(self.plan, set(signals.gpus))
             if survivors is not None and survivors != self.plan:
-                opt = priced(survivors, "intact units only (replicas on lost GPUs dropped)")
-                if opt is not None:
-                    yield opt
-            base = refit if self.config.try_follow_pool and refit is not None else self.plan
+                rest.append(priced(survivors, "intact units only (replicas on lost GPUs dropped)"))
+            base = refit if refit is not None else self.plan
             if intact_plan(base, set(signals.gpus)) == base:
-                for variant in relief_variants(base):
-                    opt = priced(variant, "smaller micro-batches / recomputation")
-                    if opt is not None:
-                        yield opt
+                rest += [priced(v, "smaller micro-batches / recomputation") for v in relief_variants(base)]
+        yield from sorted((o for o in rest if o is not None), key=lambda o: o.estimate.step_latency)
 
     def _profitable(self, d_l: float, l_tran: float, horizon: float) -> tuple[bool, str]:
         cfg = self.config
