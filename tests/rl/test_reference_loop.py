@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
 import time
 
 import pytest
@@ -58,8 +59,46 @@ def _one_batch(cfg, models):
     return batch
 
 
+class _ThreadAllReduce:
+    """Sums gradients over model copies trained in lock-step threads: a DP all-reduce stand-in."""
+
+    def __init__(self, world: int) -> None:
+        self.barrier = threading.Barrier(world)
+        self.modules: list = [None] * world
+
+    def hook(self, rank: int):
+        def sync(module):
+            self.modules[rank] = module
+            self.barrier.wait()
+            if rank == 0:  # fixed summation order: rank 0, 1, ...
+                for group in zip(*(list(m.parameters()) for m in self.modules), strict=True):
+                    total = sum(p.grad if p.grad is not None else torch.zeros_like(p) for p in group)
+                    for p in group:
+                        p.grad = total.clone()
+            self.barrier.wait()
+
+        return sync
+
+
+def _update(models, batch, cfg, dp):
+    copies = [copy.deepcopy(models) for _ in range(dp)]
+    reduce = _ThreadAllReduce(dp)
+
+    def train(rank):
+        run, hook = copies[rank], reduce.hook(rank) if dp > 1 else None
+        update_critic(run.critic, run.critic_optim, batch, cfg, dp, rank, sync_grads=hook)
+        update_actor(run.actor, run.actor_optim, batch, cfg, dp, rank, sync_grads=hook)
+
+    threads = [threading.Thread(target=train, args=(rank,)) for rank in range(dp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [[p.detach().clone() for p in [*c.actor.parameters(), *c.critic.parameters()]] for c in copies]
+
+
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
-def test_updates_do_not_depend_on_the_micro_batch_size(agg):
+def test_updates_do_not_depend_on_dp_degree_or_micro_batch_size(agg):
     cfg = RLConfig(
         algorithm="ppo",
         prompts_per_step=4,
@@ -73,22 +112,16 @@ def test_updates_do_not_depend_on_the_micro_batch_size(agg):
     )
     models = build_models(cfg, tiny_llama_config(**SMALL))
     batch = _one_batch(cfg, models)
-    finals = []
-    for micro in (64, 1, 4):
-        run = copy.deepcopy(models)
-        c = RLConfig(**{**cfg.__dict__, "micro_batch_size": micro})
-        update_critic(run.critic, run.critic_optim, batch, c)
-        update_actor(run.actor, run.actor_optim, batch, c)
-        finals.append([p.detach().clone() for p in [*run.actor.parameters(), *run.critic.parameters()]])
+    reference = _update(models, batch, cfg, dp=1)[0]
     moved = max(
-        (a - b).abs().max().item() for a, b in zip(finals[0], models.actor.parameters(), strict=False)
+        (a - b).abs().max().item() for a, b in zip(reference, models.actor.parameters(), strict=False)
     )
     assert moved > 1e-4  # the update did something
-    for other in finals[1:]:
-        for a, b in zip(
-            finals[0], other, strict=False
-        ):  # relative to the tensor's norm, fp32 reduction order aside
-            assert (a - b).norm() <= 1e-5 * a.norm()
+    for dp, micro in ((1, 1), (2, 4), (3, 1), (5, 2)):  # dp 5: some ranks hold one sample of a mini-batch
+        c = RLConfig(**{**cfg.__dict__, "micro_batch_size": micro})
+        for params in _update(models, batch, c, dp):
+            for a, b in zip(reference, params, strict=True):  # relative to the tensor's norm (fp32 order)
+                assert (a - b).norm() <= 1e-5 * a.norm(), (dp, micro)
 
 
 @pytest.mark.parametrize("algorithm", ["ppo", "remax"])

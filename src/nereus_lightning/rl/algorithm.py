@@ -11,6 +11,7 @@ when the strategy passes the count over all ranks and sums gradients).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -195,92 +196,136 @@ def _normalizer(mask: Tensor, agg: str) -> Tensor:
 
 
 def _micro_batches(mini: RolloutBatch, micro_batch_size: int) -> list[RolloutBatch]:
-    return mini.split(max(1, math.ceil(len(mini) / micro_batch_size)))
+    return mini.split(max(1, math.ceil(len(mini) / micro_batch_size))) if len(mini) else []
+
+
+GradHook = Callable[[nn.Module], None]
+ClipHook = Callable[[nn.Module, float], Tensor]
+
+
+def _clip(module: nn.Module, max_norm: float) -> Tensor:
+    return torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm)
+
+
+def _ppo_epochs(
+    module: nn.Module,
+    optim: torch.optim.Optimizer,
+    batch: RolloutBatch,
+    cfg: RLConfig,
+    dp: int,
+    dp_rank: int,
+    micro_loss: Callable[[RolloutBatch, Tensor, Tensor], tuple[Tensor, dict[str, Tensor]]],
+    sync_grads: GradHook | None,
+    clip_grads: ClipHook | None,
+    prefix: str,
+) -> dict[str, Tensor]:
+    """The update skeleton shared by actor and critic (see :func:`update_actor`)."""
+    module.train()
+    sums: dict[str, Tensor] = {}
+    weight = 1.0 / (cfg.ppo_epochs * cfg.mini_batches)
+    for _ in range(cfg.ppo_epochs):
+        for mini in batch.split(cfg.mini_batches):
+            norm = _normalizer(mini.response_mask, cfg.loss_agg)  # over the global mini-batch
+            tokens = mini.response_mask.sum().clamp_min(1)
+            optim.zero_grad(set_to_none=True)
+            for micro in _micro_batches(mini.shard(dp, dp_rank), cfg.micro_batch_size):
+                loss, metrics = micro_loss(micro, norm, tokens)
+                loss.backward()
+                _accumulate(sums, metrics, weight)
+            if sync_grads is not None:
+                sync_grads(module)
+            grad_norm = (clip_grads or _clip)(module, cfg.grad_clip)
+            optim.step()
+            _accumulate(sums, {f"{prefix}/grad_norm": grad_norm}, weight)
+    return sums
 
 
 def update_actor(
-    actor: nn.Module, optim: torch.optim.Optimizer, batch: RolloutBatch, cfg: RLConfig
+    actor: nn.Module,
+    optim: torch.optim.Optimizer,
+    batch: RolloutBatch,
+    cfg: RLConfig,
+    dp: int = 1,
+    dp_rank: int = 0,
+    sync_grads: GradHook | None = None,
+    clip_grads: ClipHook | None = None,
 ) -> dict[str, Tensor]:
-    """PPO epochs over mini-batches of the clipped policy loss (+ KL loss, - entropy bonus)."""
-    actor.train()
-    sums: dict[str, Tensor] = {}
-    for _ in range(cfg.ppo_epochs):
-        for mini in batch.split(cfg.mini_batches):
-            norm = _normalizer(mini.response_mask, cfg.loss_agg)
-            optim.zero_grad(set_to_none=True)
-            for micro in _micro_batches(mini, cfg.micro_batch_size):
-                ids = (micro.prompt_ids, micro.prompt_mask, micro.response_ids, micro.response_mask)
-                log_probs, entropy = response_log_probs(
-                    actor, *ids, temperature=cfg.temperature, with_entropy=True
-                )
-                mask = micro.response_mask
-                loss, m = policy_loss(
-                    log_probs,
-                    micro.old_log_probs,
-                    micro.advantages,
-                    mask,
-                    cfg.clip_eps,
-                    agg=cfg.loss_agg,
-                    normalizer=norm,
-                )
-                ent, em = entropy_loss(entropy, mask, cfg.loss_agg, norm)
-                m.update(em)
-                loss = loss - cfg.entropy_coef * ent
-                if cfg.kl_loss_coef > 0:
-                    kl, km = kl_loss(log_probs, micro.ref_log_probs, mask, cfg.kl_kind, cfg.loss_agg, norm)
-                    loss = loss + cfg.kl_loss_coef * kl
-                    m.update(km)
-                loss.backward()
-                share = mask.sum() / mini.response_mask.sum().clamp_min(1)
-                for name in ("actor/pg_clipfrac", "actor/ppo_kl"):  # per-micro means -> token-weighted
-                    m[name] = m[name] * share
-                _accumulate(sums, m, 1.0 / (cfg.ppo_epochs * cfg.mini_batches))
-            grad_norm = torch.nn.utils.clip_grad_norm_(actor.parameters(), cfg.grad_clip)
-            optim.step()
-            _accumulate(
-                sums, {"actor/grad_norm": grad_norm.detach()}, 1.0 / (cfg.ppo_epochs * cfg.mini_batches)
-            )
-    sums["actor/lr"] = torch.tensor(optim.param_groups[0]["lr"])
-    return sums
+    """PPO epochs over mini-batches of the clipped policy loss (+ KL loss, - entropy bonus).
+
+    Args:
+        batch: the step's *global* batch, sorted by sample index (every rank holds it; it is only
+            token ids and per-token floats). Mini-batch ``i`` is the ``i``-th global block, and this
+            rank trains on its DP block of it, in micro-batches of ``cfg.micro_batch_size``.
+        dp: the DP degree of the training stage; ``dp_rank`` this replica's rank in it.
+        sync_grads: called before clipping; in DP it must *sum* the gradients over the DP group
+            (losses are already normalised by the global mini-batch's token or sequence count).
+        clip_grads: ``(module, max_norm) -> total norm``; a sharded model passes one that reduces
+            the norm over its TP/PP shards. Defaults to ``torch.nn.utils.clip_grad_norm_``.
+
+    Returns:
+        This rank's share of the metrics: loss metrics are contributions that sum over DP ranks
+        to the global value; ``actor/pg_clipfrac`` and ``actor/ppo_kl`` are token-weighted so
+        that they sum too; ``actor/grad_norm`` is the (already global) clipped-before norm.
+    """
+
+    def micro_loss(micro: RolloutBatch, norm: Tensor, tokens: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        ids = (micro.prompt_ids, micro.prompt_mask, micro.response_ids, micro.response_mask)
+        log_probs, entropy = response_log_probs(actor, *ids, temperature=cfg.temperature, with_entropy=True)
+        mask = micro.response_mask
+        loss, m = policy_loss(
+            log_probs,
+            micro.old_log_probs,
+            micro.advantages,
+            mask,
+            cfg.clip_eps,
+            agg=cfg.loss_agg,
+            normalizer=norm,
+        )
+        ent, em = entropy_loss(entropy, mask, cfg.loss_agg, norm)
+        m.update(em)
+        loss = loss - cfg.entropy_coef * ent
+        if cfg.kl_loss_coef > 0:
+            kl, km = kl_loss(log_probs, micro.ref_log_probs, mask, cfg.kl_kind, cfg.loss_agg, norm)
+            loss = loss + cfg.kl_loss_coef * kl
+            m.update(km)
+        share = mask.sum() / tokens  # per-micro token means -> summable shares
+        for name in ("actor/pg_clipfrac", "actor/ppo_kl"):
+            m[name] = m[name] * share
+        return loss, m
+
+    metrics = _ppo_epochs(actor, optim, batch, cfg, dp, dp_rank, micro_loss, sync_grads, clip_grads, "actor")
+    metrics["actor/lr"] = torch.tensor(float(optim.param_groups[0]["lr"]))
+    return metrics
 
 
 def update_critic(
-    critic: nn.Module, optim: torch.optim.Optimizer, batch: RolloutBatch, cfg: RLConfig
+    critic: nn.Module,
+    optim: torch.optim.Optimizer,
+    batch: RolloutBatch,
+    cfg: RLConfig,
+    dp: int = 1,
+    dp_rank: int = 0,
+    sync_grads: GradHook | None = None,
+    clip_grads: ClipHook | None = None,
 ) -> dict[str, Tensor]:
-    """PPO epochs over mini-batches of the clipped value loss."""
-    critic.train()
-    sums: dict[str, Tensor] = {}
-    for _ in range(cfg.ppo_epochs):
-        for mini in batch.split(cfg.mini_batches):
-            norm = _normalizer(mini.response_mask, cfg.loss_agg)
-            optim.zero_grad(set_to_none=True)
-            for micro in _micro_batches(mini, cfg.micro_batch_size):
-                ids = (micro.prompt_ids, micro.prompt_mask, micro.response_ids, micro.response_mask)
-                values = response_values(critic, *ids)
-                loss, m = value_loss(
-                    values,
-                    micro.values,
-                    micro.returns,
-                    micro.response_mask,
-                    cfg.value_clip,
-                    cfg.loss_agg,
-                    norm,
-                )
-                loss.backward()
-                share = micro.response_mask.sum() / mini.response_mask.sum().clamp_min(1)
-                m["critic/vf_clipfrac"] = m["critic/vf_clipfrac"] * share
-                _accumulate(sums, m, 1.0 / (cfg.ppo_epochs * cfg.mini_batches))
-            grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.grad_clip)
-            optim.step()
-            _accumulate(
-                sums, {"critic/grad_norm": grad_norm.detach()}, 1.0 / (cfg.ppo_epochs * cfg.mini_batches)
-            )
-    return sums
+    """PPO epochs over mini-batches of the clipped value loss; arguments as :func:`update_actor`."""
+
+    def micro_loss(micro: RolloutBatch, norm: Tensor, tokens: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        ids = (micro.prompt_ids, micro.prompt_mask, micro.response_ids, micro.response_mask)
+        values = response_values(critic, *ids)
+        mask = micro.response_mask
+        loss, m = value_loss(values, micro.values, micro.returns, mask, cfg.value_clip, cfg.loss_agg, norm)
+        share = mask.sum() / tokens  # per-micro token means -> summable shares
+        m["critic/vf_clipfrac"] = m["critic/vf_clipfrac"] * share
+        return loss, m
+
+    return _ppo_epochs(critic, optim, batch, cfg, dp, dp_rank, micro_loss, sync_grads, clip_grads, "critic")
 
 
 def _accumulate(into: dict[str, Tensor], metrics: dict[str, Tensor], weight: float) -> None:
     for name, value in metrics.items():
-        into[name] = into.get(name, torch.zeros(())) + value.detach().float() * weight
+        value = value.detach().float() * weight
+        into[name] = into[name] + value if name in into else value
 
 
 def batch_metrics(batch: RolloutBatch, max_new_tokens: int) -> dict[str, Tensor]:
