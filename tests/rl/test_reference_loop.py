@@ -218,3 +218,55 @@ def test_rollout_blocks_of_any_dp_degree_join_to_the_whole_rollout():
         joined = RolloutBatch.concat(blocks(dp))
         for name, tensor in whole.tensors().items():
             assert torch.equal(joined.tensors()[name], tensor), (dp, name)
+
+
+def test_resume_from_saved_state_reproduces_the_next_steps():
+    import io
+
+    from nereus_lightning.rl.reference_loop import train_step
+
+    cfg = RLConfig(
+        algorithm="ppo", prompts_per_step=3, samples_per_prompt=2, kl_coef=0.05, kl_loss_coef=0.01, seed=5
+    )
+    tok = ByteTokenizer()
+    task = RepeatTask(start_count=2, patience=1, raise_at=0.0)  # the count rises every step
+
+    def fresh():
+        models = build_models(cfg, tiny_llama_config(**SMALL))
+        engine = HFGenerateEngine(models.actor, tok.eos_token_id, tok.pad_token_id)
+        sampler = PromptSampler(task, seed=cfg.seed)
+        return models, engine, sampler, make_scorer(lambda p, r: [(sum(map(ord, x)) % 5) / 5 for x in r], tok)
+
+    def state(models, sampler):
+        return {
+            "actor": models.actor.state_dict(),
+            "critic": models.critic.state_dict(),
+            "actor_optim": models.actor_optim.state_dict(),
+            "critic_optim": models.critic_optim.state_dict(),
+            "sampler": sampler.state_dict(),
+        }
+
+    models, engine, sampler, scorer = fresh()
+    straight, saved = [], io.BytesIO()
+    for step in range(5):
+        if step == 3:
+            torch.save(state(models, sampler), saved)
+        straight.append(train_step(step, models, sampler, tok, engine, scorer, cfg))
+
+    models, engine, sampler, scorer = fresh()
+    saved.seek(0)
+    loaded = torch.load(saved, weights_only=True)
+    for name in ("actor", "critic", "actor_optim", "critic_optim"):
+        getattr(models, name).load_state_dict(loaded[name])
+    sampler.load_state_dict(loaded["sampler"])
+    for step in (3, 4):
+        resumed = train_step(step, models, sampler, tok, engine, scorer, cfg)
+        for name in (
+            "actor/pg_loss",
+            "critic/vf_loss",
+            "actor/kl",
+            "critic/score/mean",
+            "response_length/mean",
+        ):
+            assert resumed[name] == pytest.approx(straight[step][name], rel=1e-5, abs=1e-7), (step, name)
+        assert resumed["task/count"] == straight[step]["task/count"] == 2 + step
