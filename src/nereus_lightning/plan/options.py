@@ -151,6 +151,7 @@ class CandidateTable:
                 for rc in ((False, True) if trains else (False,))
             }
             memo: dict[object, float] = {}
+            per_mb: dict[tuple[int, ...], list[tuple[int, float, float]]] = {}  # inference: mbs -> priced
             size = layout.size
             for dp in dps:
                 share = work.mini_batch_size // dp if trains else -(-work.sequences // dp)
@@ -173,20 +174,23 @@ class CandidateTable:
                                 choices.append((lat + offload, peak, mb, rc))
                 else:
                     # Inference memory grows with the micro-batch: one pass keeps the lean choices.
-                    fixed, per_seq = slots[False]
-                    fastest = math.inf
-                    for mb in mbs:
-                        peak = memo.get(mb)
-                        if peak is None:
-                            peak = memo[mb] = peak_memory(work, layout, dp, mb, False)
-                        if peak > cap:
-                            break
-                        lat = (-(-share // mb) + pp - 1) * (fixed + per_seq * mb) + offload
+                    priced = per_mb.get(mbs)
+                    if priced is None:
+                        fixed, per_seq = slots[False]
+                        priced = per_mb[mbs] = []
+                        for mb in mbs:
+                            peak = peak_memory(work, layout, dp, mb, False)
+                            if peak > cap:
+                                break
+                            priced.append((mb, peak, fixed + per_seq * mb))
+                    fastest, bubble = math.inf, pp - 1
+                    for mb, peak, slot in priced:
+                        lat = (-(-share // mb) + bubble) * slot + offload
                         if lat < fastest:
                             fastest = lat
                             choices.append((lat, peak, mb, False))
-                    choices.reverse()
                     if choices:
+                        choices.reverse()
                         self.rows.append((dp * size, layout, dp, resident, choices))
                     continue
                 if len(choices) > 1:
