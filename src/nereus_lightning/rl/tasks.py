@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from nereus_lightning.spec.errors import NereusConfigError, require
-
-RewardFn = Callable[[Sequence[str], Sequence[str]], list[float]]
 
 _PROMPT = re.compile(r"^(\d+)\*(.)=$", re.DOTALL)
 
