@@ -46,3 +46,14 @@ def test_dead_rank_stops_the_job_with_a_resumable_checkpoint(tmp_path):
         str(tmp_path / "b"), devices=2, max_steps=3, ckpt_path=str(tmp_path / "a" / "ckpt" / "s2.ckpt")
     )
     assert trainer.state.finished and [int(float(r["step"])) for r in rows] == [2]
+
+
+def test_ppo_with_a_reward_model_runs_end_to_end(tmp_path):
+    from nereus_lightning.lightning import PPOModule
+    from tests.lightning.helpers import small_task
+
+    module = PPOModule(task=small_task(), reward_model="tiny_llama", seed=3, prompts_per_step=4)
+    assert module.reward is not None and not any(p.requires_grad for p in module.reward.parameters())
+    _, rows = fit(str(tmp_path), devices=2, max_steps=1, module=module)
+    score = float(rows[0]["critic/score/mean"])
+    assert score != 0.0 and abs(score) < 100  # the reward model's value head, not the task's [0, 1] credit

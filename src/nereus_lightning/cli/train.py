@@ -63,7 +63,7 @@ def _workload(cfg: Any, length: float) -> Any:
         prompt_len=4,
         response_len=float(length),
         response_len_p95=float(length),
-        reward_model=False,
+        reward_model=bool(cfg.get("reward_model")),
     )
 
 
@@ -73,7 +73,8 @@ def _job_models(cfg: Any) -> Any:
 
     actor = model_preset(cfg.actor.preset)
     critic = model_preset(cfg.actor.critic) if cfg.actor.get("critic") else actor
-    return job_models(actor, critic=critic if _algorithm_name(cfg) == "ppo" else None)
+    reward = model_preset(cfg.reward_model) if cfg.get("reward_model") else None
+    return job_models(actor, critic=critic if _algorithm_name(cfg) == "ppo" else None, reward=reward)
 
 
 def _threshold(ok: Any, lo: float, hi: float) -> float | None:
@@ -195,7 +196,11 @@ def run(cfg: Any) -> dict[str, Any]:
     task = instantiate(cfg.task, seed=int(cfg.seed))
     # Partial first: objects passed to instantiate() would be turned into configs.
     module = instantiate(cfg.algorithm, _partial_=True)(
-        actor=cfg.actor.preset, critic=cfg.actor.get("critic"), task=task, seed=int(cfg.seed)
+        actor=cfg.actor.preset,
+        critic=cfg.actor.get("critic"),
+        reward_model=cfg.get("reward_model"),
+        task=task,
+        seed=int(cfg.seed),
     )
     counts = cfg.resources.get("counts") if cfg.get("resources") else None
     resources = SequenceResources(tuple(int(c) for c in counts)) if counts else None

@@ -22,7 +22,7 @@ def job_workload(pl_module: Any) -> Workload:
         response_len=length,
         mini_batches=hp.mini_batches,
         ppo_epochs=hp.ppo_epochs,
-        reward_model=False,
+        reward_model=getattr(pl_module, "reward", None) is not None,
     )
 
 
@@ -32,6 +32,8 @@ def model_specs(pl_module: Any) -> dict[str, ModelSpec]:
     specs["reference"] = specs["actor"].with_name("reference")
     if getattr(pl_module, "critic", None) is not None:
         specs["critic"] = ModelSpec.from_hf_config(pl_module.critic.config, name="critic")
+    if getattr(pl_module, "reward", None) is not None:
+        specs["reward"] = ModelSpec.from_hf_config(pl_module.reward.config, name="reward")
     return specs
 
 

@@ -53,6 +53,8 @@ class RLModule(L.LightningModule):
     Args:
         actor: a model preset name (``spec.MODEL_PRESETS``), a transformers config dict, or a local folder.
         critic: same for the critic (PPO); ``None`` uses the actor's architecture.
+        reward_model: a reward model (preset, config dict or folder) scoring each response by its value
+            head (row 0 of its LM head) at the last response token; ``None``: the task's Python reward.
         task: the prompt source and reward (see :mod:`nereus_lightning.rl.tasks`); a task object or a name.
         prompts_per_step, samples_per_prompt: global batch of one RL step.
         actor_lr, critic_lr: AdamW learning rates.
@@ -71,6 +73,7 @@ class RLModule(L.LightningModule):
         self,
         actor: Any = "tiny_llama",
         critic: Any = None,
+        reward_model: Any = None,
         task: Any = "repeat",
         prompts_per_step: int = 16,
         samples_per_prompt: int = 1,
@@ -108,6 +111,16 @@ class RLModule(L.LightningModule):
         self.critic = (
             build_causal_lm(critic if critic is not None else actor, seed + 1, vocab, pad)
             if self.uses_critic
+            else None
+        )
+        require(
+            reward_model is None or self.algorithm != "remax",
+            "reward_model",
+            "ReMax scores its greedy baseline with the task's Python reward; use algorithm=ppo or grpo with a reward model",
+        )
+        self.reward = (
+            frozen_copy(build_causal_lm(reward_model, seed + 2, vocab, pad))
+            if reward_model is not None
             else None
         )
         self.step_stats: dict[str, float] = {}
@@ -206,6 +219,10 @@ class RLModule(L.LightningModule):
         old_lp = infer("actor_infer", self.actor)
         ref_lp = infer("ref_infer", self.reference)
         values = infer("critic_infer", self.critic, values=True) if self.critic is not None else None
+        if self.reward is not None:  # the reward model's value at each response's last token
+            rm_values = infer("reward_infer", self.reward, values=True)
+            last = (mask.sum(-1).long() - 1).clamp_min(0)
+            scores = rm_values.gather(1, last.unsqueeze(-1)).squeeze(-1).float()
         t_infer = time.perf_counter()
 
         metrics: dict[str, float] = {}
@@ -272,7 +289,12 @@ class RLModule(L.LightningModule):
 
     def role_models(self) -> dict[str, torch.nn.Module | None]:
         """The logical model of each role."""
-        return {"actor": self.actor, "reference": self.reference, "critic": self.critic}
+        return {
+            "actor": self.actor,
+            "reference": self.reference,
+            "critic": self.critic,
+            "reward": self.reward,
+        }
 
     def _score(
         self,

@@ -54,7 +54,8 @@ class NereusStrategy(ParallelStrategy):
     Args:
         plan: the initial plan; ``None`` lets the callback's controller choose one before step 0
             (every model-stage data-parallel over all ranks until then).
-        start_method: ``"fork"`` (default on CPU: fast start, works in notebooks), ``"spawn"``,
+        start_method: ``None`` (default): ``"fork"`` on CPU (fast start, works in notebooks) and
+            ``"popen"`` on GPUs (forking after CUDA is initialised is unsafe); or ``"spawn"``,
             or ``"popen"`` (re-run the script per rank, as Lightning's DDP does).
         process_group_backend: ``"gloo"`` / ``"nccl"``; by default from the device.
         timeout: collective timeout; a rank that dies makes the others fail after it.
@@ -72,11 +73,11 @@ class NereusStrategy(ParallelStrategy):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | float = timedelta(seconds=120),
-        start_method: Literal["fork", "spawn", "popen"] = "fork",
+        start_method: Literal["fork", "spawn", "popen"] | None = None,
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         require(
-            start_method in ("fork", "spawn", "popen"),
+            start_method in (None, "fork", "spawn", "popen"),
             "strategy.start_method",
             f"{start_method!r} is not one of 'fork', 'spawn', 'popen'",
         )
@@ -119,12 +120,13 @@ class NereusStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         if self.cluster_environment.creates_processes_externally:
             return
-        if self._start_method == "popen":
+        method = self._start_method or ("fork" if self.root_device.type == "cpu" else "popen")
+        if method == "popen":
             self._launcher = _SubprocessScriptLauncher(
                 self.cluster_environment, self.num_processes, self.num_nodes
             )
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = _MultiProcessingLauncher(self, start_method=method)
 
     @override
     def setup_environment(self) -> None:

@@ -24,10 +24,10 @@ from nereus_lightning.spec.workload import STAGES, workflow
 
 
 def role_of(model_stage: str, algorithm: str) -> str | None:
-    """The role model a model-stage runs (None for the reward: a Python function here)."""
+    """The role model a model-stage runs (``actor``, ``critic``, ``reference`` or ``reward``)."""
     for ms in workflow(algorithm):
         if ms.name == model_stage:
-            return None if ms.model == "reward" else ms.model
+            return ms.model
     return None
 
 
