@@ -230,3 +230,12 @@ def test_training_slot_counts_tp_allreduces_per_block():
             / 100e12
         )
         assert slot["gemm"] == pytest.approx(gemm)
+
+
+def test_optimizer_bytes_match_what_the_emu_holds():
+    # fp32 weights need no master copy: weights + exp_avg + exp_avg_sq = 3 x 4 bytes.
+    from nereus_lightning.plan.memory import optimizer_bytes_per_param
+
+    assert optimizer_bytes_per_param(model_preset("tiny_llama")) == 8
+    # bf16 weights: fp32 master (4) + fp32 moments (8).
+    assert optimizer_bytes_per_param(model_preset("llama3_8b")) == 12

@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from nereus_lightning.plan.layout import Layout
-from nereus_lightning.plan.memory import OPTIMIZER_BYTES_PER_PARAM, stage_params
+from nereus_lightning.plan.memory import optimizer_bytes_per_param, stage_params
 from nereus_lightning.spec.model import MODEL_PRESETS, ModelSpec
 from nereus_lightning.transition.pieces import (
     Piece,
@@ -57,7 +57,7 @@ def atom_bytes(model: ModelSpec, trains: bool, atoms: set[tuple]) -> int:
 @pytest.mark.parametrize("model", MODELS, ids=lambda m: m.name)
 @pytest.mark.parametrize("trains", [False, True])
 def test_shard_bytes_match_plan_memory(model: ModelSpec, trains: bool) -> None:
-    bpp = model.dtype_bytes + (OPTIMIZER_BYTES_PER_PARAM if trains else 0)
+    bpp = model.dtype_bytes + (optimizer_bytes_per_param(model) if trains else 0)
     geo = geometry(model, trains)
     for pp in (1, 2, 4):
         for r in range(pp):

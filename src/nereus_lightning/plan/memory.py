@@ -14,8 +14,10 @@ from nereus_lightning.plan.layout import Layout
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.model import ModelSpec
 
-# Mixed-precision AdamW, ZeRO-0: fp32 master weights + exp_avg + exp_avg_sq per parameter.
-OPTIMIZER_BYTES_PER_PARAM = 12
+#: AdamW moments (exp_avg, exp_avg_sq) in fp32, per parameter (ZeRO-0).
+ADAM_MOMENT_BYTES_PER_PARAM = 8
+#: fp32 master weights, kept only when the weights themselves are below fp32.
+MASTER_WEIGHT_BYTES_PER_PARAM = 4
 GIB = 2**30
 #: cuBLAS / NCCL workspaces and allocator fragmentation, per GPU.
 WORKSPACE_BYTES = 1 * GIB
@@ -53,9 +55,19 @@ def stage_params(model: ModelSpec, pp: int, pp_rank: int) -> int:
     return params
 
 
+@lru_cache(maxsize=256)
+def optimizer_bytes_per_param(model: ModelSpec) -> int:
+    """AdamW state per parameter: fp32 moments, plus fp32 master weights for bf16/fp16 weights.
+
+    For an fp32 model this is 8 bytes (weights + moments = 3 x 4 bytes, what the EMU holds).
+    """
+    master = MASTER_WEIGHT_BYTES_PER_PARAM if model.dtype_bytes < 4 else 0
+    return ADAM_MOMENT_BYTES_PER_PARAM + master
+
+
 def rank_state_bytes(model: ModelSpec, trains: bool, layout: Layout, pp_rank: int) -> float:
     """Resident state on one GPU of pipeline stage ``pp_rank``: weights (+ grads and AdamW when training)."""
-    per_param = model.dtype_bytes * (2 if trains else 1) + (OPTIMIZER_BYTES_PER_PARAM if trains else 0)
+    per_param = model.dtype_bytes * (2 if trains else 1) + (optimizer_bytes_per_param(model) if trains else 0)
     return stage_params(model, layout.pp, pp_rank) / layout.tp * per_param
 
 

@@ -1,7 +1,7 @@
 """What one GPU holds of a model-stage's logical state, and the exact bytes of every transfer.
 
 The logical state of a model-stage is its parameters (inference) or its parameters plus fp32
-master weights and AdamW moments (training; ``plan.memory.OPTIMIZER_BYTES_PER_PARAM``).
+master weights and AdamW moments (training; ``plan.memory.optimizer_bytes_per_param``).
 Gradients are not state: they are empty at a safe boundary. Under ``Layout(tp, pp)`` the GPU at
 position ``(pp_rank, tp_rank)`` holds
 
@@ -23,7 +23,7 @@ with ``f = (tp_hi - tp_lo) / tp_den`` (integer division of the product, exact wh
 the tensor, which ``ModelSpec.validate_tp`` and ``models.sharding.tp_slices`` require),
 ``replicated(layer) = 2 * hidden (+ 2 * head_dim with q/k norms)``,
 ``split(layer) = layer_params - replicated(layer)`` and
-``bpp = dtype_bytes (+ OPTIMIZER_BYTES_PER_PARAM when the model-stage trains)``.
+``bpp = dtype_bytes (+ optimizer_bytes_per_param(model) when the model-stage trains)``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from math import gcd
 from typing import NamedTuple
 
 from nereus_lightning.plan.layout import Layout
-from nereus_lightning.plan.memory import OPTIMIZER_BYTES_PER_PARAM
+from nereus_lightning.plan.memory import optimizer_bytes_per_param
 from nereus_lightning.spec.model import ModelSpec
 
 
@@ -95,7 +95,7 @@ class Geometry(NamedTuple):
 def geometry(model: ModelSpec, trains: bool) -> Geometry:
     """The state geometry of ``model`` for an inference (``trains=False``) or training model-stage."""
     replicated = 2 * model.hidden + (2 * model.head_dim if model.qk_norm else 0)
-    bpp = model.dtype_bytes + (OPTIMIZER_BYTES_PER_PARAM if trains else 0)
+    bpp = model.dtype_bytes + (optimizer_bytes_per_param(model) if trains else 0)
     return Geometry(
         model, bpp, model.layer_params - replicated, replicated, model.embedding_params, model.lm_head_params
     )
