@@ -1,10 +1,335 @@
-"""Run a whole transition DAG on the EMU runtime (work in progress: being built now)."""
+"""Run a whole transition DAG on the EMU runtime and measure every node.
+
+Protocol: EVERY rank calls :func:`execute_dag` with the same DAG. Each rank walks the DAG's
+nodes in the same topological order (``dag.nodes``) and runs each node through
+:func:`nereus_lightning.emu.execute`: a member moves state over collectives that span only the
+node's ranks; a non-member only records the node in its registry and goes on. So nodes on
+disjoint ranks run at the same time on different ranks, and the walk cannot deadlock: the
+earliest unfinished node in the order has every member either at it or still to arrive (each
+member has finished every earlier node it belongs to), so it always completes. ``execute`` is
+blocking per node, so a source unit stays alive until the collectives that read it return.
+
+Before anything moves, the whole DAG is replayed on a scratch copy of the registry (live
+sources, free target ranks, never the last copy destroyed), so a DAG that does not fit the live
+units fails on every rank with the same error and the state untouched.
+
+Two node shapes of the transition brain go beyond the plain primitives and are handled here:
+
+* a one-source Merge is a *re-ranking* (same layout and ranks, new order): it runs as a Merge
+  (``emu.ops.validate_op`` accepts it), i.e. one P2P reshard moving each shard to its new rank;
+* an Extend whose target shares ranks with its source (a rank at the same position: a local
+  copy; at another position: it holds both shards): one broadcast per position, in position
+  order, the shared rank cloning its shard locally (see :func:`_extend_overlapping`).
+
+Measurements: per node and rank, the wall seconds of the call and the payload bytes received
+(tensor bytes, no alignment padding), next to the bytes the brain priced for that rank
+(``transition.pieces.Transfer.bytes`` of the node's transfers into the rank's GPU, local copies
+excluded). :meth:`ExecutionReport.reduce` combines the ranks (bytes summed; seconds the max over
+the node's members, and the min: the last member to arrive waits for no one, so the min is the
+node's own duration); :meth:`ExecutionReport.node_observations` is what the calibration reads.
+Payload bytes equal the priced bytes exactly for inference state; for training state the EMU
+moves ``param + exp_avg + exp_avg_sq`` (3 x dtype bytes per parameter) plus a 4-byte fp32
+``step`` per tensor moved with it, and an Extend also sends the 48-byte counters per position.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from nereus_lightning.emu.ops import Destroy, Extend, Primitive, Unit, from_node
+from nereus_lightning.emu.primitives import TransferReport, execute
+from nereus_lightning.emu.registry import Registry, registry
+from nereus_lightning.emu.transfer import Traffic, broadcast_views, default_device
+from nereus_lightning.emu.unit import EMU, Counters
+from nereus_lightning.spec.errors import NereusConfigError, require
 
 
-def execute_dag(dag: Any, *, rank_of: Any = None, device: Any = None, colocate: Any = None) -> Any:
-    """Execute every node of ``dag`` in topological order on every rank; returns an ExecutionReport."""
-    raise NotImplementedError("emu.executor.execute_dag is being built")
+class NodeObservation(NamedTuple):
+    """One node as the calibration sees it: priced vs measured bytes, and seconds."""
+
+    node_id: int
+    op: str
+    predicted_bytes: int
+    measured_bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    """What one node did on one rank (or, in a reduced report, on all ranks together)."""
+
+    node_id: int
+    op: str
+    model_stage: str
+    ranks: tuple[int, ...]  # the global ranks the node involves
+    predicted_bytes: int  # priced bytes into this rank's GPU (reduced: the node's total)
+    measured_bytes: int  # payload bytes received (reduced: summed over ranks)
+    seconds: float  # wall seconds of the call on this rank (reduced: max over members)
+    fastest_seconds: float  # reduced: min over members (the last to arrive: the node's own time)
+    member: bool  # this rank moved state in it (reduced: True)
+    report: TransferReport | None = None  # this rank's TransferReport (None once reduced)
+
+
+@dataclass(frozen=True)
+class ExecutionReport:
+    """Every node of one DAG execution, in execution order; ``rank`` is None once reduced."""
+
+    rank: int | None
+    records: tuple[NodeRecord, ...]
+    seconds: float  # wall seconds of the whole walk (reduced: max over ranks)
+
+    def node_observations(self, fastest: bool = False) -> list[NodeObservation]:
+        """(node_id, op, predicted_bytes, measured_bytes, seconds) per node; ``fastest`` takes the min-over-members time."""
+        return [
+            NodeObservation(
+                r.node_id,
+                r.op,
+                r.predicted_bytes,
+                r.measured_bytes,
+                r.fastest_seconds if fastest else r.seconds,
+            )
+            for r in self.records
+        ]
+
+    def reduce(self) -> ExecutionReport:
+        """All ranks' reports combined (collective over the default group; every rank gets it)."""
+        require(self.rank is not None, "report", "this report is already reduced")
+        local = [(self.seconds, [_strip(r) for r in self.records])]
+        everything: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everything, local[0])
+        combined = []
+        for i, mine in enumerate(self.records):
+            parts = [records[i] for _, records in everything]
+            members = [p.seconds for p in parts if p.member] or [0.0]
+            combined.append(
+                NodeRecord(
+                    mine.node_id,
+                    mine.op,
+                    mine.model_stage,
+                    mine.ranks,
+                    sum(p.predicted_bytes for p in parts),
+                    sum(p.measured_bytes for p in parts),
+                    max(members),
+                    min(members),
+                    True,
+                )
+            )
+        return ExecutionReport(None, tuple(combined), max(s for s, _ in everything))
+
+
+def _strip(record: NodeRecord) -> NodeRecord:
+    return NodeRecord(**{f.name: getattr(record, f.name) for f in fields(record) if f.name != "report"})
+
+
+def execute_dag(
+    dag: Any,
+    *,
+    rank_of: Mapping[int, int] | None = None,
+    device: torch.device | str | None = None,
+    colocate: Mapping[str, Collection[str]] | None = None,
+) -> ExecutionReport:
+    """Execute every node of ``dag`` (a ``transition.TransitionDAG``); call on every rank.
+
+    Args:
+        dag: the transition DAG; its current plan's units must be live in the registry.
+        rank_of: GPU id in the plans -> global rank (identity by default).
+        device: where received shards live (``emu.default_device()`` by default).
+        colocate: model-stage -> the model-stages whose units may share its ranks. By default the
+            workflow's rule: model-stages of different stages (generation, inference, training)
+            run one after another, so they may share GPUs; those of one stage may not.
+
+    Returns:
+        This rank's :class:`ExecutionReport` (call :meth:`ExecutionReport.reduce` on every rank
+        for the whole job's view).
+
+    Raises:
+        NereusConfigError: a node is malformed, or does not match the live units (nothing moved).
+    """
+    start = time.perf_counter()
+    me = dist.get_rank()
+    colocate = dict(colocate) if colocate is not None else _workflow_colocation(dag)
+    gpu_of = {rank_of[g] if rank_of is not None else g: g for n in dag.nodes for g in n.gpus}
+    ops = [op_of(node, rank_of) for node in dag.nodes]
+    for node in dag.nodes:
+        bad = [d for d in node.deps if d >= node.id]
+        require(
+            not bad, "dag.nodes", f"node #{node.id} depends on later nodes {bad}: not a topological order"
+        )
+    _dry_run(ops, colocate)
+    device = torch.device(device) if device is not None else default_device()
+    records = []
+    # No autograd: pack/unpack then take their kernel path on GPU tensors and build no graph.
+    with torch.no_grad():
+        for node, op in zip(dag.nodes, ops, strict=True):
+            tick = time.perf_counter()
+            with_ = tuple(colocate.get(op.model_stage, ()))
+            if _overlapping(op):
+                report = _extend_overlapping(op, with_, device)
+            else:
+                report = execute(op, colocate_with=with_, device=device)
+            seconds = time.perf_counter() - tick
+            ranks = tuple(sorted({r for u in (*op.sources, *op.targets) for r in u.ranks}))
+            mine = gpu_of.get(me)
+            predicted = sum(t.bytes for t in node.transfers if t.src_gpu != t.dst_gpu and t.dst_gpu == mine)
+            records.append(
+                NodeRecord(
+                    node.id,
+                    op.kind,
+                    op.model_stage,
+                    ranks,
+                    predicted,
+                    report.payload_received,
+                    seconds,
+                    seconds,
+                    me in ranks,
+                    report,
+                )
+            )
+    return ExecutionReport(me, tuple(records), time.perf_counter() - start)
+
+
+def op_of(node: Any, rank_of: Mapping[int, int] | None = None) -> Primitive:
+    """The EMU op of a transition node, including an Extend that overlaps its source (checked here)."""
+    kind = getattr(node.op, "value", node.op)
+    if kind == "extend":
+        ranks = (lambda g: rank_of[g]) if rank_of is not None else (lambda g: g)
+        source = Unit(node.sources[0].layout, tuple(map(ranks, node.sources[0].gpus)))
+        targets = tuple(Unit(u.layout, tuple(map(ranks, u.gpus))) for u in node.targets)
+        op = Extend(node.model_stage, source, targets)
+        if _overlapping(op):
+            used = [r for u in targets for r in u.ranks]
+            require(len(targets) >= 1, "extend.targets", f"node #{node.id} has no target")
+            require(
+                len(set(used)) == len(used), "extend.targets", f"node #{node.id}: targets overlap each other"
+            )
+            require(
+                all(u.layout == source.layout for u in targets),
+                "extend.targets",
+                f"node #{node.id}: copies keep the source layout",
+            )
+            return op
+    return from_node(node, rank_of)
+
+
+def _overlapping(op: Primitive) -> bool:
+    return isinstance(op, Extend) and any(r in op.source.ranks for u in op.targets for r in u.ranks)
+
+
+def _workflow_colocation(dag: Any) -> dict[str, tuple[str, ...]]:
+    stages = dag.context.stages
+    return {name: tuple(o for o in stages if stages[o].stage != stages[name].stage) for name in stages}
+
+
+def _dry_run(ops: Sequence[Primitive], colocate: Mapping[str, Collection[str]]) -> None:
+    """Replay ``ops`` on a scratch copy of this rank's registry picture (no state): raise before anything moves."""
+    live = registry()
+    scratch = Registry()
+    for name in {op.model_stage for op in ops}:
+        scratch.declare(name, live.schema(name), live.trains[name])
+    for name, units in live.units.items():
+        scratch.declare(name, live.schemas[name], live.trains[name])
+        for unit in units:
+            scratch.add(name, unit, None)
+    world = dist.get_world_size()
+    for i, op in enumerate(ops):
+        try:
+            scratch.require_live(op.model_stage, op.sources)
+            for unit in op.targets:
+                scratch.schema(op.model_stage).validate(unit.layout)
+            old = {r for u in op.sources for r in u.ranks}
+            new = {r for u in op.targets for r in u.ranks} - old
+            scratch.require_free(
+                op.model_stage, new, ignore=op.sources, colocate_with=colocate.get(op.model_stage, ())
+            )
+            bad = sorted(r for r in new if not 0 <= r < world)
+            require(not bad, "target ranks", f"ranks {bad} are outside the world (size {world})")
+            if isinstance(op, Destroy) and len(scratch.live(op.model_stage)) <= 1:
+                raise NereusConfigError(
+                    f"destroy: {op.source} is the last copy of {op.model_stage!r}'s state"
+                )
+        except NereusConfigError as exc:
+            raise NereusConfigError(
+                f"transition DAG node #{i} ({op.kind} of {op.model_stage}): {exc}"
+            ) from exc
+        if not isinstance(op, Extend):
+            for unit in op.sources:
+                scratch.remove(op.model_stage, unit)
+        for unit in op.targets:
+            scratch.add(op.model_stage, unit, None)
+
+
+def _extend_overlapping(op: Extend, colocate_with: Collection[str], device: torch.device) -> TransferReport:
+    """An Extend whose targets share ranks with its source: one broadcast per position, in position order.
+
+    A rank at the same position in source and target clones its shard locally; a rank at two
+    positions sends one shard and receives the other (positions run in order on every rank, so the
+    per-position groups cannot wait on each other in a cycle). The source stays alive.
+    """
+    start = time.perf_counter()
+    reg = registry()
+    name = op.model_stage
+    schema, trains = reg.schema(name), reg.trains[name]
+    reg.require_live(name, [op.source])
+    for unit in op.targets:
+        schema.validate(unit.layout)
+    new_ranks = {r for u in op.targets for r in u.ranks} - set(op.source.ranks)
+    reg.require_free(name, new_ranks, ignore=(op.source,), colocate_with=colocate_with)
+    me = dist.get_rank()
+    traffic = Traffic()
+    target = next((u for u in op.targets if me in u.ranks), None)
+    mine = None
+    if target is not None or me in op.source.ranks:
+        src = reg.local(name, op.source) if me in op.source.ranks else None
+        if target is not None:
+            mine = EMU.empty(name, schema, target, me, trains=trains, device=device)
+        counters = torch.empty(Counters.size(), dtype=torch.int64, device=device)
+        for i, sender in enumerate(op.source.ranks):
+            receivers = tuple(u.ranks[i] for u in op.targets)
+            if me != sender and me not in receivers:
+                continue
+            others = tuple(r for r in receivers if r != sender)
+            if me == sender:
+                views = [t for _, _, t in src.tensors()] + [src.counters.as_tensor(src.device)]
+                if me in receivers:  # same position in both units: a local copy
+                    for (_, _, new), old in zip(mine.tensors(), views[:-1], strict=True):
+                        new.copy_(old)
+                    mine.counters = src.counters
+            else:
+                views = [t for _, _, t in mine.tensors()] + [counters]
+            if others:
+                _add(traffic, broadcast_views(views, sender, (sender, *others), device))
+            if me != sender:
+                mine.counters = Counters.from_tensor(counters)
+    for unit in op.targets:
+        reg.add(name, unit, mine if unit == target else None)
+    return TransferReport(
+        op.kind,
+        name,
+        me,
+        traffic.sent_bytes,
+        traffic.received_bytes,
+        traffic.payload_sent,
+        traffic.payload_received,
+        traffic.buffers_sent,
+        tuple(sorted(traffic.peers)),
+        0,
+        time.perf_counter() - start,
+    )
+
+
+def _add(total: Traffic, part: Traffic) -> None:
+    total.sent_bytes += part.sent_bytes
+    total.received_bytes += part.received_bytes
+    total.payload_sent += part.payload_sent
+    total.payload_received += part.payload_received
+    total.buffers_sent += part.buffers_sent
+    total.peers |= part.peers
+
+
+__all__ = ["ExecutionReport", "NodeObservation", "NodeRecord", "execute_dag", "op_of"]

@@ -8,7 +8,8 @@ counts, disjointness); pure Python, no torch.
   (pp, tp) joins target unit ``(pp % b) * a + (tp % a)`` at position (pp // b, tp // a), where
   ``a``, ``b`` are the TP and PP factors: the ranks that pool their shards are neighbours.
 - :class:`Merge`: k units of one layout -> one larger unit on their ranks (the inverse mapping
-  by default, which moves nothing when the shards already nest).
+  by default, which moves nothing when the shards already nest); with one source unit, a
+  re-ranking of it onto the same ranks in another order.
 - :class:`Extend`: one unit -> the same unit plus copies on disjoint rank tuples (same positions).
 - :class:`Destroy`: drop one unit.
 """
@@ -268,6 +269,15 @@ def validate_op(op: Primitive) -> None:
             sorted(ranks) == sorted(op.source.ranks),
             "split.targets",
             f"{ranks} must partition {op.source.ranks}",
+        )
+    elif isinstance(op, Merge) and len(op.sources) == 1:
+        # A re-ranking (the transition brain emits it when a target unit holds its T_sub unit's
+        # ranks in another order): same layout, same ranks, shards moved to their new positions.
+        source = op.sources[0]
+        require(
+            op.target.layout == source.layout and sorted(op.target.ranks) == sorted(source.ranks),
+            "merge.sources",
+            f"one source unit ({source}) only re-ranks onto the same layout and ranks, not {op.target}",
         )
     elif isinstance(op, Merge):
         merge(op.model_stage, op.sources, op.target.layout, ranks=op.target.ranks)
