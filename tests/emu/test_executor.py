@@ -1,0 +1,83 @@
+"""emu.executor.execute_dag runs whole transition DAGs of a five-model-stage PPO job on four gloo ranks."""
+
+import pytest
+
+from tests.emu import executor_workers as workers
+
+# (current, target, GPU ids reversed onto ranks)
+PAIRS = [("A", "B", False), ("B", "A", True), ("C", "D", False)]
+
+
+@pytest.fixture(scope="module")
+def results(dist4):
+    return {pair: dist4.run(workers.run_pair, *pair) for pair in PAIRS}
+
+
+def test_pairs_exercise_every_primitive_and_a_resource_edge(results):
+    ops = {op for per_rank in results.values() for op, n in per_rank[0]["summary"]["counts"].items() if n}
+    assert ops == {"split", "merge", "extend", "destroy"}
+    for pair, per_rank in results.items():
+        summary = per_rank[0]["summary"]
+        assert summary["resource_edges"] >= 1 and summary["with_resource_deps"], pair
+    c_to_d = results[("C", "D", False)][0]["summary"]
+    assert c_to_d["one_source_merges"] == 1 and c_to_d["overlapping_extends"] == 2
+
+
+def test_every_model_stage_keeps_its_state_bit_for_bit(results):
+    for pair, per_rank in results.items():
+        first = per_rank[0]
+        assert set(first["diffs"]) == set(workers.PLANS[pair[0]])
+        for name, diff in first["diffs"].items():
+            assert diff == [], (pair, name, diff[:3])
+            assert first["replicas"][name] == workers.PLANS[pair[1]][name].dp, (pair, name)
+        for rank, out in enumerate(per_rank):
+            assert all(out["live_ok"].values()), (pair, rank, out["live_ok"])
+
+
+def test_moved_units_compute_the_full_models_logits(results):
+    for pair, per_rank in results.items():
+        seen = set()
+        for out in per_rank:
+            for name, unit, err in out["errors"]:
+                assert err <= 1e-5, (pair, name, unit, err)
+                seen.add(name)
+        assert seen == set(workers.PLANS[pair[1]]), pair
+
+
+def test_measured_bytes_are_the_priced_bytes(results):
+    """Per node and rank: payload = brain bytes / brain bytes-per-param * EMU bytes-per-param + counters + steps.
+
+    Inference: EMU and brain both store 4 B per fp32 parameter, so payload = priced bytes (+ 48 B
+    of counters per receiving Extend position). Training: the EMU moves param + exp_avg +
+    exp_avg_sq = 12 B per fp32 parameter (+ a 4-byte step per tensor it first receives).
+    """
+    for pair, per_rank in results.items():
+        for rank, out in enumerate(per_rank):
+            for node_id, op, trains, brain, brain_bpp, body_bpp, measured, extra in out["rows"]:
+                assert brain % brain_bpp == 0, (pair, node_id)
+                assert measured - extra == brain // brain_bpp * body_bpp, (pair, rank, node_id, op, trains)
+                if not trains:
+                    assert measured - extra == brain
+            assert [o.measured_bytes for o in out["local"]] == [row[6] for row in out["rows"]]
+
+
+def test_reduced_report_sums_bytes_and_times_members(results):
+    for pair, per_rank in results.items():
+        summary = per_rank[0]["summary"]
+        reduced = per_rank[0]["reduced"]
+        assert all(out["reduced"] == reduced for out in per_rank), pair  # every rank gets the same view
+        assert [o.predicted_bytes for o in reduced] == summary["node_bytes"]
+        for i, obs in enumerate(reduced):
+            assert obs.node_id == i
+            assert obs.measured_bytes == sum(out["local"][i].measured_bytes for out in per_rank)
+            members = per_rank[0]["members"][i]
+            slowest = max(per_rank[r]["local"][i].seconds for r in members)
+            assert obs.seconds == slowest > 0
+            assert 0 < per_rank[0]["fastest"][i].seconds <= obs.seconds
+
+
+def test_a_dag_for_other_live_units_fails_everywhere_before_moving(dist4):
+    for message, same, diffs in dist4.run(workers.stale_registry):
+        assert message is not None and "node #0" in message and "not a live unit" in message
+        assert all(same.values())
+        assert all(d == [] for d in diffs.values())
