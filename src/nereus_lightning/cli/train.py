@@ -7,7 +7,7 @@ processes, and a GPU-supply schedule that takes a rank away and gives it back. E
     nereus-train
     nereus-train algorithm=grpo trainer.max_steps=40
     nereus-train +experiment=quick logger=tensorboard
-    nereus-train ckpt_path=outputs/.../checkpoints/last trainer.devices=2
+    nereus-train ckpt_path=outputs/.../checkpoints/last.ckpt trainer.devices=2
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def _quiet() -> None:
     for pattern in (
         ".*past_key_values.*",
         ".*LeafSpec.*",
-        ".*modules? in eval mode.*",
+        ".*in eval mode at the start of training.*",
         ".*optimizer.step\\(\\).*",
         ".*weights_only.*",
         ".*ModelCheckpoint with manual optimization.*",
@@ -228,6 +228,7 @@ def run(cfg: Any) -> dict[str, Any]:
         dirpath=ckpt_dir,
         filename="step{step}",
         every_n_train_steps=10,
+        save_last=True,  # checkpoints/last.ckpt: written by the ranks themselves, resumable
         save_top_k=-1,
         auto_insert_metric_name=False,
     )
@@ -246,8 +247,6 @@ def run(cfg: Any) -> dict[str, Any]:
         last = latest_checkpoint(ckpt_dir)
         hint = f"resume with: nereus-train ckpt_path={last}" if last else "no checkpoint was written yet"
         raise RuntimeError(f"training stopped: {type(exc).__name__}: {exc}\n{hint}") from exc
-    if cfg.save_checkpoint:
-        trainer.save_checkpoint(os.path.join(ckpt_dir, "last"))
     summary = summarize(out)
     summary["plot"] = plot_path
     with open(os.path.join(out, "summary.json"), "w") as f:

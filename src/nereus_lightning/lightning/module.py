@@ -255,9 +255,10 @@ class RLModule(L.LightningModule):
                 "timing_s/update_actor": t_upd - t_adv,
                 "timing_s/step": t_upd - t0,
                 "perf/total_num_tokens": float(attn.sum()),
+                # verl: tokens per second per GPU (the GPUs this step's plan used)
                 "perf/throughput": float(attn.sum())
                 / max(t_upd - t0, 1e-9)
-                / max(len(plan["actor_gen"].gpus), 1),
+                / max(len({g for _, c in plan.items() for g in c.gpus}), 1),
             }
         )
         return metrics
