@@ -57,3 +57,25 @@ def test_quick_experiment_trains_transitions_and_plots(tmp_path):
     assert (tmp_path / "run.png").stat().st_size > 1000
     decisions = [json.loads(line) for line in open(tmp_path / "decisions.jsonl")]
     assert decisions[0]["decision"] == "initial" and any(d["decision"] == "transition" for d in decisions)
+
+
+@pytest.mark.distributed
+def test_dead_rank_stops_nereus_train_with_a_message_and_a_checkpoint(tmp_path):
+    from nereus_lightning.cli.train import run
+
+    cfg = _cfg(
+        "experiment=quick",
+        f"output_dir={tmp_path}",
+        "trainer.devices=3",
+        "algorithm._target_=tests.lightning.helpers.DyingPPOModule",
+        "adapt=false",
+        "plot=false",
+        "checkpoint_every=1",
+    )
+    cfg.trainer.max_steps = 4
+    with pytest.raises(
+        RuntimeError, match="training stopped: .*\n.*resume with: nereus-train ckpt_path=.*"
+    ) as info:
+        run(cfg)
+    ckpt = str(info.value).rsplit("ckpt_path=", 1)[1].strip()
+    assert (tmp_path / "checkpoints").is_dir() and ckpt.startswith(str(tmp_path / "checkpoints"))

@@ -227,7 +227,7 @@ def run(cfg: Any) -> dict[str, Any]:
     checkpoint = pl.callbacks.ModelCheckpoint(
         dirpath=ckpt_dir,
         filename="step{step}",
-        every_n_train_steps=10,
+        every_n_train_steps=int(cfg.get("checkpoint_every", 10)),
         save_last=True,  # checkpoints/last.ckpt: written by the ranks themselves, resumable
         save_top_k=-1,
         auto_insert_metric_name=False,
