@@ -189,7 +189,12 @@ def run(cfg: Any) -> dict[str, Any]:
 
         with open_dict(cfg):
             cfg.cluster_gpu_memory = tight_gpu_memory(cfg, job_cluster_preset(cfg))
-        print(f"nereus-train: per-GPU memory {cfg.cluster_gpu_memory} bytes (auto)")
+        memory = cfg.cluster_gpu_memory
+        print(
+            f"nereus-train: per-GPU memory {memory:.6g} bytes (auto)"
+            if memory
+            else "nereus-train: cluster_gpu_memory=auto found no memory that forces a layout change; keeping the preset's"
+        )
     check_feasible(cfg, world)
     out = str(cfg.output_dir)
     os.makedirs(out, exist_ok=True)
