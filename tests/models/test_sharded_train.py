@@ -59,7 +59,7 @@ def _reference(kind: str, clip: float | None) -> tuple[torch.nn.Module, list[flo
 
 
 def _train_errors(
-    rank: int, world: int, kind: str, tp: int, pp: int, clip: float | None = None
+    rank: int, world: int, kind: str, tp: int, pp: int, clip: float | None = None, micro: int = 2
 ) -> dict[str, float]:
     layout = Layout(tp, pp)
     start = tiny_model(kind)
@@ -79,7 +79,7 @@ def _train_errors(
     for step in range(STEPS):
         ids, adv = _batch(step)
         rows = slice(index * BATCH // dp, (index + 1) * BATCH // dp)
-        mbs = split_micro_batches(ids[rows], 2, adv=adv[rows])
+        mbs = split_micro_batches(ids[rows], micro, adv=adv[rows])
         # The first step leaves its gradients for inspection, then steps by hand.
         losses.append(float(train_step(sharded, mbs, _loss, opt if step else None, max_grad_norm=clip)))
         if step == 0:
@@ -110,16 +110,17 @@ def _train_errors(
 
 
 @pytest.mark.parametrize(
-    ("kind", "tp", "pp"),
+    ("kind", "tp", "pp", "micro"),
     [
-        ("gqa_tied", 2, 2),  # TP 2 x PP 2: tied embedding on both end stages
-        ("gqa_tied", 2, 1),  # TP 2 x DP 2
-        ("gqa_tied", 1, 2),  # PP 2 x DP 2
-        ("qwen3", 2, 2),  # q/k norms see only this rank's heads: gradients summed over TP
+        ("gqa_tied", 2, 2, 4),  # TP 2 x PP 2: tied embedding on both end stages; 1F1B steady state
+        ("gqa_tied", 2, 1, 2),  # TP 2 x DP 2
+        ("gqa_tied", 1, 2, 2),  # PP 2 x DP 2
+        ("gqa_tied", 1, 4, 4),  # PP 4: 1F1B warm-up of 3, 2, 1, 0 forwards
+        ("qwen3", 2, 2, 2),  # q/k norms see only this rank's heads: gradients summed over TP
     ],
 )
-def test_adamw_steps_match_unsharded(dist4, kind: str, tp: int, pp: int) -> None:
-    for rank, res in enumerate(dist4.run(_train_errors, kind, tp, pp)):
+def test_adamw_steps_match_unsharded(dist4, kind: str, tp: int, pp: int, micro: int) -> None:
+    for rank, res in enumerate(dist4.run(_train_errors, kind, tp, pp, None, micro)):
         assert res["grad"] <= 1e-5, f"rank {rank}: first-step gradients differ by {res['grad']:.2e} relative"
         assert res["param"] <= 1e-5, f"rank {rank}: parameters differ by {res['param']:.2e} relative"
         assert res["moved"] > 1e-4, f"rank {rank}: some parameter did not change ({res['moved']:.1e})"

@@ -90,7 +90,7 @@ class ReplicaComm:
     rank: int  # this global rank
     tp_group: dist.ProcessGroup | None  # None only for a single-rank replica (see ``single``)
     replica_group: dist.ProcessGroup | None
-    tied_group: dist.ProcessGroup | None  # first/last stage pair at this tp rank (tied, pp > 1)
+    tied_group: dist.ProcessGroup | None  # end stages at this tp rank (tied, pp > 1)
     dp_group: dist.ProcessGroup | None  # same position in every replica of the model-stage
 
     @classmethod
@@ -120,7 +120,8 @@ class ReplicaComm:
         require(rank in ranks, "rank", f"rank {rank} is not in replica {ranks}")
         index = ranks.index(rank)
         pp_rank, tp_rank = divmod(index, layout.tp)
-        tied_group = group_factory(tied_ranks(ranks, layout, tp_rank)) if tied and layout.pp > 1 else None
+        holds_tied = tied and layout.pp > 1 and pp_rank in (0, layout.pp - 1)
+        tied_group = group_factory(tied_ranks(ranks, layout, tp_rank)) if holds_tied else None
         dp_group = None
         if dp_ranks is not None and len(dp_ranks) > 1:
             require(rank in dp_ranks, "dp_ranks", f"rank {rank} is not in DP group {tuple(dp_ranks)}")

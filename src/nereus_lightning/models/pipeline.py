@@ -1,16 +1,20 @@
 """Micro-batched pipeline schedules over a :class:`ShardedCausalLM`: scoring and one training step.
 
-The schedule is GPipe: every stage runs all micro-batch forwards (receiving from the previous
-stage, sending to the next), then all backwards in reverse order (receiving the output gradient
-from the next stage, ``torch.autograd.backward`` on it, sending the input gradient back).
-Activations flow between the stage ranks at the same TP rank with blocking point-to-point
-send / recv, which cannot deadlock because data moves one way per phase. Every rank of a replica
-must call these functions with the same micro-batches (the token ids are needed everywhere for
-shapes and masks; only the first stage embeds them).
+Activations flow between the stage ranks at the same TP rank (point-to-point, global ranks).
+Scoring runs every micro-batch forward through the stages (data moves one way, so blocking
+send / recv cannot deadlock). Training runs 1F1B: stage ``s`` of ``pp`` does ``pp - s - 1``
+warm-up forwards, then alternates one forward and one backward, then drains the backwards, so
+at most ``pp - s`` micro-batches hold activations (the planner's memory model). Where a stage
+sends one way and receives the other in the same step, both are posted together
+(``batch_isend_irecv``), as Megatron-LM does, so neither side waits on the other. Backward is
+explicit: ``torch.autograd.backward(output, received_grad)``. Every rank of a replica must call
+these functions with the same micro-batches (token ids are needed everywhere for shapes and
+masks; only the first stage embeds them).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -172,6 +176,24 @@ def token_logprobs(
 LossFn = Callable[[Tensor, MicroBatch], Tensor]
 
 
+def _exchange(
+    send: tuple[Tensor, int] | None = None, recv: tuple[Tensor, int] | None = None
+) -> Tensor | None:
+    """Send and/or receive (tensor, peer) at once; returns the received buffer."""
+    if send is not None and recv is not None:
+        ops = [
+            dist.P2POp(dist.isend, send[0].detach().contiguous(), send[1]),
+            dist.P2POp(dist.irecv, recv[0], recv[1]),
+        ]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    elif send is not None:
+        _send(*send)
+    elif recv is not None:
+        _recv(*recv)
+    return None if recv is None else recv[0]
+
+
 def train_step(
     model: ShardedCausalLM,
     micro_batches: Sequence[MicroBatch],
@@ -179,14 +201,15 @@ def train_step(
     optimizer: torch.optim.Optimizer | None = None,
     max_grad_norm: float | None = None,
 ) -> Tensor:
-    """One optimisation step of a replica: forward + backward of every micro-batch, then gradient sync.
+    """One optimisation step of a replica: 1F1B forward + backward of every micro-batch, then gradient sync.
 
     ``loss_fn(logprobs, mb)`` maps the float32 ``[b, S-1]`` token log-probs of a micro-batch to a
     scalar; the objective is the mean over micro-batches. Gradients are summed over TP where
     needed, over tied-embedding copies, and averaged over ``model.comm.dp_group`` (so the objective
     is also the mean over replicas), clipped to a global norm of ``max_grad_norm`` when given
     (:func:`~nereus_lightning.models.optim.clip_grad_norm_`), then ``optimizer.step()`` when given
-    (grads are left in ``.grad`` either way). Returns this replica's mean loss (float32 scalar) on every replica rank.
+    (grads are left in ``.grad`` either way). Returns this replica's mean loss (float32 scalar) on
+    every replica rank.
     """
     comm = model.comm
     mbs = list(micro_batches)
@@ -194,28 +217,54 @@ def train_step(
     params = list(model.parameters())
     for p in params:
         p.grad = None
-    saved: list[tuple[Tensor | None, Tensor]] = []
     total = torch.zeros((), dtype=torch.float32, device=params[0].device)
-    for mb in mbs:
-        inp = None
-        if not comm.is_first_stage:
-            inp = _recv(_hidden_buffer(model, mb), comm.prev_rank).requires_grad_()  # type: ignore[arg-type]
+    first, last = comm.is_first_stage, comm.is_last_stage
+    prev, nxt = comm.prev_rank, comm.next_rank
+
+    def forward(mb: MicroBatch, inp: Tensor | None) -> Tensor:
         out = model(mb.input_ids, inp, mb.attention_mask, mb.position_ids)
-        if comm.is_last_stage:
+        if last:
             out = loss_fn(_logprobs_of(model, out, mb.input_ids), mb) / len(mbs)
-            total += out.detach().float()
+            total.add_(out.detach().float())
+        return out
+
+    def backward(inp: Tensor | None, out: Tensor, grad: Tensor | None) -> Tensor | None:
+        torch.autograd.backward(out, grad)  # grad is None on the last stage: out is the loss
+        return None if inp is None else inp.grad
+
+    def recv_input(mb: MicroBatch) -> Tensor | None:
+        return None if first else _exchange(recv=(_hidden_buffer(model, mb), prev)).requires_grad_()  # type: ignore[arg-type,union-attr]
+
+    warmup = min(comm.layout.pp - comm.pp_rank - 1, len(mbs))
+    steady = len(mbs) - warmup
+    in_flight: deque[tuple[Tensor | None, Tensor]] = deque()
+    for mb in mbs[:warmup]:
+        inp = recv_input(mb)
+        out = forward(mb, inp)
+        _exchange(send=(out, nxt))  # type: ignore[arg-type]  # warm-up only on non-last stages
+        in_flight.append((inp, out))
+    inp = recv_input(mbs[warmup]) if steady > 0 else None
+    for k in range(steady):
+        out = forward(mbs[warmup + k], inp)
+        in_flight.append((inp, out))
+        old_inp, old_out = in_flight.popleft()
+        grad = None if last else _exchange(send=(out, nxt), recv=(torch.empty_like(old_out), nxt))  # type: ignore[arg-type]
+        grad_in = backward(old_inp, old_out, grad)
+        if k == steady - 1:
+            inp = None
+            if not first:
+                _exchange(send=(grad_in, prev))  # type: ignore[arg-type]
+        elif first:
+            inp = None
         else:
-            _send(out, comm.next_rank)  # type: ignore[arg-type]
-        saved.append((inp, out))
-    for inp, out in reversed(saved):
-        if comm.is_last_stage:
-            torch.autograd.backward(out)
-        else:
-            grad = _recv(torch.empty_like(out), comm.next_rank)  # type: ignore[arg-type]
-            torch.autograd.backward(out, grad)
-        if inp is not None:
-            _send(inp.grad, comm.prev_rank)  # type: ignore[arg-type]
-    saved.clear()
+            nxt_mb = mbs[warmup + k + 1]
+            inp = _exchange(send=(grad_in, prev), recv=(_hidden_buffer(model, nxt_mb), prev)).requires_grad_()  # type: ignore[arg-type,union-attr]
+    while in_flight:
+        old_inp, old_out = in_flight.popleft()
+        grad = None if last else _exchange(recv=(torch.empty_like(old_out), nxt))  # type: ignore[arg-type]
+        grad_in = backward(old_inp, old_out, grad)
+        if not first:
+            _exchange(send=(grad_in, prev))  # type: ignore[arg-type]
     model.sync_grads()
     if comm.dp_group is not None:
         for p in params:
@@ -226,6 +275,6 @@ def train_step(
         clip_grad_norm_(model, max_grad_norm)
     if optimizer is not None:
         optimizer.step()
-    loss = _deliver(model, total if comm.is_last_stage else None, total, "all")
+    loss = _deliver(model, total if last else None, total, "all")
     assert loss is not None
     return loss
