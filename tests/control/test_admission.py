@@ -185,3 +185,15 @@ def test_revocation_falls_back_to_the_intact_units_before_restarting():
     d = ctl.step(sig(1, gpus=2))  # GPUs 2-3 lost; the planner's target has no safe DAG
     assert d.kind == "transition" and d.target == survivors and d.urgent
     assert d.transition_cost == 0.0  # only Destroy: the replicas on lost GPUs are dropped
+
+
+def test_urgent_restart_when_the_reachable_target_is_much_slower():
+    relief = gen_plan(1, 4, recompute=True)
+    for h_ema, expected in ((1.0, "transition"), (40.0, "restart")):
+        backend = FakeBackend([B], {A: 10.0, B: 5.0, relief: 40.0}, tran={B: None, relief: 0.0}, feasible={A: False})
+        ctl = make(backend, restart_s=300.0)
+        ctl.memory_clock.ema, ctl.memory_clock.last_crossing = h_ema, -int(h_ema)  # H stays h_ema at step 0
+        d = ctl.step(sig(0))  # memory: B (5 s/step) has no safe DAG, the recompute variant (40 s/step) has one
+        assert d.urgent and d.kind == expected, (h_ema, d.reason)
+        # restart: 300 s / 35 s per step = 8.6 steps <= 0.5 * H only when H is large
+        assert d.target == (B if expected == "restart" else relief)

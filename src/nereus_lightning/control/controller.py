@@ -286,6 +286,21 @@ class Controller:
                 continue
             entry["L_tran"] = round(l_tran, 6)
             if urgent:
+                fastest = min(seen, key=lambda o: o.estimate.step_latency)
+                slower = lat - fastest.estimate.step_latency
+                if slower > 0 and cfg.admission == "payback":
+                    # The reachable target is slower than the best plan, which has no safe DAG:
+                    # restarting into the best plan is worth it if the restart pays back.
+                    ok, why = self._profitable(slower, cfg.restart_s, horizon)
+                    if ok:
+                        entry["verdict"] = f"reachable, but a restart into {fastest.source} {why}"
+                        return Decision(
+                            kind="restart", target=fastest.plan, target_latency=fastest.estimate.step_latency,
+                            transition_cost=cfg.restart_s, considered=tuple(considered),
+                            reason="; ".join([*reasons, f"urgent ({_kinds(triggers)}): the reachable target is "
+                                              f"{slower:.2f} s/step slower; checkpoint/restart {why}"]),
+                            **base,
+                        )
                 entry["verdict"] = "admitted (urgent: profitability waived)"
                 return Decision(
                     kind="transition", target=opt.plan, target_latency=lat, delta_latency=None if math.isinf(d_l) else d_l,
