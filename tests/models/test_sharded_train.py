@@ -14,7 +14,7 @@ from nereus_lightning.models import (
     train_step,
 )
 from nereus_lightning.plan.layout import Layout
-from tests.models.tiny import VOCAB, my_replica, rel_err, tiny_model
+from tests.models.tiny import PAD, VOCAB, my_replica, rel_err, tiny_model
 
 STEPS, BATCH, SEQ, LR = 3, 8, 10, 1e-3
 # Adam's first steps are ~lr * sign(grad), so float32 reordering noise in small gradient entries
@@ -28,6 +28,7 @@ EPS = 1e-4
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(1000 + step)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    ids[:, 0] = PAD  # exercises the vocabulary-parallel embedding's padding row
     adv = torch.randn(BATCH, SEQ - 1, generator=gen)
     return ids, adv
 

@@ -8,10 +8,11 @@ from nereus_lightning.models import ReplicaComm, replica_groups
 from nereus_lightning.plan.layout import Layout
 
 VOCAB = 256
+PAD = 200  # the padding id of "gqa_tied" (its embedding row gets no gradient from lookups)
 
 
 def tiny_config(kind: str):
-    """A tiny config: "llama" (MHA), "qwen2" (q/k/v bias, GQA), "gqa_tied" (Llama GQA, tied), "qwen3" (q/k norm, tied),
+    """A tiny config: "llama" (MHA), "qwen2" (q/k/v bias, GQA), "gqa_tied" (Llama GQA, tied, pad id), "qwen3" (q/k norm, tied),
     "mistral" (sliding window 5)."""
     import transformers as tf
 
@@ -31,6 +32,7 @@ def tiny_config(kind: str):
             intermediate_size=160,
             num_hidden_layers=4,
             tie_word_embeddings=True,
+            pad_token_id=PAD,  # in the last vocabulary shard under TP 2 and 4
             **common,
         )
     if kind == "qwen3":
