@@ -201,8 +201,12 @@ class ShardedCausalLM(nn.Module):
         )
         wrong = {n: (given[n], s) for n, s in expected.items() if given[n] != s}
         require(not wrong, "shards", f"shard shapes (given, expected) differ: {wrong}")
+        devices = {t.device for t in shards.values()}
+        require(
+            len(devices) == 1, "shards", f"all shards must be on one device, got {sorted(map(str, devices))}"
+        )
         params = {n: _as_param(t) for n, t in shards.items()}
-        device = next(iter(params.values())).device
+        device = devices.pop()
         self.model = nn.Module()
         if "model.embed_tokens.weight" in params:
             self.model.embed_tokens = VocabParallelEmbedding(
@@ -226,6 +230,8 @@ class ShardedCausalLM(nn.Module):
         with torch.device(device):
             self.rotary_emb = rotary_cls(config=lcfg)
         self.tp_partial = tuple(n for n in params if _tp_partial(n, config))
+        left = [n for n, t in (*self.named_parameters(), *self.named_buffers()) if t.is_meta]
+        assert not left, f"tensors left unassigned on the meta device: {left}"
         self.eval()  # no dropout: sharded and unsharded runs must agree
 
     def _skeleton(self, layer_cls: type, norm_cls: type, lcfg: Any, vocab_rows: int, tied: bool) -> nn.Module:
