@@ -81,3 +81,15 @@ def test_a_dag_for_other_live_units_fails_everywhere_before_moving(dist4):
         assert message is not None and "node #0" in message and "not a live unit" in message
         assert all(same.values())
         assert all(d == [] for d in diffs.values())
+
+
+def test_one_source_merge_is_a_re_ranking_only():
+    from nereus_lightning.emu import Merge, Unit, validate_op
+    from nereus_lightning.plan.layout import Layout
+    from nereus_lightning.spec.errors import NereusConfigError
+
+    source = Unit(Layout(2, 1), (2, 3))
+    validate_op(Merge("critic_infer", (source,), Unit(Layout(2, 1), (3, 2))))
+    for target in (Unit(Layout(2, 1), (3, 1)), Unit(Layout(1, 2), (3, 2))):
+        with pytest.raises(NereusConfigError, match="only re-ranks onto the same layout and ranks"):
+            validate_op(Merge("critic_infer", (source,), target))
