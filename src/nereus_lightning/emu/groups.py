@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
+from nereus_lightning.models.groups import collective_timeout
 from nereus_lightning.spec.errors import require
 
 _GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
@@ -30,7 +31,7 @@ def member_group(ranks: Sequence[int]) -> dist.ProcessGroup:
     require(me in key, "ranks", f"rank {me} asked for the group of {key} without being a member")
     group = _GROUPS.get(key)
     if group is None:
-        group = dist.new_group(list(key), use_local_synchronization=True)
+        group = dist.new_group(list(key), use_local_synchronization=True, timeout=collective_timeout())
         _GROUPS[key] = group
     return group
 

@@ -13,8 +13,10 @@ A replica's ranks are given in ``Candidate`` order: pp-major then tp, i.e. repli
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -22,6 +24,16 @@ from nereus_lightning.plan.layout import Layout
 from nereus_lightning.spec.errors import require
 
 _GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def collective_timeout() -> timedelta | None:
+    """Timeout for sub-groups from ``NEREUS_PG_TIMEOUT`` (seconds); None keeps torch's default.
+
+    Tests set it low so that a rank that raised mid-schedule fails its peers fast instead of
+    leaving them blocked for torch's 30-minute default.
+    """
+    value = os.environ.get("NEREUS_PG_TIMEOUT")
+    return timedelta(seconds=float(value)) if value else None
 
 
 def group_for(ranks: Sequence[int]) -> dist.ProcessGroup:
@@ -33,7 +45,7 @@ def group_for(ranks: Sequence[int]) -> dist.ProcessGroup:
     require(len(key) > 0 and len(set(key)) == len(key), "ranks", f"need distinct ranks, got {tuple(ranks)}")
     group = _GROUPS.get(key)
     if group is None:
-        group = dist.new_group(list(key))
+        group = dist.new_group(list(key), timeout=collective_timeout())
         _GROUPS[key] = group
     return group
 

@@ -64,7 +64,11 @@ class WorkerPool:
         ctx = mp.get_context("spawn")
         self._outbox = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(world_size)]
-        env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "MASTER_ADDR": "127.0.0.1"}
+        env = {
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            "MASTER_ADDR": "127.0.0.1",
+            "NEREUS_PG_TIMEOUT": os.environ.get("NEREUS_PG_TIMEOUT", "120"),
+        }
         port = _free_port()
         self._procs = [
             ctx.Process(target=_worker, args=(r, world_size, port, self._inboxes[r], self._outbox, env), daemon=True)
