@@ -37,7 +37,7 @@ from __future__ import annotations
 import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,9 @@ from nereus_lightning.emu.registry import Registry, registry
 from nereus_lightning.emu.transfer import Traffic, broadcast_views, default_device
 from nereus_lightning.emu.unit import EMU, Counters
 from nereus_lightning.spec.errors import NereusConfigError, require
+
+if TYPE_CHECKING:
+    from nereus_lightning.transition.dag import Node, TransitionDAG
 
 
 class NodeObservation(NamedTuple):
@@ -128,7 +131,7 @@ def _strip(record: NodeRecord) -> NodeRecord:
 
 
 def execute_dag(
-    dag: Any,
+    dag: TransitionDAG,
     *,
     rank_of: Mapping[int, int] | None = None,
     device: torch.device | str | None = None,
@@ -194,7 +197,7 @@ def execute_dag(
     return ExecutionReport(me, tuple(records), time.perf_counter() - start)
 
 
-def op_of(node: Any, rank_of: Mapping[int, int] | None = None) -> Primitive:
+def op_of(node: Node, rank_of: Mapping[int, int] | None = None) -> Primitive:
     """The EMU op of a transition node, including an Extend that overlaps its source (checked here)."""
     kind = getattr(node.op, "value", node.op)
     if kind == "extend":
@@ -221,7 +224,7 @@ def _overlapping(op: Primitive) -> bool:
     return isinstance(op, Extend) and any(r in op.source.ranks for u in op.targets for r in u.ranks)
 
 
-def _workflow_colocation(dag: Any) -> dict[str, tuple[str, ...]]:
+def _workflow_colocation(dag: TransitionDAG) -> dict[str, tuple[str, ...]]:
     stages = dag.context.stages
     return {name: tuple(o for o in stages if stages[o].stage != stages[name].stage) for name in stages}
 
