@@ -164,6 +164,8 @@ def _quiet() -> None:
         ".*past_key_values.*",
         ".*LeafSpec.*",
         ".*in eval mode at the start of training.*",
+        ".*`overwrite` will default to False.*",
+        ".*assuming the intent is to save in a single process.*",
         ".*optimizer.step\\(\\).*",
         ".*weights_only.*",
         ".*ModelCheckpoint with manual optimization.*",

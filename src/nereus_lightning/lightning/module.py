@@ -29,6 +29,7 @@ from nereus_lightning.lightning.stages import (
     chunk_bounds,
     data_parallel_plan,
     run_partitioned,
+    run_partitioned_rows,
     slot_of,
 )
 from nereus_lightning.plan.layout import Plan
@@ -208,13 +209,12 @@ class RLModule(L.LightningModule):
         plens = [len(p) for p in prompts]
 
         def infer(stage: str, model: torch.nn.Module, values: bool = False) -> Tensor:
-            def run(slot: StageSlot) -> list[Tensor]:
+            def run(slot: StageSlot) -> Tensor:
                 s = slice(slot.start, slot.stop)
                 with torch.no_grad():
-                    out = self._score(slot.stage, model, ids[s], attn[s], plens[s], width, values)
-                return list(out.unbind(0))
+                    return self._score(slot.stage, model, ids[s], attn[s], plens[s], width, values)
 
-            return torch.stack(run_partitioned(plan, stage, self.rank, n, run))
+            return run_partitioned_rows(plan, stage, self.rank, n, width, ids.device, run)
 
         old_lp = infer("actor_infer", self.actor)
         ref_lp = infer("ref_infer", self.reference)

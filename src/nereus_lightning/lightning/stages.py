@@ -109,6 +109,38 @@ def run_partitioned(
     return gather_samples(local if slot.is_leader else None, slot.start, num_samples)
 
 
+def run_partitioned_rows(
+    plan: Plan,
+    stage: str,
+    rank: int,
+    num_samples: int,
+    width: int,
+    device: torch.device,
+    fn: Callable[[StageSlot], torch.Tensor],
+) -> torch.Tensor:
+    """Like :func:`run_partitioned` for per-sample tensor rows: ``fn`` returns ``[b, width]``; every rank gets ``[n, width]``.
+
+    The rows travel as one float32 buffer per rank, summed over the world (each row is reported
+    by one leader, the others add zeros, so the sum is exact); tensors stay on their device.
+    """
+    slot = slot_of(plan, stage, rank, num_samples)
+    buffer = torch.zeros(num_samples, width + 1, dtype=torch.float32, device=device)
+    if slot.active and slot.stop > slot.start:
+        rows = fn(slot)
+        if slot.is_leader:
+            buffer[slot.start : slot.stop, :width] = rows.to(torch.float32)
+            buffer[slot.start : slot.stop, width] = 1.0
+    if dist.is_initialized():
+        dist.all_reduce(buffer)
+    reported = buffer[:, width]
+    require(
+        bool((reported == 1).all()),
+        "stage results",
+        f"{stage}: rows reported {reported.tolist()} times, expected once each",
+    )
+    return buffer[:, :width]
+
+
 def all_reduce_grads(params: Sequence[torch.nn.Parameter]) -> None:
     """Sum gradients over the world through one flat buffer; absent gradients count as zeros."""
     if not params or not dist.is_initialized():
