@@ -57,3 +57,41 @@ def test_ppo_with_a_reward_model_runs_end_to_end(tmp_path):
     _, rows = fit(str(tmp_path), devices=2, max_steps=1, module=module)
     score = float(rows[0]["critic/score/mean"])
     assert score != 0.0 and abs(score) < 100  # the reward model's value head, not the task's [0, 1] credit
+
+
+def test_a_given_plan_is_where_training_starts(tmp_path):
+    import lightning.pytorch as pl
+
+    from nereus_lightning.lightning import NereusCallback, NereusStrategy, PoolFollower, PPOModule
+    from tests.lightning.helpers import plan_of, small_task
+
+    plan = plan_of(
+        "ppo",
+        {
+            "actor_train": ((1, 2), (0, 1)),
+            "actor_gen": (1,),
+            **{
+                k: (0, 1)
+                for k in ("actor_infer", "ref_infer", "critic_infer", "reward_infer", "critic_train")
+            },
+        },
+    )  # PP2 training, dp1 generation
+    module = PPOModule(task=small_task(), seed=3, prompts_per_step=4)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=NereusStrategy(plan=plan),
+        max_steps=1,
+        callbacks=[NereusCallback(controller=PoolFollower("ppo"))],
+        logger=pl.loggers.CSVLogger(tmp_path),
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module)
+    import csv
+    import glob
+
+    row = next(csv.DictReader(open(glob.glob(str(tmp_path / "lightning_logs" / "*" / "metrics.csv"))[0])))
+    assert float(row["plan/actor_train/pp"]) == 2 and float(row["plan/actor_gen/dp"]) == 1

@@ -107,10 +107,16 @@ class NereusCallback(pl.Callback):
                 self.controller.load_state_dict(self._restored)
         strategy = trainer.strategy
         step = trainer.global_step
-        if getattr(strategy, "plan", None) is None or self._restored is None:
-            # Initial plan before the first step (or on resume: the controller's plan for this pool).
-            signals = _initial_signals(pl_module, step, self.pool(step, trainer.world_size))
-            self._decide_and_apply(trainer, pl_module, signals, initial=True)
+        given = getattr(strategy, "plan", None)
+        if given is not None and self._restored is None:
+            # The user's plan is the starting point: the controller adapts from it.
+            if trainer.is_global_zero and hasattr(self.controller, "plan"):
+                self.controller.plan = given
+            strategy.transition(given)
+            return
+        # Initial plan before the first step (or on resume: the controller's plan for this pool).
+        signals = _initial_signals(pl_module, step, self.pool(step, trainer.world_size))
+        self._decide_and_apply(trainer, pl_module, signals, initial=True)
 
     # ---- every step ----------------------------------------------------------------------
     @override
