@@ -27,9 +27,10 @@ Measurements: per node and rank, the wall seconds of the call and the payload by
 excluded). :meth:`ExecutionReport.reduce` combines the ranks (bytes summed; seconds the max over
 the node's members, and the min: the last member to arrive waits for no one, so the min is the
 node's own duration); :meth:`ExecutionReport.node_observations` is what the calibration reads.
-Payload bytes equal the priced bytes exactly for inference state; for training state the EMU
-moves ``param + exp_avg + exp_avg_sq`` (3 x dtype bytes per parameter) plus a 4-byte fp32
-``step`` per tensor moved with it, and an Extend also sends the 48-byte counters per position.
+Payload bytes are the priced bytes plus what the brain does not price: 48 bytes of counters
+per receiving Extend position and, for training state, a 4-byte fp32 AdamW ``step`` per tensor
+a rank receives for the first time. (For fp32 units brain and EMU count the same state per
+parameter: 4 bytes inference, param + exp_avg + exp_avg_sq = 12 bytes training.)
 """
 
 from __future__ import annotations
