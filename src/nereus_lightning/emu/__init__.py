@@ -9,13 +9,15 @@ Typical use (every rank runs the same lines; members move state, others only rec
     report = emu.execute(op)  # this rank's TransferReport (bytes sent / received, seconds)
     state = emu.gather_logical_state("actor_train")  # full params, AdamW tensors, counters
 
-A transition DAG node runs as ``emu.execute(emu.from_node(node))``. On a member rank,
+A transition DAG node runs as ``emu.execute(emu.from_node(node))``; a whole DAG as
+``emu.execute_dag(dag)`` (every rank, same order; nodes on disjoint ranks run concurrently). On a member rank,
 ``registry().local(model_stage, unit)`` is this rank's :class:`EMU`: ``params`` and
 ``optim_state`` (plain tensors keyed by global names; models/ builds its modules on them) and
 ``counters``.
 """
 
 from nereus_lightning.emu.check import LogicalState, StateMismatchError, gather_logical_state
+from nereus_lightning.emu.executor import ExecutionReport, execute_dag
 from nereus_lightning.emu.groups import member_group
 from nereus_lightning.emu.ops import (
     Destroy,
@@ -41,6 +43,7 @@ from nereus_lightning.emu.unit import EMU, Counters
 
 __all__ = [
     "EMU",
+    "ExecutionReport",
     "OPTIM_KEYS",
     "Counters",
     "Destroy",
@@ -62,6 +65,7 @@ __all__ = [
     "default_device",
     "destroy",
     "execute",
+    "execute_dag",
     "extend",
     "from_node",
     "gather_logical_state",
