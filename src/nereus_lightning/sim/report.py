@@ -78,7 +78,7 @@ def plot_comparison(comparison: Comparison, path: str | os.PathLike, title: str 
                 top.scatter([r.step], [y if math.isfinite(y) else 0], color=color, marker="x", s=40, zorder=4)
     top.set_ylim(0, cap * 1.02)
     top.set_ylabel("step latency (s)\n(incl. transition)")
-    top.legend(fontsize=8, loc="upper left")
+    top.legend(fontsize=8, loc="lower right", ncol=2)  # the low band is empty: steps take time
     top.set_title(title or trace.name)
     top.grid(alpha=0.3)
     mid.step(steps, trace.num_gpus, where="post", color="k")
