@@ -22,7 +22,7 @@ Holdings = dict[int, dict[str, Interval]]  # rank -> name -> interval held
 
 @dataclass(frozen=True)
 class Move:
-    """Slice ``[lo, hi)`` of parameter ``name`` (and its optimizer slices) sent from ``src`` to ``dst``.
+    """Slice ``[lo, hi)`` of parameter ``name`` (and its AdamW slices, master included) sent from ``src`` to ``dst``.
 
     ``with_step``: the receiver held no copy of ``name`` before, so the 0-d AdamW step travels too.
     """
@@ -94,16 +94,14 @@ def element_count(schema: StateSchema, name: str, lo: int, hi: int) -> int:
 
 
 def move_bytes(schema: StateSchema, move: Move, trains: bool) -> int:
-    """Tensor bytes of one move: the parameter slice, and for training units its AdamW slices (+ step)."""
-    itemsize = _ITEMSIZE.get(schema.dtypes[schema.names.index(move.name)], 4)
-    n = element_count(schema, move.name, move.lo, move.hi) * itemsize
-    if trains:
-        n *= 3
-        n += 4 if move.with_step else 0
-    return n
+    """Tensor bytes of one move: the parameter slice, and for training units its AdamW slices (+ step).
 
-
-_ITEMSIZE = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "uint8": 1}
+    Per element that is ``schema.element_bytes``: the parameter's bytes, plus for a training unit
+    fp32 ``exp_avg`` and ``exp_avg_sq`` and, below fp32, the fp32 ``master`` (bf16: 2 + 12 = 14,
+    fp32: 3 x 4 = 12, as ``plan.memory.optimizer_bytes_per_param`` prices); the 0-d step is 4 bytes.
+    """
+    n = element_count(schema, move.name, move.lo, move.hi) * schema.element_bytes(move.name, trains)
+    return n + (4 if trains and move.with_step else 0)
 
 
 def _prod(values: Iterable[int]) -> int:

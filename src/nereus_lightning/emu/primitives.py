@@ -235,10 +235,10 @@ def _new_state(
     device: torch.device,
 ) -> StateDict:
     """This rank's new shards: reused when unchanged, else allocated and filled with what it already holds."""
-    keys = ("param", "exp_avg", "exp_avg_sq", "step") if trains else ("param",)
     new: StateDict = {}
     for name, want in new_iv.items():
         have = old_iv.get(name)
+        keys = schema.state_keys(name, trains)
         if have == want:
             for key in keys:
                 new[(name, key)] = old[(name, key)]
@@ -252,15 +252,14 @@ def _new_state(
                     else torch.empty((), dtype=torch.float32, device=device)
                 )
                 continue
-            new[(name, key)] = torch.empty(layout_shape, dtype=schema.dtype_of(name), device=device)
+            new[(name, key)] = torch.empty(layout_shape, dtype=schema.key_dtype(name, key), device=device)
         if have is not None:
             lo, hi = max(want[0], have[0]), min(want[1], have[1])
             if lo < hi:
-                for key in keys:
-                    if key != "step":
-                        slice_of(schema, name, new[(name, key)], want, lo, hi).copy_(
-                            slice_of(schema, name, old[(name, key)], have, lo, hi)
-                        )
+                for key in schema.shaped_keys(name, trains):
+                    slice_of(schema, name, new[(name, key)], want, lo, hi).copy_(
+                        slice_of(schema, name, old[(name, key)], have, lo, hi)
+                    )
     return new
 
 

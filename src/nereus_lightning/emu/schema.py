@@ -14,13 +14,18 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from nereus_lightning.models.optim import ADAMW_KEYS, adamw_dtype, adamw_keys, shaped_adamw_keys
 from nereus_lightning.models.sharding import Placement, layer_range, placement, pp_stages, tp_plan_of
 from nereus_lightning.plan.layout import Layout
 from nereus_lightning.spec.errors import require
 
-# Optimizer tensors per parameter (torch AdamW names); ``step`` is a 0-d tensor, never cut.
-OPTIM_KEYS: tuple[str, ...] = ("exp_avg", "exp_avg_sq", "step")
+# Optimizer tensors of an fp32 parameter (torch AdamW names); ``step`` is a 0-d fp32 tensor, never
+# cut. A bf16/fp16 parameter also has an fp32 ``master`` and fp32 moments: the per-parameter keys
+# are ``StateSchema.optim_keys(name)`` (defined once, by ``models.optim.adamw_keys``).
+OPTIM_KEYS: tuple[str, ...] = ADAMW_KEYS
 SHAPED_OPTIM_KEYS: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
+#: Bytes per element by dtype name.
+ITEMSIZE = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "uint8": 1}
 
 
 @dataclass(frozen=True)
@@ -101,11 +106,50 @@ class StateSchema:
         """Full shape by name."""
         return dict(zip(self.names, self.shapes, strict=True))
 
+    @cached_property
+    def dtype_name_of(self) -> dict[str, str]:
+        """Parameter dtype name by name."""
+        return dict(zip(self.names, self.dtypes, strict=True))
+
     def dtype_of(self, name: str) -> Any:
         """The torch dtype of parameter ``name``."""
         import torch
 
-        return getattr(torch, self.dtypes[self.names.index(name)])
+        return getattr(torch, self.dtype_name_of[name])
+
+    def optim_keys(self, name: str) -> tuple[str, ...]:
+        """The AdamW tensors of parameter ``name``: moments (+ ``master`` below fp32), then ``step``."""
+        return adamw_keys(self.dtype_name_of[name])
+
+    def shaped_optim_keys(self, name: str) -> tuple[str, ...]:
+        """The AdamW tensors of ``name`` shaped like it (cut with it): the moments, + ``master`` below fp32."""
+        return shaped_adamw_keys(self.dtype_name_of[name])
+
+    def shaped_keys(self, name: str, trains: bool) -> tuple[str, ...]:
+        """The tensors of ``name`` shaped like the parameter: ``"param"`` (+ :meth:`shaped_optim_keys`)."""
+        return ("param", *self.shaped_optim_keys(name)) if trains else ("param",)
+
+    def state_keys(self, name: str, trains: bool) -> tuple[str, ...]:
+        """Every state tensor of ``name``: ``"param"``, and for a training unit :meth:`optim_keys`."""
+        return ("param", *self.optim_keys(name)) if trains else ("param",)
+
+    def key_dtype(self, name: str, key: str) -> Any:
+        """The torch dtype of state tensor ``key`` of ``name`` (``step`` fp32; AdamW's fp32 below fp32)."""
+        import torch
+
+        if key == "param":
+            return self.dtype_of(name)
+        if key == "step":
+            return torch.float32
+        return getattr(torch, adamw_dtype(self.dtype_name_of[name]))
+
+    def element_bytes(self, name: str, trains: bool) -> int:
+        """Bytes per element of ``name`` over its shaped tensors (bf16 training: 2 + 3 x 4 = 14)."""
+        dtype = self.dtype_name_of[name]
+        n = ITEMSIZE.get(dtype, 4)
+        if trains:
+            n += len(self.shaped_optim_keys(name)) * ITEMSIZE.get(adamw_dtype(dtype), 4)
+        return n
 
     def validate(self, layout: Layout) -> None:
         """Reject a layout that would split a head, a KV head or a cut dimension, or exceed the layers."""

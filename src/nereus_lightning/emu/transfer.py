@@ -1,7 +1,7 @@
 """Executing a transfer: pack per peer, one P2P batch or broadcast, unpack on arrival.
 
 Every buffer is built by :func:`nereus_lightning.kernels.pack` from strided views of the sender's
-shards (parameters and optimizer tensors together) and scattered by
+shards (parameters and optimizer tensors together, the fp32 master of a bf16/fp16 parameter too) and scattered by
 :func:`nereus_lightning.kernels.unpack` into the receiver's new shards. Tensors stay on their
 device: on NCCL the buffers are device tensors, on gloo CPU tensors.
 """
@@ -17,7 +17,7 @@ from torch import Tensor
 
 from nereus_lightning.emu.groups import member_group
 from nereus_lightning.emu.plan import Interval, Move, TransferPlan
-from nereus_lightning.emu.schema import SHAPED_OPTIM_KEYS, StateSchema
+from nereus_lightning.emu.schema import StateSchema
 from nereus_lightning.kernels.pack import byte_offsets, pack, unpack
 
 StateDict = dict[tuple[str, str], Tensor]  # (name, key) -> tensor; key "param" or an optimizer key
@@ -54,14 +54,12 @@ def move_views(
     schema: StateSchema, move: Move, state: StateDict, base: Interval, trains: bool
 ) -> list[Tensor]:
     """The views one move reads (sender) or writes (receiver), in a fixed order."""
-    views = [slice_of(schema, move.name, state[(move.name, "param")], base, move.lo, move.hi)]
-    if trains:
-        views += [
-            slice_of(schema, move.name, state[(move.name, k)], base, move.lo, move.hi)
-            for k in SHAPED_OPTIM_KEYS
-        ]
-        if move.with_step:
-            views.append(state[(move.name, "step")])
+    views = [
+        slice_of(schema, move.name, state[(move.name, k)], base, move.lo, move.hi)
+        for k in schema.shaped_keys(move.name, trains)
+    ]
+    if trains and move.with_step:
+        views.append(state[(move.name, "step")])
     return views
 
 

@@ -3,8 +3,9 @@
 An EMU on ``ranks`` with ``Layout(tp, pp)`` puts rank index ``pp_rank * tp + tp_rank`` (as in
 ``Candidate``) at that position. Each rank holds, as plain tensors keyed by global names:
 the parameter shards of its pipeline stage (``params``), for a training unit the AdamW state in
-the same layout (``optim_state[name] = {"exp_avg", "exp_avg_sq", "step"}``, ZeRO-0), and the
-unit's logical ``counters``. RNG streams are derived from the counters and the DP rank, so a new
+the same layout (``optim_state[name] = {"exp_avg", "exp_avg_sq", "step"}``, ZeRO-0; for a bf16/fp16
+parameter the moments are fp32 and an fp32 ``"master"`` copy joins them: ``schema.optim_keys``),
+and the unit's logical ``counters``. RNG streams are derived from the counters and the DP rank, so a new
 replica needs no RNG state sent to it. The models/ code builds its modules from these very
 tensors (same storage), so an optimizer step on the module updates the EMU.
 """
@@ -19,7 +20,8 @@ import torch
 from torch import Tensor
 
 from nereus_lightning.emu.ops import Unit
-from nereus_lightning.emu.schema import OPTIM_KEYS, SHAPED_OPTIM_KEYS, Position, StateSchema
+from nereus_lightning.emu.schema import Position, StateSchema
+from nereus_lightning.models.optim import MASTER_KEY
 from nereus_lightning.models.sharding import tp_slices
 from nereus_lightning.plan.layout import Layout
 from nereus_lightning.spec.errors import require
@@ -96,8 +98,10 @@ class EMU:
     ) -> EMU:
         """Cut ``rank``'s shards from a full model (or its state dict), and AdamW state if ``trains``.
 
-        ``full_optim`` maps global names to full-size ``exp_avg`` / ``exp_avg_sq`` / ``step``;
-        without it a training unit starts from zeros (a fresh AdamW).
+        ``full_optim`` maps global names to full-size ``exp_avg`` / ``exp_avg_sq`` / ``step`` (and,
+        for bf16/fp16 parameters, optionally ``master``; without it the master is the parameter
+        upcast); without ``full_optim`` a training unit starts from zeros (a fresh AdamW). The AdamW
+        tensors are stored in ``schema.key_dtype`` (fp32 moments and master below fp32).
         """
         schema.validate(unit.layout)
         full = (
@@ -116,9 +120,15 @@ class EMU:
             if trains:
                 given = (full_optim or {}).get(name)
                 state = {}
-                for key in SHAPED_OPTIM_KEYS:
-                    src = given[key][index] if given is not None else torch.zeros_like(params[name])
-                    state[key] = src.detach().to(device=device, copy=True).contiguous()
+                for key in schema.shaped_optim_keys(name):
+                    if given is not None and key in given:
+                        src = given[key][index]
+                    elif key == MASTER_KEY:
+                        src = params[name]
+                    else:
+                        src = torch.zeros_like(params[name])
+                    dtype = schema.key_dtype(name, key)
+                    state[key] = src.detach().to(device=device, dtype=dtype, copy=True).contiguous()
                 step = given["step"] if given is not None else torch.zeros((), dtype=torch.float32)
                 state["step"] = step.detach().to(device=device, copy=True).reshape(())
                 optim[name] = state
@@ -146,7 +156,8 @@ class EMU:
             params[name] = torch.empty(shape, dtype=dtype, device=device)
             if trains:
                 optim[name] = {
-                    key: torch.empty(shape, dtype=dtype, device=device) for key in SHAPED_OPTIM_KEYS
+                    key: torch.empty(shape, dtype=schema.key_dtype(name, key), device=device)
+                    for key in schema.shaped_optim_keys(name)
                 }
                 optim[name]["step"] = torch.empty((), dtype=torch.float32, device=device)
         return cls(model_stage, schema, unit, rank, params, optim, None, trains)
@@ -176,7 +187,7 @@ class EMU:
             yield name, "param", self.params[name]
             state = self.optim_state.get(name)
             if state is not None:
-                for key in OPTIM_KEYS:
+                for key in self.schema.optim_keys(name):
                     yield name, key, state[key]
 
     def tensor(self, name: str, key: str) -> Tensor:

@@ -1,34 +1,157 @@
-"""Optimizer pieces over a sharded replica: AdamW bound to an owner's state tensors, global grad clipping."""
+"""Optimizer pieces over a sharded replica: AdamW bound to an owner's state tensors, global grad clipping.
+
+AdamW state per parameter (ZeRO-0, the standard mixed-precision recipe, priced by
+``plan.memory.optimizer_bytes_per_param``): ``exp_avg``, ``exp_avg_sq`` and the 0-d fp32 ``step``;
+a parameter whose dtype is floating point below fp32 (bf16, fp16) also keeps an fp32 ``master``
+copy, and its moments are fp32. :func:`adamw_keys` / :func:`adamw_dtype` are the one definition of
+that layout; the EMU (``emu.schema``) holds, moves and prices exactly these tensors.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
+from typing_extensions import override
 
 from nereus_lightning.models.sharded import ShardedCausalLM, is_tied
 from nereus_lightning.models.sharding import placement, tp_plan_of
 from nereus_lightning.spec.errors import require
 
+#: The AdamW tensors of an fp32 parameter (torch's names); ``step`` is a 0-d fp32 tensor.
 ADAMW_KEYS = ("exp_avg", "exp_avg_sq", "step")
+#: The fp32 copy of a low-precision parameter that AdamW actually updates.
+MASTER_KEY = "master"
+_LOW_PRECISION = ("bfloat16", "float16")
+
+
+def _dtype_name(dtype: torch.dtype | str) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def needs_master(dtype: torch.dtype | str) -> bool:
+    """Whether a parameter of ``dtype`` (torch dtype or its name) is stepped through an fp32 master copy."""
+    return _dtype_name(dtype) in _LOW_PRECISION
+
+
+def shaped_adamw_keys(dtype: torch.dtype | str) -> tuple[str, ...]:
+    """The AdamW tensors shaped like a parameter of ``dtype``: the moments, plus ``master`` below fp32."""
+    return ("exp_avg", "exp_avg_sq", MASTER_KEY) if needs_master(dtype) else ("exp_avg", "exp_avg_sq")
+
+
+def adamw_keys(dtype: torch.dtype | str) -> tuple[str, ...]:
+    """Every AdamW tensor of a parameter of ``dtype``: :func:`shaped_adamw_keys`, then ``step``."""
+    return (*shaped_adamw_keys(dtype), "step")
+
+
+def adamw_dtype(dtype: torch.dtype | str) -> str:
+    """The dtype name of the shaped AdamW tensors of a ``dtype`` parameter: fp32 below fp32, else its own."""
+    return "float32" if needs_master(dtype) else _dtype_name(dtype)
+
+
+def fresh_adamw_state(param: Tensor) -> dict[str, Tensor]:
+    """A fresh AdamW state for ``param`` on its device: zero moments, step 0, the master a copy of ``param``."""
+    dtype = getattr(torch, adamw_dtype(param.dtype))
+    state = {
+        key: torch.zeros(param.shape, dtype=dtype, device=param.device) for key in ("exp_avg", "exp_avg_sq")
+    }
+    if needs_master(param.dtype):
+        state[MASTER_KEY] = param.detach().to(dtype=torch.float32, copy=True)
+    state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
+    return state
+
+
+class MixedPrecisionAdamW(torch.optim.AdamW):
+    """``torch.optim.AdamW`` whose low-precision parameters are stepped through fp32 master copies.
+
+    ``param_groups`` hold the model's own parameters (so ``zero_grad``, clipping and schedulers act
+    on them); ``state[p]`` holds fp32 ``exp_avg``, ``exp_avg_sq``, ``master`` and ``step``. A step
+    runs torch's AdamW arithmetic on the masters with the gradients upcast to fp32, then copies
+    each master into its parameter in place (same storage). fp32 parameters step as in AdamW.
+    """
+
+    @override
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """One AdamW step (see the class docstring); returns ``closure()`` when given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lows, weights, grads, avgs, sqs, steps = [], [], [], [], [], []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                require(not p.grad.is_sparse, "grad", "AdamW does not support sparse gradients")
+                state = self.state[p]
+                if not state:
+                    state.update(fresh_adamw_state(p))
+                master = state.get(MASTER_KEY)
+                if master is not None:
+                    lows.append((p, master))
+                weights.append(p if master is None else master)
+                grads.append(p.grad if master is None else p.grad.to(master.dtype))
+                avgs.append(state["exp_avg"])
+                sqs.append(state["exp_avg_sq"])
+                steps.append(state["step"])
+            if not weights:
+                continue
+            beta1, beta2 = group["betas"]
+            torch.optim.adam.adam(
+                weights,
+                grads,
+                avgs,
+                sqs,
+                [],
+                steps,
+                foreach=group["foreach"],
+                capturable=group["capturable"],
+                differentiable=group["differentiable"],
+                fused=group["fused"],
+                decoupled_weight_decay=True,
+                amsgrad=False,
+                beta1=beta1,
+                beta2=beta2,
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                maximize=group["maximize"],
+            )
+            for p, master in lows:
+                p.copy_(master)
+        return loss
 
 
 def bind_adamw(
-    model: ShardedCausalLM,
+    model: nn.Module,
     state: Mapping[str, Mapping[str, Tensor]] | None = None,
     **hyper: float | tuple[float, float],
 ) -> torch.optim.AdamW:
     """A ``torch.optim.AdamW`` over ``model``'s parameters whose state IS ``state``'s tensors.
 
-    ``state`` maps global parameter names to ``{"exp_avg", "exp_avg_sq", "step"}`` tensors (an
-    EMU's ZeRO-0 optimizer shards; zeros and step 0 behave as a fresh AdamW). The optimizer updates
-    them in place, so the owner sees every step; None gives an ordinary fresh AdamW. ``hyper`` are
-    AdamW's keyword arguments (lr, betas, eps, weight_decay).
+    ``state`` maps global parameter names to their :func:`adamw_keys` tensors (an EMU's ZeRO-0
+    optimizer shards; zeros and step 0 behave as a fresh AdamW): ``exp_avg``, ``exp_avg_sq``,
+    ``step``, and for bf16/fp16 parameters fp32 moments and an fp32 ``master``. The optimizer
+    updates them in place, so the owner sees every step; None gives a fresh AdamW. With any
+    bf16/fp16 parameter the result is a :class:`MixedPrecisionAdamW` (the update runs on the fp32
+    master, then is copied into the parameter); otherwise a plain ``torch.optim.AdamW``.
+    ``hyper`` are AdamW's keyword arguments (lr, betas, eps, weight_decay).
     """
     named = dict(model.named_parameters())
-    opt = torch.optim.AdamW(list(named.values()), **hyper)  # type: ignore[arg-type]
+    mixed = any(needs_master(p.dtype) for p in named.values())
+    if mixed:
+        require(
+            not hyper.get("amsgrad"), "amsgrad", "mixed-precision AdamW does not keep amsgrad state; drop it"
+        )
+        require(
+            not hyper.get("fused"), "fused", "mixed-precision AdamW steps the fp32 masters; drop fused=True"
+        )
+    cls = MixedPrecisionAdamW if mixed else torch.optim.AdamW
+    opt = cls(list(named.values()), **hyper)  # type: ignore[arg-type]
     if state is None:
         return opt
     require(
@@ -37,20 +160,27 @@ def bind_adamw(
         f"missing {sorted(named.keys() - state.keys())}, unexpected {sorted(state.keys() - named.keys())}",
     )
     for name, param in named.items():
-        entry = state[name]
+        entry, keys = state[name], adamw_keys(param.dtype)
         require(
-            set(ADAMW_KEYS) <= set(entry),
+            set(keys) <= set(entry),
             "optim_state",
-            f"{name} needs keys {ADAMW_KEYS}, has {sorted(entry)}",
+            f"{name} ({_dtype_name(param.dtype)}) needs keys {keys}, has {sorted(entry)}",
         )
-        for key in ("exp_avg", "exp_avg_sq"):
+        for key in shaped_adamw_keys(param.dtype):
             require(
                 entry[key].shape == param.shape,
                 "optim_state",
                 f"{name}.{key} has shape {tuple(entry[key].shape)}, the parameter {tuple(param.shape)}",
             )
+            if mixed:
+                require(
+                    _dtype_name(entry[key].dtype) == adamw_dtype(param.dtype),
+                    "optim_state",
+                    f"{name}.{key} is {_dtype_name(entry[key].dtype)}; a {_dtype_name(param.dtype)} parameter "
+                    f"needs {adamw_dtype(param.dtype)} (see models.optim.fresh_adamw_state)",
+                )
         # The dict holds the owner's tensors themselves; AdamW mutates them in place.
-        opt.state[param] = {key: entry[key] for key in ADAMW_KEYS}
+        opt.state[param] = {key: entry[key] for key in keys}
     return opt
 
 
