@@ -71,6 +71,16 @@ def rank_state_bytes(model: ModelSpec, trains: bool, layout: Layout, pp_rank: in
     return stage_params(model, layout.pp, pp_rank) / layout.tp * per_param
 
 
+def boundary_state_bytes(model: ModelSpec, trains: bool, layout: Layout) -> float:
+    """State a model-stage keeps on its most-loaded GPU at a safe boundary (between RL steps).
+
+    Training state stays resident all step; generation and inference weights are loaded from
+    host memory when their stage starts and dropped after (``cost._offload`` prices that), so they
+    hold no GPU memory between steps. The planner and the transition DAG both use this rule.
+    """
+    return state_bytes_per_gpu(model, True, layout) if trains else 0.0
+
+
 def state_bytes_per_gpu(model: ModelSpec, trains: bool, layout: Layout) -> float:
     """Resident state bytes on the most-loaded GPU of one replica.
 

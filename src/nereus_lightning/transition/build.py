@@ -27,7 +27,7 @@ from dataclasses import replace
 from functools import lru_cache
 
 from nereus_lightning.plan.layout import Layout, Plan
-from nereus_lightning.plan.memory import memory_cap, state_bytes_per_gpu
+from nereus_lightning.plan.memory import boundary_state_bytes, memory_cap
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
 from nereus_lightning.spec.model import ModelSpec
@@ -101,7 +101,7 @@ def make_context(
         ms = stages[name]
         a, b = current[name].layout, target[name].layout
         for layout in (a, b, common_layout(a, b)):
-            unit_memory[(name, layout)] = state_bytes_per_gpu(models[ms.model], ms.trains, layout)
+            unit_memory[(name, layout)] = boundary_state_bytes(models[ms.model], ms.trains, layout)
     ctx = TransitionContext(current, target, stages, dict(models), cluster, workload, unit_memory)
     resident = _check_plan("current", current, ctx)
     _check_plan("target", target, ctx)
