@@ -30,17 +30,31 @@ def plan_of(algorithm: str, placement: dict) -> Plan:
 
 
 def one_update(
-    rank: int, world_size: int, placement: dict[str, tuple[int, ...]], algorithm: str = "ppo"
+    rank: int,
+    world_size: int,
+    placement: dict[str, tuple[int, ...]],
+    algorithm: str = "ppo",
+    state: str = "emu",
 ) -> dict:
-    """Build the module (same seed everywhere), run one RL step under ``placement``; return params and metrics."""
+    """Build the module (same seed everywhere), run one RL step under ``placement``; return params and metrics.
+
+    Parameters are the logical ones: gathered from the EMUs onto rank 0 (``state="emu"``; other
+    ranks return none), or the full models every rank keeps (``state="full"``).
+    """
     torch.manual_seed(0)
     cls = PPOModule if algorithm == "ppo" else GRPOModule
     module = cls(task=small_task(), prompts_per_step=8, seed=3)
+    module.use_state(state)
     opt = module.configure_optimizers()
     metrics = module.rl_step(0, plan=plan_of(algorithm, placement), optimizer=opt)
-    params = {f"actor.{n}": p.detach().clone() for n, p in module.actor.named_parameters()}
-    if module.critic is not None:
-        params.update({f"critic.{n}": p.detach().clone() for n, p in module.critic.named_parameters()})
+    params: dict[str, torch.Tensor] = {}
+    roles = [("actor", "actor_train")] + ([("critic", "critic_train")] if module.critic is not None else [])
+    for role, stage in roles:
+        if state == "emu":
+            full = module.units.logical_params(stage) or {}
+        else:
+            full = dict(getattr(module, role).named_parameters())
+        params.update({f"{role}.{n}": p.detach().clone() for n, p in full.items()})
     return {"params": params, "metrics": metrics}
 
 

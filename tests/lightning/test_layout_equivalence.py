@@ -44,10 +44,9 @@ def _run(pool, name: str) -> list:
 def test_ppo_update_is_layout_independent(dist4, other):
     a = _run(dist4, "A")
     b = _run(dist4, other)
-    # Every rank ends with the same parameters within one run ...
-    for rank in range(1, 4):
-        for name, p in a[0]["params"].items():
-            assert torch.equal(p, a[rank]["params"][name]), name
+    # The logical parameters (gathered from the EMUs onto rank 0) cover both models ...
+    assert any(n.startswith("actor.") for n in a[0]["params"])
+    assert any(n.startswith("critic.") for n in a[0]["params"])
     # ... and the two layouts agree within 1e-5 relative per model (fp32; reduction order differs).
     for model in ("actor", "critic"):
         names = [n for n in a[0]["params"] if n.startswith(model + ".")]

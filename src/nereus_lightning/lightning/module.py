@@ -69,6 +69,7 @@ class RLModule(L.LightningModule):
 
     algorithm: ClassVar[str] = "ppo"
     uses_critic: ClassVar[bool] = True
+    state_backend: str = "emu"  # where model-stage state lives; see :meth:`use_state`
 
     def __init__(
         self,
@@ -125,12 +126,44 @@ class RLModule(L.LightningModule):
             else None
         )
         self.step_stats: dict[str, float] = {}
-        from nereus_lightning.lightning.units import StageUnits
-
-        self.units = StageUnits(self.algorithm)
+        self.units: Any = None
+        self.use_state(self.state_backend)
         from nereus_lightning.lightning.metrics import RunMetrics
 
         self.run_metrics = RunMetrics()
+
+    def use_state(self, kind: str) -> None:
+        """Hold model-stage state in ``"emu"`` units (default) or ``"full"`` (every rank keeps each full model).
+
+        ``"emu"``: each model-stage's state lives in Elastic Model Units on the ranks its plan gives
+        it (:class:`~nereus_lightning.lightning.emu_state.EMUStates`); ``"full"``: the earlier
+        backend, every rank keeps the logical models and re-slices them per plan. Call before the
+        first step.
+        """
+        require(kind in ("emu", "full"), "strategy.state", f"{kind!r} is not one of 'emu', 'full'")
+        require(
+            self.units is None or getattr(self.units, "plan", None) is None or kind == self.state_backend,
+            "strategy.state",
+            "the state backend cannot change once units exist",
+        )
+        self.state_backend = kind
+        if kind == "emu":
+            from nereus_lightning.lightning.control import job_workload, model_specs
+            from nereus_lightning.lightning.emu_state import EMUStates
+
+            lrs = {"actor": self.hparams.actor_lr, "critic": self.hparams.critic_lr}
+            self.units = EMUStates(self.algorithm, lrs)
+            self.units.specs_fn = lambda: model_specs(self)
+            self.units.workload_fn = lambda: job_workload(self)
+        else:
+            from nereus_lightning.lightning.units import StageUnits
+
+            self.units = StageUnits(self.algorithm)
+
+    @property
+    def emu_state(self) -> bool:
+        """Whether model-stage state lives in EMUs."""
+        return getattr(self.units, "kind", "full") == "emu"
 
     # ---- Lightning hooks -------------------------------------------------------------------
     @override
@@ -376,22 +409,40 @@ class RLModule(L.LightningModule):
                     if reporter:
                         for k, val in m.items():
                             part[k] = part.get(k, 0.0) + float(val) * float(weight)
-                params = [p for g in raw.param_groups for p in g["params"]]
-                all_reduce_grads(params)
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
-                sums["actor/grad_norm"] = sums.get("actor/grad_norm", 0.0) + float(grad_norm)
                 last = _epoch == hp.ppo_epochs - 1 and (lo, hi) == minis[-1]
-                if last:
-                    opt.step()  # counts one Lightning step per RL step
+                if self.emu_state:
+                    # Each training stage steps its own EMU-bound AdamW (grads summed over its replicas).
+                    for stage in self.units.training_stages():
+                        norm = self.units.apply_update(stage)
+                        if norm is not None and self.rank == plan[stage].gpus[0]:
+                            part[f"{self.stages_role(stage)}/grad_norm"] = norm
+                    if last:
+                        opt.step()  # no gradients there: counts one Lightning step per RL step
                 else:
-                    raw.step()
+                    params = [p for g in raw.param_groups for p in g["params"]]
+                    all_reduce_grads(params)
+                    grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+                    sums["actor/grad_norm"] = sums.get("actor/grad_norm", 0.0) + float(grad_norm)
+                    if last:
+                        opt.step()  # counts one Lightning step per RL step
+                    else:
+                        raw.step()
                 updates += 1
                 for k, val in _sum_over_ranks(part).items():
                     sums[k] = sums.get(k, 0.0) + val
-                self.units.refresh("actor", self.actor)  # weight sync into the actor's other units
-                if self.critic is not None:
-                    self.units.refresh("critic", self.critic)
+                if self.emu_state:
+                    self.units.sync_weights()  # actor_train -> actor_gen / actor_infer, critic likewise
+                else:
+                    self.units.refresh("actor", self.actor)  # weight sync into the actor's other units
+                    if self.critic is not None:
+                        self.units.refresh("critic", self.critic)
         return {k: v / updates for k, v in sums.items()}
+
+    def stages_role(self, model_stage: str) -> str:
+        """The role model (``actor``, ``critic``, ...) ``model_stage`` runs."""
+        from nereus_lightning.lightning.units import role_of
+
+        return role_of(model_stage, self.algorithm) or model_stage
 
     def _train_slice(
         self,
@@ -433,7 +484,8 @@ class RLModule(L.LightningModule):
                 [MicroBatch(ids[s], attn[s])],
                 lambda lp, mb: actor_loss(sampling.pick_response(lp, sub, width)),
             )
-            StageUnits.add_grads_to(unit, self.actor)
+            if not self.emu_state:
+                StageUnits.add_grads_to(unit, self.actor)
         else:
 
             def critic_loss(v: Tensor) -> Tensor:
@@ -447,7 +499,8 @@ class RLModule(L.LightningModule):
             value_train_step(
                 unit, ids[s], attn[s], lambda v: critic_loss(sampling.pick_response(v[:, :-1], sub, width))
             )
-            StageUnits.add_grads_to(unit, self.critic)
+            if not self.emu_state:
+                StageUnits.add_grads_to(unit, self.critic)
         return metrics, unit.comm.is_last_stage and unit.comm.tp_rank == 0
 
 

@@ -59,6 +59,11 @@ class NereusStrategy(ParallelStrategy):
             or ``"popen"`` (re-run the script per rank, as Lightning's DDP does).
         process_group_backend: ``"gloo"`` / ``"nccl"``; by default from the device.
         timeout: collective timeout; a rank that dies makes the others fail after it.
+        state: where model-stage state lives. ``"emu"`` (default): in Elastic Model Units on the
+            ranks the plan gives each model-stage; plan changes run the transition DAG through
+            the EMU executor, weights sync from actor_train to the actor's other model-stages
+            through the same transfer plans. ``"full"``: every rank keeps each full model and
+            re-slices it per plan (the earlier backend).
     """
 
     strategy_name = "nereus"
@@ -74,6 +79,7 @@ class NereusStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | float = timedelta(seconds=120),
         start_method: Literal["fork", "spawn", "popen"] | None = None,
+        state: Literal["emu", "full"] = "emu",
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         require(
@@ -81,6 +87,8 @@ class NereusStrategy(ParallelStrategy):
             "strategy.start_method",
             f"{start_method!r} is not one of 'fork', 'spawn', 'popen'",
         )
+        require(state in ("emu", "full"), "strategy.state", f"{state!r} is not one of 'emu', 'full'")
+        self.state = state
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
         self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
@@ -147,6 +155,9 @@ class NereusStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         assert self.model is not None
+        module = self.lightning_module
+        if module is not None and hasattr(module, "use_state"):
+            module.use_state(self.state)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -194,21 +205,28 @@ class NereusStrategy(ParallelStrategy):
     def transition(self, target: Plan) -> float:
         """Execute the move from the current plan to ``target`` on every rank; returns seconds taken.
 
-        Every rank keeps the logical state (full parameters and optimizer state); the units of
-        model-stages with TP/PP layouts are rebuilt from it for the target plan, and DP changes
-        re-partition the batch. The time covers rebuilding the units and a barrier.
+        ``state="emu"``: the transition brain's DAG for ``current -> target`` runs through the
+        EMU executor on every rank (plans the brain does not model move per model-stage through
+        the same transfer plans), then the compute modules are rebuilt on the moved tensors; the
+        record carries the DAG's node counts, bytes moved and per-node observations.
+        ``state="full"``: the units are re-sliced from the logical models every rank keeps.
+        The time covers moving the state, rebuilding the modules and a barrier.
         """
         self.validate_plan(target)
         start = time.perf_counter()
         previous = self.plan
-        self.plan = target
         module = self.lightning_module
+        info: dict[str, Any] = {}
         if module is not None and hasattr(module, "units"):
-            # Rebuild this rank's sharded units in the target layouts from the logical state.
-            module.units.ensure(target, module.role_models(), self.global_rank)
+            units = module.units
+            units.ensure(target, module.role_models(), self.global_rank)
+            info = dict(getattr(units, "last_transition", {}) or {})
+            if hasattr(units, "last_transition"):
+                units.last_transition = {}
+        self.plan = target
         self.barrier("nereus-transition")
         seconds = time.perf_counter() - start
-        self.transitions.append({"from": previous, "to": target, "seconds": seconds})
+        self.transitions.append({"from": previous, "to": target, "seconds": seconds, **info})
         return seconds
 
     # ---- layout-independent checkpoints -------------------------------------------------
@@ -229,9 +247,16 @@ class NereusStrategy(ParallelStrategy):
         import torch.distributed.checkpoint as dcp
 
         path = Path(self.broadcast(str(filepath)))
-        tensors = {"model": checkpoint.pop("state_dict"), "optim": self._optimizer_state()}
-        checkpoint.pop("optimizer_states", None)
-        dcp.save(tensors, checkpoint_id=str(path))
+        units = getattr(self.lightning_module, "units", None)
+        if getattr(units, "kind", None) == "emu":
+            checkpoint.pop("state_dict", None)  # the full modules are released; the EMUs hold the state
+            checkpoint.pop("optimizer_states", None)
+            checkpoint["nereus_state"] = "emu"
+            units.save(str(path / "emu"))
+        else:
+            tensors = {"model": checkpoint.pop("state_dict"), "optim": self._optimizer_state()}
+            checkpoint.pop("optimizer_states", None)
+            dcp.save(tensors, checkpoint_id=str(path))
         if self.is_global_zero:
             with open(path / META_FILE, "wb") as f:
                 pickle.dump(checkpoint, f)
@@ -253,6 +278,15 @@ class NereusStrategy(ParallelStrategy):
             meta = pickle.load(f)
         module = self.lightning_module
         assert module is not None
+        if meta.get("nereus_state") == "emu":
+            units = getattr(module, "units", None)
+            if getattr(units, "kind", None) != "emu":
+                raise NereusConfigError(
+                    f"ckpt_path: {path} holds EMU state; resume it with NereusStrategy(state='emu')"
+                )
+            units.resume_from = str(path / "emu")  # loaded into the units when they are built
+            meta["state_dict"] = {}
+            return meta
         state = {"model": module.state_dict(), "optim": self._optimizer_state()}
         dcp.load(state, checkpoint_id=str(path))
         module.load_state_dict(state["model"])

@@ -1,0 +1,135 @@
+"""Copying state between unit sets of one model's schema: weight sync between model-stages, and re-layout.
+
+Both run the transfer plan of :mod:`nereus_lightning.emu.plan` (each missing slice from one
+holder, one packed buffer per peer pair) through :func:`nereus_lightning.emu.transfer.run_plan`;
+a rank that holds a source and a target shard copies their overlap locally first.
+
+* :func:`sync_params` copies the parameters of model-stage A's live units into model-stage B's
+  live units, in place (B's tensors keep their identity, so modules built on them stay valid):
+  the weight synchronisation actor_train -> actor_gen / actor_infer after an update.
+* :func:`relayout` moves a model-stage's whole state (parameters, AdamW state, counters) from its
+  live units onto new units of any layouts and ranks, then makes those the live units: the
+  per-model-stage fallback for plans the transition brain does not model (e.g. model-stages of
+  one stage sharing GPUs).
+
+Call both on EVERY rank with the same arguments (ranks outside every unit only update their registry).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from nereus_lightning.emu.ops import Unit
+from nereus_lightning.emu.plan import Interval, merged_holdings, plan_transfer, unit_holdings
+from nereus_lightning.emu.registry import registry
+from nereus_lightning.emu.schema import StateSchema
+from nereus_lightning.emu.transfer import StateDict, Traffic, default_device, run_plan, slice_of
+from nereus_lightning.emu.unit import EMU, Counters
+from nereus_lightning.spec.errors import require
+
+
+def copy_between(
+    schema: StateSchema,
+    sources: Sequence[Unit],
+    targets: Sequence[Unit],
+    old: StateDict,
+    new: StateDict,
+    *,
+    trains: bool,
+    device: torch.device | None = None,
+) -> Traffic:
+    """Fill this rank's ``new`` shards (of ``targets``) from the ``sources`` units' shards (``old`` here).
+
+    ``old`` / ``new`` map ``(name, key)`` to this rank's tensors (empty off the units); keys are
+    ``"param"`` and, with ``trains``, the AdamW keys. Returns this rank's traffic.
+    """
+    me = dist.get_rank()
+    held = merged_holdings(*(unit_holdings(schema, u.layout, u.ranks) for u in sources))
+    needed = merged_holdings(*(unit_holdings(schema, u.layout, u.ranks) for u in targets))
+    old_iv: Mapping[str, Interval] = held.get(me, {})
+    new_iv: Mapping[str, Interval] = needed.get(me, {})
+    keys = ("param", "exp_avg", "exp_avg_sq") if trains else ("param",)
+    with torch.no_grad():
+        for name, want in new_iv.items():
+            have = old_iv.get(name)
+            if have is None:
+                continue
+            lo, hi = max(want[0], have[0]), min(want[1], have[1])
+            if lo < hi:
+                for key in keys:
+                    dst = slice_of(schema, name, new[(name, key)], want, lo, hi)
+                    src = slice_of(schema, name, old[(name, key)], have, lo, hi)
+                    if dst.data_ptr() != src.data_ptr():
+                        dst.copy_(src)
+            if trains:
+                new[(name, "step")].copy_(old[(name, "step")])
+        plan = plan_transfer(schema, held, needed, trains)
+        return run_plan(schema, plan, trains, old, old_iv, new, new_iv, device or default_device())
+
+
+def _state_of(emu: EMU | None, with_optim: bool) -> StateDict:
+    if emu is None:
+        return {}
+    return {(n, k): t for n, k, t in emu.tensors() if with_optim or k == "param"}
+
+
+def _local(model_stage: str) -> EMU | None:
+    return next((e for e in registry().units.get(model_stage, {}).values() if e is not None), None)
+
+
+def sync_params(source_stage: str, target_stage: str, device: torch.device | None = None) -> Traffic:
+    """Copy ``source_stage``'s parameters into ``target_stage``'s live units in place (same model schema)."""
+    reg = registry()
+    schema = reg.schema(source_stage)
+    require(
+        reg.schema(target_stage) == schema,
+        "target_stage",
+        f"{target_stage!r} holds another model than {source_stage!r}; weight sync needs one schema",
+    )
+    sources, targets = reg.live(source_stage), reg.live(target_stage)
+    require(bool(sources), "source_stage", f"{source_stage!r} has no live unit")
+    old, new = _state_of(_local(source_stage), False), _state_of(_local(target_stage), False)
+    return copy_between(schema, sources, targets, old, new, trains=False, device=device)
+
+
+def relayout(
+    model_stage: str, targets: Sequence[Unit], device: torch.device | None = None
+) -> tuple[Traffic, EMU | None]:
+    """Move ``model_stage``'s state from its live units onto ``targets`` (which then are its live units).
+
+    Counters travel from the first live unit's first rank. Returns this rank's traffic and its new
+    EMU (None off the targets).
+    """
+    reg = registry()
+    schema, trains = reg.schema(model_stage), reg.trains[model_stage]
+    sources = reg.live(model_stage)
+    require(bool(sources), "model_stage", f"{model_stage!r} has no live unit to move")
+    for unit in targets:
+        schema.validate(unit.layout)
+    used = [r for u in targets for r in u.ranks]
+    require(len(set(used)) == len(used), "targets", f"target units share ranks: {used}")
+    device = device or default_device()
+    me = dist.get_rank()
+    mine = next((u for u in targets if me in u.ranks), None)
+    emu = EMU.empty(model_stage, schema, mine, me, trains=trains, device=device) if mine is not None else None
+    old_emu = _local(model_stage)
+    traffic = copy_between(
+        schema, sources, targets, _state_of(old_emu, True), _state_of(emu, True), trains=trains, device=device
+    )
+    counters = (old_emu.counters if old_emu is not None else Counters()).as_tensor(device)
+    dist.broadcast(counters, src=sources[0].ranks[0])
+    if emu is not None:
+        emu.counters = Counters.from_tensor(counters)
+    for unit in sources:
+        gone = reg.remove(model_stage, unit)
+        if gone is not None:
+            gone.free()
+    for unit in targets:
+        reg.add(model_stage, unit, emu if unit == mine else None)
+    return traffic, emu
+
+
+__all__ = ["copy_between", "relayout", "sync_params"]

@@ -1,0 +1,252 @@
+"""The EMU state backend: every model-stage's state lives in Elastic Model Units on the ranks its plan gives it.
+
+Each model-stage with a model (actor, critic, reference, reward roles) is a set of live EMUs in
+:func:`nereus_lightning.emu.registry` (one per replica, sharded by the stage's TP x PP layout).
+This rank's compute module for a stage is a :class:`~nereus_lightning.models.ShardedCausalLM`
+built on its EMU's very tensors; a training stage's AdamW is bound to the EMU's optimizer tensors
+(:func:`~nereus_lightning.models.bind_adamw`), so an optimizer step updates the EMU in place. No
+rank keeps a full model beyond what its units hold: the module's full transformers models are
+released (moved to the meta device) once the units exist.
+
+A plan change runs the transition brain's DAG (``build_transition``) through the EMU executor
+(``execute_dag``) on every rank; plans the brain does not model (model-stages of one stage
+sharing GPUs, as in the all-data-parallel fallback) move each model-stage with
+:func:`nereus_lightning.emu.sync.relayout` (the same transfer plans). After each update the
+fresh weights go from every training stage to the other model-stages of its model
+(:func:`nereus_lightning.emu.sync.sync_params`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nereus_lightning import emu
+from nereus_lightning.emu.sync import relayout, sync_params
+from nereus_lightning.models import ReplicaComm, ShardedCausalLM, bind_adamw, clip_grad_norm_, replica_groups
+from nereus_lightning.models.groups import dp_ranks
+from nereus_lightning.plan.layout import Plan
+from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
+from nereus_lightning.spec.workload import workflow
+
+log = logging.getLogger(__name__)
+
+ADAMW = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
+
+
+def _units_of(plan: Plan, name: str) -> list[emu.Unit]:
+    cand = plan[name]
+    return [emu.Unit(cand.layout, tuple(cand.replica_gpus(r))) for r in range(cand.dp)]
+
+
+class EMUStates:
+    """This job's model-stage state in EMUs, and this rank's compute modules on them.
+
+    Args:
+        algorithm: the RL algorithm (names the model-stages and which of them train).
+        learning_rates: role -> AdamW learning rate of its training stage.
+    """
+
+    kind = "emu"
+
+    def __init__(self, algorithm: str, learning_rates: Mapping[str, float] | None = None) -> None:
+        self.algorithm = algorithm
+        self.learning_rates = dict(learning_rates or {})
+        self.stages = {m.name: m for m in workflow(algorithm)}
+        self.plan: Plan | None = None  # the plan of the live units (model-stages with a model only)
+        self.units: dict[str, ShardedCausalLM] = {}
+        self.optimizers: dict[str, torch.optim.Optimizer] = {}
+        self.configs: dict[str, Any] = {}
+        self.resume_from: str | None = None  # a checkpoint directory to load when the units are built
+        self.last_report: Any = None  # the reduced ExecutionReport of the last DAG transition
+        self.last_transition: dict[str, Any] = {}
+        self.workload_fn: Callable[[], Any] | None = None
+        self.specs_fn: Callable[[], Any] | None = None
+
+    # ---- building ------------------------------------------------------------------------
+    def _stateful(self, plan: Plan, models: Mapping[str, nn.Module | None]) -> Plan:
+        return Plan.of({n: c for n, c in plan.items() if models.get(self.stages[n].model) is not None})
+
+    def ensure(self, plan: Plan, models: Mapping[str, nn.Module | None], rank: int) -> bool:
+        """Make the live units those of ``plan`` (collective); False if they already are."""
+        if not self.configs:
+            self.configs = {r: m.config for r, m in models.items() if m is not None}
+        target = self._stateful(plan, models)
+        if self.plan == target:
+            return False
+        if self.plan is None:
+            self._create(target, models)
+        else:
+            self._move(self.plan, target)
+        self.plan = target
+        self._build_modules(rank)
+        return True
+
+    def _create(self, plan: Plan, models: Mapping[str, nn.Module | None]) -> None:
+        """First units of every model-stage from the full models (or a checkpoint), then release the full models."""
+        reg = emu.registry()
+        reg.clear()
+        names = list(plan)
+        for name, cand in plan.items():
+            ms = self.stages[name]
+            model = models[ms.model]
+            others = [o for o in names if o != name]
+            units = _units_of(plan, name)
+            emu.create_unit(
+                name,
+                model.config,
+                model,
+                cand.layout,
+                units[0].ranks,
+                trains=ms.trains,
+                colocate_with=others,
+            )
+            if len(units) > 1:
+                emu.execute(emu.extend(name, units[0], [u.ranks for u in units[1:]]), colocate_with=others)
+        if self.resume_from is not None:
+            from nereus_lightning.emu.checkpoint import load_state
+
+            for name in plan:
+                load_state(self._local(name), os.path.join(self.resume_from, name))
+            self.resume_from = None
+        for model in models.values():
+            if model is not None:
+                model.to("meta")  # the units hold the state now
+
+    def _local(self, name: str) -> emu.EMU | None:
+        return next((e for e in emu.registry().units.get(name, {}).values() if e is not None), None)
+
+    def _move(self, current: Plan, target: Plan) -> None:
+        """Move every model-stage from ``current`` to ``target``: the brain's DAG, or per-stage relayout."""
+        start = time.perf_counter()
+        dag = None
+        reason = ""
+        if self.specs_fn is not None and self.workload_fn is not None:
+            from nereus_lightning.spec.cluster import cluster_preset
+            from nereus_lightning.transition import build_transition
+
+            cluster = cluster_preset("cpu4").with_gpus(dist.get_world_size())
+            try:
+                dag = build_transition(current, target, self.specs_fn(), cluster, self.workload_fn())
+            except (NereusConfigError, InfeasiblePlanError) as exc:
+                reason = str(exc)
+        info: dict[str, Any] = {"mode": "relayout", "reason": reason}
+        if dag is not None:
+            report = emu.execute_dag(dag)
+            self.last_report = report.reduce()
+            counts = dag.counts()
+            info = {
+                "mode": "dag",
+                "counts": {k: int(v) for k, v in counts.items()},
+                "bytes": sum(o.measured_bytes for o in self.last_report.node_observations()),
+                "predicted_bytes": sum(o.predicted_bytes for o in self.last_report.node_observations()),
+                "observations": self.last_report.node_observations(),
+                "predicted_s": float(dag.cost),
+            }
+        else:
+            moved = 0
+            for name in target:
+                if current[name] != target[name]:
+                    traffic, _ = relayout(name, _units_of(target, name))
+                    moved += traffic.payload_received
+            box = torch.tensor([moved], dtype=torch.int64)
+            dist.all_reduce(box)
+            info["bytes"] = int(box.item())
+            if reason:
+                log.info("transition outside the brain's model (%s): per-model-stage relayout", reason)
+        info["seconds"] = time.perf_counter() - start
+        self.last_transition = info
+
+    def _build_modules(self, rank: int) -> None:
+        """This rank's ShardedCausalLM per model-stage on its EMU's tensors (collective: group creation)."""
+        self.units, self.optimizers = {}, {}
+        reg = emu.registry()
+        assert self.plan is not None
+        for name, cand in self.plan.items():
+            ms = self.stages[name]
+            config = self.configs[ms.model]
+            tied = bool(getattr(config, "tie_word_embeddings", False))
+            replicas = [cand.replica_gpus(r) for r in range(cand.dp)]
+            replica_groups(replicas, cand.layout, tied)  # every rank, same order
+            if rank not in cand.gpus:
+                continue
+            index = cand.gpus.index(rank)
+            replica = replicas[index // cand.layout.size]
+            position = index % cand.layout.size
+            comm = ReplicaComm.of(
+                replica, cand.layout, rank, tied=tied, dp_ranks=dp_ranks(replicas, position)
+            )
+            state = reg.local(name, emu.Unit(cand.layout, tuple(replica)))
+            module = ShardedCausalLM(config, comm, state.params)
+            if ms.trains:
+                lr = self.learning_rates.get(ms.model, 1e-3)
+                self.optimizers[name] = bind_adamw(module, state.optim_state, lr=lr, **ADAMW)
+            else:
+                for p in module.parameters():
+                    p.requires_grad_(False)
+            self.units[name] = module
+
+    # ---- compute -------------------------------------------------------------------------
+    def get(self, model_stage: str) -> ShardedCausalLM | None:
+        """This rank's compute module of ``model_stage`` (None: not a member)."""
+        return self.units.get(model_stage)
+
+    def training_stages(self) -> list[str]:
+        """The training model-stages with live units, in workflow order."""
+        return [n for n in (self.plan or {}) if self.stages[n].trains]
+
+    def apply_update(self, model_stage: str, max_norm: float = 1.0) -> float | None:
+        """Sum gradients over the stage's replicas, clip, and step its EMU-bound AdamW; returns the norm here.
+
+        Every rank of the model-stage calls it (absent gradients count as zeros); None off the stage.
+        """
+        unit = self.units.get(model_stage)
+        if unit is None:
+            return None
+        params = list(unit.parameters())
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        dp_group = unit.comm.dp_group
+        if dp_group is not None:
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            dist.all_reduce(flat, group=dp_group)
+            offset = 0
+            for p in params:
+                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+        norm = clip_grad_norm_(unit, max_norm)
+        self.optimizers[model_stage].step()
+        for p in params:
+            p.grad = None
+        return float(norm)
+
+    def sync_weights(self) -> None:
+        """Copy each training stage's fresh parameters into the other model-stages of its model (collective)."""
+        assert self.plan is not None
+        for train in self.training_stages():
+            role = self.stages[train].model
+            for name in self.plan:
+                if name != train and self.stages[name].model == role and not self.stages[name].trains:
+                    sync_params(train, name)
+
+    # ---- state ---------------------------------------------------------------------------
+    def save(self, path: str) -> None:
+        """Every model-stage's logical state through DCP into ``path/<model_stage>`` (collective)."""
+        from nereus_lightning.emu.checkpoint import save_state
+
+        assert self.plan is not None
+        for name in self.plan:
+            save_state(name, os.path.join(path, name))
+
+    def logical_params(self, model_stage: str) -> dict[str, torch.Tensor] | None:
+        """The full parameters of ``model_stage`` on rank 0 (None elsewhere; collective)."""
+        state = emu.gather_logical_state(model_stage, dst=0)
+        return None if state is None else state.params
