@@ -206,7 +206,9 @@ def run_pair(rank: int, world: int, current: str, target: str, reversed_ranks: b
     for node, record, extra in zip(dag.nodes, report.records, extras, strict=True):
         ms = STAGES[node.model_stage]
         brain_bpp = geometry(models()[ms.model], ms.trains).bytes_per_param
-        body_bpp = 4 * (3 if ms.trains else 1)  # fp32 param (+ exp_avg, exp_avg_sq)
+        schema = registry().schema(node.model_stage)  # the EMU's own per-element state bytes
+        sizes = {schema.element_bytes(n, ms.trains) for n in schema.names}
+        body_bpp = sizes.pop() if len(sizes) == 1 else sizes  # fp32: 4, training 3 x 4
         brain = sum(t.bytes for t in node.transfers if t.src_gpu != t.dst_gpu and t.dst_gpu == gpu)
         rows.append(
             (node.id, node.op.value, ms.trains, brain, brain_bpp, body_bpp, record.measured_bytes, extra)

@@ -47,8 +47,9 @@ def test_moved_units_compute_the_full_models_logits(results):
 def test_measured_bytes_are_the_priced_bytes(results):
     """Per node and rank: payload bytes received = the brain's priced bytes into that GPU + counters + steps.
 
-    Brain and EMU store the same bytes per fp32 parameter: 4 (inference), 3 x 4 = 12 (training:
-    param, exp_avg, exp_avg_sq; no master copy at fp32). Beyond the priced pieces the EMU sends
+    Brain and EMU store the same bytes per parameter (``StateSchema.element_bytes``): here fp32,
+    4 (inference), 3 x 4 = 12 (training: param, exp_avg, exp_avg_sq; no master copy at fp32;
+    bf16 training would be 2 + 3 x 4 = 14, see test_mixed_precision). Beyond the priced pieces the EMU sends
     48 B of counters per receiving Extend position and, training, a 4-byte AdamW step per tensor
     a rank first receives (``extra``).
     """

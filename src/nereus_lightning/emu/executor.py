@@ -29,8 +29,9 @@ the node's members, and the min: the last member to arrive waits for no one, so 
 node's own duration); :meth:`ExecutionReport.node_observations` is what the calibration reads.
 Payload bytes are the priced bytes plus what the brain does not price: 48 bytes of counters
 per receiving Extend position and, for training state, a 4-byte fp32 AdamW ``step`` per tensor
-a rank receives for the first time. (For fp32 units brain and EMU count the same state per
-parameter: 4 bytes inference, param + exp_avg + exp_avg_sq = 12 bytes training.)
+a rank receives for the first time. (Brain and EMU count the same state per parameter:
+``StateSchema.element_bytes``; fp32: 4 bytes inference, param + exp_avg + exp_avg_sq = 12 bytes
+training; bf16: 2 inference, 2 + fp32 exp_avg, exp_avg_sq and master = 14 training.)
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.optim.adam import adam as adam_update
 from typing_extensions import override
 
 from nereus_lightning.models.sharded import ShardedCausalLM, is_tied
@@ -101,7 +102,7 @@ class MixedPrecisionAdamW(torch.optim.AdamW):
             if not weights:
                 continue
             beta1, beta2 = group["betas"]
-            torch.optim.adam.adam(
+            adam_update(
                 weights,
                 grads,
                 avgs,

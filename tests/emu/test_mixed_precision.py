@@ -1,0 +1,160 @@
+"""bf16 training units: fp32 moments and master held, moved and priced as the brain prices them (14 B/param)."""
+
+from __future__ import annotations
+
+import torch
+
+from nereus_lightning.emu import (
+    EMU,
+    StateSchema,
+    Unit,
+    create_unit,
+    destroy,
+    execute,
+    extend,
+    gather_logical_state,
+    merge,
+    registry,
+    reshard_plan,
+    split,
+)
+from nereus_lightning.plan.layout import Layout
+from nereus_lightning.plan.memory import optimizer_bytes_per_param
+from nereus_lightning.spec.model import ModelSpec
+from nereus_lightning.transition.pieces import extend_transfers, gather_transfers, geometry, shard_bytes
+from tests.emu.workers import COUNTERS, tiny
+
+STAGE = "actor_train"
+BIG, SMALL = Layout(2, 2), Layout(1, 2)
+ALL = (0, 1, 2, 3)
+
+
+def bf16_tiny(kind: str = "llama"):
+    """The tiny model of ``tests.emu.workers.tiny`` in bf16, its AdamW state with the fp32 weights as masters."""
+    config, model, optim = tiny(kind)
+    config.dtype = torch.bfloat16
+    for name, p in model.named_parameters():
+        optim[name]["master"] = p.detach().clone()
+    return config, model.to(torch.bfloat16), optim
+
+
+def test_training_state_is_14_bytes_per_bf16_param_as_the_brain_prices() -> None:
+    for kind in ("llama", "gqa_tied"):
+        config, model, optim = bf16_tiny(kind)
+        spec = ModelSpec.from_hf_config(config)
+        assert spec.dtype == "bfloat16" and spec.dtype_bytes + optimizer_bytes_per_param(spec) == 14
+        schema = StateSchema.of(config, model)
+        for layout in (Layout(1, 1), BIG):
+            unit = Unit(layout, ALL[: layout.size])
+            for rank in unit.ranks:
+                emu = EMU.from_model(STAGE, schema, model, unit, rank, trains=True, full_optim=optim)
+                params = sum(p.numel() for p in emu.params.values())
+                shaped = sum(t.nbytes for _, key, t in emu.tensors() if key != "step")
+                assert shaped == params * (spec.dtype_bytes + optimizer_bytes_per_param(spec)), (kind, layout)
+                assert emu.nbytes() == shaped + 4 * len(emu.params)  # + the 0-d fp32 step per tensor
+                # Per GPU, the very bytes the transition brain says this position holds.
+                pos = unit.position(rank)
+                assert shaped == shard_bytes(geometry(spec, True), layout, pos.pp_rank), (kind, layout, rank)
+                for name, state in emu.optim_state.items():
+                    assert emu.params[name].dtype == torch.bfloat16
+                    assert {k: t.dtype for k, t in state.items()} == dict.fromkeys(
+                        ("exp_avg", "exp_avg_sq", "master", "step"), torch.float32
+                    )
+                    assert torch.equal(state["master"].to(torch.bfloat16), emu.params[name])
+
+
+def split_extend_merge(rank: int, world: int) -> dict:
+    """(TP2,PP2) -> Split -> (TP1,PP2)x2 -> Destroy one -> Extend it back -> Merge -> (TP2,PP2), bf16 training."""
+    registry().clear()
+    config, model, optim = bf16_tiny()
+    create_unit(STAGE, config, model, BIG, ALL, trains=True, full_optim=optim, counters=COUNTERS)
+    before = gather_logical_state(STAGE)
+    op = split(STAGE, Unit(BIG, ALL), SMALL)
+    got = {"split": execute(op).payload_received}
+    keep, gone = op.targets
+    execute(destroy(STAGE, gone))
+    got["extend"] = execute(extend(STAGE, keep, [gone.ranks])).payload_received
+    mid = gather_logical_state(STAGE)
+    got["merge"] = execute(merge(STAGE, op.targets, BIG)).payload_received
+    after = gather_logical_state(STAGE)
+    out: dict = {"payload": got}
+    if rank == 0:
+        out["mid"] = (mid.replicas, before.differences(mid))
+        out["after"] = before.differences(after)
+        out["keys"] = {n: {k: str(t.dtype) for k, t in s.items()} for n, s in after.optim.items()}
+        out["master_is_param"] = all(
+            torch.equal(after.optim[n]["master"].to(torch.bfloat16), p) for n, p in after.params.items()
+        )
+        out["param_dtypes"] = {str(p.dtype) for p in after.params.values()}
+    return out
+
+
+def _steps_into(plan, gpu: int) -> int:
+    return 4 * sum(1 for m in plan.moves if m.dst == gpu and m.with_step)
+
+
+def test_bf16_transfers_are_exact_and_carry_the_bytes_the_brain_prices(dist4) -> None:
+    per_rank = dist4.run(split_extend_merge)
+    config, model, _ = bf16_tiny()
+    schema, geo = StateSchema.of(config, model), geometry(ModelSpec.from_hf_config(config), True)
+    assert geo.bytes_per_param == 14
+    # Split: each new position receives what it lacks (priced by gather_transfers) + a step per new tensor.
+    op = split(STAGE, Unit(BIG, ALL), SMALL)
+    plan = reshard_plan(op, schema, True)
+    for unit in op.targets:
+        for index, gpu in enumerate(unit.ranks):
+            pp, tp = divmod(index, SMALL.tp)
+            priced = gather_transfers(geo, BIG, ALL, ALL.index(gpu), SMALL, pp, tp)
+            brain = sum(t.bytes for t in priced if t.src_gpu != t.dst_gpu)
+            assert brain > 0 and per_rank[gpu]["payload"]["split"] == brain + _steps_into(plan, gpu), gpu
+    # Extend: the new replica's positions receive a whole shard each + 48 B of counters + steps.
+    keep, gone = op.targets
+    priced = {t.dst_gpu: t.bytes for t in extend_transfers(geo, SMALL, keep.ranks, gone.ranks)}
+    for index, gpu in enumerate(gone.ranks):
+        names = schema.stage_names(SMALL, index // SMALL.tp)
+        assert per_rank[gpu]["payload"]["extend"] == priced[gpu] + 48 + 4 * len(names), gpu
+    assert all(per_rank[gpu]["payload"]["extend"] == 0 for gpu in keep.ranks)
+    # Merge back.
+    back = merge(STAGE, op.targets, BIG)
+    plan = reshard_plan(back, schema, True)
+    for index, gpu in enumerate(back.target.ranks):
+        own = next(u for u in back.sources if gpu in u.ranks)
+        pp, tp = divmod(index, BIG.tp)
+        priced = gather_transfers(geo, SMALL, own.ranks, own.ranks.index(gpu), BIG, pp, tp)
+        brain = sum(t.bytes for t in priced if t.src_gpu != t.dst_gpu)
+        assert per_rank[gpu]["payload"]["merge"] == brain + _steps_into(plan, gpu), gpu
+    # The state, master included, survives bit for bit.
+    out = per_rank[0]
+    assert out["mid"] == (2, [])
+    assert out["after"] == []
+    assert out["param_dtypes"] == {"torch.bfloat16"} and out["master_is_param"]
+    assert len(out["keys"]) == len(schema.names)
+    assert all(
+        keys == dict.fromkeys(("exp_avg", "exp_avg_sq", "master", "step"), "torch.float32")
+        for keys in out["keys"].values()
+    )
+
+
+def dcp_bf16(rank: int, world: int, path: str) -> tuple[list[str], int]:
+    """Save a bf16 training unit with DCP, Split it, load the new layout from DCP: the shards that differ."""
+    from nereus_lightning.emu.checkpoint import load_state, save_state
+
+    registry().clear()
+    config, model, optim = bf16_tiny("gqa_tied")
+    create_unit(STAGE, config, model, BIG, ALL, trains=True, full_optim=optim, counters=COUNTERS)
+    save_state(STAGE, path)
+    execute(split(STAGE, Unit(BIG, ALL), SMALL))
+    mine = next(u for u in registry().live(STAGE) if rank in u.ranks)
+    ours = registry().local(STAGE, mine)
+    oracle = EMU.empty(STAGE, registry().schema(STAGE), mine, rank, trains=True)
+    for _, _, t in oracle.tensors():
+        t.fill_(-7.0)  # a shard DCP did not fill cannot pass by chance
+    load_state(oracle, path)
+    theirs = {(n, k): t for n, k, t in oracle.tensors()}
+    bad = [f"{n}.{k}" for n, k, t in ours.tensors() if not torch.equal(t, theirs[(n, k)])]
+    return bad, sum(1 for _, k, _ in ours.tensors() if k == "master")
+
+
+def test_dcp_checkpoint_carries_the_master(dist4, tmp_path) -> None:
+    for rank, (bad, masters) in enumerate(dist4.run(dcp_bf16, str(tmp_path / "bf16"))):
+        assert masters > 0 and bad == [], (rank, bad[:4])
