@@ -18,6 +18,7 @@ from nereus_lightning.emu import (
     reshard_plan,
     split,
 )
+from nereus_lightning.emu.sync import relayout
 from nereus_lightning.plan.layout import Layout
 from nereus_lightning.plan.memory import optimizer_bytes_per_param
 from nereus_lightning.spec.model import ModelSpec
@@ -64,7 +65,7 @@ def test_training_state_is_14_bytes_per_bf16_param_as_the_brain_prices() -> None
 
 
 def split_extend_merge(rank: int, world: int) -> dict:
-    """(TP2,PP2) -> Split -> (TP1,PP2)x2 -> Destroy one -> Extend it back -> Merge -> (TP2,PP2), bf16 training."""
+    """(TP2,PP2) -> Split -> (TP1,PP2)x2 -> Destroy one -> Extend it back -> Merge -> relayout, bf16 training."""
     registry().clear()
     config, model, optim = bf16_tiny()
     create_unit(STAGE, config, model, BIG, ALL, trains=True, full_optim=optim, counters=COUNTERS)
@@ -77,10 +78,13 @@ def split_extend_merge(rank: int, world: int) -> dict:
     mid = gather_logical_state(STAGE)
     got["merge"] = execute(merge(STAGE, op.targets, BIG)).payload_received
     after = gather_logical_state(STAGE)
+    relayout(STAGE, [Unit(Layout(1, 4), ALL)])  # the fallback path; each rank keeps part of its shards
+    moved = gather_logical_state(STAGE)
     out: dict = {"payload": got}
     if rank == 0:
         out["mid"] = (mid.replicas, before.differences(mid))
         out["after"] = before.differences(after)
+        out["relayout"] = before.differences(moved)
         out["keys"] = {n: {k: str(t.dtype) for k, t in s.items()} for n, s in after.optim.items()}
         out["master_is_param"] = all(
             torch.equal(after.optim[n]["master"].to(torch.bfloat16), p) for n, p in after.params.items()
@@ -126,7 +130,7 @@ def test_bf16_transfers_are_exact_and_carry_the_bytes_the_brain_prices(dist4) ->
     # The state, master included, survives bit for bit.
     out = per_rank[0]
     assert out["mid"] == (2, [])
-    assert out["after"] == []
+    assert out["after"] == [] and out["relayout"] == []
     assert out["param_dtypes"] == {"torch.bfloat16"} and out["master_is_param"]
     assert len(out["keys"]) == len(schema.names)
     assert all(

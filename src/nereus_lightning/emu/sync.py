@@ -44,14 +44,13 @@ def copy_between(
     """Fill this rank's ``new`` shards (of ``targets``) from the ``sources`` units' shards (``old`` here).
 
     ``old`` / ``new`` map ``(name, key)`` to this rank's tensors (empty off the units); keys are
-    ``"param"`` and, with ``trains``, the AdamW keys. Returns this rank's traffic.
+    ``"param"`` and, with ``trains``, the AdamW keys (``schema.state_keys``). Returns this rank's traffic.
     """
     me = dist.get_rank()
     held = merged_holdings(*(unit_holdings(schema, u.layout, u.ranks) for u in sources))
     needed = merged_holdings(*(unit_holdings(schema, u.layout, u.ranks) for u in targets))
     old_iv: Mapping[str, Interval] = held.get(me, {})
     new_iv: Mapping[str, Interval] = needed.get(me, {})
-    keys = ("param", "exp_avg", "exp_avg_sq") if trains else ("param",)
     with torch.no_grad():
         for name, want in new_iv.items():
             have = old_iv.get(name)
@@ -59,7 +58,7 @@ def copy_between(
                 continue
             lo, hi = max(want[0], have[0]), min(want[1], have[1])
             if lo < hi:
-                for key in keys:
+                for key in schema.shaped_keys(name, trains):  # with AdamW's (+ master below fp32)
                     dst = slice_of(schema, name, new[(name, key)], want, lo, hi)
                     src = slice_of(schema, name, old[(name, key)], have, lo, hi)
                     if dst.data_ptr() != src.data_ptr():
