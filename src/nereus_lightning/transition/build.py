@@ -25,6 +25,7 @@ from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import replace
 from functools import lru_cache
+from operator import add
 
 from nereus_lightning.plan.layout import Layout, Plan
 from nereus_lightning.plan.memory import boundary_state_bytes, memory_cap
@@ -32,7 +33,7 @@ from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
 from nereus_lightning.spec.model import ModelSpec
 from nereus_lightning.spec.workload import ModelStage, Workload
-from nereus_lightning.transition.dag import Node, Primitive, TransitionContext, TransitionDAG
+from nereus_lightning.transition.dag import Node, Primitive, TransitionContext, TransitionDAG, memory_growth
 from nereus_lightning.transition.local import common_layout, local_dag
 from nereus_lightning.transition.pieces import geometry
 
@@ -70,8 +71,11 @@ def _build(
 ) -> TransitionDAG:
     ctx = make_context(current, target, dict(models), cluster, workload)
     nodes = union_of_local_dags(ctx)
-    order = _order_with_resource_edges(nodes, ctx)
-    return TransitionDAG(order, ctx, global_order=True)
+    growth = memory_growth(nodes, cluster.num_gpus)
+    order = _order_with_resource_edges(nodes, ctx, growth)
+    dag = TransitionDAG(order, ctx, global_order=True)
+    dag._growth = ((cluster.num_gpus, *(n.mem for n in order)), growth)  # validate reuses it
+    return dag
 
 
 def make_context(
@@ -154,21 +158,19 @@ def union_of_local_dags(ctx: TransitionContext) -> list[Node]:
     for name, cur in ctx.current.items():
         ms = ctx.stages[name]
         geo = geometry(ctx.models[ms.model], ms.trains)
-        local = local_dag(
-            name, geo, lambda layout, _n=name: ctx.memory_of(_n, layout), cur, ctx.target[name], ctx.cluster
-        )
-        base = len(nodes)
-        for node in local:
-            node.id += base
-            node.deps = [d + base for d in node.deps]
-            nodes.append(node)
+        memory_of = lambda layout, _n=name: ctx.memory_of(_n, layout)  # noqa: E731
+        nodes += local_dag(name, geo, memory_of, cur, ctx.target[name], ctx.cluster, len(nodes))
     return nodes
 
 
-def _order_with_resource_edges(nodes: list[Node], ctx: TransitionContext) -> list[Node]:
-    """Replay ``nodes`` in priority order, adding resource edges; return them renumbered."""
+def _order_with_resource_edges(
+    nodes: list[Node], ctx: TransitionContext, growth: list[float] | None = None
+) -> list[Node]:
+    """Replay ``nodes`` in priority order, adding resource edges; return them renumbered.
+
+    ``growth`` is ``memory_growth(nodes, num_gpus)`` when the caller has it already.
+    """
     stages: dict[str, ModelStage] = ctx.stages
-    index = {name: i for i, name in enumerate(ctx.current)}
     peers = {
         name: [o for o in ctx.current if o != name and stages[o].stage == stages[name].stage]
         for name in ctx.current
@@ -183,13 +185,12 @@ def _order_with_resource_edges(nodes: list[Node], ctx: TransitionContext) -> lis
             for g in cand.gpus:
                 count[g] += 1
     base = list(ctx.current_memory) or resident_memory(ctx.current, ctx)
-    worst = base[:]
-    for node in nodes:
-        for g, net, transient in node.mem:
-            worst[g] += (net if net > 0 else 0.0) + transient
-    tight = {g for g, w in enumerate(worst) if w > cap}
+    if growth is None:
+        growth = memory_growth(nodes, n_gpus)
+    worst = list(map(add, base, growth))
+    tight = {g for g, w in enumerate(worst) if w > cap} if max(worst, default=0.0) > cap else set()
     # Nodes that touch a tight GPU: only they need memory bookkeeping.
-    careful = [bool(tight) and not tight.isdisjoint([e[0] for e in n.mem]) for n in nodes]
+    careful = [not tight.isdisjoint([e[0] for e in n.mem]) for n in nodes] if tight else [False] * len(nodes)
 
     grown: dict[int, float] = defaultdict(float)
     freed: dict[int, float] = defaultdict(float)
@@ -198,21 +199,26 @@ def _order_with_resource_edges(nodes: list[Node], ctx: TransitionContext) -> lis
         ms: defaultdict(list) for ms in holders
     }  # who left a GPU, by what
     succs: list[list[int]] = [[] for _ in nodes]
-    indeg = [len(n.deps) for n in nodes]
+    indeg = [0] * len(nodes)
     for n in nodes:
-        for d in n.deps:
-            succs[d].append(n.id)
-    keys = [(_OP_RANK[n.op], stages[n.model_stage].stage_index, index[n.model_stage], n.id) for n in nodes]
-    heap = [keys[n.id] for n in nodes if indeg[n.id] == 0]
+        if n.deps:
+            indeg[n.id] = len(n.deps)
+            for d in n.deps:
+                succs[d].append(n.id)
+    rank = {name: (stages[name].stage_index, i) for i, name in enumerate(ctx.current)}
+    keys = [(_OP_RANK[n.op], *rank[n.model_stage], n.id) for n in nodes]
+    heap = [keys[i] for i, d in enumerate(indeg) if d == 0]
     heapq.heapify(heap)
+    extend, merge = Primitive.EXTEND, Primitive.MERGE
 
     def blocked(n: Node) -> str | None:
-        if n.op is Primitive.EXTEND:
+        if n.op is extend and n.model_stage in holders:
+            gpus = n.targets[0].gpus
             for other in peers[n.model_stage]:
                 count = holders[other]
-                for g in n.targets[0].gpus:
-                    if count[g]:
-                        return f"GPU {g} is still held by {other} (same {stages[other].stage} stage)"
+                if any(map(count.__getitem__, gpus)):  # rare: find the GPU for the message
+                    g = next(g for g in gpus if count[g])
+                    return f"GPU {g} is still held by {other} (same {stages[other].stage} stage)"
         if careful[n.id]:
             for g, net, transient in n.mem:
                 if g not in tight:
@@ -230,23 +236,27 @@ def _order_with_resource_edges(nodes: list[Node], ctx: TransitionContext) -> lis
         while heap:
             nid = heapq.heappop(heap)[3]
             n = nodes[nid]
-            why = blocked(n)
+            why = blocked(n) if n.op is extend or careful[nid] else None
             if why:
                 stuck.append((n, why))
                 continue
-            extra: set[int] = set()
+            extra: set[int] | None = None
             ms = n.model_stage
             if ms in holders:
                 count = holders[ms]
-                if n.op is Primitive.EXTEND:
+                if n.op is extend:
+                    gpus = n.targets[0].gpus
                     for other in peers[ms]:
                         gone = left[other]
-                        for g in n.targets[0].gpus:
-                            if g in gone:
-                                extra.update(gone[g])
-                    for g in n.targets[0].gpus:
+                        if gone and not gone.keys().isdisjoint(gpus):
+                            if extra is None:
+                                extra = set()
+                            for g in gpus:
+                                if g in gone:
+                                    extra.update(gone[g])
+                    for g in gpus:
                         count[g] += 1
-                elif n.op is not Primitive.MERGE:  # Destroy, or Split releasing the GPUs it does not keep
+                elif n.op is not merge:  # Destroy, or Split releasing the GPUs it does not keep
                     mine = left[ms]
                     for g in n.released_gpus:
                         count[g] -= 1
@@ -256,7 +266,9 @@ def _order_with_resource_edges(nodes: list[Node], ctx: TransitionContext) -> lis
                     if g not in tight:
                         continue
                     grow = (net if net > 0 else 0.0) + transient
-                    if grow > 0:
+                    if grow > 0 and freers[g]:
+                        if extra is None:
+                            extra = set()
                         extra.update(freers[g])
                     grown[g] += grow
                     free = (-net if net < 0 else 0.0) + transient
@@ -289,9 +301,17 @@ def _order_with_resource_edges(nodes: list[Node], ctx: TransitionContext) -> lis
         stuck = []
     if len(order) != len(nodes):  # pragma: no cover - a bug in the local DAGs, not bad input
         raise RuntimeError(f"transition replay ran {len(order)} of {len(nodes)} nodes")
-    renumber = {n.id: i for i, n in enumerate(order)}
+    renumber = [0] * len(order)
+    for i, n in enumerate(order):
+        renumber[n.id] = i
+    at = renumber.__getitem__
     for i, n in enumerate(order):
         n.id = i
-        n.resource_deps = sorted(renumber[d] for d in n.resource_deps)
-        n.deps = sorted({renumber[d] for d in n.deps}.union(n.resource_deps))
+        if n.resource_deps:
+            n.resource_deps = sorted(map(at, n.resource_deps))
+            n.deps = sorted(set(map(at, n.deps)).union(n.resource_deps))
+        else:
+            n.resource_deps = []
+            if n.deps:
+                n.deps = sorted(set(map(at, n.deps)))
     return order

@@ -137,6 +137,19 @@ class Node:
         return f"#{self.id} {self.op.value}({self.model_stage}: {src} -> {dst}; {self.bytes / 1e9:.3g} GB)"
 
 
+def memory_growth(nodes: list[Node], num_gpus: int) -> list[float]:
+    """Per GPU: the bytes all ``nodes`` together may add there if nothing were ever freed
+    (positive net allocations plus transfer buffers); resident bytes plus this bound any order."""
+    grow = [0.0] * num_gpus
+    for n in nodes:
+        for g, net, transient in n.mem:
+            if net > 0:
+                grow[g] += net + transient
+            elif transient:
+                grow[g] += transient
+    return grow
+
+
 @dataclass(frozen=True)
 class TransitionContext:
     """What a DAG was built for: the two plans and what the model-stages are."""
@@ -163,6 +176,17 @@ class TransitionDAG:
     context: TransitionContext
     global_order: bool = True  # False for the per-component baseline (no resource edges)
     _cost: float | None = field(default=None, repr=False)
+    # memory_growth of ``nodes``, keyed by the ``mem`` tuples it was computed from (compared by
+    # identity first, so a hit costs one pointer comparison per node).
+    _growth: tuple[tuple[object, ...], list[float]] | None = field(default=None, repr=False)
+
+    def memory_growth(self) -> list[float]:
+        """:func:`memory_growth` of the nodes (cached while no node's ``mem`` changes)."""
+        n_gpus = self.context.cluster.num_gpus
+        key = (n_gpus, *(n.mem for n in self.nodes))
+        if self._growth is None or self._growth[0] != key:
+            self._growth = (key, memory_growth(self.nodes, n_gpus))
+        return self._growth[1]
 
     @property
     def cost(self) -> float:

@@ -134,8 +134,9 @@ def local_dag(
     current: Candidate,
     target: Candidate,
     cluster: ClusterSpec,
+    first_id: int = 0,
 ) -> list[Node]:
-    """The nodes of one model-stage's local DAG; ids and deps are local (0-based, deps earlier)."""
+    """The nodes of one model-stage's local DAG; ids count from ``first_id``, deps are earlier ids."""
     a, b = current.layout, target.layout
     if a == b and current.gpus == target.gpus:
         return []
@@ -164,7 +165,14 @@ def local_dag(
                 where[t] = (i, j)
     sub_at = {g: t for t in where for g in t}  # the T_sub unit each current GPU would be part of
     # Per target unit, the T_sub units its Merge fuses (reused in place or to be extended).
-    slots = [_slots_of(v, b, s, pick_b, where, sub_at) for v in tgt_units]
+    if b == s:  # each target unit is one slot: reused in place when a T_sub unit sits exactly on it
+        apart = sub_at.keys().isdisjoint  # nothing of this model-stage there: extend onto it
+        slots = [
+            [v.gpus] if v.gpus in where or apart(v.gpus) else _slots_of(v, b, s, pick_b, where, sub_at)
+            for v in tgt_units
+        ]
+    else:
+        slots = [_slots_of(v, b, s, pick_b, where, sub_at) for v in tgt_units]
     reused = {t for row in slots for t in row if t in where}
     missing = [t for row in slots for t in row if t not in where]
     split_units = sorted({where[t][0] for t in reused})
@@ -205,8 +213,9 @@ def local_dag(
     nodes: list[Node] = []
 
     def add(op: Primitive, srcs, tgts, transfers, deps, mem) -> int:
-        nodes.append(Node(len(nodes), op, name, tuple(srcs), tuple(tgts), transfers, list(deps), mem))
-        return len(nodes) - 1
+        nid = first_id + len(nodes)
+        nodes.append(Node(nid, op, name, tuple(srcs), tuple(tgts), transfers, list(deps), mem))
+        return nid
 
     mem_a, mem_s, mem_b = memory_of(a), memory_of(s), memory_of(b)
     made_by: dict[tuple[int, ...], int] = {}  # T_sub unit gpus -> node that created it
@@ -237,11 +246,22 @@ def local_dag(
             add(Primitive.DESTROY, [u], [], (), [], _uniform(u.gpus, -mem_a))
 
     readers: dict[tuple[int, ...], list[int]] = defaultdict(list)
+    extend = Primitive.EXTEND
     for src, slot in extends:
-        transfers = partial(extend_transfers, geo, s, src, slot)  # built when read
-        mem = _uniform(slot, mem_s)
-        deps = [made_by[src]] if src in made_by else []
-        nid = add(Primitive.EXTEND, [_new(Unit, (s, src))], [_new(Unit, (s, slot))], transfers, deps, mem)
+        nid = first_id + len(nodes)
+        made = made_by.get(src)
+        nodes.append(
+            Node(
+                nid,
+                extend,
+                name,
+                (_new(Unit, (s, src)),),
+                (_new(Unit, (s, slot)),),
+                partial(extend_transfers, geo, s, src, slot),  # built when read
+                [made] if made is not None else [],
+                tuple(zip(slot, repeat(mem_s), repeat(0.0))),
+            )
+        )
         made_by[slot] = nid
         readers[src].append(nid)
 
@@ -252,8 +272,9 @@ def local_dag(
         add(Primitive.DESTROY, [_new(Unit, (s, t))], [], (), deps, _uniform(t, -mem_s))
 
     # Merge each target unit from its slots; a T_sub target unit sitting exactly on one slot is done.
+    b_is_s = b == s
     for v, row in zip(tgt_units, slots, strict=True):
-        if b == s and row[0] == v.gpus:
+        if b_is_s and row[0] == v.gpus:
             continue
         index = {g: x for x, g in enumerate(v.gpus)}
         at = index.__getitem__

@@ -19,8 +19,8 @@ every node on it (nothing ever freed) is safe in any order, so it needs no repla
 from __future__ import annotations
 
 import random
-from collections import defaultdict
 from dataclasses import dataclass
+from operator import add
 
 from nereus_lightning.plan.layout import Plan
 from nereus_lightning.plan.memory import memory_cap
@@ -77,13 +77,11 @@ class _Memory:
         ctx = dag.context
         self.cap = memory_cap(ctx.cluster)
         self.base = list(ctx.current_memory) if ctx.current_memory else _resident(ctx.current, dag)
-        worst = self.base[:]
-        for n in dag.nodes:
-            for g, net, transient in n.mem:
-                worst[g] += (net if net > 0 else 0.0) + transient
-        self.tight = {g for g, w in enumerate(worst) if w > self.cap}
-        self.bound_elsewhere = max((w for g, w in enumerate(worst) if g not in self.tight), default=0.0)
+        worst = list(map(add, self.base, dag.memory_growth()))
+        top = max(worst, default=0.0)
+        self.tight = {g for g, w in enumerate(worst) if w > self.cap} if top > self.cap else set()
         tight = self.tight
+        self.bound_elsewhere = max((w for g, w in enumerate(worst) if g not in tight), default=0.0) if tight else top
         self.effects: list[tuple[tuple[int, float, float], ...]] = (
             [tuple(e for e in n.mem if e[0] in tight) for n in dag.nodes] if tight else [()] * len(dag.nodes)
         )
@@ -104,8 +102,9 @@ def _structure(dag: TransitionDAG) -> list[str]:
     for i, n in enumerate(dag.nodes):
         if n.id != i:
             out.append(f"structure: node at position {i} has id {n.id}")
-        bad = [d for d in n.deps if not 0 <= d < i]
-        if bad:
+        deps = n.deps
+        if deps and not (min(deps) >= 0 and max(deps) < i):
+            bad = [d for d in deps if not 0 <= d < i]
             out.append(f"structure: {n} depends on {bad}, not earlier nodes (a cycle or a bad order)")
     return out
 
@@ -147,15 +146,21 @@ class _Gpus:
 
     def acquire(self, n: Node) -> list[str]:
         """Count ``n``'s new GPUs; name any a same-stage model-stage holds."""
-        out = []
-        if n.model_stage in self.count:
-            count = self.count[n.model_stage]
-            for g in n.acquired_gpus:
-                count[g] += 1
-                for other in self.peers[n.model_stage]:
-                    if self.count[other][g]:
-                        out.append(f"{n} lands on GPU {g} still held by {other}")
-        return out
+        if n.model_stage not in self.count or n.op is not Primitive.EXTEND:
+            return []
+        gpus = n.acquired_gpus
+        count = self.count[n.model_stage]
+        for g in gpus:
+            count[g] += 1
+        peers = [self.count[other] for other in self.peers[n.model_stage]]
+        if not any(any(map(c.__getitem__, gpus)) for c in peers):
+            return []
+        return [
+            f"{n} lands on GPU {g} still held by {other}"
+            for g in gpus
+            for other in self.peers[n.model_stage]
+            if self.count[other][g]
+        ]
 
     def release(self, n: Node) -> None:
         """Uncount the GPUs ``n`` leaves."""
@@ -198,7 +203,9 @@ def _replay(dag: TransitionDAG, order: list[Node], problems: list[str], label: s
             units[u.gpus] = (u.layout.tp, u.layout.pp)
         if not units:
             problems.append(f"last copy{label}: {n.model_stage} has no unit left after {n}")
-        problems.extend(f"gpu conflict{label}: {p}" for p in gpus.acquire(n))
+        conflicts = gpus.acquire(n)
+        if conflicts:
+            problems.extend(f"gpu conflict{label}: {p}" for p in conflicts)
         gpus.release(n)
     for name, want in _units(ctx.target).items():
         if alive[name] != want:
@@ -222,19 +229,26 @@ def _ancestors(dag: TransitionDAG) -> list[int]:
 def _any_order_gpus(dag: TransitionDAG) -> list[str]:
     ctx = dag.context
     stage = {name: ms.stage for name, ms in ctx.stages.items()}
-    leaves: dict[tuple[int, str], list[int]] = defaultdict(list)
-    for n in dag.nodes:
-        for g in n.released_gpus:
-            leaves[(g, n.model_stage)].append(n.id)
     peers = {a: [b for b in ctx.current if b != a and stage[a] == stage[b]] for a in ctx.current}
-    anc = _ancestors(dag)
+    leaves: dict[str, dict[int, list[int]]] = {name: {} for name in ctx.current}  # model-stage: GPU: nodes
+    for n in dag.nodes:
+        if n.op is Primitive.DESTROY or n.op is Primitive.SPLIT:
+            mine = leaves[n.model_stage]
+            for g in n.released_gpus:
+                mine.setdefault(g, []).append(n.id)
+    anc: list[int] = []  # computed on first need
     out = []
     for n in dag.nodes:
         if n.op is not Primitive.EXTEND:
             continue
-        for g in n.targets[0].gpus:
+        gpus = n.targets[0].gpus
+        if all(leaves[other].keys().isdisjoint(gpus) for other in peers[n.model_stage]):
+            continue  # no same-stage model-stage leaves these GPUs: nothing to order
+        if not anc:
+            anc = _ancestors(dag)
+        for g in gpus:
             for other in peers[n.model_stage]:
-                for d in leaves.get((g, other), ()):
+                for d in leaves[other].get(g, ()):
                     if not anc[n.id] >> d & 1:
                         out.append(
                             f"gpu conflict: {n} may land on GPU {g} before {other} leaves it "
