@@ -154,11 +154,15 @@ def local_dag(
         split_into = [[u.gpus] for u in cur_units]
         where = {u.gpus: (i, 0) for i, u in enumerate(cur_units)}
     else:
-        slot_at = {g: t for v in tgt_units for t in (f(v.gpus) for f in pick_b) for g in t}
+        if b == s:  # the target's units are the slots (its one picker keeps the order)
+            slot_at = {g: v.gpus for v in tgt_units for g in v.gpus}
+        else:
+            slot_at = {g: t for v in tgt_units for t in (f(v.gpus) for f in pick_b) for g in t}
         for i, u in enumerate(cur_units):
-            mine = set(u.gpus)
-            tiles = list(dict.fromkeys(slot_at[g] for g in u.gpus if g in slot_at))
-            if not (sum(map(len, tiles)) == len(mine) and all(mine.issuperset(t) for t in tiles)):
+            # Slots are disjoint, so they tile ``u`` exactly iff they cover its GPUs and no more.
+            cover = list(map(slot_at.get, u.gpus))
+            tiles = list(dict.fromkeys(cover))
+            if None in tiles or sum(map(len, tiles)) != len(u.gpus):
                 tiles = [f(u.gpus) for f in pick_a]
             split_into.append(tiles)
             for j, t in enumerate(tiles):
@@ -184,7 +188,7 @@ def local_dag(
     # Plan the Extends first, so that Split keeps only the T_sub units that are used: the slot's
     # node first (chaining inside the node), then the least-loaded source, reused ones on ties.
     gpn = cluster.gpus_per_node
-    candidates = [t for i in split_units for t in split_into[i]]
+    candidates = [t for i in split_units for t in split_into[i]] if missing else []
     load: dict[tuple[int, ...], int] = {t: 0 for t in candidates}
     local: dict[int, list[tuple[int, ...]]] = defaultdict(list)
     for t in candidates:
@@ -221,20 +225,37 @@ def local_dag(
     made_by: dict[tuple[int, ...], int] = {}  # T_sub unit gpus -> node that created it
     splitting = [i for i in split_units if any(t in kept for t in split_into[i])]
     if a != s:
+        # Units of one model-stage mostly split alike: pattern, buffers and net effects per tiling.
+        by_tiles: dict[tuple[tuple[int, ...], ...], tuple[Pattern, tuple[tuple[float, int], ...]]] = {}
+        positions = range(a.size)
+        split = Primitive.SPLIT
         for i in splitting:
             # A partial Split keeps only the used T_sub units (the unit's other GPUs just send and
             # free their shard); a full one (the paper's) makes all of them, the unused dropped next.
             u = cur_units[i]
             subs = [t for t in split_into[i] if t in kept] if PARTIAL_SPLIT else split_into[i]
-            index = {g: x for x, g in enumerate(u.gpus)}
-            at = index.__getitem__
+            at = dict(zip(u.gpus, positions)).__getitem__
             tiles = tuple(tuple(map(at, t)) for t in subs)
-            pattern, buf = _split_pattern(geo, a, s, tiles)
-            stays = {x for t in tiles for x in t}
-            nets = [mem_s - mem_a if x in stays else -mem_a for x in range(a.size)]
-            mem = tuple(zip(u.gpus, nets, buf, strict=True))
-            transfers = partial(_placed, u.gpus, pattern)  # built when read
-            nid = add(Primitive.SPLIT, [u], [_new(Unit, (s, t)) for t in subs], transfers, [], mem)
+            known = by_tiles.get(tiles)
+            if known is None:
+                pattern, buf = _split_pattern(geo, a, s, tiles)
+                stays = {x for t in tiles for x in t}
+                nets = [mem_s - mem_a if x in stays else -mem_a for x in positions]
+                known = by_tiles[tiles] = (pattern, tuple(zip(nets, buf, strict=True)))
+            pattern, effects = known
+            nid = first_id + len(nodes)
+            nodes.append(
+                Node(
+                    nid,
+                    split,
+                    name,
+                    (u,),
+                    tuple([_new(Unit, (s, t)) for t in subs]),
+                    partial(_placed, u.gpus, pattern),  # built when read
+                    [],
+                    tuple([(g, *e) for g, e in zip(u.gpus, effects)]),
+                )
+            )
             for t in subs:
                 made_by[t] = nid
                 if t not in kept:
@@ -273,23 +294,34 @@ def local_dag(
 
     # Merge each target unit from its slots; a T_sub target unit sitting exactly on one slot is done.
     b_is_s = b == s
+    positions = range(b.size)
+    merge = Primitive.MERGE
+    merged: dict[tuple[tuple[int, ...], ...], tuple[Pattern, tuple[tuple[float, int], ...]]] = {}
     for v, row in zip(tgt_units, slots, strict=True):
         if b_is_s and row[0] == v.gpus:
             continue
-        index = {g: x for x, g in enumerate(v.gpus)}
-        at = index.__getitem__
+        at = dict(zip(v.gpus, positions)).__getitem__
         tiles = tuple(tuple(map(at, t)) for t in row)
-        pattern, buf = _merge_pattern(geo, s, b, tiles)
-        transfers = partial(_placed, v.gpus, pattern)  # built when read
+        known = merged.get(tiles)
+        if known is None:
+            pattern, buf = _merge_pattern(geo, s, b, tiles)
+            known = merged[tiles] = (pattern, tuple(zip(repeat(mem_b - mem_s), buf)))
+        pattern, effects = known
         # A Merge consumes its inputs: after whatever created them and every Extend that reads them.
-        deps = sorted({made_by[t] for t in row if t in made_by}.union(*(readers.get(t, ()) for t in row)))
-        add(
-            Primitive.MERGE,
-            [_new(Unit, (s, t)) for t in row],
-            [v],
-            transfers,
-            deps,
-            tuple(zip(v.gpus, repeat(mem_b - mem_s), buf)),
+        deps = {made_by[t] for t in row if t in made_by}
+        if readers:
+            deps = deps.union(*(readers.get(t, ()) for t in row))
+        nodes.append(
+            Node(
+                first_id + len(nodes),
+                merge,
+                name,
+                tuple([_new(Unit, (s, t)) for t in row]),
+                (v,),
+                partial(_placed, v.gpus, pattern),  # built when read
+                sorted(deps),
+                tuple([(g, *e) for g, e in zip(v.gpus, effects)]),
+            )
         )
     return nodes
 

@@ -179,12 +179,16 @@ def _replay(dag: TransitionDAG, order: list[Node], problems: list[str], label: s
     mem = gpus.mem
     effects = memory.effects
     peak = max((mem[g] for g in memory.tight), default=0.0)
+    counted = gpus.count
+    extend, merge = Primitive.EXTEND, Primitive.MERGE
     for n in order:
-        units = alive[n.model_stage]
-        missing = [u for u in n.sources if units.get(u.gpus) != (u.layout.tp, u.layout.pp)]
-        if missing:
-            problems.append(f"structure{label}: {n} reads units that do not exist: {missing}")
-            return peak
+        ms = n.model_stage
+        units = alive[ms]
+        for u in n.sources:
+            if units.get(u.gpus) != (u.layout.tp, u.layout.pp):
+                missing = [u for u in n.sources if units.get(u.gpus) != (u.layout.tp, u.layout.pp)]
+                problems.append(f"structure{label}: {n} reads units that do not exist: {missing}")
+                return peak
         for g, net, transient in effects[n.id]:
             top = mem[g] + (net if net > 0 else 0.0) + transient
             if top > peak:
@@ -194,7 +198,8 @@ def _replay(dag: TransitionDAG, order: list[Node], problems: list[str], label: s
                         f"memory{label}: GPU {g} reaches {top / GB:.1f} GB > cap {cap / GB:.1f} GB during {n}"
                     )
             mem[g] += net
-        if n.op is not Primitive.EXTEND:
+        op = n.op
+        if op is not extend:
             for u in n.sources:
                 del units[u.gpus]
         for u in n.targets:
@@ -202,11 +207,14 @@ def _replay(dag: TransitionDAG, order: list[Node], problems: list[str], label: s
                 problems.append(f"structure{label}: {n} creates {u} where a unit already is")
             units[u.gpus] = (u.layout.tp, u.layout.pp)
         if not units:
-            problems.append(f"last copy{label}: {n.model_stage} has no unit left after {n}")
-        conflicts = gpus.acquire(n)
-        if conflicts:
-            problems.extend(f"gpu conflict{label}: {p}" for p in conflicts)
-        gpus.release(n)
+            problems.append(f"last copy{label}: {ms} has no unit left after {n}")
+        if ms in counted:  # Extend acquires GPUs; Destroy and Split release some; Merge neither
+            if op is extend:
+                conflicts = gpus.acquire(n)
+                if conflicts:
+                    problems.extend(f"gpu conflict{label}: {p}" for p in conflicts)
+            elif op is not merge:
+                gpus.release(n)
     for name, want in _units(ctx.target).items():
         if alive[name] != want:
             problems.append(
@@ -237,9 +245,12 @@ def _any_order_gpus(dag: TransitionDAG) -> list[str]:
             for g in n.released_gpus:
                 mine.setdefault(g, []).append(n.id)
     anc: list[int] = []  # computed on first need
-    out = []
+    out: list[str] = []
+    exposed = {a for a in ctx.current if any(leaves[b] for b in peers[a])}  # some same-stage peer leaves
+    if not exposed:
+        return out
     for n in dag.nodes:
-        if n.op is not Primitive.EXTEND:
+        if n.op is not Primitive.EXTEND or n.model_stage not in exposed:
             continue
         gpus = n.targets[0].gpus
         if all(leaves[other].keys().isdisjoint(gpus) for other in peers[n.model_stage]):
