@@ -117,8 +117,9 @@ def resident_memory(plan: Plan, ctx: TransitionContext) -> list[float]:
     mem = [0.0] * ctx.cluster.num_gpus
     for name, cand in plan.items():
         per_gpu = ctx.memory_of(name, cand.layout)
-        for g in cand.gpus:
-            mem[g] += per_gpu
+        if per_gpu:  # idle generation/inference weights are offloaded: nothing resident
+            for g in cand.gpus:
+                mem[g] += per_gpu
     return mem
 
 
