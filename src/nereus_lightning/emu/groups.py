@@ -39,3 +39,23 @@ def member_group(ranks: Sequence[int]) -> dist.ProcessGroup:
 def cached_member_groups() -> tuple[tuple[int, ...], ...]:
     """The rank tuples whose member groups exist on this rank (creation order)."""
     return tuple(_GROUPS)
+
+
+def prepare_member_groups(rank_sets: Sequence[Sequence[int]]) -> None:
+    """Create, on EVERY rank in the same order, the groups of ``rank_sets`` that are not cached yet.
+
+    ``dist.new_group(use_local_synchronization=True)`` names a group by its ranks AND the number of
+    groups the calling process already has, so members that took part in different earlier groups
+    disagree on the name and wait for each other forever. A caller that knows the rank sets its
+    next primitives use (every rank computing the same list) creates them here world-collectively
+    instead; :func:`member_group` then only looks them up.
+    """
+    from nereus_lightning.models.groups import group_for
+
+    for ranks in rank_sets:
+        key = tuple(sorted(set(ranks)))
+        if len(key) < 2 or key in _GROUPS:
+            continue
+        group = group_for(key)
+        if dist.get_rank() in key:
+            _GROUPS[key] = group

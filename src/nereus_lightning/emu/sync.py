@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from nereus_lightning.emu.groups import prepare_member_groups
 from nereus_lightning.emu.ops import Unit
 from nereus_lightning.emu.plan import Interval, merged_holdings, plan_transfer, unit_holdings
 from nereus_lightning.emu.registry import registry
@@ -66,6 +67,7 @@ def copy_between(
             if trains:
                 new[(name, "step")].copy_(old[(name, "step")])
         plan = plan_transfer(schema, held, needed, trains)
+        prepare_member_groups([plan.ranks()])  # every rank computes the same plan
         return run_plan(schema, plan, trains, old, old_iv, new, new_iv, device or default_device())
 
 

@@ -6,7 +6,7 @@ This rank's compute module for a stage is a :class:`~nereus_lightning.models.Sha
 built on its EMU's very tensors; a training stage's AdamW is bound to the EMU's optimizer tensors
 (:func:`~nereus_lightning.models.bind_adamw`), so an optimizer step updates the EMU in place. No
 rank keeps a full model beyond what its units hold: the module's full transformers models are
-released (moved to the meta device) once the units exist.
+released (emptied) once the units exist.
 
 A plan change runs the transition brain's DAG (``build_transition``) through the EMU executor
 (``execute_dag``) on every rank; plans the brain does not model (model-stages of one stage
@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nereus_lightning import emu
+from nereus_lightning.emu.groups import prepare_member_groups
 from nereus_lightning.emu.sync import relayout, sync_params
 from nereus_lightning.models import ReplicaComm, ShardedCausalLM, bind_adamw, clip_grad_norm_, replica_groups
 from nereus_lightning.models.groups import dp_ranks
@@ -44,6 +45,43 @@ ADAMW = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
 def _units_of(plan: Plan, name: str) -> list[emu.Unit]:
     cand = plan[name]
     return [emu.Unit(cand.layout, tuple(cand.replica_gpus(r))) for r in range(cand.dp)]
+
+
+def _tp_rank_sets(plan: Plan) -> list[tuple[int, ...]]:
+    """The TP groups DCP meshes use (one per pipeline stage of every replica)."""
+    out = []
+    for name in plan:
+        for unit in _units_of(plan, name):
+            tp = unit.layout.tp
+            out += [unit.ranks[p * tp : (p + 1) * tp] for p in range(unit.layout.pp)]
+    return out
+
+
+def _dag_rank_sets(dag: Any) -> list[tuple[int, ...]]:
+    """Every rank set the executor's primitives will communicate over (same list on every rank)."""
+    from nereus_lightning.emu.executor import op_of
+
+    reg = emu.registry()
+    out: list[tuple[int, ...]] = []
+    for node in dag.nodes:
+        op = op_of(node)
+        if isinstance(op, emu.Extend):
+            for i, sender in enumerate(op.source.ranks):
+                out.append((sender, *(u.ranks[i] for u in op.targets)))
+        elif isinstance(op, (emu.Split, emu.Merge)):
+            name = op.model_stage
+            out.append(emu.reshard_plan(op, reg.schema(name), reg.trains[name]).ranks())
+    return out
+
+
+def release(model: nn.Module) -> None:
+    """Drop a full model's tensors (each becomes an empty tensor of its dtype and device).
+
+    Empty rather than meta tensors, so Lightning's device moves (``.cpu()`` at teardown) still work.
+    """
+    with torch.no_grad():
+        for t in (*model.parameters(), *model.buffers()):
+            t.data = torch.empty(0, dtype=t.dtype, device=t.device)
 
 
 class EMUStates:
@@ -98,27 +136,21 @@ class EMUStates:
             ms = self.stages[name]
             model = models[ms.model]
             others = [o for o in names if o != name]
-            units = _units_of(plan, name)
-            emu.create_unit(
-                name,
-                model.config,
-                model,
-                cand.layout,
-                units[0].ranks,
-                trains=ms.trains,
-                colocate_with=others,
-            )
-            if len(units) > 1:
-                emu.execute(emu.extend(name, units[0], [u.ranks for u in units[1:]]), colocate_with=others)
+            # Every rank still has the full model here, so each replica cuts its own shards (no traffic).
+            for unit in _units_of(plan, name):
+                emu.create_unit(
+                    name, model.config, model, cand.layout, unit.ranks, trains=ms.trains, colocate_with=others
+                )
         if self.resume_from is not None:
             from nereus_lightning.emu.checkpoint import load_state
 
+            prepare_member_groups(_tp_rank_sets(plan))
             for name in plan:
                 load_state(self._local(name), os.path.join(self.resume_from, name))
             self.resume_from = None
         for model in models.values():
             if model is not None:
-                model.to("meta")  # the units hold the state now
+                release(model)  # the units hold the state now
 
     def _local(self, name: str) -> emu.EMU | None:
         return next((e for e in emu.registry().units.get(name, {}).values() if e is not None), None)
@@ -139,6 +171,7 @@ class EMUStates:
                 reason = str(exc)
         info: dict[str, Any] = {"mode": "relayout", "reason": reason}
         if dag is not None:
+            prepare_member_groups(_dag_rank_sets(dag))
             report = emu.execute_dag(dag)
             self.last_report = report.reduce()
             counts = dag.counts()
@@ -243,8 +276,28 @@ class EMUStates:
         from nereus_lightning.emu.checkpoint import save_state
 
         assert self.plan is not None
+        prepare_member_groups(_tp_rank_sets(self.plan))
         for name in self.plan:
             save_state(name, os.path.join(path, name))
+
+    def write_back(self, models: Mapping[str, nn.Module | None]) -> None:
+        """Put every role's logical parameters back into its (released) full model on every rank (collective).
+
+        Used once at the end of fit, so that the caller's module holds the trained weights.
+        """
+        assert self.plan is not None
+        done: set[str] = set()
+        for name in self.plan:
+            role = self.stages[name].model
+            if role in done or models.get(role) is None:
+                continue
+            if any(self.stages[o].model == role and self.stages[o].trains for o in self.plan) and not self.stages[name].trains:
+                continue  # the training stage holds the role's freshest state
+            state = emu.gather_logical_state(name)
+            with torch.no_grad():
+                for pname, param in models[role].named_parameters():
+                    param.data = state.params[pname].clone()
+            done.add(role)
 
     def logical_params(self, model_stage: str) -> dict[str, torch.Tensor] | None:
         """The full parameters of ``model_stage`` on rank 0 (None elsewhere; collective)."""

@@ -174,6 +174,11 @@ class RLModule(L.LightningModule):
         return torch.optim.AdamW(groups, betas=(0.9, 0.95), weight_decay=0.0, eps=1e-8)
 
     @override
+    def on_train_end(self) -> None:
+        if self.emu_state and self.units.plan is not None:
+            self.units.write_back(self.role_models())  # the caller's module gets the trained weights
+
+    @override
     def train_dataloader(self) -> torch.utils.data.DataLoader:
         return torch.utils.data.DataLoader(_StepClock(), batch_size=None)
 
