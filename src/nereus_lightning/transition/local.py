@@ -226,7 +226,7 @@ def local_dag(
     splitting = [i for i in split_units if any(t in kept for t in split_into[i])]
     if a != s:
         # Units of one model-stage mostly split alike: pattern, buffers and net effects per tiling.
-        by_tiles: dict[tuple[tuple[int, ...], ...], tuple[Pattern, tuple[tuple[float, int], ...]]] = {}
+        by_tiles: dict[tuple[tuple[int, ...], ...], tuple[Pattern, tuple[float, ...], tuple[int, ...]]] = {}
         positions = range(a.size)
         split = Primitive.SPLIT
         for i in splitting:
@@ -241,8 +241,8 @@ def local_dag(
                 pattern, buf = _split_pattern(geo, a, s, tiles)
                 stays = {x for t in tiles for x in t}
                 nets = [mem_s - mem_a if x in stays else -mem_a for x in positions]
-                known = by_tiles[tiles] = (pattern, tuple(zip(nets, buf, strict=True)))
-            pattern, effects = known
+                known = by_tiles[tiles] = (pattern, tuple(nets), buf)
+            pattern, nets, buf = known
             nid = first_id + len(nodes)
             nodes.append(
                 Node(
@@ -253,7 +253,7 @@ def local_dag(
                     tuple([_new(Unit, (s, t)) for t in subs]),
                     partial(_placed, u.gpus, pattern),  # built when read
                     [],
-                    tuple([(g, *e) for g, e in zip(u.gpus, effects)]),
+                    tuple(zip(u.gpus, nets, buf, strict=True)),
                 )
             )
             for t in subs:
@@ -296,7 +296,8 @@ def local_dag(
     b_is_s = b == s
     positions = range(b.size)
     merge = Primitive.MERGE
-    merged: dict[tuple[tuple[int, ...], ...], tuple[Pattern, tuple[tuple[float, int], ...]]] = {}
+    merged: dict[tuple[tuple[int, ...], ...], tuple[Pattern, tuple[int, ...]]] = {}
+    net_b = mem_b - mem_s
     for v, row in zip(tgt_units, slots, strict=True):
         if b_is_s and row[0] == v.gpus:
             continue
@@ -305,8 +306,8 @@ def local_dag(
         known = merged.get(tiles)
         if known is None:
             pattern, buf = _merge_pattern(geo, s, b, tiles)
-            known = merged[tiles] = (pattern, tuple(zip(repeat(mem_b - mem_s), buf)))
-        pattern, effects = known
+            known = merged[tiles] = (pattern, buf)
+        pattern, buf = known
         # A Merge consumes its inputs: after whatever created them and every Extend that reads them.
         deps = {made_by[t] for t in row if t in made_by}
         if readers:
@@ -320,7 +321,7 @@ def local_dag(
                 (v,),
                 partial(_placed, v.gpus, pattern),  # built when read
                 sorted(deps),
-                tuple([(g, *e) for g, e in zip(v.gpus, effects)]),
+                tuple(zip(v.gpus, repeat(net_b), buf)),
             )
         )
     return nodes
