@@ -212,22 +212,22 @@ def _order_with_resource_edges(
     heapq.heapify(heap)
     extend, merge = Primitive.EXTEND, Primitive.MERGE
 
-    def blocked(n: Node) -> str | None:
-        if n.op is extend and n.model_stage in holders:
-            gpus = n.targets[0].gpus
-            for other in peers[n.model_stage]:
-                count = holders[other]
-                if any(map(count.__getitem__, gpus)):  # rare: find the GPU for the message
-                    g = next(g for g in gpus if count[g])
-                    return f"GPU {g} is still held by {other} (same {stages[other].stage} stage)"
-        if careful[n.id]:
-            for g, net, transient in n.mem:
-                if g not in tight:
-                    continue
-                grow = (net if net > 0 else 0.0) + transient
-                if grow > 0 and base[g] + grown[g] + grow - freed[g] > cap:
-                    need = base[g] + grown[g] + grow - freed[g]
-                    return f"GPU {g} would need {need / GB:.1f} GB > cap {cap / GB:.1f} GB"
+    def blocked_by_peer(ms: str, gpus: tuple[int, ...]) -> str | None:
+        for other in peers[ms]:
+            count = holders[other]
+            if any(map(count.__getitem__, gpus)):  # rare: find the GPU for the message
+                g = next(g for g in gpus if count[g])
+                return f"GPU {g} is still held by {other} (same {stages[other].stage} stage)"
+        return None
+
+    def blocked_by_memory(n: Node) -> str | None:
+        for g, net, transient in n.mem:
+            if g not in tight:
+                continue
+            grow = (net if net > 0 else 0.0) + transient
+            if grow > 0 and base[g] + grown[g] + grow - freed[g] > cap:
+                need = base[g] + grown[g] + grow - freed[g]
+                return f"GPU {g} would need {need / GB:.1f} GB > cap {cap / GB:.1f} GB"
         return None
 
     order: list[Node] = []
@@ -237,16 +237,20 @@ def _order_with_resource_edges(
         while heap:
             nid = heapq.heappop(heap)[3]
             n = nodes[nid]
-            why = blocked(n) if n.op is extend or careful[nid] else None
+            ms = n.model_stage
+            why = None
+            if n.op is extend and ms in holders:
+                gpus = n.targets[0].gpus
+                why = blocked_by_peer(ms, gpus)
+            if why is None and careful[nid]:
+                why = blocked_by_memory(n)
             if why:
                 stuck.append((n, why))
                 continue
             extra: set[int] | None = None
-            ms = n.model_stage
             if ms in holders:
                 count = holders[ms]
                 if n.op is extend:
-                    gpus = n.targets[0].gpus
                     for other in peers[ms]:
                         gone = left[other]
                         if gone and not gone.keys().isdisjoint(gpus):
