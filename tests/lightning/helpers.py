@@ -120,3 +120,52 @@ class DyingPPOModule(PPOModule):
         if step == 2 and torch.distributed.get_rank() == 1:
             os._exit(3)
         return super().rl_step(step, plan, optimizer)
+
+
+# Two PPO plans the transition brain accepts (model-stages of one stage on disjoint ranks). P1 -> P2
+# merges actor_gen into TP4, splits both trainers, extends actor_infer and destroys a critic_infer
+# replica; P2 -> P1 undoes it.
+EMU_P1 = {
+    "actor_gen": ((2, 1), (0, 1, 2, 3)),
+    "actor_infer": (0,),
+    "ref_infer": (1,),
+    "critic_infer": (2, 3),
+    "actor_train": ((2, 1), (0, 1)),
+    "critic_train": ((1, 2), (2, 3)),
+}
+EMU_P2 = {
+    "actor_gen": ((4, 1), (0, 1, 2, 3)),
+    "actor_infer": (0, 1),
+    "ref_infer": (2,),
+    "critic_infer": (3,),
+    "actor_train": (0, 1),
+    "critic_train": (2, 3),
+}
+
+
+def emu_transitions(rank: int, world_size: int) -> dict:
+    """Steps under P1, P2, P1: each plan change runs a transition DAG; logical state kept bit for bit."""
+    from nereus_lightning import emu
+
+    torch.manual_seed(0)
+    module = PPOModule(task=small_task(), prompts_per_step=4, seed=3)
+    module.use_state("emu")
+    opt = module.configure_optimizers()
+    plans = [plan_of("ppo", p) for p in (EMU_P1, EMU_P2, EMU_P1)]
+    out: dict = {"transitions": [], "diffs": [], "rewards": []}
+    for step, plan in enumerate(plans):
+        before = None
+        if step:
+            before = {n: emu.gather_logical_state(n, dst=0) for n in module.units.plan}
+        module.units.ensure(plan, module.role_models(), rank)
+        if step:
+            info = dict(module.units.last_transition)
+            info.pop("observations", None)
+            out["transitions"].append(info)
+            after = {n: emu.gather_logical_state(n, dst=0) for n in module.units.plan}
+            if rank == 0:
+                out["diffs"].append({n: before[n].differences(after[n]) for n in before})
+        metrics = module.rl_step(step, plan=plan, optimizer=opt)
+        out["rewards"].append(metrics["critic/score/mean"])
+    out["full_model_numel"] = sum(p.numel() for p in module.actor.parameters())
+    return out
