@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -81,6 +82,7 @@ class NereusCallback(pl.Callback):
         self.history: list[dict[str, float]] = []
         self.decisions: list[dict[str, Any]] = []
         self._restored: dict[str, Any] | None = None
+        self._last_transition_s = 0.0
 
     # ---- setup ---------------------------------------------------------------------------
     def _build_controller(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
@@ -135,12 +137,26 @@ class NereusCallback(pl.Callback):
             float(len(_used_gpus(plan))) if plan is not None else float(trainer.world_size)
         )
         signals = _signals(pl_module, step, stats, self.pool(step, trainer.world_size))
+        if self._last_transition_s:
+            # The measured duration of the transition executed before this step: the controller's
+            # transition-cost calibration reads it.
+            signals = replace(signals, transition_time=self._last_transition_s)
         seconds = self._decide_and_apply(trainer, pl_module, signals)
+        self._last_transition_s = seconds
         stats["timing_s/transition"] = seconds
+        done = getattr(strategy, "transitions", None)
+        if seconds and done and "bytes" in done[-1]:
+            stats["transition/bytes"] = float(done[-1]["bytes"])
+            if trainer.is_global_zero and self.decisions:
+                self.decisions[-1]["transition"] = {
+                    k: v for k, v in done[-1].items() if k in ("mode", "counts", "bytes", "predicted_s", "reason")
+                }
         if trainer.is_global_zero:
             record = {"step": float(step - 1), **{k: float(v) for k, v in stats.items()}}
             self.history.append(record)
         pl_module.log("timing_s/transition", seconds, rank_zero_only=True)
+        if "transition/bytes" in stats:
+            pl_module.log("transition/bytes", stats["transition/bytes"], rank_zero_only=True)
         pl_module.log_dict({k: v for k, v in stats.items() if k.startswith("plan/")}, rank_zero_only=True)
 
     def _decide_and_apply(
