@@ -346,7 +346,7 @@ def _slots_of(
     row = [t for t in strided if t in where]
     if len(row) == len(strided):
         return row  # every strided slot already exists
-    if not row and all(g not in sub_at for g in v.gpus):
+    if not row and sub_at.keys().isdisjoint(v.gpus):
         return strided  # nothing of this model-stage inside: Extend onto the strided slots
     inside = set(v.gpus)
     covered = {g for t in row for g in t}

@@ -239,8 +239,9 @@ def _any_order_gpus(dag: TransitionDAG) -> list[str]:
     stage = {name: ms.stage for name, ms in ctx.stages.items()}
     peers = {a: [b for b in ctx.current if b != a and stage[a] == stage[b]] for a in ctx.current}
     leaves: dict[str, dict[int, list[int]]] = {name: {} for name in ctx.current}  # model-stage: GPU: nodes
+    watched = {b for a in ctx.current for b in peers[a]}  # model-stages with same-stage peers
     for n in dag.nodes:
-        if n.op is Primitive.DESTROY or n.op is Primitive.SPLIT:
+        if (n.op is Primitive.DESTROY or n.op is Primitive.SPLIT) and n.model_stage in watched:
             mine = leaves[n.model_stage]
             for g in n.released_gpus:
                 mine.setdefault(g, []).append(n.id)
