@@ -16,7 +16,9 @@ def sync_and_relayout(rank: int, world: int, kind: str) -> dict:
     """actor_train TP2 on (0, 1) (trained: params shifted), actor_gen PP2 x2 on (2, 3) and (1, 0)."""
     registry().clear()
     config, model, optim = tiny(kind)
-    create_unit(TRAIN, config, model, Layout(2, 1), (0, 1), trains=True, full_optim=optim, colocate_with=[GEN])
+    create_unit(
+        TRAIN, config, model, Layout(2, 1), (0, 1), trains=True, full_optim=optim, colocate_with=[GEN]
+    )
     for ranks in ((2, 3), (1, 0)):
         create_unit(GEN, config, model, Layout(1, 2), ranks, colocate_with=[TRAIN])
     mine = next((e for e in registry().units[TRAIN].values() if e is not None), None)
@@ -27,7 +29,9 @@ def sync_and_relayout(rank: int, world: int, kind: str) -> dict:
     gen_before = next((e for e in registry().units[GEN].values() if e is not None), None)
     ids_before = {n: t.data_ptr() for n, t in gen_before.params.items()} if gen_before else {}
     traffic = sync_params(TRAIN, GEN)
-    same_tensors = all(gen_before.params[n].data_ptr() == p for n, p in ids_before.items()) if gen_before else True
+    same_tensors = (
+        all(gen_before.params[n].data_ptr() == p for n, p in ids_before.items()) if gen_before else True
+    )
     train = gather_logical_state(TRAIN, dst=0)
     gen = gather_logical_state(GEN, dst=0)
     before = gather_logical_state(TRAIN, dst=0)

@@ -20,10 +20,13 @@ def test_tp_pp_changes_run_a_transition_dag_and_keep_the_logical_state(dist4):
     for diffs in first["diffs"]:
         assert set(diffs) >= {"actor_gen", "actor_train", "critic_train", "ref_infer"}
         assert all(d == [] for d in diffs.values()), diffs
+
     # Every rank saw the same transitions and trained on after them; no rank keeps the full models.
     def same(t: dict) -> dict:
         return {k: v for k, v in t.items() if k != "seconds"}
 
-    assert all(list(map(same, out["transitions"])) == list(map(same, first["transitions"])) for out in per_rank)
+    assert all(
+        list(map(same, out["transitions"])) == list(map(same, first["transitions"])) for out in per_rank
+    )
     assert all(len(out["rewards"]) == 3 for out in per_rank)
     assert all(out["full_model_numel"] == 0 for out in per_rank)

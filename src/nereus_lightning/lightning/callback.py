@@ -145,18 +145,20 @@ class NereusCallback(pl.Callback):
         self._last_transition_s = seconds
         stats["timing_s/transition"] = seconds
         done = getattr(strategy, "transitions", None)
+        stats["transition/bytes"] = 0.0
         if seconds and done and "bytes" in done[-1]:
             stats["transition/bytes"] = float(done[-1]["bytes"])
             if trainer.is_global_zero and self.decisions:
                 self.decisions[-1]["transition"] = {
-                    k: v for k, v in done[-1].items() if k in ("mode", "counts", "bytes", "predicted_s", "reason")
+                    k: v
+                    for k, v in done[-1].items()
+                    if k in ("mode", "counts", "bytes", "predicted_s", "reason")
                 }
         if trainer.is_global_zero:
             record = {"step": float(step - 1), **{k: float(v) for k, v in stats.items()}}
             self.history.append(record)
         pl_module.log("timing_s/transition", seconds, rank_zero_only=True)
-        if "transition/bytes" in stats:
-            pl_module.log("transition/bytes", stats["transition/bytes"], rank_zero_only=True)
+        pl_module.log("transition/bytes", stats["transition/bytes"], rank_zero_only=True)
         pl_module.log_dict({k: v for k, v in stats.items() if k.startswith("plan/")}, rank_zero_only=True)
 
     def _decide_and_apply(

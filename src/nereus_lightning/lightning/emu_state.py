@@ -291,7 +291,10 @@ class EMUStates:
             role = self.stages[name].model
             if role in done or models.get(role) is None:
                 continue
-            if any(self.stages[o].model == role and self.stages[o].trains for o in self.plan) and not self.stages[name].trains:
+            if (
+                any(self.stages[o].model == role and self.stages[o].trains for o in self.plan)
+                and not self.stages[name].trains
+            ):
                 continue  # the training stage holds the role's freshest state
             state = emu.gather_logical_state(name)
             with torch.no_grad():
