@@ -164,7 +164,9 @@ def planning_times(sizes: tuple[int, ...], repeats: int) -> list[dict[str, objec
             row["build_median_ms"] = 1e3 * _time.median  # type: ignore[attr-defined]
             row["validate_ms"] = 1e3 * _time(lambda dag=dag: validate(dag), repeats)
             row["validate_median_ms"] = 1e3 * _time.median  # type: ignore[attr-defined]
-            row["cost_ms"] = 1e3 * _time(lambda args=args: build_transition(*args).cost, repeats, setup=_clear)
+            row["cost_ms"] = 1e3 * _time(
+                lambda args=args: build_transition(*args).cost, repeats, setup=_clear
+            )
             row["l_tran_s"] = dag.cost
             row["total_ms"] = row["build_ms"] + row["validate_ms"]
             row["total_median_ms"] = row["build_median_ms"] + row["validate_median_ms"]

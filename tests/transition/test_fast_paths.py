@@ -49,7 +49,9 @@ def test_local_dag_numbers_its_nodes_from_first_id() -> None:
 def test_dp_doubling_keeps_every_unit_and_only_extends() -> None:
     """Units already on a target slot are reused in place (no Split, Merge or Destroy)."""
     cur = plan(actor_train=cand(2, 1, range(64)), critic_train=cand(2, 1, range(64, 128)))
-    tgt = plan(actor_train=cand(2, 1, range(64)), critic_train=cand(2, 1, (*range(64, 128), *range(128, 192))))
+    tgt = plan(
+        actor_train=cand(2, 1, range(64)), critic_train=cand(2, 1, (*range(64, 128), *range(128, 192)))
+    )
     big = CLUSTER.with_gpus(256)
     dag = build_transition(cur, tgt, MODELS, big, PPO)
     assert {n.op for n in dag.nodes} == {Primitive.EXTEND} and len(dag.nodes) == 32

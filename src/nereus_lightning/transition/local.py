@@ -234,7 +234,7 @@ def local_dag(
             # free their shard); a full one (the paper's) makes all of them, the unused dropped next.
             u = cur_units[i]
             subs = [t for t in split_into[i] if t in kept] if PARTIAL_SPLIT else split_into[i]
-            at = dict(zip(u.gpus, positions)).__getitem__
+            at = dict(zip(u.gpus, positions, strict=True)).__getitem__
             tiles = tuple(tuple(map(at, t)) for t in subs)
             known = by_tiles.get(tiles)
             if known is None:
@@ -301,7 +301,7 @@ def local_dag(
     for v, row in zip(tgt_units, slots, strict=True):
         if b_is_s and row[0] == v.gpus:
             continue
-        at = dict(zip(v.gpus, positions)).__getitem__
+        at = dict(zip(v.gpus, positions, strict=True)).__getitem__
         tiles = tuple(tuple(map(at, t)) for t in row)
         known = merged.get(tiles)
         if known is None:

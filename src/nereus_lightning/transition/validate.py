@@ -81,7 +81,9 @@ class _Memory:
         top = max(worst, default=0.0)
         self.tight = {g for g, w in enumerate(worst) if w > self.cap} if top > self.cap else set()
         tight = self.tight
-        self.bound_elsewhere = max((w for g, w in enumerate(worst) if g not in tight), default=0.0) if tight else top
+        self.bound_elsewhere = (
+            max((w for g, w in enumerate(worst) if g not in tight), default=0.0) if tight else top
+        )
         self.effects: list[tuple[tuple[int, float, float], ...]] = (
             [tuple(e for e in n.mem if e[0] in tight) for n in dag.nodes] if tight else [()] * len(dag.nodes)
         )
