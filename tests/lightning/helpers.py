@@ -169,3 +169,21 @@ def emu_transitions(rank: int, world_size: int) -> dict:
         out["rewards"].append(metrics["critic/score/mean"])
     out["full_model_numel"] = sum(p.numel() for p in module.actor.parameters())
     return out
+
+
+def emu_infeasible_keeps_plan(rank: int, world_size: int) -> dict:
+    """A target the brain calls infeasible leaves the units (and the plan) where they are."""
+    from nereus_lightning.spec.errors import InfeasiblePlanError
+
+    module = PPOModule(task=small_task(), prompts_per_step=4, seed=3)
+    module.use_state("emu")
+    p1, p2 = plan_of("ppo", EMU_P1), plan_of("ppo", EMU_P2)
+    module.units.ensure(p1, module.role_models(), rank)
+    kept = module.units.plan
+
+    def infeasible():  # noqa: ANN202
+        raise InfeasiblePlanError("test: no safe order")
+
+    module.units.specs_fn = infeasible
+    moved = module.units.ensure(p2, module.role_models(), rank)
+    return {"moved": moved, "same": module.units.plan == kept, "info": dict(module.units.last_transition)}

@@ -30,3 +30,11 @@ def test_tp_pp_changes_run_a_transition_dag_and_keep_the_logical_state(dist4):
     )
     assert all(len(out["rewards"]) == 3 for out in per_rank)
     assert all(out["full_model_numel"] == 0 for out in per_rank)
+
+
+def test_an_infeasible_transition_keeps_the_current_plan(dist4):
+    from tests.lightning.helpers import emu_infeasible_keeps_plan
+
+    for out in dist4.run(emu_infeasible_keeps_plan):
+        assert out["moved"] is False and out["same"]
+        assert out["info"]["mode"] == "kept" and "no safe order" in out["info"]["reason"]

@@ -107,6 +107,9 @@ class EMUStates:
         self.last_transition: dict[str, Any] = {}
         self.workload_fn: Callable[[], Any] | None = None
         self.specs_fn: Callable[[], Any] | None = None
+        self.cluster: Any = (
+            None  # the ClusterSpec the brain prices transitions on (None: cpu4 sized to the world)
+        )
 
     # ---- building ------------------------------------------------------------------------
     def _stateful(self, plan: Plan, models: Mapping[str, nn.Module | None]) -> Plan:
@@ -121,8 +124,8 @@ class EMUStates:
             return False
         if self.plan is None:
             self._create(target, models)
-        else:
-            self._move(self.plan, target)
+        elif not self._move(self.plan, target):
+            return False  # infeasible per the brain: the current plan stays
         self.plan = target
         self._build_modules(rank)
         return True
@@ -155,8 +158,13 @@ class EMUStates:
     def _local(self, name: str) -> emu.EMU | None:
         return next((e for e in emu.registry().units.get(name, {}).values() if e is not None), None)
 
-    def _move(self, current: Plan, target: Plan) -> None:
-        """Move every model-stage from ``current`` to ``target``: the brain's DAG, or per-stage relayout."""
+    def _move(self, current: Plan, target: Plan) -> bool:
+        """Move every model-stage from ``current`` to ``target``: the brain's DAG, or per-stage relayout.
+
+        Returns False (nothing moved, ``last_transition["mode"] == "kept"``) when the brain finds
+        no safe transition (``InfeasiblePlanError``); plans it does not model at all
+        (``NereusConfigError``, e.g. model-stages of one stage sharing GPUs) move per model-stage.
+        """
         start = time.perf_counter()
         dag = None
         reason = ""
@@ -164,10 +172,14 @@ class EMUStates:
             from nereus_lightning.spec.cluster import cluster_preset
             from nereus_lightning.transition import build_transition
 
-            cluster = cluster_preset("cpu4").with_gpus(dist.get_world_size())
+            cluster = self.cluster or cluster_preset("cpu4").with_gpus(dist.get_world_size())
             try:
                 dag = build_transition(current, target, self.specs_fn(), cluster, self.workload_fn())
-            except (NereusConfigError, InfeasiblePlanError) as exc:
+            except InfeasiblePlanError as exc:
+                log.warning("transition to the new plan is infeasible (%s); keeping the current plan", exc)
+                self.last_transition = {"mode": "kept", "reason": str(exc), "bytes": 0}
+                return False
+            except NereusConfigError as exc:
                 reason = str(exc)
         info: dict[str, Any] = {"mode": "relayout", "reason": reason}
         if dag is not None:
@@ -196,6 +208,7 @@ class EMUStates:
                 log.info("transition outside the brain's model (%s): per-model-stage relayout", reason)
         info["seconds"] = time.perf_counter() - start
         self.last_transition = info
+        return True
 
     def _build_modules(self, rank: int) -> None:
         """This rank's ShardedCausalLM per model-stage on its EMU's tensors (collective: group creation)."""

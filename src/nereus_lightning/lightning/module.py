@@ -1,7 +1,10 @@
 """RL LightningModules: PPO (actor, critic, reference, function reward; GAE), GRPO (group-normalised
 advantages, no critic) and ReMax (greedy-rollout baseline).
 
-The module owns the logical models (full transformers modules) and the algorithm; *where* each
+The module builds the role models (full transformers modules) and owns the algorithm. With the
+default EMU state backend (:mod:`nereus_lightning.lightning.emu_state`) the models seed each
+model-stage's Elastic Model Units and are then released: every stage computes on sharded modules
+built on its units' tensors. *Where* each
 model-stage runs comes from the strategy's current plan (:class:`NereusStrategy`): every stage
 runs on its replicas' slice of the global batch (see :mod:`nereus_lightning.lightning.stages`)
 and the results are gathered in global sample order before the next stage. Losses are

@@ -223,6 +223,9 @@ class NereusStrategy(ParallelStrategy):
             info = dict(getattr(units, "last_transition", {}) or {})
             if hasattr(units, "last_transition"):
                 units.last_transition = {}
+        if info.get("mode") == "kept":
+            log.warning("keeping the current plan: %s", info.get("reason"))
+            target = previous  # the brain found no safe transition; the units did not move
         self.plan = target
         self.barrier("nereus-transition")
         seconds = time.perf_counter() - start
