@@ -39,6 +39,7 @@ os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
 os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
 
 import argparse  # noqa: E402
+import hashlib  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
@@ -307,6 +308,7 @@ def ppo_run(checks: Checks, dev: torch.device, steps: int, tol: float) -> dict[s
     world = dist.get_world_size()
     p0, p1, p2 = ppo_plans(world)
     schedule = [p0, p1, p2][:steps] + [p2] * max(0, steps - 3)
+    module_backend = ""
 
     def describe(plan) -> dict[str, str]:  # noqa: ANN001
         return {n: f"dp{c.dp} x tp{c.layout.tp} pp{c.layout.pp} on {list(c.gpus)}" for n, c in plan.items()}
@@ -315,24 +317,32 @@ def ppo_run(checks: Checks, dev: torch.device, steps: int, tol: float) -> dict[s
         torch.manual_seed(0)
         module = PPOModule(task=RepeatTask(start_len=3, max_len=6, grow_every=2, seed=0), prompts_per_step=8, seed=3)
         module.to(dev)
+        nonlocal module_backend
+        module_backend = module.state_backend
         opt = module.configure_optimizers()
         t0 = time.perf_counter()
         metrics = [module.rl_step(i, plan=plan, optimizer=opt) for i, plan in enumerate(plans)]
         seconds = time.perf_counter() - t0
-        flat = torch.cat([p.detach().reshape(-1) for m in (module.actor, module.critic) for p in m.parameters()])
-        return metrics, flat, seconds
+        if module.emu_state:  # the state lives in EMUs: gather it back into the (released) full models
+            module.units.write_back(module.role_models())
+        named = [(f"{role}.{n}", p) for role in ("actor", "critic") for n, p in getattr(module, role).named_parameters()]
+        flat = torch.cat([p.detach().reshape(-1) for _, p in named])
+        bad = [n for n, p in named if not p.detach().isfinite().all()]
+        return metrics, flat, seconds, bad
 
-    ref_metrics, ref_params, ref_s = run([p0] * len(schedule))
-    metrics, params, seconds = run(schedule)
+    ref_metrics, ref_params, ref_s, ref_bad = run([p0] * len(schedule))
+    metrics, params, seconds, bad = run(schedule)
+    checks.add("ppo/parameters finite", not bad and not ref_bad, {"elastic": bad[:5], "static": ref_bad[:5]})
+    checks.add("ppo/parameters gathered", params.numel() > 0 and params.numel() == ref_params.numel(), params.numel())
     keys = ("actor/pg_loss", "critic/vf_loss", "critic/score/mean")
     worst = 0.0
     for a, b in zip(ref_metrics, metrics, strict=True):
         for k in keys:
             worst = max(worst, abs(a[k] - b[k]) / max(1.0, abs(a[k])))
     checks.add("ppo/metrics match the static-plan run", worst <= tol, {"max_rel_diff": worst, "tol": tol})
-    rel = float((params - ref_params).norm() / ref_params.norm())
+    rel = float((params.double() - ref_params.double()).norm() / ref_params.double().norm())
     checks.add("ppo/parameters match the static-plan run", rel <= tol, {"rel_diff": rel, "tol": tol})
-    digests = gathered(hash(params.cpu().numpy().tobytes()))
+    digests = gathered(hashlib.sha256(params.cpu().numpy().tobytes()).hexdigest())
     checks.add("ppo/every rank holds the same parameters", len(set(digests)) == 1, None)
     finite = all(v == v and abs(v) != float("inf") for m in metrics for v in m.values())
     checks.add("ppo/metrics finite", finite, None)
@@ -340,6 +350,7 @@ def ppo_run(checks: Checks, dev: torch.device, steps: int, tol: float) -> dict[s
     dp_change = any(a[n].dp != b[n].dp for a, b in zip(schedule, schedule[1:]) for n, _ in a.items())
     checks.add("ppo/run has a TP change and a DP change", tp_change and dp_change, None)
     return {
+        "state_backend": module_backend,
         "plans": [describe(p) for p in schedule],
         "metrics": [{k: m[k] for k in (*keys, "response_length/mean", "timing_s/step")} for m in metrics],
         "reference_metrics": [{k: m[k] for k in keys} for m in ref_metrics],
@@ -457,6 +468,8 @@ def timed_dag(dag: Any, dev: torch.device) -> tuple[float, Any]:
 def transition_timing(checks: Checks, dev: torch.device, quick: bool, repeats: int) -> dict[str, Any]:
     """Extend, Merge, Split (and an untimed Destroy back) ``repeats`` times; measured vs ``L_tran``."""
     from nereus_lightning.emu import gather_logical_state, registry
+    from nereus_lightning.emu.groups import prepare_member_groups
+    from nereus_lightning.lightning.emu_state import _dag_rank_sets  # the executor's rank sets per node
     from nereus_lightning.spec import CLUSTER_PRESETS, Workload
     from nereus_lightning.transition import build_transition
     from nereus_lightning.transition.scenarios import default_models
@@ -482,6 +495,7 @@ def transition_timing(checks: Checks, dev: torch.device, quick: bool, repeats: i
     first = {name: gather_logical_state(name, dst=0) for name in stages} if small else {}
     samples: dict[str, list[float]] = {k: [] for k in dags}
     reports: dict[str, Any] = {}
+    prepare_member_groups([r for dag in (*dags.values(), back) for r in _dag_rank_sets(dag)])
     for _ in range(repeats):
         for key, dag in dags.items():
             seconds, reports[key] = timed_dag(dag, dev)
@@ -591,7 +605,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     # Order matters on gloo: a member-only group (emu.member_group, use_local_synchronization) hangs
     # once the ranks are members of unequal numbers of world-made groups (models.replica_groups of
-    # replicas that do not cover the world symmetrically). So the parts that move EMU state run first.
+    # replicas that do not cover the world symmetrically; see emu.groups.prepare_member_groups).
+    # The timing prepares its groups; the state chain's are symmetric; both run before the rest.
     parts = {
         "timing": lambda: result.__setitem__(
             "timing", transition_timing(checks, dev, args.quick, args.repeats or (2 if args.quick else 5))
