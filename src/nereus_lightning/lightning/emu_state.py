@@ -293,10 +293,11 @@ class EMUStates:
         for name in self.plan:
             save_state(name, os.path.join(path, name))
 
-    def write_back(self, models: Mapping[str, nn.Module | None]) -> None:
-        """Put every role's logical parameters back into its (released) full model on every rank (collective).
+    def write_back(self, models: Mapping[str, nn.Module | None], dst: int | None = None) -> None:
+        """Put every role's logical parameters back into its (released) full model (collective).
 
-        Used once at the end of fit, so that the caller's module holds the trained weights.
+        On every rank (``dst=None``) or on rank ``dst`` only. The end of fit uses ``dst=0``:
+        Lightning's launcher hands rank 0's module weights to the caller.
         """
         assert self.plan is not None
         done: set[str] = set()
@@ -309,11 +310,13 @@ class EMUStates:
                 and not self.stages[name].trains
             ):
                 continue  # the training stage holds the role's freshest state
-            state = emu.gather_logical_state(name)
+            state = emu.gather_logical_state(name, dst=dst)
+            done.add(role)
+            if state is None:
+                continue  # not rank ``dst``
             with torch.no_grad():
                 for pname, param in models[role].named_parameters():
                     param.data = state.params[pname].clone()
-            done.add(role)
 
     def logical_params(self, model_stage: str) -> dict[str, torch.Tensor] | None:
         """The full parameters of ``model_stage`` on rank 0 (None elsewhere; collective)."""

@@ -179,7 +179,7 @@ class RLModule(L.LightningModule):
     @override
     def on_train_end(self) -> None:
         if self.emu_state and self.units.plan is not None:
-            self.units.write_back(self.role_models())  # the caller's module gets the trained weights
+            self.units.write_back(self.role_models(), dst=0)  # the caller's module gets the trained weights
 
     @override
     def train_dataloader(self) -> torch.utils.data.DataLoader:
