@@ -1,7 +1,8 @@
 """Multi-GPU validation (issue 8): EMU checks, a PPO run with TP/DP changes, Extend/Split/Merge timing.
 
 One rank per GPU on NCCL (NVLink multicast off, as the device tool's KINDS.md requires); without
-GPUs the very same code runs on gloo/CPU. Three parts, every rank runs all of them:
+GPUs the very same code runs on gloo/CPU. Three parts, every rank runs all of them (in the order
+3, 1, 2: the big timed state first, while the GPUs are empty):
 
 1. **EMU checks** on the backend: logits of ``models.ShardedCausalLM`` replicas equal the unsharded
    transformers model for every (TP, PP) layout that fits the world; the logical state (parameters,
@@ -206,7 +207,9 @@ def _logits_error(stage: str, config: Any, model: Any, dev: torch.device) -> flo
     if mine is not None:
         ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(5)).to(dev)
         emu = registry().local(stage, mine)
-        sharded = ShardedCausalLM(config, ReplicaComm.of(mine.ranks, mine.layout, rank, tied=tied), emu.params)
+        sharded = ShardedCausalLM(
+            config, ReplicaComm.of(mine.ranks, mine.layout, rank, tied=tied), emu.params
+        )
         with torch.no_grad():
             err = rel_err(forward_logits(sharded, ids, where="all"), model(ids).logits)
     return max(gathered(err))
@@ -243,11 +246,15 @@ def state_chain(checks: Checks, dev: torch.device, tol: float) -> None:
         create_unit(stage, config, model, big, start.ranks, trains=True, full_optim=optim, counters=counters)
         before = gather_logical_state(stage, dst=0)
         if rank == 0:  # the gathered start equals the model and optimizer we cut it from
-            wrong = [n for n, p in model.named_parameters() if not torch.equal(before.params[n], p.detach().cpu())]
-            wrong += [n for n in optim if not torch.equal(before.optim[n]["exp_avg"], optim[n]["exp_avg"].cpu())]
+            wrong = [
+                n for n, p in model.named_parameters() if not torch.equal(before.params[n], p.detach().cpu())
+            ]
+            wrong += [
+                n for n in optim if not torch.equal(before.optim[n]["exp_avg"], optim[n]["exp_avg"].cpu())
+            ]
         checks.add(f"state/{kind}/create {big}", rank != 0 or not wrong, None if rank else wrong[:5])
 
-        def step(label: str, op, logits: bool = False):  # noqa: ANN001, ANN202
+        def step(label: str, op, logits: bool = False, before=before, kind=kind, config=config, model=model):  # noqa: ANN001, ANN202
             report = execute(op)
             after = gather_logical_state(stage, dst=0)
             diff = before.differences(after) if rank == 0 else []
@@ -273,7 +280,9 @@ def state_chain(checks: Checks, dev: torch.device, tol: float) -> None:
             step(label, merge(stage, [by_rank[r], by_rank[r + 1]], Layout(1, 2), schema=schema))
         err = _logits_error(stage, config, model, dev)
         checks.add(f"state/{kind}/pp2 units/logits", err <= tol, {"max_rel_err": err, "tol": tol})
-        m, _ = step(f"merge all->{big}", merge(stage, registry().live(stage), big, schema=schema), logits=True)
+        m, _ = step(
+            f"merge all->{big}", merge(stage, registry().live(stage), big, schema=schema), logits=True
+        )
         live = registry().live(stage)
         checks.add(f"state/{kind}/final units", live == (m.target,), [str(u) for u in live])
     registry().clear()
@@ -290,7 +299,9 @@ def ppo_plans(world: int):
     ranks = tuple(range(world))
     p0 = data_parallel_plan("ppo", ranks)
     tp2 = Candidate(Layout(2, 1), world // 2, ranks)
-    p1 = Plan.of({name: (tp2 if name in ("actor_gen", "actor_train", "critic_train") else c) for name, c in p0.items()})
+    p1 = Plan.of(
+        {name: (tp2 if name in ("actor_gen", "actor_train", "critic_train") else c) for name, c in p0.items()}
+    )
     changes = {
         "actor_train": Candidate(Layout(2, 1), 1, (world - 2, world - 1)),
         "critic_train": Candidate(Layout(1, 2), world // 2, ranks),
@@ -314,7 +325,9 @@ def ppo_run(checks: Checks, dev: torch.device, steps: int, tol: float) -> dict[s
 
     def run(plans) -> tuple[list[dict[str, float]], Any, float]:  # noqa: ANN001
         torch.manual_seed(0)
-        module = PPOModule(task=RepeatTask(start_len=3, max_len=6, grow_every=2, seed=0), prompts_per_step=8, seed=3)
+        module = PPOModule(
+            task=RepeatTask(start_len=3, max_len=6, grow_every=2, seed=0), prompts_per_step=8, seed=3
+        )
         module.to(dev)
         nonlocal module_backend
         module_backend = module.state_backend
@@ -322,7 +335,9 @@ def ppo_run(checks: Checks, dev: torch.device, steps: int, tol: float) -> dict[s
         t0 = time.perf_counter()
         metrics = [module.rl_step(i, plan=plan, optimizer=opt) for i, plan in enumerate(plans)]
         seconds = time.perf_counter() - t0
-        if module.emu_state:  # the logical state, gathered from the EMUs (checks every replica against the others)
+        if (
+            module.emu_state
+        ):  # the logical state, gathered from the EMUs (checks every replica against the others)
             from nereus_lightning.emu import gather_logical_state
 
             named = []
@@ -330,7 +345,9 @@ def ppo_run(checks: Checks, dev: torch.device, steps: int, tol: float) -> dict[s
                 state = gather_logical_state(stage, dst=0)
                 named += [(f"{stage}.{n}", p) for n, p in state.params.items()] if state is not None else []
         else:  # every rank keeps the full models
-            named = [(f"{r}.{n}", p) for r in ("actor", "critic") for n, p in getattr(module, r).named_parameters()]
+            named = [
+                (f"{r}.{n}", p) for r in ("actor", "critic") for n, p in getattr(module, r).named_parameters()
+            ]
         flat = torch.cat([p.detach().reshape(-1).cpu() for _, p in named]) if named else torch.zeros(0)
         bad = [n for n, p in named if not p.detach().isfinite().all()]
         return metrics, flat, seconds, bad
@@ -345,16 +362,32 @@ def ppo_run(checks: Checks, dev: torch.device, steps: int, tol: float) -> dict[s
             worst = max(worst, abs(a[k] - b[k]) / max(1.0, abs(a[k])))
     checks.add("ppo/metrics match the static-plan run", worst <= tol, {"max_rel_diff": worst, "tol": tol})
     same_shape = params.shape == ref_params.shape and params.numel() > 0
-    rel = float((params.double() - ref_params.double()).norm() / ref_params.double().norm()) if same_shape else -1.0
-    checks.add("ppo/parameters match the static-plan run", dist.get_rank() != 0 or 0 <= rel <= tol, {"rel_diff": rel, "tol": tol})
+    rel = (
+        float((params.double() - ref_params.double()).norm() / ref_params.double().norm())
+        if same_shape
+        else -1.0
+    )
+    checks.add(
+        "ppo/parameters match the static-plan run",
+        dist.get_rank() != 0 or 0 <= rel <= tol,
+        {"rel_diff": rel, "tol": tol},
+    )
     rank0 = dist.get_rank() == 0
     checks.add(
-        "ppo/replicas agree (gather_logical_state)", not rank0 or params.numel() > 0, {"numel": params.numel()}
+        "ppo/replicas agree (gather_logical_state)",
+        not rank0 or params.numel() > 0,
+        {"numel": params.numel()},
     )
     finite = all(v == v and abs(v) != float("inf") for m in metrics for v in m.values())
     checks.add("ppo/metrics finite", finite, None)
-    tp_change = any(a[n].layout.tp != b[n].layout.tp for a, b in zip(schedule, schedule[1:]) for n, _ in a.items())
-    dp_change = any(a[n].dp != b[n].dp for a, b in zip(schedule, schedule[1:]) for n, _ in a.items())
+    tp_change = any(
+        a[n].layout.tp != b[n].layout.tp
+        for a, b in zip(schedule, schedule[1:], strict=False)
+        for n, _ in a.items()
+    )
+    dp_change = any(
+        a[n].dp != b[n].dp for a, b in zip(schedule, schedule[1:], strict=False) for n, _ in a.items()
+    )
     checks.add("ppo/run has a TP change and a DP change", tp_change and dp_change, None)
     return {
         "state_backend": module_backend,
@@ -473,11 +506,12 @@ def timed_dag(dag: Any, dev: torch.device) -> tuple[float, Any]:
 
 
 def transition_timing(checks: Checks, dev: torch.device, quick: bool, repeats: int) -> dict[str, Any]:
-    """Extend, Merge, Split (and an untimed Destroy back) ``repeats`` times; measured vs ``L_tran``."""
+    """Extend, Merge, Split ``repeats`` times from a fresh random state; measured vs ``L_tran``."""
     from nereus_lightning.emu import gather_logical_state, registry
     from nereus_lightning.emu.groups import prepare_member_groups
     from nereus_lightning.lightning.emu_state import _dag_rank_sets  # the executor's rank sets per node
     from nereus_lightning.spec import CLUSTER_PRESETS, Workload
+    from nereus_lightning.spec.errors import InfeasiblePlanError
     from nereus_lightning.transition import build_transition
     from nereus_lightning.transition.scenarios import default_models
 
@@ -494,31 +528,38 @@ def transition_timing(checks: Checks, dev: torch.device, quick: bool, repeats: i
         f"Merge TP{tp}x2->TP{2 * tp}": (doubled, merged),
         f"Split TP{2 * tp}->TP{tp}x2": (merged, doubled),
     }
-    dags = {k: build_transition(a, b, default_models(spec), cluster, work) for k, (a, b) in pairs.items()}
-    mixed_cost = {k: build_transition(a, b, default_models(mixed), cluster, work).cost for k, (a, b) in pairs.items()}
-    back = build_transition(doubled, start, default_models(spec), cluster, work)
-    held = random_units(start, spec, dev)
-    small = spec.num_params * 12 * len(stages) < 2e9
-    first = {name: gather_logical_state(name, dst=0) for name in stages} if small else {}
+    dags: dict[str, Any] = {}
+    infeasible: dict[str, str] = {}
+    for key, (a, b) in pairs.items():
+        try:
+            dags[key] = build_transition(a, b, default_models(spec), cluster, work)
+        except InfeasiblePlanError as exc:  # the brain refuses it (memory): say so, time the others
+            infeasible[key] = str(exc)
+    mixed_cost = {k: build_transition(*pairs[k], default_models(mixed), cluster, work).cost for k in dags}
     samples: dict[str, list[float]] = {k: [] for k in dags}
     reports: dict[str, Any] = {}
-    prepare_member_groups([r for dag in (*dags.values(), back) for r in _dag_rank_sets(dag)])
-    for _ in range(repeats):
+    held, first, small = 0, {}, spec.num_params * 12 * len(stages) < 2e9
+    for repeat in range(repeats):
+        # Every cycle starts from the same random state (same seeds), so a cycle need not end where it began.
+        held = random_units(start, spec, dev)
+        if repeat == 0:
+            first = {name: gather_logical_state(name, dst=0) for name in stages} if small else {}
+            prepare_member_groups([r for dag in dags.values() for r in _dag_rank_sets(dag)])
         for key, dag in dags.items():
             seconds, reports[key] = timed_dag(dag, dev)
             samples[key].append(seconds)
-        timed_dag(back, dev)  # Destroy the copies: back to the start plan
     if small:  # the random state went through every transition unchanged
         for name in stages:
             after = gather_logical_state(name, dst=0)
             diff = first[name].differences(after) if dist.get_rank() == 0 else []
             checks.add(f"timing/{name} state unchanged after {repeats} cycles", not diff, diff[:5])
-    live_ok = all(len(registry().live(n)) == 1 for n in stages)
-    checks.add("timing/back at the start plan", live_ok, None)
+    last = pairs[list(dags)[-1]][1] if dags else start
+    live_ok = all(len(registry().live(n)) == last[n].dp for n in stages)
+    checks.add("timing/live units match the last target plan", live_ok, None)
     registry().clear()  # free the timed state before the other parts
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    rows = []
+    rows: list[dict[str, Any]] = [{"transition": k, "infeasible": msg} for k, msg in infeasible.items()]
     for key, dag in dags.items():
         warm = samples[key][1:] or samples[key]
         measured = statistics.median(warm)
@@ -564,6 +605,9 @@ def print_table(timing: dict[str, Any]) -> None:
     head = f"{'transition':24} {'GB':>7} {'first s':>8} {'median s':>9} {'L_tran s':>9} {'error %':>8} {'L_tran bf16 s':>13} {'paper s':>8}"
     print(head)
     for r in timing["rows"]:
+        if "infeasible" in r:
+            print(f"{r['transition']:24} not timed: the brain calls it infeasible: {r['infeasible'][:150]}")
+            continue
         paper = f"{r['paper_s']:8.2f}" if r["paper_s"] is not None else f"{'-':>8}"
         print(
             f"{r['transition']:24} {r['gb_moved_measured']:7.2f} {r['first_s']:8.3f} {r['median_s']:9.3f} "
@@ -582,11 +626,17 @@ def print_table(timing: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> dict:
     """Run the three parts on the torchrun world; rank 0 prints and writes the JSON (returned on every rank)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/multigpu_nccl_<N>.json)")
-    parser.add_argument("--quick", action="store_true", help="small timed model and 2 repeats (CPU smoke run)")
+    parser.add_argument(
+        "--out", default=None, help="JSON path (default benchmarks/results/multigpu_nccl_<N>.json)"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="small timed model and 2 repeats (CPU smoke run)"
+    )
     parser.add_argument("--repeats", type=int, default=None, help="timed cycles (default 5, --quick 2)")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    parser.add_argument("--skip", nargs="*", default=[], choices=("emu", "ppo", "timing"), help="parts to skip")
+    parser.add_argument(
+        "--skip", nargs="*", default=[], choices=("emu", "ppo", "timing"), help="parts to skip"
+    )
     args = parser.parse_args(argv)
     dev = init(args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -619,7 +669,9 @@ def main(argv: list[str] | None = None) -> dict:
             "timing", transition_timing(checks, dev, args.quick, args.repeats or (2 if args.quick else 5))
         ),
         "emu": lambda: (state_chain(checks, dev, tol), forward_equivalence(checks, dev, tol)),
-        "ppo": lambda: result.__setitem__("ppo", ppo_run(checks, dev, 3, 1e-5 if dev.type == "cpu" else 1e-3)),
+        "ppo": lambda: result.__setitem__(
+            "ppo", ppo_run(checks, dev, 3, 1e-5 if dev.type == "cpu" else 1e-3)
+        ),
     }
     for name, part in parts.items():
         if name in args.skip:
@@ -630,11 +682,15 @@ def main(argv: list[str] | None = None) -> dict:
         save()  # what passed so far survives a later failure
     if rank == 0:
         failed = [c["name"] for c in checks.rows if not c["passed"]]
-        print(f"\n{result['backend']} x {world} ({result['device']}): {len(checks.rows)} checks, {len(failed)} failed")
+        print(
+            f"\n{result['backend']} x {world} ({result['device']}): {len(checks.rows)} checks, {len(failed)} failed"
+        )
         for name in failed:
             print(f"  FAILED {name}")
         if "ppo" in result:
-            print(f"PPO: {len(result['ppo']['plans'])} steps in {result['ppo']['seconds']:.1f} s (TP and DP changes)")
+            print(
+                f"PPO: {len(result['ppo']['plans'])} steps in {result['ppo']['seconds']:.1f} s (TP and DP changes)"
+            )
         if "timing" in result:
             print_table(result["timing"])
         print(f"JSON: {out}")

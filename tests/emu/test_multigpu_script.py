@@ -52,6 +52,8 @@ def test_multigpu_script_passes_every_check_on_gloo(tmp_path):
         assert len(row["samples_s"]) == result["timing"]["repeats"]
     # The executor moved exactly the bytes the brain priced, plus AdamW steps and counters.
     extend = rows["Extend 2->4 GPUs"]
-    assert 0 < extend["gb_moved_predicted"] <= extend["gb_moved_measured"] <= extend["gb_moved_predicted"] * 1.01
+    assert (
+        0 < extend["gb_moved_predicted"] <= extend["gb_moved_measured"] <= extend["gb_moved_predicted"] * 1.01
+    )
     ppo = result["ppo"]
     assert len(ppo["plans"]) == 3 and ppo["plans"][0] != ppo["plans"][1] != ppo["plans"][2]
