@@ -517,7 +517,7 @@ def transition_timing(checks: Checks, dev: torch.device, quick: bool, repeats: i
 
     world = dist.get_world_size()
     gpu_memory = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else None
-    spec, stages, tp, note = timing_setup(world, timing_model(quick), gpu_memory)
+    spec, stages, tp, note = timing_setup(world, timing_model(quick or dev.type == "cpu"), gpu_memory)
     n_from = len(stages) * tp
     start, doubled, merged = doubling_plans(stages, tp, n_from)
     cluster = (CLUSTER_PRESETS["h200x8"] if dev.type == "cuda" else CLUSTER_PRESETS["cpu4"]).with_gpus(world)
