@@ -57,4 +57,4 @@ def change_label(before: dict[str, float], after: dict[str, float]) -> str:
             b = {d: int(before.get(f"plan/{stage}/{d}", 0)) for d in ("tp", "pp")}
             a = {d: int(after.get(f"plan/{stage}/{d}", 0)) for d in ("tp", "pp")}
             parts.append(f"{stage} TP{b['tp']}PP{b['pp']}->TP{a['tp']}PP{a['pp']}")
-    return "; ".join(parts[:2]) or "DP re-fit"
+    return "\n".join(parts[:2]) or "DP re-fit"  # one line per change: rotated labels stay inside the axes
