@@ -2,7 +2,7 @@
 
 One instance runs on the head rank. Feed it the monitor's `StepSignals` at every safe boundary
 (`step`); it answers with a `Decision` that the body acts on. The rules follow section 4 of the
-paper (see /work/shared/reference/nereus-rules.md):
+paper (section 4 of "Nereus: Adaptive Parallelism for LLM Post-Training"):
 
 * triggers: a pool change, a predicted or measured memory violation, or a drifting signal that
   moved more than ``delta`` (relative) from its reference; references reset after every replan;
