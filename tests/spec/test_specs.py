@@ -1,6 +1,13 @@
 import pytest
 
-from nereus_lightning.spec import ClusterSpec, ModelSpec, NereusConfigError, Workload, cluster_preset, model_preset
+from nereus_lightning.spec import (
+    ClusterSpec,
+    ModelSpec,
+    NereusConfigError,
+    Workload,
+    cluster_preset,
+    model_preset,
+)
 
 
 def test_llama3_8b_kv_cache_is_128_kib_per_token():

@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 import socket
 import traceback
-from datetime import timedelta
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch.multiprocessing as mp
