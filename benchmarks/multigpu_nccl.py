@@ -51,6 +51,8 @@ from typing import Any  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from nereus_lightning.testing.tiny import rel_err  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 PAPER_EXTEND_4_TO_8_S = 2.45  # 8B actor + critic, 8 x H200 (the paper's Extend when doubling 4 -> 8 GPUs)
 PAPER_SPLIT_MERGE_S = (15.7, 16.1)  # 8B Split/Merge resharding, 8-64 GPUs
@@ -109,34 +111,15 @@ class Checks:
             print(f"  {'ok  ' if obj[0][0] else 'FAIL'} {name}", flush=True)
 
 
-# ---- tiny models (copied shapes from the tests' tiny builders; this script imports nothing from tests/) ----
+# ---- tiny models (shared with the tests: nereus_lightning.testing.tiny) ----
 
 
 def tiny_model(kind: str, dev: torch.device):
-    """A tiny fp32 causal LM with random weights (same on every rank): 'gqa_tied' (Llama GQA, tied) or 'qwen2' (bias)."""
-    import transformers as tf
+    """The tests' tiny fp32 model of ``kind`` on ``dev``, with a random full AdamW state (same on every rank)."""
+    from nereus_lightning.testing.tiny import tiny_config
+    from nereus_lightning.testing.tiny import tiny_model as build
 
-    common = dict(
-        hidden_size=64,
-        vocab_size=256,
-        num_hidden_layers=4,
-        max_position_embeddings=128,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        attn_implementation="eager",
-    )
-    if kind == "gqa_tied":
-        config = tf.LlamaConfig(intermediate_size=160, tie_word_embeddings=True, pad_token_id=200, **common)
-    elif kind == "qwen2":
-        config = tf.Qwen2Config(intermediate_size=128, **common)
-    else:
-        raise ValueError(kind)
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(config).float().eval()
-    with torch.no_grad():  # non-trivial norms and biases, so mistakes in replicated tensors show
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.add_(0.1 * torch.randn_like(p))
+    config, model = tiny_config(kind), build(kind)
     gen = torch.Generator().manual_seed(1)
     optim = {
         name: {
@@ -147,11 +130,6 @@ def tiny_model(kind: str, dev: torch.device):
         for name, p in model.named_parameters()
     }
     return config, model.to(dev), optim
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b|."""
-    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
 
 
 # ---- 1. EMU checks --------------------------------------------------------------------------------------
