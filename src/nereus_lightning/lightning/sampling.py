@@ -8,7 +8,7 @@ a run reproducible across DP layouts and resumable under another world size.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -44,24 +44,47 @@ def generate(
     temperature: float = 1.0,
 ) -> list[list[int]]:
     """Sample up to ``max_new_tokens`` per prompt (``seeds=None``: greedy); stops at ``eos_id`` (kept)."""
+    state: dict = {"cache": None, "seen": 0}
+
+    def next_logits(ids: Tensor, mask: Tensor) -> Tensor:
+        # Feed only the tokens the KV cache has not seen yet.
+        step_ids = ids[:, state["seen"] :]
+        position_ids = (mask.cumsum(-1) - 1).clamp_min(0)[:, -step_ids.shape[1] :]
+        result = model(
+            input_ids=step_ids,
+            attention_mask=mask,
+            position_ids=position_ids,
+            cache=state["cache"],
+            use_cache=True,
+        )
+        state["cache"] = result.cache if "cache" in result else result.past_key_values
+        state["seen"] = ids.shape[1]
+        return result.logits[:, -1, :]
+
+    return _decode(next_logits, model, prompts, max_new_tokens, seeds, eos_id, pad_id, temperature)
+
+
+def _decode(
+    next_logits: Callable[[Tensor, Tensor], Tensor],
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    seeds: Sequence[int] | None,
+    eos_id: int,
+    pad_id: int,
+    temperature: float,
+) -> list[list[int]]:
+    """The decode loop shared by :func:`generate` and :func:`generate_sharded`: per-row generators,
+    finished rows padded, ``next_logits(ids, mask) -> [B, V]`` gives the last position's logits."""
     if not prompts:
         return []
     device = next(model.parameters()).device
     ids, mask = left_pad(prompts, pad_id, device)
-    gens = None
-    if seeds is not None:
-        gens = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
+    gens = None if seeds is None else [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
     out: list[list[int]] = [[] for _ in prompts]
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
-    cache = None
-    step_ids = ids
     for _ in range(max_new_tokens):
-        position_ids = (mask.cumsum(-1) - 1).clamp_min(0)[:, -step_ids.shape[1] :]
-        result = model(
-            input_ids=step_ids, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True
-        )
-        cache = result.cache if "cache" in result else result.past_key_values
-        next_ids = _pick(result.logits[:, -1, :], gens, temperature)
+        next_ids = _pick(next_logits(ids, mask), gens, temperature)
         alive = ~done
         next_ids = torch.where(alive, next_ids, torch.full_like(next_ids, pad_id))
         for i, tok in enumerate(next_ids.tolist()):
@@ -70,7 +93,7 @@ def generate(
         done = done | (next_ids == eos_id)
         if bool(done.all()):
             break
-        step_ids = next_ids.unsqueeze(-1)
+        ids = torch.cat([ids, next_ids.unsqueeze(-1)], dim=-1)
         mask = torch.cat([mask, alive.long().unsqueeze(-1)], dim=-1)
     return out
 
@@ -149,28 +172,11 @@ def generate_sharded(
     """
     from nereus_lightning.models import MicroBatch, forward_logits
 
-    if not prompts:
-        return []
-    device = next(unit.parameters()).device
-    ids, mask = left_pad(prompts, pad_id, device)
-    gens = None if seeds is None else [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
-    out: list[list[int]] = [[] for _ in prompts]
-    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
-    for _ in range(max_new_tokens):
+    def next_logits(ids: Tensor, mask: Tensor) -> Tensor:
         position_ids = (mask.cumsum(-1) - 1).clamp_min(0)
-        logits = forward_logits(unit, MicroBatch(ids, mask, position_ids), where="all")
-        next_ids = _pick(logits[:, -1, :], gens, temperature)
-        alive = ~done
-        next_ids = torch.where(alive, next_ids, torch.full_like(next_ids, pad_id))
-        for i, tok in enumerate(next_ids.tolist()):
-            if alive[i]:
-                out[i].append(tok)
-        done = done | (next_ids == eos_id)
-        if bool(done.all()):
-            break
-        ids = torch.cat([ids, next_ids.unsqueeze(-1)], dim=-1)
-        mask = torch.cat([mask, alive.long().unsqueeze(-1)], dim=-1)
-    return out
+        return forward_logits(unit, MicroBatch(ids, mask, position_ids), where="all")[:, -1, :]
+
+    return _decode(next_logits, unit, prompts, max_new_tokens, seeds, eos_id, pad_id, temperature)
 
 
 def pick_response(token_lp: Tensor, prompt_lens: Sequence[int], resp_width: int) -> Tensor:
