@@ -243,7 +243,7 @@ def run(cfg: Any) -> dict[str, Any]:
     callbacks = [callback, pl.callbacks.RichProgressBar()] + ([checkpoint] if cfg.save_checkpoint else [])
     trainer = instantiate(
         cfg.trainer,
-        strategy=NereusStrategy(),
+        strategy=NereusStrategy(cluster=job_cluster(cfg)),
         callbacks=callbacks,
         logger=loggers or False,
         enable_checkpointing=bool(cfg.save_checkpoint),

@@ -41,6 +41,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from nereus_lightning.plan.layout import Plan
+from nereus_lightning.spec.cluster import ClusterSpec, cluster_preset
 from nereus_lightning.spec.errors import NereusConfigError, require
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,9 @@ class NereusStrategy(ParallelStrategy):
             the EMU executor, weights sync from actor_train to the actor's other model-stages
             through the same transfer plans. ``"full"``: every rank keeps each full model and
             re-slices it per plan (the earlier backend).
+        cluster: the cluster (a ``ClusterSpec`` or preset name) the transition DAG is priced and
+            validated on, sized to the job's ranks; give the one the controller plans on.
+            ``None``: the ``cpu4`` preset.
     """
 
     strategy_name = "nereus"
@@ -80,6 +84,7 @@ class NereusStrategy(ParallelStrategy):
         timeout: timedelta | float = timedelta(seconds=120),
         start_method: Literal["fork", "spawn", "popen"] | None = None,
         state: Literal["emu", "full"] = "emu",
+        cluster: ClusterSpec | str | None = None,
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         require(
@@ -89,6 +94,9 @@ class NereusStrategy(ParallelStrategy):
         )
         require(state in ("emu", "full"), "strategy.state", f"{state!r} is not one of 'emu', 'full'")
         self.state = state
+        if isinstance(cluster, str):
+            cluster = cluster_preset(cluster)  # an unknown name fails here, listing the presets
+        self.cluster: ClusterSpec | None = cluster
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
         self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
@@ -219,6 +227,8 @@ class NereusStrategy(ParallelStrategy):
         info: dict[str, Any] = {}
         if module is not None and hasattr(module, "units"):
             units = module.units
+            if hasattr(units, "cluster"):  # transitions priced on the controller's cluster
+                units.cluster = (self.cluster or cluster_preset("cpu4")).with_gpus(self.world_size)
             units.ensure(target, module.role_models(), self.global_rank)
             info = dict(getattr(units, "last_transition", {}) or {})
             if hasattr(units, "last_transition"):
