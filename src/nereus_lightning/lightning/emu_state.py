@@ -22,6 +22,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -248,10 +249,13 @@ class EMUStates:
         """The training model-stages with live units, in workflow order."""
         return [n for n in (self.plan or {}) if self.stages[n].trains]
 
-    def apply_update(self, model_stage: str, max_norm: float = 1.0) -> float | None:
+    def apply_update(self, model_stage: str, max_norm: float = 1.0, samples: int = 0) -> float | None:
         """Sum gradients over the stage's replicas, clip, and step its EMU-bound AdamW; returns the norm here.
 
         Every rank of the model-stage calls it (absent gradients count as zeros); None off the stage.
+        The unit's counters advance with it (one optimizer step, one update and policy version,
+        ``samples`` more samples consumed), so they travel with the state through transitions
+        and checkpoints.
         """
         unit = self.units.get(model_stage)
         if unit is None:
@@ -272,7 +276,15 @@ class EMUStates:
         self.optimizers[model_stage].step()
         for p in params:
             p.grad = None
+        self._advance(model_stage, optimizer_step=1, update_count=1, policy_version=1, sample_position=samples)
         return float(norm)
+
+    def _advance(self, model_stage: str, **steps: int) -> None:
+        """Add ``steps`` to this rank's unit counters of ``model_stage`` (every member does the same)."""
+        unit = self._local(model_stage)
+        if unit is not None:
+            c = unit.counters
+            unit.counters = replace(c, **{k: getattr(c, k) + v for k, v in steps.items()})
 
     def sync_weights(self) -> None:
         """Copy each training stage's fresh parameters into the other model-stages of its model (collective)."""
@@ -282,6 +294,8 @@ class EMUStates:
             for name in self.plan:
                 if name != train and self.stages[name].model == role and not self.stages[name].trains:
                     sync_params(train, name)
+                    # a new policy version in this model-stage (one sync per update)
+                    self._advance(name, policy_version=1, stage_version=1)
 
     # ---- state ---------------------------------------------------------------------------
     def save(self, path: str) -> None:
