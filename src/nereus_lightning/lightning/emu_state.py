@@ -276,7 +276,9 @@ class EMUStates:
         self.optimizers[model_stage].step()
         for p in params:
             p.grad = None
-        self._advance(model_stage, optimizer_step=1, update_count=1, policy_version=1, sample_position=samples)
+        self._advance(
+            model_stage, optimizer_step=1, update_count=1, policy_version=1, sample_position=samples
+        )
         return float(norm)
 
     def _advance(self, model_stage: str, **steps: int) -> None:
