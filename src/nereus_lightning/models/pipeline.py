@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -90,18 +90,24 @@ def _send(t: Tensor, dst: int) -> None:
 
 
 def pipeline_forward(
-    model: ShardedCausalLM, micro_batches: Sequence[MicroBatch], head: Callable[[Tensor, MicroBatch], Tensor]
+    model: ShardedCausalLM,
+    micro_batches: Sequence[MicroBatch],
+    head: Callable[[Tensor, MicroBatch], Tensor],
+    cache: Any = None,
 ) -> list[Tensor] | None:
     """Forward every micro-batch through the pipeline (no autograd); ``head(local_logits, mb)`` on the last stage.
 
-    Returns the list of head outputs on last-stage ranks and None elsewhere.
+    ``cache``: a transformers KV cache this rank keeps for its own layers (one micro-batch only;
+    see :meth:`ShardedCausalLM.stage`). Returns the list of head outputs on last-stage ranks and
+    None elsewhere.
     """
     comm = model.comm
+    require(cache is None or len(micro_batches) == 1, "cache", "a KV cache serves one micro-batch")
     outs: list[Tensor] = []
     with torch.no_grad():
         for mb in micro_batches:
             hidden = None if comm.is_first_stage else _recv(_hidden_buffer(model, mb), comm.prev_rank)  # type: ignore[arg-type]
-            out = model(mb.input_ids, hidden, mb.attention_mask, mb.position_ids)
+            out = model(mb.input_ids, hidden, mb.attention_mask, mb.position_ids, cache)
             if comm.is_last_stage:
                 outs.append(head(out, mb))
             else:
@@ -144,15 +150,18 @@ def _like(
 
 
 def forward_logits(
-    model: ShardedCausalLM, batch: Tensor | MicroBatch | Sequence[MicroBatch], where: Where = "all"
+    model: ShardedCausalLM,
+    batch: Tensor | MicroBatch | Sequence[MicroBatch],
+    where: Where = "all",
+    cache: Any = None,
 ) -> Tensor | None:
     """Full-vocabulary logits ``[B, S, V]`` of the replica, concatenated over micro-batches.
 
     ``where``: "all" (every rank of the replica), "first" (the replica's first rank) or "last"
-    (last-stage ranks); other ranks get None.
+    (last-stage ranks); other ranks get None. ``cache``: see :func:`pipeline_forward`.
     """
     mbs = _as_micro_batches(batch)
-    outs = pipeline_forward(model, mbs, lambda local, mb: model.full_logits(local))
+    outs = pipeline_forward(model, mbs, lambda local, mb: model.full_logits(local), cache)
     value = None if outs is None else torch.cat(outs)
     like = _like(model, mbs, model.config.vocab_size, 0, next(model.parameters()).dtype)
     return _deliver(model, value, like, where)

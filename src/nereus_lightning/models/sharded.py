@@ -261,19 +261,33 @@ class ShardedCausalLM(nn.Module):
         """The LM head's vocabulary shard (the embedding's when tied)."""
         return self.model.embed_tokens.weight if is_tied(self.config) else self.lm_head.weight
 
-    def _masks(self, hidden: Tensor, attention_mask: Tensor | None, position_ids: Tensor) -> dict[str, Any]:
+    def _masks(
+        self, hidden: Tensor, attention_mask: Tensor | None, position_ids: Tensor, cache: Any = None
+    ) -> dict[str, Any]:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         cfg = self.local_config
         kwargs = dict(
             config=cfg, inputs_embeds=hidden, attention_mask=attention_mask, position_ids=position_ids
         )
-        kwargs[_cache_kwarg()] = None
+        kwargs[_cache_kwarg()] = cache
         types = set(getattr(cfg, "layer_types", None) or ())
-        masks: dict[str, Any] = {"full_attention": create_causal_mask(**kwargs)}
-        if "sliding_attention" in types or (not types and getattr(cfg, "sliding_window", None) is not None):
-            masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
+        sliding = "sliding_attention" in types or (
+            not types and getattr(cfg, "sliding_window", None) is not None
+        )
+        kinds = {"full_attention": create_causal_mask}
+        if sliding:
+            kinds["sliding_attention"] = create_sliding_window_causal_mask
+        masks: dict[str, Any] = {}
+        for kind, make in kinds.items():
+            # With a cache, size the mask by one of THIS stage's layers: the cache holds only those.
+            extra = {} if cache is None else {"layer_idx": self._first_layer_of(kind)}
+            masks[kind] = make(**kwargs, **extra)
         return masks
+
+    def _first_layer_of(self, kind: str) -> int:
+        types = getattr(self.local_config, "layer_types", None)
+        return next((i for i in self.layer_ids if not types or types[i] == kind), self.layer_ids[0])
 
     def _layer_mask(self, masks: dict[str, Any], index: int) -> Any:
         types = getattr(self.local_config, "layer_types", None)
@@ -287,11 +301,15 @@ class ShardedCausalLM(nn.Module):
         hidden_states: Tensor | None = None,
         attention_mask: Tensor | None = None,
         position_ids: Tensor | None = None,
+        cache: Any = None,
     ) -> Tensor:
         """This stage's output hidden states ``[B, S, H]`` (after the final norm on the last stage).
 
         ``input_ids`` ``[B, S]`` are needed on every stage (shapes, masks); ``hidden_states`` is the
-        previous stage's output (required unless this is the first stage).
+        previous stage's output (required unless this is the first stage). ``cache``: a
+        transformers KV cache (e.g. ``DynamicCache``) indexed by global layer number; this stage
+        reads and extends the entries of its own layers only, and ``input_ids`` are then the new
+        tokens while ``attention_mask`` covers past and new ones (as transformers ``generate`` passes them).
         """
         if self.comm.is_first_stage:
             hidden = self.model.embed_tokens(input_ids)
@@ -301,15 +319,18 @@ class ShardedCausalLM(nn.Module):
             )
             hidden = hidden_states
         if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=hidden.device).unsqueeze(0)
-        masks = self._masks(hidden, attention_mask, position_ids)
+            past = 0 if cache is None else cache.get_seq_length(self.layer_ids[0])
+            position_ids = torch.arange(past, past + input_ids.shape[1], device=hidden.device).unsqueeze(0)
+        masks = self._masks(hidden, attention_mask, position_ids, cache)
         position_embeddings = self.rotary_emb(hidden, position_ids)
+        with_cache = {} if cache is None else {_cache_kwarg(): cache, "use_cache": True}
         for i in self.layer_ids:
             hidden = self.model.layers[str(i)](
                 hidden,
                 attention_mask=self._layer_mask(masks, i),
                 position_ids=position_ids,
                 position_embeddings=position_embeddings,
+                **with_cache,
             )
         if self.comm.is_last_stage:
             hidden = self.model.norm(hidden)
@@ -331,9 +352,10 @@ class ShardedCausalLM(nn.Module):
         hidden_states: Tensor | None = None,
         attention_mask: Tensor | None = None,
         position_ids: Tensor | None = None,
+        cache: Any = None,
     ) -> Tensor:
         """Hidden states to send on (non-last stages) or local vocabulary-slice logits (last stage)."""
-        hidden = self.stage(input_ids, hidden_states, attention_mask, position_ids)
+        hidden = self.stage(input_ids, hidden_states, attention_mask, position_ids, cache)
         return self.local_logits(hidden) if self.comm.is_last_stage else hidden
 
     def sync_grads(self) -> None:
@@ -356,7 +378,7 @@ class ShardedCausalLM(nn.Module):
 
 @functools.cache
 def _cache_kwarg() -> str:
-    """transformers renamed the masks' ``past_key_values`` argument to ``cache`` (5.2x)."""
+    """transformers renamed the ``past_key_values`` argument of masks and layers to ``cache`` (5.2x)."""
     import inspect
 
     from transformers.masking_utils import create_causal_mask
