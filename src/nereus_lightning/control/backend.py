@@ -95,3 +95,14 @@ class PlannerBackend:
 
         dag = build_transition(current, target, self.models, cluster, workload)
         return float(transition_cost(dag, cluster))
+
+    def plan_pinned(
+        self, cluster: ClusterSpec, workload: Workload, calibration: Any, layouts: Mapping[str, Any]
+    ) -> list[tuple[Plan, Estimate]]:
+        """Like :meth:`plan`, with the model-stages of ``layouts`` kept at those TP/PP layouts."""
+        from nereus_lightning.plan.planner import plan_job
+
+        result = plan_job(self.models, cluster, workload, calibration=calibration, alternatives=self.alternatives,
+                          pinned=layouts)
+        options = [(result.plan, result.estimate), *result.alternatives]
+        return sorted(options, key=lambda pe: pe[1].step_latency)

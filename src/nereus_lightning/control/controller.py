@@ -18,12 +18,13 @@ paper (section 4 of "Nereus: Adaptive Parallelism for LLM Post-Training"):
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from nereus_lightning.control.backend import Estimate, PlanningBackend, op_totals
+from nereus_lightning.control.candidates import CandidateSource, Option
 from nereus_lightning.control.decision import Decision, DecisionLog, describe_plan
+from nereus_lightning.control.forecast import LengthForecast
 from nereus_lightning.control.signals import DRIFT_SIGNALS, StepSignals
 from nereus_lightning.control.state import plan_from_state, plan_to_state
 from nereus_lightning.control.triggers import (
@@ -33,19 +34,14 @@ from nereus_lightning.control.triggers import (
     Trigger,
     smallest_horizon,
 )
-from nereus_lightning.control.variants import (
-    follow_pool,
-    intact_plan,
-    keep_layouts,
-    place_near,
-    relief_variants,
-)
+from nereus_lightning.control.variants import intact_plan
 from nereus_lightning.plan.layout import Plan
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.errors import InfeasiblePlanError, require
 from nereus_lightning.spec.workload import Workload
 
 ADMISSION_RULES = ("payback", "any_gain")
+SELECTIONS = ("net_benefit", "first")
 
 
 @dataclass(frozen=True)
@@ -55,6 +51,22 @@ class ControllerConfig:
     ``admission="any_gain"`` admits every dL > 0 (the DynaRL-style baseline); ``replan_every=k``
     adds a replan every k steps, and with ``drift_triggers=False`` only that schedule (plus the
     urgent triggers) starts replans (the every-k-steps baseline).
+
+    Target choice (the admission rule decides *whether* to move; these decide *where*):
+
+    * ``selection="net_benefit"``: among the targets that pass feasibility and payback, take the
+      one with the largest net benefit over the horizon, ``gamma * H_x * dL - L_tran`` (on the
+      urgent path, where payback is waived, the smallest ``w * L_step + L_tran`` with
+      ``w = max(gamma * H_x, 1)``: the new plan runs at least one step). ``"first"`` takes the
+      first admitted target in latency order (the planner's best when it passes).
+    * ``forecast_steps``: plan for (and check memory against) the length signals extrapolated
+      this many steps ahead along their recent trend (see ``control.forecast``); 0 plans for the
+      last measured lengths.
+    * ``pin_training``: if the best target fails, also ask the planner for the best plans that
+      keep every training model-stage's current TP/PP layout (no Split/Merge of optimizer state:
+      cheap, and safe when a Split would not fit next to the co-resident state).
+    * ``max_priced_transitions``: at most this many transition DAGs are priced per replan
+      (bounds the replan time; targets that cannot beat the chosen one are never priced).
     """
 
     gamma: float = 0.5
@@ -69,6 +81,11 @@ class ControllerConfig:
     transition_alpha: float = 0.5
     memory_check_tolerance: float = 0.01
     restart_s: float = 300.0  # expected seconds of a checkpoint/restart (save, relaunch, load)
+    selection: str = "net_benefit"
+    forecast_steps: float = 1.0
+    forecast_window: int = 3
+    pin_training: bool = True
+    max_priced_transitions: int = 8
 
     def __post_init__(self) -> None:
         require(self.gamma >= 0, "controller.gamma", f"must be >= 0, got {self.gamma}")
@@ -79,15 +96,12 @@ class ControllerConfig:
             require(name in DRIFT_SIGNALS, "controller.drift_signals", f"{name!r} is not one of {list(DRIFT_SIGNALS)}")
         require(self.restart_s > 0, "controller.restart_s", f"must be positive, got {self.restart_s}")
         require(0 < self.transition_alpha <= 1, "controller.transition_alpha", f"must be in (0, 1], got {self.transition_alpha}")
+        require(self.selection in SELECTIONS, "controller.selection", f"{self.selection!r} not in {SELECTIONS}")
+        require(self.forecast_steps >= 0, "controller.forecast_steps", f"must be >= 0, got {self.forecast_steps}")
+        require(self.forecast_window >= 2, "controller.forecast_window", f"must be >= 2, got {self.forecast_window}")
+        require(self.max_priced_transitions >= 1, "controller.max_priced_transitions",
+                f"must be >= 1, got {self.max_priced_transitions}")
         object.__setattr__(self, "drift_signals", tuple(self.drift_signals))
-
-
-@dataclass
-class _Option:
-    plan: Plan
-    estimate: Estimate
-    source: str
-    notes: dict[str, Any] = field(default_factory=dict)
 
 
 class Controller:
@@ -117,14 +131,16 @@ class Controller:
         self.last_replan_step: int | None = None
         self.decisions = 0
         self._pending_transition: float | None = None  # raw predicted L_tran of the last admitted transition
-        self._memory_key: tuple | None = None
-        self._estimate: Estimate | None = None
-        self._estimate_eff: dict[str, float] = {}
+        # The current plan's estimates by (pool, length buckets): at the measured lengths (the
+        # calibration loop) and at the forecast (the memory trigger); cleared when the plan changes.
+        self._estimates: dict[tuple, tuple[Estimate, dict[str, float]]] = {}
+        self.forecast = LengthForecast(self.config.forecast_window, self.config.delta_len)
         self._used: tuple[Plan, frozenset[int]] | None = None  # (plan, its GPU ids), cached per plan
 
     # ----------------------------------------------------------------------------- per step
     def step(self, signals: StepSignals) -> Decision:
         """Consume one step's signals; return what the body must do before the next step."""
+        self.forecast.observe(signals)
         self._calibrate(signals)
         if self.plan is None:
             decision = self._initial(signals)
@@ -136,7 +152,7 @@ class Controller:
             self._reset_references(signals)
         if decision.changes_plan:
             self.plan = decision.target
-            self._memory_key = None
+            self._estimates.clear()
             self._pending_transition = (
                 decision.transition_cost / self.transition_scale
                 if decision.kind == "transition" and decision.transition_cost
@@ -150,6 +166,23 @@ class Controller:
     def workload_at(self, signals: StepSignals) -> Workload:
         """The job's workload with the measured lengths of ``signals``."""
         return workload_at(self.workload, signals)
+
+    def planning_workload(self, signals: StepSignals) -> Workload:
+        """The workload plans are chosen for: the lengths forecast ``forecast_steps`` ahead.
+
+        The measured lengths lag the step a new plan will run by one step; with a steady drift
+        the forecast is where the next step will be (``control.forecast``). Falls back to the
+        measured lengths when the forecast is off or has fewer than two measurements.
+        """
+        ahead = self.forecast.ahead(self.config.forecast_steps) if self.config.forecast_steps > 0 else None
+        if ahead is None:
+            return self.workload_at(signals)
+        return replace(
+            self.workload,
+            response_len=float(ahead["response_len"]),
+            response_len_p95=float(ahead["response_len_p95"]),
+            prompt_len=int(round(ahead["prompt_len"])),
+        )
 
     def cluster_at(self, signals: StepSignals) -> ClusterSpec:
         """The cluster restricted to the pool of ``signals``."""
@@ -188,34 +221,38 @@ class Controller:
         if over:
             self._memory_detail = f"measured peak memory above the {cap / 1e9:.0f} GB cap on ranks {over[:8]}"
             return False
-        est = self._current_estimate(signals)
+        est = self._current_estimate(signals, self.planning_workload(signals))
         self._memory_detail = "predicted peak memory exceeds the cap: " + "; ".join(
             str(v) for v in getattr(est, "violations", ())
         )
         return bool(est.feasible)
 
-    def _current_estimate(self, signals: StepSignals) -> Estimate:
-        """The current plan's estimate, re-priced only when the pool or a length moved by > tolerance.
+    def _current_estimate(self, signals: StepSignals, workload: Workload | None = None) -> Estimate:
+        """The current plan's estimate at ``workload`` (default: the measured lengths), re-priced
+        only when the pool or a length moved by more than the tolerance.
 
         Memory does not depend on the efficiencies, and op-class predictions are rescaled to the
         current efficiencies in :meth:`predicted_op_times`, so the cache stays valid across
         calibration updates. This keeps the per-step cost without a trigger tiny.
         """
+        return self._cached_estimate(signals, workload or self.workload_at(signals))[0]
+
+    def _cached_estimate(self, signals: StepSignals, workload: Workload) -> tuple[Estimate, dict[str, float]]:
         tol = self.config.memory_check_tolerance
         key = (
             signals.num_gpus,
-            _bucket(signals.response_len, tol),
-            _bucket(signals.response_len_p95, tol),
-            _bucket(signals.prompt_len + 1, tol),
+            _bucket(workload.response_len, tol),
+            _bucket(workload.response_len_p95, tol),
+            _bucket(workload.prompt_len + 1, tol),
         )
-        if key != self._memory_key or self._estimate is None:
+        hit = self._estimates.get(key)
+        if hit is None:
             assert self.plan is not None
-            self._estimate = self.backend.estimate(
-                self.plan, self.cluster_at(signals), self.workload_at(signals), self.calibration
-            )
-            self._estimate_eff = _efficiencies(self.calibration)
-            self._memory_key = key
-        return self._estimate
+            if len(self._estimates) >= 4:
+                self._estimates.clear()
+            est = self.backend.estimate(self.plan, self.cluster_at(signals), workload, self.calibration)
+            hit = self._estimates[key] = (est, _efficiencies(self.calibration))
+        return hit
 
     def _reset_references(self, signals: StepSignals) -> None:
         # Every replan, admitted or rejected, moves every reference to the current value.
@@ -245,7 +282,7 @@ class Controller:
     def _replan(self, signals: StepSignals, triggers: list[Trigger]) -> Decision:
         assert self.plan is not None
         cfg = self.config
-        cluster, workload = self.cluster_at(signals), self.workload_at(signals)
+        cluster, workload = self.cluster_at(signals), self.planning_workload(signals)
         horizon = smallest_horizon(triggers)
         urgent = any(t.urgent for t in triggers)
         pool = set(signals.gpus)
@@ -268,58 +305,110 @@ class Controller:
             step=signals.step, triggers=tuple(triggers), current=self.plan, current_latency=current_latency,
             horizon=horizon, gamma=cfg.gamma, urgent=urgent, signals=signals,
         )
+        source = CandidateSource(self.backend, self.calibration, self.plan, self.workload.algorithm,
+                                 self.workload.sequences_per_step, cluster, workload, urgent, current_latency)
+        first = cfg.selection == "first"
+        # Weight of one s/step over the horizon: the payback rule's gamma * H_x; on the urgent
+        # path (payback waived) the new plan runs at least one step whatever gamma is.
+        weight = cfg.gamma * horizon if not urgent else max(cfg.gamma * horizon, 1.0)
         considered: list[dict[str, Any]] = []
-        seen: list[_Option] = []
-        for opt in self._candidates(cluster, workload, signals, urgent, current_latency, reasons):
+        seen: list[Option] = []
+        state: dict[str, Any] = {"best": None, "priced": 0, "ref": current_latency}
+
+        def evaluate(opt: Option) -> bool:
+            """Price and judge one target; True when the search should stop (selection "first")."""
             seen.append(opt)
-            lat = opt.estimate.step_latency
+            lat = opt.latency
+            if state["ref"] is None:
+                state["ref"] = lat  # broken current plan: rank against the first target instead
             d_l = math.inf if current_latency is None else current_latency - lat
             entry = {"source": opt.source, "latency": round(lat, 6), "dL": None if math.isinf(d_l) else round(d_l, 6)}
             considered.append(entry)
+            best: Option | None = state["best"]
+            bound = weight * (state["ref"] - lat)  # net benefit if the transition were free
             if intact is None:
                 entry["verdict"] = "no intact replica of some model-stage: a transition cannot start"
-                continue
+                return False
+            if not first and best is not None and bound <= best.notes["net"]:
+                entry["verdict"] = f"not priced: even free it cannot beat {best.source}"
+                return False
+            if not first and state["priced"] >= cfg.max_priced_transitions:
+                entry["verdict"] = f"not priced: {cfg.max_priced_transitions} transition DAGs priced already"
+                return False
+            state["priced"] += 1
             try:
                 l_tran = self.backend.transition_cost(intact, opt.plan, dag_cluster, workload) * self.transition_scale
             except InfeasiblePlanError as exc:
                 entry["verdict"] = f"transition infeasible: {exc}"
-                continue
+                return False
             entry["L_tran"] = round(l_tran, 6)
             if urgent:
-                fastest = min(seen, key=lambda o: o.estimate.step_latency)
-                slower = lat - fastest.estimate.step_latency
+                entry["verdict"] = "reachable (urgent: profitability waived)"
+            else:
+                ok, why = self._profitable(d_l, l_tran, horizon)
+                entry["verdict"] = why
+                if not ok:
+                    return False
+            net = bound - l_tran
+            entry["net_benefit"] = round(net, 6)
+            opt.notes.update(l_tran=l_tran, net=net, entry=entry)
+            if best is None or net > best.notes["net"]:
+                state["best"] = opt
+            return first
+
+        stopped = False
+        for opt in source.regular(signals, cfg.try_follow_pool):
+            if evaluate(opt):
+                stopped = True
+                break
+        if not stopped and cfg.pin_training and not first and (state["best"] is None or state["best"] is not seen[0]):
+            # The best target failed: also try the best plans that keep the training layouts.
+            for opt in source.pinned():
+                evaluate(opt)
+        reasons += source.reasons
+        chosen: Option | None = state["best"]
+        how = "first admitted target" if first else "largest net benefit gamma*H_x*dL - L_tran"
+        if chosen is not None:
+            entry = chosen.notes["entry"]
+            l_tran = chosen.notes["l_tran"]
+            if urgent:
+                fastest = min(seen, key=lambda o: o.latency)
+                slower = chosen.latency - fastest.latency
                 if slower > 0 and cfg.admission == "payback":
                     # The reachable target is slower than the best plan, which has no safe DAG:
                     # restarting into the best plan is worth it if the restart pays back.
-                    ok, why = self._profitable(slower, cfg.restart_s, horizon)
+                    ok, why = self._profitable(slower, max(cfg.restart_s - l_tran, 0.0), self.restart_horizon(horizon))
                     if ok:
                         entry["verdict"] = f"reachable, but a restart into {fastest.source} {why}"
                         return Decision(
-                            kind="restart", target=fastest.plan, target_latency=fastest.estimate.step_latency,
+                            kind="restart", target=fastest.plan, target_latency=fastest.latency,
                             transition_cost=cfg.restart_s, considered=tuple(considered),
                             reason="; ".join([*reasons, f"urgent ({_kinds(triggers)}): the reachable target is "
                                               f"{slower:.2f} s/step slower; checkpoint/restart {why}"]),
                             **base,
                         )
                 entry["verdict"] = "admitted (urgent: profitability waived)"
+                d_l = None if current_latency is None else current_latency - chosen.latency
                 return Decision(
-                    kind="transition", target=opt.plan, target_latency=lat, delta_latency=None if math.isinf(d_l) else d_l,
+                    kind="transition", target=chosen.plan, target_latency=chosen.latency, delta_latency=d_l,
                     transition_cost=l_tran, considered=tuple(considered),
-                    reason="; ".join([*reasons, f"urgent ({_kinds(triggers)}): fastest feasible target ({opt.source})"]),
+                    reason="; ".join([*reasons, f"urgent ({_kinds(triggers)}): {how} "
+                                      f"among feasible targets ({chosen.source})"]),
                     **base,
                 )
-            ok, why = self._profitable(d_l, l_tran, horizon)
-            entry["verdict"] = why
-            if ok:
-                return Decision(
-                    kind="transition", target=opt.plan, target_latency=lat, delta_latency=d_l, transition_cost=l_tran,
-                    considered=tuple(considered), reason=f"{_kinds(triggers)}: {why} ({opt.source})", **base,
-                )
+            entry["verdict"] = "admitted: " + entry["verdict"]
+            assert current_latency is not None
+            return Decision(
+                kind="transition", target=chosen.plan, target_latency=chosen.latency,
+                delta_latency=current_latency - chosen.latency, transition_cost=l_tran, considered=tuple(considered),
+                reason=f"{_kinds(triggers)}: {entry['verdict'].removeprefix('admitted: ')}; {how} ({chosen.source})",
+                **base,
+            )
         if urgent:
-            best = min(seen, key=lambda o: o.estimate.step_latency) if seen else None
+            best = min(seen, key=lambda o: o.latency) if seen else None
             return Decision(
                 kind="restart", target=None if best is None else best.plan,
-                target_latency=None if best is None else best.estimate.step_latency, considered=tuple(considered),
+                target_latency=None if best is None else best.latency, considered=tuple(considered),
                 reason="; ".join(
                     [*reasons, "no feasible transition: checkpoint/restart"
                      + (" into the best plan" if best else "; no plan fits the pool, wait for GPUs")]
@@ -332,80 +421,29 @@ class Controller:
         blocked = [(o, e) for o, e in zip(seen, considered, strict=True) if e["verdict"].startswith("transition infeasible")]
         if blocked and current_latency is not None and cfg.admission == "payback":
             opt, entry = blocked[0]
-            d_l = current_latency - opt.estimate.step_latency
-            ok, why = self._profitable(d_l, cfg.restart_s, horizon)
+            d_l = current_latency - opt.latency
+            ok, why = self._profitable(d_l, cfg.restart_s, self.restart_horizon(horizon))
             if ok:
                 return Decision(
-                    kind="restart", target=opt.plan, target_latency=opt.estimate.step_latency, delta_latency=d_l,
+                    kind="restart", target=opt.plan, target_latency=opt.latency, delta_latency=d_l,
                     transition_cost=cfg.restart_s, considered=tuple(considered),
                     reason=f"{_kinds(triggers)}: no safe transition DAG; checkpoint/restart {why} ({opt.source})", **base,
                 )
-        first = considered[0] if considered else None
-        why = "no faster feasible plan" if first is None else f"payback failed for every candidate (best: {first['verdict']})"
+        top = considered[0] if considered else None
+        why = "no faster feasible plan" if top is None else f"payback failed for every candidate (best: {top['verdict']})"
         return Decision(kind="keep", target=None, considered=tuple(considered), reason=why, **base)
 
-    def _candidates(
-        self, cluster: ClusterSpec, workload: Workload, signals: StepSignals, urgent: bool,
-        current_latency: float | None, reasons: list[str],
-    ) -> Iterator[_Option]:
-        """Feasible targets in the order admission tries them.
+    def restart_horizon(self, horizon: float) -> float:
+        """The horizon a checkpoint/restart is judged over: ``max(H_x, H_pool)``.
 
-        First the planner's best plan (so an admitted best target costs no extra pricing). If it
-        fails, every fallback is priced and tried fastest first: the planner's alternatives;
-        each planner plan placed near the current GPUs (no swap deadlocks) and with the current
-        layouts kept where they fit (Extend/Destroy only), slightly slower targets with cheaper
-        transitions; the current layouts with DP re-fitted to the pool; and on the urgent path
-        the intact units alone and smaller micro-batches / recomputation. Outside the urgent
-        path, targets not faster than the current plan are skipped.
+        A restart is considered only when the better plan has no safe transition DAG from the
+        current one (the current layouts are a trap: e.g. a deep pipeline whose Split does not
+        fit next to the co-resident state). Every later drift or memory replan meets the same
+        infeasible DAG, so the deficit of staying lasts until the pool changes (only new GPUs
+        can open a safe path), not just until the firing signal's next crossing: the pool's
+        crossing clock bounds it from below when it is longer.
         """
-        assert self.plan is not None
-        seen: set[Plan] = {self.plan}
-
-        def priced(plan: Plan, source: str, est: Estimate | None = None) -> _Option | None:
-            if plan in seen:
-                return None
-            seen.add(plan)
-            est = est if est is not None else self.backend.estimate(plan, cluster, workload, self.calibration)
-            if not est.feasible:
-                return None
-            if not urgent and current_latency is not None and est.step_latency >= current_latency:
-                return None
-            return _Option(plan, est, source)
-
-        try:
-            planned = self.backend.plan(cluster, workload, self.calibration)
-        except InfeasiblePlanError as exc:
-            reasons.append(f"planner: {exc}")
-            planned = []
-        if planned:
-            best = priced(planned[0][0], "planner best", planned[0][1])
-            if best is not None:
-                yield best
-        # The best target failed (or did not pay back): price every fallback, fastest first.
-        rest: list[_Option | None] = []
-        for i, (plan, est) in enumerate(planned):
-            source = "planner best" if i == 0 else f"planner alternative {i}"
-            if i > 0:
-                rest.append(priced(plan, source, est))
-            near = place_near(plan, self.plan, self.workload.algorithm)
-            rest.append(priced(near, f"{source}, placed near the current GPUs"))
-            rest.append(priced(keep_layouts(near, self.plan), f"{source}, current layouts kept"))
-        refit = None
-        if self.config.try_follow_pool:
-            refit = follow_pool(self.plan, self.workload.algorithm, signals.num_gpus, self.workload.sequences_per_step)
-            if refit is not None:
-                refit = place_near(refit, self.plan, self.workload.algorithm)
-                rest.append(priced(refit, "current layouts, DP re-fitted to the pool"))
-        if urgent:
-            # Drop the replicas on lost GPUs and keep the intact units (Destroy only): often
-            # slower, but always reachable, and the next replan can grow back into the pool.
-            survivors = intact_plan(self.plan, set(signals.gpus))
-            if survivors is not None and survivors != self.plan:
-                rest.append(priced(survivors, "intact units only (replicas on lost GPUs dropped)"))
-            base = refit if refit is not None else self.plan
-            if intact_plan(base, set(signals.gpus)) == base:
-                rest += [priced(v, "smaller micro-batches / recomputation") for v in relief_variants(base)]
-        yield from sorted((o for o in rest if o is not None), key=lambda o: o.estimate.step_latency)
+        return max(horizon, self.pool.clock.horizon)
 
     def _profitable(self, d_l: float, l_tran: float, horizon: float) -> tuple[bool, str]:
         cfg = self.config
@@ -437,8 +475,8 @@ class Controller:
 
     def predicted_op_times(self, signals: StepSignals) -> dict[str, float]:
         """The cost model's per-op-class times for the current plan at this step, at the current efficiencies."""
-        est = self._current_estimate(signals)
-        then, now = self._estimate_eff, _efficiencies(self.calibration)
+        est, then = self._cached_estimate(signals, self.workload_at(signals))
+        now = _efficiencies(self.calibration)
         return {op: t * then.get(op, 1.0) / now.get(op, 1.0) for op, t in op_totals(est).items()}
 
     # -------------------------------------------------------------------------------- state
@@ -451,6 +489,7 @@ class Controller:
             "drift": {n: d.state_dict() for n, d in self.drift.items()},
             "pool": self.pool.state_dict(),
             "memory_clock": self.memory_clock.state_dict(),
+            "forecast": self.forecast.state_dict(),
             "transition_scale": self.transition_scale,
             "last_replan_step": self.last_replan_step,
             "decisions": self.decisions,
@@ -465,12 +504,14 @@ class Controller:
                 self.drift[name].load_state_dict(sub)
         self.pool.load_state_dict(state["pool"])
         self.memory_clock.load_state_dict(state["memory_clock"])
+        if state.get("forecast") is not None:  # absent in checkpoints of older versions
+            self.forecast.load_state_dict(state["forecast"])
         self.transition_scale = float(state["transition_scale"])
         self.last_replan_step = state["last_replan_step"]
         self.decisions = int(state["decisions"])
         if state.get("calibration") is not None and hasattr(self.calibration, "load_state_dict"):
             self.calibration.load_state_dict(state["calibration"])
-        self._memory_key = None
+        self._estimates.clear()
 
     def __repr__(self) -> str:
         return f"Controller(gamma={self.config.gamma}, plan={describe_plan(self.plan)})"

@@ -54,7 +54,7 @@ from nereus_lightning.plan.options import (  # noqa: F401  (re-exported for call
     stage_options,
 )
 from nereus_lightning.spec.cluster import ClusterSpec
-from nereus_lightning.spec.errors import InfeasiblePlanError
+from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
 from nereus_lightning.spec.model import ModelSpec
 from nereus_lightning.spec.workload import STAGES, Workload
 
@@ -152,8 +152,13 @@ def plan_job(
     workload: Workload,
     calibration: Calibration | None = None,
     alternatives: int = 4,
+    pinned: Mapping[str, Layout] | None = None,
 ) -> PlanResult:
     """The fastest feasible plan for ``workload`` on ``cluster`` and up to ``alternatives`` next-best plans.
+
+    ``pinned`` restricts model-stages to one layout each (their DP degree, micro-batch and
+    recomputation stay free): the controller asks for plans that keep the training layouts it
+    runs, whose transitions need no Split/Merge of optimizer state.
 
     Raises:
         InfeasiblePlanError: a model-stage fits no candidate, or a stage's model-stages cannot
@@ -162,7 +167,16 @@ def plan_job(
     stages = workload.stages
     works = {ms.name: stage_work(ms, models, workload) for ms in stages}
     cap, budget = memory_cap(cluster), cluster.num_gpus
-    search = _Search(works, {ms.name: ms.stage for ms in stages}, cluster, calibration, budget, cap)
+    unknown = set(pinned or {}) - set(works)
+    if unknown:
+        raise NereusConfigError(f"plan_job.pinned: unknown model-stages {sorted(unknown)}; known: {sorted(works)}")
+    search = _Search(works, {ms.name: ms.stage for ms in stages}, cluster, calibration, budget, cap, pinned)
+    stuck = [n for n in (pinned or {}) if not search.fronts(n, cap)]
+    if stuck:
+        raise InfeasiblePlanError(
+            f"{stuck[0]} pinned to {pinned[stuck[0]]}: no candidate of that layout fits {budget} GPUs under "
+            f"the cap of {cap / 1e9:.1f} GB per GPU; pin fewer model-stages or another layout"
+        )
     failed = [diagnose_memory(works[n], cluster, budget, cap) for n in works if not search.fronts(n, cap)]
     if failed:
         # The binding constraint is the model-stage that needs the most GPUs.
@@ -210,8 +224,10 @@ class _Search:
         calibration: Calibration | None,
         budget: int,
         cap: float,
+        pinned: Mapping[str, Layout] | None = None,
     ) -> None:
         self.works, self.stage_of, self.budget, self.cap = works, dict(stage_of), budget, cap
+        self.pinned = dict(pinned or {})
         self.stages = [s for s in STAGES if any(v == s for v in stage_of.values())]
         self.tables: dict[str, CandidateTable] = {}
         shared: dict[StageWork, CandidateTable] = {}  # e.g. actor and reference inference price alike
@@ -225,9 +241,13 @@ class _Search:
     def fronts(self, name: str, memory: float, resident: float = math.inf) -> list[Option]:
         """The frontier of ``name`` within ``memory`` bytes per GPU and ``resident`` bytes of state."""
         table = self.tables[name]
-        key = (id(table), memory, resident if self.works[name].trains else math.inf)
+        layout = self.pinned.get(name)
+        key = (id(table), memory, resident if self.works[name].trains else math.inf, layout)
         if key not in self._fronts:
-            self._fronts[key] = frontier_of_rows(table.rows_within(memory, resident))
+            rows = table.rows_within(memory, resident)
+            if layout is not None:
+                rows = [row for row in rows if row[4] == layout]
+            self._fronts[key] = frontier_of_rows(rows)
         return self._fronts[key]
 
     def stage_fronts(self, stage: str, rho: float) -> dict[str, list[Option]]:

@@ -199,10 +199,14 @@ def make_policy(
         return StaticPolicy(backend, cluster, workload, calibration_factory())
     if spec.kind == "oracle":
         return OraclePolicy(backend, cluster, workload, truth, oracle_tolerance)
+    # The baselines move to the first admitted target (the planner's best when it is reachable),
+    # plan for the measured lengths and never ask for pinned-layout plans: Nereus' target choice
+    # is part of the policy being compared, not of the machinery they share.
+    plain = dict(selection="first", forecast_steps=0.0, pin_training=False)
     if spec.kind == "always":
-        cfg = _with(base, admission="any_gain", replan_every=1)
+        cfg = _with(base, admission="any_gain", replan_every=1, **plain)
     elif spec.kind == "every_k":
-        cfg = _with(base, admission="any_gain", replan_every=spec.k, drift_triggers=False, pool_triggers=False)
+        cfg = _with(base, admission="any_gain", replan_every=spec.k, drift_triggers=False, pool_triggers=False, **plain)
     else:
         cfg = base if spec.gamma is None else _with(base, gamma=spec.gamma)
     ctl = Controller(backend, cluster, workload, cfg, calibration=calibration_factory(),

@@ -1,0 +1,134 @@
+"""The targets a replan considers, in the order admission tries them.
+
+`CandidateSource` prices plans once each (the cost model's estimate at the planning workload)
+and drops infeasible ones; outside the urgent path it also drops targets that are not faster
+than the current plan. :meth:`CandidateSource.regular` yields the planner's best plan first (so an
+admitted best target costs no extra pricing), then every fallback fastest first;
+:meth:`CandidateSource.pinned` yields the planner's best plans that keep the current training
+layouts (asked for only when the best target failed: one more planner call).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from nereus_lightning.control.backend import Estimate, PlanningBackend
+from nereus_lightning.control.signals import StepSignals
+from nereus_lightning.control.variants import follow_pool, intact_plan, keep_layouts, place_near, relief_variants
+from nereus_lightning.plan.layout import Plan
+from nereus_lightning.spec.cluster import ClusterSpec
+from nereus_lightning.spec.errors import InfeasiblePlanError
+from nereus_lightning.spec.workload import Workload, workflow
+
+
+@dataclass
+class Option:
+    """One priced target: its plan, estimate, where it came from, and admission notes."""
+
+    plan: Plan
+    estimate: Estimate
+    source: str
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def latency(self) -> float:
+        """Predicted step latency of the target."""
+        return self.estimate.step_latency
+
+
+class CandidateSource:
+    """Prices candidate targets of one replan, each plan at most once."""
+
+    def __init__(
+        self, backend: PlanningBackend, calibration: Any, current: Plan, algorithm: str, sequences_per_step: int,
+        cluster: ClusterSpec, workload: Workload, urgent: bool, current_latency: float | None,
+    ) -> None:
+        self.backend, self.calibration, self.current = backend, calibration, current
+        self.algorithm, self.sequences_per_step = algorithm, sequences_per_step
+        self.cluster, self.workload = cluster, workload
+        self.urgent, self.current_latency = urgent, current_latency
+        self.seen: set[Plan] = {current}
+        self.reasons: list[str] = []
+
+    def price(self, plan: Plan, source: str, est: Estimate | None = None) -> Option | None:
+        """``plan`` as an option, or None if already seen, infeasible, or (not urgent) not faster."""
+        if plan in self.seen:
+            return None
+        self.seen.add(plan)
+        est = est if est is not None else self.backend.estimate(plan, self.cluster, self.workload, self.calibration)
+        if not est.feasible:
+            return None
+        if not self.urgent and self.current_latency is not None and est.step_latency >= self.current_latency:
+            return None
+        return Option(plan, est, source)
+
+    def regular(self, signals: StepSignals, try_follow_pool: bool) -> Iterator[Option]:
+        """The planner's best plan, then every fallback fastest first.
+
+        Fallbacks: the planner's alternatives; each planner plan placed near the current GPUs
+        (no swap deadlocks) and with the current layouts kept where they fit (Extend/Destroy
+        only), slightly slower targets with cheaper transitions; the current layouts with DP
+        re-fitted to the pool; and on the urgent path the intact units alone and smaller
+        micro-batches / recomputation.
+        """
+        try:
+            planned = self.backend.plan(self.cluster, self.workload, self.calibration)
+        except InfeasiblePlanError as exc:
+            self.reasons.append(f"planner: {exc}")
+            planned = []
+        if planned:
+            best = self.price(planned[0][0], "planner best", planned[0][1])
+            if best is not None:
+                yield best
+        rest: list[Option | None] = []
+        for i, (plan, est) in enumerate(planned):
+            source = "planner best" if i == 0 else f"planner alternative {i}"
+            if i > 0:
+                rest.append(self.price(plan, source, est))
+            near = place_near(plan, self.current, self.algorithm)
+            rest.append(self.price(near, f"{source}, placed near the current GPUs"))
+            rest.append(self.price(keep_layouts(near, self.current), f"{source}, current layouts kept"))
+        refit = None
+        if try_follow_pool:
+            refit = follow_pool(self.current, self.algorithm, signals.num_gpus, self.sequences_per_step)
+            if refit is not None:
+                refit = place_near(refit, self.current, self.algorithm)
+                rest.append(self.price(refit, "current layouts, DP re-fitted to the pool"))
+        if self.urgent:
+            # Drop the replicas on lost GPUs and keep the intact units (Destroy only): often
+            # slower, but always reachable, and the next replan can grow back into the pool.
+            survivors = intact_plan(self.current, set(signals.gpus))
+            if survivors is not None and survivors != self.current:
+                rest.append(self.price(survivors, "intact units only (replicas on lost GPUs dropped)"))
+            base = refit if refit is not None else self.current
+            if intact_plan(base, set(signals.gpus)) == base:
+                rest += [self.price(v, "smaller micro-batches / recomputation") for v in relief_variants(base)]
+        yield from sorted((o for o in rest if o is not None), key=lambda o: o.latency)
+
+    def pinned(self) -> Iterator[Option]:
+        """The planner's best plans with every training model-stage kept at its current layout.
+
+        Their transitions move no training state between layouts (Extend/Destroy only there),
+        so they are cheap and stay safe where a Split would not fit next to co-resident state.
+        Needs a backend with ``plan_pinned``; yields nothing otherwise or when nothing fits.
+        """
+        plan_pinned = getattr(self.backend, "plan_pinned", None)
+        if plan_pinned is None:
+            return
+        trains = {ms.name for ms in workflow(self.algorithm) if ms.trains}
+        layouts = {n: c.layout for n, c in self.current.items() if n in trains}
+        if not layouts:
+            return
+        try:
+            planned = plan_pinned(self.cluster, self.workload, self.calibration, layouts)
+        except InfeasiblePlanError as exc:
+            self.reasons.append(f"planner with the training layouts kept: {exc}")
+            return
+        found: list[Option | None] = []
+        for i, (plan, est) in enumerate(planned):
+            source = "training layouts kept: planner " + ("best" if i == 0 else f"alternative {i}")
+            found.append(self.price(plan, source, est))
+            found.append(self.price(place_near(plan, self.current, self.algorithm), f"{source}, placed near the current GPUs"))
+        yield from sorted((o for o in found if o is not None), key=lambda o: o.latency)
