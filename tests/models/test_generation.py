@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -14,6 +16,10 @@ from tests.models.tiny import my_replica, tiny_model
 
 EOS = 255
 LAYOUTS = [(2, 1), (1, 2), (2, 2)]
+
+
+def _record_length(seen: list[int], module, args, kwargs) -> None:  # noqa: ANN001
+    seen.append(kwargs["input_ids"].shape[1])
 
 
 def _prompts(index: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -33,7 +39,7 @@ def _generate_on_replicas(rank: int, world: int, kind: str) -> dict[str, object]
         index, comm = my_replica(rank, world, Layout(tp, pp), tied)
         generator = ShardedGenerator(ShardedCausalLM.from_model(model, comm))
         seen: list[int] = []
-        generator.register_forward_pre_hook(lambda m, args, kw: seen.append(kw["input_ids"].shape[1]), with_kwargs=True)
+        generator.register_forward_pre_hook(functools.partial(_record_length, seen), with_kwargs=True)
         ids, mask, seeds = _prompts(index)
         want = HFGenerateEngine(model, EOS, 0).generate(ids, mask, 10, sample_seeds=seeds)
         got = HFGenerateEngine(generator, EOS, 0).generate(ids, mask, 10, sample_seeds=seeds)

@@ -71,10 +71,13 @@ class StateSchema:
         import torch
 
         if model_or_state is None:
-            from transformers import AutoModelForCausalLM
+            from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
+            from nereus_lightning.models.sharded import has_value_head
+
+            auto = AutoModelForTokenClassification if has_value_head(config) else AutoModelForCausalLM
             with torch.device("meta"):
-                model_or_state = AutoModelForCausalLM.from_config(config)
+                model_or_state = auto.from_config(config)
         if isinstance(model_or_state, Mapping):
             tensors = dict(model_or_state)
         else:

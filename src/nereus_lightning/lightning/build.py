@@ -1,4 +1,4 @@
-"""Build the role models of a job (actor, critic, reference) from presets, dicts or local paths."""
+"""Build the role models of a job (actor and reference: causal LMs; critic and reward: value models) from presets, dicts or local paths."""
 
 from __future__ import annotations
 
@@ -37,6 +37,27 @@ def hf_config_of(spec: ModelSpec, vocab_size: int | None = None, pad_token_id: i
     return tf.LlamaConfig(**common)
 
 
+def _config_of(
+    source: Mapping[str, Any] | ModelSpec | str | Any, vocab_size: int | None, pad_token_id: int | None
+) -> Any:
+    """A transformers config from a preset name, a ``ModelSpec``, a config dict or a config."""
+    import transformers as tf
+
+    if isinstance(source, str):
+        if source not in MODEL_PRESETS:
+            raise NereusConfigError(
+                f"model: unknown preset {source!r}; known presets: {', '.join(sorted(MODEL_PRESETS))} (or a local model folder)"
+            )
+        source = MODEL_PRESETS[source]
+    if isinstance(source, ModelSpec):
+        return hf_config_of(source, vocab_size, pad_token_id)
+    if isinstance(source, Mapping):
+        data = dict(source)
+        model_type = data.pop("model_type", "llama")
+        return tf.AutoConfig.for_model(model_type, **data)
+    return source
+
+
 def build_causal_lm(
     source: str | Mapping[str, Any] | ModelSpec | Any,
     seed: int,
@@ -51,22 +72,42 @@ def build_causal_lm(
 
     if isinstance(source, str) and os.path.isdir(source):
         return tf.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    if isinstance(source, str):
-        if source not in MODEL_PRESETS:
-            raise NereusConfigError(
-                f"model: unknown preset {source!r}; known presets: {', '.join(sorted(MODEL_PRESETS))} (or a local model folder)"
-            )
-        source = MODEL_PRESETS[source]
-    if isinstance(source, ModelSpec):
-        config = hf_config_of(source, vocab_size, pad_token_id)
-    elif isinstance(source, Mapping):
-        data = dict(source)
-        model_type = data.pop("model_type", "llama")
-        config = tf.AutoConfig.for_model(model_type, **data)
-    else:
-        config = source
+    config = _config_of(source, vocab_size, pad_token_id)
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.float().eval()
+
+
+# A value model (critic, reward model) is token classification with one label, as verl's critic:
+# ``score`` (Linear(hidden, 1)) replaces the LM head, no dropout, and no embedding tying.
+_VALUE_MODEL = {"num_labels": 1, "classifier_dropout": 0.0, "tie_word_embeddings": False}
+
+
+def build_value_model(
+    source: str | Mapping[str, Any] | ModelSpec | Any,
+    seed: int,
+    vocab_size: int | None = None,
+    pad_token_id: int | None = None,
+) -> nn.Module:
+    """A value model in fp32 (transformers ``*ForTokenClassification``, one label) from the same sources as :func:`build_causal_lm`.
+
+    A local causal-LM folder loads its body; the ``score`` head then starts from ``seed``'s draw.
+    """
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    if isinstance(source, str) and os.path.isdir(source):
+        model = tf.AutoModelForTokenClassification.from_pretrained(
+            source, dtype=torch.float32, **_VALUE_MODEL
+        )
+    else:
+        config = copy.deepcopy(_config_of(source, vocab_size, pad_token_id))
+        for key, value in _VALUE_MODEL.items():
+            setattr(config, key, value)
+        model = tf.AutoModelForTokenClassification.from_config(config, dtype=torch.float32)
+    model.config.architectures = [
+        type(model).__name__
+    ]  # marks it a value model (models.sharded.has_value_head)
     return model.float().eval()
 
 

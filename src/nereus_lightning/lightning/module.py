@@ -4,7 +4,12 @@ advantages, no critic) and ReMax (greedy-rollout baseline).
 The module builds the role models (full transformers modules) and owns the algorithm. With the
 default EMU state backend (:mod:`nereus_lightning.lightning.emu_state`) the models seed each
 model-stage's Elastic Model Units and are then released: every stage computes on sharded modules
-built on its units' tensors. *Where* each
+built on its units' tensors. There is one way to sample and one way to score: rollouts go through
+a :class:`~nereus_lightning.rl.rollout.RolloutEngine` (transformers ``generate`` over a
+:class:`~nereus_lightning.models.generation.ShardedGenerator` of the generation unit, each sample
+seeded by its global index), inference stages score with :mod:`nereus_lightning.rl.forward` over
+the same adapter, and updates read the same response positions
+(:func:`~nereus_lightning.rl.forward.response_span`) from :func:`~nereus_lightning.models.train_step`. *Where* each
 model-stage runs comes from the strategy's current plan (:class:`NereusStrategy`): every stage
 runs on its replicas' slice of the global batch (see :mod:`nereus_lightning.lightning.stages`)
 and the results are gathered in global sample order before the next stage. Losses are
@@ -16,7 +21,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -24,8 +28,7 @@ from torch import Tensor
 from typing_extensions import override
 
 import lightning as L
-from nereus_lightning.lightning import sampling
-from nereus_lightning.lightning.build import build_causal_lm, frozen_copy
+from nereus_lightning.lightning.build import build_causal_lm, build_value_model, frozen_copy
 from nereus_lightning.lightning.stages import (
     StageSlot,
     all_reduce_grads,
@@ -38,6 +41,15 @@ from nereus_lightning.lightning.stages import (
 from nereus_lightning.plan.layout import Plan
 from nereus_lightning.rl import advantages as adv
 from nereus_lightning.rl import losses
+from nereus_lightning.rl.batch import RolloutBatch
+from nereus_lightning.rl.forward import (
+    position_ids_from_mask,
+    response_log_probs,
+    response_span,
+    response_values,
+)
+from nereus_lightning.rl.reward import ModelReward
+from nereus_lightning.rl.rollout import HFGenerateEngine, RolloutEngine, VLLMEngine, sample_seeds
 from nereus_lightning.spec.errors import require
 
 
@@ -56,18 +68,23 @@ class RLModule(L.LightningModule):
 
     Args:
         actor: a model preset name (``spec.MODEL_PRESETS``), a transformers config dict, or a local folder.
-        critic: same for the critic (PPO); ``None`` uses the actor's architecture.
-        reward_model: a reward model (preset, config dict or folder) scoring each response by its value
-            head (row 0 of its LM head) at the last response token; ``None``: the task's Python reward.
+        critic: same for the critic (PPO); ``None`` uses the actor's architecture. Built as a value
+            model (transformers token classification with one label: a ``score`` head replaces the
+            LM head, as verl's critic).
+        reward_model: a reward model (preset, config dict or folder; a value model like the critic)
+            scoring each response by its value at the last response token; ``None``: the task's Python reward.
         task: the prompt source and reward (see :mod:`nereus_lightning.rl.tasks`); a task object or a name.
         prompts_per_step, samples_per_prompt: global batch of one RL step.
         actor_lr, critic_lr: AdamW learning rates.
         kl_coef: KL-to-reference coefficient (in-reward penalty for PPO/ReMax, loss term for GRPO).
         clip_ratio, cliprange_value: PPO clipping.
         gamma, lam: GAE discount and lambda.
-        temperature: sampling temperature.
+        temperature: sampling temperature (log-probs are of ``logits / temperature``, as verl).
         mini_batches, ppo_epochs: optimizer updates per RL step.
-        seed: seeds weights and every sample's generator.
+        seed: seeds weights and every sample's generator (``rl.rollout.sample_seeds`` of its global index).
+        rollout_engine: ``"hf"``: transformers ``generate`` over the actor's generation units
+            (:class:`~nereus_lightning.models.generation.ShardedGenerator`, TP and PP); ``"vllm"``:
+            :class:`~nereus_lightning.rl.rollout.VLLMEngine` (needs vllm; a stub until its issue lands).
     """
 
     algorithm: ClassVar[str] = "ppo"
@@ -95,6 +112,7 @@ class RLModule(L.LightningModule):
         ppo_epochs: int = 1,
         entropy_coef: float = 0.0,
         seed: int = 0,
+        rollout_engine: str = "hf",
     ) -> None:
         super().__init__()
         require(prompts_per_step >= 1, "algorithm.prompts_per_step", f"must be >= 1, got {prompts_per_step}")
@@ -102,6 +120,11 @@ class RLModule(L.LightningModule):
             mini_batches >= 1 and ppo_epochs >= 1,
             "algorithm.mini_batches",
             "mini_batches and ppo_epochs must be >= 1",
+        )
+        require(
+            rollout_engine in ("hf", "vllm"),
+            "algorithm.rollout_engine",
+            f"{rollout_engine!r} is not one of 'hf' (transformers generate), 'vllm'",
         )
         self.save_hyperparameters(ignore=["task"])
         self.automatic_optimization = False
@@ -114,7 +137,7 @@ class RLModule(L.LightningModule):
         self.actor = build_causal_lm(actor, seed, vocab, pad)
         self.reference = frozen_copy(self.actor)
         self.critic = (
-            build_causal_lm(critic if critic is not None else actor, seed + 1, vocab, pad)
+            build_value_model(critic if critic is not None else actor, seed + 1, vocab, pad)
             if self.uses_critic
             else None
         )
@@ -124,12 +147,13 @@ class RLModule(L.LightningModule):
             "ReMax scores its greedy baseline with the task's Python reward; use algorithm=ppo or grpo with a reward model",
         )
         self.reward = (
-            frozen_copy(build_causal_lm(reward_model, seed + 2, vocab, pad))
+            frozen_copy(build_value_model(reward_model, seed + 2, vocab, pad))
             if reward_model is not None
             else None
         )
         self.step_stats: dict[str, float] = {}
         self.units: Any = None
+        self._adapters: dict[str, Any] = {}  # model-stage -> ShardedGenerator over this rank's unit
         self.use_state(self.state_backend)
         from nereus_lightning.lightning.metrics import RunMetrics
 
@@ -223,19 +247,21 @@ class RLModule(L.LightningModule):
         n = len(prompts)
         max_new = self.task.max_response_len(step)
         tok = self.tokenizer
+        # Prompts left-padded to the global width: a sample's inputs do not depend on its replica.
+        prompt_ids, prompt_mask = (t.to(self.device) for t in tok.pad(prompts, side="left"))
 
         def gen(slot: StageSlot, greedy: bool = False) -> list[list[int]]:
-            idx = list(slot.indices)
-            seeds = None if greedy else [sampling.sample_seed(hp.seed, step, i) for i in idx]
-            unit = self.units.get(slot.stage)
-            fn = (
-                partial(sampling.generate_sharded, unit)
-                if unit is not None
-                else partial(sampling.generate, self.actor)
+            rows = slice(slot.start, slot.stop)
+            out = self.rollout_engine(slot.stage).generate(
+                prompt_ids[rows],
+                prompt_mask[rows],
+                max_new,
+                do_sample=not greedy,
+                temperature=hp.temperature,
+                sample_seeds=None if greedy else sample_seeds(hp.seed, step, slot.indices),
             )
-            return fn(
-                [prompts[i] for i in idx], max_new, seeds, tok.eos_token_id, tok.pad_token_id, hp.temperature
-            )
+            lengths = out.response_mask.sum(-1).tolist()
+            return [ids[:k] for ids, k in zip(out.response_ids.tolist(), lengths, strict=True)]
 
         responses = run_partitioned(plan, "actor_gen", self.rank, n, gen)
         t_gen = time.perf_counter()
@@ -245,41 +271,41 @@ class RLModule(L.LightningModule):
         scores = torch.tensor(
             [self.task.score(p, r) for p, r in zip(prompts, responses, strict=True)], dtype=torch.float32
         )
+        width = max(1, max(len(r) for r in responses))
+        response_ids, response_mask = (
+            t.to(self.device) for t in tok.pad(responses, side="right", length=width)
+        )
+        batch = RolloutBatch(
+            prompt_ids,
+            prompt_mask,
+            response_ids,
+            response_mask,
+            torch.arange(n, device=self.device),
+            torch.as_tensor(groups, device=self.device),
+        )
 
-        ids, attn, mask, width = sampling.pack_sequences(prompts, responses, tok.pad_token_id, self.device)
-        plens = [len(p) for p in prompts]
-
-        def infer(stage: str, model: torch.nn.Module, values: bool = False) -> Tensor:
-            def run(slot: StageSlot) -> Tensor:
-                s = slice(slot.start, slot.stop)
-                with torch.no_grad():
-                    return self._score(slot.stage, model, ids[s], attn[s], plens[s], width, values)
-
-            return run_partitioned_rows(plan, stage, self.rank, n, width, ids.device, run)
-
-        old_lp = infer("actor_infer", self.actor)
-        ref_lp = infer("ref_infer", self.reference)
-        values = infer("critic_infer", self.critic, values=True) if self.critic is not None else None
+        batch.old_log_probs = self.infer(plan, "actor_infer", self.actor, batch)
+        batch.ref_log_probs = self.infer(plan, "ref_infer", self.reference, batch)
+        if self.critic is not None:
+            batch.values = self.infer(plan, "critic_infer", self.critic, batch)
         if self.reward is not None:  # the reward model's value at each response's last token
-            rm_values = infer("reward_infer", self.reward, values=True)
-            last = (mask.sum(-1).long() - 1).clamp_min(0)
-            scores = rm_values.gather(1, last.unsqueeze(-1)).squeeze(-1).float()
+            scores = self.infer(plan, "reward_infer", self.reward, batch)[:, 0]
         t_infer = time.perf_counter()
 
+        mask = response_mask.float()
         metrics: dict[str, float] = {}
         advantages, returns, extra = self.compute_advantages(
-            scores, mask, old_lp, ref_lp, values, groups, greedy, prompts
+            scores, mask, batch.old_log_probs, batch.ref_log_probs, batch.values, groups, greedy, prompts
         )
+        batch.scores, batch.advantages, batch.returns = scores, advantages, returns
         metrics.update({k: float(v) for k, v in extra.items()})
         t_adv = time.perf_counter()
-        metrics.update(
-            self.update(
-                plan, ids, attn, plens, width, mask, old_lp, ref_lp, values, advantages, returns, optimizer
-            )
-        )
+        metrics.update(self.update(plan, batch, optimizer))
         t_upd = time.perf_counter()
 
         lengths = mask.sum(-1)
+        tokens = float(batch.attention_mask.sum())
+        plens = prompt_mask.sum(-1).float()
         metrics.update(
             {
                 "critic/score/mean": float(scores.mean()),
@@ -288,16 +314,16 @@ class RLModule(L.LightningModule):
                 "response_length/mean": float(lengths.mean()),
                 "response_length/max": float(lengths.max()),
                 "response_length/p95": float(torch.quantile(lengths, 0.95)),
-                "prompt_length/mean": float(sum(plens) / n),
+                "prompt_length/mean": float(plens.mean()),
                 "task/max_response_len": float(max_new),
                 "timing_s/gen": t_gen - t0,
                 "timing_s/infer": t_infer - t_gen,
                 "timing_s/adv": t_adv - t_infer,
                 "timing_s/update_actor": t_upd - t_adv,
                 "timing_s/step": t_upd - t0,
-                "perf/total_num_tokens": float(attn.sum()),
+                "perf/total_num_tokens": tokens,
                 # verl: tokens per second per GPU (the GPUs this step's plan used)
-                "perf/throughput": float(attn.sum())
+                "perf/throughput": tokens
                 / max(t_upd - t0, 1e-9)
                 / max(len({g for _, c in plan.items() for g in c.gpus}), 1),
             }
@@ -338,51 +364,58 @@ class RLModule(L.LightningModule):
             "reward": self.reward,
         }
 
-    def _score(
-        self,
-        stage: str,
-        model: torch.nn.Module,
-        ids: Tensor,
-        attn: Tensor,
-        plens: list[int],
-        width: int,
-        values: bool = False,
-    ) -> Tensor:
-        """Response log-probs (or values) ``[b, R]`` through this rank's unit of ``stage`` (or the logical model)."""
-        from nereus_lightning.models import MicroBatch, forward_logits, token_logprobs
-
-        unit = self.units.get(stage)
+    # ---- how a model-stage computes on this rank ------------------------------------------------
+    def stage_model(self, model_stage: str, model: torch.nn.Module | None = None) -> torch.nn.Module:
+        """The transformers-style model ``model_stage`` computes with here: a
+        :class:`~nereus_lightning.models.generation.ShardedGenerator` over this rank's unit of the
+        stage, or the logical ``model`` itself (the ``"full"`` state backend's Layout(1, 1) stages)."""
+        unit = self.units.get(model_stage)
         if unit is None:
-            fn = sampling.response_values if values else sampling.response_log_probs
-            return fn(model, ids, attn, plens, width)
-        if values:
-            per_pos = forward_logits(unit, MicroBatch(ids, attn), where="all")[:, :-1, 0].float()
-        else:
-            per_pos = token_logprobs(unit, MicroBatch(ids, attn), where="all")
-        return sampling.pick_response(per_pos, plens, width)
+            require(
+                model is not None, "model_stage", f"{model_stage}: no unit on rank {self.rank} and no model"
+            )
+            return model
+        held = self._adapters.get(model_stage)
+        if held is None or held.unit is not unit:  # a new plan built new units
+            from nereus_lightning.models.generation import ShardedGenerator
+
+            held = self._adapters[model_stage] = ShardedGenerator(unit)
+        return held
+
+    def rollout_engine(self, model_stage: str) -> RolloutEngine:
+        """The rollout engine of a generation model-stage (``rollout_engine``: ``"hf"`` or ``"vllm"``)."""
+        tok = self.tokenizer
+        if self.hparams.rollout_engine == "vllm":
+            return VLLMEngine(self.stage_model(model_stage, self.actor))
+        return HFGenerateEngine(self.stage_model(model_stage, self.actor), tok.eos_token_id, tok.pad_token_id)
+
+    def infer(self, plan: Plan, model_stage: str, model: torch.nn.Module, batch: RolloutBatch) -> Tensor:
+        """One inference model-stage over the batch: ``[n, R]`` response log-probs (actor, reference) or
+        values (critic), or ``[n, 1]`` scores (reward model); every rank gets every sample's rows."""
+        role = self.stages_role(model_stage)
+        width = 1 if role == "reward" else batch.response_ids.shape[-1]
+
+        def run(slot: StageSlot) -> Tensor:
+            part = batch.select(slice(slot.start, slot.stop))
+            net = self.stage_model(slot.stage, model)
+            args = (part.prompt_ids, part.prompt_mask, part.response_ids, part.response_mask)
+            with torch.no_grad():
+                if role == "reward":
+                    return ModelReward(net)(*args).unsqueeze(-1)
+                if role == "critic":
+                    return response_values(net, *args)
+                return response_log_probs(net, *args, temperature=self.hparams.temperature)[0]
+
+        return run_partitioned_rows(plan, model_stage, self.rank, len(batch), width, self.device, run)
 
     # ---- training stage ------------------------------------------------------------------
-    def update(
-        self,
-        plan,
-        ids: Tensor,
-        attn: Tensor,
-        plens: list[int],
-        width: int,
-        mask: Tensor,
-        old_lp: Tensor,  # noqa: ANN001
-        ref_lp: Tensor,
-        values: Tensor | None,
-        advantages: Tensor,
-        returns: Tensor,
-        optimizer: Any = None,
-    ) -> dict[str, float]:
+    def update(self, plan: Plan, batch: RolloutBatch, optimizer: Any = None) -> dict[str, float]:
         """Actor (and critic) updates on this rank's slice; gradients summed over all replicas."""
         hp = self.hparams
         opt = optimizer if optimizer is not None else self.optimizers()
         raw = getattr(opt, "optimizer", opt)
-        n = ids.shape[0]
-        minis = [(lo, hi) for lo, hi in _chunks(n, hp.mini_batches)]
+        mask = batch.response_mask.float()
+        minis = [(lo, hi) for lo, hi in _chunks(len(batch), hp.mini_batches)]
         sums: dict[str, float] = {}
         updates = 0
         for _epoch in range(hp.ppo_epochs):
@@ -396,24 +429,9 @@ class RLModule(L.LightningModule):
                     slot = slot_of(plan, stage, self.rank, hi - lo)
                     if not slot.active or slot.stop <= slot.start:
                         continue
-                    s = slice(lo + slot.start, lo + slot.stop)
-                    weight = mask[s].sum() / total_tokens  # local token-mean -> global token-mean
-                    m, reporter = self._train_slice(
-                        stage,
-                        s,
-                        ids,
-                        attn,
-                        plens,
-                        width,
-                        mask,
-                        old_lp,
-                        ref_lp,
-                        values,
-                        advantages,
-                        returns,
-                        weight,
-                        slot.is_leader,
-                    )
+                    rows = slice(lo + slot.start, lo + slot.stop)
+                    weight = mask[rows].sum() / total_tokens  # local token-mean -> global token-mean
+                    m, reporter = self._train_slice(stage, batch.select(rows), weight, slot.is_leader)
                     if reporter:
                         for k, val in m.items():
                             part[k] = part.get(k, 0.0) + float(val) * float(weight)
@@ -453,62 +471,58 @@ class RLModule(L.LightningModule):
         return role_of(model_stage, self.algorithm) or model_stage
 
     def _train_slice(
-        self,
-        stage: str,
-        s: slice,
-        ids: Tensor,
-        attn: Tensor,
-        plens: list[int],
-        width: int,
-        mask: Tensor,
-        old_lp: Tensor,
-        ref_lp: Tensor,
-        values: Tensor | None,
-        advantages: Tensor,
-        returns: Tensor,
-        weight: Tensor,
-        leader: bool,
+        self, stage: str, part: RolloutBatch, weight: Tensor, leader: bool
     ) -> tuple[dict[str, Tensor], bool]:
-        """Backward of one replica's slice into the logical model's gradients; returns (metrics, reports)."""
-        from nereus_lightning.lightning.units import StageUnits, value_train_step
+        """Backward of one replica's slice into its gradients; returns (metrics, whether this rank reports them).
+
+        Through this rank's unit: :func:`~nereus_lightning.models.train_step` (1F1B over the
+        pipeline) with the response entries :func:`~nereus_lightning.rl.forward.response_span`
+        picks; without one (``"full"`` backend, Layout(1, 1)): :mod:`nereus_lightning.rl.forward`
+        on the logical model.
+        """
+        from nereus_lightning.lightning.units import StageUnits
         from nereus_lightning.models import MicroBatch, train_step
 
         hp = self.hparams
         unit = self.units.get(stage)
-        sub = plens[s]
+        mask = part.response_mask.float()
+        span = response_span(part.prompt_ids.shape[-1], part.response_ids.shape[-1])
+        args = (part.prompt_ids, part.prompt_mask, part.response_ids, part.response_mask)
         metrics: dict[str, Tensor] = {}
+
         if stage == "actor_train":
+            model = self.actor
 
-            def actor_loss(lp: Tensor) -> Tensor:
-                loss, m = self.actor_loss(lp, old_lp[s], ref_lp[s], advantages[s], mask[s])
+            def loss_of(lp: Tensor) -> Tensor:
+                loss, m = self.actor_loss(lp, part.old_log_probs, part.ref_log_probs, part.advantages, mask)
                 metrics.update(m)
                 return loss * weight
 
-            if unit is None:
-                actor_loss(sampling.response_log_probs(self.actor, ids[s], attn[s], sub, width)).backward()
-                return metrics, leader
-            train_step(
-                unit,
-                [MicroBatch(ids[s], attn[s])],
-                lambda lp, mb: actor_loss(sampling.pick_response(lp, sub, width)),
-            )
-            if not self.emu_state:
-                StageUnits.add_grads_to(unit, self.actor)
+            def full_forward() -> Tensor:
+                return response_log_probs(model, *args, temperature=hp.temperature)[0]
         else:
+            model = self.critic
 
-            def critic_loss(v: Tensor) -> Tensor:
-                loss, m = losses.value_loss(v, values[s], returns[s], mask[s], hp.cliprange_value)
+            def loss_of(v: Tensor) -> Tensor:
+                loss, m = losses.value_loss(v, part.values, part.returns, mask, hp.cliprange_value)
                 metrics.update(m)
                 return loss * weight
 
-            if unit is None:
-                critic_loss(sampling.response_values(self.critic, ids[s], attn[s], sub, width)).backward()
-                return metrics, leader
-            value_train_step(
-                unit, ids[s], attn[s], lambda v: critic_loss(sampling.pick_response(v[:, :-1], sub, width))
-            )
-            if not self.emu_state:
-                StageUnits.add_grads_to(unit, self.critic)
+            def full_forward() -> Tensor:
+                return response_values(model, *args)
+
+        if unit is None:
+            loss_of(full_forward()).backward()
+            return metrics, leader
+        ids, attn = part.sequences, part.attention_mask
+        train_step(
+            unit,
+            [MicroBatch(ids, attn, position_ids_from_mask(attn))],
+            lambda out, mb: loss_of(out[:, span]),
+            temperature=hp.temperature,
+        )
+        if not self.emu_state:
+            StageUnits.add_grads_to(unit, model)
         return metrics, unit.comm.is_last_stage and unit.comm.tp_rank == 0
 
 

@@ -12,10 +12,9 @@ them (a transition). Layout(1, 1) model-stages use the logical module directly.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from nereus_lightning.models import ReplicaComm, ShardedCausalLM, replica_groups, shard_state
 from nereus_lightning.models.sharding import placement, tp_plan_of, tp_slices
@@ -102,41 +101,3 @@ def stage_order(plan: Plan, algorithm: str) -> list[str]:
     """Model-stages of ``plan`` in execution order (generation, inference, training)."""
     ms = {m.name: m for m in workflow(algorithm)}
     return sorted(plan, key=lambda n: STAGES.index(ms[n].stage))
-
-
-def value_train_step(
-    unit: ShardedCausalLM, input_ids: Tensor, attention_mask: Tensor, loss_fn: Any
-) -> Tensor | None:
-    """Forward + backward of a sharded critic for one micro-batch; ``loss_fn(values [B, S])`` on the last stage.
-
-    The value head is row 0 of the LM head, which lives on TP rank 0; the other TP ranks of the
-    last stage contribute a zero loss so that every rank runs the same TP collectives in backward.
-    Returns the loss on the last-stage TP-rank-0 rank, else None. Gradients stay in ``.grad``.
-    """
-    import torch.distributed as dist
-
-    comm = unit.comm
-    for p in unit.parameters():
-        p.grad = None
-    hidden_in = None
-    if not comm.is_first_stage:
-        b, s = input_ids.shape
-        w = next(unit.parameters())
-        hidden_in = torch.empty(b, s, unit.config.hidden_size, dtype=w.dtype, device=w.device)
-        dist.recv(hidden_in, src=comm.prev_rank)
-        hidden_in.requires_grad_()
-    out = unit(input_ids, hidden_in, attention_mask)
-    loss = None
-    if comm.is_last_stage:
-        values = out[..., 0].float()
-        loss = loss_fn(values) if comm.tp_rank == 0 else out.sum() * 0.0
-        loss.backward()
-    else:
-        dist.send(out.detach().contiguous(), dst=comm.next_rank)
-        grad = torch.empty_like(out)
-        dist.recv(grad, src=comm.next_rank)
-        torch.autograd.backward(out, grad)
-    if hidden_in is not None:
-        dist.send(hidden_in.grad.contiguous(), dst=comm.prev_rank)
-    unit.sync_grads()
-    return loss if comm.is_last_stage and comm.tp_rank == 0 else None

@@ -163,13 +163,26 @@ def forward_logits(
     mbs = _as_micro_batches(batch)
     outs = pipeline_forward(model, mbs, lambda local, mb: model.full_logits(local), cache)
     value = None if outs is None else torch.cat(outs)
-    like = _like(model, mbs, model.config.vocab_size, 0, next(model.parameters()).dtype)
+    like = _like(model, mbs, model.out_features, 0, next(model.parameters()).dtype)
     return _deliver(model, value, like, where)
 
 
 def _logprobs_of(model: ShardedCausalLM, local_logits: Tensor, input_ids: Tensor) -> Tensor:
+    require(
+        not model.value_head, "model", "a value model has no token log-probs; use forward_logits (values)"
+    )
     group = model.comm.tp_group if model.comm.layout.tp > 1 else None
     return vocab_parallel_logprobs(local_logits[:, :-1], input_ids[:, 1:], model.vocab_start, group)
+
+
+def head_outputs(
+    model: ShardedCausalLM, local: Tensor, input_ids: Tensor, temperature: float = 1.0
+) -> Tensor:
+    """What :func:`train_step` hands its loss: float32 token log-probs ``[b, S-1]`` of ``logits / temperature``,
+    or a value model's values ``[b, S]`` (its first label)."""
+    if model.value_head:
+        return local[..., 0].float()
+    return _logprobs_of(model, local / temperature if temperature != 1.0 else local, input_ids)
 
 
 def token_logprobs(
@@ -209,10 +222,12 @@ def train_step(
     loss_fn: LossFn,
     optimizer: torch.optim.Optimizer | None = None,
     max_grad_norm: float | None = None,
+    temperature: float = 1.0,
 ) -> Tensor:
     """One optimisation step of a replica: 1F1B forward + backward of every micro-batch, then gradient sync.
 
-    ``loss_fn(logprobs, mb)`` maps the float32 ``[b, S-1]`` token log-probs of a micro-batch to a
+    ``loss_fn(outputs, mb)`` maps :func:`head_outputs` of a micro-batch (float32 ``[b, S-1]``
+    token log-probs of ``logits / temperature``; a value model's ``[b, S]`` values) to a
     scalar; the objective is the mean over micro-batches. Gradients are summed over TP where
     needed, over tied-embedding copies, and averaged over ``model.comm.dp_group`` (so the objective
     is also the mean over replicas), clipped to a global norm of ``max_grad_norm`` when given
@@ -233,7 +248,7 @@ def train_step(
     def forward(mb: MicroBatch, inp: Tensor | None) -> Tensor:
         out = model(mb.input_ids, inp, mb.attention_mask, mb.position_ids)
         if last:
-            out = loss_fn(_logprobs_of(model, out, mb.input_ids), mb) / len(mbs)
+            out = loss_fn(head_outputs(model, out, mb.input_ids, temperature), mb) / len(mbs)
             total.add_(out.detach().float())
         return out
 

@@ -47,9 +47,18 @@ def validate_layout(config: Any, layout: Layout) -> None:
         )
 
 
+def has_value_head(config: Any) -> bool:
+    """Whether ``config`` describes a value model: transformers token classification (``score`` replaces ``lm_head``).
+
+    The critic and the reward model are such models with ``num_labels == 1``, as in verl; their
+    config names a ``*ForTokenClassification`` architecture.
+    """
+    return any(a.endswith("ForTokenClassification") for a in getattr(config, "architectures", None) or ())
+
+
 def is_tied(config: Any) -> bool:
-    """Whether the LM head is the input embedding."""
-    return bool(getattr(config, "tie_word_embeddings", False))
+    """Whether the LM head is the input embedding (never for a value model: it has no LM head)."""
+    return bool(getattr(config, "tie_word_embeddings", False)) and not has_value_head(config)
 
 
 def _modules_of(config: Any) -> tuple[type, type, type]:
@@ -155,6 +164,15 @@ class LMHead(nn.Module):
         self.weight = weight
 
 
+class ValueHead(nn.Module):
+    """A value model's ``score`` head (``[num_labels, hidden]`` and its bias), replicated over TP."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None) -> None:
+        super().__init__()
+        self.weight = weight
+        self.bias = bias
+
+
 def _as_param(t: Tensor) -> nn.Parameter:
     return t if isinstance(t, nn.Parameter) else nn.Parameter(t, requires_grad=True)
 
@@ -189,6 +207,7 @@ class ShardedCausalLM(nn.Module):
         layer_cls, norm_cls, rotary_cls = _modules_of(config)
         vocab_rows = config.vocab_size // layout.tp
         tied = is_tied(config)
+        self.value_head = has_value_head(config)
         with torch.device("meta"):
             skeleton = self._skeleton(layer_cls, norm_cls, lcfg, vocab_rows, tied)
         expected = {n: tuple(p.shape) for n, p in skeleton.named_parameters()}
@@ -222,7 +241,9 @@ class ShardedCausalLM(nn.Module):
                     parent.register_forward_pre_hook(_copy_input_hook(comm.tp_group), with_kwargs=True)
         if comm.is_last_stage:
             self.model.norm = skeleton.model.norm
-            if not tied:
+            if self.value_head:
+                self.score = ValueHead(params["score.weight"], params.get("score.bias"))
+            elif not tied:
                 self.lm_head = LMHead(params["lm_head.weight"])
         for name, param in params.items():
             owner, _, leaf = name.rpartition(".")
@@ -242,7 +263,14 @@ class ShardedCausalLM(nn.Module):
         root.model.layers = nn.ModuleDict({str(i): layer_cls(lcfg, i) for i in self.layer_ids})
         if self.comm.is_last_stage:
             root.model.norm = norm_cls(lcfg.hidden_size, eps=lcfg.rms_norm_eps)
-            if not tied:
+            if self.value_head:
+                labels = int(getattr(lcfg, "num_labels", 1))
+                bias = getattr(lcfg, "token_classification_bias", True)
+                root.score = ValueHead(
+                    nn.Parameter(torch.empty(labels, lcfg.hidden_size)),
+                    nn.Parameter(torch.empty(labels)) if bias else None,
+                )
+            elif not tied:
                 root.lm_head = LMHead(nn.Parameter(torch.empty(vocab_rows, lcfg.hidden_size)))
         return root
 
@@ -336,13 +364,26 @@ class ShardedCausalLM(nn.Module):
             hidden = self.model.norm(hidden)
         return hidden
 
+    @property
+    def out_features(self) -> int:
+        """Width of the head's output: the vocabulary, or a value model's ``num_labels``."""
+        return int(getattr(self.config, "num_labels", 1)) if self.value_head else int(self.config.vocab_size)
+
     def local_logits(self, hidden: Tensor) -> Tensor:
-        """This rank's vocabulary slice of the logits ``[B, S, V/tp]`` (last stage only)."""
+        """This rank's vocabulary slice of the logits ``[B, S, V/tp]`` (last stage only).
+
+        A value model returns its values ``[B, S, num_labels]`` whole on every TP rank (the head is
+        replicated and sees the full hidden state, so every TP rank computes the same values).
+        """
+        if self.value_head:
+            return F.linear(hidden, self.score.weight, self.score.bias)
         group = self.comm.tp_group if self.comm.layout.tp > 1 else None
         return F.linear(copy_to_tp(hidden, group), self.head_weight())
 
     def full_logits(self, local: Tensor) -> Tensor:
-        """All-gather local logits over TP into ``[B, S, V]`` (differentiable)."""
+        """All-gather local logits over TP into ``[B, S, V]`` (differentiable); a value model's values as they are."""
+        if self.value_head:
+            return local
         group = self.comm.tp_group if self.comm.layout.tp > 1 else None
         return gather_from_tp(local, group, self.comm.tp_ranks, self.comm.tp_rank)
 

@@ -6,7 +6,9 @@ embedding along the vocabulary (dim 0), everything else is replicated. Cuts are 
 contiguous chunks, so a shard under ``tp`` is itself cut into ``k`` chunks under ``k * tp``:
 new rank ``r`` holds chunk ``r % k`` of old rank ``r // k``'s shard. PP assigns contiguous layer
 ranges; the embedding goes to the first stage, the final norm and the LM head to the last
-(a tied LM head lives with the embedding on both stages). Names stay the model's global names.
+(a tied LM head lives with the embedding on both stages). A value model (transformers token
+classification with one label: ``score`` replaces ``lm_head``, as verl's critic) keeps its
+``score`` head replicated over TP on the last stage. Names stay the model's global names.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class Placement:
     name: str
     tp_dim: int | None
     layer: int | None  # transformer block index, None outside the blocks
-    kind: str  # "embed", "block", "final_norm", "lm_head"
+    kind: str  # "embed", "block", "final_norm", "lm_head", "value_head"
 
 
 def tp_plan_of(config: object | None) -> dict[str, str]:
@@ -78,6 +80,8 @@ def placement(name: str, plan: Mapping[str, str] = DEFAULT_TP_PLAN) -> Placement
         return Placement(name, tp_dim, None, "lm_head")
     if "embed_tokens" in name:
         return Placement(name, tp_dim, None, "embed")
+    if name.startswith("score."):
+        return Placement(name, None, None, "value_head")
     return Placement(name, tp_dim, None, "final_norm")
 
 

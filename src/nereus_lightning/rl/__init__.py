@@ -25,7 +25,12 @@ from nereus_lightning.rl.algorithm import (
     update_critic,
 )
 from nereus_lightning.rl.batch import RolloutBatch, dp_slice
-from nereus_lightning.rl.forward import position_ids_from_mask, response_log_probs, response_values
+from nereus_lightning.rl.forward import (
+    position_ids_from_mask,
+    response_log_probs,
+    response_span,
+    response_values,
+)
 from nereus_lightning.rl.losses import (
     agg_loss,
     entropy_from_logits,
@@ -90,6 +95,7 @@ __all__ = [
     "remax_advantages",
     "repeat_reward",
     "response_log_probs",
+    "response_span",
     "response_values",
     "returns_to_go",
     "sample_seeds",

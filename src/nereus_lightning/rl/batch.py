@@ -65,6 +65,16 @@ class RolloutBatch:
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
 
+    @property
+    def sequences(self) -> Tensor:
+        """``prompt_ids`` followed by ``response_ids`` ``(B, P + R)``."""
+        return torch.cat([self.prompt_ids, self.response_ids], dim=-1)
+
+    @property
+    def attention_mask(self) -> Tensor:
+        """Mask of :attr:`sequences`."""
+        return torch.cat([self.prompt_mask, self.response_mask], dim=-1)
+
     def tensors(self) -> dict[str, Tensor]:
         """The fields that are set, by name."""
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}

@@ -19,6 +19,15 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     return positions.masked_fill(attention_mask == 0, 0)
 
 
+def response_span(prompt_width: int, response_width: int) -> slice:
+    """Positions whose outputs score the response tokens: position ``t`` predicts token ``t + 1``.
+
+    Indexes per-position logits or values ``[B, P + R, ...]`` as well as per-target token
+    log-probs ``[B, P + R - 1]`` (entry ``t`` is the log-prob of token ``t + 1``).
+    """
+    return slice(prompt_width - 1, prompt_width - 1 + response_width)
+
+
 def _joined(
     prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor
 ) -> tuple[Tensor, Tensor]:
@@ -41,8 +50,9 @@ def response_log_probs(
     """
     input_ids, mask = _joined(prompt_ids, prompt_mask, response_ids, response_mask)
     logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)).logits
-    # logits at position t predict token t + 1: the response starts after the last prompt slot
-    response_logits = logits[:, prompt_ids.shape[-1] - 1 : -1].float() / temperature
+    response_logits = (
+        logits[:, response_span(prompt_ids.shape[-1], response_ids.shape[-1])].float() / temperature
+    )
     log_probs = token_log_probs(response_logits, response_ids)
     entropy = entropy_from_logits(response_logits) if with_entropy else None
     return log_probs, entropy
@@ -62,4 +72,4 @@ def response_values(
     ).logits
     if values.dim() == 3:
         values = values.squeeze(-1)
-    return values[:, prompt_ids.shape[-1] - 1 : -1].float()
+    return values[:, response_span(prompt_ids.shape[-1], response_ids.shape[-1])].float()
