@@ -29,3 +29,8 @@ def plan(**stages: Candidate) -> Plan:
 def with_memory(gb: float) -> ClusterSpec:
     """The paper's cluster 3 with ``gb`` GB per GPU."""
     return replace(CLUSTER, gpu_memory=gb * 1e9)
+
+
+def lanes(dag) -> list:
+    """Every replica-level node of ``dag`` (batched nodes split into their lanes), in order."""
+    return [lane for n in dag.nodes for lane in n.lanes()]

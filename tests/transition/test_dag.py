@@ -17,11 +17,11 @@ from nereus_lightning.transition import (
     validate,
 )
 from nereus_lightning.transition.pieces import geometry, shard_bytes
-from tests.transition.helpers import CLUSTER, MODELS, PPO, cand, plan, with_memory
+from tests.transition.helpers import CLUSTER, MODELS, PPO, cand, lanes, plan, with_memory
 
 
 def ops(dag) -> list[str]:
-    return [n.op.value for n in dag.nodes]
+    return [n.op.value for n in lanes(dag)]
 
 
 def test_unchanged_plan_needs_no_nodes() -> None:
@@ -36,7 +36,7 @@ def test_dp_doubling_is_extend_only_and_rank_aligned() -> None:
     dag = build_transition(cur, tgt, MODELS, CLUSTER, PPO)
     assert ops(dag) == ["extend", "extend"]
     geo = geometry(MODELS["actor"], True)
-    for n in dag.nodes:
+    for n in lanes(dag):
         src, dst = n.sources[0].gpus, n.targets[0].gpus
         assert [(t.src_gpu, t.dst_gpu) for t in n.transfers] == list(zip(src, dst, strict=True))
         assert all(t.bytes == shard_bytes(geo, n.targets[0].layout, 0) for t in n.transfers)

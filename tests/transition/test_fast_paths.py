@@ -11,7 +11,7 @@ from nereus_lightning.transition.dag import memory_growth
 from nereus_lightning.transition.local import local_dag
 from nereus_lightning.transition.pieces import geometry
 from nereus_lightning.transition.scenarios import random_case
-from tests.transition.helpers import CLUSTER, MODELS, PPO, cand, plan, with_memory
+from tests.transition.helpers import CLUSTER, MODELS, PPO, cand, lanes, plan, with_memory
 
 
 def test_cached_memory_growth_equals_a_fresh_sum_over_the_nodes() -> None:
@@ -54,6 +54,43 @@ def test_dp_doubling_keeps_every_unit_and_only_extends() -> None:
     )
     big = CLUSTER.with_gpus(256)
     dag = build_transition(cur, tgt, MODELS, big, PPO)
-    assert {n.op for n in dag.nodes} == {Primitive.EXTEND} and len(dag.nodes) == 32
-    assert all(n.sources[0].layout == Layout(2, 1) for n in dag.nodes)
+    assert {n.op for n in dag.nodes} == {Primitive.EXTEND} and len(lanes(dag)) == 32
+    assert all(u.layout == Layout(2, 1) for n in dag.nodes for u in n.sources)
     assert validate(dag).valid
+    # One node per chain depth (first copy onto each new machine, then inside it), not per replica.
+    assert len(dag.nodes) == 4 and all(n.width == 8 for n in dag.nodes)
+
+
+def test_batched_local_dag_carries_exactly_the_per_replica_nodes() -> None:
+    """A batched local DAG's lanes are the per-replica nodes (units, memory, transfers), and its
+    deps cover theirs: every lane's dep lies in a dep of its node."""
+    cases = [
+        (cand(2, 1, range(8)), cand(1, 1, (0, 1, 2, 3, 8, 9, 10, 11))),  # split, destroy, extend
+        (cand(1, 1, range(16)), cand(2, 1, range(16))),  # merge in place
+        (cand(2, 1, range(16)), cand(4, 1, (*range(8), *range(24, 32)))),  # move + merge
+        (cand(2, 2, range(16)), cand(4, 1, range(32))),  # reshard through T_sub + extend chains
+    ]
+    geo = geometry(MODELS["actor"], True)
+    for current, target in cases:
+        one = local_dag("actor_train", geo, lambda layout: 1e9, current, target, CLUSTER)
+        many = local_dag("actor_train", geo, lambda layout: 1e9, current, target, CLUSTER, batch=True)
+        split = [lane for n in many for lane in n.lanes()]
+        key = lambda n: (n.op, n.sources, n.targets, n.mem, n.transfers)  # noqa: E731
+        assert sorted(map(key, split)) == sorted(map(key, one))
+        assert len(many) < len(one) or len(one) <= 1
+        owner = {}  # per-replica node id -> batched node id, matched by what it does
+        lookup = {key(n): n.id for n in many for n in n.lanes()}
+        for n in one:
+            owner[n.id] = lookup[key(n)]
+        for n in one:
+            assert all(owner[d] in many[owner[n.id]].deps for d in n.deps)
+        assert all(0 <= d < n.id for n in many for d in n.deps)
+
+
+def test_model_stages_a_same_stage_peer_blocks_stay_per_replica() -> None:
+    cur = plan(ref_infer=cand(1, 1, (0, 4)), critic_infer=cand(1, 1, (1, 5)))
+    tgt = plan(ref_infer=cand(1, 1, (1, 5)), critic_infer=cand(1, 1, (2, 6)))
+    dag = build_transition(cur, tgt, MODELS, CLUSTER, PPO)
+    assert all(n.width == 1 for n in dag.nodes if n.model_stage == "ref_infer")
+    assert any(n.width == 2 for n in dag.nodes if n.model_stage == "critic_infer")
+    assert validate(dag).valid and dag.resource_edges >= 2

@@ -1,13 +1,20 @@
-"""Run a whole transition DAG on the EMU runtime and measure every node.
+"""Run a whole transition DAG on the EMU runtime, ready nodes concurrently, and measure every node.
 
 Protocol: EVERY rank calls :func:`execute_dag` with the same DAG. Each rank walks the DAG's
-nodes in the same topological order (``dag.nodes``) and runs each node through
-:func:`nereus_lightning.emu.execute`: a member moves state over collectives that span only the
-node's ranks; a non-member only records the node in its registry and goes on. So nodes on
-disjoint ranks run at the same time on different ranks, and the walk cannot deadlock: the
-earliest unfinished node in the order has every member either at it or still to arrive (each
-member has finished every earlier node it belongs to), so it always completes. ``execute`` is
-blocking per node, so a source unit stays alive until the collectives that read it return.
+nodes in the same topological order (``dag.nodes``; a batched node's lanes in lane order) and
+*issues* each node it belongs to through :func:`nereus_lightning.emu.primitives.start`: its
+collectives go out asynchronously on the node's own member groups (on NCCL each group has its
+own stream; on gloo its own worker), and the walk goes on without waiting. A rank waits for a
+node it issued only when a later node it issues depends on it (directly, or through nodes it is
+not part of), and for everything at the end. So ready nodes that share a rank but use
+independent groups run at the same time on that rank, as nodes on disjoint ranks always do. A
+non-member only records the node in its registry.
+
+No deadlock: every rank issues the collectives of every group in the same order (the DAG's),
+and a rank blocks only on nodes earlier in that order; the earliest node still incomplete has
+every member either past it (issued) or blocked on an even earlier one, so it completes.
+The packed send buffers and the old shards of a reshard stay referenced (``emu.transfer.InFlight``)
+until the collectives that read them have completed; received buffers are unpacked then.
 
 Before anything moves, the whole DAG is replayed on a scratch copy of the registry (live
 sources, free target ranks, never the last copy destroyed), so a DAG that does not fit the live
@@ -21,7 +28,9 @@ Two node shapes of the transition brain go beyond the plain primitives and are h
   copy; at another position: it holds both shards): one broadcast per position, in position
   order, the shared rank cloning its shard locally (see :func:`_extend_overlapping`).
 
-Measurements: per node and rank, the wall seconds of the call and the payload bytes received
+Measurements: per node and rank, the wall seconds from its issue to its completion (first seen
+complete by a non-blocking poll at the walk's next steps, else when waited for), how many of
+this rank's nodes were in flight (issued, not yet waited for) when it was issued, and the payload bytes received
 (tensor bytes, no alignment padding), next to the bytes the brain priced for that rank
 (``transition.pieces.Transfer.bytes`` of the node's transfers into the rank's GPU, local copies
 excluded). :meth:`ExecutionReport.reduce` combines the ranks (bytes summed; seconds the max over
@@ -45,9 +54,10 @@ import torch
 import torch.distributed as dist
 
 from nereus_lightning.emu.ops import Destroy, Extend, Primitive, Unit, from_node
-from nereus_lightning.emu.primitives import TransferReport, execute
+from nereus_lightning.emu.primitives import Started, TransferReport
+from nereus_lightning.emu.primitives import start as start_op
 from nereus_lightning.emu.registry import Registry, registry
-from nereus_lightning.emu.transfer import Traffic, broadcast_views, default_device
+from nereus_lightning.emu.transfer import InFlight, default_device, start_broadcast
 from nereus_lightning.emu.unit import EMU, Counters
 from nereus_lightning.spec.errors import NereusConfigError, require
 
@@ -79,6 +89,8 @@ class NodeRecord:
     fastest_seconds: float  # reduced: min over members (the last to arrive: the node's own time)
     member: bool  # this rank moved state in it (reduced: True)
     report: TransferReport | None = None  # this rank's TransferReport (None once reduced)
+    in_flight: int = 0  # this rank's nodes in flight when it was issued, itself included (reduced: max)
+    lanes: int = 1  # independent replicas the node carried (transition.dag.Node.width)
 
 
 @dataclass(frozen=True)
@@ -88,6 +100,11 @@ class ExecutionReport:
     rank: int | None
     records: tuple[NodeRecord, ...]
     seconds: float  # wall seconds of the whole walk (reduced: max over ranks)
+
+    @property
+    def max_in_flight(self) -> int:
+        """The most nodes this rank (reduced: any rank) had in flight at once."""
+        return max((r.in_flight for r in self.records), default=0)
 
     def node_observations(self, fastest: bool = False) -> list[NodeObservation]:
         """(node_id, op, predicted_bytes, measured_bytes, seconds) per node; ``fastest`` takes the min-over-members time."""
@@ -123,6 +140,9 @@ class ExecutionReport:
                     max(members),
                     min(members),
                     True,
+                    None,
+                    max(p.in_flight for p in parts),
+                    mine.lanes,
                 )
             )
         return ExecutionReport(None, tuple(combined), max(s for s, _ in everything))
@@ -160,47 +180,135 @@ def execute_dag(
     me = dist.get_rank()
     colocate = dict(colocate) if colocate is not None else _workflow_colocation(dag)
     gpu_of = {rank_of[g] if rank_of is not None else g: g for n in dag.nodes for g in n.gpus}
-    ops = [op_of(node, rank_of) for node in dag.nodes]
+    lane_ops = [ops_of(node, rank_of) for node in dag.nodes]
     for node in dag.nodes:
         bad = [d for d in node.deps if d >= node.id]
         require(
             not bad, "dag.nodes", f"node #{node.id} depends on later nodes {bad}: not a topological order"
         )
-    _dry_run(ops, colocate)
+    _dry_run([(node.id, op) for node, ops in zip(dag.nodes, lane_ops, strict=True) for op in ops], colocate)
     device = torch.device(device) if device is not None else default_device()
-    records = []
+    mine = gpu_of.get(me)
+    records: list[NodeRecord | None] = [None] * len(dag.nodes)
+    flying: dict[int, _Issued] = {}  # this rank's nodes issued and not yet waited for
+    # Per node: the in-flight nodes of this rank it needs finished first (itself, if issued here;
+    # through a node this rank is not part of: that node's own needs).
+    needs: list[frozenset[int]] = []
     # No autograd: pack/unpack then take their kernel path on GPU tensors and build no graph.
     with torch.no_grad():
-        for node, op in zip(dag.nodes, ops, strict=True):
-            tick = time.perf_counter()
-            with_ = tuple(colocate.get(op.model_stage, ()))
-            if _overlapping(op):
-                report = _extend_overlapping(op, with_, device)
-            else:
-                report = execute(op, colocate_with=with_, device=device)
-            seconds = time.perf_counter() - tick
-            ranks = tuple(sorted({r for u in (*op.sources, *op.targets) for r in u.ranks}))
-            mine = gpu_of.get(me)
-            predicted = sum(t.bytes for t in node.transfers if t.src_gpu != t.dst_gpu and t.dst_gpu == mine)
-            records.append(
-                NodeRecord(
-                    node.id,
-                    op.kind,
-                    op.model_stage,
-                    ranks,
-                    predicted,
-                    report.payload_received,
-                    seconds,
-                    seconds,
-                    me in ranks,
-                    report,
+        for node, ops in zip(dag.nodes, lane_ops, strict=True):
+            _note_completions(flying)
+            ranks = tuple(sorted({r for op in ops for u in (*op.sources, *op.targets) for r in u.ranks}))
+            need = frozenset().union(*(needs[d] for d in node.deps)) if node.deps else frozenset()
+            if me not in ranks:  # registry bookkeeping only
+                for op in ops:
+                    _start(op, tuple(colocate.get(op.model_stage, ())), device)
+                needs.append(frozenset(n for n in need if n in flying))
+                records[node.id] = NodeRecord(
+                    node.id, ops[0].kind, node.model_stage, ranks, 0, 0, 0.0, 0.0, False, lanes=len(ops)
                 )
-            )
-    return ExecutionReport(me, tuple(records), time.perf_counter() - start)
+                continue
+            for nid in sorted(need):
+                if nid in flying:
+                    records[nid] = flying.pop(nid).finish()
+            issued = _Issued(node, ops, ranks, mine)
+            for op in ops:
+                issued.lanes.append(_start(op, tuple(colocate.get(op.model_stage, ())), device))
+            flying[node.id] = issued
+            issued.in_flight = len(flying)
+            needs.append(frozenset((node.id,)))
+        for nid in sorted(flying):
+            records[nid] = flying[nid].finish()
+    return ExecutionReport(me, tuple(r for r in records if r is not None), time.perf_counter() - start)
+
+
+def _start(op: Primitive, colocate_with: tuple[str, ...], device: torch.device) -> Started:
+    if _overlapping(op):
+        return _start_extend_overlapping(op, colocate_with, device)
+    return start_op(op, colocate_with=colocate_with, device=device)
+
+
+class _Issued:
+    """One node issued on this rank: its lanes' started primitives and when they completed."""
+
+    __slots__ = ("node", "ops", "ranks", "mine", "lanes", "began", "completed", "in_flight")
+
+    def __init__(self, node: Node, ops: list[Primitive], ranks: tuple[int, ...], mine: int | None) -> None:
+        self.node, self.ops, self.ranks, self.mine = node, ops, ranks, mine
+        self.lanes: list[Started] = []
+        self.began = time.perf_counter()
+        self.completed: float | None = None  # first seen complete by a poll
+        self.in_flight = 1
+
+    def finish(self) -> NodeRecord:
+        """Wait for every lane; this rank's record of the node."""
+        reports = [lane.wait() for lane in self.lanes]
+        end = self.completed if self.completed is not None else time.perf_counter()
+        seconds = end - self.began
+        node = self.node
+        predicted = sum(t.bytes for t in node.transfers if t.src_gpu != t.dst_gpu and t.dst_gpu == self.mine)
+        report = reports[0] if len(reports) == 1 else _sum_reports(reports)
+        return NodeRecord(
+            node.id,
+            self.ops[0].kind,
+            node.model_stage,
+            self.ranks,
+            predicted,
+            report.payload_received,
+            seconds,
+            seconds,
+            True,
+            report,
+            self.in_flight,
+            len(self.ops),
+        )
+
+
+def _note_completions(flying: Mapping[int, _Issued]) -> None:
+    """Time-stamp the in-flight nodes whose collectives have all completed (never blocks)."""
+    now = None
+    for issued in flying.values():
+        if issued.completed is None and all(lane.is_completed() for lane in issued.lanes):
+            now = now or time.perf_counter()
+            issued.completed = now
+
+
+def _sum_reports(reports: list[TransferReport]) -> TransferReport:
+    """The lanes of a batched node on this rank as one report."""
+    first = reports[0]
+    return TransferReport(
+        first.kind,
+        first.model_stage,
+        first.rank,
+        sum(r.sent_bytes for r in reports),
+        sum(r.received_bytes for r in reports),
+        sum(r.payload_sent for r in reports),
+        sum(r.payload_received for r in reports),
+        sum(r.buffers_sent for r in reports),
+        tuple(sorted({p for r in reports for p in r.peers})),
+        sum(r.freed_bytes for r in reports),
+        max(r.seconds for r in reports),
+    )
+
+
+def ops_of(node: Node, rank_of: Mapping[int, int] | None = None) -> list[Primitive]:
+    """The EMU op of every lane of a transition node (one for an ordinary node), see :func:`op_of`."""
+    return (
+        [op_of(lane, rank_of) for lane in node.lanes()] if hasattr(node, "lanes") else [op_of(node, rank_of)]
+    )
 
 
 def op_of(node: Node, rank_of: Mapping[int, int] | None = None) -> Primitive:
-    """The EMU op of a transition node, including an Extend that overlaps its source (checked here)."""
+    """The EMU op of a transition node, including an Extend that overlaps its source (checked here).
+
+    A batched node (``node.width > 1``) is several ops: use :func:`ops_of`.
+    """
+    require(
+        getattr(node, "width", 1) == 1,
+        "node",
+        f"node #{node.id} carries {getattr(node, 'width', 1)} replicas; use emu.executor.ops_of(node) "
+        "(one op per lane)",
+    )
     kind = getattr(node.op, "value", node.op)
     if kind == "extend":
         ranks = (lambda g: rank_of[g]) if rank_of is not None else (lambda g: g)
@@ -231,18 +339,19 @@ def _workflow_colocation(dag: TransitionDAG) -> dict[str, tuple[str, ...]]:
     return {name: tuple(o for o in stages if stages[o].stage != stages[name].stage) for name in stages}
 
 
-def _dry_run(ops: Sequence[Primitive], colocate: Mapping[str, Collection[str]]) -> None:
-    """Replay ``ops`` on a scratch copy of this rank's registry picture (no state): raise before anything moves."""
+def _dry_run(ops: Sequence[tuple[int, Primitive]], colocate: Mapping[str, Collection[str]]) -> None:
+    """Replay ``(node id, op)`` pairs on a scratch copy of this rank's registry picture (no state):
+    raise before anything moves."""
     live = registry()
     scratch = Registry()
-    for name in {op.model_stage for op in ops}:
+    for name in {op.model_stage for _, op in ops}:
         scratch.declare(name, live.schema(name), live.trains[name])
     for name, units in live.units.items():
         scratch.declare(name, live.schemas[name], live.trains[name])
         for unit in units:
             scratch.add(name, unit, None)
     world = dist.get_world_size()
-    for i, op in enumerate(ops):
+    for i, op in ops:
         try:
             scratch.require_live(op.model_stage, op.sources)
             for unit in op.targets:
@@ -269,14 +378,15 @@ def _dry_run(ops: Sequence[Primitive], colocate: Mapping[str, Collection[str]]) 
             scratch.add(op.model_stage, unit, None)
 
 
-def _extend_overlapping(op: Extend, colocate_with: Collection[str], device: torch.device) -> TransferReport:
-    """An Extend whose targets share ranks with its source: one broadcast per position, in position order.
+def _start_extend_overlapping(op: Extend, colocate_with: Collection[str], device: torch.device) -> Started:
+    """An Extend whose targets share ranks with its source: one broadcast per position, in position
+    order, issued without waiting.
 
     A rank at the same position in source and target clones its shard locally; a rank at two
-    positions sends one shard and receives the other (positions run in order on every rank, so the
-    per-position groups cannot wait on each other in a cycle). The source stays alive.
+    positions sends one shard and receives the other (positions are issued in order on every rank,
+    so the per-position groups cannot wait on each other in a cycle). The source stays alive.
     """
-    start = time.perf_counter()
+    began = time.perf_counter()
     reg = registry()
     name = op.model_stage
     schema, trains = reg.schema(name), reg.trains[name]
@@ -286,7 +396,7 @@ def _extend_overlapping(op: Extend, colocate_with: Collection[str], device: torc
     new_ranks = {r for u in op.targets for r in u.ranks} - set(op.source.ranks)
     reg.require_free(name, new_ranks, ignore=(op.source,), colocate_with=colocate_with)
     me = dist.get_rank()
-    traffic = Traffic()
+    flight = InFlight()
     target = next((u for u in op.targets if me in u.ranks), None)
     mine = None
     if target is not None or me in op.source.ranks:
@@ -308,33 +418,12 @@ def _extend_overlapping(op: Extend, colocate_with: Collection[str], device: torc
             else:
                 views = [t for _, _, t in mine.tensors()] + [counters]
             if others:
-                _add(traffic, broadcast_views(views, sender, (sender, *others), device))
+                flight.add(start_broadcast(views, sender, (sender, *others), device))
             if me != sender:
-                mine.counters = Counters.from_tensor(counters)
+                flight.then(lambda: setattr(mine, "counters", Counters.from_tensor(counters)))
     for unit in op.targets:
         reg.add(name, unit, mine if unit == target else None)
-    return TransferReport(
-        op.kind,
-        name,
-        me,
-        traffic.sent_bytes,
-        traffic.received_bytes,
-        traffic.payload_sent,
-        traffic.payload_received,
-        traffic.buffers_sent,
-        tuple(sorted(traffic.peers)),
-        0,
-        time.perf_counter() - start,
-    )
+    return Started(op, flight, 0, began)
 
 
-def _add(total: Traffic, part: Traffic) -> None:
-    total.sent_bytes += part.sent_bytes
-    total.received_bytes += part.received_bytes
-    total.payload_sent += part.payload_sent
-    total.payload_received += part.payload_received
-    total.buffers_sent += part.buffers_sent
-    total.peers |= part.peers
-
-
-__all__ = ["ExecutionReport", "NodeObservation", "NodeRecord", "execute_dag", "op_of"]
+__all__ = ["ExecutionReport", "NodeObservation", "NodeRecord", "execute_dag", "op_of", "ops_of"]

@@ -25,12 +25,12 @@ from nereus_lightning.emu.plan import TransferPlan, merged_holdings, plan_transf
 from nereus_lightning.emu.registry import registry
 from nereus_lightning.emu.schema import StateSchema
 from nereus_lightning.emu.transfer import (
+    InFlight,
     StateDict,
-    Traffic,
-    broadcast_views,
     default_device,
-    run_plan,
     slice_of,
+    start_broadcast,
+    start_plan,
 )
 from nereus_lightning.emu.unit import EMU, Counters
 from nereus_lightning.plan.layout import Layout
@@ -105,36 +105,73 @@ def execute(
     device: torch.device | str | None = None,
 ) -> TransferReport:
     """Run ``op`` (call on every rank; see the module docstring). Returns this rank's report."""
-    start = time.perf_counter()
+    return start(op, colocate_with=colocate_with, device=device).wait()
+
+
+class Started:
+    """A primitive issued on this rank and not yet completed (see :func:`start`)."""
+
+    __slots__ = ("op", "flight", "freed", "began", "_report")
+
+    def __init__(self, op: Primitive, flight: InFlight, freed: int, began: float) -> None:
+        self.op, self.flight, self.freed, self.began = op, flight, freed, began
+        self._report: TransferReport | None = None
+
+    def is_completed(self) -> bool:
+        """Whether its collectives have completed (``wait`` still has to be called)."""
+        return self.flight.is_completed()
+
+    def wait(self) -> TransferReport:
+        """Wait for its collectives, finish the new shards and return this rank's report."""
+        if self._report is None:
+            traffic = self.flight.wait()
+            self._report = TransferReport(
+                self.op.kind,
+                self.op.model_stage,
+                dist.get_rank(),
+                traffic.sent_bytes,
+                traffic.received_bytes,
+                traffic.payload_sent,
+                traffic.payload_received,
+                traffic.buffers_sent,
+                tuple(sorted(traffic.peers)),
+                self.freed,
+                time.perf_counter() - self.began,
+            )
+        return self._report
+
+
+def start(
+    op: Primitive,
+    *,
+    colocate_with: Collection[str] = (),
+    device: torch.device | str | None = None,
+) -> Started:
+    """Issue ``op`` without waiting for its collectives (call on every rank, in the same order).
+
+    Checks run and the registry is updated now (the new units are recorded; their shards are
+    filled once the returned :class:`Started` is waited for); the packed send buffers and the
+    old shards stay referenced until then. Ops that read a unit another started op is still
+    filling must wait for that op first (a DAG's deps say which).
+    """
+    began = time.perf_counter()
     reg = registry()
     schema, trains = reg.schema(op.model_stage), reg.trains[op.model_stage]
     _check(op, schema, colocate_with)
     me = dist.get_rank()
     device = torch.device(device) if device is not None else default_device()
     involved = {r for u in (*op.sources, *op.targets) for r in u.ranks}
-    traffic, freed = Traffic(), 0
+    flight, freed = InFlight(), 0
     if me in involved:
         if isinstance(op, Destroy):
             freed = _destroy(op)
         elif isinstance(op, Extend):
-            traffic = _extend(op, schema, trains, device)
+            flight = _extend(op, schema, trains, device)
         else:
-            traffic, freed = _reshard(op, schema, trains, device)
+            flight, freed = _reshard(op, schema, trains, device)
     else:
         _record(op, {})
-    return TransferReport(
-        op.kind,
-        op.model_stage,
-        me,
-        traffic.sent_bytes,
-        traffic.received_bytes,
-        traffic.payload_sent,
-        traffic.payload_received,
-        traffic.buffers_sent,
-        tuple(sorted(traffic.peers)),
-        freed,
-        time.perf_counter() - start,
-    )
+    return Started(op, flight, freed, began)
 
 
 def _check(op: Primitive, schema: StateSchema, colocate_with: Collection[str]) -> None:
@@ -172,24 +209,24 @@ def _destroy(op: Destroy) -> int:
     return freed
 
 
-def _extend(op: Extend, schema: StateSchema, trains: bool, device: torch.device) -> Traffic:
+def _extend(op: Extend, schema: StateSchema, trains: bool, device: torch.device) -> InFlight:
     me = dist.get_rank()
     index = next(i for u in (op.source, *op.targets) for i, r in enumerate(u.ranks) if r == me)
     ranks = (op.source.ranks[index], *(u.ranks[index] for u in op.targets))
     if me == op.source.ranks[index]:
         emu = registry().local(op.model_stage, op.source)
         counters = emu.counters.as_tensor(emu.device)
-        traffic = broadcast_views([t for _, _, t in emu.tensors()] + [counters], ranks[0], ranks, device)
+        flight = start_broadcast([t for _, _, t in emu.tensors()] + [counters], ranks[0], ranks, device)
         local = {}
     else:
         target = next(u for u in op.targets if me in u.ranks)
         emu = EMU.empty(op.model_stage, schema, target, me, trains=trains, device=device)
         counters = torch.empty(Counters.size(), dtype=torch.int64, device=device)
-        traffic = broadcast_views([t for _, _, t in emu.tensors()] + [counters], ranks[0], ranks, device)
-        emu.counters = Counters.from_tensor(counters)
+        flight = start_broadcast([t for _, _, t in emu.tensors()] + [counters], ranks[0], ranks, device)
+        flight.then(lambda: setattr(emu, "counters", Counters.from_tensor(counters)))
         local = {target: emu}
     _record(op, local)
-    return traffic
+    return flight
 
 
 @lru_cache(maxsize=256)
@@ -202,7 +239,7 @@ def reshard_plan(op: Split | Merge, schema: StateSchema, trains: bool) -> Transf
 
 def _reshard(
     op: Split | Merge, schema: StateSchema, trains: bool, device: torch.device
-) -> tuple[Traffic, int]:
+) -> tuple[InFlight, int]:
     me = dist.get_rank()
     reg = registry()
     source = next(u for u in op.sources if me in u.ranks)
@@ -212,7 +249,7 @@ def _reshard(
     new_iv = unit_holdings(schema, target.layout, target.ranks)[me]
     old: StateDict = {(n, k): t for n, k, t in old_emu.tensors()}
     new = _new_state(schema, old, old_iv, new_iv, trains, device)
-    traffic = run_plan(schema, reshard_plan(op, schema, trains), trains, old, old_iv, new, new_iv, device)
+    flight = start_plan(schema, reshard_plan(op, schema, trains), trains, old, old_iv, new, new_iv, device)
     emu = EMU(op.model_stage, schema, target, me, {}, {}, old_emu.counters, trains)
     for (name, key), tensor in new.items():
         if key == "param":
@@ -221,9 +258,9 @@ def _reshard(
             emu.optim_state.setdefault(name, {})[key] = tensor
     kept = {id(t) for t in new.values()}
     freed = sum(t.numel() * t.element_size() for t in old.values() if id(t) not in kept)
-    old_emu.free()
+    flight.then(old_emu.free)  # the old shards are read until the sends complete
     _record(op, {target: emu})
-    return traffic, freed
+    return flight, freed
 
 
 def _new_state(

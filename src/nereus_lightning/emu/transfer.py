@@ -4,12 +4,19 @@ Every buffer is built by :func:`nereus_lightning.kernels.pack` from strided view
 shards (parameters and optimizer tensors together, the fp32 master of a bf16/fp16 parameter too) and scattered by
 :func:`nereus_lightning.kernels.unpack` into the receiver's new shards. Tensors stay on their
 device: on NCCL the buffers are device tensors, on gloo CPU tensors.
+
+Each transfer can be *started* (``start_plan``, ``start_broadcast``): its collectives are issued
+asynchronously on the member group (on NCCL each group has its own stream) and an
+:class:`InFlight` is returned that holds the packed send buffers and the receive buffers until
+:meth:`InFlight.wait` has seen every collective complete and unpacked what arrived. The blocking
+``run_plan`` / ``broadcast_views`` are ``start_*(...).wait()``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -67,6 +74,69 @@ def _nbytes(views: list[Tensor]) -> int:
     return sum(v.numel() * v.element_size() for v in views)
 
 
+class InFlight:
+    """Collectives issued and not yet waited for, with every buffer they read or write.
+
+    The send buffers stay referenced here until the collectives that read them have completed
+    (``wait``); received buffers are unpacked into their views then. ``then`` callbacks run after
+    the unpacking, in order (e.g. freeing the old shards of a reshard once nothing reads them).
+    """
+
+    __slots__ = ("works", "traffic", "_keep", "_inbox", "_then", "_done")
+
+    def __init__(self, traffic: Traffic | None = None) -> None:
+        self.works: list[Any] = []
+        self.traffic = traffic if traffic is not None else Traffic()
+        self._keep: list[Tensor] = []  # send buffers: alive until their collectives complete
+        self._inbox: list[tuple[Tensor, list[Tensor]]] = []
+        self._then: list[Callable[[], None]] = []
+        self._done = False
+
+    def add(self, other: InFlight) -> InFlight:
+        """Take over ``other``'s collectives, buffers and callbacks (its traffic is added)."""
+        self.works += other.works
+        self._keep += other._keep
+        self._inbox += other._inbox
+        self._then += other._then
+        _add_traffic(self.traffic, other.traffic)
+        other.works, other._keep, other._inbox, other._then, other._done = [], [], [], [], True
+        return self
+
+    def then(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once everything has arrived (right away if nothing is in flight)."""
+        if self._done:
+            fn()
+        else:
+            self._then.append(fn)
+
+    def is_completed(self) -> bool:
+        """Whether every collective has completed (does not block; ``wait`` still unpacks)."""
+        return self._done or all(w.is_completed() for w in self.works)
+
+    def wait(self) -> Traffic:
+        """Block until every collective has completed, unpack, run the callbacks; returns the traffic."""
+        if not self._done:
+            for work in self.works:
+                work.wait()
+            for buffer, views in self._inbox:
+                unpack(buffer, views)
+            self.works, self._keep, self._inbox = [], [], []
+            self._done = True
+            then, self._then = self._then, []
+            for fn in then:
+                fn()
+        return self.traffic
+
+
+def _add_traffic(total: Traffic, part: Traffic) -> None:
+    total.sent_bytes += part.sent_bytes
+    total.received_bytes += part.received_bytes
+    total.payload_sent += part.payload_sent
+    total.payload_received += part.payload_received
+    total.buffers_sent += part.buffers_sent
+    total.peers |= part.peers
+
+
 def run_plan(
     schema: StateSchema,
     plan: TransferPlan,
@@ -78,10 +148,25 @@ def run_plan(
     device: torch.device,
 ) -> Traffic:
     """Send this rank's moves and receive into ``new`` (already holding its local part): one buffer per peer."""
+    return start_plan(schema, plan, trains, old, old_intervals, new, new_intervals, device).wait()
+
+
+def start_plan(
+    schema: StateSchema,
+    plan: TransferPlan,
+    trains: bool,
+    old: StateDict,
+    old_intervals: Mapping[str, Interval],
+    new: StateDict,
+    new_intervals: Mapping[str, Interval],
+    device: torch.device,
+) -> InFlight:
+    """:func:`run_plan` issued asynchronously: one P2P batch on the plan's member group, not waited for."""
     me = dist.get_rank()
-    traffic = Traffic()
+    flight = InFlight()
+    traffic = flight.traffic
     ops: list[dist.P2POp] = []
-    inbox: list[tuple[Tensor, list[Tensor]]] = []
+    inbox = flight._inbox
     pairs = plan.pairs()
     group = member_group(plan.ranks()) if me in plan.ranks() else None
     for (src, dst), moves in pairs.items():
@@ -89,6 +174,7 @@ def run_plan(
             views = [v for m in moves for v in move_views(schema, m, old, old_intervals[m.name], trains)]
             buffer = pack(views)
             ops.append(dist.P2POp(dist.isend, buffer, dst, group))
+            flight._keep.append(buffer)
             traffic.sent_bytes += buffer.numel()
             traffic.payload_sent += _nbytes(views)
             traffic.buffers_sent += 1
@@ -101,20 +187,24 @@ def run_plan(
             traffic.received_bytes += buffer.numel()
             traffic.payload_received += _nbytes(views)
     if ops:
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
-    for buffer, views in inbox:
-        unpack(buffer, views)
-    return traffic
+        flight.works += dist.batch_isend_irecv(ops)
+    return flight
 
 
 def broadcast_views(views: list[Tensor], src: int, ranks: tuple[int, ...], device: torch.device) -> Traffic:
     """Broadcast ``views`` from ``src`` to the other ``ranks`` as one packed buffer (receivers get them filled)."""
+    return start_broadcast(views, src, ranks, device).wait()
+
+
+def start_broadcast(views: list[Tensor], src: int, ranks: tuple[int, ...], device: torch.device) -> InFlight:
+    """:func:`broadcast_views` issued asynchronously on the ranks' member group, not waited for."""
     me = dist.get_rank()
-    traffic = Traffic()
+    flight = InFlight()
+    traffic = flight.traffic
     _, total = byte_offsets(views)
     buffer = pack(views) if me == src else torch.empty(total, dtype=torch.uint8, device=device)
-    dist.broadcast(buffer, src=src, group=member_group(ranks))
+    flight.works.append(dist.broadcast(buffer, src=src, group=member_group(ranks), async_op=True))
+    flight._keep.append(buffer)
     payload = _nbytes(views)
     if me == src:
         receivers = [r for r in ranks if r != src]
@@ -123,7 +213,7 @@ def broadcast_views(views: list[Tensor], src: int, ranks: tuple[int, ...], devic
         traffic.buffers_sent = 1
         traffic.peers.update(receivers)
     else:
-        unpack(buffer, views)
+        flight._inbox.append((buffer, views))
         traffic.received_bytes = total
         traffic.payload_received = payload
-    return traffic
+    return flight

@@ -60,12 +60,11 @@ def _tp_rank_sets(plan: Plan) -> list[tuple[int, ...]]:
 
 def _dag_rank_sets(dag: Any) -> list[tuple[int, ...]]:
     """Every rank set the executor's primitives will communicate over (same list on every rank)."""
-    from nereus_lightning.emu.executor import op_of
+    from nereus_lightning.emu.executor import ops_of
 
     reg = emu.registry()
     out: list[tuple[int, ...]] = []
-    for node in dag.nodes:
-        op = op_of(node)
+    for op in (op for node in dag.nodes for op in ops_of(node)):  # a batched node: one op per lane
         if isinstance(op, emu.Extend):
             for i, sender in enumerate(op.source.ranks):
                 out.append((sender, *(u.ranks[i] for u in op.targets)))

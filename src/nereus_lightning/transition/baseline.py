@@ -73,7 +73,7 @@ def _blocking_deadlocks(dag: TransitionDAG) -> bool:
                 n = q[pos[name]]
                 if n.op is Primitive.EXTEND and any(
                     c and o != name and stage[o] == stage[name]
-                    for g in n.targets[0].gpus
+                    for g in n.acquired_gpus
                     for o, c in held[g].items()
                 ):
                     break

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import replace
 from functools import lru_cache
 from operator import add
@@ -70,8 +70,21 @@ def _build(
     workload: Workload,
 ) -> TransitionDAG:
     ctx = make_context(current, target, dict(models), cluster, workload)
-    nodes = union_of_local_dags(ctx)
+    batched = batchable(ctx)
+    nodes = union_of_local_dags(ctx, batched)
     growth = memory_growth(nodes, cluster.num_gpus)
+    if batched:
+        # A model-stage touching a GPU that may overflow needs per-replica memory ordering:
+        # build it per replica (the growth per GPU is the same either way).
+        tight = _tight(ctx, growth)
+        if tight:
+            wide = {
+                n.model_stage
+                for n in nodes
+                if n.model_stage in batched and not tight.isdisjoint([e[0] for e in n.mem])
+            }
+            if wide:
+                nodes = union_of_local_dags(ctx, batched - wide)
     order = _order_with_resource_edges(nodes, ctx, growth)
     dag = TransitionDAG(order, ctx, global_order=True)
     dag._growth = ((cluster.num_gpus, *(n.mem for n in order)), growth)  # validate reuses it
@@ -153,15 +166,50 @@ def _check_plan(label: str, plan: Plan, ctx: TransitionContext) -> list[float]:
     return mem
 
 
-def union_of_local_dags(ctx: TransitionContext) -> list[Node]:
-    """Every model-stage's local DAG in workflow order, ids global (deps local only)."""
+def union_of_local_dags(ctx: TransitionContext, batched: Collection[str] = ()) -> list[Node]:
+    """Every model-stage's local DAG in workflow order, ids global (deps local only).
+
+    Model-stages in ``batched`` get one node per step for all their replicas (``local_dag(batch=True)``).
+    """
     nodes: list[Node] = []
     for name, cur in ctx.current.items():
         ms = ctx.stages[name]
         geo = geometry(ctx.models[ms.model], ms.trains)
         memory_of = lambda layout, _n=name: ctx.memory_of(_n, layout)  # noqa: E731
-        nodes += local_dag(name, geo, memory_of, cur, ctx.target[name], ctx.cluster, len(nodes))
+        nodes += local_dag(
+            name, geo, memory_of, cur, ctx.target[name], ctx.cluster, len(nodes), batch=name in batched
+        )
     return nodes
+
+
+def batchable(ctx: TransitionContext) -> set[str]:
+    """Model-stages whose acquisitions no same-stage model-stage can block: their target GPUs hold
+    no unit of a same-stage peer now (peers only move onto their own, disjoint, target GPUs).
+
+    Their nodes never wait in the global order (unless memory is tight, see ``_build``), so one
+    node per step for all replicas orders exactly as well as one per replica, and the releases
+    other model-stages wait for still always come.
+    """
+    by_stage: dict[str, set[int]] = defaultdict(set)
+    owner: dict[str, str] = {}
+    for name, cand in ctx.current.items():
+        stage = ctx.stages[name].stage
+        by_stage[stage].update(cand.gpus)
+        owner[name] = stage
+    out = set()
+    for name, cand in ctx.target.items():
+        others = by_stage[owner[name]].difference(ctx.current[name].gpus)
+        if others.isdisjoint(cand.gpus):
+            out.add(name)
+    return out
+
+
+def _tight(ctx: TransitionContext, growth: list[float]) -> set[int]:
+    """GPUs whose resident state plus every node's growth there may pass the memory cap."""
+    cap = memory_cap(ctx.cluster)
+    base = list(ctx.current_memory) or resident_memory(ctx.current, ctx)
+    worst = list(map(add, base, growth))
+    return {g for g, w in enumerate(worst) if w > cap} if max(worst, default=0.0) > cap else set()
 
 
 def _order_with_resource_edges(
@@ -188,8 +236,7 @@ def _order_with_resource_edges(
     base = list(ctx.current_memory) or resident_memory(ctx.current, ctx)
     if growth is None:
         growth = memory_growth(nodes, n_gpus)
-    worst = list(map(add, base, growth))
-    tight = {g for g, w in enumerate(worst) if w > cap} if max(worst, default=0.0) > cap else set()
+    tight = _tight(ctx, growth)
     # Nodes that touch a tight GPU: only they need memory bookkeeping.
     careful = [not tight.isdisjoint([e[0] for e in n.mem]) for n in nodes] if tight else [False] * len(nodes)
 
@@ -240,7 +287,7 @@ def _order_with_resource_edges(
             ms = n.model_stage
             why = None
             if n.op is extend and ms in holders:
-                gpus = n.targets[0].gpus
+                gpus = n.acquired_gpus
                 why = blocked_by_peer(ms, gpus)
             if why is None and careful[nid]:
                 why = blocked_by_memory(n)
@@ -294,7 +341,7 @@ def _order_with_resource_edges(
             break
         if not progressed:
             lines = "; ".join(
-                f"{n.op.value} of {n.model_stage} onto {list(n.targets[0].gpus)}: {why}"
+                f"{n.op.value} of {n.model_stage} onto {list((n.targets or n.sources)[0].gpus)}: {why}"
                 for n, why in stuck[:4]
             )
             raise InfeasiblePlanError(

@@ -1,7 +1,10 @@
 """The transition DAG: one node per primitive call on one model-stage, with its explicit transfers.
 
 An executor runs the nodes one-to-one: a node is ready when every node in ``deps`` has finished;
-ready nodes may run concurrently. ``sources`` are the units the primitive reads (and, except for
+ready nodes may run concurrently. A *batched* node (``width > 1``) carries the same primitive for
+several independent replicas of its model-stage (its *lanes*, :meth:`Node.lanes`): ``sources``,
+``targets``, ``mem`` and ``transfers`` are the lanes' concatenated, and its lanes may run
+concurrently too. ``sources`` are the units the primitive reads (and, except for
 Extend, consumes); ``targets`` the units it creates. A unit is a layout and its GPUs in
 ``Candidate`` order (index ``pp_rank * tp + tp_rank``). The transfers of a node are exactly what
 it sends; they price the node (``transition.cost``) and the executor checks its bytes against them.
@@ -65,6 +68,7 @@ class Node:
         "deps",
         "mem",
         "resource_deps",
+        "_lanes",
     )
 
     def __init__(
@@ -78,6 +82,7 @@ class Node:
         deps: list[int] | None = None,
         mem: tuple[MemEffect, ...] = (),
         resource_deps: list[int] | None = None,
+        lanes: tuple[tuple[int, int, int, object], ...] | None = None,
     ) -> None:
         self.id = id
         self.op = op
@@ -90,6 +95,36 @@ class Node:
         self.resource_deps: list[int] = (
             resource_deps if resource_deps is not None else []
         )  # added by the global order
+        # Per lane of a batched node: (sources, targets, mem entries, transfers or their function).
+        self._lanes = lanes if lanes is not None and len(lanes) > 1 else None
+
+    @property
+    def width(self) -> int:
+        """How many independent replicas (lanes) this node carries (1: an ordinary node)."""
+        return len(self._lanes) if self._lanes is not None else 1
+
+    def lanes(self) -> list[Node]:
+        """One ordinary node per lane (same id, op, model-stage and deps; ``[self]`` if width 1)."""
+        if self._lanes is None:
+            return [self]
+        out = []
+        i = j = k = 0
+        for ns, nt, nm, transfers in self._lanes:
+            out.append(
+                Node(
+                    self.id,
+                    self.op,
+                    self.model_stage,
+                    self.sources[i : i + ns],
+                    self.targets[j : j + nt],
+                    transfers,
+                    self.deps,
+                    self.mem[k : k + nm],
+                    self.resource_deps,
+                )
+            )
+            i, j, k = i + ns, j + nt, k + nm
+        return out
 
     @property
     def transfers(self) -> tuple[Transfer, ...]:
@@ -109,17 +144,19 @@ class Node:
 
     @property
     def acquired_gpus(self) -> tuple[int, ...]:
-        """GPUs this node newly places state of its model-stage on (Extend's target)."""
-        return self.targets[0].gpus if self.op is Primitive.EXTEND else ()
+        """GPUs this node newly places state of its model-stage on (Extend's targets)."""
+        if self.op is not Primitive.EXTEND:
+            return ()
+        return self.targets[0].gpus if len(self.targets) == 1 else sum((u.gpus for u in self.targets), ())
 
     @property
     def released_gpus(self) -> tuple[int, ...]:
         """GPUs whose unit of this model-stage the node drops (Destroy; Split's GPUs it does not keep)."""
         if self.op is Primitive.DESTROY:
-            return self.sources[0].gpus
+            return self.sources[0].gpus if len(self.sources) == 1 else sum((u.gpus for u in self.sources), ())
         if self.op is Primitive.SPLIT:
             keep = {g for t in self.targets for g in t.gpus}
-            return tuple(g for g in self.sources[0].gpus if g not in keep)
+            return tuple(g for u in self.sources for g in u.gpus if g not in keep)
         return ()
 
     @property
@@ -132,6 +169,11 @@ class Node:
         return tuple(seen)
 
     def __str__(self) -> str:
+        if self._lanes is not None:  # a batched node: its size, not every unit
+            return (
+                f"#{self.id} {self.op.value}({self.model_stage}: {self.width} lanes, "
+                f"{len(self.sources)} -> {len(self.targets)} units; {self.bytes / 1e9:.3g} GB)"
+            )
         src = ", ".join(map(str, self.sources))
         dst = ", ".join(map(str, self.targets))
         return f"#{self.id} {self.op.value}({self.model_stage}: {src} -> {dst}; {self.bytes / 1e9:.3g} GB)"

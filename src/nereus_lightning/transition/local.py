@@ -135,8 +135,15 @@ def local_dag(
     target: Candidate,
     cluster: ClusterSpec,
     first_id: int = 0,
+    *,
+    batch: bool = False,
 ) -> list[Node]:
-    """The nodes of one model-stage's local DAG; ids count from ``first_id``, deps are earlier ids."""
+    """The nodes of one model-stage's local DAG; ids count from ``first_id``, deps are earlier ids.
+
+    With ``batch``, one node per step of the local DAG carries that step for every replica at
+    once (its lanes: the Splits, the Destroys of unused pieces, of unused units, the Extends of
+    one chain depth, the Destroys of sources, the Merges); its deps are the union of its lanes'.
+    """
     a, b = current.layout, target.layout
     if a == b and current.gpus == target.gpus:
         return []
@@ -214,28 +221,29 @@ def local_dag(
         local[node].append(slot)
     kept = reused | {src for src, _ in extends if src in where}
 
-    nodes: list[Node] = []
-
-    def add(op: Primitive, srcs, tgts, transfers, deps, mem) -> int:
-        nid = first_id + len(nodes)
-        nodes.append(Node(nid, op, name, tuple(srcs), tuple(tgts), transfers, list(deps), mem))
-        return nid
+    out = _Lanes(name, first_id, batch)
+    add = out.add
 
     mem_a, mem_s, mem_b = memory_of(a), memory_of(s), memory_of(b)
+    destroy = Primitive.DESTROY
     made_by: dict[tuple[int, ...], int] = {}  # T_sub unit gpus -> node that created it
     splitting = [i for i in split_units if any(t in kept for t in split_into[i])]
     if a != s:
         # Units of one model-stage mostly split alike: pattern, buffers and net effects per tiling.
         by_tiles: dict[tuple[tuple[int, ...], ...], tuple[Pattern, tuple[float, ...], tuple[int, ...]]] = {}
         positions = range(a.size)
+        picked_a = sub_positions(a, s)
         split = Primitive.SPLIT
         for i in splitting:
             # A partial Split keeps only the used T_sub units (the unit's other GPUs just send and
             # free their shard); a full one (the paper's) makes all of them, the unused dropped next.
             u = cur_units[i]
             subs = [t for t in split_into[i] if t in kept] if PARTIAL_SPLIT else split_into[i]
-            at = dict(zip(u.gpus, positions, strict=True)).__getitem__
-            tiles = tuple(tuple(map(at, t)) for t in subs)
+            if subs == [f(u.gpus) for f in pick_a]:  # the position-wise split: its tiles are known
+                tiles = picked_a
+            else:
+                at = dict(zip(u.gpus, positions, strict=True)).__getitem__
+                tiles = tuple(tuple(map(at, t)) for t in subs)
             known = by_tiles.get(tiles)
             if known is None:
                 pattern, buf = _split_pattern(geo, a, s, tiles)
@@ -243,66 +251,65 @@ def local_dag(
                 nets = [mem_s - mem_a if x in stays else -mem_a for x in positions]
                 known = by_tiles[tiles] = (pattern, tuple(nets), buf)
             pattern, nets, buf = known
-            nid = first_id + len(nodes)
-            nodes.append(
-                Node(
-                    nid,
-                    split,
-                    name,
-                    (u,),
-                    tuple([_new(Unit, (s, t)) for t in subs]),
-                    partial(_placed, u.gpus, pattern),  # built when read
-                    [],
-                    tuple(zip(u.gpus, nets, buf, strict=True)),
-                )
+            nid = add(
+                0,
+                split,
+                (u,),
+                tuple([_new(Unit, (s, t)) for t in subs]),
+                partial(_placed, u.gpus, pattern),  # built when read
+                (),
+                tuple(zip(u.gpus, nets, buf, strict=True)),
             )
             for t in subs:
                 made_by[t] = nid
                 if t not in kept:
-                    add(Primitive.DESTROY, [_new(Unit, (s, t))], [], (), [nid], _uniform(t, -mem_s))
+                    add(1, destroy, (_new(Unit, (s, t)),), (), (), (nid,), _uniform(t, -mem_s))
     # Current units that neither stay nor feed anything go first (release before acquire).
     keep_units = set(splitting)
     for i, u in enumerate(cur_units):
         if i not in keep_units:
-            add(Primitive.DESTROY, [u], [], (), [], _uniform(u.gpus, -mem_a))
+            add(2, destroy, (u,), (), (), (), _uniform(u.gpus, -mem_a))
 
     readers: dict[tuple[int, ...], list[int]] = defaultdict(list)
     extend = Primitive.EXTEND
+    depth: dict[tuple[int, ...], int] = {}  # chain depth of each extended slot (steps 3, 4, ...)
     for src, slot in extends:
-        nid = first_id + len(nodes)
         made = made_by.get(src)
-        nodes.append(
-            Node(
-                nid,
-                extend,
-                name,
-                (_new(Unit, (s, src)),),
-                (_new(Unit, (s, slot)),),
-                partial(extend_transfers, geo, s, src, slot),  # built when read
-                [made] if made is not None else [],
-                tuple(zip(slot, repeat(mem_s), repeat(0.0))),
-            )
+        d = depth[slot] = depth.get(src, 2) + 1
+        nid = add(
+            d,
+            extend,
+            (_new(Unit, (s, src)),),
+            (_new(Unit, (s, slot)),),
+            partial(extend_transfers, geo, s, src, slot),  # built when read
+            (made,) if made is not None else (),
+            tuple(zip(slot, repeat(mem_s), repeat(0.0))),
         )
         made_by[slot] = nid
         readers[src].append(nid)
+    last = max(depth.values(), default=2)
 
     # Sources that are not part of the target: drop them after the Extends that read them
     # (the last copy of the state is never dropped before it has been copied).
     for t in sorted(kept - reused, key=lambda t: where[t]):
         deps = ([made_by[t]] if t in made_by else []) + readers.get(t, [])
-        add(Primitive.DESTROY, [_new(Unit, (s, t))], [], (), deps, _uniform(t, -mem_s))
+        add(last + 1, destroy, (_new(Unit, (s, t)),), (), (), deps, _uniform(t, -mem_s))
 
     # Merge each target unit from its slots; a T_sub target unit sitting exactly on one slot is done.
     b_is_s = b == s
     positions = range(b.size)
     merge = Primitive.MERGE
+    picked_b = sub_positions(b, s)
     merged: dict[tuple[tuple[int, ...], ...], tuple[Pattern, tuple[int, ...]]] = {}
     net_b = mem_b - mem_s
     for v, row in zip(tgt_units, slots, strict=True):
         if b_is_s and row[0] == v.gpus:
             continue
-        at = dict(zip(v.gpus, positions, strict=True)).__getitem__
-        tiles = tuple(tuple(map(at, t)) for t in row)
+        if row == [f(v.gpus) for f in pick_b]:  # the strided slots: their tiles are known
+            tiles = picked_b
+        else:
+            at = dict(zip(v.gpus, positions, strict=True)).__getitem__
+            tiles = tuple(tuple(map(at, t)) for t in row)
         known = merged.get(tiles)
         if known is None:
             pattern, buf = _merge_pattern(geo, s, b, tiles)
@@ -312,19 +319,83 @@ def local_dag(
         deps = {made_by[t] for t in row if t in made_by}
         if readers:
             deps = deps.union(*(readers.get(t, ()) for t in row))
-        nodes.append(
-            Node(
-                first_id + len(nodes),
-                merge,
-                name,
-                tuple([_new(Unit, (s, t)) for t in row]),
-                (v,),
-                partial(_placed, v.gpus, pattern),  # built when read
-                sorted(deps),
-                tuple(zip(v.gpus, repeat(net_b), buf)),
-            )
+        add(
+            last + 2,
+            merge,
+            tuple([_new(Unit, (s, t)) for t in row]),
+            (v,),
+            partial(_placed, v.gpus, pattern),  # built when read
+            sorted(deps),
+            tuple(zip(v.gpus, repeat(net_b), buf)),
         )
-    return nodes
+    return out.nodes()
+
+
+class _Lanes:
+    """Collects a local DAG's node calls (*lanes*) and makes one node per lane or per step.
+
+    ``add(step, ...)`` returns the lane's id as an unbatched node id; deps name lane ids. Steps
+    are numbered so that every lane depends on lanes of earlier steps only, which keeps batched
+    nodes (one per step, in step order) topologically ordered.
+    """
+
+    __slots__ = ("name", "first_id", "batch", "_nodes", "_lanes")
+
+    def __init__(self, name: str, first_id: int, batch: bool) -> None:
+        self.name, self.first_id, self.batch = name, first_id, batch
+        self._nodes: list[Node] = []
+        self._lanes: list[tuple] = []
+
+    def add(self, step: int, op: Primitive, srcs, tgts, transfers, deps, mem) -> int:
+        """One lane; returns its id (its node id when unbatched)."""
+        if self.batch:
+            self._lanes.append((step, op, srcs, tgts, transfers, deps, mem))
+            return self.first_id + len(self._lanes) - 1
+        nid = self.first_id + len(self._nodes)
+        self._nodes.append(Node(nid, op, self.name, srcs, tgts, transfers, list(deps), mem))
+        return nid
+
+    def nodes(self) -> list[Node]:
+        """The nodes: one per lane, or one per step with its lanes concatenated."""
+        if not self.batch:
+            return self._nodes
+        lanes = self._lanes
+        steps = sorted({lane[0] for lane in lanes})
+        node_of = {st: self.first_id + i for i, st in enumerate(steps)}
+        lane_node = [node_of[lane[0]] for lane in lanes]
+        first = self.first_id
+        out = []
+        for st in steps:
+            mine = [lane for lane in lanes if lane[0] == st]
+            op = mine[0][1]
+            deps: set[int] = set()
+            for lane in mine:
+                if lane[5]:
+                    deps.update([lane_node[d - first] for d in lane[5]])
+            parts = [lane[4] for lane in mine]
+            out.append(
+                Node(
+                    node_of[st],
+                    op,
+                    self.name,
+                    tuple([u for lane in mine for u in lane[2]]),
+                    tuple([u for lane in mine for u in lane[3]]),
+                    partial(_concat, parts),
+                    sorted(deps),
+                    tuple([e for lane in mine for e in lane[6]]),
+                    lanes=tuple([(len(lane[2]), len(lane[3]), len(lane[6]), lane[4]) for lane in mine]),
+                )
+            )
+        return out
+
+
+def _concat(parts: list) -> list[Transfer]:
+    """The transfers of a batched node: each lane's (built now if given as a function)."""
+    out: list[Transfer] = []
+    for p in parts:
+        if p:
+            out += p() if callable(p) else p
+    return out
 
 
 def _slots_of(

@@ -255,7 +255,7 @@ def _any_order_gpus(dag: TransitionDAG) -> list[str]:
     for n in dag.nodes:
         if n.op is not Primitive.EXTEND or n.model_stage not in exposed:
             continue
-        gpus = n.targets[0].gpus
+        gpus = n.acquired_gpus
         if all(leaves[other].keys().isdisjoint(gpus) for other in peers[n.model_stage]):
             continue  # no same-stage model-stage leaves these GPUs: nothing to order
         if not anc:
