@@ -1,9 +1,10 @@
 """The paper-shaped 25-step drift trace: Llama-3.1-8B PPO on paper_cluster2, 8-32 GPUs (real spot trace).
 
-Checks what the controller must deliver there: no infeasible step, at least 20% below the static
-baseline, and not worse than the periodic and static policies. (Always-switch is within ~1% of
-Nereus on this trace: transitions cost seconds against gains of several s/step, so admitting
-every gain is nearly free here; see the benchmark's table.)
+Checks what the controller must deliver there (issue 5): no infeasible step, at least 20% below
+the static baseline, and the lowest mean step latency of every non-oracle policy. The margin over
+always-switch is small on this trace (transitions cost seconds against gains of several s/step,
+so admitting every gain is nearly free); Nereus wins it by choosing, among the admissible
+targets, the one with the largest net benefit (cheaper transitions for nearly the same step).
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ def test_nereus_beats_static_by_20_percent_without_infeasible_steps(paper_run):
     nereus, static = s["nereus(gamma=0.5)"], s["static"]
     assert nereus.infeasible_steps == 0 and nereus.restarts == 0
     assert nereus.mean_step_s <= 0.8 * static.mean_step_s
-    assert nereus.mean_step_s < s["every-3-steps"].mean_step_s
-    assert nereus.mean_step_s <= 1.02 * s["always-switch"].mean_step_s
+    others = [v.mean_step_s for k, v in s.items() if k not in ("oracle", "nereus(gamma=0.5)")]
+    assert len(others) == 3 and nereus.mean_step_s < min(others)
+    assert nereus.transition_s < s["always-switch"].transition_s  # the same gains, cheaper moves
     assert nereus.gap_to_oracle < 0.10
 
 

@@ -3,6 +3,7 @@
 from nereus_lightning.control.backend import PlannerBackend, PlanningBackend
 from nereus_lightning.control.controller import Controller, ControllerConfig
 from nereus_lightning.control.decision import Decision, DecisionLog, describe_plan, plan_to_json
+from nereus_lightning.control.forecast import LengthForecast
 from nereus_lightning.control.resources import (
     DeviceInventoryError,
     NvmlResources,
@@ -39,6 +40,7 @@ __all__ = [
     "DecisionLog",
     "DeviceInventoryError",
     "DriftTrigger",
+    "LengthForecast",
     "NvmlResources",
     "PlannerBackend",
     "PlanningBackend",

@@ -105,7 +105,19 @@ class CandidateSource:
             base = refit if refit is not None else self.current
             if intact_plan(base, set(signals.gpus)) == base:
                 rest += [self.price(v, "smaller micro-batches / recomputation") for v in relief_variants(base)]
-        yield from sorted((o for o in rest if o is not None), key=lambda o: o.latency)
+        yield from self._safe_first(o for o in rest if o is not None)
+
+    def _safe_first(self, options: Iterator[Option]) -> Iterator[Option]:
+        """``options`` fastest first, except that the fastest of those that change the fewest
+        layouts comes first: its transition is the cheapest and most likely safe, so pricing it
+        early gives the net-benefit search a strong incumbent (pruning the rest) and keeps a
+        reachable target inside the DAG budget when the layout changes all fail."""
+        ranked = sorted(options, key=lambda o: o.latency)
+        if not ranked:
+            return
+        safe = min(ranked, key=lambda o: (layout_changes(o.plan, self.current), o.latency))
+        yield safe
+        yield from (o for o in ranked if o is not safe)
 
     def pinned(self) -> Iterator[Option]:
         """The planner's best plans with every training model-stage kept at its current layout.
@@ -131,4 +143,9 @@ class CandidateSource:
             source = "training layouts kept: planner " + ("best" if i == 0 else f"alternative {i}")
             found.append(self.price(plan, source, est))
             found.append(self.price(place_near(plan, self.current, self.algorithm), f"{source}, placed near the current GPUs"))
-        yield from sorted((o for o in found if o is not None), key=lambda o: o.latency)
+        yield from self._safe_first(o for o in found if o is not None)
+
+
+def layout_changes(plan: Plan, current: Plan) -> int:
+    """How many model-stages of ``plan`` run another TP/PP layout than in ``current`` (Split/Merge needed)."""
+    return sum(1 for name, cand in plan.items() if name not in current or current[name].layout != cand.layout)

@@ -65,8 +65,10 @@ class ControllerConfig:
     * ``pin_training``: if the best target fails, also ask the planner for the best plans that
       keep every training model-stage's current TP/PP layout (no Split/Merge of optimizer state:
       cheap, and safe when a Split would not fit next to the co-resident state).
-    * ``max_priced_transitions``: at most this many transition DAGs are priced per replan
-      (bounds the replan time; targets that cannot beat the chosen one are never priced).
+    * ``dag_budget_gpus``: per round of targets (the regular ones, then the pinned ones) at most
+      ``max(2, dag_budget_gpus // pool size)`` transition DAGs are priced (4 at 1,024 GPUs, 64 at
+      64): DAG pricing grows with the pool, so this bounds the replan time where it matters;
+      targets that cannot beat the chosen one are never priced.
     """
 
     gamma: float = 0.5
@@ -85,7 +87,7 @@ class ControllerConfig:
     forecast_steps: float = 1.0
     forecast_window: int = 3
     pin_training: bool = True
-    max_priced_transitions: int = 8
+    dag_budget_gpus: int = 4096
 
     def __post_init__(self) -> None:
         require(self.gamma >= 0, "controller.gamma", f"must be >= 0, got {self.gamma}")
@@ -99,8 +101,7 @@ class ControllerConfig:
         require(self.selection in SELECTIONS, "controller.selection", f"{self.selection!r} not in {SELECTIONS}")
         require(self.forecast_steps >= 0, "controller.forecast_steps", f"must be >= 0, got {self.forecast_steps}")
         require(self.forecast_window >= 2, "controller.forecast_window", f"must be >= 2, got {self.forecast_window}")
-        require(self.max_priced_transitions >= 1, "controller.max_priced_transitions",
-                f"must be >= 1, got {self.max_priced_transitions}")
+        require(self.dag_budget_gpus >= 1, "controller.dag_budget_gpus", f"must be >= 1, got {self.dag_budget_gpus}")
         object.__setattr__(self, "drift_signals", tuple(self.drift_signals))
 
 
@@ -314,6 +315,7 @@ class Controller:
         considered: list[dict[str, Any]] = []
         seen: list[Option] = []
         state: dict[str, Any] = {"best": None, "priced": 0, "ref": current_latency}
+        budget = max(2, cfg.dag_budget_gpus // max(dag_cluster.num_gpus, 1))
 
         def evaluate(opt: Option) -> bool:
             """Price and judge one target; True when the search should stop (selection "first")."""
@@ -332,8 +334,8 @@ class Controller:
             if not first and best is not None and bound <= best.notes["net"]:
                 entry["verdict"] = f"not priced: even free it cannot beat {best.source}"
                 return False
-            if not first and state["priced"] >= cfg.max_priced_transitions:
-                entry["verdict"] = f"not priced: {cfg.max_priced_transitions} transition DAGs priced already"
+            if not first and state["priced"] >= budget:
+                entry["verdict"] = f"not priced: {budget} transition DAGs priced already (budget)"
                 return False
             state["priced"] += 1
             try:
@@ -361,8 +363,10 @@ class Controller:
             if evaluate(opt):
                 stopped = True
                 break
-        if not stopped and cfg.pin_training and not first and (state["best"] is None or state["best"] is not seen[0]):
-            # The best target failed: also try the best plans that keep the training layouts.
+        if not stopped and cfg.pin_training and not first and (not seen or "net" not in seen[0].notes):
+            # The best target failed: also try the best plans that keep the training layouts
+            # (with a DAG budget of their own: they are the likely reachable ones).
+            state["priced"] = 0
             for opt in source.pinned():
                 evaluate(opt)
         reasons += source.reasons

@@ -310,8 +310,18 @@ class _Search:
             },
             reverse=True,
         )
+        # Below the smallest state some training model-stage can keep (its pinned layout's, if
+        # pinned) no plan fits: skip those levels without solving them.
+        floor = max(
+            (
+                min((row[3] for row in self.tables[n].rows if self.pinned.get(n) in (None, row[1])), default=math.inf)
+                for n, s in self.stage_of.items()
+                if s == "training"
+            ),
+            default=0.0,
+        )
         out: list[float] = []
-        for level in (lvl for lvl in levels if lvl < rho):
+        for level in (lvl for lvl in levels if floor <= lvl < rho):
             if len(out) >= count:
                 break
             if all(self.solve(stage, level) for stage in self.stages):

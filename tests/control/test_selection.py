@@ -1,0 +1,190 @@
+"""Nereus' target choice: net benefit, DAG budget, pinned training layouts, forecast, restart horizon."""
+
+from __future__ import annotations
+
+import pytest
+
+from nereus_lightning.control import Controller, ControllerConfig, LengthForecast
+from nereus_lightning.control.candidates import layout_changes
+from nereus_lightning.plan import job_models, plan_job
+from nereus_lightning.plan.layout import Candidate, Layout, Plan
+from nereus_lightning.spec import CLUSTER_PRESETS, MODEL_PRESETS, Workload
+from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
+from tests.control.fakes import FakeBackend, gen_plan, sig
+
+CLUSTER = CLUSTER_PRESETS["paper_cluster2"]
+A, B, C, D = gen_plan(1, 4), gen_plan(2, 4), gen_plan(4, 2), gen_plan(8, 1)
+
+
+def make(backend, plan=A, **cfg):
+    cfg.setdefault("try_follow_pool", False)
+    cfg.setdefault("forecast_steps", 0.0)
+    return Controller(backend, CLUSTER, Workload(), ControllerConfig(**cfg), plan=plan)
+
+
+def test_net_benefit_prefers_a_cheaper_slightly_slower_target():
+    # H = 1, gamma = 1: B gains 5 s for 4 s of transition (net 1), C gains 4.5 s for 0.5 s (net 4).
+    backend = FakeBackend([A, B, C], {A: 10.0, B: 5.0, C: 5.5}, tran={B: 4.0, C: 0.5})
+    ctl = make(backend, gamma=1.0)
+    ctl.step(sig(0))
+    d = ctl.step(sig(1, length=2000))
+    assert d.kind == "transition" and d.target == C and d.transition_cost == 0.5
+    nets = {c["source"]: c.get("net_benefit") for c in d.considered}
+    assert nets == {"planner best": 1.0, "planner alternative 1": 4.0}
+    assert "net benefit" in d.reason
+    # The baselines' "first" selection admits the first target that pays back: B.
+    first = make(FakeBackend([A, B, C], {A: 10.0, B: 5.0, C: 5.5}, tran={B: 4.0, C: 0.5}), gamma=1.0,
+                 selection="first")
+    first.step(sig(0))
+    assert first.step(sig(1, length=2000)).target == B
+
+
+def test_targets_that_cannot_beat_the_incumbent_are_not_priced():
+    # B: net 0.5 * (10 - 5) - 0 = 2.5; C even free gives 0.5 * (10 - 9) = 0.5 < 2.5.
+    backend = FakeBackend([A, B, C], {A: 10.0, B: 5.0, C: 9.0}, tran={B: 0.0, C: 0.0})
+    ctl = make(backend)
+    ctl.step(sig(0))
+    d = ctl.step(sig(1, length=2000))
+    assert d.target == B and backend.calls["transition_cost"] == 1
+    assert d.considered[1]["verdict"].startswith("not priced: even free")
+
+
+def test_dag_budget_bounds_pricing_per_round():
+    plans = [gen_plan(tp, dp) for tp, dp in ((2, 4), (4, 2), (8, 1), (2, 2), (4, 1))]
+    latency = {A: 10.0, **{p: 5.0 + 0.1 * i for i, p in enumerate(plans)}}
+    backend = FakeBackend([A, *plans], latency, tran={p: None for p in plans})  # every DAG infeasible
+    ctl = make(backend, dag_budget_gpus=2 * CLUSTER.with_gpus(8).num_gpus)  # 2 DAGs per round at 8 GPUs
+    ctl.step(sig(0))
+    d = ctl.step(sig(1, length=2000))
+    assert backend.calls["transition_cost"] == 2
+    assert sum(c["verdict"].startswith("not priced") for c in d.considered) == len(plans) - 2
+    with pytest.raises(NereusConfigError, match="dag_budget_gpus"):
+        ControllerConfig(dag_budget_gpus=0)
+
+
+def test_the_target_changing_fewest_layouts_is_priced_right_after_the_best():
+    keep = gen_plan(1, 8)  # A's layout, more replicas: Extend only
+    backend = FakeBackend([A, B, C, keep], {A: 10.0, B: 5.0, C: 5.1, keep: 6.0}, tran={B: None, C: None, keep: 1.0})
+    ctl = make(backend, dag_budget_gpus=2 * 8)
+    ctl.step(sig(0))
+    d = ctl.step(sig(1, length=2000, gpus=8))
+    assert [c["source"] for c in d.considered][:2] == ["planner best", "planner best, current layouts kept"]
+    assert d.target == keep and layout_changes(keep, A) == 0 and layout_changes(B, A) == 1
+
+
+class PinningBackend(FakeBackend):
+    """A fake whose ``plan_pinned`` returns scripted plans (and records the layouts asked for)."""
+
+    def __init__(self, *args, pinned_plans=(), **kw):
+        super().__init__(*args, **kw)
+        self.pinned_plans = list(pinned_plans)
+        self.pinned_calls = []
+
+    def plan_pinned(self, cluster, workload, calibration, layouts):
+        self.pinned_calls.append(dict(layouts))
+        return [(p, self._est(p)) for p in self.pinned_plans]
+
+
+def train_plan(tp: int, pp: int, dp: int, micro_batch: int = 1) -> Plan:
+    """A one-training-model-stage plan (actor_train) on GPUs 0 .. tp*pp*dp-1."""
+    return Plan.of({"actor_train": Candidate(Layout(tp, pp), dp, tuple(range(tp * pp * dp)), micro_batch, False)})
+
+
+def test_pinned_training_layouts_are_tried_only_when_the_best_target_fails():
+    # (The pinned plan differs from "best with the current layouts kept" in its micro-batch.)
+    cur, best, pinned = train_plan(1, 4, 1), train_plan(4, 1, 2), train_plan(1, 4, 2, micro_batch=2)
+    backend = PinningBackend([best], {cur: 20.0, best: 8.0, pinned: 10.0}, tran={best: None, pinned: 1.0},
+                             pinned_plans=[pinned])
+    ctl = make(backend, plan=cur)
+    ctl.step(sig(0))
+    d = ctl.step(sig(1, length=2000))  # best has no safe DAG: the pinned plan is reachable
+    assert d.kind == "transition" and d.target == pinned
+    assert backend.pinned_calls == [{"actor_train": Layout(1, 4)}]
+    assert d.considered[-1]["source"].startswith("training layouts kept")
+    # When the best target is admitted, no pinned planner call is made.
+    backend = PinningBackend([best], {cur: 20.0, best: 8.0}, tran={best: 1.0}, pinned_plans=[pinned])
+    ctl = make(backend, plan=cur)
+    ctl.step(sig(0))
+    assert ctl.step(sig(1, length=2000)).target == best and backend.pinned_calls == []
+    # Switched off: the best target fails and nothing else is tried.
+    backend = PinningBackend([best], {cur: 20.0, best: 8.0, pinned: 10.0}, tran={best: None, pinned: 1.0},
+                             pinned_plans=[pinned])
+    ctl = make(backend, plan=cur, pin_training=False)
+    ctl.step(sig(0))
+    assert ctl.step(sig(1, length=2000)).kind == "keep" and backend.pinned_calls == []
+
+
+def test_planner_pins_layouts():
+    models = job_models(MODEL_PRESETS["llama3_8b"])
+    cluster = CLUSTER_PRESETS["paper_cluster2"].with_gpus(16)
+    free = plan_job(models, cluster, Workload())
+    other = Layout(1, 4) if free.plan["actor_train"].layout != Layout(1, 4) else Layout(2, 2)
+    pinned = plan_job(models, cluster, Workload(), pinned={"actor_train": other})
+    assert pinned.plan["actor_train"].layout == other
+    assert all(p["actor_train"].layout == other for p, _ in pinned.alternatives)
+    assert pinned.estimate.step_latency >= free.estimate.step_latency - 1e-9
+    with pytest.raises(NereusConfigError, match="unknown model-stages"):
+        plan_job(models, cluster, Workload(), pinned={"nope": other})
+    with pytest.raises(InfeasiblePlanError, match="pinned to"):
+        plan_job(models, cluster, Workload(), pinned={"actor_train": Layout(1, 1)})  # 8B + Adam on one GPU
+
+
+def test_length_forecast_extrapolates_the_trend_and_clamps():
+    f = LengthForecast(window=3, clamp=0.3)
+    f.observe(sig(0, length=1000))
+    assert f.ahead(1) is None  # one measurement: no trend yet
+    f.observe(sig(1, length=1100))
+    f.observe(sig(2, length=1200))
+    ahead = f.ahead(1)
+    assert ahead["response_len"] == pytest.approx(1300) and ahead["response_len_p95"] == pytest.approx(1430)
+    f.observe(sig(3, length=3000))  # a jump: the fitted slope is clamped to +30% of the last value
+    assert f.ahead(1)["response_len"] <= 3000 * 1.3 + 1e-9
+    g = LengthForecast()
+    g.load_state_dict(f.state_dict())
+    assert g.ahead(1) == f.ahead(1)
+
+
+def test_controller_plans_for_the_forecast_and_warns_of_memory_before_it_breaks():
+    seen = []
+
+    class Recording(FakeBackend):
+        def estimate(self, plan, cluster, workload, calibration):
+            seen.append(workload.response_len)
+            est = super().estimate(plan, cluster, workload, calibration)
+            est.feasible = workload.response_len < 1350  # A runs out of memory from 1,350 tokens
+            return est
+
+    backend = Recording([A, B], {A: 10.0, B: 12.0}, tran={B: 1.0})
+    ctl = make(backend, forecast_steps=1.0)
+    for step, length in enumerate((1000, 1100, 1200)):
+        assert ctl.step(sig(step, length=length)).kind == "none"
+    d = ctl.step(sig(3, length=1290))  # measured 1,290 still fits; the next step (~1,385) does not
+    assert any(t.kind == "memory" for t in d.triggers) and d.urgent and d.target == B
+    assert max(seen) == pytest.approx(1385)
+    # Without the forecast the same trace triggers nothing until memory actually breaks.
+    backend = Recording([A, B], {A: 10.0, B: 12.0}, tran={B: 1.0})
+    ctl = make(backend, forecast_steps=0.0)
+    assert [ctl.step(sig(s, length=n)).kind for s, n in enumerate((1000, 1100, 1200, 1290))] == ["none"] * 4
+
+
+def test_restart_horizon_uses_the_pool_clock_when_it_is_longer():
+    # Urgent memory: B (5 s/step) has no safe DAG, the recompute variant (15 s/step) has one.
+    # Restart pays iff 10 * 0.5 * H >= 300, i.e. H >= 60: the memory clock says 1, the pool 80.
+    relief = gen_plan(1, 4, recompute=True)
+    outcomes = {}
+    for pool_h in (1.0, 80.0):
+        backend = FakeBackend([B], {A: 10.0, B: 5.0, relief: 15.0}, tran={B: None, relief: 0.0}, feasible={A: False})
+        ctl = make(backend, restart_s=300.0)
+        ctl.pool.clock.ema, ctl.pool.clock.last_crossing = (None if pool_h == 1.0 else pool_h), None
+        assert ctl.restart_horizon(1.0) == pool_h
+        outcomes[pool_h] = ctl.step(sig(0)).kind
+    assert outcomes == {1.0: "transition", 80.0: "restart"}
+
+
+def test_urgent_choice_weighs_latency_against_transition_cost():
+    # Lost GPUs: B is fast but its DAG is slow, C a bit slower and cheap; w = max(0.5 * 1, 1) = 1.
+    backend = FakeBackend([B, C], {A: 10.0, B: 5.0, C: 5.5}, tran={B: 30.0, C: 1.0})
+    ctl = make(backend)
+    ctl.step(sig(0))
+    d = ctl.step(sig(1, gpus=2))
+    assert d.urgent and d.kind == "transition" and d.target == C
