@@ -70,6 +70,12 @@ def test_the_target_changing_fewest_layouts_is_priced_right_after_the_best():
     d = ctl.step(sig(1, length=2000, gpus=8))
     assert [c["source"] for c in d.considered][:2] == ["planner best", "planner best, current layouts kept"]
     assert d.target == keep and layout_changes(keep, A) == 0 and layout_changes(B, A) == 1
+    # The baselines' "first" selection keeps plain latency order (and has no DAG budget).
+    backend = FakeBackend([A, B, C, keep], {A: 10.0, B: 5.0, C: 5.1, keep: 6.0}, tran={B: None, C: None, keep: 1.0})
+    ctl = make(backend, dag_budget_gpus=2 * 8, selection="first")
+    ctl.step(sig(0))
+    d = ctl.step(sig(1, length=2000, gpus=8))
+    assert [c["latency"] for c in d.considered] == [5.0, 5.1, 6.0] and d.target == keep
 
 
 class PinningBackend(FakeBackend):

@@ -44,11 +44,13 @@ class CandidateSource:
     def __init__(
         self, backend: PlanningBackend, calibration: Any, current: Plan, algorithm: str, sequences_per_step: int,
         cluster: ClusterSpec, workload: Workload, urgent: bool, current_latency: float | None,
+        safe_first: bool = True,
     ) -> None:
         self.backend, self.calibration, self.current = backend, calibration, current
         self.algorithm, self.sequences_per_step = algorithm, sequences_per_step
         self.cluster, self.workload = cluster, workload
         self.urgent, self.current_latency = urgent, current_latency
+        self.safe_first = safe_first
         self.seen: set[Plan] = {current}
         self.reasons: list[str] = []
 
@@ -111,9 +113,11 @@ class CandidateSource:
         """``options`` fastest first, except that the fastest of those that change the fewest
         layouts comes first: its transition is the cheapest and most likely safe, so pricing it
         early gives the net-benefit search a strong incumbent (pruning the rest) and keeps a
-        reachable target inside the DAG budget when the layout changes all fail."""
+        reachable target inside the DAG budget when the layout changes all fail. With
+        ``safe_first`` off (selection "first"), plain latency order."""
         ranked = sorted(options, key=lambda o: o.latency)
-        if not ranked:
+        if not ranked or not self.safe_first:
+            yield from ranked
             return
         safe = min(ranked, key=lambda o: (layout_changes(o.plan, self.current), o.latency))
         yield safe

@@ -306,9 +306,10 @@ class Controller:
             step=signals.step, triggers=tuple(triggers), current=self.plan, current_latency=current_latency,
             horizon=horizon, gamma=cfg.gamma, urgent=urgent, signals=signals,
         )
-        source = CandidateSource(self.backend, self.calibration, self.plan, self.workload.algorithm,
-                                 self.workload.sequences_per_step, cluster, workload, urgent, current_latency)
         first = cfg.selection == "first"
+        source = CandidateSource(self.backend, self.calibration, self.plan, self.workload.algorithm,
+                                 self.workload.sequences_per_step, cluster, workload, urgent, current_latency,
+                                 safe_first=not first)
         # Weight of one s/step over the horizon: the payback rule's gamma * H_x; on the urgent
         # path (payback waived) the new plan runs at least one step whatever gamma is.
         weight = cfg.gamma * horizon if not urgent else max(cfg.gamma * horizon, 1.0)
