@@ -4,12 +4,15 @@ Default run (a couple of minutes on one core):
 - one replan with admission at 1,024 GPUs (Llama-3.1-8B PPO on paper_cluster1): a drift trigger
   and a revocation (urgent) trigger; target < 200 ms each;
 - the per-step cost of ``Controller.step`` when no trigger fires; target < 1 ms;
-- the paper's 25-step drift trace (paper_cluster2, 8-32 GPUs): the policy table and a gamma sweep.
+- the paper's 25-step drift trace (paper_cluster2, 8-32 GPUs): the policy table, Nereus' margin
+  over the best non-oracle policy, a gamma sweep, and an ablation of Nereus' target choice
+  (net-benefit selection, length forecast, pinned training layouts; each switched off alone).
 ``--long`` adds the 1,000-step traces (64 ... 1,024 GPUs, each shipped spot trace; static,
-every-10-steps, Nereus and the oracle; ~5 min each on one core); ``--long-always`` adds
-always-switch to them (it re-plans every step: much slower).
+every-10-steps, Nereus and the oracle, plus the same ablation; a few minutes each on one core);
+``--long-always`` adds always-switch to them (it re-plans every step: much slower).
 
-Usage: ``python benchmarks/bench_controller.py [--long | --long-always] [--skip-paper] [--repeats N]``
+Usage: ``python benchmarks/bench_controller.py [--long | --long-always] [--skip-paper] [--repeats N] [--jobs N]``
+(``--jobs`` runs the long traces in parallel processes).
 """
 
 from __future__ import annotations
@@ -18,11 +21,15 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 from nereus_lightning.control import Controller, ControllerConfig, PlannerBackend, StepSignals
+from nereus_lightning.control.decision import DecisionLog
 from nereus_lightning.plan import Calibration, job_models
 from nereus_lightning.sim.experiment import make_setup, run_experiment
+from nereus_lightning.sim.policies import ControllerPolicy
+from nereus_lightning.sim.simulator import simulate, summarise
 from nereus_lightning.sim.trace import SPOT_TRACES, long_trace, paper_trace
 from nereus_lightning.spec import CLUSTER_PRESETS, MODEL_PRESETS, Workload
 
@@ -73,16 +80,60 @@ PAPER_POLICIES = ("static", "always", "every_k:3", "nereus:0.5", "oracle")
 LONG_POLICIES = ("static", "every_k:10", "nereus:0.5", "oracle")
 
 
-def policy_table(trace, setup_kwargs, policies=PAPER_POLICIES, gammas=None, out_dir=None, oracle_tolerance=0.0) -> dict:
-    """Run ``policies`` on ``trace``; return the summary rows (and the gamma sweep)."""
+#: Nereus with one lever of its target choice switched off at a time (ControllerConfig changes).
+ABLATIONS = {
+    "nereus without net-benefit selection (first admitted target)": {"selection": "first"},
+    "nereus without the length forecast": {"forecast_steps": 0.0},
+    "nereus without pinned training layouts": {"pin_training": False},
+}
+
+
+def policy_table(trace, setup_kwargs, policies=PAPER_POLICIES, gammas=None, out_dir=None, oracle_tolerance=0.0,
+                 ablation=True) -> dict:
+    """Run ``policies`` on ``trace``; return the summary rows, Nereus' margin, the gamma sweep and the ablation."""
     setup = make_setup(**setup_kwargs)
     res = run_experiment(setup, trace, list(policies), out_dir=out_dir, gammas=gammas, plot=out_dir is not None,
                          oracle_tolerance=oracle_tolerance)
     print(res["text"])
+    out = {k: v for k, v in res.items() if k not in ("comparison", "text")}
+    rows = {r["policy"]: r for r in out["table"]}
+    nereus = rows.get("nereus(gamma=0.5)")
+    others = [r for name, r in rows.items() if name not in ("oracle", "nereus(gamma=0.5)")]
+    if nereus and others:
+        runner_up = min(others, key=lambda r: r["mean_step_s"])
+        margin = runner_up["mean_step_s"] - nereus["mean_step_s"]
+        out["nereus_margin"] = {"runner_up": runner_up["policy"], "s_per_step": margin,
+                                "relative": margin / runner_up["mean_step_s"]}
+        print(f"Nereus vs the best non-oracle policy ({runner_up['policy']}): {margin:+.2f} s/step "
+              f"({margin / runner_up['mean_step_s']:+.2%})")
     if gammas:
         print("gamma sweep:", ", ".join(f"{r['gamma']:g}: {r['mean_step_s']:.2f} s ({r['transitions']})"
                                          for r in res["gamma_sweep"]), "| best", res["best_gamma"])
-    return {k: v for k, v in res.items() if k not in ("comparison", "text")}
+    if ablation:
+        oracle = res["comparison"].records["oracle"]
+        out["ablation"] = [asdict(summarise(run_variant(setup, trace, name, changes, out_dir), oracle))
+                           for name, changes in ABLATIONS.items()]
+        for r in out["ablation"]:
+            print(f"  {r['policy']}: {r['mean_step_s']:.2f} s/step, {r['transitions']} transitions, "
+                  f"{r['restarts']} restarts")
+    return out
+
+
+def _policy_table_args(args: tuple) -> dict:
+    trace, setup_kwargs, policies, gammas, out_dir, tolerance = args
+    return policy_table(trace, setup_kwargs, policies, gammas=gammas, out_dir=out_dir, oracle_tolerance=tolerance)
+
+
+def run_variant(setup, trace, name: str, changes: dict, out_dir: str | None = None):
+    """Nereus(gamma=0.5) with ``changes`` to its ControllerConfig, replayed on ``trace``."""
+    log = None
+    if out_dir:
+        slug = "".join(ch if ch.isalnum() else "_" for ch in name)
+        log = DecisionLog(f"{out_dir}/decisions_{slug}.jsonl")
+        Path(log.path).unlink(missing_ok=True)
+    ctl = Controller(setup.backend, setup.cluster, setup.workload, ControllerConfig(**changes),
+                     calibration=Calibration(), log=log)
+    return simulate(ControllerPolicy(name, ctl), trace, setup.machine, setup.backend, setup.cluster, setup.workload)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -92,6 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--long-always", action="store_true", help="add always-switch to the long runs (very slow)")
     parser.add_argument("--skip-paper", action="store_true", help="skip the 25-step trace and its gamma sweep")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--jobs", type=int, default=1, help="processes for the long traces (one trace each)")
     parser.add_argument("--out", default=str(RESULTS / "controller"), help="folder for CSV/PNG outputs")
     args = parser.parse_args(argv)
     result: dict = {}
@@ -116,9 +168,16 @@ def main(argv: list[str] | None = None) -> dict:
         # The oracle re-plans when a length moved by 1% (not every step) to keep this tractable.
         big = {"model": "llama3_8b", "cluster": "paper_cluster1", "workload": {"algorithm": "ppo"}}
         policies = ("always", *LONG_POLICIES) if args.long_always else LONG_POLICIES
-        for supply in SPOT_TRACES:
-            result[f"long1000_{supply}"] = policy_table(long_trace(supply), big, policies,
-                                                        out_dir=f"{args.out}/long_{supply}", oracle_tolerance=0.01)
+        runs = [(long_trace(supply), big, policies, None, f"{args.out}/long_{supply}", 0.01) for supply in SPOT_TRACES]
+        if args.jobs > 1:
+            from concurrent.futures import ProcessPoolExecutor
+
+            with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+                tables = list(pool.map(_policy_table_args, runs))
+        else:
+            tables = [_policy_table_args(run) for run in runs]
+        for supply, table in zip(SPOT_TRACES, tables, strict=True):
+            result[f"long1000_{supply}"] = table
     RESULTS.mkdir(exist_ok=True)
     name = "controller_long.json" if (args.long or args.long_always) and args.skip_paper else "controller.json"
     (RESULTS / name).write_text(json.dumps(result, indent=1, default=str))
