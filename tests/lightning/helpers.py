@@ -58,6 +58,39 @@ def one_update(
     return {"params": params, "metrics": metrics}
 
 
+def rollout_and_scores(rank: int, world_size: int, placement: dict) -> dict:
+    """One RL step under ``placement``; the module's rollout and scores next to the rl reference path's
+    (``HFGenerateEngine`` over the full actor, seeds of the global sample indices, ``rl.forward``)."""
+    import copy
+
+    from nereus_lightning.rl.forward import response_log_probs, response_values
+    from nereus_lightning.rl.rollout import HFGenerateEngine, sample_seeds
+
+    torch.manual_seed(0)
+    module = PPOModule(task=small_task(), prompts_per_step=8, seed=3)
+    actor, critic = copy.deepcopy(module.actor), copy.deepcopy(module.critic)  # before the EMUs take them
+    module.rl_step(0, plan=plan_of("ppo", placement), optimizer=module.configure_optimizers())
+    batch, tok = module.last_rollout, module.tokenizer
+    want = HFGenerateEngine(actor, tok.eos_token_id, tok.pad_token_id).generate(
+        batch.prompt_ids,
+        batch.prompt_mask,
+        module.task.max_response_len(0),
+        sample_seeds=sample_seeds(3, 0, range(len(batch))),
+    )
+    width = batch.response_ids.shape[-1]
+    args = (batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask)
+    with torch.no_grad():
+        log_probs, _ = response_log_probs(actor, *args)
+        values = response_values(critic, *args)
+    return {
+        "same_responses": torch.equal(want.response_ids[:, :width], batch.response_ids)
+        and torch.equal(want.response_mask[:, :width], batch.response_mask)
+        and not want.response_mask[:, width:].any(),
+        "log_prob_err": float((log_probs - batch.old_log_probs).abs().max()),
+        "value_err": float((values - batch.values).abs().max()),
+    }
+
+
 def fit(
     tmp: str,
     devices: int,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.lightning.helpers import one_update
+from tests.lightning.helpers import one_update, rollout_and_scores
 
 pytestmark = pytest.mark.distributed
 
@@ -57,3 +57,13 @@ def test_ppo_update_is_layout_independent(dist4, other):
     for key in ("actor/pg_loss", "critic/vf_loss"):
         assert abs(a[0]["metrics"][key] - b[0]["metrics"][key]) <= 1e-5 * max(1.0, abs(a[0]["metrics"][key]))
     assert a[0]["metrics"]["critic/vf_loss"] > 0
+
+
+def test_rollouts_and_scores_are_the_rl_reference_paths_under_tp_and_pp(dist4):
+    # actor_gen dp2 x TP2 (transformers generate over ShardedGenerator), actor_infer PP2,
+    # critic_infer TP2 x PP2: the same tokens and scores as the unsharded rl.rollout / rl.forward.
+    for rank, out in enumerate(dist4.run(rollout_and_scores, LAYOUT_C)):
+        assert out["same_responses"], (
+            f"rank {rank}: responses differ from HFGenerateEngine over the full actor"
+        )
+        assert out["log_prob_err"] <= 1e-5 and out["value_err"] <= 1e-5, (rank, out)

@@ -60,3 +60,21 @@ def test_plot_marks_what_each_transition_changed(tmp_path):
     assert change_label(a, {**a, "plan/num_gpus": 3.0}) == "GPUs 4->3"
     path = plot_run([a, b], str(tmp_path / "run.png"))
     assert (tmp_path / "run.png").stat().st_size > 1000 and path.endswith("run.png")
+
+
+def test_rollout_engine_is_chosen_by_name_and_vllm_says_how_to_install():
+    import importlib.util
+
+    import pytest
+
+    from nereus_lightning import PPOModule
+    from nereus_lightning.spec.errors import NereusConfigError
+    from tests.lightning.helpers import small_task
+
+    with pytest.raises(NereusConfigError, match="rollout_engine.*'hf'"):
+        PPOModule(task=small_task(), rollout_engine="sglang")
+    module = PPOModule(task=small_task(), prompts_per_step=2, rollout_engine="vllm")
+    module.use_state("full")
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(NereusConfigError, match="vllm is not installed"):
+            module.rl_step(0, optimizer=module.configure_optimizers())

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -30,12 +31,13 @@ from typing_extensions import override
 import lightning as L
 from nereus_lightning.lightning.build import build_causal_lm, build_value_model, frozen_copy
 from nereus_lightning.lightning.stages import (
+    RowsJob,
     StageSlot,
     all_reduce_grads,
     chunk_bounds,
     data_parallel_plan,
     run_partitioned,
-    run_partitioned_rows,
+    run_stages_rows,
     slot_of,
 )
 from nereus_lightning.plan.layout import Plan
@@ -154,6 +156,7 @@ class RLModule(L.LightningModule):
         self.step_stats: dict[str, float] = {}
         self.units: Any = None
         self._adapters: dict[str, Any] = {}  # model-stage -> ShardedGenerator over this rank's unit
+        self.last_rollout: RolloutBatch | None = None  # the last step's batch, every sample (for inspection)
         self.use_state(self.state_backend)
         from nereus_lightning.lightning.metrics import RunMetrics
 
@@ -284,12 +287,12 @@ class RLModule(L.LightningModule):
             torch.as_tensor(groups, device=self.device),
         )
 
-        batch.old_log_probs = self.infer(plan, "actor_infer", self.actor, batch)
-        batch.ref_log_probs = self.infer(plan, "ref_infer", self.reference, batch)
-        if self.critic is not None:
-            batch.values = self.infer(plan, "critic_infer", self.critic, batch)
-        if self.reward is not None:  # the reward model's value at each response's last token
-            scores = self.infer(plan, "reward_infer", self.reward, batch)[:, 0]
+        inferred = self.infer(plan, batch)
+        batch.old_log_probs = inferred["actor_infer"]
+        batch.ref_log_probs = inferred["ref_infer"]
+        batch.values = inferred.get("critic_infer")
+        if "reward_infer" in inferred:  # the reward model's value at each response's last token
+            scores = inferred["reward_infer"][:, 0]
         t_infer = time.perf_counter()
 
         mask = response_mask.float()
@@ -300,6 +303,7 @@ class RLModule(L.LightningModule):
         batch.scores, batch.advantages, batch.returns = scores, advantages, returns
         metrics.update({k: float(v) for k, v in extra.items()})
         t_adv = time.perf_counter()
+        self.last_rollout = batch
         metrics.update(self.update(plan, batch, optimizer))
         t_upd = time.perf_counter()
 
@@ -389,24 +393,35 @@ class RLModule(L.LightningModule):
             return VLLMEngine(self.stage_model(model_stage, self.actor))
         return HFGenerateEngine(self.stage_model(model_stage, self.actor), tok.eos_token_id, tok.pad_token_id)
 
-    def infer(self, plan: Plan, model_stage: str, model: torch.nn.Module, batch: RolloutBatch) -> Tensor:
-        """One inference model-stage over the batch: ``[n, R]`` response log-probs (actor, reference) or
-        values (critic), or ``[n, 1]`` scores (reward model); every rank gets every sample's rows."""
-        role = self.stages_role(model_stage)
-        width = 1 if role == "reward" else batch.response_ids.shape[-1]
+    def infer(self, plan: Plan, batch: RolloutBatch) -> dict[str, Tensor]:
+        """The inference model-stages over the batch, each rank running those it holds units of (so
+        model-stages on disjoint ranks run at once), then one exchange: ``[n, R]`` response
+        log-probs (``actor_infer``, ``ref_infer``) or values (``critic_infer``), ``[n, 1]`` scores
+        (``reward_infer``), for every sample on every rank."""
+        jobs = []
+        for stage, model in (
+            ("actor_infer", self.actor),
+            ("ref_infer", self.reference),
+            ("critic_infer", self.critic),
+            ("reward_infer", self.reward),
+        ):
+            if model is not None:
+                role = self.stages_role(stage)
+                width = 1 if role == "reward" else batch.response_ids.shape[-1]
+                jobs.append(RowsJob(stage, width, partial(self._infer_slot, role, model, batch)))
+        return run_stages_rows(plan, jobs, self.rank, len(batch), self.device)
 
-        def run(slot: StageSlot) -> Tensor:
-            part = batch.select(slice(slot.start, slot.stop))
-            net = self.stage_model(slot.stage, model)
-            args = (part.prompt_ids, part.prompt_mask, part.response_ids, part.response_mask)
-            with torch.no_grad():
-                if role == "reward":
-                    return ModelReward(net)(*args).unsqueeze(-1)
-                if role == "critic":
-                    return response_values(net, *args)
-                return response_log_probs(net, *args, temperature=self.hparams.temperature)[0]
-
-        return run_partitioned_rows(plan, model_stage, self.rank, len(batch), width, self.device, run)
+    def _infer_slot(self, role: str, model: torch.nn.Module, batch: RolloutBatch, slot: StageSlot) -> Tensor:
+        """One replica's rows of an inference model-stage (see :meth:`infer`)."""
+        part = batch.select(slice(slot.start, slot.stop))
+        net = self.stage_model(slot.stage, model)
+        args = (part.prompt_ids, part.prompt_mask, part.response_ids, part.response_mask)
+        with torch.no_grad():
+            if role == "reward":
+                return ModelReward(net)(*args).unsqueeze(-1)
+            if role == "critic":
+                return response_values(net, *args)
+            return response_log_probs(net, *args, temperature=self.hparams.temperature)[0]
 
     # ---- training stage ------------------------------------------------------------------
     def update(self, plan: Plan, batch: RolloutBatch, optimizer: Any = None) -> dict[str, float]:

@@ -109,6 +109,52 @@ def run_partitioned(
     return gather_samples(local if slot.is_leader else None, slot.start, num_samples)
 
 
+@dataclass(frozen=True)
+class RowsJob:
+    """One model-stage of :func:`run_stages_rows`: ``fn(slot)`` returns this replica's rows ``[b, width]``."""
+
+    stage: str
+    width: int
+    fn: Callable[[StageSlot], torch.Tensor]
+
+
+def run_stages_rows(
+    plan: Plan, jobs: Sequence[RowsJob], rank: int, num_samples: int, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Run several model-stages of one stage (e.g. every inference model-stage) and exchange their rows once.
+
+    Each rank runs, in the given order, only the model-stages it holds a unit of; model-stages on
+    disjoint ranks therefore compute at the same time, and no rank waits for a model-stage it is
+    not part of until the single exchange at the end. Every rank gets ``[n, width]`` per stage.
+    The rows travel as one float32 buffer summed over the world (each row is reported by one
+    leader, the others add zeros, so the sum is exact); tensors stay on their device.
+    """
+    columns = [job.width + 1 for job in jobs]  # + one "reported" column per stage
+    buffer = torch.zeros(num_samples, sum(columns), dtype=torch.float32, device=device)
+    offset = 0
+    for job, cols in zip(jobs, columns, strict=True):
+        slot = slot_of(plan, job.stage, rank, num_samples)
+        if slot.active and slot.stop > slot.start:
+            rows = job.fn(slot)
+            if slot.is_leader:
+                buffer[slot.start : slot.stop, offset : offset + job.width] = rows.to(torch.float32)
+                buffer[slot.start : slot.stop, offset + job.width] = 1.0
+        offset += cols
+    if dist.is_initialized():
+        dist.all_reduce(buffer)
+    out, offset = {}, 0
+    for job, cols in zip(jobs, columns, strict=True):
+        reported = buffer[:, offset + job.width]
+        require(
+            bool((reported == 1).all()),
+            "stage results",
+            f"{job.stage}: rows reported {reported.tolist()} times, expected once each",
+        )
+        out[job.stage] = buffer[:, offset : offset + job.width]
+        offset += cols
+    return out
+
+
 def run_partitioned_rows(
     plan: Plan,
     stage: str,
@@ -120,25 +166,9 @@ def run_partitioned_rows(
 ) -> torch.Tensor:
     """Like :func:`run_partitioned` for per-sample tensor rows: ``fn`` returns ``[b, width]``; every rank gets ``[n, width]``.
 
-    The rows travel as one float32 buffer per rank, summed over the world (each row is reported
-    by one leader, the others add zeros, so the sum is exact); tensors stay on their device.
+    One model-stage of :func:`run_stages_rows`.
     """
-    slot = slot_of(plan, stage, rank, num_samples)
-    buffer = torch.zeros(num_samples, width + 1, dtype=torch.float32, device=device)
-    if slot.active and slot.stop > slot.start:
-        rows = fn(slot)
-        if slot.is_leader:
-            buffer[slot.start : slot.stop, :width] = rows.to(torch.float32)
-            buffer[slot.start : slot.stop, width] = 1.0
-    if dist.is_initialized():
-        dist.all_reduce(buffer)
-    reported = buffer[:, width]
-    require(
-        bool((reported == 1).all()),
-        "stage results",
-        f"{stage}: rows reported {reported.tolist()} times, expected once each",
-    )
-    return buffer[:, :width]
+    return run_stages_rows(plan, [RowsJob(stage, width, fn)], rank, num_samples, device)[stage]
 
 
 def all_reduce_grads(params: Sequence[torch.nn.Parameter]) -> None:
