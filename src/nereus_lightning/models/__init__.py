@@ -1,4 +1,10 @@
-"""How a transformers causal LM is cut into TP shards and PP stages, and how the shards compute."""
+"""How a transformers causal LM is cut into TP shards and PP stages, and how the shards compute.
+
+Value models (critic, reward model: token classification with one label) are cut the same way,
+their ``score`` head replicated over TP on the last stage. transformers ``generate`` over a
+sharded replica: :class:`nereus_lightning.models.generation.ShardedGenerator` (that module
+imports transformers; this package does not).
+"""
 
 from nereus_lightning.models.groups import ReplicaComm, group_for, replica_groups
 from nereus_lightning.models.optim import bind_adamw, clip_grad_norm_, grad_norm

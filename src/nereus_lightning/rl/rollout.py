@@ -118,7 +118,11 @@ class _SeededGumbel:
 
 
 class HFGenerateEngine:
-    """The default engine: any module with transformers' ``generate`` (e.g. an unsharded actor).
+    """The default engine: any module with transformers' ``generate``.
+
+    An unsharded actor, or one rank of a TP/PP-sharded replica through
+    :class:`~nereus_lightning.models.generation.ShardedGenerator` (every rank of the replica
+    calls :meth:`generate` with the same prompts and gets the same responses).
 
     Args:
         model: a transformers causal LM (or a wrapper exposing its ``generate``).
@@ -227,10 +231,12 @@ def _finish(
 
 
 class ForwardEngine:
-    """Decoding over any logits function, without a KV cache: the engine for sharded actors.
+    """Decoding over any logits function, without a KV cache.
 
-    ``forward(input_ids, attention_mask, position_ids) -> logits (B, T, V)`` may run a TP/PP-
-    sharded model; each new token re-runs the whole (short) sequence. It samples exactly as
+    ``forward(input_ids, attention_mask, position_ids) -> logits (B, T, V)`` is any callable
+    (sharded actors use :class:`HFGenerateEngine` over a
+    :class:`~nereus_lightning.models.generation.ShardedGenerator` instead, with a KV cache);
+    each new token re-runs the whole (short) sequence. It samples exactly as
     :class:`HFGenerateEngine` (same seeded Gumbel draw), so both give the same responses.
     """
 
