@@ -36,7 +36,7 @@ from nereus_lightning.lightning.stages import (
     all_reduce_grads,
     chunk_bounds,
     data_parallel_plan,
-    run_partitioned,
+    run_stages,
     run_stages_rows,
     slot_of,
 )
@@ -266,11 +266,12 @@ class RLModule(L.LightningModule):
             lengths = out.response_mask.sum(-1).tolist()
             return [ids[:k] for ids, k in zip(out.response_ids.tolist(), lengths, strict=True)]
 
-        responses = run_partitioned(plan, "actor_gen", self.rank, n, gen)
+        jobs = {"actor_gen": gen}
+        if self.algorithm == "remax":  # the greedy baseline, concurrently where its ranks are disjoint
+            jobs["actor_greedy_gen"] = partial(gen, greedy=True)
+        generated = run_stages(plan, jobs, self.rank, n)
+        responses, greedy = generated["actor_gen"], generated.get("actor_greedy_gen")
         t_gen = time.perf_counter()
-        greedy = None
-        if self.algorithm == "remax":
-            greedy = run_partitioned(plan, "actor_greedy_gen", self.rank, n, lambda s: gen(s, greedy=True))
         scores = torch.tensor(
             [self.task.score(p, r) for p, r in zip(prompts, responses, strict=True)], dtype=torch.float32
         )

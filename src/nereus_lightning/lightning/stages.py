@@ -11,7 +11,7 @@ layout to the next one's.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -75,38 +75,68 @@ def slot_of(plan: Plan, stage: str, rank: int, num_samples: int) -> StageSlot:
     return StageSlot(stage, cand, replica, position, start, stop)
 
 
-def gather_samples(local: Sequence[T] | None, start: int, num_samples: int) -> list[T]:
-    """All ranks: every sample's result in global order; ``local`` is this rank's results from ``start``.
-
-    Ranks that report nothing pass ``None``. Every index must be reported exactly once.
-    """
-    payload = None if local is None else (start, list(local))
-    if dist.is_initialized():
-        parts: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, payload)
-    else:
-        parts = [payload]
+def _assemble(payloads: Sequence[Any], num_samples: int, stage: str = "") -> list[Any]:
+    """Every sample's result in global order from ``(start, items)`` payloads (None: nothing reported)."""
     out: list[Any] = [None] * num_samples
     seen = 0
-    for part in parts:
+    for part in payloads:
         if part is None:
             continue
         begin, items = part
         out[begin : begin + len(items)] = items
         seen += len(items)
     require(
-        seen == num_samples, "stage results", f"{seen} sample results reported for a batch of {num_samples}"
+        seen == num_samples,
+        "stage results",
+        f"{stage + ': ' if stage else ''}{seen} sample results reported for a batch of {num_samples}",
     )
     return out
+
+
+def _all_gather(payload: Any) -> list[Any]:
+    if not dist.is_initialized():
+        return [payload]
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, payload)
+    return parts
+
+
+def gather_samples(local: Sequence[T] | None, start: int, num_samples: int) -> list[T]:
+    """All ranks: every sample's result in global order; ``local`` is this rank's results from ``start``.
+
+    Ranks that report nothing pass ``None``. Every index must be reported exactly once.
+    """
+    payload = None if local is None else (start, list(local))
+    return _assemble(_all_gather(payload), num_samples)
+
+
+def run_stages(
+    plan: Plan,
+    jobs: Mapping[str, Callable[[StageSlot], Sequence[T]]],
+    rank: int,
+    num_samples: int,
+) -> dict[str, list[T]]:
+    """Run several model-stages of one stage (model-stage -> ``fn(slot)``), then exchange their results once.
+
+    Each rank runs, in the given order, only the model-stages it holds a unit of, so model-stages
+    on disjoint ranks compute at the same time; every rank gets every sample's result per stage.
+    """
+    payloads: dict[str, Any] = {}
+    for stage, fn in jobs.items():
+        slot = slot_of(plan, stage, rank, num_samples)
+        if slot.active:
+            local = fn(slot) if slot.stop > slot.start else []
+            if slot.is_leader:
+                payloads[stage] = (slot.start, list(local))
+    parts = _all_gather(payloads)
+    return {stage: _assemble([p.get(stage) for p in parts], num_samples, stage) for stage in jobs}
 
 
 def run_partitioned(
     plan: Plan, stage: str, rank: int, num_samples: int, fn: Callable[[StageSlot], Sequence[T]]
 ) -> list[T]:
     """Run ``fn`` on this rank's slot of ``stage`` (if any) and return all samples' results on every rank."""
-    slot = slot_of(plan, stage, rank, num_samples)
-    local = fn(slot) if slot.active and slot.stop > slot.start else ([] if slot.active else None)
-    return gather_samples(local if slot.is_leader else None, slot.start, num_samples)
+    return run_stages(plan, {stage: fn}, rank, num_samples)[stage]
 
 
 @dataclass(frozen=True)
