@@ -77,3 +77,20 @@ def test_single_rank_generator_needs_no_process_group() -> None:
     got = HFGenerateEngine(generator, EOS, 0).generate(ids, mask, 8, sample_seeds=seeds)
     assert torch.equal(want.response_ids, got.response_ids)
     assert generator.config is not model.config  # the adapter never edits the unit's config
+
+
+def test_without_a_per_stage_cache_generate_recomputes_and_agrees(monkeypatch) -> None:
+    # Older transformers cannot size masks by a stage's own cache layers: decoding then re-runs
+    # the whole sequence each token, with the same tokens.
+    import nereus_lightning.models.generation as generation
+
+    monkeypatch.setattr(generation, "supports_kv_cache", lambda: False)
+    model = tiny_model("llama")
+    generator = ShardedGenerator(ShardedCausalLM.from_model(model, ReplicaComm.single()))
+    seen: list[int] = []
+    generator.register_forward_pre_hook(functools.partial(_record_length, seen), with_kwargs=True)
+    ids, mask, seeds = _prompts(1)
+    want = HFGenerateEngine(model, EOS, 0).generate(ids, mask, 5, sample_seeds=seeds)
+    got = HFGenerateEngine(generator, EOS, 0).generate(ids, mask, 5, sample_seeds=seeds)
+    assert torch.equal(want.response_ids, got.response_ids)
+    assert seen[:3] == [7, 8, 9]  # the whole sequence every token

@@ -23,7 +23,10 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from nereus_lightning.models.pipeline import MicroBatch, forward_logits
-from nereus_lightning.models.sharded import ShardedCausalLM
+from nereus_lightning.models.sharded import ShardedCausalLM, supports_kv_cache
+
+# The output's cache field (``cache`` since transformers 5.2x, ``past_key_values`` before).
+_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 class ShardedGenerator(PreTrainedModel, GenerationMixin):
@@ -44,7 +47,13 @@ class ShardedGenerator(PreTrainedModel, GenerationMixin):
         # A copy: PreTrainedModel may adjust its config (attention backend, generation defaults).
         super().__init__(copy.deepcopy(unit.config))
         self.unit = unit
-        self.config.use_cache = True
+        self.config.use_cache = supports_kv_cache()
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """transformers ``generate``; without a cache where the installed transformers cannot keep a per-stage one."""
+        if not supports_kv_cache():
+            kwargs["use_cache"] = False
+        return super().generate(*args, **kwargs)
 
     def forward(
         self,
@@ -64,4 +73,4 @@ class ShardedGenerator(PreTrainedModel, GenerationMixin):
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
         batch = MicroBatch(input_ids, attention_mask, position_ids)
         logits = forward_logits(self.unit, batch, where="all", cache=cache)
-        return CausalLMOutputWithPast(logits=logits, cache=cache)
+        return CausalLMOutputWithPast(logits=logits, **{_CACHE_FIELD: cache})

@@ -351,7 +351,15 @@ class ShardedCausalLM(nn.Module):
             position_ids = torch.arange(past, past + input_ids.shape[1], device=hidden.device).unsqueeze(0)
         masks = self._masks(hidden, attention_mask, position_ids, cache)
         position_embeddings = self.rotary_emb(hidden, position_ids)
-        with_cache = {} if cache is None else {_cache_kwarg(): cache, "use_cache": True}
+        with_cache = {}
+        if cache is not None:
+            name = _layer_cache_kwarg(type(self.model.layers[str(self.layer_ids[0])]))
+            require(
+                supports_kv_cache() and name is not None,
+                "cache",
+                "this transformers version cannot size masks by a stage's own cache layers; decode without a cache",
+            )
+            with_cache = {name: cache, "use_cache": True}
         for i in self.layer_ids:
             hidden = self.model.layers[str(i)](
                 hidden,
@@ -419,12 +427,34 @@ class ShardedCausalLM(nn.Module):
 
 @functools.cache
 def _cache_kwarg() -> str:
-    """transformers renamed the ``past_key_values`` argument of masks and layers to ``cache`` (5.2x)."""
+    """transformers renamed the masks' ``past_key_values`` argument to ``cache`` (5.2x)."""
     import inspect
 
     from transformers.masking_utils import create_causal_mask
 
     return "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+
+
+@functools.cache
+def _layer_cache_kwarg(layer_cls: type) -> str | None:
+    """The KV-cache argument of a decoder layer's forward (None: the layer takes none by name)."""
+    import inspect
+
+    params = inspect.signature(layer_cls.forward).parameters
+    return next((n for n in ("cache", "past_key_values", "past_key_value") if n in params), None)
+
+
+@functools.cache
+def supports_kv_cache() -> bool:
+    """Whether a stage can keep a KV cache of its own layers: the installed transformers sizes a mask
+    by a given cache layer (``create_causal_mask(..., layer_idx=)``, 5.2x). Without it, decoding
+    re-runs the whole sequence (:class:`~nereus_lightning.models.generation.ShardedGenerator`)."""
+    import inspect
+
+    from transformers.masking_utils import create_causal_mask
+
+    params = inspect.signature(create_causal_mask).parameters
+    return "layer_idx" in params and "cache_position" not in params
 
 
 def _tp_partial(name: str, config: Any) -> bool:
