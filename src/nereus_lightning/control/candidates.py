@@ -16,7 +16,13 @@ from typing import Any
 
 from nereus_lightning.control.backend import Estimate, PlanningBackend
 from nereus_lightning.control.signals import StepSignals
-from nereus_lightning.control.variants import follow_pool, intact_plan, keep_layouts, place_near, relief_variants
+from nereus_lightning.control.variants import (
+    follow_pool,
+    intact_plan,
+    keep_layouts,
+    place_near,
+    relief_variants,
+)
 from nereus_lightning.plan.layout import Plan
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.errors import InfeasiblePlanError

@@ -13,6 +13,14 @@ paper (section 4 of "Nereus: Adaptive Parallelism for LLM Post-Training"):
 * urgent path (revocation, memory pressure that breaks the current plan): profitability is
   waived, smaller micro-batches and recomputation are considered, and checkpoint/restart is the
   last resort.
+
+Where to move (``ControllerConfig.selection``, documented there) is Nereus' own policy on top of
+the paper's admission rule: among the targets that pass, the one with the largest net benefit
+``gamma * H_x * dL - L_tran``; plans are chosen for the lengths forecast one step ahead
+(``control.forecast``); when the best target fails, the planner is also asked for the best plans
+that keep the training layouts (``CandidateSource.pinned``); and a restart is judged over
+``max(H_x, H_pool)`` (:meth:`Controller.restart_horizon`). Every considered target appears in the
+decision log with its latency, ``L_tran``, net benefit and verdict.
 """
 
 from __future__ import annotations
