@@ -6,7 +6,8 @@ Default run (a couple of minutes on one core):
 - the per-step cost of ``Controller.step`` when no trigger fires; target < 1 ms;
 - the paper's 25-step drift trace (paper_cluster2, 8-32 GPUs): the policy table, Nereus' margin
   over the best non-oracle policy, a gamma sweep, and an ablation of Nereus' target choice
-  (net-benefit selection, length forecast, pinned training layouts; each switched off alone).
+  (net-benefit selection and pinned training layouts each switched off alone; the optional
+  length forecast switched on).
 ``--long`` adds the 1,000-step traces (64 ... 1,024 GPUs, each shipped spot trace; static,
 every-10-steps, Nereus and the oracle, plus the same ablation; a few minutes each on one core);
 ``--long-always`` adds always-switch to them (it re-plans every step: much slower).
@@ -83,7 +84,7 @@ LONG_POLICIES = ("static", "every_k:10", "nereus:0.5", "oracle")
 #: Nereus with one lever of its target choice switched off at a time (ControllerConfig changes).
 ABLATIONS = {
     "nereus without net-benefit selection (first admitted target)": {"selection": "first"},
-    "nereus without the length forecast": {"forecast_steps": 0.0},
+    "nereus with the length forecast (one step ahead)": {"forecast_steps": 1.0},
     "nereus without pinned training layouts": {"pin_training": False},
 }
 

@@ -16,8 +16,8 @@ paper (section 4 of "Nereus: Adaptive Parallelism for LLM Post-Training"):
 
 Where to move (``ControllerConfig.selection``, documented there) is Nereus' own policy on top of
 the paper's admission rule: among the targets that pass, the one with the largest net benefit
-``gamma * H_x * dL - L_tran``; plans are chosen for the lengths forecast one step ahead
-(``control.forecast``); when the best target fails, the planner is also asked for the best plans
+``gamma * H_x * dL - L_tran``; optionally, plans are chosen for the lengths forecast one step
+ahead (``control.forecast``); when the best target fails, the planner is also asked for the best plans
 that keep the training layouts (``CandidateSource.pinned``); and a restart is judged over
 ``max(H_x, H_pool)`` (:meth:`Controller.restart_horizon`). Every considered target appears in the
 decision log with its latency, ``L_tran``, net benefit and verdict.
@@ -68,8 +68,11 @@ class ControllerConfig:
       ``w = max(gamma * H_x, 1)``: the new plan runs at least one step). ``"first"`` takes the
       first admitted target in latency order (the planner's best when it passes).
     * ``forecast_steps``: plan for (and check memory against) the length signals extrapolated
-      this many steps ahead along their recent trend (see ``control.forecast``); 0 plans for the
-      last measured lengths.
+      this many steps ahead along their recent trend (see ``control.forecast``); 0 (default)
+      plans for the last measured lengths. Off by default: it moves memory-driven replans one
+      step earlier, which is safer on a machine that fails at the planner's headroom but cost
+      time on the simulated one (it runs plans up to the full GPU memory) and gained nothing
+      elsewhere (see the ablation in benchmarks/results/controller.json).
     * ``pin_training``: if the best target fails, also ask the planner for the best plans that
       keep every training model-stage's current TP/PP layout (no Split/Merge of optimizer state:
       cheap, and safe when a Split would not fit next to the co-resident state).
@@ -92,7 +95,7 @@ class ControllerConfig:
     memory_check_tolerance: float = 0.01
     restart_s: float = 300.0  # expected seconds of a checkpoint/restart (save, relaunch, load)
     selection: str = "net_benefit"
-    forecast_steps: float = 1.0
+    forecast_steps: float = 0.0
     forecast_window: int = 3
     pin_training: bool = True
     dag_budget_gpus: int = 4096

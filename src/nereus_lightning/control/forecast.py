@@ -3,9 +3,10 @@
 The monitor reports the lengths of the step that just finished, but a plan chosen now runs the
 *next* step. In RL post-training response lengths drift steadily (hundreds of tokens over tens
 of steps), so the last measurement systematically lags the step a plan will run: a plan sized
-for it can miss the next step's memory cap or its best layout. The controller therefore plans
-for (and checks memory against) the lengths one step ahead, extrapolated by a least-squares line
-through the last ``window`` measurements. The extrapolated change is clamped to ``clamp``
+for it can miss the next step's memory cap or its best layout. With
+``ControllerConfig.forecast_steps`` > 0 the controller plans for (and checks memory against) the
+lengths that many steps ahead, extrapolated by a least-squares line through the last ``window``
+measurements (off by default: see ``ControllerConfig``). The extrapolated change is clamped to ``clamp``
 (relative) so one noisy step cannot swing the plan; the drift triggers keep reading the measured
 values, so the paper's trigger rules are unchanged.
 """
