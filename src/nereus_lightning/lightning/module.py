@@ -52,6 +52,7 @@ from nereus_lightning.rl.forward import (
 )
 from nereus_lightning.rl.reward import ModelReward
 from nereus_lightning.rl.rollout import HFGenerateEngine, RolloutEngine, VLLMEngine, sample_seeds
+from nereus_lightning.rl.tokenizer import pad_ids
 from nereus_lightning.spec.errors import require
 
 
@@ -251,7 +252,7 @@ class RLModule(L.LightningModule):
         max_new = self.task.max_response_len(step)
         tok = self.tokenizer
         # Prompts left-padded to the global width: a sample's inputs do not depend on its replica.
-        prompt_ids, prompt_mask = (t.to(self.device) for t in tok.pad(prompts, side="left"))
+        prompt_ids, prompt_mask = (t.to(self.device) for t in pad_ids(prompts, tok.pad_token_id, "left"))
 
         def gen(slot: StageSlot, greedy: bool = False) -> list[list[int]]:
             rows = slice(slot.start, slot.stop)
@@ -277,7 +278,7 @@ class RLModule(L.LightningModule):
         )
         width = max(1, max(len(r) for r in responses))
         response_ids, response_mask = (
-            t.to(self.device) for t in tok.pad(responses, side="right", length=width)
+            t.to(self.device) for t in pad_ids(responses, tok.pad_token_id, "right", width)
         )
         batch = RolloutBatch(
             prompt_ids,

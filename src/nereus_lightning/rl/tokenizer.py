@@ -61,20 +61,7 @@ class ByteTokenizer:
         self, sequences: Sequence[Sequence[int]], side: str = "left", length: int | None = None
     ) -> tuple[Tensor, Tensor]:
         """Stack id lists into ``(input_ids, attention_mask)`` padded on ``side`` ("left" for generation)."""
-        if side not in ("left", "right"):
-            raise NereusConfigError(f"padding_side: {side!r} is not one of 'left', 'right'")
-        longest = max((len(s) for s in sequences), default=0)
-        width = longest if length is None else length
-        require(width >= longest, "length", f"{width} is shorter than the longest sequence ({longest})")
-        ids = torch.full((len(sequences), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(sequences), width), dtype=torch.long)
-        for row, seq in enumerate(sequences):
-            if not seq:
-                continue
-            span = slice(width - len(seq), width) if side == "left" else slice(0, len(seq))
-            ids[row, span] = torch.as_tensor(list(seq), dtype=torch.long)
-            mask[row, span] = 1
-        return ids, mask
+        return pad_ids(sequences, self.pad_token_id, side, length)
 
     def __call__(
         self, texts: str | Sequence[str], padding_side: str = "left", add_bos: bool = True
@@ -88,3 +75,24 @@ class ByteTokenizer:
     def _special_text(self, token: int) -> str:
         names = {self.pad_token_id: "<pad>", self.bos_token_id: "<bos>", self.eos_token_id: "<eos>"}
         return names.get(token, f"<unused{token}>")
+
+
+def pad_ids(
+    sequences: Sequence[Sequence[int]], pad_id: int, side: str = "left", length: int | None = None
+) -> tuple[Tensor, Tensor]:
+    """Stack id lists into ``(input_ids, attention_mask)`` of width ``length`` (default: the longest),
+    padded with ``pad_id`` on ``side`` ("left" for prompts to generate from, "right" for responses)."""
+    if side not in ("left", "right"):
+        raise NereusConfigError(f"padding_side: {side!r} is not one of 'left', 'right'")
+    longest = max((len(s) for s in sequences), default=0)
+    width = longest if length is None else length
+    require(width >= longest, "length", f"{width} is shorter than the longest sequence ({longest})")
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        if not seq:
+            continue
+        span = slice(width - len(seq), width) if side == "left" else slice(0, len(seq))
+        ids[row, span] = torch.as_tensor(list(seq), dtype=torch.long)
+        mask[row, span] = 1
+    return ids, mask
