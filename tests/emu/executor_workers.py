@@ -18,7 +18,7 @@ from nereus_lightning.emu import (
     registry,
     reshard_plan,
 )
-from nereus_lightning.emu.executor import execute_dag, op_of
+from nereus_lightning.emu.executor import execute_dag, ops_of
 from nereus_lightning.plan.layout import Candidate, Layout, Plan
 from nereus_lightning.spec.cluster import CLUSTER_PRESETS
 from nereus_lightning.spec.errors import NereusConfigError
@@ -77,6 +77,12 @@ PLANS = {
         critic_infer=cand(2, 1, (3, 2)),
         actor_train=cand(2, 1, (1, 2)),
         critic_train=cand(1, 2, (3, 0)),
+    ),
+    # E -> F: three independent nodes all on rank 0 (concurrency within a rank): actor_gen doubles
+    # by one batched Extend of two lanes (0 -> 2, 1 -> 3), ref_infer extends 0 -> 3, critic_train 0 -> 2.
+    "E": plan(actor_gen=cand(1, 1, (0, 1)), ref_infer=cand(1, 1, (0,)), critic_train=cand(1, 1, (0,))),
+    "F": plan(
+        actor_gen=cand(1, 1, (0, 1, 2, 3)), ref_infer=cand(1, 1, (0, 3)), critic_train=cand(1, 1, (0, 2))
     ),
 }
 
@@ -188,9 +194,9 @@ def run_pair(rank: int, world: int, current: str, target: str, reversed_ranks: b
     start(cur, rank_of)
     before = {name: gather_logical_state(name, dst=0) for name in cur}
     dag = build_transition(cur, tgt, models(), CLUSTER, PPO)
-    ops = [op_of(node, rank_of) for node in dag.nodes]
     gpu = {v: k for k, v in rank_of.items()}[rank] if rank_of else rank
-    extras = [_extra_bytes(op, rank) for op in ops]  # before executing: the schemas do not change
+    # Before executing (the schemas do not change); a batched node: its lanes together.
+    extras = [sum(_extra_bytes(op, rank) for op in ops_of(node, rank_of)) for node in dag.nodes]
     report = execute_dag(dag, rank_of=rank_of)
     reduced = report.reduce()
     after = {name: gather_logical_state(name, dst=0) for name in cur}
@@ -238,6 +244,9 @@ def run_pair(rank: int, world: int, current: str, target: str, reversed_ranks: b
         reduced=reduced.node_observations(),
         fastest=reduced.node_observations(fastest=True),
         members=[r.ranks for r in reduced.records],
+        in_flight=[(r.node_id, r.in_flight, r.lanes) for r in report.records if r.member],
+        running=[r.running for r in report.records if r.member],
+        widths=[n.width for n in dag.nodes],
     )
 
 

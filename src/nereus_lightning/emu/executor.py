@@ -53,8 +53,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from nereus_lightning.emu.ops import Destroy, Extend, Primitive, Unit, from_node
-from nereus_lightning.emu.primitives import Started, TransferReport
+from nereus_lightning.emu.groups import prepare_member_groups
+from nereus_lightning.emu.ops import Destroy, Extend, Merge, Primitive, Split, Unit, from_node
+from nereus_lightning.emu.primitives import Started, TransferReport, reshard_plan
 from nereus_lightning.emu.primitives import start as start_op
 from nereus_lightning.emu.registry import Registry, registry
 from nereus_lightning.emu.transfer import InFlight, default_device, start_broadcast
@@ -91,6 +92,7 @@ class NodeRecord:
     report: TransferReport | None = None  # this rank's TransferReport (None once reduced)
     in_flight: int = 0  # this rank's nodes in flight when it was issued, itself included (reduced: max)
     lanes: int = 1  # independent replicas the node carried (transition.dag.Node.width)
+    running: int = 0  # of those in flight, how many a poll just before its issue found still incomplete (+1)
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,11 @@ class ExecutionReport:
     def max_in_flight(self) -> int:
         """The most nodes this rank (reduced: any rank) had in flight at once."""
         return max((r.in_flight for r in self.records), default=0)
+
+    @property
+    def max_running(self) -> int:
+        """The most nodes this rank (reduced: any rank) had issued whose collectives had not completed yet."""
+        return max((r.running for r in self.records), default=0)
 
     def node_observations(self, fastest: bool = False) -> list[NodeObservation]:
         """(node_id, op, predicted_bytes, measured_bytes, seconds) per node; ``fastest`` takes the min-over-members time."""
@@ -143,6 +150,7 @@ class ExecutionReport:
                     None,
                     max(p.in_flight for p in parts),
                     mine.lanes,
+                    max(p.running for p in parts),
                 )
             )
         return ExecutionReport(None, tuple(combined), max(s for s, _ in everything))
@@ -187,6 +195,9 @@ def execute_dag(
             not bad, "dag.nodes", f"node #{node.id} depends on later nodes {bad}: not a topological order"
         )
     _dry_run([(node.id, op) for node, ops in zip(dag.nodes, lane_ops, strict=True) for op in ops], colocate)
+    # Member groups are named by how many groups each process made before, so create every group
+    # the walk will use now, world-collectively and in the same order on every rank.
+    prepare_member_groups(communicating_rank_sets([op for ops in lane_ops for op in ops]))
     device = torch.device(device) if device is not None else default_device()
     mine = gpu_of.get(me)
     records: list[NodeRecord | None] = [None] * len(dag.nodes)
@@ -216,10 +227,25 @@ def execute_dag(
                 issued.lanes.append(_start(op, tuple(colocate.get(op.model_stage, ())), device))
             flying[node.id] = issued
             issued.in_flight = len(flying)
+            issued.running = sum(1 for f in flying.values() if f.completed is None)
             needs.append(frozenset((node.id,)))
         for nid in sorted(flying):
             records[nid] = flying[nid].finish()
     return ExecutionReport(me, tuple(r for r in records if r is not None), time.perf_counter() - start)
+
+
+def communicating_rank_sets(ops: Sequence[Primitive]) -> list[tuple[int, ...]]:
+    """Every rank set the collectives of ``ops`` span (the same list on every rank)."""
+    reg = registry()
+    out: list[tuple[int, ...]] = []
+    for op in ops:
+        if isinstance(op, Extend):
+            for i, sender in enumerate(op.source.ranks):
+                out.append((sender, *(u.ranks[i] for u in op.targets if u.ranks[i] != sender)))
+        elif isinstance(op, (Split, Merge)):
+            name = op.model_stage
+            out.append(reshard_plan(op, reg.schema(name), reg.trains[name]).ranks())
+    return out
 
 
 def _start(op: Primitive, colocate_with: tuple[str, ...], device: torch.device) -> Started:
@@ -231,14 +257,14 @@ def _start(op: Primitive, colocate_with: tuple[str, ...], device: torch.device) 
 class _Issued:
     """One node issued on this rank: its lanes' started primitives and when they completed."""
 
-    __slots__ = ("node", "ops", "ranks", "mine", "lanes", "began", "completed", "in_flight")
+    __slots__ = ("node", "ops", "ranks", "mine", "lanes", "began", "completed", "in_flight", "running")
 
     def __init__(self, node: Node, ops: list[Primitive], ranks: tuple[int, ...], mine: int | None) -> None:
         self.node, self.ops, self.ranks, self.mine = node, ops, ranks, mine
         self.lanes: list[Started] = []
         self.began = time.perf_counter()
         self.completed: float | None = None  # first seen complete by a poll
-        self.in_flight = 1
+        self.in_flight = self.running = 1
 
     def finish(self) -> NodeRecord:
         """Wait for every lane; this rank's record of the node."""
@@ -261,6 +287,7 @@ class _Issued:
             report,
             self.in_flight,
             len(self.ops),
+            self.running,
         )
 
 

@@ -54,8 +54,10 @@ def prepare_member_groups(rank_sets: Sequence[Sequence[int]]) -> None:
 
     for ranks in rank_sets:
         key = tuple(sorted(set(ranks)))
-        if len(key) < 2 or key in _GROUPS:
+        if len(key) < 2:
             continue
+        # Every rank calls group_for for every key (its cache is the same on every rank); skipping
+        # keys cached HERE would desynchronise non-members, who never cache a member group.
         group = group_for(key)
         if dist.get_rank() in key:
-            _GROUPS[key] = group
+            _GROUPS.setdefault(key, group)  # members that already share a group keep using it
