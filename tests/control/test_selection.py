@@ -194,3 +194,23 @@ def test_urgent_choice_weighs_latency_against_transition_cost():
     ctl.step(sig(0))
     d = ctl.step(sig(1, gpus=2))
     assert d.urgent and d.kind == "transition" and d.target == C
+
+
+def test_targets_with_the_layouts_of_a_failed_dag_are_tried_last():
+    same = gen_plan(2, 3)  # B's layout (TP2): its DAG would fail the same way
+    backend = FakeBackend([A, B, same, C], {A: 10.0, B: 5.0, same: 5.1, C: 5.2}, tran={B: None, same: None, C: 1.0})
+    ctl = make(backend, dag_budget_gpus=2 * 8)  # 2 DAGs per round at 8 GPUs
+    ctl.step(sig(0))
+    d = ctl.step(sig(1, length=2000))
+    assert d.kind == "transition" and d.target == C
+    verdicts = {c["latency"]: c["verdict"] for c in d.considered}
+    assert verdicts[5.1].startswith("not priced") and backend.calls["transition_cost"] == 2
+
+
+def test_no_pinned_planner_call_without_a_faster_target():
+    cur, pinned = train_plan(1, 4, 1), train_plan(1, 4, 2, micro_batch=2)
+    backend = PinningBackend([cur], {cur: 10.0, pinned: 9.0}, pinned_plans=[pinned])
+    ctl = make(backend, plan=cur)
+    ctl.step(sig(0))
+    d = ctl.step(sig(1, length=2000))  # drift; the planner's best is the current plan
+    assert d.kind == "keep" and backend.pinned_calls == []

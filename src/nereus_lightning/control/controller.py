@@ -26,6 +26,7 @@ decision log with its latency, ``L_tran``, net benefit and verdict.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -79,7 +80,8 @@ class ControllerConfig:
     * ``dag_budget_gpus``: per round of targets (the regular ones, then the pinned ones) at most
       ``max(2, dag_budget_gpus // pool size)`` transition DAGs are priced (4 at 1,024 GPUs, 64 at
       64): DAG pricing grows with the pool, so this bounds the replan time where it matters;
-      targets that cannot beat the chosen one are never priced.
+      targets that cannot beat the chosen one are never priced, and targets with the same
+      layouts as one whose DAG failed are priced last (the failure is usually a layout change).
     """
 
     gamma: float = 0.5
@@ -326,7 +328,7 @@ class Controller:
         weight = cfg.gamma * horizon if not urgent else max(cfg.gamma * horizon, 1.0)
         considered: list[dict[str, Any]] = []
         seen: list[Option] = []
-        state: dict[str, Any] = {"best": None, "priced": 0, "ref": current_latency}
+        state: dict[str, Any] = {"best": None, "priced": 0, "ref": current_latency, "failed": set()}
         budget = max(2, cfg.dag_budget_gpus // max(dag_cluster.num_gpus, 1))
 
         def evaluate(opt: Option) -> bool:
@@ -354,6 +356,7 @@ class Controller:
                 l_tran = self.backend.transition_cost(intact, opt.plan, dag_cluster, workload) * self.transition_scale
             except InfeasiblePlanError as exc:
                 entry["verdict"] = f"transition infeasible: {exc}"
+                state["failed"].add(layouts_of(opt.plan))
                 return False
             entry["L_tran"] = round(l_tran, 6)
             if urgent:
@@ -370,16 +373,27 @@ class Controller:
                 state["best"] = opt
             return first
 
+        def untried_layouts_first(options: Iterator[Option]) -> Iterator[Option]:
+            # A DAG fails mostly on a layout change (a Split that does not fit next to the
+            # co-resident state): targets with the layouts of a failed one are tried last.
+            pending = list(options)
+            while pending:
+                i = next((k for k, o in enumerate(pending) if layouts_of(o.plan) not in state["failed"]), 0)
+                yield pending.pop(i)
+
         stopped = False
-        for opt in source.regular(signals, cfg.try_follow_pool):
+        regular = source.regular(signals, cfg.try_follow_pool)
+        for opt in regular if first else untried_layouts_first(regular):
             if evaluate(opt):
                 stopped = True
                 break
-        if not stopped and cfg.pin_training and not first and (not seen or "net" not in seen[0].notes):
+        best_failed = ("net" not in seen[0].notes) if seen else urgent  # not urgent, no target: none is faster
+        if not stopped and cfg.pin_training and not first and best_failed:
             # The best target failed: also try the best plans that keep the training layouts
-            # (with a DAG budget of their own: they are the likely reachable ones).
+            # (with a DAG budget of their own: they are the likely reachable ones). Pinned plans
+            # are never faster than the planner's best, so without a faster target there is none.
             state["priced"] = 0
-            for opt in source.pinned():
+            for opt in untried_layouts_first(source.pinned()):
                 evaluate(opt)
         reasons += source.reasons
         chosen: Option | None = state["best"]
@@ -550,6 +564,11 @@ def _efficiencies(calibration: Any) -> dict[str, float]:
 
 def _bucket(value: float, tol: float) -> int:
     return int(math.floor(math.log(max(value, 1e-9)) / math.log1p(tol)))
+
+
+def layouts_of(plan: Plan) -> tuple:
+    """Every model-stage's TP/PP layout: what a transition DAG must Split or Merge."""
+    return tuple((name, cand.layout) for name, cand in plan.items())
 
 
 def _kinds(triggers: list[Trigger]) -> str:
