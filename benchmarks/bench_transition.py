@@ -4,10 +4,12 @@ Default run (about a minute on one core):
 1. **Overlap coordination** (the paper's Table 5): random PPO plan pairs (Llama-3.1-8B, 8 to 256
    GPUs) per overlap kind; the global DAG's outcome (valid / reported infeasible / invalid, which
    must stay 0) beside the per-component baseline's (safe / GPU or memory conflict / wait cycle).
-2. **Planning time**: CPU time of ``build_transition`` (cache cleared) plus ``validate`` at 32 ...
-   1,024 GPUs, for planner-made transitions (the plan for N/2 GPUs -> the plan for N GPUs, and a
-   response-length drift 1,024 -> 4,096 tokens at N GPUs) and for random relocations. Target
-   <= 5 ms at 1,024 GPUs; the paper reports 1.22 ms.
+2. **Planning time**: ``build_transition`` (cache cleared) plus ``validate``, timed together, at
+   32 ... 1,024 GPUs, for planner-made transitions (the plan for N/2 GPUs -> the plan for N GPUs,
+   and a response-length drift 1,024 -> 4,096 tokens at N GPUs), colocated plans doubled or
+   re-laid out, and random relocations. Medians of this process's CPU time (judged: other
+   processes sharing the machine count least) and of wall time. Target <= 5 ms at 1,024 GPUs;
+   the paper reports 1.22 ms.
 3. **L_tran vs the paper**: doubling the GPUs of an actor + critic training job (Llama-3.1-8B) on
    ``paper_cluster3``, 4 -> 8 ... 32 -> 64, beside the paper's measured Extend times.
 
@@ -19,11 +21,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
+import platform
 import random
 import statistics
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 from nereus_lightning.plan.layout import Candidate, Layout, Plan
 from nereus_lightning.spec import CLUSTER_PRESETS, MODEL_PRESETS, Workload
@@ -95,50 +100,42 @@ def _planner_plans(n: int):
     return models, cluster, work, {"grow N/2->N": (half, full), "drift 1K->4K tokens": (full, longer)}
 
 
-def _time(fn, repeats: int, setup=None) -> float:
-    """Best CPU seconds of ``fn()`` over ``repeats`` runs (``setup()`` runs untimed before each).
+class Timing(NamedTuple):
+    """Milliseconds of repeated runs: CPU time of this process (judged: other processes sharing
+    the machine count least) and wall time, best and median."""
 
-    CPU time (``process_time``), and the best run, so that other processes sharing the machine
-    count as little as possible; the median is in the JSON as ``*_median_ms``. The garbage
-    collector is off while timing, as in ``timeit``.
+    cpu_best: float
+    cpu_median: float
+    wall_median: float
+
+
+def _time(fn, repeats: int, setup=None) -> Timing:
+    """Time ``fn()`` over ``repeats`` runs (``setup()`` runs untimed before each).
+
+    CPU time is ``time.process_time`` and wall time ``time.perf_counter`` of the same runs; the
+    garbage collector is off while timing, as in ``timeit``.
     """
-    samples = []
+    cpu, wall = [], []
     for _ in range(repeats):
         if setup is not None:
             setup()  # e.g. empty the DAG cache: freeing the previous DAG is not construction
         gc.collect()
         gc.disable()  # as timeit does
         try:
-            t0 = time.process_time()
+            t0, w0 = time.process_time(), time.perf_counter()
             fn()
-            samples.append(time.process_time() - t0)
+            cpu.append(time.process_time() - t0)
+            wall.append(time.perf_counter() - w0)
         finally:
             gc.enable()
-    _time.median = statistics.median(samples)  # type: ignore[attr-defined]
-    return min(samples)
+    return Timing(1e3 * min(cpu), 1e3 * statistics.median(cpu), 1e3 * statistics.median(wall))
 
 
 def planning_times(sizes: tuple[int, ...], repeats: int) -> list[dict[str, object]]:
-    """CPU milliseconds of DAG construction and validation per scenario and size."""
+    """Milliseconds of DAG construction and validation per scenario and size (CPU and wall)."""
     rows: list[dict[str, object]] = []
     for n in sizes:
-        scenarios = {}
-        planned = _planner_plans(n)
-        if planned:
-            models, cluster, work, pairs = planned
-            for name, (a, b) in pairs.items():
-                scenarios[name] = (a, b, models, cluster, work)
-        models, cluster, work = (
-            default_models(),
-            CLUSTER_PRESETS["paper_cluster3"].with_gpus(n),
-            Workload("ppo"),
-        )
-        scenarios["colocated: DP x2"] = (colocated_plan(n // 2), colocated_plan(n), models, cluster, work)
-        relayout = colocated_plan(n, gen=Layout(1, 1), infer=Layout(2, 1), train=Layout(4, 1))
-        scenarios["colocated: relayout"] = (colocated_plan(n), relayout, models, cluster, work)
-        case = random_case(random.Random(n), "cross_model_cross_stage", n, slack=(1.5, 2.0))
-        scenarios["random relocation"] = case.args()
-        for name, args in scenarios.items():
+        for name, args in _scenarios(n).items():
             row: dict[str, object] = {"gpus": n, "scenario": name}
 
             def build(args=args):
@@ -148,30 +145,70 @@ def planning_times(sizes: tuple[int, ...], repeats: int) -> list[dict[str, objec
             try:
                 dag = build()
             except InfeasiblePlanError:
+                t = _time(lambda: _swallow(build), repeats, setup=_build.cache_clear)
                 row.update(
                     outcome="infeasible",
-                    build_ms=1e3 * _time(lambda: _swallow(build), repeats, setup=_build.cache_clear),
-                    build_median_ms=1e3 * _time.median,  # type: ignore[attr-defined]
+                    build_ms=t.cpu_best,
+                    build_median_ms=t.cpu_median,
+                    build_wall_median_ms=t.wall_median,
+                    total_ms=t.cpu_best,
+                    total_median_ms=t.cpu_median,
+                    total_wall_median_ms=t.wall_median,
                 )
                 rows.append(row)
                 continue
             row.update(
                 outcome="valid" if validate(dag).valid else "INVALID",
                 nodes=len(dag.nodes),
+                lanes=sum(n.width for n in dag.nodes),  # replica-level primitive calls
                 resource_edges=dag.resource_edges,
             )
-            row["build_ms"] = 1e3 * _time(build, repeats, setup=_build.cache_clear)
-            row["build_median_ms"] = 1e3 * _time.median  # type: ignore[attr-defined]
-            row["validate_ms"] = 1e3 * _time(lambda dag=dag: validate(dag), repeats)
-            row["validate_median_ms"] = 1e3 * _time.median  # type: ignore[attr-defined]
-            row["cost_ms"] = 1e3 * _time(
-                lambda args=args: build_transition(*args).cost, repeats, setup=_clear
+            b = _time(build, repeats, setup=_build.cache_clear)
+            v = _time(lambda dag=dag: validate(dag), repeats)
+            both = _time(lambda: validate(build()), repeats, setup=_build.cache_clear)
+            c = _time(lambda args=args: build_transition(*args).cost, repeats, setup=_clear)
+            row.update(
+                build_ms=b.cpu_best,
+                build_median_ms=b.cpu_median,
+                build_wall_median_ms=b.wall_median,
+                validate_ms=v.cpu_best,
+                validate_median_ms=v.cpu_median,
+                validate_wall_median_ms=v.wall_median,
+                total_ms=both.cpu_best,  # build + validate, timed together
+                total_median_ms=both.cpu_median,
+                total_wall_median_ms=both.wall_median,
+                cost_ms=c.cpu_median,
+                l_tran_s=dag.cost,
             )
-            row["l_tran_s"] = dag.cost
-            row["total_ms"] = row["build_ms"] + row["validate_ms"]
-            row["total_median_ms"] = row["build_median_ms"] + row["validate_median_ms"]
             rows.append(row)
     return rows
+
+
+def _scenarios(n: int) -> dict[str, tuple]:
+    """The (current, target, models, cluster, workload) of every timed scenario at ``n`` GPUs."""
+    scenarios = {}
+    planned = _planner_plans(n)
+    if planned:
+        models, cluster, work, pairs = planned
+        for name, (a, b) in pairs.items():
+            scenarios[name] = (a, b, models, cluster, work)
+    models, cluster, work = (
+        default_models(),
+        CLUSTER_PRESETS["paper_cluster3"].with_gpus(n),
+        Workload("ppo"),
+    )
+    scenarios["colocated: DP x2"] = (colocated_plan(n // 2), colocated_plan(n), models, cluster, work)
+    relayout = colocated_plan(n, gen=Layout(1, 1), infer=Layout(2, 1), train=Layout(4, 1))
+    scenarios["colocated: relayout"] = (colocated_plan(n), relayout, models, cluster, work)
+    case = random_case(random.Random(n), "cross_model_cross_stage", n, slack=(1.5, 2.0))
+    scenarios["random relocation"] = case.args()
+    return scenarios
+
+
+def _machine() -> str:
+    """What the timings ran on: CPUs, load, Python."""
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return f"{os.cpu_count()} CPUs, load average {load:.2f} at the end, Python {platform.python_version()}"
 
 
 def _clear() -> bool:
@@ -248,7 +285,8 @@ def paper_extend() -> list[dict[str, float]]:
             {
                 "from_gpus": n,
                 "to_gpus": 2 * n,
-                "extends": len(dag.nodes),
+                "extends": sum(n.width for n in dag.nodes),  # replica-level Extends
+                "nodes": len(dag.nodes),
                 "gb_moved": dag.total_bytes / 1e9,
                 "predicted_s": dag.cost,
                 "predicted_weights_only_s": light.cost,
@@ -266,7 +304,7 @@ def main(argv: list[str] | None = None) -> dict:
     """Run the three benchmarks, print tables and write ``results/transition.json``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", type=int, default=40, help="random cases per overlap kind")
-    parser.add_argument("--repeats", type=int, default=7, help="timing repeats (best CPU time is reported)")
+    parser.add_argument("--repeats", type=int, default=9, help="timing repeats (medians are reported)")
     args = parser.parse_args(argv)
 
     table = overlap_table(args.cases, (8, 16, 32, 64, 128, 256))
@@ -284,20 +322,35 @@ def main(argv: list[str] | None = None) -> dict:
 
     timing = planning_times((32, 64, 128, 256, 512, 1024), args.repeats)
     print(
-        "\nPlanning time: build_transition (DAG cache empty) + validate, best CPU ms of the repeats (median:"
+        "\nPlanning time: build_transition (DAG cache empty) + validate, timed together; medians of CPU and"
     )
-    print("'median'); target <= 5 ms at 1,024 GPUs, paper 1.22 ms. 'build+cost' = build_transition + L_tran")
-    print("(what the controller pays per candidate).")
     print(
-        f"{'gpus':>5} {'scenario':22} {'outcome':10} {'nodes':>5} {'edges':>5} {'build':>7} {'validate':>8} "
-        f"{'total':>7} {'median':>7} {'build+cost':>10}"
+        "wall ms over the repeats (CPU judged); target <= 5 ms at 1,024 GPUs, paper 1.22 ms. 'lanes': replica-level"
+    )
+    print("primitive calls carried by the nodes; 'cost': build_transition + L_tran, CPU median.")
+    print(
+        f"{'gpus':>5} {'scenario':22} {'outcome':10} {'nodes':>5} {'lanes':>5} {'edges':>5} {'build':>7} "
+        f"{'validate':>8} {'total cpu':>9} {'total wall':>10} {'cost':>7}"
     )
     for r in timing:
         print(
-            f"{r['gpus']:5d} {r['scenario']:22} {r['outcome']:10} {r.get('nodes', 0):5d} {r.get('resource_edges', 0):5d} "
-            f"{r['build_ms']:7.2f} {r.get('validate_ms', 0.0):8.2f} {r.get('total_ms', r['build_ms']):7.2f} "
-            f"{r.get('total_median_ms', r['build_median_ms']):7.2f} {r.get('cost_ms', 0.0):10.2f}"
+            f"{r['gpus']:5d} {r['scenario']:22} {r['outcome']:10} {r.get('nodes', 0):5d} {r.get('lanes', 0):5d} "
+            f"{r.get('resource_edges', 0):5d} {r['build_median_ms']:7.2f} {r.get('validate_median_ms', 0.0):8.2f} "
+            f"{r['total_median_ms']:9.2f} {r['total_wall_median_ms']:10.2f} {r.get('cost_ms', 0.0):7.2f}"
         )
+    at_max = [r for r in timing if r["gpus"] == 1024]
+    summary = {
+        "target_ms": 5.0,
+        "judged_by": "median process CPU time (time.process_time) of build + validate, timed together",
+        "worst_cpu_median_ms_at_1024": max(r["total_median_ms"] for r in at_max),
+        "worst_wall_median_ms_at_1024": max(r["total_wall_median_ms"] for r in at_max),
+        "machine": _machine(),
+    }
+    summary["meets_target_at_1024"] = summary["worst_cpu_median_ms_at_1024"] <= summary["target_ms"]
+    print(
+        f"worst at 1,024 GPUs: {summary['worst_cpu_median_ms_at_1024']:.2f} ms CPU, "
+        f"{summary['worst_wall_median_ms_at_1024']:.2f} ms wall (target 5 ms); {summary['machine']}"
+    )
 
     extend = paper_extend()
     print(
@@ -325,7 +378,12 @@ def main(argv: list[str] | None = None) -> dict:
         "set-up per node, no process start-up, allocation or synchronisation overheads (the calibration learns those)."
     )
 
-    result = {"overlap_table": table, "planning_time": timing, "paper_extend": extend}
+    result = {
+        "overlap_table": table,
+        "planning_time": timing,
+        "planning_time_summary": summary,
+        "paper_extend": extend,
+    }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "transition.json").write_text(json.dumps(result, indent=2))
     return result

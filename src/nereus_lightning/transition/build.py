@@ -71,11 +71,12 @@ def _build(
 ) -> TransitionDAG:
     ctx = make_context(current, target, dict(models), cluster, workload)
     batched = batchable(ctx)
-    nodes = union_of_local_dags(ctx, batched)
+    parts = {name: _local(ctx, name, name in batched) for name in ctx.current}
+    nodes = _numbered(parts)
     growth = memory_growth(nodes, cluster.num_gpus)
     if batched:
         # A model-stage touching a GPU that may overflow needs per-replica memory ordering:
-        # build it per replica (the growth per GPU is the same either way).
+        # rebuild it per replica (the growth per GPU is the same either way).
         tight = _tight(ctx, growth)
         if tight:
             wide = {
@@ -84,7 +85,8 @@ def _build(
                 if n.model_stage in batched and not tight.isdisjoint([e[0] for e in n.mem])
             }
             if wide:
-                nodes = union_of_local_dags(ctx, batched - wide)
+                parts.update({name: _local(ctx, name, False) for name in wide})
+                nodes = _numbered(parts)
     order = _order_with_resource_edges(nodes, ctx, growth)
     dag = TransitionDAG(order, ctx, global_order=True)
     dag._growth = ((cluster.num_gpus, *(n.mem for n in order)), growth)  # validate reuses it
@@ -171,14 +173,28 @@ def union_of_local_dags(ctx: TransitionContext, batched: Collection[str] = ()) -
 
     Model-stages in ``batched`` get one node per step for all their replicas (``local_dag(batch=True)``).
     """
+    return _numbered({name: _local(ctx, name, name in batched) for name in ctx.current})
+
+
+def _local(ctx: TransitionContext, name: str, batch: bool) -> list[Node]:
+    """The local DAG of model-stage ``name``, ids from 0."""
+    ms = ctx.stages[name]
+    geo = geometry(ctx.models[ms.model], ms.trains)
+    memory_of = lambda layout: ctx.memory_of(name, layout)  # noqa: E731
+    return local_dag(name, geo, memory_of, ctx.current[name], ctx.target[name], ctx.cluster, batch=batch)
+
+
+def _numbered(parts: Mapping[str, list[Node]]) -> list[Node]:
+    """The local DAGs (each numbered contiguously) concatenated in order, ids and deps shifted in place."""
     nodes: list[Node] = []
-    for name, cur in ctx.current.items():
-        ms = ctx.stages[name]
-        geo = geometry(ctx.models[ms.model], ms.trains)
-        memory_of = lambda layout, _n=name: ctx.memory_of(_n, layout)  # noqa: E731
-        nodes += local_dag(
-            name, geo, memory_of, cur, ctx.target[name], ctx.cluster, len(nodes), batch=name in batched
-        )
+    for part in parts.values():
+        shift = len(nodes) - part[0].id if part else 0  # a part numbered before keeps its ids apart
+        if shift:
+            for n in part:
+                n.id += shift
+                if n.deps:
+                    n.deps = [d + shift for d in n.deps]
+        nodes += part
     return nodes
 
 

@@ -16,6 +16,7 @@ the blocks its target shard needs (``models.sharding``: chunk ``r`` of ``k * tp`
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import defaultdict
 from collections.abc import Callable
 from functools import lru_cache, partial
@@ -149,41 +150,64 @@ def local_dag(
         return []
     s = common_layout(a, b)
     pick_a, pick_b = _pickers(a, s), _pickers(b, s)
-    cur_units = [_new(Unit, (a, current.gpus[i : i + a.size])) for i in range(0, len(current.gpus), a.size)]
-    tgt_units = [_new(Unit, (b, target.gpus[i : i + b.size])) for i in range(0, len(target.gpus), b.size)]
+    # Units as GPU tuples (a Unit is made only for the units a node names).
+    cur_units = _chunks(current.gpus, a.size)
+    tgt_units = _chunks(target.gpus, b.size)
 
     # T_sub units each current unit would split into, indexed by their GPU tuple: the target's
     # strided slots when they tile the unit exactly (then Merge or nothing follows in place),
     # else the position-wise split.
     split_into: list[list[tuple[int, ...]]] = []
+    by_position: set[int] = set()  # current units split position-wise (tiles ``sub_position(a, s)``)
     where: dict[tuple[int, ...], tuple[int, int]] = {}
+    strided: list[list[tuple[int, ...]]] = []  # per target unit, its strided T_sub slots (once asked)
+
+    def strided_rows() -> list[list[tuple[int, ...]]]:
+        if not strided:
+            strided.extend([f(v) for f in pick_b] for v in tgt_units)
+        return strided
+
     if a == s:
-        split_into = [[u.gpus] for u in cur_units]
-        where = {u.gpus: (i, 0) for i, u in enumerate(cur_units)}
+        split_into = [[u] for u in cur_units]
+        where = {u: (i, 0) for i, u in enumerate(cur_units)}
     else:
         if b == s:  # the target's units are the slots (its one picker keeps the order)
-            slot_at = {g: v.gpus for v in tgt_units for g in v.gpus}
+            slot_at = {g: v for v in tgt_units for g in v}
         else:
-            slot_at = {g: t for v in tgt_units for t in (f(v.gpus) for f in pick_b) for g in t}
+            slot_at = {g: t for row in strided_rows() for t in row for g in t}
         for i, u in enumerate(cur_units):
             # Slots are disjoint, so they tile ``u`` exactly iff they cover its GPUs and no more.
-            cover = list(map(slot_at.get, u.gpus))
+            cover = list(map(slot_at.get, u))
             tiles = list(dict.fromkeys(cover))
-            if None in tiles or sum(map(len, tiles)) != len(u.gpus):
-                tiles = [f(u.gpus) for f in pick_a]
+            by_pick = [f(u) for f in pick_a]
+            if tiles == by_pick:
+                by_position.add(i)
+            elif None in tiles or sum(map(len, tiles)) != len(u):
+                tiles = by_pick
+                by_position.add(i)
             split_into.append(tiles)
             for j, t in enumerate(tiles):
                 where[t] = (i, j)
-    sub_at = {g: t for t in where for g in t}  # the T_sub unit each current GPU would be part of
+    sub_at: dict[int, tuple[int, ...]] = {}  # the T_sub unit each current GPU would be part of
+
+    def sub_at_of() -> dict[int, tuple[int, ...]]:  # made on first need (many plans never ask)
+        if not sub_at and where:
+            sub_at.update({g: t for t in where for g in t})
+        return sub_at
+
     # Per target unit, the T_sub units its Merge fuses (reused in place or to be extended).
     if b == s:  # each target unit is one slot: reused in place when a T_sub unit sits exactly on it
-        apart = sub_at.keys().isdisjoint  # nothing of this model-stage there: extend onto it
         slots = [
-            [v.gpus] if v.gpus in where or apart(v.gpus) else _slots_of(v, b, s, pick_b, where, sub_at)
+            [v]
+            if v in where or sub_at_of().keys().isdisjoint(v)
+            else _slots_of(v, [v], b, s, where, sub_at_of)
             for v in tgt_units
         ]
     else:
-        slots = [_slots_of(v, b, s, pick_b, where, sub_at) for v in tgt_units]
+        slots = [
+            _slots_of(v, row, b, s, where, sub_at_of)
+            for v, row in zip(tgt_units, strided_rows(), strict=True)
+        ]
     reused = {t for row in slots for t in row if t in where}
     missing = [t for row in slots for t in row if t not in where]
     split_units = sorted({where[t][0] for t in reused})
@@ -227,7 +251,7 @@ def local_dag(
     mem_a, mem_s, mem_b = memory_of(a), memory_of(s), memory_of(b)
     destroy = Primitive.DESTROY
     made_by: dict[tuple[int, ...], int] = {}  # T_sub unit gpus -> node that created it
-    splitting = [i for i in split_units if any(t in kept for t in split_into[i])]
+    splitting = [i for i in split_units if not kept.isdisjoint(split_into[i])]
     if a != s:
         # Units of one model-stage mostly split alike: pattern, buffers and net effects per tiling.
         by_tiles: dict[tuple[tuple[int, ...], ...], tuple[Pattern, tuple[float, ...], tuple[int, ...]]] = {}
@@ -239,10 +263,10 @@ def local_dag(
             # free their shard); a full one (the paper's) makes all of them, the unused dropped next.
             u = cur_units[i]
             subs = [t for t in split_into[i] if t in kept] if PARTIAL_SPLIT else split_into[i]
-            if subs == [f(u.gpus) for f in pick_a]:  # the position-wise split: its tiles are known
+            if i in by_position and not PARTIAL_SPLIT:  # the position-wise split: tiles known
                 tiles = picked_a
             else:
-                at = dict(zip(u.gpus, positions, strict=True)).__getitem__
+                at = dict(zip(u, positions, strict=True)).__getitem__
                 tiles = tuple(tuple(map(at, t)) for t in subs)
             known = by_tiles.get(tiles)
             if known is None:
@@ -254,11 +278,11 @@ def local_dag(
             nid = add(
                 0,
                 split,
-                (u,),
+                (_new(Unit, (a, u)),),
                 tuple([_new(Unit, (s, t)) for t in subs]),
-                partial(_placed, u.gpus, pattern),  # built when read
+                partial(_placed, u, pattern),  # built when read
                 (),
-                tuple(zip(u.gpus, nets, buf, strict=True)),
+                tuple(zip(u, nets, buf, strict=True)),
             )
             for t in subs:
                 made_by[t] = nid
@@ -268,7 +292,7 @@ def local_dag(
     keep_units = set(splitting)
     for i, u in enumerate(cur_units):
         if i not in keep_units:
-            add(2, destroy, (u,), (), (), (), _uniform(u.gpus, -mem_a))
+            add(2, destroy, (_new(Unit, (a, u)),), (), (), (), _uniform(u, -mem_a))
 
     readers: dict[tuple[int, ...], list[int]] = defaultdict(list)
     extend = Primitive.EXTEND
@@ -301,34 +325,45 @@ def local_dag(
     merge = Primitive.MERGE
     picked_b = sub_positions(b, s)
     merged: dict[tuple[tuple[int, ...], ...], tuple[Pattern, tuple[int, ...]]] = {}
+    strided_known: tuple[Pattern, tuple[int, ...]] | None = None
     net_b = mem_b - mem_s
-    for v, row in zip(tgt_units, slots, strict=True):
-        if b_is_s and row[0] == v.gpus:
+    rows = strided if strided else [None] * len(tgt_units)
+    for v, row, row_strided in zip(tgt_units, slots, rows, strict=True):
+        if b_is_s and row[0] == v:
             continue
-        if row == [f(v.gpus) for f in pick_b]:  # the strided slots: their tiles are known
+        if row is row_strided:  # the strided slots (``_slots_of`` hands the list back): tiles known
             tiles = picked_b
         else:
-            at = dict(zip(v.gpus, positions, strict=True)).__getitem__
+            at = dict(zip(v, positions, strict=True)).__getitem__
             tiles = tuple(tuple(map(at, t)) for t in row)
-        known = merged.get(tiles)
-        if known is None:
-            pattern, buf = _merge_pattern(geo, s, b, tiles)
-            known = merged[tiles] = (pattern, buf)
+        if tiles is picked_b and strided_known is not None:  # the common case: no hashing
+            known = strided_known
+        else:
+            known = merged.get(tiles)
+            if known is None:
+                known = merged[tiles] = _merge_pattern(geo, s, b, tiles)
+            if tiles is picked_b:
+                strided_known = known
         pattern, buf = known
         # A Merge consumes its inputs: after whatever created them and every Extend that reads them.
-        deps = {made_by[t] for t in row if t in made_by}
+        deps = {made_by[t] for t in row if t in made_by} if made_by else set()
         if readers:
             deps = deps.union(*(readers.get(t, ()) for t in row))
         add(
             last + 2,
             merge,
             tuple([_new(Unit, (s, t)) for t in row]),
-            (v,),
-            partial(_placed, v.gpus, pattern),  # built when read
+            (_new(Unit, (b, v)),),
+            partial(_placed, v, pattern),  # built when read
             sorted(deps),
-            tuple(zip(v.gpus, repeat(net_b), buf)),
+            tuple(zip(v, repeat(net_b), buf)),
         )
     return out.nodes()
+
+
+def _chunks(gpus: tuple[int, ...], size: int) -> list[tuple[int, ...]]:
+    """``gpus`` cut into consecutive tuples of ``size``."""
+    return list(zip(*[iter(gpus)] * size, strict=True))
 
 
 class _Lanes:
@@ -360,30 +395,29 @@ class _Lanes:
         if not self.batch:
             return self._nodes
         lanes = self._lanes
-        steps = sorted({lane[0] for lane in lanes})
+        by_step: dict[int, list[tuple]] = defaultdict(list)
+        for lane in lanes:
+            by_step[lane[0]].append(lane)
+        steps = sorted(by_step)
         node_of = {st: self.first_id + i for i, st in enumerate(steps)}
         lane_node = [node_of[lane[0]] for lane in lanes]
         first = self.first_id
         out = []
+        chain = itertools.chain.from_iterable
         for st in steps:
-            mine = [lane for lane in lanes if lane[0] == st]
-            op = mine[0][1]
-            deps: set[int] = set()
-            for lane in mine:
-                if lane[5]:
-                    deps.update([lane_node[d - first] for d in lane[5]])
-            parts = [lane[4] for lane in mine]
+            _, ops, srcs, tgts, parts, deps, mems = zip(*by_step[st], strict=True)
+            lane_deps = [d for d in chain(deps)]
             out.append(
                 Node(
                     node_of[st],
-                    op,
+                    ops[0],
                     self.name,
-                    tuple([u for lane in mine for u in lane[2]]),
-                    tuple([u for lane in mine for u in lane[3]]),
+                    tuple(chain(srcs)),
+                    tuple(chain(tgts)),
                     partial(_concat, parts),
-                    sorted(deps),
-                    tuple([e for lane in mine for e in lane[6]]),
-                    lanes=tuple([(len(lane[2]), len(lane[3]), len(lane[6]), lane[4]) for lane in mine]),
+                    sorted({lane_node[d - first] for d in lane_deps}),
+                    tuple(chain(mems)),
+                    lanes=tuple(zip(map(len, srcs), map(len, tgts), map(len, mems), parts, strict=True)),
                 )
             )
         return out
@@ -399,30 +433,31 @@ def _concat(parts: list) -> list[Transfer]:
 
 
 def _slots_of(
-    v: Unit,
+    v: tuple[int, ...],
+    strided: list[tuple[int, ...]],
     b: Layout,
     s: Layout,
-    pick_b: tuple[Callable[[tuple[int, ...]], tuple[int, ...]], ...],
     where: dict[tuple[int, ...], tuple[int, int]],
-    sub_at: dict[int, tuple[int, ...]],
+    sub_at_of: Callable[[], dict[int, tuple[int, ...]]],
 ) -> list[tuple[int, ...]]:
-    """The ``T_sub`` units target unit ``v`` is merged from.
+    """The ``T_sub`` units the target unit on GPUs ``v`` is merged from (``strided``: its strided
+    slots; handed back as is when every one exists or none can).
 
     First the T_sub units (of split current units) lying exactly on a strided slot (Merge copies
     nothing there), then any other T_sub unit inside ``v``'s GPUs (Merge copies the pieces its
     GPUs lack), then new slots for Extend on the rest, each GPU at the sub-position whose shard
     contains its target shard where possible.
     """
-    strided = [f(v.gpus) for f in pick_b]
     row = [t for t in strided if t in where]
     if len(row) == len(strided):
-        return row  # every strided slot already exists
-    if not row and sub_at.keys().isdisjoint(v.gpus):
+        return strided  # every strided slot already exists
+    sub_at = sub_at_of()
+    if not row and sub_at.keys().isdisjoint(v):
         return strided  # nothing of this model-stage inside: Extend onto the strided slots
-    inside = set(v.gpus)
+    inside = set(v)
     covered = {g for t in row for g in t}
     if len(covered) < len(inside):
-        for g in v.gpus:
+        for g in v:
             t = sub_at.get(g)
             if t is not None and g not in covered and inside.issuperset(t):
                 row.append(t)
@@ -431,7 +466,7 @@ def _slots_of(
         return row
     k_tp, k_pp = b.tp // s.tp, b.pp // s.pp
     queues: list[list[int]] = [[] for _ in range(s.size)]
-    for x, g in enumerate(v.gpus):
+    for x, g in enumerate(v):
         if g not in covered:
             p, t = divmod(x, b.tp)
             queues[(p // k_pp) * s.tp + t // k_tp].append(g)
