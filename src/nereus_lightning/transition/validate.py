@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from operator import add
+from functools import reduce
+from operator import add, itemgetter, or_
 
 from nereus_lightning.plan.layout import Plan
 from nereus_lightning.plan.memory import memory_cap
-from nereus_lightning.transition.dag import Node, Primitive, TransitionDAG
+from nereus_lightning.transition.dag import Node, Primitive, TransitionDAG, Unit
 
 GB = 1e9
 
@@ -119,9 +120,22 @@ def _units(plan: Plan) -> dict[str, dict[tuple[int, ...], tuple[int, int]]]:
     """
     out = {}
     for name, c in plan.items():
-        size, gpus, lay = c.layout.size, c.gpus, (c.layout.tp, c.layout.pp)
-        out[name] = {gpus[i : i + size]: lay for i in range(0, len(gpus), size)}
+        size, lay = c.layout.size, (c.layout.tp, c.layout.pp)
+        out[name] = dict.fromkeys(zip(*[iter(c.gpus)] * size, strict=True), lay)
     return out
+
+
+_LAYOUT, _GPUS = itemgetter(0), itemgetter(1)  # a transition Unit is (layout, gpus)
+
+
+def _shapes(units: tuple[Unit, ...]) -> tuple[list[tuple[int, ...]], list[tuple[int, int]]]:
+    """The GPU tuples of ``units`` and their ``(tp, pp)`` (one lookup when they share a layout)."""
+    keys = list(map(_GPUS, units))
+    lays = list(map(_LAYOUT, units))
+    first = lays[0] if lays else None
+    if first is not None and lays.count(first) == len(lays):  # identity first: C speed
+        return keys, [(first.tp, first.pp)] * len(lays)
+    return keys, [(x.tp, x.pp) for x in lays]
 
 
 def _initial(dag: TransitionDAG) -> dict[str, dict[tuple[int, ...], tuple[int, int]]]:
@@ -186,11 +200,11 @@ def _replay(dag: TransitionDAG, order: list[Node], problems: list[str], label: s
     for n in order:
         ms = n.model_stage
         units = alive[ms]
-        for u in n.sources:
-            if units.get(u.gpus) != (u.layout.tp, u.layout.pp):
-                missing = [u for u in n.sources if units.get(u.gpus) != (u.layout.tp, u.layout.pp)]
-                problems.append(f"structure{label}: {n} reads units that do not exist: {missing}")
-                return peak
+        keys, lays = _shapes(n.sources)
+        if list(map(units.get, keys)) != lays:
+            missing = [u for u in n.sources if units.get(u.gpus) != (u.layout.tp, u.layout.pp)]
+            problems.append(f"structure{label}: {n} reads units that do not exist: {missing}")
+            return peak
         for g, net, transient in effects[n.id]:
             top = mem[g] + (net if net > 0 else 0.0) + transient
             if top > peak:
@@ -202,12 +216,16 @@ def _replay(dag: TransitionDAG, order: list[Node], problems: list[str], label: s
             mem[g] += net
         op = n.op
         if op is not extend:
-            for u in n.sources:
-                del units[u.gpus]
-        for u in n.targets:
-            if u.gpus in units:
-                problems.append(f"structure{label}: {n} creates {u} where a unit already is")
-            units[u.gpus] = (u.layout.tp, u.layout.pp)
+            for key in keys:
+                del units[key]
+        keys, lays = _shapes(n.targets)
+        if not units.keys().isdisjoint(keys) or len(set(keys)) != len(keys):
+            seen: set[tuple[int, ...]] = set()
+            for u in n.targets:
+                if u.gpus in units or u.gpus in seen:
+                    problems.append(f"structure{label}: {n} creates {u} where a unit already is")
+                seen.add(u.gpus)
+        units.update(zip(keys, lays, strict=True))
         if not units:
             problems.append(f"last copy{label}: {ms} has no unit left after {n}")
         if ms in counted:  # Extend acquires GPUs; Destroy and Split release some; Merge neither
@@ -241,12 +259,15 @@ def _any_order_gpus(dag: TransitionDAG) -> list[str]:
     stage = {name: ms.stage for name, ms in ctx.stages.items()}
     peers = {a: [b for b in ctx.current if b != a and stage[a] == stage[b]] for a in ctx.current}
     leaves: dict[str, dict[int, list[int]]] = {name: {} for name in ctx.current}  # model-stage: GPU: nodes
+    masks: dict[str, dict[int, int]] = {name: {} for name in ctx.current}  # the same as bit masks
     watched = {b for a in ctx.current for b in peers[a]}  # model-stages with same-stage peers
     for n in dag.nodes:
         if (n.op is Primitive.DESTROY or n.op is Primitive.SPLIT) and n.model_stage in watched:
-            mine = leaves[n.model_stage]
+            mine, mask = leaves[n.model_stage], masks[n.model_stage]
+            bit = 1 << n.id
             for g in n.released_gpus:
                 mine.setdefault(g, []).append(n.id)
+                mask[g] = mask.get(g, 0) | bit
     anc: list[int] = []  # computed on first need
     out: list[str] = []
     exposed = {a for a in ctx.current if any(leaves[b] for b in peers[a])}  # some same-stage peer leaves
@@ -260,6 +281,11 @@ def _any_order_gpus(dag: TransitionDAG) -> list[str]:
             continue  # no same-stage model-stage leaves these GPUs: nothing to order
         if not anc:
             anc = _ancestors(dag)
+        need = 0  # every leaving node on these GPUs, which must all be ancestors
+        for other in peers[n.model_stage]:
+            need = reduce(or_, filter(None, map(masks[other].get, gpus)), need)
+        if not need & ~anc[n.id]:
+            continue
         for g in gpus:
             for other in peers[n.model_stage]:
                 for d in leaves[other].get(g, ()):
