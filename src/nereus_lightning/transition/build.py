@@ -34,7 +34,7 @@ from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
 from nereus_lightning.spec.model import ModelSpec
 from nereus_lightning.spec.workload import ModelStage, Workload
 from nereus_lightning.transition.dag import Node, Primitive, TransitionContext, TransitionDAG, memory_growth
-from nereus_lightning.transition.local import common_layout, local_dag
+from nereus_lightning.transition.local import LocalLanes, common_layout, local_lanes
 from nereus_lightning.transition.pieces import geometry
 
 _OP_RANK = {Primitive.DESTROY: 0, Primitive.MERGE: 1, Primitive.SPLIT: 2, Primitive.EXTEND: 3}
@@ -71,7 +71,8 @@ def _build(
 ) -> TransitionDAG:
     ctx = make_context(current, target, dict(models), cluster, workload)
     batched = batchable(ctx)
-    parts = {name: _local(ctx, name, name in batched) for name in ctx.current}
+    lanes = {name: _local(ctx, name) for name in ctx.current}
+    parts = {name: calls.nodes(name in batched) for name, calls in lanes.items()}
     nodes = _numbered(parts)
     growth = memory_growth(nodes, cluster.num_gpus)
     if batched:
@@ -85,7 +86,7 @@ def _build(
                 if n.model_stage in batched and not tight.isdisjoint([e[0] for e in n.mem])
             }
             if wide:
-                parts.update({name: _local(ctx, name, False) for name in wide})
+                parts.update({name: lanes[name].nodes(False) for name in wide})
                 nodes = _numbered(parts)
     order = _order_with_resource_edges(nodes, ctx, growth)
     dag = TransitionDAG(order, ctx, global_order=True)
@@ -173,15 +174,15 @@ def union_of_local_dags(ctx: TransitionContext, batched: Collection[str] = ()) -
 
     Model-stages in ``batched`` get one node per step for all their replicas (``local_dag(batch=True)``).
     """
-    return _numbered({name: _local(ctx, name, name in batched) for name in ctx.current})
+    return _numbered({name: _local(ctx, name).nodes(name in batched) for name in ctx.current})
 
 
-def _local(ctx: TransitionContext, name: str, batch: bool) -> list[Node]:
-    """The local DAG of model-stage ``name``, ids from 0."""
+def _local(ctx: TransitionContext, name: str) -> LocalLanes:
+    """The primitive calls of model-stage ``name``'s local DAG."""
     ms = ctx.stages[name]
     geo = geometry(ctx.models[ms.model], ms.trains)
     memory_of = lambda layout: ctx.memory_of(name, layout)  # noqa: E731
-    return local_dag(name, geo, memory_of, ctx.current[name], ctx.target[name], ctx.cluster, batch=batch)
+    return local_lanes(name, geo, memory_of, ctx.current[name], ctx.target[name], ctx.cluster)
 
 
 def _numbered(parts: Mapping[str, list[Node]]) -> list[Node]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import operator
 from collections import defaultdict
 from collections.abc import Callable
 from functools import lru_cache, partial
@@ -145,9 +146,23 @@ def local_dag(
     once (its lanes: the Splits, the Destroys of unused pieces, of unused units, the Extends of
     one chain depth, the Destroys of sources, the Merges); its deps are the union of its lanes'.
     """
+    return local_lanes(name, geo, memory_of, current, target, cluster).nodes(batch, first_id)
+
+
+def local_lanes(
+    name: str,
+    geo: Geometry,
+    memory_of: Callable[[Layout], float],
+    current: Candidate,
+    target: Candidate,
+    cluster: ClusterSpec,
+) -> LocalLanes:
+    """The primitive calls of one model-stage's local DAG (see :func:`local_dag`), to be made into
+    nodes per replica or per step (:meth:`LocalLanes.nodes`) without planning them again."""
+    out = LocalLanes(name)
     a, b = current.layout, target.layout
     if a == b and current.gpus == target.gpus:
-        return []
+        return out
     s = common_layout(a, b)
     pick_a, pick_b = _pickers(a, s), _pickers(b, s)
     # Units as GPU tuples (a Unit is made only for the units a node names).
@@ -245,19 +260,41 @@ def local_dag(
         local[node].append(slot)
     kept = reused | {src for src, _ in extends if src in where}
 
-    out = _Lanes(name, first_id, batch)
     add = out.add
 
     mem_a, mem_s, mem_b = memory_of(a), memory_of(s), memory_of(b)
     destroy = Primitive.DESTROY
     made_by: dict[tuple[int, ...], int] = {}  # T_sub unit gpus -> node that created it
     splitting = [i for i in split_units if not kept.isdisjoint(split_into[i])]
+    kept_units = splitting
     if a != s:
         # Units of one model-stage mostly split alike: pattern, buffers and net effects per tiling.
         by_tiles: dict[tuple[tuple[int, ...], ...], tuple[Pattern, tuple[float, ...], tuple[int, ...]]] = {}
         positions = range(a.size)
         picked_a = sub_positions(a, s)
         split = Primitive.SPLIT
+        if not PARTIAL_SPLIT and splitting and by_position.issuperset(splitting):
+            # Every unit splits position-wise: one pattern, the lanes' parts made in bulk.
+            pattern, buf = _split_pattern(geo, a, s, picked_a)
+            nets = [mem_s - mem_a] * a.size  # a full split keeps every GPU
+            units = [cur_units[i] for i in splitting]
+            subs_of = [split_into[i] for i in splitting]
+            made = zip(
+                repeat(0),
+                repeat(split),
+                zip(map(_new, repeat(Unit), zip(repeat(a), units))),
+                [tuple(map(_new, repeat(Unit), zip(repeat(s), subs))) for subs in subs_of],
+                map(partial, repeat(_placed), units, repeat(pattern)),  # built when read
+                repeat(()),
+                map(tuple, map(zip, units, repeat(nets), repeat(buf))),
+            )
+            for lane, subs in zip(made, subs_of, strict=True):
+                nid = out.append(lane)
+                for t in subs:
+                    made_by[t] = nid
+                    if t not in kept:
+                        add(1, destroy, (_new(Unit, (s, t)),), (), (), (nid,), _uniform(t, -mem_s))
+            splitting = []  # done
         for i in splitting:
             # A partial Split keeps only the used T_sub units (the unit's other GPUs just send and
             # free their shard); a full one (the paper's) makes all of them, the unused dropped next.
@@ -289,7 +326,7 @@ def local_dag(
                 if t not in kept:
                     add(1, destroy, (_new(Unit, (s, t)),), (), (), (nid,), _uniform(t, -mem_s))
     # Current units that neither stay nor feed anything go first (release before acquire).
-    keep_units = set(splitting)
+    keep_units = set(kept_units)
     for i, u in enumerate(cur_units):
         if i not in keep_units:
             add(2, destroy, (_new(Unit, (a, u)),), (), (), (), _uniform(u, -mem_a))
@@ -297,20 +334,29 @@ def local_dag(
     readers: dict[tuple[int, ...], list[int]] = defaultdict(list)
     extend = Primitive.EXTEND
     depth: dict[tuple[int, ...], int] = {}  # chain depth of each extended slot (steps 3, 4, ...)
-    for src, slot in extends:
-        made = made_by.get(src)
-        d = depth[slot] = depth.get(src, 2) + 1
-        nid = add(
-            d,
+    if extends:
+        # Per lane: its step and deps; the units, transfers and memory effects in bulk below.
+        steps, deps_of = [], []
+        nid = out.next_id()
+        for src, slot in extends:
+            made = made_by.get(src)
+            steps.append(depth.setdefault(slot, depth.get(src, 2) + 1))
+            deps_of.append((made,) if made is not None else ())
+            made_by[slot] = nid
+            readers[src].append(nid)
+            nid += 1
+        srcs, slots_ = zip(*extends, strict=True)
+        out.add_many(
+            steps,
             extend,
-            (_new(Unit, (s, src)),),
-            (_new(Unit, (s, slot)),),
-            partial(extend_transfers, geo, s, src, slot),  # built when read
-            (made,) if made is not None else (),
-            tuple(zip(slot, repeat(mem_s), repeat(0.0))),
+            list(zip(map(_new, repeat(Unit), zip(repeat(s), srcs)))),
+            list(zip(map(_new, repeat(Unit), zip(repeat(s), slots_)))),
+            list(
+                map(partial, repeat(extend_transfers), repeat(geo), repeat(s), srcs, slots_)
+            ),  # built when read
+            deps_of,
+            list(map(tuple, map(zip, slots_, repeat(repeat(mem_s)), repeat(repeat(0.0))))),
         )
-        made_by[slot] = nid
-        readers[src].append(nid)
     last = max(depth.values(), default=2)
 
     # Sources that are not part of the target: drop them after the Extends that read them
@@ -328,6 +374,19 @@ def local_dag(
     strided_known: tuple[Pattern, tuple[int, ...]] | None = None
     net_b = mem_b - mem_s
     rows = strided if strided else [None] * len(tgt_units)
+    if not b_is_s and not made_by and not readers and all(map(operator.is_, slots, rows)):
+        # Every target unit merges its strided slots in place, nothing to wait for: in bulk.
+        pattern, buf = _merge_pattern(geo, s, b, picked_b)
+        out.add_many(
+            [last + 2] * len(tgt_units),
+            merge,
+            [tuple(map(_new, repeat(Unit), zip(repeat(s), row))) for row in slots],
+            list(zip(map(_new, repeat(Unit), zip(repeat(b), tgt_units)))),
+            list(map(partial, repeat(_placed), tgt_units, repeat(pattern))),  # built when read
+            [()] * len(tgt_units),
+            list(map(tuple, map(zip, tgt_units, repeat(repeat(net_b)), repeat(buf)))),
+        )
+        tgt_units = rows = slots = []  # done
     for v, row, row_strided in zip(tgt_units, slots, rows, strict=True):
         if b_is_s and row[0] == v:
             continue
@@ -358,7 +417,7 @@ def local_dag(
             sorted(deps),
             tuple(zip(v, repeat(net_b), buf)),
         )
-    return out.nodes()
+    return out
 
 
 def _chunks(gpus: tuple[int, ...], size: int) -> list[tuple[int, ...]]:
@@ -366,56 +425,69 @@ def _chunks(gpus: tuple[int, ...], size: int) -> list[tuple[int, ...]]:
     return list(zip(*[iter(gpus)] * size, strict=True))
 
 
-class _Lanes:
-    """Collects a local DAG's node calls (*lanes*) and makes one node per lane or per step.
+class LocalLanes:
+    """A local DAG's primitive calls (*lanes*), made into one node per lane or one per step.
 
-    ``add(step, ...)`` returns the lane's id as an unbatched node id; deps name lane ids. Steps
-    are numbered so that every lane depends on lanes of earlier steps only, which keeps batched
-    nodes (one per step, in step order) topologically ordered.
+    ``add(step, ...)`` returns the lane's id (its node id when unbatched, from 0); deps name
+    lane ids. Steps are numbered so that every lane depends on lanes of earlier steps only,
+    which keeps batched nodes (one per step, in step order) topologically ordered.
     """
 
-    __slots__ = ("name", "first_id", "batch", "_nodes", "_lanes")
+    __slots__ = ("name", "_lanes")
 
-    def __init__(self, name: str, first_id: int, batch: bool) -> None:
-        self.name, self.first_id, self.batch = name, first_id, batch
-        self._nodes: list[Node] = []
-        self._lanes: list[tuple] = []
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._lanes: list[tuple] = []  # (step, op, sources, targets, transfers, deps, mem)
+
+    def __len__(self) -> int:
+        return len(self._lanes)
 
     def add(self, step: int, op: Primitive, srcs, tgts, transfers, deps, mem) -> int:
-        """One lane; returns its id (its node id when unbatched)."""
-        if self.batch:
-            self._lanes.append((step, op, srcs, tgts, transfers, deps, mem))
-            return self.first_id + len(self._lanes) - 1
-        nid = self.first_id + len(self._nodes)
-        self._nodes.append(Node(nid, op, self.name, srcs, tgts, transfers, list(deps), mem))
-        return nid
+        """One lane; returns its id."""
+        self._lanes.append((step, op, srcs, tgts, transfers, deps, mem))
+        return len(self._lanes) - 1
 
-    def nodes(self) -> list[Node]:
-        """The nodes: one per lane, or one per step with its lanes concatenated."""
-        if not self.batch:
-            return self._nodes
-        lanes = self._lanes
+    def append(self, lane: tuple) -> int:
+        """One lane given as ``(step, op, sources, targets, transfers, deps, mem)``; returns its id."""
+        self._lanes.append(lane)
+        return len(self._lanes) - 1
+
+    def next_id(self) -> int:
+        """The id the next lane gets."""
+        return len(self._lanes)
+
+    def add_many(self, steps: list[int], op: Primitive, srcs, tgts, transfers, deps, mems) -> None:
+        """Several lanes of one primitive at once (per-lane lists, ids from :meth:`next_id`)."""
+        self._lanes += zip(steps, repeat(op, len(steps)), srcs, tgts, transfers, deps, mems, strict=True)
+
+    def nodes(self, batch: bool, first_id: int = 0) -> list[Node]:
+        """The nodes, ids from ``first_id``: one per lane, or (``batch``) one per step with its
+        lanes concatenated and the union of their deps."""
+        lanes, name = self._lanes, self.name
+        if not batch:
+            return [
+                Node(first_id + i, op, name, srcs, tgts, transfers, [first_id + d for d in deps], mem)
+                for i, (_, op, srcs, tgts, transfers, deps, mem) in enumerate(lanes)
+            ]
         by_step: dict[int, list[tuple]] = defaultdict(list)
         for lane in lanes:
             by_step[lane[0]].append(lane)
         steps = sorted(by_step)
-        node_of = {st: self.first_id + i for i, st in enumerate(steps)}
+        node_of = {st: first_id + i for i, st in enumerate(steps)}
         lane_node = [node_of[lane[0]] for lane in lanes]
-        first = self.first_id
         out = []
         chain = itertools.chain.from_iterable
         for st in steps:
             _, ops, srcs, tgts, parts, deps, mems = zip(*by_step[st], strict=True)
-            lane_deps = [d for d in chain(deps)]
             out.append(
                 Node(
                     node_of[st],
                     ops[0],
-                    self.name,
+                    name,
                     tuple(chain(srcs)),
                     tuple(chain(tgts)),
                     partial(_concat, parts),
-                    sorted({lane_node[d - first] for d in lane_deps}),
+                    sorted({lane_node[d] for d in chain(deps)}),
                     tuple(chain(mems)),
                     lanes=tuple(zip(map(len, srcs), map(len, tgts), map(len, mems), parts, strict=True)),
                 )
