@@ -18,7 +18,7 @@ from nereus_lightning.emu import (
     registry,
     reshard_plan,
 )
-from nereus_lightning.emu.executor import execute_dag, ops_of
+from nereus_lightning.emu.executor import calibration_observations, execute_dag, ops_of
 from nereus_lightning.plan.layout import Candidate, Layout, Plan
 from nereus_lightning.spec.cluster import CLUSTER_PRESETS
 from nereus_lightning.spec.errors import NereusConfigError
@@ -247,6 +247,8 @@ def run_pair(rank: int, world: int, current: str, target: str, reversed_ranks: b
         in_flight=[(r.node_id, r.in_flight, r.lanes) for r in report.records if r.member],
         running=[r.running for r in report.records if r.member],
         widths=[n.width for n in dag.nodes],
+        calibration=calibration_observations(dag, reduced),
+        moving_nodes=sum(1 for n in dag.nodes if n.bytes > 0),
     )
 
 

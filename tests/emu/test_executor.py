@@ -108,3 +108,15 @@ def test_independent_nodes_on_one_rank_are_in_flight_together(results):
     assert any(lanes == 2 for _, _, lanes in rank0)
     # Every other rank receives in exactly the nodes that target it.
     assert [len(out["in_flight"]) for out in per_rank[1:]] == [1, 2, 2]
+
+
+def test_calibration_observations_name_each_moving_node_by_op_and_link(results):
+    """One (name, predicted, measured) per node that moved bytes between GPUs; cpu4 is one machine."""
+    for pair, per_rank in results.items():
+        out = per_rank[0]
+        obs = out["calibration"]
+        assert len(obs) >= out["moving_nodes"] > 0, pair
+        for name, predicted, measured in obs:
+            kind, op, link = name.split("/")
+            assert kind == "transition" and op in {"split", "merge", "extend"} and link in {"intra", "local"}
+            assert predicted >= 0 and measured > 0, (pair, name, predicted, measured)

@@ -156,6 +156,34 @@ class ExecutionReport:
         return ExecutionReport(None, tuple(combined), max(s for s, _ in everything))
 
 
+def calibration_observations(dag: TransitionDAG, report: ExecutionReport) -> list[tuple[str, float, float]]:
+    """``(name, predicted_s, measured_s)`` per node that moved bytes, for ``Calibration.observe``.
+
+    ``predicted_s`` is the node's span in the brain's schedule (``transition.cost.schedule``:
+    start to finish, link sharing included), ``measured_s`` its measured seconds in ``report``
+    (reduced: the slowest member). ``name`` is ``transition/<op>/<link>``, the link class being
+    ``inter`` if any transfer crosses machines, else ``intra`` (``local`` if every copy stays on
+    its GPU), so a calibration can learn each link class's efficiency apart.
+    """
+    from nereus_lightning.transition.cost import schedule
+
+    plan = schedule(dag)
+    gpn = dag.context.cluster.gpus_per_node
+    seconds = {r.node_id: r.seconds for r in report.records if r.member}
+    out = []
+    for node in dag.nodes:
+        moves = [(t.src_gpu, t.dst_gpu) for t in node.transfers if t.bytes > 0]
+        if not moves or node.id not in seconds:
+            continue
+        if any(s // gpn != d // gpn for s, d in moves):
+            link = "inter"
+        else:
+            link = "intra" if any(s != d for s, d in moves) else "local"
+        predicted = plan.finish[node.id] - plan.start[node.id]
+        out.append((f"transition/{node.op.value}/{link}", predicted, seconds[node.id]))
+    return out
+
+
 def _strip(record: NodeRecord) -> NodeRecord:
     return NodeRecord(**{f.name: getattr(record, f.name) for f in fields(record) if f.name != "report"})
 
@@ -453,4 +481,12 @@ def _start_extend_overlapping(op: Extend, colocate_with: Collection[str], device
     return Started(op, flight, 0, began)
 
 
-__all__ = ["ExecutionReport", "NodeObservation", "NodeRecord", "execute_dag", "op_of", "ops_of"]
+__all__ = [
+    "ExecutionReport",
+    "NodeObservation",
+    "NodeRecord",
+    "calibration_observations",
+    "execute_dag",
+    "op_of",
+    "ops_of",
+]
