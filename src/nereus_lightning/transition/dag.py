@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+from itertools import chain
+from operator import itemgetter
 from typing import TYPE_CHECKING, NamedTuple
 
 from nereus_lightning.plan.layout import Layout, Plan
@@ -34,6 +36,9 @@ class Primitive(str, Enum):
     MERGE = "merge"  # k units -> one unit of a larger layout on their GPUs (only non-resident pieces move)
     EXTEND = "extend"  # copy one unit onto new GPUs, rank-aligned (the source stays)
     DESTROY = "destroy"  # drop one unit and free its GPUs (no transfers)
+
+
+_GPUS = itemgetter(1)  # a Unit's gpus
 
 
 class Unit(NamedTuple):
@@ -147,13 +152,21 @@ class Node:
         """GPUs this node newly places state of its model-stage on (Extend's targets)."""
         if self.op is not Primitive.EXTEND:
             return ()
-        return self.targets[0].gpus if len(self.targets) == 1 else sum((u.gpus for u in self.targets), ())
+        return (
+            self.targets[0].gpus
+            if len(self.targets) == 1
+            else tuple(chain.from_iterable(map(_GPUS, self.targets)))
+        )
 
     @property
     def released_gpus(self) -> tuple[int, ...]:
         """GPUs whose unit of this model-stage the node drops (Destroy; Split's GPUs it does not keep)."""
         if self.op is Primitive.DESTROY:
-            return self.sources[0].gpus if len(self.sources) == 1 else sum((u.gpus for u in self.sources), ())
+            return (
+                self.sources[0].gpus
+                if len(self.sources) == 1
+                else tuple(chain.from_iterable(map(_GPUS, self.sources)))
+            )
         if self.op is Primitive.SPLIT:
             keep = {g for t in self.targets for g in t.gpus}
             return tuple(g for u in self.sources for g in u.gpus if g not in keep)
