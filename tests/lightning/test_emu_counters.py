@@ -37,6 +37,7 @@ def test_counters_count_updates_and_syncs_across_a_transition(dist4):
     for trainer in ("actor_train", "critic_train"):
         c = out[trainer]
         assert (c.optimizer_step, c.update_count, c.policy_version) == (3, 3, 3), (trainer, c)
+        assert c.sample_position == 3 * 4, (trainer, c)  # 4 prompts a step, one sample each
     for follower in ("actor_gen", "actor_infer", "critic_infer"):
         c = out[follower]
         assert (c.optimizer_step, c.policy_version, c.stage_version) == (0, 3, 3), (follower, c)

@@ -456,7 +456,8 @@ class RLModule(L.LightningModule):
                 if self.emu_state:
                     # Each training stage steps its own EMU-bound AdamW (grads summed over its replicas).
                     for stage in self.units.training_stages():
-                        norm = self.units.apply_update(stage)
+                        # samples consumed: counted once, in the first epoch over the batch
+                        norm = self.units.apply_update(stage, samples=(hi - lo) if _epoch == 0 else 0)
                         if norm is not None and self.rank == plan[stage].gpus[0]:
                             part[f"{self.stages_role(stage)}/grad_norm"] = norm
                     if last:
