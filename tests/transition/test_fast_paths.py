@@ -94,3 +94,49 @@ def test_model_stages_a_same_stage_peer_blocks_stay_per_replica() -> None:
     assert all(n.width == 1 for n in dag.nodes if n.model_stage == "ref_infer")
     assert any(n.width == 2 for n in dag.nodes if n.model_stage == "critic_infer")
     assert validate(dag).valid and dag.resource_edges >= 2
+
+
+def test_same_layout_shortcut_gives_the_general_paths_lanes(monkeypatch) -> None:
+    """Random plan pairs (every overlap kind, 8 to 256 GPUs): each model-stage's local DAG is the
+    same with and without the same-layout shortcut."""
+    from nereus_lightning.transition import local
+    from nereus_lightning.transition.build import make_context
+    from nereus_lightning.transition.scenarios import OVERLAP_KINDS
+
+    def lanes_of(ctx, shortcut: bool) -> list:
+        monkeypatch.setattr(local, "SAME_LAYOUT_SHORTCUT", shortcut)
+        out = []
+        for name, cur in ctx.current.items():
+            ms = ctx.stages[name]
+            geo = geometry(ctx.models[ms.model], ms.trains)
+            nodes = local.local_dag(
+                name, geo, lambda lay, _n=name: ctx.memory_of(_n, lay), cur, ctx.target[name], ctx.cluster
+            )
+            out.append([(n.op, n.sources, n.targets, n.mem, n.deps, n.transfers) for n in nodes])
+        return out
+
+    rng = random.Random(7)
+    used = 0
+    for i in range(24):
+        case = random_case(rng, OVERLAP_KINDS[i % len(OVERLAP_KINDS)], (8, 32, 64, 256)[i % 4])
+        ctx = make_context(*case.args())
+        used += sum(ctx.current[n].layout == ctx.target[n].layout for n in ctx.current)
+        assert lanes_of(ctx, True) == lanes_of(ctx, False), case
+    assert used > 0, "no case kept a layout"
+    # And by hand: grow, shrink, move away, partly onto old GPUs (no shortcut), across machines.
+    geo = geometry(MODELS["actor"], True)
+    pairs = [
+        (cand(2, 1, range(8)), cand(2, 1, range(16))),
+        (cand(2, 1, range(16)), cand(2, 1, range(8))),
+        (cand(2, 2, range(8)), cand(2, 2, range(16, 32))),
+        (cand(1, 1, (0, 1, 2, 3)), cand(1, 1, (2, 3, 4, 5, 8, 9))),
+        (cand(2, 1, (0, 1, 2, 3)), cand(2, 1, (1, 2, 8, 9))),
+        (cand(4, 1, range(0, 64, 2)), cand(4, 1, range(64))),
+    ]
+    for current, target in pairs:
+        got = []
+        for shortcut in (True, False):
+            monkeypatch.setattr(local, "SAME_LAYOUT_SHORTCUT", shortcut)
+            nodes = local.local_dag("actor_train", geo, lambda layout: 1e9, current, target, CLUSTER)
+            got.append([(n.op, n.sources, n.targets, n.mem, n.deps, n.transfers) for n in nodes])
+        assert got[0] == got[1] and got[0], (current, target)

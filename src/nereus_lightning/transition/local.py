@@ -36,6 +36,11 @@ _new = tuple.__new__  # builds a NamedTuple without its (slow) Python-level __ne
 #: makes all of them, as the paper's Split(EMU, T_sub) -> k EMUs and ``emu.ops.validate_op`` do.
 PARTIAL_SPLIT = False
 
+#: Whether a model-stage that keeps its layout, and whose new units touch none of the GPUs it holds
+#: now, takes the direct path (kept units by set lookups, no slots, no Merges) instead of the
+#: general one; both give the same lanes (``tests/transition/test_fast_paths.py``).
+SAME_LAYOUT_SHORTCUT = True
+
 
 def common_layout(a: Layout, b: Layout) -> Layout:
     """``T_sub``: the largest layout into which both ``a`` and ``b`` can be split."""
@@ -211,7 +216,15 @@ def local_lanes(
         return sub_at
 
     # Per target unit, the T_sub units its Merge fuses (reused in place or to be extended).
-    if b == s:  # each target unit is one slot: reused in place when a T_sub unit sits exactly on it
+    same = False  # one layout, and no new unit touches a GPU this model-stage holds now
+    if a == b and SAME_LAYOUT_SHORTCUT:
+        new = list(itertools.filterfalse(where.__contains__, tgt_units))
+        same = set(current.gpus).isdisjoint(itertools.chain.from_iterable(new))
+    if same:  # each target unit is kept in place or extended onto: nothing to merge
+        slots: list[list[tuple[int, ...]]] = []
+        reused = set(filter(where.__contains__, tgt_units))
+        missing = new
+    elif b == s:  # each target unit is one slot: reused in place when a T_sub unit sits exactly on it
         slots = [
             [v]
             if v in where or sub_at_of().keys().isdisjoint(v)
@@ -220,11 +233,12 @@ def local_lanes(
         ]
     else:
         slots = [
-            _slots_of(v, row, b, s, where, sub_at_of)
+            row if all(map(where.__contains__, row)) else _slots_of(v, row, b, s, where, sub_at_of)
             for v, row in zip(tgt_units, strided_rows(), strict=True)
         ]
-    reused = {t for row in slots for t in row if t in where}
-    missing = [t for row in slots for t in row if t not in where]
+    if not same:
+        reused = {t for row in slots for t in row if t in where}
+        missing = [t for row in slots for t in row if t not in where]
     split_units = sorted({where[t][0] for t in reused})
     if missing and not split_units:
         # Nothing stays in place: split just enough current units to have one source per slot.
@@ -365,6 +379,8 @@ def local_lanes(
         deps = ([made_by[t]] if t in made_by else []) + readers.get(t, [])
         add(last + 1, destroy, (_new(Unit, (s, t)),), (), (), deps, _uniform(t, -mem_s))
 
+    if same:
+        return out
     # Merge each target unit from its slots; a T_sub target unit sitting exactly on one slot is done.
     b_is_s = b == s
     positions = range(b.size)
