@@ -291,7 +291,12 @@ def validate_op(op: Primitive) -> None:
 
 
 def from_node(node: Any, rank_of: Mapping[int, int] | None = None) -> Primitive:
-    """The op of a ``transition.dag.Node`` (GPU ids mapped to global ranks by ``rank_of``; identity by default)."""
+    """The op of a ``transition.dag.Node`` (GPU ids mapped to global ranks by ``rank_of``; identity by default).
+
+    A batched node (``node.width > 1``) is one op per lane: ``emu.executor.ops_of(node)``.
+    """
+    width = getattr(node, "width", 1)
+    require(width == 1, "node", f"node #{node.id} carries {width} replicas; use emu.executor.ops_of(node)")
 
     def unit(u: Any) -> Unit:
         return Unit(u.layout, tuple(rank_of[g] if rank_of is not None else g for g in u.gpus))
