@@ -253,11 +253,17 @@ def local_lanes(
     local: dict[int, list[tuple[int, ...]]] = defaultdict(list)
     for t in candidates:
         local[t[0] // gpn].append(t)
-    extends: list[tuple[tuple[int, ...], tuple[int, ...]]] = []  # (source, slot)
+    # The Extends (source, slot), in order; per Extend its step (chain depth: 3 reads a T_sub unit,
+    # 4 a slot made by a depth-3 Extend, ...) and, per source, the Extends reading it (by index).
+    ext_srcs: list[tuple[int, ...]] = []
+    ext_slots: list[tuple[int, ...]] = []
+    ext_steps: list[int] = []
+    ext_of: dict[tuple[int, ...], int] = {}  # slot -> index of the Extend making it
+    reading: dict[tuple[int, ...], list[int]] = defaultdict(list)
     # Across nodes: the source whose node has sent least so far (spread over NICs), then by load.
     sent: dict[int, int] = defaultdict(int)
     remote = [(0, 0, t not in reused, k, t) for k, t in enumerate(candidates)]  # a lazy heap
-    for slot in missing:
+    for j, slot in enumerate(missing):
         node = slot[0] // gpn
         pool = local.get(node)
         if pool:
@@ -269,10 +275,15 @@ def local_lanes(
             src = remote[0][4]
             sent[src[0] // gpn] += 1
         load[src] += 1
-        extends.append((src, slot))
         load[slot] = 0
         local[node].append(slot)
-    kept = reused | {src for src, _ in extends if src in where}
+        ext_srcs.append(src)
+        ext_slots.append(slot)
+        made = ext_of.get(src)
+        ext_steps.append(3 if made is None else ext_steps[made] + 1)
+        ext_of[slot] = j
+        reading[src].append(j)
+    kept = reused.union(filter(where.__contains__, ext_srcs))
 
     add = out.add
 
@@ -345,33 +356,30 @@ def local_lanes(
         if i not in keep_units:
             add(2, destroy, (_new(Unit, (a, u)),), (), (), (), _uniform(u, -mem_a))
 
-    readers: dict[tuple[int, ...], list[int]] = defaultdict(list)
     extend = Primitive.EXTEND
-    depth: dict[tuple[int, ...], int] = {}  # chain depth of each extended slot (steps 3, 4, ...)
-    if extends:
-        # Per lane: its step and deps; the units, transfers and memory effects in bulk below.
-        steps, deps_of = [], []
-        nid = out.next_id()
-        for src, slot in extends:
-            made = made_by.get(src)
-            steps.append(depth.setdefault(slot, depth.get(src, 2) + 1))
-            deps_of.append((made,) if made is not None else ())
-            made_by[slot] = nid
-            readers[src].append(nid)
-            nid += 1
-        srcs, slots_ = zip(*extends, strict=True)
+    readers: dict[tuple[int, ...], list[int]] = {}  # unit -> the Extends reading it (lane ids)
+    if ext_slots:
+        first = out.next_id()  # the Extends' lane ids: first, first + 1, ...
+        # A source made by an Extend or a Split is waited for; the units, transfers and memory
+        # effects are made in bulk.
+        deps_of = [
+            (first + ext_of[src],) if src in ext_of else ((made_by[src],) if src in made_by else ())
+            for src in ext_srcs
+        ]
+        made_by.update(zip(ext_slots, range(first, first + len(ext_slots)), strict=True))
+        readers = {t: [first + j for j in js] for t, js in reading.items()}
         out.add_many(
-            steps,
+            ext_steps,
             extend,
-            list(zip(map(_new, repeat(Unit), zip(repeat(s), srcs)))),
-            list(zip(map(_new, repeat(Unit), zip(repeat(s), slots_)))),
+            list(zip(map(_new, repeat(Unit), zip(repeat(s), ext_srcs)))),
+            list(zip(map(_new, repeat(Unit), zip(repeat(s), ext_slots)))),
             list(
-                map(partial, repeat(extend_transfers), repeat(geo), repeat(s), srcs, slots_)
+                map(partial, repeat(extend_transfers), repeat(geo), repeat(s), ext_srcs, ext_slots)
             ),  # built when read
             deps_of,
-            list(map(tuple, map(zip, slots_, repeat(repeat(mem_s)), repeat(repeat(0.0))))),
+            list(map(tuple, map(zip, ext_slots, repeat(repeat(mem_s)), repeat(repeat(0.0))))),
         )
-    last = max(depth.values(), default=2)
+    last = max(ext_steps, default=2)
 
     # Sources that are not part of the target: drop them after the Extends that read them
     # (the last copy of the state is never dropped before it has been copied).
