@@ -61,15 +61,16 @@ def sub_positions(x: Layout, s: Layout) -> tuple[tuple[int, ...], ...]:
 
 
 @lru_cache(maxsize=1024)
-def _pickers(x: Layout, s: Layout) -> tuple[Callable[[tuple[int, ...]], tuple[int, ...]], ...]:
-    """For each sub-unit of ``sub_positions(x, s)``: a function from a unit's GPUs to the sub-unit's."""
-    out = []
-    for idx in sub_positions(x, s):
-        if len(idx) == 1:
-            out.append(lambda gpus, _i=idx[0]: (gpus[_i],))
-        else:
-            out.append(itemgetter(*idx))
-    return tuple(out)
+def _splitter(x: Layout, s: Layout) -> Callable[[tuple[int, ...]], list[tuple[int, ...]]]:
+    """A function from a layout-``x`` unit's GPUs to its ``s`` sub-units' GPUs (``sub_positions`` order)."""
+    positions = sub_positions(x, s)
+    if len(positions) == 1:
+        return lambda gpus: [gpus]
+    flat = itemgetter(*(i for idx in positions for i in idx))
+    size = s.size
+    if size == 1:
+        return lambda gpus: list(zip(flat(gpus)))  # single GPUs: C speed
+    return lambda gpus: list(zip(*[iter(flat(gpus))] * size, strict=True))
 
 
 @lru_cache(maxsize=1024)
@@ -169,7 +170,7 @@ def local_lanes(
     if a == b and current.gpus == target.gpus:
         return out
     s = common_layout(a, b)
-    pick_a, pick_b = _pickers(a, s), _pickers(b, s)
+    pick_a, pick_b = _splitter(a, s), _splitter(b, s)
     # Units as GPU tuples (a Unit is made only for the units a node names).
     cur_units = _chunks(current.gpus, a.size)
     tgt_units = _chunks(target.gpus, b.size)
@@ -184,14 +185,14 @@ def local_lanes(
 
     def strided_rows() -> list[list[tuple[int, ...]]]:
         if not strided:
-            strided.extend([f(v) for f in pick_b] for v in tgt_units)
+            strided.extend(map(pick_b, tgt_units))
         return strided
 
     if a == s:
         split_into = [[u] for u in cur_units]
         where = {u: (i, 0) for i, u in enumerate(cur_units)}
     else:
-        if b == s:  # the target's units are the slots (its one picker keeps the order)
+        if b == s:  # the target's units are the slots (its splitter keeps the order)
             slot_at = {g: v for v in tgt_units for g in v}
         else:
             slot_at = {g: t for row in strided_rows() for t in row for g in t}
@@ -199,15 +200,15 @@ def local_lanes(
             # Slots are disjoint, so they tile ``u`` exactly iff they cover its GPUs and no more.
             cover = list(map(slot_at.get, u))
             tiles = list(dict.fromkeys(cover))
-            by_pick = [f(u) for f in pick_a]
+            by_pick = pick_a(u)
             if tiles == by_pick:
                 by_position.add(i)
             elif None in tiles or sum(map(len, tiles)) != len(u):
                 tiles = by_pick
                 by_position.add(i)
             split_into.append(tiles)
-            for j, t in enumerate(tiles):
-                where[t] = (i, j)
+            k = len(tiles)
+            where.update(zip(tiles, zip(repeat(i, k), range(k), strict=True), strict=True))
     sub_at: dict[int, tuple[int, ...]] = {}  # the T_sub unit each current GPU would be part of
 
     def sub_at_of() -> dict[int, tuple[int, ...]]:  # made on first need (many plans never ask)
@@ -242,7 +243,7 @@ def local_lanes(
     split_units = sorted({where[t][0] for t in reused})
     if missing and not split_units:
         # Nothing stays in place: split just enough current units to have one source per slot.
-        k = len(pick_a)
+        k = len(sub_positions(a, s))
         split_units = list(range(min(len(cur_units), -(-len(missing) // k))))
 
     # Plan the Extends first, so that Split keeps only the T_sub units that are used: the slot's
