@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import Tensor
 
+from nereus_lightning.rl.rollout import RolloutOutput
 from nereus_lightning.spec.errors import require
 
 
@@ -28,8 +29,8 @@ def dp_slice(num_samples: int, dp: int, rank: int) -> slice:
 
 
 @dataclass
-class RolloutBatch:
-    """Per-sample tensors of one step; fields not computed yet are None.
+class RolloutBatch(RolloutOutput):
+    """Per-sample tensors of one step (a rollout plus what scoring adds); fields not computed yet are None.
 
     Shapes: ids and masks ``(B, P)`` / ``(B, R)``; per-token fields ``(B, R)``; ``scores``,
     ``baseline_scores``, ``sample_index`` and ``group_index`` (the prompt a sample answers, for
@@ -64,16 +65,6 @@ class RolloutBatch:
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
-
-    @property
-    def sequences(self) -> Tensor:
-        """``prompt_ids`` followed by ``response_ids`` ``(B, P + R)``."""
-        return torch.cat([self.prompt_ids, self.response_ids], dim=-1)
-
-    @property
-    def attention_mask(self) -> Tensor:
-        """Mask of :attr:`sequences`."""
-        return torch.cat([self.prompt_mask, self.response_mask], dim=-1)
 
     def tensors(self) -> dict[str, Tensor]:
         """The fields that are set, by name."""
