@@ -9,8 +9,11 @@ Typical use (every rank runs the same lines; members move state, others only rec
     report = emu.execute(op)  # this rank's TransferReport (bytes sent / received, seconds)
     state = emu.gather_logical_state("actor_train")  # full params, AdamW tensors, counters
 
-A transition DAG node runs as ``emu.execute(emu.from_node(node))``; a whole DAG as
-``emu.execute_dag(dag)`` (every rank, same order; nodes on disjoint ranks run concurrently). On a member rank,
+A transition DAG node runs as ``emu.execute(op)`` for each ``op`` in
+``emu.executor.ops_of(node)`` (a batched node carries one primitive per replica); a whole DAG as
+``emu.execute_dag(dag)`` (every rank, same order; each rank issues every node it belongs to
+asynchronously on the node's own groups and waits only for dependencies, so independent nodes
+overlap, on disjoint ranks and on a shared one). On a member rank,
 ``registry().local(model_stage, unit)`` is this rank's :class:`EMU`: ``params`` and
 ``optim_state`` (plain tensors keyed by global names; models/ builds its modules on them) and
 ``counters``.
