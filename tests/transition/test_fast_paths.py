@@ -140,3 +140,65 @@ def test_same_layout_shortcut_gives_the_general_paths_lanes(monkeypatch) -> None
             nodes = local.local_dag("actor_train", geo, lambda layout: 1e9, current, target, CLUSTER)
             got.append([(n.op, n.sources, n.targets, n.mem, n.deps, n.transfers) for n in nodes])
         assert got[0] == got[1] and got[0], (current, target)
+
+
+def _local_lanes_with(monkeypatch, flag: str, value: bool, current, target, cluster=CLUSTER) -> list:
+    from nereus_lightning.transition import local
+
+    monkeypatch.setattr(local, flag, value)
+    geo = geometry(MODELS["actor"], True)
+    nodes = local.local_dag("actor_train", geo, lambda layout: 1e9 * layout.size, current, target, cluster)
+    return [(n.op, n.sources, n.targets, n.mem, n.deps, n.transfers) for n in nodes]
+
+
+def test_bulk_shortcuts_give_the_general_paths_lanes(monkeypatch) -> None:
+    """Regular plans (every unit decided alike) built in bulk give the per-unit path's lanes, and
+    irregular ones (where the bulk checks must fail) too."""
+    from nereus_lightning.transition import local
+    from nereus_lightning.transition.build import make_context
+    from nereus_lightning.transition.scenarios import OVERLAP_KINDS
+
+    big = CLUSTER.with_gpus(256)
+    pairs = [
+        (cand(2, 1, range(64)), cand(1, 1, range(64))),  # full split in place
+        (cand(4, 1, range(64)), cand(2, 1, range(64))),  # split into strided TP2 slots
+        (cand(2, 2, range(64)), cand(1, 2, range(64))),  # TP split with PP
+        (cand(4, 2, range(64)), cand(4, 1, range(64))),  # PP split
+        (cand(2, 1, range(64)), cand(4, 1, range(64))),  # pairwise merge of consecutive units
+        (cand(1, 2, range(64)), cand(1, 4, range(64))),  # PP merge
+        (cand(2, 1, range(64)), cand(8, 1, range(64))),  # merge of four
+        (cand(1, 1, range(64)), cand(2, 1, range(64))),  # merge of strided slots
+        (cand(2, 1, range(64)), cand(4, 1, range(128))),  # merge and extend
+        (cand(2, 1, range(64)), cand(1, 1, range(32, 160))),  # split, move, extend
+        (cand(2, 1, (*range(0, 64, 2), *range(1, 64, 2))), cand(4, 1, range(64))),  # irregular
+        (cand(4, 1, range(64)), cand(2, 1, (*range(0, 64, 2), *range(1, 64, 2)))),  # irregular
+        (cand(2, 2, range(64)), cand(4, 1, range(128))),  # reshard through T_sub
+    ]
+    for current, target in pairs:
+        fast = _local_lanes_with(monkeypatch, "BULK_SHORTCUTS", True, current, target, big)
+        slow = _local_lanes_with(monkeypatch, "BULK_SHORTCUTS", False, current, target, big)
+        assert fast == slow and fast, (current, target)
+    rng = random.Random(11)
+    for i in range(24):
+        case = random_case(rng, OVERLAP_KINDS[i % len(OVERLAP_KINDS)], (8, 32, 64, 256)[i % 4])
+        ctx = make_context(*case.args())
+        got = []
+        for bulk in (True, False):
+            monkeypatch.setattr(local, "BULK_SHORTCUTS", bulk)
+            got.append(
+                [
+                    [(n.op, n.sources, n.targets, n.mem, n.deps, n.transfers) for n in lanes]
+                    for lanes in (
+                        local.local_dag(
+                            name,
+                            geometry(ctx.models[ctx.stages[name].model], ctx.stages[name].trains),
+                            lambda lay, _n=name: ctx.memory_of(_n, lay),
+                            cur,
+                            ctx.target[name],
+                            ctx.cluster,
+                        )
+                        for name, cur in ctx.current.items()
+                    )
+                ]
+            )
+        assert got[0] == got[1], case

@@ -30,11 +30,18 @@ from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.transition.dag import MemEffect, Node, Primitive, Unit
 from nereus_lightning.transition.pieces import Geometry, Piece, Transfer, extend_transfers, gather_pattern
 
+_FIRST = itemgetter(0)
 _new = tuple.__new__  # builds a NamedTuple without its (slow) Python-level __new__
 
 #: Whether Split may keep only the T_sub units the transition uses (less memory and traffic) or
 #: makes all of them, as the paper's Split(EMU, T_sub) -> k EMUs and ``emu.ops.validate_op`` do.
 PARTIAL_SPLIT = False
+
+#: Whether regular plans take bulk paths (whole GPU lists at once, at C speed) where every unit
+#: is decided alike: all position-wise T_sub units are slots, all target units sit in place, all
+#: target units merge the T_sub units on their consecutive GPUs, a full Split leaves nothing to
+#: destroy. Both settings give the same lanes (``tests/transition/test_fast_paths.py``).
+BULK_SHORTCUTS = True
 
 #: Whether a model-stage that keeps its layout, and whose new units touch none of the GPUs it holds
 #: now, takes the direct path (kept units by set lookups, no slots, no Merges) instead of the
@@ -71,6 +78,31 @@ def _splitter(x: Layout, s: Layout) -> Callable[[tuple[int, ...]], list[tuple[in
     if size == 1:
         return lambda gpus: list(zip(flat(gpus)))  # single GPUs: C speed
     return lambda gpus: list(zip(*[iter(flat(gpus))] * size, strict=True))
+
+
+@lru_cache(maxsize=1024)
+def _all_subs(x: Layout, s: Layout, units: int) -> Callable[[tuple[int, ...]], list[tuple[int, ...]]]:
+    """Like :func:`_splitter` for ``units`` consecutive layout-``x`` units at once (unit-major)."""
+    positions = [u * x.size + i for u in range(units) for idx in sub_positions(x, s) for i in idx]
+    size = s.size
+    if not positions:
+        return lambda gpus: []
+    flat = itemgetter(*positions) if len(positions) > 1 else (lambda gpus: (gpus[positions[0]],))
+    if size == 1:
+        return lambda gpus: list(zip(flat(gpus)))
+    return lambda gpus: list(zip(*[iter(flat(gpus))] * size, strict=True))
+
+
+@lru_cache(maxsize=256)
+def _consecutive(size: int, sub: int) -> tuple[tuple[int, ...], ...]:
+    """The positions of a ``size``-GPU unit cut into consecutive runs of ``sub``."""
+    return tuple(tuple(range(c, c + sub)) for c in range(0, size, sub))
+
+
+@lru_cache(maxsize=256)
+def _unit_and_index(units: int, k: int) -> tuple[tuple[int, int], ...]:
+    """``(i, j)`` for sub-unit ``j`` of unit ``i``, unit-major (the values of ``where``)."""
+    return tuple((i, j) for i in range(units) for j in range(k))
 
 
 @lru_cache(maxsize=1024)
@@ -188,27 +220,41 @@ def local_lanes(
             strided.extend(map(pick_b, tgt_units))
         return strided
 
+    n_cur = len(cur_units)
     if a == s:
-        split_into = [[u] for u in cur_units]
-        where = {u: (i, 0) for i, u in enumerate(cur_units)}
+        split_into = list(map(list, zip(cur_units)))
+        where = dict(zip(cur_units, _unit_and_index(n_cur, 1)))
     else:
-        if b == s:  # the target's units are the slots (its splitter keeps the order)
-            slot_at = {g: v for v in tgt_units for g in v}
+        k = len(sub_positions(a, s))
+        # Every unit's position-wise T_sub units at once (C speed); when each is a slot, every
+        # unit is tiled by them in this order and the per-unit loop below has nothing to decide.
+        subs_all = _all_subs(a, s, n_cur)(current.gpus)
+        if b == s:  # the target's units are the slots
+            all_slots = subs_all == tgt_units or set(tgt_units).issuperset(subs_all)
         else:
-            slot_at = {g: t for row in strided_rows() for t in row for g in t}
-        for i, u in enumerate(cur_units):
-            # Slots are disjoint, so they tile ``u`` exactly iff they cover its GPUs and no more.
-            cover = list(map(slot_at.get, u))
-            tiles = list(dict.fromkeys(cover))
-            by_pick = pick_a(u)
-            if tiles == by_pick:
-                by_position.add(i)
-            elif None in tiles or sum(map(len, tiles)) != len(u):
-                tiles = by_pick
-                by_position.add(i)
-            split_into.append(tiles)
-            k = len(tiles)
-            where.update(zip(tiles, zip(repeat(i, k), range(k), strict=True), strict=True))
+            all_slots = set(itertools.chain.from_iterable(strided_rows())).issuperset(subs_all)
+        if all_slots and BULK_SHORTCUTS:
+            split_into = list(map(list, zip(*[iter(subs_all)] * k)))
+            by_position = set(range(n_cur))
+            where = dict(zip(subs_all, _unit_and_index(n_cur, k)))
+        else:
+            if b == s:  # the target's units are the slots (its splitter keeps the order)
+                slot_at = {g: v for v in tgt_units for g in v}
+            else:
+                slot_at = {g: t for row in strided_rows() for t in row for g in t}
+            for i, u in enumerate(cur_units):
+                # Slots are disjoint, so they tile ``u`` exactly iff they cover its GPUs and no more.
+                cover = list(map(slot_at.get, u))
+                tiles = list(dict.fromkeys(cover))
+                by_pick = pick_a(u)
+                if tiles == by_pick:
+                    by_position.add(i)
+                elif None in tiles or sum(map(len, tiles)) != len(u):
+                    tiles = by_pick
+                    by_position.add(i)
+                split_into.append(tiles)
+                k = len(tiles)
+                where.update(zip(tiles, zip(repeat(i, k), range(k), strict=True), strict=True))
     sub_at: dict[int, tuple[int, ...]] = {}  # the T_sub unit each current GPU would be part of
 
     def sub_at_of() -> dict[int, tuple[int, ...]]:  # made on first need (many plans never ask)
@@ -218,6 +264,8 @@ def local_lanes(
 
     # Per target unit, the T_sub units its Merge fuses (reused in place or to be extended).
     same = False  # one layout, and no new unit touches a GPU this model-stage holds now
+    in_place = False  # every target unit is a T_sub unit sitting where one is now
+    chunked = False  # every target unit merges the T_sub units on its consecutive GPUs
     if a == b and SAME_LAYOUT_SHORTCUT:
         new = list(itertools.filterfalse(where.__contains__, tgt_units))
         same = set(current.gpus).isdisjoint(itertools.chain.from_iterable(new))
@@ -226,21 +274,43 @@ def local_lanes(
         reused = set(filter(where.__contains__, tgt_units))
         missing = new
     elif b == s:  # each target unit is one slot: reused in place when a T_sub unit sits exactly on it
-        slots = [
-            [v]
-            if v in where or sub_at_of().keys().isdisjoint(v)
-            else _slots_of(v, [v], b, s, where, sub_at_of)
-            for v in tgt_units
-        ]
+        if BULK_SHORTCUTS and all(map(where.__contains__, tgt_units)):  # all in place: nothing to merge
+            slots = list(map(list, zip(tgt_units)))
+            in_place = True
+        else:
+            slots = [
+                [v]
+                if v in where or sub_at_of().keys().isdisjoint(v)
+                else _slots_of(v, [v], b, s, where, sub_at_of)
+                for v in tgt_units
+            ]
     else:
-        slots = [
-            row if all(map(where.__contains__, row)) else _slots_of(v, row, b, s, where, sub_at_of)
-            for v, row in zip(tgt_units, strided_rows(), strict=True)
-        ]
+        chunks = _chunks(target.gpus, s.size)
+        if (
+            BULK_SHORTCUTS
+            and not any(map(where.__contains__, itertools.chain.from_iterable(strided_rows())))
+            and all(map(where.__contains__, chunks))
+        ):
+            # No strided slot exists but each target unit is tiled by T_sub units in GPU order
+            # (e.g. TP2 units merged pairwise into TP4): ``_slots_of`` takes exactly those.
+            slots = list(map(list, zip(*[iter(chunks)] * (b.size // s.size))))
+            chunked = True
+        else:
+            slots = [
+                row if all(map(where.__contains__, row)) else _slots_of(v, row, b, s, where, sub_at_of)
+                for v, row in zip(tgt_units, strided_rows(), strict=True)
+            ]
     if not same:
-        reused = {t for row in slots for t in row if t in where}
-        missing = [t for row in slots for t in row if t not in where]
-    split_units = sorted({where[t][0] for t in reused})
+        flat = list(itertools.chain.from_iterable(slots))
+        if all(map(where.__contains__, flat)):  # every slot exists (C speed)
+            reused, missing = set(flat), []
+        else:
+            reused = {t for t in flat if t in where}
+            missing = [t for t in flat if t not in where]
+    if len(reused) == len(where):  # every T_sub unit stays: every current unit is split
+        split_units = list(range(n_cur))
+    else:
+        split_units = sorted(set(map(_FIRST, map(where.__getitem__, reused))))
     if missing and not split_units:
         # Nothing stays in place: split just enough current units to have one source per slot.
         k = len(sub_positions(a, s))
@@ -291,7 +361,10 @@ def local_lanes(
     mem_a, mem_s, mem_b = memory_of(a), memory_of(s), memory_of(b)
     destroy = Primitive.DESTROY
     made_by: dict[tuple[int, ...], int] = {}  # T_sub unit gpus -> node that created it
-    splitting = [i for i in split_units if not kept.isdisjoint(split_into[i])]
+    if len(kept) == len(where):  # every T_sub unit is used (``kept`` is a subset of ``where``)
+        splitting = split_units
+    else:
+        splitting = [i for i in split_units if not kept.isdisjoint(split_into[i])]
     kept_units = splitting
     if a != s:
         # Units of one model-stage mostly split alike: pattern, buffers and net effects per tiling.
@@ -303,18 +376,29 @@ def local_lanes(
             # Every unit splits position-wise: one pattern, the lanes' parts made in bulk.
             pattern, buf = _split_pattern(geo, a, s, picked_a)
             nets = [mem_s - mem_a] * a.size  # a full split keeps every GPU
-            units = [cur_units[i] for i in splitting]
-            subs_of = [split_into[i] for i in splitting]
+            if len(splitting) == n_cur:  # all of them, in order
+                units, subs_of = cur_units, split_into
+            else:
+                units = [cur_units[i] for i in splitting]
+                subs_of = [split_into[i] for i in splitting]
+            flat_subs = list(itertools.chain.from_iterable(subs_of))
+            k = len(picked_a)  # every unit splits into all its position-wise T_sub units
             made = zip(
                 repeat(0),
                 repeat(split),
                 zip(map(_new, repeat(Unit), zip(repeat(a), units))),
-                [tuple(map(_new, repeat(Unit), zip(repeat(s), subs))) for subs in subs_of],
+                zip(*[map(_new, repeat(Unit), zip(repeat(s), flat_subs))] * k),
                 map(partial, repeat(_placed), units, repeat(pattern)),  # built when read
                 repeat(()),
                 map(tuple, map(zip, units, repeat(nets), repeat(buf))),
             )
-            for lane, subs in zip(made, subs_of, strict=True):
+            if BULK_SHORTCUTS and kept.issuperset(flat_subs):  # no unused T_sub unit to destroy: in bulk
+                first = out.extend(made)
+                made_by.update(
+                    zip(flat_subs, itertools.chain.from_iterable(map(repeat, range(first, out.next_id()), repeat(k))))
+                )
+                made = ()
+            for lane, subs in zip(made, subs_of):
                 nid = out.append(lane)
                 for t in subs:
                     made_by[t] = nid
@@ -388,7 +472,7 @@ def local_lanes(
         deps = ([made_by[t]] if t in made_by else []) + readers.get(t, [])
         add(last + 1, destroy, (_new(Unit, (s, t)),), (), (), deps, _uniform(t, -mem_s))
 
-    if same:
+    if same or in_place:
         return out
     # Merge each target unit from its slots; a T_sub target unit sitting exactly on one slot is done.
     b_is_s = b == s
@@ -409,6 +493,20 @@ def local_lanes(
             list(zip(map(_new, repeat(Unit), zip(repeat(b), tgt_units)))),
             list(map(partial, repeat(_placed), tgt_units, repeat(pattern))),  # built when read
             [()] * len(tgt_units),
+            list(map(tuple, map(zip, tgt_units, repeat(repeat(net_b)), repeat(buf)))),
+        )
+        tgt_units = rows = slots = []  # done
+    elif chunked and not made_by and not readers:
+        # Every target unit merges the T_sub units on its consecutive GPUs in place: in bulk.
+        pattern, buf = _merge_pattern(geo, s, b, _consecutive(b.size, s.size))
+        n_tgt = len(tgt_units)
+        out.add_many(
+            [last + 2] * n_tgt,
+            merge,
+            list(zip(*[map(_new, repeat(Unit), zip(repeat(s), chunks))] * (b.size // s.size))),
+            list(zip(map(_new, repeat(Unit), zip(repeat(b), tgt_units)))),
+            list(map(partial, repeat(_placed), tgt_units, repeat(pattern))),  # built when read
+            [()] * n_tgt,
             list(map(tuple, map(zip, tgt_units, repeat(repeat(net_b)), repeat(buf)))),
         )
         tgt_units = rows = slots = []  # done
@@ -476,6 +574,12 @@ class LocalLanes:
         """One lane given as ``(step, op, sources, targets, transfers, deps, mem)``; returns its id."""
         self._lanes.append(lane)
         return len(self._lanes) - 1
+
+    def extend(self, lanes) -> int:
+        """Lanes given as ``(step, op, sources, targets, transfers, deps, mem)`` tuples; returns the first id."""
+        first = len(self._lanes)
+        self._lanes += lanes
+        return first
 
     def next_id(self) -> int:
         """The id the next lane gets."""
