@@ -192,7 +192,7 @@ def test_bulk_shortcuts_give_the_general_paths_lanes(monkeypatch) -> None:
                         local.local_dag(
                             name,
                             geometry(ctx.models[ctx.stages[name].model], ctx.stages[name].trains),
-                            lambda lay, _n=name: ctx.memory_of(_n, lay),
+                            lambda lay, _n=name, _c=ctx: _c.memory_of(_n, lay),
                             cur,
                             ctx.target[name],
                             ctx.cluster,

@@ -223,7 +223,7 @@ def local_lanes(
     n_cur = len(cur_units)
     if a == s:
         split_into = list(map(list, zip(cur_units)))
-        where = dict(zip(cur_units, _unit_and_index(n_cur, 1)))
+        where = dict(zip(cur_units, _unit_and_index(n_cur, 1), strict=True))
     else:
         k = len(sub_positions(a, s))
         # Every unit's position-wise T_sub units at once (C speed); when each is a slot, every
@@ -234,9 +234,9 @@ def local_lanes(
         else:
             all_slots = set(itertools.chain.from_iterable(strided_rows())).issuperset(subs_all)
         if all_slots and BULK_SHORTCUTS:
-            split_into = list(map(list, zip(*[iter(subs_all)] * k)))
+            split_into = list(map(list, zip(*[iter(subs_all)] * k, strict=True)))
             by_position = set(range(n_cur))
-            where = dict(zip(subs_all, _unit_and_index(n_cur, k)))
+            where = dict(zip(subs_all, _unit_and_index(n_cur, k), strict=True))
         else:
             if b == s:  # the target's units are the slots (its splitter keeps the order)
                 slot_at = {g: v for v in tgt_units for g in v}
@@ -293,7 +293,7 @@ def local_lanes(
         ):
             # No strided slot exists but each target unit is tiled by T_sub units in GPU order
             # (e.g. TP2 units merged pairwise into TP4): ``_slots_of`` takes exactly those.
-            slots = list(map(list, zip(*[iter(chunks)] * (b.size // s.size))))
+            slots = list(map(list, zip(*[iter(chunks)] * (b.size // s.size), strict=True)))
             chunked = True
         else:
             slots = [
@@ -387,7 +387,7 @@ def local_lanes(
                 repeat(0),
                 repeat(split),
                 zip(map(_new, repeat(Unit), zip(repeat(a), units))),
-                zip(*[map(_new, repeat(Unit), zip(repeat(s), flat_subs))] * k),
+                zip(*[map(_new, repeat(Unit), zip(repeat(s), flat_subs))] * k, strict=True),
                 map(partial, repeat(_placed), units, repeat(pattern)),  # built when read
                 repeat(()),
                 map(tuple, map(zip, units, repeat(nets), repeat(buf))),
@@ -395,10 +395,14 @@ def local_lanes(
             if BULK_SHORTCUTS and kept.issuperset(flat_subs):  # no unused T_sub unit to destroy: in bulk
                 first = out.extend(made)
                 made_by.update(
-                    zip(flat_subs, itertools.chain.from_iterable(map(repeat, range(first, out.next_id()), repeat(k))))
+                    zip(
+                        flat_subs,
+                        itertools.chain.from_iterable(map(repeat, range(first, out.next_id()), repeat(k))),
+                        strict=True,
+                    )
                 )
-                made = ()
-            for lane, subs in zip(made, subs_of):
+                made, subs_of = (), ()
+            for lane, subs in zip(made, subs_of, strict=True):
                 nid = out.append(lane)
                 for t in subs:
                     made_by[t] = nid
@@ -503,7 +507,7 @@ def local_lanes(
         out.add_many(
             [last + 2] * n_tgt,
             merge,
-            list(zip(*[map(_new, repeat(Unit), zip(repeat(s), chunks))] * (b.size // s.size))),
+            list(zip(*[map(_new, repeat(Unit), zip(repeat(s), chunks))] * (b.size // s.size), strict=True)),
             list(zip(map(_new, repeat(Unit), zip(repeat(b), tgt_units)))),
             list(map(partial, repeat(_placed), tgt_units, repeat(pattern))),  # built when read
             [()] * n_tgt,
