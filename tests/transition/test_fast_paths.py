@@ -202,3 +202,27 @@ def test_bulk_shortcuts_give_the_general_paths_lanes(monkeypatch) -> None:
                 ]
             )
         assert got[0] == got[1], case
+
+
+def test_early_memory_infeasibility_agrees_with_the_replay(monkeypatch) -> None:
+    """The up-front 'can never fit' check only raises where the ordered replay would also fail."""
+    from nereus_lightning.spec.errors import InfeasiblePlanError
+    from nereus_lightning.transition import build
+    from nereus_lightning.transition.scenarios import OVERLAP_KINDS
+
+    def outcome(case, early: bool) -> str:
+        monkeypatch.setattr(build, "_never_fits", build._never_fits if early else lambda *a: None)
+        build._build.cache_clear()
+        try:
+            build_transition(*case.args())
+        except InfeasiblePlanError as e:
+            return "cannot fit" if "cannot fit" in str(e) else "infeasible"
+        return "ok"
+
+    rng = random.Random(3)
+    cases = [random_case(rng, OVERLAP_KINDS[i % 3], (8, 16, 32, 64)[i % 4]) for i in range(60)]
+    early = [outcome(c, True) for c in cases]
+    late = [outcome(c, False) for c in cases]
+    assert [e != "ok" for e in early] == [x != "ok" for x in late]
+    assert "cannot fit" in early, "no case exercised the early check"
+    build._build.cache_clear()

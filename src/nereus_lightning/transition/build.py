@@ -25,6 +25,7 @@ from collections import defaultdict
 from collections.abc import Collection, Mapping
 from dataclasses import replace
 from functools import lru_cache
+from itertools import chain, repeat
 from operator import add
 
 from nereus_lightning.plan.layout import Layout, Plan
@@ -134,13 +135,44 @@ def resident_memory(plan: Plan, ctx: TransitionContext) -> list[float]:
     for name, cand in plan.items():
         per_gpu = ctx.memory_of(name, cand.layout)
         if per_gpu:  # idle generation/inference weights are offloaded: nothing resident
-            for g in cand.gpus:
-                mem[g] += per_gpu
+            gpus = cand.gpus  # distinct (``Candidate`` checks): one scatter at C speed
+            list(map(mem.__setitem__, gpus, map(add, map(mem.__getitem__, gpus), repeat(per_gpu))))
     return mem
 
 
 def _check_plan(label: str, plan: Plan, ctx: TransitionContext) -> list[float]:
     """GPU ids exist, same-stage model-stages are disjoint, resident state fits; returns it per GPU."""
+    if not _plan_ok(plan, ctx):
+        _plan_problem(label, plan, ctx)
+    mem = resident_memory(plan, ctx)
+    cap = memory_cap(ctx.cluster)
+    top = max(mem)
+    if top > cap:
+        g = mem.index(top)
+        holders = [name for name, c in plan.items() if g in c.gpus]
+        raise InfeasiblePlanError(
+            f"{label} plan does not fit on GPU {g}: {top / GB:.1f} GB resident ({', '.join(holders)}) "
+            f"> cap {cap / GB:.1f} GB"
+        )
+    return mem
+
+
+def _plan_ok(plan: Plan, ctx: TransitionContext) -> bool:
+    """Whether every GPU id exists and same-stage model-stages are disjoint (set operations only)."""
+    n = ctx.cluster.num_gpus
+    by_stage: dict[str, list[tuple[int, ...]]] = defaultdict(list)
+    for name, cand in plan.items():
+        if min(cand.gpus) < 0 or max(cand.gpus) >= n:
+            return False
+        by_stage[ctx.stages[name].stage].append(cand.gpus)
+    for runs in by_stage.values():
+        if len(runs) > 1 and len(set(chain.from_iterable(runs))) != sum(map(len, runs)):
+            return False
+    return True
+
+
+def _plan_problem(label: str, plan: Plan, ctx: TransitionContext) -> None:
+    """Raise the error for the first bad GPU id or same-stage overlap of ``plan`` (in plan order)."""
     n = ctx.cluster.num_gpus
     used: dict[str, dict[int, str]] = defaultdict(dict)
     for name, cand in plan.items():
@@ -156,17 +188,7 @@ def _check_plan(label: str, plan: Plan, ctx: TransitionContext) -> list[float]:
                 "model-stages of one stage need disjoint GPUs"
             )
         owner.update(dict.fromkeys(cand.gpus, name))
-    mem = resident_memory(plan, ctx)
-    cap = memory_cap(ctx.cluster)
-    top = max(mem)
-    if top > cap:
-        g = mem.index(top)
-        holders = [name for name, c in plan.items() if g in c.gpus]
-        raise InfeasiblePlanError(
-            f"{label} plan does not fit on GPU {g}: {top / GB:.1f} GB resident ({', '.join(holders)}) "
-            f"> cap {cap / GB:.1f} GB"
-        )
-    return mem
+    raise AssertionError("_plan_ok and _plan_problem disagree")  # pragma: no cover
 
 
 def union_of_local_dags(ctx: TransitionContext, batched: Collection[str] = ()) -> list[Node]:
@@ -229,6 +251,46 @@ def _tight(ctx: TransitionContext, growth: list[float]) -> set[int]:
     return {g for g, w in enumerate(worst) if w > cap} if max(worst, default=0.0) > cap else set()
 
 
+def _never_fits(
+    nodes: list[Node], careful: list[bool], tight: set[int], base: list[float], cap: float
+) -> None:
+    """Raise at once if an acquisition cannot fit even after every other node on its GPU freed
+    all it ever frees (the replay would block it forever and stop with it stuck).
+
+    A node on GPU g needs ``base + grown + grow - freed`` there; ``grown >= 0`` and ``freed`` is at
+    most what the other nodes free on g, so this bound failing means no order can admit it.
+    """
+    frees: dict[int, float] = defaultdict(float)
+    for n, c in zip(nodes, careful, strict=True):
+        if c:
+            for g, net, transient in n.mem:
+                free = (-net if net < 0 else 0.0) + transient
+                if free > 0 and g in tight:
+                    frees[g] += free
+    stuck: list[tuple[Node, int, float]] = []
+    for n, c in zip(nodes, careful, strict=True):
+        if c:
+            for g, net, transient in n.mem:
+                grow = (net if net > 0 else 0.0) + transient
+                if grow > 0 and g in tight:
+                    own = (-net if net < 0 else 0.0) + transient
+                    need = base[g] + grow - (frees[g] - own)
+                    if need > cap:
+                        stuck.append((n, g, need))
+                        break
+    if stuck:
+        lines = "; ".join(
+            f"{n.op.value} of {n.model_stage} onto {list((n.targets or n.sources)[0].gpus)}: GPU {g} "
+            f"would need {need / GB:.1f} GB > cap {cap / GB:.1f} GB"
+            for n, g, need in stuck[:4]
+        )
+        raise InfeasiblePlanError(
+            f"no safe transition order: {len(stuck)} acquisition(s) cannot fit in memory even after every "
+            f"other node on their GPUs has freed its memory; stuck: {lines}. Choose a target that leaves "
+            "these GPUs free or frees memory first"
+        )
+
+
 def _order_with_resource_edges(
     nodes: list[Node], ctx: TransitionContext, growth: list[float] | None = None
 ) -> list[Node]:
@@ -256,6 +318,8 @@ def _order_with_resource_edges(
     tight = _tight(ctx, growth)
     # Nodes that touch a tight GPU: only they need memory bookkeeping.
     careful = [not tight.isdisjoint([e[0] for e in n.mem]) for n in nodes] if tight else [False] * len(nodes)
+    if tight:
+        _never_fits(nodes, careful, tight, base, cap)
 
     grown: dict[int, float] = defaultdict(float)
     freed: dict[int, float] = defaultdict(float)
