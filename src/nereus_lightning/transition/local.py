@@ -334,23 +334,27 @@ def local_lanes(
     # Across nodes: the source whose node has sent least so far (spread over NICs), then by load.
     sent: dict[int, int] = defaultdict(int)
     remote = [(0, 0, t not in reused, k, t) for k, t in enumerate(candidates)]  # a lazy heap
+    heappop, heappush, local_get, ext_of_get = heapq.heappop, heapq.heappush, local.get, ext_of.get
     for j, slot in enumerate(missing):
         node = slot[0] // gpn
-        pool = local.get(node)
+        pool = local_get(node)
         if pool:
             src = min(pool, key=lambda t: (load[t], t not in reused)) if len(pool) > 1 else pool[0]
+            pool.append(slot)
         else:
-            while (remote[0][0], remote[0][1]) != (sent[remote[0][4][0] // gpn], load[remote[0][4]]):
-                _, _, r, k, t = heapq.heappop(remote)
-                heapq.heappush(remote, (sent[t[0] // gpn], load[t], r, k, t))
-            src = remote[0][4]
+            top = remote[0]
+            while top[0] != sent[top[4][0] // gpn] or top[1] != load[top[4]]:
+                _, _, r, k, t = heappop(remote)
+                heappush(remote, (sent[t[0] // gpn], load[t], r, k, t))
+                top = remote[0]
+            src = top[4]
             sent[src[0] // gpn] += 1
+            local[node] = [slot]
         load[src] += 1
         load[slot] = 0
-        local[node].append(slot)
         ext_srcs.append(src)
         ext_slots.append(slot)
-        made = ext_of.get(src)
+        made = ext_of_get(src)
         ext_steps.append(3 if made is None else ext_steps[made] + 1)
         ext_of[slot] = j
         reading[src].append(j)
