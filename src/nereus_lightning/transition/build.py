@@ -25,8 +25,8 @@ from collections import defaultdict
 from collections.abc import Collection, Mapping
 from dataclasses import replace
 from functools import lru_cache
-from itertools import chain, repeat
-from operator import add
+from itertools import chain, compress, repeat
+from operator import add, itemgetter
 
 from nereus_lightning.plan.layout import Layout, Plan
 from nereus_lightning.plan.memory import boundary_state_bytes, memory_cap
@@ -40,6 +40,7 @@ from nereus_lightning.transition.pieces import geometry
 
 _OP_RANK = {Primitive.DESTROY: 0, Primitive.MERGE: 1, Primitive.SPLIT: 2, Primitive.EXTEND: 3}
 GB = 1e9
+_FIRST = itemgetter(0)  # a memory effect's GPU
 
 
 def build_transition(
@@ -261,23 +262,23 @@ def _never_fits(
     most what the other nodes free on g, so this bound failing means no order can admit it.
     """
     frees: dict[int, float] = defaultdict(float)
-    for n, c in zip(nodes, careful, strict=True):
-        if c:
-            for g, net, transient in n.mem:
-                free = (-net if net < 0 else 0.0) + transient
-                if free > 0 and g in tight:
+    grows: list[tuple[Node, int, float, float]] = []  # (node, gpu, growth, own free) on tight GPUs
+    for n in compress(nodes, careful):
+        for g, net, transient in n.mem:
+            if g in tight:
+                if net < 0:
+                    free, grow = transient - net, transient
+                else:
+                    free, grow = transient, net + transient
+                if free > 0:
                     frees[g] += free
+                if grow > 0:
+                    grows.append((n, g, grow, free))
     stuck: list[tuple[Node, int, float]] = []
-    for n, c in zip(nodes, careful, strict=True):
-        if c:
-            for g, net, transient in n.mem:
-                grow = (net if net > 0 else 0.0) + transient
-                if grow > 0 and g in tight:
-                    own = (-net if net < 0 else 0.0) + transient
-                    need = base[g] + grow - (frees[g] - own)
-                    if need > cap:
-                        stuck.append((n, g, need))
-                        break
+    for n, g, grow, own in grows:
+        need = base[g] + grow - (frees[g] - own)
+        if need > cap and (not stuck or stuck[-1][0] is not n):
+            stuck.append((n, g, need))
     if stuck:
         lines = "; ".join(
             f"{n.op.value} of {n.model_stage} onto {list((n.targets or n.sources)[0].gpus)}: GPU {g} "
@@ -317,7 +318,7 @@ def _order_with_resource_edges(
         growth = memory_growth(nodes, n_gpus)
     tight = _tight(ctx, growth)
     # Nodes that touch a tight GPU: only they need memory bookkeeping.
-    careful = [not tight.isdisjoint([e[0] for e in n.mem]) for n in nodes] if tight else [False] * len(nodes)
+    careful = [not tight.isdisjoint(map(_FIRST, n.mem)) for n in nodes] if tight else [False] * len(nodes)
     if tight:
         _never_fits(nodes, careful, tight, base, cap)
 

@@ -330,6 +330,7 @@ def local_lanes(
     ext_slots: list[tuple[int, ...]] = []
     ext_steps: list[int] = []
     ext_of: dict[tuple[int, ...], int] = {}  # slot -> index of the Extend making it
+    ext_made: list[int | None] = []  # per Extend: the index of the Extend making its source
     reading: dict[tuple[int, ...], list[int]] = defaultdict(list)
     # Across nodes: the source whose node has sent least so far (spread over NICs), then by load.
     sent: dict[int, int] = defaultdict(int)
@@ -355,6 +356,7 @@ def local_lanes(
         ext_srcs.append(src)
         ext_slots.append(slot)
         made = ext_of_get(src)
+        ext_made.append(made)
         ext_steps.append(3 if made is None else ext_steps[made] + 1)
         ext_of[slot] = j
         reading[src].append(j)
@@ -450,17 +452,23 @@ def local_lanes(
             add(2, destroy, (_new(Unit, (a, u)),), (), (), (), _uniform(u, -mem_a))
 
     extend = Primitive.EXTEND
-    readers: dict[tuple[int, ...], list[int]] = {}  # unit -> the Extends reading it (lane ids)
+    first = out.next_id()  # the Extends' lane ids: first, first + 1, ...
+
+    def readers_of(t: tuple[int, ...]) -> list[int]:
+        """The Extends reading unit ``t`` (lane ids)."""
+        return [first + j for j in reading[t]] if t in reading else []
+
     if ext_slots:
-        first = out.next_id()  # the Extends' lane ids: first, first + 1, ...
         # A source made by an Extend or a Split is waited for; the units, transfers and memory
         # effects are made in bulk.
-        deps_of = [
-            (first + ext_of[src],) if src in ext_of else ((made_by[src],) if src in made_by else ())
-            for src in ext_srcs
-        ]
+        if made_by:
+            deps_of = [
+                (first + m,) if m is not None else ((made_by[src],) if src in made_by else ())
+                for m, src in zip(ext_made, ext_srcs, strict=True)
+            ]
+        else:
+            deps_of = [() if m is None else (first + m,) for m in ext_made]
         made_by.update(zip(ext_slots, range(first, first + len(ext_slots)), strict=True))
-        readers = {t: [first + j for j in js] for t, js in reading.items()}
         out.add_many(
             ext_steps,
             extend,
@@ -477,7 +485,7 @@ def local_lanes(
     # Sources that are not part of the target: drop them after the Extends that read them
     # (the last copy of the state is never dropped before it has been copied).
     for t in sorted(kept - reused, key=lambda t: where[t]):
-        deps = ([made_by[t]] if t in made_by else []) + readers.get(t, [])
+        deps = ([made_by[t]] if t in made_by else []) + readers_of(t)
         add(last + 1, destroy, (_new(Unit, (s, t)),), (), (), deps, _uniform(t, -mem_s))
 
     if same or in_place:
@@ -491,7 +499,7 @@ def local_lanes(
     strided_known: tuple[Pattern, tuple[int, ...]] | None = None
     net_b = mem_b - mem_s
     rows = strided if strided else [None] * len(tgt_units)
-    if not b_is_s and not made_by and not readers and all(map(operator.is_, slots, rows)):
+    if not b_is_s and not made_by and not reading and all(map(operator.is_, slots, rows)):
         # Every target unit merges its strided slots in place, nothing to wait for: in bulk.
         pattern, buf = _merge_pattern(geo, s, b, picked_b)
         out.add_many(
@@ -504,7 +512,7 @@ def local_lanes(
             list(map(tuple, map(zip, tgt_units, repeat(repeat(net_b)), repeat(buf)))),
         )
         tgt_units = rows = slots = []  # done
-    elif chunked and not made_by and not readers:
+    elif chunked and not made_by and not reading:
         # Every target unit merges the T_sub units on its consecutive GPUs in place: in bulk.
         pattern, buf = _merge_pattern(geo, s, b, _consecutive(b.size, s.size))
         n_tgt = len(tgt_units)
@@ -537,8 +545,8 @@ def local_lanes(
         pattern, buf = known
         # A Merge consumes its inputs: after whatever created them and every Extend that reads them.
         deps = {made_by[t] for t in row if t in made_by} if made_by else set()
-        if readers:
-            deps = deps.union(*(readers.get(t, ()) for t in row))
+        if reading:
+            deps = deps.union(*map(readers_of, row))
         add(
             last + 2,
             merge,
