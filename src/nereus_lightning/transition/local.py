@@ -202,7 +202,7 @@ def local_lanes(
     if a == b and current.gpus == target.gpus:
         return out
     s = common_layout(a, b)
-    pick_a, pick_b = _splitter(a, s), _splitter(b, s)
+    pick_a = _splitter(a, s)
     # Units as GPU tuples (a Unit is made only for the units a node names).
     cur_units = _chunks(current.gpus, a.size)
     tgt_units = _chunks(target.gpus, b.size)
@@ -216,8 +216,9 @@ def local_lanes(
     strided: list[list[tuple[int, ...]]] = []  # per target unit, its strided T_sub slots (once asked)
 
     def strided_rows() -> list[list[tuple[int, ...]]]:
-        if not strided:
-            strided.extend(map(pick_b, tgt_units))
+        if not strided and tgt_units:  # ``pick_b`` of every target unit, at C speed
+            flat = _all_subs(b, s, len(tgt_units))(target.gpus)
+            strided.extend(map(list, zip(*[iter(flat)] * (len(flat) // len(tgt_units)), strict=True)))
         return strided
 
     n_cur = len(cur_units)
@@ -505,7 +506,13 @@ def local_lanes(
         out.add_many(
             [last + 2] * len(tgt_units),
             merge,
-            [tuple(map(_new, repeat(Unit), zip(repeat(s), row))) for row in slots],
+            list(
+                zip(
+                    *[map(_new, repeat(Unit), zip(repeat(s), itertools.chain.from_iterable(slots)))]
+                    * len(picked_b),
+                    strict=True,
+                )
+            ),
             list(zip(map(_new, repeat(Unit), zip(repeat(b), tgt_units)))),
             list(map(partial, repeat(_placed), tgt_units, repeat(pattern))),  # built when read
             [()] * len(tgt_units),
