@@ -258,26 +258,24 @@ def _any_order_gpus(dag: TransitionDAG) -> list[str]:
     ctx = dag.context
     stage = {name: ms.stage for name, ms in ctx.stages.items()}
     peers = {a: [b for b in ctx.current if b != a and stage[a] == stage[b]] for a in ctx.current}
-    leaves: dict[str, dict[int, list[int]]] = {name: {} for name in ctx.current}  # model-stage: GPU: nodes
-    masks: dict[str, dict[int, int]] = {name: {} for name in ctx.current}  # the same as bit masks
+    masks: dict[str, dict[int, int]] = {name: {} for name in ctx.current}  # model-stage: GPU: leaving nodes
     watched = {b for a in ctx.current for b in peers[a]}  # model-stages with same-stage peers
     for n in dag.nodes:
         if (n.op is Primitive.DESTROY or n.op is Primitive.SPLIT) and n.model_stage in watched:
-            mine, mask = leaves[n.model_stage], masks[n.model_stage]
-            bit = 1 << n.id
+            mask, bit = masks[n.model_stage], 1 << n.id
+            get = mask.get
             for g in n.released_gpus:
-                mine.setdefault(g, []).append(n.id)
-                mask[g] = mask.get(g, 0) | bit
+                mask[g] = get(g, 0) | bit
     anc: list[int] = []  # computed on first need
     out: list[str] = []
-    exposed = {a for a in ctx.current if any(leaves[b] for b in peers[a])}  # some same-stage peer leaves
+    exposed = {a for a in ctx.current if any(masks[b] for b in peers[a])}  # some same-stage peer leaves
     if not exposed:
         return out
     for n in dag.nodes:
         if n.op is not Primitive.EXTEND or n.model_stage not in exposed:
             continue
         gpus = n.acquired_gpus
-        if all(leaves[other].keys().isdisjoint(gpus) for other in peers[n.model_stage]):
+        if all(masks[other].keys().isdisjoint(gpus) for other in peers[n.model_stage]):
             continue  # no same-stage model-stage leaves these GPUs: nothing to order
         if not anc:
             anc = _ancestors(dag)
@@ -288,7 +286,8 @@ def _any_order_gpus(dag: TransitionDAG) -> list[str]:
             continue
         for g in gpus:
             for other in peers[n.model_stage]:
-                for d in leaves[other].get(g, ()):
+                leaving = masks[other].get(g, 0)
+                for d in (i for i in range(leaving.bit_length()) if leaving >> i & 1):  # in id order
                     if not anc[n.id] >> d & 1:
                         out.append(
                             f"gpu conflict: {n} may land on GPU {g} before {other} leaves it "
