@@ -252,6 +252,16 @@ def _tight(ctx: TransitionContext, growth: list[float]) -> set[int]:
     return {g for g, w in enumerate(worst) if w > cap} if max(worst, default=0.0) > cap else set()
 
 
+def _ids(mask: int) -> list[int]:
+    """The set bits of ``mask``, ascending (one step per set bit)."""
+    out = []
+    while mask:
+        low = mask & -mask
+        out.append(low.bit_length() - 1)
+        mask ^= low
+    return out
+
+
 def _never_fits(
     nodes: list[Node], careful: list[bool], tight: set[int], base: list[float], cap: float
 ) -> None:
@@ -324,10 +334,10 @@ def _order_with_resource_edges(
 
     grown: dict[int, float] = defaultdict(float)
     freed: dict[int, float] = defaultdict(float)
-    freers: dict[int, list[int]] = defaultdict(list)  # executed nodes that freed memory, per tight GPU
-    left: dict[str, dict[int, list[int]]] = {
-        ms: defaultdict(list) for ms in holders
-    }  # who left a GPU, by what
+    # Node-id sets as bit masks (bit i: node i): executed nodes that freed memory per tight GPU,
+    # and per model-stage with peers the nodes by which it left each GPU.
+    freers: dict[int, int] = defaultdict(int)
+    left: dict[str, dict[int, int]] = {ms: {} for ms in holders}
     succs: list[list[int]] = [[] for _ in nodes]
     indeg = [0] * len(nodes)
     for n in nodes:
@@ -376,43 +386,41 @@ def _order_with_resource_edges(
             if why:
                 stuck.append((n, why))
                 continue
-            extra: set[int] | None = None
+            extra = 0  # the releases this node relied on, as a bit mask
             if ms in holders:
                 count = holders[ms]
                 if n.op is extend:
                     for other in peers[ms]:
                         gone = left[other]
                         if gone and not gone.keys().isdisjoint(gpus):
-                            if extra is None:
-                                extra = set()
+                            get = gone.get
                             for g in gpus:
-                                if g in gone:
-                                    extra.update(gone[g])
+                                extra |= get(g, 0)
                     for g in gpus:
                         count[g] += 1
                 elif n.op is not merge:  # Destroy, or Split releasing the GPUs it does not keep
-                    mine = left[ms]
+                    mine, bit = left[ms], 1 << nid
+                    get = mine.get
                     for g in n.released_gpus:
                         count[g] -= 1
-                        mine[g].append(nid)
+                        mine[g] = get(g, 0) | bit
             if careful[nid]:
                 for g, net, transient in n.mem:
                     if g not in tight:
                         continue
                     grow = (net if net > 0 else 0.0) + transient
-                    if grow > 0 and freers[g]:
-                        if extra is None:
-                            extra = set()
-                        extra.update(freers[g])
+                    if grow > 0:
+                        extra |= freers[g]
                     grown[g] += grow
                     free = (-net if net < 0 else 0.0) + transient
                     if free > 0:
                         freed[g] += free
-                        freers[g].append(nid)
+                        freers[g] |= 1 << nid
             if extra:
-                extra.difference_update(n.deps)
-                extra.discard(nid)
-                n.resource_deps = sorted(extra)
+                for d in n.deps:
+                    extra &= ~(1 << d)
+                extra &= ~(1 << nid)
+                n.resource_deps = _ids(extra)
             order.append(n)
             progressed = True
             for s in succs[nid]:
