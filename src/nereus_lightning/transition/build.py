@@ -25,7 +25,7 @@ from collections import defaultdict
 from collections.abc import Collection, Mapping
 from dataclasses import replace
 from functools import lru_cache
-from itertools import chain, compress, repeat
+from itertools import chain, compress
 from operator import add, itemgetter
 
 from nereus_lightning.plan.layout import Layout, Plan
@@ -136,8 +136,8 @@ def resident_memory(plan: Plan, ctx: TransitionContext) -> list[float]:
     for name, cand in plan.items():
         per_gpu = ctx.memory_of(name, cand.layout)
         if per_gpu:  # idle generation/inference weights are offloaded: nothing resident
-            gpus = cand.gpus  # distinct (``Candidate`` checks): one scatter at C speed
-            list(map(mem.__setitem__, gpus, map(add, map(mem.__getitem__, gpus), repeat(per_gpu))))
+            for g in cand.gpus:
+                mem[g] += per_gpu
     return mem
 
 
