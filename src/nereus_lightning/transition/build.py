@@ -77,20 +77,19 @@ def _build(
     parts = {name: calls.nodes(name in batched) for name, calls in lanes.items()}
     nodes = _numbered(parts)
     growth = memory_growth(nodes, cluster.num_gpus)
-    if batched:
+    tight = _tight(ctx, growth)
+    if tight:
+        careful = [not tight.isdisjoint(map(_FIRST, n.mem)) for n in nodes]
+        # Per lane the same memory effects as per replica: no need to rebuild to find these.
+        base = list(ctx.current_memory) or resident_memory(ctx.current, ctx)
+        _never_fits(nodes, careful, tight, base, memory_cap(cluster))
         # A model-stage touching a GPU that may overflow needs per-replica memory ordering:
         # rebuild it per replica (the growth per GPU is the same either way).
-        tight = _tight(ctx, growth)
-        if tight:
-            wide = {
-                n.model_stage
-                for n in nodes
-                if n.model_stage in batched and not tight.isdisjoint([e[0] for e in n.mem])
-            }
-            if wide:
-                parts.update({name: lanes[name].nodes(False) for name in wide})
-                nodes = _numbered(parts)
-    order = _order_with_resource_edges(nodes, ctx, growth)
+        wide = {n.model_stage for n, c in zip(nodes, careful, strict=True) if c and n.model_stage in batched}
+        if wide:
+            parts.update({name: lanes[name].nodes(False) for name in wide})
+            nodes = _numbered(parts)
+    order = _order_with_resource_edges(nodes, ctx, growth, tight)
     dag = TransitionDAG(order, ctx, global_order=True)
     dag._growth = ((cluster.num_gpus, *(n.mem for n in order)), growth)  # validate reuses it
     return dag
@@ -284,16 +283,20 @@ def _never_fits(
                     frees[g] += free
                 if grow > 0:
                     grows.append((n, g, grow, free))
-    stuck: list[tuple[Node, int, float]] = []
+    stuck: dict[tuple[int, tuple[int, ...]], tuple[Node, int, float]] = {}  # per (node, unit)
+    unit_at: dict[int, tuple[int, ...]] = {}  # the unit holding each GPU of the last stuck node
+    last: Node | None = None
     for n, g, grow, own in grows:
         need = base[g] + grow - (frees[g] - own)
-        if need > cap and (not stuck or stuck[-1][0] is not n):
-            stuck.append((n, g, need))
+        if need > cap:
+            if n is not last:  # a batched node: tell its lanes apart by their units
+                last, unit_at = n, {x: u.gpus for u in (n.targets or n.sources) for x in u.gpus}
+            stuck.setdefault((id(n), unit_at.get(g, (g,))), (n, g, need))
     if stuck:
         lines = "; ".join(
-            f"{n.op.value} of {n.model_stage} onto {list((n.targets or n.sources)[0].gpus)}: GPU {g} "
+            f"{n.op.value} of {n.model_stage} onto {list(unit)}: GPU {g} "
             f"would need {need / GB:.1f} GB > cap {cap / GB:.1f} GB"
-            for n, g, need in stuck[:4]
+            for (_, unit), (n, g, need) in list(stuck.items())[:4]
         )
         raise InfeasiblePlanError(
             f"no safe transition order: {len(stuck)} acquisition(s) cannot fit in memory even after every "
@@ -303,11 +306,15 @@ def _never_fits(
 
 
 def _order_with_resource_edges(
-    nodes: list[Node], ctx: TransitionContext, growth: list[float] | None = None
+    nodes: list[Node],
+    ctx: TransitionContext,
+    growth: list[float] | None = None,
+    tight: set[int] | None = None,
 ) -> list[Node]:
     """Replay ``nodes`` in priority order, adding resource edges; return them renumbered.
 
-    ``growth`` is ``memory_growth(nodes, num_gpus)`` when the caller has it already.
+    ``growth`` is ``memory_growth(nodes, num_gpus)`` and ``tight`` its ``_tight`` GPUs when the
+    caller has them already.
     """
     stages: dict[str, ModelStage] = ctx.stages
     peers = {
@@ -326,11 +333,10 @@ def _order_with_resource_edges(
     base = list(ctx.current_memory) or resident_memory(ctx.current, ctx)
     if growth is None:
         growth = memory_growth(nodes, n_gpus)
-    tight = _tight(ctx, growth)
+    if tight is None:
+        tight = _tight(ctx, growth)
     # Nodes that touch a tight GPU: only they need memory bookkeeping.
     careful = [not tight.isdisjoint(map(_FIRST, n.mem)) for n in nodes] if tight else [False] * len(nodes)
-    if tight:
-        _never_fits(nodes, careful, tight, base, cap)
 
     grown: dict[int, float] = defaultdict(float)
     freed: dict[int, float] = defaultdict(float)
