@@ -226,3 +226,14 @@ def test_early_memory_infeasibility_agrees_with_the_replay(monkeypatch) -> None:
     assert [e != "ok" for e in early] == [x != "ok" for x in late]
     assert "cannot fit" in early, "no case exercised the early check"
     build._build.cache_clear()
+
+
+def test_validate_names_a_unit_made_twice_or_where_one_is() -> None:
+    cur = plan(actor_train=cand(2, 1, range(4)), critic_train=cand(2, 1, range(8, 12)))
+    tgt = plan(actor_train=cand(2, 1, range(8)), critic_train=cand(2, 1, range(8, 12)))
+    for twice in (True, False):
+        dag = copy.deepcopy(build_transition(cur, tgt, MODELS, CLUSTER, PPO))
+        grower = next(n for n in dag.nodes if n.op is Primitive.EXTEND)
+        grower.targets = grower.targets * 2 if twice else (grower.sources[0],)
+        report = validate(dag)
+        assert not report.valid and "where a unit already is" in report.problems[0]

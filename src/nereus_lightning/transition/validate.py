@@ -219,13 +219,13 @@ def _replay(dag: TransitionDAG, order: list[Node], problems: list[str], label: s
             for key in keys:
                 del units[key]
         keys, lays = _shapes(n.targets)
-        if not units.keys().isdisjoint(keys) or len(set(keys)) != len(keys):
-            seen: set[tuple[int, ...]] = set()
-            for u in n.targets:
-                if u.gpus in units or u.gpus in seen:
-                    problems.append(f"structure{label}: {n} creates {u} where a unit already is")
-                seen.add(u.gpus)
+        clash = not units.keys().isdisjoint(keys)
+        if clash:
+            _report_clashes(n, units, problems, label)
+        before = len(units)
         units.update(zip(keys, lays, strict=True))
+        if not clash and len(units) != before + len(keys):  # a unit made twice by this node
+            _report_clashes(n, {}, problems, label)
         if not units:
             problems.append(f"last copy{label}: {ms} has no unit left after {n}")
         if ms in counted:  # Extend acquires GPUs; Destroy and Split release some; Merge neither
@@ -241,6 +241,15 @@ def _replay(dag: TransitionDAG, order: list[Node], problems: list[str], label: s
                 f"structure{label}: {name} ends with {sorted(alive[name].items())}, not the target"
             )
     return peak
+
+
+def _report_clashes(n: Node, units: dict, problems: list[str], label: str) -> None:
+    """Name each unit ``n`` creates on a GPU tuple that holds one (in ``units`` or made before by ``n``)."""
+    seen: set[tuple[int, ...]] = set()
+    for u in n.targets:
+        if u.gpus in units or u.gpus in seen:
+            problems.append(f"structure{label}: {n} creates {u} where a unit already is")
+        seen.add(u.gpus)
 
 
 def _ancestors(dag: TransitionDAG) -> list[int]:
