@@ -276,7 +276,7 @@ def local_lanes(
         missing = new
     elif b == s:  # each target unit is one slot: reused in place when a T_sub unit sits exactly on it
         if BULK_SHORTCUTS and all(map(where.__contains__, tgt_units)):  # all in place: nothing to merge
-            slots = list(map(list, zip(tgt_units)))
+            slots = []  # each target unit is its own slot, reused: none is read below
             in_place = True
         else:
             slots = [
@@ -301,7 +301,9 @@ def local_lanes(
                 row if all(map(where.__contains__, row)) else _slots_of(v, row, b, s, where, sub_at_of)
                 for v, row in zip(tgt_units, strided_rows(), strict=True)
             ]
-    if not same:
+    if in_place:
+        reused, missing = set(tgt_units), []
+    elif not same:
         flat = list(itertools.chain.from_iterable(slots))
         if all(map(where.__contains__, flat)):  # every slot exists (C speed)
             reused, missing = set(flat), []
@@ -397,17 +399,25 @@ def local_lanes(
                 zip(*[map(_new, repeat(Unit), zip(repeat(s), flat_subs))] * k, strict=True),
                 map(partial, repeat(_placed), units, repeat(pattern)),  # built when read
                 repeat(()),
-                map(tuple, map(zip, units, repeat(nets), repeat(buf))),
+                # per lane its GPUs' effects (one flat pass when the lanes are all units in order)
+                zip(*[zip(current.gpus, itertools.cycle(nets), itertools.cycle(buf))] * a.size, strict=True)
+                if units is cur_units
+                else map(tuple, map(zip, units, repeat(nets), repeat(buf))),
             )
-            if BULK_SHORTCUTS and kept.issuperset(flat_subs):  # no unused T_sub unit to destroy: in bulk
+            if BULK_SHORTCUTS and (len(kept) == len(where) or kept.issuperset(flat_subs)):
+                # No unused T_sub unit to destroy: in bulk. Who made a T_sub unit matters only
+                # to an Extend, a Destroy of a source or a Merge reading it.
                 first = out.extend(made)
-                made_by.update(
-                    zip(
-                        flat_subs,
-                        itertools.chain.from_iterable(map(repeat, range(first, out.next_id()), repeat(k))),
-                        strict=True,
+                if ext_slots or len(kept) != len(reused) or not (same or in_place):
+                    made_by.update(
+                        zip(
+                            flat_subs,
+                            itertools.chain.from_iterable(
+                                map(repeat, range(first, out.next_id()), repeat(k))
+                            ),
+                            strict=True,
+                        )
                     )
-                )
                 made, subs_of = (), ()
             for lane, subs in zip(made, subs_of, strict=True):
                 nid = out.append(lane)
