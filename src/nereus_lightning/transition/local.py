@@ -19,7 +19,7 @@ import heapq
 import itertools
 import operator
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import lru_cache, partial
 from itertools import repeat
 from math import gcd
@@ -210,7 +210,7 @@ def local_lanes(
     # T_sub units each current unit would split into, indexed by their GPU tuple: the target's
     # strided slots when they tile the unit exactly (then Merge or nothing follows in place),
     # else the position-wise split.
-    split_into: list[list[tuple[int, ...]]] = []
+    split_into: list[Sequence[tuple[int, ...]]] = []  # per current unit: its T_sub units
     by_position: set[int] = set()  # current units split position-wise (tiles ``sub_position(a, s)``)
     where: dict[tuple[int, ...], tuple[int, int]] = {}
     strided: list[list[tuple[int, ...]]] = []  # per target unit, its strided T_sub slots (once asked)
@@ -222,8 +222,9 @@ def local_lanes(
         return strided
 
     n_cur = len(cur_units)
+    exact = False  # the position-wise T_sub units are exactly the target's units, in order
     if a == s:
-        split_into = list(map(list, zip(cur_units)))
+        split_into = list(zip(cur_units))
         where = dict(zip(cur_units, _unit_and_index(n_cur, 1), strict=True))
     else:
         k = len(sub_positions(a, s))
@@ -231,11 +232,12 @@ def local_lanes(
         # unit is tiled by them in this order and the per-unit loop below has nothing to decide.
         subs_all = _all_subs(a, s, n_cur)(current.gpus)
         if b == s:  # the target's units are the slots
-            all_slots = subs_all == tgt_units or set(tgt_units).issuperset(subs_all)
+            exact = subs_all == tgt_units
+            all_slots = exact or set(tgt_units).issuperset(subs_all)
         else:
             all_slots = set(itertools.chain.from_iterable(strided_rows())).issuperset(subs_all)
         if all_slots and BULK_SHORTCUTS:
-            split_into = list(map(list, zip(*[iter(subs_all)] * k, strict=True)))
+            split_into = list(zip(*[iter(subs_all)] * k, strict=True))
             by_position = set(range(n_cur))
             where = dict(zip(subs_all, _unit_and_index(n_cur, k), strict=True))
         else:
@@ -275,7 +277,7 @@ def local_lanes(
         reused = set(filter(where.__contains__, tgt_units))
         missing = new
     elif b == s:  # each target unit is one slot: reused in place when a T_sub unit sits exactly on it
-        if BULK_SHORTCUTS and all(map(where.__contains__, tgt_units)):  # all in place: nothing to merge
+        if BULK_SHORTCUTS and (exact or all(map(where.__contains__, tgt_units))):  # in place: no merge
             slots = []  # each target unit is its own slot, reused: none is read below
             in_place = True
         else:
