@@ -325,46 +325,53 @@ def local_lanes(
     # node first (chaining inside the node), then the least-loaded source, reused ones on ties.
     gpn = cluster.gpus_per_node
     candidates = [t for i in split_units for t in split_into[i]] if missing else []
-    load: dict[tuple[int, ...], int] = {t: 0 for t in candidates}
-    local: dict[int, list[tuple[int, ...]]] = defaultdict(list)
-    for t in candidates:
-        local[t[0] // gpn].append(t)
+    # Sources by index: candidates 0..C-1, then the slots in ``missing`` order (C + j is made by
+    # Extend j); lists indexed by it avoid hashing GPU tuples in the loop.
+    n_cand = len(candidates)
+    node_of = [t[0] // gpn for t in candidates]
+    fresh = [t not in reused for t in candidates] + [True] * len(missing)  # slots are never reused
+    load = [0] * (n_cand + len(missing))
+    local: dict[int, list[int]] = defaultdict(list)
+    for i, node in enumerate(node_of):
+        local[node].append(i)
     # The Extends (source, slot), in order; per Extend its step (chain depth: 3 reads a T_sub unit,
     # 4 a slot made by a depth-3 Extend, ...) and, per source, the Extends reading it (by index).
     ext_srcs: list[tuple[int, ...]] = []
-    ext_slots: list[tuple[int, ...]] = []
+    ext_slots: list[tuple[int, ...]] = list(missing)
     ext_steps: list[int] = []
-    ext_of: dict[tuple[int, ...], int] = {}  # slot -> index of the Extend making it
     ext_made: list[int | None] = []  # per Extend: the index of the Extend making its source
-    reading: dict[tuple[int, ...], list[int]] = defaultdict(list)
+    read_by: dict[int, list[int]] = defaultdict(list)  # source index -> the Extends reading it
     # Across nodes: the source whose node has sent least so far (spread over NICs), then by load.
     sent: dict[int, int] = defaultdict(int)
-    remote = [(0, 0, t not in reused, k, t) for k, t in enumerate(candidates)]  # a lazy heap
-    heappop, heappush, local_get, ext_of_get = heapq.heappop, heapq.heappush, local.get, ext_of.get
+    remote = [(0, 0, fresh[k], k) for k in range(n_cand)]  # a lazy heap (indices are unique)
+    heappop, heappush, local_get = heapq.heappop, heapq.heappush, local.get
     for j, slot in enumerate(missing):
         node = slot[0] // gpn
         pool = local_get(node)
         if pool:
-            src = min(pool, key=lambda t: (load[t], t not in reused)) if len(pool) > 1 else pool[0]
-            pool.append(slot)
+            si = min(pool, key=lambda i: (load[i], fresh[i])) if len(pool) > 1 else pool[0]
+            pool.append(n_cand + j)
         else:
             top = remote[0]
-            while top[0] != sent[top[4][0] // gpn] or top[1] != load[top[4]]:
-                _, _, r, k, t = heappop(remote)
-                heappush(remote, (sent[t[0] // gpn], load[t], r, k, t))
+            while top[0] != sent[node_of[top[3]]] or top[1] != load[top[3]]:
+                _, _, r, k = heappop(remote)
+                heappush(remote, (sent[node_of[k]], load[k], r, k))
                 top = remote[0]
-            src = top[4]
-            sent[src[0] // gpn] += 1
-            local[node] = [slot]
-        load[src] += 1
-        load[slot] = 0
-        ext_srcs.append(src)
-        ext_slots.append(slot)
-        made = ext_of_get(src)
-        ext_made.append(made)
-        ext_steps.append(3 if made is None else ext_steps[made] + 1)
-        ext_of[slot] = j
-        reading[src].append(j)
+            si = top[3]
+            sent[node_of[si]] += 1
+            local[node] = [n_cand + j]
+        load[si] += 1
+        if si < n_cand:
+            ext_srcs.append(candidates[si])
+            ext_made.append(None)
+            ext_steps.append(3)
+        else:
+            made = si - n_cand
+            ext_srcs.append(missing[made])
+            ext_made.append(made)
+            ext_steps.append(ext_steps[made] + 1)
+        read_by[si].append(j)
+    reading = {(candidates[i] if i < n_cand else missing[i - n_cand]): js for i, js in read_by.items()}
     kept = reused.union(filter(where.__contains__, ext_srcs))
 
     add = out.add
