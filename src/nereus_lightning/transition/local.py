@@ -488,7 +488,8 @@ def local_lanes(
             ]
         else:
             deps_of = [() if m is None else (first + m,) for m in ext_made]
-        made_by.update(zip(ext_slots, range(first, first + len(ext_slots)), strict=True))
+        if not (same or in_place):  # only a Merge asks who made a slot
+            made_by.update(zip(ext_slots, range(first, first + len(ext_slots)), strict=True))
         out.add_many(
             ext_steps,
             extend,
@@ -498,7 +499,12 @@ def local_lanes(
                 map(partial, repeat(extend_transfers), repeat(geo), repeat(s), ext_srcs, ext_slots)
             ),  # built when read
             deps_of,
-            list(map(tuple, map(zip, ext_slots, repeat(repeat(mem_s)), repeat(repeat(0.0))))),
+            list(
+                zip(
+                    *[zip(itertools.chain.from_iterable(ext_slots), repeat(mem_s), repeat(0.0))] * s.size,
+                    strict=True,
+                )
+            ),
         )
     last = max(ext_steps, default=2)
 
