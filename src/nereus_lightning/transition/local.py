@@ -87,7 +87,10 @@ def _all_subs(x: Layout, s: Layout, units: int) -> Callable[[tuple[int, ...]], l
     size = s.size
     if not positions:
         return lambda gpus: []
-    flat = itemgetter(*positions) if len(positions) > 1 else (lambda gpus: (gpus[positions[0]],))
+    if positions == list(range(len(positions))):  # every GPU in order (e.g. TP2 -> TP1)
+        flat = tuple
+    else:
+        flat = itemgetter(*positions) if len(positions) > 1 else (lambda gpus: (gpus[positions[0]],))
     if size == 1:
         return lambda gpus: list(zip(flat(gpus)))
     return lambda gpus: list(zip(*[iter(flat(gpus))] * size, strict=True))
@@ -288,16 +291,18 @@ def local_lanes(
                 for v in tgt_units
             ]
     else:
-        chunks = _chunks(target.gpus, s.size)
+        chunks: list[tuple[int, ...]] = []
         if (
             BULK_SHORTCUTS
             and not any(map(where.__contains__, itertools.chain.from_iterable(strided_rows())))
-            and all(map(where.__contains__, chunks))
+            and all(map(where.__contains__, chunks := _chunks(target.gpus, s.size)))
         ):
             # No strided slot exists but each target unit is tiled by T_sub units in GPU order
             # (e.g. TP2 units merged pairwise into TP4): ``_slots_of`` takes exactly those.
             slots = list(map(list, zip(*[iter(chunks)] * (b.size // s.size), strict=True)))
             chunked = True
+        elif BULK_SHORTCUTS and all(map(where.__contains__, itertools.chain.from_iterable(strided))):
+            slots = list(strided)  # every strided slot exists (the same row objects)
         else:
             slots = [
                 row if all(map(where.__contains__, row)) else _slots_of(v, row, b, s, where, sub_at_of)
