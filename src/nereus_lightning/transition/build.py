@@ -125,7 +125,7 @@ def make_context(
             unit_memory[(name, layout)] = boundary_state_bytes(models[ms.model], ms.trains, layout)
     ctx = TransitionContext(current, target, stages, dict(models), cluster, workload, unit_memory)
     resident = _check_plan("current", current, ctx)
-    _check_plan("target", target, ctx)
+    _check_plan("target", target, ctx, per_gpu=False)
     return replace(ctx, current_memory=tuple(resident))
 
 
@@ -140,12 +140,15 @@ def resident_memory(plan: Plan, ctx: TransitionContext) -> list[float]:
     return mem
 
 
-def _check_plan(label: str, plan: Plan, ctx: TransitionContext) -> list[float]:
-    """GPU ids exist, same-stage model-stages are disjoint, resident state fits; returns it per GPU."""
+def _check_plan(label: str, plan: Plan, ctx: TransitionContext, per_gpu: bool = True) -> list[float]:
+    """GPU ids exist, same-stage model-stages are disjoint, resident state fits; returns it per GPU
+    (or, without ``per_gpu``, ``[]`` when the sum of every model-stage's unit memory fits anyway)."""
     if not _plan_ok(plan, ctx):
         _plan_problem(label, plan, ctx)
-    mem = resident_memory(plan, ctx)
     cap = memory_cap(ctx.cluster)
+    if not per_gpu and sum(ctx.memory_of(name, c.layout) for name, c in plan.items()) <= cap:
+        return []  # no GPU can hold more than all model-stages together
+    mem = resident_memory(plan, ctx)
     top = max(mem)
     if top > cap:
         g = mem.index(top)
@@ -162,11 +165,15 @@ def _plan_ok(plan: Plan, ctx: TransitionContext) -> bool:
     n = ctx.cluster.num_gpus
     by_stage: dict[str, list[tuple[int, ...]]] = defaultdict(list)
     for name, cand in plan.items():
-        if min(cand.gpus) < 0 or max(cand.gpus) >= n:
-            return False
         by_stage[ctx.stages[name].stage].append(cand.gpus)
     for runs in by_stage.values():
-        if len(runs) > 1 and len(set(chain.from_iterable(runs))) != sum(map(len, runs)):
+        if len(runs) == 1:
+            gpus = runs[0]
+        else:  # one set per stage: disjoint runs, then its range
+            gpus = set(chain.from_iterable(runs))
+            if len(gpus) != sum(map(len, runs)):
+                return False
+        if min(gpus) < 0 or max(gpus) >= n:
             return False
     return True
 
