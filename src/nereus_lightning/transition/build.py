@@ -236,17 +236,19 @@ def batchable(ctx: TransitionContext) -> set[str]:
     node per step for all replicas orders exactly as well as one per replica, and the releases
     other model-stages wait for still always come.
     """
-    by_stage: dict[str, set[int]] = defaultdict(set)
-    owner: dict[str, str] = {}
-    for name, cand in ctx.current.items():
-        stage = ctx.stages[name].stage
-        by_stage[stage].update(cand.gpus)
-        owner[name] = stage
+    members: dict[str, list[str]] = defaultdict(list)
+    for name in ctx.current:
+        members[ctx.stages[name].stage].append(name)
     out = set()
-    for name, cand in ctx.target.items():
-        others = by_stage[owner[name]].difference(ctx.current[name].gpus)
-        if others.isdisjoint(cand.gpus):
-            out.add(name)
+    for names in members.values():
+        if len(names) == 1:  # no same-stage peer
+            out.update(names)
+            continue
+        held = set(chain.from_iterable(ctx.current[name].gpus for name in names))
+        for name in names:
+            others = held.difference(ctx.current[name].gpus)
+            if others.isdisjoint(ctx.target[name].gpus):
+                out.add(name)
     return out
 
 
