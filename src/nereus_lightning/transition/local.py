@@ -329,7 +329,12 @@ def local_lanes(
     # Plan the Extends first, so that Split keeps only the T_sub units that are used: the slot's
     # node first (chaining inside the node), then the least-loaded source, reused ones on ties.
     gpn = cluster.gpus_per_node
-    candidates = [t for i in split_units for t in split_into[i]] if missing else []
+    if not missing:
+        candidates = []
+    elif len(split_units) == n_cur and a == s:  # every current unit, unsplit, in order
+        candidates = list(cur_units)
+    else:
+        candidates = [t for i in split_units for t in split_into[i]]
     # Sources by index: candidates 0..C-1, then the slots in ``missing`` order (C + j is made by
     # Extend j); lists indexed by it avoid hashing GPU tuples in the loop.
     n_cand = len(candidates)
@@ -471,10 +476,11 @@ def local_lanes(
                 if t not in kept:
                     add(1, destroy, (_new(Unit, (s, t)),), (), (), (nid,), _uniform(t, -mem_s))
     # Current units that neither stay nor feed anything go first (release before acquire).
-    keep_units = set(kept_units)
-    for i, u in enumerate(cur_units):
-        if i not in keep_units:
-            add(2, destroy, (_new(Unit, (a, u)),), (), (), (), _uniform(u, -mem_a))
+    if len(kept_units) != n_cur:  # (``kept_units`` holds distinct indices)
+        keep_units = set(kept_units)
+        for i, u in enumerate(cur_units):
+            if i not in keep_units:
+                add(2, destroy, (_new(Unit, (a, u)),), (), (), (), _uniform(u, -mem_a))
 
     extend = Primitive.EXTEND
     first = out.next_id()  # the Extends' lane ids: first, first + 1, ...
