@@ -16,6 +16,8 @@ release it relied on, so ANY execution of the final DAG is safe:
 A Destroy that depends on the blocked acquisition never runs before it (the replay respects
 dependencies), so the edges keep the graph acyclic. If nothing can run while acquisitions are
 blocked, no releasing Destroy exists: :class:`InfeasiblePlanError` names the stuck acquisitions.
+An acquisition that cannot fit on a tight GPU even after every other node there has freed all it
+frees is reported before the replay (no order could admit it; the replay would end stuck on it).
 """
 
 from __future__ import annotations
