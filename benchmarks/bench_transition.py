@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> dict:
     """Run the three benchmarks, print tables and write ``results/transition.json``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", type=int, default=40, help="random cases per overlap kind")
-    parser.add_argument("--repeats", type=int, default=9, help="timing repeats (medians are reported)")
+    parser.add_argument("--repeats", type=int, default=21, help="timing repeats (medians are reported)")
     args = parser.parse_args(argv)
 
     table = overlap_table(args.cases, (8, 16, 32, 64, 128, 256))
