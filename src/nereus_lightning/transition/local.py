@@ -19,7 +19,7 @@ import heapq
 import itertools
 import operator
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import lru_cache, partial
 from itertools import repeat
 from math import gcd
@@ -31,6 +31,7 @@ from nereus_lightning.transition.dag import MemEffect, Node, Primitive, Unit
 from nereus_lightning.transition.pieces import Geometry, Piece, Transfer, extend_transfers, gather_pattern
 
 _FIRST = itemgetter(0)
+_LAST = itemgetter(-1)
 _new = tuple.__new__  # builds a NamedTuple without its (slow) Python-level __new__
 
 #: Whether Split may keep only the T_sub units the transition uses (less memory and traffic) or
@@ -355,12 +356,33 @@ def local_lanes(
     sent: dict[int, int] = defaultdict(int)
     remote = [(0, 0, fresh[k], k) for k in range(n_cand)]  # a lazy heap (indices are unique)
     heappop, heappush, local_get = heapq.heappop, heapq.heappush, local.get
-    for j, slot in enumerate(missing):
-        node = slot[0] // gpn
+    # A node without candidates chains its Extends: the newest is the only one no Extend reads
+    # yet (its pool's least loaded, every other read once), so it is the next source there.
+    tail: dict[int, int] = {}
+    tail_get = tail.get
+    slot_nodes = [t[0] // gpn for t in missing]
+    picks = None
+    if n_cand and local.keys().isdisjoint(slot_nodes) and fresh[:n_cand] == sorted(fresh[:n_cand]):
+        # No slot on a candidate's node: only the remote picks load candidates, so (the heap being
+        # sorted to start with) each node is picked once per round, least loaded candidate first.
+        picks = _remote_picks(list(local.values()), fresh, len(set(slot_nodes)))
+    for j, node in enumerate(slot_nodes):
+        si = tail_get(node)
+        if si is not None:  # (extends' loads matter only in their node's chain: not kept)
+            tail[node] = n_cand + j
+            made = si - n_cand
+            ext_srcs.append(missing[made])
+            ext_made.append(made)
+            ext_steps.append(ext_steps[made] + 1)
+            read_by[si].append(j)
+            continue
         pool = local_get(node)
         if pool:
             si = min(pool, key=lambda i: (load[i], fresh[i])) if len(pool) > 1 else pool[0]
             pool.append(n_cand + j)
+        elif picks is not None:
+            si = next(picks)
+            tail[node] = n_cand + j
         else:
             top = remote[0]
             while top[0] != sent[node_of[top[3]]] or top[1] != load[top[3]]:
@@ -369,7 +391,7 @@ def local_lanes(
                 top = remote[0]
             si = top[3]
             sent[node_of[si]] += 1
-            local[node] = [n_cand + j]
+            tail[node] = n_cand + j
         load[si] += 1
         if si < n_cand:
             ext_srcs.append(candidates[si])
@@ -602,6 +624,21 @@ def local_lanes(
     return out
 
 
+def _remote_picks(pools: list[list[int]], fresh: list[bool], count: int) -> Iterator[int]:
+    """The first ``count`` remote sources when only remote picks load candidates (``pools``: the
+    candidates per node; ``fresh`` by index, non-decreasing): the least-sent node first, then the
+    least-loaded source, reused ones first, then the lower index. Every node has sent ``r`` in
+    round ``r`` and each node's r-th source is its ``(fresh, index)``-sorted candidates round-robin."""
+    queues = [sorted(pool, key=fresh.__getitem__) for pool in pools]
+    out: list[int] = []
+    r = 0
+    while len(out) < count:
+        picked = [q[r % len(q)] for q in queues]
+        out += map(_LAST, sorted(zip([r // len(q) for q in queues], map(fresh.__getitem__, picked), picked)))
+        r += 1
+    return iter(out[:count])
+
+
 def _chunks(gpus: tuple[int, ...], size: int) -> list[tuple[int, ...]]:
     """``gpus`` cut into consecutive tuples of ``size``."""
     return list(zip(*[iter(gpus)] * size, strict=True))
@@ -657,16 +694,17 @@ class LocalLanes:
                 Node(first_id + i, op, name, srcs, tgts, transfers, [first_id + d for d in deps], mem)
                 for i, (_, op, srcs, tgts, transfers, deps, mem) in enumerate(lanes)
             ]
-        by_step: dict[int, list[tuple]] = defaultdict(list)
-        for lane in lanes:
-            by_step[lane[0]].append(lane)
-        steps = sorted(by_step)
-        node_of = {st: first_id + i for i, st in enumerate(steps)}
-        lane_node = [node_of[lane[0]] for lane in lanes]
+        # Lanes grouped by step, in lane order within a step (a stable sort: C speed).
+        step_of = list(map(_FIRST, lanes))
+        by_step = [
+            (st, list(group)) for st, group in itertools.groupby(sorted(lanes, key=_FIRST), key=_FIRST)
+        ]
+        node_of = {st: first_id + i for i, (st, _) in enumerate(by_step)}
+        lane_node = list(map(node_of.__getitem__, step_of))
         out = []
         chain = itertools.chain.from_iterable
-        for st in steps:
-            _, ops, srcs, tgts, parts, deps, mems = zip(*by_step[st], strict=True)
+        for st, group in by_step:
+            _, ops, srcs, tgts, parts, deps, mems = zip(*group, strict=True)
             out.append(
                 Node(
                     node_of[st],
@@ -675,7 +713,7 @@ class LocalLanes:
                     tuple(chain(srcs)),
                     tuple(chain(tgts)),
                     partial(_concat, parts),
-                    sorted({lane_node[d] for d in chain(deps)}),
+                    sorted(set(map(lane_node.__getitem__, chain(deps)))),
                     tuple(chain(mems)),
                     lanes=tuple(zip(map(len, srcs), map(len, tgts), map(len, mems), parts, strict=True)),
                 )
