@@ -694,17 +694,16 @@ class LocalLanes:
                 Node(first_id + i, op, name, srcs, tgts, transfers, [first_id + d for d in deps], mem)
                 for i, (_, op, srcs, tgts, transfers, deps, mem) in enumerate(lanes)
             ]
-        # Lanes grouped by step, in lane order within a step (a stable sort: C speed).
-        step_of = list(map(_FIRST, lanes))
-        by_step = [
-            (st, list(group)) for st, group in itertools.groupby(sorted(lanes, key=_FIRST), key=_FIRST)
-        ]
-        node_of = {st: first_id + i for i, (st, _) in enumerate(by_step)}
-        lane_node = list(map(node_of.__getitem__, step_of))
+        by_step: dict[int, list[tuple]] = defaultdict(list)
+        for lane in lanes:
+            by_step[lane[0]].append(lane)
+        steps = sorted(by_step)
+        node_of = {st: first_id + i for i, st in enumerate(steps)}
+        lane_node = [node_of[lane[0]] for lane in lanes]
         out = []
         chain = itertools.chain.from_iterable
-        for st, group in by_step:
-            _, ops, srcs, tgts, parts, deps, mems = zip(*group, strict=True)
+        for st in steps:
+            _, ops, srcs, tgts, parts, deps, mems = zip(*by_step[st], strict=True)
             out.append(
                 Node(
                     node_of[st],
@@ -713,7 +712,7 @@ class LocalLanes:
                     tuple(chain(srcs)),
                     tuple(chain(tgts)),
                     partial(_concat, parts),
-                    sorted(set(map(lane_node.__getitem__, chain(deps)))),
+                    sorted({lane_node[d] for d in chain(deps)}),
                     tuple(chain(mems)),
                     lanes=tuple(zip(map(len, srcs), map(len, tgts), map(len, mems), parts, strict=True)),
                 )
