@@ -8,7 +8,7 @@ import random
 from nereus_lightning.plan.layout import Layout
 from nereus_lightning.transition import Primitive, build_transition, validate
 from nereus_lightning.transition.dag import memory_growth
-from nereus_lightning.transition.local import local_dag
+from nereus_lightning.transition.local import _remote_picks, local_dag
 from nereus_lightning.transition.pieces import geometry
 from nereus_lightning.transition.scenarios import random_case
 from tests.transition.helpers import CLUSTER, MODELS, PPO, cand, lanes, plan, with_memory
@@ -237,3 +237,27 @@ def test_validate_names_a_unit_made_twice_or_where_one_is() -> None:
         grower.targets = grower.targets * 2 if twice else (grower.sources[0],)
         report = validate(dag)
         assert not report.valid and "where a unit already is" in report.problems[0]
+
+
+def _heap_free_reference(pools: list[list[int]], fresh: list[bool], count: int) -> list[int]:
+    """The Extend loop's remote choice by brute force: least-sent node, then least-loaded source,
+    reused (not fresh) first, then the lower index; only these picks load sources."""
+    node_of = {k: i for i, pool in enumerate(pools) for k in pool}
+    sent, load, out = [0] * len(pools), dict.fromkeys(node_of, 0), []
+    for _ in range(count):
+        k = min(node_of, key=lambda k: (sent[node_of[k]], load[k], fresh[k], k))
+        sent[node_of[k]] += 1
+        load[k] += 1
+        out.append(k)
+    return out
+
+
+def test_remote_picks_in_rounds_equal_the_brute_force_choice() -> None:
+    rng = random.Random(7)
+    for _ in range(200):
+        n_cand = rng.randint(1, 24)
+        fresh = sorted(rng.random() < 0.4 for _ in range(n_cand))  # non-decreasing, as required
+        nodes = [rng.randrange(max(1, n_cand // 3)) for _ in range(n_cand)]
+        pools = [[k for k in range(n_cand) if nodes[k] == nd] for nd in dict.fromkeys(nodes)]
+        count = rng.randint(1, 3 * n_cand)
+        assert list(_remote_picks(pools, fresh, count)) == _heap_free_reference(pools, fresh, count)
