@@ -695,11 +695,15 @@ class LocalLanes:
                 for i, (_, op, srcs, tgts, transfers, deps, mem) in enumerate(lanes)
             ]
         by_step: dict[int, list[tuple]] = defaultdict(list)
-        for lane in lanes:
-            by_step[lane[0]].append(lane)
+        one_step = bool(lanes) and lanes[0][0] == lanes[-1][0] and len(set(map(_FIRST, lanes))) == 1
+        if one_step:  # e.g. a bulk Split or Merge: no per-lane grouping
+            by_step[lanes[0][0]] = lanes
+        else:
+            for lane in lanes:
+                by_step[lane[0]].append(lane)
         steps = sorted(by_step)
         node_of = {st: first_id + i for i, st in enumerate(steps)}
-        lane_node = [node_of[lane[0]] for lane in lanes]
+        lane_node = [first_id] * len(lanes) if one_step else [node_of[lane[0]] for lane in lanes]
         out = []
         chain = itertools.chain.from_iterable
         for st in steps:
