@@ -169,7 +169,9 @@ def plan_job(
     cap, budget = memory_cap(cluster), cluster.num_gpus
     unknown = set(pinned or {}) - set(works)
     if unknown:
-        raise NereusConfigError(f"plan_job.pinned: unknown model-stages {sorted(unknown)}; known: {sorted(works)}")
+        raise NereusConfigError(
+            f"plan_job.pinned: unknown model-stages {sorted(unknown)}; known: {sorted(works)}"
+        )
     search = _Search(works, {ms.name: ms.stage for ms in stages}, cluster, calibration, budget, cap, pinned)
     stuck = [n for n in (pinned or {}) if not search.fronts(n, cap)]
     if stuck:
@@ -268,6 +270,18 @@ class _Search:
         picks = self.solve(stage, rho)
         return max(o.latency for o in picks[0].values()) if picks else math.inf
 
+    def _training_levels(self) -> list[float]:
+        """Every resident training-state level some training model-stage can keep, largest first."""
+        return sorted(
+            {
+                lvl
+                for n, s in self.stage_of.items()
+                if s == "training"
+                for lvl in self.tables[n].resident_levels()
+            },
+            reverse=True,
+        )
+
     def best_level(self) -> float:
         """The training-state level ``rho`` of the fastest plan (raises when no level works)."""
         others = [s for s in self.stages if s != "training"]
@@ -277,15 +291,7 @@ class _Search:
         self._require(others, 0.0)  # the other stages on their own (no co-resident state)
         self._require(["training"], math.inf)
         top = max(o.resident for o in self.solve("training", math.inf)[0].values())
-        levels = sorted(
-            {
-                lvl
-                for n, s in self.stage_of.items()
-                if s == "training"
-                for lvl in self.tables[n].resident_levels()
-            },
-            reverse=True,
-        )
+        levels = self._training_levels()
         bound = sum(self._latency(s, 0.0) for s in others)
         best, best_rho = math.inf, None
         for rho in (lvl for lvl in levels if lvl <= top):
@@ -301,20 +307,15 @@ class _Search:
 
     def leaner_levels(self, rho: float, count: int) -> list[float]:
         """Up to ``count`` training-state levels below ``rho`` at which a whole plan still fits."""
-        levels = sorted(
-            {
-                lvl
-                for n, s in self.stage_of.items()
-                if s == "training"
-                for lvl in self.tables[n].resident_levels()
-            },
-            reverse=True,
-        )
+        levels = self._training_levels()
         # Below the smallest state some training model-stage can keep (its pinned layout's, if
         # pinned) no plan fits: skip those levels without solving them.
         floor = max(
             (
-                min((row[3] for row in self.tables[n].rows if self.pinned.get(n) in (None, row[1])), default=math.inf)
+                min(
+                    (row[3] for row in self.tables[n].rows if self.pinned.get(n) in (None, row[1])),
+                    default=math.inf,
+                )
                 for n, s in self.stage_of.items()
                 if s == "training"
             ),
