@@ -634,7 +634,7 @@ def _remote_picks(pools: list[list[int]], fresh: list[bool], count: int) -> Iter
     r = 0
     while len(out) < count:
         picked = [q[r % len(q)] for q in queues]
-        out += map(_LAST, sorted(zip([r // len(q) for q in queues], map(fresh.__getitem__, picked), picked)))
+        out += map(_LAST, sorted(zip([r // len(q) for q in queues], map(fresh.__getitem__, picked), picked, strict=True)))
         r += 1
     return iter(out[:count])
 
