@@ -19,7 +19,7 @@ import heapq
 import itertools
 import operator
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache, partial
 from itertools import repeat
 from math import gcd
@@ -338,34 +338,69 @@ def local_lanes(
         candidates = [t for i in split_units for t in split_into[i]]
     # Sources by index: candidates 0..C-1, then the slots in ``missing`` order (C + j is made by
     # Extend j); lists indexed by it avoid hashing GPU tuples in the loop.
-    n_cand = len(candidates)
-    node_of = [t[0] // gpn for t in candidates]
-    fresh = [t not in reused for t in candidates] + [True] * len(missing)  # slots are never reused
-    load = [0] * (n_cand + len(missing))
-    local: dict[int, list[int]] = defaultdict(list)
-    for i, node in enumerate(node_of):
-        local[node].append(i)
+    n_cand, n_slots = len(candidates), len(missing)
+    node_of = list(map(operator.floordiv, map(_FIRST, candidates), repeat(gpn)))
+    slot_nodes = list(map(operator.floordiv, map(_FIRST, missing), repeat(gpn)))
+    if not reused or reused.isdisjoint(candidates):
+        fresh = [True] * (n_cand + n_slots)  # slots are never reused
+    elif reused.issuperset(candidates):
+        fresh = [False] * n_cand + [True] * n_slots
+    else:
+        fresh = [t not in reused for t in candidates] + [True] * n_slots
+    local: dict[int, list[int]] = {}  # node -> its candidates (indices), grouped at C speed
+    for node, same_node in itertools.groupby(range(n_cand), node_of.__getitem__):
+        pool = local.get(node)
+        if pool is None:
+            local[node] = list(same_node)
+        else:
+            pool += same_node
     # The Extends (source, slot), in order; per Extend its step (chain depth: 3 reads a T_sub unit,
-    # 4 a slot made by a depth-3 Extend, ...) and, per source, the Extends reading it (by index).
+    # 4 a slot made by a depth-3 Extend, ...) and the index of the Extend making its source.
     ext_srcs: list[tuple[int, ...]] = []
     ext_slots: list[tuple[int, ...]] = list(missing)
     ext_steps: list[int] = []
-    ext_made: list[int | None] = []  # per Extend: the index of the Extend making its source
-    read_by: dict[int, list[int]] = defaultdict(list)  # source index -> the Extends reading it
+    ext_made: list[int | None] = []
+    chain_run = 0  # > 0: the slots come in runs of this length, one run per node, chained in bulk
+    picks = None
+    slot_node_set = set(slot_nodes)
+    if n_cand and local.keys().isdisjoint(slot_node_set) and fresh[:n_cand] == sorted(fresh[:n_cand]):
+        # No slot on a candidate's node: only the remote picks load candidates, so (the heap being
+        # sorted to start with) each node is picked once per round, least loaded candidate first.
+        n_picks = len(slot_node_set)
+        picks = _remote_picks(list(local.values()), fresh, n_picks)
+        run = n_slots // n_picks
+        heads = slot_nodes[::run]
+        if (
+            len(heads) == n_picks
+            and len(set(heads)) == n_picks
+            and all(slot_nodes[i::run] == heads for i in range(1, run))
+        ):
+            # Each node's slots are consecutive (``run`` of them): its first reads the node's
+            # pick, each other the slot before it; slices do it for every node at once.
+            chain_run = run
+            head_srcs = list(map(candidates.__getitem__, picks))
+            ext_srcs = list(
+                itertools.chain.from_iterable(
+                    zip(head_srcs, *[missing[i::run] for i in range(run - 1)], strict=True)
+                )
+            )
+            ext_made = list(
+                itertools.chain.from_iterable(
+                    zip(repeat(None, n_picks), *[range(i, n_slots, run) for i in range(run - 1)], strict=True)
+                )
+            )
+            ext_steps = list(range(3, 3 + run)) * n_picks
+            slot_nodes = []  # done
+        picks = iter(picks)
+    load = [0] * (n_cand + n_slots)
     # Across nodes: the source whose node has sent least so far (spread over NICs), then by load.
     sent: dict[int, int] = defaultdict(int)
-    remote = [(0, 0, fresh[k], k) for k in range(n_cand)]  # a lazy heap (indices are unique)
+    remote: list[tuple[int, int, bool, int]] = []  # a lazy heap (indices are unique), made on first need
     heappop, heappush, local_get = heapq.heappop, heapq.heappush, local.get
     # A node without candidates chains its Extends: the newest is the only one no Extend reads
     # yet (its pool's least loaded, every other read once), so it is the next source there.
     tail: dict[int, int] = {}
     tail_get = tail.get
-    slot_nodes = [t[0] // gpn for t in missing]
-    picks = None
-    if n_cand and local.keys().isdisjoint(slot_nodes) and fresh[:n_cand] == sorted(fresh[:n_cand]):
-        # No slot on a candidate's node: only the remote picks load candidates, so (the heap being
-        # sorted to start with) each node is picked once per round, least loaded candidate first.
-        picks = _remote_picks(list(local.values()), fresh, len(set(slot_nodes)))
     for j, node in enumerate(slot_nodes):
         si = tail_get(node)
         if si is not None:  # (extends' loads matter only in their node's chain: not kept)
@@ -374,7 +409,6 @@ def local_lanes(
             ext_srcs.append(missing[made])
             ext_made.append(made)
             ext_steps.append(ext_steps[made] + 1)
-            read_by[si].append(j)
             continue
         pool = local_get(node)
         if pool:
@@ -384,6 +418,8 @@ def local_lanes(
             si = next(picks)
             tail[node] = n_cand + j
         else:
+            if not remote:
+                remote = [(0, 0, fresh[k], k) for k in range(n_cand)]
             top = remote[0]
             while top[0] != sent[node_of[top[3]]] or top[1] != load[top[3]]:
                 _, _, r, k = heappop(remote)
@@ -402,8 +438,6 @@ def local_lanes(
             ext_srcs.append(missing[made])
             ext_made.append(made)
             ext_steps.append(ext_steps[made] + 1)
-        read_by[si].append(j)
-    reading = {(candidates[i] if i < n_cand else missing[i - n_cand]): js for i, js in read_by.items()}
     kept = reused.union(filter(where.__contains__, ext_srcs))
 
     add = out.add
@@ -507,14 +541,36 @@ def local_lanes(
     extend = Primitive.EXTEND
     first = out.next_id()  # the Extends' lane ids: first, first + 1, ...
 
+    reading: dict[tuple[int, ...], list[int]] = {}  # source -> the Extends reading it (lane ids)
+
     def readers_of(t: tuple[int, ...]) -> list[int]:
-        """The Extends reading unit ``t`` (lane ids)."""
-        return [first + j for j in reading[t]] if t in reading else []
+        """The Extends reading unit ``t`` (lane ids); indexed on first need (many plans never ask)."""
+        if not reading and ext_srcs:
+            for j, src in enumerate(ext_srcs, first):
+                if src in reading:
+                    reading[src].append(j)
+                else:
+                    reading[src] = [j]
+        return reading.get(t) or []
 
     if ext_slots:
         # A source made by an Extend or a Split is waited for; the units, transfers and memory
         # effects are made in bulk.
-        if made_by:
+        if chain_run:  # runs of chained slots: the head's source, then the slot before
+            run, n_heads = chain_run, n_slots // chain_run
+            head_deps = (
+                [(made_by[t],) if t in made_by else () for t in head_srcs] if made_by else [()] * n_heads
+            )
+            deps_of = list(
+                itertools.chain.from_iterable(
+                    zip(
+                        head_deps,
+                        *[zip(range(first + i, first + n_slots, run)) for i in range(run - 1)],
+                        strict=True,
+                    )
+                )
+            )
+        elif made_by:
             deps_of = [
                 (first + m,) if m is not None else ((made_by[src],) if src in made_by else ())
                 for m, src in zip(ext_made, ext_srcs, strict=True)
@@ -558,7 +614,7 @@ def local_lanes(
     strided_known: tuple[Pattern, tuple[int, ...]] | None = None
     net_b = mem_b - mem_s
     rows = strided if strided else [None] * len(tgt_units)
-    if not b_is_s and not made_by and not reading and all(map(operator.is_, slots, rows)):
+    if not b_is_s and not made_by and not ext_slots and all(map(operator.is_, slots, rows)):
         # Every target unit merges its strided slots in place, nothing to wait for: in bulk.
         pattern, buf = _merge_pattern(geo, s, b, picked_b)
         out.add_many(
@@ -577,7 +633,7 @@ def local_lanes(
             list(map(tuple, map(zip, tgt_units, repeat(repeat(net_b)), repeat(buf)))),
         )
         tgt_units = rows = slots = []  # done
-    elif chunked and not made_by and not reading:
+    elif chunked and not made_by and not ext_slots:
         # Every target unit merges the T_sub units on its consecutive GPUs in place: in bulk.
         pattern, buf = _merge_pattern(geo, s, b, _consecutive(b.size, s.size))
         n_tgt = len(tgt_units)
@@ -610,7 +666,7 @@ def local_lanes(
         pattern, buf = known
         # A Merge consumes its inputs: after whatever created them and every Extend that reads them.
         deps = {made_by[t] for t in row if t in made_by} if made_by else set()
-        if reading:
+        if ext_slots:
             deps = deps.union(*map(readers_of, row))
         add(
             last + 2,
@@ -624,7 +680,7 @@ def local_lanes(
     return out
 
 
-def _remote_picks(pools: list[list[int]], fresh: list[bool], count: int) -> Iterator[int]:
+def _remote_picks(pools: list[list[int]], fresh: list[bool], count: int) -> list[int]:
     """The first ``count`` remote sources when only remote picks load candidates (``pools``: the
     candidates per node; ``fresh`` by index, non-decreasing): the least-sent node first, then the
     least-loaded source, reused ones first, then the lower index. Every node has sent ``r`` in
@@ -634,9 +690,12 @@ def _remote_picks(pools: list[list[int]], fresh: list[bool], count: int) -> Iter
     r = 0
     while len(out) < count:
         picked = [q[r % len(q)] for q in queues]
-        out += map(_LAST, sorted(zip([r // len(q) for q in queues], map(fresh.__getitem__, picked), picked, strict=True)))
+        out += map(
+            _LAST,
+            sorted(zip([r // len(q) for q in queues], map(fresh.__getitem__, picked), picked, strict=True)),
+        )
         r += 1
-    return iter(out[:count])
+    return out[:count]
 
 
 def _chunks(gpus: tuple[int, ...], size: int) -> list[tuple[int, ...]]:
