@@ -12,10 +12,10 @@ it sends; they price the node (``transition.cost``) and the executor checks its 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from itertools import chain
+from itertools import chain, islice
 from operator import itemgetter
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -56,6 +56,27 @@ class Unit(NamedTuple):
 MemEffect = tuple[int, float, float]
 
 
+class LaneRuns:
+    """The lanes of a batched node, ``(sources, targets, mem entries, transfers)`` each, kept as
+    runs of alike lanes (``runs``: ``(lanes, sources, targets, mem entries)``) and per lane its
+    transfers (or their function): a node of many lanes costs a few entries until they are read."""
+
+    __slots__ = ("runs", "parts")
+
+    def __init__(self, runs: list[tuple[int, int, int, int]], parts: list) -> None:
+        self.runs = runs
+        self.parts = parts
+
+    def __len__(self) -> int:
+        return len(self.parts)
+
+    def __iter__(self) -> Iterator[tuple[int, int, int, object]]:
+        parts = iter(self.parts)
+        for count, ns, nt, nm in self.runs:
+            for transfers in islice(parts, count):
+                yield ns, nt, nm, transfers
+
+
 class Node:
     """One primitive call on one model-stage (treat as read-only once built).
 
@@ -87,7 +108,7 @@ class Node:
         deps: list[int] | None = None,
         mem: tuple[MemEffect, ...] = (),
         resource_deps: list[int] | None = None,
-        lanes: tuple[tuple[int, int, int, object], ...] | None = None,
+        lanes: LaneRuns | tuple[tuple[int, int, int, object], ...] | None = None,
     ) -> None:
         self.id = id
         self.op = op

@@ -15,11 +15,12 @@ the blocks its target shard needs (``models.sharding``: chunk ``r`` of ``k * tp`
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import operator
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import lru_cache, partial
 from itertools import repeat
 from math import gcd
@@ -27,7 +28,7 @@ from operator import itemgetter
 
 from nereus_lightning.plan.layout import Candidate, Layout
 from nereus_lightning.spec.cluster import ClusterSpec
-from nereus_lightning.transition.dag import MemEffect, Node, Primitive, Unit
+from nereus_lightning.transition.dag import LaneRuns, MemEffect, Node, Primitive, Unit
 from nereus_lightning.transition.pieces import Geometry, Piece, Transfer, extend_transfers, gather_pattern
 
 _FIRST = itemgetter(0)
@@ -341,19 +342,27 @@ def local_lanes(
     n_cand, n_slots = len(candidates), len(missing)
     node_of = list(map(operator.floordiv, map(_FIRST, candidates), repeat(gpn)))
     slot_nodes = list(map(operator.floordiv, map(_FIRST, missing), repeat(gpn)))
+    uniform = True  # every candidate alike fresh (or reused)
     if not reused or reused.isdisjoint(candidates):
         fresh = [True] * (n_cand + n_slots)  # slots are never reused
     elif reused.issuperset(candidates):
         fresh = [False] * n_cand + [True] * n_slots
     else:
         fresh = [t not in reused for t in candidates] + [True] * n_slots
+        uniform = False
+    cand_run = _run_length(node_of)  # > 0: each node's candidates are consecutive, as many on each
     local: dict[int, list[int]] = {}  # node -> its candidates (indices), grouped at C speed
-    for node, same_node in itertools.groupby(range(n_cand), node_of.__getitem__):
-        pool = local.get(node)
-        if pool is None:
-            local[node] = list(same_node)
-        else:
-            pool += same_node
+
+    def pools() -> dict[int, list[int]]:
+        if not local:
+            for node, same_node in itertools.groupby(range(n_cand), node_of.__getitem__):
+                pool = local.get(node)
+                if pool is None:
+                    local[node] = list(same_node)
+                else:
+                    pool += same_node
+        return local
+
     # The Extends (source, slot), in order; per Extend its step (chain depth: 3 reads a T_sub unit,
     # 4 a slot made by a depth-3 Extend, ...) and the index of the Extend making its source.
     ext_srcs: list[tuple[int, ...]] = []
@@ -363,18 +372,21 @@ def local_lanes(
     chain_run = 0  # > 0: the slots come in runs of this length, one run per node, chained in bulk
     picks = None
     slot_node_set = set(slot_nodes)
-    if n_cand and local.keys().isdisjoint(slot_node_set) and fresh[:n_cand] == sorted(fresh[:n_cand]):
+    cand_nodes = node_of[::cand_run] if cand_run else node_of
+    if n_cand and slot_node_set.isdisjoint(cand_nodes) and fresh[:n_cand] == sorted(fresh[:n_cand]):
         # No slot on a candidate's node: only the remote picks load candidates, so (the heap being
         # sorted to start with) each node is picked once per round, least loaded candidate first.
         n_picks = len(slot_node_set)
-        picks = _remote_picks(list(local.values()), fresh, n_picks)
-        run = n_slots // n_picks
-        heads = slot_nodes[::run]
-        if (
-            len(heads) == n_picks
-            and len(set(heads)) == n_picks
-            and all(slot_nodes[i::run] == heads for i in range(1, run))
-        ):
+        if uniform and cand_run:  # node q's candidates are q * cand_run + (0, 1, ...): round r picks
+            # every node's (r % cand_run)-th, in node order
+            picks = []
+            for r in range(-(-n_picks // (n_cand // cand_run))):
+                picks += range(r % cand_run, n_cand, cand_run)
+            del picks[n_picks:]
+        else:
+            picks = _remote_picks(list(pools().values()), fresh, n_picks)
+        run = _run_length(slot_nodes)
+        if run:
             # Each node's slots are consecutive (``run`` of them): its first reads the node's
             # pick, each other the slot before it; slices do it for every node at once.
             chain_run = run
@@ -396,7 +408,7 @@ def local_lanes(
     # Across nodes: the source whose node has sent least so far (spread over NICs), then by load.
     sent: dict[int, int] = defaultdict(int)
     remote: list[tuple[int, int, bool, int]] = []  # a lazy heap (indices are unique), made on first need
-    heappop, heappush, local_get = heapq.heappop, heapq.heappush, local.get
+    heappop, heappush, local_get = heapq.heappop, heapq.heappush, (pools() if slot_nodes else local).get
     # A node without candidates chains its Extends: the newest is the only one no Extend reads
     # yet (its pool's least loaded, every other read once), so it is the next source there.
     tail: dict[int, int] = {}
@@ -467,22 +479,27 @@ def local_lanes(
                 subs_of = [split_into[i] for i in splitting]
             flat_subs = list(itertools.chain.from_iterable(subs_of))
             k = len(picked_a)  # every unit splits into all its position-wise T_sub units
-            made = zip(
-                repeat(0),
-                repeat(split),
-                zip(map(_new, repeat(Unit), zip(repeat(a), units))),
-                zip(*[map(_new, repeat(Unit), zip(repeat(s), flat_subs))] * k, strict=True),
-                map(partial, repeat(_placed), units, repeat(pattern)),  # built when read
-                repeat(()),
-                # per lane its GPUs' effects (one flat pass when the lanes are all units in order)
-                zip(*[zip(current.gpus, itertools.cycle(nets), itertools.cycle(buf))] * a.size, strict=True)
-                if units is cur_units
-                else map(tuple, map(zip, units, repeat(nets), repeat(buf))),
-            )
             if BULK_SHORTCUTS and (len(kept) == len(where) or kept.issuperset(flat_subs)):
                 # No unused T_sub unit to destroy: in bulk. Who made a T_sub unit matters only
                 # to an Extend, a Destroy of a source or a Merge reading it.
-                first = out.extend(made)
+                first = out.next_id()
+                out.add_many(
+                    0,
+                    split,
+                    list(map(_new, repeat(Unit), zip(repeat(a), units))),
+                    list(map(_new, repeat(Unit), zip(repeat(s), flat_subs))),
+                    list(map(partial, repeat(_placed), units, repeat(pattern))),  # built when read
+                    [()] * len(units),
+                    # every lane's GPUs' effects in one flat pass
+                    list(
+                        zip(
+                            current.gpus if units is cur_units else itertools.chain.from_iterable(units),
+                            itertools.cycle(nets),
+                            itertools.cycle(buf),
+                        )
+                    ),
+                    (1, k, a.size),
+                )
                 if ext_slots or len(kept) != len(reused) or not (same or in_place):
                     made_by.update(
                         zip(
@@ -493,13 +510,28 @@ def local_lanes(
                             strict=True,
                         )
                     )
-                made, subs_of = (), ()
-            for lane, subs in zip(made, subs_of, strict=True):
-                nid = out.append(lane)
-                for t in subs:
-                    made_by[t] = nid
-                    if t not in kept:
-                        add(1, destroy, (_new(Unit, (s, t)),), (), (), (nid,), _uniform(t, -mem_s))
+            else:  # per unit, each followed by the Destroys of its unused T_sub units
+                made = zip(
+                    repeat(0),
+                    repeat(split),
+                    zip(map(_new, repeat(Unit), zip(repeat(a), units))),
+                    zip(*[map(_new, repeat(Unit), zip(repeat(s), flat_subs))] * k, strict=True),
+                    map(partial, repeat(_placed), units, repeat(pattern)),  # built when read
+                    repeat(()),
+                    # per lane its GPUs' effects (one flat pass when the lanes are all units in order)
+                    zip(
+                        *[zip(current.gpus, itertools.cycle(nets), itertools.cycle(buf))] * a.size,
+                        strict=True,
+                    )
+                    if units is cur_units
+                    else map(tuple, map(zip, units, repeat(nets), repeat(buf))),
+                )
+                for lane, subs in zip(made, subs_of, strict=True):
+                    nid = out.append(lane)
+                    for t in subs:
+                        made_by[t] = nid
+                        if t not in kept:
+                            add(1, destroy, (_new(Unit, (s, t)),), (), (), (nid,), _uniform(t, -mem_s))
             splitting = []  # done
         for i in splitting:
             # A partial Split keeps only the used T_sub units (the unit's other GPUs just send and
@@ -582,18 +614,14 @@ def local_lanes(
         out.add_many(
             ext_steps,
             extend,
-            list(zip(map(_new, repeat(Unit), zip(repeat(s), ext_srcs)))),
-            list(zip(map(_new, repeat(Unit), zip(repeat(s), ext_slots)))),
+            list(map(_new, repeat(Unit), zip(repeat(s), ext_srcs))),
+            list(map(_new, repeat(Unit), zip(repeat(s), ext_slots))),
             list(
                 map(partial, repeat(extend_transfers), repeat(geo), repeat(s), ext_srcs, ext_slots)
             ),  # built when read
             deps_of,
-            list(
-                zip(
-                    *[zip(itertools.chain.from_iterable(ext_slots), repeat(mem_s), repeat(0.0))] * s.size,
-                    strict=True,
-                )
-            ),
+            list(zip(itertools.chain.from_iterable(ext_slots), repeat(mem_s), repeat(0.0))),
+            (1, 1, s.size),
         )
     last = max(ext_steps, default=2)
 
@@ -618,19 +646,14 @@ def local_lanes(
         # Every target unit merges its strided slots in place, nothing to wait for: in bulk.
         pattern, buf = _merge_pattern(geo, s, b, picked_b)
         out.add_many(
-            [last + 2] * len(tgt_units),
+            last + 2,
             merge,
-            list(
-                zip(
-                    *[map(_new, repeat(Unit), zip(repeat(s), itertools.chain.from_iterable(slots)))]
-                    * len(picked_b),
-                    strict=True,
-                )
-            ),
-            list(zip(map(_new, repeat(Unit), zip(repeat(b), tgt_units)))),
+            list(map(_new, repeat(Unit), zip(repeat(s), itertools.chain.from_iterable(slots)))),
+            list(map(_new, repeat(Unit), zip(repeat(b), tgt_units))),
             list(map(partial, repeat(_placed), tgt_units, repeat(pattern))),  # built when read
             [()] * len(tgt_units),
-            list(map(tuple, map(zip, tgt_units, repeat(repeat(net_b)), repeat(buf)))),
+            list(zip(target.gpus, repeat(net_b), itertools.cycle(buf))),
+            (len(picked_b), 1, b.size),
         )
         tgt_units = rows = slots = []  # done
     elif chunked and not made_by and not ext_slots:
@@ -638,13 +661,14 @@ def local_lanes(
         pattern, buf = _merge_pattern(geo, s, b, _consecutive(b.size, s.size))
         n_tgt = len(tgt_units)
         out.add_many(
-            [last + 2] * n_tgt,
+            last + 2,
             merge,
-            list(zip(*[map(_new, repeat(Unit), zip(repeat(s), chunks))] * (b.size // s.size), strict=True)),
-            list(zip(map(_new, repeat(Unit), zip(repeat(b), tgt_units)))),
+            list(map(_new, repeat(Unit), zip(repeat(s), chunks))),
+            list(map(_new, repeat(Unit), zip(repeat(b), tgt_units))),
             list(map(partial, repeat(_placed), tgt_units, repeat(pattern))),  # built when read
             [()] * n_tgt,
-            list(map(tuple, map(zip, tgt_units, repeat(repeat(net_b)), repeat(buf)))),
+            list(zip(target.gpus, repeat(net_b), itertools.cycle(buf))),
+            (b.size // s.size, 1, b.size),
         )
         tgt_units = rows = slots = []  # done
     for v, row, row_strided in zip(tgt_units, slots, rows, strict=True):
@@ -698,9 +722,90 @@ def _remote_picks(pools: list[list[int]], fresh: list[bool], count: int) -> list
     return out[:count]
 
 
+def _run_length(keys: list[int]) -> int:
+    """``L`` when ``keys`` are runs of ``L`` equal keys, each key in one run only; else 0."""
+    if not keys:
+        return 0
+    heads = keys[:: len(keys) // len(set(keys))]
+    run = len(keys) // len(heads)
+    if len(heads) * run != len(keys) or len(set(heads)) != len(heads):
+        return 0
+    return run if all(keys[i::run] == heads for i in range(1, run)) else 0
+
+
 def _chunks(gpus: tuple[int, ...], size: int) -> list[tuple[int, ...]]:
     """``gpus`` cut into consecutive tuples of ``size``."""
     return list(zip(*[iter(gpus)] * size, strict=True))
+
+
+class _Bulk:
+    """Lanes of one primitive added at once, columnar: sources, targets and memory effects flat
+    (``sizes``: how many of each one lane has), per lane its transfers and deps; ``steps`` one
+    step for all or per lane."""
+
+    __slots__ = ("steps", "op", "srcs", "tgts", "transfers", "deps", "mem", "sizes")
+
+    def __init__(
+        self, steps: int | list[int], op: Primitive, srcs, tgts, transfers, deps, mem, sizes
+    ) -> None:
+        self.steps, self.op, self.srcs, self.tgts = steps, op, srcs, tgts
+        self.transfers, self.deps, self.mem, self.sizes = transfers, deps, mem, sizes
+
+    def per_lane(self) -> Iterator[tuple]:
+        """``(sources, targets, transfers, deps, mem)`` of each lane."""
+        ns, nt, nm = self.sizes
+        n = len(self.transfers)
+        return zip(
+            _lanes_of(self.srcs, ns, n),
+            _lanes_of(self.tgts, nt, n),
+            self.transfers,
+            self.deps,
+            _lanes_of(self.mem, nm, n),
+            strict=True,
+        )
+
+    def by_step(self) -> Iterator[_Bulk]:
+        """The lanes of each step (in step order) as bulks of one step, lanes in order."""
+        steps = self.steps
+        if type(steps) is int:
+            yield self
+            return
+        ns, nt, nm = self.sizes
+        n = len(self.transfers)
+        order = sorted(range(n), key=steps.__getitem__)  # stable: each step's lanes stay in order
+        ordered = list(map(steps.__getitem__, order))
+        srcs = self.srcs if ns == 1 else list(_lanes_of(self.srcs, ns, n))
+        tgts = self.tgts if nt == 1 else list(_lanes_of(self.tgts, nt, n))
+        mem = self.mem if nm == 1 else list(_lanes_of(self.mem, nm, n))
+        lo = 0
+        for st in sorted(set(ordered)):
+            hi = bisect.bisect_right(ordered, st, lo)
+            idx = order[lo:hi]
+            yield _Bulk(
+                st,
+                self.op,
+                _pick(srcs, idx, ns),
+                _pick(tgts, idx, nt),
+                list(map(self.transfers.__getitem__, idx)),
+                list(map(self.deps.__getitem__, idx)),
+                _pick(mem, idx, nm),
+                self.sizes,
+            )
+            lo = hi
+
+
+def _lanes_of(flat: Sequence, size: int, n: int) -> Iterator[tuple]:
+    """``flat`` cut into ``n`` consecutive tuples of ``size``."""
+    return zip(*[iter(flat)] * size, strict=True) if size else repeat((), n)
+
+
+def _pick(per_lane: Sequence, idx: list[int], size: int) -> list:
+    """The flat entries of lanes ``idx`` (``per_lane``: flat entries if ``size`` is 1, else tuples)."""
+    if size == 1:
+        return list(map(per_lane.__getitem__, idx))
+    if not size:
+        return []
+    return list(itertools.chain.from_iterable(map(per_lane.__getitem__, idx)))
 
 
 class LocalLanes:
@@ -708,76 +813,153 @@ class LocalLanes:
 
     ``add(step, ...)`` returns the lane's id (its node id when unbatched, from 0); deps name
     lane ids. Steps are numbered so that every lane depends on lanes of earlier steps only,
-    which keeps batched nodes (one per step, in step order) topologically ordered.
+    which keeps batched nodes (one per step, in step order) topologically ordered. Lanes added
+    in bulk (:meth:`add_many`) are kept columnar until made into nodes.
     """
 
-    __slots__ = ("name", "_lanes")
+    __slots__ = ("name", "_records", "_steps")
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._lanes: list[tuple] = []  # (step, op, sources, targets, transfers, deps, mem)
+        # single lanes (step, op, sources, targets, transfers, deps, mem) and bulks, in lane order
+        self._records: list[tuple | _Bulk] = []
+        self._steps: list[int] = []  # per lane its step
 
     def __len__(self) -> int:
-        return len(self._lanes)
+        return len(self._steps)
 
     def add(self, step: int, op: Primitive, srcs, tgts, transfers, deps, mem) -> int:
         """One lane; returns its id."""
-        self._lanes.append((step, op, srcs, tgts, transfers, deps, mem))
-        return len(self._lanes) - 1
+        self._records.append((step, op, srcs, tgts, transfers, deps, mem))
+        self._steps.append(step)
+        return len(self._steps) - 1
 
     def append(self, lane: tuple) -> int:
         """One lane given as ``(step, op, sources, targets, transfers, deps, mem)``; returns its id."""
-        self._lanes.append(lane)
-        return len(self._lanes) - 1
-
-    def extend(self, lanes) -> int:
-        """Lanes given as ``(step, op, sources, targets, transfers, deps, mem)`` tuples; returns the first id."""
-        first = len(self._lanes)
-        self._lanes += lanes
-        return first
+        self._records.append(lane)
+        self._steps.append(lane[0])
+        return len(self._steps) - 1
 
     def next_id(self) -> int:
         """The id the next lane gets."""
-        return len(self._lanes)
+        return len(self._steps)
 
-    def add_many(self, steps: list[int], op: Primitive, srcs, tgts, transfers, deps, mems) -> None:
-        """Several lanes of one primitive at once (per-lane lists, ids from :meth:`next_id`)."""
-        self._lanes += zip(steps, repeat(op, len(steps)), srcs, tgts, transfers, deps, mems, strict=True)
+    def add_many(
+        self,
+        steps: int | list[int],
+        op: Primitive,
+        srcs,
+        tgts,
+        transfers,
+        deps,
+        mem,
+        sizes: tuple[int, int, int],
+    ) -> None:
+        """Several lanes of one primitive at once, ids from :meth:`next_id`: ``steps`` one for all
+        or per lane, ``transfers`` and ``deps`` per lane; ``srcs``, ``tgts`` and ``mem`` flat,
+        each lane having ``sizes`` (sources, targets, memory effects) of them."""
+        n = len(transfers)
+        self._steps += [steps] * n if type(steps) is int else steps
+        self._records.append(_Bulk(steps, op, srcs, tgts, transfers, deps, mem, sizes))
 
     def nodes(self, batch: bool, first_id: int = 0) -> list[Node]:
         """The nodes, ids from ``first_id``: one per lane, or (``batch``) one per step with its
         lanes concatenated and the union of their deps."""
-        lanes, name = self._lanes, self.name
+        name = self.name
         if not batch:
-            return [
-                Node(first_id + i, op, name, srcs, tgts, transfers, [first_id + d for d in deps], mem)
-                for i, (_, op, srcs, tgts, transfers, deps, mem) in enumerate(lanes)
-            ]
-        by_step: dict[int, list[tuple]] = defaultdict(list)
-        one_step = bool(lanes) and lanes[0][0] == lanes[-1][0] and len(set(map(_FIRST, lanes))) == 1
-        if one_step:  # e.g. a bulk Split or Merge: no per-lane grouping
-            by_step[lanes[0][0]] = lanes
-        else:
-            for lane in lanes:
-                by_step[lane[0]].append(lane)
-        steps = sorted(by_step)
-        node_of = {st: first_id + i for i, st in enumerate(steps)}
-        lane_node = [first_id] * len(lanes) if one_step else [node_of[lane[0]] for lane in lanes]
+            out = []
+            for rec in self._records:
+                if type(rec) is tuple:
+                    _, op, srcs, tgts, transfers, deps, mem = rec
+                    out.append(
+                        Node(
+                            first_id + len(out),
+                            op,
+                            name,
+                            srcs,
+                            tgts,
+                            transfers,
+                            [first_id + d for d in deps],
+                            mem,
+                        )
+                    )
+                    continue
+                op = rec.op
+                for srcs, tgts, transfers, deps, mem in rec.per_lane():
+                    out.append(
+                        Node(
+                            first_id + len(out),
+                            op,
+                            name,
+                            srcs,
+                            tgts,
+                            transfers,
+                            [first_id + d for d in deps],
+                            mem,
+                        )
+                    )
+            return out
+        steps = sorted(set(self._steps))
+        node_of = dict(zip(steps, itertools.count(first_id)))
+        lane_node = (
+            [first_id] * len(self._steps) if len(steps) == 1 else list(map(node_of.__getitem__, self._steps))
+        )
+        by_step: dict[int, list[tuple | _Bulk]] = {st: [] for st in steps}
+        for rec in self._records:
+            if type(rec) is tuple:
+                by_step[rec[0]].append(rec)
+            else:
+                for part in rec.by_step():
+                    by_step[part.steps].append(part)
         out = []
         chain = itertools.chain.from_iterable
-        for st in steps:
-            _, ops, srcs, tgts, parts, deps, mems = zip(*by_step[st], strict=True)
+        for st, recs in by_step.items():
+            if len(recs) == 1 and type(recs[0]) is _Bulk:  # e.g. a bulk Split or Merge: as it is
+                rec = recs[0]
+                n = len(rec.transfers)
+                out.append(
+                    Node(
+                        node_of[st],
+                        rec.op,
+                        name,
+                        tuple(rec.srcs),
+                        tuple(rec.tgts),
+                        partial(_concat, rec.transfers),
+                        sorted(set(map(lane_node.__getitem__, chain(rec.deps)))),
+                        tuple(rec.mem),
+                        lanes=LaneRuns([(n, *rec.sizes)], rec.transfers) if n > 1 else None,
+                    )
+                )
+                continue
+            srcs, tgts, mems, parts, deps, runs = [], [], [], [], [], []
+            for rec in recs:
+                if type(rec) is tuple:
+                    _, op, s, t, transfers, d, m = rec
+                    srcs.append(s)
+                    tgts.append(t)
+                    mems.append(m)
+                    parts.append(transfers)
+                    deps.append(d)
+                    runs.append((1, len(s), len(t), len(m)))
+                else:
+                    op = rec.op
+                    srcs.append(rec.srcs)
+                    tgts.append(rec.tgts)
+                    mems.append(rec.mem)
+                    parts += rec.transfers
+                    deps += rec.deps
+                    runs.append((len(rec.transfers), *rec.sizes))
             out.append(
                 Node(
                     node_of[st],
-                    ops[0],
+                    op,
                     name,
                     tuple(chain(srcs)),
                     tuple(chain(tgts)),
                     partial(_concat, parts),
-                    sorted({lane_node[d] for d in chain(deps)}),
+                    sorted(set(map(lane_node.__getitem__, chain(deps)))),
                     tuple(chain(mems)),
-                    lanes=tuple(zip(map(len, srcs), map(len, tgts), map(len, mems), parts, strict=True)),
+                    lanes=LaneRuns(runs, parts) if len(parts) > 1 else None,
                 )
             )
         return out
