@@ -20,7 +20,7 @@ import heapq
 import itertools
 import operator
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import lru_cache, partial
 from itertools import repeat
 from math import gcd
@@ -228,6 +228,22 @@ def local_lanes(
 
     n_cur = len(cur_units)
     exact = False  # the position-wise T_sub units are exactly the target's units, in order
+    if a == s and a != b and n_cur and BULK_SHORTCUTS:
+        # Every current unit in place on a target unit's slots (strided, or else consecutive, as
+        # ``_slots_of`` would take them), each used: Merges only.
+        flat = _all_subs(b, s, len(tgt_units))(target.gpus)
+        if flat == cur_units:
+            _add_merges(
+                out, geo, s, b, sub_positions(b, s), cur_units, tgt_units, memory_of(b) - memory_of(s)
+            )
+            return out
+        if cur_units == _chunks(target.gpus, s.size) and set(sub_positions(b, s)).isdisjoint(
+            _consecutive(b.size, s.size)
+        ):  # (no strided slot is a current unit)
+            tiles = _consecutive(b.size, s.size)
+            _add_merges(out, geo, s, b, tiles, cur_units, tgt_units, memory_of(b) - memory_of(s))
+            return out
+        strided.extend(map(list, zip(*[iter(flat)] * (len(flat) // len(tgt_units)), strict=True)))
     if a == s:
         split_into = list(zip(cur_units))
         where = dict(zip(cur_units, _unit_and_index(n_cur, 1), strict=True))
@@ -238,6 +254,9 @@ def local_lanes(
         subs_all = _all_subs(a, s, n_cur)(current.gpus)
         if b == s:  # the target's units are the slots
             exact = subs_all == tgt_units
+            if exact and BULK_SHORTCUTS and not PARTIAL_SPLIT:  # full Splits in place, nothing else
+                _add_splits(out, geo, a, s, cur_units, subs_all, memory_of(s) - memory_of(a))
+                return out
             all_slots = exact or set(tgt_units).issuperset(subs_all)
         else:
             all_slots = set(itertools.chain.from_iterable(strided_rows())).issuperset(subs_all)
@@ -470,8 +489,6 @@ def local_lanes(
         split = Primitive.SPLIT
         if not PARTIAL_SPLIT and splitting and by_position.issuperset(splitting):
             # Every unit splits position-wise: one pattern, the lanes' parts made in bulk.
-            pattern, buf = _split_pattern(geo, a, s, picked_a)
-            nets = [mem_s - mem_a] * a.size  # a full split keeps every GPU
             if len(splitting) == n_cur:  # all of them, in order
                 units, subs_of = cur_units, split_into
             else:
@@ -482,24 +499,7 @@ def local_lanes(
             if BULK_SHORTCUTS and (len(kept) == len(where) or kept.issuperset(flat_subs)):
                 # No unused T_sub unit to destroy: in bulk. Who made a T_sub unit matters only
                 # to an Extend, a Destroy of a source or a Merge reading it.
-                first = out.next_id()
-                out.add_many(
-                    0,
-                    split,
-                    list(map(_new, repeat(Unit), zip(repeat(a), units))),
-                    list(map(_new, repeat(Unit), zip(repeat(s), flat_subs))),
-                    list(map(partial, repeat(_placed), units, repeat(pattern))),  # built when read
-                    [()] * len(units),
-                    # every lane's GPUs' effects in one flat pass
-                    list(
-                        zip(
-                            current.gpus if units is cur_units else itertools.chain.from_iterable(units),
-                            itertools.cycle(nets),
-                            itertools.cycle(buf),
-                        )
-                    ),
-                    (1, k, a.size),
-                )
+                first = _add_splits(out, geo, a, s, units, flat_subs, mem_s - mem_a)
                 if ext_slots or len(kept) != len(reused) or not (same or in_place):
                     made_by.update(
                         zip(
@@ -511,6 +511,8 @@ def local_lanes(
                         )
                     )
             else:  # per unit, each followed by the Destroys of its unused T_sub units
+                pattern, buf = _split_pattern(geo, a, s, picked_a)
+                nets = [mem_s - mem_a] * a.size  # a full split keeps every GPU
                 made = zip(
                     repeat(0),
                     repeat(split),
@@ -644,32 +646,13 @@ def local_lanes(
     rows = strided if strided else [None] * len(tgt_units)
     if not b_is_s and not made_by and not ext_slots and all(map(operator.is_, slots, rows)):
         # Every target unit merges its strided slots in place, nothing to wait for: in bulk.
-        pattern, buf = _merge_pattern(geo, s, b, picked_b)
-        out.add_many(
-            last + 2,
-            merge,
-            list(map(_new, repeat(Unit), zip(repeat(s), itertools.chain.from_iterable(slots)))),
-            list(map(_new, repeat(Unit), zip(repeat(b), tgt_units))),
-            list(map(partial, repeat(_placed), tgt_units, repeat(pattern))),  # built when read
-            [()] * len(tgt_units),
-            list(zip(target.gpus, repeat(net_b), itertools.cycle(buf))),
-            (len(picked_b), 1, b.size),
+        _add_merges(
+            out, geo, s, b, picked_b, itertools.chain.from_iterable(slots), tgt_units, net_b, last + 2
         )
         tgt_units = rows = slots = []  # done
     elif chunked and not made_by and not ext_slots:
         # Every target unit merges the T_sub units on its consecutive GPUs in place: in bulk.
-        pattern, buf = _merge_pattern(geo, s, b, _consecutive(b.size, s.size))
-        n_tgt = len(tgt_units)
-        out.add_many(
-            last + 2,
-            merge,
-            list(map(_new, repeat(Unit), zip(repeat(s), chunks))),
-            list(map(_new, repeat(Unit), zip(repeat(b), tgt_units))),
-            list(map(partial, repeat(_placed), tgt_units, repeat(pattern))),  # built when read
-            [()] * n_tgt,
-            list(zip(target.gpus, repeat(net_b), itertools.cycle(buf))),
-            (b.size // s.size, 1, b.size),
-        )
+        _add_merges(out, geo, s, b, _consecutive(b.size, s.size), chunks, tgt_units, net_b, last + 2)
         tgt_units = rows = slots = []  # done
     for v, row, row_strided in zip(tgt_units, slots, rows, strict=True):
         if b_is_s and row[0] == v:
@@ -702,6 +685,60 @@ def local_lanes(
             tuple(zip(v, repeat(net_b), buf)),
         )
     return out
+
+
+def _add_splits(
+    out: LocalLanes,
+    geo: Geometry,
+    a: Layout,
+    s: Layout,
+    units: list[tuple[int, ...]],
+    subs: list[tuple[int, ...]],
+    net: float,
+) -> int:
+    """Every unit of ``units`` split position-wise into its T_sub units (``subs``, flat), as lanes
+    in bulk (no deps); returns the first lane's id."""
+    pattern, buf = _split_pattern(geo, a, s, sub_positions(a, s))
+    first = out.next_id()
+    out.add_many(
+        0,
+        Primitive.SPLIT,
+        list(map(_new, repeat(Unit), zip(repeat(a), units))),
+        list(map(_new, repeat(Unit), zip(repeat(s), subs))),
+        list(map(partial, repeat(_placed), units, repeat(pattern))),  # built when read
+        [()] * len(units),
+        list(
+            zip(itertools.chain.from_iterable(units), repeat(net), itertools.cycle(buf))
+        ),  # a full split keeps every GPU
+        (1, len(subs) // len(units) if units else 0, a.size),
+    )
+    return first
+
+
+def _add_merges(
+    out: LocalLanes,
+    geo: Geometry,
+    s: Layout,
+    b: Layout,
+    tiles: tuple[tuple[int, ...], ...],
+    subs: Iterable[tuple[int, ...]],
+    units: list[tuple[int, ...]],
+    net: float,
+    step: int = 4,
+) -> None:
+    """Every target unit of ``units`` merged in place from its T_sub units (``subs``, flat; at
+    ``tiles``, the same positions for each), as lanes in bulk (no deps) at ``step``."""
+    pattern, buf = _merge_pattern(geo, s, b, tiles)
+    out.add_many(
+        step,
+        Primitive.MERGE,
+        list(map(_new, repeat(Unit), zip(repeat(s), subs))),
+        list(map(_new, repeat(Unit), zip(repeat(b), units))),
+        list(map(partial, repeat(_placed), units, repeat(pattern))),  # built when read
+        [()] * len(units),
+        list(zip(itertools.chain.from_iterable(units), repeat(net), itertools.cycle(buf))),
+        (len(tiles), 1, b.size),
+    )
 
 
 def _remote_picks(pools: list[list[int]], fresh: list[bool], count: int) -> list[int]:
