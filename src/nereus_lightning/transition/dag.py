@@ -59,21 +59,26 @@ MemEffect = tuple[int, float, float]
 class LaneRuns:
     """The lanes of a batched node, ``(sources, targets, mem entries, transfers)`` each, kept as
     runs of alike lanes (``runs``: ``(lanes, sources, targets, mem entries)``) and per lane its
-    transfers (or their function): a node of many lanes costs a few entries until they are read."""
+    transfers (or their function), given as a list or as a function making it: a node of many
+    lanes costs a few entries until they are read."""
 
-    __slots__ = ("runs", "parts")
+    __slots__ = ("runs", "_parts", "_width")
 
-    def __init__(self, runs: list[tuple[int, int, int, int]], parts: list) -> None:
+    def __init__(self, runs: list[tuple[int, int, int, int]], parts: list | Callable[[], list]) -> None:
         self.runs = runs
-        self.parts = parts
+        self._parts = parts
+        self._width = sum(run[0] for run in runs)
 
     def __len__(self) -> int:
-        return len(self.parts)
+        return self._width
 
     def __iter__(self) -> Iterator[tuple[int, int, int, object]]:
-        parts = iter(self.parts)
+        parts = self._parts
+        if callable(parts):
+            parts = self._parts = parts()
+        it = iter(parts)
         for count, ns, nt, nm in self.runs:
-            for transfers in islice(parts, count):
+            for transfers in islice(it, count):
                 yield ns, nt, nm, transfers
 
 

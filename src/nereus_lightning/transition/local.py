@@ -590,8 +590,19 @@ def local_lanes(
     if ext_slots:
         # A source made by an Extend or a Split is waited for; the units, transfers and memory
         # effects are made in bulk.
+        slot_units = list(map(_new, repeat(Unit), zip(repeat(s), ext_slots)))
         if chain_run:  # runs of chained slots: the head's source, then the slot before
             run, n_heads = chain_run, n_slots // chain_run
+            # a chained Extend reads the unit the one before made (the same Unit object)
+            src_units = list(
+                itertools.chain.from_iterable(
+                    zip(
+                        map(_new, repeat(Unit), zip(repeat(s), head_srcs)),
+                        *[slot_units[i::run] for i in range(run - 1)],
+                        strict=True,
+                    )
+                )
+            )
             head_deps = (
                 [(made_by[t],) if t in made_by else () for t in head_srcs] if made_by else [()] * n_heads
             )
@@ -611,19 +622,21 @@ def local_lanes(
             ]
         else:
             deps_of = [() if m is None else (first + m,) for m in ext_made]
+        if not chain_run:
+            src_units = list(map(_new, repeat(Unit), zip(repeat(s), ext_srcs)))
         if not (same or in_place):  # only a Merge asks who made a slot
             made_by.update(zip(ext_slots, range(first, first + len(ext_slots)), strict=True))
         out.add_many(
             ext_steps,
             extend,
-            list(map(_new, repeat(Unit), zip(repeat(s), ext_srcs))),
-            list(map(_new, repeat(Unit), zip(repeat(s), ext_slots))),
-            list(
-                map(partial, repeat(extend_transfers), repeat(geo), repeat(s), ext_srcs, ext_slots)
-            ),  # built when read
+            src_units,
+            slot_units,
             deps_of,
             list(zip(itertools.chain.from_iterable(ext_slots), repeat(mem_s), repeat(0.0))),
             (1, 1, s.size),
+            partial(extend_transfers, geo, s),
+            ext_srcs,
+            ext_slots,
         )
     last = max(ext_steps, default=2)
 
@@ -705,12 +718,13 @@ def _add_splits(
         Primitive.SPLIT,
         list(map(_new, repeat(Unit), zip(repeat(a), units))),
         list(map(_new, repeat(Unit), zip(repeat(s), subs))),
-        list(map(partial, repeat(_placed), units, repeat(pattern))),  # built when read
         [()] * len(units),
-        list(
-            zip(itertools.chain.from_iterable(units), repeat(net), itertools.cycle(buf))
-        ),  # a full split keeps every GPU
+        # a full split keeps every GPU
+        list(zip(itertools.chain.from_iterable(units), repeat(net), itertools.cycle(buf))),
         (1, len(subs) // len(units) if units else 0, a.size),
+        _placed,
+        units,
+        [pattern] * len(units),
     )
     return first
 
@@ -734,10 +748,12 @@ def _add_merges(
         Primitive.MERGE,
         list(map(_new, repeat(Unit), zip(repeat(s), subs))),
         list(map(_new, repeat(Unit), zip(repeat(b), units))),
-        list(map(partial, repeat(_placed), units, repeat(pattern))),  # built when read
         [()] * len(units),
         list(zip(itertools.chain.from_iterable(units), repeat(net), itertools.cycle(buf))),
         (len(tiles), 1, b.size),
+        _placed,
+        units,
+        [pattern] * len(units),
     )
 
 
@@ -775,27 +791,55 @@ def _chunks(gpus: tuple[int, ...], size: int) -> list[tuple[int, ...]]:
     return list(zip(*[iter(gpus)] * size, strict=True))
 
 
+class _Recipe:
+    """The transfers of a bulk's lanes, made only when read: lane ``i``'s are
+    ``make(*(column[i] for column in args))``."""
+
+    __slots__ = ("make", "args")
+
+    def __init__(self, make: Callable[..., list[Transfer]], args: tuple[Sequence, ...]) -> None:
+        self.make, self.args = make, args
+
+    def __len__(self) -> int:
+        return len(self.args[0])
+
+    def per_lane(self) -> list[Callable[[], list[Transfer]]]:
+        """Each lane's transfers as a function (built when called)."""
+        return list(map(partial, repeat(self.make), *self.args))
+
+    def take(self, idx: list[int]) -> _Recipe:
+        """The recipe of lanes ``idx`` only."""
+        return _Recipe(self.make, tuple(list(map(column.__getitem__, idx)) for column in self.args))
+
+    def build(self) -> list[Transfer]:
+        """Every lane's transfers, concatenated."""
+        out: list[Transfer] = []
+        for transfers in map(self.make, *self.args):
+            out += transfers
+        return out
+
+
 class _Bulk:
     """Lanes of one primitive added at once, columnar: sources, targets and memory effects flat
-    (``sizes``: how many of each one lane has), per lane its transfers and deps; ``steps`` one
-    step for all or per lane."""
+    (``sizes``: how many of each one lane has), per lane its deps, the transfers as a recipe;
+    ``steps`` one step for all or per lane."""
 
-    __slots__ = ("steps", "op", "srcs", "tgts", "transfers", "deps", "mem", "sizes")
+    __slots__ = ("steps", "op", "srcs", "tgts", "deps", "mem", "sizes", "transfers")
 
     def __init__(
-        self, steps: int | list[int], op: Primitive, srcs, tgts, transfers, deps, mem, sizes
+        self, steps: int | list[int], op: Primitive, srcs, tgts, deps, mem, sizes, transfers: _Recipe
     ) -> None:
         self.steps, self.op, self.srcs, self.tgts = steps, op, srcs, tgts
-        self.transfers, self.deps, self.mem, self.sizes = transfers, deps, mem, sizes
+        self.deps, self.mem, self.sizes, self.transfers = deps, mem, sizes, transfers
 
     def per_lane(self) -> Iterator[tuple]:
         """``(sources, targets, transfers, deps, mem)`` of each lane."""
         ns, nt, nm = self.sizes
-        n = len(self.transfers)
+        n = len(self.deps)
         return zip(
             _lanes_of(self.srcs, ns, n),
             _lanes_of(self.tgts, nt, n),
-            self.transfers,
+            self.transfers.per_lane(),
             self.deps,
             _lanes_of(self.mem, nm, n),
             strict=True,
@@ -808,7 +852,7 @@ class _Bulk:
             yield self
             return
         ns, nt, nm = self.sizes
-        n = len(self.transfers)
+        n = len(self.deps)
         order = sorted(range(n), key=steps.__getitem__)  # stable: each step's lanes stay in order
         ordered = list(map(steps.__getitem__, order))
         srcs = self.srcs if ns == 1 else list(_lanes_of(self.srcs, ns, n))
@@ -823,10 +867,10 @@ class _Bulk:
                 self.op,
                 _pick(srcs, idx, ns),
                 _pick(tgts, idx, nt),
-                list(map(self.transfers.__getitem__, idx)),
                 list(map(self.deps.__getitem__, idx)),
                 _pick(mem, idx, nm),
                 self.sizes,
+                self.transfers.take(idx),
             )
             lo = hi
 
@@ -885,19 +929,20 @@ class LocalLanes:
         self,
         steps: int | list[int],
         op: Primitive,
-        srcs,
-        tgts,
-        transfers,
-        deps,
-        mem,
+        srcs: list[Unit],
+        tgts: list[Unit],
+        deps: list,
+        mem: list[MemEffect],
         sizes: tuple[int, int, int],
+        make: Callable[..., list[Transfer]],
+        *args: Sequence,
     ) -> None:
         """Several lanes of one primitive at once, ids from :meth:`next_id`: ``steps`` one for all
-        or per lane, ``transfers`` and ``deps`` per lane; ``srcs``, ``tgts`` and ``mem`` flat,
-        each lane having ``sizes`` (sources, targets, memory effects) of them."""
-        n = len(transfers)
-        self._steps += [steps] * n if type(steps) is int else steps
-        self._records.append(_Bulk(steps, op, srcs, tgts, transfers, deps, mem, sizes))
+        or per lane, ``deps`` per lane; ``srcs``, ``tgts`` and ``mem`` flat, each lane having
+        ``sizes`` (sources, targets, memory effects) of them; lane ``i``'s transfers are
+        ``make(*(column[i] for column in args))``, built when read."""
+        self._steps += [steps] * len(deps) if type(steps) is int else steps
+        self._records.append(_Bulk(steps, op, srcs, tgts, deps, mem, sizes, _Recipe(make, args)))
 
     def nodes(self, batch: bool, first_id: int = 0) -> list[Node]:
         """The nodes, ids from ``first_id``: one per lane, or (``batch``) one per step with its
@@ -953,7 +998,7 @@ class LocalLanes:
         for st, recs in by_step.items():
             if len(recs) == 1 and type(recs[0]) is _Bulk:  # e.g. a bulk Split or Merge: as it is
                 rec = recs[0]
-                n = len(rec.transfers)
+                n = len(rec.deps)
                 out.append(
                     Node(
                         node_of[st],
@@ -961,10 +1006,10 @@ class LocalLanes:
                         name,
                         tuple(rec.srcs),
                         tuple(rec.tgts),
-                        partial(_concat, rec.transfers),
+                        rec.transfers.build,  # built when read
                         sorted(set(map(lane_node.__getitem__, chain(rec.deps)))),
                         tuple(rec.mem),
-                        lanes=LaneRuns([(n, *rec.sizes)], rec.transfers) if n > 1 else None,
+                        lanes=LaneRuns([(n, *rec.sizes)], rec.transfers.per_lane) if n > 1 else None,
                     )
                 )
                 continue
@@ -983,9 +1028,9 @@ class LocalLanes:
                     srcs.append(rec.srcs)
                     tgts.append(rec.tgts)
                     mems.append(rec.mem)
-                    parts += rec.transfers
+                    parts.append(rec.transfers)
                     deps += rec.deps
-                    runs.append((len(rec.transfers), *rec.sizes))
+                    runs.append((len(rec.deps), *rec.sizes))
             out.append(
                 Node(
                     node_of[st],
@@ -993,21 +1038,35 @@ class LocalLanes:
                     name,
                     tuple(chain(srcs)),
                     tuple(chain(tgts)),
-                    partial(_concat, parts),
+                    partial(_concat, parts),  # built when read
                     sorted(set(map(lane_node.__getitem__, chain(deps)))),
                     tuple(chain(mems)),
-                    lanes=LaneRuns(runs, parts) if len(parts) > 1 else None,
+                    lanes=LaneRuns(runs, partial(_lane_parts, parts)) if len(deps) > 1 else None,
                 )
             )
         return out
 
 
 def _concat(parts: list) -> list[Transfer]:
-    """The transfers of a batched node: each lane's (built now if given as a function)."""
+    """The transfers of a batched node: each lane's or bulk's (built now if given as a function
+    or a recipe)."""
     out: list[Transfer] = []
     for p in parts:
-        if p:
+        if type(p) is _Recipe:
+            out += p.build()
+        elif p:
             out += p() if callable(p) else p
+    return out
+
+
+def _lane_parts(parts: list) -> list:
+    """Per lane its transfers (or their function), bulks' recipes made per lane."""
+    out = []
+    for p in parts:
+        if type(p) is _Recipe:
+            out += p.per_lane()
+        else:
+            out.append(p)
     return out
 
 
