@@ -265,10 +265,15 @@ def local_lanes(
             by_position = set(range(n_cur))
             where = dict(zip(subs_all, _unit_and_index(n_cur, k), strict=True))
         else:
-            if b == s:  # the target's units are the slots (its splitter keeps the order)
-                slot_at = {g: v for v in tgt_units for g in v}
-            else:
-                slot_at = {g: t for row in strided_rows() for t in row for g in t}
+            # the slot each target GPU lies in (if b == s the target's units are the slots)
+            slot_list = tgt_units if b == s else list(itertools.chain.from_iterable(strided_rows()))
+            slot_at = dict(
+                zip(
+                    itertools.chain.from_iterable(slot_list),
+                    itertools.chain.from_iterable(map(repeat, slot_list, repeat(s.size))),
+                    strict=True,
+                )
+            )
             for i, u in enumerate(cur_units):
                 # Slots are disjoint, so they tile ``u`` exactly iff they cover its GPUs and no more.
                 cover = list(map(slot_at.get, u))
@@ -305,10 +310,9 @@ def local_lanes(
             slots = []  # each target unit is its own slot, reused: none is read below
             in_place = True
         else:
+            held = set(current.gpus)  # (every GPU of a current unit lies in one of its T_sub units)
             slots = [
-                [v]
-                if v in where or sub_at_of().keys().isdisjoint(v)
-                else _slots_of(v, [v], b, s, where, sub_at_of)
+                [v] if v in where or held.isdisjoint(v) else _slots_of(v, [v], b, s, where, sub_at_of)
                 for v in tgt_units
             ]
     else:
@@ -325,10 +329,16 @@ def local_lanes(
         elif BULK_SHORTCUTS and all(map(where.__contains__, itertools.chain.from_iterable(strided))):
             slots = list(strided)  # every strided slot exists (the same row objects)
         else:
-            slots = [
-                row if all(map(where.__contains__, row)) else _slots_of(v, row, b, s, where, sub_at_of)
-                for v, row in zip(tgt_units, strided_rows(), strict=True)
-            ]
+            held = set(current.gpus)
+            if BULK_SHORTCUTS and held.isdisjoint(target.gpus):  # moved away: Extend onto every slot
+                slots = list(strided_rows())
+            else:  # (``_slots_of`` hands back the strided slots of a unit holding none of ``held``)
+                slots = [
+                    row
+                    if all(map(where.__contains__, row)) or held.isdisjoint(v)
+                    else _slots_of(v, row, b, s, where, sub_at_of)
+                    for v, row in zip(tgt_units, strided_rows(), strict=True)
+                ]
     if in_place:
         reused, missing = set(tgt_units), []
     elif not same:
@@ -336,8 +346,8 @@ def local_lanes(
         if all(map(where.__contains__, flat)):  # every slot exists (C speed)
             reused, missing = set(flat), []
         else:
-            reused = {t for t in flat if t in where}
-            missing = [t for t in flat if t not in where]
+            reused = set(filter(where.__contains__, flat))
+            missing = list(itertools.filterfalse(where.__contains__, flat))
     if len(reused) == len(where):  # every T_sub unit stays: every current unit is split
         split_units = list(range(n_cur))
     else:
@@ -535,6 +545,9 @@ def local_lanes(
                         if t not in kept:
                             add(1, destroy, (_new(Unit, (s, t)),), (), (), (nid,), _uniform(t, -mem_s))
             splitting = []  # done
+        all_kept = len(kept) == len(where)  # no T_sub unit to destroy
+        last_tiles: tuple[tuple[int, ...], ...] = ()
+        last_pick: Callable[[tuple[int, ...]], object] = _FIRST
         for i in splitting:
             # A partial Split keeps only the used T_sub units (the unit's other GPUs just send and
             # free their shard); a full one (the paper's) makes all of them, the unused dropped next.
@@ -542,9 +555,12 @@ def local_lanes(
             subs = [t for t in split_into[i] if t in kept] if PARTIAL_SPLIT else split_into[i]
             if i in by_position and not PARTIAL_SPLIT:  # the position-wise split: tiles known
                 tiles = picked_a
+            elif last_tiles and last_pick(u) == tuple(itertools.chain.from_iterable(subs)):
+                tiles = last_tiles  # units mostly split alike: the positions of the unit before
             else:
                 at = dict(zip(u, positions, strict=True)).__getitem__
-                tiles = tuple(tuple(map(at, t)) for t in subs)
+                tiles = last_tiles = tuple(tuple(map(at, t)) for t in subs)
+                last_pick = itemgetter(*itertools.chain.from_iterable(tiles))
             known = by_tiles.get(tiles)
             if known is None:
                 pattern, buf = _split_pattern(geo, a, s, tiles)
@@ -561,6 +577,9 @@ def local_lanes(
                 (),
                 tuple(zip(u, nets, buf, strict=True)),
             )
+            if all_kept:
+                made_by.update(zip(subs, repeat(nid)))
+                continue
             for t in subs:
                 made_by[t] = nid
                 if t not in kept:
@@ -603,9 +622,12 @@ def local_lanes(
                     )
                 )
             )
-            head_deps = (
-                [(made_by[t],) if t in made_by else () for t in head_srcs] if made_by else [()] * n_heads
-            )
+            if not made_by:
+                head_deps = [()] * n_heads
+            elif all(map(made_by.__contains__, head_srcs)):
+                head_deps = list(zip(map(made_by.__getitem__, head_srcs)))
+            else:
+                head_deps = [(made_by[t],) if t in made_by else () for t in head_srcs]
             deps_of = list(
                 itertools.chain.from_iterable(
                     zip(
@@ -642,9 +664,19 @@ def local_lanes(
 
     # Sources that are not part of the target: drop them after the Extends that read them
     # (the last copy of the state is never dropped before it has been copied).
-    for t in sorted(kept - reused, key=lambda t: where[t]):
-        deps = ([made_by[t]] if t in made_by else []) + readers_of(t)
-        add(last + 1, destroy, (_new(Unit, (s, t)),), (), (), deps, _uniform(t, -mem_s))
+    if len(kept) != len(reused):  # (``reused`` is a subset of ``kept``)
+        dropped = sorted(kept - reused, key=where.__getitem__)
+        out.add_many(
+            last + 1,
+            destroy,
+            list(map(_new, repeat(Unit), zip(repeat(s), dropped))),
+            [],
+            [([made_by[t]] if t in made_by else []) + readers_of(t) for t in dropped],
+            list(zip(itertools.chain.from_iterable(dropped), repeat(-mem_s), repeat(0.0))),
+            (1, 0, s.size),
+            _no_transfers,
+            dropped,
+        )
 
     if same or in_place:
         return out
@@ -657,15 +689,29 @@ def local_lanes(
     strided_known: tuple[Pattern, tuple[int, ...]] | None = None
     net_b = mem_b - mem_s
     rows = strided if strided else [None] * len(tgt_units)
-    if not b_is_s and not made_by and not ext_slots and all(map(operator.is_, slots, rows)):
-        # Every target unit merges its strided slots in place, nothing to wait for: in bulk.
-        _add_merges(
-            out, geo, s, b, picked_b, itertools.chain.from_iterable(slots), tgt_units, net_b, last + 2
-        )
+
+    def merge_deps(rows: list[list[tuple[int, ...]]], flat: list[tuple[int, ...]]) -> list:
+        """Per Merge (of ``rows``, flat ``flat``): what made its inputs and every Extend reading them."""
+        if ext_slots:
+            return [
+                sorted({made_by[t] for t in row if t in made_by}.union(*map(readers_of, row))) for row in rows
+            ]
+        if not made_by:
+            return [()] * len(rows)
+        made = list(map(made_by.get, flat))
+        if None in made:
+            return [sorted({made_by[t] for t in row if t in made_by}) for row in rows]
+        return list(map(sorted, map(set, zip(*[iter(made)] * (len(flat) // len(rows)), strict=True))))
+
+    if not b_is_s and all(map(operator.is_, slots, rows)):
+        # Every target unit merges its strided slots: in bulk.
+        flat = list(itertools.chain.from_iterable(slots))
+        _add_merges(out, geo, s, b, picked_b, flat, tgt_units, net_b, last + 2, merge_deps(slots, flat))
         tgt_units = rows = slots = []  # done
-    elif chunked and not made_by and not ext_slots:
-        # Every target unit merges the T_sub units on its consecutive GPUs in place: in bulk.
-        _add_merges(out, geo, s, b, _consecutive(b.size, s.size), chunks, tgt_units, net_b, last + 2)
+    elif chunked:
+        # Every target unit merges the T_sub units on its consecutive GPUs: in bulk.
+        deps = merge_deps(slots, chunks)
+        _add_merges(out, geo, s, b, _consecutive(b.size, s.size), chunks, tgt_units, net_b, last + 2, deps)
         tgt_units = rows = slots = []  # done
     for v, row, row_strided in zip(tgt_units, slots, rows, strict=True):
         if b_is_s and row[0] == v:
@@ -739,22 +785,29 @@ def _add_merges(
     units: list[tuple[int, ...]],
     net: float,
     step: int = 4,
+    deps: list | None = None,
 ) -> None:
     """Every target unit of ``units`` merged in place from its T_sub units (``subs``, flat; at
-    ``tiles``, the same positions for each), as lanes in bulk (no deps) at ``step``."""
+    ``tiles``, the same positions for each), as lanes in bulk at ``step`` (``deps`` per lane; none
+    if not given)."""
     pattern, buf = _merge_pattern(geo, s, b, tiles)
     out.add_many(
         step,
         Primitive.MERGE,
         list(map(_new, repeat(Unit), zip(repeat(s), subs))),
         list(map(_new, repeat(Unit), zip(repeat(b), units))),
-        [()] * len(units),
+        [()] * len(units) if deps is None else deps,
         list(zip(itertools.chain.from_iterable(units), repeat(net), itertools.cycle(buf))),
         (len(tiles), 1, b.size),
         _placed,
         units,
         [pattern] * len(units),
     )
+
+
+def _no_transfers(_unit: tuple[int, ...]) -> list[Transfer]:
+    """A Destroy's transfers: none."""
+    return []
 
 
 def _remote_picks(pools: list[list[int]], fresh: list[bool], count: int) -> list[int]:
