@@ -596,15 +596,19 @@ def local_lanes(
 
     reading: dict[tuple[int, ...], list[int]] = {}  # source -> the Extends reading it (lane ids)
 
-    def readers_of(t: tuple[int, ...]) -> list[int]:
-        """The Extends reading unit ``t`` (lane ids); indexed on first need (many plans never ask)."""
+    def reading_index() -> dict[tuple[int, ...], list[int]]:
+        """``reading``, indexed on first need (many plans never ask)."""
         if not reading and ext_srcs:
             for j, src in enumerate(ext_srcs, first):
                 if src in reading:
                     reading[src].append(j)
                 else:
                     reading[src] = [j]
-        return reading.get(t) or []
+        return reading
+
+    def readers_of(t: tuple[int, ...]) -> list[int]:
+        """The Extends reading unit ``t`` (lane ids)."""
+        return reading_index().get(t) or []
 
     if ext_slots:
         # A source made by an Extend or a Split is waited for; the units, transfers and memory
@@ -671,7 +675,7 @@ def local_lanes(
             destroy,
             list(map(_new, repeat(Unit), zip(repeat(s), dropped))),
             [],
-            [([made_by[t]] if t in made_by else []) + readers_of(t) for t in dropped],
+            _drop_deps(dropped, made_by, reading_index()),
             list(zip(itertools.chain.from_iterable(dropped), repeat(-mem_s), repeat(0.0))),
             (1, 0, s.size),
             _no_transfers,
@@ -803,6 +807,19 @@ def _add_merges(
         units,
         [pattern] * len(units),
     )
+
+
+def _drop_deps(
+    dropped: list[tuple[int, ...]],
+    made_by: dict[tuple[int, ...], int],
+    reading: dict[tuple[int, ...], list[int]],
+) -> list[list[int]]:
+    """Per source to drop: the lane that made it (if any), then the Extends reading it."""
+    made = list(map(made_by.get, dropped))
+    reads = list(map(reading.get, dropped, repeat([])))
+    if None in made:
+        return [([m] if m is not None else []) + r for m, r in zip(made, reads, strict=True)]
+    return list(map(list.__add__, map(list, zip(made)), reads))  # [made] + readers, at C speed
 
 
 def _no_transfers(_unit: tuple[int, ...]) -> list[Transfer]:
@@ -1029,7 +1046,7 @@ class LocalLanes:
                             srcs,
                             tgts,
                             transfers,
-                            [first_id + d for d in deps],
+                            list(map(first_id.__add__, deps)),
                             mem,
                         )
                     )
