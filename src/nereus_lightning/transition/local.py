@@ -1031,7 +1031,7 @@ class LocalLanes:
                             srcs,
                             tgts,
                             transfers,
-                            [first_id + d for d in deps],
+                            [first_id + d for d in deps] if first_id else list(deps),
                             mem,
                         )
                     )
@@ -1046,7 +1046,7 @@ class LocalLanes:
                             srcs,
                             tgts,
                             transfers,
-                            list(map(first_id.__add__, deps)),
+                            [first_id + d for d in deps] if first_id else list(deps),
                             mem,
                         )
                     )
