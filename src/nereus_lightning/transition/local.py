@@ -299,11 +299,21 @@ def local_lanes(
     in_place = False  # every target unit is a T_sub unit sitting where one is now
     chunked = False  # every target unit merges the T_sub units on its consecutive GPUs
     if a == b and SAME_LAYOUT_SHORTCUT:
-        new = list(itertools.filterfalse(where.__contains__, tgt_units))
-        same = set(current.gpus).isdisjoint(itertools.chain.from_iterable(new))
+        held = len(current.gpus)
+        if BULK_SHORTCUTS and target.gpus[:held] == current.gpus:
+            # Every current unit stays in place, the new ones come after (e.g. DP grows): no
+            # lookups (target units are disjoint, so none after is a current unit).
+            new = tgt_units[n_cur:]
+            same = set(current.gpus).isdisjoint(target.gpus[held:])
+        else:
+            new = list(itertools.filterfalse(where.__contains__, tgt_units))
+            same = set(current.gpus).isdisjoint(itertools.chain.from_iterable(new))
     if same:  # each target unit is kept in place or extended onto: nothing to merge
         slots: list[list[tuple[int, ...]]] = []
-        reused = set(filter(where.__contains__, tgt_units))
+        if len(tgt_units) - len(new) == len(where):  # every current unit stays
+            reused = set(where)  # (the dict's hashes: no tuple hashed again)
+        else:
+            reused = set(filter(where.__contains__, tgt_units))
         missing = new
     elif b == s:  # each target unit is one slot: reused in place when a T_sub unit sits exactly on it
         if BULK_SHORTCUTS and (exact or all(map(where.__contains__, tgt_units))):  # in place: no merge
@@ -374,7 +384,7 @@ def local_lanes(
     uniform = True  # every candidate alike fresh (or reused)
     if not reused or reused.isdisjoint(candidates):
         fresh = [True] * (n_cand + n_slots)  # slots are never reused
-    elif reused.issuperset(candidates):
+    elif len(reused) == len(where) or reused.issuperset(candidates):  # (candidates are T_sub units)
         fresh = [False] * n_cand + [True] * n_slots
     else:
         fresh = [t not in reused for t in candidates] + [True] * n_slots
@@ -479,7 +489,8 @@ def local_lanes(
             ext_srcs.append(missing[made])
             ext_made.append(made)
             ext_steps.append(ext_steps[made] + 1)
-    kept = reused.union(filter(where.__contains__, ext_srcs))
+    # T_sub units that stay or feed an Extend (a subset of ``where``)
+    kept = reused if len(reused) == len(where) else reused.union(filter(where.__contains__, ext_srcs))
 
     add = out.add
 
@@ -923,6 +934,21 @@ class _Bulk:
             return
         ns, nt, nm = self.sizes
         n = len(self.deps)
+        period = len(set(steps))
+        if not n % period and steps[:period] * (n // period) == steps:
+            # Steps repeat with a period (e.g. chains of one length): each step's lanes are a slice.
+            for st, i in sorted(zip(steps[:period], range(period), strict=True)):
+                yield _Bulk(
+                    st,
+                    self.op,
+                    _every(self.srcs, ns, i, period),
+                    _every(self.tgts, nt, i, period),
+                    self.deps[i::period],
+                    _every(self.mem, nm, i, period),
+                    self.sizes,
+                    _Recipe(self.transfers.make, tuple(column[i::period] for column in self.transfers.args)),
+                )
+            return
         order = sorted(range(n), key=steps.__getitem__)  # stable: each step's lanes stay in order
         ordered = list(map(steps.__getitem__, order))
         srcs = self.srcs if ns == 1 else list(_lanes_of(self.srcs, ns, n))
@@ -948,6 +974,18 @@ class _Bulk:
 def _lanes_of(flat: Sequence, size: int, n: int) -> Iterator[tuple]:
     """``flat`` cut into ``n`` consecutive tuples of ``size``."""
     return zip(*[iter(flat)] * size, strict=True) if size else repeat((), n)
+
+
+def _every(flat: Sequence, size: int, i: int, period: int) -> list:
+    """The flat entries of lanes ``i``, ``i + period``, ... (``size`` entries a lane)."""
+    if size == 1:
+        return flat[i::period]
+    if not size:
+        return []
+    step = period * size
+    return list(
+        itertools.chain.from_iterable(zip(*[flat[i * size + q :: step] for q in range(size)], strict=True))
+    )
 
 
 def _pick(per_lane: Sequence, idx: list[int], size: int) -> list:
