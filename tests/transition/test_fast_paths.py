@@ -173,6 +173,8 @@ def test_bulk_shortcuts_give_the_general_paths_lanes(monkeypatch) -> None:
         (cand(2, 1, (*range(0, 64, 2), *range(1, 64, 2))), cand(4, 1, range(64))),  # irregular
         (cand(4, 1, range(64)), cand(2, 1, (*range(0, 64, 2), *range(1, 64, 2)))),  # irregular
         (cand(2, 2, range(64)), cand(4, 1, range(128))),  # reshard through T_sub
+        (cand(2, 1, range(64)), cand(2, 1, range(128))),  # DP grows after the current GPUs
+        (cand(1, 1, range(0, 64, 2)), cand(1, 1, (*range(0, 64, 2), *range(64, 128)))),  # chained Extends
     ]
     for current, target in pairs:
         fast = _local_lanes_with(monkeypatch, "BULK_SHORTCUTS", True, current, target, big)
