@@ -83,16 +83,21 @@ def _splitter(x: Layout, s: Layout) -> Callable[[tuple[int, ...]], list[tuple[in
 
 
 @lru_cache(maxsize=1024)
+def _sub_gpus(x: Layout, s: Layout, units: int) -> Callable[[tuple[int, ...]], tuple[int, ...]]:
+    """The GPUs of :func:`_all_subs`'s sub-units, flat (a tuple: compared without making the units)."""
+    positions = [u * x.size + i for u in range(units) for idx in sub_positions(x, s) for i in idx]
+    if not positions:
+        return lambda gpus: ()
+    if positions == list(range(len(positions))):  # every GPU in order (e.g. TP2 -> TP1)
+        return tuple
+    return itemgetter(*positions) if len(positions) > 1 else (lambda gpus: (gpus[positions[0]],))
+
+
+@lru_cache(maxsize=1024)
 def _all_subs(x: Layout, s: Layout, units: int) -> Callable[[tuple[int, ...]], list[tuple[int, ...]]]:
     """Like :func:`_splitter` for ``units`` consecutive layout-``x`` units at once (unit-major)."""
-    positions = [u * x.size + i for u in range(units) for idx in sub_positions(x, s) for i in idx]
+    flat = _sub_gpus(x, s, units)
     size = s.size
-    if not positions:
-        return lambda gpus: []
-    if positions == list(range(len(positions))):  # every GPU in order (e.g. TP2 -> TP1)
-        flat = tuple
-    else:
-        flat = itemgetter(*positions) if len(positions) > 1 else (lambda gpus: (gpus[positions[0]],))
     if size == 1:
         return lambda gpus: list(zip(flat(gpus)))
     return lambda gpus: list(zip(*[iter(flat(gpus))] * size, strict=True))
@@ -231,19 +236,18 @@ def local_lanes(
     if a == s and a != b and n_cur and BULK_SHORTCUTS:
         # Every current unit in place on a target unit's slots (strided, or else consecutive, as
         # ``_slots_of`` would take them), each used: Merges only.
-        flat = _all_subs(b, s, len(tgt_units))(target.gpus)
-        if flat == cur_units:
+        # (units of one size are equal lists iff their GPUs are equal sequences)
+        if _sub_gpus(b, s, len(tgt_units))(target.gpus) == current.gpus:
             _add_merges(
                 out, geo, s, b, sub_positions(b, s), cur_units, tgt_units, memory_of(b) - memory_of(s)
             )
             return out
-        if cur_units == _chunks(target.gpus, s.size) and set(sub_positions(b, s)).isdisjoint(
+        if current.gpus == target.gpus and set(sub_positions(b, s)).isdisjoint(
             _consecutive(b.size, s.size)
         ):  # (no strided slot is a current unit)
             tiles = _consecutive(b.size, s.size)
             _add_merges(out, geo, s, b, tiles, cur_units, tgt_units, memory_of(b) - memory_of(s))
             return out
-        strided.extend(map(list, zip(*[iter(flat)] * (len(flat) // len(tgt_units)), strict=True)))
     if a == s:
         split_into = list(zip(cur_units))
         where = dict(zip(cur_units, _unit_and_index(n_cur, 1), strict=True))
@@ -251,12 +255,18 @@ def local_lanes(
         k = len(sub_positions(a, s))
         # Every unit's position-wise T_sub units at once (C speed); when each is a slot, every
         # unit is tiled by them in this order and the per-unit loop below has nothing to decide.
+        if (
+            b == s
+            and BULK_SHORTCUTS
+            and not PARTIAL_SPLIT
+            and _sub_gpus(a, s, n_cur)(current.gpus) == target.gpus
+        ):
+            # Every position-wise T_sub unit is a target unit, in order: full Splits in place, nothing else.
+            _add_splits(out, geo, a, s, cur_units, tgt_units, memory_of(s) - memory_of(a))
+            return out
         subs_all = _all_subs(a, s, n_cur)(current.gpus)
         if b == s:  # the target's units are the slots
             exact = subs_all == tgt_units
-            if exact and BULK_SHORTCUTS and not PARTIAL_SPLIT:  # full Splits in place, nothing else
-                _add_splits(out, geo, a, s, cur_units, subs_all, memory_of(s) - memory_of(a))
-                return out
             all_slots = exact or set(tgt_units).issuperset(subs_all)
         else:
             all_slots = set(itertools.chain.from_iterable(strided_rows())).issuperset(subs_all)
