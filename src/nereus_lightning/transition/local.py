@@ -634,11 +634,11 @@ def local_lanes(
     if ext_slots:
         # A source made by an Extend or a Split is waited for; the units, transfers and memory
         # effects are made in bulk.
-        slot_units = list(map(_new, repeat(Unit), zip(repeat(s), ext_slots)))
+        slot_units = tuple(map(_new, repeat(Unit), zip(repeat(s), ext_slots)))
         if chain_run:  # runs of chained slots: the head's source, then the slot before
             run, n_heads = chain_run, n_slots // chain_run
             # a chained Extend reads the unit the one before made (the same Unit object)
-            src_units = list(
+            src_units = tuple(
                 itertools.chain.from_iterable(
                     zip(
                         map(_new, repeat(Unit), zip(repeat(s), head_srcs)),
@@ -670,7 +670,7 @@ def local_lanes(
         else:
             deps_of = [() if m is None else (first + m,) for m in ext_made]
         if not chain_run:
-            src_units = list(map(_new, repeat(Unit), zip(repeat(s), ext_srcs)))
+            src_units = tuple(map(_new, repeat(Unit), zip(repeat(s), ext_srcs)))
         if not (same or in_place):  # only a Merge asks who made a slot
             made_by.update(zip(ext_slots, range(first, first + len(ext_slots)), strict=True))
         out.add_many(
@@ -679,7 +679,7 @@ def local_lanes(
             src_units,
             slot_units,
             deps_of,
-            list(zip(itertools.chain.from_iterable(ext_slots), repeat(mem_s), repeat(0.0))),
+            tuple(zip(itertools.chain.from_iterable(ext_slots), repeat(mem_s), repeat(0.0))),
             (1, 1, s.size),
             partial(extend_transfers, geo, s),
             ext_srcs,
@@ -694,10 +694,10 @@ def local_lanes(
         out.add_many(
             last + 1,
             destroy,
-            list(map(_new, repeat(Unit), zip(repeat(s), dropped))),
-            [],
+            tuple(map(_new, repeat(Unit), zip(repeat(s), dropped))),
+            (),
             _drop_deps(dropped, made_by, reading_index()),
-            list(zip(itertools.chain.from_iterable(dropped), repeat(-mem_s), repeat(0.0))),
+            tuple(zip(itertools.chain.from_iterable(dropped), repeat(-mem_s), repeat(0.0))),
             (1, 0, s.size),
             _no_transfers,
             dropped,
@@ -787,11 +787,11 @@ def _add_splits(
     out.add_many(
         0,
         Primitive.SPLIT,
-        list(map(_new, repeat(Unit), zip(repeat(a), units))),
-        list(map(_new, repeat(Unit), zip(repeat(s), subs))),
+        tuple(map(_new, repeat(Unit), zip(repeat(a), units))),
+        tuple(map(_new, repeat(Unit), zip(repeat(s), subs))),
         [()] * len(units),
         # a full split keeps every GPU
-        list(zip(itertools.chain.from_iterable(units), repeat(net), itertools.cycle(buf))),
+        tuple(zip(itertools.chain.from_iterable(units), repeat(net), itertools.cycle(buf))),
         (1, len(subs) // len(units) if units else 0, a.size),
         _placed,
         units,
@@ -819,10 +819,10 @@ def _add_merges(
     out.add_many(
         step,
         Primitive.MERGE,
-        list(map(_new, repeat(Unit), zip(repeat(s), subs))),
-        list(map(_new, repeat(Unit), zip(repeat(b), units))),
+        tuple(map(_new, repeat(Unit), zip(repeat(s), subs))),
+        tuple(map(_new, repeat(Unit), zip(repeat(b), units))),
         [()] * len(units) if deps is None else deps,
-        list(zip(itertools.chain.from_iterable(units), repeat(net), itertools.cycle(buf))),
+        tuple(zip(itertools.chain.from_iterable(units), repeat(net), itertools.cycle(buf))),
         (len(tiles), 1, b.size),
         _placed,
         units,
@@ -1047,10 +1047,10 @@ class LocalLanes:
         self,
         steps: int | list[int],
         op: Primitive,
-        srcs: list[Unit],
-        tgts: list[Unit],
+        srcs: Sequence[Unit],
+        tgts: Sequence[Unit],
         deps: list,
-        mem: list[MemEffect],
+        mem: Sequence[MemEffect],
         sizes: tuple[int, int, int],
         make: Callable[..., list[Transfer]],
         *args: Sequence,
