@@ -225,9 +225,13 @@ def local_lanes(
     where: dict[tuple[int, ...], tuple[int, int]] = {}
     strided: list[list[tuple[int, ...]]] = []  # per target unit, its strided T_sub slots (once asked)
 
+    strided_gpus: list[tuple[int, ...]] = []  # their GPUs, flat (once asked)
+
     def strided_rows() -> list[list[tuple[int, ...]]]:
         if not strided and tgt_units:  # ``pick_b`` of every target unit, at C speed
-            flat = _all_subs(b, s, len(tgt_units))(target.gpus)
+            flat = _chunks(
+                strided_gpus[0] if strided_gpus else _sub_gpus(b, s, len(tgt_units))(target.gpus), s.size
+            )
             strided.extend(map(list, zip(*[iter(flat)] * (len(flat) // len(tgt_units)), strict=True)))
         return strided
 
@@ -237,7 +241,8 @@ def local_lanes(
         # Every current unit in place on a target unit's slots (strided, or else consecutive, as
         # ``_slots_of`` would take them), each used: Merges only.
         # (units of one size are equal lists iff their GPUs are equal sequences)
-        if _sub_gpus(b, s, len(tgt_units))(target.gpus) == current.gpus:
+        strided_gpus.append(_sub_gpus(b, s, len(tgt_units))(target.gpus))
+        if strided_gpus[0] == current.gpus:
             _add_merges(
                 out, geo, s, b, sub_positions(b, s), cur_units, tgt_units, memory_of(b) - memory_of(s)
             )
