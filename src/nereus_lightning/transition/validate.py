@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 from collections import deque
 from dataclasses import dataclass
-from functools import reduce
+from functools import lru_cache, reduce
 from operator import add, itemgetter, or_
 
 from nereus_lightning.plan.layout import Candidate, Plan
@@ -102,7 +102,7 @@ class _Peers:
 
     def __init__(self, dag: TransitionDAG) -> None:
         ctx = dag.context
-        stage = {name: ctx.stages[name].stage for name in ctx.current}
+        self.stage = stage = {name: ctx.stages[name].stage for name in ctx.current}
         self.of = {a: [b for b in ctx.current if b != a and stage[a] == stage[b]] for a in ctx.current}
         extends = {n.model_stage for n in dag.nodes if n.op is Primitive.EXTEND}
         landing = {stage[a] for a in extends if a in stage}
@@ -192,14 +192,13 @@ class _Gpus:
     def __init__(self, dag: TransitionDAG, memory: _Memory, peers: _Peers) -> None:
         ctx = dag.context
         n = ctx.cluster.num_gpus
+        self.ids = _gpu_ids(n)
         self.peers = peers.of
         self.count = {name: [0] * n for name in ctx.current if name in peers.contested}
         self.mem = memory.base[:]
         for name, c in ctx.current.items():
             if name in self.count:
-                count = self.count[name]
-                for g in c.gpus:
-                    count[g] += 1
+                _shift(self.count[name], c.gpus, 1, _span(c.gpus, self.ids))
 
     def acquire(self, n: Node) -> list[str]:
         """Count ``n``'s new GPUs; name any a same-stage model-stage holds."""
@@ -224,9 +223,36 @@ class _Gpus:
     def release(self, n: Node) -> None:
         """Uncount the GPUs ``n`` leaves."""
         if n.model_stage in self.count:
-            count = self.count[n.model_stage]
-            for g in n.released_gpus:
-                count[g] -= 1
+            gpus = n.released_gpus
+            _shift(self.count[n.model_stage], gpus, -1, _span(gpus, self.ids))
+
+
+@lru_cache(maxsize=8)
+def _gpu_ids(num_gpus: int) -> tuple[int, ...]:
+    """``tuple(range(num_gpus))``, made once per cluster size: :func:`_span` compares slices of it."""
+    return tuple(range(num_gpus))
+
+
+def _span(gpus: tuple[int, ...], ids: tuple[int, ...]) -> slice | None:
+    """``gpus`` as a slice of a per-GPU list, if they step evenly upwards (as a TP group or a block does)."""
+    if len(gpus) < 2:
+        return None
+    first, step = gpus[0], gpus[1] - gpus[0]
+    if step <= 0 or first < 0:
+        return None
+    span = slice(first, first + step * len(gpus), step)
+    return span if ids[span] == gpus else None  # (a slice past the last GPU comes out short)
+
+
+def _shift(count: list[int], gpus: tuple[int, ...], by: int, span: slice | None) -> None:
+    """Add ``by`` to ``count`` at each of ``gpus`` (``span``: the same GPUs as a slice, or None)."""
+    if span is not None:
+        held = count[span]
+        if held.count(held[0]) == len(held):  # one count throughout (the usual: 0, or 1 unit): in C
+            count[span] = [held[0] + by] * len(held)
+            return
+    for g in gpus:
+        count[g] += by
 
 
 def _replay(
@@ -309,39 +335,45 @@ def _ancestors(dag: TransitionDAG) -> list[int]:
 
 
 def _any_order_gpus(dag: TransitionDAG, same_stage: _Peers) -> list[str]:
-    ctx = dag.context
-    peers = same_stage.of
-    masks: dict[str, dict[int, int]] = {name: {} for name in ctx.current}  # model-stage: GPU: leaving nodes
-    watched = same_stage.contested  # the others never leave a GPU a peer takes
+    peers, stage, watched = same_stage.of, same_stage.stage, same_stage.contested  # others never meet
+    # Per stage, GPU: the nodes by which a model-stage of that stage leaves it (a bit mask); a
+    # node belongs to one model-stage, so ``& nodes[b]`` keeps those of model-stage b.
+    leaving: dict[str, dict[int, int]] = {}
+    nodes: dict[str, int] = dict.fromkeys(watched, 0)
     for n in dag.nodes:
-        if (n.op is Primitive.DESTROY or n.op is Primitive.SPLIT) and n.model_stage in watched:
-            mask, bit, left = masks[n.model_stage], 1 << n.id, n.released_gpus
+        if n.model_stage not in watched:
+            continue
+        bit = 1 << n.id
+        nodes[n.model_stage] |= bit
+        if n.op is Primitive.DESTROY or n.op is Primitive.SPLIT:
+            mask, left = leaving.setdefault(stage[n.model_stage], {}), n.released_gpus
             if mask.keys().isdisjoint(left):  # the usual case: the first node to leave these GPUs
                 mask.update(dict.fromkeys(left, bit))
             else:
                 mask.update({g: mask.get(g, 0) | bit for g in left})
     anc: list[int] = []  # computed on first need
     out: list[str] = []
-    exposed = {a for a in ctx.current if any(masks[b] for b in peers[a])}  # some same-stage peer leaves
-    if not exposed:
+    if not leaving:
         return out
     for n in dag.nodes:
-        if n.op is not Primitive.EXTEND or n.model_stage not in exposed:
+        if n.op is not Primitive.EXTEND or n.model_stage not in watched:
+            continue
+        mask = leaving.get(stage[n.model_stage])
+        if mask is None:
             continue
         gpus = n.acquired_gpus
-        if all(masks[other].keys().isdisjoint(gpus) for other in peers[n.model_stage]):
+        # every node by which a same-stage model-stage leaves these GPUs: all must be ancestors
+        need = reduce(or_, filter(None, map(mask.get, gpus)), 0) & ~nodes[n.model_stage]
+        if not need:
             continue  # no same-stage model-stage leaves these GPUs: nothing to order
         if not anc:
             anc = _ancestors(dag)
-        need = 0  # every leaving node on these GPUs, which must all be ancestors
-        for other in peers[n.model_stage]:
-            need = reduce(or_, filter(None, map(masks[other].get, gpus)), need)
         if not need & ~anc[n.id]:
             continue
         for g in gpus:
             for other in peers[n.model_stage]:
-                leaving = masks[other].get(g, 0)
-                for d in (i for i in range(leaving.bit_length()) if leaving >> i & 1):  # in id order
+                left = mask.get(g, 0) & nodes[other]
+                for d in (i for i in range(left.bit_length()) if left >> i & 1):  # in id order
                     if not anc[n.id] >> d & 1:
                         out.append(
                             f"gpu conflict: {n} may land on GPU {g} before {other} leaves it "
