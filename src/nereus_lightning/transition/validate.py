@@ -372,8 +372,8 @@ def _any_order_gpus(dag: TransitionDAG, same_stage: _Peers) -> list[str]:
             continue
         for g in gpus:
             for other in peers[n.model_stage]:
-                left = mask.get(g, 0) & nodes[other]
-                for d in (i for i in range(left.bit_length()) if left >> i & 1):  # in id order
+                theirs = mask.get(g, 0) & nodes[other]  # the nodes by which ``other`` leaves g
+                for d in (i for i in range(theirs.bit_length()) if theirs >> i & 1):  # in id order
                     if not anc[n.id] >> d & 1:
                         out.append(
                             f"gpu conflict: {n} may land on GPU {g} before {other} leaves it "
