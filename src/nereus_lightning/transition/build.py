@@ -147,26 +147,13 @@ def _context(
 
 def resident_memory(plan: Plan, ctx: TransitionContext) -> list[float]:
     """Resident state bytes per GPU (index = GPU id) under ``plan``."""
-    n = ctx.cluster.num_gpus
-    mem: list[float] = []
-    # Model-stages on disjoint GPUs add up in one GPU -> bytes layer (in bulk, at C speed); each
-    # layer is added in plan order, so every GPU sums its model-stages in plan order as before.
-    layer: dict[int, float] = {}
+    mem = [0.0] * ctx.cluster.num_gpus
     for name, cand in plan.items():
         per_gpu = ctx.memory_of(name, cand.layout)
         if per_gpu:  # idle generation/inference weights are offloaded: nothing resident
-            if not layer.keys().isdisjoint(cand.gpus):
-                mem = _plus_layer(mem, layer, n)
-                layer = {}
-            layer.update(dict.fromkeys(cand.gpus, 0.0 + per_gpu))
-    return _plus_layer(mem, layer, n) if layer or not mem else mem
-
-
-def _plus_layer(mem: list[float], layer: dict[int, float], n: int) -> list[float]:
-    """``mem`` (``[]``: all zero) plus ``layer``'s bytes per GPU."""
-    if not mem:
-        return list(map(layer.get, range(n), repeat(0.0)))
-    return list(map(add, mem, map(layer.get, range(n), repeat(0.0))))
+            for g in cand.gpus:
+                mem[g] += per_gpu
+    return mem
 
 
 def _check_plan(
@@ -324,11 +311,15 @@ def _never_fits(
     A node on GPU g needs ``base + grown + grow - freed`` there; ``grown >= 0`` and ``freed`` is at
     most what the other nodes free on g, so this bound failing means no order can admit it.
     """
-    frees = [0.0] * len(base)  # per GPU (a list: cheaper to index than a dict)
+    # Per GPU as lists: indexing one is cheaper than hashing a GPU id into a set or dict.
+    is_tight = [False] * len(base)
+    for g in tight:
+        is_tight[g] = True
+    frees = [0.0] * len(base)
     grows: list[tuple[Node, int, float, float]] = []  # (node, gpu, growth, own free) on tight GPUs
     for n in compress(nodes, careful):
         for g, net, transient in n.mem:
-            if g in tight:
+            if is_tight[g]:
                 if net < 0:
                     free, grow = transient - net, transient
                 else:
@@ -344,7 +335,9 @@ def _never_fits(
         need = base[g] + grow - (frees[g] - own)
         if need > cap:
             if n is not last:  # a batched node: tell its lanes apart by their units
-                last, unit_at = n, {x: u.gpus for u in (n.targets or n.sources) for x in u.gpus}
+                last, unit_at = n, {}
+                for u in n.targets or n.sources:
+                    unit_at.update(dict.fromkeys(u.gpus, u.gpus))
             stuck.setdefault((id(n), unit_at.get(g, (g,))), (n, g, need))
     if stuck:
         lines = "; ".join(
@@ -427,12 +420,16 @@ def _order_with_resource_edges(
     heapq.heapify(heap)
     extend, destroy, split = Primitive.EXTEND, Primitive.DESTROY, Primitive.SPLIT
 
+    holds: dict[str, set[int]] = {}  # the current GPUs of a model-stage, as a set once needed
+
     def blocked_by_peer(ms: str, gpus: tuple[int, ...]) -> str:
         held = held_of[ms].intersection(gpus)
         for other in peers[ms]:  # the first peer (plan order) holding one, at its first such GPU
-            theirs = held.intersection(current[other].gpus)
-            if theirs:
-                g = next(filter(theirs.__contains__, gpus))
+            theirs = holds.get(other)
+            if theirs is None:
+                theirs = holds[other] = set(current[other].gpus)
+            if not held.isdisjoint(theirs):
+                g = next(filter(theirs.__contains__, filter(held.__contains__, gpus)))
                 return f"GPU {g} is still held by {other} (same {stages[other].stage} stage)"
         raise AssertionError("a held GPU without a holder")  # pragma: no cover
 
