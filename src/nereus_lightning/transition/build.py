@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
-from functools import lru_cache
-from itertools import chain, compress
-from operator import add, itemgetter
+from functools import lru_cache, reduce
+from itertools import chain, compress, repeat
+from operator import add, gt, itemgetter, or_
 
 from nereus_lightning.plan.layout import Layout, Plan
 from nereus_lightning.plan.memory import boundary_state_bytes, memory_cap
@@ -43,6 +43,7 @@ from nereus_lightning.transition.pieces import geometry
 _OP_RANK = {Primitive.DESTROY: 0, Primitive.MERGE: 1, Primitive.SPLIT: 2, Primitive.EXTEND: 3}
 GB = 1e9
 _FIRST = itemgetter(0)  # a memory effect's GPU
+_GPUS = itemgetter(1)  # a Unit's GPUs
 
 
 def build_transition(
@@ -73,8 +74,9 @@ def _build(
     cluster: ClusterSpec,
     workload: Workload,
 ) -> TransitionDAG:
-    ctx = make_context(current, target, dict(models), cluster, workload)
-    batched = batchable(ctx)
+    ctx, now = _context(current, target, dict(models), cluster, workload)
+    peers_now = _held_by_peers(ctx, now)
+    batched = batchable(ctx, peers_now)
     lanes = {name: _local(ctx, name) for name in ctx.current}
     parts = {name: calls.nodes(name in batched) for name, calls in lanes.items()}
     nodes = _numbered(parts)
@@ -83,7 +85,7 @@ def _build(
     if tight:
         careful = [not tight.isdisjoint(map(_FIRST, n.mem)) for n in nodes]
         # Per lane the same memory effects as per replica: no need to rebuild to find these.
-        base = list(ctx.current_memory) or resident_memory(ctx.current, ctx)
+        base = ctx.current_memory or resident_memory(ctx.current, ctx)
         _never_fits(nodes, careful, tight, base, memory_cap(cluster))
         # A model-stage touching a GPU that may overflow needs per-replica memory ordering:
         # rebuild it per replica (the growth per GPU is the same either way).
@@ -91,7 +93,7 @@ def _build(
         if wide:
             parts.update({name: lanes[name].nodes(False) for name in wide})
             nodes = _numbered(parts)
-    order = _order_with_resource_edges(nodes, ctx, growth, tight)
+    order = _order_with_resource_edges(nodes, ctx, growth, tight, peers_now)
     dag = TransitionDAG(order, ctx, global_order=True)
     dag._growth = ((cluster.num_gpus, *(n.mem for n in order)), growth)  # validate reuses it
     return dag
@@ -101,6 +103,13 @@ def make_context(
     current: Plan, target: Plan, models: Mapping[str, ModelSpec], cluster: ClusterSpec, workload: Workload
 ) -> TransitionContext:
     """Check the inputs and collect what every later step needs (unit memory per layout)."""
+    return _context(current, target, models, cluster, workload)[0]
+
+
+def _context(
+    current: Plan, target: Plan, models: Mapping[str, ModelSpec], cluster: ClusterSpec, workload: Workload
+) -> tuple[TransitionContext, dict[str, set[int]]]:
+    """:func:`make_context`, and per stage of several model-stages the GPUs they hold now."""
     stages = {ms.name: ms for ms in workload.stages}
     for label, plan in (("current", current), ("target", target)):
         for name in plan:
@@ -120,15 +129,20 @@ def make_context(
                 f"models: no ModelSpec for role {role!r} (needed by {name}); pass models[{role!r}]"
             )
     unit_memory: dict[tuple[str, Layout], float] = {}
-    for name in current:
+    known: dict[tuple[str, bool, Layout], float] = {}  # model-stages of one role share their layouts
+    goal = dict(target.items())
+    for name, cand in current.items():
         ms = stages[name]
-        a, b = current[name].layout, target[name].layout
+        a, b = cand.layout, goal[name].layout
         for layout in (a, b, common_layout(a, b)):
-            unit_memory[(name, layout)] = boundary_state_bytes(models[ms.model], ms.trains, layout)
+            key = (ms.model, ms.trains, layout)
+            if key not in known:
+                known[key] = boundary_state_bytes(models[ms.model], ms.trains, layout)
+            unit_memory[(name, layout)] = known[key]
     ctx = TransitionContext(current, target, stages, dict(models), cluster, workload, unit_memory)
-    resident = _check_plan("current", current, ctx)
+    resident, now = _check_plan("current", current, ctx)
     _check_plan("target", target, ctx, per_gpu=False)
-    return replace(ctx, current_memory=tuple(resident))
+    return replace(ctx, current_memory=tuple(resident)), now
 
 
 def resident_memory(plan: Plan, ctx: TransitionContext) -> list[float]:
@@ -142,14 +156,18 @@ def resident_memory(plan: Plan, ctx: TransitionContext) -> list[float]:
     return mem
 
 
-def _check_plan(label: str, plan: Plan, ctx: TransitionContext, per_gpu: bool = True) -> list[float]:
+def _check_plan(
+    label: str, plan: Plan, ctx: TransitionContext, per_gpu: bool = True
+) -> tuple[list[float], dict[str, set[int]]]:
     """GPU ids exist, same-stage model-stages are disjoint, resident state fits; returns it per GPU
-    (or, without ``per_gpu``, ``[]`` when the sum of every model-stage's unit memory fits anyway)."""
-    if not _plan_ok(plan, ctx):
+    (or, without ``per_gpu``, ``[]`` when the sum of every model-stage's unit memory fits anyway),
+    and the GPUs of each stage of several model-stages."""
+    shared = _plan_ok(plan, ctx)
+    if shared is None:
         _plan_problem(label, plan, ctx)
     cap = memory_cap(ctx.cluster)
     if not per_gpu and sum(ctx.memory_of(name, c.layout) for name, c in plan.items()) <= cap:
-        return []  # no GPU can hold more than all model-stages together
+        return [], shared  # no GPU can hold more than all model-stages together
     mem = resident_memory(plan, ctx)
     top = max(mem)
     if top > cap:
@@ -159,25 +177,26 @@ def _check_plan(label: str, plan: Plan, ctx: TransitionContext, per_gpu: bool = 
             f"{label} plan does not fit on GPU {g}: {top / GB:.1f} GB resident ({', '.join(holders)}) "
             f"> cap {cap / GB:.1f} GB"
         )
-    return mem
+    return mem, shared
 
 
-def _plan_ok(plan: Plan, ctx: TransitionContext) -> bool:
-    """Whether every GPU id exists and same-stage model-stages are disjoint (set operations only)."""
+def _plan_ok(plan: Plan, ctx: TransitionContext) -> dict[str, set[int]] | None:
+    """The GPUs of each stage of several model-stages if every GPU id exists and same-stage
+    model-stages are disjoint, else None (set operations only)."""
     n = ctx.cluster.num_gpus
+    runs = [cand.gpus for _, cand in plan.items()]
+    if min(map(min, runs), default=0) < 0 or max(map(max, runs), default=0) >= n:
+        return None
     by_stage: dict[str, list[tuple[int, ...]]] = defaultdict(list)
     for name, cand in plan.items():
         by_stage[ctx.stages[name].stage].append(cand.gpus)
-    for runs in by_stage.values():
-        if len(runs) == 1:
-            gpus = runs[0]
-        else:  # one set per stage: disjoint runs, then its range
-            gpus = set(chain.from_iterable(runs))
+    shared: dict[str, set[int]] = {}
+    for stage, runs in by_stage.items():
+        if len(runs) > 1:  # one set per stage: its runs are disjoint
+            gpus = shared[stage] = set(chain.from_iterable(runs))
             if len(gpus) != sum(map(len, runs)):
-                return False
-        if min(gpus) < 0 or max(gpus) >= n:
-            return False
-    return True
+                return None
+    return shared
 
 
 def _plan_problem(label: str, plan: Plan, ctx: TransitionContext) -> None:
@@ -230,36 +249,47 @@ def _numbered(parts: Mapping[str, list[Node]]) -> list[Node]:
     return nodes
 
 
-def batchable(ctx: TransitionContext) -> set[str]:
+def batchable(ctx: TransitionContext, peers_now: Mapping[str, set[int]] | None = None) -> set[str]:
     """Model-stages whose acquisitions no same-stage model-stage can block: their target GPUs hold
     no unit of a same-stage peer now (peers only move onto their own, disjoint, target GPUs).
 
     Their nodes never wait in the global order (unless memory is tight, see ``_build``), so one
     node per step for all replicas orders exactly as well as one per replica, and the releases
-    other model-stages wait for still always come.
+    other model-stages wait for still always come. ``peers_now`` is ``_held_by_peers(ctx)`` if known.
     """
+    if peers_now is None:
+        peers_now = _held_by_peers(ctx)
+    return {name for name in ctx.current if name not in peers_now}
+
+
+def _held_by_peers(ctx: TransitionContext, now: Mapping[str, set[int]] | None = None) -> dict[str, set[int]]:
+    """The GPUs same-stage peers hold now, for each model-stage whose target holds one of them.
+
+    ``now``: the GPUs each stage of several model-stages holds now, if known (``_plan_ok``).
+    """
+    current, target = dict(ctx.current.items()), dict(ctx.target.items())
     members: dict[str, list[str]] = defaultdict(list)
-    for name in ctx.current:
+    for name in current:
         members[ctx.stages[name].stage].append(name)
-    out = set()
-    for names in members.values():
+    out: dict[str, set[int]] = {}
+    for stage, names in members.items():
         if len(names) == 1:  # no same-stage peer
-            out.update(names)
             continue
-        held = set(chain.from_iterable(ctx.current[name].gpus for name in names))
+        held = now[stage] if now is not None else set(chain.from_iterable(current[n].gpus for n in names))
         for name in names:
-            others = held.difference(ctx.current[name].gpus)
-            if others.isdisjoint(ctx.target[name].gpus):
-                out.add(name)
+            others = held.difference(current[name].gpus)
+            if not others.isdisjoint(target[name].gpus):
+                out[name] = others
     return out
 
 
 def _tight(ctx: TransitionContext, growth: list[float]) -> set[int]:
     """GPUs whose resident state plus every node's growth there may pass the memory cap."""
     cap = memory_cap(ctx.cluster)
-    base = list(ctx.current_memory) or resident_memory(ctx.current, ctx)
-    worst = list(map(add, base, growth))
-    return {g for g, w in enumerate(worst) if w > cap} if max(worst, default=0.0) > cap else set()
+    base = ctx.current_memory or resident_memory(ctx.current, ctx)
+    if max(map(add, base, growth), default=0.0) <= cap:
+        return set()
+    return set(compress(range(len(growth)), map(gt, map(add, base, growth), repeat(cap))))
 
 
 def _ids(mask: int) -> list[int]:
@@ -273,7 +303,7 @@ def _ids(mask: int) -> list[int]:
 
 
 def _never_fits(
-    nodes: list[Node], careful: list[bool], tight: set[int], base: list[float], cap: float
+    nodes: list[Node], careful: list[bool], tight: set[int], base: Sequence[float], cap: float
 ) -> None:
     """Raise at once if an acquisition cannot fit even after every other node on its GPU freed
     all it ever frees (the replay would block it forever and stop with it stuck).
@@ -281,11 +311,15 @@ def _never_fits(
     A node on GPU g needs ``base + grown + grow - freed`` there; ``grown >= 0`` and ``freed`` is at
     most what the other nodes free on g, so this bound failing means no order can admit it.
     """
-    frees: dict[int, float] = defaultdict(float)
+    # Per GPU as lists: indexing one is cheaper than hashing a GPU id into a set or dict.
+    is_tight = [False] * len(base)
+    for g in tight:
+        is_tight[g] = True
+    frees = [0.0] * len(base)
     grows: list[tuple[Node, int, float, float]] = []  # (node, gpu, growth, own free) on tight GPUs
     for n in compress(nodes, careful):
         for g, net, transient in n.mem:
-            if g in tight:
+            if is_tight[g]:
                 if net < 0:
                     free, grow = transient - net, transient
                 else:
@@ -301,7 +335,9 @@ def _never_fits(
         need = base[g] + grow - (frees[g] - own)
         if need > cap:
             if n is not last:  # a batched node: tell its lanes apart by their units
-                last, unit_at = n, {x: u.gpus for u in (n.targets or n.sources) for x in u.gpus}
+                last, unit_at = n, {}
+                for u in n.targets or n.sources:
+                    unit_at.update(dict.fromkeys(u.gpus, u.gpus))
             stuck.setdefault((id(n), unit_at.get(g, (g,))), (n, g, need))
     if stuck:
         lines = "; ".join(
@@ -321,27 +357,42 @@ def _order_with_resource_edges(
     ctx: TransitionContext,
     growth: list[float] | None = None,
     tight: set[int] | None = None,
+    peers_now: Mapping[str, set[int]] | None = None,
 ) -> list[Node]:
     """Replay ``nodes`` in priority order, adding resource edges; return them renumbered.
 
-    ``growth`` is ``memory_growth(nodes, num_gpus)`` and ``tight`` its ``_tight`` GPUs when the
-    caller has them already.
+    ``growth`` is ``memory_growth(nodes, num_gpus)``, ``tight`` its ``_tight`` GPUs and
+    ``peers_now`` is ``_held_by_peers(ctx)`` when the caller has them already.
     """
     stages: dict[str, ModelStage] = ctx.stages
-    peers = {
-        name: [o for o in ctx.current if o != name and stages[o].stage == stages[name].stage]
-        for name in ctx.current
-    }
+    current = dict(ctx.current.items())
+    members: dict[str, list[str]] = defaultdict(list)
+    for name in current:
+        members[stages[name].stage].append(name)
+    peers = {name: [o for o in names if o != name] for names in members.values() for name in names}
+    if peers_now is None:
+        peers_now = _held_by_peers(ctx)
+    target = dict(ctx.target.items())
+    # Per model-stage whose Extends may wait: the GPUs of its target that same-stage peers hold now.
+    blocking = {name: others.intersection(target[name].gpus) for name, others in peers_now.items()}
+    # Only these *contested* GPUs can block an acquisition or give it a resource edge. Extend
+    # acquires GPUs of its own target only and same-stage plans are disjoint, so such a GPU is held
+    # by one current unit until that unit's model-stage releases it, once: one set per stage
+    # (contested GPUs still held) and one release per GPU, instead of per-GPU unit counts per
+    # model-stage.
+    held_of: dict[str, set[int]] = {}  # per model-stage with peers: its stage's contested GPUs still held
+    gone_of: dict[str, dict[int, int]] = {}  # ... and the release (bit i: node i) of each one released
+    releasing: set[str] = set()  # model-stages holding a contested GPU
+    for names in members.values():
+        if not blocking.keys().isdisjoint(names):
+            held = set().union(*(blocking[name] for name in names if name in blocking))
+            gone: dict[int, int] = {}
+            for name in names:
+                held_of[name], gone_of[name] = held, gone
+            releasing.update(name for name in names if not held.isdisjoint(current[name].gpus))
     cap = memory_cap(ctx.cluster)
     n_gpus = ctx.cluster.num_gpus
-    # Units of each model-stage per GPU (only model-stages with same-stage peers need counting).
-    holders: dict[str, list[int]] = {}
-    for name, cand in ctx.current.items():
-        if peers[name]:
-            count = holders[name] = [0] * n_gpus
-            for g in cand.gpus:
-                count[g] += 1
-    base = list(ctx.current_memory) or resident_memory(ctx.current, ctx)
+    base = ctx.current_memory or resident_memory(ctx.current, ctx)
     if growth is None:
         growth = memory_growth(nodes, n_gpus)
     if tight is None:
@@ -351,10 +402,8 @@ def _order_with_resource_edges(
 
     grown: dict[int, float] = defaultdict(float)
     freed: dict[int, float] = defaultdict(float)
-    # Node-id sets as bit masks (bit i: node i): executed nodes that freed memory per tight GPU,
-    # and per model-stage with peers the nodes by which it left each GPU.
+    # Executed nodes that freed memory per tight GPU, as a bit mask (bit i: node i).
     freers: dict[int, int] = defaultdict(int)
-    left: dict[str, dict[int, int]] = {ms: {} for ms in holders}
     succs: list[list[int]] = [[] for _ in nodes]
     indeg = [0] * len(nodes)
     for n in nodes:
@@ -362,19 +411,27 @@ def _order_with_resource_edges(
             indeg[n.id] = len(n.deps)
             for d in n.deps:
                 succs[d].append(n.id)
-    rank = {name: (stages[name].stage_index, i) for i, name in enumerate(ctx.current)}
-    keys = [(_OP_RANK[n.op], *rank[n.model_stage], n.id) for n in nodes]
+    # Priority (op rank, stage index, plan position, id) packed into one int: cheaper to compare.
+    size, n_ms = len(nodes), len(current)
+    rank = {name: stages[name].stage_index * n_ms + i for i, name in enumerate(current)}
+    n_ranks = max(rank.values(), default=0) + 1
+    keys = [(_OP_RANK[n.op] * n_ranks + rank[n.model_stage]) * size + n.id for n in nodes]
     heap = [keys[i] for i, d in enumerate(indeg) if d == 0]
     heapq.heapify(heap)
-    extend, merge = Primitive.EXTEND, Primitive.MERGE
+    extend, destroy, split = Primitive.EXTEND, Primitive.DESTROY, Primitive.SPLIT
 
-    def blocked_by_peer(ms: str, gpus: tuple[int, ...]) -> str | None:
-        for other in peers[ms]:
-            count = holders[other]
-            if any(map(count.__getitem__, gpus)):  # rare: find the GPU for the message
-                g = next(g for g in gpus if count[g])
+    holds: dict[str, set[int]] = {}  # the current GPUs of a model-stage, as a set once needed
+
+    def blocked_by_peer(ms: str, gpus: tuple[int, ...]) -> str:
+        held = held_of[ms].intersection(gpus)
+        for other in peers[ms]:  # the first peer (plan order) holding one, at its first such GPU
+            theirs = holds.get(other)
+            if theirs is None:
+                theirs = holds[other] = set(current[other].gpus)
+            if not held.isdisjoint(theirs):
+                g = next(filter(theirs.__contains__, filter(held.__contains__, gpus)))
                 return f"GPU {g} is still held by {other} (same {stages[other].stage} stage)"
-        return None
+        raise AssertionError("a held GPU without a holder")  # pragma: no cover
 
     def blocked_by_memory(n: Node) -> str | None:
         for g, net, transient in n.mem:
@@ -391,36 +448,36 @@ def _order_with_resource_edges(
     while True:
         progressed = False
         while heap:
-            nid = heapq.heappop(heap)[3]
+            nid = heapq.heappop(heap) % size
             n = nodes[nid]
             ms = n.model_stage
             why = None
-            if n.op is extend and ms in holders:
+            peer_checked = n.op is extend and ms in blocking
+            if peer_checked:
                 gpus = n.acquired_gpus
-                why = blocked_by_peer(ms, gpus)
+                if not held_of[ms].isdisjoint(gpus):
+                    why = blocked_by_peer(ms, gpus)
             if why is None and careful[nid]:
                 why = blocked_by_memory(n)
             if why:
                 stuck.append((n, why))
                 continue
             extra = 0  # the releases this node relied on, as a bit mask
-            if ms in holders:
-                count = holders[ms]
-                if n.op is extend:
-                    for other in peers[ms]:
-                        gone = left[other]
-                        if gone and not gone.keys().isdisjoint(gpus):
-                            get = gone.get
-                            for g in gpus:
-                                extra |= get(g, 0)
-                    for g in gpus:
-                        count[g] += 1
-                elif n.op is not merge:  # Destroy, or Split releasing the GPUs it does not keep
-                    mine, bit = left[ms], 1 << nid
-                    get = mine.get
-                    for g in n.released_gpus:
-                        count[g] -= 1
-                        mine[g] = get(g, 0) | bit
+            if peer_checked:
+                gone = gone_of[ms]
+                if gone:
+                    relied = gone.keys() & gpus
+                    if relied:
+                        extra = reduce(or_, set(map(gone.__getitem__, relied)))
+            elif ms in releasing and (n.op is destroy or n.op is split):
+                # The contested GPUs a Destroy releases, or a Split does not keep.
+                held = held_of[ms]
+                hit = held.intersection(chain.from_iterable(map(_GPUS, n.sources)))
+                if hit and n.op is split:
+                    hit.difference_update(chain.from_iterable(map(_GPUS, n.targets)))
+                if hit:
+                    held.difference_update(hit)
+                    gone_of[ms].update(dict.fromkeys(hit, 1 << nid))
             if careful[nid]:
                 for g, net, transient in n.mem:
                     if g not in tight:

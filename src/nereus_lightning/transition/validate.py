@@ -19,11 +19,12 @@ every node on it (nothing ever freed) is safe in any order, so it needs no repla
 from __future__ import annotations
 
 import random
+from collections import deque
 from dataclasses import dataclass
-from functools import reduce
+from functools import lru_cache, reduce
 from operator import add, itemgetter, or_
 
-from nereus_lightning.plan.layout import Plan
+from nereus_lightning.plan.layout import Candidate, Plan
 from nereus_lightning.plan.memory import memory_cap
 from nereus_lightning.transition.dag import Node, Primitive, TransitionDAG, Unit
 
@@ -56,13 +57,14 @@ def validate(
     if problems:
         return ValidationReport(False, tuple(problems[:max_problems]), 0.0, memory_cap(dag.context.cluster))
     mem = _Memory(dag)
-    peak = max(mem.bound_elsewhere, _replay(dag, dag.nodes, problems, "", mem))
-    problems += _any_order_gpus(dag)
+    peers = _Peers(dag)
+    peak = max(mem.bound_elsewhere, _replay(dag, dag.nodes, problems, "", mem, peers))
+    problems += _any_order_gpus(dag, peers)
     if mem.tight:  # GPU conflicts in any order are covered by the static check above
-        peak = max(peak, _adversarial(dag, problems, mem))
+        peak = max(peak, _adversarial(dag, problems, mem, peers))
     rng = random.Random(seed)
     for k in range(random_orders):
-        peak = max(peak, _replay(dag, _random_order(dag, rng), problems, f" (random order {k})", mem))
+        peak = max(peak, _replay(dag, _random_order(dag, rng), problems, f" (random order {k})", mem, peers))
     return ValidationReport(not problems, tuple(problems[:max_problems]), peak, mem.cap)
 
 
@@ -90,6 +92,23 @@ class _Memory:
         )
 
 
+class _Peers:
+    """The same-stage peers of each model-stage, and which model-stages can ever meet one.
+
+    Only an Extend lands on GPUs, so the model-stages of a stage none of whose model-stages
+    extends can never land on a GPU a peer holds, in any order: ``contested`` omits them, and
+    the replays need not count their units per GPU.
+    """
+
+    def __init__(self, dag: TransitionDAG) -> None:
+        ctx = dag.context
+        self.stage = stage = {name: ctx.stages[name].stage for name in ctx.current}
+        self.of = {a: [b for b in ctx.current if b != a and stage[a] == stage[b]] for a in ctx.current}
+        extends = {n.model_stage for n in dag.nodes if n.op is Primitive.EXTEND}
+        landing = {stage[a] for a in extends if a in stage}
+        self.contested = {a for a in ctx.current if self.of[a] and stage[a] in landing}
+
+
 def _resident(plan: Plan, dag: TransitionDAG) -> list[float]:
     ctx = dag.context
     mem = [0.0] * ctx.cluster.num_gpus
@@ -112,64 +131,87 @@ def _structure(dag: TransitionDAG) -> list[str]:
     return out
 
 
-def _units(plan: Plan) -> dict[str, dict[tuple[int, ...], tuple[int, int]]]:
-    """The units of every model-stage of ``plan``: GPUs -> (tp, pp).
+Shape = tuple[int, int]  # a unit's (tp, pp)
+
+
+def _units(plan: Plan, shapes: dict[Shape, Shape]) -> dict[str, dict[tuple[int, ...], Shape]]:
+    """The units of every model-stage of ``plan``: GPUs -> (tp, pp) (the one object ``shapes`` holds).
 
     Keyed by GPU tuple (hashing a ``Layout`` is slow): two live units of one model-stage never
     sit on the same GPU tuple, and a DAG that tries is caught as a unit that does not exist.
     """
     out = {}
     for name, c in plan.items():
-        size, lay = c.layout.size, (c.layout.tp, c.layout.pp)
-        out[name] = dict.fromkeys(zip(*[iter(c.gpus)] * size, strict=True), lay)
+        shape = (c.layout.tp, c.layout.pp)
+        out[name] = dict.fromkeys(_chunks(c), shapes.setdefault(shape, shape))
     return out
+
+
+def _chunks(c: Candidate) -> list[tuple[int, ...]]:
+    """The GPU tuples of ``c``'s units, in order."""
+    return list(zip(*[iter(c.gpus)] * c.layout.size, strict=True))
 
 
 _LAYOUT, _GPUS = itemgetter(0), itemgetter(1)  # a transition Unit is (layout, gpus)
 
 
-def _shapes(units: tuple[Unit, ...]) -> tuple[list[tuple[int, ...]], list[tuple[int, int]]]:
-    """The GPU tuples of ``units`` and their ``(tp, pp)`` (one lookup when they share a layout)."""
+def _shapes(units: tuple[Unit, ...], shapes: dict[Shape, Shape]) -> tuple[list[tuple[int, ...]], list[Shape]]:
+    """The GPU tuples of ``units`` and their ``(tp, pp)`` (one lookup when they share a layout).
+
+    A shared layout's (tp, pp) is the one object ``shapes`` holds for it, so comparing it with
+    the live units' values is an identity check, not a tuple comparison per unit.
+    """
     keys = list(map(_GPUS, units))
     lays = list(map(_LAYOUT, units))
     first = lays[0] if lays else None
     if first is not None and lays.count(first) == len(lays):  # identity first: C speed
-        return keys, [(first.tp, first.pp)] * len(lays)
+        shape = (first.tp, first.pp)
+        return keys, [shapes.setdefault(shape, shape)] * len(lays)
     return keys, [(x.tp, x.pp) for x in lays]
 
 
-def _initial(dag: TransitionDAG) -> dict[str, dict[tuple[int, ...], tuple[int, int]]]:
-    return _units(dag.context.current)
+def _is_target(units: dict[tuple[int, ...], Shape], c: Candidate, shapes: dict[Shape, Shape]) -> bool:
+    """Whether ``units`` equal the units of ``c`` (as dicts: GPUs -> (tp, pp)).
+
+    A candidate's GPUs are distinct, so its units are: as many live units as it has, each of them
+    alive with its shape, means the same dict, without building it.
+    """
+    shape = (c.layout.tp, c.layout.pp)
+    shape = shapes.get(shape, shape)
+    keys = _chunks(c)
+    if len(units) != len(keys):
+        return False
+    if list(units) == keys:  # the same units in the same order (no hashing)
+        return list(units.values()).count(shape) == len(keys)
+    return list(map(units.get, keys)).count(shape) == len(keys)
 
 
 class _Gpus:
-    """Per-GPU memory and, for model-stages with same-stage peers, unit counts per GPU."""
+    """Per-GPU memory and, for model-stages that may meet a same-stage peer, unit counts per GPU."""
 
-    def __init__(self, dag: TransitionDAG, memory: _Memory) -> None:
+    def __init__(self, dag: TransitionDAG, memory: _Memory, peers: _Peers) -> None:
         ctx = dag.context
         n = ctx.cluster.num_gpus
-        self.stage = {name: ctx.stages[name].stage for name in ctx.current}
-        self.peers = {
-            a: [b for b in ctx.current if b != a and self.stage[a] == self.stage[b]] for a in ctx.current
-        }
-        self.count = {name: [0] * n for name in ctx.current if self.peers[name]}
+        self.ids = _gpu_ids(n)
+        self.peers = peers.of
+        self.count = {name: [0] * n for name in ctx.current if name in peers.contested}
         self.mem = memory.base[:]
         for name, c in ctx.current.items():
             if name in self.count:
-                count = self.count[name]
-                for g in c.gpus:
-                    count[g] += 1
+                _shift(self.count[name], c.gpus, 1, _span(c.gpus, self.ids))
 
     def acquire(self, n: Node) -> list[str]:
         """Count ``n``'s new GPUs; name any a same-stage model-stage holds."""
         if n.model_stage not in self.count or n.op is not Primitive.EXTEND:
             return []
         gpus = n.acquired_gpus
+        if not gpus:
+            return []
         count = self.count[n.model_stage]
         for g in gpus:
             count[g] += 1
-        peers = [self.count[other] for other in self.peers[n.model_stage]]
-        if not any(any(map(c.__getitem__, gpus)) for c in peers):
+        at = itemgetter(*gpus, *gpus[:1])  # gathers the counts at ``gpus`` (a tuple, even of one GPU) in C
+        if not any(any(at(self.count[other])) for other in self.peers[n.model_stage]):
             return []
         return [
             f"{n} lands on GPU {g} still held by {other}"
@@ -181,17 +223,47 @@ class _Gpus:
     def release(self, n: Node) -> None:
         """Uncount the GPUs ``n`` leaves."""
         if n.model_stage in self.count:
-            count = self.count[n.model_stage]
-            for g in n.released_gpus:
-                count[g] -= 1
+            gpus = n.released_gpus
+            _shift(self.count[n.model_stage], gpus, -1, _span(gpus, self.ids))
 
 
-def _replay(dag: TransitionDAG, order: list[Node], problems: list[str], label: str, memory: _Memory) -> float:
+@lru_cache(maxsize=8)
+def _gpu_ids(num_gpus: int) -> tuple[int, ...]:
+    """``tuple(range(num_gpus))``, made once per cluster size: :func:`_span` compares slices of it."""
+    return tuple(range(num_gpus))
+
+
+def _span(gpus: tuple[int, ...], ids: tuple[int, ...]) -> slice | None:
+    """``gpus`` as a slice of a per-GPU list, if they step evenly upwards (as a TP group or a block does)."""
+    if len(gpus) < 2:
+        return None
+    first, step = gpus[0], gpus[1] - gpus[0]
+    if step <= 0 or first < 0:
+        return None
+    span = slice(first, first + step * len(gpus), step)
+    return span if ids[span] == gpus else None  # (a slice past the last GPU comes out short)
+
+
+def _shift(count: list[int], gpus: tuple[int, ...], by: int, span: slice | None) -> None:
+    """Add ``by`` to ``count`` at each of ``gpus`` (``span``: the same GPUs as a slice, or None)."""
+    if span is not None:
+        held = count[span]
+        if held.count(held[0]) == len(held):  # one count throughout (the usual: 0, or 1 unit): in C
+            count[span] = [held[0] + by] * len(held)
+            return
+    for g in gpus:
+        count[g] += by
+
+
+def _replay(
+    dag: TransitionDAG, order: list[Node], problems: list[str], label: str, memory: _Memory, peers: _Peers
+) -> float:
     """Sequential replay in ``order``; returns the peak memory of the tight GPUs."""
     ctx = dag.context
     cap = memory.cap * (1 + 1e-9)
-    alive = _initial(dag)
-    gpus = _Gpus(dag, memory)
+    shapes: dict[Shape, Shape] = {}
+    alive = _units(ctx.current, shapes)
+    gpus = _Gpus(dag, memory, peers)
     mem = gpus.mem
     effects = memory.effects
     peak = max((mem[g] for g in memory.tight), default=0.0)
@@ -200,7 +272,7 @@ def _replay(dag: TransitionDAG, order: list[Node], problems: list[str], label: s
     for n in order:
         ms = n.model_stage
         units = alive[ms]
-        keys, lays = _shapes(n.sources)
+        keys, lays = _shapes(n.sources, shapes)
         if list(map(units.get, keys)) != lays:
             missing = [u for u in n.sources if units.get(u.gpus) != (u.layout.tp, u.layout.pp)]
             problems.append(f"structure{label}: {n} reads units that do not exist: {missing}")
@@ -216,9 +288,8 @@ def _replay(dag: TransitionDAG, order: list[Node], problems: list[str], label: s
             mem[g] += net
         op = n.op
         if op is not extend:
-            for key in keys:
-                del units[key]
-        keys, lays = _shapes(n.targets)
+            deque(map(units.__delitem__, keys), maxlen=0)  # del units[key] for each key, in C
+        keys, lays = _shapes(n.targets, shapes)
         clash = not units.keys().isdisjoint(keys)
         if clash:
             _report_clashes(n, units, problems, label)
@@ -235,8 +306,8 @@ def _replay(dag: TransitionDAG, order: list[Node], problems: list[str], label: s
                     problems.extend(f"gpu conflict{label}: {p}" for p in conflicts)
             elif op is not merge:
                 gpus.release(n)
-    for name, want in _units(ctx.target).items():
-        if alive[name] != want:
+    for name, c in ctx.target.items():
+        if not _is_target(alive[name], c, shapes):
             problems.append(
                 f"structure{label}: {name} ends with {sorted(alive[name].items())}, not the target"
             )
@@ -263,40 +334,46 @@ def _ancestors(dag: TransitionDAG) -> list[int]:
     return anc
 
 
-def _any_order_gpus(dag: TransitionDAG) -> list[str]:
-    ctx = dag.context
-    stage = {name: ms.stage for name, ms in ctx.stages.items()}
-    peers = {a: [b for b in ctx.current if b != a and stage[a] == stage[b]] for a in ctx.current}
-    masks: dict[str, dict[int, int]] = {name: {} for name in ctx.current}  # model-stage: GPU: leaving nodes
-    watched = {b for a in ctx.current for b in peers[a]}  # model-stages with same-stage peers
+def _any_order_gpus(dag: TransitionDAG, same_stage: _Peers) -> list[str]:
+    peers, stage, watched = same_stage.of, same_stage.stage, same_stage.contested  # others never meet
+    # Per stage, GPU: the nodes by which a model-stage of that stage leaves it (a bit mask); a
+    # node belongs to one model-stage, so ``& nodes[b]`` keeps those of model-stage b.
+    leaving: dict[str, dict[int, int]] = {}
+    nodes: dict[str, int] = dict.fromkeys(watched, 0)
     for n in dag.nodes:
-        if (n.op is Primitive.DESTROY or n.op is Primitive.SPLIT) and n.model_stage in watched:
-            mask, bit = masks[n.model_stage], 1 << n.id
-            get = mask.get
-            for g in n.released_gpus:
-                mask[g] = get(g, 0) | bit
+        if n.model_stage not in watched:
+            continue
+        bit = 1 << n.id
+        nodes[n.model_stage] |= bit
+        if n.op is Primitive.DESTROY or n.op is Primitive.SPLIT:
+            mask, left = leaving.setdefault(stage[n.model_stage], {}), n.released_gpus
+            if mask.keys().isdisjoint(left):  # the usual case: the first node to leave these GPUs
+                mask.update(dict.fromkeys(left, bit))
+            else:
+                mask.update({g: mask.get(g, 0) | bit for g in left})
     anc: list[int] = []  # computed on first need
     out: list[str] = []
-    exposed = {a for a in ctx.current if any(masks[b] for b in peers[a])}  # some same-stage peer leaves
-    if not exposed:
+    if not leaving:
         return out
     for n in dag.nodes:
-        if n.op is not Primitive.EXTEND or n.model_stage not in exposed:
+        if n.op is not Primitive.EXTEND or n.model_stage not in watched:
+            continue
+        mask = leaving.get(stage[n.model_stage])
+        if mask is None:
             continue
         gpus = n.acquired_gpus
-        if all(masks[other].keys().isdisjoint(gpus) for other in peers[n.model_stage]):
+        # every node by which a same-stage model-stage leaves these GPUs: all must be ancestors
+        need = reduce(or_, filter(None, map(mask.get, gpus)), 0) & ~nodes[n.model_stage]
+        if not need:
             continue  # no same-stage model-stage leaves these GPUs: nothing to order
         if not anc:
             anc = _ancestors(dag)
-        need = 0  # every leaving node on these GPUs, which must all be ancestors
-        for other in peers[n.model_stage]:
-            need = reduce(or_, filter(None, map(masks[other].get, gpus)), need)
         if not need & ~anc[n.id]:
             continue
         for g in gpus:
             for other in peers[n.model_stage]:
-                leaving = masks[other].get(g, 0)
-                for d in (i for i in range(leaving.bit_length()) if leaving >> i & 1):  # in id order
+                theirs = mask.get(g, 0) & nodes[other]  # the nodes by which ``other`` leaves g
+                for d in (i for i in range(theirs.bit_length()) if theirs >> i & 1):  # in id order
                     if not anc[n.id] >> d & 1:
                         out.append(
                             f"gpu conflict: {n} may land on GPU {g} before {other} leaves it "
@@ -306,10 +383,10 @@ def _any_order_gpus(dag: TransitionDAG) -> list[str]:
     return out
 
 
-def _adversarial(dag: TransitionDAG, problems: list[str], memory: _Memory) -> float:
+def _adversarial(dag: TransitionDAG, problems: list[str], memory: _Memory, peers: _Peers) -> float:
     """Start every ready node at once; finish acquisitions before releases."""
     cap = memory.cap * (1 + 1e-9)
-    gpus = _Gpus(dag, memory)
+    gpus = _Gpus(dag, memory, peers)
     mem = gpus.mem
     effects = memory.effects
     peak = max((mem[g] for g in memory.tight), default=0.0)
