@@ -21,8 +21,8 @@ from nereus_lightning.transition.baseline import BaselineOutcome, per_component_
 from nereus_lightning.transition.build import build_transition
 from nereus_lightning.transition.cost import Schedule, schedule, transition_cost
 from nereus_lightning.transition.dag import MemEffect, Node, Primitive, TransitionDAG, Unit
-from nereus_lightning.transition.local import common_layout
 from nereus_lightning.transition.pieces import Piece, Transfer, piece_bytes
+from nereus_lightning.transition.tsub import common_layout
 from nereus_lightning.transition.validate import ValidationReport, validate
 
 __all__ = [

@@ -37,8 +37,10 @@ from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
 from nereus_lightning.spec.model import ModelSpec
 from nereus_lightning.spec.workload import ModelStage, Workload
 from nereus_lightning.transition.dag import Node, Primitive, TransitionContext, TransitionDAG, memory_growth
-from nereus_lightning.transition.local import LocalLanes, common_layout, local_lanes
+from nereus_lightning.transition.lanes import LocalLanes
+from nereus_lightning.transition.local import local_lanes
 from nereus_lightning.transition.pieces import geometry
+from nereus_lightning.transition.tsub import common_layout
 
 _OP_RANK = {Primitive.DESTROY: 0, Primitive.MERGE: 1, Primitive.SPLIT: 2, Primitive.EXTEND: 3}
 GB = 1e9

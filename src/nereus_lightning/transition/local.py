@@ -15,21 +15,34 @@ the blocks its target shard needs (``models.sharding``: chunk ``r`` of ``k * tp`
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import itertools
 import operator
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from functools import lru_cache, partial
+from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from itertools import repeat
-from math import gcd
 from operator import itemgetter
 
 from nereus_lightning.plan.layout import Candidate, Layout
 from nereus_lightning.spec.cluster import ClusterSpec
-from nereus_lightning.transition.dag import LaneRuns, MemEffect, Node, Primitive, Unit
-from nereus_lightning.transition.pieces import Geometry, Piece, Transfer, extend_transfers, gather_pattern
+from nereus_lightning.transition.dag import Node, Primitive, Unit
+from nereus_lightning.transition.lanes import LocalLanes
+from nereus_lightning.transition.pieces import Geometry, Transfer, extend_transfers
+from nereus_lightning.transition.tsub import (
+    Pattern,
+    all_subs,
+    common_layout,
+    consecutive,
+    merge_pattern,
+    placed,
+    split_pattern,
+    splitter,
+    sub_gpus,
+    sub_positions,
+    uniform_effects,
+    unit_and_index,
+)
 
 _FIRST = itemgetter(0)
 _LAST = itemgetter(-1)
@@ -49,132 +62,6 @@ BULK_SHORTCUTS = True
 #: now, takes the direct path (kept units by set lookups, no slots, no Merges) instead of the
 #: general one; both give the same lanes (``tests/transition/test_fast_paths.py``).
 SAME_LAYOUT_SHORTCUT = True
-
-
-def common_layout(a: Layout, b: Layout) -> Layout:
-    """``T_sub``: the largest layout into which both ``a`` and ``b`` can be split."""
-    return Layout(gcd(a.tp, b.tp), gcd(a.pp, b.pp))
-
-
-@lru_cache(maxsize=1024)
-def sub_positions(x: Layout, s: Layout) -> tuple[tuple[int, ...], ...]:
-    """For each sub-unit ``j`` of a layout-``x`` unit split into ``s``: its positions as ``x`` indices."""
-    k_tp, k_pp = x.tp // s.tp, x.pp // s.pp
-    out = []
-    for jp in range(k_pp):
-        for jt in range(k_tp):
-            out.append(
-                tuple((pq * k_pp + jp) * x.tp + tq * k_tp + jt for pq in range(s.pp) for tq in range(s.tp))
-            )
-    return tuple(out)
-
-
-@lru_cache(maxsize=1024)
-def _splitter(x: Layout, s: Layout) -> Callable[[tuple[int, ...]], list[tuple[int, ...]]]:
-    """A function from a layout-``x`` unit's GPUs to its ``s`` sub-units' GPUs (``sub_positions`` order)."""
-    positions = sub_positions(x, s)
-    if len(positions) == 1:
-        return lambda gpus: [gpus]
-    flat = itemgetter(*(i for idx in positions for i in idx))
-    size = s.size
-    if size == 1:
-        return lambda gpus: list(zip(flat(gpus)))  # single GPUs: C speed
-    return lambda gpus: list(zip(*[iter(flat(gpus))] * size, strict=True))
-
-
-@lru_cache(maxsize=1024)
-def _sub_gpus(x: Layout, s: Layout, units: int) -> Callable[[tuple[int, ...]], tuple[int, ...]]:
-    """The GPUs of :func:`_all_subs`'s sub-units, flat (a tuple: compared without making the units)."""
-    positions = [u * x.size + i for u in range(units) for idx in sub_positions(x, s) for i in idx]
-    if not positions:
-        return lambda gpus: ()
-    if positions == list(range(len(positions))):  # every GPU in order (e.g. TP2 -> TP1)
-        return tuple
-    return itemgetter(*positions) if len(positions) > 1 else (lambda gpus: (gpus[positions[0]],))
-
-
-@lru_cache(maxsize=1024)
-def _all_subs(x: Layout, s: Layout, units: int) -> Callable[[tuple[int, ...]], list[tuple[int, ...]]]:
-    """Like :func:`_splitter` for ``units`` consecutive layout-``x`` units at once (unit-major)."""
-    flat = _sub_gpus(x, s, units)
-    size = s.size
-    if size == 1:
-        return lambda gpus: list(zip(flat(gpus)))
-    return lambda gpus: list(zip(*[iter(flat(gpus))] * size, strict=True))
-
-
-@lru_cache(maxsize=256)
-def _consecutive(size: int, sub: int) -> tuple[tuple[int, ...], ...]:
-    """The positions of a ``size``-GPU unit cut into consecutive runs of ``sub``."""
-    return tuple(tuple(range(c, c + sub)) for c in range(0, size, sub))
-
-
-@lru_cache(maxsize=256)
-def _unit_and_index(units: int, k: int) -> tuple[tuple[int, int], ...]:
-    """``(i, j)`` for sub-unit ``j`` of unit ``i``, unit-major (the values of ``where``)."""
-    return tuple((i, j) for i in range(units) for j in range(k))
-
-
-@lru_cache(maxsize=1024)
-def _inverse(x: Layout, s: Layout) -> tuple[tuple[int, int], ...]:
-    """For each position of ``x``: (sub-unit, index inside it)."""
-    inv: list[tuple[int, int]] = [(0, 0)] * x.size
-    for j, idx in enumerate(sub_positions(x, s)):
-        for q, xi in enumerate(idx):
-            inv[xi] = (j, q)
-    return tuple(inv)
-
-
-Pattern = tuple[tuple[int, int, int, Piece], ...]  # (src position, dst position, bytes, piece)
-
-
-@lru_cache(maxsize=4096)
-def _split_pattern(
-    geo: Geometry, a: Layout, s: Layout, tiles: tuple[tuple[int, ...], ...]
-) -> tuple[Pattern, tuple[int, ...]]:
-    """Split of a layout-``a`` unit into ``s`` units at ``tiles`` (its positions), and buffers per position."""
-    out = []
-    for tile in tiles:
-        for q, x in enumerate(tile):
-            for src, size, piece in gather_pattern(geo, a, x, s, q // s.tp, q % s.tp):
-                out.append((src, x, size, piece))
-    return tuple(out), _buffers(out, a.size)
-
-
-@lru_cache(maxsize=4096)
-def _merge_pattern(
-    geo: Geometry, s: Layout, b: Layout, tiles: tuple[tuple[int, ...], ...]
-) -> tuple[Pattern, tuple[int, ...]]:
-    """Merge of ``s`` units at ``tiles`` (positions of the layout-``b`` result), and buffers per position."""
-    at = {x: (tile, q) for tile in tiles for q, x in enumerate(tile)}
-    out = []
-    for x in range(b.size):
-        tile, q = at[x]
-        for src, size, piece in gather_pattern(geo, s, q, b, x // b.tp, x % b.tp):
-            out.append((tile[src], x, size, piece))
-    return tuple(out), _buffers(out, b.size)
-
-
-def _buffers(pattern: list[tuple[int, int, int, Piece]], size: int) -> tuple[int, ...]:
-    """Transfer buffers per position while a Split or Merge runs: each transfer is packed into one
-    contiguous send buffer and lands in one receive buffer before it is unpacked. (Extend sends a
-    whole shard in the same layout: the unit's flat storage is the buffer on both sides.)"""
-    buf = [0] * size
-    for sx, dx, nbytes, _ in pattern:
-        buf[sx] += nbytes
-        if dx != sx:
-            buf[dx] += nbytes
-    return tuple(buf)
-
-
-def _placed(gpus: tuple[int, ...], pattern: Pattern) -> list[Transfer]:
-    """A position pattern placed on ``gpus``."""
-    return [_new(Transfer, (gpus[sx], gpus[dx], size, piece)) for sx, dx, size, piece in pattern]
-
-
-def _uniform(gpus: tuple[int, ...], net: float) -> tuple[MemEffect, ...]:
-    """The same net effect on every GPU, no buffers."""
-    return tuple(zip(gpus, repeat(net), repeat(0.0)))
 
 
 def local_dag(
@@ -212,7 +99,7 @@ def local_lanes(
     if a == b and current.gpus == target.gpus:
         return out
     s = common_layout(a, b)
-    pick_a = _splitter(a, s)
+    pick_a = splitter(a, s)
     # Units as GPU tuples (a Unit is made only for the units a node names).
     cur_units = _chunks(current.gpus, a.size)
     tgt_units = _chunks(target.gpus, b.size)
@@ -230,7 +117,7 @@ def local_lanes(
     def strided_rows() -> list[list[tuple[int, ...]]]:
         if not strided and tgt_units:  # ``pick_b`` of every target unit, at C speed
             flat = _chunks(
-                strided_gpus[0] if strided_gpus else _sub_gpus(b, s, len(tgt_units))(target.gpus), s.size
+                strided_gpus[0] if strided_gpus else sub_gpus(b, s, len(tgt_units))(target.gpus), s.size
             )
             strided.extend(map(list, zip(*[iter(flat)] * (len(flat) // len(tgt_units)), strict=True)))
         return strided
@@ -241,21 +128,21 @@ def local_lanes(
         # Every current unit in place on a target unit's slots (strided, or else consecutive, as
         # ``_slots_of`` would take them), each used: Merges only.
         # (units of one size are equal lists iff their GPUs are equal sequences)
-        strided_gpus.append(_sub_gpus(b, s, len(tgt_units))(target.gpus))
+        strided_gpus.append(sub_gpus(b, s, len(tgt_units))(target.gpus))
         if strided_gpus[0] == current.gpus:
             _add_merges(
                 out, geo, s, b, sub_positions(b, s), cur_units, tgt_units, memory_of(b) - memory_of(s)
             )
             return out
         if current.gpus == target.gpus and set(sub_positions(b, s)).isdisjoint(
-            _consecutive(b.size, s.size)
+            consecutive(b.size, s.size)
         ):  # (no strided slot is a current unit)
-            tiles = _consecutive(b.size, s.size)
+            tiles = consecutive(b.size, s.size)
             _add_merges(out, geo, s, b, tiles, cur_units, tgt_units, memory_of(b) - memory_of(s))
             return out
     if a == s:
         split_into = list(zip(cur_units))
-        where = dict(zip(cur_units, _unit_and_index(n_cur, 1), strict=True))
+        where = dict(zip(cur_units, unit_and_index(n_cur, 1), strict=True))
     else:
         k = len(sub_positions(a, s))
         # Every unit's position-wise T_sub units at once (C speed); when each is a slot, every
@@ -264,12 +151,12 @@ def local_lanes(
             b == s
             and BULK_SHORTCUTS
             and not PARTIAL_SPLIT
-            and _sub_gpus(a, s, n_cur)(current.gpus) == target.gpus
+            and sub_gpus(a, s, n_cur)(current.gpus) == target.gpus
         ):
             # Every position-wise T_sub unit is a target unit, in order: full Splits in place, nothing else.
             _add_splits(out, geo, a, s, cur_units, tgt_units, memory_of(s) - memory_of(a))
             return out
-        subs_all = _all_subs(a, s, n_cur)(current.gpus)
+        subs_all = all_subs(a, s, n_cur)(current.gpus)
         if b == s:  # the target's units are the slots
             exact = subs_all == tgt_units
             all_slots = exact or set(tgt_units).issuperset(subs_all)
@@ -278,7 +165,7 @@ def local_lanes(
         if all_slots and BULK_SHORTCUTS:
             split_into = list(zip(*[iter(subs_all)] * k, strict=True))
             by_position = set(range(n_cur))
-            where = dict(zip(subs_all, _unit_and_index(n_cur, k), strict=True))
+            where = dict(zip(subs_all, unit_and_index(n_cur, k), strict=True))
         else:
             # the slot each target GPU lies in (if b == s the target's units are the slots)
             slot_list = tgt_units if b == s else list(itertools.chain.from_iterable(strided_rows()))
@@ -547,14 +434,14 @@ def local_lanes(
                         )
                     )
             else:  # per unit, each followed by the Destroys of its unused T_sub units
-                pattern, buf = _split_pattern(geo, a, s, picked_a)
+                pattern, buf = split_pattern(geo, a, s, picked_a)
                 nets = [mem_s - mem_a] * a.size  # a full split keeps every GPU
                 made = zip(
                     repeat(0),
                     repeat(split),
                     zip(map(_new, repeat(Unit), zip(repeat(a), units))),
                     zip(*[map(_new, repeat(Unit), zip(repeat(s), flat_subs))] * k, strict=True),
-                    map(partial, repeat(_placed), units, repeat(pattern)),  # built when read
+                    map(partial, repeat(placed), units, repeat(pattern)),  # built when read
                     repeat(()),
                     # per lane its GPUs' effects (one flat pass when the lanes are all units in order)
                     zip(
@@ -569,7 +456,7 @@ def local_lanes(
                     for t in subs:
                         made_by[t] = nid
                         if t not in kept:
-                            add(1, destroy, (_new(Unit, (s, t)),), (), (), (nid,), _uniform(t, -mem_s))
+                            add(1, destroy, (_new(Unit, (s, t)),), (), (), (nid,), uniform_effects(t, -mem_s))
             splitting = []  # done
         all_kept = len(kept) == len(where)  # no T_sub unit to destroy
         last_tiles: tuple[tuple[int, ...], ...] = ()
@@ -589,7 +476,7 @@ def local_lanes(
                 last_pick = itemgetter(*itertools.chain.from_iterable(tiles))
             known = by_tiles.get(tiles)
             if known is None:
-                pattern, buf = _split_pattern(geo, a, s, tiles)
+                pattern, buf = split_pattern(geo, a, s, tiles)
                 stays = {x for t in tiles for x in t}
                 nets = [mem_s - mem_a if x in stays else -mem_a for x in positions]
                 known = by_tiles[tiles] = (pattern, tuple(nets), buf)
@@ -599,7 +486,7 @@ def local_lanes(
                 split,
                 (_new(Unit, (a, u)),),
                 tuple([_new(Unit, (s, t)) for t in subs]),
-                partial(_placed, u, pattern),  # built when read
+                partial(placed, u, pattern),  # built when read
                 (),
                 tuple(zip(u, nets, buf, strict=True)),
             )
@@ -609,13 +496,13 @@ def local_lanes(
             for t in subs:
                 made_by[t] = nid
                 if t not in kept:
-                    add(1, destroy, (_new(Unit, (s, t)),), (), (), (nid,), _uniform(t, -mem_s))
+                    add(1, destroy, (_new(Unit, (s, t)),), (), (), (nid,), uniform_effects(t, -mem_s))
     # Current units that neither stay nor feed anything go first (release before acquire).
     if len(kept_units) != n_cur:  # (``kept_units`` holds distinct indices)
         keep_units = set(kept_units)
         for i, u in enumerate(cur_units):
             if i not in keep_units:
-                add(2, destroy, (_new(Unit, (a, u)),), (), (), (), _uniform(u, -mem_a))
+                add(2, destroy, (_new(Unit, (a, u)),), (), (), (), uniform_effects(u, -mem_a))
 
     extend = Primitive.EXTEND
     first = out.next_id()  # the Extends' lane ids: first, first + 1, ...
@@ -741,7 +628,7 @@ def local_lanes(
     elif chunked:
         # Every target unit merges the T_sub units on its consecutive GPUs: in bulk.
         deps = merge_deps(slots, chunks)
-        _add_merges(out, geo, s, b, _consecutive(b.size, s.size), chunks, tgt_units, net_b, last + 2, deps)
+        _add_merges(out, geo, s, b, consecutive(b.size, s.size), chunks, tgt_units, net_b, last + 2, deps)
         tgt_units = rows = slots = []  # done
     for v, row, row_strided in zip(tgt_units, slots, rows, strict=True):
         if b_is_s and row[0] == v:
@@ -756,7 +643,7 @@ def local_lanes(
         else:
             known = merged.get(tiles)
             if known is None:
-                known = merged[tiles] = _merge_pattern(geo, s, b, tiles)
+                known = merged[tiles] = merge_pattern(geo, s, b, tiles)
             if tiles is picked_b:
                 strided_known = known
         pattern, buf = known
@@ -769,7 +656,7 @@ def local_lanes(
             merge,
             tuple([_new(Unit, (s, t)) for t in row]),
             (_new(Unit, (b, v)),),
-            partial(_placed, v, pattern),  # built when read
+            partial(placed, v, pattern),  # built when read
             sorted(deps),
             tuple(zip(v, repeat(net_b), buf)),
         )
@@ -787,7 +674,7 @@ def _add_splits(
 ) -> int:
     """Every unit of ``units`` split position-wise into its T_sub units (``subs``, flat), as lanes
     in bulk (no deps); returns the first lane's id."""
-    pattern, buf = _split_pattern(geo, a, s, sub_positions(a, s))
+    pattern, buf = split_pattern(geo, a, s, sub_positions(a, s))
     first = out.next_id()
     out.add_many(
         0,
@@ -798,7 +685,7 @@ def _add_splits(
         # a full split keeps every GPU
         tuple(zip(itertools.chain.from_iterable(units), repeat(net), itertools.cycle(buf))),
         (1, len(subs) // len(units) if units else 0, a.size),
-        _placed,
+        placed,
         units,
         [pattern] * len(units),
     )
@@ -820,7 +707,7 @@ def _add_merges(
     """Every target unit of ``units`` merged in place from its T_sub units (``subs``, flat; at
     ``tiles``, the same positions for each), as lanes in bulk at ``step`` (``deps`` per lane; none
     if not given)."""
-    pattern, buf = _merge_pattern(geo, s, b, tiles)
+    pattern, buf = merge_pattern(geo, s, b, tiles)
     out.add_many(
         step,
         Primitive.MERGE,
@@ -829,7 +716,7 @@ def _add_merges(
         [()] * len(units) if deps is None else deps,
         tuple(zip(itertools.chain.from_iterable(units), repeat(net), itertools.cycle(buf))),
         (len(tiles), 1, b.size),
-        _placed,
+        placed,
         units,
         [pattern] * len(units),
     )
@@ -885,312 +772,6 @@ def _run_length(keys: list[int]) -> int:
 def _chunks(gpus: tuple[int, ...], size: int) -> list[tuple[int, ...]]:
     """``gpus`` cut into consecutive tuples of ``size``."""
     return list(zip(*[iter(gpus)] * size, strict=True))
-
-
-class _Recipe:
-    """The transfers of a bulk's lanes, made only when read: lane ``i``'s are
-    ``make(*(column[i] for column in args))``."""
-
-    __slots__ = ("make", "args")
-
-    def __init__(self, make: Callable[..., list[Transfer]], args: tuple[Sequence, ...]) -> None:
-        self.make, self.args = make, args
-
-    def __len__(self) -> int:
-        return len(self.args[0])
-
-    def per_lane(self) -> list[Callable[[], list[Transfer]]]:
-        """Each lane's transfers as a function (built when called)."""
-        return list(map(partial, repeat(self.make), *self.args))
-
-    def take(self, idx: list[int]) -> _Recipe:
-        """The recipe of lanes ``idx`` only."""
-        return _Recipe(self.make, tuple(list(map(column.__getitem__, idx)) for column in self.args))
-
-    def build(self) -> list[Transfer]:
-        """Every lane's transfers, concatenated."""
-        out: list[Transfer] = []
-        for transfers in map(self.make, *self.args):
-            out += transfers
-        return out
-
-
-class _Bulk:
-    """Lanes of one primitive added at once, columnar: sources, targets and memory effects flat
-    (``sizes``: how many of each one lane has), per lane its deps, the transfers as a recipe;
-    ``steps`` one step for all or per lane."""
-
-    __slots__ = ("steps", "op", "srcs", "tgts", "deps", "mem", "sizes", "transfers")
-
-    def __init__(
-        self, steps: int | list[int], op: Primitive, srcs, tgts, deps, mem, sizes, transfers: _Recipe
-    ) -> None:
-        self.steps, self.op, self.srcs, self.tgts = steps, op, srcs, tgts
-        self.deps, self.mem, self.sizes, self.transfers = deps, mem, sizes, transfers
-
-    def per_lane(self) -> Iterator[tuple]:
-        """``(sources, targets, transfers, deps, mem)`` of each lane."""
-        ns, nt, nm = self.sizes
-        n = len(self.deps)
-        return zip(
-            _lanes_of(self.srcs, ns, n),
-            _lanes_of(self.tgts, nt, n),
-            self.transfers.per_lane(),
-            self.deps,
-            _lanes_of(self.mem, nm, n),
-            strict=True,
-        )
-
-    def by_step(self) -> Iterator[_Bulk]:
-        """The lanes of each step (in step order) as bulks of one step, lanes in order."""
-        steps = self.steps
-        if type(steps) is int:
-            yield self
-            return
-        ns, nt, nm = self.sizes
-        n = len(self.deps)
-        period = len(set(steps))
-        if not n % period and steps[:period] * (n // period) == steps:
-            # Steps repeat with a period (e.g. chains of one length): each step's lanes are a slice.
-            for st, i in sorted(zip(steps[:period], range(period), strict=True)):
-                yield _Bulk(
-                    st,
-                    self.op,
-                    _every(self.srcs, ns, i, period),
-                    _every(self.tgts, nt, i, period),
-                    self.deps[i::period],
-                    _every(self.mem, nm, i, period),
-                    self.sizes,
-                    _Recipe(self.transfers.make, tuple(column[i::period] for column in self.transfers.args)),
-                )
-            return
-        order = sorted(range(n), key=steps.__getitem__)  # stable: each step's lanes stay in order
-        ordered = list(map(steps.__getitem__, order))
-        srcs = self.srcs if ns == 1 else list(_lanes_of(self.srcs, ns, n))
-        tgts = self.tgts if nt == 1 else list(_lanes_of(self.tgts, nt, n))
-        mem = self.mem if nm == 1 else list(_lanes_of(self.mem, nm, n))
-        lo = 0
-        for st in sorted(set(ordered)):
-            hi = bisect.bisect_right(ordered, st, lo)
-            idx = order[lo:hi]
-            yield _Bulk(
-                st,
-                self.op,
-                _pick(srcs, idx, ns),
-                _pick(tgts, idx, nt),
-                list(map(self.deps.__getitem__, idx)),
-                _pick(mem, idx, nm),
-                self.sizes,
-                self.transfers.take(idx),
-            )
-            lo = hi
-
-
-def _lanes_of(flat: Sequence, size: int, n: int) -> Iterator[tuple]:
-    """``flat`` cut into ``n`` consecutive tuples of ``size``."""
-    return zip(*[iter(flat)] * size, strict=True) if size else repeat((), n)
-
-
-def _every(flat: Sequence, size: int, i: int, period: int) -> list:
-    """The flat entries of lanes ``i``, ``i + period``, ... (``size`` entries a lane)."""
-    if size == 1:
-        return flat[i::period]
-    if not size:
-        return []
-    step = period * size
-    return list(
-        itertools.chain.from_iterable(zip(*[flat[i * size + q :: step] for q in range(size)], strict=True))
-    )
-
-
-def _pick(per_lane: Sequence, idx: list[int], size: int) -> list:
-    """The flat entries of lanes ``idx`` (``per_lane``: flat entries if ``size`` is 1, else tuples)."""
-    if size == 1:
-        return list(map(per_lane.__getitem__, idx))
-    if not size:
-        return []
-    return list(itertools.chain.from_iterable(map(per_lane.__getitem__, idx)))
-
-
-class LocalLanes:
-    """A local DAG's primitive calls (*lanes*), made into one node per lane or one per step.
-
-    ``add(step, ...)`` returns the lane's id (its node id when unbatched, from 0); deps name
-    lane ids. Steps are numbered so that every lane depends on lanes of earlier steps only,
-    which keeps batched nodes (one per step, in step order) topologically ordered. Lanes added
-    in bulk (:meth:`add_many`) are kept columnar until made into nodes.
-    """
-
-    __slots__ = ("name", "_records", "_steps")
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        # single lanes (step, op, sources, targets, transfers, deps, mem) and bulks, in lane order
-        self._records: list[tuple | _Bulk] = []
-        self._steps: list[int] = []  # per lane its step
-
-    def __len__(self) -> int:
-        return len(self._steps)
-
-    def add(self, step: int, op: Primitive, srcs, tgts, transfers, deps, mem) -> int:
-        """One lane; returns its id."""
-        self._records.append((step, op, srcs, tgts, transfers, deps, mem))
-        self._steps.append(step)
-        return len(self._steps) - 1
-
-    def append(self, lane: tuple) -> int:
-        """One lane given as ``(step, op, sources, targets, transfers, deps, mem)``; returns its id."""
-        self._records.append(lane)
-        self._steps.append(lane[0])
-        return len(self._steps) - 1
-
-    def next_id(self) -> int:
-        """The id the next lane gets."""
-        return len(self._steps)
-
-    def add_many(
-        self,
-        steps: int | list[int],
-        op: Primitive,
-        srcs: Sequence[Unit],
-        tgts: Sequence[Unit],
-        deps: list,
-        mem: Sequence[MemEffect],
-        sizes: tuple[int, int, int],
-        make: Callable[..., list[Transfer]],
-        *args: Sequence,
-    ) -> None:
-        """Several lanes of one primitive at once, ids from :meth:`next_id`: ``steps`` one for all
-        or per lane, ``deps`` per lane; ``srcs``, ``tgts`` and ``mem`` flat, each lane having
-        ``sizes`` (sources, targets, memory effects) of them; lane ``i``'s transfers are
-        ``make(*(column[i] for column in args))``, built when read."""
-        self._steps += [steps] * len(deps) if type(steps) is int else steps
-        self._records.append(_Bulk(steps, op, srcs, tgts, deps, mem, sizes, _Recipe(make, args)))
-
-    def nodes(self, batch: bool, first_id: int = 0) -> list[Node]:
-        """The nodes, ids from ``first_id``: one per lane, or (``batch``) one per step with its
-        lanes concatenated and the union of their deps."""
-        name = self.name
-        if not batch:
-            out = []
-            for rec in self._records:
-                if type(rec) is tuple:
-                    _, op, srcs, tgts, transfers, deps, mem = rec
-                    out.append(
-                        Node(
-                            first_id + len(out),
-                            op,
-                            name,
-                            srcs,
-                            tgts,
-                            transfers,
-                            [first_id + d for d in deps] if first_id else list(deps),
-                            mem,
-                        )
-                    )
-                    continue
-                op = rec.op
-                for srcs, tgts, transfers, deps, mem in rec.per_lane():
-                    out.append(
-                        Node(
-                            first_id + len(out),
-                            op,
-                            name,
-                            srcs,
-                            tgts,
-                            transfers,
-                            [first_id + d for d in deps] if first_id else list(deps),
-                            mem,
-                        )
-                    )
-            return out
-        steps = sorted(set(self._steps))
-        node_of = dict(zip(steps, itertools.count(first_id)))
-        lane_node = (
-            [first_id] * len(self._steps) if len(steps) == 1 else list(map(node_of.__getitem__, self._steps))
-        )
-        by_step: dict[int, list[tuple | _Bulk]] = {st: [] for st in steps}
-        for rec in self._records:
-            if type(rec) is tuple:
-                by_step[rec[0]].append(rec)
-            else:
-                for part in rec.by_step():
-                    by_step[part.steps].append(part)
-        out = []
-        chain = itertools.chain.from_iterable
-        for st, recs in by_step.items():
-            if len(recs) == 1 and type(recs[0]) is _Bulk:  # e.g. a bulk Split or Merge: as it is
-                rec = recs[0]
-                n = len(rec.deps)
-                out.append(
-                    Node(
-                        node_of[st],
-                        rec.op,
-                        name,
-                        tuple(rec.srcs),
-                        tuple(rec.tgts),
-                        rec.transfers.build,  # built when read
-                        sorted(set(map(lane_node.__getitem__, chain(rec.deps)))),
-                        tuple(rec.mem),
-                        lanes=LaneRuns([(n, *rec.sizes)], rec.transfers.per_lane) if n > 1 else None,
-                    )
-                )
-                continue
-            srcs, tgts, mems, parts, deps, runs = [], [], [], [], [], []
-            for rec in recs:
-                if type(rec) is tuple:
-                    _, op, s, t, transfers, d, m = rec
-                    srcs.append(s)
-                    tgts.append(t)
-                    mems.append(m)
-                    parts.append(transfers)
-                    deps.append(d)
-                    runs.append((1, len(s), len(t), len(m)))
-                else:
-                    op = rec.op
-                    srcs.append(rec.srcs)
-                    tgts.append(rec.tgts)
-                    mems.append(rec.mem)
-                    parts.append(rec.transfers)
-                    deps += rec.deps
-                    runs.append((len(rec.deps), *rec.sizes))
-            out.append(
-                Node(
-                    node_of[st],
-                    op,
-                    name,
-                    tuple(chain(srcs)),
-                    tuple(chain(tgts)),
-                    partial(_concat, parts),  # built when read
-                    sorted(set(map(lane_node.__getitem__, chain(deps)))),
-                    tuple(chain(mems)),
-                    lanes=LaneRuns(runs, partial(_lane_parts, parts)) if len(deps) > 1 else None,
-                )
-            )
-        return out
-
-
-def _concat(parts: list) -> list[Transfer]:
-    """The transfers of a batched node: each lane's or bulk's (built now if given as a function
-    or a recipe)."""
-    out: list[Transfer] = []
-    for p in parts:
-        if type(p) is _Recipe:
-            out += p.build()
-        elif p:
-            out += p() if callable(p) else p
-    return out
-
-
-def _lane_parts(parts: list) -> list:
-    """Per lane its transfers (or their function), bulks' recipes made per lane."""
-    out = []
-    for p in parts:
-        if type(p) is _Recipe:
-            out += p.per_lane()
-        else:
-            out.append(p)
-    return out
 
 
 def _slots_of(
