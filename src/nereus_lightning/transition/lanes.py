@@ -199,42 +199,35 @@ class LocalLanes:
         self._steps += [steps] * len(deps) if type(steps) is int else steps
         self._records.append(LaneBulk(steps, op, srcs, tgts, deps, mem, sizes, TransferRecipe(make, args)))
 
+    def _each_lane(self) -> Iterator[tuple]:
+        """``(op, sources, targets, transfers, deps, mem)`` of every lane, in id order."""
+        for rec in self._records:
+            if type(rec) is tuple:
+                yield rec[1:]
+            else:
+                op = rec.op
+                for lane in rec.per_lane():
+                    yield (op, *lane)
+
     def nodes(self, batch: bool, first_id: int = 0) -> list[Node]:
         """The nodes, ids from ``first_id``: one per lane, or (``batch``) one per step with its
         lanes concatenated and the union of their deps."""
         name = self.name
         if not batch:
             out = []
-            for rec in self._records:
-                if type(rec) is tuple:
-                    _, op, srcs, tgts, transfers, deps, mem = rec
-                    out.append(
-                        Node(
-                            first_id + len(out),
-                            op,
-                            name,
-                            srcs,
-                            tgts,
-                            transfers,
-                            [first_id + d for d in deps] if first_id else list(deps),
-                            mem,
-                        )
+            for op, srcs, tgts, transfers, deps, mem in self._each_lane():
+                out.append(
+                    Node(
+                        first_id + len(out),
+                        op,
+                        name,
+                        srcs,
+                        tgts,
+                        transfers,
+                        [first_id + d for d in deps] if first_id else list(deps),
+                        mem,
                     )
-                    continue
-                op = rec.op
-                for srcs, tgts, transfers, deps, mem in rec.per_lane():
-                    out.append(
-                        Node(
-                            first_id + len(out),
-                            op,
-                            name,
-                            srcs,
-                            tgts,
-                            transfers,
-                            [first_id + d for d in deps] if first_id else list(deps),
-                            mem,
-                        )
-                    )
+                )
             return out
         steps = sorted(set(self._steps))
         node_of = dict(zip(steps, itertools.count(first_id)))
