@@ -146,15 +146,7 @@ def planning_times(sizes: tuple[int, ...], repeats: int) -> list[dict[str, objec
                 dag = build()
             except InfeasiblePlanError:
                 t = _time(lambda: _swallow(build), repeats, setup=_build.cache_clear)
-                row.update(
-                    outcome="infeasible",
-                    build_ms=t.cpu_best,
-                    build_median_ms=t.cpu_median,
-                    build_wall_median_ms=t.wall_median,
-                    total_ms=t.cpu_best,
-                    total_median_ms=t.cpu_median,
-                    total_wall_median_ms=t.wall_median,
-                )
+                row.update(outcome="infeasible", **_fields("build", t), **_fields("total", t))
                 rows.append(row)
                 continue
             row.update(
@@ -166,17 +158,11 @@ def planning_times(sizes: tuple[int, ...], repeats: int) -> list[dict[str, objec
             b = _time(build, repeats, setup=_build.cache_clear)
             v = _time(lambda dag=dag: validate(dag), repeats)
             both = _time(lambda: validate(build()), repeats, setup=_build.cache_clear)
-            c = _time(lambda args=args: build_transition(*args).cost, repeats, setup=_clear)
+            c = _time(lambda args=args: build_transition(*args).cost, repeats, setup=_build.cache_clear)
             row.update(
-                build_ms=b.cpu_best,
-                build_median_ms=b.cpu_median,
-                build_wall_median_ms=b.wall_median,
-                validate_ms=v.cpu_best,
-                validate_median_ms=v.cpu_median,
-                validate_wall_median_ms=v.wall_median,
-                total_ms=both.cpu_best,  # build + validate, timed together
-                total_median_ms=both.cpu_median,
-                total_wall_median_ms=both.wall_median,
+                **_fields("build", b),
+                **_fields("validate", v),
+                **_fields("total", both),  # build + validate, timed together
                 cost_ms=c.cpu_median,
                 l_tran_s=dag.cost,
             )
@@ -211,9 +197,13 @@ def _machine() -> str:
     return f"{os.cpu_count()} CPUs, load average {load:.2f} at the end, Python {platform.python_version()}"
 
 
-def _clear() -> bool:
-    _build.cache_clear()
-    return True
+def _fields(name: str, t: Timing) -> dict[str, float]:
+    """The JSON fields of one timing: ``<name>_ms`` (best CPU), ``_median_ms`` (CPU), ``_wall_median_ms``."""
+    return {
+        f"{name}_ms": t.cpu_best,
+        f"{name}_median_ms": t.cpu_median,
+        f"{name}_wall_median_ms": t.wall_median,
+    }
 
 
 def _swallow(fn) -> None:

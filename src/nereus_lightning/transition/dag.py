@@ -12,7 +12,7 @@ it sends; they price the node (``transition.cost``) and the executor checks its 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from itertools import chain, islice
@@ -49,6 +49,11 @@ class Unit(NamedTuple):
 
     def __str__(self) -> str:
         return f"{self.layout}@{list(self.gpus)}"
+
+
+def gpu_chunks(gpus: Sequence[int], size: int) -> list[tuple[int, ...]]:
+    """``gpus`` cut into consecutive tuples of ``size`` (e.g. a candidate's units, in order)."""
+    return list(zip(*[iter(gpus)] * size, strict=True))
 
 
 #: A node's memory effect on one GPU: ``(gpu, net, transient)``: ``net`` bytes it leaves allocated

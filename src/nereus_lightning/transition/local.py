@@ -26,7 +26,7 @@ from operator import itemgetter
 
 from nereus_lightning.plan.layout import Candidate, Layout
 from nereus_lightning.spec.cluster import ClusterSpec
-from nereus_lightning.transition.dag import Node, Primitive, Unit
+from nereus_lightning.transition.dag import Node, Primitive, Unit, gpu_chunks
 from nereus_lightning.transition.lanes import LocalLanes
 from nereus_lightning.transition.pieces import Geometry, Transfer, extend_transfers
 from nereus_lightning.transition.tsub import (
@@ -101,8 +101,8 @@ def local_lanes(
     s = common_layout(a, b)
     pick_a = splitter(a, s)
     # Units as GPU tuples (a Unit is made only for the units a node names).
-    cur_units = _chunks(current.gpus, a.size)
-    tgt_units = _chunks(target.gpus, b.size)
+    cur_units = gpu_chunks(current.gpus, a.size)
+    tgt_units = gpu_chunks(target.gpus, b.size)
 
     # T_sub units each current unit would split into, indexed by their GPU tuple: the target's
     # strided slots when they tile the unit exactly (then Merge or nothing follows in place),
@@ -116,10 +116,10 @@ def local_lanes(
 
     def strided_rows() -> list[list[tuple[int, ...]]]:
         if not strided and tgt_units:  # ``pick_b`` of every target unit, at C speed
-            flat = _chunks(
+            flat = gpu_chunks(
                 strided_gpus[0] if strided_gpus else sub_gpus(b, s, len(tgt_units))(target.gpus), s.size
             )
-            strided.extend(map(list, zip(*[iter(flat)] * (len(flat) // len(tgt_units)), strict=True)))
+            strided.extend(map(list, gpu_chunks(flat, len(flat) // len(tgt_units))))
         return strided
 
     n_cur = len(cur_units)
@@ -163,7 +163,7 @@ def local_lanes(
         else:
             all_slots = set(itertools.chain.from_iterable(strided_rows())).issuperset(subs_all)
         if all_slots and BULK_SHORTCUTS:
-            split_into = list(zip(*[iter(subs_all)] * k, strict=True))
+            split_into = gpu_chunks(subs_all, k)
             by_position = set(range(n_cur))
             where = dict(zip(subs_all, unit_and_index(n_cur, k), strict=True))
         else:
@@ -232,11 +232,11 @@ def local_lanes(
         if (
             BULK_SHORTCUTS
             and not any(map(where.__contains__, itertools.chain.from_iterable(strided_rows())))
-            and all(map(where.__contains__, chunks := _chunks(target.gpus, s.size)))
+            and all(map(where.__contains__, chunks := gpu_chunks(target.gpus, s.size)))
         ):
             # No strided slot exists but each target unit is tiled by T_sub units in GPU order
             # (e.g. TP2 units merged pairwise into TP4): ``_slots_of`` takes exactly those.
-            slots = list(map(list, zip(*[iter(chunks)] * (b.size // s.size), strict=True)))
+            slots = list(map(list, gpu_chunks(chunks, b.size // s.size)))
             chunked = True
         elif BULK_SHORTCUTS and all(map(where.__contains__, itertools.chain.from_iterable(strided))):
             slots = list(strided)  # every strided slot exists (the same row objects)
@@ -618,7 +618,7 @@ def local_lanes(
         made = list(map(made_by.get, flat))
         if None in made:
             return [sorted({made_by[t] for t in row if t in made_by}) for row in rows]
-        return list(map(sorted, map(set, zip(*[iter(made)] * (len(flat) // len(rows)), strict=True))))
+        return list(map(sorted, map(set, gpu_chunks(made, len(flat) // len(rows)))))
 
     if not b_is_s and all(map(operator.is_, slots, rows)):
         # Every target unit merges its strided slots: in bulk.
@@ -767,11 +767,6 @@ def _run_length(keys: list[int]) -> int:
     if len(heads) * run != len(keys) or len(set(heads)) != len(heads):
         return 0
     return run if all(keys[i::run] == heads for i in range(1, run)) else 0
-
-
-def _chunks(gpus: tuple[int, ...], size: int) -> list[tuple[int, ...]]:
-    """``gpus`` cut into consecutive tuples of ``size``."""
-    return list(zip(*[iter(gpus)] * size, strict=True))
 
 
 def _slots_of(

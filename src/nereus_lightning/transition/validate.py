@@ -26,7 +26,7 @@ from operator import add, itemgetter, or_
 
 from nereus_lightning.plan.layout import Candidate, Plan
 from nereus_lightning.plan.memory import memory_cap
-from nereus_lightning.transition.dag import Node, Primitive, TransitionDAG, Unit
+from nereus_lightning.transition.dag import Node, Primitive, TransitionDAG, Unit, gpu_chunks
 
 GB = 1e9
 
@@ -143,13 +143,8 @@ def _units(plan: Plan, shapes: dict[Shape, Shape]) -> dict[str, dict[tuple[int, 
     out = {}
     for name, c in plan.items():
         shape = (c.layout.tp, c.layout.pp)
-        out[name] = dict.fromkeys(_chunks(c), shapes.setdefault(shape, shape))
+        out[name] = dict.fromkeys(gpu_chunks(c.gpus, c.layout.size), shapes.setdefault(shape, shape))
     return out
-
-
-def _chunks(c: Candidate) -> list[tuple[int, ...]]:
-    """The GPU tuples of ``c``'s units, in order."""
-    return list(zip(*[iter(c.gpus)] * c.layout.size, strict=True))
 
 
 _LAYOUT, _GPUS = itemgetter(0), itemgetter(1)  # a transition Unit is (layout, gpus)
@@ -178,7 +173,7 @@ def _is_target(units: dict[tuple[int, ...], Shape], c: Candidate, shapes: dict[S
     """
     shape = (c.layout.tp, c.layout.pp)
     shape = shapes.get(shape, shape)
-    keys = _chunks(c)
+    keys = gpu_chunks(c.gpus, c.layout.size)
     if len(units) != len(keys):
         return False
     if list(units) == keys:  # the same units in the same order (no hashing)
