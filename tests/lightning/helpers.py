@@ -74,7 +74,7 @@ def rollout_and_scores(rank: int, world_size: int, placement: dict) -> dict:
     want = HFGenerateEngine(actor, tok.eos_token_id, tok.pad_token_id).generate(
         batch.prompt_ids,
         batch.prompt_mask,
-        module.task.max_response_len(0),
+        module.source.max_response_len(0),
         sample_seeds=sample_seeds(3, 0, range(len(batch))),
     )
     width = batch.response_ids.shape[-1]

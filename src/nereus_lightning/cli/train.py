@@ -6,8 +6,9 @@ processes, and a GPU-supply schedule that takes a rank away and gives it back. E
 
     nereus-train
     nereus-train algorithm=grpo trainer.max_steps=40
-    nereus-train +experiment=quick logger=tensorboard
+    nereus-train experiment=quick logger=tensorboard
     nereus-train ckpt_path=outputs/.../checkpoints/last.ckpt trainer.devices=2
+    nereus-train actor.path=/my/model data.train_files=train.parquet custom_reward_function.path=reward.py
 """
 
 from __future__ import annotations
@@ -23,14 +24,40 @@ from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
 
+#: ``trainer.*`` keys that configure nereus, not ``lightning.Trainer``.
+NEREUS_TRAINER_KEYS = ("on_nonfinite", "rollout_data_dir")
+
+
+def uses_data(cfg: Any) -> bool:
+    """Whether the job trains on prompt files (``data.train_files``) rather than the built-in task."""
+    return cfg.get("data") is not None and cfg.data.get("train_files") is not None
+
+
 def check_feasible(cfg: Any, world_size: int) -> None:
     """Fail fast, before any model is built: the planner must find a plan for the first pool."""
     from nereus_lightning.plan.planner import plan_job
 
-    counts = cfg.resources.get("counts") if cfg.get("resources") else None
+    counts = supply_counts(cfg)
     pool = min(int(counts[0]), world_size) if counts else world_size
     cluster = job_cluster(cfg).with_gpus(pool)
-    plan_job(_job_models(cfg), cluster, _workload(cfg, float(cfg.task.get("start_len", 8)) + 3))
+    plan_job(_job_models(cfg), cluster, _workload(cfg, response_budget(cfg, 0)))
+
+
+def supply_counts(cfg: Any) -> list[int] | None:
+    """The GPU supply per step: ``resources.counts``, else the built-in task's ``supply`` (None: every rank)."""
+    counts = cfg.resources.get("counts") if cfg.get("resources") else None
+    if counts is None and not uses_data(cfg):
+        counts = cfg.task.get("supply")
+    return [int(c) for c in counts] if counts else None
+
+
+def response_budget(cfg: Any, step: int) -> float:
+    """Generation budget at ``step``: ``data.max_response_length``, or the built-in task's growing one."""
+    if uses_data(cfg):
+        return float(cfg.data.max_response_length)
+    task = cfg.task
+    grown = int(task.start_len) + step // max(int(task.grow_every), 1)
+    return float(min(int(task.max_len), grown) + 3)
 
 
 def job_cluster(cfg: Any) -> Any:
@@ -40,10 +67,18 @@ def job_cluster(cfg: Any) -> Any:
     from nereus_lightning.spec import cluster_preset
 
     cluster = cluster_preset(str(cfg.cluster))
-    memory = cfg.get("cluster_gpu_memory")
+    memory = gpu_memory_setting(cfg)
     if memory == "auto":
         memory = tight_gpu_memory(cfg, cluster)
     return replace(cluster, gpu_memory=float(memory)) if memory else cluster
+
+
+def gpu_memory_setting(cfg: Any) -> Any:
+    """``cluster_gpu_memory``, else the built-in task's ``gpu_memory`` (None: the preset's)."""
+    memory = cfg.get("cluster_gpu_memory")
+    if memory is None and not uses_data(cfg):
+        memory = cfg.task.get("gpu_memory")
+    return memory
 
 
 def job_cluster_preset(cfg: Any) -> Any:
@@ -53,28 +88,83 @@ def job_cluster_preset(cfg: Any) -> Any:
     return cluster_preset(str(cfg.cluster))
 
 
+def _prompt_len(cfg: Any) -> float:
+    if uses_data(cfg):
+        return float(cfg.data.max_prompt_length)  # an upper bound: the data is not read yet
+    from hydra.utils import instantiate
+
+    from nereus_lightning.rl.sources import TaskSource
+
+    return TaskSource(instantiate(_task_config(cfg), seed=int(cfg.seed))).mean_prompt_len()
+
+
 def _workload(cfg: Any, length: float) -> Any:
     from nereus_lightning.spec import Workload
 
     return Workload(
         algorithm=_algorithm_name(cfg),
-        prompts_per_step=int(cfg.algorithm.prompts_per_step),
+        prompts_per_step=prompts_per_step(cfg),
         samples_per_prompt=int(cfg.algorithm.get("samples_per_prompt", 1)),
-        prompt_len=4,
+        prompt_len=_prompt_len(cfg),
         response_len=float(length),
         response_len_p95=float(length),
-        reward_model=bool(cfg.get("reward_model")),
+        reward_model=reward_model_source(cfg) is not None,
     )
+
+
+def prompts_per_step(cfg: Any) -> int:
+    """``data.train_batch_size`` (verl's name) when set, else ``algorithm.prompts_per_step``."""
+    size = cfg.data.get("train_batch_size") if cfg.get("data") else None
+    return int(size if size is not None else cfg.algorithm.prompts_per_step)
+
+
+def model_source(node: Any, default: Any = None) -> Any:
+    """A role's model: its ``path`` (a folder), else its ``preset``, else ``default``."""
+    if node is None:
+        return default
+    if node.get("path"):
+        return str(node.path)
+    if node.get("preset"):
+        return str(node.preset)
+    return default
+
+
+def reward_model_source(cfg: Any) -> Any:
+    """The reward model (``reward_model.path`` / ``.preset``), None for a reward function."""
+    return model_source(cfg.get("reward_model"))
+
+
+def _spec_of(source: str, key: str) -> Any:
+    import os
+
+    from nereus_lightning.spec import ModelSpec, model_preset
+
+    if os.path.sep in source or os.path.isdir(source):
+        if not os.path.isdir(source):
+            raise NereusConfigError(f"{key}: {source!r} does not exist (give a folder saved with save_pretrained)")
+        return ModelSpec.from_hf_config(source)
+    return model_preset(source)
 
 
 def _job_models(cfg: Any) -> Any:
     from nereus_lightning.plan.planner import job_models
-    from nereus_lightning.spec import model_preset
 
-    actor = model_preset(cfg.actor.preset)
-    critic = model_preset(cfg.actor.critic) if cfg.actor.get("critic") else actor
-    reward = model_preset(cfg.reward_model) if cfg.get("reward_model") else None
+    actor_source = model_source(cfg.actor)
+    actor = _spec_of(actor_source, "actor.path")
+    critic = _spec_of(model_source(cfg.get("critic"), actor_source), "critic.path")
+    reward_source = reward_model_source(cfg)
+    reward = _spec_of(reward_source, "reward_model.path") if reward_source else None
     return job_models(actor, critic=critic if _algorithm_name(cfg) == "ppo" else None, reward=reward)
+
+
+def _task_config(cfg: Any) -> Any:
+    """The task node without the drift keys the CLI reads itself (``supply``, ``gpu_memory``)."""
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.to_container(cfg.task, resolve=True)
+    for key in ("supply", "gpu_memory"):
+        node.pop(key, None)
+    return OmegaConf.create(node)
 
 
 def _threshold(ok: Any, lo: float, hi: float) -> float | None:
@@ -100,15 +190,13 @@ def tight_gpu_memory(cfg: Any, cluster: Any) -> float | None:
     from nereus_lightning.plan.planner import plan_job
     from nereus_lightning.spec.errors import InfeasiblePlanError
 
-    task = cfg.task
     models = _job_models(cfg)
     steps = int(cfg.trainer.max_steps)
 
     def budget(step: int) -> float:
-        grown = int(task.start_len) + step // max(int(task.grow_every), 1)
-        return float(min(int(task.max_len), grown) + 3)
+        return response_budget(cfg, step)
 
-    counts = list(cfg.resources.counts) if cfg.get("resources") and cfg.resources.get("counts") else [0]
+    counts = supply_counts(cfg) or [0]
     full = max(counts) if counts[0] else int(cfg.trainer.devices)
     fewest = min(counts) if counts[0] else full
     low_steps = [i for i, c in enumerate(counts) if c == fewest] or [0]
@@ -175,42 +263,62 @@ def _quiet() -> None:
         warnings.filterwarnings("ignore", message=pattern)
 
 
+def build_module(cfg: Any) -> Any:
+    """The RL module of ``cfg``: models, data, reward and hyper-parameters, all checked (no process started)."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    actor = model_source(cfg.actor)
+    data = OmegaConf.to_container(cfg.data, resolve=True) if cfg.get("data") else None
+    reward = OmegaConf.to_container(cfg.custom_reward_function, resolve=True) if cfg.get("custom_reward_function") else None
+    trainer = cfg.trainer
+    # Partial first: objects passed to instantiate() would be turned into configs.
+    return instantiate(cfg.algorithm, _partial_=True)(
+        actor=actor,
+        critic=model_source(cfg.get("critic")),
+        reference=model_source(cfg.get("reference")),
+        reward_model=reward_model_source(cfg),
+        task=None if uses_data(cfg) else instantiate(_task_config(cfg), seed=int(cfg.seed)),
+        data=data,
+        reward_function=reward,
+        reward_workers=int(cfg.reward.get("num_workers", 0)) if cfg.get("reward") else 0,
+        prompts_per_step=prompts_per_step(cfg),
+        seed=int(cfg.seed),
+        on_nonfinite=str(trainer.get("on_nonfinite", "raise")),
+        rollout_data_dir=trainer.get("rollout_data_dir"),
+    )
+
+
 def run(cfg: Any) -> dict[str, Any]:
     """Train as configured; returns a summary (reward first/last 10 steps, transitions, paths)."""
     import lightning.pytorch as pl
 
     _quiet()
     from hydra.utils import instantiate
+    from omegaconf import OmegaConf, open_dict
 
     from nereus_lightning.control import SequenceResources
     from nereus_lightning.lightning import NereusCallback, NereusStrategy
 
     world = _world_size(cfg)
-    if cfg.get("cluster_gpu_memory") == "auto":  # resolve once, here, for every rank
-        from omegaconf import open_dict
-
+    if gpu_memory_setting(cfg) == "auto":  # resolve once, here, for every rank
         with open_dict(cfg):
             cfg.cluster_gpu_memory = tight_gpu_memory(cfg, job_cluster_preset(cfg))
         memory = cfg.cluster_gpu_memory
+        if not memory and not uses_data(cfg):
+            with open_dict(cfg):
+                cfg.task.gpu_memory = None
         print(
             f"nereus-train: per-GPU memory {memory:.6g} bytes (auto)"
             if memory
             else "nereus-train: cluster_gpu_memory=auto found no memory that forces a layout change; keeping the preset's"
         )
     check_feasible(cfg, world)
+    module = build_module(cfg)  # every input checked here, before any rank starts
     out = str(cfg.output_dir)
     os.makedirs(out, exist_ok=True)
-    task = instantiate(cfg.task, seed=int(cfg.seed))
-    # Partial first: objects passed to instantiate() would be turned into configs.
-    module = instantiate(cfg.algorithm, _partial_=True)(
-        actor=cfg.actor.preset,
-        critic=cfg.actor.get("critic"),
-        reward_model=cfg.get("reward_model"),
-        task=task,
-        seed=int(cfg.seed),
-    )
-    counts = cfg.resources.get("counts") if cfg.get("resources") else None
-    resources = SequenceResources(tuple(int(c) for c in counts)) if counts else None
+    counts = supply_counts(cfg)
+    resources = SequenceResources(tuple(counts)) if counts else None
 
     def controller(pl_module: Any, world_size: int) -> Any:
         from nereus_lightning.lightning.control import default_controller
@@ -241,8 +349,11 @@ def run(cfg: Any) -> dict[str, Any]:
     )
     loggers = [instantiate(v) for v in (cfg.logger or {}).values()]
     callbacks = [callback, pl.callbacks.RichProgressBar()] + ([checkpoint] if cfg.save_checkpoint else [])
+    trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
+    for key in NEREUS_TRAINER_KEYS:
+        trainer_cfg.pop(key, None)
     trainer = instantiate(
-        cfg.trainer,
+        trainer_cfg,
         strategy=NereusStrategy(cluster=job_cluster(cfg)),
         callbacks=callbacks,
         logger=loggers or False,

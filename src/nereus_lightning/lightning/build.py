@@ -14,6 +14,64 @@ from nereus_lightning.spec.errors import NereusConfigError
 from nereus_lightning.spec.model import MODEL_PRESETS, ModelSpec
 
 
+def is_model_folder(source: Any, key: str = "actor.path") -> bool:
+    """Whether ``source`` names a local model folder (a directory with a ``config.json``)."""
+    if not isinstance(source, (str, os.PathLike)) or not os.path.isdir(source):
+        return False
+    if not os.path.isfile(os.path.join(source, "config.json")):
+        raise NereusConfigError(f"{key}: {os.fspath(source)!r} is a folder without a config.json")
+    return True
+
+
+def model_config(
+    source: Any, vocab_size: int | None = None, pad_token_id: int | None = None, key: str = "actor.path"
+) -> Any:
+    """The transformers config a role model is built from (a folder's ``config.json``, a preset, a dict, a config)."""
+    import transformers as tf
+
+    if is_model_folder(source, key):
+        return tf.AutoConfig.from_pretrained(source)
+    return _config_of(source, vocab_size, pad_token_id, key)
+
+
+def vocabulary_rows(tokenizer: Any, multiple: int = 8) -> int:
+    """Embedding rows for a model built from a preset to this tokenizer: its size rounded up so TP splits it."""
+    return -(-len(tokenizer) // multiple) * multiple
+
+
+def load_tokenizer(source: str) -> Any:
+    """A transformers tokenizer from a folder (``AutoTokenizer``); pad falls back to eos, as verl does."""
+    import transformers as tf
+
+    if not os.path.isdir(source):
+        raise NereusConfigError(f"data.tokenizer: {source!r} is not a folder holding a tokenizer")
+    try:
+        tokenizer = tf.AutoTokenizer.from_pretrained(source)
+    except Exception as exc:
+        raise NereusConfigError(
+            f"data.tokenizer: no tokenizer could be loaded from {source!r} ({type(exc).__name__}: {exc}); "
+            "save one there with tokenizer.save_pretrained or point data.tokenizer at one"
+        ) from exc
+    if tokenizer.eos_token_id is None:
+        raise NereusConfigError(
+            f"data.tokenizer: the tokenizer in {source!r} has no eos token; generation needs one"
+        )
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def check_vocabulary(tokenizer: Any, config: Any, role: str) -> None:
+    """Refuse a tokenizer with more ids than the model has embedding rows (ids past them would be garbage)."""
+    size = len(tokenizer)
+    rows = int(config.vocab_size)
+    if size > rows:
+        raise NereusConfigError(
+            f"data.tokenizer: the tokenizer has {size} tokens but the {role} model's vocabulary has {rows} "
+            "embedding rows; use the tokenizer the model was trained with (or resize its embeddings)"
+        )
+
+
 def hf_config_of(spec: ModelSpec, vocab_size: int | None = None, pad_token_id: int | None = None) -> Any:
     """A transformers Llama / Qwen config with ``spec``'s numbers (``vocab_size`` overrides the spec's)."""
     import transformers as tf
@@ -38,12 +96,19 @@ def hf_config_of(spec: ModelSpec, vocab_size: int | None = None, pad_token_id: i
 
 
 def _config_of(
-    source: Mapping[str, Any] | ModelSpec | str | Any, vocab_size: int | None, pad_token_id: int | None
+    source: Mapping[str, Any] | ModelSpec | str | Any,
+    vocab_size: int | None,
+    pad_token_id: int | None,
+    key: str = "actor.path",
 ) -> Any:
     """A transformers config from a preset name, a ``ModelSpec``, a config dict or a config."""
     import transformers as tf
 
     if isinstance(source, str):
+        if os.path.sep in source or source.startswith("."):
+            raise NereusConfigError(
+                f"model path: {source!r} does not exist (give a folder saved with save_pretrained)"
+            )
         if source not in MODEL_PRESETS:
             raise NereusConfigError(
                 f"model: unknown preset {source!r}; known presets: {', '.join(sorted(MODEL_PRESETS))} (or a local model folder)"
@@ -63,6 +128,7 @@ def build_causal_lm(
     seed: int,
     vocab_size: int | None = None,
     pad_token_id: int | None = None,
+    key: str = "actor.path",
 ) -> nn.Module:
     """A causal LM in fp32 from a preset name, a ``ModelSpec``, a transformers config (or dict), or a local path.
 
@@ -70,9 +136,9 @@ def build_causal_lm(
     """
     import transformers as tf
 
-    if isinstance(source, str) and os.path.isdir(source):
-        return tf.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    config = _config_of(source, vocab_size, pad_token_id)
+    if is_model_folder(source, key):
+        return tf.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    config = _config_of(source, vocab_size, pad_token_id, key)
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return model.float().eval()
@@ -88,6 +154,7 @@ def build_value_model(
     seed: int,
     vocab_size: int | None = None,
     pad_token_id: int | None = None,
+    key: str = "critic.path",
 ) -> nn.Module:
     """A value model in fp32 (transformers ``*ForTokenClassification``, one label) from the same sources as :func:`build_causal_lm`.
 
@@ -95,15 +162,15 @@ def build_value_model(
     """
     import transformers as tf
 
+    config = copy.deepcopy(model_config(source, vocab_size, pad_token_id, key))
+    for key, value in _VALUE_MODEL.items():
+        # On the config itself: passed to from_pretrained as keyword arguments, the fields a
+        # family's config lacks (e.g. classifier_dropout) would reach its model's __init__ and fail.
+        setattr(config, key, value)
     torch.manual_seed(seed)
-    if isinstance(source, str) and os.path.isdir(source):
-        model = tf.AutoModelForTokenClassification.from_pretrained(
-            source, dtype=torch.float32, **_VALUE_MODEL
-        )
+    if is_model_folder(source, key):
+        model = tf.AutoModelForTokenClassification.from_pretrained(source, config=config, dtype=torch.float32)
     else:
-        config = copy.deepcopy(_config_of(source, vocab_size, pad_token_id))
-        for key, value in _VALUE_MODEL.items():
-            setattr(config, key, value)
         model = tf.AutoModelForTokenClassification.from_config(config, dtype=torch.float32)
     model.config.architectures = [
         type(model).__name__

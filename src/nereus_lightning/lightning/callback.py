@@ -228,10 +228,11 @@ def _used_gpus(plan: Plan | None) -> set[int]:
 def _initial_signals(pl_module: pl.LightningModule, step: int, pool: Sequence[int]) -> Any:
     from nereus_lightning.control.signals import StepSignals
 
-    task = getattr(pl_module, "task", None)
-    length = float(task.max_response_len(step)) if task is not None else 1.0
+    source = getattr(pl_module, "source", None)
+    length = float(source.max_response_len(step)) if source is not None else 1.0
+    prompt = float(source.mean_prompt_len()) if source is not None else 1.0
     return StepSignals(
-        step=step, response_len=length, response_len_p95=length, prompt_len=4.0, gpus=tuple(pool)
+        step=step, response_len=length, response_len_p95=length, prompt_len=prompt, gpus=tuple(pool)
     )
 
 

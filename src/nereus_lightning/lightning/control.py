@@ -12,13 +12,13 @@ from nereus_lightning.spec.workload import Workload
 def job_workload(pl_module: Any) -> Workload:
     """The workload of ``pl_module``'s RL step (algorithm, batch, expected lengths)."""
     hp = pl_module.hparams
-    task = pl_module.task
-    length = float(task.max_response_len(0))
+    source = pl_module.source
+    length = float(source.max_response_len(0))
     return Workload(
         algorithm=pl_module.algorithm,
         prompts_per_step=hp.prompts_per_step,
         samples_per_prompt=hp.samples_per_prompt,
-        prompt_len=4,
+        prompt_len=source.mean_prompt_len(),
         response_len=length,
         mini_batches=hp.mini_batches,
         ppo_epochs=hp.ppo_epochs,

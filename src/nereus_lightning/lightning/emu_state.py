@@ -19,6 +19,7 @@ fresh weights go from every training stage to the other model-stages of its mode
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -248,17 +249,21 @@ class EMUStates:
         """The training model-stages with live units, in workflow order."""
         return [n for n in (self.plan or {}) if self.stages[n].trains]
 
-    def apply_update(self, model_stage: str, max_norm: float = 1.0, samples: int = 0) -> float | None:
-        """Sum gradients over the stage's replicas, clip, and step its EMU-bound AdamW; returns the norm here.
+    def apply_update(
+        self, model_stage: str, max_norm: float = 1.0, samples: int = 0
+    ) -> tuple[float | None, str | None]:
+        """Sum gradients over the stage's replicas, clip, and step its EMU-bound AdamW.
 
-        Every rank of the model-stage calls it (absent gradients count as zeros); None off the stage.
-        The unit's counters advance with it (one optimizer step, one update and policy version,
-        ``samples`` more samples consumed), so they travel with the state through transitions
-        and checkpoints.
+        Every rank of the model-stage calls it (absent gradients count as zeros). Returns the
+        global gradient norm (None off the stage) and, when that norm is not finite, the first
+        parameter here whose gradient is not: then nothing is stepped and the gradients are dropped.
+        The unit's counters advance with a step (one optimizer step, one update and policy
+        version, ``samples`` more samples consumed), so they travel with the state through
+        transitions and checkpoints.
         """
         unit = self.units.get(model_stage)
         if unit is None:
-            return None
+            return None, None
         params = list(unit.parameters())
         for p in params:
             if p.grad is None:
@@ -271,14 +276,19 @@ class EMUStates:
             for p in params:
                 p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
-        norm = clip_grad_norm_(unit, max_norm)
-        self.optimizers[model_stage].step()
+        norm = float(clip_grad_norm_(unit, max_norm))
+        bad = None
+        if math.isfinite(norm):
+            self.optimizers[model_stage].step()
+            self._advance(
+                model_stage, optimizer_step=1, update_count=1, policy_version=1, sample_position=samples
+            )
+        else:
+            names = [n for n, p in unit.named_parameters() if not bool(torch.isfinite(p.grad).all())]
+            bad = f"first non-finite gradient here: {names[0]}" if names else "non-finite on another rank"
         for p in params:
             p.grad = None
-        self._advance(
-            model_stage, optimizer_step=1, update_count=1, policy_version=1, sample_position=samples
-        )
-        return float(norm)
+        return norm, bad
 
     def _advance(self, model_stage: str, **steps: int) -> None:
         """Add ``steps`` to this rank's unit counters of ``model_stage`` (every member does the same)."""

@@ -1,6 +1,11 @@
 """RL LightningModules: PPO (actor, critic, reference, function reward; GAE), GRPO (group-normalised
 advantages, no critic) and ReMax (greedy-rollout baseline).
 
+A job's prompts and rewards come from a :class:`~nereus_lightning.rl.sources.PromptSource`: the
+user's data files and ``compute_score`` reward (``data=...``, ``reward_function=...``) or a
+built-in task. The RL step itself (advantages, in-reward KL, losses) is
+:mod:`nereus_lightning.rl.algorithm`'s, the same functions the one-process reference loop runs.
+
 The module builds the role models (full transformers modules) and owns the algorithm. With the
 default EMU state backend (:mod:`nereus_lightning.lightning.emu_state`) the models seed each
 model-stage's Elastic Model Units and are then released: every stage computes on sharded modules
@@ -19,6 +24,7 @@ floating-point reduction order.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from functools import partial
@@ -29,21 +35,24 @@ from torch import Tensor
 from typing_extensions import override
 
 import lightning as L
-from nereus_lightning.lightning.build import build_causal_lm, build_value_model, frozen_copy
+from nereus_lightning.lightning import build
+from nereus_lightning.lightning.sources import make_sources
 from nereus_lightning.lightning.stages import (
     RowsJob,
     StageSlot,
     all_reduce_grads,
     chunk_bounds,
     data_parallel_plan,
+    gather_samples,
     run_stages,
     run_stages_rows,
     slot_of,
 )
 from nereus_lightning.plan.layout import Plan
-from nereus_lightning.rl import advantages as adv
+from nereus_lightning.rl import algorithm as rl
 from nereus_lightning.rl import losses
 from nereus_lightning.rl.batch import RolloutBatch
+from nereus_lightning.rl.data import Prompt
 from nereus_lightning.rl.forward import (
     position_ids_from_mask,
     response_log_probs,
@@ -51,13 +60,21 @@ from nereus_lightning.rl.forward import (
     response_values,
 )
 from nereus_lightning.rl.reward import ModelReward
+from nereus_lightning.rl.reward_function import RewardResult
 from nereus_lightning.rl.rollout import HFGenerateEngine, RolloutEngine, VLLMEngine, sample_seeds
+from nereus_lightning.rl.sources import Sample
 from nereus_lightning.rl.tokenizer import pad_ids
 from nereus_lightning.spec.errors import require
 
+log = logging.getLogger(__name__)
+
+
+class NonFiniteError(RuntimeError):
+    """A reward, loss or gradient norm is NaN or infinite; the message names the step and where."""
+
 
 class _StepClock(torch.utils.data.IterableDataset):
-    """An endless stream of ticks: prompts come from the task by RL step, not from the loader."""
+    """An endless stream of ticks: prompts come from the prompt source by RL step, not from the loader."""
 
     def __iter__(self):  # noqa: ANN204
         i = 0
@@ -66,28 +83,82 @@ class _StepClock(torch.utils.data.IterableDataset):
             i += 1
 
 
+ON_NONFINITE = ("raise", "skip")
+VALIDATION_STEP = -1  # the step validation samples are seeded with (training steps are >= 0)
+
+
+def check_hyperparameters(values: dict[str, Any]) -> None:
+    """Refuse numbers no RL run can use, naming the ``algorithm.*`` key, before any model or process exists."""
+    positive = ("actor_lr", "critic_lr", "temperature", "grad_clip")
+    at_least_one = ("prompts_per_step", "samples_per_prompt", "mini_batches", "ppo_epochs")
+    non_negative = ("kl_coef", "kl_loss_coef", "clip_ratio", "cliprange_value")
+    for name in positive:
+        v = values[name]
+        require(isinstance(v, (int, float)) and v > 0, f"algorithm.{name}", f"must be > 0, got {v!r}")
+    for name in at_least_one:
+        v = values[name]
+        require(isinstance(v, int) and v >= 1, f"algorithm.{name}", f"must be an integer >= 1, got {v!r}")
+    for name in non_negative:
+        v = values[name]
+        require(isinstance(v, (int, float)) and v >= 0, f"algorithm.{name}", f"must be >= 0, got {v!r}")
+    for name in ("gamma", "lam"):
+        v = values[name]
+        require(
+            isinstance(v, (int, float)) and 0 <= v <= 1, f"algorithm.{name}", f"must be in [0, 1], got {v!r}"
+        )
+    require(
+        values["rollout_engine"] in ("hf", "vllm"),
+        "algorithm.rollout_engine",
+        f"{values['rollout_engine']!r} is not one of 'hf' (transformers generate), 'vllm'",
+    )
+    require(
+        values["on_nonfinite"] in ON_NONFINITE,
+        "trainer.on_nonfinite",
+        f"{values['on_nonfinite']!r} is not one of {', '.join(ON_NONFINITE)}",
+    )
+    require(
+        values["reward_workers"] >= 0, "reward.num_workers", f"must be >= 0, got {values['reward_workers']}"
+    )
+
+
 class RLModule(L.LightningModule):
-    """Shared machinery of the RL algorithms; subclasses set ``algorithm`` and the advantage rule.
+    """Shared machinery of the RL algorithms; subclasses set ``algorithm`` and whether a critic trains.
 
     Args:
-        actor: a model preset name (``spec.MODEL_PRESETS``), a transformers config dict, or a local folder.
-        critic: same for the critic (PPO); ``None`` uses the actor's architecture. Built as a value
-            model (transformers token classification with one label: a ``score`` head replaces the
-            LM head, as verl's critic).
-        reward_model: a reward model (preset, config dict or folder; a value model like the critic)
-            scoring each response by its value at the last response token; ``None``: the task's Python reward.
-        task: the prompt source and reward (see :mod:`nereus_lightning.rl.tasks`); a task object or a name.
+        actor: a local model folder (``save_pretrained``), a model preset name (``spec.MODEL_PRESETS``,
+            random weights) or a transformers config dict.
+        critic: same for the critic (PPO); ``None`` uses the actor's. A value model (transformers
+            token classification with one label: a fresh ``score`` head replaces the LM head, as
+            verl's critic); from a causal-LM folder it keeps the folder's body.
+        reference: the reference policy; ``None``: a frozen copy of the actor.
+        reward_model: a reward model (folder, preset or config dict; a value model like the critic)
+            scoring each response by its value at the last response token; ``None``: the reward function.
+        task: the built-in task (a name or a task object, see :mod:`nereus_lightning.rl.sources`) used
+            when ``data`` has no ``train_files``.
+        data: the ``data.*`` keys (:class:`~nereus_lightning.rl.data.DataConfig` or a mapping):
+            ``train_files``/``val_files`` (parquet or jsonl), ``prompt_key``, ``tokenizer`` (default:
+            the actor's folder), ``max_prompt_length``, ``max_response_length``, ``shuffle``.
+        reward_function: ``compute_score(data_source, solution_str, ground_truth, extra_info)``: a
+            ``.py`` path, ``"module:function"``, ``{path, name}`` or a callable; ``None``: the
+            built-in reward of each data source (GSM8K-style or boxed math).
+        reward_workers: processes that score in parallel (``reward.num_workers``; 0: inline).
         prompts_per_step, samples_per_prompt: global batch of one RL step.
         actor_lr, critic_lr: AdamW learning rates.
-        kl_coef: KL-to-reference coefficient (in-reward penalty for PPO/ReMax, loss term for GRPO).
+        kl_coef, kl_penalty: in-reward KL penalty and its estimator (PPO, ReMax).
+        kl_loss_coef, kl_loss_type: KL to the reference as a loss term and its estimator (GRPO).
         clip_ratio, cliprange_value: PPO clipping.
         gamma, lam: GAE discount and lambda.
         temperature: sampling temperature (log-probs are of ``logits / temperature``, as verl).
         mini_batches, ppo_epochs: optimizer updates per RL step.
-        seed: seeds weights and every sample's generator (``rl.rollout.sample_seeds`` of its global index).
-        rollout_engine: ``"hf"``: transformers ``generate`` over the actor's generation units
-            (:class:`~nereus_lightning.models.generation.ShardedGenerator`, TP and PP); ``"vllm"``:
-            :class:`~nereus_lightning.rl.rollout.VLLMEngine` (needs vllm; a stub until its issue lands).
+        grad_clip: the global gradient-norm clip.
+        seed: seeds weights, the data order and every sample's generator.
+        rollout_engine: ``"hf"``: transformers ``generate`` over the actor's generation units;
+            ``"vllm"``: :class:`~nereus_lightning.rl.rollout.VLLMEngine` (needs vllm).
+        on_nonfinite: a NaN/inf reward or gradient norm ``"raise"`` s (naming the step, the
+            model-stage and the first bad sample or tensor) or ``"skip"`` s the update.
+        val_greedy: validation decodes greedily (else it samples like training).
+        rollout_data_dir: rank 0 writes every step's samples here as ``<step>.jsonl`` (verl's
+            ``trainer.rollout_data_dir``).
     """
 
     algorithm: ClassVar[str] = "ppo"
@@ -98,14 +169,20 @@ class RLModule(L.LightningModule):
         self,
         actor: Any = "tiny_llama",
         critic: Any = None,
+        reference: Any = None,
         reward_model: Any = None,
         task: Any = "repeat",
+        data: Any = None,
+        reward_function: Any = None,
+        reward_workers: int = 0,
         prompts_per_step: int = 16,
         samples_per_prompt: int = 1,
         actor_lr: float = 3e-3,
         critic_lr: float = 3e-3,
         kl_coef: float = 0.0,
-        kl_estimator: str = "low_var_kl",
+        kl_penalty: str = "kl",
+        kl_loss_coef: float = 0.0,
+        kl_loss_type: str = "low_var_kl",
         clip_ratio: float = 0.2,
         cliprange_value: float = 0.5,
         gamma: float = 1.0,
@@ -113,46 +190,47 @@ class RLModule(L.LightningModule):
         temperature: float = 1.0,
         mini_batches: int = 1,
         ppo_epochs: int = 1,
-        entropy_coef: float = 0.0,
+        grad_clip: float = 1.0,
         seed: int = 0,
         rollout_engine: str = "hf",
+        on_nonfinite: str = "raise",
+        val_greedy: bool = True,
+        rollout_data_dir: str | None = None,
     ) -> None:
         super().__init__()
-        require(prompts_per_step >= 1, "algorithm.prompts_per_step", f"must be >= 1, got {prompts_per_step}")
-        require(
-            mini_batches >= 1 and ppo_epochs >= 1,
-            "algorithm.mini_batches",
-            "mini_batches and ppo_epochs must be >= 1",
-        )
-        require(
-            rollout_engine in ("hf", "vllm"),
-            "algorithm.rollout_engine",
-            f"{rollout_engine!r} is not one of 'hf' (transformers generate), 'vllm'",
-        )
-        self.save_hyperparameters(ignore=["task"])
-        self.automatic_optimization = False
-        from nereus_lightning.lightning.tasks import make_task
-
-        self.task = make_task(task, seed=seed)
-        self.tokenizer = self.task.tokenizer
-        vocab = self.tokenizer.vocab_size
-        pad = self.tokenizer.pad_token_id
-        self.actor = build_causal_lm(actor, seed, vocab, pad)
-        self.reference = frozen_copy(self.actor)
-        self.critic = (
-            build_value_model(critic if critic is not None else actor, seed + 1, vocab, pad)
-            if self.uses_critic
-            else None
-        )
+        check_hyperparameters(dict(locals()))
         require(
             reward_model is None or self.algorithm != "remax",
             "reward_model",
-            "ReMax scores its greedy baseline with the task's Python reward; use algorithm=ppo or grpo with a reward model",
+            "ReMax scores its greedy baseline with the reward function; use algorithm=ppo or grpo with a reward model",
         )
-        self.reward = (
-            frozen_copy(build_value_model(reward_model, seed + 2, vocab, pad))
-            if reward_model is not None
-            else None
+        self.save_hyperparameters(ignore=["task", "reward_function", "data"])
+        self.automatic_optimization = False
+        self.sources = make_sources(task, data, reward_function, reward_workers, actor, seed)
+        self.source = self.sources.train
+        self.rl_config = rl.RLConfig(
+            algorithm=self.algorithm,
+            prompts_per_step=prompts_per_step,
+            samples_per_prompt=samples_per_prompt,
+            actor_lr=actor_lr,
+            critic_lr=critic_lr,
+            ppo_epochs=ppo_epochs,
+            mini_batches=mini_batches,
+            clip_eps=clip_ratio,
+            value_clip=cliprange_value,
+            kl_coef=kl_coef,
+            kl_penalty=kl_penalty,
+            kl_loss_coef=kl_loss_coef,
+            kl_loss_type=kl_loss_type,
+            gamma=gamma,
+            lam=lam,
+            temperature=temperature,
+            grad_clip=grad_clip,
+            seed=seed,
+        )
+        self.tokenizer = self.sources.tokenizer
+        self.actor, self.reference, self.critic, self.reward = self._build_models(
+            actor, reference, critic, reward_model, seed
         )
         self.step_stats: dict[str, float] = {}
         self.units: Any = None
@@ -162,6 +240,41 @@ class RLModule(L.LightningModule):
         from nereus_lightning.lightning.metrics import RunMetrics
 
         self.run_metrics = RunMetrics()
+
+    def _build_models(self, actor: Any, reference: Any, critic: Any, reward_model: Any, seed: int) -> tuple:
+        """Actor, reference, critic and reward model, each checked against the tokenizer."""
+        tok = self.tokenizer
+        vocab, pad = build.vocabulary_rows(tok), tok.pad_token_id
+        built_actor = build.build_causal_lm(actor, seed, vocab, pad, key="actor.path")
+        if reference is None or reference == actor:
+            built_ref = build.frozen_copy(built_actor)
+        else:
+            built_ref = build.frozen_copy(
+                build.build_causal_lm(reference, seed, vocab, pad, key="reference.path")
+            )
+        built_critic = (
+            build.build_value_model(
+                critic if critic is not None else actor, seed + 1, vocab, pad, key="critic.path"
+            )
+            if self.uses_critic
+            else None
+        )
+        built_reward = (
+            build.frozen_copy(
+                build.build_value_model(reward_model, seed + 2, vocab, pad, key="reward_model.path")
+            )
+            if reward_model is not None
+            else None
+        )
+        for role, model in (
+            ("actor", built_actor),
+            ("reference", built_ref),
+            ("critic", built_critic),
+            ("reward", built_reward),
+        ):
+            if model is not None:
+                build.check_vocabulary(tok, model.config, role)
+        return built_actor, built_ref, built_critic, built_reward
 
     def use_state(self, kind: str) -> None:
         """Hold model-stage state in ``"emu"`` units (default) or ``"full"`` (every rank keeps each full model).
@@ -210,16 +323,36 @@ class RLModule(L.LightningModule):
             self.units.write_back(self.role_models(), dst=0)  # the caller's module gets the trained weights
 
     @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["nereus_data"] = self.source.state_dict()  # the prompt stream's position
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if "nereus_data" in checkpoint:
+            self.source.load_state_dict(checkpoint["nereus_data"])
+
+    @override
     def train_dataloader(self) -> torch.utils.data.DataLoader:
         return torch.utils.data.DataLoader(_StepClock(), batch_size=None)
 
     @override
     def training_step(self, batch: Tensor, batch_idx: int) -> None:
-        self.step_stats = self.rl_step(self.global_step)
+        step = self.global_step
+        self.step_stats = self.rl_step(step)
+        if self._validation_due(step):
+            self.step_stats.update(self.validate(self.current_plan()))
         self.step_stats.update(self.run_metrics.update(self.step_stats))
         self.log_dict(self.step_stats, on_step=True, prog_bar=False, sync_dist=False, rank_zero_only=True)
         self.log("reward", self.step_stats["critic/score/mean"], prog_bar=True, rank_zero_only=True)
         self.log("resp_len", self.step_stats["response_length/mean"], prog_bar=True, rank_zero_only=True)
+
+    def _validation_due(self, step: int) -> bool:
+        """Every ``trainer.val_check_interval`` steps (an integer) and at the last step, with validation data."""
+        if self.sources.val is None or self._trainer is None:
+            return False
+        interval = self.trainer.val_check_interval
+        every = isinstance(interval, int) and interval > 0 and (step + 1) % interval == 0
+        return every or step + 1 == self.trainer.max_steps
 
     # ---- the plan ------------------------------------------------------------------------
     def current_plan(self):  # noqa: ANN201
@@ -237,6 +370,64 @@ class RLModule(L.LightningModule):
         return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
     # ---- one RL step -----------------------------------------------------------------------
+    def generate(
+        self,
+        plan: Plan,
+        prompts: Sequence[Prompt],
+        max_new: int,
+        step: int,
+        greedy: bool = False,
+        with_greedy: bool = False,
+        first_index: int = 0,
+    ) -> tuple[Tensor, Tensor, list[list[int]], list[list[int]] | None]:
+        """Responses of the actor's generation model-stage(s) for ``prompts`` (one sample each).
+
+        Returns the left-padded prompts, their mask, each sample's response ids (up to and with
+        eos) and, with ``with_greedy`` (ReMax's baseline), each sample's greedy response. Sample
+        ``i`` draws from the seed of ``(seed, step, first_index + i)``.
+        """
+        hp = self.hparams
+        pad = self.tokenizer.pad_token_id
+        # Prompts left-padded to the global width: a sample's inputs do not depend on its replica.
+        prompt_ids, prompt_mask = (t.to(self.device) for t in pad_ids([p.ids for p in prompts], pad, "left"))
+
+        def gen(slot: StageSlot, greedy: bool) -> list[list[int]]:
+            rows = slice(slot.start, slot.stop)
+            indices = [first_index + i for i in slot.indices]
+            out = self.rollout_engine(slot.stage).generate(
+                prompt_ids[rows],
+                prompt_mask[rows],
+                max_new,
+                do_sample=not greedy,
+                temperature=hp.temperature,
+                sample_seeds=None if greedy else sample_seeds(hp.seed, step, indices),
+            )
+            lengths = out.response_mask.sum(-1).tolist()
+            return [ids[:k] for ids, k in zip(out.response_ids.tolist(), lengths, strict=True)]
+
+        jobs = {"actor_gen": partial(gen, greedy=greedy)}
+        if with_greedy:  # the greedy baseline, concurrently where its ranks are disjoint
+            jobs["actor_greedy_gen"] = partial(gen, greedy=True)
+        generated = run_stages(plan, jobs, self.rank, len(prompts))
+        return prompt_ids, prompt_mask, generated["actor_gen"], generated.get("actor_greedy_gen")
+
+    def score(self, plan: Plan, source: Any, samples: Sequence[Sample]) -> list[RewardResult]:
+        """Every sample's reward, each computed once in the whole job: the pool's ranks score a slice each.
+
+        A reward that fails on any rank fails the step on every rank with that sample's error.
+        """
+        pool = sorted({g for _, c in plan.items() for g in c.gpus})
+        lo, hi = 0, 0
+        if self.rank in pool:
+            lo, hi = chunk_bounds(len(samples), len(pool))[pool.index(self.rank)]
+        local = source.score(samples[lo:hi]) if hi > lo else []
+        results = gather_samples(local if self.rank in pool else None, lo, len(samples))
+        errors = [r.error for r in results if r.error is not None]
+        if errors:
+            more = f" (and {len(errors) - 1} more samples)" if len(errors) > 1 else ""
+            raise RuntimeError(f"reward failed: {errors[0]}{more}")
+        return results
+
     def rl_step(self, step: int, plan: Plan | None = None, optimizer: Any = None) -> dict[str, float]:
         """Generate, score, compute advantages and update; returns the step's metrics (verl names).
 
@@ -247,39 +438,24 @@ class RLModule(L.LightningModule):
         plan = plan if plan is not None else self.current_plan()
         self.units.ensure(plan, self.role_models(), self.rank)  # no-op unless the plan changed
         t0 = time.perf_counter()
-        prompts, groups = self.task.prompts(step, hp.prompts_per_step, hp.samples_per_prompt)
-        n = len(prompts)
-        max_new = self.task.max_response_len(step)
-        tok = self.tokenizer
-        # Prompts left-padded to the global width: a sample's inputs do not depend on its replica.
-        prompt_ids, prompt_mask = (t.to(self.device) for t in pad_ids(prompts, tok.pad_token_id, "left"))
-
-        def gen(slot: StageSlot, greedy: bool = False) -> list[list[int]]:
-            rows = slice(slot.start, slot.stop)
-            out = self.rollout_engine(slot.stage).generate(
-                prompt_ids[rows],
-                prompt_mask[rows],
-                max_new,
-                do_sample=not greedy,
-                temperature=hp.temperature,
-                sample_seeds=None if greedy else sample_seeds(hp.seed, step, slot.indices),
-            )
-            lengths = out.response_mask.sum(-1).tolist()
-            return [ids[:k] for ids, k in zip(out.response_ids.tolist(), lengths, strict=True)]
-
-        jobs = {"actor_gen": gen}
-        if self.algorithm == "remax":  # the greedy baseline, concurrently where its ranks are disjoint
-            jobs["actor_greedy_gen"] = partial(gen, greedy=True)
-        generated = run_stages(plan, jobs, self.rank, n)
-        responses, greedy = generated["actor_gen"], generated.get("actor_greedy_gen")
+        prompts = self.source.prompts(step, hp.prompts_per_step)
+        samples = [p for p in prompts for _ in range(hp.samples_per_prompt)]  # samples of a prompt adjacent
+        groups = [g for g in range(len(prompts)) for _ in range(hp.samples_per_prompt)]
+        n = len(samples)
+        max_new = self.source.max_response_len(step)
+        prompt_ids, prompt_mask, responses, greedy = self.generate(
+            plan, samples, max_new, step, with_greedy=self.algorithm == "remax"
+        )
         t_gen = time.perf_counter()
-        scores = torch.tensor(
-            [self.task.score(p, r) for p, r in zip(prompts, responses, strict=True)], dtype=torch.float32
+        results = self.score(
+            plan,
+            self.source,
+            [Sample(i, p, tuple(r)) for i, (p, r) in enumerate(zip(samples, responses, strict=True))],
         )
+        scores = torch.tensor([r.score for r in results], dtype=torch.float32, device=self.device)
+        pad = self.tokenizer.pad_token_id
         width = max(1, max(len(r) for r in responses))
-        response_ids, response_mask = (
-            t.to(self.device) for t in pad_ids(responses, tok.pad_token_id, "right", width)
-        )
+        response_ids, response_mask = (t.to(self.device) for t in pad_ids(responses, pad, "right", width))
         batch = RolloutBatch(
             prompt_ids,
             prompt_mask,
@@ -288,6 +464,15 @@ class RLModule(L.LightningModule):
             torch.arange(n, device=self.device),
             torch.as_tensor(groups, device=self.device),
         )
+        if greedy is not None:
+            baseline = self.score(
+                plan,
+                self.source,
+                [Sample(i, p, tuple(r)) for i, (p, r) in enumerate(zip(samples, greedy, strict=True))],
+            )
+            batch.baseline_scores = torch.tensor(
+                [r.score for r in baseline], dtype=torch.float32, device=self.device
+            )
 
         inferred = self.infer(plan, batch)
         batch.old_log_probs = inferred["actor_infer"]
@@ -296,32 +481,36 @@ class RLModule(L.LightningModule):
         if "reward_infer" in inferred:  # the reward model's value at each response's last token
             scores = inferred["reward_infer"][:, 0]
         t_infer = time.perf_counter()
-
-        mask = response_mask.float()
+        batch.scores = scores
+        skipped = self._check_rewards(step, batch, samples)
         metrics: dict[str, float] = {}
-        advantages, returns, extra = self.compute_advantages(
-            scores, mask, batch.old_log_probs, batch.ref_log_probs, batch.values, groups, greedy, prompts
-        )
-        batch.scores, batch.advantages, batch.returns = scores, advantages, returns
+        batch, extra = rl.compute_advantages(batch, self.rl_config)
         metrics.update({k: float(v) for k, v in extra.items()})
         t_adv = time.perf_counter()
         self.last_rollout = batch
-        metrics.update(self.update(plan, batch, optimizer))
+        if not skipped:
+            metrics.update(self.update(plan, batch, optimizer, step))
         t_upd = time.perf_counter()
+        if self.hparams.rollout_data_dir and self.rank == 0:
+            self._dump_rollouts(step, samples, responses, results)
 
+        mask = response_mask.float()
         lengths = mask.sum(-1)
         tokens = float(batch.attention_mask.sum())
         plens = prompt_mask.sum(-1).float()
+        metrics.update(_reward_metrics(results))
         metrics.update(
             {
-                "critic/score/mean": float(scores.mean()),
-                "critic/rewards/mean": float(scores.mean()),
-                "critic/advantages/mean": float(losses.masked_mean(advantages, mask)),
+                "critic/score/mean": float(scores.nan_to_num().mean()),
+                "critic/rewards/mean": float(batch.token_rewards.sum(-1).nan_to_num().mean()),
+                "critic/advantages/mean": float(losses.masked_mean(batch.advantages.nan_to_num(), mask)),
                 "response_length/mean": float(lengths.mean()),
                 "response_length/max": float(lengths.max()),
                 "response_length/p95": float(torch.quantile(lengths, 0.95)),
+                "response_length/clip_ratio": float((lengths >= max_new).float().mean()),
                 "prompt_length/mean": float(plens.mean()),
                 "task/max_response_len": float(max_new),
+                "train/skipped_update": float(skipped),
                 "timing_s/gen": t_gen - t0,
                 "timing_s/infer": t_infer - t_gen,
                 "timing_s/adv": t_adv - t_infer,
@@ -336,30 +525,83 @@ class RLModule(L.LightningModule):
         )
         return metrics
 
-    def compute_advantages(
-        self,
-        scores: Tensor,
-        mask: Tensor,
-        old_lp: Tensor,
-        ref_lp: Tensor,
-        values: Tensor | None,
-        groups: Sequence[int],
-        greedy: list[list[int]] | None,
-        prompts: Sequence[Sequence[int]],
-    ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-        """PPO: in-reward KL penalty then GAE (whitened)."""
-        hp = self.hparams
-        rewards = adv.scores_to_token_rewards(scores, mask)
-        rewards, kl_metrics = adv.apply_kl_penalty(rewards, old_lp, ref_lp, mask, hp.kl_coef, "kl")
-        a, r = adv.gae_advantages(rewards, values, mask, hp.gamma, hp.lam, whiten=True)
-        return a, r, kl_metrics
+    def _check_rewards(self, step: int, batch: RolloutBatch, samples: Sequence[Prompt]) -> bool:
+        """Raise (or, with ``on_nonfinite="skip"``, return True to skip the update) on a non-finite score."""
+        for name, values in (("reward", batch.scores), ("greedy-baseline reward", batch.baseline_scores)):
+            if values is None:
+                continue
+            bad = (~torch.isfinite(values)).nonzero().flatten().tolist()
+            if bad:
+                first = bad[0]
+                where = f"sample {first} (prompt {samples[first].index}, data_source {samples[first].data_source!r})"
+                message = (
+                    f"step {step}: the {name} of {where} is {float(values[first])}"
+                    f" ({len(bad)} of {len(values)} samples non-finite)"
+                )
+                if self.hparams.on_nonfinite == "raise":
+                    raise NonFiniteError(f"{message}; fix the reward or set trainer.on_nonfinite=skip")
+                log.warning("%s: skipping this step's update (trainer.on_nonfinite=skip)", message)
+                return True
+        return False
 
-    def actor_loss(
-        self, lp: Tensor, old_lp: Tensor, ref_lp: Tensor, a: Tensor, mask: Tensor
-    ) -> tuple[Tensor, dict[str, Tensor]]:
-        """Clipped policy loss (token-mean over ``mask``) plus optional entropy bonus / KL loss."""
-        loss, m = losses.policy_loss(lp, old_lp, a, mask, clip_eps=self.hparams.clip_ratio)
-        return loss, m
+    def _dump_rollouts(
+        self,
+        step: int,
+        samples: Sequence[Prompt],
+        responses: Sequence[Sequence[int]],
+        results: Sequence[RewardResult],
+    ) -> None:
+        """``<rollout_data_dir>/<step>.jsonl``: one line per sample (what was asked, answered and scored)."""
+        import json
+        import os
+
+        from nereus_lightning.rl.sources import decode
+
+        folder = self.hparams.rollout_data_dir
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"{step}.jsonl"), "w") as f:
+            for i, (prompt, response, result) in enumerate(zip(samples, responses, results, strict=True)):
+                record = {
+                    "step": step,
+                    "sample": i,
+                    "prompt_index": prompt.index,
+                    "data_source": prompt.data_source,
+                    "prompt_tokens": len(prompt.ids),
+                    "response_tokens": len(response),
+                    "input": decode(self.tokenizer, prompt.ids),
+                    "output": decode(self.tokenizer, response),
+                    "ground_truth": prompt.ground_truth
+                    if isinstance(prompt.ground_truth, (str, int, float))
+                    else str(prompt.ground_truth),
+                    "score": result.score,
+                }
+                f.write(json.dumps(record) + "\n")
+
+    def validate(self, plan: Plan) -> dict[str, float]:
+        """The validation set's mean reward, overall and per data source (``val/<source>/reward/mean``)."""
+        val = self.sources.val
+        assert val is not None and self.sources.val_data is not None
+        hp = self.hparams
+        prompts = list(self.sources.val_data.prompts)
+        chunk = hp.prompts_per_step * hp.samples_per_prompt
+        scores: list[float] = []
+        for lo in range(0, len(prompts), chunk):
+            part = prompts[lo : lo + chunk]
+            _, _, responses, _ = self.generate(
+                plan, part, val.max_response_length, VALIDATION_STEP, greedy=hp.val_greedy, first_index=lo
+            )
+            results = self.score(
+                plan,
+                val,
+                [Sample(lo + i, p, tuple(r)) for i, (p, r) in enumerate(zip(part, responses, strict=True))],
+            )
+            scores += [r.score for r in results]
+        by_source: dict[str, list[float]] = {}
+        for prompt, score in zip(prompts, scores, strict=True):
+            by_source.setdefault(prompt.data_source or "data", []).append(score)
+        out = {f"val/{src}/reward/mean": sum(v) / len(v) for src, v in sorted(by_source.items())}
+        out["val/reward/mean"] = sum(scores) / len(scores)
+        return out
 
     def role_models(self) -> dict[str, torch.nn.Module | None]:
         """The logical model of each role."""
@@ -426,8 +668,14 @@ class RLModule(L.LightningModule):
             return response_log_probs(net, *args, temperature=self.hparams.temperature)[0]
 
     # ---- training stage ------------------------------------------------------------------
-    def update(self, plan: Plan, batch: RolloutBatch, optimizer: Any = None) -> dict[str, float]:
-        """Actor (and critic) updates on this rank's slice; gradients summed over all replicas."""
+    def update(
+        self, plan: Plan, batch: RolloutBatch, optimizer: Any = None, step: int = 0
+    ) -> dict[str, float]:
+        """Actor (and critic) updates on this rank's slice; gradients summed over all replicas.
+
+        A non-finite gradient norm stops that model-stage's update before its optimizer step:
+        the step fails on every rank (``on_nonfinite="raise"``) or the update is skipped.
+        """
         hp = self.hparams
         opt = optimizer if optimizer is not None else self.optimizers()
         raw = getattr(opt, "optimizer", opt)
@@ -439,7 +687,8 @@ class RLModule(L.LightningModule):
             for lo, hi in minis:
                 total_tokens = mask[lo:hi].sum().clamp_min(1.0)
                 opt.zero_grad(set_to_none=True)
-                part = {}
+                part: dict[str, float] = {}
+                problems: list[str] = []
                 for stage in ("actor_train", "critic_train"):
                     if stage not in plan:
                         continue
@@ -447,32 +696,43 @@ class RLModule(L.LightningModule):
                     if not slot.active or slot.stop <= slot.start:
                         continue
                     rows = slice(lo + slot.start, lo + slot.stop)
-                    weight = mask[rows].sum() / total_tokens  # local token-mean -> global token-mean
-                    m, reporter = self._train_slice(stage, batch.select(rows), weight, slot.is_leader)
+                    m, reporter = self._train_slice(stage, batch.select(rows), total_tokens, slot.is_leader)
                     if reporter:
                         for k, val in m.items():
-                            part[k] = part.get(k, 0.0) + float(val) * float(weight)
+                            part[k] = part.get(k, 0.0) + float(val)
                 last = _epoch == hp.ppo_epochs - 1 and (lo, hi) == minis[-1]
                 if self.emu_state:
                     # Each training stage steps its own EMU-bound AdamW (grads summed over its replicas).
                     for stage in self.units.training_stages():
                         # samples consumed: counted once, in the first epoch over the batch
-                        norm = self.units.apply_update(stage, samples=(hi - lo) if _epoch == 0 else 0)
-                        if norm is not None and self.rank == plan[stage].gpus[0]:
+                        norm, bad = self.units.apply_update(
+                            stage, hp.grad_clip, samples=(hi - lo) if _epoch == 0 else 0
+                        )
+                        if bad is not None:
+                            problems.append(f"step {step}: {stage}'s gradient norm is {norm} ({bad})")
+                        elif norm is not None and self.rank == plan[stage].gpus[0]:
                             part[f"{self.stages_role(stage)}/grad_norm"] = norm
                     if last:
                         opt.step()  # no gradients there: counts one Lightning step per RL step
                 else:
                     params = [p for g in raw.param_groups for p in g["params"]]
                     all_reduce_grads(params)
-                    grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+                    grad_norm = torch.nn.utils.clip_grad_norm_(params, hp.grad_clip)
                     sums["actor/grad_norm"] = sums.get("actor/grad_norm", 0.0) + float(grad_norm)
                     if last:
                         opt.step()  # counts one Lightning step per RL step
                     else:
                         raw.step()
                 updates += 1
-                for k, val in _sum_over_ranks(part).items():
+                totals, problems = _sum_over_ranks(part, problems)
+                if problems:
+                    if hp.on_nonfinite == "raise":
+                        raise NonFiniteError(
+                            f"{problems[0]}; set trainer.on_nonfinite=skip to skip such updates"
+                        )
+                    if self.rank == 0:
+                        log.warning("%s: update skipped (trainer.on_nonfinite=skip)", problems[0])
+                for k, val in totals.items():
                     sums[k] = sums.get(k, 0.0) + val
                 if self.emu_state:
                     self.units.sync_weights()  # actor_train -> actor_gen / actor_infer, critic likewise
@@ -489,55 +749,48 @@ class RLModule(L.LightningModule):
         return role_of(model_stage, self.algorithm) or model_stage
 
     def _train_slice(
-        self, stage: str, part: RolloutBatch, weight: Tensor, leader: bool
+        self, stage: str, part: RolloutBatch, total_tokens: Tensor, leader: bool
     ) -> tuple[dict[str, Tensor], bool]:
         """Backward of one replica's slice into its gradients; returns (metrics, whether this rank reports them).
 
-        Through this rank's unit: :func:`~nereus_lightning.models.train_step` (1F1B over the
-        pipeline) with the response entries :func:`~nereus_lightning.rl.forward.response_span`
-        picks; without one (``"full"`` backend, Layout(1, 1)): :mod:`nereus_lightning.rl.forward`
-        on the logical model.
+        The losses are :func:`~nereus_lightning.rl.algorithm.actor_loss` and ``critic_loss``,
+        normalised by the global mini-batch's tokens (``total_tokens``). Through this rank's unit:
+        :func:`~nereus_lightning.models.train_step` (1F1B over the pipeline) with the response
+        entries :func:`~nereus_lightning.rl.forward.response_span` picks; without one (``"full"``
+        backend, Layout(1, 1)): :mod:`nereus_lightning.rl.forward` on the logical model.
         """
         from nereus_lightning.lightning.units import StageUnits
         from nereus_lightning.models import MicroBatch, train_step
 
-        hp = self.hparams
+        cfg = self.rl_config
         unit = self.units.get(stage)
-        mask = part.response_mask.float()
-        span = response_span(part.prompt_ids.shape[-1], part.response_ids.shape[-1])
         args = (part.prompt_ids, part.prompt_mask, part.response_ids, part.response_mask)
         metrics: dict[str, Tensor] = {}
-
         if stage == "actor_train":
             model = self.actor
-
-            def loss_of(lp: Tensor) -> Tensor:
-                loss, m = self.actor_loss(lp, part.old_log_probs, part.ref_log_probs, part.advantages, mask)
-                metrics.update(m)
-                return loss * weight
-
-            def full_forward() -> Tensor:
-                return response_log_probs(model, *args, temperature=hp.temperature)[0]
+            loss_fn, full_forward = (
+                rl.actor_loss,
+                lambda: response_log_probs(model, *args, temperature=cfg.temperature)[0],
+            )
         else:
             model = self.critic
+            loss_fn, full_forward = rl.critic_loss, lambda: response_values(model, *args)
 
-            def loss_of(v: Tensor) -> Tensor:
-                loss, m = losses.value_loss(v, part.values, part.returns, mask, hp.cliprange_value)
-                metrics.update(m)
-                return loss * weight
-
-            def full_forward() -> Tensor:
-                return response_values(model, *args)
+        def loss_of(out: Tensor) -> Tensor:
+            loss, m = loss_fn(out, part, cfg, total_tokens, total_tokens)
+            metrics.update(m)
+            return loss
 
         if unit is None:
             loss_of(full_forward()).backward()
             return metrics, leader
         ids, attn = part.sequences, part.attention_mask
+        span = response_span(part.prompt_ids.shape[-1], part.response_ids.shape[-1])
         train_step(
             unit,
             [MicroBatch(ids, attn, position_ids_from_mask(attn))],
             lambda out, mb: loss_of(out[:, span]),
-            temperature=hp.temperature,
+            temperature=cfg.temperature,
         )
         if not self.emu_state:
             StageUnits.add_grads_to(unit, model)
@@ -548,53 +801,52 @@ def _chunks(n: int, parts: int) -> list[tuple[int, int]]:
     return [b for b in chunk_bounds(n, parts) if b[1] > b[0]]
 
 
-def _sum_over_ranks(values: dict[str, float]) -> dict[str, float]:
-    """Sum per-leader metric parts over the world (every rank gets the totals)."""
+def _reward_metrics(results: Sequence[RewardResult]) -> dict[str, float]:
+    """The means of the extra values reward functions return beside ``score`` (``reward/<key>/mean``)."""
+    sums: dict[str, list[float]] = {}
+    for r in results:
+        for k, v in r.metrics.items():
+            sums.setdefault(k, []).append(v)
+    return {f"reward/{k}/mean": sum(v) / len(v) for k, v in sorted(sums.items())}
+
+
+def _sum_over_ranks(values: dict[str, float], problems: list[str]) -> tuple[dict[str, float], list[str]]:
+    """Sum per-leader metric parts over the world and collect every rank's problems (the same on every rank)."""
     if not torch.distributed.is_initialized():
-        return values
+        return values, problems
     parts: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(parts, values)
+    torch.distributed.all_gather_object(parts, (values, problems))
     out: dict[str, float] = {}
-    for part in parts:
+    found: list[str] = []
+    for part, bad in parts:
         for k, v in part.items():
             out[k] = out.get(k, 0.0) + v
-    return out
+        found += [p for p in bad if p not in found]
+    return out, found
 
 
 class PPOModule(RLModule):
-    """PPO: actor, critic, reference and a function reward; GAE advantages; clipped losses."""
+    """PPO: actor, critic, reference and a reward function; GAE advantages; clipped losses."""
 
     algorithm = "ppo"
     uses_critic = True
 
 
 class GRPOModule(RLModule):
-    """GRPO: several samples per prompt, group-normalised scores as advantages, KL as a loss term."""
+    """GRPO: several samples per prompt, group-normalised scores as advantages, KL to the reference as a loss term."""
 
     algorithm = "grpo"
     uses_critic = False
 
     def __init__(
-        self, *args: Any, samples_per_prompt: int = 4, kl_coef: float = 0.001, **kwargs: Any
+        self, *args: Any, samples_per_prompt: int = 4, kl_loss_coef: float = 0.001, **kwargs: Any
     ) -> None:
         require(
             samples_per_prompt >= 2,
             "algorithm.samples_per_prompt",
             f"GRPO needs >= 2 samples per prompt, got {samples_per_prompt}",
         )
-        super().__init__(*args, samples_per_prompt=samples_per_prompt, kl_coef=kl_coef, **kwargs)
-
-    @override
-    def compute_advantages(self, scores, mask, old_lp, ref_lp, values, groups, greedy, prompts):  # noqa: ANN001, ANN201
-        a, r = adv.grpo_advantages(scores, mask, groups)
-        return a, r, {}
-
-    @override
-    def actor_loss(self, lp, old_lp, ref_lp, a, mask):  # noqa: ANN001, ANN201
-        loss, m = losses.policy_loss(lp, old_lp, a, mask, clip_eps=self.hparams.clip_ratio)
-        kl, km = losses.kl_loss(lp, ref_lp, mask, self.hparams.kl_estimator)
-        m.update(km)
-        return loss + self.hparams.kl_coef * kl, m
+        super().__init__(*args, samples_per_prompt=samples_per_prompt, kl_loss_coef=kl_loss_coef, **kwargs)
 
 
 class ReMaxModule(RLModule):
@@ -602,14 +854,3 @@ class ReMaxModule(RLModule):
 
     algorithm = "remax"
     uses_critic = False
-
-    @override
-    def compute_advantages(self, scores, mask, old_lp, ref_lp, values, groups, greedy, prompts):  # noqa: ANN001, ANN201
-        base = torch.tensor(
-            [self.task.score(p, g) for p, g in zip(prompts, greedy, strict=True)], dtype=torch.float32
-        )
-        rewards = adv.scores_to_token_rewards(scores, mask)
-        rewards, kl_metrics = adv.apply_kl_penalty(rewards, old_lp, ref_lp, mask, self.hparams.kl_coef, "kl")
-        a, r = adv.remax_advantages(rewards, base, mask)
-        kl_metrics["critic/baseline/mean"] = base.mean()
-        return a, r, kl_metrics

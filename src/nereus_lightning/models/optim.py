@@ -213,9 +213,12 @@ def grad_norm(model: ShardedCausalLM) -> Tensor:
 def clip_grad_norm_(model: ShardedCausalLM, max_norm: float) -> Tensor:
     """Scale the replica's gradients so their global norm is at most ``max_norm``; returns the norm before.
 
-    Same rule as ``torch.nn.utils.clip_grad_norm_`` on the unsharded model.
+    Same rule as ``torch.nn.utils.clip_grad_norm_`` on the unsharded model. A non-finite norm
+    leaves the gradients as they are, so the caller can still find the tensor that broke.
     """
     norm = grad_norm(model)
+    if not bool(torch.isfinite(norm)):
+        return norm
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for param in model.parameters():
         if param.grad is not None:

@@ -52,8 +52,9 @@ class RLConfig:
     clip_eps: float = 0.2  # clip_ratio
     value_clip: float = 0.5  # cliprange_value
     kl_coef: float = 0.0  # in-reward KL penalty (algorithm.kl_ctrl.kl_coef)
+    kl_penalty: str = "kl"  # its estimator (algorithm.kl_penalty)
     kl_loss_coef: float = 0.0  # KL as a loss term (actor.kl_loss_coef)
-    kl_kind: str = "low_var_kl"
+    kl_loss_type: str = "low_var_kl"  # its estimator (actor.kl_loss_type)
     entropy_coef: float = 0.0
     gamma: float = 1.0
     lam: float = 0.95
@@ -85,6 +86,12 @@ class RLConfig:
         if self.algorithm == "grpo":
             require(
                 self.samples_per_prompt >= 2, "rl.samples_per_prompt", "GRPO needs >= 2 samples per prompt"
+            )
+            require(
+                self.kl_coef == 0,
+                "algorithm.kl_coef",
+                "GRPO's advantages come from the scores, not the token rewards, so an in-reward KL "
+                "penalty would do nothing; use algorithm.kl_loss_coef (KL as a loss term)",
             )
 
     @property
@@ -173,14 +180,20 @@ def score_batch(batch: RolloutBatch, models: RLModels, cfg: RLConfig) -> Rollout
 
 
 def compute_advantages(batch: RolloutBatch, cfg: RLConfig) -> tuple[RolloutBatch, dict[str, Tensor]]:
-    """Token rewards (score on the last token, minus the in-reward KL), advantages and returns."""
+    """Token rewards (score on the last token, minus the in-reward KL), advantages and returns.
+
+    With reference log-probs the in-reward KL (``cfg.kl_penalty``) is measured (``actor/kl``) and,
+    when ``cfg.kl_coef > 0``, subtracted from the token rewards (PPO, ReMax).
+    """
     mask = batch.response_mask
     rewards = scores_to_token_rewards(batch.scores, mask)
     metrics: dict[str, Tensor] = {}
-    if cfg.kl_coef > 0:
-        rewards, metrics = apply_kl_penalty(
-            rewards, batch.old_log_probs, batch.ref_log_probs, mask, cfg.kl_coef, cfg.kl_kind
+    if batch.ref_log_probs is not None and cfg.algorithm != "grpo":
+        penalised, metrics = apply_kl_penalty(
+            rewards, batch.old_log_probs, batch.ref_log_probs, mask, cfg.kl_coef, cfg.kl_penalty
         )
+        if cfg.kl_coef > 0:
+            rewards = penalised
     batch.token_rewards = rewards
     if cfg.algorithm == "ppo":
         batch.advantages, batch.returns = gae_advantages(rewards, batch.values, mask, cfg.gamma, cfg.lam)
@@ -191,7 +204,64 @@ def compute_advantages(batch: RolloutBatch, cfg: RLConfig) -> tuple[RolloutBatch
     return batch, metrics
 
 
-def _normalizer(mask: Tensor, agg: str) -> Tensor:
+def actor_loss(
+    log_probs: Tensor,
+    micro: RolloutBatch,
+    cfg: RLConfig,
+    normalizer: Tensor,
+    tokens: Tensor,
+    entropy: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The actor's loss on one micro-batch: clipped policy loss, minus the entropy bonus, plus the KL loss.
+
+    Args:
+        log_probs: the micro-batch's response log-probs under the current policy.
+        normalizer: the global mini-batch's token (or sequence) count the losses are divided by.
+        tokens: its token count (turns per-micro token means into shares that sum over micro-batches and ranks).
+        entropy: per-token entropy (reported as ``actor/entropy``); needed when ``cfg.entropy_coef > 0``.
+
+    Returns:
+        The loss and its metrics, each a contribution that sums over micro-batches and DP ranks.
+    """
+    mask = micro.response_mask
+    loss, m = policy_loss(
+        log_probs,
+        micro.old_log_probs,
+        micro.advantages,
+        mask,
+        cfg.clip_eps,
+        agg=cfg.loss_agg,
+        normalizer=normalizer,
+    )
+    require(
+        entropy is not None or cfg.entropy_coef == 0, "rl.entropy_coef", "an entropy bonus needs the per-token entropy"
+    )
+    if entropy is not None:
+        ent, em = entropy_loss(entropy, mask, cfg.loss_agg, normalizer)
+        m.update(em)
+        loss = loss - cfg.entropy_coef * ent
+    if cfg.kl_loss_coef > 0:
+        kl, km = kl_loss(log_probs, micro.ref_log_probs, mask, cfg.kl_loss_type, cfg.loss_agg, normalizer)
+        loss = loss + cfg.kl_loss_coef * kl
+        m.update(km)
+    share = mask.sum() / tokens
+    for name in ("actor/pg_clipfrac", "actor/ppo_kl"):
+        m[name] = m[name] * share
+    return loss, m
+
+
+def critic_loss(
+    values: Tensor, micro: RolloutBatch, cfg: RLConfig, normalizer: Tensor, tokens: Tensor
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The critic's clipped value loss on one micro-batch; arguments and metrics as :func:`actor_loss`."""
+    mask = micro.response_mask
+    loss, m = value_loss(values, micro.values, micro.returns, mask, cfg.value_clip, cfg.loss_agg, normalizer)
+    m["critic/vf_clipfrac"] = m["critic/vf_clipfrac"] * mask.sum() / tokens
+    return loss, m
+
+
+def loss_normalizer(mask: Tensor, agg: str) -> Tensor:
+    """The denominator of a mini-batch's losses: its valid tokens (``token-mean``) or non-empty sequences."""
     return mask.sum() if agg == "token-mean" else (mask.sum(-1) > 0).sum()
 
 
@@ -225,7 +295,7 @@ def _ppo_epochs(
     weight = 1.0 / (cfg.ppo_epochs * cfg.mini_batches)
     for _ in range(cfg.ppo_epochs):
         for mini in batch.split(cfg.mini_batches):
-            norm = _normalizer(mini.response_mask, cfg.loss_agg)  # over the global mini-batch
+            norm = loss_normalizer(mini.response_mask, cfg.loss_agg)  # over the global mini-batch
             tokens = mini.response_mask.sum().clamp_min(1)
             optim.zero_grad(set_to_none=True)
             for micro in _micro_batches(mini.shard(dp, dp_rank), cfg.micro_batch_size):
@@ -271,27 +341,7 @@ def update_actor(
     def micro_loss(micro: RolloutBatch, norm: Tensor, tokens: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         ids = (micro.prompt_ids, micro.prompt_mask, micro.response_ids, micro.response_mask)
         log_probs, entropy = response_log_probs(actor, *ids, temperature=cfg.temperature, with_entropy=True)
-        mask = micro.response_mask
-        loss, m = policy_loss(
-            log_probs,
-            micro.old_log_probs,
-            micro.advantages,
-            mask,
-            cfg.clip_eps,
-            agg=cfg.loss_agg,
-            normalizer=norm,
-        )
-        ent, em = entropy_loss(entropy, mask, cfg.loss_agg, norm)
-        m.update(em)
-        loss = loss - cfg.entropy_coef * ent
-        if cfg.kl_loss_coef > 0:
-            kl, km = kl_loss(log_probs, micro.ref_log_probs, mask, cfg.kl_kind, cfg.loss_agg, norm)
-            loss = loss + cfg.kl_loss_coef * kl
-            m.update(km)
-        share = mask.sum() / tokens  # per-micro token means -> summable shares
-        for name in ("actor/pg_clipfrac", "actor/ppo_kl"):
-            m[name] = m[name] * share
-        return loss, m
+        return actor_loss(log_probs, micro, cfg, norm, tokens, entropy)
 
     metrics = _ppo_epochs(actor, optim, batch, cfg, dp, dp_rank, micro_loss, sync_grads, clip_grads, "actor")
     metrics["actor/lr"] = torch.tensor(float(optim.param_groups[0]["lr"]))
@@ -312,12 +362,7 @@ def update_critic(
 
     def micro_loss(micro: RolloutBatch, norm: Tensor, tokens: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         ids = (micro.prompt_ids, micro.prompt_mask, micro.response_ids, micro.response_mask)
-        values = response_values(critic, *ids)
-        mask = micro.response_mask
-        loss, m = value_loss(values, micro.values, micro.returns, mask, cfg.value_clip, cfg.loss_agg, norm)
-        share = mask.sum() / tokens  # per-micro token means -> summable shares
-        m["critic/vf_clipfrac"] = m["critic/vf_clipfrac"] * share
-        return loss, m
+        return critic_loss(response_values(critic, *ids), micro, cfg, norm, tokens)
 
     return _ppo_epochs(critic, optim, batch, cfg, dp, dp_rank, micro_loss, sync_grads, clip_grads, "critic")
 
