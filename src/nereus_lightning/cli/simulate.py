@@ -17,8 +17,14 @@ def simulate_from_config(cfg: DictConfig | dict[str, Any]) -> dict[str, Any]:
     setup = make_setup(c["model"], c["cluster"], c.get("workload"), **machine)
     trace = trace_from_config(c["trace"])
     return run_experiment(
-        setup, trace, c["policies"], controller_config(c.get("controller")), out_dir=c.get("output_dir"),
-        gammas=c.get("gamma_sweep"), plot=bool(c.get("plot", True)), notice=bool(c.get("notice", True)),
+        setup,
+        trace,
+        c["policies"],
+        controller_config(c.get("controller")),
+        out_dir=c.get("output_dir"),
+        gammas=c.get("gamma_sweep"),
+        plot=bool(c.get("plot", True)),
+        notice=bool(c.get("notice", True)),
     )
 
 
@@ -29,7 +35,9 @@ def _app(cfg: DictConfig) -> None:
     if "gamma_sweep" in result:
         print("\ngamma sweep (Nereus):")
         for row in result["gamma_sweep"]:
-            print(f"  gamma={row['gamma']:<6g} {row['mean_step_s']:9.2f} s/step  {row['transitions']:3d} transitions")
+            print(
+                f"  gamma={row['gamma']:<6g} {row['mean_step_s']:9.2f} s/step  {row['transitions']:3d} transitions"
+            )
         print(f"best gamma: {result['best_gamma']:g}")
     print(f"\noutputs in {cfg.output_dir}")
 

@@ -141,7 +141,9 @@ def _spec_of(source: str, key: str) -> Any:
 
     if os.path.sep in source or os.path.isdir(source):
         if not os.path.isdir(source):
-            raise NereusConfigError(f"{key}: {source!r} does not exist (give a folder saved with save_pretrained)")
+            raise NereusConfigError(
+                f"{key}: {source!r} does not exist (give a folder saved with save_pretrained)"
+            )
         return ModelSpec.from_hf_config(source)
     return model_preset(source)
 
@@ -270,7 +272,11 @@ def build_module(cfg: Any) -> Any:
 
     actor = model_source(cfg.actor)
     data = OmegaConf.to_container(cfg.data, resolve=True) if cfg.get("data") else None
-    reward = OmegaConf.to_container(cfg.custom_reward_function, resolve=True) if cfg.get("custom_reward_function") else None
+    reward = (
+        OmegaConf.to_container(cfg.custom_reward_function, resolve=True)
+        if cfg.get("custom_reward_function")
+        else None
+    )
     trainer = cfg.trainer
     # Partial first: objects passed to instantiate() would be turned into configs.
     return instantiate(cfg.algorithm, _partial_=True)(
@@ -289,6 +295,22 @@ def build_module(cfg: Any) -> Any:
     )
 
 
+def check_config(cfg: Any) -> None:
+    """The numbers and files of ``cfg``, checked before the planner, any model or any process."""
+    from omegaconf import OmegaConf
+
+    from nereus_lightning.lightning.module import check_hyperparameters
+    from nereus_lightning.rl.data import DataConfig
+
+    values = {k: v for k, v in OmegaConf.to_container(cfg.algorithm, resolve=True).items() if k != "_target_"}
+    values["prompts_per_step"] = prompts_per_step(cfg)
+    values["on_nonfinite"] = cfg.trainer.get("on_nonfinite", "raise")
+    values["reward_workers"] = cfg.reward.get("num_workers", 0) if cfg.get("reward") else 0
+    check_hyperparameters(values)
+    if cfg.get("data"):
+        DataConfig.of(OmegaConf.to_container(cfg.data, resolve=True))
+
+
 def run(cfg: Any) -> dict[str, Any]:
     """Train as configured; returns a summary (reward first/last 10 steps, transitions, paths)."""
     import lightning.pytorch as pl
@@ -300,6 +322,7 @@ def run(cfg: Any) -> dict[str, Any]:
     from nereus_lightning.control import SequenceResources
     from nereus_lightning.lightning import NereusCallback, NereusStrategy
 
+    check_config(cfg)
     world = _world_size(cfg)
     if gpu_memory_setting(cfg) == "auto":  # resolve once, here, for every rank
         with open_dict(cfg):
@@ -354,7 +377,7 @@ def run(cfg: Any) -> dict[str, Any]:
         trainer_cfg.pop(key, None)
     trainer = instantiate(
         trainer_cfg,
-        strategy=NereusStrategy(cluster=job_cluster(cfg)),
+        strategy=NereusStrategy(cluster=job_cluster(cfg), export_hf=bool(cfg.get("export_hf", True))),
         callbacks=callbacks,
         logger=loggers or False,
         enable_checkpointing=bool(cfg.save_checkpoint),

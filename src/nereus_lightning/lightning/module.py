@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any, ClassVar
 
@@ -87,38 +87,38 @@ ON_NONFINITE = ("raise", "skip")
 VALIDATION_STEP = -1  # the step validation samples are seeded with (training steps are >= 0)
 
 
-def check_hyperparameters(values: dict[str, Any]) -> None:
-    """Refuse numbers no RL run can use, naming the ``algorithm.*`` key, before any model or process exists."""
-    positive = ("actor_lr", "critic_lr", "temperature", "grad_clip")
-    at_least_one = ("prompts_per_step", "samples_per_prompt", "mini_batches", "ppo_epochs")
-    non_negative = ("kl_coef", "kl_loss_coef", "clip_ratio", "cliprange_value")
-    for name in positive:
-        v = values[name]
-        require(isinstance(v, (int, float)) and v > 0, f"algorithm.{name}", f"must be > 0, got {v!r}")
-    for name in at_least_one:
-        v = values[name]
-        require(isinstance(v, int) and v >= 1, f"algorithm.{name}", f"must be an integer >= 1, got {v!r}")
-    for name in non_negative:
-        v = values[name]
-        require(isinstance(v, (int, float)) and v >= 0, f"algorithm.{name}", f"must be >= 0, got {v!r}")
-    for name in ("gamma", "lam"):
-        v = values[name]
+def check_hyperparameters(values: Mapping[str, Any]) -> None:
+    """Refuse numbers no RL run can use, naming the config key, before any model or process exists.
+
+    ``values`` holds the module's arguments by name; names it lacks are not checked.
+    """
+    rules = (
+        (("actor_lr", "critic_lr", "temperature", "grad_clip"), lambda v: v > 0, "must be > 0"),
+        (
+            ("prompts_per_step", "samples_per_prompt", "mini_batches", "ppo_epochs"),
+            lambda v: isinstance(v, int) and v >= 1,
+            "must be an integer >= 1",
+        ),
+        (("kl_coef", "kl_loss_coef", "clip_ratio", "cliprange_value"), lambda v: v >= 0, "must be >= 0"),
+        (("gamma", "lam"), lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+    )
+    for names, ok, rule in rules:
+        for name in names:
+            if name in values:
+                v = values[name]
+                require(isinstance(v, (int, float)) and ok(v), f"algorithm.{name}", f"{rule}, got {v!r}")
+    choices = (
+        ("rollout_engine", "algorithm.rollout_engine", ("hf", "vllm")),
+        ("on_nonfinite", "trainer.on_nonfinite", ON_NONFINITE),
+    )
+    for name, key, allowed in choices:
+        if name in values:
+            require(values[name] in allowed, key, f"{values[name]!r} is not one of {', '.join(allowed)}")
+    if "reward_workers" in values:
+        workers = values["reward_workers"]
         require(
-            isinstance(v, (int, float)) and 0 <= v <= 1, f"algorithm.{name}", f"must be in [0, 1], got {v!r}"
+            isinstance(workers, int) and workers >= 0, "reward.num_workers", f"must be >= 0, got {workers!r}"
         )
-    require(
-        values["rollout_engine"] in ("hf", "vllm"),
-        "algorithm.rollout_engine",
-        f"{values['rollout_engine']!r} is not one of 'hf' (transformers generate), 'vllm'",
-    )
-    require(
-        values["on_nonfinite"] in ON_NONFINITE,
-        "trainer.on_nonfinite",
-        f"{values['on_nonfinite']!r} is not one of {', '.join(ON_NONFINITE)}",
-    )
-    require(
-        values["reward_workers"] >= 0, "reward.num_workers", f"must be >= 0, got {values['reward_workers']}"
-    )
 
 
 class RLModule(L.LightningModule):
@@ -331,6 +331,15 @@ class RLModule(L.LightningModule):
         if "nereus_data" in checkpoint:
             self.source.load_state_dict(checkpoint["nereus_data"])
 
+    def write_hf(self, ckpt_dir: str) -> dict[str, str]:
+        """Hugging Face folders of the trainable models in a checkpoint just written (``ckpt_dir/hf/<model>``)."""
+        from nereus_lightning.lightning.export import TRAINED, export_hf, write_hf_metadata
+
+        models = self.role_models()
+        configs = {role: models[role].config for role in TRAINED if models.get(role) is not None}
+        write_hf_metadata(configs, self.tokenizer, ckpt_dir)
+        return export_hf(ckpt_dir)
+
     @override
     def train_dataloader(self) -> torch.utils.data.DataLoader:
         return torch.utils.data.DataLoader(_StepClock(), batch_size=None)
@@ -339,12 +348,15 @@ class RLModule(L.LightningModule):
     def training_step(self, batch: Tensor, batch_idx: int) -> None:
         step = self.global_step
         self.step_stats = self.rl_step(step)
-        if self._validation_due(step):
-            self.step_stats.update(self.validate(self.current_plan()))
         self.step_stats.update(self.run_metrics.update(self.step_stats))
         self.log_dict(self.step_stats, on_step=True, prog_bar=False, sync_dist=False, rank_zero_only=True)
         self.log("reward", self.step_stats["critic/score/mean"], prog_bar=True, rank_zero_only=True)
         self.log("resp_len", self.step_stats["response_length/mean"], prog_bar=True, rank_zero_only=True)
+        if self._validation_due(step):
+            # Straight to the loggers: self.log would repeat the values at every later step.
+            val = self.validate(self.current_plan())
+            for logger in self.loggers:
+                logger.log_metrics(val, step=step)
 
     def _validation_due(self, step: int) -> bool:
         """Every ``trainer.val_check_interval`` steps (an integer) and at the last step, with validation data."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nereus_lightning.lightning.build import is_model_folder, load_tokenizer
-from nereus_lightning.lightning.tasks import make_task
+from nereus_lightning.lightning.tasks import TASKS, make_task
 from nereus_lightning.rl.data import DataConfig, PromptData, PromptStream
 from nereus_lightning.rl.reward_function import RewardFunction, RewardSpec
 from nereus_lightning.rl.sources import (
@@ -70,11 +70,12 @@ def make_sources(
             "custom_reward_function.path",
             "a reward function scores prompt data; set data.train_files too",
         )
+        builtin = isinstance(task, str) or type(task) in TASKS.values()
         require(
-            not (isinstance(task, str) and is_model_folder(actor)),
+            not (builtin and is_model_folder(actor)),
             "data.train_files",
             f"the actor is a model folder ({actor}) but no prompt data is given; the built-in "
-            f"{task!r} task speaks the byte tokenizer of the preset models. Set data.train_files "
+            "task speaks the byte tokenizer of the preset models. Set data.train_files "
             "(parquet/jsonl) and, where needed, custom_reward_function.path",
         )
         built = TaskSource(make_task(task, seed=seed))

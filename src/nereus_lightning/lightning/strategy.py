@@ -68,6 +68,8 @@ class NereusStrategy(ParallelStrategy):
         cluster: the cluster (a ``ClusterSpec`` or preset name) the transition DAG is priced and
             validated on, sized to the job's ranks; give the one the controller plans on.
             ``None``: the ``cpu4`` preset.
+        export_hf: every checkpoint also holds ``hf/<model>/`` per trainable model
+            (``save_pretrained`` in safetensors plus the tokenizer), written by rank 0.
     """
 
     strategy_name = "nereus"
@@ -85,6 +87,7 @@ class NereusStrategy(ParallelStrategy):
         start_method: Literal["fork", "spawn", "popen"] | None = None,
         state: Literal["emu", "full"] = "emu",
         cluster: ClusterSpec | str | None = None,
+        export_hf: bool = True,
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         require(
@@ -94,6 +97,7 @@ class NereusStrategy(ParallelStrategy):
         )
         require(state in ("emu", "full"), "strategy.state", f"{state!r} is not one of 'emu', 'full'")
         self.state = state
+        self.export_hf = export_hf
         if isinstance(cluster, str):
             cluster = cluster_preset(cluster)  # an unknown name fails here, listing the presets
         self.cluster: ClusterSpec | None = cluster
@@ -266,6 +270,8 @@ class NereusStrategy(ParallelStrategy):
             checkpoint.pop("optimizer_states", None)
             checkpoint["nereus_state"] = "emu"
             units.save(str(path / "emu"))
+            if self.export_hf and self.is_global_zero:
+                self.lightning_module.write_hf(str(path))
         else:
             tensors = {"model": checkpoint.pop("state_dict"), "optim": self._optimizer_state()}
             checkpoint.pop("optimizer_states", None)

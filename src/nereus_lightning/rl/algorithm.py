@@ -234,7 +234,9 @@ def actor_loss(
         normalizer=normalizer,
     )
     require(
-        entropy is not None or cfg.entropy_coef == 0, "rl.entropy_coef", "an entropy bonus needs the per-token entropy"
+        entropy is not None or cfg.entropy_coef == 0,
+        "rl.entropy_coef",
+        "an entropy bonus needs the per-token entropy",
     )
     if entropy is not None:
         ent, em = entropy_loss(entropy, mask, cfg.loss_agg, normalizer)

@@ -3,8 +3,7 @@
 - :func:`gsm8k_score`: GSM8K's final answer, the number after ``####`` (or, failing that, the last
   number of the response), compared with the ground truth as a number.
 - :func:`boxed_math_score`: the last ``\\boxed{...}`` of the response, checked against the ground
-  truth by Hugging Face's ``math-verify`` (symbolic equivalence), or by normalised string
-  equality when that library is not installed.
+  truth by Hugging Face's ``math-verify`` (symbolic equivalence: ``0.5`` equals ``\\frac{1}{2}``).
 - :func:`default_compute_score`: picks one of them by ``data_source``, as verl's default does.
 """
 
@@ -61,23 +60,17 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
-def _normalise(answer: str) -> str:
-    return re.sub(r"\s+|\\!|\\,|\\left|\\right|\$", "", answer).rstrip(".")
-
-
 def boxed_math_score(
     data_source: str, solution_str: str, ground_truth: Any, extra_info: Mapping[str, Any] | None = None
 ) -> float:
-    """1.0 when the last boxed answer is equivalent to the ground truth (``math-verify`` when installed)."""
+    """1.0 when the last boxed answer is equivalent to the ground truth (``math-verify``), else 0.0."""
+    from math_verify import parse, verify
+
     answer = last_boxed(solution_str)
     if answer is None:
         return 0.0
     truth = str(ground_truth)
     truth = last_boxed(truth) or truth
-    try:
-        from math_verify import parse, verify
-    except ImportError:
-        return float(_normalise(answer) == _normalise(truth))
     return float(verify(parse(f"${truth}$"), parse(f"\\boxed{{{answer}}}")))
 
 

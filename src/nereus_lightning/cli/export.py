@@ -1,0 +1,34 @@
+"""``nereus-export``: Hugging Face folders of a checkpoint's trainable models (``from_pretrained`` loads them).
+
+nereus-export ckpt_path=outputs/<run>/checkpoints/last.ckpt output=exported
+"""
+
+from __future__ import annotations
+
+import sys
+
+from nereus_lightning.spec.errors import NereusConfigError
+
+
+def main() -> None:
+    """The ``nereus-export`` entry point (Hydra)."""
+    import hydra
+    from omegaconf import DictConfig
+
+    @hydra.main(version_base="1.3", config_path="../configs", config_name="export")
+    def _main(cfg: DictConfig) -> None:
+        from nereus_lightning.lightning.export import export_hf
+
+        try:
+            done = export_hf(str(cfg.ckpt_path), cfg.output and str(cfg.output))
+        except NereusConfigError as exc:
+            print(f"nereus-export: {exc}", file=sys.stderr)
+            sys.exit(2)
+        for role, folder in done.items():
+            print(f"{role}: {folder}")
+
+    _main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Hugging Face folders from Nereus checkpoints: ``save_pretrained`` (safetensors) plus the tokenizer.
+
+A checkpoint keeps each trainable model's logical state in its training model-stage's DCP
+directory (``emu/actor_train``, ``emu/critic_train``) and, written at save time, the model's
+``config.json`` and tokenizer in ``hf/<model>/``. :func:`export_hf` reads the parameters back
+on one process, whatever the layout they were saved from, and writes ``model.safetensors`` beside
+them, so ``from_pretrained`` gives back the logical parameters bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Mapping
+from typing import Any
+
+from nereus_lightning.spec.errors import NereusConfigError
+
+#: Trainable model -> the model-stage that holds its freshest state.
+TRAINED = {"actor": "actor_train", "critic": "critic_train"}
+HF_DIR = "hf"
+
+
+def write_hf_metadata(configs: Mapping[str, Any], tokenizer: Any, ckpt_dir: str) -> None:
+    """``hf/<model>/``: each trainable model's config and the tokenizer (one process writes)."""
+    for role, config in configs.items():
+        folder = os.path.join(ckpt_dir, HF_DIR, role)
+        os.makedirs(folder, exist_ok=True)
+        config.save_pretrained(folder)
+        if hasattr(tokenizer, "save_pretrained"):  # the byte tokenizer of the built-in task has no files
+            tokenizer.save_pretrained(folder)
+
+
+def _logical_params(stage_dir: str) -> dict[str, Any]:
+    """Every parameter of a model-stage checkpoint, full size, read on this process alone."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        meta = dcp.FileSystemReader(stage_dir).read_metadata()
+    except Exception as exc:
+        raise NereusConfigError(
+            f"ckpt_path: cannot read the checkpoint metadata in {stage_dir!r} ({type(exc).__name__}: {exc})"
+        ) from exc
+    state = {
+        key: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+        for key, m in meta.state_dict_metadata.items()
+        if key.startswith("param/")
+    }
+    dcp.load(state, checkpoint_id=stage_dir, no_dist=True)
+    return {key.removeprefix("param/"): tensor for key, tensor in state.items()}
+
+
+def _model_of(config: Any, dtype: Any) -> Any:
+    import transformers as tf
+
+    value_model = any(a.endswith("ForTokenClassification") for a in (config.architectures or ()))
+    auto = tf.AutoModelForTokenClassification if value_model else tf.AutoModelForCausalLM
+    return auto.from_config(config, dtype=dtype)
+
+
+def export_model(stage_dir: str, folder: str) -> str:
+    """Write ``folder/model.safetensors`` from the model-stage checkpoint ``stage_dir`` (``folder`` holds the config)."""
+    import torch
+    import transformers as tf
+
+    params = _logical_params(stage_dir)
+    config = tf.AutoConfig.from_pretrained(folder)
+    model = _model_of(config, next(iter(params.values())).dtype)
+    own = dict(model.named_parameters())  # tied weights appear once
+    missing, unexpected = sorted(set(own) - set(params)), sorted(set(params) - set(own))
+    if missing or unexpected:
+        raise NereusConfigError(
+            f"ckpt_path: {stage_dir!r} does not match the config in {folder!r} "
+            f"(missing {missing[:4]}, unexpected {unexpected[:4]})"
+        )
+    with torch.no_grad():
+        for name, param in own.items():
+            param.copy_(params[name])
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def export_hf(ckpt_dir: str, output: str | None = None) -> dict[str, str]:
+    """Hugging Face folders of every trainable model in ``ckpt_dir``, under ``output`` (default ``ckpt_dir/hf``)."""
+    source = os.path.join(ckpt_dir, HF_DIR)
+    target = output or source
+    if not os.path.isdir(source):
+        raise NereusConfigError(
+            f"ckpt_path: {ckpt_dir!r} has no {HF_DIR}/ folder with the models' configs; "
+            "it was not written by nereus-train (or not by this version)"
+        )
+    done = {}
+    for role, stage in TRAINED.items():
+        stage_dir = os.path.join(ckpt_dir, "emu", stage)
+        if not os.path.isdir(stage_dir) or not os.path.isdir(os.path.join(source, role)):
+            continue
+        folder = os.path.join(target, role)
+        if folder != os.path.join(source, role):
+            shutil.copytree(os.path.join(source, role), folder, dirs_exist_ok=True)
+        done[role] = export_model(stage_dir, folder)
+    if not done:
+        raise NereusConfigError(
+            f"ckpt_path: {ckpt_dir!r} holds no trainable model (emu/actor_train, emu/critic_train)"
+        )
+    return done
