@@ -6,9 +6,10 @@ global offsets. Loading into a unit of any other layout lets DCP compute, indepe
 transfer plans, which bytes each new shard needs. Both calls are collective over the default
 process group (ranks without a unit of the model-stage take part with nothing).
 
-Loading runs no code from the checkpoint. DCP's own ``FileSystemReader.read_metadata`` reads the
-``.metadata`` file with ``pickle.load`` (torch 2.4 to 2.13), and its planner loads entries stored
-as bytes with ``torch.load(weights_only=False)``. :class:`SafeReader` reads ``.metadata`` with an
+Loading runs no code from the checkpoint. DCP's own ``FileSystemReader.read_metadata`` unpickles
+the ``.metadata`` file with the unrestricted ``pickle`` module (torch 2.4 to 2.13), and its planner
+loads entries stored as bytes with ``torch.load`` outside weights-only mode (``load_bytes``), so
+either can run any code a file carries. :class:`SafeReader` reads ``.metadata`` with an
 unpickler that builds DCP's own metadata records only (see :func:`dcp_global`), refuses bytes
 entries (a Nereus checkpoint holds tensors only), checks that every data file is there and long
 enough, and names the file that fails to load. Tensor data is read by DCP with
@@ -22,7 +23,8 @@ import enum
 import importlib
 import os
 import pickle
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -89,7 +91,13 @@ def save_state(model_stage: str, path: str | os.PathLike) -> None:
     """Save every live replica of ``model_stage`` to ``path`` (duplicate shards are written once)."""
     emus = _local_emus(model_stage)
     state = dcp_state_dict(emus[0]) if emus else {}
-    dcp.save(state, checkpoint_id=os.fspath(path))
+    save_tensors(state, path)
+
+
+def save_tensors(state: dict[str, Any], path: str | os.PathLike) -> None:
+    """``dcp.save`` of ``state`` into the directory ``path`` (collective); a failure raises a :class:`CheckpointError`."""
+    with _named_failures(path):
+        dcp.save(state, checkpoint_id=os.fspath(path))
 
 
 def load_state(emu: EMU | None, path: str | os.PathLike) -> None:
@@ -103,13 +111,20 @@ def load_state(emu: EMU | None, path: str | os.PathLike) -> None:
 
 
 def load_tensors(state: dict[str, Any], path: str | os.PathLike) -> None:
-    """``dcp.load`` through :class:`SafeReader`; a failure on any rank raises a :class:`CheckpointError` naming the file."""
-    try:
+    """``dcp.load`` through :class:`SafeReader` (collective); a failure raises a :class:`CheckpointError` naming the file."""
+    with _named_failures(path):
         dcp.load(state, storage_reader=SafeReader(os.fspath(path)))
-    except CheckpointException as exc:  # DCP gathers every rank's failure and raises this on all of them
+
+
+@contextmanager
+def _named_failures(path: str | os.PathLike) -> Iterator[None]:
+    """DCP's ``CheckpointException`` (every rank's failures, raised on all ranks) as one :class:`CheckpointError`."""
+    try:
+        yield
+    except CheckpointException as exc:
         failures = [error for error, _ in exc.failures.values()]
         named = next((e for e in failures if isinstance(e, CheckpointError)), None)
-        message = str(named) if named is not None else f"{path}: cannot be loaded ({failures[0]!r})"
+        message = str(named) if named is not None else f"{path}: {type(failures[0]).__name__}: {failures[0]}"
         raise CheckpointError(message) from exc
 
 

@@ -273,7 +273,7 @@ class NereusStrategy(ParallelStrategy):
         rank) or a value of the checkpoint dict cannot be stored in JSON (it names the key). The
         directory is written under a staging name and renamed to ``filepath`` once complete.
         """
-        import torch.distributed.checkpoint as dcp
+        from nereus_lightning.emu.checkpoint import save_tensors
 
         path = Path(self.broadcast(str(filepath)))
         units = getattr(self.lightning_module, "units", None)
@@ -294,7 +294,7 @@ class NereusStrategy(ParallelStrategy):
         if state == "emu":
             units.save(str(staging / "emu"))
         else:
-            dcp.save(tensors, checkpoint_id=str(staging))
+            save_tensors(tensors, staging)
         if self.is_global_zero:
             write_metadata(staging, encoded, state)
             commit(path)
