@@ -213,7 +213,8 @@ def read_checkpoint(directory: str | os.PathLike) -> StoredCheckpoint:
                 f"ckpt_path: {directory} was written by an older nereus-lightning: its metadata "
                 f"({LEGACY_META_FILE}) is a pickle, and loading a pickle can run any code, so it is not "
                 f"loaded. If you trust where this checkpoint comes from, convert it once with "
-                f"`{CONVERT_COMMAND} {directory}` (it writes {META_FILE} next to it), then resume"
+                f"`{CONVERT_COMMAND} {directory}` (or `python -m nereus_lightning.cli.convert_checkpoint "
+                f"{directory}`; it writes {META_FILE} next to it), then resume"
             )
         what = (
             "does not exist"
