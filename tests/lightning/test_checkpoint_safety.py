@@ -241,6 +241,12 @@ def test_a_truncated_shard_is_named_before_anything_loads(saved, tmp_path):
             lambda c: (c / META_FILE).unlink(),
             r"is not a Nereus checkpoint directory \(no nereus_meta\.json\)",
         ),
+        (
+            lambda c: (c / META_FILE).write_text(
+                (c / META_FILE).read_text().replace('_version": 1', '_version": 2')
+            ),
+            r"nereus_meta\.json: checkpoint format version 2; this nereus-lightning reads version 1",
+        ),
     ],
 )
 def test_damaged_metadata_names_the_file(saved, tmp_path, damage, message):
@@ -250,6 +256,7 @@ def test_damaged_metadata_names_the_file(saved, tmp_path, damage, message):
         read_checkpoint(ckpt)
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP's note on one-process use
 def test_a_corrupt_shard_of_the_right_size_names_the_file(tmp_path):
     from nereus_lightning.emu.checkpoint import load_tensors, save_tensors
 

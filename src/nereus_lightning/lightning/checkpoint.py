@@ -31,7 +31,7 @@ from nereus_lightning.emu.checkpoint import DCP_METADATA, read_dcp_metadata
 from nereus_lightning.spec.errors import CheckpointError
 
 META_FILE = "nereus_meta.json"
-LEGACY_META_FILE = "nereus_meta.pt"  # pickled metadata of nereus-lightning before format 1; never read
+LEGACY_META_FILE = "nereus_meta.pt"  # the pickled metadata before format 1: refused on resume
 FORMAT = "nereus-checkpoint"
 FORMAT_VERSION = 1
 CONVERT_COMMAND = "nereus-convert-checkpoint"
