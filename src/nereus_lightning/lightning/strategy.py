@@ -330,7 +330,7 @@ class NereusStrategy(ParallelStrategy):
             reports = [None] * self.world_size
             dist.all_gather_object(reports, (self.global_rank, bad, problem))
         nonfinite = [f"{name} (rank {rank})" for rank, names, _ in reports for name in names]
-        problems = [p for _, _, p in reports if p]
+        problems = list(dict.fromkeys(p for _, _, p in reports if p))  # the same on every rank
         if nonfinite:
             shown = ", ".join(nonfinite[:8]) + (
                 f" and {len(nonfinite) - 8} more" if len(nonfinite) > 8 else ""
