@@ -99,8 +99,14 @@ def fit(
     ckpt_path: str | None = None,
     every: int = 0,
     module=None,
+    last: bool = False,
+    state: str = "emu",
 ):  # noqa: ANN001, ANN201
-    """A short Trainer run with DP-only plans over all ranks; returns the trainer and metric rows."""
+    """A short Trainer run with DP-only plans over all ranks; returns the trainer and metric rows.
+
+    ``every``: a checkpoint ``ckpt/s<step>.ckpt`` every that many steps (and ``ckpt/last.ckpt``
+    with ``last``); ``state``: the strategy's state backend.
+    """
     import csv
     import glob
 
@@ -124,6 +130,7 @@ def fit(
                 filename="s{step}",
                 every_n_train_steps=every,
                 save_top_k=-1,
+                save_last=last,
                 auto_insert_metric_name=False,
             )
         )
@@ -131,7 +138,7 @@ def fit(
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=devices,
-        strategy=NereusStrategy(),
+        strategy=NereusStrategy(state=state),
         max_steps=max_steps,
         callbacks=callbacks,
         logger=logger,

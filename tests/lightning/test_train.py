@@ -15,7 +15,7 @@ def test_resume_under_another_world_size_matches_uninterrupted(tmp_path):
     # Uninterrupted: 3 steps on 4 ranks (dp4), checkpoint after step 2.
     _, full = fit(str(tmp_path / "a"), devices=4, max_steps=3, every=2)
     ckpt = tmp_path / "a" / "ckpt" / "s2.ckpt"
-    assert (ckpt / "nereus_meta.pt").is_file()
+    assert (ckpt / "nereus_meta.json").is_file()
     # Resumed: step 3 on 2 ranks (dp2), from the checkpoint written under dp4.
     _, resumed = fit(str(tmp_path / "b"), devices=2, max_steps=3, ckpt_path=str(ckpt))
     assert [int(float(r["step"])) for r in resumed] == [2]

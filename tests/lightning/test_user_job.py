@@ -190,7 +190,7 @@ def test_nan_reward_stops_the_run_and_every_checkpoint_stays_finite(job, tmp_pat
     import torch
 
     from nereus_lightning.cli.train import run
-    from nereus_lightning.lightning.export import _logical_params
+    from nereus_lightning.lightning.export import logical_params
 
     counter = tmp_path / "counter.txt"
     monkeypatch.setenv("NEREUS_TEST_COUNTER", str(counter))
@@ -201,7 +201,7 @@ def test_nan_reward_stops_the_run_and_every_checkpoint_stays_finite(job, tmp_pat
     text = str(info.value)
     assert "NonFiniteError" in text and "step 2" in text and "reward of sample" in text
     for stage_dir in glob.glob(str(tmp_path / "checkpoints" / "*" / "emu" / "*")):
-        for name, tensor in _logical_params(stage_dir).items():
+        for name, tensor in logical_params(stage_dir).items():
             assert bool(torch.isfinite(tensor).all()), (stage_dir, name)
     resume = text.rsplit("ckpt_path=", 1)[1].strip()
     assert os.path.dirname(resume) == str(tmp_path / "checkpoints")

@@ -257,7 +257,6 @@ def _quiet() -> None:
         ".*`overwrite` will default to False.*",
         ".*assuming the intent is to save in a single process.*",
         ".*optimizer.step\\(\\).*",
-        ".*weights_only.*",
         ".*ModelCheckpoint with manual optimization.*",
         ".*does not have many workers.*",
         ".*Checkpoint directory.*exists.*",
@@ -386,7 +385,7 @@ def run(cfg: Any) -> dict[str, Any]:
         trainer.fit(module, ckpt_path=cfg.ckpt_path)
     except Exception as exc:  # a rank died or raised: say so and point at the last checkpoint
         last = latest_checkpoint(ckpt_dir)
-        hint = f"resume with: nereus-train ckpt_path={last}" if last else "no checkpoint was written yet"
+        hint = f"resume with: nereus-train ckpt_path={last}" if last else "no complete checkpoint yet"
         raise RuntimeError(f"training stopped: {type(exc).__name__}: {exc}\n{hint}") from exc
     summary = summarize(out)
     summary["plot"] = plot_path
@@ -396,9 +395,10 @@ def run(cfg: Any) -> dict[str, Any]:
 
 
 def latest_checkpoint(ckpt_dir: str) -> str | None:
-    """The newest checkpoint directory under ``ckpt_dir`` (None if there is none)."""
-    found = [p for p in glob.glob(os.path.join(ckpt_dir, "*")) if os.path.isdir(p)]
-    return max(found, key=os.path.getmtime) if found else None
+    """The newest complete checkpoint under ``ckpt_dir`` whose tensors are all finite (None if none)."""
+    from nereus_lightning.lightning.checkpoint import latest_checkpoint as newest_good
+
+    return newest_good(ckpt_dir)
 
 
 def summarize(out: str) -> dict[str, Any]:

@@ -5,22 +5,46 @@ Each rank offers its shards as DTensors on a one-dimensional mesh over its stage
 global offsets. Loading into a unit of any other layout lets DCP compute, independently of our
 transfer plans, which bytes each new shard needs. Both calls are collective over the default
 process group (ranks without a unit of the model-stage take part with nothing).
+
+Loading runs no code from the checkpoint. DCP's own ``FileSystemReader.read_metadata`` unpickles
+the ``.metadata`` file with the unrestricted ``pickle`` module (torch 2.4 to 2.13), and its planner
+loads entries stored as bytes with ``torch.load`` outside weights-only mode (``load_bytes``), so
+either can run any code a file carries. :class:`SafeReader` reads ``.metadata`` with an
+unpickler that builds DCP's own metadata records only (see :func:`dcp_global`), refuses bytes
+entries (a Nereus checkpoint holds tensors only), checks that every data file is there and long
+enough, and names the file that fails to load. Tensor data is read by DCP with
+``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import importlib
 import os
+import pickle
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, BinaryIO
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.futures import Future
 
 from nereus_lightning.emu.groups import member_group
 from nereus_lightning.emu.registry import registry
 from nereus_lightning.emu.unit import EMU, Counters
+from nereus_lightning.spec.errors import CheckpointError
+
+DCP_METADATA = ".metadata"  # the file DCP writes last, after every rank's data files
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -67,14 +91,175 @@ def save_state(model_stage: str, path: str | os.PathLike) -> None:
     """Save every live replica of ``model_stage`` to ``path`` (duplicate shards are written once)."""
     emus = _local_emus(model_stage)
     state = dcp_state_dict(emus[0]) if emus else {}
-    dcp.save(state, checkpoint_id=os.fspath(path))
+    save_tensors(state, path)
+
+
+def save_tensors(state: dict[str, Any], path: str | os.PathLike) -> None:
+    """``dcp.save`` of ``state`` into the directory ``path`` (collective); a failure raises a :class:`CheckpointError`."""
+    with _named_failures(path):
+        dcp.save(state, checkpoint_id=os.fspath(path))
 
 
 def load_state(emu: EMU | None, path: str | os.PathLike) -> None:
     """Fill ``emu``'s shards (any layout) and counters from a checkpoint written by :func:`save_state`; None off the unit."""
     state = dcp_state_dict(emu) if emu is not None else {}
-    dcp.load(state, checkpoint_id=os.fspath(path))
+    load_tensors(state, path)
     if emu is not None:
         emu.counters = Counters.from_tensor(state["counters"])
     if dist.is_initialized():
         dist.barrier()
+
+
+def load_tensors(state: dict[str, Any], path: str | os.PathLike, alone: bool = False) -> None:
+    """``dcp.load`` through :class:`SafeReader`; a failure raises a :class:`CheckpointError` naming the file.
+
+    Collective over the default group, or on this process only with ``alone`` (e.g. rank 0 exporting).
+    """
+    with _named_failures(path):
+        dcp.load(state, storage_reader=SafeReader(os.fspath(path)), no_dist=alone)
+
+
+@contextmanager
+def _named_failures(path: str | os.PathLike) -> Iterator[None]:
+    """DCP's ``CheckpointException`` (every rank's failures, raised on all ranks) as one :class:`CheckpointError`."""
+    try:
+        yield
+    except CheckpointException as exc:
+        failures = [error for error, _ in exc.failures.values()]
+        named = next((e for e in failures if isinstance(e, CheckpointError)), None)
+        message = str(named) if named is not None else f"{path}: {type(failures[0]).__name__}: {failures[0]}"
+        raise CheckpointError(message) from exc
+
+
+def nonfinite_names(tensors: Iterable[tuple[str, Tensor]]) -> list[str]:
+    """The names of the floating-point ``tensors`` holding a NaN or an infinity (one device sync in all)."""
+    named = [(name, t) for name, t in tensors if t.is_floating_point() and t.numel()]
+    if not named:
+        return []
+    finite = torch.stack([torch.isfinite(t).all() for _, t in named]).tolist()
+    return [name for (name, _), ok in zip(named, finite, strict=True) if not ok]
+
+
+def nonfinite_tensors(model_stage: str) -> list[str]:
+    """This rank's state tensors of ``model_stage`` holding a NaN or an infinity: ``name`` or ``name (optimizer key)``."""
+    return nonfinite_names(
+        (name if key == "param" else f"{name} ({key})", tensor)
+        for emu in _local_emus(model_stage)
+        for name, key, tensor in emu.tensors()
+    )
+
+
+# ---- reading DCP's metadata without running code from it --------------------------------------
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+_DCP_GLOBALS = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # looks a layout up by name
+    ("collections", "OrderedDict"),
+    *((module, cls) for module in ("pathlib", "pathlib._local") for cls in ("PosixPath", "WindowsPath")),
+}
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """An unpickler that resolves a global only through ``allow(module, name)`` (None: refused, nothing imported)."""
+
+    def __init__(self, file: BinaryIO, allow: Callable[[str, str], Any]) -> None:
+        super().__init__(file)
+        self._allow = allow
+
+    def find_class(self, module: str, name: str) -> Any:
+        """The allowed global, or an ``UnpicklingError`` naming the one refused."""
+        found = self._allow(module, name)
+        if found is None:
+            raise pickle.UnpicklingError(
+                f"it refers to {module}.{name}, which this file never needs; refused"
+            )
+        return found
+
+
+def dcp_global(module: str, name: str) -> Any:
+    """The globals a DCP ``.metadata`` pickle needs: DCP's metadata dataclasses and enums, torch.Size, dtypes, layouts, paths."""
+    if (module, name) in _DCP_GLOBALS:
+        return getattr(importlib.import_module(module), name)
+    if module == "torch":
+        dtype = getattr(torch, name, None)
+        return dtype if isinstance(dtype, torch.dtype) else None
+    if module in _DCP_MODULES:
+        found = getattr(importlib.import_module(module), name, None)
+        if isinstance(found, type) and (dataclasses.is_dataclass(found) or issubclass(found, enum.Enum)):
+            return found
+    return None
+
+
+def read_dcp_metadata(directory: str | os.PathLike) -> Metadata:
+    """``directory``'s DCP metadata, read by :class:`RestrictedUnpickler` and checked against the data files.
+
+    Raises :class:`CheckpointError` naming the file: ``.metadata`` missing, damaged or refers to
+    anything but DCP's metadata records; an entry stored as bytes (it would be unpickled); a
+    data file that is missing, lies outside ``directory`` or is shorter than the metadata says.
+    """
+    directory = Path(directory)
+    file = directory / DCP_METADATA
+    if not file.is_file():
+        raise CheckpointError(f"{file}: missing; {directory} holds no complete DCP checkpoint")
+    try:
+        with open(file, "rb") as f:
+            metadata = RestrictedUnpickler(f, dcp_global).load()
+    except Exception as exc:
+        raise CheckpointError(f"{file}: damaged DCP metadata ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{file}: holds a {type(metadata).__name__}, not DCP metadata")
+    for key, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, TensorStorageMetadata):
+            raise CheckpointError(
+                f"{file}: entry {key!r} is stored as bytes, which DCP would unpickle; "
+                "a Nereus checkpoint holds tensors only, so it is not loaded"
+            )
+    for index, info in (metadata.storage_data or {}).items():
+        _check_data_file(file, directory, getattr(index, "fqn", index), info)
+    return metadata
+
+
+def _check_data_file(file: Path, directory: Path, key: str, info: Any) -> None:
+    name = getattr(info, "relative_path", None)
+    if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+        raise CheckpointError(f"{file}: entry {key!r} points at {name!r}, not at a file of {directory}")
+    data = directory / name
+    if not data.is_file():
+        raise CheckpointError(f"{data}: missing (it holds {key!r})")
+    size, needed = data.stat().st_size, int(info.offset) + int(info.length)
+    if size < needed:
+        raise CheckpointError(
+            f"{data}: truncated: {size} bytes, the checkpoint's metadata needs {needed} (for {key!r})"
+        )
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file-system reader, reading the metadata with :func:`read_dcp_metadata` and naming a file that fails."""
+
+    def read_metadata(self) -> Metadata:  # type: ignore[override]  # no rank-local fallback: Nereus writes one .metadata
+        """The checked metadata (see :func:`read_dcp_metadata`)."""
+        metadata = read_dcp_metadata(self.path)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def read_data(self, plan: Any, planner: Any) -> Future[None]:
+        """DCP's read, one data file at a time, so that an error names the file it came from."""
+        for name, items in _by_file(plan.items, self.storage_data).items():
+            try:
+                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+            except Exception as exc:
+                raise CheckpointError(
+                    f"{Path(self.path) / name}: damaged ({type(exc).__name__}: {exc})"
+                ) from exc
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+
+def _by_file(items: list[Any], storage_data: dict[Any, Any]) -> dict[str, list[Any]]:
+    groups: dict[str, list[Any]] = {}
+    for item in items:
+        groups.setdefault(storage_data[item.storage_index].relative_path, []).append(item)
+    return groups

@@ -31,23 +31,19 @@ def write_hf_metadata(configs: Mapping[str, Any], tokenizer: Any, ckpt_dir: str)
             tokenizer.save_pretrained(folder)
 
 
-def _logical_params(stage_dir: str) -> dict[str, Any]:
-    """Every parameter of a model-stage checkpoint, full size, read on this process alone."""
+def logical_params(stage_dir: str) -> dict[str, Any]:
+    """Every parameter of a model-stage checkpoint, full size, read on this process alone (no unpickling)."""
     import torch
-    import torch.distributed.checkpoint as dcp
 
-    try:
-        meta = dcp.FileSystemReader(stage_dir).read_metadata()
-    except Exception as exc:
-        raise NereusConfigError(
-            f"ckpt_path: cannot read the checkpoint metadata in {stage_dir!r} ({type(exc).__name__}: {exc})"
-        ) from exc
+    from nereus_lightning.emu.checkpoint import load_tensors, read_dcp_metadata
+
+    meta = read_dcp_metadata(stage_dir)
     state = {
         key: torch.empty(tuple(m.size), dtype=m.properties.dtype)
         for key, m in meta.state_dict_metadata.items()
         if key.startswith("param/")
     }
-    dcp.load(state, checkpoint_id=stage_dir, no_dist=True)
+    load_tensors(state, stage_dir, alone=True)
     return {key.removeprefix("param/"): tensor for key, tensor in state.items()}
 
 
@@ -64,7 +60,7 @@ def export_model(stage_dir: str, folder: str) -> str:
     import torch
     import transformers as tf
 
-    params = _logical_params(stage_dir)
+    params = logical_params(stage_dir)
     config = tf.AutoConfig.from_pretrained(folder)
     model = _model_of(config, next(iter(params.values())).dtype)
     own = dict(model.named_parameters())  # tied weights appear once

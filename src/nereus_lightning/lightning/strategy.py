@@ -8,14 +8,15 @@ Ranks outside the GPU pool stay alive as processes but get no work from the plan
 
 Checkpoints are layout-independent: the logical state (full parameters and optimizer state by
 parameter name) goes through ``torch.distributed.checkpoint`` into a directory, so a run saved
-under one plan and world size resumes under another.
+under one plan and world size resumes under another. The rest (step, loops, callback states) is
+JSON (:mod:`nereus_lightning.lightning.checkpoint`); nothing is pickled, a save with non-finite
+state is refused, and a directory is renamed into place only when complete.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import pickle
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -40,13 +41,21 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
+from nereus_lightning.lightning.checkpoint import (
+    commit,
+    encode,
+    read_checkpoint,
+    remove,
+    staging_path,
+    write_metadata,
+)
 from nereus_lightning.plan.layout import Plan
 from nereus_lightning.spec.cluster import ClusterSpec, cluster_preset
-from nereus_lightning.spec.errors import NereusConfigError, require
+from nereus_lightning.spec.errors import CheckpointError, NereusConfigError, require
 
 log = logging.getLogger(__name__)
 
-META_FILE = "nereus_meta.pt"
+OPTIMIZER_GROUPS = "nereus_optimizer_groups"  # the full-model state's optimizer settings, kept in the JSON
 
 
 class NereusStrategy(ParallelStrategy):
@@ -261,56 +270,129 @@ class NereusStrategy(ParallelStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any = None
     ) -> None:
-        import torch.distributed.checkpoint as dcp
+        """Write the checkpoint directory ``filepath`` (collective): tensors through DCP, the rest as JSON.
+
+        Refused with a :class:`CheckpointError` on every rank, before anything is written, when any
+        rank holds a NaN or an infinity in its state (the error names the model-stage, tensor and
+        rank) or a value of the checkpoint dict cannot be stored in JSON (it names the key). The
+        directory is written under a staging name and renamed to ``filepath`` once complete.
+        """
+        from nereus_lightning.emu.checkpoint import save_tensors
 
         path = Path(self.broadcast(str(filepath)))
         units = getattr(self.lightning_module, "units", None)
-        if getattr(units, "kind", None) == "emu":
-            checkpoint.pop("state_dict", None)  # the full modules are released; the EMUs hold the state
-            checkpoint.pop("optimizer_states", None)
-            checkpoint["nereus_state"] = "emu"
-            units.save(str(path / "emu"))
-            if self.export_hf and self.is_global_zero:
-                self.lightning_module.write_hf(str(path))
-        else:
-            tensors = {"model": checkpoint.pop("state_dict"), "optim": self._optimizer_state()}
-            checkpoint.pop("optimizer_states", None)
-            dcp.save(tensors, checkpoint_id=str(path))
+        state = "emu" if getattr(units, "kind", None) == "emu" else "full"
+        model = checkpoint.pop("state_dict", None)
+        checkpoint.pop("optimizer_states", None)
+        tensors: dict[str, Any] = {}
+        if state == "full":  # the EMUs hold the state otherwise (the full modules are released)
+            optim = self._optimizer_state()
+            tensors = {"model": model, "optim": optim.get("state", {})}
+            checkpoint[OPTIMIZER_GROUPS] = optim.get("param_groups", [])
+        encoded = self._checked_for_save(path, checkpoint, units if state == "emu" else None, tensors)
+        staging = staging_path(path)
         if self.is_global_zero:
-            with open(path / META_FILE, "wb") as f:
-                pickle.dump(checkpoint, f)
+            remove(staging)  # what an interrupted save of this name left
+            staging.mkdir(parents=True)
+        self.barrier("nereus-save-staging")
+        if state == "emu":
+            units.save(str(staging / "emu"))
+        else:
+            save_tensors(tensors, staging)
+        if self.is_global_zero:
+            if self.export_hf and state == "emu":  # inside the staging directory: part of the atomic save
+                self.lightning_module.write_hf(str(staging))
+            write_metadata(staging, encoded, state)
+            commit(path)
         self.barrier("nereus-save")
+
+    def _checked_for_save(
+        self, path: Path, checkpoint: dict[str, Any], units: Any, tensors: dict[str, Any]
+    ) -> Any:
+        """Rank 0's JSON encoding of ``checkpoint``, once every rank has found its state finite (collective)."""
+        from nereus_lightning.emu.checkpoint import nonfinite_names, nonfinite_tensors
+
+        encoded, problem = None, None
+        if self.is_global_zero:
+            try:
+                encoded = encode(checkpoint)
+            except CheckpointError as exc:
+                problem = str(exc)
+        if units is not None:
+            bad = [f"{name}/{t}" for name in (units.plan or {}) for t in nonfinite_tensors(name)]
+        else:
+            leaves = list(_leaves(tensors))
+            problem = problem or next(
+                (
+                    f"{key}: a {type(v).__name__}, not a tensor (DCP would pickle it)"
+                    for key, v in leaves
+                    if not isinstance(v, Tensor)
+                ),
+                None,
+            )
+            bad = nonfinite_names((k, v) for k, v in leaves if isinstance(v, Tensor))
+        reports = [(self.global_rank, bad, problem)]
+        if _distributed_is_initialized():
+            reports = [None] * self.world_size
+            dist.all_gather_object(reports, (self.global_rank, bad, problem))
+        nonfinite = [f"{name} (rank {rank})" for rank, names, _ in reports for name in names]
+        problems = list(dict.fromkeys(p for _, _, p in reports if p))  # the same on every rank
+        if nonfinite:
+            shown = ", ".join(nonfinite[:8]) + (
+                f" and {len(nonfinite) - 8} more" if len(nonfinite) > 8 else ""
+            )
+            problems.append(f"non-finite values (NaN or inf) in {shown}")
+        if problems:
+            raise CheckpointError(
+                f"checkpoint {path} not written: {'; '.join(problems)}. The checkpoints already on disk are kept"
+            )
+        return encoded
 
     @override
     def load_checkpoint(
         self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        import torch.distributed.checkpoint as dcp
+        """Read a directory written by :meth:`save_checkpoint`; nothing from it is unpickled.
+
+        Rank 0 reads and checks the JSON metadata, the DCP metadata and every file's size
+        (:func:`~nereus_lightning.lightning.checkpoint.read_checkpoint`); every rank raises the
+        same :class:`CheckpointError`, naming the damaged file, before any state changes.
+        """
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
+        from nereus_lightning.emu.checkpoint import load_tensors
+
         path = Path(self.broadcast(str(checkpoint_path)))
-        if not (path / META_FILE).is_file():
-            raise NereusConfigError(
-                f"ckpt_path: {path} is not a Nereus checkpoint directory (no {META_FILE})"
-            )
-        with open(path / META_FILE, "rb") as f:
-            meta = pickle.load(f)
+        stored, problem = None, None
+        if self.is_global_zero:
+            try:
+                stored = read_checkpoint(path)
+            except CheckpointError as exc:
+                problem = str(exc)
+        stored, problem = self.broadcast((stored, problem))  # between this job's own ranks
+        if problem is not None:
+            raise CheckpointError(problem)
+        meta = stored.checkpoint
         module = self.lightning_module
         assert module is not None
-        if meta.get("nereus_state") == "emu":
-            units = getattr(module, "units", None)
-            if getattr(units, "kind", None) != "emu":
-                raise NereusConfigError(
-                    f"ckpt_path: {path} holds EMU state; resume it with NereusStrategy(state='emu')"
-                )
+        units = getattr(module, "units", None)
+        emu_units = getattr(units, "kind", None) == "emu"
+        if emu_units != (stored.state == "emu"):
+            raise NereusConfigError(
+                f"ckpt_path: {path} holds {stored.state!r} state; resume it with "
+                f"NereusStrategy(state={stored.state!r})"
+            )
+        if emu_units:
             units.resume_from = str(path / "emu")  # loaded into the units when they are built
             meta["state_dict"] = {}
             return meta
-        state = {"model": module.state_dict(), "optim": self._optimizer_state()}
-        dcp.load(state, checkpoint_id=str(path))
+        optim = self._optimizer_state()
+        state = {"model": module.state_dict(), "optim": optim.get("state", {})}
+        load_tensors(state, path)
         module.load_state_dict(state["model"])
+        groups = meta.pop(OPTIMIZER_GROUPS, optim.get("param_groups", []))
         for opt in self.optimizers:
-            set_optimizer_state_dict(module, opt, state["optim"])
+            set_optimizer_state_dict(module, opt, {"state": state["optim"], "param_groups": groups})
         meta["state_dict"] = state["model"]
         return meta
 
@@ -325,9 +407,7 @@ class NereusStrategy(ParallelStrategy):
     @override
     def remove_checkpoint(self, filepath: str | os.PathLike) -> None:
         if self.is_global_zero:
-            import shutil
-
-            shutil.rmtree(filepath, ignore_errors=True)
+            remove(filepath)
 
     def _optimizer_state(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -344,6 +424,16 @@ class NereusStrategy(ParallelStrategy):
         strategy_registry.register(
             "nereus_spawn", cls, description="Nereus strategy, spawned ranks", start_method="spawn"
         )
+
+
+def _leaves(tree: Any, prefix: str = "") -> Any:
+    """``(dotted key, value)`` for every non-dict value of a nested dict."""
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            yield from _leaves(value, f"{name}.")
+        else:
+            yield name, value
 
 
 if "nereus" not in StrategyRegistry:

@@ -20,3 +20,7 @@ def require(condition: bool, field: str, message: str) -> None:
 def unknown_preset(kind: str, name: str, known: list[str]) -> NereusConfigError:
     """The error for an unknown preset name, listing the known ones."""
     return NereusConfigError(f"unknown {kind} preset {name!r}; known presets: {', '.join(sorted(known))}")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or read; the message names the file, key or tensor and the way out."""

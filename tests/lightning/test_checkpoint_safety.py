@@ -1,0 +1,347 @@
+"""Checkpoints that run no code when loaded, are written atomically, hold finite state only and name damage."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from nereus_lightning.lightning.checkpoint import (
+    LEGACY_META_FILE,
+    META_FILE,
+    decode,
+    encode,
+    latest_checkpoint,
+    read_checkpoint,
+)
+from nereus_lightning.plan.layout import Candidate, Layout, Plan
+from nereus_lightning.spec.errors import CheckpointError
+from tests.lightning.helpers import fit, small_task
+
+
+class Payload:
+    """Unpickling this creates ``marker``: what a hostile checkpoint would do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):  # noqa: ANN204
+        return (open, (self.marker, "w"))
+
+
+def payload_pickle(marker: Path) -> bytes:
+    """A pickle that creates ``marker`` when loaded; checked to do so, so the tests below can fail."""
+    probe = marker.with_name(marker.name + ".probe")
+    pickle.loads(pickle.dumps(Payload(probe))).close()
+    assert probe.exists()
+    return pickle.dumps(Payload(marker))
+
+
+def same(a, b) -> bool:  # noqa: ANN001
+    """Equal values of equal types all the way down (tensors: dtype, shape and values, NaN == NaN)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        return (
+            a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a.isnan(), b.isnan())
+            and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
+        )
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, float) and math.isnan(a):
+        return math.isnan(b)
+    return a == b
+
+
+def through_json(value):  # noqa: ANN001, ANN201
+    """``value`` encoded, written as strict JSON text, read back and decoded."""
+    return decode(json.loads(json.dumps(encode(value), allow_nan=False)))
+
+
+# ---- the JSON metadata ----------------------------------------------------------------------------
+def test_metadata_values_round_trip_exactly():
+    plan = Plan.of({"actor_train": Candidate(Layout(2, 1), 2, (0, 1, 2, 3), micro_batch=2, recompute=True)})
+    value = {
+        "epoch": 3,
+        "scores": [0.1, float("inf"), float("-inf"), float("nan"), 1e-310, 2.0**60 + 1.0],
+        "kth_value": torch.tensor(float("inf")),
+        "tensors": [
+            torch.tensor([[1.5, float("nan")], [-0.0, 3.25]]),
+            torch.tensor([1.0, 2.5e38], dtype=torch.bfloat16),
+            torch.arange(6, dtype=torch.int64).reshape(2, 3),
+            torch.tensor([True, False]),
+            torch.empty(0, 3),
+        ],
+        "pool": (0, 1, (2, 3)),
+        "plan": plan,
+        "by_step": {1: "a", (2, 3): "b"},
+        "looks_tagged": {"__tuple__": [1, 2]},
+        "none": None,
+        "flag": False,
+        "nereus_data": {"epoch": 1, "position": 17, "order": [3, 1, 2]},
+    }
+    back = through_json(value)
+    assert same(back, value)
+    assert back["plan"] == plan and isinstance(back["pool"][2], tuple)
+
+
+def test_a_value_json_cannot_hold_is_refused_naming_its_key():
+    with pytest.raises(
+        CheckpointError, match=r"callbacks\.Mine\.score_fn: a builtins\.function cannot be stored"
+    ):
+        encode({"callbacks": {"Mine": {"score_fn": lambda x: x}}})
+    with pytest.raises(CheckpointError, match=r"hyper_parameters\.raw: a builtins\.bytes"):
+        encode({"hyper_parameters": {"raw": b"\x00"}})
+
+
+@pytest.mark.parametrize(
+    "cls", ["subprocess:Popen", "os:system", "nereus_lightning.lightning.checkpoint:shutil.rmtree"]
+)
+def test_decoding_builds_only_nereus_dataclasses(tmp_path, cls):
+    marker = tmp_path / "marker"
+    hostile = {
+        "__dataclass__": {"type": cls, "fields": {"args": ["touch", str(marker)], "path": str(tmp_path)}}
+    }
+    with pytest.raises(CheckpointError, match="dataclass"):
+        decode({"x": hostile})
+    assert not marker.exists() and tmp_path.exists()
+
+
+def test_controller_state_round_trips_exactly_through_the_callback_state():
+    from nereus_lightning.control import Controller, ControllerConfig
+    from nereus_lightning.lightning import NereusCallback
+    from nereus_lightning.plan.calibration import Calibration
+    from nereus_lightning.spec import CLUSTER_PRESETS, Workload
+    from tests.control.fakes import FakeBackend, gen_plan, sig
+
+    a, b = gen_plan(1, 4), gen_plan(2, 4)
+    backend = FakeBackend([a, b], {a: 10.0, b: 5.0}, tran={b: 2.0}, op_time={"gemm": 4.0})
+
+    def controller() -> Controller:
+        config = ControllerConfig(try_follow_pool=False)
+        return Controller(
+            backend, CLUSTER_PRESETS["paper_cluster2"], Workload(), config, calibration=Calibration(), plan=a
+        )
+
+    ctl = controller()
+    for step, length in enumerate(
+        [1000, 1000, 1500, 1500, 2300, 2300, 3500]
+    ):  # drift crossings: H_x EMAs move
+        ctl.step(sig(step, length=length, op_time={"gemm": 6.0 + step / 3}, transition_time=0.7 * (step > 3)))
+    state = ctl.state_dict()
+    assert state["drift"]["response_len"]["clock"]["ema"] is not None  # the test covers a learned H_x
+    assert state["calibration"]["count"]["gemm"] > 0 and state["transition_scale"] != 1.0
+    callback = NereusCallback(controller=ctl)
+    callback.controller = ctl
+    callback.history = [{"step": 0.0, "actor/pg_loss": float("nan")}]
+    saved = callback.state_dict()
+    loaded = through_json({"callbacks": {"NereusCallback": saved}})["callbacks"]["NereusCallback"]
+    assert same(loaded, saved)
+    fresh = NereusCallback(controller=controller())
+    fresh.load_state_dict(loaded)
+    fresh.controller = controller()
+    fresh.controller.load_state_dict(fresh._restored)
+    assert same(fresh.controller.state_dict(), state)
+    assert fresh.controller.drift["response_len"].reference == ctl.drift["response_len"].reference
+
+
+# ---- damaged and hostile checkpoint directories ---------------------------------------------------
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """Two PPO steps on 2 gloo ranks, checkpoints s1.ckpt, s2.ckpt and last.ckpt (read-only for the tests)."""
+    root = tmp_path_factory.mktemp("saved")
+    fit(str(root), devices=2, max_steps=2, every=1, last=True)
+    return root / "ckpt"
+
+
+def copy_of(saved: Path, tmp_path: Path, name: str = "s2.ckpt") -> Path:
+    return Path(shutil.copytree(saved / name, tmp_path / name))
+
+
+def record_size(ckpt: Path, name: str) -> None:
+    """Make ``nereus_meta.json`` agree with the current size of ``name`` (as a forger would)."""
+    doc = json.loads((ckpt / META_FILE).read_text())
+    doc["files"][name] = (ckpt / name).stat().st_size
+    (ckpt / META_FILE).write_text(json.dumps(doc))
+
+
+@pytest.mark.distributed
+def test_a_saved_checkpoint_reads_back_and_is_the_newest(saved):
+    stored = read_checkpoint(saved / "s2.ckpt")
+    assert stored.state == "emu" and stored.checkpoint["global_step"] == 2
+    assert "NereusCallback" in stored.checkpoint["callbacks"]
+    assert latest_checkpoint(saved) in (str(saved / "s2.ckpt"), str(saved / "last.ckpt"))
+    assert not list(saved.glob(".*"))  # no staging directory left behind
+    assert not list(saved.rglob(LEGACY_META_FILE))
+
+
+@pytest.mark.distributed
+def test_pickled_legacy_metadata_is_refused_unread(saved, tmp_path):
+    ckpt = copy_of(saved, tmp_path)
+    marker = tmp_path / "pwned"
+    (ckpt / META_FILE).unlink()
+    (ckpt / LEGACY_META_FILE).write_bytes(payload_pickle(marker))
+    with pytest.raises(Exception, match=r"nereus_meta\.pt\) is a pickle.*nereus-convert-checkpoint"):
+        fit(str(tmp_path / "b"), devices=2, max_steps=3, ckpt_path=str(ckpt))
+    assert not marker.exists()
+    from nereus_lightning.cli.convert_checkpoint import convert
+
+    with pytest.raises(CheckpointError, match=r"nereus_meta\.pt: cannot be converted.*refused"):
+        convert(ckpt)  # even the converter builds only the types an older checkpoint held
+    assert not marker.exists()
+
+
+@pytest.mark.distributed
+def test_a_pickle_payload_in_dcp_metadata_is_refused_unread(saved, tmp_path):
+    ckpt = copy_of(saved, tmp_path)
+    marker = tmp_path / "pwned"
+    (ckpt / "emu" / "actor_train" / ".metadata").write_bytes(payload_pickle(marker))
+    record_size(ckpt, "emu/actor_train/.metadata")
+    with pytest.raises(Exception, match=r"emu/actor_train/\.metadata: damaged DCP metadata .*refused"):
+        fit(str(tmp_path / "b"), devices=2, max_steps=3, ckpt_path=str(ckpt))
+    assert not marker.exists()
+
+
+@pytest.mark.distributed
+def test_a_truncated_shard_is_named_before_anything_loads(saved, tmp_path):
+    ckpt = copy_of(saved, tmp_path)
+    shard = ckpt / "emu" / "critic_train" / "__1_0.distcp"
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size // 2)
+    with pytest.raises(
+        Exception, match=r"emu/critic_train/__1_0\.distcp: damaged: \d+ bytes, the checkpoint recorded"
+    ):
+        fit(str(tmp_path / "b"), devices=2, max_steps=3, ckpt_path=str(ckpt))
+    record_size(ckpt, "emu/critic_train/__1_0.distcp")  # a forged size: DCP's own metadata still disagrees
+    with pytest.raises(CheckpointError, match=r"critic_train/__1_0\.distcp: truncated: \d+ bytes"):
+        read_checkpoint(ckpt)
+    assert latest_checkpoint(tmp_path) is None
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda c: (c / "emu" / "actor_gen" / ".metadata").unlink(), r"actor_gen/\.metadata: missing"),
+        (
+            lambda c: (c / META_FILE).write_text('{"format": "nereus-checkpoint", "format_'),
+            r"nereus_meta\.json: damaged",
+        ),
+        (
+            lambda c: (c / META_FILE).unlink(),
+            r"is not a Nereus checkpoint directory \(no nereus_meta\.json\)",
+        ),
+        (
+            lambda c: (c / META_FILE).write_text(
+                (c / META_FILE).read_text().replace('_version": 1', '_version": 2')
+            ),
+            r"nereus_meta\.json: checkpoint format version 2; this nereus-lightning reads version 1",
+        ),
+    ],
+)
+def test_damaged_metadata_names_the_file(saved, tmp_path, damage, message):
+    ckpt = copy_of(saved, tmp_path)
+    damage(ckpt)
+    with pytest.raises(CheckpointError, match=message):
+        read_checkpoint(ckpt)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP's note on one-process use
+def test_a_corrupt_shard_of_the_right_size_names_the_file(tmp_path):
+    from nereus_lightning.emu.checkpoint import load_tensors, save_tensors
+
+    save_tensors({"w": torch.arange(64, dtype=torch.float32)}, tmp_path / "c")
+    shard = next((tmp_path / "c").glob("*.distcp"))
+    shard.write_bytes(b"\x07" * shard.stat().st_size)
+    with pytest.raises(CheckpointError, match=rf"{shard.name}: damaged"):
+        load_tensors({"w": torch.zeros(64)}, tmp_path / "c")
+
+
+@pytest.mark.distributed
+def test_an_older_checkpoint_converts_and_resumes(saved, tmp_path):
+    from nereus_lightning.cli.convert_checkpoint import main
+
+    ckpt = copy_of(saved, tmp_path)
+    stored = read_checkpoint(ckpt)
+    (ckpt / META_FILE).unlink()
+    legacy = dict(stored.checkpoint, nereus_state="emu")  # what the older save_checkpoint pickled
+    (ckpt / LEGACY_META_FILE).write_bytes(pickle.dumps(legacy))
+    with pytest.raises(CheckpointError, match="nereus-convert-checkpoint"):
+        read_checkpoint(ckpt)
+    with pytest.raises(SystemExit) as done:
+        main([str(ckpt)])
+    assert done.value.code == 0
+    assert same(read_checkpoint(ckpt).checkpoint, stored.checkpoint)
+    trainer, rows = fit(str(tmp_path / "b"), devices=2, max_steps=3, ckpt_path=str(ckpt))
+    assert [int(float(r["step"])) for r in rows] == [2]
+
+
+# ---- atomic and finite saves ----------------------------------------------------------------------
+@pytest.mark.distributed
+def test_a_crash_mid_save_leaves_the_previous_last_ckpt_whole(tmp_path, monkeypatch):
+    import nereus_lightning.emu.checkpoint as emu_checkpoint
+
+    real, stages_saved = emu_checkpoint.save_state, []
+
+    def save_then_die(model_stage: str, path: str) -> None:
+        real(model_stage, path)
+        if ".last.ckpt.partial" in str(path):
+            if model_stage in stages_saved:  # the second save of last.ckpt, one model-stage written
+                os._exit(3)
+            stages_saved.append(model_stage)
+
+    monkeypatch.setattr(emu_checkpoint, "save_state", save_then_die)  # the forked ranks inherit it
+    with pytest.raises(Exception, match="exit code|terminated|signal"):
+        fit(str(tmp_path / "a"), devices=2, max_steps=3, every=1, last=True)
+    monkeypatch.undo()
+    ckpts = tmp_path / "a" / "ckpt"
+    assert (ckpts / ".last.ckpt.partial").is_dir()  # the interrupted save
+    assert read_checkpoint(ckpts / "last.ckpt").checkpoint["global_step"] == 1  # the previous one, whole
+    assert latest_checkpoint(ckpts) == str(ckpts / "s2.ckpt")
+    trainer, rows = fit(str(tmp_path / "b"), devices=2, max_steps=2, ckpt_path=str(ckpts / "last.ckpt"))
+    assert trainer.state.finished and [int(float(r["step"])) for r in rows] == [1]
+
+
+@pytest.mark.distributed
+def test_a_checkpoint_with_non_finite_state_is_refused_on_every_rank(tmp_path):
+    from nereus_lightning.lightning import PPOModule
+
+    class Poisoned(PPOModule):
+        def rl_step(self, step, plan=None, optimizer=None):  # noqa: ANN001, ANN202
+            out = super().rl_step(step, plan, optimizer)
+            if step == 1 and torch.distributed.get_rank() == 1:
+                unit = self.units._local("actor_train")
+                unit.params["model.norm.weight"][0] = float("nan")
+            return out
+
+    module = Poisoned(task=small_task(), seed=3, prompts_per_step=8)
+    with pytest.raises(
+        Exception,
+        match=r"s2\.ckpt not written: non-finite values .* in actor_train/model\.norm\.weight \(rank 1\)",
+    ):
+        fit(str(tmp_path / "a"), devices=2, max_steps=3, every=1, module=module)
+    ckpts = tmp_path / "a" / "ckpt"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["s1.ckpt"]
+    assert latest_checkpoint(ckpts) == str(ckpts / "s1.ckpt")
+
+
+@pytest.mark.distributed
+def test_the_full_state_backend_resumes_under_another_world_size(tmp_path):
+    _, full = fit(str(tmp_path / "a"), devices=2, max_steps=3, every=2, state="full")
+    ckpt = tmp_path / "a" / "ckpt" / "s2.ckpt"
+    assert read_checkpoint(ckpt).state == "full"
+    _, resumed = fit(str(tmp_path / "b"), devices=3, max_steps=3, ckpt_path=str(ckpt), state="full")
+    assert [int(float(r["step"])) for r in resumed] == [2]
+    for key in ("actor/pg_loss", "critic/vf_loss", "critic/score/mean"):
+        a, b = float(full[2][key]), float(resumed[0][key])
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (key, a, b)
