@@ -500,7 +500,9 @@ class RLModule(L.LightningModule):
         metrics.update({k: float(v) for k, v in extra.items()})
         t_adv = time.perf_counter()
         self.last_rollout = batch
-        if not skipped:
+        if skipped:  # no gradients anywhere: the step still counts, so max_steps is reached
+            (optimizer if optimizer is not None else self.optimizers()).step()
+        else:
             metrics.update(self.update(plan, batch, optimizer, step))
         t_upd = time.perf_counter()
         if self.hparams.rollout_data_dir and self.rank == 0:
