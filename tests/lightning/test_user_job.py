@@ -285,3 +285,19 @@ def test_a_model_folder_without_data_is_refused(job, tmp_path):
 
     with pytest.raises(NereusConfigError, match="data.train_files"):
         run(_cfg(f"actor.path={job['model']}", f"output_dir={tmp_path}"))
+
+
+@pytest.mark.parametrize("experiment", ["gsm8k_grpo", "gsm8k_ppo"])
+def test_gsm8k_experiments_build_with_the_builtin_reward(job, tmp_path, experiment):
+    from nereus_lightning.cli.train import build_module, check_config
+    from nereus_lightning.rl.data import Prompt
+    from nereus_lightning.rl.sources import Sample
+
+    cfg = _cfg(f"experiment={experiment}", f"actor.path={job['model']}", f"data.train_files={job['train']}")
+    check_config(cfg)
+    module = build_module(cfg)
+    assert module.hparams.prompts_per_step == 16 and (module.critic is not None) == (experiment == "gsm8k_ppo")
+    ids = tuple(module.tokenizer("The answer is #### 12")["input_ids"])
+    right, wrong = (Prompt(0, (), ground_truth=t, data_source="arith_gsm8k") for t in ("12", "13"))
+    scores = module.source.score([Sample(0, right, ids), Sample(1, wrong, ids)])
+    assert [s.score for s in scores] == [1.0, 0.0]  # the built-in GSM8K reward, picked by data_source

@@ -113,7 +113,9 @@ def check_hyperparameters(values: Mapping[str, Any]) -> None:
     )
     for name, key, allowed in choices:
         if name in values:
-            require(values[name] in allowed, key, f"{values[name]!r} is not one of {', '.join(allowed)}")
+            require(
+                values[name] in allowed, key, f"{values[name]!r} is not one of {', '.join(map(repr, allowed))}"
+            )
     if "reward_workers" in values:
         workers = values["reward_workers"]
         require(
