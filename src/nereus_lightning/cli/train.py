@@ -177,13 +177,21 @@ def _quiet() -> None:
 
 def run(cfg: Any) -> dict[str, Any]:
     """Train as configured; returns a summary (reward first/last 10 steps, transitions, paths)."""
+    import time
+
+    started = time.perf_counter()
     import lightning.pytorch as pl
 
+    from nereus_lightning.cli._logging import propagate_to_root
+
+    propagate_to_root()  # each log record once: through Hydra's handlers, not also Lightning's
     _quiet()
     from hydra.utils import instantiate
 
     from nereus_lightning.control import SequenceResources
     from nereus_lightning.lightning import NereusCallback, NereusStrategy
+    from nereus_lightning.lightning.console import print_summary
+    from nereus_lightning.lightning.progress import NereusProgressBar
 
     world = _world_size(cfg)
     if cfg.get("cluster_gpu_memory") == "auto":  # resolve once, here, for every rank
@@ -240,7 +248,7 @@ def run(cfg: Any) -> dict[str, Any]:
         auto_insert_metric_name=False,
     )
     loggers = [instantiate(v) for v in (cfg.logger or {}).values()]
-    callbacks = [callback, pl.callbacks.RichProgressBar()] + ([checkpoint] if cfg.save_checkpoint else [])
+    callbacks = [callback, NereusProgressBar()] + ([checkpoint] if cfg.save_checkpoint else [])
     trainer = instantiate(
         cfg.trainer,
         strategy=NereusStrategy(cluster=job_cluster(cfg)),
@@ -258,6 +266,7 @@ def run(cfg: Any) -> dict[str, Any]:
     summary["plot"] = plot_path
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
+    print_summary(summary, out, wall_s=time.perf_counter() - started)
     return summary
 
 
@@ -294,14 +303,17 @@ def main() -> None:
     import hydra
     from omegaconf import DictConfig
 
+    from nereus_lightning.cli._help import register_help_resolver
+
+    register_help_resolver()
+
     @hydra.main(version_base="1.3", config_path="../configs", config_name="train")
     def _main(cfg: DictConfig) -> None:
         try:
-            summary = run(cfg)
+            run(cfg)
         except (NereusConfigError, InfeasiblePlanError) as exc:
             print(f"nereus-train: {exc}", file=sys.stderr)
             sys.exit(2)
-        print(json.dumps(summary, indent=2))
 
     _main()
 
