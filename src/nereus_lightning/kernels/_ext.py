@@ -6,9 +6,10 @@ the extension name carries a hash of the sources, so an edited kernel rebuilds. 
 torch the same call hipifies the CUDA sources (see ``nereus_lightning/hip/README.md``). Without a
 GPU, with ``NEREUS_PACK_KERNELS=0``, or when the build fails, pack/unpack use the torch reference
 and one line per process says why: INFO where that is the expected path (no GPU, or disabled),
-WARNING where a GPU is present and the build or load failed (with the reason). Environment: ``NEREUS_PACK_KERNELS=0`` (force the reference),
-``NEREUS_PACK_VERBOSE=1`` (show the compiler commands), ``NEREUS_PACK_CHUNK_BYTES`` (bytes per
-block of work, a power of two >= 1024; default 8 KiB).
+WARNING where a GPU is present and the build or load failed (with the reason). Environment:
+``NEREUS_PACK_KERNELS=0`` (force the reference), ``NEREUS_PACK_VERBOSE=1`` (show the compiler
+commands), ``NEREUS_PACK_CHUNK_BYTES`` (bytes per block of work, a power of two >= 1024; default
+8 KiB).
 """
 
 from __future__ import annotations
@@ -106,9 +107,7 @@ def kernel_status() -> tuple[bool, str]:
     return module is not None, "loaded" if module is not None else str(_reason)
 
 
-def copy_views(
-    views: Sequence[torch.Tensor], buffer: torch.Tensor, pack: bool, chunk_bytes: int | None = None
-) -> bool:
+def copy_views(views: Sequence[torch.Tensor], buffer: torch.Tensor, pack: bool, chunk_bytes: int | None = None) -> bool:
     """Run the fused kernel (``pack``: views -> buffer, else buffer -> views); False if it did not run.
 
     False means nothing was written and the caller must use the reference: kernels unavailable, or
