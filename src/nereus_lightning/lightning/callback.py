@@ -140,7 +140,13 @@ class NereusCallback(pl.Callback):
         plan = getattr(strategy, "plan", None)
         if plan is not None:
             for name, cand in plan.items():
-                for key, val in (("dp", cand.dp), ("tp", cand.layout.tp), ("pp", cand.layout.pp)):
+                dims = (
+                    ("dp", cand.dp),
+                    ("tp", cand.layout.tp),
+                    ("pp", cand.layout.pp),
+                    ("micro_batch", cand.micro_batch),
+                )
+                for key, val in dims:
                     stats[f"plan/{name}/{key}"] = float(val)
         stats["plan/num_gpus"] = (
             float(len(_used_gpus(plan))) if plan is not None else float(trainer.world_size)

@@ -22,67 +22,68 @@ if not logging.getLogger().handlers:  # Lightning's rule: a plain Python session
     _package.addHandler(logging.StreamHandler())
     _package.propagate = False
 
-Layout = tuple[int, int, int]  # (dp, tp, pp) of one model-stage
+StagePlan = Mapping[str, Any]  # one model-stage of a plan in the decision log's JSON form
 LAYOUT_KEYS = ("dp", "tp", "pp")
+DETAIL_KEYS = ("micro_batch", "recompute", "gpus")  # what else can change while the layout stays
 EXECUTED_KINDS = ("transition", "restart")  # decisions the body carries out by moving state
 
 
-# ---- plans as (dp, tp, pp) per model-stage -----------------------------------------------------
-def layouts_of_plan(plan: Mapping[str, Mapping[str, Any]] | None) -> dict[str, Layout]:
-    """The ``(dp, tp, pp)`` of each model-stage of a plan in the decision log's JSON form."""
-    return {name: tuple(int(c[k]) for k in LAYOUT_KEYS) for name, c in (plan or {}).items()}  # type: ignore[misc]
-
-
-def layouts_of_metrics(row: Mapping[str, Any]) -> dict[str, Layout]:
-    """The ``(dp, tp, pp)`` of each model-stage from a metrics row's ``plan/<stage>/<dim>`` columns."""
-    stages = sorted({k.split("/")[1] for k in row if k.startswith("plan/") and k.count("/") == 2})
-    out = {}
-    for stage in stages:
-        dims = [row.get(f"plan/{stage}/{k}") for k in LAYOUT_KEYS]
-        if all(d not in (None, "") for d in dims):
-            out[stage] = tuple(int(float(d)) for d in dims)  # type: ignore[arg-type]
-    return out
+# ---- plan changes ------------------------------------------------------------------------------
+def plan_of_metrics(row: Mapping[str, Any]) -> dict[str, dict[str, int]]:
+    """Each model-stage's ``dp``/``tp``/``pp`` (and ``micro_batch`` when logged) from a metrics
+    row's ``plan/<stage>/<key>`` columns, in the decision log's plan form."""
+    plan: dict[str, dict[str, int]] = {}
+    for key, value in row.items():
+        parts = key.split("/")
+        if len(parts) == 3 and parts[0] == "plan" and value not in (None, ""):
+            plan.setdefault(parts[1], {})[parts[2]] = int(float(value))
+    return {stage: dims for stage, dims in sorted(plan.items()) if all(k in dims for k in LAYOUT_KEYS)}
 
 
 def describe_changes(
-    before: Mapping[str, Layout],
-    after: Mapping[str, Layout],
+    before: Mapping[str, StagePlan] | None,
+    after: Mapping[str, StagePlan] | None,
     gpus: tuple[int, int] | None = None,
-    layouts_only: bool = False,
 ) -> list[str]:
     """What a plan change changed: ``GPUs 4->3``, then ``actor_gen, ref_infer (4,1,1)->(3,1,1)``.
 
-    Model-stages with the same old and new layout share one item. ``layouts_only`` keeps only the
-    stages whose TP or PP changes (a DP re-fit then reads ``DP re-fit``): short labels for the plot.
+    A stage whose ``(dp,tp,pp)`` stays but whose micro-batch, recomputation or GPUs change reads
+    e.g. ``actor_gen micro_batch 3->2``; stages with the same change share one item.
     """
+    before, after = before or {}, after or {}
     items = [f"GPUs {gpus[0]}->{gpus[1]}"] if gpus is not None and gpus[0] != gpus[1] else []
-    groups: dict[tuple[Layout | None, Layout | None], list[str]] = {}
+    groups: dict[str, list[str]] = {}
     for stage in [*before, *(s for s in after if s not in before)]:
-        old, new = before.get(stage), after.get(stage)
-        if old == new or (layouts_only and old is not None and new is not None and old[1:] == new[1:]):
-            continue
-        groups.setdefault((old, new), []).append(stage)
-    for (old, new), stages in groups.items():
-        items.append(f"{', '.join(stages)} {_layout(old)}->{_layout(new)}")
-    if not items and before != after:
-        items.append("DP re-fit")
+        change = _stage_change(before.get(stage), after.get(stage))
+        if change:
+            groups.setdefault(change, []).append(stage)
+    items += [f"{', '.join(stages)} {change}" for change, stages in groups.items()]
     return items
 
 
-def describe_layouts(layouts: Mapping[str, Layout]) -> str:
+def _stage_change(old: StagePlan | None, new: StagePlan | None) -> str:
+    if old is None or new is None or _layout(old) != _layout(new):
+        return f"{_layout(old)}->{_layout(new)}"
+    for key in DETAIL_KEYS:
+        if key in old and key in new and old[key] != new[key]:
+            return f"{key} {old[key]}->{new[key]}"
+    return ""
+
+
+def describe_plan(plan: Mapping[str, StagePlan] | None) -> str:
     """A plan as ``actor_gen (4,1,1); actor_train, critic_train (1,1,2)`` (stages sharing a layout grouped)."""
-    groups: dict[Layout, list[str]] = {}
-    for stage, layout in layouts.items():
-        groups.setdefault(layout, []).append(stage)
-    return "; ".join(f"{', '.join(stages)} {_layout(layout)}" for layout, stages in groups.items())
+    groups: dict[str, list[str]] = {}
+    for stage, cand in (plan or {}).items():
+        groups.setdefault(_layout(cand), []).append(stage)
+    return "; ".join(f"{', '.join(stages)} {layout}" for layout, stages in groups.items())
 
 
-def _layout(layout: Layout | None) -> str:
-    return "none" if layout is None else "(" + ",".join(str(x) for x in layout) + ")"
+def _layout(cand: StagePlan | None) -> str:
+    return "none" if cand is None else "(" + ",".join(str(cand[k]) for k in LAYOUT_KEYS) + ")"
 
 
 # ---- one line per decision ---------------------------------------------------------------------
-def trigger_text(triggers: Sequence[Mapping[str, Any]], limit: int = 90) -> str:
+def trigger_text(triggers: Sequence[Mapping[str, Any]], limit: int = 70) -> str:
     """The triggers of a decision, e.g. ``pool 4 -> 3 GPUs`` or ``response_len 7.0 -> 9.9 (+42.0%, ...)``."""
     parts = []
     for t in triggers:
@@ -111,12 +112,9 @@ def decision_line(record: Mapping[str, Any], executed: Mapping[str, Any] | None 
     if kind == "initial":
         latency = record.get("target_latency")
         predicted = f"; predicted {_seconds(latency)}/step" if latency is not None else ""
-        layouts = describe_layouts(layouts_of_plan(record.get("target_plan")))
-        return f"step {step} initial plan (dp,tp,pp): {layouts}{predicted}"
+        return f"step {step} initial plan (dp,tp,pp): {describe_plan(record.get('target_plan'))}{predicted}"
     if kind in EXECUTED_KINDS and not _kept(executed):
-        changes = describe_changes(
-            layouts_of_plan(record.get("current_plan")), layouts_of_plan(record.get("target_plan"))
-        )
+        changes = describe_changes(record.get("current_plan"), record.get("target_plan"))
         line = (
             f"step {step} transition{where}: {'; '.join(changes) or 'no layout change'}; {_admission(record)}"
         )
@@ -225,7 +223,7 @@ def transition_rows(
         after = rows[i + 1] if i + 1 < len(rows) else row
         gpus = (_int(row.get("plan/num_gpus")), _int(after.get("plan/num_gpus")))
         step = int(float(row["step"])) + 1
-        changes = describe_changes(layouts_of_metrics(row), layouts_of_metrics(after), gpus)
+        changes = describe_changes(plan_of_metrics(row), plan_of_metrics(after), gpus)
         out.append(
             {
                 "step": step,

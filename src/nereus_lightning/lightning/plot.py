@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from nereus_lightning.lightning.console import describe_changes, layouts_of_metrics
+from nereus_lightning.lightning.console import describe_changes, plan_of_metrics
 
 LABEL_FONT = 7
 LABEL_PAD_PT = 2.0  # points between a label and the next one, and between a label and its line
@@ -22,7 +22,7 @@ ROWS = {"lane": 0.6, "reward": 3.0, "seconds": 2.0, "gpus": 1.0, "length": 1.2} 
 def change_label(before: Mapping[str, float], after: Mapping[str, float]) -> str:
     """What a transition changed, e.g. ``GPUs 4->3`` or ``actor_train (1,1,1)->(1,1,2)`` (one line each)."""
     gpus = (int(before.get("plan/num_gpus", 0)), int(after.get("plan/num_gpus", 0)))
-    items = describe_changes(layouts_of_metrics(before), layouts_of_metrics(after), gpus, layouts_only=True)
+    items = describe_changes(plan_of_metrics(before), plan_of_metrics(after), gpus)
     if len(items) > MAX_CHANGES:
         items = [*items[: MAX_CHANGES - 1], f"+{len(items) - MAX_CHANGES + 1} more"]
     return "\n".join(items) or "plan kept"

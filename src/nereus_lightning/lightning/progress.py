@@ -35,7 +35,7 @@ class NereusProgressBar(RichProgressBar):
     def _show_steps(self, trainer: pl.Trainer) -> None:
         if self.progress is None or self.train_progress_bar_id is None:
             return
-        total = float(trainer.estimated_stepping_batches)
+        total = trainer.estimated_stepping_batches
         self.progress.update(
             self.train_progress_bar_id,
             total=total if total > 0 else float("inf"),  # -1: no step limit
