@@ -141,20 +141,21 @@ def announce(record: Mapping[str, Any], executed: Mapping[str, Any] | None = Non
 
 
 def _admission(record: Mapping[str, Any]) -> str:
-    """Predicted dL, L_tran and the payback rule ``L_tran / dL <= gamma * H_x``."""
+    """Predicted dL and L_tran, and the payback rule ``L_tran / dL <= gamma * H_x`` (or why it was waived)."""
     d_l, l_tran, h_x, gamma = (record.get(k) for k in ("dL", "L_tran", "H_x", "gamma"))
-    parts = [
-        f"{name} {_seconds(v)}{unit}"
-        for name, v, unit in (("dL", d_l, "/step"), ("L_tran", l_tran, ""))
-        if v is not None
+    known = [
+        (name, v, unit) for name, v, unit in (("dL", d_l, "/step"), ("L_tran", l_tran, "")) if v is not None
     ]
+    parts = (
+        ["predicted " + ", ".join(f"{name} {_seconds(v)}{unit}" for name, v, unit in known)] if known else []
+    )
     if record.get("urgent"):
         parts.append("urgent: payback waived")
     elif d_l and d_l > 0 and l_tran is not None and h_x is not None and gamma is not None:
         payback, bound = l_tran / d_l, gamma * h_x
         sign = "<=" if payback <= bound else ">"
         parts.append(f"payback {payback:.2f} steps {sign} gamma*H_x = {gamma:g}*{h_x:g} = {bound:.2f}")
-    return "predicted " + ", ".join(parts) if parts else "no prediction"
+    return ", ".join(parts) or "no prediction"
 
 
 def _how(executed: Mapping[str, Any]) -> str:
