@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-MOVE = re.compile(r"^step (\d+) transition \[[^\]]+\]: (.+?); .*took ([\d.e+-]+) s, moved ")
+MOVE = re.compile(r"^step (\d+) transition \[.*?\]: (.+?); .*took ([\d.e+-]+) s, moved ")
 LAYOUT_CHANGE = re.compile(r"\w+ \(\d+,\d+,\d+\)->\(\d+,\d+,\d+\)")
 
 
@@ -65,6 +65,8 @@ def test_embedded_default_console_shows_each_transition_once_and_cleanly(tmp_pat
 def test_help_lists_only_the_groups_nereus_train_uses(tmp_path):
     out = _nereus_train(tmp_path, "algorithm=grpo", "--help")
     groups = re.findall(r"^  ([\w/]+)=(\S+)  \(options: ", out, flags=re.M)
-    assert ("algorithm", "grpo") in groups and {"actor", "trainer", "controller", "task"} <= dict(groups).keys()
+    assert ("algorithm", "grpo") in groups and {"actor", "trainer", "controller", "task"} <= dict(
+        groups
+    ).keys()
     assert not [g for g, _ in groups if g.startswith(("plan", "trace", "hydra"))]
     assert out.startswith("nereus-train") and "max_steps" in out

@@ -99,7 +99,7 @@ def test_decision_line_names_step_trigger_stages_prediction_and_measurement():
     moved["measured_s"] = 0.25
     executed = {"seconds": 0.2, "bytes": 3.2e6, "mode": "dag", "counts": {"split": 0, "extend": 2}}
     assert decision_line(moved, executed) == (
-        "step 30 transition [pool 4 -> 3 GPUs]: actor_gen (4,1,1)->(3,1,1); critic_train (1,1,1)->(1,1,2); "
+        "step 30 transition [pool: 4 -> 3 GPUs]: actor_gen (4,1,1)->(3,1,1); critic_train (1,1,1)->(1,1,2); "
         "predicted dL 0.0078 s/step, L_tran 0.0107 s, payback 1.37 steps <= gamma*H_x = 0.5*20 = 10.00; "
         "took 0.25 s, moved 3.2 MB (DAG: 2 extend)"
     )
@@ -110,7 +110,7 @@ def test_quiet_steps_stay_quiet_and_rejections_say_why():
     assert decision_line(quiet) is None
     assert decision_line({**kept, "considered": []}) is None  # no faster plan existed: nothing to say
     assert (
-        decision_line(kept) == "step 30 no transition [pool 4 -> 3 GPUs]: payback failed for every candidate"
+        decision_line(kept) == "step 30 no transition [pool: 4 -> 3 GPUs]: payback failed for every candidate"
     )
 
 
@@ -119,11 +119,25 @@ def test_a_transition_the_strategy_could_not_run_reads_as_kept_and_is_not_counte
 
     moved, _, _ = _pool_records()
     infeasible = {"mode": "kept", "reason": "Split does not fit", "bytes": 0}
-    assert decision_line(moved, infeasible).startswith("step 30 no transition [pool 4 -> 3 GPUs]: plan kept")
+    assert decision_line(moved, infeasible).startswith("step 30 no transition [pool: 4 -> 3 GPUs]: plan kept")
     done = {**moved, "measured_s": 0.1, "transition": {"mode": "dag", "bytes": 10}}
     refused = {**moved, "measured_s": 0.1, "transition": infeasible}
     initial = {"step": 0, "decision": "initial"}
     assert executed_transitions([initial, done, refused, done]) == 2
+
+
+def test_triggers_read_as_signal_and_change_and_long_ones_are_cut_at_a_word():
+    from nereus_lightning.lightning.console import trigger_text
+
+    drift = {"kind": "drift:response_len", "detail": "response_len 7.0 -> 9.9 (+42.0%, threshold 30%)"}
+    assert trigger_text([drift, {"kind": "pool", "detail": "4 -> 3 GPUs"}]) == (
+        "response_len 7.0 -> 9.9 (+42.0%, threshold 30%); pool: 4 -> 3 GPUs"
+    )
+    memory = {
+        "kind": "memory",
+        "detail": "predicted peak memory exceeds the cap: actor_gen: GPU 0 needs 1.1 GB",
+    }
+    assert trigger_text([memory]) == "memory: predicted peak memory exceeds the cap: actor_gen: GPU 0..."
 
 
 def test_changes_group_stages_and_name_what_else_changed():
@@ -197,7 +211,7 @@ def test_summary_table_lists_each_transition_and_where_the_outputs_are(tmp_path)
     text = console.export_text()
     assert "60" in text and "12.5 s" in text and "first 10 steps 0.060, last 10 0.600" in text
     assert re.search(
-        r"\b29 .*GPUs 4->3; actor_gen \(4,1,1\)->\(3,1,1\).*pool 4 -> 3 GPUs.*0\.100.*3\.2 MB", text
+        r"\b29 .*GPUs 4->3; actor_gen \(4,1,1\)->\(3,1,1\).*pool: 4 -> 3 GPUs.*0\.100.*3\.2 MB", text
     )
     assert "1, 0.10 s = 0.6% of the time in steps and transitions" in text
     assert str(metrics) in text and str(tmp_path / "decisions.jsonl") in text

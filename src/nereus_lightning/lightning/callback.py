@@ -156,7 +156,7 @@ class NereusCallback(pl.Callback):
             # The measured duration of the transition executed before this step: the controller's
             # transition-cost calibration reads it.
             signals = replace(signals, transition_time=self._last_transition_s)
-        stats["pool/num_gpus"] = float(len(signals.gpus))
+        stats["pool/num_gpus"] = float(len(self.pool(step - 1, trainer.world_size)))  # during this step
         seconds = self._decide_and_apply(trainer, pl_module, signals)
         self._last_transition_s = seconds
         stats["timing_s/transition"] = seconds

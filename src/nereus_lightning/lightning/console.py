@@ -84,13 +84,16 @@ def _layout(cand: StagePlan | None) -> str:
 
 # ---- one line per decision ---------------------------------------------------------------------
 def trigger_text(triggers: Sequence[Mapping[str, Any]], limit: int = 70) -> str:
-    """The triggers of a decision, e.g. ``pool 4 -> 3 GPUs`` or ``response_len 7.0 -> 9.9 (+42.0%, ...)``."""
+    """The triggers of a decision, e.g. ``pool: 4 -> 3 GPUs`` or ``response_len 7.0 -> 9.9 (+42.0%, ...)``;
+    each cut at a word near ``limit`` characters (the decision log keeps the whole text)."""
     parts = []
     for t in triggers:
         name = str(t["kind"]).removeprefix("drift:")
         detail = str(t.get("detail") or "")
-        text = detail if detail.startswith(name) else f"{name} {detail}".strip()
-        parts.append(text if len(text) <= limit else text[: limit - 3] + "...")
+        text = detail if detail.startswith(name) else f"{name}: {detail}" if detail else name
+        if len(text) > limit:
+            text = text[: limit - 3].rsplit(" ", 1)[0].rstrip(",;:") + "..."
+        parts.append(text)
     return "; ".join(parts)
 
 

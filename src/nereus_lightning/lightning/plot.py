@@ -15,7 +15,7 @@ from nereus_lightning.lightning.console import describe_changes, plan_of_metrics
 
 LABEL_FONT = 7
 LABEL_PAD_PT = 2.0  # points between a label and the next one, and between a label and its line
-MAX_CHANGES = 2  # change lines per label; more read "+k more"
+MAX_CHANGES = 3  # change lines per label; more read "+k more"
 ROWS = {"lane": 0.6, "reward": 3.0, "seconds": 2.0, "gpus": 1.0, "length": 1.2}  # height ratios
 
 
