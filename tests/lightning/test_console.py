@@ -223,7 +223,7 @@ def test_other_ranks_log_only_warnings_to_the_console_and_say_which_rank(monkeyp
 
     from lightning_utilities.core.rank_zero import rank_zero_only
 
-    from nereus_lightning.cli._logging import ConsoleFormatter, RankFilter
+    from nereus_lightning.console_log import ConsoleFormatter, RankFilter
 
     def record(level: int) -> logging.LogRecord:
         return logging.LogRecord("nereus_lightning", level, __file__, 1, "kernels off", None, None)
@@ -241,7 +241,7 @@ def test_other_ranks_log_only_warnings_to_the_console_and_say_which_rank(monkeyp
 def test_lightning_records_go_through_the_root_handlers_only():
     import logging
 
-    from nereus_lightning.cli._logging import LIBRARY_LOGGERS, propagate_to_root
+    from nereus_lightning.console_log import LIBRARY_LOGGERS, propagate_to_root
 
     saved = {
         n: (list(logging.getLogger(n).handlers), logging.getLogger(n).propagate) for n in LIBRARY_LOGGERS

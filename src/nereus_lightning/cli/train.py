@@ -182,7 +182,7 @@ def run(cfg: Any) -> dict[str, Any]:
     started = time.perf_counter()
     import lightning.pytorch as pl
 
-    from nereus_lightning.cli._logging import propagate_to_root
+    from nereus_lightning.console_log import propagate_to_root
 
     propagate_to_root()  # each log record once: through Hydra's handlers, not also Lightning's
     _quiet()

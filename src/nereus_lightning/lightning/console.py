@@ -15,11 +15,13 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from nereus_lightning.console_log import console_handler
+
 log = logging.getLogger("nereus_lightning.console")
 if not logging.getLogger().handlers:  # Lightning's rule: a plain Python session still sees the lines
     _package = logging.getLogger("nereus_lightning")
     _package.setLevel(logging.INFO)
-    _package.addHandler(logging.StreamHandler())
+    _package.addHandler(console_handler())
     _package.propagate = False
 
 StagePlan = Mapping[str, Any]  # one model-stage of a plan in the decision log's JSON form

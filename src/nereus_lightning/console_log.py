@@ -1,10 +1,11 @@
-"""Logging of the Hydra apps: each record printed once, rank 0 on the console, every rank in the file.
+"""How log records reach the console: once each, rank 0's on the console, every rank's in the file.
 
-Hydra's job logging (``configs/hydra/job_logging/nereus.yaml``) puts a console and a file handler
-on the root logger; the classes here are its pieces. Lightning also gives its own loggers a
-console handler of their own, so each of its records would be printed twice:
-:func:`propagate_to_root` takes those handlers away once the root has its own. Nothing here
-imports Lightning: Hydra builds these objects before the app imports anything.
+Hydra's job logging of ``nereus-train`` (``configs/hydra/job_logging/nereus.yaml``) puts a console
+and a file handler on the root logger, built from the classes here. Lightning also gives its own
+loggers a console handler, so each of its records would be printed twice: :func:`propagate_to_root`
+takes those away once the root has handlers. In a plain Python session (no root handlers),
+:func:`console_handler` is what the package's own logger prints through. Nothing here imports
+Lightning or torch: Hydra builds these objects before the app imports anything.
 """
 
 from __future__ import annotations
@@ -72,6 +73,14 @@ class ConsoleHandler(logging.StreamHandler):
     @stream.setter
     def stream(self, value: object) -> None:  # StreamHandler.__init__ sets it; the property wins
         pass
+
+
+def console_handler() -> logging.Handler:
+    """The console handler of a plain Python session: rank 0's records, warnings from every rank."""
+    handler = ConsoleHandler()
+    handler.addFilter(RankFilter("WARNING"))
+    handler.setFormatter(ConsoleFormatter())
+    return handler
 
 
 def propagate_to_root() -> None:
