@@ -118,6 +118,8 @@ def decision_line(record: Mapping[str, Any], executed: Mapping[str, Any] | None 
         latency = record.get("target_latency")
         predicted = f"; predicted {_seconds(latency)}/step" if latency is not None else ""
         return f"step {step} initial plan (dp,tp,pp): {describe_plan(record.get('target_plan'))}{predicted}"
+    if kind == "wait" or (kind in EXECUTED_KINDS and record.get("target_plan") is None):
+        return f"step {step} waiting{where}: {record.get('reason')}"  # checkpointed: no plan fits the pool
     if kind in EXECUTED_KINDS and not _kept(executed):
         changes = describe_changes(record.get("current_plan"), record.get("target_plan"))
         line = (
@@ -133,8 +135,6 @@ def decision_line(record: Mapping[str, Any], executed: Mapping[str, Any] | None 
         return f"step {step} no transition{where}: plan kept, the transition is infeasible ({executed.get('reason')})"  # type: ignore[union-attr]
     if kind == "keep" and record.get("considered"):  # a faster plan existed and was not admitted
         return f"step {step} no transition{where}: {record.get('reason')}"
-    if kind == "wait":
-        return f"step {step} waiting{where}: {record.get('reason')}"
     return None
 
 

@@ -8,6 +8,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import RichProgressBar
 from typing_extensions import override
 
+from nereus_lightning.lightning.callback import NereusCallback
+
 DESCRIPTION = "RL step"
 
 
@@ -48,8 +50,6 @@ class NereusProgressBar(RichProgressBar):
     def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         items = super().get_metrics(trainer, pl_module)
         items.pop("v_num", None)  # the logger's version says nothing about the run
-        from nereus_lightning.lightning.callback import NereusCallback
-
         for callback in trainer.callbacks:  # type: ignore[attr-defined]
             if isinstance(callback, NereusCallback):
                 items["transitions"] = str(callback.transition_count)
