@@ -112,6 +112,8 @@ def test_quiet_steps_stay_quiet_and_rejections_say_why():
     assert (
         decision_line(kept) == "step 30 no transition [pool: 4 -> 3 GPUs]: payback failed for every candidate"
     )
+    stuck = {**kept, "decision": "restart", "target_plan": None, "reason": "no plan fits the pool"}
+    assert decision_line(stuck) == "step 30 waiting [pool: 4 -> 3 GPUs]: no plan fits the pool"
 
 
 def test_a_transition_the_strategy_could_not_run_reads_as_kept_and_is_not_counted():
