@@ -1,4 +1,4 @@
-"""Loading the kernels: the build call, the ROCm source copy, and the one-line fallback when a build fails."""
+"""Loading the kernels: the build call, the ROCm source copy, and the one-line fallback (INFO without a GPU, WARNING when a build fails)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,9 @@ def test_build_compiles_the_package_sources_on_cuda(monkeypatch):
     assert call["sources"] == [str(_ext.CUDA_DIR / s) for s in _ext.SOURCES]
     assert "-DNEREUS_PACK_UNROLL=8" in call["extra_cuda_cflags"]
     assert call["name"].startswith("nereus_pack_")
-    assert _ext.build(["NEREUS_PACK_UNROLL=8"]) and calls[1]["name"] == call["name"]  # same sources, same cache entry
+    assert (
+        _ext.build(["NEREUS_PACK_UNROLL=8"]) and calls[1]["name"] == call["name"]
+    )  # same sources, same cache entry
     _ext.build()
     assert calls[2]["name"] != call["name"]  # other defines, other extension
 
@@ -73,3 +75,14 @@ def test_disabled_by_environment(fresh_loader, monkeypatch):
     assert _ext.kernel_status() == (False, "disabled by NEREUS_PACK_KERNELS=0")
     views = [torch.arange(6.0).view(2, 3)[:, 1:]]
     assert torch.equal(pack(views), pack_reference(views))
+
+
+def test_no_gpu_says_so_once_at_info(fresh_loader, monkeypatch, caplog):
+    monkeypatch.delenv("NEREUS_PACK_KERNELS", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with caplog.at_level(logging.DEBUG, logger="nereus_lightning.kernels"):
+        _ext.note_reference_use()
+        _ext.note_reference_use()
+        assert _ext.kernel_status() == (False, "no GPU (torch.cuda.is_available() is False)")
+    lines = [r for r in caplog.records if r.name == "nereus_lightning.kernels"]
+    assert [r.levelno for r in lines] == [logging.INFO] and "torch reference" in lines[0].getMessage()

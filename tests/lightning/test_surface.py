@@ -56,7 +56,7 @@ def test_plot_marks_what_each_transition_changed(tmp_path):
         "plan/actor_train/pp": 1.0,
     }
     b = {**a, "step": 1.0, "timing_s/transition": 0.0, "plan/actor_train/dp": 1.0, "plan/actor_train/pp": 2.0}
-    assert change_label(a, b) == "actor_train TP1PP1->TP1PP2"
+    assert change_label(a, b) == "actor_train (2,1,1)->(1,1,2)"
     assert change_label(a, {**a, "plan/num_gpus": 3.0}) == "GPUs 4->3"
     path = plot_run([a, b], str(tmp_path / "run.png"))
     assert (tmp_path / "run.png").stat().st_size > 1000 and path.endswith("run.png")

@@ -312,14 +312,22 @@ def check_config(cfg: Any) -> None:
 
 def run(cfg: Any) -> dict[str, Any]:
     """Train as configured; returns a summary (reward first/last 10 steps, transitions, paths)."""
+    import time
+
+    started = time.perf_counter()
     import lightning.pytorch as pl
 
+    from nereus_lightning.console_log import propagate_to_root
+
+    propagate_to_root()  # each log record once: through Hydra's handlers, not also Lightning's
     _quiet()
     from hydra.utils import instantiate
     from omegaconf import OmegaConf, open_dict
 
     from nereus_lightning.control import SequenceResources
     from nereus_lightning.lightning import NereusCallback, NereusStrategy
+    from nereus_lightning.lightning.console import print_summary
+    from nereus_lightning.lightning.progress import NereusProgressBar
 
     check_config(cfg)
     world = _world_size(cfg)
@@ -370,7 +378,7 @@ def run(cfg: Any) -> dict[str, Any]:
         auto_insert_metric_name=False,
     )
     loggers = [instantiate(v) for v in (cfg.logger or {}).values()]
-    callbacks = [callback, pl.callbacks.RichProgressBar()] + ([checkpoint] if cfg.save_checkpoint else [])
+    callbacks = [callback, NereusProgressBar()] + ([checkpoint] if cfg.save_checkpoint else [])
     trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
     for key in NEREUS_TRAINER_KEYS:
         trainer_cfg.pop(key, None)
@@ -389,8 +397,12 @@ def run(cfg: Any) -> dict[str, Any]:
         raise RuntimeError(f"training stopped: {type(exc).__name__}: {exc}\n{hint}") from exc
     summary = summarize(out)
     summary["plot"] = plot_path
+    last = latest_checkpoint(ckpt_dir) if cfg.save_checkpoint else None
+    if last and os.path.isdir(os.path.join(last, "hf")):
+        summary["hf_export"] = os.path.join(last, "hf")  # from_pretrained(<this>/actor)
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
+    print_summary(summary, out, wall_s=time.perf_counter() - started)
     return summary
 
 
@@ -428,14 +440,17 @@ def main() -> None:
     import hydra
     from omegaconf import DictConfig
 
+    from nereus_lightning.cli._help import register_help_resolver
+
+    register_help_resolver()
+
     @hydra.main(version_base="1.3", config_path="../configs", config_name="train")
     def _main(cfg: DictConfig) -> None:
         try:
-            summary = run(cfg)
+            run(cfg)
         except (NereusConfigError, InfeasiblePlanError) as exc:
             print(f"nereus-train: {exc}", file=sys.stderr)
             sys.exit(2)
-        print(json.dumps(summary, indent=2))
 
     _main()
 

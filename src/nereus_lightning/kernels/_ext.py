@@ -5,9 +5,11 @@ GPU tensors and cached by torch (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/to
 the extension name carries a hash of the sources, so an edited kernel rebuilds. On a ROCm build of
 torch the same call hipifies the CUDA sources (see ``nereus_lightning/hip/README.md``). Without a
 GPU, with ``NEREUS_PACK_KERNELS=0``, or when the build fails, pack/unpack use the torch reference
-and one warning says why. Environment: ``NEREUS_PACK_KERNELS=0`` (force the reference),
-``NEREUS_PACK_VERBOSE=1`` (show the compiler commands), ``NEREUS_PACK_CHUNK_BYTES`` (bytes per
-block of work, a power of two >= 1024; default 8 KiB).
+and one line per process says why: INFO where that is the expected path (no GPU, or disabled),
+WARNING where a GPU is present and the build or load failed (with the reason). Environment:
+``NEREUS_PACK_KERNELS=0`` (force the reference), ``NEREUS_PACK_VERBOSE=1`` (show the compiler
+commands), ``NEREUS_PACK_CHUNK_BYTES`` (bytes per block of work, a power of two >= 1024; default
+8 KiB).
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ def _load() -> ModuleType | None:
         if _tried:
             return _module
         _tried = True
+        level = logging.INFO  # the reference is the expected path without a GPU or when disabled
         if os.environ.get("NEREUS_PACK_KERNELS", "1") == "0":
             _reason = "disabled by NEREUS_PACK_KERNELS=0"
         elif not torch.cuda.is_available():
@@ -86,8 +89,9 @@ def _load() -> ModuleType | None:
             except Exception as exc:  # any build/load failure falls back to the reference
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
                 _reason = f"build failed: {type(exc).__name__}: {first[:300]}"
+                level = logging.WARNING
         if _reason is not None:
-            log.warning("fused pack/unpack kernels off (%s); using the torch reference", _reason)
+            log.log(level, "fused pack/unpack kernels off (%s); using the torch reference", _reason)
         return _module
 
 

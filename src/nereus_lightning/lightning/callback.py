@@ -19,9 +19,13 @@ import lightning.pytorch as pl
 import torch.distributed as dist
 from typing_extensions import override
 
+from nereus_lightning.lightning.console import announce, executed_transitions
 from nereus_lightning.lightning.stages import data_parallel_plan
 from nereus_lightning.plan.layout import Plan
 from nereus_lightning.spec.errors import InfeasiblePlanError
+
+# What a decision record keeps of the strategy's transition record (JSON-serialisable).
+TRANSITION_KEYS = ("mode", "counts", "bytes", "predicted_s", "reason")
 
 
 class PoolFollower:
@@ -84,6 +88,11 @@ class NereusCallback(pl.Callback):
         self._restored: dict[str, Any] | None = None
         self._last_transition_s = 0.0
 
+    @property
+    def transition_count(self) -> int:
+        """Transitions executed so far (counted on rank 0; they survive a resume with the decisions)."""
+        return executed_transitions(self.decisions)
+
     # ---- setup ---------------------------------------------------------------------------
     def _build_controller(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
         factory = self.controller_factory
@@ -131,7 +140,13 @@ class NereusCallback(pl.Callback):
         plan = getattr(strategy, "plan", None)
         if plan is not None:
             for name, cand in plan.items():
-                for key, val in (("dp", cand.dp), ("tp", cand.layout.tp), ("pp", cand.layout.pp)):
+                dims = (
+                    ("dp", cand.dp),
+                    ("tp", cand.layout.tp),
+                    ("pp", cand.layout.pp),
+                    ("micro_batch", cand.micro_batch),
+                )
+                for key, val in dims:
                     stats[f"plan/{name}/{key}"] = float(val)
         stats["plan/num_gpus"] = (
             float(len(_used_gpus(plan))) if plan is not None else float(trainer.world_size)
@@ -141,25 +156,20 @@ class NereusCallback(pl.Callback):
             # The measured duration of the transition executed before this step: the controller's
             # transition-cost calibration reads it.
             signals = replace(signals, transition_time=self._last_transition_s)
+        stats["pool/num_gpus"] = float(len(self.pool(step - 1, trainer.world_size)))  # during this step
         seconds = self._decide_and_apply(trainer, pl_module, signals)
         self._last_transition_s = seconds
         stats["timing_s/transition"] = seconds
         done = getattr(strategy, "transitions", None)
-        stats["transition/bytes"] = 0.0
-        if seconds and done and "bytes" in done[-1]:
-            stats["transition/bytes"] = float(done[-1]["bytes"])
-            if trainer.is_global_zero and self.decisions:
-                self.decisions[-1]["transition"] = {
-                    k: v
-                    for k, v in done[-1].items()
-                    if k in ("mode", "counts", "bytes", "predicted_s", "reason")
-                }
+        stats["transition/bytes"] = float(done[-1].get("bytes", 0.0)) if seconds and done else 0.0
         if trainer.is_global_zero:
             record = {"step": float(step - 1), **{k: float(v) for k, v in stats.items()}}
             self.history.append(record)
         pl_module.log("timing_s/transition", seconds, rank_zero_only=True)
         pl_module.log("transition/bytes", stats["transition/bytes"], rank_zero_only=True)
-        pl_module.log_dict({k: v for k, v in stats.items() if k.startswith("plan/")}, rank_zero_only=True)
+        pl_module.log_dict(
+            {k: v for k, v in stats.items() if k.startswith(("plan/", "pool/"))}, rank_zero_only=True
+        )
 
     def _decide_and_apply(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, signals: Any, initial: bool = False
@@ -185,14 +195,20 @@ class NereusCallback(pl.Callback):
             raise InfeasiblePlanError(f"the controller found no feasible plan at step {signals.step}: {kind}")
         if record is not None and kind != "none":
             self.decisions.append(record)
-        if target is None:
-            return 0.0
         strategy = trainer.strategy
-        if not hasattr(strategy, "transition"):
+        if target is None or not hasattr(strategy, "transition"):
+            if trainer.is_global_zero and record is not None:
+                announce(record)
             return 0.0
         seconds = strategy.transition(target)
-        if trainer.is_global_zero and not initial:
-            record["measured_s"] = seconds
+        if trainer.is_global_zero and record is not None:
+            done = getattr(strategy, "transitions", None)
+            executed = done[-1] if done and not initial else None
+            if not initial:
+                record["measured_s"] = seconds
+            if executed is not None:
+                record["transition"] = {k: v for k, v in executed.items() if k in TRANSITION_KEYS}
+            announce(record, executed)
         return 0.0 if initial else seconds
 
     # ---- the end -------------------------------------------------------------------------
