@@ -22,6 +22,7 @@ import dataclasses
 import enum
 import importlib
 import os
+import warnings
 import pickle
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -115,7 +116,9 @@ def load_tensors(state: dict[str, Any], path: str | os.PathLike, alone: bool = F
 
     Collective over the default group, or on this process only with ``alone`` (e.g. rank 0 exporting).
     """
-    with _named_failures(path):
+    with _named_failures(path), warnings.catch_warnings():
+        # DCP warns that it "assumes the intent is to load in a single process": with ``alone`` it is.
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
         dcp.load(state, storage_reader=SafeReader(os.fspath(path)), no_dist=alone)
 
 

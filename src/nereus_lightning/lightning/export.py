@@ -73,7 +73,13 @@ def export_model(stage_dir: str, folder: str) -> str:
     with torch.no_grad():
         for name, param in own.items():
             param.copy_(params[name])
-    model.save_pretrained(folder, safe_serialization=True)
+    bars = tf.utils.logging.is_progress_bar_enabled()
+    tf.utils.logging.disable_progress_bar()  # a bar per checkpoint would break the training console
+    try:
+        model.save_pretrained(folder, safe_serialization=True)
+    finally:
+        if bars:
+            tf.utils.logging.enable_progress_bar()
     return folder
 
 
