@@ -22,8 +22,8 @@ import dataclasses
 import enum
 import importlib
 import os
-import warnings
 import pickle
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
