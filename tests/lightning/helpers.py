@@ -227,3 +227,12 @@ def emu_infeasible_keeps_plan(rank: int, world_size: int) -> dict:
     module.units.specs_fn = infeasible
     moved = module.units.ensure(p2, module.role_models(), rank)
     return {"moved": moved, "same": module.units.plan == kept, "info": dict(module.units.last_transition)}
+
+
+class NaNGradientPPOModule(PPOModule):
+    """PPO whose advantages turn NaN at RL step 1, so the actor's gradient norm is NaN: the guard's test."""
+
+    def update(self, plan, batch, optimizer=None, step=0):  # noqa: ANN001, ANN201
+        if step == 1:
+            batch.advantages = batch.advantages * float("nan")
+        return super().update(plan, batch, optimizer, step)

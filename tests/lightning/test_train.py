@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -95,3 +96,20 @@ def test_a_given_plan_is_where_training_starts(tmp_path):
 
     row = next(csv.DictReader(open(glob.glob(str(tmp_path / "lightning_logs" / "*" / "metrics.csv"))[0])))
     assert float(row["plan/actor_train/pp"]) == 2 and float(row["plan/actor_gen/dp"]) == 1
+
+
+@pytest.mark.parametrize("on_nonfinite", ["raise", "skip"])
+def test_a_nan_gradient_norm_stops_the_update_before_the_optimizer_step(tmp_path, on_nonfinite):
+    from tests.lightning.helpers import NaNGradientPPOModule, small_task
+
+    module = NaNGradientPPOModule(task=small_task(), seed=3, prompts_per_step=4, on_nonfinite=on_nonfinite)
+    if on_nonfinite == "raise":
+        with pytest.raises(Exception, match=r"step 1: actor_train's gradient norm is nan \(first non-finite gradient here: model\."):
+            fit(str(tmp_path), devices=2, max_steps=3, module=module)
+        return
+    _, rows = fit(str(tmp_path), devices=2, max_steps=3, module=module)
+    assert [int(float(r["step"])) for r in rows] == [0, 1, 2]
+    # step 1's update was skipped (no gradient norm, no loss), step 2's was not
+    assert math.isnan(float(rows[1]["actor/grad_norm"])) and math.isnan(float(rows[1]["actor/pg_loss"]))
+    assert float(rows[2]["actor/grad_norm"]) > 0
+    assert [float(r["train/skipped_update"]) for r in rows] == [0.0, 1.0, 0.0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pytest
 import torch
 
@@ -95,3 +96,24 @@ def test_repeat_task_rejects_bad_knobs():
         RepeatTask(start_count=5, max_count=4)
     with pytest.raises(NereusConfigError, match="task.count_spread"):
         RepeatTask(start_count=2, count_spread=2)
+
+
+def test_reward_function_scores_in_a_worker_pool_like_inline(tmp_path):
+    from nereus_lightning.rl.reward_function import RewardFunction, RewardInput, RewardSpec
+
+    path = tmp_path / "reward.py"
+    path.write_text(
+        "import os\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+        "    if solution_str == 'boom':\n"
+        "        raise ValueError('no score for boom')\n"
+        "    return {'score': float(solution_str == ground_truth), 'pid': float(os.getpid())}\n"
+    )
+    items = [RewardInput(i, "src", s, "7") for i, s in enumerate(["7", "8", "boom", "7"])]
+    inline = RewardFunction(RewardSpec(str(path)))(items)
+    pool = RewardFunction(RewardSpec(str(path)), num_workers=2)
+    pooled = pool(items)
+    pool.close()
+    assert [r.score for r in inline if r.error is None] == [r.score for r in pooled if r.error is None] == [1.0, 0.0, 1.0]
+    assert "sample 2" in pooled[2].error and "'src'" in pooled[2].error and "no score for boom" in pooled[2].error
+    assert {r.metrics["pid"] for r in pooled if r.error is None} != {float(os.getpid())}  # scored in workers

@@ -25,6 +25,7 @@ floating-point reduction order.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Mapping, Sequence
 from functools import partial
@@ -235,6 +236,7 @@ class RLModule(L.LightningModule):
             actor, reference, critic, reward_model, seed
         )
         self.step_stats: dict[str, float] = {}
+        self._logged_keys: set[str] = set()
         self.units: Any = None
         self._adapters: dict[str, Any] = {}  # model-stage -> ShardedGenerator over this rank's unit
         self.last_rollout: RolloutBatch | None = None  # the last step's batch, every sample (for inspection)
@@ -351,6 +353,11 @@ class RLModule(L.LightningModule):
         step = self.global_step
         self.step_stats = self.rl_step(step)
         self.step_stats.update(self.run_metrics.update(self.step_stats))
+        # Lightning repeats a step-level metric's last value while it is not logged again (its
+        # results reset per epoch, and an RL run is one endless epoch): a metric this step did
+        # not produce (e.g. the losses of a skipped update) is NaN instead.
+        self.step_stats.update({k: math.nan for k in self._logged_keys - self.step_stats.keys()})
+        self._logged_keys |= self.step_stats.keys()
         self.log_dict(self.step_stats, on_step=True, prog_bar=False, sync_dist=False, rank_zero_only=True)
         self.log("reward", self.step_stats["critic/score/mean"], prog_bar=True, rank_zero_only=True)
         self.log("resp_len", self.step_stats["response_length/mean"], prog_bar=True, rank_zero_only=True)
@@ -504,6 +511,7 @@ class RLModule(L.LightningModule):
         self.last_rollout = batch
         if skipped:  # no gradients anywhere: the step still counts, so max_steps is reached
             (optimizer if optimizer is not None else self.optimizers()).step()
+            metrics["train/skipped_update"] = 1.0
         else:
             metrics.update(self.update(plan, batch, optimizer, step))
         t_upd = time.perf_counter()
@@ -526,7 +534,6 @@ class RLModule(L.LightningModule):
                 "response_length/clip_ratio": float((lengths >= max_new).float().mean()),
                 "prompt_length/mean": float(plens.mean()),
                 "task/max_response_len": float(max_new),
-                "train/skipped_update": float(skipped),
                 "timing_s/gen": t_gen - t0,
                 "timing_s/infer": t_infer - t_gen,
                 "timing_s/adv": t_adv - t_infer,
@@ -698,7 +705,7 @@ class RLModule(L.LightningModule):
         mask = batch.response_mask.float()
         minis = [(lo, hi) for lo, hi in _chunks(len(batch), hp.mini_batches)]
         sums: dict[str, float] = {}
-        updates = 0
+        updates = skipped = 0
         for _epoch in range(hp.ppo_epochs):
             for lo, hi in minis:
                 total_tokens = mask[lo:hi].sum().clamp_min(1.0)
@@ -748,6 +755,7 @@ class RLModule(L.LightningModule):
                         )
                     if self.rank == 0:
                         log.warning("%s: update skipped (trainer.on_nonfinite=skip)", problems[0])
+                    skipped += 1
                 for k, val in totals.items():
                     sums[k] = sums.get(k, 0.0) + val
                 if self.emu_state:
@@ -756,7 +764,9 @@ class RLModule(L.LightningModule):
                     self.units.refresh("actor", self.actor)  # weight sync into the actor's other units
                     if self.critic is not None:
                         self.units.refresh("critic", self.critic)
-        return {k: v / updates for k, v in sums.items()}
+        out = {k: v / updates for k, v in sums.items()}
+        out["train/skipped_update"] = skipped / updates  # the share of this step's updates a guard skipped
+        return out
 
     def stages_role(self, model_stage: str) -> str:
         """The role model (``actor``, ``critic``, ...) ``model_stage`` runs."""
