@@ -146,7 +146,7 @@ def test_exported_models_reload_equal_to_the_logical_state(job, tmp_path, monkey
 
     monkeypatch.setenv("NEREUS_TEST_COUNTER", str(tmp_path / "counter.txt"))
     module = build_module(_user_cfg(job, tmp_path, "algorithm=ppo"))
-    fit(str(tmp_path), devices=3, max_steps=2, every=2, module=module)
+    fit(str(tmp_path), devices=3, max_steps=2, every=2, module=module, write_back=True)
     # The parent's module holds rank 0's logical weights after fit (gathered from the EMUs) ...
     folder = tmp_path / "ckpt" / "s2.ckpt" / "hf"
     for role, auto in (("actor", tf.AutoModelForCausalLM), ("critic", tf.AutoModelForTokenClassification)):

@@ -298,7 +298,7 @@ def check_config(cfg: Any) -> None:
     """The numbers and files of ``cfg``, checked before the planner, any model or any process."""
     from omegaconf import OmegaConf
 
-    from nereus_lightning.lightning.module import check_hyperparameters
+    from nereus_lightning.lightning.module import check_hyperparameters, precision_dtype
     from nereus_lightning.rl.data import DataConfig
 
     values = {k: v for k, v in OmegaConf.to_container(cfg.algorithm, resolve=True).items() if k != "_target_"}
@@ -306,6 +306,7 @@ def check_config(cfg: Any) -> None:
     values["on_nonfinite"] = cfg.trainer.get("on_nonfinite", "raise")
     values["reward_workers"] = cfg.reward.get("num_workers", 0) if cfg.get("reward") else 0
     check_hyperparameters(values)
+    precision_dtype(str(cfg.trainer.get("precision", "32-true")))
     if cfg.get("data"):
         DataConfig.of(OmegaConf.to_container(cfg.data, resolve=True))
 

@@ -85,6 +85,17 @@ class _StepClock(torch.utils.data.IterableDataset):
 
 
 ON_NONFINITE = ("raise", "skip")
+PRECISIONS = {"32-true": torch.float32, "32": torch.float32, "bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16}
+
+
+def precision_dtype(precision: str) -> torch.dtype:
+    """The compute dtype of a Lightning precision name nereus supports."""
+    require(
+        precision in PRECISIONS,
+        "trainer.precision",
+        f"{precision!r} is not one of {', '.join(map(repr, PRECISIONS))} (fp16 would need loss scaling)",
+    )
+    return PRECISIONS[precision]
 VALIDATION_STEP = -1  # the step validation samples are seeded with (training steps are >= 0)
 
 
@@ -315,16 +326,21 @@ class RLModule(L.LightningModule):
 
     # ---- Lightning hooks -------------------------------------------------------------------
     @override
+    def setup(self, stage: str) -> None:
+        # Compute weights in the trainer's precision; the EMUs keep fp32 masters and AdamW moments
+        # for low-precision weights, and log-probs, losses and advantages stay fp32.
+        dtype = precision_dtype(str(self.trainer.precision))
+        for model in self.role_models().values():
+            if model is not None and dtype != torch.float32:
+                model.to(dtype)
+                model.config.dtype = dtype  # what the planner prices
+
+    @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
         groups = [{"params": list(self.actor.parameters()), "lr": self.hparams.actor_lr}]
         if self.critic is not None:
             groups.append({"params": list(self.critic.parameters()), "lr": self.hparams.critic_lr})
         return torch.optim.AdamW(groups, betas=(0.9, 0.95), weight_decay=0.0, eps=1e-8)
-
-    @override
-    def on_train_end(self) -> None:
-        if self.emu_state and self.units.plan is not None:
-            self.units.write_back(self.role_models(), dst=0)  # the caller's module gets the trained weights
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

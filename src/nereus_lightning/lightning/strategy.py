@@ -79,6 +79,10 @@ class NereusStrategy(ParallelStrategy):
             ``None``: the ``cpu4`` preset.
         export_hf: every checkpoint also holds ``hf/<model>/`` per trainable model
             (``save_pretrained`` in safetensors plus the tokenizer), written by rank 0.
+        write_back: at the end of ``fit``, gather every role's trained parameters into the
+            module's full models (``module.actor`` ...) on rank 0 and, when Lightning forked the
+            ranks, into the caller's module. Off by default: it moves every full model through
+            one process (use the checkpoint's ``hf/`` folders or ``nereus-export`` instead).
     """
 
     strategy_name = "nereus"
@@ -97,6 +101,7 @@ class NereusStrategy(ParallelStrategy):
         state: Literal["emu", "full"] = "emu",
         cluster: ClusterSpec | str | None = None,
         export_hf: bool = True,
+        write_back: bool = False,
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         require(
@@ -107,6 +112,7 @@ class NereusStrategy(ParallelStrategy):
         require(state in ("emu", "full"), "strategy.state", f"{state!r} is not one of 'emu', 'full'")
         self.state = state
         self.export_hf = export_hf
+        self.write_back = write_back
         if isinstance(cluster, str):
             cluster = cluster_preset(cluster)  # an unknown name fails here, listing the presets
         self.cluster: ClusterSpec | None = cluster
@@ -155,7 +161,7 @@ class NereusStrategy(ParallelStrategy):
                 self.cluster_environment, self.num_processes, self.num_nodes
             )
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=method)
+            self._launcher = _ForkLauncher(self, start_method=method)
 
     @override
     def setup_environment(self) -> None:
@@ -190,6 +196,13 @@ class NereusStrategy(ParallelStrategy):
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
+
+    @override
+    def on_train_end(self) -> None:
+        module = self.lightning_module
+        units = getattr(module, "units", None)
+        if self.write_back and getattr(units, "kind", None) == "emu" and units.plan is not None:
+            units.write_back(module.role_models(), dst=0)
 
     # ---- collectives Lightning needs ----------------------------------------------------
     @override
@@ -434,6 +447,21 @@ def _leaves(tree: Any, prefix: str = "") -> Any:
             yield from _leaves(value, f"{name}.")
         else:
             yield name, value
+
+
+class _ForkLauncher(_MultiProcessingLauncher):
+    """Lightning's fork/spawn launcher; rank 0's weights reach the caller's module only with ``write_back``."""
+
+    @override
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
+        output = super()._collect_rank_zero_results(trainer, results)
+        units = getattr(trainer.lightning_module, "units", None)
+        released = getattr(units, "kind", None) == "emu"  # the full models were released into the EMUs
+        if output is None or output.weights_path is None or self._strategy.write_back or not released:
+            return output
+        # Their empty tensors must not overwrite the caller's models.
+        self._strategy.checkpoint_io.remove_checkpoint(output.weights_path)
+        return output._replace(weights_path=None)
 
 
 if "nereus" not in StrategyRegistry:
