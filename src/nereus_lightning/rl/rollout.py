@@ -66,6 +66,33 @@ def sample_seeds(seed: int, step: int, indices: Sequence[int] | Tensor) -> list[
     return [random.Random(f"nereus-sample:{seed}:{step}:{int(i)}").getrandbits(63) for i in indices]
 
 
+_GOLDEN = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 as a signed 64-bit integer
+_MIX1 = -0x40A7B892E31B1A47  # 0xBF58476D1CE4E5B9
+_MIX2 = -0x6B2FB644ECCEEE15  # 0x94D049BB133111EB
+
+
+def gumbel_noise(seeds: Tensor, step: int, vocab: int) -> Tensor:
+    """Gumbel(0, 1) noise ``[B, vocab]`` for decoding step ``step`` of rows seeded by ``seeds`` (int64 ``[B]``).
+
+    A counter-based draw (splitmix64 of seed, step and token id, on the seeds' device): a row's
+    noise depends only on its seed and the step, costs one ``[B, vocab]`` pass per step (no
+    ``[B, steps, vocab]`` buffer; that would be 10 GB for 64 rows of a 151k vocabulary at 256 steps),
+    and is the same on every device and in every decoding loop, eager or captured.
+    """
+    # int64 tensor products wrap, so the arithmetic is modulo 2^64 as splitmix64's; the masks
+    # after each right shift make it logical rather than arithmetic.
+    def mix(z: Tensor) -> Tensor:
+        z = (z ^ ((z >> 30) & 0x3FFFFFFFF)) * _MIX1
+        z = (z ^ ((z >> 27) & 0x1FFFFFFFFF)) * _MIX2
+        return z ^ ((z >> 31) & 0x1FFFFFFFF)
+
+    row = mix(seeds.to(torch.int64) + torch.full_like(seeds, step + 1, dtype=torch.int64) * _GOLDEN)
+    tokens = torch.arange(vocab, dtype=torch.int64, device=seeds.device)
+    z = mix(row.unsqueeze(-1) + (tokens + 1) * _GOLDEN)
+    u = (((z >> 40) & 0xFFFFFF).to(torch.float32) + 0.5) / 16777216.0  # 24 bits in (0, 1)
+    return -torch.log(-torch.log(u))
+
+
 def response_mask_from_ids(response_ids: Tensor, eos_token_id: int) -> Tensor:
     """1 on every token up to and including the first eos of each row, 0 after it."""
     is_eos = (response_ids == eos_token_id).long()
@@ -91,19 +118,11 @@ class _SeededGumbel:
         self.temperature = temperature
         self.top_k = top_k
         self.top_p = top_p
-        self.noise: Tensor | None = None
-
-    def _draw(self, vocab: int, device: torch.device) -> Tensor:
-        rows = []
-        for seed in self.seeds:
-            gen = torch.Generator(device=device).manual_seed(seed)
-            rows.append(torch.rand((self.max_new_tokens, vocab), generator=gen, device=device))
-        u = torch.stack(rows).clamp_min(torch.finfo(torch.float32).tiny)
-        return -torch.log(-torch.log(u))
+        self._seeds: Tensor | None = None
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
-        if self.noise is None:
-            self.noise = self._draw(scores.shape[-1], scores.device)
+        if self._seeds is None:
+            self._seeds = torch.tensor(self.seeds, dtype=torch.int64, device=scores.device)
         scores = scores.float() / self.temperature
         if self.top_k > 0:
             kth = torch.topk(scores, min(self.top_k, scores.shape[-1]), dim=-1).values[..., -1:]
@@ -114,7 +133,7 @@ class _SeededGumbel:
             drop_sorted = probs.cumsum(-1) - probs > self.top_p  # mass before this token already covers top_p
             scores = scores.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
         step = input_ids.shape[-1] - self.prompt_len
-        return scores + self.noise[:, step]
+        return scores + gumbel_noise(self._seeds, step, scores.shape[-1])
 
 
 class HFGenerateEngine:
