@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from nereus_lightning.spec.errors import NereusConfigError
+from nereus_lightning.spec.families import family_of
 from nereus_lightning.spec.model import MODEL_PRESETS, ModelSpec
 
 
@@ -71,8 +72,10 @@ def build_causal_lm(
     import transformers as tf
 
     if isinstance(source, str) and os.path.isdir(source):
+        family_of(tf.AutoConfig.from_pretrained(source), "model")  # refused before any weight loads
         return tf.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     config = _config_of(source, vocab_size, pad_token_id)
+    family_of(config, "model")
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return model.float().eval()
@@ -97,11 +100,13 @@ def build_value_model(
 
     torch.manual_seed(seed)
     if isinstance(source, str) and os.path.isdir(source):
+        family_of(tf.AutoConfig.from_pretrained(source), "model")  # refused before any weight loads
         model = tf.AutoModelForTokenClassification.from_pretrained(
             source, dtype=torch.float32, **_VALUE_MODEL
         )
     else:
         config = copy.deepcopy(_config_of(source, vocab_size, pad_token_id))
+        family_of(config, "model")
         for key, value in _VALUE_MODEL.items():
             setattr(config, key, value)
         model = tf.AutoModelForTokenClassification.from_config(config, dtype=torch.float32)

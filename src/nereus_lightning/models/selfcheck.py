@@ -166,6 +166,8 @@ def chain_errors(rank: int, world: int, config: Any, seed: int = 0) -> dict[str,
     and (TP2, PP2). Per step: the number of gathered tensors that differ from the start (rank 0; 0
     elsewhere) and the relative error of the logits of the replicas built on the moved shards."""
     from nereus_lightning.emu import Unit, create_unit, execute, gather_logical_state, merge, registry, split
+    from nereus_lightning.emu.executor import communicating_rank_sets
+    from nereus_lightning.emu.groups import prepare_member_groups
 
     stage = "selfcheck"
     model = tiny_model_of(config, seed)
@@ -188,18 +190,20 @@ def chain_errors(rank: int, world: int, config: Any, seed: int = 0) -> dict[str,
         now = gather_logical_state(stage, dst=0)
         errors[f"{label}/state_diffs"] = float(len(start.differences(now))) if rank == 0 else 0.0
 
-    first = split(stage, Unit(Layout(2, 2), tuple(range(world))), Layout(1, 2))
-    execute(first)
+    def run(op: Any) -> Any:
+        prepare_member_groups(communicating_rank_sets([op]))  # members agree on their groups' names
+        execute(op)
+        return op
+
+    first = run(split(stage, Unit(Layout(2, 2), tuple(range(world))), Layout(1, 2)))
     check("split_pp")
     for unit in first.targets:
-        execute(split(stage, unit, Layout(1, 1)))
+        run(split(stage, unit, Layout(1, 1)))
     check("split_tp")
     by_rank = {u.ranks[0]: u for u in registry().live(stage)}
-    pairs = [merge(stage, [by_rank[r], by_rank[r + 1]], Layout(2, 1)) for r in (0, 2)]
-    for op in pairs:
-        execute(op)
+    pairs = [run(merge(stage, [by_rank[r], by_rank[r + 1]], Layout(2, 1))) for r in (0, 2)]
     check("merge_tp")
-    execute(merge(stage, [op.target for op in pairs], Layout(2, 2)))
+    run(merge(stage, [op.target for op in pairs], Layout(2, 2)))
     check("merge_pp")
     registry().clear()
     return errors
