@@ -7,6 +7,8 @@ GQA model of its own transformers config class (``models.selfcheck``, the same c
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import transformers as tf
@@ -22,7 +24,7 @@ from nereus_lightning.models.sharding import fused_style, placement, tp_plan_of,
 from nereus_lightning.spec.errors import NereusConfigError
 from nereus_lightning.spec.families import FAMILIES, QKV, family_of
 
-REQUIRED = ("tp1pp1", "tp2pp1", "tp1pp2", "tp2pp2")
+REQUIRED = ((1, 1), (2, 1), (1, 2), (2, 2))
 TOL = 1e-5
 
 
@@ -34,11 +36,15 @@ def family_config(model_type: str):
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
 def test_family_matches_the_unsharded_model(dist4, model_type: str) -> None:
     config = family_config(model_type)
-    lm = worst(dist4.run(layout_errors, config))
-    values = worst(dist4.run(layout_errors, value_config_of(config)))
+    lm = worst(dist4.run(layout_errors, config, REQUIRED))
+    values = worst(dist4.run(layout_errors, value_config_of(config), REQUIRED))
     chain = worst(dist4.run(chain_errors, config))
-    for layout in REQUIRED:
-        for key, errors in ((f"{layout}/logits", lm), (f"{layout}/logprobs", lm), (f"{layout}/values", values)):
+    for layout in (f"tp{tp}pp{pp}" for tp, pp in REQUIRED):
+        for key, errors in (
+            (f"{layout}/logits", lm),
+            (f"{layout}/logprobs", lm),
+            (f"{layout}/values", values),
+        ):
             assert key in errors, f"{model_type}: {key} was not checked"
             assert errors[key] <= TOL, f"{model_type} {key}: error {errors[key]:.2e}"
     assert {k.split("/")[0] for k in chain} == {"split_pp", "split_tp", "merge_tp", "merge_pp"}
@@ -47,7 +53,9 @@ def test_family_matches_the_unsharded_model(dist4, model_type: str) -> None:
 
 
 def test_a_fused_projection_is_cut_by_whole_head_groups() -> None:
-    config = tf.AutoConfig.for_model("phi3", hidden_size=64, num_attention_heads=8, num_key_value_heads=4, head_dim=8)
+    config = tf.AutoConfig.for_model(
+        "phi3", hidden_size=64, num_attention_heads=8, num_key_value_heads=4, head_dim=8
+    )
     style = fused_style(QKV, config)
     assert style.parts == (64, 32, 32) and style.groups == 4
     p = placement("model.layers.0.self_attn.qkv_proj.weight", tp_plan_of(config))
@@ -66,7 +74,12 @@ def test_a_fused_projection_is_cut_by_whole_head_groups() -> None:
 
 def _olmo2():
     return tf.AutoConfig.for_model(
-        "olmo2", hidden_size=32, num_attention_heads=4, num_hidden_layers=2, intermediate_size=64, vocab_size=64
+        "olmo2",
+        hidden_size=32,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        vocab_size=64,
     )
 
 
@@ -106,7 +119,9 @@ def test_every_entry_point_refuses_an_unsupported_family(name: str, tmp_path) ->
     entry_points = {
         "family_of": lambda: family_of(config),
         "ModelSpec.from_hf_config": lambda: ModelSpec.from_hf_config(as_dict),
-        "nereus-plan model=hf": lambda: plan_from_config(plan_config(["model=hf", f"model.config={tmp_path}"])),
+        "nereus-plan model=hf": lambda: plan_from_config(
+            plan_config(["model=hf", f"model.config={tmp_path}"])
+        ),
         "nereus-check-model": lambda: check_from_config(check_config([f"model.config={tmp_path}"])),
         "shard_state": lambda: shard_state(model, config, Layout(1, 1), 0, 0),
         "ShardedCausalLM": lambda: ShardedCausalLM(config, ReplicaComm.single(), {}),
@@ -139,7 +154,7 @@ def test_an_unimplemented_tp_style_is_refused_by_name(model_type: str, module: s
     config = tf.AutoConfig.for_model(model_type)
     config.base_model_tp_plan = {**config.base_model_tp_plan, module: style}
     for call in (lambda: family_of(config), lambda: tp_plan_of(config)):
-        with pytest.raises(NereusConfigError, match=rf"TP style '{style}' of {module.replace('*', r'\*')}"):
+        with pytest.raises(NereusConfigError, match=re.escape(f"TP style '{style}' of {module}")):
             call()
 
 

@@ -12,7 +12,7 @@ rank functions are module-level, so the test suite runs them on its shared worke
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -104,10 +104,10 @@ def tiny_model_of(config: Any, seed: int = 0) -> torch.nn.Module:
     return model
 
 
-def layouts_of(config: Any, world_size: int) -> list[Layout]:
-    """The layouts of :data:`LAYOUTS` that ``config`` allows and ``world_size`` ranks hold."""
+def layouts_of(config: Any, world_size: int, layouts: Sequence[tuple[int, int]] = LAYOUTS) -> list[Layout]:
+    """The ``(tp, pp)`` layouts that ``config`` allows and ``world_size`` ranks hold."""
     out = []
-    for tp, pp in LAYOUTS:
+    for tp, pp in layouts:
         layout = Layout(tp, pp)
         if world_size % layout.size:
             continue
@@ -137,15 +137,17 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max() / b.double().abs().max())
 
 
-def layout_errors(rank: int, world: int, config: Any, seed: int = 0) -> dict[str, float]:
-    """On every rank: per layout, the relative error of the sharded logits (a value model's values) and,
-    for a causal LM, the absolute error of the token log-probs, against the unsharded model."""
+def layout_errors(
+    rank: int, world: int, config: Any, layouts: Sequence[tuple[int, int]] = LAYOUTS, seed: int = 0
+) -> dict[str, float]:
+    """On every rank: per layout of ``layouts`` that fits, the relative error of the sharded logits (a value
+    model's values) and, for a causal LM, the absolute error of the token log-probs, against the unsharded model."""
     from nereus_lightning.models.sharded import has_value_head
 
     model = tiny_model_of(config, seed)
     value = has_value_head(config)
     errors: dict[str, float] = {}
-    for layout in layouts_of(config, world):
+    for layout in layouts_of(config, world, layouts):
         index, comm = _replica(rank, world, layout, is_tied(config))
         sharded = ShardedCausalLM.from_model(model, comm)
         ids = _batch(config, index)
@@ -230,7 +232,9 @@ def check_model(config: Any, world_size: int = 4) -> dict[str, float]:
     tiny = tiny_config_of(config)
     with WorkerPool(world_size) as pool:
         out = worst(pool.run(layout_errors, tiny))
-        out.update({f"value/{k}": v for k, v in worst(pool.run(layout_errors, value_config_of(tiny))).items()})
+        out.update(
+            {f"value/{k}": v for k, v in worst(pool.run(layout_errors, value_config_of(tiny))).items()}
+        )
         if world_size == 4:
             out.update({f"chain/{k}": v for k, v in worst(pool.run(chain_errors, tiny)).items()})
     return out

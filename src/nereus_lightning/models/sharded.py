@@ -209,7 +209,9 @@ def _switch(module: nn.Module, cls: type, name: str, **attrs: Any) -> None:
     """Give ``module`` the TP behaviour of ``cls`` (a subclass of its own class), keeping its parameters."""
     base = cls.__mro__[1]
     if type(module) is not base:
-        raise refusal(None, f"{name} is a {type(module).__name__}, not the {base.__name__} its TP style needs")
+        raise refusal(
+            None, f"{name} is a {type(module).__name__}, not the {base.__name__} its TP style needs"
+        )
     module.__class__ = cls
     for key, value in attrs.items():
         setattr(module, key, value)
@@ -325,8 +327,16 @@ class ShardedCausalLM(nn.Module):
             embed = self.model.embed_tokens
             pad = config.pad_token_id
             local_pad = None if pad is None else pad - self.vocab_start
-            _switch(embed, _vocab_parallel(type(embed)), "model.embed_tokens", vocab_start=self.vocab_start, comm=comm)
-            embed.padding_idx = local_pad if local_pad is not None and 0 <= local_pad < embed.num_embeddings else None
+            _switch(
+                embed,
+                _vocab_parallel(type(embed)),
+                "model.embed_tokens",
+                vocab_start=self.vocab_start,
+                comm=comm,
+            )
+            embed.padding_idx = (
+                local_pad if local_pad is not None and 0 <= local_pad < embed.num_embeddings else None
+            )
         regions: dict[str, nn.Module] = {}
         for name, module in self.named_modules():
             style = style_of(name, plan) if name.startswith("model.layers.") else None

@@ -123,11 +123,15 @@ def family_of(config: Any, field: str = "model.config") -> Family:
     if experts:
         listed = ", ".join(f"{k}={v}" for k, v in experts.items())
         raise refusal(
-            model_type, f"mixture-of-experts blocks ({listed}) need expert parallelism, which is not built", field
+            model_type,
+            f"mixture-of-experts blocks ({listed}) need expert parallelism, which is not built",
+            field,
         )
     family = FAMILIES.get(str(model_type))
     if family is None:
-        raise refusal(model_type, "it is not in the registry of families computed exactly (spec.families)", field)
+        raise refusal(
+            model_type, "it is not in the registry of families computed exactly (spec.families)", field
+        )
     other = [a for a in _get(config, "architectures") or () if not a.endswith(ARCHITECTURE_SUFFIXES)]
     if other:
         raise refusal(
