@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -205,13 +205,12 @@ class GroupedColwiseLinear(nn.Linear):
         return torch.cat([part.flatten(-2) for part in grouped.split(self.group_widths, dim=-1)], dim=-1)
 
 
-def _switch(module: nn.Module, cls: type, name: str, **attrs: Any) -> None:
+def _switch(module: nn.Module, cls: type, name: str, config: Any, **attrs: Any) -> None:
     """Give ``module`` the TP behaviour of ``cls`` (a subclass of its own class), keeping its parameters."""
     base = cls.__mro__[1]
     if type(module) is not base:
-        raise refusal(
-            None, f"{name} is a {type(module).__name__}, not the {base.__name__} its TP style needs"
-        )
+        what = f"{name} is a {type(module).__name__}, not the {base.__name__} its TP style needs"
+        raise refusal(config.model_type, what)
     module.__class__ = cls
     for key, value in attrs.items():
         setattr(module, key, value)
@@ -258,7 +257,7 @@ class ShardedCausalLM(nn.Module):
         self.config, self.comm = config, comm
         self.layer_ids = layer_range(config.num_hidden_layers, layout.pp, comm.pp_rank)
         self.value_head = has_value_head(config)
-        self.plan = plan = tp_plan_of(config)
+        plan = tp_plan_of(config)
         tied = is_tied(config)
         family = family_model(local_config(config, layout.tp), self.value_head)
         self.local_config = family.config
@@ -301,7 +300,7 @@ class ShardedCausalLM(nn.Module):
         assert not left, f"tensors left unassigned on the meta device: {left}"
         self.eval()  # no dropout: sharded and unsharded runs must agree
 
-    def _keep_stage(self, family: nn.Module, names: Any) -> None:
+    def _keep_stage(self, family: nn.Module, names: Collection[str]) -> None:
         """Take from ``family`` the modules of this stage: its layers, the embedding, norm and head it holds."""
         body = family.model
         body.layers = nn.ModuleDict({str(i): body.layers[i] for i in self.layer_ids})
@@ -331,6 +330,7 @@ class ShardedCausalLM(nn.Module):
                 embed,
                 _vocab_parallel(type(embed)),
                 "model.embed_tokens",
+                config,
                 vocab_start=self.vocab_start,
                 comm=comm,
             )
@@ -341,9 +341,9 @@ class ShardedCausalLM(nn.Module):
         for name, module in self.named_modules():
             style = style_of(name, plan) if name.startswith("model.layers.") else None
             if isinstance(style, Fused):
-                _switch(module, GroupedColwiseLinear, name, group_widths=style.group_widths)
+                _switch(module, GroupedColwiseLinear, name, config, group_widths=style.group_widths)
             elif isinstance(style, str) and style.startswith("rowwise"):
-                _switch(module, RowParallelLinear, name, comm=comm)
+                _switch(module, RowParallelLinear, name, config, comm=comm)
             if isinstance(style, Fused) or (isinstance(style, str) and style.startswith("colwise")):
                 parent = name.rpartition(".")[0]
                 regions[parent] = self.get_submodule(parent)
