@@ -23,7 +23,7 @@ import torch.distributed as dist
 #: The store key holding the first failure of the job: ``"rank <r>: <error>"``.
 FAILURE_KEY = "nereus/failure"
 #: How often the watcher looks for a failure (seconds).
-POLL_S = 0.5
+POLL_S = 1.0
 
 _watcher: threading.Thread | None = None
 _store: dist.Store | None = None  # held, so a failing rank 0 keeps serving its store
