@@ -265,4 +265,5 @@ def _signals(pl_module: pl.LightningModule, step: int, stats: dict[str, float], 
         prompt_len=stats.get("prompt_length/mean", 0.0),
         gpus=tuple(pool),
         stage_time=stage_time,
+        peak_memory=dict(getattr(pl_module, "peak_memory", {}) or {}),
     )
