@@ -24,6 +24,7 @@ from pathlib import Path
 SHAPES = {  # Qwen2-0.5B and Qwen2-1.5B (tied embeddings, 151,936-token vocabulary)
     "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864),
     "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, intermediate_size=8960),
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128),
 }
 PROMPTS, SAMPLES = 16, 4
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -65,6 +66,7 @@ def run_nereus(folder: Path, steps: int, new_tokens: int, out: Path) -> dict:
     import csv
 
     import lightning.pytorch as pl
+    import torch
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -85,7 +87,7 @@ def run_nereus(folder: Path, steps: int, new_tokens: int, out: Path) -> dict:
     )
     plan = data_parallel_plan("grpo", [0])
     trainer = pl.Trainer(
-        accelerator="gpu", devices=1, precision="bf16-mixed", max_steps=steps,
+        accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=1, precision="bf16-mixed", max_steps=steps,
         strategy=NereusStrategy(plan=plan, cluster="h200x8", export_hf=False),
         callbacks=[NereusCallback(controller=PoolFollower("grpo"))],
         logger=pl.loggers.CSVLogger(out, name="nereus"), log_every_n_steps=1,
@@ -101,8 +103,8 @@ def run_nereus(folder: Path, steps: int, new_tokens: int, out: Path) -> dict:
             "gen_s": float(r["timing_s/gen"]),
             "infer_s": float(r["timing_s/infer"]),
             "train_s": float(r["timing_s/update_actor"]),
-            "peak_gib": float(r["perf/max_memory_allocated_gb"]),
-            "peak_gib_by_stage": {k: float(r[f"perf/max_memory_allocated_gb/{k}"]) for k in ("gen", "infer", "train")},
+            "peak_gib": float(r.get("perf/max_memory_allocated_gb") or 0.0),
+            "peak_gib_by_stage": {k: float(r.get(f"perf/max_memory_allocated_gb/{k}") or 0.0) for k in ("gen", "infer", "train")},
         }
         for r in rows
     ]
@@ -221,8 +223,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     import torch
 
-    if not torch.cuda.is_available() or args.system is None:
-        print("bench_gpu_e2e: needs a CUDA GPU and --system nereus|trl; skipped (see benchmarks/gpu_e2e.sh)")
+    if args.system is None or not (torch.cuda.is_available() or args.shape == "tiny"):
+        print("bench_gpu_e2e: needs a CUDA GPU and --system nereus|trl (--shape tiny runs on the CPU); skipped")
         return
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -232,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     runner = run_nereus if args.system == "nereus" else run_trl
     result = runner(folder, args.steps, args.new_tokens, run_dir)
     result.update(system=args.system, shape=args.shape, warmup=args.warmup, new_tokens=args.new_tokens,
-                  gpu=torch.cuda.get_device_name(0), torch=torch.__version__)
+                  gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", torch=torch.__version__)
     if args.system == "nereus":
         result["cost_model"] = cost_model(folder, result["steps"][args.warmup:], args.new_tokens)
         print(json.dumps(result["cost_model"], indent=1))

@@ -438,6 +438,9 @@ def summarize(out: str) -> dict[str, Any]:
 
 def main() -> None:
     """The ``nereus-train`` entry point (Hydra)."""
+    # One OpenMP thread per rank unless set, as torchrun does: the CPU ranks are forked, and a
+    # child whose parent already ran a multi-threaded OpenMP region can hang in its first one.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     import hydra
     from omegaconf import DictConfig
 
