@@ -296,7 +296,9 @@ class NodeInventory:
 
     def pool(self, step: int) -> tuple[int, ...]:
         """The job's usable GPUs at ``step`` (collective for a step later than any asked before)."""
-        require(self._exchange is not None, "resources", "NodeInventory.pool before attach(): give it to NereusCallback")
+        require(
+            self._exchange is not None, "resources", "NodeInventory.pool before attach(): give it to NereusCallback"
+        )
         if self._changes and step <= self._asked:
             return next((p for s, p in reversed(self._changes) if s <= step), self._changes[0][1])
         self._asked = step

@@ -91,11 +91,16 @@ def launch_of(environment: ClusterEnvironment) -> Launch:
         node_rank = environment.node_rank()
         if environment.creates_processes_externally and "WORLD_SIZE" in os.environ:
             # Processes started by hand: the world is known, the split into nodes is not.
-            world, reported = int(os.environ["WORLD_SIZE"]), _variables("WORLD_SIZE", "LOCAL_RANK", "NODE_RANK")
+            world, reported = (
+                int(os.environ["WORLD_SIZE"]),
+                _variables("WORLD_SIZE", "LOCAL_RANK", "NODE_RANK"),
+            )
             return Launch("Lightning", None, None, world, node_rank, reported)
         return Launch("Lightning", None, None, None, node_rank, _variables(*PLAIN_MULTINODE_VARIABLES))
     world = environment.world_size()
-    return Launch(type(environment).__name__, None, None, world, environment.node_rank(), f"world size {world}")
+    return Launch(
+        type(environment).__name__, None, None, world, environment.node_rank(), f"world size {world}"
+    )
 
 
 def check_launch(launch: Launch, num_nodes: int, devices: int) -> None:
@@ -133,7 +138,9 @@ def check_launch(launch: Launch, num_nodes: int, devices: int) -> None:
             "or set trainer.num_nodes=1"
         )
     if not 0 <= launch.node_rank < num_nodes:
-        raise NereusConfigError(f"{asked}: NODE_RANK={launch.node_rank} is not a node of the job (0..{num_nodes - 1})")
+        raise NereusConfigError(
+            f"{asked}: NODE_RANK={launch.node_rank} is not a node of the job (0..{num_nodes - 1})"
+        )
 
 
 class DistExchange:
