@@ -300,3 +300,19 @@ def test_node_inventory_gathers_once_then_on_change(dist4):
         assert result["pools"] == [every, every, every, lost, lost, every, every]
         assert result["again"] == lost  # an earlier step again: no collective, its pool
         assert result["gathers"] == 3  # the first step, the loss, the return
+
+
+def test_the_strategy_prices_on_the_launch_shape():
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    from nereus_lightning.lightning import NereusStrategy
+    from nereus_lightning.spec import CLUSTER_PRESETS
+
+    env = LightningEnvironment()
+    env.set_world_size(16)
+    strategy = NereusStrategy(cluster="paper_cluster3", cluster_environment=env)
+    strategy.num_nodes = 4
+    shape = strategy.topology
+    assert (shape.num_nodes, shape.gpus_per_node, shape.num_gpus) == (4, 4, 16)
+    assert shape.inter_bw == CLUSTER_PRESETS["paper_cluster3"].inter_bw and shape.spans_nodes((3, 4))
+    assert shape.describe().startswith("4 nodes x 4 GPUs (H200 x8 (HDR IB)), 141 GB per GPU")
