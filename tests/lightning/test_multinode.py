@@ -27,8 +27,24 @@ SHORT = (
 LOSSES = ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/score/mean")
 
 
+#: What launchers set; a test starts from a shell without them (earlier tests of this session may have set some).
+LAUNCH_VARIABLES = (
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "GROUP_RANK",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "SLURM_", "LOCAL_RANK"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("TORCHELASTIC", "SLURM_")) and k not in LAUNCH_VARIABLES
+    }
     return {**env, "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg", "COLUMNS": "200"}
 
 
@@ -219,14 +235,7 @@ def _launched(monkeypatch, env: dict[str, str]):  # noqa: ANN202
     from nereus_lightning.lightning.launch import detect_environment, launch_of
 
     for key in list(os.environ):
-        if key.startswith(("TORCHELASTIC", "SLURM_")) or key in (
-            "WORLD_SIZE",
-            "LOCAL_RANK",
-            "NODE_RANK",
-            "GROUP_RANK",
-            "MASTER_ADDR",
-            "MASTER_PORT",
-        ):
+        if key.startswith(("TORCHELASTIC", "SLURM_")) or key in LAUNCH_VARIABLES:
             monkeypatch.delenv(key)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
