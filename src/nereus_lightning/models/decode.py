@@ -121,7 +121,8 @@ def capture(fn: Callable[[], None], pool: Any) -> Callable[[], None]:
         fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    # thread_local: the NCCL watchdog thread may query its events while this thread captures.
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         fn()
     return graph.replay
 
@@ -158,6 +159,7 @@ class StaticDecoder:
     on the last stage.
     """
 
+    @torch.no_grad()
     def __init__(self, unit: ShardedCausalLM, shape: DecodeShape, pick: _SeededGumbel | None) -> None:
         weight = next(unit.parameters())
         device, b = weight.device, shape.batch
@@ -185,6 +187,7 @@ class StaticDecoder:
             self._forward = lambda unit: forward()
             self._record = lambda unit: record()
 
+    @torch.no_grad()
     def start(
         self, unit: ShardedCausalLM, prompt_ids: Tensor, prompt_mask: Tensor, seeds: Sequence[int] | None
     ) -> None:
@@ -217,6 +220,7 @@ class StaticDecoder:
         self._share_token(unit)
         self._record(unit)
 
+    @torch.no_grad()
     def step(self, unit: ShardedCausalLM) -> None:
         """Decode one token: the previous one through the stages, then pick, share and record the next."""
         comm = unit.comm
