@@ -52,7 +52,7 @@ def eager_decode(unit: ShardedCausalLM, ids, mask, n: int, **kw):  # noqa: ANN00
     """The eager path's responses and its logits at every decoding step ``[B, steps, V]`` (float32)."""
     generator = ShardedGenerator(unit)
     seen: list[torch.Tensor] = []
-    generator.register_forward_hook(lambda module, args, out: seen.append(out.logits[:, -1].float()))
+    generator.register_forward_hook(lambda module, args, out: seen.append(out.logits[:, -1].float().clone()))
     out = HFGenerateEngine(generator, EOS, 0).generate(ids, mask, n, **kw)
     return out, torch.stack(seen, 1)
 
@@ -235,3 +235,33 @@ def test_cuda_graph_decode_on_nccl_tp2_and_pp2_matches_eager() -> None:
         for key, result in out.items():
             assert result["same_tokens"], f"rank {rank} {key}: tokens differ"
             assert result["logit_err"] <= TOL, f"rank {rank} {key}: logits differ by {result['logit_err']}"
+
+
+def test_prompts_that_are_not_left_padded_are_refused() -> None:
+    unit = ShardedCausalLM.from_model(tiny_model("llama"), ReplicaComm.single())
+    ids, mask, seeds = _prompts(0)
+    mask[1, -1] = 0  # right padding
+    with pytest.raises(NereusConfigError, match="attention_mask.*left-padded"):
+        StaticDecodeEngine(unit, EOS, 0).generate(ids, mask, 4, sample_seeds=seeds)
+
+
+def test_the_gpu_decode_benchmark_runs_on_the_cpu(tmp_path) -> None:  # noqa: ANN001
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "gpu_decode.json"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(root / "src")}
+    cmd = [
+        sys.executable, str(root / "benchmarks" / "gpu_decode.py"), "--shape", "tiny", "--batch", "4",
+        "--prompt-len", "12", "--new-tokens", "6", "--repeats", "1", "--fp32-tokens", "4", "--out", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["device"] == "cpu"
+    assert result["fp32_same_tokens"] and result["fp32_max_logit_err"] <= TOL
+    assert 0.0 <= result["sampled_tokens_differ"] <= 1.0 and result["static_ms_per_token"] > 0

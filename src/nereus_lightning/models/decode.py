@@ -327,6 +327,11 @@ class StaticDecodeEngine:
     ) -> RolloutOutput:
         """See :class:`~nereus_lightning.rl.rollout.RolloutEngine`; sampling needs one seed per row (``sample_seeds``)."""
         batch, width = prompt_ids.shape
+        require(
+            bool(attention_mask[:, -1].all()),
+            "attention_mask",
+            "prompts must be left-padded: the last column must hold a token in every row",
+        )
         pick = _make_picker(batch, 0, max_new_tokens, do_sample, temperature, top_k, top_p, sample_seeds)
         shape = DecodeShape(
             batch,
