@@ -151,6 +151,13 @@ def test_a_decoder_is_kept_per_shape_and_rebuilt_when_the_weights_move(device: s
     assert compare(unit, ids, mask, seeds, 9, {})["same_tokens"]  # another length: another decoder
 
 
+def test_the_decode_mode_picks_static_on_cuda_only_when_auto() -> None:
+    unit = ShardedCausalLM.from_model(tiny_model("llama"), ReplicaComm.single())
+    assert [decode.use_static_decode(m, unit) for m in ("auto", "eager", "static")] == [False, False, True]
+    with pytest.raises(NereusConfigError, match="algorithm.decode.*'fast' is not one of"):
+        decode.use_static_decode("fast", unit)
+
+
 def test_a_value_model_is_refused() -> None:
     config = value_config_of(tiny_config_of(tf.AutoConfig.for_model("llama")))
     unit = ShardedCausalLM.from_model(tiny_model_of(config), ReplicaComm.single())

@@ -52,6 +52,8 @@ from nereus_lightning.spec.errors import require
 PROMPT_BUCKET = 64
 #: How often (in decoded tokens) the loop checks whether every row has ended.
 SYNC_EVERY = 8
+#: The decode modes a caller may offer: ``"auto"`` (static on CUDA, eager elsewhere), ``"eager"``, ``"static"``.
+DECODE_MODES = ("auto", "eager", "static")
 
 
 class StaticKV:
@@ -272,6 +274,16 @@ class StaticDecoder:
         self.done |= emitted == self.shape.eos_token_id
         self.tokens.copy_(emitted.unsqueeze(-1))
         self.emitted += 1
+
+
+def use_static_decode(mode: str, unit: ShardedCausalLM) -> bool:
+    """Whether decode mode ``mode`` (one of :data:`DECODE_MODES`) runs ``unit`` with :class:`StaticDecodeEngine`."""
+    require(
+        mode in DECODE_MODES,
+        "algorithm.decode",
+        f"{mode!r} is not one of {', '.join(map(repr, DECODE_MODES))}",
+    )
+    return mode == "static" or (mode == "auto" and next(unit.parameters()).device.type == "cuda")
 
 
 #: One decoder per unit (the latest shape it decoded), dropped with the unit.
