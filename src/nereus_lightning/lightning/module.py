@@ -85,7 +85,12 @@ class _StepClock(torch.utils.data.IterableDataset):
 
 
 ON_NONFINITE = ("raise", "skip")
-PRECISIONS = {"32-true": torch.float32, "32": torch.float32, "bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16}
+PRECISIONS = {
+    "32-true": torch.float32,
+    "32": torch.float32,
+    "bf16-mixed": torch.bfloat16,
+    "bf16-true": torch.bfloat16,
+}
 
 
 def precision_dtype(precision: str) -> torch.dtype:
@@ -96,6 +101,8 @@ def precision_dtype(precision: str) -> torch.dtype:
         f"{precision!r} is not one of {', '.join(map(repr, PRECISIONS))} (fp16 would need loss scaling)",
     )
     return PRECISIONS[precision]
+
+
 VALIDATION_STEP = -1  # the step validation samples are seeded with (training steps are >= 0)
 
 
@@ -126,7 +133,9 @@ def check_hyperparameters(values: Mapping[str, Any]) -> None:
     for name, key, allowed in choices:
         if name in values:
             require(
-                values[name] in allowed, key, f"{values[name]!r} is not one of {', '.join(map(repr, allowed))}"
+                values[name] in allowed,
+                key,
+                f"{values[name]!r} is not one of {', '.join(map(repr, allowed))}",
             )
     if "reward_workers" in values:
         workers = values["reward_workers"]
@@ -168,6 +177,8 @@ class RLModule(L.LightningModule):
         seed: seeds weights, the data order and every sample's generator.
         rollout_engine: ``"hf"``: transformers ``generate`` over the actor's generation units;
             ``"vllm"``: :class:`~nereus_lightning.rl.rollout.VLLMEngine` (needs vllm).
+        ignore_eos: responses run to the generation budget whatever they sample (verl's
+            ``rollout.ignore_eos``; benchmarks with a fixed response length).
         on_nonfinite: a NaN/inf reward or gradient norm ``"raise"`` s (naming the step, the
             model-stage and the first bad sample or tensor) or ``"skip"`` s the update.
         val_greedy: validation decodes greedily (else it samples like training).
@@ -207,6 +218,7 @@ class RLModule(L.LightningModule):
         grad_clip: float = 1.0,
         seed: int = 0,
         rollout_engine: str = "hf",
+        ignore_eos: bool = False,
         on_nonfinite: str = "raise",
         val_greedy: bool = True,
         rollout_data_dir: str | None = None,
@@ -248,6 +260,7 @@ class RLModule(L.LightningModule):
         )
         self.step_stats: dict[str, float] = {}
         self._logged_keys: set[str] = set()
+        self.peak_memory: dict[int, float] = {}  # this step's peak GPU memory per rank (empty on CPU)
         self.units: Any = None
         self._adapters: dict[str, Any] = {}  # model-stage -> ShardedGenerator over this rank's unit
         self.last_rollout: RolloutBatch | None = None  # the last step's batch, every sample (for inspection)
@@ -474,6 +487,7 @@ class RLModule(L.LightningModule):
         hp = self.hparams
         plan = plan if plan is not None else self.current_plan()
         self.units.ensure(plan, self.role_models(), self.rank)  # no-op unless the plan changed
+        peaks = StagePeaks(self.device)
         t0 = time.perf_counter()
         prompts = self.source.prompts(step, hp.prompts_per_step)
         samples = [p for p in prompts for _ in range(hp.samples_per_prompt)]  # samples of a prompt adjacent
@@ -484,6 +498,7 @@ class RLModule(L.LightningModule):
             plan, samples, max_new, step, with_greedy=self.algorithm == "remax"
         )
         t_gen = time.perf_counter()
+        peaks.mark("gen")
         results = self.score(
             plan,
             self.source,
@@ -518,6 +533,7 @@ class RLModule(L.LightningModule):
         if "reward_infer" in inferred:  # the reward model's value at each response's last token
             scores = inferred["reward_infer"][:, 0]
         t_infer = time.perf_counter()
+        peaks.mark("infer")
         batch.scores = scores
         skipped = self._check_rewards(step, batch, samples)
         metrics: dict[str, float] = {}
@@ -531,6 +547,7 @@ class RLModule(L.LightningModule):
         else:
             metrics.update(self.update(plan, batch, optimizer, step))
         t_upd = time.perf_counter()
+        peaks.mark("train")
         if self.hparams.rollout_data_dir and self.rank == 0:
             self._dump_rollouts(step, samples, responses, results)
 
@@ -539,6 +556,8 @@ class RLModule(L.LightningModule):
         tokens = float(batch.attention_mask.sum())
         plens = prompt_mask.sum(-1).float()
         metrics.update(_reward_metrics(results))
+        self.peak_memory = peaks.gather()  # rank -> bytes, for the controller's memory trigger
+        metrics.update(peaks.metrics())
         metrics.update(
             {
                 "critic/score/mean": float(scores.nan_to_num().mean()),
@@ -674,7 +693,8 @@ class RLModule(L.LightningModule):
         tok = self.tokenizer
         if self.hparams.rollout_engine == "vllm":
             return VLLMEngine(self.stage_model(model_stage, self.actor))
-        return HFGenerateEngine(self.stage_model(model_stage, self.actor), tok.eos_token_id, tok.pad_token_id)
+        eos = None if self.hparams.ignore_eos else tok.eos_token_id
+        return HFGenerateEngine(self.stage_model(model_stage, self.actor), eos, tok.pad_token_id)
 
     def infer(self, plan: Plan, batch: RolloutBatch) -> dict[str, Tensor]:
         """The inference model-stages over the batch, each rank running those it holds units of (so
@@ -837,6 +857,42 @@ class RLModule(L.LightningModule):
         if not self.emu_state:
             StageUnits.add_grads_to(unit, model)
         return metrics, unit.comm.is_last_stage and unit.comm.tp_rank == 0
+
+
+class StagePeaks:
+    """Peak GPU memory of each stage of a step on this rank (allocator peaks, reset between stages)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.on_gpu = device.type == "cuda"
+        self.stages: dict[str, float] = {}
+        if self.on_gpu:
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def mark(self, stage: str) -> None:
+        """Record the peak since the last mark as ``stage``'s."""
+        if self.on_gpu:
+            self.stages[stage] = float(torch.cuda.max_memory_allocated(self.device))
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def gather(self) -> dict[int, float]:
+        """Every rank's step peak (collective; empty without GPUs)."""
+        if not self.on_gpu:
+            return {}
+        mine = torch.tensor([max(self.stages.values(), default=0.0)], device=self.device)
+        if not torch.distributed.is_initialized():
+            return {0: float(mine)}
+        every = [torch.zeros_like(mine) for _ in range(torch.distributed.get_world_size())]
+        torch.distributed.all_gather(every, mine)
+        return {rank: float(t) for rank, t in enumerate(every)}
+
+    def metrics(self) -> dict[str, float]:
+        """verl's ``perf/max_memory_allocated_gb`` (this rank's) and one per stage."""
+        if not self.on_gpu:
+            return {}
+        out = {f"perf/max_memory_allocated_gb/{k}": v / 2**30 for k, v in self.stages.items()}
+        out["perf/max_memory_allocated_gb"] = max(self.stages.values()) / 2**30
+        return out
 
 
 def _chunks(n: int, parts: int) -> list[tuple[int, int]]:

@@ -79,6 +79,7 @@ def gumbel_noise(seeds: Tensor, step: int, vocab: int) -> Tensor:
     ``[B, steps, vocab]`` buffer; that would be 10 GB for 64 rows of a 151k vocabulary at 256 steps),
     and is the same on every device and in every decoding loop, eager or captured.
     """
+
     # int64 tensor products wrap, so the arithmetic is modulo 2^64 as splitmix64's; the masks
     # after each right shift make it logical rather than arithmetic.
     def mix(z: Tensor) -> Tensor:
@@ -93,8 +94,10 @@ def gumbel_noise(seeds: Tensor, step: int, vocab: int) -> Tensor:
     return -torch.log(-torch.log(u))
 
 
-def response_mask_from_ids(response_ids: Tensor, eos_token_id: int) -> Tensor:
-    """1 on every token up to and including the first eos of each row, 0 after it."""
+def response_mask_from_ids(response_ids: Tensor, eos_token_id: int | None) -> Tensor:
+    """1 on every token up to and including the first eos of each row, 0 after it (all 1 without an eos)."""
+    if eos_token_id is None:
+        return torch.ones_like(response_ids)
     is_eos = (response_ids == eos_token_id).long()
     eos_before = is_eos.cumsum(-1) - is_eos  # eos tokens strictly before this position
     return (eos_before == 0).long()
@@ -145,11 +148,12 @@ class HFGenerateEngine:
 
     Args:
         model: a transformers causal LM (or a wrapper exposing its ``generate``).
-        eos_token_id: id that ends a response.
+        eos_token_id: id that ends a response; None: responses run to ``max_new_tokens`` (verl's
+            ``ignore_eos``, for benchmarks with a fixed response length).
         pad_token_id: id written after a response's end.
     """
 
-    def __init__(self, model: Any, eos_token_id: int, pad_token_id: int) -> None:
+    def __init__(self, model: Any, eos_token_id: int | None, pad_token_id: int) -> None:
         if not hasattr(model, "generate"):
             raise NereusConfigError(
                 f"rollout.engine: {type(model).__name__} has no transformers-style generate()"
@@ -239,7 +243,7 @@ def _make_picker(
 
 
 def _finish(
-    prompt_ids: Tensor, prompt_mask: Tensor, response: Tensor, max_new_tokens: int, eos: int, pad: int
+    prompt_ids: Tensor, prompt_mask: Tensor, response: Tensor, max_new_tokens: int, eos: int | None, pad: int
 ) -> RolloutOutput:
     """Pad responses to ``max_new_tokens``, mask everything after the first eos."""
     if response.shape[-1] < max_new_tokens:  # every row stopped early
@@ -260,7 +264,7 @@ class ForwardEngine:
     """
 
     def __init__(
-        self, forward: Callable[[Tensor, Tensor, Tensor], Tensor], eos_token_id: int, pad_token_id: int
+        self, forward: Callable[[Tensor, Tensor, Tensor], Tensor], eos_token_id: int | None, pad_token_id: int
     ) -> None:
         self.forward = forward
         self.eos_token_id = eos_token_id
