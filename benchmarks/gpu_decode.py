@@ -1,8 +1,8 @@
 """Eager vs static-cache (CUDA-graph) decode on one GPU: ms per decoded token, and how many tokens differ.
 
 A random model of a Qwen2 shape (0.5B by default) as one rank's ``ShardedCausalLM`` (Layout(1, 1)),
-a batch of left-padded prompts (16 prompts x 4 samples = 64 rows), new tokens forced (the eos id is
-outside the vocabulary, so no row stops early). Both engines sample with the same per-row seeds:
+a batch of left-padded prompts (16 prompts x 4 samples = 64 rows), every response ``--new-tokens``
+long (no eos: ``ignore_eos``). Both engines sample with the same per-row seeds:
 
 - eager: ``HFGenerateEngine`` over ``ShardedGenerator`` (transformers ``generate``, dynamic cache);
 - static: ``models.decode.StaticDecodeEngine`` (static KV cache, prefill eager, decode steps replayed
@@ -104,13 +104,13 @@ def peak_gib() -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if DEVICE.type == "cuda" else 0.0
 
 
-def engines(unit, eos: int) -> tuple[Any, Any]:  # noqa: ANN001
-    """The eager and the static engine over ``unit``."""
+def engines(unit) -> tuple[Any, Any]:  # noqa: ANN001
+    """The eager and the static engine over ``unit``, both without an eos (fixed-length responses)."""
     from nereus_lightning.models.decode import StaticDecodeEngine
     from nereus_lightning.models.generation import ShardedGenerator
     from nereus_lightning.rl.rollout import HFGenerateEngine
 
-    return HFGenerateEngine(ShardedGenerator(unit), eos, 0), StaticDecodeEngine(unit, eos, 0)
+    return HFGenerateEngine(ShardedGenerator(unit), None, 0), StaticDecodeEngine(unit, None, 0)
 
 
 def speed(unit, args: argparse.Namespace) -> dict[str, Any]:  # noqa: ANN001
@@ -119,7 +119,7 @@ def speed(unit, args: argparse.Namespace) -> dict[str, Any]:  # noqa: ANN001
 
     vocab = unit.config.vocab_size
     ids, mask, seeds = prompts(args.batch, args.prompt_len, vocab)
-    eager, static = engines(unit, eos=vocab)
+    eager, static = engines(unit)
     n = args.new_tokens
     eager.generate(ids, mask, 4, sample_seeds=seeds)  # warm-up (kernels, allocator)
     reset_peak()
@@ -180,7 +180,7 @@ def fp32_check(shape: str, args: argparse.Namespace) -> dict[str, Any]:
     unit = build_unit(shape, torch.float32)
     vocab = unit.config.vocab_size
     ids, mask, seeds = prompts(args.batch, args.prompt_len, vocab)
-    eager, static = engines(unit, eos=vocab)
+    eager, static = engines(unit)
     n = args.fp32_tokens
     seen: list[torch.Tensor] = []
     eager.model.register_forward_hook(

@@ -244,6 +244,14 @@ def test_cuda_graph_decode_on_nccl_tp2_and_pp2_matches_eager() -> None:
             assert result["logit_err"] <= TOL, f"rank {rank} {key}: logits differ by {result['logit_err']}"
 
 
+def test_without_an_eos_every_row_runs_to_the_budget_as_eager() -> None:
+    unit = ShardedCausalLM.from_model(tiny_model("gqa_tied"), ReplicaComm.single())
+    ids, mask, seeds = _prompts(0)
+    want = HFGenerateEngine(ShardedGenerator(unit), None, 0).generate(ids, mask, 9, sample_seeds=seeds)
+    got = StaticDecodeEngine(unit, None, 0).generate(ids, mask, 9, sample_seeds=seeds)
+    assert torch.equal(want.response_ids, got.response_ids) and bool(got.response_mask.all())
+
+
 def test_prompts_that_are_not_left_padded_are_refused() -> None:
     unit = ShardedCausalLM.from_model(tiny_model("llama"), ReplicaComm.single())
     ids, mask, seeds = _prompts(0)

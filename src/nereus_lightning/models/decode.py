@@ -137,7 +137,7 @@ class DecodeShape:
     prompt_slots: int  # the prompt region, a multiple of PROMPT_BUCKET
     max_new_tokens: int
     sampling: tuple[float, int, float] | None  # (temperature, top_k, top_p); None: greedy
-    eos_token_id: int
+    eos_token_id: int | None  # None: every row runs to max_new_tokens
     pad_token_id: int
 
     @property
@@ -271,7 +271,8 @@ class StaticDecoder:
         """Emit :attr:`next_token` (pad after a row's eos) as the response's next token and the next input (graph body)."""
         emitted = torch.where(self.done, self.shape.pad_token_id, self.next_token)
         self.response.index_copy_(1, self.emitted.view(1), emitted.unsqueeze(-1))
-        self.done |= emitted == self.shape.eos_token_id
+        if self.shape.eos_token_id is not None:
+            self.done |= emitted == self.shape.eos_token_id
         self.tokens.copy_(emitted.unsqueeze(-1))
         self.emitted += 1
 
@@ -313,11 +314,11 @@ class StaticDecodeEngine:
 
     Args:
         unit: this rank's :class:`ShardedCausalLM` of the generation replica.
-        eos_token_id: id that ends a response.
+        eos_token_id: id that ends a response; None: responses run to ``max_new_tokens`` (``ignore_eos``).
         pad_token_id: id written after a response's end.
     """
 
-    def __init__(self, unit: ShardedCausalLM, eos_token_id: int, pad_token_id: int) -> None:
+    def __init__(self, unit: ShardedCausalLM, eos_token_id: int | None, pad_token_id: int) -> None:
         require(
             not unit.value_head, "rollout.engine", "a value model (token classification) does not generate"
         )
