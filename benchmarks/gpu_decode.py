@@ -171,7 +171,7 @@ def profile_steps(unit, args: argparse.Namespace) -> None:  # noqa: ANN001
         for _ in range(args.profile):
             decoder.step(unit)
         sync()
-    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=60)
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=50)
     print(table)
 
 
