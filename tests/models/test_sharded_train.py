@@ -147,7 +147,8 @@ def _recompute_grads(rank: int, world: int) -> dict[str, float]:
         runs = []
         layer = unit.model.layers[str(unit.layer_ids[0])]
         forward = layer.forward
-        layer.forward = lambda *a, **k: runs.append(1) or forward(*a, **k)  # hooks do not see recomputes
+        # hooks do not see recomputes: count the calls of forward itself
+        layer.forward = lambda *a, runs=runs, forward=forward, **k: runs.append(1) or forward(*a, **k)
         ids, adv = _batch(0)
         train_step(unit, split_micro_batches(ids, 2, adv=adv), _loss)
         grads.append({n: p.grad.clone() for n, p in unit.named_parameters()})
