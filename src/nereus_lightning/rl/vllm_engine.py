@@ -47,11 +47,11 @@ VOCAB_PADDING = 64
 
 #: Environment vLLM needs in a training process (set where unset): the engine core runs inside this
 #: process (required by ``external_launcher``), on the CPU a KV cache of 1 GiB per engine, and
-#: vLLM's warnings and errors only on the run's console.
+#: only vLLM's errors on the run's console (its CPU performance hints are warnings).
 ENVIRONMENT = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_LOGGING_LEVEL": "WARNING",
+    "VLLM_LOGGING_LEVEL": "ERROR",
 }
 
 
@@ -76,7 +76,9 @@ def check_replicas(replicas: Sequence[Sequence[int]], tp: int, pp: int, world_si
     """
     require(pp == 1, key, f"vLLM generation runs PP 1 here, the plan gives PP {pp}; use rollout_engine=hf")
     require(
-        world_size % tp == 0, key, f"vLLM's TP groups need the world ({world_size} ranks) divisible by tp={tp}"
+        world_size % tp == 0,
+        key,
+        f"vLLM's TP groups need the world ({world_size} ranks) divisible by tp={tp}",
     )
     for ranks in replicas:
         first = ranks[0]
@@ -172,11 +174,17 @@ def _keeping_process_group() -> Iterator[None]:
 def _host_tensor(shape: Sequence[int], dtype: torch.dtype, dim: int) -> Tensor:
     """An uninitialised host tensor of ``shape`` laid out with ``dim`` outermost (a TP chunk is one contiguous range)."""
     order = [dim, *(d for d in range(len(shape)) if d != dim)]
-    return torch.empty([shape[d] for d in order], dtype=dtype).permute(*sorted(range(len(shape)), key=order.__getitem__))
+    return torch.empty([shape[d] for d in order], dtype=dtype).permute(
+        *sorted(range(len(shape)), key=order.__getitem__)
+    )
 
 
 def checkpoint_tensors(
-    shards: Mapping[str, Tensor], shapes: Mapping[str, Sequence[int]], placements: Mapping[str, Any], tp: int, tp_rank: int
+    shards: Mapping[str, Tensor],
+    shapes: Mapping[str, Sequence[int]],
+    placements: Mapping[str, Any],
+    tp: int,
+    tp_rank: int,
 ) -> Iterator[tuple[str, Tensor]]:
     """``(name, tensor)`` in checkpoint format whose only written part is this rank's shard (see the module docstring)."""
     from nereus_lightning.models.sharding import tp_slices
@@ -312,7 +320,9 @@ class VLLMInstance:
     ) -> None:
         """Put this rank's TP shards (global names) into the engine, in place, with vLLM's reload API."""
         weights = checkpoint_tensors(shards, shapes, placements, self.tp, tp_rank)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        self.llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
+        )
         self.policy_version = policy_version
 
     def read_weights(self) -> dict[str, Tensor]:
@@ -360,7 +370,9 @@ class VLLMEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        seeds = check_sampling(len(prompt_ids), max_new_tokens, do_sample, temperature, top_k, top_p, sample_seeds)
+        seeds = check_sampling(
+            len(prompt_ids), max_new_tokens, do_sample, temperature, top_k, top_p, sample_seeds
+        )
         prompts = [
             TokensPrompt(prompt_token_ids=row[mask.bool()].tolist())
             for row, mask in zip(prompt_ids.cpu(), attention_mask.cpu(), strict=True)
@@ -391,7 +403,12 @@ class VLLMEngine:
             )
         device = prompt_ids.device
         done = _finish(
-            prompt_ids, attention_mask, response.to(device), max_new_tokens, self.eos_token_id, self.pad_token_id
+            prompt_ids,
+            attention_mask,
+            response.to(device),
+            max_new_tokens,
+            self.eos_token_id,
+            self.pad_token_id,
         )
         return VLLMRollout(
             done.prompt_ids,
