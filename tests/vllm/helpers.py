@@ -123,9 +123,12 @@ class CheckedGRPOModule(GRPOModule):
 
 # ---- pool functions -------------------------------------------------------------------------
 def engine_against_hf(
-    rank: int, world_size: int, folder: str, tps: tuple[int, ...]
-) -> dict[int, dict[str, Any]]:
-    """Per TP degree: one vLLM engine per rank on the folder's weights, against transformers on the same weights."""
+    rank: int, world_size: int, folder: str, variants: tuple[tuple[int, bool], ...]
+) -> dict[str, dict[str, Any]]:
+    """Per ``(tp, tied)``: one vLLM engine per rank on a model's weights, against transformers on the same weights.
+
+    ``tied=False``: the folder's model; ``tied=True``: a random model of its config with the LM head tied to the embedding.
+    """
     import transformers as tf
 
     from nereus_lightning.emu.schema import StateSchema
@@ -135,19 +138,27 @@ def engine_against_hf(
     from nereus_lightning.rl.tokenizer import pad_ids
     from nereus_lightning.rl.vllm_engine import VLLMEngine, VLLMInstance
 
-    hf = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    config, pad = hf.config, 0
-    schema = StateSchema.of(config, hf)
+    pad = 0
     prompts = [[5, 6, 7, 8], [9, 10, 11], [40, 41, 42, 43, 44, 45], [100, 3], [7] * 9, [250, 251, 252]]
     ids, mask = pad_ids(prompts, pad, "left")
     seeds = sample_seeds(7, 0, range(len(prompts)))
-    greedy_hf = HFGenerateEngine(hf, config.eos_token_id, pad).generate(ids, mask, 8, do_sample=False)
-    out: dict[int, dict[str, Any]] = {}
-    for tp in tps:
+    out: dict[str, dict[str, Any]] = {}
+    for tp, tied in variants:
+        if tied:
+            config = tf.AutoConfig.from_pretrained(folder, tie_word_embeddings=True)
+            torch.manual_seed(1)
+            hf = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        else:
+            hf = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        config, schema = hf.config, StateSchema.of(hf.config, hf)
+        greedy_hf = HFGenerateEngine(hf, config.eos_token_id, pad).generate(ids, mask, 8, do_sample=False)
         instance = VLLMInstance(config, tp, max_model_len=64)
         shards = shard_state(hf, config, Layout(tp, 1), 0, rank % tp)
         instance.load(shards, schema.shape_of, schema.placements, rank % tp, policy_version=5)
         back = instance.read_weights()
+        want = dict(shards)
+        if tied:  # the head's own kernel, read back too: it must hold the embedding
+            want["lm_head.weight"] = shards["model.embed_tokens.weight"]
         engine = VLLMEngine(instance, config.eos_token_id, pad)
         greedy = engine.generate(ids, mask, 8, do_sample=False)
         sampled = engine.generate(ids, mask, 8, temperature=0.8, sample_seeds=seeds)
@@ -163,11 +174,12 @@ def engine_against_hf(
             sampled.response_mask,
             temperature=0.8,
         )
-        out[tp] = {
+        out[f"tp{tp}" + ("-tied" if tied else "")] = {
             "greedy_equal": torch.equal(greedy.response_ids, greedy_hf.response_ids),
             "greedy": greedy.response_ids.tolist(),
-            "read_back": sorted(back) == sorted(shards),
-            "differ": sorted(n for n in shards if not torch.equal(back.get(n, torch.empty(0)), shards[n])),
+            "read_back": sorted(back) == sorted(want),
+            "names": sorted(shards),
+            "differ": sorted(n for n in want if not torch.equal(back.get(n, torch.empty(0)), want[n])),
             "log_prob_error": float(((scored - sampled.log_probs) * sampled.response_mask).abs().max()),
             "sampled_tokens": int(sampled.response_mask.sum()),
             "sampled": sampled.response_ids.tolist(),

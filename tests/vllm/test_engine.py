@@ -12,7 +12,11 @@ pytestmark = [*VLLM, pytest.mark.distributed]
 def test_engine_holds_the_shards_and_generates_what_transformers_does(dist2_vllm, job):
     from tests.vllm.helpers import engine_against_hf
 
-    per_rank = dist2_vllm.run(engine_against_hf, job["model"], (2, 1))
+    per_rank = dist2_vllm.run(engine_against_hf, job["model"], ((2, False), (1, False), (2, True)))
+    assert (
+        "lm_head.weight" in per_rank[0]["tp1"]["names"]
+        and "lm_head.weight" not in per_rank[0]["tp2-tied"]["names"]
+    )
     for out in per_rank:
         for tp, got in out.items():
             # The shards went in through vLLM's reload API and come back through its kernels unchanged.
@@ -24,5 +28,5 @@ def test_engine_holds_the_shards_and_generates_what_transformers_does(dist2_vllm
             assert got["split_batches_equal"]
             assert got["policy_version"] == 5
     # The TP ranks of one replica see the same responses; TP 2 samples what TP 1 does.
-    assert per_rank[0][2] == {**per_rank[1][2]}
-    assert per_rank[0][2]["sampled"] == per_rank[0][1]["sampled"]
+    assert per_rank[0]["tp2"] == per_rank[1]["tp2"] and per_rank[0]["tp2-tied"] == per_rank[1]["tp2-tied"]
+    assert per_rank[0]["tp2"]["sampled"] == per_rank[0]["tp1"]["sampled"]

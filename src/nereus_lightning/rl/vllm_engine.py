@@ -212,12 +212,37 @@ class WorkerExtension:
     """Methods vLLM mixes into its worker (``worker_extension_cls``), reached through ``collective_rpc``."""
 
     @torch.no_grad()
+    def nereus_repack_tied_heads(self) -> int:
+        """Prepare the kernels of LM heads tied to the embedding again; returns how many there are.
+
+        vLLM's reload prepares a tied weight for the embedding only, so a kernel that holds its own
+        copy (oneDNN on the CPU) would keep computing logits with the old weights.
+        """
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        embeddings = [
+            m
+            for m in model.modules()
+            if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)
+        ]
+        heads = [
+            m
+            for m in model.modules()
+            if isinstance(m, ParallelLMHead) and any(m.weight is e.weight for e in embeddings)
+        ]
+        for head in heads:
+            head.quant_method.process_weights_after_loading(head)
+        return len(heads)
+
+    @torch.no_grad()
     def nereus_read_weights(self) -> dict[str, Tensor]:
         """This rank's weights as the kernels use them, under checkpoint names and in our TP shard shapes.
 
-        Linear layers are read through their own GEMM (``x = I`` gives ``W^T``, exact: products with
-        one and sums with zero), since on some backends the weight lives only in a repacked kernel
-        handle; fused ``qkv_proj`` / ``gate_up_proj`` rows are split back by their partition sizes.
+        Linear layers and the LM head are read through their own GEMM (``x = I`` gives ``W^T``,
+        exact: products with one and sums with zero), since on some backends the weight lives only in
+        a repacked kernel handle; fused ``qkv_proj`` / ``gate_up_proj`` rows are split back by their
+        partition sizes. A head tied to the embedding is read too (``lm_head.weight``), from its kernel.
         """
         from vllm.model_executor.layers.linear import LinearBase
         from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -323,6 +348,7 @@ class VLLMInstance:
         self.llm.collective_rpc(
             "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
         )
+        self.llm.collective_rpc("nereus_repack_tied_heads")
         self.policy_version = policy_version
 
     def read_weights(self) -> dict[str, Tensor]:
