@@ -101,11 +101,13 @@ def fit(
     module=None,
     last: bool = False,
     state: str = "emu",
+    write_back: bool = False,
+    precision: str = "32-true",
 ):  # noqa: ANN001, ANN201
     """A short Trainer run with DP-only plans over all ranks; returns the trainer and metric rows.
 
     ``every``: a checkpoint ``ckpt/s<step>.ckpt`` every that many steps (and ``ckpt/last.ckpt``
-    with ``last``); ``state``: the strategy's state backend.
+    with ``last``); ``state``, ``write_back``: the strategy's; ``precision``: the Trainer's.
     """
     import csv
     import glob
@@ -138,7 +140,8 @@ def fit(
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=devices,
-        strategy=NereusStrategy(state=state),
+        strategy=NereusStrategy(state=state, write_back=write_back),
+        precision=precision,
         max_steps=max_steps,
         callbacks=callbacks,
         logger=logger,

@@ -6,6 +6,7 @@ import math
 import os
 
 import pytest
+import torch
 
 from tests.lightning.helpers import fit
 
@@ -113,3 +114,27 @@ def test_a_nan_gradient_norm_stops_the_update_before_the_optimizer_step(tmp_path
     assert math.isnan(float(rows[1]["actor/grad_norm"])) and math.isnan(float(rows[1]["actor/pg_loss"]))
     assert float(rows[2]["actor/grad_norm"]) > 0
     assert [float(r["train/skipped_update"]) for r in rows] == [0.0, 1.0, 0.0]
+
+
+def test_bf16_mixed_trains_on_bf16_weights_with_fp32_masters(tmp_path):
+    import math
+
+    from nereus_lightning.emu.checkpoint import read_dcp_metadata
+
+    _, rows = fit(str(tmp_path), devices=2, max_steps=2, algorithm="grpo", every=2, precision="bf16-mixed")
+    assert all(math.isfinite(float(r["actor/pg_loss"])) and float(r["actor/grad_norm"]) > 0 for r in rows)
+    meta = read_dcp_metadata(tmp_path / "ckpt" / "s2.ckpt" / "emu" / "actor_train").state_dict_metadata
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert meta[f"param/{name}"].properties.dtype == torch.bfloat16
+    assert meta[f"master/{name}"].properties.dtype == torch.float32
+    assert meta[f"exp_avg/{name}"].properties.dtype == torch.float32
+    gen = read_dcp_metadata(tmp_path / "ckpt" / "s2.ckpt" / "emu" / "actor_gen").state_dict_metadata
+    assert gen[f"param/{name}"].properties.dtype == torch.bfloat16 and f"master/{name}" not in gen
+
+
+def test_an_unsupported_precision_is_refused_naming_the_key():
+    from nereus_lightning.lightning.module import precision_dtype
+    from nereus_lightning.spec.errors import NereusConfigError
+
+    with pytest.raises(NereusConfigError, match="trainer.precision: '16-mixed'.*loss scaling"):
+        precision_dtype("16-mixed")

@@ -137,16 +137,20 @@ def test_user_job_trains_on_its_folder_data_and_reward(job, tmp_path, monkeypatc
 
 
 @pytest.mark.distributed
-def test_exported_models_reload_equal_to_the_logical_state(job, tmp_path, monkeypatch):
+@pytest.mark.parametrize("family", ["qwen2", "phi3"])  # phi3: fused QKV and gate-up projections
+def test_exported_models_reload_equal_to_the_logical_state(job, tmp_path, monkeypatch, family):
     import torch
     import transformers as tf
 
     from nereus_lightning.cli.train import build_module
+    from nereus_lightning.testing.folders import tiny_model_folder
     from tests.lightning.helpers import fit
 
     monkeypatch.setenv("NEREUS_TEST_COUNTER", str(tmp_path / "counter.txt"))
-    module = build_module(_user_cfg(job, tmp_path, "algorithm=ppo"))
-    fit(str(tmp_path), devices=3, max_steps=2, every=2, module=module)
+    texts = [r["prompt"][0]["content"] for r in job["rows"]]
+    folder = tiny_model_folder(tmp_path / "model", texts, family=family, vocab_size=300)
+    module = build_module(_user_cfg(job, tmp_path, "algorithm=ppo", f"actor.path={folder}"))
+    fit(str(tmp_path), devices=3, max_steps=2, every=2, module=module, write_back=True)
     # The parent's module holds rank 0's logical weights after fit (gathered from the EMUs) ...
     folder = tmp_path / "ckpt" / "s2.ckpt" / "hf"
     for role, auto in (("actor", tf.AutoModelForCausalLM), ("critic", tf.AutoModelForTokenClassification)):

@@ -61,12 +61,10 @@ def response_budget(cfg: Any, step: int) -> float:
 
 
 def job_cluster(cfg: Any) -> Any:
-    """The cluster preset of ``cfg`` with its per-GPU memory override applied (``"auto"``: see below)."""
+    """The job's cluster (:func:`job_cluster_preset`) with its per-GPU memory override applied (``"auto"``: see below)."""
     from dataclasses import replace
 
-    from nereus_lightning.spec import cluster_preset
-
-    cluster = cluster_preset(str(cfg.cluster))
+    cluster = job_cluster_preset(cfg)
     memory = gpu_memory_setting(cfg)
     if memory == "auto":
         memory = tight_gpu_memory(cfg, cluster)
@@ -82,10 +80,11 @@ def gpu_memory_setting(cfg: Any) -> Any:
 
 
 def job_cluster_preset(cfg: Any) -> Any:
-    """The cluster preset named by ``cfg.cluster``."""
+    """The cluster preset named by ``cfg.cluster`` (memory, FLOP/s, links) shaped as the launch:
+    ``trainer.num_nodes`` x GPUs per node (checked against the launcher by :func:`job_launch`)."""
     from nereus_lightning.spec import cluster_preset
 
-    return cluster_preset(str(cfg.cluster))
+    return cluster_preset(str(cfg.cluster)).on_nodes(_num_nodes(cfg), _devices_per_node(cfg))
 
 
 def _prompt_len(cfg: Any) -> float:
@@ -199,7 +198,7 @@ def tight_gpu_memory(cfg: Any, cluster: Any) -> float | None:
         return response_budget(cfg, step)
 
     counts = supply_counts(cfg) or [0]
-    full = max(counts) if counts[0] else int(cfg.trainer.devices)
+    full = max(counts) if counts[0] else _world_size(cfg)
     fewest = min(counts) if counts[0] else full
     low_steps = [i for i, c in enumerate(counts) if c == fewest] or [0]
 
@@ -235,10 +234,46 @@ def _algorithm_name(cfg: Any) -> str:
     )
 
 
+def _num_nodes(cfg: Any) -> int:
+    nodes = cfg.trainer.get("num_nodes", 1)
+    if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1:
+        raise NereusConfigError(f"trainer.num_nodes: must be a whole number >= 1, got {nodes!r}")
+    return nodes
+
+
 def _world_size(cfg: Any) -> int:
+    """The job's ranks: ``trainer.num_nodes`` x ``trainer.devices`` per node."""
+    return _num_nodes(cfg) * _devices_per_node(cfg)
+
+
+def job_launch(cfg: Any) -> Any:
+    """The launch this process is part of, checked against ``trainer.num_nodes`` x ``trainer.devices``.
+
+    Raises:
+        NereusConfigError: the keys describe another job than the launcher (torchrun, SLURM, a
+            plain start) started, or ``trainer.num_nodes > 1`` without any launcher for it.
+    """
+    from nereus_lightning.lightning.launch import check_launch, detect_environment, launch_of
+
+    launch = launch_of(detect_environment())
+    check_launch(launch, _num_nodes(cfg), _devices_per_node(cfg))
+    return launch
+
+
+def _say(text: str) -> None:
+    """Print on global rank 0 only (under torchrun or srun every rank runs this CLI)."""
+    from nereus_lightning.console_log import current_rank
+
+    if current_rank() == 0:
+        print(text)
+
+
+def _devices_per_node(cfg: Any) -> int:
     devices = cfg.trainer.get("devices", 1)
     if isinstance(devices, int) and devices > 0:
         return devices
+    if not isinstance(devices, (int, str)):  # a list of device indices
+        return len(devices)
     if cfg.trainer.get("accelerator") == "cpu":
         return os.cpu_count() or 1
     import torch
@@ -298,7 +333,7 @@ def check_config(cfg: Any) -> None:
     """The numbers and files of ``cfg``, checked before the planner, any model or any process."""
     from omegaconf import OmegaConf
 
-    from nereus_lightning.lightning.module import check_hyperparameters
+    from nereus_lightning.lightning.module import check_hyperparameters, precision_dtype
     from nereus_lightning.rl.data import DataConfig
 
     values = {k: v for k, v in OmegaConf.to_container(cfg.algorithm, resolve=True).items() if k != "_target_"}
@@ -306,6 +341,7 @@ def check_config(cfg: Any) -> None:
     values["on_nonfinite"] = cfg.trainer.get("on_nonfinite", "raise")
     values["reward_workers"] = cfg.reward.get("num_workers", 0) if cfg.get("reward") else 0
     check_hyperparameters(values)
+    precision_dtype(str(cfg.trainer.get("precision", "32-true")))
     if cfg.get("data"):
         DataConfig.of(OmegaConf.to_container(cfg.data, resolve=True))
 
@@ -324,12 +360,13 @@ def run(cfg: Any) -> dict[str, Any]:
     from hydra.utils import instantiate
     from omegaconf import OmegaConf, open_dict
 
-    from nereus_lightning.control import SequenceResources
+    from nereus_lightning.control import NodeInventory, SequenceResources
     from nereus_lightning.lightning import NereusCallback, NereusStrategy
     from nereus_lightning.lightning.console import print_summary
     from nereus_lightning.lightning.progress import NereusProgressBar
 
     check_config(cfg)
+    launch = job_launch(cfg)  # before any model: the keys must describe the job the launcher started
     world = _world_size(cfg)
     if gpu_memory_setting(cfg) == "auto":  # resolve once, here, for every rank
         with open_dict(cfg):
@@ -338,17 +375,20 @@ def run(cfg: Any) -> dict[str, Any]:
         if not memory and not uses_data(cfg):
             with open_dict(cfg):
                 cfg.task.gpu_memory = None
-        print(
+        _say(
             f"nereus-train: per-GPU memory {memory:.6g} bytes (auto)"
             if memory
             else "nereus-train: cluster_gpu_memory=auto found no memory that forces a layout change; keeping the preset's"
         )
+    _say(f"nereus-train: topology {job_cluster(cfg).describe()}; {world} ranks started by {launch.launcher}")
     check_feasible(cfg, world)
     module = build_module(cfg)  # every input checked here, before any rank starts
     out = str(cfg.output_dir)
     os.makedirs(out, exist_ok=True)
     counts = supply_counts(cfg)
     resources = SequenceResources(tuple(counts)) if counts else None
+    if resources is None and cfg.trainer.get("accelerator") in ("gpu", "cuda"):
+        resources = NodeInventory()  # every node's usable GPUs (NVML), gathered through rank 0
 
     def controller(pl_module: Any, world_size: int) -> Any:
         from nereus_lightning.lightning.control import default_controller
@@ -395,6 +435,8 @@ def run(cfg: Any) -> dict[str, Any]:
         last = latest_checkpoint(ckpt_dir)
         hint = f"resume with: nereus-train ckpt_path={last}" if last else "no complete checkpoint yet"
         raise RuntimeError(f"training stopped: {type(exc).__name__}: {exc}\n{hint}") from exc
+    if not trainer.is_global_zero:  # under torchrun or srun every rank returns here
+        return {}
     summary = summarize(out)
     summary["plot"] = plot_path
     last = latest_checkpoint(ckpt_dir) if cfg.save_checkpoint else None
@@ -437,6 +479,9 @@ def summarize(out: str) -> dict[str, Any]:
 
 def main() -> None:
     """The ``nereus-train`` entry point (Hydra)."""
+    # One OpenMP thread per rank unless set, as torchrun does: the CPU ranks are forked, and a
+    # child whose parent already ran a multi-threaded OpenMP region can hang in its first one.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     import hydra
     from omegaconf import DictConfig
 

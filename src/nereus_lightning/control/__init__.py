@@ -6,6 +6,7 @@ from nereus_lightning.control.decision import Decision, DecisionLog, describe_pl
 from nereus_lightning.control.forecast import LengthForecast
 from nereus_lightning.control.resources import (
     DeviceInventoryError,
+    NodeInventory,
     NvmlResources,
     ResourceProvider,
     SchedulerFileResources,
@@ -41,6 +42,7 @@ __all__ = [
     "DeviceInventoryError",
     "DriftTrigger",
     "LengthForecast",
+    "NodeInventory",
     "NvmlResources",
     "PlannerBackend",
     "PlanningBackend",

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from nereus_lightning.control.attribution import PHASES, op_times
 from nereus_lightning.control.backend import Estimate, PlanningBackend, op_totals
 from nereus_lightning.control.candidates import CandidateSource, Option
 from nereus_lightning.control.decision import Decision, DecisionLog, describe_plan
@@ -496,12 +497,25 @@ class Controller:
             a = self.config.transition_alpha
             self.transition_scale = a * ratio + (1 - a) * self.transition_scale
             self._pending_transition = None
-        if self.calibration is None or not signals.op_time or self.plan is None:
+        if self.calibration is None or self.plan is None:
+            return
+        measured = signals.op_time or self._op_time_from_phases(signals)
+        if not measured:
             return
         predicted = self.predicted_op_times(signals)
-        for op_class, measured in signals.op_time.items():
-            if predicted.get(op_class, 0) > 0 and measured > 0:
-                self.calibration.observe(op_class, predicted[op_class], measured)
+        for op_class, seconds in measured.items():
+            if predicted.get(op_class, 0) > 0 and seconds > 0:
+                self.calibration.observe(op_class, predicted[op_class], seconds)
+
+    def _op_time_from_phases(self, signals: StepSignals) -> dict[str, float]:
+        """A training job's measured stages (``gen``, ``infer``, ``update_actor``) shared among op classes."""
+        if not any(name in signals.stage_time for name in PHASES):
+            return {}
+        est, _ = self._cached_estimate(signals, self.workload_at(signals))
+        if not hasattr(est, "phase_latency"):
+            return {}
+        stage_of = {m.name: m.stage for m in self.workload.stages}
+        return {op: seconds for op, (_, seconds) in op_times(est, signals.stage_time, stage_of).items()}
 
     def predicted_op_times(self, signals: StepSignals) -> dict[str, float]:
         """The cost model's per-op-class times for the current plan at this step, at the current efficiencies."""

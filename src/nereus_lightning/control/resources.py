@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from nereus_lightning.control.signals import as_pool
 from nereus_lightning.spec.errors import NereusConfigError, require
@@ -218,3 +218,98 @@ def _amdsmi_gpus() -> tuple[int, ...]:
         return tuple(range(len(amdsmi.amdsmi_get_processor_handles())))
     except Exception as exc:  # amdsmi raises its own AmdSmiException hierarchy
         raise DeviceInventoryError(f"amdsmi failed ({exc})") from exc
+
+
+class Exchange(Protocol):
+    """The collectives a :class:`NodeInventory` gathers with (every rank calls each one in turn)."""
+
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank."""
+        ...
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value``, in rank order."""
+        ...
+
+
+def visible_gpus(cuda_visible_devices: str | None, count: int) -> tuple[int, ...]:
+    """The driver's index of each of a node's first ``count`` GPUs as CUDA numbers them.
+
+    ``CUDA_VISIBLE_DEVICES=2,3`` makes CUDA's GPU 0 the driver's GPU 2. UUID entries cannot be
+    matched to NVML's indices here and are refused (give indices, or ``resources.counts``).
+    """
+    if cuda_visible_devices is None:
+        return tuple(range(count))
+    entries = [e.strip() for e in cuda_visible_devices.split(",") if e.strip()]
+    if not all(e.isdigit() for e in entries):
+        raise DeviceInventoryError(
+            f"CUDA_VISIBLE_DEVICES={cuda_visible_devices!r}: the GPU inventory matches GPUs by index; "
+            "give indices (CUDA_VISIBLE_DEVICES=0,1,...) or a fixed pool (resources.counts)"
+        )
+    return tuple(int(e) for e in entries[:count])
+
+
+class NodeInventory:
+    """Every node's usable GPUs as one pool, gathered through the job's ranks: once, then on change.
+
+    At every step local rank 0 of each node asks ``local`` (its node's provider, by default
+    :class:`NvmlResources`, which leaves out GPUs the driver cannot query). The answers are
+    gathered onto every rank at the first step and afterwards only at a step where a node's
+    answer changed (a one-flag reduction says whether one did), so a node whose GPUs are lost
+    shows up as a pool change on rank 0's controller. GPU ``i`` of node ``n`` is pool GPU
+    ``n * gpus_per_node + i``: the rank that runs on it.
+
+    ``pool`` is collective: every rank calls it at the same steps, after :meth:`attach` (the
+    :class:`~nereus_lightning.lightning.NereusCallback` does both).
+
+    Args:
+        local: builds the node's provider (called once, on local rank 0 of each node).
+    """
+
+    def __init__(self, local: Callable[[], ResourceProvider] = NvmlResources) -> None:
+        self.local_factory = local
+        self.gathers = 0  # how often the nodes' answers were gathered
+        self._exchange: Exchange | None = None
+        self._local: ResourceProvider | None = None
+        self._node_rank = 0
+        self._gpus_per_node = 1
+        self._visible: tuple[int, ...] = ()
+        self._mine: tuple[int, ...] | None = None  # this node's last answer (local rank 0)
+        self._changes: list[tuple[int, tuple[int, ...]]] = []  # (step, pool) at every change
+        self._asked = -1  # the latest step asked for
+
+    def attach(self, exchange: Exchange, node_rank: int, local_rank: int, gpus_per_node: int) -> None:
+        """Bind to this rank's place in the job; local rank 0 builds the node's provider."""
+        require(gpus_per_node >= 1, "trainer.devices", f"must be >= 1, got {gpus_per_node}")
+        self._exchange, self._node_rank, self._gpus_per_node = exchange, node_rank, gpus_per_node
+        self._changes, self._mine, self._asked = [], None, -1
+        if local_rank == 0:
+            self._local = self.local_factory()
+            self._visible = visible_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"), gpus_per_node)
+
+    def _node_pool(self, step: int) -> tuple[int, ...] | None:
+        """This node's usable GPUs in CUDA's numbering, if this rank answers for the node."""
+        if self._local is None:
+            return None
+        usable = set(self._local.pool(step))
+        return tuple(i for i, gpu in enumerate(self._visible) if gpu in usable)
+
+    def pool(self, step: int) -> tuple[int, ...]:
+        """The job's usable GPUs at ``step`` (collective for a step later than any asked before)."""
+        require(
+            self._exchange is not None, "resources", "NodeInventory.pool before attach(): give it to NereusCallback"
+        )
+        if self._changes and step <= self._asked:
+            return next((p for s, p in reversed(self._changes) if s <= step), self._changes[0][1])
+        self._asked = step
+        mine = self._node_pool(step)
+        if self._changes and not self._exchange.any(mine != self._mine):
+            return self._changes[-1][1]
+        self._mine = mine
+        answers = self._exchange.gather((self._node_rank, mine))
+        self.gathers += 1
+        gpn = self._gpus_per_node
+        pool = tuple(sorted(node * gpn + i for node, gpus in answers if gpus is not None for i in gpus))
+        if not self._changes or pool != self._changes[-1][1]:
+            self._changes.append((step, pool))
+        return pool

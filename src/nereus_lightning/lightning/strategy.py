@@ -49,6 +49,7 @@ from nereus_lightning.lightning.checkpoint import (
     staging_path,
     write_metadata,
 )
+from nereus_lightning.lightning.launch import check_launch, launch_of
 from nereus_lightning.plan.layout import Plan
 from nereus_lightning.spec.cluster import ClusterSpec, cluster_preset
 from nereus_lightning.spec.errors import CheckpointError, NereusConfigError, require
@@ -74,11 +75,16 @@ class NereusStrategy(ParallelStrategy):
             the EMU executor, weights sync from actor_train to the actor's other model-stages
             through the same transfer plans. ``"full"``: every rank keeps each full model and
             re-slices it per plan (the earlier backend).
-        cluster: the cluster (a ``ClusterSpec`` or preset name) the transition DAG is priced and
-            validated on, sized to the job's ranks; give the one the controller plans on.
+        cluster: the cluster (a ``ClusterSpec`` or preset name: memory, FLOP/s, links) the
+            transition DAG is priced and validated on, shaped as the launch (``num_nodes`` x
+            processes per node, :attr:`topology`); give the one the controller plans on.
             ``None``: the ``cpu4`` preset.
         export_hf: every checkpoint also holds ``hf/<model>/`` per trainable model
             (``save_pretrained`` in safetensors plus the tokenizer), written by rank 0.
+        write_back: at the end of ``fit``, gather every role's trained parameters into the
+            module's full models (``module.actor`` ...) on rank 0 and, when Lightning forked the
+            ranks, into the caller's module. Off by default: it moves every full model through
+            one process (use the checkpoint's ``hf/`` folders or ``nereus-export`` instead).
     """
 
     strategy_name = "nereus"
@@ -97,6 +103,7 @@ class NereusStrategy(ParallelStrategy):
         state: Literal["emu", "full"] = "emu",
         cluster: ClusterSpec | str | None = None,
         export_hf: bool = True,
+        write_back: bool = False,
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         require(
@@ -107,6 +114,7 @@ class NereusStrategy(ParallelStrategy):
         require(state in ("emu", "full"), "strategy.state", f"{state!r} is not one of 'emu', 'full'")
         self.state = state
         self.export_hf = export_hf
+        self.write_back = write_back
         if isinstance(cluster, str):
             cluster = cluster_preset(cluster)  # an unknown name fails here, listing the presets
         self.cluster: ClusterSpec | None = cluster
@@ -144,9 +152,19 @@ class NereusStrategy(ParallelStrategy):
         # Every rank sees the whole global batch; the plan partitions it per model-stage.
         return {"num_replicas": 1, "rank": 0}
 
+    @property
+    def topology(self) -> ClusterSpec:
+        """The cluster the job runs on: the given one (``cpu4`` by default) shaped as the launch,
+        ``num_nodes`` x processes per node, so TP groups are priced inside a node and the rest
+        across nodes as they really are."""
+        cluster = self.cluster or cluster_preset("cpu4")
+        return cluster.on_nodes(self.num_nodes, max(self.world_size // self.num_nodes, 1))
+
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
+        # Before any process starts: the Trainer's num_nodes x devices must be the job the launcher started.
+        check_launch(launch_of(self.cluster_environment), self.num_nodes, self.num_processes)
         if self.cluster_environment.creates_processes_externally:
             return
         method = self._start_method or ("fork" if self.root_device.type == "cpu" else "popen")
@@ -155,7 +173,7 @@ class NereusStrategy(ParallelStrategy):
                 self.cluster_environment, self.num_processes, self.num_nodes
             )
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=method)
+            self._launcher = _ForkLauncher(self, start_method=method)
 
     @override
     def setup_environment(self) -> None:
@@ -190,6 +208,13 @@ class NereusStrategy(ParallelStrategy):
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
+
+    @override
+    def on_train_end(self) -> None:
+        module = self.lightning_module
+        units = getattr(module, "units", None)
+        if self.write_back and getattr(units, "kind", None) == "emu" and units.plan is not None:
+            units.write_back(module.role_models(), dst=0)
 
     # ---- collectives Lightning needs ----------------------------------------------------
     @override
@@ -241,7 +266,7 @@ class NereusStrategy(ParallelStrategy):
         if module is not None and hasattr(module, "units"):
             units = module.units
             if hasattr(units, "cluster"):  # transitions priced on the controller's cluster
-                units.cluster = (self.cluster or cluster_preset("cpu4")).with_gpus(self.world_size)
+                units.cluster = self.topology
             units.ensure(target, module.role_models(), self.global_rank)
             info = dict(getattr(units, "last_transition", {}) or {})
             if hasattr(units, "last_transition"):
@@ -295,6 +320,7 @@ class NereusStrategy(ParallelStrategy):
             remove(staging)  # what an interrupted save of this name left
             staging.mkdir(parents=True)
         self.barrier("nereus-save-staging")
+        self._require_shared(staging)
         if state == "emu":
             units.save(str(staging / "emu"))
         else:
@@ -305,6 +331,24 @@ class NereusStrategy(ParallelStrategy):
             write_metadata(staging, encoded, state)
             commit(path)
         self.barrier("nereus-save")
+
+    def _require_shared(self, directory: Path) -> None:
+        """Refuse (on every rank) a save into ``directory`` when some rank does not see it (collective).
+
+        Every rank writes its own shards into the directory rank 0 created, so on several nodes it
+        must lie on a filesystem they all share; otherwise each node would hold a part of the checkpoint.
+        """
+        seen = [directory.is_dir()]
+        if _distributed_is_initialized():
+            seen = [None] * self.world_size
+            dist.all_gather_object(seen, directory.is_dir())
+        blind = [rank for rank, ok in enumerate(seen) if not ok]
+        if blind:
+            raise CheckpointError(
+                f"checkpoint {directory.parent}: ranks {blind} do not see the directory rank 0 created "
+                f"({directory}); put the output directory (nereus-train's hydra.run.dir / output_dir, or "
+                "ModelCheckpoint's dirpath) on a filesystem every node shares"
+            )
 
     def _checked_for_save(
         self, path: Path, checkpoint: dict[str, Any], units: Any, tensors: dict[str, Any]
@@ -434,6 +478,21 @@ def _leaves(tree: Any, prefix: str = "") -> Any:
             yield from _leaves(value, f"{name}.")
         else:
             yield name, value
+
+
+class _ForkLauncher(_MultiProcessingLauncher):
+    """Lightning's fork/spawn launcher; rank 0's weights reach the caller's module only with ``write_back``."""
+
+    @override
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
+        output = super()._collect_rank_zero_results(trainer, results)
+        units = getattr(trainer.lightning_module, "units", None)
+        released = getattr(units, "kind", None) == "emu"  # the full models were released into the EMUs
+        if output is None or output.weights_path is None or self._strategy.write_back or not released:
+            return output
+        # Their empty tensors must not overwrite the caller's models.
+        self._strategy.checkpoint_io.remove_checkpoint(output.weights_path)
+        return output._replace(weights_path=None)
 
 
 if "nereus" not in StrategyRegistry:

@@ -1,11 +1,15 @@
 """How a transformers causal LM is cut into TP shards and PP stages, and how the shards compute.
 
-Value models (critic, reward model: token classification with one label) are cut the same way,
-their ``score`` head replicated over TP on the last stage. transformers ``generate`` over a
+Only the families of the registry (``spec.families``) are built; every entry point refuses the
+rest. Value models (critic, reward model: token classification with one label) are cut the same way,
+their ``score`` head replicated over TP on the last stage. :func:`check_model` (``nereus-check-model``)
+checks a family against the unsharded transformers model; :func:`fail_together` makes an exception
+on one rank stop every rank promptly (the pipeline functions run under it). transformers ``generate`` over a
 sharded replica: :class:`nereus_lightning.models.generation.ShardedGenerator` (that module
 imports transformers; this package does not).
 """
 
+from nereus_lightning.models.fail_fast import PeerFailure, fail_together
 from nereus_lightning.models.groups import ReplicaComm, group_for, replica_groups
 from nereus_lightning.models.optim import bind_adamw, clip_grad_norm_, grad_norm
 from nereus_lightning.models.pipeline import (
@@ -16,8 +20,10 @@ from nereus_lightning.models.pipeline import (
     token_logprobs,
     train_step,
 )
+from nereus_lightning.models.selfcheck import check_model
 from nereus_lightning.models.sharded import ShardedCausalLM, local_config, shard_state, validate_layout
 from nereus_lightning.models.sharding import (
+    Fused,
     Placement,
     layer_range,
     placement,
@@ -28,12 +34,16 @@ from nereus_lightning.models.sharding import (
 )
 
 __all__ = [
+    "Fused",
     "MicroBatch",
+    "PeerFailure",
     "Placement",
     "ReplicaComm",
     "ShardedCausalLM",
     "bind_adamw",
+    "check_model",
     "clip_grad_norm_",
+    "fail_together",
     "forward_logits",
     "grad_norm",
     "group_for",

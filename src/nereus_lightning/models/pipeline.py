@@ -9,7 +9,8 @@ sends one way and receives the other in the same step, both are posted together
 (``batch_isend_irecv``), as Megatron-LM does, so neither side waits on the other. Backward is
 explicit: ``torch.autograd.backward(output, received_grad)``. Every rank of a replica must call
 these functions with the same micro-batches (token ids are needed everywhere for shapes and
-masks; only the first stage embeds them).
+masks; only the first stage embeds them). An exception on one rank inside these functions stops
+every rank promptly with that rank's error (:func:`~nereus_lightning.models.fail_fast.fail_together`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from nereus_lightning.models.fail_fast import fail_together
 from nereus_lightning.models.optim import clip_grad_norm_
 from nereus_lightning.models.sharded import ShardedCausalLM, _all_reduce_flat
 from nereus_lightning.models.tp_ops import vocab_parallel_logprobs
@@ -104,7 +106,7 @@ def pipeline_forward(
     comm = model.comm
     require(cache is None or len(micro_batches) == 1, "cache", "a KV cache serves one micro-batch")
     outs: list[Tensor] = []
-    with torch.no_grad():
+    with torch.no_grad(), fail_together():
         for mb in micro_batches:
             hidden = None if comm.is_first_stage else _recv(_hidden_buffer(model, mb), comm.prev_rank)  # type: ignore[arg-type]
             out = model(mb.input_ids, hidden, mb.attention_mask, mb.position_ids, cache)
@@ -161,16 +163,21 @@ def forward_logits(
     (last-stage ranks); other ranks get None. ``cache``: see :func:`pipeline_forward`.
     """
     mbs = _as_micro_batches(batch)
-    outs = pipeline_forward(model, mbs, lambda local, mb: model.full_logits(local), cache)
-    value = None if outs is None else torch.cat(outs)
-    like = _like(model, mbs, model.out_features, 0, next(model.parameters()).dtype)
-    return _deliver(model, value, like, where)
+    with fail_together():
+        outs = pipeline_forward(model, mbs, lambda local, mb: model.full_logits(local), cache)
+        value = None if outs is None else torch.cat(outs)
+        like = _like(model, mbs, model.out_features, 0, next(model.parameters()).dtype)
+        return _deliver(model, value, like, where)
 
 
-def _logprobs_of(model: ShardedCausalLM, local_logits: Tensor, input_ids: Tensor) -> Tensor:
+def _require_lm(model: ShardedCausalLM) -> None:
     require(
         not model.value_head, "model", "a value model has no token log-probs; use forward_logits (values)"
     )
+
+
+def _logprobs_of(model: ShardedCausalLM, local_logits: Tensor, input_ids: Tensor) -> Tensor:
+    _require_lm(model)
     group = model.comm.tp_group if model.comm.layout.tp > 1 else None
     return vocab_parallel_logprobs(local_logits[:, :-1], input_ids[:, 1:], model.vocab_start, group)
 
@@ -189,10 +196,12 @@ def token_logprobs(
     model: ShardedCausalLM, batch: Tensor | MicroBatch | Sequence[MicroBatch], where: Where = "all"
 ) -> Tensor | None:
     """``log p(input_ids[:, t+1] | input_ids[:, :t+1])`` as float32 ``[B, S-1]``, without gathering logits."""
+    _require_lm(model)
     mbs = _as_micro_batches(batch)
-    outs = pipeline_forward(model, mbs, lambda local, mb: _logprobs_of(model, local, mb.input_ids))
-    value = None if outs is None else torch.cat(outs)
-    return _deliver(model, value, _like(model, mbs, None, 1, torch.float32), where)
+    with fail_together():
+        outs = pipeline_forward(model, mbs, lambda local, mb: _logprobs_of(model, local, mb.input_ids))
+        value = None if outs is None else torch.cat(outs)
+        return _deliver(model, value, _like(model, mbs, None, 1, torch.float32), where)
 
 
 LossFn = Callable[[Tensor, MicroBatch], Tensor]
@@ -235,9 +244,21 @@ def train_step(
     (grads are left in ``.grad`` either way). Returns this replica's mean loss (float32 scalar) on
     every replica rank.
     """
-    comm = model.comm
     mbs = list(micro_batches)
     require(len(mbs) >= 1, "micro_batches", "need at least one micro-batch")
+    with fail_together():
+        return _one_step(model, mbs, loss_fn, optimizer, max_grad_norm, temperature)
+
+
+def _one_step(
+    model: ShardedCausalLM,
+    mbs: list[MicroBatch],
+    loss_fn: LossFn,
+    optimizer: torch.optim.Optimizer | None,
+    max_grad_norm: float | None,
+    temperature: float,
+) -> Tensor:
+    comm = model.comm
     params = list(model.parameters())
     for p in params:
         p.grad = None

@@ -1,12 +1,21 @@
 """`ShardedCausalLM`: one rank's piece (one TP shard of one PP stage) of a transformers causal LM.
 
-The decoder layers, norms and rotary embedding are transformers' own modules, built from a
-config whose heads, KV heads and intermediate size are divided by ``tp`` (so RoPE variants,
-Qwen2 biases and Qwen3 q/k norms behave exactly as in transformers). Around them sit the
-Megatron-style TP collectives of :mod:`.tp_ops`: a vocabulary-parallel embedding, an
-identity/all-reduce before the attention and MLP inputs, row-parallel ``o_proj`` / ``down_proj``
-that all-reduce their output (and add their replicated bias once), and a vocabulary-parallel
-LM head. Parameter names are the model's global names (``model.layers.5.mlp.up_proj.weight``).
+Every module is the family's own, built by transformers from a config whose heads, KV heads,
+intermediate size and vocabulary are divided by ``tp``: the decoder layers (so RoPE variants,
+biases, q/k norms, sandwich norms and attention soft-capping behave exactly as in transformers),
+the embedding with its scale, the final norm, and the head: the local logits come from the
+family's own ``*ForCausalLM`` / ``*ForTokenClassification`` forward run on this stage's hidden
+states, so logit scaling and soft-capping are inherited, not re-implemented. Only the registered
+families (``spec.families``) are built; the registry test checks each against transformers.
+
+Around the family's modules sit the Megatron-style TP collectives of :mod:`.tp_ops`, by the plan's
+style (:func:`~nereus_lightning.models.sharding.tp_plan_of`): the embedding becomes
+vocabulary-parallel, the inputs of attention and MLP an identity/all-reduce, row-parallel
+projections all-reduce their output (and add their replicated bias once), fused projections put
+their group-ordered output back into part order, and the head computes this rank's vocabulary
+slice. The modules keep their class's forward; TP is added by switching each module to a subclass
+of its own class (as FSDP2 does), so parameter names stay the model's global names
+(``model.layers.5.mlp.up_proj.weight``).
 
 Parameters are the very tensors passed in (an EMU's shards): an ``nn.Parameter`` is used as is;
 a plain tensor is wrapped in an ``nn.Parameter`` that shares its storage, so in-place optimizer
@@ -15,10 +24,10 @@ updates are seen by the owner either way.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
-import sys
-from collections.abc import Mapping
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -27,16 +36,26 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from nereus_lightning.models.groups import ReplicaComm
-from nereus_lightning.models.sharding import layer_range, placement, pp_stages, tp_plan_of, tp_slices
+from nereus_lightning.models.sharding import (
+    Fused,
+    Style,
+    layer_range,
+    placement,
+    pp_stages,
+    style_of,
+    tp_plan_of,
+    tp_slices,
+)
 from nereus_lightning.models.tp_ops import copy_to_tp, gather_from_tp, reduce_from_tp
 from nereus_lightning.plan.layout import Layout
 from nereus_lightning.spec.errors import require
+from nereus_lightning.spec.families import refusal
 from nereus_lightning.spec.model import ModelSpec
 
 
 def validate_layout(config: Any, layout: Layout) -> None:
-    """Reject a layout that would split a head, a KV head, the MLP or the vocabulary, or exceed the layers."""
-    spec = ModelSpec.from_hf_config(config)
+    """Reject an unsupported family, or a layout that would split a head, a KV head, the MLP or the vocabulary, or exceed the layers."""
+    spec = ModelSpec.from_hf_config(config)  # asks the family registry
     spec.validate_tp(layout.tp)
     spec.validate_pp(layout.pp)
     for field, size in (("intermediate_size", spec.intermediate), ("vocab_size", spec.vocab)):
@@ -61,27 +80,12 @@ def is_tied(config: Any) -> bool:
     return bool(getattr(config, "tie_word_embeddings", False)) and not has_value_head(config)
 
 
-def _modules_of(config: Any) -> tuple[type, type, type]:
-    """transformers' decoder-layer, RMSNorm and rotary classes for ``config``'s model family."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    try:
-        lm_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
-    except KeyError as exc:
-        raise NotImplementedError(f"{type(config).__name__} has no transformers causal-LM class") from exc
-    prefix = lm_class.__name__.removesuffix("ForCausalLM")
-    module = sys.modules[lm_class.__module__]
-    names = (f"{prefix}DecoderLayer", f"{prefix}RMSNorm", f"{prefix}RotaryEmbedding")
-    missing = [n for n in names if not hasattr(module, n)]
-    if missing:
-        raise NotImplementedError(
-            f"{lm_class.__name__}: no {missing} in {module.__name__}; not a Llama-like model"
-        )
-    return tuple(getattr(module, n) for n in names)  # type: ignore[return-value]
-
-
 def local_config(config: Any, tp: int) -> Any:
-    """A copy of ``config`` describing one TP shard: heads, KV heads and intermediate divided by ``tp``."""
+    """A copy of ``config`` describing one TP shard: heads, KV heads, intermediate and vocabulary divided by ``tp``.
+
+    Its ``pad_token_id`` is None (the padding row lives on one vocabulary shard only; the embedding
+    is told its local padding row).
+    """
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     local = copy.deepcopy(config)
     local.num_attention_heads = config.num_attention_heads // tp
@@ -89,7 +93,9 @@ def local_config(config: Any, tp: int) -> Any:
         getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     ) // tp
     local.intermediate_size = config.intermediate_size // tp
+    local.vocab_size = config.vocab_size // tp
     local.head_dim = head_dim
+    local.pad_token_id = None
     local._attn_implementation = config._attn_implementation or "sdpa"
     return local
 
@@ -114,39 +120,66 @@ def shard_state(
     return out
 
 
-class VocabParallelEmbedding(nn.Module):
-    """Embedding whose rows ``[vocab_start, vocab_start + rows)`` live here; summed over TP."""
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Build modules with their parameters on the meta device and their buffers where they are made.
 
-    def __init__(
-        self, weight: nn.Parameter, vocab_start: int, padding_idx: int | None, comm: ReplicaComm
-    ) -> None:
-        super().__init__()
-        self.weight = weight
-        self.vocab_start = vocab_start
-        rows = weight.shape[0]
-        local_pad = None if padding_idx is None else padding_idx - vocab_start
-        self.padding_idx = local_pad if local_pad is not None and 0 <= local_pad < rows else None
-        self.comm = comm
+    The parameters are replaced by a rank's shards; the buffers (rotary frequencies, embedding
+    scales) are computed by the family's own constructors.
+    """
+    register = nn.Module.register_parameter
 
-    def forward(self, input_ids: Tensor) -> Tensor:
-        """Embeddings of global token ids (full rows on every TP rank)."""
-        if self.comm.layout.tp == 1:
-            return F.embedding(input_ids, self.weight, self.padding_idx)
-        local = input_ids - self.vocab_start
-        outside = (local < 0) | (local >= self.weight.shape[0])
-        out = F.embedding(local.masked_fill(outside, 0), self.weight, self.padding_idx)
-        out = out * (~outside).unsqueeze(-1).to(out.dtype)
-        return reduce_from_tp(out, self.comm.tp_group)
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
-class RowParallelLinear(nn.Module):
+def family_model(local: Any, value_head: bool) -> nn.Module:
+    """The family's own causal LM (or token-classification value model) for config ``local``: parameters on meta, buffers on the CPU."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    auto = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
+    try:
+        with torch.device("cpu"), _parameters_on_meta():
+            return auto.from_config(local)
+    except ValueError as exc:  # transformers: no such class for this config
+        kind = "token-classification (value model)" if value_head else "causal-LM"
+        raise refusal(local.model_type, f"transformers has no {kind} class for it ({exc})") from exc
+
+
+@functools.cache
+def _vocab_parallel(embedding_cls: type) -> type:
+    """``embedding_cls`` whose rows ``[vocab_start, vocab_start + num_embeddings)`` live here; summed over TP."""
+
+    class VocabParallel(embedding_cls):  # type: ignore[misc, valid-type]
+        vocab_start: int
+        comm: ReplicaComm
+
+        def forward(self, input_ids: Tensor) -> Tensor:
+            """The family's embedding (scale included) of global token ids, full rows on every TP rank."""
+            if self.comm.layout.tp == 1:
+                return super().forward(input_ids)
+            local = input_ids - self.vocab_start
+            outside = (local < 0) | (local >= self.num_embeddings)
+            out = super().forward(local.masked_fill(outside, 0))
+            out = out * (~outside).unsqueeze(-1).to(out.dtype)
+            return reduce_from_tp(out, self.comm.tp_group)
+
+    VocabParallel.__name__ = VocabParallel.__qualname__ = f"VocabParallel{embedding_cls.__name__}"
+    return VocabParallel
+
+
+class RowParallelLinear(nn.Linear):
     """A linear layer cut along its input: partial products summed over TP, then the bias once."""
 
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, comm: ReplicaComm) -> None:
-        super().__init__()
-        self.weight = weight
-        self.bias = bias
-        self.comm = comm
+    comm: ReplicaComm
 
     def forward(self, x: Tensor) -> Tensor:
         """``all_reduce(x @ W_local^T) + b``."""
@@ -156,21 +189,41 @@ class RowParallelLinear(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
-class LMHead(nn.Module):
-    """The untied LM head's vocabulary shard (``lm_head.weight``)."""
+class GroupedColwiseLinear(nn.Linear):
+    """A fused projection holding whole groups (:class:`~nereus_lightning.models.sharding.Fused`), rows in group order.
 
-    def __init__(self, weight: nn.Parameter) -> None:
-        super().__init__()
-        self.weight = weight
+    Its output is put back into part order (``[q | k | v]`` or ``[gate | up]`` of this rank's
+    groups), which is what the family's module slices.
+    """
+
+    group_widths: tuple[int, ...]
+
+    def forward(self, x: Tensor) -> Tensor:
+        """The family's fused output for this rank's groups."""
+        out = F.linear(x, self.weight, self.bias)
+        grouped = out.unflatten(-1, (-1, sum(self.group_widths)))
+        return torch.cat([part.flatten(-2) for part in grouped.split(self.group_widths, dim=-1)], dim=-1)
 
 
-class ValueHead(nn.Module):
-    """A value model's ``score`` head (``[num_labels, hidden]`` and its bias), replicated over TP."""
+def _switch(module: nn.Module, cls: type, name: str, config: Any, **attrs: Any) -> None:
+    """Give ``module`` the TP behaviour of ``cls`` (a subclass of its own class), keeping its parameters."""
+    base = cls.__mro__[1]
+    if type(module) is not base:
+        what = f"{name} is a {type(module).__name__}, not the {base.__name__} its TP style needs"
+        raise refusal(config.model_type, what)
+    module.__class__ = cls
+    for key, value in attrs.items():
+        setattr(module, key, value)
 
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None) -> None:
-        super().__init__()
-        self.weight = weight
-        self.bias = bias
+
+class _Given(nn.Module):
+    """Stands in for the decoder inside the family's head forward: returns the hidden states it is given."""
+
+    def forward(self, *args: Any, inputs_embeds: Tensor, **kwargs: Any) -> Any:
+        """The given ``inputs_embeds`` as the decoder's last hidden state."""
+        from transformers.modeling_outputs import BaseModelOutputWithPast
+
+        return BaseModelOutputWithPast(last_hidden_state=inputs_embeds)
 
 
 def _as_param(t: Tensor) -> nn.Parameter:
@@ -187,7 +240,7 @@ def _copy_input_hook(group: dist.ProcessGroup):  # noqa: ANN202
 
 
 class ShardedCausalLM(nn.Module):
-    """One rank of a sharded replica of a Llama / Qwen2 / Qwen3 / Mistral causal LM.
+    """One rank of a sharded replica of a causal LM (or value model) of a registered family.
 
     Args:
         config: the FULL model's transformers config (``attn_implementation`` is kept; default sdpa).
@@ -202,77 +255,102 @@ class ShardedCausalLM(nn.Module):
         layout = comm.layout
         validate_layout(config, layout)
         self.config, self.comm = config, comm
-        self.local_config = lcfg = local_config(config, layout.tp)
         self.layer_ids = layer_range(config.num_hidden_layers, layout.pp, comm.pp_rank)
-        layer_cls, norm_cls, rotary_cls = _modules_of(config)
-        vocab_rows = config.vocab_size // layout.tp
-        tied = is_tied(config)
         self.value_head = has_value_head(config)
-        with torch.device("meta"):
-            skeleton = self._skeleton(layer_cls, norm_cls, lcfg, vocab_rows, tied)
-        expected = {n: tuple(p.shape) for n, p in skeleton.named_parameters()}
+        plan = tp_plan_of(config)
+        tied = is_tied(config)
+        family = family_model(local_config(config, layout.tp), self.value_head)
+        self.local_config = family.config
+        stage = {
+            n: tuple(p.shape)
+            for n, p in family.named_parameters()
+            if comm.pp_rank in pp_stages(placement(n, plan), config.num_hidden_layers, layout.pp, tied)
+        }
         given = {n: tuple(t.shape) for n, t in shards.items()}
         require(
-            expected.keys() == given.keys(),
+            stage.keys() == given.keys(),
             "shards",
-            f"stage {comm.pp_rank} of {layout} needs {sorted(expected.keys() - given.keys())} "
-            f"and does not hold {sorted(given.keys() - expected.keys())}",
+            f"stage {comm.pp_rank} of {layout} needs {sorted(stage.keys() - given.keys())} "
+            f"and does not hold {sorted(given.keys() - stage.keys())}",
         )
-        wrong = {n: (given[n], s) for n, s in expected.items() if given[n] != s}
+        wrong = {n: (given[n], s) for n, s in stage.items() if given[n] != s}
         require(not wrong, "shards", f"shard shapes (given, expected) differ: {wrong}")
         devices = {t.device for t in shards.values()}
         require(
             len(devices) == 1, "shards", f"all shards must be on one device, got {sorted(map(str, devices))}"
         )
-        params = {n: _as_param(t) for n, t in shards.items()}
         device = devices.pop()
-        self.model = nn.Module()
-        if "model.embed_tokens.weight" in params:
-            self.model.embed_tokens = VocabParallelEmbedding(
-                params["model.embed_tokens.weight"], comm.tp_rank * vocab_rows, config.pad_token_id, comm
-            )
-        self.model.layers = skeleton.model.layers
-        for module in skeleton.model.layers.values():
-            for part, proj in (("self_attn", "o_proj"), ("mlp", "down_proj")):
-                parent = getattr(module, part)
-                row = RowParallelLinear(getattr(parent, proj).weight, getattr(parent, proj).bias, comm)
-                setattr(parent, proj, row)
-                if layout.tp > 1:
-                    parent.register_forward_pre_hook(_copy_input_hook(comm.tp_group), with_kwargs=True)
-        if comm.is_last_stage:
-            self.model.norm = skeleton.model.norm
-            if self.value_head:
-                self.score = ValueHead(params["score.weight"], params.get("score.bias"))
-            elif not tied:
-                self.lm_head = LMHead(params["lm_head.weight"])
-        for name, param in params.items():
+        self._keep_stage(family, stage.keys())
+        for name, tensor in shards.items():
             owner, _, leaf = name.rpartition(".")
-            setattr(self.get_submodule(owner), leaf, param)
-        with torch.device(device):
-            self.rotary_emb = rotary_cls(config=lcfg)
-        self.tp_partial = tuple(n for n in params if _tp_partial(n, config))
+            setattr(self.get_submodule(owner), leaf, _as_param(tensor))
+        for module in self.modules():
+            for key, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[key] = buffer.to(device)
+        regions = self._add_tp(config, plan)
+        if comm.is_last_stage:
+            if tied:
+                family.lm_head.weight = self.model.embed_tokens.weight
+            family.model = _Given()
+            # Not a submodule: its head's parameters are this module's own (named once).
+            self.__dict__["family_head"] = family.eval()
+        self.tp_partial = tuple(n for n, _ in self.named_parameters() if _tp_partial(n, plan, regions))
         left = [n for n, t in (*self.named_parameters(), *self.named_buffers()) if t.is_meta]
         assert not left, f"tensors left unassigned on the meta device: {left}"
         self.eval()  # no dropout: sharded and unsharded runs must agree
 
-    def _skeleton(self, layer_cls: type, norm_cls: type, lcfg: Any, vocab_rows: int, tied: bool) -> nn.Module:
-        root = nn.Module()
-        root.model = nn.Module()
-        if self.comm.is_first_stage or (tied and self.comm.is_last_stage):
-            root.model.embed_tokens = LMHead(nn.Parameter(torch.empty(vocab_rows, lcfg.hidden_size)))
-        root.model.layers = nn.ModuleDict({str(i): layer_cls(lcfg, i) for i in self.layer_ids})
+    def _keep_stage(self, family: nn.Module, names: Collection[str]) -> None:
+        """Take from ``family`` the modules of this stage: its layers, the embedding, norm and head it holds."""
+        body = family.model
+        body.layers = nn.ModuleDict({str(i): body.layers[i] for i in self.layer_ids})
+        for child, module in list(body.named_children()):
+            params = [f"model.{child}.{n}" for n, _ in module.named_parameters()]
+            if child != "layers" and params and not any(n in names for n in params):
+                delattr(body, child)
+        self.model = body
         if self.comm.is_last_stage:
-            root.model.norm = norm_cls(lcfg.hidden_size, eps=lcfg.rms_norm_eps)
             if self.value_head:
-                labels = int(getattr(lcfg, "num_labels", 1))
-                bias = getattr(lcfg, "token_classification_bias", True)
-                root.score = ValueHead(
-                    nn.Parameter(torch.empty(labels, lcfg.hidden_size)),
-                    nn.Parameter(torch.empty(labels)) if bias else None,
-                )
-            elif not tied:
-                root.lm_head = LMHead(nn.Parameter(torch.empty(vocab_rows, lcfg.hidden_size)))
-        return root
+                self.score = family.score
+            elif not is_tied(self.config):
+                self.lm_head = family.lm_head
+
+    def _add_tp(self, config: Any, plan: Mapping[str, Style]) -> tuple[str, ...]:
+        """Switch the family's modules to their TP behaviour by the plan's style; returns the TP regions.
+
+        A TP region is the parent of column-parallel projections (attention, MLP): its input is the
+        identity/all-reduce of :func:`~.tp_ops.copy_to_tp`.
+        """
+        comm, tp = self.comm, self.comm.layout.tp
+        if hasattr(self.model, "embed_tokens"):
+            embed = self.model.embed_tokens
+            pad = config.pad_token_id
+            local_pad = None if pad is None else pad - self.vocab_start
+            _switch(
+                embed,
+                _vocab_parallel(type(embed)),
+                "model.embed_tokens",
+                config,
+                vocab_start=self.vocab_start,
+                comm=comm,
+            )
+            embed.padding_idx = (
+                local_pad if local_pad is not None and 0 <= local_pad < embed.num_embeddings else None
+            )
+        regions: dict[str, nn.Module] = {}
+        for name, module in self.named_modules():
+            style = style_of(name, plan) if name.startswith("model.layers.") else None
+            if isinstance(style, Fused):
+                _switch(module, GroupedColwiseLinear, name, config, group_widths=style.group_widths)
+            elif isinstance(style, str) and style.startswith("rowwise"):
+                _switch(module, RowParallelLinear, name, config, comm=comm)
+            if isinstance(style, Fused) or (isinstance(style, str) and style.startswith("colwise")):
+                parent = name.rpartition(".")[0]
+                regions[parent] = self.get_submodule(parent)
+        if tp > 1:
+            for parent in regions.values():
+                parent.register_forward_pre_hook(_copy_input_hook(comm.tp_group), with_kwargs=True)
+        return tuple(regions)
 
     @classmethod
     def from_model(cls, model: nn.Module, comm: ReplicaComm) -> ShardedCausalLM:
@@ -284,10 +362,6 @@ class ShardedCausalLM(nn.Module):
     def vocab_start(self) -> int:
         """First global token id of this rank's vocabulary slice."""
         return self.comm.tp_rank * (self.config.vocab_size // self.comm.layout.tp)
-
-    def head_weight(self) -> Tensor:
-        """The LM head's vocabulary shard (the embedding's when tied)."""
-        return self.model.embed_tokens.weight if is_tied(self.config) else self.lm_head.weight
 
     def _masks(
         self, hidden: Tensor, attention_mask: Tensor | None, position_ids: Tensor, cache: Any = None
@@ -350,7 +424,7 @@ class ShardedCausalLM(nn.Module):
             past = 0 if cache is None else cache.get_seq_length(self.layer_ids[0])
             position_ids = torch.arange(past, past + input_ids.shape[1], device=hidden.device).unsqueeze(0)
         masks = self._masks(hidden, attention_mask, position_ids, cache)
-        position_embeddings = self.rotary_emb(hidden, position_ids)
+        position_embeddings = self.model.rotary_emb(hidden, position_ids)
         with_cache = {}
         if cache is not None:
             name = _layer_cache_kwarg(type(self.model.layers[str(self.layer_ids[0])]))
@@ -383,10 +457,9 @@ class ShardedCausalLM(nn.Module):
         A value model returns its values ``[B, S, num_labels]`` whole on every TP rank (the head is
         replicated and sees the full hidden state, so every TP rank computes the same values).
         """
-        if self.value_head:
-            return F.linear(hidden, self.score.weight, self.score.bias)
-        group = self.comm.tp_group if self.comm.layout.tp > 1 else None
-        return F.linear(copy_to_tp(hidden, group), self.head_weight())
+        if not self.value_head:
+            hidden = copy_to_tp(hidden, self.comm.tp_group if self.comm.layout.tp > 1 else None)
+        return self.family_head(inputs_embeds=hidden).logits
 
     def full_logits(self, local: Tensor) -> Tensor:
         """All-gather local logits over TP into ``[B, S, V]`` (differentiable); a value model's values as they are."""
@@ -457,13 +530,18 @@ def supports_kv_cache() -> bool:
     return "layer_idx" in params and "cache_position" not in params
 
 
-def _tp_partial(name: str, config: Any) -> bool:
-    """Replicated over TP but fed only by this rank's heads/columns (inside attention or MLP)."""
-    p = placement(name, tp_plan_of(config))
-    if p.tp_dim is not None or p.kind != "block":
+def _tp_partial(name: str, plan: Mapping[str, Style], regions: tuple[str, ...]) -> bool:
+    """Replicated over TP but fed only by this rank's heads/columns (inside a TP region, e.g. Qwen3's q/k norms).
+
+    A row-parallel bias is not: it is added once, after the sum over TP.
+    """
+    if placement(name, plan).tp_dim is not None:
         return False
-    inside = ".self_attn." in name or ".mlp." in name
-    return inside and not any(f".{row}." in name for row in ("o_proj", "down_proj"))
+    module = name.rpartition(".")[0]
+    style = style_of(module, plan)
+    if isinstance(style, str) and style.startswith("rowwise"):
+        return False
+    return any(name.startswith(f"{region}.") for region in regions)
 
 
 def _all_reduce_flat(tensors: list[Tensor], group: dist.ProcessGroup, average: bool = False) -> None:

@@ -6,7 +6,14 @@ embedding along the vocabulary (dim 0), everything else is replicated. Cuts are 
 contiguous chunks, so a shard under ``tp`` is itself cut into ``k`` chunks under ``k * tp``:
 new rank ``r`` holds chunk ``r % k`` of old rank ``r // k``'s shard. PP assigns contiguous layer
 ranges; the embedding goes to the first stage, the final norm and the LM head to the last
-(a tied LM head lives with the embedding on both stages). A value model (transformers token
+(a tied LM head lives with the embedding on both stages).
+
+A fused projection (:class:`Fused`: one weight holding q|k|v or gate|up, as the family declares in
+``spec.families``) is cut by whole groups (a key/value head with its query heads, an MLP column), so
+each rank computes its own heads. Its rows are held in *group order*: group 0's rows of every
+part, then group 1's, and so on. Then every rank's shard is one contiguous chunk at every TP degree
+(and splits and merges stay contiguous intervals); :func:`tp_slices` maps a chunk to the model's own
+rows (the HF order), and the module puts its output back into part order. A value model (transformers token
 classification with one label: ``score`` replaces ``lm_head``, as verl's critic) keeps its
 ``score`` head replicated over TP on the last stage. Names stay the model's global names.
 """
@@ -17,8 +24,10 @@ import fnmatch
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from nereus_lightning.spec.errors import require
+from nereus_lightning.spec.families import GATE_UP, QKV, check_styles, family_of
 
 # The Llama plan, used when a config carries none (the same for Qwen2/Qwen3/Mistral).
 DEFAULT_TP_PLAN: dict[str, str] = {
@@ -37,37 +46,92 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
+class Fused:
+    """The TP style of a fused column-parallel projection: its parts' widths, cut by whole groups.
+
+    ``parts``: the widths of the stacked sub-projections along the output dim, in the model's order
+    (q, k, v: ``(heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)``; gate, up:
+    ``(intermediate, intermediate)``). ``groups``: how many groups each part is cut into (KV heads;
+    MLP columns). TP must divide ``groups``.
+    """
+
+    parts: tuple[int, ...]
+    groups: int
+
+    @property
+    def group_widths(self) -> tuple[int, ...]:
+        """Rows of each part in one group."""
+        return tuple(width // self.groups for width in self.parts)
+
+    def rows(self, first_group: int, num_groups: int) -> list[int]:
+        """The model's own row indices of groups ``[first_group, first_group + num_groups)``, in group order."""
+        offsets = [sum(self.parts[:i]) for i in range(len(self.parts))]
+        out: list[int] = []
+        for g in range(first_group, first_group + num_groups):
+            for offset, width in zip(offsets, self.group_widths, strict=True):
+                out.extend(range(offset + g * width, offset + (g + 1) * width))
+        return out
+
+
+Style = str | Fused
+
+
+@dataclass(frozen=True)
 class Placement:
-    """How one parameter is cut: ``tp_dim`` (None = replicated over TP) and its PP owner."""
+    """How one parameter is cut: ``tp_dim`` (None = replicated over TP), its PP owner, and its fused layout."""
 
     name: str
     tp_dim: int | None
     layer: int | None  # transformer block index, None outside the blocks
     kind: str  # "embed", "block", "final_norm", "lm_head", "value_head"
+    fused: Fused | None = None
 
 
-def tp_plan_of(config: object | None) -> dict[str, str]:
-    """The full-name TP plan of a causal LM from its config (``base_model_tp_plan`` + LM head)."""
-    plan = dict(DEFAULT_TP_PLAN)
-    base = getattr(config, "base_model_tp_plan", None) if config is not None else None
+def fused_style(kind: str, config: Any) -> Fused:
+    """The :class:`Fused` style of a fused projection of ``kind`` (``spec.families.QKV`` / ``GATE_UP``) in ``config``."""
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    if kind == QKV:
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+        return Fused((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), kv_heads)
+    assert kind == GATE_UP, kind
+    return Fused((int(config.intermediate_size),) * 2, int(config.intermediate_size))
+
+
+def tp_plan_of(config: object | None) -> dict[str, Style]:
+    """The full-name TP plan of a causal LM from its config (``base_model_tp_plan`` + LM head).
+
+    Asks the family registry first (refusing an unsupported config or TP style); a projection its
+    family declares fused gets its :class:`Fused` style.
+    """
+    plan: dict[str, Style] = dict(DEFAULT_TP_PLAN)
+    if config is None:
+        return plan
+    family = family_of(config)
+    base = getattr(config, "base_model_tp_plan", None)
     if base:
+        check_styles(family, base)
         plan = {k: v for k, v in plan.items() if not k.startswith("model.layers.")}
         plan.update({f"model.{k}": v for k, v in base.items()})
+    for pattern, kind in family.fused:
+        plan[f"model.{pattern}"] = fused_style(kind, config)
     return plan
 
 
-def _style(module_name: str, plan: Mapping[str, str]) -> str | None:
+def style_of(module_name: str, plan: Mapping[str, Style]) -> Style | None:
+    """The style of module ``module_name`` (a global name) in ``plan``; None when the plan names none."""
     for pattern, style in plan.items():
         if fnmatch.fnmatchcase(module_name, pattern):
             return style
     return None
 
 
-def placement(name: str, plan: Mapping[str, str] = DEFAULT_TP_PLAN) -> Placement:
+def placement(name: str, plan: Mapping[str, Style] = DEFAULT_TP_PLAN) -> Placement:
     """The placement of parameter ``name`` (a global name such as ``model.layers.3.mlp.up_proj.weight``)."""
     module, _, leaf = name.rpartition(".")
-    style = _style(module, plan) or ""
-    if style.startswith("colwise") or style == "embedding_rowwise":
+    style = style_of(module, plan) or ""
+    fused = style if isinstance(style, Fused) else None
+    if fused is not None or style.startswith("colwise") or style == "embedding_rowwise":
         tp_dim: int | None = 0
     elif style.startswith("rowwise"):
         tp_dim = 1 if leaf == "weight" else None
@@ -75,7 +139,7 @@ def placement(name: str, plan: Mapping[str, str] = DEFAULT_TP_PLAN) -> Placement
         tp_dim = None
     match = _LAYER.search(name)
     if match:
-        return Placement(name, tp_dim, int(match.group(1)), "block")
+        return Placement(name, tp_dim, int(match.group(1)), "block", fused)
     if name.startswith("lm_head"):
         return Placement(name, tp_dim, None, "lm_head")
     if "embed_tokens" in name:
@@ -106,9 +170,19 @@ def pp_stages(p: Placement, num_layers: int, pp: int, tied: bool = False) -> tup
     return (pp - 1,)
 
 
-def tp_slices(shape: tuple[int, ...], p: Placement, tp: int, tp_rank: int) -> tuple[slice, ...]:
-    """The index of TP rank ``tp_rank``'s shard in the full tensor of ``shape``."""
-    index = [slice(None)] * len(shape)
+def tp_slices(shape: tuple[int, ...], p: Placement, tp: int, tp_rank: int) -> tuple[slice | list[int], ...]:
+    """The index of TP rank ``tp_rank``'s shard in the full tensor of ``shape`` (the model's own order).
+
+    A slice per dim, except along a fused tensor's TP dim: there the list of its rows in group order
+    (at every ``tp``, ``tp == 1`` included). Read a shard with ``full[index]``, write one with
+    ``full[index] = shard``.
+    """
+    index: list[slice | list[int]] = [slice(None)] * len(shape)
+    if p.fused is not None:
+        groups = p.fused.groups
+        require(groups % tp == 0, "layout.tp", f"tp={tp} does not divide the {groups} groups of {p.name}")
+        index[0] = p.fused.rows(tp_rank * (groups // tp), groups // tp)
+        return tuple(index)
     if p.tp_dim is None or tp == 1:
         return tuple(index)
     size = shape[p.tp_dim]

@@ -66,8 +66,38 @@ def sample_seeds(seed: int, step: int, indices: Sequence[int] | Tensor) -> list[
     return [random.Random(f"nereus-sample:{seed}:{step}:{int(i)}").getrandbits(63) for i in indices]
 
 
-def response_mask_from_ids(response_ids: Tensor, eos_token_id: int) -> Tensor:
-    """1 on every token up to and including the first eos of each row, 0 after it."""
+_GOLDEN = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 as a signed 64-bit integer
+_MIX1 = -0x40A7B892E31B1A47  # 0xBF58476D1CE4E5B9
+_MIX2 = -0x6B2FB644ECCEEE15  # 0x94D049BB133111EB
+
+
+def gumbel_noise(seeds: Tensor, step: int, vocab: int) -> Tensor:
+    """Gumbel(0, 1) noise ``[B, vocab]`` for decoding step ``step`` of rows seeded by ``seeds`` (int64 ``[B]``).
+
+    A counter-based draw (splitmix64 of seed, step and token id, on the seeds' device): a row's
+    noise depends only on its seed and the step, costs one ``[B, vocab]`` pass per step (no
+    ``[B, steps, vocab]`` buffer; that would be 10 GB for 64 rows of a 151k vocabulary at 256 steps),
+    and is the same on every device and in every decoding loop, eager or captured.
+    """
+
+    # int64 tensor products wrap, so the arithmetic is modulo 2^64 as splitmix64's; the masks
+    # after each right shift make it logical rather than arithmetic.
+    def mix(z: Tensor) -> Tensor:
+        z = (z ^ ((z >> 30) & 0x3FFFFFFFF)) * _MIX1
+        z = (z ^ ((z >> 27) & 0x1FFFFFFFFF)) * _MIX2
+        return z ^ ((z >> 31) & 0x1FFFFFFFF)
+
+    row = mix(seeds.to(torch.int64) + torch.full_like(seeds, step + 1, dtype=torch.int64) * _GOLDEN)
+    tokens = torch.arange(vocab, dtype=torch.int64, device=seeds.device)
+    z = mix(row.unsqueeze(-1) + (tokens + 1) * _GOLDEN)
+    u = (((z >> 40) & 0xFFFFFF).to(torch.float32) + 0.5) / 16777216.0  # 24 bits in (0, 1)
+    return -torch.log(-torch.log(u))
+
+
+def response_mask_from_ids(response_ids: Tensor, eos_token_id: int | None) -> Tensor:
+    """1 on every token up to and including the first eos of each row, 0 after it (all 1 without an eos)."""
+    if eos_token_id is None:
+        return torch.ones_like(response_ids)
     is_eos = (response_ids == eos_token_id).long()
     eos_before = is_eos.cumsum(-1) - is_eos  # eos tokens strictly before this position
     return (eos_before == 0).long()
@@ -91,19 +121,11 @@ class _SeededGumbel:
         self.temperature = temperature
         self.top_k = top_k
         self.top_p = top_p
-        self.noise: Tensor | None = None
-
-    def _draw(self, vocab: int, device: torch.device) -> Tensor:
-        rows = []
-        for seed in self.seeds:
-            gen = torch.Generator(device=device).manual_seed(seed)
-            rows.append(torch.rand((self.max_new_tokens, vocab), generator=gen, device=device))
-        u = torch.stack(rows).clamp_min(torch.finfo(torch.float32).tiny)
-        return -torch.log(-torch.log(u))
+        self._seeds: Tensor | None = None
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
-        if self.noise is None:
-            self.noise = self._draw(scores.shape[-1], scores.device)
+        if self._seeds is None:
+            self._seeds = torch.tensor(self.seeds, dtype=torch.int64, device=scores.device)
         scores = scores.float() / self.temperature
         if self.top_k > 0:
             kth = torch.topk(scores, min(self.top_k, scores.shape[-1]), dim=-1).values[..., -1:]
@@ -114,7 +136,7 @@ class _SeededGumbel:
             drop_sorted = probs.cumsum(-1) - probs > self.top_p  # mass before this token already covers top_p
             scores = scores.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
         step = input_ids.shape[-1] - self.prompt_len
-        return scores + self.noise[:, step]
+        return scores + gumbel_noise(self._seeds, step, scores.shape[-1])
 
 
 class HFGenerateEngine:
@@ -126,11 +148,12 @@ class HFGenerateEngine:
 
     Args:
         model: a transformers causal LM (or a wrapper exposing its ``generate``).
-        eos_token_id: id that ends a response.
+        eos_token_id: id that ends a response; None: responses run to ``max_new_tokens`` (verl's
+            ``ignore_eos``, for benchmarks with a fixed response length).
         pad_token_id: id written after a response's end.
     """
 
-    def __init__(self, model: Any, eos_token_id: int, pad_token_id: int) -> None:
+    def __init__(self, model: Any, eos_token_id: int | None, pad_token_id: int) -> None:
         if not hasattr(model, "generate"):
             raise NereusConfigError(
                 f"rollout.engine: {type(model).__name__} has no transformers-style generate()"
@@ -236,7 +259,7 @@ def _make_picker(
 
 
 def _finish(
-    prompt_ids: Tensor, prompt_mask: Tensor, response: Tensor, max_new_tokens: int, eos: int, pad: int
+    prompt_ids: Tensor, prompt_mask: Tensor, response: Tensor, max_new_tokens: int, eos: int | None, pad: int
 ) -> RolloutOutput:
     """Pad responses to ``max_new_tokens``, mask everything after the first eos."""
     if response.shape[-1] < max_new_tokens:  # every row stopped early
@@ -257,7 +280,7 @@ class ForwardEngine:
     """
 
     def __init__(
-        self, forward: Callable[[Tensor, Tensor, Tensor], Tensor], eos_token_id: int, pad_token_id: int
+        self, forward: Callable[[Tensor, Tensor, Tensor], Tensor], eos_token_id: int | None, pad_token_id: int
     ) -> None:
         self.forward = forward
         self.eos_token_id = eos_token_id

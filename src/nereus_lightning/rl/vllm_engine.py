@@ -371,11 +371,11 @@ class VLLMEngine:
 
     Args:
         instance: this rank's engine, holding the generation unit's current weights.
-        eos_token_id: id that ends a response.
+        eos_token_id: id that ends a response; None: responses run to ``max_new_tokens`` (``ignore_eos``).
         pad_token_id: id written after a response's end.
     """
 
-    def __init__(self, instance: VLLMInstance, eos_token_id: int, pad_token_id: int) -> None:
+    def __init__(self, instance: VLLMInstance, eos_token_id: int | None, pad_token_id: int) -> None:
         self.instance = instance
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
@@ -411,7 +411,8 @@ class VLLMEngine:
                 top_k=top_k if do_sample else 0,
                 top_p=top_p if do_sample else 1.0,
                 seed=seeds[i] if seeds is not None else None,
-                stop_token_ids=[self.eos_token_id],
+                stop_token_ids=[] if self.eos_token_id is None else [self.eos_token_id],
+                ignore_eos=True,  # vLLM's own eos (from the model folder) never stops a response: ours does
                 logprobs=0,  # the sampled token's own log-prob
                 detokenize=False,
             )

@@ -61,6 +61,21 @@ class ClusterSpec:
         nodes = max(self.num_nodes, -(-num_gpus // self.gpus_per_node))
         return replace(self, num_nodes=nodes, num_gpus=num_gpus)
 
+    def on_nodes(self, num_nodes: int, gpus_per_node: int) -> ClusterSpec:
+        """The same machines (memory, FLOP/s, links) shaped as a launch gives them: ``num_nodes`` x
+        ``gpus_per_node``, every GPU in the pool."""
+        require(num_nodes >= 1, "trainer.num_nodes", f"must be >= 1, got {num_nodes}")
+        require(gpus_per_node >= 1, "trainer.devices", f"must be >= 1 per node, got {gpus_per_node}")
+        return replace(self, num_nodes=num_nodes, gpus_per_node=gpus_per_node, num_gpus=0)
+
+    def describe(self) -> str:
+        """One line: shape, per-GPU memory and the two links, e.g. for a CLI's topology line."""
+        shape = f"{self.num_nodes} node{'s' if self.num_nodes > 1 else ''} x {self.gpus_per_node} GPUs"
+        return (
+            f"{shape} ({self.name}), {self.gpu_memory / GB:.4g} GB per GPU, intra-node "
+            f"{self.intra_bw / GB:.4g} GB/s per GPU, inter-node {self.inter_bw / GB:.4g} GB/s per node"
+        )
+
 
 CLUSTER_PRESETS: dict[str, ClusterSpec] = {
     # Table 3 of the paper. Peak FLOP/s are the vendors' dense bf16 numbers per GPU (per GCD for MI250X).

@@ -8,13 +8,14 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from nereus_lightning.spec.errors import NereusConfigError, require, unknown_preset
+from nereus_lightning.spec.families import family_of
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A decoder-only transformer (Llama / Qwen / Mistral family) described by its config numbers."""
+    """A decoder-only transformer of a registered family (``spec.families``) described by its config numbers."""
 
     name: str
     num_layers: int
@@ -114,7 +115,10 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, config: Any, name: str | None = None) -> ModelSpec:
-        """Build from a transformers config object, a dict, or a path to a ``config.json`` (or its folder)."""
+        """Build from a transformers config object, a dict, or a path to a ``config.json`` (or its folder).
+
+        Refuses a config whose family the body cannot compute exactly (:func:`~nereus_lightning.spec.families.family_of`).
+        """
         if isinstance(config, (str, os.PathLike)):
             path = os.fspath(config)
             if os.path.isdir(path):
@@ -123,6 +127,7 @@ class ModelSpec:
                 raise NereusConfigError(f"model.config: no config.json at {path!r}")
             with open(path) as f:
                 config = json.load(f)
+        family = family_of(config)
         if not isinstance(config, dict):
             config = config.to_dict()
         try:
@@ -138,8 +143,8 @@ class ModelSpec:
                 intermediate=int(config["intermediate_size"]),
                 head_dim=int(config.get("head_dim") or hidden // heads),
                 tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-                qkv_bias=bool(config.get("attention_bias", False)) or config.get("model_type") == "qwen2",
-                qk_norm=config.get("model_type") in ("qwen3", "qwen3_moe"),
+                qkv_bias=bool(config.get("attention_bias", False)) or family.qkv_bias,
+                qk_norm=family.qk_norm,
                 dtype=_dtype_name(config.get("torch_dtype") or config.get("dtype") or "bfloat16"),
                 max_position=int(config.get("max_position_embeddings", 131072)),
             )

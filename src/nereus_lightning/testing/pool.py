@@ -52,7 +52,8 @@ def _worker(rank: int, world_size: int, port: int, inbox: Any, outbox: Any, env:
             outbox.put((rank, True, fn(rank, world_size, *args, **kwargs)))
         except BaseException:  # report, keep serving
             outbox.put((rank, False, traceback.format_exc()))
-    dist.destroy_process_group()
+    if dist.is_initialized():  # a failure may have aborted the groups (models.fail_fast)
+        dist.destroy_process_group()
 
 
 class WorkerPool:

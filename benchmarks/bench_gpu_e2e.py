@@ -1,0 +1,249 @@
+"""One GRPO step on one GPU, nereus against TRL's ``GRPOTrainer``, the same work on both sides.
+
+Qwen2 shapes with random weights (``0.5b``, ``1.5b``), bf16, the same 16 prompts x 4 samples, every
+response exactly ``--new-tokens`` long (eos ignored), one optimizer step per RL step, a KL-to-reference
+loss on both sides. Each system runs in its own process (``--system``); ``--report`` collects the
+JSON files into a table. Medians of the steps after ``--warmup``. The nereus run also prints the
+planner's predicted seconds per stage for the plan it ran (``h200x8`` preset sized to one GPU),
+before calibration and after a calibration fitted on its first three measured steps.
+
+On the GPU machine: ``bash benchmarks/gpu_e2e.sh`` (carries TRL and datasets as wheels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+SHAPES = {  # Qwen2-0.5B and Qwen2-1.5B (tied embeddings, 151,936-token vocabulary)
+    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864),
+    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, intermediate_size=8960),
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128),
+}
+PROMPTS, SAMPLES = 16, 4
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def make_folder(shape: str, root: Path) -> Path:
+    """A Qwen2 folder of ``shape`` (random weights, bf16) beside a small tokenizer trained here."""
+    import torch
+    import transformers as tf
+
+    from nereus_lightning.testing.folders import train_tokenizer
+
+    folder = root / f"qwen2-{shape}"
+    if (folder / "config.json").is_file():
+        return folder
+    tokenizer = train_tokenizer([f"Question {i}: what is {i} plus {i + 1}? Answer: {2 * i + 1}." for i in range(400)])
+    config = tf.Qwen2Config(
+        vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=4096, **SHAPES[shape],
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+    )
+    torch.manual_seed(0)
+    tf.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def prompts() -> list[list[dict[str, str]]]:
+    """The same 16 chat prompts for both systems."""
+    return [[{"role": "user", "content": f"Question {i}: what is {i} plus {i + 1}?"}] for i in range(PROMPTS)]
+
+
+def reward(data_source=None, solution_str="", ground_truth=None, extra_info=None, **kwargs):  # noqa: ANN001, ANN201
+    """A cheap reward (the benchmark times the RL machinery, not the reward)."""
+    return float(len(solution_str) % 7) / 7.0
+
+
+def run_nereus(folder: Path, steps: int, new_tokens: int, out: Path) -> dict:
+    """nereus GRPO on GPU 0: every model-stage on it (colocated), bf16 weights with fp32 masters."""
+    import csv
+
+    import lightning.pytorch as pl
+    import torch
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from nereus_lightning.lightning import GRPOModule, NereusCallback, NereusStrategy, PoolFollower
+    from nereus_lightning.lightning.stages import data_parallel_plan
+
+    data = out / "prompts.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": p, "data_source": "bench", "ground_truth": ""} for p in prompts()]), data)
+    module = GRPOModule(
+        actor=str(folder),
+        data={"train_files": str(data), "max_response_length": new_tokens, "shuffle": False},
+        reward_function=reward,
+        prompts_per_step=PROMPTS,
+        samples_per_prompt=SAMPLES,
+        actor_lr=1e-6,
+        kl_loss_coef=0.001,
+        ignore_eos=True,
+    )
+    plan = data_parallel_plan("grpo", [0])
+    trainer = pl.Trainer(
+        accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=1, precision="bf16-mixed", max_steps=steps,
+        strategy=NereusStrategy(plan=plan, cluster="h200x8", export_hf=False),
+        callbacks=[NereusCallback(controller=PoolFollower("grpo"))],
+        logger=pl.loggers.CSVLogger(out, name="nereus"), log_every_n_steps=1,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    start = time.perf_counter()
+    trainer.fit(module)
+    fit_s = time.perf_counter() - start
+    rows = [r for r in csv.DictReader(open(next((out / "nereus").glob("*/metrics.csv")))) if r.get("timing_s/step")]
+    steps_ = [
+        {
+            "step_s": float(r["timing_s/step"]),
+            "gen_s": float(r["timing_s/gen"]),
+            "infer_s": float(r["timing_s/infer"]),
+            "train_s": float(r["timing_s/update_actor"]),
+            "peak_gib": float(r.get("perf/max_memory_allocated_gb") or 0.0),
+            "peak_gib_by_stage": {k: float(r.get(f"perf/max_memory_allocated_gb/{k}") or 0.0) for k in ("gen", "infer", "train")},
+        }
+        for r in rows
+    ]
+    return {"steps": steps_, "fit_s": fit_s, "end_s": getattr(module, "end_seconds", None), "plan": str(plan)}
+
+
+def run_trl(folder: Path, steps: int, new_tokens: int, out: Path) -> dict:
+    """TRL's GRPOTrainer (transformers generate, no vLLM) on the same prompts, samples and lengths."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    def trl_reward(completions, **kwargs):  # noqa: ANN001, ANN202
+        texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+        return [reward(solution_str=t) for t in texts]
+
+    records: list[dict] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.start, self.gen = time.perf_counter(), 0.0
+
+        def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
+            torch.cuda.synchronize()
+            step = time.perf_counter() - self.start
+            records.append({"step_s": step, "gen_s": self.gen, "infer_train_s": step - self.gen,
+                            "peak_gib": torch.cuda.max_memory_allocated() / 2**30})
+
+    timer = Timer()
+    config = GRPOConfig(
+        output_dir=str(out / "trl"), per_device_train_batch_size=PROMPTS * SAMPLES, num_generations=SAMPLES,
+        max_completion_length=new_tokens, temperature=1.0, beta=0.001, learning_rate=1e-6, bf16=True,
+        gradient_accumulation_steps=1, num_iterations=1, max_steps=steps, logging_steps=1, report_to=[],
+        save_strategy="no", generation_kwargs={"min_new_tokens": new_tokens},
+        model_init_kwargs={"dtype": torch.bfloat16},
+    )
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    dataset = Dataset.from_list([{"prompt": p} for p in prompts()] * steps)
+    trainer = GRPOTrainer(model=str(folder), reward_funcs=trl_reward, args=config, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[timer])
+    generate = trainer.model.generate
+
+    def timed_generate(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        result = generate(*args, **kwargs)
+        torch.cuda.synchronize()
+        timer.gen += time.perf_counter() - start
+        return result
+
+    trainer.model.generate = timed_generate
+    start = time.perf_counter()
+    trainer.train()
+    return {"steps": records, "fit_s": time.perf_counter() - start}
+
+
+def cost_model(folder: Path, measured: list[dict], new_tokens: int) -> dict:
+    """The planner's seconds per stage for the plan nereus ran, before and after calibrating on 3 steps."""
+    from nereus_lightning.control.attribution import calibrate_on_phases, phase_times_of
+    from nereus_lightning.lightning.stages import data_parallel_plan
+    from nereus_lightning.plan.calibration import Calibration
+    from nereus_lightning.plan.estimate import estimate_plan
+    from nereus_lightning.plan.planner import job_models
+    from nereus_lightning.spec import ModelSpec, Workload, cluster_preset
+
+    spec = ModelSpec.from_hf_config(folder)
+    models = job_models(spec)
+    cluster = cluster_preset("h200x8").with_gpus(1)
+    workload = Workload(algorithm="grpo", prompts_per_step=PROMPTS, samples_per_prompt=SAMPLES, prompt_len=24,
+                        response_len=float(new_tokens), response_len_p95=float(new_tokens))
+    plan = data_parallel_plan("grpo", [0])
+    phases = [{"gen": s["gen_s"], "infer": s["infer_s"], "update_actor": s["train_s"]} for s in measured]
+    before = phase_times_of(estimate_plan(plan, models, cluster, workload))
+    calibration = Calibration()
+    for observed in phases[:3]:
+        calibrate_on_phases(calibration, estimate_plan(plan, models, cluster, workload, calibration), observed)
+    after = phase_times_of(estimate_plan(plan, models, cluster, workload, calibration))
+    median = {k: statistics.median(p[k] for p in phases) for k in phases[0]}
+    return {"measured": median, "before": before, "after": after, "efficiencies": calibration.efficiencies()}
+
+
+def report(paths: list[Path]) -> str:
+    """A markdown table of the runs in ``paths`` (median of the steps after the warm-up)."""
+    rows = ["| system | shape | s/step | gen s | infer s | train s | gen tok/s | peak GiB | fit s |", "| --- " * 9 + "|"]
+    for path in paths:
+        run = json.loads(path.read_text())
+        steps = run["steps"][run["warmup"]:]
+        med = {k: statistics.median(s[k] for s in steps) for k in steps[0] if not isinstance(steps[0][k], dict)}
+        infer = f"{med['infer_s']:.2f}" if "infer_s" in med else f"({med['infer_train_s']:.2f} with train)"
+        train = f"{med['train_s']:.2f}" if "train_s" in med else "-"
+        tokens = PROMPTS * SAMPLES * run["new_tokens"]
+        rows.append(
+            f"| {run['system']} | {run['shape']} | {med['step_s']:.2f} | {med['gen_s']:.2f} | {infer} | {train} "
+            f"| {tokens / med['gen_s']:,.0f} | {max(s['peak_gib'] for s in steps):.1f} | {run['fit_s']:.1f} |"
+        )
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run one system and shape (``--system``), or print the table of earlier runs (``--report``)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--system", choices=("nereus", "trl"))
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
+    parser.add_argument("--steps", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--work", default=os.environ.get("TMPDIR", "/tmp") + "/nereus-gpu-e2e")
+    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--report", nargs="*", help="JSON files of earlier runs")
+    args = parser.parse_args(argv if argv is not None else sys.argv[1:])
+    if args.report is not None:
+        print(report([Path(p) for p in args.report]))
+        return
+    import torch
+
+    if args.system is None or not (torch.cuda.is_available() or args.shape == "tiny"):
+        print("bench_gpu_e2e: needs a CUDA GPU and --system nereus|trl (--shape tiny runs on the CPU); skipped")
+        return
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    folder = make_folder(args.shape, work)
+    run_dir = work / f"{args.system}-{args.shape}"
+    run_dir.mkdir(exist_ok=True)
+    runner = run_nereus if args.system == "nereus" else run_trl
+    result = runner(folder, args.steps, args.new_tokens, run_dir)
+    result.update(system=args.system, shape=args.shape, warmup=args.warmup, new_tokens=args.new_tokens,
+                  gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", torch=torch.__version__)
+    if args.system == "nereus":
+        result["cost_model"] = cost_model(folder, result["steps"][args.warmup:], args.new_tokens)
+        print(json.dumps(result["cost_model"], indent=1))
+    path = Path(args.out) / f"gpu_e2e_{args.system}_{args.shape}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    print(report([path]))
+    gc.collect()
+
+
+if __name__ == "__main__":
+    main()

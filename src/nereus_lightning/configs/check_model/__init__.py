@@ -1,0 +1,1 @@
+"""nereus-check-model configs (its own root, like nereus-plan's)."""

@@ -1,0 +1,109 @@
+"""Fail fast across ranks: an exception on one rank stops every rank of the job within seconds, with its error.
+
+Without this, a rank that raises mid-schedule leaves its peers blocked in a receive or a collective
+until the process-group timeout. Inside :func:`fail_together`, an exception on this rank is
+published in the job's store (the first failure wins) and this rank's process groups are
+aborted, so the peers blocked on it fail at once (gloo: its connections close). A watcher thread
+on every rank aborts that rank's groups as soon as the store holds a failure, for backends whose
+waiting ranks do not notice a dead peer by themselves (NCCL). A rank whose communication then
+fails raises :class:`PeerFailure` naming the failed rank and its error.
+
+Aborting is final: the job stops, as an SPMD job must once one of its ranks is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+
+import torch.distributed as dist
+
+#: The store key holding the first failure of the job: ``"rank <r>: <error>"``.
+FAILURE_KEY = "nereus/failure"
+#: How often the watcher looks for a failure (seconds).
+POLL_S = 1.0
+
+_watcher: threading.Thread | None = None
+_store: dist.Store | None = None  # held, so a failing rank 0 keeps serving its store
+
+
+class PeerFailure(RuntimeError):
+    """Another rank of the job failed, and this rank stopped because of it; the message carries that rank's error."""
+
+
+def _default_store() -> dist.Store:
+    global _store
+    if _store is None:
+        _store = dist.distributed_c10d._get_default_store()
+    return _store
+
+
+def _abort() -> None:
+    """Abort every process group of this rank (idempotent)."""
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.distributed_c10d._abort_process_group()
+
+
+def _watch(store: dist.Store) -> None:
+    while dist.is_initialized():
+        try:
+            failed = store.check([FAILURE_KEY])
+        except Exception:  # the store is gone: the job is over
+            return
+        if failed:
+            _abort()
+            return
+        time.sleep(POLL_S)
+
+
+def _start_watcher() -> None:
+    global _watcher
+    if _watcher is None:
+        # Its own connection: the main thread's store calls must not queue behind the watcher's.
+        store = _default_store().clone()
+        _watcher = threading.Thread(target=_watch, args=(store,), name="nereus-fail-fast", daemon=True)
+        _watcher.start()
+
+
+def published_failure() -> str | None:
+    """The job's first failure (``"rank <r>: <error>"``), or None."""
+    store = _default_store()
+    with contextlib.suppress(Exception):
+        if store.check([FAILURE_KEY]):
+            return store.get(FAILURE_KEY).decode()
+    return None
+
+
+@contextlib.contextmanager
+def fail_together() -> Iterator[None]:
+    """Run a block of collective work so that an exception on any rank stops every rank promptly.
+
+    An exception here is published (``rank <r>: <type>: <message>``) and this rank's process groups
+    are aborted, then it propagates. A rank whose work fails because another rank failed raises
+    :class:`PeerFailure` with that rank's error instead. A no-op without torch.distributed or with one rank.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        yield
+        return
+    rank = dist.get_rank()
+    _start_watcher()
+    try:
+        cause = published_failure()
+        if cause is not None:
+            raise PeerFailure(f"rank {rank} stopped because {cause}")
+        yield
+    except PeerFailure:
+        _abort()
+        raise
+    except BaseException as exc:
+        cause = published_failure()
+        if cause is not None and not cause.startswith(f"rank {rank}:"):
+            _abort()
+            raise PeerFailure(f"rank {rank} stopped because {cause}") from exc
+        with contextlib.suppress(Exception):
+            _default_store().compare_set(FAILURE_KEY, "", f"rank {rank}: {type(exc).__name__}: {exc}")
+        _abort()
+        raise

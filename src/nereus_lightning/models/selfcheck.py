@@ -1,0 +1,240 @@
+"""Self-check of a model family: sharded vs unsharded logits on a tiny random model of the family.
+
+:func:`check_model` (and ``nereus-check-model``) shrinks a transformers config to a tiny one of the
+same family and features (GQA or not, tying, biases, sliding windows, soft-capping, fused
+projections), draws random weights, and compares on ``world_size`` gloo ranks of this machine:
+the sharded logits and token log-probs against the unsharded transformers model at every layout
+that fits, the values of the family's value model (token classification, one label), and the
+logits after a Split/Merge chain of an EMU (whose gathered state must stay bit-identical). The
+rank functions are module-level, so the test suite runs them on its shared worker pool.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from nereus_lightning.models.groups import ReplicaComm, replica_groups
+from nereus_lightning.models.pipeline import forward_logits, split_micro_batches, token_logprobs
+from nereus_lightning.models.sharded import ShardedCausalLM, is_tied, validate_layout
+from nereus_lightning.plan.layout import Layout
+from nereus_lightning.spec.errors import NereusConfigError
+from nereus_lightning.spec.families import family_of
+
+VOCAB = 256
+LAYERS = 4
+HEAD_DIM = 16
+BATCH, SEQ = 4, 12
+#: (tp, pp) layouts tried, where the world size and the tiny model allow them.
+LAYOUTS = ((1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (1, 4))
+
+
+def _has_list(value: Any) -> bool:
+    if isinstance(value, Mapping):
+        return any(_has_list(v) for v in value.values())
+    return isinstance(value, list)
+
+
+def tiny_config_of(config: Any) -> Any:
+    """A tiny fp32 eager-attention config of ``config``'s family with its features, refused like the original.
+
+    4 layers (their ``layer_types`` the first 4), 4 heads (MHA) or 8 heads over 4 KV heads (GQA),
+    head dim 16 (kept when the RoPE parameters list per-dimension factors), a 256-token vocabulary,
+    a sliding window of 6 tokens where the original has one.
+    """
+    family_of(config)
+    data = copy.deepcopy(config.to_dict())
+    heads = int(data["num_attention_heads"])
+    gqa = int(data.get("num_key_value_heads") or heads) < heads
+    tiny_heads, kv_heads = (8, 4) if gqa else (4, 4)
+    rope = data.get("rope_parameters") or data.get("rope_scaling")
+    head_dim = int(data.get("head_dim") or data["hidden_size"] // heads) if _has_list(rope) else HEAD_DIM
+    data.update(
+        num_attention_heads=tiny_heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        hidden_size=tiny_heads * head_dim,
+        intermediate_size=2 * tiny_heads * head_dim,
+        num_hidden_layers=LAYERS,
+        vocab_size=VOCAB,
+        dtype="float32",
+    )
+    if data.get("layer_types"):
+        data["layer_types"] = data["layer_types"][:LAYERS]
+    if data.get("sliding_window"):
+        data["sliding_window"] = 6
+    for offset, key in enumerate(("pad_token_id", "bos_token_id", "eos_token_id")):
+        if isinstance(data.get(key), int) and data[key] >= VOCAB:
+            data[key] = VOCAB - 56 + offset  # the padding row then lies in the last shard under TP 2 and 4
+    tiny = type(config).from_dict(data)
+    tiny._attn_implementation = "eager"
+    return tiny
+
+
+def value_config_of(config: Any) -> Any:
+    """``config`` as its family's value model: token classification with one label, no dropout, untied."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    value = copy.deepcopy(config)
+    lm = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]
+    value.architectures = [lm.removesuffix("ForCausalLM") + "ForTokenClassification"]
+    value.num_labels, value.classifier_dropout, value.tie_word_embeddings = 1, 0.0, False
+    return value
+
+
+def tiny_model_of(config: Any, seed: int = 0) -> torch.nn.Module:
+    """The transformers model of ``config`` (causal LM or value model) with seeded random weights, fp32, eval.
+
+    Every 1-D tensor (norm weights, biases) gets noise, so a mistake in a replicated tensor shows.
+    """
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    from nereus_lightning.models.sharded import has_value_head
+
+    auto = AutoModelForTokenClassification if has_value_head(config) else AutoModelForCausalLM
+    torch.manual_seed(seed)
+    model = auto.from_config(config).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def layouts_of(config: Any, world_size: int, layouts: Sequence[tuple[int, int]] = LAYOUTS) -> list[Layout]:
+    """The ``(tp, pp)`` layouts that ``config`` allows and ``world_size`` ranks hold."""
+    out = []
+    for tp, pp in layouts:
+        layout = Layout(tp, pp)
+        if world_size % layout.size:
+            continue
+        try:
+            validate_layout(config, layout)
+        except NereusConfigError:
+            continue
+        out.append(layout)
+    return out
+
+
+def _replica(rank: int, world: int, layout: Layout, tied: bool) -> tuple[int, ReplicaComm]:
+    """Cover the world with replicas of ``layout`` (groups made on all ranks); this rank's replica index and comm."""
+    size = layout.size
+    replicas = [tuple(range(i * size, (i + 1) * size)) for i in range(world // size)]
+    replica_groups(replicas, layout, tied=tied)
+    dp = tuple(r[rank % size] for r in replicas)
+    return rank // size, ReplicaComm.of(replicas[rank // size], layout, rank, tied=tied, dp_ranks=dp)
+
+
+def _batch(config: Any, index: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(100 + index)  # replicas see different batches
+    return torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=gen)
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+def layout_errors(
+    rank: int, world: int, config: Any, layouts: Sequence[tuple[int, int]] = LAYOUTS, seed: int = 0
+) -> dict[str, float]:
+    """On every rank: per layout of ``layouts`` that fits, the relative error of the sharded logits (a value
+    model's values) and, for a causal LM, the absolute error of the token log-probs, against the unsharded model."""
+    from nereus_lightning.models.sharded import has_value_head
+
+    model = tiny_model_of(config, seed)
+    value = has_value_head(config)
+    errors: dict[str, float] = {}
+    for layout in layouts_of(config, world, layouts):
+        index, comm = _replica(rank, world, layout, is_tied(config))
+        sharded = ShardedCausalLM.from_model(model, comm)
+        ids = _batch(config, index)
+        with torch.no_grad():
+            ref = model(ids).logits
+        name = f"tp{layout.tp}pp{layout.pp}"
+        out = forward_logits(sharded, split_micro_batches(ids, 2), where="all")
+        errors[f"{name}/{'values' if value else 'logits'}"] = _rel_err(out, ref)
+        if not value:
+            ref_lp = torch.log_softmax(ref.double(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+            lp = token_logprobs(sharded, split_micro_batches(ids, 2), where="all")
+            errors[f"{name}/logprobs"] = float((lp.double() - ref_lp).abs().max())
+    return errors
+
+
+def chain_errors(rank: int, world: int, config: Any, seed: int = 0) -> dict[str, float]:
+    """On 4 ranks: an EMU at (TP2, PP2) split to (TP1, PP2) x2, then (TP1, PP1) x4, merged to (TP2, PP1) x2
+    and (TP2, PP2). Per step: the number of gathered tensors that differ from the start (rank 0; 0
+    elsewhere) and the relative error of the logits of the replicas built on the moved shards."""
+    from nereus_lightning.emu import Unit, create_unit, execute, gather_logical_state, merge, registry, split
+    from nereus_lightning.emu.executor import communicating_rank_sets
+    from nereus_lightning.emu.groups import prepare_member_groups
+
+    stage = "selfcheck"
+    model = tiny_model_of(config, seed)
+    tied = is_tied(config)
+    registry().clear()
+    create_unit(stage, config, model, Layout(2, 2), tuple(range(world)), trains=True)
+    start = gather_logical_state(stage, dst=0)
+    ids = _batch(config, 0)
+    with torch.no_grad():
+        ref = model(ids).logits
+    errors: dict[str, float] = {}
+
+    def check(label: str) -> None:
+        units = registry().live(stage)
+        replica_groups([u.ranks for u in units], units[0].layout, tied=tied)  # world-collective
+        mine = next(u for u in units if rank in u.ranks)
+        comm = ReplicaComm.of(mine.ranks, mine.layout, rank, tied=tied)
+        sharded = ShardedCausalLM(config, comm, registry().local(stage, mine).params)
+        errors[f"{label}/logits"] = _rel_err(forward_logits(sharded, ids, where="all"), ref)
+        now = gather_logical_state(stage, dst=0)
+        errors[f"{label}/state_diffs"] = float(len(start.differences(now))) if rank == 0 else 0.0
+
+    def run(op: Any) -> Any:
+        prepare_member_groups(communicating_rank_sets([op]))  # members agree on their groups' names
+        execute(op)
+        return op
+
+    first = run(split(stage, Unit(Layout(2, 2), tuple(range(world))), Layout(1, 2)))
+    check("split_pp")
+    for unit in first.targets:
+        run(split(stage, unit, Layout(1, 1)))
+    check("split_tp")
+    by_rank = {u.ranks[0]: u for u in registry().live(stage)}
+    pairs = [run(merge(stage, [by_rank[r], by_rank[r + 1]], Layout(2, 1))) for r in (0, 2)]
+    check("merge_tp")
+    run(merge(stage, [op.target for op in pairs], Layout(2, 2)))
+    check("merge_pp")
+    registry().clear()
+    return errors
+
+
+def worst(results: list[dict[str, float]]) -> dict[str, float]:
+    """The worst value of every key over the ranks' results."""
+    out: dict[str, float] = {}
+    for errors in results:
+        for key, value in errors.items():
+            out[key] = max(out.get(key, 0.0), value)
+    return out
+
+
+def check_model(config: Any, world_size: int = 4) -> dict[str, float]:
+    """Max errors of the sharded tiny model of ``config``'s family, per layout and check, on ``world_size`` gloo ranks.
+
+    Keys: ``"tp2pp1/logits"`` (relative), ``".../logprobs"`` (absolute), ``"value/tp2pp1/values"``
+    (relative) and, with 4 ranks, ``"chain/<step>/logits"`` and ``"chain/<step>/state_diffs"`` (tensors
+    whose gathered state changed). Refuses an unsupported family before any process starts.
+    """
+    from nereus_lightning.testing import WorkerPool
+
+    tiny = tiny_config_of(config)
+    with WorkerPool(world_size) as pool:
+        out = worst(pool.run(layout_errors, tiny))
+        out.update(
+            {f"value/{k}": v for k, v in worst(pool.run(layout_errors, value_config_of(tiny))).items()}
+        )
+        if world_size == 4:
+            out.update({f"chain/{k}": v for k, v in worst(pool.run(chain_errors, tiny)).items()})
+    return out
