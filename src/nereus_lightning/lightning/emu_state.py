@@ -260,7 +260,7 @@ class EMUStates:
     # ---- vLLM generation ------------------------------------------------------------------
     def _generation_candidate(self, plan: Plan) -> Any:
         """The one candidate of the plan's generation model-stages, checked for vLLM's engines."""
-        from nereus_lightning.rl.vllm_engine import check_replicas
+        from nereus_lightning.rl.vllm_engine import check_replicas, check_vocabulary
 
         gens = [n for n in plan if self.stages[n].stage == "generation"]
         cands = {(plan[n].layout, plan[n].gpus) for n in gens}
@@ -272,6 +272,8 @@ class EMUStates:
         cand = plan[gens[0]]
         replicas = [cand.replica_gpus(r) for r in range(cand.dp)]
         check_replicas(replicas, cand.layout.tp, cand.layout.pp, dist.get_world_size(), f"plan.{gens[0]}")
+        vocab = int(self.configs[self.stages[gens[0]].model].vocab_size)
+        check_vocabulary(vocab, cand.layout.tp, f"plan.{gens[0]} (actor vocab_size)")
         return cand
 
     def _refresh_vllm(self) -> None:

