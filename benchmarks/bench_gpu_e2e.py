@@ -66,9 +66,9 @@ def run_nereus(folder: Path, steps: int, new_tokens: int, out: Path) -> dict:
     import csv
 
     import lightning.pytorch as pl
-    import torch
     import pyarrow as pa
     import pyarrow.parquet as pq
+    import torch
 
     from nereus_lightning.lightning import GRPOModule, NereusCallback, NereusStrategy, PoolFollower
     from nereus_lightning.lightning.stages import data_parallel_plan

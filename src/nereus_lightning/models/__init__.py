@@ -6,7 +6,8 @@ their ``score`` head replicated over TP on the last stage. :func:`check_model` (
 checks a family against the unsharded transformers model; :func:`fail_together` makes an exception
 on one rank stop every rank promptly (the pipeline functions run under it). transformers ``generate`` over a
 sharded replica: :class:`nereus_lightning.models.generation.ShardedGenerator` (that module
-imports transformers; this package does not).
+imports transformers; this package does not); the fast engine with a static KV cache and CUDA-graph
+decode steps: :class:`nereus_lightning.models.decode.StaticDecodeEngine`.
 """
 
 from nereus_lightning.models.fail_fast import PeerFailure, fail_together

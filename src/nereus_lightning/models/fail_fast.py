@@ -17,6 +17,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -24,6 +25,7 @@ import torch.distributed as dist
 FAILURE_KEY = "nereus/failure"
 #: How often the watcher looks for a failure (seconds).
 POLL_S = 1.0
+_BREAK_TAG = 0x6E657275  # a tag no other operation uses
 
 _watcher: threading.Thread | None = None
 _store: dist.Store | None = None  # held, so a failing rank 0 keeps serving its store
@@ -43,8 +45,29 @@ def _default_store() -> dist.Store:
 def _abort() -> None:
     """Abort every process group of this rank (idempotent)."""
     if dist.is_initialized():
+        _break_gloo_pairs()
         with contextlib.suppress(Exception):
             dist.distributed_c10d._abort_process_group()
+
+
+def _break_gloo_pairs() -> None:
+    """Close this rank's gloo connections to every peer, so a peer blocked on one fails at once.
+
+    gloo's abort leaves its connections open; a receive whose wait times out closes the
+    connection to that peer, and the peer's pending operations on it then raise "Connection
+    closed by peer". NCCL groups are left to the abort.
+    """
+    import torch
+
+    world = dist.distributed_c10d._world
+    for group in list(world.pg_map):
+        if dist.get_backend(group) != "gloo":
+            continue
+        me = dist.get_rank(group)
+        for peer in range(dist.get_world_size(group)):
+            if peer != me:
+                with contextlib.suppress(Exception):
+                    group.recv([torch.empty(0)], peer, _BREAK_TAG).wait(timedelta(milliseconds=1))
 
 
 def _watch(store: dist.Store) -> None:

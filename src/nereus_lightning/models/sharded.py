@@ -364,21 +364,23 @@ class ShardedCausalLM(nn.Module):
         return self.comm.tp_rank * (self.config.vocab_size // self.comm.layout.tp)
 
     def _masks(
-        self, hidden: Tensor, attention_mask: Tensor | None, position_ids: Tensor, cache: Any = None
+        self,
+        hidden: Tensor,
+        attention_mask: Tensor | dict[str, Tensor] | None,
+        position_ids: Tensor,
+        cache: Any = None,
     ) -> dict[str, Any]:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+        if isinstance(attention_mask, dict):  # prepared by the caller, one per attention kind
+            return attention_mask
         cfg = self.local_config
         kwargs = dict(
             config=cfg, inputs_embeds=hidden, attention_mask=attention_mask, position_ids=position_ids
         )
         kwargs[_cache_kwarg()] = cache
-        types = set(getattr(cfg, "layer_types", None) or ())
-        sliding = "sliding_attention" in types or (
-            not types and getattr(cfg, "sliding_window", None) is not None
-        )
         kinds = {"full_attention": create_causal_mask}
-        if sliding:
+        if "sliding_attention" in attention_kinds(cfg):
             kinds["sliding_attention"] = create_sliding_window_causal_mask
         masks: dict[str, Any] = {}
         for kind, make in kinds.items():
@@ -401,7 +403,7 @@ class ShardedCausalLM(nn.Module):
         self,
         input_ids: Tensor,
         hidden_states: Tensor | None = None,
-        attention_mask: Tensor | None = None,
+        attention_mask: Tensor | dict[str, Tensor] | None = None,
         position_ids: Tensor | None = None,
         cache: Any = None,
     ) -> Tensor:
@@ -412,6 +414,8 @@ class ShardedCausalLM(nn.Module):
         transformers KV cache (e.g. ``DynamicCache``) indexed by global layer number; this stage
         reads and extends the entries of its own layers only, and ``input_ids`` are then the new
         tokens while ``attention_mask`` covers past and new ones (as transformers ``generate`` passes them).
+        ``attention_mask`` may also be the layers' 4D masks keyed by :func:`attention_kinds` (as
+        transformers' own models accept them), for a cache the mask helpers do not know.
         """
         if self.comm.is_first_stage:
             hidden = self.model.embed_tokens(input_ids)
@@ -496,6 +500,13 @@ class ShardedCausalLM(nn.Module):
             if weight.grad is None:
                 weight.grad = torch.zeros_like(weight)
             _all_reduce_flat([weight.grad], self.comm.tied_group)
+
+
+def attention_kinds(config: Any) -> tuple[str, ...]:
+    """The attention kinds of a family's layers: ``"full_attention"``, and ``"sliding_attention"`` where some layers slide."""
+    types = set(getattr(config, "layer_types", None) or ())
+    sliding = "sliding_attention" in types or (not types and getattr(config, "sliding_window", None) is not None)
+    return ("full_attention", "sliding_attention") if sliding else ("full_attention",)
 
 
 @functools.cache
