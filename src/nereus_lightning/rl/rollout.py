@@ -209,7 +209,7 @@ class HFGenerateEngine:
         finally:
             if was_training:
                 self.model.train()
-        return finish_rollout(
+        return _finish(
             prompt_ids,
             attention_mask,
             out[:, prompt_len:],
@@ -258,7 +258,7 @@ def _make_picker(
     return _SeededGumbel(checked, prompt_len, max_new_tokens, temperature, top_k, top_p)
 
 
-def finish_rollout(
+def _finish(
     prompt_ids: Tensor, prompt_mask: Tensor, response: Tensor, max_new_tokens: int, eos: int | None, pad: int
 ) -> RolloutOutput:
     """Pad responses to ``max_new_tokens``, mask everything after the first eos."""
@@ -315,7 +315,7 @@ class ForwardEngine:
             done = done | (nxt == self.eos_token_id)
             if bool(done.all()):
                 break
-        return finish_rollout(
+        return _finish(
             prompt_ids,
             attention_mask,
             ids[:, prompt_len:],

