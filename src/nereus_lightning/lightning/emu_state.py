@@ -40,7 +40,8 @@ from nereus_lightning.emu.groups import prepare_member_groups
 from nereus_lightning.emu.sync import relayout, sync_params
 from nereus_lightning.models import ReplicaComm, ShardedCausalLM, bind_adamw, clip_grad_norm_, replica_groups
 from nereus_lightning.models.groups import dp_ranks
-from nereus_lightning.plan.layout import Plan
+from nereus_lightning.plan.layout import Candidate, Plan
+from nereus_lightning.rl.vllm_engine import VLLMInstance, check_replicas, check_vocabulary
 from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError, require
 from nereus_lightning.spec.workload import workflow
 
@@ -107,7 +108,7 @@ class EMUStates:
     ) -> None:
         self.algorithm = algorithm
         self.rollout_engine = rollout_engine
-        self.vllm: Any = None  # this rank's VLLMInstance (rollout_engine="vllm")
+        self.vllm: VLLMInstance | None = None  # this rank's engine (rollout_engine="vllm")
         self._vllm_key: tuple | None = None  # the (layout, gpus) of the generation stage it serves
         self._vllm_stale = False  # the generation units hold newer weights than the engine
         self.learning_rates = dict(learning_rates or {})
@@ -258,10 +259,8 @@ class EMUStates:
             self.units[name] = module
 
     # ---- vLLM generation ------------------------------------------------------------------
-    def _generation_candidate(self, plan: Plan) -> Any:
+    def _generation_candidate(self, plan: Plan) -> Candidate:
         """The one candidate of the plan's generation model-stages, checked for vLLM's engines."""
-        from nereus_lightning.rl.vllm_engine import check_replicas, check_vocabulary
-
         gens = [n for n in plan if self.stages[n].stage == "generation"]
         cands = {(plan[n].layout, plan[n].gpus) for n in gens}
         if len(cands) != 1:
@@ -278,8 +277,6 @@ class EMUStates:
 
     def _refresh_vllm(self) -> None:
         """Build this rank's vLLM engine for the plan's generation layout unless it serves it already (collective)."""
-        from nereus_lightning.rl.vllm_engine import VLLMInstance
-
         assert self.plan is not None
         cand = self._generation_candidate(self.plan)
         key = (cand.layout, cand.gpus)
@@ -295,7 +292,7 @@ class EMUStates:
         self._vllm_key = key
         self._vllm_stale = True
 
-    def vllm_instance(self, model_stage: str) -> Any:
+    def vllm_instance(self, model_stage: str) -> VLLMInstance:
         """This rank's vLLM engine for generation model-stage ``model_stage``, holding its unit's current weights.
 
         The unit's shards go into the engine here, on this rank, when a sync or a rebuild made them newer.
