@@ -66,7 +66,7 @@ from nereus_lightning.rl.reward_function import RewardResult
 from nereus_lightning.rl.rollout import HFGenerateEngine, RolloutEngine, sample_seeds
 from nereus_lightning.rl.sources import Sample
 from nereus_lightning.rl.tokenizer import pad_ids
-from nereus_lightning.rl.vllm_engine import VLLMEngine, require_vllm
+from nereus_lightning.rl.vllm_engine import VLLMEngine, check_vllm_model, require_vllm
 from nereus_lightning.spec.errors import require
 
 log = logging.getLogger(__name__)
@@ -268,6 +268,8 @@ class RLModule(L.LightningModule):
         self.actor, self.reference, self.critic, self.reward = self._build_models(
             actor, reference, critic, reward_model, seed
         )
+        if rollout_engine == "vllm":
+            check_vllm_model(self.actor.config, "actor")
         self.step_stats: dict[str, float] = {}
         self._logged_keys: set[str] = set()
         self.peak_memory: dict[int, float] = {}  # this step's peak GPU memory per rank (empty on CPU)

@@ -102,6 +102,23 @@ def check_vocabulary(vocab_size: int, tp: int, key: str) -> None:
     )
 
 
+def check_vllm_model(config: Any, key: str) -> None:
+    """Refuse, before any process starts, a model vLLM cannot run here (on the CPU: its attention's head sizes)."""
+    if torch.cuda.is_available():
+        return
+    _import_vllm()
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    sizes = CPUAttentionBackend.get_supported_head_sizes()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    require(
+        head_dim in sizes,
+        key,
+        f"head_dim={head_dim}: vLLM's CPU attention runs head sizes {sizes} only; "
+        "pick a model with one of those or algorithm.rollout_engine=hf",
+    )
+
+
 def _import_vllm() -> Any:
     for name, value in ENVIRONMENT.items():
         os.environ.setdefault(name, value)
@@ -458,6 +475,7 @@ __all__ = [
     "WorkerExtension",
     "check_replicas",
     "check_vocabulary",
+    "check_vllm_model",
     "checkpoint_tensors",
     "require_vllm",
     "vllm_available",
