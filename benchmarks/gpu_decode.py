@@ -157,6 +157,24 @@ def speed(unit, args: argparse.Namespace) -> dict[str, Any]:  # noqa: ANN001
     }
 
 
+def profile_steps(unit, args: argparse.Namespace) -> None:  # noqa: ANN001
+    """Print where ``args.profile`` static decode steps spend their GPU time (torch.profiler, top kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from nereus_lightning.models import decode
+
+    ids, mask, seeds = prompts(args.batch, args.prompt_len, unit.config.vocab_size)
+    decoder = decode._DECODERS[unit]
+    decoder.start(unit, ids, mask, seeds)
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.profile):
+            decoder.step(unit)
+        sync()
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=50)
+    print(table)
+
+
 def differ_share(a: torch.Tensor, b: torch.Tensor) -> float:
     """Share of response tokens that differ."""
     return float((a != b).float().mean())
@@ -215,6 +233,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--fp32-tokens", type=int, default=32, help="tokens of the fp32 check (0: skip it)")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--profile", type=int, default=0, help="profile this many static decode steps (GPU time per kernel)")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 (the 1e-5 check)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
@@ -222,6 +241,8 @@ def main() -> None:
     result["device"] = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu"
     unit = build_unit(args.shape, dtype)
     result.update(speed(unit, args))
+    if args.profile:
+        profile_steps(unit, args)
     del unit
     if DEVICE.type == "cuda":
         torch.cuda.empty_cache()

@@ -250,6 +250,7 @@ class EMUStates:
             )
             state = reg.local(name, emu.Unit(cand.layout, tuple(replica)))
             module = ShardedCausalLM(config, comm, state.params)
+            module.recompute = cand.recompute  # as the planner priced the stage's activations
             if ms.trains:
                 lr = self.learning_rates.get(ms.model, 1e-3)
                 self.optimizers[name] = bind_adamw(module, state.optim_state, lr=lr, **ADAMW)

@@ -45,6 +45,7 @@ from nereus_lightning.lightning.stages import (
     chunk_bounds,
     data_parallel_plan,
     gather_samples,
+    micro_slices,
     run_stages,
     run_stages_rows,
     slot_of,
@@ -735,16 +736,20 @@ class RLModule(L.LightningModule):
         return run_stages_rows(plan, jobs, self.rank, len(batch), self.device)
 
     def _infer_slot(self, role: str, model: torch.nn.Module, batch: RolloutBatch, slot: StageSlot) -> Tensor:
-        """One replica's rows of an inference model-stage (see :meth:`infer`)."""
-        part = batch.select(slice(slot.start, slot.stop))
+        """One replica's rows of an inference model-stage (see :meth:`infer`), in the plan's micro-batches."""
         net = self.stage_model(slot.stage, model)
-        args = (part.prompt_ids, part.prompt_mask, part.response_ids, part.response_mask)
-        with torch.no_grad():
-            if role == "reward":
-                return ModelReward(net)(*args).unsqueeze(-1)
-            if role == "critic":
-                return response_values(net, *args)
-            return response_log_probs(net, *args, temperature=self.hparams.temperature)[0]
+        outs = []
+        for rows in micro_slices(slot.stop - slot.start, slot.candidate.micro_batch):
+            part = batch.select(slice(slot.start + rows.start, slot.start + rows.stop))
+            args = (part.prompt_ids, part.prompt_mask, part.response_ids, part.response_mask)
+            with torch.no_grad():
+                if role == "reward":
+                    outs.append(ModelReward(net)(*args).unsqueeze(-1))
+                elif role == "critic":
+                    outs.append(response_values(net, *args))
+                else:
+                    outs.append(response_log_probs(net, *args, temperature=self.hparams.temperature)[0])
+        return torch.cat(outs)
 
     # ---- training stage ------------------------------------------------------------------
     def update(
@@ -775,7 +780,9 @@ class RLModule(L.LightningModule):
                     if not slot.active or slot.stop <= slot.start:
                         continue
                     rows = slice(lo + slot.start, lo + slot.stop)
-                    m, reporter = self._train_slice(stage, batch.select(rows), total_tokens, slot.is_leader)
+                    m, reporter = self._train_slice(
+                        stage, batch.select(rows), total_tokens, slot.is_leader, slot.candidate.micro_batch
+                    )
                     if reporter:
                         for k, val in m.items():
                             part[k] = part.get(k, 0.0) + float(val)
@@ -831,7 +838,7 @@ class RLModule(L.LightningModule):
         return role_of(model_stage, self.algorithm) or model_stage
 
     def _train_slice(
-        self, stage: str, part: RolloutBatch, total_tokens: Tensor, leader: bool
+        self, stage: str, part: RolloutBatch, total_tokens: Tensor, leader: bool, micro_batch: int
     ) -> tuple[dict[str, Tensor], bool]:
         """Backward of one replica's slice into its gradients; returns (metrics, whether this rank reports them).
 
@@ -858,20 +865,25 @@ class RLModule(L.LightningModule):
             model = self.critic
             loss_fn, full_forward = rl.critic_loss, lambda: response_values(model, *args)
 
-        def loss_of(out: Tensor) -> Tensor:
-            loss, m = loss_fn(out, part, cfg, total_tokens, total_tokens)
-            metrics.update(m)
+        def loss_of(out: Tensor, micro: RolloutBatch) -> Tensor:
+            loss, m = loss_fn(out, micro, cfg, total_tokens, total_tokens)
+            for k, v in m.items():  # contributions: they sum over micro-batches
+                metrics[k] = metrics[k] + v if k in metrics else v
             return loss
 
         if unit is None:
-            loss_of(full_forward()).backward()
+            loss_of(full_forward(), part).backward()
             return metrics, leader
-        ids, attn = part.sequences, part.attention_mask
         span = response_span(part.prompt_ids.shape[-1], part.response_ids.shape[-1])
+        micros = [part.select(rows) for rows in micro_slices(len(part), micro_batch)]
+        batches = [MicroBatch(m.sequences, m.attention_mask, position_ids_from_mask(m.attention_mask)) for m in micros]
+        of = {id(mb): m for mb, m in zip(batches, micros, strict=True)}
+        # train_step's objective is the mean over micro-batches; the losses here are already
+        # normalised by the mini-batch's tokens, so each is scaled back up by their number.
         train_step(
             unit,
-            [MicroBatch(ids, attn, position_ids_from_mask(attn))],
-            lambda out, mb: loss_of(out[:, span]),
+            batches,
+            lambda out, mb: loss_of(out[:, span], of[id(mb)]) * len(batches),
             temperature=cfg.temperature,
         )
         if not self.emu_state:

@@ -215,8 +215,19 @@ def all_reduce_grads(params: Sequence[torch.nn.Parameter]) -> None:
         offset += n
 
 
-def data_parallel_plan(algorithm: str, gpus: Sequence[int]) -> Plan:
+#: Sequences per micro-batch of the fallback plan (the planner chooses its own).
+FALLBACK_MICRO_BATCH = 16
+
+
+def data_parallel_plan(algorithm: str, gpus: Sequence[int], micro_batch: int = FALLBACK_MICRO_BATCH) -> Plan:
     """Every model-stage as ``len(gpus)`` replicas of ``Layout(1, 1)`` (the fallback plan)."""
     gpus = tuple(gpus)
     require(len(gpus) >= 1, "pool", "no GPUs available for the plan")
-    return Plan.of({m.name: Candidate(Layout(1, 1), len(gpus), gpus) for m in workflow(algorithm)})
+    return Plan.of(
+        {m.name: Candidate(Layout(1, 1), len(gpus), gpus, micro_batch) for m in workflow(algorithm)}
+    )
+
+
+def micro_slices(rows: int, micro_batch: int) -> list[slice]:
+    """A replica's ``rows`` cut into micro-batches of at most ``micro_batch`` sequences (the plan's)."""
+    return [slice(lo, min(lo + micro_batch, rows)) for lo in range(0, rows, max(micro_batch, 1))]

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from nereus_lightning.models.groups import ReplicaComm
@@ -257,6 +258,7 @@ class ShardedCausalLM(nn.Module):
         self.config, self.comm = config, comm
         self.layer_ids = layer_range(config.num_hidden_layers, layout.pp, comm.pp_rank)
         self.value_head = has_value_head(config)
+        self.recompute = False  # activation recompute in training forwards (see :meth:`stage`)
         plan = tp_plan_of(config)
         tied = is_tied(config)
         family = family_model(local_config(config, layout.tp), self.value_head)
@@ -438,14 +440,21 @@ class ShardedCausalLM(nn.Module):
                 "this transformers version cannot size masks by a stage's own cache layers; decode without a cache",
             )
             with_cache = {name: cache, "use_cache": True}
+        # Activation recompute (the plan's ``Candidate.recompute``): each layer keeps only its input
+        # and runs again in the backward pass; TP collectives inside rerun in the same order on every rank.
+        recompute = self.recompute and cache is None and torch.is_grad_enabled()
         for i in self.layer_ids:
-            hidden = self.model.layers[str(i)](
-                hidden,
+            layer = self.model.layers[str(i)]
+            kwargs = dict(
                 attention_mask=self._layer_mask(masks, i),
                 position_ids=position_ids,
                 position_embeddings=position_embeddings,
                 **with_cache,
             )
+            if recompute:
+                hidden = torch.utils.checkpoint.checkpoint(layer, hidden, use_reentrant=False, **kwargs)
+            else:
+                hidden = layer(hidden, **kwargs)
         if self.comm.is_last_stage:
             hidden = self.model.norm(hidden)
         return hidden
