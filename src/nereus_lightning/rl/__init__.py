@@ -48,11 +48,11 @@ from nereus_lightning.rl.rollout import (
     HFGenerateEngine,
     RolloutEngine,
     RolloutOutput,
-    VLLMEngine,
     sample_seeds,
 )
 from nereus_lightning.rl.tasks import PromptSampler, RepeatTask, TaskPrompt, repeat_reward
 from nereus_lightning.rl.tokenizer import ByteTokenizer
+from nereus_lightning.rl.vllm_engine import VLLMEngine
 
 __all__ = [
     "ALGORITHMS",

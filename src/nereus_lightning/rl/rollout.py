@@ -1,4 +1,4 @@
-"""Rollout engines: the interface, the default over transformers ``generate``, and a vLLM stub.
+"""Rollout engines: the interface and the default over transformers ``generate`` (vLLM: :mod:`.vllm_engine`).
 
 Sampling is seeded per sample, not per batch: row ``i`` draws its tokens from its own Gumbel
 noise, seeded by ``sample_seeds[i]`` (derive them from the global sample index with
@@ -219,6 +219,28 @@ class HFGenerateEngine:
         )
 
 
+def check_sampling(
+    batch: int,
+    max_new_tokens: int,
+    do_sample: bool,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    seeds: Sequence[int] | Tensor | None,
+) -> list[int] | None:
+    """Validate the sampling arguments of :meth:`RolloutEngine.generate`; one seed per row (None: greedy)."""
+    require(max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {max_new_tokens}")
+    if not do_sample:
+        return None
+    require(temperature > 0, "rollout.temperature", f"must be > 0 when sampling, got {temperature}")
+    require(0.0 < top_p <= 1.0, "rollout.top_p", f"must be in (0, 1], got {top_p}")
+    require(top_k >= 0, "rollout.top_k", f"must be >= 0 (0 = off), got {top_k}")
+    require(seeds is not None, "sample_seeds", "sampling needs one seed per row; see rl.rollout.sample_seeds")
+    seeds = seeds.tolist() if isinstance(seeds, Tensor) else list(seeds)
+    require(len(seeds) == batch, "sample_seeds", f"{len(seeds)} seeds for {batch} prompts")
+    return seeds
+
+
 def _make_picker(
     batch: int,
     prompt_len: int,
@@ -229,17 +251,11 @@ def _make_picker(
     top_p: float,
     seeds: Sequence[int] | Tensor | None,
 ) -> _SeededGumbel | None:
-    """Validate the sampling arguments; the seeded processor, or None for greedy decoding."""
-    require(max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {max_new_tokens}")
-    if not do_sample:
+    """The seeded processor, or None for greedy decoding (arguments checked by :func:`check_sampling`)."""
+    checked = check_sampling(batch, max_new_tokens, do_sample, temperature, top_k, top_p, seeds)
+    if checked is None:
         return None
-    require(temperature > 0, "rollout.temperature", f"must be > 0 when sampling, got {temperature}")
-    require(0.0 < top_p <= 1.0, "rollout.top_p", f"must be in (0, 1], got {top_p}")
-    require(top_k >= 0, "rollout.top_k", f"must be >= 0 (0 = off), got {top_k}")
-    require(seeds is not None, "sample_seeds", "sampling needs one seed per row; see rl.rollout.sample_seeds")
-    seeds = seeds.tolist() if isinstance(seeds, Tensor) else list(seeds)
-    require(len(seeds) == batch, "sample_seeds", f"{len(seeds)} seeds for {batch} prompts")
-    return _SeededGumbel(seeds, prompt_len, max_new_tokens, temperature, top_k, top_p)
+    return _SeededGumbel(checked, prompt_len, max_new_tokens, temperature, top_k, top_p)
 
 
 def _finish(
@@ -307,25 +323,3 @@ class ForwardEngine:
             self.eos_token_id,
             self.pad_token_id,
         )
-
-
-class VLLMEngine:
-    """Rollouts through vLLM. A placeholder here: its own issue wires and verifies it.
-
-    Constructing it without vllm installed raises a :class:`NereusConfigError` that says how to
-    install it; with vllm installed, :meth:`generate` raises ``NotImplementedError`` until that
-    issue lands. Use :class:`HFGenerateEngine` meanwhile.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        try:
-            import vllm  # noqa: F401
-        except ImportError as exc:
-            raise NereusConfigError(
-                "rollout.engine=vllm: vllm is not installed; `pip install nereus-lightning[vllm]` "
-                "or use rollout.engine=hf (transformers generate)"
-            ) from exc
-
-    def generate(self, *args: Any, **kwargs: Any) -> RolloutOutput:
-        """Not wired yet; see the class docstring."""
-        raise NotImplementedError("VLLMEngine is verified in its own issue; use HFGenerateEngine for now")

@@ -1,0 +1,192 @@
+"""What the vLLM tests run: a job folder (tiny Qwen2, head_dim 64, fp32), scripted plans, checking modules, pool functions."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+from nereus_lightning.lightning import GRPOModule
+from nereus_lightning.plan.layout import Candidate, Layout, Plan
+from nereus_lightning.spec.workload import workflow
+
+#: A model vLLM's CPU backend runs: head_dim 64 (hidden 128, 2 heads), 2 KV heads (TP 2 divides them),
+#: a vocabulary of 320 rows (a multiple of 64: vLLM's vocabulary shards are ours).
+MODEL = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 2, "intermediate_size": 256}
+VOCAB = 320
+CHECKS = "NEREUS_TEST_VLLM_CHECKS"  # a folder: CheckedGRPOModule writes one JSON line per rank and step there
+
+
+def make_job(root: str) -> dict[str, str]:
+    """A model folder (random weights, a tokenizer trained on the prompts) and train prompts under ``root``."""
+    from nereus_lightning.rl.wordproblems import make_rows, write_parquet
+    from nereus_lightning.testing.folders import tiny_model_folder
+
+    rows = make_rows(64, "train")
+    texts = [r["prompt"][0]["content"] + " " + r["extra_info"]["answer"] for r in rows]
+    model = tiny_model_folder(os.path.join(root, "model"), texts, family="qwen2", vocab_size=VOCAB, **MODEL)
+    return {"model": model, "train": write_parquet(rows, os.path.join(root, "train.parquet"))}
+
+
+def plan_2ranks(gen_tp: int) -> Plan:
+    """GRPO on ranks 0 and 1: the generation stage at TP ``gen_tp`` (x DP ``2 / gen_tp``), every other stage DP 2."""
+    out = {}
+    for m in workflow("grpo"):
+        layout = Layout(gen_tp, 1) if m.stage == "generation" else Layout(1, 1)
+        out[m.name] = Candidate(layout, 2 // layout.size, (0, 1))
+    return Plan.of(out)
+
+
+class ScriptedPlans:
+    """A controller that runs ``plans[step]`` (the last one holds): a test hook that forces layouts."""
+
+    def __init__(self, plans: list[Plan]) -> None:
+        self.plans = plans
+        self.plan: Plan | None = None
+
+    def step(self, signals: Any) -> Any:
+        """The scripted plan of ``signals.step``: initial, a transition when it changes, else none."""
+        from nereus_lightning.control.decision import Decision
+
+        target = self.plans[min(signals.step, len(self.plans) - 1)]
+        if target == self.plan:
+            return Decision(signals.step, "none")
+        kind = "initial" if self.plan is None else "transition"
+        decision = Decision(
+            signals.step, kind, reason="scripted", current=self.plan, target=target, signals=signals
+        )
+        self.plan = target
+        return decision
+
+    def state_dict(self) -> dict[str, Any]:
+        """The current plan."""
+        return {"plan": self.plan}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the current plan."""
+        self.plan = state.get("plan")
+
+
+def engine_matches_training(module: Any) -> dict[str, Any] | None:
+    """Whether this rank's vLLM engine holds the actor's logical parameters, bit for bit (collective).
+
+    The training unit's state is gathered to every rank; a rank of the generation stage reads its
+    engine back (``collective_rpc``) and compares every tensor with its TP shard of that state.
+    None on a rank outside the generation stage.
+    """
+    from nereus_lightning import emu
+    from nereus_lightning.models.sharding import tp_slices
+
+    logical = emu.gather_logical_state("actor_train").params
+    unit = module.units._local("actor_gen")
+    if unit is None:
+        return None
+    engine = module.rollout_engine(
+        "actor_gen"
+    ).instance  # pushes the unit's shards when a sync made them newer
+    back = engine.read_weights()
+    schema, tp = unit.schema, unit.unit.layout.tp
+    tp_rank = unit.unit.ranks.index(unit.rank)
+    differ = sorted(
+        name
+        for name, full in logical.items()
+        if not torch.equal(
+            back.get(name, torch.empty(0)),
+            full[tp_slices(tuple(full.shape), schema.placements[name], tp, tp_rank)],
+        )
+    )
+    return {
+        "tp": tp,
+        "names": len(logical),
+        "read_back": sorted(back) == sorted(logical),
+        "differ": differ,
+        "policy_version": engine.policy_version,
+        "train_version": module.units._local("actor_train").counters.policy_version
+        if module.units._local("actor_train") is not None
+        else None,
+    }
+
+
+class CheckedGRPOModule(GRPOModule):
+    """GRPO that checks, before each step's generation, that vLLM holds the trained weights (see above)."""
+
+    def generate(self, plan, prompts, max_new, step, greedy=False, with_greedy=False, first_index=0):  # noqa: ANN001, ANN201
+        record = engine_matches_training(self)
+        folder = os.environ.get(CHECKS)
+        if folder and record is not None:
+            with open(os.path.join(folder, f"rank{self.rank}.jsonl"), "a") as f:
+                f.write(json.dumps({"step": step, **record}) + "\n")
+        return super().generate(plan, prompts, max_new, step, greedy, with_greedy, first_index)
+
+
+# ---- pool functions -------------------------------------------------------------------------
+def engine_against_hf(
+    rank: int, world_size: int, folder: str, variants: tuple[tuple[int, bool], ...]
+) -> dict[str, dict[str, Any]]:
+    """Per ``(tp, tied)``: one vLLM engine per rank on a model's weights, against transformers on the same weights.
+
+    ``tied=False``: the folder's model; ``tied=True``: a random model of its config with the LM head tied to the embedding.
+    """
+    import transformers as tf
+
+    from nereus_lightning.emu.schema import StateSchema
+    from nereus_lightning.models.sharded import shard_state
+    from nereus_lightning.rl.forward import response_log_probs
+    from nereus_lightning.rl.rollout import HFGenerateEngine, sample_seeds
+    from nereus_lightning.rl.tokenizer import pad_ids
+    from nereus_lightning.rl.vllm_engine import VLLMEngine, VLLMInstance
+
+    pad = 0
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [40, 41, 42, 43, 44, 45], [100, 3], [7] * 9, [250, 251, 252]]
+    ids, mask = pad_ids(prompts, pad, "left")
+    seeds = sample_seeds(7, 0, range(len(prompts)))
+    out: dict[str, dict[str, Any]] = {}
+    for tp, tied in variants:
+        if tied:
+            config = tf.AutoConfig.from_pretrained(folder, tie_word_embeddings=True)
+            torch.manual_seed(1)
+            hf = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        else:
+            hf = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        config, schema = hf.config, StateSchema.of(hf.config, hf)
+        greedy_hf = HFGenerateEngine(hf, config.eos_token_id, pad).generate(ids, mask, 8, do_sample=False)
+        instance = VLLMInstance(config, tp, max_model_len=64)
+        shards = shard_state(hf, config, Layout(tp, 1), 0, rank % tp)
+        instance.load(shards, schema.shape_of, schema.placements, rank % tp, policy_version=5)
+        back = instance.read_weights()
+        want = dict(shards)
+        if tied:  # the head's own kernel, read back too: it must hold the embedding
+            want["lm_head.weight"] = shards["model.embed_tokens.weight"]
+        engine = VLLMEngine(instance, config.eos_token_id, pad)
+        greedy = engine.generate(ids, mask, 8, do_sample=False)
+        sampled = engine.generate(ids, mask, 8, temperature=0.8, sample_seeds=seeds)
+        halves = [
+            engine.generate(ids[r], mask[r], 8, temperature=0.8, sample_seeds=seeds[r])
+            for r in (slice(0, 2), slice(2, None))
+        ]
+        scored, _ = response_log_probs(
+            hf,
+            sampled.prompt_ids,
+            sampled.prompt_mask,
+            sampled.response_ids,
+            sampled.response_mask,
+            temperature=0.8,
+        )
+        out[f"tp{tp}" + ("-tied" if tied else "")] = {
+            "greedy_equal": torch.equal(greedy.response_ids, greedy_hf.response_ids),
+            "greedy": greedy.response_ids.tolist(),
+            "read_back": sorted(back) == sorted(want),
+            "names": sorted(shards),
+            "differ": sorted(n for n in want if not torch.equal(back.get(n, torch.empty(0)), want[n])),
+            "log_prob_error": float(((scored - sampled.log_probs) * sampled.response_mask).abs().max()),
+            "sampled_tokens": int(sampled.response_mask.sum()),
+            "sampled": sampled.response_ids.tolist(),
+            "split_batches_equal": torch.equal(
+                torch.cat([h.response_ids for h in halves]), sampled.response_ids
+            ),
+            "policy_version": sampled.policy_version,
+        }
+        instance.close()
+    return out

@@ -1,0 +1,91 @@
+"""nereus-train with algorithm.rollout_engine=vllm on 2 gloo ranks: TP1 x DP2, TP2 x DP1, and a transition between them.
+
+Each run's module (:class:`~tests.vllm.helpers.CheckedGRPOModule`) reads every generation rank's
+engine back before each step's generation and compares it, bit for bit, with the training unit's
+logical parameters (so from step 1 on: after an update and the sync).
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import json
+import os
+
+import pytest
+from hydra import compose, initialize_config_module
+
+from tests.vllm.conftest import VLLM
+
+pytestmark = [*VLLM, pytest.mark.distributed]
+
+STEPS = 5
+
+
+def _train(job, out, monkeypatch, plans):
+    from nereus_lightning.cli.train import run
+    from nereus_lightning.lightning import control
+    from tests.vllm.helpers import CHECKS, ScriptedPlans
+
+    if plans is not None:  # the test hook: these layouts, whatever the planner would pick
+        monkeypatch.setattr(control, "default_controller", lambda *a, **k: ScriptedPlans(plans))
+    checks = out / "checks"
+    checks.mkdir()
+    monkeypatch.setenv(CHECKS, str(checks))
+    overrides = [
+        f"actor.path={job['model']}",
+        f"data.train_files={job['train']}",
+        f"output_dir={out}",
+        "algorithm=grpo",
+        "algorithm.rollout_engine=vllm",
+        "algorithm._target_=tests.vllm.helpers.CheckedGRPOModule",
+        "algorithm.prompts_per_step=2",
+        "algorithm.samples_per_prompt=2",
+        "data.max_response_length=4",
+        "trainer.devices=2",
+        f"trainer.max_steps={STEPS}",
+        "save_checkpoint=false",
+    ]
+    with initialize_config_module(config_module="nereus_lightning.configs", version_base="1.3"):
+        summary = run(compose(config_name="train", overrides=overrides))
+    records = [json.loads(line) for path in sorted(glob.glob(str(checks / "*.jsonl"))) for line in open(path)]
+    rows = [r for r in csv.DictReader(open(summary["metrics_csv"])) if r.get("critic/score/mean")]
+    return summary, records, rows
+
+
+def _check(records, rows, tps_by_step):
+    assert len(rows) == STEPS and all(float(r["response_length/mean"]) > 0 for r in rows)  # the reward curve
+    assert sorted({r["step"] for r in records}) == list(range(STEPS))
+    for r in records:
+        assert r["tp"] == tps_by_step[r["step"]], r
+        assert r["read_back"] and r["differ"] == [], r  # the engine holds the trained weights, bit for bit
+        assert r["policy_version"] == r["train_version"] == r["step"], r  # one update and sync per step
+
+
+def test_train_at_tp1_dp2(job, tmp_path, monkeypatch):
+    from tests.vllm.helpers import plan_2ranks
+
+    summary, records, rows = _train(job, tmp_path, monkeypatch, [plan_2ranks(1)])
+    assert summary["steps"] == STEPS and os.path.getsize(summary["plot"]) > 1000
+    _check(records, rows, [1] * STEPS)
+    assert len(records) == 2 * STEPS  # both ranks generate (two replicas)
+
+
+def test_train_at_tp2_dp1(job, tmp_path, monkeypatch):
+    from tests.vllm.helpers import plan_2ranks
+
+    summary, records, rows = _train(job, tmp_path, monkeypatch, [plan_2ranks(2)])
+    _check(records, rows, [2] * STEPS)
+    assert len(records) == 2 * STEPS  # both ranks of the one replica
+
+
+def test_transition_from_tp1_dp2_to_tp2_dp1_keeps_generating_with_the_synced_weights(
+    job, tmp_path, monkeypatch
+):
+    from tests.vllm.helpers import plan_2ranks
+
+    summary, records, rows = _train(
+        job, tmp_path, monkeypatch, [plan_2ranks(1), plan_2ranks(1), plan_2ranks(2)]
+    )
+    assert summary["transitions"] == 1 and summary["transition_steps"] == [1]
+    _check(records, rows, [1, 1, 2, 2, 2])
