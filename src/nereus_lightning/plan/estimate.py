@@ -11,6 +11,7 @@ from nereus_lightning.plan.comm import links_of
 from nereus_lightning.plan.cost import StageWork, ideal_time, rank_peak_memory, replica_sequences, stage_work
 from nereus_lightning.plan.layout import Candidate, Plan
 from nereus_lightning.plan.memory import memory_cap, rank_state_bytes
+from nereus_lightning.plan.overlap import groups_by_stage
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.errors import NereusConfigError
 from nereus_lightning.spec.model import ModelSpec
@@ -22,18 +23,19 @@ class PlanEstimate:
     """Predicted step latency and per-GPU peak memory of a plan.
 
     Attributes:
-        step_latency: seconds per RL step (sum over stages of the slowest model-stage).
+        step_latency: seconds per RL step: the sum over stages of the stage's slowest group, a
+            group's time being the sum of its colocated model-stages' (``plan.overlap``).
         stage_latency: seconds per model-stage (key: model-stage name).
         peak_memory: peak bytes per GPU id over the step (GPUs no model-stage uses are absent):
-            the largest of the training state and activations of the training unit on it, and of
-            each generation / inference unit's own peak plus the training state resident on it.
+            the largest of each unit's own peak plus the training state other model-stages keep
+            resident on it (colocated training model-stages keep their states side by side).
         memory_cap: bytes allowed per GPU (GPU memory less the 10% headroom).
         feasible: no violation.
         violations: human-readable reasons the plan cannot run as priced.
         phase_latency: seconds per stage (generation, inference, training).
         breakdown: predicted seconds per operation class, per model-stage (for calibration).
-        stage_memory: peak bytes on the most-loaded GPU of each model-stage (generation and
-            inference include the training state resident on the same GPU).
+        stage_memory: peak bytes on the most-loaded GPU of each model-stage, including the
+            training state other model-stages keep resident on the same GPU.
     """
 
     step_latency: float
@@ -97,14 +99,17 @@ def estimate_plan(
     peak: dict[int, float] = {}
     stage_memory: dict[str, float] = {}
     cal = calibration or Calibration()
-    # Training state stays on its GPUs all step; generation and inference run next to it.
+    # Training state stays on its GPUs all step (colocated training model-stages keep theirs side
+    # by side); generation and inference run next to all of it, a training unit next to the others'.
     resident: dict[int, float] = {}
+    own: dict[str, list[float]] = {}
     for ms in stages:
         if ms.trains and replica_sequences(stage_work(ms, models, workload), plan[ms.name].dp) is not None:
             cand, model = plan[ms.name], models[ms.model]
             per_rank = [rank_state_bytes(model, True, cand.layout, p) for p in range(cand.layout.pp)]
-            for g, value in zip(cand.gpus, _per_gpu(per_rank, cand), strict=True):
-                resident[g] = max(resident.get(g, 0.0), value)
+            own[ms.name] = _per_gpu(per_rank, cand)
+            for g, value in zip(cand.gpus, own[ms.name], strict=True):
+                resident[g] = resident.get(g, 0.0) + value
     for ms in stages:
         work, cand = stage_work(ms, models, workload), plan[ms.name]
         work.model.validate_tp(cand.layout.tp)
@@ -119,37 +124,28 @@ def estimate_plan(
         ideal, per_gpu = _candidate_cost(work, cand, cluster)
         breakdown[ms.name] = {c: s / cal.efficiency(c) for c, s in ideal.items()}
         stage_latency[ms.name] = sum(breakdown[ms.name].values())
-        worst, worst_gpu = 0.0, -1
-        for g, value in zip(cand.gpus, per_gpu, strict=True):
-            if not work.trains:
-                value += resident.get(g, 0.0)
+        mine = own.get(ms.name, [0.0] * len(cand.gpus))  # its own state is in its peak already
+        worst, worst_gpu, worst_beside = 0.0, -1, 0.0
+        for g, value, state in zip(cand.gpus, per_gpu, mine, strict=True):
+            beside = resident.get(g, 0.0) - state
+            value += beside
             if value > worst:
-                worst, worst_gpu = value, g
+                worst, worst_gpu, worst_beside = value, g, beside
             if value > peak.get(g, 0.0):
                 peak[g] = value
         stage_memory[ms.name] = worst
         if worst > cap:
-            extra = resident.get(worst_gpu, 0.0) if not work.trains else 0.0
-            beside = f", {extra / 1e9:.1f} GB of it resident training state" if extra else ""
+            others = "other model-stages' " if work.trains else ""
+            beside = f", {worst_beside / 1e9:.1f} GB of it {others}resident training state" if worst_beside > 0 else ""
             violations.append(
                 f"{ms.name}: GPU {worst_gpu} needs {worst / 1e9:.1f} GB{beside}, over the cap "
                 f"{cap / 1e9:.1f} GB ({cand.describe()})"
             )
     phase: dict[str, float] = {}
-    for stage in STAGES:
-        members = [ms.name for ms in stages if ms.stage == stage]
-        if not members:
-            continue
-        phase[stage] = max(stage_latency[n] for n in members)
-        seen: dict[int, str] = {}
-        for n in members:
-            clashes: dict[str, list[int]] = {}
-            for g in plan[n].gpus:
-                if g in seen:
-                    clashes.setdefault(seen[g], []).append(g)
-                seen[g] = n
-            for other, gpus in clashes.items():
-                violations.append(f"{stage}: {other} and {n} run concurrently but share GPUs {gpus}")
+    for stage, groups in groups_by_stage(plan, {ms.name: ms.stage for ms in stages}).items():
+        # Colocated model-stages run one after another; groups on disjoint GPUs run concurrently.
+        phase[stage] = max(sum(stage_latency[n] for n in group) for group in groups)
+    phase = {stage: phase[stage] for stage in STAGES if stage in phase}
     return PlanEstimate(
         step_latency=sum(phase.values()),
         stage_latency=stage_latency,

@@ -7,21 +7,33 @@
 2. Drop the ones over the memory cap and the dominated ones: the frontier keeps, per GPU count,
    only candidates faster than every candidate with fewer GPUs.
 3. Stages run one after another, so for a fixed memory budget the step latency is a sum of
-   independent per-stage problems. In one stage the model-stages run concurrently on disjoint
-   GPUs, so the stage latency is the largest chosen latency: the optimum is the smallest
-   threshold ``lam`` such that the cheapest frontier points with latency ``<= lam`` fit in the
-   pool together (a dynamic programme over thresholds; exact).
+   independent per-stage problems. In one stage, model-stages on disjoint GPUs run concurrently
+   and model-stages that share GPUs run one after another (``overlap.py``). For every partition
+   of the stage's model-stages into groups (Bell-number many; a stage has at most four) each
+   group of several becomes one item placed from one first GPU: its time at ``g`` GPUs is the
+   sum of its members' fastest frontier latencies with at most ``g`` GPUs each. Groups run
+   concurrently on disjoint GPUs, so the stage latency is the largest chosen group latency: the
+   optimum is the smallest threshold ``lam`` such that the cheapest group points with latency
+   ``<= lam`` fit in the pool together (a dynamic programme over thresholds; exact). The best
+   partition wins; a partition whose groups cannot beat the best one found even with the whole
+   pool each is skipped. So a pool too small for concurrent model-stages gets a colocated plan,
+   and a large pool keeps them concurrent when that is faster.
 4. Co-resident state couples the stages: training state stays on its GPUs all step, and a
    generation or inference unit may land on any of them (transitions move units), so it must
    fit next to the largest per-GPU training state ``rho`` of the plan. We solve step 3 for each
    level ``rho`` of training state (training candidates with state ``<= rho``; the other stages
    with ``cap - rho`` per GPU) and keep the best; levels are tried from the unconstrained
-   training optimum downwards and the search stops once training alone plus the other stages'
-   unconstrained optimum cannot beat the best plan found (exact).
+   training optimum downwards (each solve jumps to the state the training choice really keeps)
+   and the search stops once training alone plus the other stages' unconstrained optimum cannot
+   beat the best plan found (exact). Colocated training model-stages keep their states side by
+   side: a group's state is the sum of its members' (a level ``rho`` may be such a sum), and each
+   member's peak must fit next to the other members' states; the group's points come from every
+   combination of its members' state levels (exact).
 5. Assign GPU ids: in the training stage by decreasing GPU count, elsewhere by decreasing
-   replica size, each from the lowest free id. With power-of-two sizes and nodes this keeps
-   every replica aligned (TP groups inside nodes) and every training candidate that fits in a
-   node inside one node, which is exactly how step 1 priced it.
+   replica size, each group from the lowest free id (a group's members all from its first id).
+   With power-of-two sizes and nodes this keeps every replica aligned (TP groups inside nodes)
+   and every training candidate that fits in a node inside one node, which is exactly how step 1
+   priced it.
 """
 
 from __future__ import annotations
@@ -43,6 +55,7 @@ from nereus_lightning.plan.cost import (
 from nereus_lightning.plan.estimate import PlanEstimate, estimate_plan
 from nereus_lightning.plan.layout import Candidate, Layout, Plan
 from nereus_lightning.plan.memory import memory_cap
+from nereus_lightning.plan.overlap import partitions
 from nereus_lightning.plan.options import (  # noqa: F401  (re-exported for callers of the first API)
     CandidateTable,
     Option,
@@ -90,10 +103,58 @@ class PlanResult:
     alternatives: tuple[tuple[Plan, PlanEstimate], ...] = ()
 
 
+@dataclass(frozen=True)
+class Group:
+    """Model-stages of one stage placed from one first GPU and run one after another (a stage's
+    concurrent item; a model-stage on its own GPUs is a group of one).
+
+    ``gpus`` is its largest member's GPU count, ``latency`` the sum of its members' (they run in
+    turn) and ``resident`` the sum of their per-GPU training states (they stay side by side).
+    """
+
+    members: tuple[tuple[str, Option], ...]
+    gpus: int
+    latency: float
+    resident: float
+
+
+Pick = dict[tuple[str, ...], Group]  # one stage's selection: group members -> the group's choice
+
+
+def _single(name: str, front: list[Option]) -> list[Group]:
+    return [Group(((name, o),), o.gpus, o.latency, o.resident) for o in front]
+
+
+def _sum_front(block: tuple[str, ...], fronts: list[list[Option]]) -> list[Group]:
+    """Frontier of ``block`` run in turn from one first GPU: at ``g`` GPUs every member takes its
+    fastest frontier point with at most ``g`` GPUs."""
+    lowest = max(f[0].gpus for f in fronts)
+    at = [0] * len(fronts)
+    out: list[Group] = []
+    for g in sorted({o.gpus for f in fronts for o in f if o.gpus >= lowest}):
+        for i, f in enumerate(fronts):
+            while at[i] + 1 < len(f) and f[at[i] + 1].gpus <= g:
+                at[i] += 1
+        picks = [f[i] for f, i in zip(fronts, at, strict=True)]
+        lat = sum(o.latency for o in picks)
+        if not out or lat < out[-1].latency:
+            out.append(Group(tuple(zip(block, picks, strict=True)), g, lat, sum(o.resident for o in picks)))
+    return out
+
+
+def _group_frontier(groups: list[Group]) -> list[Group]:
+    """Non-dominated groups: increasing GPU count, strictly decreasing latency."""
+    best: list[Group] = []
+    for grp in sorted(groups, key=lambda x: (x.gpus, x.latency)):
+        if not best or grp.latency < best[-1].latency:
+            best.append(grp)
+    return best
+
+
 def _select(
-    fronts: dict[str, list[Option]], keys: dict[str, list[float]], lam: float, budget: int
-) -> dict[str, Option] | None:
-    """Per model-stage the fewest-GPU frontier point with latency <= lam, if they fit together."""
+    fronts: Mapping[tuple[str, ...], list[Group]], keys: dict[tuple[str, ...], list[float]], lam: float, budget: int
+) -> Pick | None:
+    """Per group the fewest-GPU frontier point with latency <= lam, if they fit together."""
     pick = {}
     for name, front in fronts.items():
         i = bisect.bisect_left(keys[name], -lam)  # latencies decrease along the frontier
@@ -103,8 +164,8 @@ def _select(
     return pick if sum(o.gpus for o in pick.values()) <= budget else None
 
 
-def solve_stage(fronts: dict[str, list[Option]], budget: int, count: int = 1) -> list[dict[str, Option]]:
-    """The ``count`` best distinct selections of one stage (best first); [] when none fits.
+def solve_stage(fronts: Mapping[tuple[str, ...], list[Group]], budget: int, count: int = 1) -> list[Pick]:
+    """The ``count`` best distinct selections of concurrent groups (best first); [] when none fits.
 
     The stage latency of a selection is its largest latency; selections come from thresholds.
     """
@@ -117,7 +178,7 @@ def solve_stage(fronts: dict[str, list[Option]], budget: int, count: int = 1) ->
             lo = mid + 1
         else:
             hi = mid
-    out: list[dict[str, Option]] = []
+    out: list[Pick] = []
     for lam in lams[lo:]:
         pick = _select(fronts, keys, lam, budget)
         if pick is not None and pick not in out:
@@ -127,22 +188,23 @@ def solve_stage(fronts: dict[str, list[Option]], budget: int, count: int = 1) ->
     return out
 
 
-def assign_gpus(selection: Mapping[str, Option], stage_of: Mapping[str, str], order: list[str]) -> Plan:
-    """Concrete GPU ids for a selection; model-stages of one stage get disjoint ids."""
+def assign_gpus(selection: Mapping[tuple[str, ...], Group], stage_of: Mapping[str, str], order: list[str]) -> Plan:
+    """Concrete GPU ids for a selection: groups of one stage get disjoint ids, a group's members
+    all start at the group's first id (they share GPUs and run in turn)."""
     cands: dict[str, Candidate] = {}
     for stage in STAGES:
-        members = [n for n in order if stage_of[n] == stage]
+        groups = [grp for block, grp in selection.items() if stage_of[block[0]] == stage]
         if stage == "training":
-            members.sort(key=lambda n: -selection[n].gpus)
+            groups.sort(key=lambda grp: -grp.gpus)
         else:
-            members.sort(key=lambda n: (-selection[n].layout.size, -selection[n].gpus))
+            groups.sort(key=lambda grp: (-max(o.layout.size for _, o in grp.members), -grp.gpus))
         offset = 0
-        for n in members:
-            o = selection[n]
-            cands[n] = Candidate(
-                o.layout, o.dp, tuple(range(offset, offset + o.gpus)), o.micro_batch, o.recompute
-            )
-            offset += o.gpus
+        for grp in groups:
+            for n, o in grp.members:
+                cands[n] = Candidate(
+                    o.layout, o.dp, tuple(range(offset, offset + o.gpus)), o.micro_batch, o.recompute
+                )
+            offset += grp.gpus
     return Plan.of({n: cands[n] for n in order})
 
 
@@ -153,12 +215,15 @@ def plan_job(
     calibration: Calibration | None = None,
     alternatives: int = 4,
     pinned: Mapping[str, Layout] | None = None,
+    pool_key: str = "cluster.num_gpus",
 ) -> PlanResult:
     """The fastest feasible plan for ``workload`` on ``cluster`` and up to ``alternatives`` next-best plans.
 
     ``pinned`` restricts model-stages to one layout each (their DP degree, micro-batch and
     recomputation stay free): the controller asks for plans that keep the training layouts it
-    runs, whose transitions need no Split/Merge of optimizer state.
+    runs, whose transitions need no Split/Merge of optimizer state. ``pool_key`` is the caller's
+    config key for the pool size, which infeasibility messages tell the user to raise
+    (``nereus-train`` passes ``trainer.devices``).
 
     Raises:
         InfeasiblePlanError: a model-stage fits no candidate, or a stage's model-stages cannot
@@ -172,14 +237,16 @@ def plan_job(
         raise NereusConfigError(
             f"plan_job.pinned: unknown model-stages {sorted(unknown)}; known: {sorted(works)}"
         )
-    search = _Search(works, {ms.name: ms.stage for ms in stages}, cluster, calibration, budget, cap, pinned)
+    search = _Search(
+        works, {ms.name: ms.stage for ms in stages}, cluster, calibration, budget, cap, pinned, pool_key
+    )
     stuck = [n for n in (pinned or {}) if not search.fronts(n, cap)]
     if stuck:
         raise InfeasiblePlanError(
             f"{stuck[0]} pinned to {pinned[stuck[0]]}: no candidate of that layout fits {budget} GPUs under "
             f"the cap of {cap / 1e9:.1f} GB per GPU; pin fewer model-stages or another layout"
         )
-    failed = [diagnose_memory(works[n], cluster, budget, cap) for n in works if not search.fronts(n, cap)]
+    failed = [diagnose_memory(works[n], cluster, budget, cap, pool_key) for n in works if not search.fronts(n, cap)]
     if failed:
         # The binding constraint is the model-stage that needs the most GPUs.
         failed.sort(key=lambda x: -(x[0] if x[0] is not None else 1 << 30))
@@ -192,8 +259,8 @@ def plan_job(
     leaner = search.leaner_levels(rho, alternatives // 2)
     per_stage = [search.solve(stage, rho, alternatives + 1 - len(leaner)) for stage in search.stages]
 
-    def total(combo: tuple[dict[str, Option], ...]) -> float:
-        return sum(max(o.latency for o in pick.values()) for pick in combo)
+    def total(combo: tuple[Pick, ...]) -> float:
+        return sum(max(grp.latency for grp in pick.values()) for pick in combo)
 
     order = [ms.name for ms in stages]
     combos = sorted(itertools.product(*per_stage), key=total)[: alternatives + 1 - len(leaner)]
@@ -201,11 +268,7 @@ def plan_job(
         combos.append(tuple(search.solve(stage, level)[0] for stage in search.stages))
     results = []
     for combo in combos:
-        selection = {n: o for pick in combo for n, o in pick.items()}
-        for n in selection:
-            if selection[n].peak_memory < 0:
-                selection[n] = fill_peaks(works[n], [selection[n]])[0]
-        plan = assign_gpus(selection, search.stage_of, order)
+        plan = assign_gpus({block: grp for pick in combo for block, grp in pick.items()}, search.stage_of, order)
         if all(plan != seen for seen, _ in results):
             results.append((plan, estimate_plan(plan, models, cluster, workload, calibration)))
     # On power-of-two nodes the concrete estimate equals the search's objective; elsewhere a
@@ -215,8 +278,8 @@ def plan_job(
 
 
 class _Search:
-    """Frontiers per (model-stage, memory budget, resident level), stage solves, and the search
-    over levels of co-resident training state (step 4 of the module docstring)."""
+    """Frontiers per (model-stage, memory budget, resident level), stage solves over every
+    grouping (step 3), and the search over levels of co-resident training state (step 4)."""
 
     def __init__(
         self,
@@ -227,10 +290,13 @@ class _Search:
         budget: int,
         cap: float,
         pinned: Mapping[str, Layout] | None = None,
+        pool_key: str = "cluster.num_gpus",
     ) -> None:
         self.works, self.stage_of, self.budget, self.cap = works, dict(stage_of), budget, cap
-        self.pinned = dict(pinned or {})
+        self.pinned, self.pool_key = dict(pinned or {}), pool_key
         self.stages = [s for s in STAGES if any(v == s for v in stage_of.values())]
+        self.members = {s: tuple(n for n, v in stage_of.items() if v == s) for s in self.stages}
+        self.partitions = {s: list(partitions(m)) for s, m in self.members.items()}
         self.tables: dict[str, CandidateTable] = {}
         shared: dict[StageWork, CandidateTable] = {}  # e.g. actor and reference inference price alike
         for name, work in works.items():
@@ -239,6 +305,8 @@ class _Search:
                 shared[key] = CandidateTable(work, cluster, calibration, budget, cap)
             self.tables[name] = shared[key]
         self._fronts: dict[tuple, list[Option]] = {}
+        self._groups: dict[tuple, list[Group]] = {}
+        self._solved: dict[tuple, list[Pick]] = {}
 
     def fronts(self, name: str, memory: float, resident: float = math.inf) -> list[Option]:
         """The frontier of ``name`` within ``memory`` bytes per GPU and ``resident`` bytes of state."""
@@ -252,35 +320,86 @@ class _Search:
             self._fronts[key] = frontier_of_rows(rows)
         return self._fronts[key]
 
-    def stage_fronts(self, stage: str, rho: float) -> dict[str, list[Option]]:
-        """Frontiers of a stage's model-stages at training-state level ``rho``."""
-        names = [n for n, s in self.stage_of.items() if s == stage]
-        if stage == "training":
-            return {n: self.fronts(n, self.cap, rho) for n in names}
-        return {n: self.fronts(n, self.cap - rho) for n in names}
+    def _member_front(self, name: str, rho: float) -> list[Option]:
+        """``name``'s frontier at training-state level ``rho``, on GPUs of its own."""
+        if self.stage_of[name] == "training":
+            return self.fronts(name, self.cap, rho)
+        return self.fronts(name, self.cap - rho)
 
-    def solve(self, stage: str, rho: float, count: int = 1) -> list[dict[str, Option]]:
-        """The ``count`` best selections of ``stage`` at level ``rho`` ([] if none fits)."""
-        fronts = self.stage_fronts(stage, rho)
-        if any(not f for f in fronts.values()):
-            return []
-        return solve_stage(fronts, self.budget, count)
+    def group_front(self, block: tuple[str, ...], rho: float) -> list[Group]:
+        """The frontier of ``block`` (one stage's model-stages run in turn on shared GPUs) at level ``rho``."""
+        training = self.stage_of[block[0]] == "training"
+        key = (block, rho if training else self.cap - rho)
+        if key not in self._groups:
+            if len(block) == 1:
+                self._groups[key] = _single(block[0], self._member_front(block[0], rho))
+            elif training:
+                self._groups[key] = self._coresident_front(block, rho)
+            else:
+                fronts = [self._member_front(n, rho) for n in block]
+                self._groups[key] = _sum_front(block, fronts) if all(fronts) else []
+        return self._groups[key]
+
+    def _levels(self, name: str) -> list[float]:
+        """The per-GPU states ``name`` (a training model-stage) can keep, ascending (its pinned layout's, if pinned)."""
+        layout = self.pinned.get(name)
+        return sorted({row[3] for row in self.tables[name].rows if layout in (None, row[1])})
+
+    def _coresident_front(self, block: tuple[str, ...], rho: float) -> list[Group]:
+        """Training model-stages side by side: their states sum to at most ``rho`` and each
+        member's peak fits next to the others' states (every combination of state levels)."""
+        points: list[Group] = []
+        for states in itertools.product(*(self._levels(n) for n in block)):
+            total = sum(states)
+            if total > rho:
+                continue
+            fronts = [self.fronts(n, self.cap - (total - s), s) for n, s in zip(block, states, strict=True)]
+            if all(fronts):
+                points += _sum_front(block, fronts)
+        return _group_frontier(points)
+
+    def _bound(self, block: tuple[str, ...], rho: float) -> float:
+        """A lower bound on ``block``'s latency: each member alone with the whole pool."""
+        fronts = [self._member_front(n, rho) for n in block]
+        return sum(f[-1].latency for f in fronts) if all(fronts) else math.inf
+
+    def solve(self, stage: str, rho: float, count: int = 1) -> list[Pick]:
+        """The ``count`` best selections of ``stage`` at level ``rho`` over every grouping ([] if none fits)."""
+        key = (stage, rho, count)
+        if key in self._solved:
+            return self._solved[key]
+        found: list[tuple[float, Pick]] = []
+        for blocks in self.partitions[stage]:  # all-concurrent first
+            worst = found[-1][0] if len(found) >= count else math.inf
+            if max(self._bound(block, rho) for block in blocks) >= worst:
+                continue  # even with the whole pool per group it cannot beat those found
+            fronts = {block: self.group_front(block, rho) for block in blocks}
+            if not all(fronts.values()):
+                continue
+            for pick in solve_stage(fronts, self.budget, count):
+                found.append((max(grp.latency for grp in pick.values()), pick))
+            found.sort(key=lambda x: x[0])  # stable: on a tie the earlier (more concurrent) grouping
+            del found[count:]
+        self._solved[key] = [pick for _, pick in found]
+        return self._solved[key]
 
     def _latency(self, stage: str, rho: float) -> float:
         picks = self.solve(stage, rho)
-        return max(o.latency for o in picks[0].values()) if picks else math.inf
+        return max(grp.latency for grp in picks[0].values()) if picks else math.inf
+
+    def _resident(self, rho: float) -> float:
+        """The per-GPU training state the fastest training selection at level ``rho`` keeps."""
+        return max(grp.resident for grp in self.solve("training", rho)[0].values())
 
     def _training_levels(self) -> list[float]:
-        """Every resident training-state level some training model-stage can keep, largest first."""
-        return sorted(
-            {
-                lvl
-                for n, s in self.stage_of.items()
-                if s == "training"
-                for lvl in self.tables[n].resident_levels()
-            },
-            reverse=True,
-        )
+        """Every per-GPU training state a training group can keep (a member's, or colocated
+        members' summed), largest first."""
+        names = self.members.get("training", ())
+        levels = {lvl for n in names for lvl in self._levels(n)}
+        for blocks in self.partitions.get("training", []):
+            for block in (b for b in blocks if len(b) > 1):
+                levels.update(sum(c) for c in itertools.product(*(self._levels(n) for n in block)))
+        return sorted(levels, reverse=True)
 
     def best_level(self) -> float:
         """The training-state level ``rho`` of the fastest plan (raises when no level works)."""
@@ -290,39 +409,36 @@ class _Search:
             return 0.0
         self._require(others, 0.0)  # the other stages on their own (no co-resident state)
         self._require(["training"], math.inf)
-        top = max(o.resident for o in self.solve("training", math.inf)[0].values())
         levels = self._training_levels()
+        ascending = levels[::-1]
         bound = sum(self._latency(s, 0.0) for s in others)
         best, best_rho = math.inf, None
-        for rho in (lvl for lvl in levels if lvl <= top):
+        rho = self._resident(math.inf)
+        while True:
             train = self._latency("training", rho)
             if train == math.inf or train + bound >= best:
                 break  # smaller levels only slow training down further
+            # Every level from here down to the state this choice keeps picks the same training
+            # latency, and the other stages fit best next to that state: price it there.
+            rho = self._resident(rho)
             step = train + sum(self._latency(s, rho) for s in others)
             if step < best:
                 best, best_rho = step, rho
+            below = bisect.bisect_left(ascending, rho)
+            if below == 0:
+                break
+            rho = ascending[below - 1]
         if best_rho is None:
             raise InfeasiblePlanError(self._coresidency_message(levels[-1] if levels else 0.0))
         return best_rho
 
     def leaner_levels(self, rho: float, count: int) -> list[float]:
         """Up to ``count`` training-state levels below ``rho`` at which a whole plan still fits."""
-        levels = self._training_levels()
         # Below the smallest state some training model-stage can keep (its pinned layout's, if
         # pinned) no plan fits: skip those levels without solving them.
-        floor = max(
-            (
-                min(
-                    (row[3] for row in self.tables[n].rows if self.pinned.get(n) in (None, row[1])),
-                    default=math.inf,
-                )
-                for n, s in self.stage_of.items()
-                if s == "training"
-            ),
-            default=0.0,
-        )
+        floor = max((min(self._levels(n), default=math.inf) for n in self.members.get("training", ())), default=0.0)
         out: list[float] = []
-        for level in (lvl for lvl in levels if floor <= lvl < rho):
+        for level in (lvl for lvl in self._training_levels() if floor <= lvl < rho):
             if len(out) >= count:
                 break
             if all(self.solve(stage, level) for stage in self.stages):
@@ -333,27 +449,32 @@ class _Search:
         for stage in stages:
             if self.solve(stage, rho):
                 continue
-            fronts = self.stage_fronts(stage, rho)
+            names = self.members[stage]
+            fronts = {n: self._member_front(n, rho) for n in names}
             need = {n: f[0].gpus for n, f in fronts.items() if f}
+            # Only co-resident training state can keep model-stages that each fit from sharing GPUs.
             raise InfeasiblePlanError(
-                f"{stage} stage: its concurrent model-stages need at least {sum(need.values())} GPUs together "
+                f"{stage} stage: its model-stages fit neither side by side on shared GPUs (their training "
+                f"states together pass the cap of {self.cap / 1e9:.1f} GB per GPU) nor on disjoint GPUs, "
+                f"where they need at least {sum(need.values())} GPUs together "
                 f"({', '.join(f'{n} {g}' for n, g in need.items())}) but the pool has {self.budget}; "
-                f"raise cluster.num_gpus to {sum(need.values())}"
+                f"raise {self.pool_key} to {sum(need.values())}"
             )
 
     def _coresidency_message(self, leanest: float) -> str:
         for stage in self.stages:
             if stage == "training":
                 continue
-            for name, front in self.stage_fronts(stage, leanest).items():
-                if not front:
+            for name in self.members[stage]:
+                if not self._member_front(name, leanest):
                     _, text = diagnose_memory(
-                        self.works[name], self.cluster_of(), self.budget, self.cap - leanest
+                        self.works[name], self.cluster_of(), self.budget, self.cap - leanest, self.pool_key
                     )
                     return f"next to {leanest / 1e9:.1f} GB of resident training state per GPU, {text}"
         return (
             f"no plan fits: the generation and inference model-stages need more GPUs than the pool of "
-            f"{self.budget} once {leanest / 1e9:.1f} GB per GPU of training state stays resident; raise cluster.num_gpus"
+            f"{self.budget} once {leanest / 1e9:.1f} GB per GPU of training state stays resident; "
+            f"raise {self.pool_key}"
         )
 
     def cluster_of(self) -> ClusterSpec:
@@ -370,7 +491,9 @@ def _least_memory(work: StageWork, layout: Layout) -> float:
     return peak_memory(work, layout, 1, options[0], work.trains) if options else float("inf")
 
 
-def diagnose_memory(work: StageWork, cluster: ClusterSpec, budget: int, cap: float) -> tuple[int | None, str]:
+def diagnose_memory(
+    work: StageWork, cluster: ClusterSpec, budget: int, cap: float, pool_key: str = "cluster.num_gpus"
+) -> tuple[int | None, str]:
     """Why ``work`` fits no candidate: (GPUs that would fit it or None, a message naming its
     least memory within the pool, the cap, and the GPU count to ask for)."""
     inside = [(_least_memory(work, lay), lay) for lay in layouts_for(work.model, budget)]
@@ -389,7 +512,7 @@ def diagnose_memory(work: StageWork, cluster: ClusterSpec, budget: int, cap: flo
         else "more GPUs than the pool has"
     )
     hint = (
-        f"it would fit on {fits.size} GPUs ({fits}); raise cluster.num_gpus to at least {fits.size}"
+        f"it would fit on {fits.size} GPUs ({fits}); raise {pool_key} to at least {fits.size}"
         if fits
         else "it does not fit at any layout; use GPUs with more memory or shorter sequences"
     )
