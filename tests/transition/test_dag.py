@@ -122,8 +122,8 @@ def test_training_state_beyond_the_cap_is_refused() -> None:
 
 
 def test_bad_plans_are_rejected_with_the_field() -> None:
-    cur = plan(ref_infer=cand(1, 1, (0,)), critic_infer=cand(1, 1, (0,)))
-    with pytest.raises(NereusConfigError, match="both use GPU 0 in the inference stage"):
+    cur = plan(ref_infer=cand(1, 1, (0,)), critic_infer=cand(1, 1, (64,)))
+    with pytest.raises(NereusConfigError, match="critic_infer uses GPU 64, outside the pool 0..63"):
         build_transition(cur, cur, MODELS, CLUSTER, PPO)
     with pytest.raises(NereusConfigError, match="differ from the current plan"):
         build_transition(

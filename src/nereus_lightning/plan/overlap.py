@@ -90,3 +90,13 @@ def partitions(members: Sequence[str]) -> Iterator[tuple[tuple[str, ...], ...]]:
 def describe_groups(groups: Iterable[tuple[str, ...]]) -> str:
     """Groups as text, e.g. ``actor_infer -> ref_infer | critic_infer`` (``->``: one after another)."""
     return " | ".join(" -> ".join(g) for g in groups)
+
+
+def transition_peers(current: Plan, target: Plan, stage_of: Mapping[str, str]) -> dict[str, tuple[str, ...]]:
+    """Per model-stage, those that run concurrently with it under both plans (in plan order).
+
+    Only they must never share a GPU while a transition moves units: a pair that shares GPUs
+    under either plan runs in turn there, so its units may meet on a GPU (memory permitting).
+    """
+    both = concurrent_pairs(current, stage_of) & concurrent_pairs(target, stage_of)
+    return {a: tuple(b for b in current if frozenset((a, b)) in both) for a in current}

@@ -3,15 +3,17 @@
 Pure Python (the brain). The body's executor runs :class:`TransitionDAG` nodes one-to-one::
 
     dag = build_transition(current, target, models, cluster, workload)  # InfeasiblePlanError: why
-    report = validate(dag)          # replay: GPUs disjoint per stage, memory under cap, last copy kept
+    report = validate(dag)          # replay: peers never share a GPU, memory under cap, last copy kept
     seconds = dag.cost              # L_tran = transition_cost(dag, cluster)
     for node in dag.nodes:          # topological order; node.deps are earlier ids
         node.op, node.model_stage, node.sources, node.targets, node.transfers
         for lane in node.lanes():   # a batched node (node.width > 1): one primitive call per replica
             lane.sources, lane.targets, lane.transfers
 
-A model-stage whose acquisitions no same-stage model-stage can block (and that touches no GPU
-that may overflow) gets one batched node per step of its local DAG for all its replicas.
+Peers are model-stages that run concurrently (same stage, disjoint GPUs) under both plans;
+pairs colocated under either plan run in turn there and may share GPUs during the transition.
+A model-stage whose acquisitions no peer can block (and that touches no GPU that may overflow)
+gets one batched node per step of its local DAG for all its replicas.
 
 ``per_component_baseline`` runs the same local DAGs without coordination, for comparison.
 ``pieces`` defines the byte formula every transfer uses; ``scenarios`` makes random plan pairs.

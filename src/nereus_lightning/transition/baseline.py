@@ -1,8 +1,8 @@
 """The per-component baseline (DynaRL-style): each model-stage migrates on its own.
 
 The same local DAGs, run independently: no resource edges and no global order. A runtime
-that ignores other model-stages *races* (an Extend may land on GPUs a same-stage model-stage
-still holds, or co-resident state may overflow memory); one that blocks each acquisition until
+that ignores other model-stages *races* (an Extend may land on GPUs a concurrent peer of the
+same stage still holds, or co-resident state may overflow memory); one that blocks each acquisition until
 its GPUs are free may *wait in a cycle*. For comparison only (the paper's Table 5).
 """
 
@@ -51,10 +51,10 @@ def per_component_baseline(
 
 def _blocking_deadlocks(dag: TransitionDAG) -> bool:
     """Each model-stage runs its local DAG in order; an acquisition waits while its GPUs are held
-    by a same-stage model-stage or lack memory. True if every component ends up waiting."""
+    by a peer (``TransitionContext.peers``) or lack memory. True if every component ends up waiting."""
     ctx = dag.context
     cap = memory_cap(ctx.cluster)
-    stage = {name: ms.stage for name, ms in ctx.stages.items()}
+    peers = {name: set(others) for name, others in ctx.peers.items()}
     mem: dict[int, float] = defaultdict(float)
     held: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for name, c in ctx.current.items():
@@ -72,7 +72,7 @@ def _blocking_deadlocks(dag: TransitionDAG) -> bool:
             while pos[name] < len(q):
                 n = q[pos[name]]
                 if n.op is Primitive.EXTEND and any(
-                    c and o != name and stage[o] == stage[name]
+                    c and o in peers[name]
                     for g in n.acquired_gpus
                     for o, c in held[g].items()
                 ):

@@ -1,13 +1,15 @@
 """The global transition DAG: local DAGs plus resource edges, found by one ordered replay.
 
 The union of the local DAGs is replayed with a priority list scheduler (releases first: Destroy,
-then Merge; then generation -> inference -> training, workflow order, local order). An acquisition
-is *blocked* while a model-stage of the same stage still holds one of its GPUs, or while the
-memory bound of a GPU would pass the cap. When it can go, it gets a resource edge from every
-release it relied on, so ANY execution of the final DAG is safe:
+then Merge; then generation -> inference -> training, workflow order, local order). Two
+model-stages are *peers* when they run concurrently (same stage, disjoint GPUs) under both plans
+(``TransitionContext.peers``); a pair colocated under either plan runs in turn there, so its
+units may share a GPU meanwhile. An acquisition is *blocked* while a peer still holds one of its
+GPUs, or while the memory bound of a GPU would pass the cap. When it can go, it gets a resource
+edge from every release it relied on, so ANY execution of the final DAG is safe:
 
-* GPU disjointness: an Extend of X onto GPU g depends on every Destroy by which a same-stage
-  model-stage left g (and that model-stage never comes back to g: the target is disjoint).
+* GPU disjointness: an Extend of X onto GPU g depends on every Destroy by which a peer left g
+  (and that peer never comes back to g: peers are disjoint in the target).
 * Memory: on a GPU whose worst case (resident + every node's growth) fits, no edge is needed.
   On a tight GPU each acquisition depends on every earlier node on that GPU that freed memory,
   and is admitted only if ``resident + growth of all earlier acquisitions + its own growth - those
@@ -111,7 +113,7 @@ def make_context(
 def _context(
     current: Plan, target: Plan, models: Mapping[str, ModelSpec], cluster: ClusterSpec, workload: Workload
 ) -> tuple[TransitionContext, dict[str, set[int]]]:
-    """:func:`make_context`, and per stage of several model-stages the GPUs they hold now."""
+    """:func:`make_context`, and per model-stage with peers the GPUs its peers hold now."""
     stages = {ms.name: ms for ms in workload.stages}
     for label, plan in (("current", current), ("target", target)):
         for name in plan:
@@ -142,9 +144,10 @@ def _context(
                 known[key] = boundary_state_bytes(models[ms.model], ms.trains, layout)
             unit_memory[(name, layout)] = known[key]
     ctx = TransitionContext(current, target, stages, dict(models), cluster, workload, unit_memory)
-    resident, now = _check_plan("current", current, ctx)
+    resident = _check_plan("current", current, ctx)
     _check_plan("target", target, ctx, per_gpu=False)
-    return replace(ctx, current_memory=tuple(resident)), now
+    ctx = replace(ctx, current_memory=tuple(resident))
+    return ctx, _peer_gpus(ctx)
 
 
 def resident_memory(plan: Plan, ctx: TransitionContext) -> list[float]:
@@ -158,18 +161,18 @@ def resident_memory(plan: Plan, ctx: TransitionContext) -> list[float]:
     return mem
 
 
-def _check_plan(
-    label: str, plan: Plan, ctx: TransitionContext, per_gpu: bool = True
-) -> tuple[list[float], dict[str, set[int]]]:
-    """GPU ids exist, same-stage model-stages are disjoint, resident state fits; returns it per GPU
-    (or, without ``per_gpu``, ``[]`` when the sum of every model-stage's unit memory fits anyway),
-    and the GPUs of each stage of several model-stages."""
-    shared = _plan_ok(plan, ctx)
-    if shared is None:
-        _plan_problem(label, plan, ctx)
+def _check_plan(label: str, plan: Plan, ctx: TransitionContext, per_gpu: bool = True) -> list[float]:
+    """GPU ids exist and resident state fits (model-stages of one stage may share GPUs: they then
+    run in turn); returns the resident state per GPU (or, without ``per_gpu``, ``[]`` when the sum
+    of every model-stage's unit memory fits anyway)."""
+    n = ctx.cluster.num_gpus
+    for name, cand in plan.items():
+        if min(cand.gpus) < 0 or max(cand.gpus) >= n:
+            bad = next(g for g in cand.gpus if not 0 <= g < n)
+            raise NereusConfigError(f"{label} plan: {name} uses GPU {bad}, outside the pool 0..{n - 1}")
     cap = memory_cap(ctx.cluster)
     if not per_gpu and sum(ctx.memory_of(name, c.layout) for name, c in plan.items()) <= cap:
-        return [], shared  # no GPU can hold more than all model-stages together
+        return []  # no GPU can hold more than all model-stages together
     mem = resident_memory(plan, ctx)
     top = max(mem)
     if top > cap:
@@ -179,46 +182,13 @@ def _check_plan(
             f"{label} plan does not fit on GPU {g}: {top / GB:.1f} GB resident ({', '.join(holders)}) "
             f"> cap {cap / GB:.1f} GB"
         )
-    return mem, shared
+    return mem
 
 
-def _plan_ok(plan: Plan, ctx: TransitionContext) -> dict[str, set[int]] | None:
-    """The GPUs of each stage of several model-stages if every GPU id exists and same-stage
-    model-stages are disjoint, else None (set operations only)."""
-    n = ctx.cluster.num_gpus
-    runs = [cand.gpus for _, cand in plan.items()]
-    if min(map(min, runs), default=0) < 0 or max(map(max, runs), default=0) >= n:
-        return None
-    by_stage: dict[str, list[tuple[int, ...]]] = defaultdict(list)
-    for name, cand in plan.items():
-        by_stage[ctx.stages[name].stage].append(cand.gpus)
-    shared: dict[str, set[int]] = {}
-    for stage, runs in by_stage.items():
-        if len(runs) > 1:  # one set per stage: its runs are disjoint
-            gpus = shared[stage] = set(chain.from_iterable(runs))
-            if len(gpus) != sum(map(len, runs)):
-                return None
-    return shared
-
-
-def _plan_problem(label: str, plan: Plan, ctx: TransitionContext) -> None:
-    """Raise the error for the first bad GPU id or same-stage overlap of ``plan`` (in plan order)."""
-    n = ctx.cluster.num_gpus
-    used: dict[str, dict[int, str]] = defaultdict(dict)
-    for name, cand in plan.items():
-        if min(cand.gpus) < 0 or max(cand.gpus) >= n:
-            bad = next(g for g in cand.gpus if not 0 <= g < n)
-            raise NereusConfigError(f"{label} plan: {name} uses GPU {bad}, outside the pool 0..{n - 1}")
-        stage = ctx.stages[name].stage
-        owner = used[stage]
-        if not owner.keys().isdisjoint(cand.gpus):
-            g = next(g for g in cand.gpus if g in owner)
-            raise NereusConfigError(
-                f"{label} plan: {owner[g]} and {name} both use GPU {g} in the {stage} stage; "
-                "model-stages of one stage need disjoint GPUs"
-            )
-        owner.update(dict.fromkeys(cand.gpus, name))
-    raise AssertionError("_plan_ok and _plan_problem disagree")  # pragma: no cover
+def _peer_gpus(ctx: TransitionContext) -> dict[str, set[int]]:
+    """Per model-stage with peers, the GPUs its peers hold under the current plan."""
+    gpus = {name: c.gpus for name, c in ctx.current.items()}
+    return {name: set(chain.from_iterable(map(gpus.__getitem__, peers))) for name, peers in ctx.peers.items() if peers}
 
 
 def union_of_local_dags(ctx: TransitionContext, batched: Collection[str] = ()) -> list[Node]:
@@ -252,8 +222,8 @@ def _numbered(parts: Mapping[str, list[Node]]) -> list[Node]:
 
 
 def batchable(ctx: TransitionContext, peers_now: Mapping[str, set[int]] | None = None) -> set[str]:
-    """Model-stages whose acquisitions no same-stage model-stage can block: their target GPUs hold
-    no unit of a same-stage peer now (peers only move onto their own, disjoint, target GPUs).
+    """Model-stages whose acquisitions no peer can block: their target GPUs hold no unit of a
+    peer now (peers only move onto their own target GPUs, disjoint from theirs).
 
     Their nodes never wait in the global order (unless memory is tight, see ``_build``), so one
     node per step for all replicas orders exactly as well as one per replica, and the releases
@@ -265,24 +235,14 @@ def batchable(ctx: TransitionContext, peers_now: Mapping[str, set[int]] | None =
 
 
 def _held_by_peers(ctx: TransitionContext, now: Mapping[str, set[int]] | None = None) -> dict[str, set[int]]:
-    """The GPUs same-stage peers hold now, for each model-stage whose target holds one of them.
+    """The GPUs peers hold now, for each model-stage whose target holds one of them.
 
-    ``now``: the GPUs each stage of several model-stages holds now, if known (``_plan_ok``).
+    ``now``: per model-stage with peers, the GPUs they hold now, if known (``_peer_gpus``).
     """
-    current, target = dict(ctx.current.items()), dict(ctx.target.items())
-    members: dict[str, list[str]] = defaultdict(list)
-    for name in current:
-        members[ctx.stages[name].stage].append(name)
-    out: dict[str, set[int]] = {}
-    for stage, names in members.items():
-        if len(names) == 1:  # no same-stage peer
-            continue
-        held = now[stage] if now is not None else set(chain.from_iterable(current[n].gpus for n in names))
-        for name in names:
-            others = held.difference(current[name].gpus)
-            if not others.isdisjoint(target[name].gpus):
-                out[name] = others
-    return out
+    if now is None:
+        now = _peer_gpus(ctx)
+    target = dict(ctx.target.items())
+    return {name: held for name, held in now.items() if not held.isdisjoint(target[name].gpus)}
 
 
 def _tight(ctx: TransitionContext, growth: list[float]) -> set[int]:
@@ -368,30 +328,27 @@ def _order_with_resource_edges(
     """
     stages: dict[str, ModelStage] = ctx.stages
     current = dict(ctx.current.items())
-    members: dict[str, list[str]] = defaultdict(list)
-    for name in current:
-        members[stages[name].stage].append(name)
-    peers = {name: [o for o in names if o != name] for names in members.values() for name in names}
+    peers = ctx.peers
     if peers_now is None:
         peers_now = _held_by_peers(ctx)
     target = dict(ctx.target.items())
-    # Per model-stage whose Extends may wait: the GPUs of its target that same-stage peers hold now.
-    blocking = {name: others.intersection(target[name].gpus) for name, others in peers_now.items()}
+    # Per model-stage whose Extends may wait: the GPUs of its target that its peers hold now.
     # Only these *contested* GPUs can block an acquisition or give it a resource edge. Extend
-    # acquires GPUs of its own target only and same-stage plans are disjoint, so such a GPU is held
-    # by one current unit until that unit's model-stage releases it, once: one set per stage
-    # (contested GPUs still held) and one release per GPU, instead of per-GPU unit counts per
-    # model-stage.
-    held_of: dict[str, set[int]] = {}  # per model-stage with peers: its stage's contested GPUs still held
-    gone_of: dict[str, dict[int, int]] = {}  # ... and the release (bit i: node i) of each one released
-    releasing: set[str] = set()  # model-stages holding a contested GPU
-    for names in members.values():
-        if not blocking.keys().isdisjoint(names):
-            held = set().union(*(blocking[name] for name in names if name in blocking))
-            gone: dict[int, int] = {}
-            for name in names:
-                held_of[name], gone_of[name] = held, gone
-            releasing.update(name for name in names if not held.isdisjoint(current[name].gpus))
+    # acquires GPUs of its own target only and peers are disjoint in the target, so a peer holds
+    # such a GPU until it releases it, once: per contested GPU the peers still holding it (more
+    # than one only where those peers are colocated now) and the releases (bit i: node i) so far.
+    wait: dict[str, dict[int, set[str]]] = {}
+    gone_of: dict[str, dict[int, int]] = {}
+    watchers: dict[str, list[str]] = defaultdict(list)  # per peer holding a contested GPU: who waits
+    for name, others in peers_now.items():
+        contested = others.intersection(target[name].gpus)
+        wait[name], gone_of[name] = {}, {}
+        for other in peers[name]:
+            theirs = contested.intersection(current[other].gpus)
+            if theirs:
+                watchers[other].append(name)
+                for g in theirs:
+                    wait[name].setdefault(g, set()).add(other)
     cap = memory_cap(ctx.cluster)
     n_gpus = ctx.cluster.num_gpus
     base = ctx.current_memory or resident_memory(ctx.current, ctx)
@@ -422,16 +379,11 @@ def _order_with_resource_edges(
     heapq.heapify(heap)
     extend, destroy, split = Primitive.EXTEND, Primitive.DESTROY, Primitive.SPLIT
 
-    holds: dict[str, set[int]] = {}  # the current GPUs of a model-stage, as a set once needed
-
     def blocked_by_peer(ms: str, gpus: tuple[int, ...]) -> str:
-        held = held_of[ms].intersection(gpus)
+        held = wait[ms]
         for other in peers[ms]:  # the first peer (plan order) holding one, at its first such GPU
-            theirs = holds.get(other)
-            if theirs is None:
-                theirs = holds[other] = set(current[other].gpus)
-            if not held.isdisjoint(theirs):
-                g = next(filter(theirs.__contains__, filter(held.__contains__, gpus)))
+            g = next((g for g in gpus if other in held.get(g, ())), None)
+            if g is not None:
                 return f"GPU {g} is still held by {other} (same {stages[other].stage} stage)"
         raise AssertionError("a held GPU without a holder")  # pragma: no cover
 
@@ -454,10 +406,10 @@ def _order_with_resource_edges(
             n = nodes[nid]
             ms = n.model_stage
             why = None
-            peer_checked = n.op is extend and ms in blocking
+            peer_checked = n.op is extend and ms in wait
             if peer_checked:
                 gpus = n.acquired_gpus
-                if not held_of[ms].isdisjoint(gpus):
+                if not wait[ms].keys().isdisjoint(gpus):
                     why = blocked_by_peer(ms, gpus)
             if why is None and careful[nid]:
                 why = blocked_by_memory(n)
@@ -471,15 +423,20 @@ def _order_with_resource_edges(
                     relied = gone.keys() & gpus
                     if relied:
                         extra = reduce(or_, set(map(gone.__getitem__, relied)))
-            elif ms in releasing and (n.op is destroy or n.op is split):
+            elif ms in watchers and (n.op is destroy or n.op is split):
                 # The contested GPUs a Destroy releases, or a Split does not keep.
-                held = held_of[ms]
-                hit = held.intersection(chain.from_iterable(map(_GPUS, n.sources)))
-                if hit and n.op is split:
-                    hit.difference_update(chain.from_iterable(map(_GPUS, n.targets)))
-                if hit:
-                    held.difference_update(hit)
-                    gone_of[ms].update(dict.fromkeys(hit, 1 << nid))
+                left = set(chain.from_iterable(map(_GPUS, n.sources)))
+                if n.op is split:
+                    left.difference_update(chain.from_iterable(map(_GPUS, n.targets)))
+                for waiter in watchers[ms]:
+                    held, gone = wait[waiter], gone_of[waiter]
+                    for g in left.intersection(held):
+                        holders = held[g]
+                        if ms in holders:
+                            holders.discard(ms)
+                            gone[g] = gone.get(g, 0) | 1 << nid
+                            if not holders:
+                                del held[g]
             if careful[nid]:
                 for g, net, transient in n.mem:
                     if g not in tight:

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from enum import Enum
 from itertools import chain, islice
 from operator import itemgetter
 from typing import TYPE_CHECKING, NamedTuple
 
 from nereus_lightning.plan.layout import Layout, Plan
+from nereus_lightning.plan.overlap import transition_peers
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.model import ModelSpec
 from nereus_lightning.spec.workload import ModelStage, Workload
@@ -252,6 +254,12 @@ class TransitionContext:
     def memory_of(self, model_stage: str, layout: Layout) -> float:
         """Per-GPU bytes one unit of ``model_stage`` under ``layout`` keeps resident."""
         return self.unit_memory[(model_stage, layout)]
+
+    @cached_property
+    def peers(self) -> dict[str, tuple[str, ...]]:
+        """Per model-stage, those concurrent with it under both plans: they never share a GPU
+        during the transition (``plan.overlap.transition_peers``)."""
+        return transition_peers(self.current, self.target, {n: ms.stage for n, ms in self.stages.items()})
 
 
 @dataclass(eq=False)

@@ -4,10 +4,10 @@ Three checks, each independent of how the DAG was built:
 
 1. **Sequential replay** in the DAG's own order (``dag.nodes``): every node finds its source units
    alive; every model-stage keeps at least one unit (a full copy of its state) at every moment;
-   same-stage model-stages never share a GPU; per-GPU memory (resident units + the running
+   peers (model-stages concurrent under both plans) never share a GPU; per-GPU memory (resident units + the running
    node's transfer buffers) stays under ``plan.memory.memory_cap``; the end state is the target.
 2. **Any order, GPUs**: an Extend of X onto GPU g must have, as an ancestor, every Destroy by which
-   a same-stage model-stage leaves g. Then no topological order or concurrent run can overlap them.
+   a peer of X leaves g. Then no topological order or concurrent run can overlap them.
 3. **Adversarial concurrent replay** (when some GPU is tight, see below): every ready node starts
    at once and releases finish last (acquisitions finish first), the worst case for memory and
    GPU conflicts among the orders a concurrent executor may take.
@@ -93,7 +93,8 @@ class _Memory:
 
 
 class _Peers:
-    """The same-stage peers of each model-stage, and which model-stages can ever meet one.
+    """The peers of each model-stage (concurrent under both plans, ``TransitionContext.peers``:
+    pairs colocated under either plan may share GPUs), and which model-stages can ever meet one.
 
     Only an Extend lands on GPUs, so the model-stages of a stage none of whose model-stages
     extends can never land on a GPU a peer holds, in any order: ``contested`` omits them, and
@@ -103,7 +104,7 @@ class _Peers:
     def __init__(self, dag: TransitionDAG) -> None:
         ctx = dag.context
         self.stage = stage = {name: ctx.stages[name].stage for name in ctx.current}
-        self.of = {a: [b for b in ctx.current if b != a and stage[a] == stage[b]] for a in ctx.current}
+        self.of = {a: list(ctx.peers[a]) for a in ctx.current}
         extends = {n.model_stage for n in dag.nodes if n.op is Primitive.EXTEND}
         landing = {stage[a] for a in extends if a in stage}
         self.contested = {a for a in ctx.current if self.of[a] and stage[a] in landing}
@@ -182,7 +183,7 @@ def _is_target(units: dict[tuple[int, ...], Shape], c: Candidate, shapes: dict[S
 
 
 class _Gpus:
-    """Per-GPU memory and, for model-stages that may meet a same-stage peer, unit counts per GPU."""
+    """Per-GPU memory and, for model-stages that may meet a peer, unit counts per GPU."""
 
     def __init__(self, dag: TransitionDAG, memory: _Memory, peers: _Peers) -> None:
         ctx = dag.context
@@ -196,7 +197,7 @@ class _Gpus:
                 _shift(self.count[name], c.gpus, 1, _span(c.gpus, self.ids))
 
     def acquire(self, n: Node) -> list[str]:
-        """Count ``n``'s new GPUs; name any a same-stage model-stage holds."""
+        """Count ``n``'s new GPUs; name any a peer holds."""
         if n.model_stage not in self.count or n.op is not Primitive.EXTEND:
             return []
         gpus = n.acquired_gpus
@@ -348,6 +349,7 @@ def _any_order_gpus(dag: TransitionDAG, same_stage: _Peers) -> list[str]:
                 mask.update({g: mask.get(g, 0) | bit for g in left})
     anc: list[int] = []  # computed on first need
     out: list[str] = []
+    peer_nodes: dict[str, int] = {}  # per model-stage: the nodes of its peers (a bit mask)
     if not leaving:
         return out
     for n in dag.nodes:
@@ -357,10 +359,13 @@ def _any_order_gpus(dag: TransitionDAG, same_stage: _Peers) -> list[str]:
         if mask is None:
             continue
         gpus = n.acquired_gpus
-        # every node by which a same-stage model-stage leaves these GPUs: all must be ancestors
-        need = reduce(or_, filter(None, map(mask.get, gpus)), 0) & ~nodes[n.model_stage]
+        # every node by which a peer leaves these GPUs: all must be ancestors
+        theirs_all = peer_nodes.get(n.model_stage)
+        if theirs_all is None:
+            theirs_all = peer_nodes[n.model_stage] = reduce(or_, (nodes[p] for p in peers[n.model_stage]), 0)
+        need = reduce(or_, filter(None, map(mask.get, gpus)), 0) & theirs_all
         if not need:
-            continue  # no same-stage model-stage leaves these GPUs: nothing to order
+            continue  # no peer leaves these GPUs: nothing to order
         if not anc:
             anc = _ancestors(dag)
         if not need & ~anc[n.id]:
