@@ -11,6 +11,10 @@ another model-stage holds now, of the requested *overlap kind*:
 
 The GPU memory of the case's cluster is drawn between the plans' own peak and 1.6 times it, so
 that co-residency during the transition is sometimes what decides.
+
+:func:`random_colocated_case` adds *colocation*: in the current plan, the target or both, some
+model-stages of one stage share one run of blocks (they run in turn there, ``plan.overlap``),
+and the target is drawn independently of the current plan, so every kind of overlap mixes with it.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ class TransitionCase:
     models: dict[str, ModelSpec]
     cluster: ClusterSpec
     workload: Workload
-    kind: str
+    kind: str  # an overlap kind, or ``colocated current|target|both`` (:func:`random_colocated_case`)
     overlaps: frozenset[str]
 
     def args(self) -> tuple[Plan, Plan, dict[str, ModelSpec], ClusterSpec, Workload]:
@@ -218,4 +222,50 @@ def random_case(
     )
     return TransitionCase(
         current, target, models, cluster, workload, kind, overlaps_of(current, target, workload)
+    )
+
+
+def _colocate(rng: random.Random, plan: Plan, workload: Workload, models: dict[str, ModelSpec], num_gpus: int, gpn: int) -> Plan:
+    """``plan`` with two or more model-stages of one stage moved onto the run of the first of them."""
+    block = max(1, num_gpus // BLOCKS)
+    stages = {ms.name: ms for ms in workload.stages}
+    shared = [s for s in ("generation", "inference", "training") if sum(m.stage == s for m in stages.values()) > 1]
+    stage = rng.choice(shared)
+    names = [n for n in plan if stages[n].stage == stage]
+    chosen = sorted(rng.sample(names, rng.randint(2, len(names))), key=names.index)
+    first = plan[chosen[0]]
+    start, blocks = min(first.gpus) // block, len(first.gpus) // block
+    out = plan.as_dict()
+    for name in chosen[1:]:
+        out[name] = _candidate(rng, models[stages[name].model], start, blocks, block, gpn)
+    return Plan.of(out)
+
+
+def random_colocated_case(
+    rng: random.Random,
+    num_gpus: int,
+    *,
+    models: dict[str, ModelSpec] | None = None,
+    workload: Workload | None = None,
+    slack: tuple[float, float] = (1.0, 1.6),
+) -> TransitionCase:
+    """A random PPO transition whose current plan, target or both colocate some model-stages of a stage."""
+    models = models or default_models()
+    workload = workload or Workload("ppo")
+    gpn = min(8, num_gpus)
+    which = rng.choice(("current", "target", "both"))
+    current = random_plan(rng, workload, models, num_gpus, gpn)
+    target = random_plan(rng, workload, models, num_gpus, gpn)
+    if which != "target":
+        current = _colocate(rng, current, workload, models, num_gpus, gpn)
+    if which != "current":
+        target = _colocate(rng, target, workload, models, num_gpus, gpn)
+    peak = max(_resident_peak(current, workload, models), _resident_peak(target, workload, models))
+    memory = peak / (1 - MEMORY_HEADROOM) * rng.uniform(*slack) * (1 + 1e-9)
+    base = CLUSTER_PRESETS["paper_cluster3"]
+    cluster = replace(
+        base, num_nodes=max(1, num_gpus // gpn), gpus_per_node=gpn, gpu_memory=memory, num_gpus=0
+    )
+    return TransitionCase(
+        current, target, models, cluster, workload, f"colocated {which}", overlaps_of(current, target, workload)
     )
