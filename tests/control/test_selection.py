@@ -214,3 +214,30 @@ def test_no_pinned_planner_call_without_a_faster_target():
     ctl.step(sig(0))
     d = ctl.step(sig(1, length=2000))  # drift; the planner's best is the current plan
     assert d.kind == "keep" and backend.pinned_calls == []
+
+
+def test_variants_keep_colocated_groups_together():
+    """follow_pool and place_near move a colocated group as one block (its members share GPUs)."""
+    from nereus_lightning.control.variants import follow_pool, place_near
+    from nereus_lightning.plan import Candidate, Layout, Plan
+    from nereus_lightning.plan.overlap import colocated
+    from nereus_lightning.spec.workload import workflow
+
+    stage_of = {m.name: m.stage for m in workflow("grpo")}
+    one = Layout(1, 1)
+    plan = Plan.of({
+        "actor_gen": Candidate(one, 2, (0, 1)),
+        "actor_infer": Candidate(one, 2, (0, 1)), "ref_infer": Candidate(one, 1, (0,)),
+        "reward_infer": Candidate(one, 1, (2,)),
+        "actor_train": Candidate(one, 2, (0, 1)),
+    })  # fmt: skip
+    grown = follow_pool(plan, "grpo", 4, batch=8)
+    assert grown is not None and colocated(grown, stage_of) == (("actor_infer", "ref_infer"),)
+    assert all(g < 4 for _, c in grown.items() for g in c.gpus)
+    # Two concurrent inference groups need two GPUs; the colocated pair needs only one of them.
+    assert follow_pool(plan, "grpo", 2, batch=8) is not None
+    assert follow_pool(plan, "grpo", 1, batch=8) is None
+    moved = place_near(plan, plan.replace("reward_infer", Candidate(one, 1, (0,))), "grpo")
+    assert moved["reward_infer"].gpus == (0,) and moved["actor_infer"].gpus == (1, 2)
+    assert moved["ref_infer"].gpus == (1,)
+    assert colocated(moved, stage_of) == (("actor_infer", "ref_infer"),)

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from nereus_lightning.plan.layout import Candidate, Plan
-from nereus_lightning.spec.workload import STAGES, ModelStage, workflow
+from nereus_lightning.plan.overlap import groups_by_stage
+from nereus_lightning.spec.workload import ModelStage, workflow
 
 
 def relief_variants(plan: Plan) -> list[Plan]:
@@ -32,20 +33,25 @@ def _dp_ok(ms: ModelStage, dp: int, batch: int) -> bool:
 def follow_pool(plan: Plan, algorithm: str, num_gpus: int, batch: int) -> Plan | None:
     """Keep every model-stage's TP/PP layout and re-fit only its DP degree to ``num_gpus`` GPUs.
 
-    Model-stages of one stage share the stage's GPUs; each keeps at least one replica and the
+    The groups of one stage (``plan.overlap``: colocated model-stages share a group's GPUs and
+    run in turn) share the stage's GPUs; each model-stage keeps at least one replica and the
     spare GPUs go, one replica at a time, to the model-stage with the most work per replica
-    (work = its replica count in ``plan``). GPUs are handed out in contiguous blocks, largest
-    layouts first, so power-of-two TP groups stay node-aligned. Returns None if even one replica
-    per model-stage does not fit.
+    (work = its replica count in ``plan``). GPUs are handed out in contiguous blocks, one per
+    group (its members all from its first GPU), largest layouts first, so power-of-two TP groups
+    stay node-aligned. Returns None if even one replica per model-stage does not fit.
     """
     stages = {ms.name: ms for ms in workflow(algorithm)}
+    stage_of = {n: stages[n].stage for n in plan}
     chosen: dict[str, Candidate] = {}
-    for stage in STAGES:
-        names = [n for n, _ in plan.items() if stages[n].stage == stage]
-        if not names:
-            continue
+    for groups in groups_by_stage(plan, stage_of).values():
+        names = [n for g in groups for n in g]
+        group_of = {n: g for g in groups for n in g}
         dp = {n: 1 for n in names}
-        used = sum(plan[n].layout.size for n in names)
+
+        def size(group: tuple[str, ...], dp: dict[str, int] = dp) -> int:
+            return max(dp[n] * plan[n].layout.size for n in group)
+
+        used = sum(size(g) for g in groups)
         if used > num_gpus:
             return None
         # Keep the GPU shares the plan gave each model-stage (its share of the work).
@@ -54,19 +60,24 @@ def follow_pool(plan: Plan, algorithm: str, num_gpus: int, batch: int) -> Plan |
             options = []
             for n in names:
                 nxt = _next_dp(stages[n], dp[n], batch)
-                if nxt is not None and used + (nxt - dp[n]) * plan[n].layout.size <= num_gpus:
-                    options.append((n, nxt))
+                if nxt is None:
+                    continue
+                group = group_of[n]
+                grown = max(size(group), nxt * plan[n].layout.size)
+                if used + grown - size(group) <= num_gpus:
+                    options.append((n, nxt, grown - size(group)))
             if not options:
                 break
-            n, nxt = max(options, key=lambda o: (work[o[0]] / (dp[o[0]] * plan[o[0]].layout.size), -names.index(o[0])))
-            used += (nxt - dp[n]) * plan[n].layout.size
+            n, nxt, extra = max(
+                options, key=lambda o: (work[o[0]] / (dp[o[0]] * plan[o[0]].layout.size), -names.index(o[0]))
+            )
+            used += extra
             dp[n] = nxt
         start = 0
-        for n in sorted(names, key=lambda m: -plan[m].layout.size):
-            old = plan[n]
-            size = dp[n] * old.layout.size
-            chosen[n] = replace(old, dp=dp[n], gpus=tuple(range(start, start + size)))
-            start += size
+        for group in sorted(groups, key=lambda g: -max(plan[m].layout.size for m in g)):
+            for n in group:
+                chosen[n] = replace(plan[n], dp=dp[n], gpus=tuple(range(start, start + dp[n] * plan[n].layout.size)))
+            start += size(group)
     return Plan(tuple((n, chosen[n]) for n, _ in plan.items()))
 
 
@@ -102,20 +113,25 @@ def place_near(plan: Plan, current: Plan, algorithm: str) -> Plan:
 
     The planner hands out contiguous blocks in a canonical order; when two model-stages of one
     stage swap places between plans, neither can move first (each waits for GPUs the other
-    holds). Keeping every model-stage's block near its current GPUs avoids such swaps and moves
-    less state. Sizes and layouts are unchanged; callers re-price the result, since a reordering
-    can break node alignment.
+    holds). Keeping every group's block (``plan.overlap``: colocated model-stages share one) near
+    its current GPUs avoids such swaps and moves less state. Sizes, layouts and each member's
+    first GPU inside its group's block are unchanged (each member gets a contiguous run); callers
+    re-price the result, since a reordering can break node alignment.
     """
     stages = {ms.name: ms.stage for ms in workflow(algorithm)}
     chosen: dict[str, Candidate] = {}
-    for stage in STAGES:
-        names = [n for n, _ in plan.items() if stages[n] == stage]
-        where = {n: min(current[n].gpus) if n in current else 0 for n in names}
-        start = min((min(plan[n].gpus) for n in names), default=0)
-        for n in sorted(names, key=lambda m: (where[m], names.index(m))):
-            size = plan[n].num_gpus
-            chosen[n] = replace(plan[n], gpus=tuple(range(start, start + size)))
-            start += size
+    for groups in groups_by_stage(plan, {n: stages[n] for n in plan}).values():
+        names = [n for g in groups for n in g]
+        first = {g: min(min(plan[n].gpus) for n in g) for g in groups}
+        where = {g: min((min(current[n].gpus) for n in g if n in current), default=0) for g in groups}
+        start = min(first.values())
+        for group in sorted(groups, key=lambda g: (where[g], names.index(g[0]))):
+            ends = []
+            for n in group:
+                lo = start + min(plan[n].gpus) - first[group]
+                chosen[n] = replace(plan[n], gpus=tuple(range(lo, lo + plan[n].num_gpus)))
+                ends.append(lo + plan[n].num_gpus)
+            start = max(ends)
     return Plan(tuple((n, chosen[n]) for n, _ in plan.items()))
 
 
