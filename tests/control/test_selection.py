@@ -237,7 +237,9 @@ def test_variants_keep_colocated_groups_together():
     # Two concurrent inference groups need two GPUs; the colocated pair needs only one of them.
     assert follow_pool(plan, "grpo", 2, batch=8) is not None
     assert follow_pool(plan, "grpo", 1, batch=8) is None
-    moved = place_near(plan, plan.replace("reward_infer", Candidate(one, 1, (0,))), "grpo")
+    now = plan.replace("reward_infer", Candidate(one, 1, (0,))).replace("actor_infer", Candidate(one, 2, (2, 3)))
+    now = now.replace("ref_infer", Candidate(one, 1, (2,)))
+    moved = place_near(plan, now, "grpo")  # the colocated pair is at GPU 2 now, reward_infer at 0
     assert moved["reward_infer"].gpus == (0,) and moved["actor_infer"].gpus == (1, 2)
     assert moved["ref_infer"].gpus == (1,)
     assert colocated(moved, stage_of) == (("actor_infer", "ref_infer"),)
