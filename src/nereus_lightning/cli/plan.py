@@ -23,6 +23,7 @@ from nereus_lightning.cli._hydra import CONFIG_ROOT, compose, to_dict
 from nereus_lightning.plan.calibration import Calibration
 from nereus_lightning.plan.estimate import PlanEstimate
 from nereus_lightning.plan.layout import Plan
+from nereus_lightning.plan.overlap import colocated, describe_groups
 from nereus_lightning.plan.planner import plan_job
 from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
 from nereus_lightning.spec.workload import workflow
@@ -40,12 +41,15 @@ def plan_config(overrides: Sequence[str] = ()) -> DictConfig:
 
 def _stage_rows(plan: Plan, est: PlanEstimate, algorithm: str) -> list[dict[str, Any]]:
     stage_of = {ms.name: ms.stage for ms in workflow(algorithm)}
+    group_of = {n: g for g in colocated(plan, stage_of) for n in g}
     rows = []
     for name, cand in plan.items():
         rows.append(
             {
                 "model_stage": name,
                 "stage": stage_of[name],
+                # Model-stages of one stage sharing GPUs run one after another, in this order.
+                "colocated_group": list(group_of.get(name, (name,))),
                 "dp": cand.dp,
                 "tp": cand.layout.tp,
                 "pp": cand.layout.pp,
@@ -67,6 +71,7 @@ def _plan_dict(plan: Plan, est: PlanEstimate, algorithm: str) -> dict[str, Any]:
         "feasible": est.feasible,
         "violations": list(est.violations),
         "model_stages": _stage_rows(plan, est, algorithm),
+        "colocated": [list(g) for g in colocated(plan, {ms.name: ms.stage for ms in workflow(algorithm)})],
     }
 
 
@@ -136,8 +141,10 @@ def render(result: dict[str, Any]) -> None:
         f"prompt {wl['prompt_len']} + response {wl['response_len']:g} tokens, {wl['prompts_per_step']} prompts"
     )
     table = Table(title=title, title_justify="left")
-    for col in ("model-stage", "dp", "tp", "pp", "GPUs", "micro-batch", "recompute", "time s", "peak/cap GB"):
-        table.add_column(col, justify="left" if col in ("model-stage", "GPUs") else "right", no_wrap=True)
+    columns = ("model-stage", "runs", "dp", "tp", "pp", "GPUs", "micro-batch", "recompute", "time s", "peak/cap GB")
+    for col in columns:
+        table.add_column(col, justify="left" if col in ("model-stage", "runs", "GPUs") else "right", no_wrap=True)
+    letters = {tuple(g): chr(ord("A") + i) for i, g in enumerate(result["colocated"])}
     stage = None
     for row in result["model_stages"]:
         if stage is not None and row["stage"] != stage:
@@ -146,8 +153,13 @@ def render(result: dict[str, Any]) -> None:
         gpus = row["gpus"]
         contiguous = gpus == list(range(gpus[0], gpus[-1] + 1))
         span = f"{row['num_gpus']} [{gpus[0]}-{gpus[-1]}]" if contiguous else f"{row['num_gpus']} {gpus}"
+        group = row["colocated_group"]
+        runs = (
+            f"in turn {letters[tuple(group)]}{group.index(row['model_stage']) + 1}" if len(group) > 1 else "concurrent"
+        )
         table.add_row(
             row["model_stage"],
+            runs,
             str(row["dp"]),
             str(row["tp"]),
             str(row["pp"]),
@@ -161,6 +173,8 @@ def render(result: dict[str, Any]) -> None:
     if not console.is_terminal:
         console = Console(width=120)  # pipes and logs: do not squeeze the table into 80 columns
     console.print(table)
+    for group, letter in letters.items():
+        console.print(f"colocated {letter} (share GPUs, run one after another): {describe_groups([group])}")
     phases = ", ".join(f"{k} {v:.2f} s" for k, v in result["phase_latency_s"].items())
     console.print(f"step latency: [bold]{result['step_latency_s']:.2f} s[/bold] ({phases})")
     for i, alt in enumerate(result["alternatives"], 1):

@@ -40,7 +40,8 @@ def check_feasible(cfg: Any, world_size: int) -> None:
     counts = supply_counts(cfg)
     pool = min(int(counts[0]), world_size) if counts else world_size
     cluster = job_cluster(cfg).with_gpus(pool)
-    plan_job(_job_models(cfg), cluster, _workload(cfg, response_budget(cfg, 0)))
+    # nereus-train's pool is trainer.devices (x trainer.num_nodes): name its key, not nereus-plan's.
+    plan_job(_job_models(cfg), cluster, _workload(cfg, response_budget(cfg, 0)), pool_key="trainer.devices")
 
 
 def supply_counts(cfg: Any) -> list[int] | None:
