@@ -30,7 +30,14 @@ def _ppo(**gpus: tuple[int, ...]) -> Plan:
 
 
 def test_groups_are_connected_components_of_sharing_a_gpu():
-    plan = _ppo(actor_infer=(0, 1), ref_infer=(1, 2), critic_infer=(3,), reward_infer=(2,), actor_train=(0,), critic_train=(1,))
+    plan = _ppo(
+        actor_infer=(0, 1),
+        ref_infer=(1, 2),
+        critic_infer=(3,),
+        reward_infer=(2,),
+        actor_train=(0,),
+        critic_train=(1,),
+    )
     infer = ["actor_infer", "ref_infer", "critic_infer", "reward_infer"]
     # ref shares GPU 1 with actor and GPU 2 with reward: one group, in plan order; critic alone.
     assert stage_groups(plan, infer) == (("actor_infer", "ref_infer", "reward_infer"), ("critic_infer",))
@@ -40,7 +47,10 @@ def test_groups_are_connected_components_of_sharing_a_gpu():
     assert concurrent(plan, "actor_train", "critic_train", PPO_STAGES)
     assert frozenset(("actor_train", "critic_train")) in concurrent_pairs(plan, PPO_STAGES)
     assert colocated(plan, PPO_STAGES) == (("actor_infer", "ref_infer", "reward_infer"),)
-    assert describe_groups(stage_groups(plan, infer)) == "actor_infer -> ref_infer -> reward_infer | critic_infer"
+    assert (
+        describe_groups(stage_groups(plan, infer))
+        == "actor_infer -> ref_infer -> reward_infer | critic_infer"
+    )
 
 
 @pytest.mark.parametrize("n, bell", [(1, 1), (2, 2), (3, 5), (4, 15)])
@@ -54,7 +64,14 @@ def test_partitions_are_every_grouping_once_all_concurrent_first(n, bell):
 
 def test_estimate_sums_colocated_members_and_maxes_concurrent_groups():
     models, cluster, workload = job_models(TINY), cluster_preset("h200x8"), Workload("ppo")
-    plan = _ppo(actor_gen=(0, 1), actor_infer=(0,), ref_infer=(0,), critic_infer=(1,), reward_infer=(1,), critic_train=(1,))
+    plan = _ppo(
+        actor_gen=(0, 1),
+        actor_infer=(0,),
+        ref_infer=(0,),
+        critic_infer=(1,),
+        reward_infer=(1,),
+        critic_train=(1,),
+    )
     est = estimate_plan(plan, models, cluster, workload)
     assert est.feasible, est.violations
     lat = est.stage_latency
@@ -70,7 +87,9 @@ def test_colocated_training_states_stay_side_by_side_in_the_estimate():
     cluster = cluster_preset("h200x8")
     state = state_bytes_per_gpu(L8, True, Layout(1, 2))
     two = Candidate(Layout(1, 2), 1, (0, 1))
-    apart = Plan.of({n: (two if n != "critic_train" else Candidate(Layout(1, 2), 1, (2, 3))) for n in PPO_STAGES})
+    apart = Plan.of(
+        {n: (two if n != "critic_train" else Candidate(Layout(1, 2), 1, (2, 3))) for n in PPO_STAGES}
+    )
     together = Plan.of({n: two for n in PPO_STAGES})
     est_apart = estimate_plan(apart, models, cluster, workload)
     est_together = estimate_plan(together, models, cluster, workload)
@@ -78,7 +97,10 @@ def test_colocated_training_states_stay_side_by_side_in_the_estimate():
     delta = est_together.stage_memory["actor_train"] - est_apart.stage_memory["actor_train"]
     assert delta == pytest.approx(state, rel=1e-3)  # (the other pipeline rank's state, a hair smaller)
     assert 2 * state > memory_cap(cluster) and not est_together.feasible
-    assert any("actor_train" in v and "other model-stages' resident training state" in v for v in est_together.violations)
+    assert any(
+        "actor_train" in v and "other model-stages' resident training state" in v
+        for v in est_together.violations
+    )
     # Inference on GPU 0 sits next to both states.
     assert est_together.stage_memory["actor_infer"] >= 2 * state
 

@@ -37,7 +37,11 @@ RESHUFFLED = plan(
     ids=["disjoint->colocated", "colocated->disjoint", "colocated->colocated", "colocated->colocated back"],
 )
 def test_transitions_with_colocated_plans_build_and_validate(current, target) -> None:
-    assert colocated(COLOCATED, STAGE_OF) and colocated(RESHUFFLED, STAGE_OF) and not colocated(DISJOINT, STAGE_OF)
+    assert (
+        colocated(COLOCATED, STAGE_OF)
+        and colocated(RESHUFFLED, STAGE_OF)
+        and not colocated(DISJOINT, STAGE_OF)
+    )
     dag = build_transition(current, target, MODELS, ROOMY, PPO)
     report = validate(dag, random_orders=2, seed=1)
     assert report.valid, report.problems
@@ -86,7 +90,9 @@ SIZES = (8, 16, 32, 64, 128, 256, 1024)
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32 - 1), num_gpus=st.sampled_from(SIZES))
-def test_random_colocated_cases_are_acyclic_and_safe_or_infeasible_with_reason(seed: int, num_gpus: int) -> None:
+def test_random_colocated_cases_are_acyclic_and_safe_or_infeasible_with_reason(
+    seed: int, num_gpus: int
+) -> None:
     check_colocated_case(seed, num_gpus)
 
 

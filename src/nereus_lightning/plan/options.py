@@ -208,8 +208,11 @@ class CandidateTable:
         whose resident state is at most ``resident``."""
         return [_option(row) for row in self.rows_within(memory, resident)]
 
-    def rows_within(self, memory: float | None = None, resident: float = math.inf) -> list[tuple]:
-        """:meth:`options` as plain tuples ``(gpus, latency, peak, resident, layout, dp, mb, rc)``."""
+    def rows_within(
+        self, memory: float | None = None, resident: float = math.inf, least: float = -math.inf
+    ) -> list[tuple]:
+        """:meth:`options` as plain tuples ``(gpus, latency, peak, resident, layout, dp, mb, rc)``,
+        only those keeping at least ``least`` bytes of state resident."""
         memory = self.cap if memory is None else memory
         work, out = self.work, []
         n = work.sequences
@@ -225,7 +228,7 @@ class CandidateTable:
                 lat = offload + full * _at(coef, batch) + (_at(coef, rest) if rest else 0.0)
                 out.append((dp * size, lat, -1.0, 0.0, layout, dp, batch, False))
         for gpus, layout, dp, res, choices in self.rows:
-            if res > resident:
+            if res > resident or res < least:
                 continue
             for lat, peak, mb, rc in choices:
                 if peak <= memory:

@@ -55,7 +55,6 @@ from nereus_lightning.plan.cost import (
 from nereus_lightning.plan.estimate import PlanEstimate, estimate_plan
 from nereus_lightning.plan.layout import Candidate, Layout, Plan
 from nereus_lightning.plan.memory import memory_cap
-from nereus_lightning.plan.overlap import partitions
 from nereus_lightning.plan.options import (  # noqa: F401  (re-exported for callers of the first API)
     CandidateTable,
     Option,
@@ -66,6 +65,7 @@ from nereus_lightning.plan.options import (  # noqa: F401  (re-exported for call
     layouts_for,
     stage_options,
 )
+from nereus_lightning.plan.overlap import partitions
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
 from nereus_lightning.spec.model import ModelSpec
@@ -308,13 +308,16 @@ class _Search:
         self._groups: dict[tuple, list[Group]] = {}
         self._solved: dict[tuple, list[Pick]] = {}
 
-    def fronts(self, name: str, memory: float, resident: float = math.inf) -> list[Option]:
-        """The frontier of ``name`` within ``memory`` bytes per GPU and ``resident`` bytes of state."""
+    def fronts(
+        self, name: str, memory: float, resident: float = math.inf, least: float = -math.inf
+    ) -> list[Option]:
+        """The frontier of ``name`` within ``memory`` bytes per GPU and ``least`` to ``resident`` bytes of state."""
         table = self.tables[name]
         layout = self.pinned.get(name)
-        key = (id(table), memory, resident if self.works[name].trains else math.inf, layout)
+        trains = self.works[name].trains
+        key = (id(table), memory, resident if trains else math.inf, least if trains else -math.inf, layout)
         if key not in self._fronts:
-            rows = table.rows_within(memory, resident)
+            rows = table.rows_within(memory, resident, least)
             if layout is not None:
                 rows = [row for row in rows if row[4] == layout]
             self._fronts[key] = frontier_of_rows(rows)
@@ -326,15 +329,16 @@ class _Search:
             return self.fronts(name, self.cap, rho)
         return self.fronts(name, self.cap - rho)
 
-    def group_front(self, block: tuple[str, ...], rho: float) -> list[Group]:
-        """The frontier of ``block`` (one stage's model-stages run in turn on shared GPUs) at level ``rho``."""
+    def group_front(self, block: tuple[str, ...], rho: float, limit: float = math.inf) -> list[Group]:
+        """The frontier of ``block`` (one stage's model-stages run in turn on shared GPUs) at level
+        ``rho``; colocated training model-stages keep only points faster than ``limit``."""
         training = self.stage_of[block[0]] == "training"
-        key = (block, rho if training else self.cap - rho)
+        key = (block, rho if training else self.cap - rho, limit if training and len(block) > 1 else math.inf)
         if key not in self._groups:
             if len(block) == 1:
                 self._groups[key] = _single(block[0], self._member_front(block[0], rho))
             elif training:
-                self._groups[key] = self._coresident_front(block, rho)
+                self._groups[key] = self._coresident_front(block, rho, limit)
             else:
                 fronts = [self._member_front(n, rho) for n in block]
                 self._groups[key] = _sum_front(block, fronts) if all(fronts) else []
@@ -345,17 +349,28 @@ class _Search:
         layout = self.pinned.get(name)
         return sorted({row[3] for row in self.tables[name].rows if layout in (None, row[1])})
 
-    def _coresident_front(self, block: tuple[str, ...], rho: float) -> list[Group]:
+    def _coresident_front(self, block: tuple[str, ...], rho: float, limit: float) -> list[Group]:
         """Training model-stages side by side: their states sum to at most ``rho`` and each
-        member's peak fits next to the others' states (every combination of state levels)."""
+        member's peak fits next to the others' states (every combination of state levels).
+
+        A combination takes each member's candidates of exactly its level (one keeping less is
+        in the combination of its own level, where the others have more room). Points at least
+        as slow as ``limit`` are left out (the caller has a selection that fast), and so is every
+        combination whose members, each with the whole cap, cannot beat it.
+        """
         points: list[Group] = []
+        fastest = {
+            (n, s): (front[-1].latency if (front := self.fronts(n, self.cap, s)) else math.inf)
+            for n in block
+            for s in self._levels(n)
+        }
         for states in itertools.product(*(self._levels(n) for n in block)):
             total = sum(states)
-            if total > rho:
+            if total > rho or sum(fastest[n, s] for n, s in zip(block, states, strict=True)) >= limit:
                 continue
-            fronts = [self.fronts(n, self.cap - (total - s), s) for n, s in zip(block, states, strict=True)]
+            fronts = [self.fronts(n, self.cap - (total - s), s, s) for n, s in zip(block, states, strict=True)]
             if all(fronts):
-                points += _sum_front(block, fronts)
+                points += [grp for grp in _sum_front(block, fronts) if grp.latency < limit]
         return _group_frontier(points)
 
     def _bound(self, block: tuple[str, ...], rho: float) -> float:
@@ -373,7 +388,7 @@ class _Search:
             worst = found[-1][0] if len(found) >= count else math.inf
             if max(self._bound(block, rho) for block in blocks) >= worst:
                 continue  # even with the whole pool per group it cannot beat those found
-            fronts = {block: self.group_front(block, rho) for block in blocks}
+            fronts = {block: self.group_front(block, rho, worst) for block in blocks}
             if not all(fronts.values()):
                 continue
             for pick in solve_stage(fronts, self.budget, count):

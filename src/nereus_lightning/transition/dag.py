@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 from enum import Enum
+from functools import cached_property
 from itertools import chain, islice
 from operator import itemgetter
 from typing import TYPE_CHECKING, NamedTuple
