@@ -29,6 +29,7 @@ import importlib.util
 import logging
 import os
 import tempfile
+import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -155,6 +156,34 @@ def _preserving_rng() -> Iterator[None]:
         yield
     random.setstate(state[0])
     np.random.set_state(state[1])
+
+
+#: The variable :func:`_tag_shared_memory` names this job's vLLM CPU shared-memory segments with.
+SHM_TAG = "NEREUS_VLLM_SHM_TAG"
+
+
+def _tag_shared_memory() -> None:
+    """Give this engine's vLLM CPU shared-memory segments names no other job on the host uses (collective).
+
+    vLLM names them by group and ranks only (``external_launcher`` gives every job the same
+    identifier), so a second job on the host, or a segment a killed run left behind, makes engine
+    creation fail with ``EEXIST``. Rank 0 picks a tag (its pid and the time) for the whole world.
+    """
+    from vllm.distributed.device_communicators import cpu_communicator
+
+    token = [f"{os.getpid()}.{time.time_ns()}"]
+    if torch.distributed.is_initialized():
+        torch.distributed.broadcast_object_list(token, src=0)
+    os.environ[SHM_TAG] = token[0]
+    shm = cpu_communicator._CPUSHMDistributed
+    if not getattr(shm.make_group_name, "nereus_tagged", False):
+        untagged = shm.make_group_name
+
+        def make_group_name(communicator: Any) -> str:
+            return f"{untagged(communicator)}-{os.environ[SHM_TAG]}"
+
+        make_group_name.nereus_tagged = True  # type: ignore[attr-defined]
+        shm.make_group_name = staticmethod(make_group_name)
 
 
 def _unlink_shared_memory() -> None:
@@ -338,6 +367,7 @@ class VLLMInstance:
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         os.environ["RANK"] = str(rank)  # external_launcher reads its rank from the torchrun variables
         os.environ.setdefault("LOCAL_RANK", str(rank % max(torch.cuda.device_count(), 1)))
+        _tag_shared_memory()
         with _preserving_rng():  # vLLM seeds the global generators of the process it runs in
             self.llm = vllm.LLM(
                 model=_model_folder(config, self._folder.name),
