@@ -88,7 +88,7 @@ def _metric_rows(out, key: str = "critic/score/mean") -> list[dict]:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    ("algorithm", "devices"), [("grpo", 2), ("grpo", 4), ("ppo", 3), ("ppo", 4)], ids=lambda v: str(v)
+    ("algorithm", "devices"), [("grpo", 2), ("grpo", 4), ("ppo", 2), ("ppo", 4)], ids=lambda v: str(v)
 )
 def test_user_job_trains_on_its_folder_data_and_reward(job, tmp_path, monkeypatch, algorithm, devices):
     import transformers as tf

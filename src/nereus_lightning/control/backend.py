@@ -61,9 +61,11 @@ class PlannerBackend:
         models: Mapping[str, Any],
         alternatives: int = 4,
         transition: Callable[[Plan, Plan, ClusterSpec, Workload], float] | None = None,
+        pool_key: str = "cluster.num_gpus",
     ) -> None:
         self.models = models
         self.alternatives = alternatives
+        self.pool_key = pool_key  # the config key an infeasibility message tells the user to raise
         self._transition = transition
 
     @classmethod
@@ -77,7 +79,10 @@ class PlannerBackend:
         """``plan_job`` best plan first, then its alternatives, sorted by predicted latency."""
         from nereus_lightning.plan.planner import plan_job
 
-        result = plan_job(self.models, cluster, workload, calibration=calibration, alternatives=self.alternatives)
+        result = plan_job(
+            self.models, cluster, workload, calibration=calibration, alternatives=self.alternatives,
+            pool_key=self.pool_key,
+        )
         options = [(result.plan, result.estimate), *result.alternatives]
         return sorted(options, key=lambda pe: pe[1].step_latency)
 
@@ -103,6 +108,6 @@ class PlannerBackend:
         from nereus_lightning.plan.planner import plan_job
 
         result = plan_job(self.models, cluster, workload, calibration=calibration, alternatives=self.alternatives,
-                          pinned=layouts)
+                          pinned=layouts, pool_key=self.pool_key)
         options = [(result.plan, result.estimate), *result.alternatives]
         return sorted(options, key=lambda pe: pe[1].step_latency)

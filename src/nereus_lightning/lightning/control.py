@@ -54,8 +54,8 @@ def default_controller(
 
         return PoolFollower(pl_module.algorithm)
     specs = model_specs(pl_module)
-    backend = PlannerBackend.for_models(
-        specs["actor"], critic=specs.get("critic"), reference=specs["reference"]
+    backend = PlannerBackend.for_models(  # the pool is the Trainer's: Trainer(devices=...), trainer.devices
+        specs["actor"], critic=specs.get("critic"), reference=specs["reference"], pool_key="trainer.devices"
     )
     spec = (cluster_preset(cluster) if isinstance(cluster, str) else cluster).with_gpus(world_size)
     return Controller(backend, spec, job_workload(pl_module), ControllerConfig(**config), log=decision_log)
