@@ -14,8 +14,6 @@ import torch
 
 from tests.lightning.helpers import EMU_P1, EMU_P2, offload_run
 
-pytestmark = pytest.mark.distributed
-
 TRANSITION = [EMU_P1, EMU_P2]  # model-stages on disjoint ranks; the change runs a transition DAG
 COLOCATED = [{}, {}]  # every model-stage dp4 on ranks 0-3: they share every GPU, one after another
 TRAINS = {"actor_train", "critic_train"}
@@ -31,6 +29,7 @@ def _run(pool, tmp_path_factory, name: str, moving: bool) -> list:
     return _RUNS[(name, moving)]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", ["transition", "colocated"])
 def test_moving_idle_units_keeps_training_results(dist4, tmp_path_factory, name):
     moved = _run(dist4, tmp_path_factory, name, True)[0]
@@ -47,9 +46,20 @@ def test_moving_idle_units_keeps_training_results(dist4, tmp_path_factory, name)
             assert torch.equal(value, moved["params"]["actor_train." + key.split(".", 1)[1]]), key
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", ["transition", "colocated"])
 def test_after_a_step_only_training_units_are_on_their_device(dist4, tmp_path_factory, name):
     for rank, out in enumerate(_run(dist4, tmp_path_factory, name, True)):
         for residency in [*out["residency"], out["after_save"]]:
             assert residency, f"rank {rank} holds no unit"
             assert residency == {stage: stage in TRAINS for stage in residency}, (rank, residency)
+
+
+def test_peak_memory_is_absent_not_zero_without_a_gpu():
+    from nereus_lightning.lightning.module import StagePeaks
+
+    peaks = StagePeaks(torch.device("cpu"))
+    for stage in ("gen", "infer", "train"):
+        peaks.mark(stage)
+    # The controller's memory trigger then sees no measurement at all (rather than 0 bytes).
+    assert peaks.stages == {} and peaks.gather() == {} and peaks.metrics() == {}
