@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -239,3 +240,79 @@ class NaNGradientPPOModule(PPOModule):
         if step == 1:
             batch.advantages = batch.advantages * float("nan")
         return super().update(plan, batch, optimizer, step)
+
+
+def _poisoning(move):  # noqa: ANN001, ANN202
+    """``move`` (EMU.offload / onload), then every tensor into fresh storage and the old one filled with NaN."""
+
+    def moved(self) -> None:  # noqa: ANN001
+        was = self.resident
+        move(self)
+        if self.resident != was:
+            for _, _, tensor in self.tensors():
+                old = tensor.data
+                tensor.data = old.clone()
+                if old.is_floating_point():
+                    old.fill_(float("nan"))
+
+    return moved
+
+
+@contextmanager
+def storage_moves():  # noqa: ANN201
+    """EMU offload and onload that move storage on the CPU too (where host and device are one).
+
+    Each move gives every tensor of the unit fresh storage and poisons the old one with NaN, as a
+    real host/device move leaves the old place invalid: whatever still reads the old storage (a
+    module parameter that is not the EMU's tensor, a weight sync into a stale copy) computes NaN.
+    """
+    from nereus_lightning.emu import EMU
+
+    offload, onload = EMU.offload, EMU.onload
+    EMU.offload, EMU.onload = _poisoning(offload), _poisoning(onload)
+    try:
+        yield
+    finally:
+        EMU.offload, EMU.onload = offload, onload
+
+
+def _trained_state(module) -> dict:  # noqa: ANN001
+    """The logical parameters of every model-stage of ``module`` on rank 0 (empty elsewhere; collective)."""
+    out = {}
+    for stage in module.units.plan:
+        full = module.units.logical_params(stage) or {}
+        out.update({f"{stage}.{n}": p.detach().clone() for n, p in full.items()})
+    return out
+
+
+def offload_run(rank: int, world_size: int, placements: list, folder: str, moving: bool) -> dict:
+    """PPO steps under ``placements`` (one step each: a change runs a transition), a save, then one
+    step of a module resumed from it; with ``moving``, under :func:`storage_moves`.
+
+    Returns rank 0's logical parameters of every model-stage at the end, this rank's unit
+    residency after every step, and every step's mean score.
+    """
+    plans = [plan_of("ppo", p) for p in placements]
+
+    def fresh() -> PPOModule:
+        torch.manual_seed(0)
+        module = PPOModule(task=small_task(), prompts_per_step=4, seed=3)
+        module.use_state("emu")
+        return module
+
+    with storage_moves() if moving else nullcontext():
+        module = fresh()
+        opt = module.configure_optimizers()
+        out: dict = {"residency": [], "scores": []}
+        for step, plan in enumerate(plans):
+            out["scores"].append(module.rl_step(step, plan=plan, optimizer=opt)["critic/score/mean"])
+            out["residency"].append(module.units.residency())
+        module.units.save(folder)
+        out["after_save"] = module.units.residency()
+        resumed = fresh()
+        resumed.units.resume_from = folder
+        metrics = resumed.rl_step(len(plans), plan=plans[-1], optimizer=resumed.configure_optimizers())
+        out["scores"].append(metrics["critic/score/mean"])
+        out["residency"].append(resumed.units.residency())
+        out["params"] = _trained_state(resumed)
+    return out

@@ -8,6 +8,11 @@ parameter the moments are fp32 and an fp32 ``"master"`` copy joins them: ``schem
 and the unit's logical ``counters``. RNG streams are derived from the counters and the DP rank, so a new
 replica needs no RNG state sent to it. The models/ code builds its modules from these very
 tensors (same storage), so an optimizer step on the module updates the EMU.
+
+:meth:`EMU.offload` moves a rank's tensors to host memory (pinned, when they were on a GPU) and
+:meth:`EMU.onload` brings them back, each tensor object kept (``tensor.data`` is swapped), so a
+module whose parameters ARE these tensors follows; :attr:`EMU.resident` says where they are.
+On the CPU host and device are one: only the flag changes.
 """
 
 from __future__ import annotations
@@ -79,6 +84,9 @@ class EMU:
         self.optim_state = optim_state if optim_state is not None else {}
         self.counters = counters or Counters()
         self.trains = bool(self.optim_state) if trains is None else trains
+        self.resident = True  # the tensors are on their compute device (see offload / onload)
+        self._home: torch.device | None = None  # the compute device while offloaded from a GPU
+        self._host: dict[tuple[str, str], Tensor] = {}  # pinned host copies, kept for the next offload
 
     # -- construction -------------------------------------------------------------------------------------
 
@@ -204,10 +212,43 @@ class EMU:
         seed = hash((c.seed, c.sample_position, dp_rank, stream)) & 0x7FFF_FFFF_FFFF_FFFF
         return torch.Generator(device=self.device).manual_seed(seed)
 
+    # -- residency ---------------------------------------------------------------------------------------
+
+    def offload(self) -> None:
+        """Move this rank's tensors to host memory in place (no collectives); a no-op when already there.
+
+        A GPU tensor is copied into a pinned host buffer (allocated on the first offload, reused
+        after) and then points at it, so its device memory is freed once nothing else holds it.
+        """
+        if not self.resident:
+            return
+        for name, key, tensor in self.tensors():
+            if tensor.device.type == "cpu":
+                continue
+            host = self._host.get((name, key))
+            if host is None:
+                host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+                self._host[(name, key)] = host
+            host.copy_(tensor)  # blocking: the host copy is complete before anyone reads or writes it
+            self._home = tensor.device
+            tensor.data = host
+        self.resident = False
+
+    def onload(self) -> None:
+        """Bring this rank's tensors back to their compute device in place (no collectives); a no-op when resident."""
+        if self.resident:
+            return
+        if self._home is not None:
+            for _, _, tensor in self.tensors():
+                # From pinned memory, ordered on the current stream before any kernel that reads it.
+                tensor.data = tensor.data.to(self._home, non_blocking=True)
+        self.resident = True
+
     def free(self) -> None:
         """Drop every tensor this rank holds for the unit (no collectives)."""
         self.params = {}
         self.optim_state = {}
+        self._host = {}
 
     def __repr__(self) -> str:
         return f"EMU({self.model_stage!r}, {self.unit}, rank={self.rank}, {len(self.params)} tensors, {self.nbytes()} B)"

@@ -15,6 +15,14 @@ sharing GPUs, as in the all-data-parallel fallback) move each model-stage with
 fresh weights go from every training stage to the other model-stages of its model
 (:func:`nereus_lightning.emu.sync.sync_params`).
 
+Memory between uses follows the planner's rule (``plan.memory.boundary_state_bytes``): training
+state stays on its GPUs; a generation or inference unit lives in host memory and is on its GPU
+only while its model-stage runs (:meth:`EMUStates.in_use`), so model-stages sharing a GPU take it
+in turn. Its EMU tensors are its module's parameters (the same objects), so
+:meth:`~nereus_lightning.emu.EMU.offload` / ``onload`` move both. Weight sync writes into the host
+copies; transitions and checkpoint saves bring the units they read back to the GPU first (the
+transfers and DCP run on device tensors under NCCL).
+
 With ``rollout_engine="vllm"`` every rank also holds one vLLM engine
 (:class:`~nereus_lightning.rl.vllm_engine.VLLMInstance`) for the generation layout of the plan,
 rebuilt on every rank when a transition changes that layout; the generation unit's shards go
@@ -27,7 +35,8 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -91,6 +100,11 @@ def release(model: nn.Module) -> None:
             t.data = torch.empty(0, dtype=t.dtype, device=t.device)
 
 
+def _frozen(tensor: torch.Tensor) -> nn.Parameter:
+    """``tensor`` as a parameter that takes no gradient (the same object when it already is one)."""
+    return tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=False)
+
+
 class EMUStates:
     """This job's model-stage state in EMUs, and this rank's compute modules on them.
 
@@ -141,10 +155,14 @@ class EMUStates:
             self._generation_candidate(target)  # refuse a layout vLLM cannot take before anything moves
         if self.plan is None:
             self._create(target, models)
-        elif not self._move(self.plan, target):
-            return False  # infeasible per the brain: the current plan stays
+        else:
+            self._onload_all()  # the transfers read and write device tensors
+            if not self._move(self.plan, target):
+                self._offload_idle()
+                return False  # infeasible per the brain: the current plan stays
         self.plan = target
         self._build_modules(rank)
+        self._offload_idle()
         if self.rollout_engine == "vllm":
             self._refresh_vllm()
         return True
@@ -249,15 +267,62 @@ class EMUStates:
                 replica, cand.layout, rank, tied=tied, dp_ranks=dp_ranks(replicas, position)
             )
             state = reg.local(name, emu.Unit(cand.layout, tuple(replica)))
+            if not ms.trains:
+                # The module's parameters are the EMU's tensors themselves, so offload/onload move both.
+                state.params = {n: _frozen(t) for n, t in state.params.items()}
             module = ShardedCausalLM(config, comm, state.params)
             module.recompute = cand.recompute  # as the planner priced the stage's activations
             if ms.trains:
                 lr = self.learning_rates.get(ms.model, 1e-3)
                 self.optimizers[name] = bind_adamw(module, state.optim_state, lr=lr, **ADAMW)
-            else:
-                for p in module.parameters():
-                    p.requires_grad_(False)
             self.units[name] = module
+
+    # ---- residency -------------------------------------------------------------------------
+    @contextmanager
+    def in_use(self, model_stage: str) -> Iterator[None]:
+        """This rank's unit of ``model_stage`` on its device while the block runs, back on the host after.
+
+        Training units never leave their device. With ``rollout_engine="vllm"`` a generation
+        unit stays on the host: the engine computes, and takes the unit's shards from there.
+        """
+        unit = self._local(model_stage)
+        if unit is None or self.stages[model_stage].trains:
+            yield
+            return
+        if not (self.rollout_engine == "vllm" and self.stages[model_stage].stage == "generation"):
+            unit.onload()
+        try:
+            yield
+        finally:
+            self._offload(model_stage)
+
+    def residency(self) -> dict[str, bool]:
+        """Whether this rank's unit of each model-stage is on its compute device (model-stages it holds)."""
+        return {n: unit.resident for n in (self.plan or {}) if (unit := self._local(n)) is not None}
+
+    def _offload(self, model_stage: str) -> None:
+        """Move this rank's idle unit of a non-training model-stage to the host (its static decoder is freed first)."""
+        unit = self._local(model_stage)
+        if unit is None or self.stages[model_stage].trains:
+            return
+        module = self.units.get(model_stage)
+        if module is not None:
+            from nereus_lightning.models.decode import release_decoder
+
+            release_decoder(module)  # its KV cache and graphs hold device memory and the old addresses
+        unit.offload()
+
+    def _offload_idle(self) -> None:
+        """Every non-training unit of this rank to the host (between their uses)."""
+        for name in self.plan or {}:
+            self._offload(name)
+
+    def _onload_all(self) -> None:
+        """Every unit of this rank back on its device (before transfers that run on device tensors)."""
+        for name in self.plan or {}:
+            unit = self._local(name)
+            if unit is not None:
+                unit.onload()
 
     # ---- vLLM generation ------------------------------------------------------------------
     def _generation_candidate(self, plan: Plan) -> Candidate:
@@ -390,7 +455,11 @@ class EMUStates:
         assert self.plan is not None
         prepare_member_groups(_tp_rank_sets(self.plan))
         for name in self.plan:
+            unit = self._local(name)
+            if unit is not None:
+                unit.onload()  # DCP's shards live on the group's device; one idle unit at a time
             save_state(name, os.path.join(path, name))
+            self._offload(name)
 
     def write_back(self, models: Mapping[str, nn.Module | None], dst: int | None = None) -> None:
         """Put every role's logical parameters back into its (released) full model (collective).

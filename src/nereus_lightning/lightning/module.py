@@ -28,6 +28,7 @@ import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from typing import Any, ClassVar
 
@@ -457,14 +458,15 @@ class RLModule(L.LightningModule):
         def gen(slot: StageSlot, greedy: bool) -> list[list[int]]:
             rows = slice(slot.start, slot.stop)
             indices = [first_index + i for i in slot.indices]
-            out = self.rollout_engine(slot.stage).generate(
-                prompt_ids[rows],
-                prompt_mask[rows],
-                max_new,
-                do_sample=not greedy,
-                temperature=hp.temperature,
-                sample_seeds=None if greedy else sample_seeds(hp.seed, step, indices),
-            )
+            with self._in_use(slot.stage):
+                out = self.rollout_engine(slot.stage).generate(
+                    prompt_ids[rows],
+                    prompt_mask[rows],
+                    max_new,
+                    do_sample=not greedy,
+                    temperature=hp.temperature,
+                    sample_seeds=None if greedy else sample_seeds(hp.seed, step, indices),
+                )
             lengths = out.response_mask.sum(-1).tolist()
             return [ids[:k] for ids, k in zip(out.response_ids.tolist(), lengths, strict=True)]
 
@@ -737,19 +739,24 @@ class RLModule(L.LightningModule):
 
     def _infer_slot(self, role: str, model: torch.nn.Module, batch: RolloutBatch, slot: StageSlot) -> Tensor:
         """One replica's rows of an inference model-stage (see :meth:`infer`), in the plan's micro-batches."""
-        net = self.stage_model(slot.stage, model)
         outs = []
-        for rows in micro_slices(slot.stop - slot.start, slot.candidate.micro_batch):
-            part = batch.select(slice(slot.start + rows.start, slot.start + rows.stop))
-            args = (part.prompt_ids, part.prompt_mask, part.response_ids, part.response_mask)
-            with torch.no_grad():
-                if role == "reward":
-                    outs.append(ModelReward(net)(*args).unsqueeze(-1))
-                elif role == "critic":
-                    outs.append(response_values(net, *args))
-                else:
-                    outs.append(response_log_probs(net, *args, temperature=self.hparams.temperature)[0])
+        with self._in_use(slot.stage):
+            net = self.stage_model(slot.stage, model)
+            for rows in micro_slices(slot.stop - slot.start, slot.candidate.micro_batch):
+                part = batch.select(slice(slot.start + rows.start, slot.start + rows.stop))
+                args = (part.prompt_ids, part.prompt_mask, part.response_ids, part.response_mask)
+                with torch.no_grad():
+                    if role == "reward":
+                        outs.append(ModelReward(net)(*args).unsqueeze(-1))
+                    elif role == "critic":
+                        outs.append(response_values(net, *args))
+                    else:
+                        outs.append(response_log_probs(net, *args, temperature=self.hparams.temperature)[0])
         return torch.cat(outs)
+
+    def _in_use(self, model_stage: str) -> AbstractContextManager[None]:
+        """This rank's unit of ``model_stage`` on its device for the block (EMU state; the full backend keeps its models)."""
+        return self.units.in_use(model_stage) if self.emu_state else nullcontext()
 
     # ---- training stage ------------------------------------------------------------------
     def update(

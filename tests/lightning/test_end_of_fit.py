@@ -1,0 +1,55 @@
+"""The end of ``fit``: no full model goes through one process unless ``write_back`` asks for it.
+
+Every rank writes its own shards of the final checkpoint (DCP); with ``write_back=True`` the
+caller's module receives the logical state (gathered from the EMUs on rank 0).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from nereus_lightning.lightning.emu_state import EMUStates
+from nereus_lightning.lightning.export import logical_params
+from tests.lightning.helpers import fit, small_task
+
+pytestmark = pytest.mark.distributed
+
+
+def _recording_write_back(monkeypatch, marker):  # noqa: ANN001, ANN202
+    """``EMUStates.write_back`` that first notes the calling rank in ``marker`` (the forked ranks inherit it)."""
+    original = EMUStates.write_back
+
+    def write_back(self, models, dst=None):  # noqa: ANN001, ANN202
+        with open(marker, "a") as f:
+            f.write(f"{torch.distributed.get_rank()}\n")
+        return original(self, models, dst)
+
+    monkeypatch.setattr(EMUStates, "write_back", write_back)
+
+
+@pytest.mark.parametrize("write_back", [False, True])
+def test_fit_gathers_the_models_into_the_caller_only_with_write_back(tmp_path, monkeypatch, write_back):
+    from nereus_lightning.lightning import PPOModule
+
+    marker = tmp_path / "write_back_calls"
+    _recording_write_back(monkeypatch, marker)
+    module = PPOModule(task=small_task(), prompts_per_step=8, seed=3)
+    initial = {n: p.detach().clone() for n, p in module.actor.named_parameters()}
+    fit(str(tmp_path), devices=2, max_steps=2, every=2, module=module, write_back=write_back)
+    # The final checkpoint was written by the ranks (one DCP shard file each) ...
+    stage_dir = tmp_path / "ckpt" / "s2.ckpt" / "emu" / "actor_train"
+    assert len([f for f in os.listdir(stage_dir) if f.endswith(".distcp")]) == 2
+    trained = logical_params(str(stage_dir))
+    after = dict(module.actor.named_parameters())
+    assert any(not torch.equal(trained[n], initial[n]) for n in initial)  # training moved the weights
+    if write_back:
+        # ... and the caller's module holds the logical state, gathered once at the end.
+        assert sorted(marker.read_text().split()) == ["0", "1"]
+        assert all(torch.equal(after[n].detach(), trained[n]) for n in trained)
+    else:
+        # ... and nothing was gathered: the caller's module keeps the weights it started with.
+        assert not marker.exists()
+        assert all(torch.equal(after[n].detach(), initial[n]) for n in initial)

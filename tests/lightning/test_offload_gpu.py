@@ -1,0 +1,108 @@
+"""On a CUDA device idle generation and inference units sit in pinned host memory and the step's peak drops.
+
+One rank (NCCL, world size 1) in a spawned process per run, every model-stage on GPU 0: the
+colocated case, where offloading each unit right after its use is what lets them share the GPU.
+Skipped without a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+TRAINS = {"actor_train", "critic_train"}
+
+
+def _steps_worker(port: int, offload: bool, queue, steps: int = 2) -> None:  # noqa: ANN001
+    """PPO steps on GPU 0; puts the last step's peaks, each unit's tensors' devices and the logical parameters."""
+    import torch.distributed as dist
+
+    from nereus_lightning.emu import EMU
+    from nereus_lightning.lightning import PPOModule
+    from nereus_lightning.lightning.stages import data_parallel_plan
+    from tests.lightning.helpers import small_task
+
+    if not offload:
+        EMU.offload = lambda self: None  # every unit stays on the GPU all step
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, device_id=device
+    )
+    try:
+        torch.manual_seed(0)
+        module = PPOModule(task=small_task(), prompts_per_step=8, seed=3)
+        module.use_state("emu")
+        module.to(device)
+        opt = module.configure_optimizers()
+        plan = data_parallel_plan("ppo", [0])
+        for step in range(steps):
+            metrics = module.rl_step(step, plan=plan, optimizer=opt)
+        units = {stage: module.units._local(stage) for stage in module.units.plan}
+        modules = {stage: module.units.get(stage) for stage in module.units.plan}
+        torch.cuda.synchronize()
+        queue.put(
+            {
+                "peak": module.peak_memory,
+                "metrics": {k: v for k, v in metrics.items() if k.startswith("perf/max_memory_allocated_gb")},
+                "residency": module.units.residency(),
+                "devices": {s: {t.device.type for _, _, t in u.tensors()} for s, u in units.items()},
+                "pinned": {s: all(t.is_pinned() for _, _, t in u.tensors()) for s, u in units.items()},
+                "module_devices": {s: {p.device.type for p in m.parameters()} for s, m in modules.items()},
+                "params": {
+                    f"{s}.{n}": p.detach().cpu().clone()
+                    for s in sorted(TRAINS)
+                    for n, p in module.units.logical_params(s).items()
+                },
+            }
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(offload: bool) -> dict:
+    import torch.multiprocessing as mp
+
+    from nereus_lightning.testing.pool import _free_port
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_steps_worker, args=(_free_port(), offload, queue))
+    proc.start()
+    out = queue.get(timeout=600)
+    proc.join(timeout=60)
+    assert proc.exitcode == 0, proc.exitcode
+    return out
+
+
+def test_offloaded_units_are_in_pinned_host_memory_and_the_peak_is_lower():
+    offloaded = _run(offload=True)
+    for stage, resident in offloaded["residency"].items():
+        assert resident == (stage in TRAINS), (stage, resident)
+        want = {"cuda"} if stage in TRAINS else {"cpu"}
+        assert offloaded["devices"][stage] == want, stage
+        assert offloaded["module_devices"][stage] == want, (
+            stage
+        )  # the module's parameters moved with the unit
+        if stage not in TRAINS:
+            assert offloaded["pinned"][stage], stage
+    resident = _run(offload=False)
+    assert all(resident["residency"].values())
+    assert (
+        set(offloaded["metrics"])
+        == set(resident["metrics"])
+        >= {
+            "perf/max_memory_allocated_gb",
+            "perf/max_memory_allocated_gb/gen",
+            "perf/max_memory_allocated_gb/infer",
+            "perf/max_memory_allocated_gb/train",
+        }
+    )
+    assert offloaded["peak"][0] < resident["peak"][0]
+    train = "perf/max_memory_allocated_gb/train"
+    assert offloaded["metrics"][train] < resident["metrics"][train]
+    assert offloaded["params"].keys() == resident["params"].keys()
+    for name, value in resident["params"].items():
+        assert torch.allclose(offloaded["params"][name], value, atol=1e-6, rtol=0), name
