@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from nereus_lightning.cli._hydra import CONFIG_ROOT
 from nereus_lightning.sim.experiment import make_setup, run_experiment
 from nereus_lightning.sim.policies import PolicySpec
 from nereus_lightning.sim.trace import build_trace
@@ -67,7 +68,7 @@ def test_simulate_config_composes_and_runs(tmp_path):
 
     from nereus_lightning.cli.simulate import simulate_from_config
 
-    config_dir = str(__import__("pathlib").Path(__file__).resolve().parents[2] / "src/nereus_lightning/configs")
+    config_dir = str(CONFIG_ROOT)
     with initialize_config_dir(config_dir=config_dir, version_base=None):
         cfg = compose("simulate", overrides=[
             "model=tiny_llama", "cluster=cpu4", "workload.prompts_per_step=16", "trace.steps=4",

@@ -7,6 +7,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from nereus_lightning.cli._hydra import CONFIG_ROOT
 from nereus_lightning.sim.experiment import controller_config, make_setup, run_experiment, trace_from_config
 
 
@@ -28,7 +29,7 @@ def simulate_from_config(cfg: DictConfig | dict[str, Any]) -> dict[str, Any]:
     )
 
 
-@hydra.main(config_path="../configs", config_name="simulate", version_base=None)
+@hydra.main(config_path=str(CONFIG_ROOT), config_name="simulate", version_base=None)
 def _app(cfg: DictConfig) -> None:
     result = simulate_from_config(cfg)
     print(result["text"])

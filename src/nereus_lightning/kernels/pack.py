@@ -1,7 +1,7 @@
 """Pack many strided views into one flat byte buffer, and unpack it again.
 
 The torch implementation here (:func:`pack_reference`, :func:`unpack_reference`) is the contract:
-the fused GPU kernels (``nereus_lightning/cuda``, loaded by :mod:`._ext`) must produce the same
+the fused GPU kernels (``cuda/``, loaded by :mod:`._ext`) must produce the same
 bytes. Views may have any shape, strides and dtype; each starts at a 16-byte aligned offset so that
 mixed dtypes (bf16 weights, fp32 optimizer state) travel in one buffer per peer. Only a slot's own
 bytes are written; the padding up to the next 16-byte offset is left as it was. Destination views
