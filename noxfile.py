@@ -47,9 +47,10 @@ def vllm(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """Ruff over sources, tests and benchmarks."""
-    session.install("ruff>=0.5")
+    """Ruff over sources, tests and benchmarks; mypy over src/ (settings in pyproject's ``[tool.mypy]``)."""
+    _install(session)  # mypy reads the types of torch, transformers and lightning from the venv
     session.run("ruff", "check", "src", "tests", "benchmarks", "noxfile.py")
+    session.run("mypy")
 
 
 @nox.session

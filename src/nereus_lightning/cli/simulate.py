@@ -5,15 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from nereus_lightning.cli._hydra import CONFIG_ROOT
+from nereus_lightning.cli._hydra import CONFIG_ROOT, to_dict
 from nereus_lightning.sim.experiment import controller_config, make_setup, run_experiment, trace_from_config
 
 
 def simulate_from_config(cfg: DictConfig | dict[str, Any]) -> dict[str, Any]:
     """Run the comparison a (resolved) simulate config describes; returns the result dict."""
-    c = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    c = to_dict(cfg)
     machine = dict(c.get("machine") or {})
     setup = make_setup(c["model"], c["cluster"], c.get("workload"), **machine)
     trace = trace_from_config(c["trace"])

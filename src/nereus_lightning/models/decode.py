@@ -210,12 +210,12 @@ class StaticDecoder:
         self.kv.slots, self.kv.length = slots, shape.prompt_slots
         masks = additive_masks(unit.local_config, self.valid[:, : shape.prompt_slots], slots, self.dtype)
         hidden = None
-        if not comm.is_first_stage:
+        if comm.prev_rank is not None:  # not the first stage
             hidden = _recv(
                 self.hidden_in.new_empty(shape.batch, width, self.hidden_in.shape[-1]), comm.prev_rank
             )
         hidden = unit.stage(prompt_ids, hidden, masks, position_ids_from_mask(prompt_mask), self.kv)
-        if comm.is_last_stage:
+        if comm.next_rank is None:  # the last stage
             self._pick_token(unit, hidden[:, -1:])
         else:
             _send(hidden, comm.next_rank)
@@ -226,10 +226,10 @@ class StaticDecoder:
     def step(self, unit: ShardedCausalLM) -> None:
         """Decode one token: the previous one through the stages, then pick, share and record the next."""
         comm = unit.comm
-        if not comm.is_first_stage:
+        if comm.prev_rank is not None:  # not the first stage
             _recv(self.hidden_in, comm.prev_rank)
         self._forward(unit)
-        if not comm.is_last_stage:
+        if comm.next_rank is not None:  # not the last stage
             _send(self.hidden_out, comm.next_rank)
         self._share_token(unit)
         self._record(unit)

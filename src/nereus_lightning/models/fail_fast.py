@@ -86,7 +86,7 @@ def _start_watcher() -> None:
     global _watcher
     if _watcher is None:
         # Its own connection: the main thread's store calls must not queue behind the watcher's.
-        store = _default_store().clone()
+        store = _default_store().clone()  # type: ignore[attr-defined]  # torch's .pyi lacks Store.clone
         _watcher = threading.Thread(target=_watch, args=(store,), name="nereus-fail-fast", daemon=True)
         _watcher.start()
 

@@ -76,7 +76,7 @@ class MixedPrecisionAdamW(torch.optim.AdamW):
 
     @override
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One AdamW step (see the class docstring); returns ``closure()`` when given."""
         loss = None
         if closure is not None:

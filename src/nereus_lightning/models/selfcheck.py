@@ -155,10 +155,12 @@ def layout_errors(
             ref = model(ids).logits
         name = f"tp{layout.tp}pp{layout.pp}"
         out = forward_logits(sharded, split_micro_batches(ids, 2), where="all")
+        assert out is not None  # where="all": every rank gets them
         errors[f"{name}/{'values' if value else 'logits'}"] = _rel_err(out, ref)
         if not value:
             ref_lp = torch.log_softmax(ref.double(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
             lp = token_logprobs(sharded, split_micro_batches(ids, 2), where="all")
+            assert lp is not None
             errors[f"{name}/logprobs"] = float((lp.double() - ref_lp).abs().max())
     return errors
 
@@ -188,9 +190,13 @@ def chain_errors(rank: int, world: int, config: Any, seed: int = 0) -> dict[str,
         mine = next(u for u in units if rank in u.ranks)
         comm = ReplicaComm.of(mine.ranks, mine.layout, rank, tied=tied)
         sharded = ShardedCausalLM(config, comm, registry().local(stage, mine).params)
-        errors[f"{label}/logits"] = _rel_err(forward_logits(sharded, ids, where="all"), ref)
-        now = gather_logical_state(stage, dst=0)
-        errors[f"{label}/state_diffs"] = float(len(start.differences(now))) if rank == 0 else 0.0
+        logits = forward_logits(sharded, ids, where="all")
+        assert logits is not None  # where="all": every rank gets them
+        errors[f"{label}/logits"] = _rel_err(logits, ref)
+        now = gather_logical_state(stage, dst=0)  # None except on rank 0, like start
+        errors[f"{label}/state_diffs"] = (
+            float(len(start.differences(now))) if start is not None and now is not None else 0.0
+        )
 
     def run(op: Any) -> Any:
         prepare_member_groups(communicating_rank_sets([op]))  # members agree on their groups' names

@@ -131,9 +131,10 @@ def placement(name: str, plan: Mapping[str, Style] = DEFAULT_TP_PLAN) -> Placeme
     module, _, leaf = name.rpartition(".")
     style = style_of(module, plan) or ""
     fused = style if isinstance(style, Fused) else None
-    if fused is not None or style.startswith("colwise") or style == "embedding_rowwise":
+    kind = "" if isinstance(style, Fused) else style
+    if fused is not None or kind.startswith("colwise") or kind == "embedding_rowwise":
         tp_dim: int | None = 0
-    elif style.startswith("rowwise"):
+    elif kind.startswith("rowwise"):
         tp_dim = 1 if leaf == "weight" else None
     else:
         tp_dim = None

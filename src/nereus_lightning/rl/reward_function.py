@@ -189,9 +189,8 @@ class RewardFunction:
         """One result per item, in order."""
         if self.num_workers == 0 or len(items) <= 1:
             return [score_one(self.fn, item, self.label) for item in items]
-        if (
-            self._pool is None
-        ):  # spawned: workers import the function themselves, not the parent's torch state
+        if self._pool is None:  # spawned: workers import the function themselves, not the parent's torch state
+            assert self.spec is not None  # __init__ refuses workers for a reward given as a Python object
             self._pool = ProcessPoolExecutor(
                 self.num_workers,
                 mp_context=multiprocessing.get_context("spawn"),

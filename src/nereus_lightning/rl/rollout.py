@@ -235,7 +235,8 @@ def check_sampling(
     require(temperature > 0, "rollout.temperature", f"must be > 0 when sampling, got {temperature}")
     require(0.0 < top_p <= 1.0, "rollout.top_p", f"must be in (0, 1], got {top_p}")
     require(top_k >= 0, "rollout.top_k", f"must be >= 0 (0 = off), got {top_k}")
-    require(seeds is not None, "sample_seeds", "sampling needs one seed per row; see rl.rollout.sample_seeds")
+    if seeds is None:
+        raise NereusConfigError("sample_seeds: sampling needs one seed per row; see rl.rollout.sample_seeds")
     seeds = seeds.tolist() if isinstance(seeds, Tensor) else list(seeds)
     require(len(seeds) == batch, "sample_seeds", f"{len(seeds)} seeds for {batch} prompts")
     return seeds

@@ -138,7 +138,8 @@ def _model_folder(config: Any, folder: str) -> str:
 
     config = config.__class__.from_dict(config.to_dict())  # a copy: the caller's config stays as it is
     if not config.architectures:
-        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__name__]
+        # transformers annotates the mapping's values as tuples; they are model classes.
+        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__name__]  # type: ignore[attr-defined]
     config.save_pretrained(folder)
     return folder
 

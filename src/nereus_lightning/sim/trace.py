@@ -14,6 +14,7 @@ import os
 import random
 from dataclasses import dataclass
 from importlib import resources
+from typing import Any
 
 from nereus_lightning.control.resources import TraceResources, load_spot_trace
 from nereus_lightning.control.signals import StepSignals
@@ -26,7 +27,7 @@ CURVE_SHAPES = ("linear", "geometric")
 def spot_trace_path(name: str) -> str:
     """Path of a shipped spot trace (``SPOT_TRACES``) or of any trace JSON file given by path."""
     if name in SPOT_TRACES:
-        return str(resources.files("nereus_lightning.sim").joinpath("traces", f"{name}.json"))
+        return str(resources.files("nereus_lightning.sim") / "traces" / f"{name}.json")
     if os.path.isfile(name):
         return name
     raise NereusConfigError(f"trace.supply: {name!r} is neither a shipped trace ({', '.join(SPOT_TRACES)}) nor a file")
@@ -143,7 +144,7 @@ def build_trace(
 
 def paper_trace(supply: str = "us-east-2b_v100_1", start_tick: int = 0, **kwargs) -> DriftTrace:
     """The paper's 25-step held-out shape: mean 1,147.5 -> 3,722 tokens, p95 1,339 -> 4,072, 8-32 GPUs."""
-    args = dict(steps=25, mean=(1147.5, 3722.0), p95=(1339.0, 4072.0), min_gpus=8, max_gpus=32, granularity=4,
+    args: dict[str, Any] = dict(steps=25, mean=(1147.5, 3722.0), p95=(1339.0, 4072.0), min_gpus=8, max_gpus=32, granularity=4,
                 ticks_per_step=3.0, start_tick=start_tick, supply=supply, name="paper 25-step drift")
     args.update(kwargs)
     return build_trace(**args)
@@ -151,7 +152,7 @@ def paper_trace(supply: str = "us-east-2b_v100_1", start_tick: int = 0, **kwargs
 
 def long_trace(supply: str = "us-east-2b_v100_1", steps: int = 1000, **kwargs) -> DriftTrace:
     """The paper's long run: mean 500 -> 8,000 tokens over 1,000 steps, supply scaled to 64 ... 1,024 GPUs."""
-    args = dict(steps=steps, mean=(500.0, 8000.0), min_gpus=64, max_gpus=1024, granularity=8,
+    args: dict[str, Any] = dict(steps=steps, mean=(500.0, 8000.0), min_gpus=64, max_gpus=1024, granularity=8,
                 ticks_per_step=0.2, supply=supply, name=f"{supply} 64-1024 GPUs, {steps} steps")
     args.update(kwargs)
     return build_trace(**args)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 VOCAB = 256
@@ -13,7 +15,7 @@ def tiny_config(kind: str):
     "mistral" (sliding window 5)."""
     import transformers as tf
 
-    common = dict(hidden_size=64, vocab_size=VOCAB, max_position_embeddings=128, attn_implementation="eager")
+    common: dict[str, Any] = dict(hidden_size=64, vocab_size=VOCAB, max_position_embeddings=128, attn_implementation="eager")
     if kind == "llama":
         return tf.LlamaConfig(
             num_attention_heads=4, num_key_value_heads=4, intermediate_size=128, num_hidden_layers=4, **common
