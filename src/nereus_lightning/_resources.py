@@ -16,7 +16,7 @@ RESOURCES = ("configs", "cuda", "hip")
 
 
 def resource_dir(name: str) -> Path:
-    """The folder ``name`` (one of ``RESOURCES``): inside the installed package, else at the repository root."""
+    """The folder ``name`` (one of ``RESOURCES``): in the installed package, else at the repository root."""
     if name not in RESOURCES:
         raise ValueError(f"unknown resource folder {name!r}; the shipped folders are {', '.join(RESOURCES)}")
     installed = PACKAGE_DIR / name

@@ -1,4 +1,4 @@
-"""The folders shipped beside the code (configs/, cuda/, hip/) are found, and pyproject ships them and every package."""
+"""The folders beside the code (configs/, cuda/, hip/) are found; pyproject ships them and every package."""
 
 from __future__ import annotations
 
@@ -20,7 +20,13 @@ SETUPTOOLS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setup
 
 def test_the_hydra_apps_find_their_configs():
     assert CONFIG_ROOT == resource_dir("configs")
-    for name in ("train.yaml", "simulate.yaml", "export.yaml", "plan/plan.yaml", "check_model/check_model.yaml"):
+    for name in (
+        "train.yaml",
+        "simulate.yaml",
+        "export.yaml",
+        "plan/plan.yaml",
+        "check_model/check_model.yaml",
+    ):
         assert (CONFIG_ROOT / name).is_file(), name
     assert compose(CONFIG_ROOT, "train", ["experiment=quick"]).trainer.max_steps > 0
 

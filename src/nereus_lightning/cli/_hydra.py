@@ -92,7 +92,7 @@ def build_models(
 
 
 def build_cluster(preset: str | None = None, num_gpus: int | None = None, **fields: Any) -> ClusterSpec:
-    """A ``ClusterSpec`` from a preset (or from every field when ``preset`` is null), resized to ``num_gpus``."""
+    """A ``ClusterSpec`` from a preset (or from every field when ``preset`` is null), sized ``num_gpus``."""
     if preset:
         spec = _with_fields(cluster_preset(preset), fields, "cluster")
     else:

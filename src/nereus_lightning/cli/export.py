@@ -1,4 +1,4 @@
-"""``nereus-export``: Hugging Face folders of a checkpoint's trainable models (``from_pretrained`` loads them).
+"""``nereus-export``: Hugging Face folders of a checkpoint's trainable models (for ``from_pretrained``).
 
 nereus-export ckpt_path=outputs/<run>/checkpoints/last.ckpt output=exported
 """

@@ -37,7 +37,8 @@ def _app(cfg: DictConfig) -> None:
         print("\ngamma sweep (Nereus):")
         for row in result["gamma_sweep"]:
             print(
-                f"  gamma={row['gamma']:<6g} {row['mean_step_s']:9.2f} s/step  {row['transitions']:3d} transitions"
+                f"  gamma={row['gamma']:<6g} {row['mean_step_s']:9.2f} s/step  "
+                f"{row['transitions']:3d} transitions"
             )
         print(f"best gamma: {result['best_gamma']:g}")
     print(f"\noutputs in {cfg.output_dir}")

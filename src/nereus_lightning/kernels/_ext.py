@@ -109,7 +109,9 @@ def kernel_status() -> tuple[bool, str]:
     return module is not None, "loaded" if module is not None else str(_reason)
 
 
-def copy_views(views: Sequence[torch.Tensor], buffer: torch.Tensor, pack: bool, chunk_bytes: int | None = None) -> bool:
+def copy_views(
+    views: Sequence[torch.Tensor], buffer: torch.Tensor, pack: bool, chunk_bytes: int | None = None
+) -> bool:
     """Run the fused kernel (``pack``: views -> buffer, else buffer -> views); False if it did not run.
 
     False means nothing was written and the caller must use the reference: kernels unavailable, or

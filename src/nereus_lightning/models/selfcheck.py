@@ -120,7 +120,7 @@ def layouts_of(config: Any, world_size: int, layouts: Sequence[tuple[int, int]] 
 
 
 def _replica(rank: int, world: int, layout: Layout, tied: bool) -> tuple[int, ReplicaComm]:
-    """Cover the world with replicas of ``layout`` (groups made on all ranks); this rank's replica index and comm."""
+    """Cover the world with replicas of ``layout`` (groups made on all ranks); this rank's index and comm."""
     size = layout.size
     replicas = [tuple(range(i * size, (i + 1) * size)) for i in range(world // size)]
     replica_groups(replicas, layout, tied=tied)
@@ -140,8 +140,11 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def layout_errors(
     rank: int, world: int, config: Any, layouts: Sequence[tuple[int, int]] = LAYOUTS, seed: int = 0
 ) -> dict[str, float]:
-    """On every rank: per layout of ``layouts`` that fits, the relative error of the sharded logits (a value
-    model's values) and, for a causal LM, the absolute error of the token log-probs, against the unsharded model."""
+    """On every rank, per layout of ``layouts`` that fits: the sharded model's errors against the full one.
+
+    The relative error of the logits (a value model's values) and, for a causal LM, the absolute
+    error of the token log-probs.
+    """
     from nereus_lightning.models.sharded import has_value_head
 
     model = tiny_model_of(config, seed)
@@ -227,11 +230,12 @@ def worst(results: list[dict[str, float]]) -> dict[str, float]:
 
 
 def check_model(config: Any, world_size: int = 4) -> dict[str, float]:
-    """Max errors of the sharded tiny model of ``config``'s family, per layout and check, on ``world_size`` gloo ranks.
+    """Max errors of the sharded tiny model of ``config``'s family, per layout and check, on gloo ranks.
 
-    Keys: ``"tp2pp1/logits"`` (relative), ``".../logprobs"`` (absolute), ``"value/tp2pp1/values"``
-    (relative) and, with 4 ranks, ``"chain/<step>/logits"`` and ``"chain/<step>/state_diffs"`` (tensors
-    whose gathered state changed). Refuses an unsupported family before any process starts.
+    Runs on ``world_size`` ranks. Keys: ``"tp2pp1/logits"`` (relative), ``".../logprobs"``
+    (absolute), ``"value/tp2pp1/values"`` (relative) and, with 4 ranks, ``"chain/<step>/logits"``
+    and ``"chain/<step>/state_diffs"`` (tensors whose gathered state changed). Refuses an
+    unsupported family before any process starts.
     """
     from nereus_lightning.testing import WorkerPool
 

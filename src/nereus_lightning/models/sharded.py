@@ -55,7 +55,10 @@ from nereus_lightning.spec.model import ModelSpec
 
 
 def validate_layout(config: Any, layout: Layout) -> None:
-    """Reject an unsupported family, or a layout that would split a head, a KV head, the MLP or the vocabulary, or exceed the layers."""
+    """Reject an unsupported family, or a layout that splits a head, a KV head, the MLP or the vocabulary.
+
+    A layout with more pipeline stages than layers is refused as well.
+    """
     spec = ModelSpec.from_hf_config(config)  # asks the family registry
     spec.validate_tp(layout.tp)
     spec.validate_pp(layout.pp)
@@ -68,7 +71,7 @@ def validate_layout(config: Any, layout: Layout) -> None:
 
 
 def has_value_head(config: Any) -> bool:
-    """Whether ``config`` describes a value model: transformers token classification (``score`` replaces ``lm_head``).
+    """Whether ``config`` describes a value model: token classification (``score`` replaces ``lm_head``).
 
     The critic and the reward model are such models with ``num_labels == 1``, as in verl; their
     config names a ``*ForTokenClassification`` architecture.
@@ -82,7 +85,7 @@ def is_tied(config: Any) -> bool:
 
 
 def local_config(config: Any, tp: int) -> Any:
-    """A copy of ``config`` describing one TP shard: heads, KV heads, intermediate and vocabulary divided by ``tp``.
+    """A copy of ``config`` describing one TP shard: heads, KV heads, intermediate and vocabulary over ``tp``.
 
     Its ``pad_token_id`` is None (the padding row lives on one vocabulary shard only; the embedding
     is told its local padding row).
@@ -144,7 +147,10 @@ def _parameters_on_meta() -> Iterator[None]:
 
 
 def family_model(local: Any, value_head: bool) -> Any:
-    """The family's own causal LM (or token-classification value model) for config ``local``: parameters on meta, buffers on the CPU."""
+    """The family's own causal LM (or token-classification value model) for config ``local``.
+
+    Its parameters are on the meta device, its buffers on the CPU.
+    """
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
     auto = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
@@ -158,7 +164,7 @@ def family_model(local: Any, value_head: bool) -> Any:
 
 @functools.cache
 def _vocab_parallel(embedding_cls: type) -> type:
-    """``embedding_cls`` whose rows ``[vocab_start, vocab_start + num_embeddings)`` live here; summed over TP."""
+    """``embedding_cls`` holding rows ``[vocab_start, vocab_start + num_embeddings)``; summed over TP."""
 
     class VocabParallel(embedding_cls):
         vocab_start: int
@@ -192,7 +198,7 @@ class RowParallelLinear(nn.Linear):
 
 
 class GroupedColwiseLinear(nn.Linear):
-    """A fused projection holding whole groups (:class:`~nereus_lightning.models.sharding.Fused`), rows in group order.
+    """A fused projection holding whole groups (:class:`~.sharding.Fused`), rows in group order.
 
     Its output is put back into part order (``[q | k | v]`` or ``[gate | up]`` of this rank's
     groups), which is what the family's module slices.
@@ -309,7 +315,7 @@ class ShardedCausalLM(nn.Module):
         self.eval()  # no dropout: sharded and unsharded runs must agree
 
     def _keep_stage(self, family: Any, names: Collection[str]) -> None:
-        """Take from ``family`` the modules of this stage: its layers, the embedding, norm and head it holds."""
+        """Take this stage's modules from ``family``: its layers, and the embedding, norm, head it holds."""
         body = family.model
         body.layers = nn.ModuleDict({str(i): body.layers[i] for i in self.layer_ids})
         for child, module in list(body.named_children()):
@@ -483,7 +489,7 @@ class ShardedCausalLM(nn.Module):
         return self.family_head(inputs_embeds=hidden).logits
 
     def full_logits(self, local: Tensor) -> Tensor:
-        """All-gather local logits over TP into ``[B, S, V]`` (differentiable); a value model's values as they are."""
+        """All-gather local logits over TP into ``[B, S, V]`` (differentiable); a value model's as is."""
         if self.value_head:
             return local
         group = self.comm.tp_group if self.comm.layout.tp > 1 else None
@@ -521,9 +527,11 @@ class ShardedCausalLM(nn.Module):
 
 
 def attention_kinds(config: Any) -> tuple[str, ...]:
-    """The attention kinds of a family's layers: ``"full_attention"``, and ``"sliding_attention"`` where some layers slide."""
+    """The attention kinds of a family's layers: full, and sliding where some layers slide."""
     types = set(getattr(config, "layer_types", None) or ())
-    sliding = "sliding_attention" in types or (not types and getattr(config, "sliding_window", None) is not None)
+    sliding = "sliding_attention" in types or (
+        not types and getattr(config, "sliding_window", None) is not None
+    )
     return ("full_attention", "sliding_attention") if sliding else ("full_attention",)
 
 
@@ -560,7 +568,7 @@ def supports_kv_cache() -> bool:
 
 
 def _tp_partial(name: str, plan: Mapping[str, Style], regions: tuple[str, ...]) -> bool:
-    """Replicated over TP but fed only by this rank's heads/columns (inside a TP region, e.g. Qwen3's q/k norms).
+    """Replicated over TP but fed by this rank's heads/columns only (in a TP region, as Qwen3's q/k norms).
 
     A row-parallel bias is not: it is added once, after the sum over TP.
     """

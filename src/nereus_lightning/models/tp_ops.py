@@ -85,7 +85,7 @@ def group_order(group: dist.ProcessGroup, ranks: Sequence[int]) -> tuple[int, ..
 
 
 def gather_from_tp(x: Tensor, group: dist.ProcessGroup | None, ranks: Sequence[int], tp_rank: int) -> Tensor:
-    """Concatenate the last dim of ``x`` over ``group`` in the tp order of ``ranks``; backward keeps own slice."""
+    """Concatenate the last dim of ``x`` over ``group`` in the tp order of ``ranks``; backward: own slice."""
     if _size(group) == 1:
         return x
     assert group is not None

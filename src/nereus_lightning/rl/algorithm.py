@@ -196,7 +196,9 @@ def compute_advantages(batch: RolloutBatch, cfg: RLConfig) -> tuple[RolloutBatch
             rewards = penalised
     batch.token_rewards = rewards
     if cfg.algorithm == "ppo":
-        batch.advantages, batch.returns = gae_advantages(rewards, batch.need("values"), mask, cfg.gamma, cfg.lam)
+        batch.advantages, batch.returns = gae_advantages(
+            rewards, batch.need("values"), mask, cfg.gamma, cfg.lam
+        )
     elif cfg.algorithm == "grpo":
         batch.advantages, batch.returns = grpo_advantages(batch.need("scores"), mask, batch.group_index)
     else:
@@ -217,7 +219,8 @@ def actor_loss(
     Args:
         log_probs: the micro-batch's response log-probs under the current policy.
         normalizer: the global mini-batch's token (or sequence) count the losses are divided by.
-        tokens: its token count (turns per-micro token means into shares that sum over micro-batches and ranks).
+        tokens: its token count (turns per-micro token means into shares that sum over micro-batches
+            and ranks).
         entropy: per-token entropy (reported as ``actor/entropy``); needed when ``cfg.entropy_coef > 0``.
 
     Returns:
@@ -243,7 +246,9 @@ def actor_loss(
         m.update(em)
         loss = loss - cfg.entropy_coef * ent
     if cfg.kl_loss_coef > 0:
-        kl, km = kl_loss(log_probs, micro.need("ref_log_probs"), mask, cfg.kl_loss_type, cfg.loss_agg, normalizer)
+        kl, km = kl_loss(
+            log_probs, micro.need("ref_log_probs"), mask, cfg.kl_loss_type, cfg.loss_agg, normalizer
+        )
         loss = loss + cfg.kl_loss_coef * kl
         m.update(km)
     share = mask.sum() / tokens
@@ -257,7 +262,9 @@ def critic_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The critic's clipped value loss on one micro-batch; arguments and metrics as :func:`actor_loss`."""
     mask = micro.response_mask
-    loss, m = value_loss(values, micro.need("values"), micro.need("returns"), mask, cfg.value_clip, cfg.loss_agg, normalizer)
+    loss, m = value_loss(
+        values, micro.need("values"), micro.need("returns"), mask, cfg.value_clip, cfg.loss_agg, normalizer
+    )
     m["critic/vf_clipfrac"] = m["critic/vf_clipfrac"] * mask.sum() / tokens
     return loss, m
 

@@ -72,7 +72,7 @@ _MIX2 = -0x6B2FB644ECCEEE15  # 0x94D049BB133111EB
 
 
 def gumbel_noise(seeds: Tensor, step: int, vocab: int) -> Tensor:
-    """Gumbel(0, 1) noise ``[B, vocab]`` for decoding step ``step`` of rows seeded by ``seeds`` (int64 ``[B]``).
+    """Gumbel(0, 1) noise ``[B, vocab]`` for decoding step ``step`` of rows seeded by ``seeds`` (int64).
 
     A counter-based draw (splitmix64 of seed, step and token id, on the seeds' device): a row's
     noise depends only on its seed and the step, costs one ``[B, vocab]`` pass per step (no
