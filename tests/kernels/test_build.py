@@ -1,4 +1,7 @@
-"""Loading the kernels: the build call, the ROCm source copy, and the one-line fallback (INFO without a GPU, WARNING when a build fails)."""
+"""Loading the kernels: the build call, the ROCm source copy, and the one-line fallback.
+
+The fallback logs INFO without a GPU and WARNING when a build fails.
+"""
 
 from __future__ import annotations
 

@@ -19,7 +19,10 @@ from nereus_lightning.kernels import (
 )
 from tests.kernels.views import POISON, as_bytes, poisoned_like, random_views
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU (the fused kernels); CPU runs the reference tests")
+gpu = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA/ROCm GPU (the fused kernels); CPU runs the reference tests",
+)
 
 
 def _expected_buffer(views: list[torch.Tensor]) -> torch.Tensor:
@@ -35,7 +38,12 @@ def _expected_buffer(views: list[torch.Tensor]) -> torch.Tensor:
 
 
 def test_byte_offsets_align_every_slot_to_16_bytes():
-    views = [torch.zeros(3, dtype=torch.bfloat16), torch.zeros(0), torch.zeros(5, dtype=torch.float64), torch.zeros(1, dtype=torch.int8)]
+    views = [
+        torch.zeros(3, dtype=torch.bfloat16),
+        torch.zeros(0),
+        torch.zeros(5, dtype=torch.float64),
+        torch.zeros(1, dtype=torch.int8),
+    ]
     offsets, total = byte_offsets(views)
     assert offsets == [0, 16, 16, 64]
     assert total == 80
@@ -143,7 +151,10 @@ def test_kernel_unpack_is_bit_exact(n, seed, chunk_bytes):
     buffer = pack_reference(sources)
     mine = [poisoned_like(src) for src in sources]
     ref_parents = [parent.clone() for parent, _ in mine]
-    ref_views = [p.view(d.dtype).as_strided(d.shape, d.stride(), d.storage_offset()) for p, (_, d) in zip(ref_parents, mine, strict=True)]
+    ref_views = [
+        p.view(d.dtype).as_strided(d.shape, d.stride(), d.storage_offset())
+        for p, (_, d) in zip(ref_parents, mine, strict=True)
+    ]
     assert _ext.copy_views([d for _, d in mine], buffer, pack=False, chunk_bytes=chunk_bytes)
     unpack_reference(buffer, ref_views)
     for (parent, _), ref_parent in zip(mine, ref_parents, strict=True):
@@ -158,7 +169,15 @@ def test_kernel_long_rows_short_rows_and_large_views(chunk_bytes):
     w = torch.randn(64, 40000, device="cuda", generator=g).to(torch.bfloat16)
     emb = torch.randn(3000, 512, device="cuda", generator=g).to(torch.bfloat16)
     x3 = torch.randn(6, 50, 70, device="cuda", generator=g)
-    views = [w[:, 8:39992], w[:, 3:11], w[5:60], emb, emb[:, 256:], x3[:, 1:40, 2:66], x3.permute(2, 0, 1)[3:]]
+    views = [
+        w[:, 8:39992],
+        w[:, 3:11],
+        w[5:60],
+        emb,
+        emb[:, 256:],
+        x3[:, 1:40, 2:66],
+        x3.permute(2, 0, 1)[3:],
+    ]
     got = _kernel_pack(views, chunk_bytes)
     want = torch.full_like(got, POISON)
     pack_reference(views, want)

@@ -6,7 +6,17 @@ import random
 
 import torch
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int16, torch.int8, torch.uint8, torch.bool)
+DTYPES = (
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int64,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
 POISON = 0xAB
 
 
@@ -20,8 +30,10 @@ def _param(rng: random.Random, shape: tuple[int, ...], dtype: torch.dtype, devic
     return raw.view(dtype)[: torch.Size(shape).numel()].reshape(shape).to(device)
 
 
-def random_view(rng: random.Random, device: str = "cpu", writable: bool = True, small: bool = False) -> torch.Tensor:
-    """One view of a fresh parameter: column/row blocks, steps, transposes, 3-D+ slices, odd offsets, empties."""
+def random_view(
+    rng: random.Random, device: str = "cpu", writable: bool = True, small: bool = False
+) -> torch.Tensor:
+    """A view of a fresh parameter: row/column blocks, steps, transposes, 3-D+ slices, offsets, empties."""
     dtype = rng.choice(DTYPES)
     big = 4 if small else 96
     kind = rng.choice(("full", "cols", "rows", "step", "t", "nd", "odd", "scalar", "empty", "8d", "expand"))
@@ -63,27 +75,35 @@ def random_view(rng: random.Random, device: str = "cpu", writable: bool = True, 
     return _param(rng, (1, c), dtype, device).expand(r, c)
 
 
-def random_views(rng: random.Random, n: int, device: str = "cpu", writable: bool = True) -> list[torch.Tensor]:
+def random_views(
+    rng: random.Random, n: int, device: str = "cpu", writable: bool = True
+) -> list[torch.Tensor]:
     """``n`` random views; long lists use small shapes to keep CPU time low."""
     return [random_view(rng, device, writable, small=n > 200) for _ in range(n)]
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """The contiguous bytes of ``t`` in row-major element order (an independent packing oracle)."""
-    dense = torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)  # canonical strides, even for size-1 dims
+    dense = torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(
+        t
+    )  # canonical strides, even for size-1 dims
     return dense.reshape(-1).view(torch.uint8)
 
 
 def poisoned_like(view: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A destination view of the same shape/strides/dtype kind inside a poisoned parent; (parent bytes, view)."""
+    """A destination view of the same shape/strides/dtype kind in a poisoned parent; (parent bytes, view)."""
     if view.numel() == 0 or view.dim() == 0:
-        parent = torch.full((max(1, view.numel()) * view.element_size() + 32,), POISON, dtype=torch.uint8, device=view.device)
+        parent = torch.full(
+            (max(1, view.numel()) * view.element_size() + 32,), POISON, dtype=torch.uint8, device=view.device
+        )
         dst = parent[16 : 16 + view.numel() * view.element_size()].view(view.dtype).reshape(view.shape)
         return parent, dst
     # Same strides as the source, in a parent buffer with a few poisoned elements around.
     span = 1 + sum((s - 1) * st for s, st in zip(view.shape, view.stride(), strict=True))
     lead = 3
-    parent = torch.full(((span + 2 * lead) * view.element_size(),), POISON, dtype=torch.uint8, device=view.device)
+    parent = torch.full(
+        ((span + 2 * lead) * view.element_size(),), POISON, dtype=torch.uint8, device=view.device
+    )
     base = parent.view(view.dtype) if view.dtype != torch.bool else parent.view(torch.bool)
     dst = base.as_strided(view.shape, view.stride(), lead)
     return parent, dst

@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 
 import pytest
-from hydra import compose, initialize_config_module
+from hydra import compose, initialize_config_dir
 
+from nereus_lightning.cli._hydra import CONFIG_ROOT
 from nereus_lightning.spec.errors import InfeasiblePlanError
 
 
 def _cfg(*overrides: str):
-    with initialize_config_module(config_module="nereus_lightning.configs", version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_ROOT), version_base="1.3"):
         return compose(config_name="train", overrides=list(overrides))
 
 

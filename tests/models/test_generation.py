@@ -1,4 +1,4 @@
-"""transformers `generate` over a sharded replica (``ShardedGenerator``) equals it over the unsharded model."""
+"""transformers `generate` over a sharded replica (``ShardedGenerator``) equals it on the unsharded model."""
 
 from __future__ import annotations
 

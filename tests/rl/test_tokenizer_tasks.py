@@ -115,6 +115,14 @@ def test_reward_function_scores_in_a_worker_pool_like_inline(tmp_path):
     pool = RewardFunction(RewardSpec(str(path)), num_workers=2)
     pooled = pool(items)
     pool.close()
-    assert [r.score for r in inline if r.error is None] == [r.score for r in pooled if r.error is None] == [1.0, 0.0, 1.0]
-    assert "sample 2" in pooled[2].error and "'src'" in pooled[2].error and "no score for boom" in pooled[2].error
+    assert (
+        [r.score for r in inline if r.error is None]
+        == [r.score for r in pooled if r.error is None]
+        == [1.0, 0.0, 1.0]
+    )
+    assert (
+        "sample 2" in pooled[2].error
+        and "'src'" in pooled[2].error
+        and "no score for boom" in pooled[2].error
+    )
     assert {r.metrics["pid"] for r in pooled if r.error is None} != {float(os.getpid())}  # scored in workers

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from nereus_lightning.cli._hydra import CONFIG_ROOT
 from nereus_lightning.sim.experiment import make_setup, run_experiment
 from nereus_lightning.sim.policies import PolicySpec
 from nereus_lightning.sim.trace import build_trace
@@ -17,8 +18,16 @@ from nereus_lightning.spec.errors import NereusConfigError
 def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("sim")
     setup = make_setup("tiny_llama", "cpu4", {"prompts_per_step": 32, "prompt_len": 32}, noise=0.02)
-    trace = build_trace(12, (40, 400), prompt_len=32, min_gpus=4, max_gpus=16, granularity=4, ticks_per_step=3,
-                        supply="us-west-2c_v100_1")
+    trace = build_trace(
+        12,
+        (40, 400),
+        prompt_len=32,
+        min_gpus=4,
+        max_gpus=16,
+        granularity=4,
+        ticks_per_step=3,
+        supply="us-west-2c_v100_1",
+    )
     res = run_experiment(setup, trace, ["static", "always", "every_k:2", "nereus:0.5"], out_dir=str(out),
                          gammas=[0.0, 0.5, 2.0])
     return out, trace, res
@@ -67,13 +76,26 @@ def test_simulate_config_composes_and_runs(tmp_path):
 
     from nereus_lightning.cli.simulate import simulate_from_config
 
-    config_dir = str(__import__("pathlib").Path(__file__).resolve().parents[2] / "src/nereus_lightning/configs")
+    config_dir = str(CONFIG_ROOT)
     with initialize_config_dir(config_dir=config_dir, version_base=None):
-        cfg = compose("simulate", overrides=[
-            "model=tiny_llama", "cluster=cpu4", "workload.prompts_per_step=16", "trace.steps=4",
-            "trace.mean=[40,80]", "trace.p95=[48,96]", "trace.prompt_len=16", "trace.min_gpus=4", "trace.max_gpus=8",
-            "policies=[static,nereus]", "plot=false", f"output_dir={tmp_path}", "controller.gamma=0.25",
-        ])
+        cfg = compose(
+            "simulate",
+            overrides=[
+                "model=tiny_llama",
+                "cluster=cpu4",
+                "workload.prompts_per_step=16",
+                "trace.steps=4",
+                "trace.mean=[40,80]",
+                "trace.p95=[48,96]",
+                "trace.prompt_len=16",
+                "trace.min_gpus=4",
+                "trace.max_gpus=8",
+                "policies=[static,nereus]",
+                "plot=false",
+                f"output_dir={tmp_path}",
+                "controller.gamma=0.25",
+            ],
+        )
     assert cfg.controller.delta_len == 0.3 and cfg.trace.supply == "us-east-2b_v100_1"
     res = simulate_from_config(cfg)
     assert [r["policy"] for r in res["table"]] == ["oracle", "static", "nereus(gamma=0.25)"]

@@ -26,7 +26,9 @@ def test_shipped_spot_traces_are_package_data():
 def test_length_curves_hit_the_anchors():
     lin = length_curve(25, 1147.5, 3722.0)
     geo = length_curve(25, 1147.5, 3722.0, "geometric")
-    assert lin[0] == geo[0] == 1147.5 and lin[-1] == pytest.approx(3722.0) and geo[-1] == pytest.approx(3722.0)
+    assert (
+        lin[0] == geo[0] == 1147.5 and lin[-1] == pytest.approx(3722.0) and geo[-1] == pytest.approx(3722.0)
+    )
     assert lin[12] > geo[12]  # the geometric curve grows late
     with pytest.raises(NereusConfigError, match="trace.shape"):
         length_curve(3, 1, 2, "cubic")

@@ -1,4 +1,4 @@
-"""The family registry is pure facts the brain can ask (config dicts, no torch) and refuses with the reason."""
+"""The family registry: pure facts the brain can ask (config dicts, no torch); refusals give the reason."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ LLAMA = {
 def test_the_brain_asks_the_registry_without_torch() -> None:
     code = (
         "import sys, json; from nereus_lightning.spec.model import ModelSpec; "
-        f"ModelSpec.from_hf_config(json.loads({json.dumps(json.dumps(LLAMA))})); print('torch' in sys.modules)"
+        f"ModelSpec.from_hf_config(json.loads({json.dumps(json.dumps(LLAMA))})); "
+        "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "False"

@@ -13,8 +13,9 @@ import json
 import os
 
 import pytest
-from hydra import compose, initialize_config_module
+from hydra import compose, initialize_config_dir
 
+from nereus_lightning.cli._hydra import CONFIG_ROOT
 from tests.vllm.conftest import VLLM
 
 pytestmark = [*VLLM, pytest.mark.distributed]
@@ -46,7 +47,7 @@ def _train(job, out, monkeypatch, plans):
         f"trainer.max_steps={STEPS}",
         "save_checkpoint=false",
     ]
-    with initialize_config_module(config_module="nereus_lightning.configs", version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_ROOT), version_base="1.3"):
         summary = run(compose(config_name="train", overrides=overrides))
     records = [json.loads(line) for path in sorted(glob.glob(str(checks / "*.jsonl"))) for line in open(path)]
     rows = [r for r in csv.DictReader(open(summary["metrics_csv"])) if r.get("critic/score/mean")]

@@ -10,13 +10,14 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from nereus_lightning._resources import resource_dir
 from nereus_lightning.spec.cluster import ClusterSpec, cluster_preset
 from nereus_lightning.spec.errors import NereusConfigError
 from nereus_lightning.spec.model import ModelSpec, model_preset
 from nereus_lightning.spec.workload import Workload
 
-#: The package's config directory (shipped in the wheel as package data).
-CONFIG_ROOT = Path(__file__).resolve().parent.parent / "configs"
+#: The Hydra apps' config directory (``configs/`` of the repository; ``nereus_lightning/configs`` in a wheel).
+CONFIG_ROOT = resource_dir("configs")
 
 
 def compose(config_dir: str | Path, config_name: str, overrides: Sequence[str] = ()) -> DictConfig:
@@ -91,7 +92,7 @@ def build_models(
 
 
 def build_cluster(preset: str | None = None, num_gpus: int | None = None, **fields: Any) -> ClusterSpec:
-    """A ``ClusterSpec`` from a preset (or from every field when ``preset`` is null), resized to ``num_gpus``."""
+    """A ``ClusterSpec`` from a preset (or from every field when ``preset`` is null), sized ``num_gpus``."""
     if preset:
         spec = _with_fields(cluster_preset(preset), fields, "cluster")
     else:

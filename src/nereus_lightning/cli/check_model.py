@@ -62,7 +62,7 @@ def render(errors: dict[str, float], tolerance: float) -> bool:
     return ok
 
 
-@hydra.main(config_path="../configs/check_model", config_name="check_model", version_base=None)
+@hydra.main(config_path=str(CHECK_CONFIGS), config_name="check_model", version_base=None)
 def _app(cfg: DictConfig) -> None:
     try:
         errors = check_from_config(cfg)

@@ -1,4 +1,4 @@
-"""``nereus-export``: Hugging Face folders of a checkpoint's trainable models (``from_pretrained`` loads them).
+"""``nereus-export``: Hugging Face folders of a checkpoint's trainable models (for ``from_pretrained``).
 
 nereus-export ckpt_path=outputs/<run>/checkpoints/last.ckpt output=exported
 """
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 
+from nereus_lightning.cli._hydra import CONFIG_ROOT
 from nereus_lightning.spec.errors import NereusConfigError
 
 
@@ -15,7 +16,7 @@ def main() -> None:
     import hydra
     from omegaconf import DictConfig
 
-    @hydra.main(version_base="1.3", config_path="../configs", config_name="export")
+    @hydra.main(version_base="1.3", config_path=str(CONFIG_ROOT), config_name="export")
     def _main(cfg: DictConfig) -> None:
         from nereus_lightning.lightning.export import export_hf
 

@@ -182,7 +182,7 @@ def render(result: dict[str, Any]) -> None:
         console.print(f"alternative {i}: {alt['step_latency_s']:.2f} s: {layout}")
 
 
-@hydra.main(config_path="../configs/plan", config_name="plan", version_base=None)
+@hydra.main(config_path=str(PLAN_CONFIGS), config_name="plan", version_base=None)
 def _app(cfg: DictConfig) -> None:
     try:
         result = plan_from_config(cfg)

@@ -5,14 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
+from nereus_lightning.cli._hydra import CONFIG_ROOT, to_dict
 from nereus_lightning.sim.experiment import controller_config, make_setup, run_experiment, trace_from_config
 
 
 def simulate_from_config(cfg: DictConfig | dict[str, Any]) -> dict[str, Any]:
     """Run the comparison a (resolved) simulate config describes; returns the result dict."""
-    c = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    c = to_dict(cfg)
     machine = dict(c.get("machine") or {})
     setup = make_setup(c["model"], c["cluster"], c.get("workload"), **machine)
     trace = trace_from_config(c["trace"])
@@ -28,7 +29,7 @@ def simulate_from_config(cfg: DictConfig | dict[str, Any]) -> dict[str, Any]:
     )
 
 
-@hydra.main(config_path="../configs", config_name="simulate", version_base=None)
+@hydra.main(config_path=str(CONFIG_ROOT), config_name="simulate", version_base=None)
 def _app(cfg: DictConfig) -> None:
     result = simulate_from_config(cfg)
     print(result["text"])
@@ -36,7 +37,8 @@ def _app(cfg: DictConfig) -> None:
         print("\ngamma sweep (Nereus):")
         for row in result["gamma_sweep"]:
             print(
-                f"  gamma={row['gamma']:<6g} {row['mean_step_s']:9.2f} s/step  {row['transitions']:3d} transitions"
+                f"  gamma={row['gamma']:<6g} {row['mean_step_s']:9.2f} s/step  "
+                f"{row['transitions']:3d} transitions"
             )
         print(f"best gamma: {result['best_gamma']:g}")
     print(f"\noutputs in {cfg.output_dir}")

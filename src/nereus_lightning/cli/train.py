@@ -19,9 +19,10 @@ import os
 import sys
 from typing import Any
 
+from nereus_lightning.cli._hydra import CONFIG_ROOT
 from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
 
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+CONFIG_DIR = str(CONFIG_ROOT)
 
 
 #: ``trainer.*`` keys that configure nereus, not ``lightning.Trainer``.
@@ -490,7 +491,7 @@ def main() -> None:
 
     register_help_resolver()
 
-    @hydra.main(version_base="1.3", config_path="../configs", config_name="train")
+    @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
     def _main(cfg: DictConfig) -> None:
         try:
             run(cfg)

@@ -1,9 +1,9 @@
-"""Lazy build and load of the fused pack/unpack kernels (``nereus_lightning/cuda``).
+"""Lazy build and load of the fused pack/unpack kernels (``cuda/``; ``nereus_lightning/cuda`` in a wheel).
 
 The extension is built through :func:`torch.utils.cpp_extension.load` on the first pack/unpack of
 GPU tensors and cached by torch (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``);
 the extension name carries a hash of the sources, so an edited kernel rebuilds. On a ROCm build of
-torch the same call hipifies the CUDA sources (see ``nereus_lightning/hip/README.md``). Without a
+torch the same call hipifies the CUDA sources (see ``hip/README.md``). Without a
 GPU, with ``NEREUS_PACK_KERNELS=0``, or when the build fails, pack/unpack use the torch reference
 and one line per process says why: INFO where that is the expected path (no GPU, or disabled),
 WARNING where a GPU is present and the build or load failed (with the reason). Environment:
@@ -24,9 +24,11 @@ from types import ModuleType
 
 import torch
 
+from nereus_lightning._resources import resource_dir
+
 log = logging.getLogger("nereus_lightning.kernels")
 
-CUDA_DIR = Path(__file__).resolve().parent.parent / "cuda"
+CUDA_DIR = resource_dir("cuda")
 SOURCES = ("pack_host.cpp", "pack_kernels.cu")
 HEADERS = ("pack_kernels.cuh",)
 DEFAULT_CHUNK_BYTES = 8 * 1024  # = threads x unroll x 16 B; H200 sweep: 95-98% of the copy ceiling
@@ -107,7 +109,9 @@ def kernel_status() -> tuple[bool, str]:
     return module is not None, "loaded" if module is not None else str(_reason)
 
 
-def copy_views(views: Sequence[torch.Tensor], buffer: torch.Tensor, pack: bool, chunk_bytes: int | None = None) -> bool:
+def copy_views(
+    views: Sequence[torch.Tensor], buffer: torch.Tensor, pack: bool, chunk_bytes: int | None = None
+) -> bool:
     """Run the fused kernel (``pack``: views -> buffer, else buffer -> views); False if it did not run.
 
     False means nothing was written and the caller must use the reference: kernels unavailable, or

@@ -1,4 +1,4 @@
-"""Regenerate ``nereus_lightning/hip`` from ``nereus_lightning/cuda`` with torch's hipify.
+"""Regenerate ``hip/`` from ``cuda/`` (the repository-root folders) with torch's hipify.
 
 The ROCm build does the same thing itself: on a ROCm build of torch, ``cpp_extension.load`` (see
 :mod:`nereus_lightning.kernels._ext`) hipifies the CUDA sources and writes the results next to them
@@ -15,9 +15,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from nereus_lightning._resources import resource_dir
 from nereus_lightning.kernels._ext import CUDA_DIR, HEADERS, SOURCES
 
-HIP_DIR = CUDA_DIR.parent / "hip"
+HIP_DIR = resource_dir("hip")
 # Patterns that must not survive hipify: CUDA launch syntax, a launch glued to a keyword, CUDA runtime calls.
 LEFTOVERS = (re.compile(r"<<<"), re.compile(r"\whipLaunchKernelGGL"), re.compile(r"\bcuda[A-Z]\w*\s*\("))
 
@@ -53,7 +54,7 @@ def leftovers(text: str) -> list[str]:
 
 
 def main() -> None:
-    """Write the hipified copies into ``nereus_lightning/hip``."""
+    """Write the hipified copies into ``hip/``."""
     for name, text in sorted(hipify_sources().items()):
         bad = leftovers(text)
         if bad:

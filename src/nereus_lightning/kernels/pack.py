@@ -1,7 +1,7 @@
 """Pack many strided views into one flat byte buffer, and unpack it again.
 
 The torch implementation here (:func:`pack_reference`, :func:`unpack_reference`) is the contract:
-the fused GPU kernels (``nereus_lightning/cuda``, loaded by :mod:`._ext`) must produce the same
+the fused GPU kernels (``cuda/``, loaded by :mod:`._ext`) must produce the same
 bytes. Views may have any shape, strides and dtype; each starts at a 16-byte aligned offset so that
 mixed dtypes (bf16 weights, fp32 optimizer state) travel in one buffer per peer. Only a slot's own
 bytes are written; the padding up to the next 16-byte offset is left as it was. Destination views
@@ -43,13 +43,19 @@ def _packed_buffer(views: Sequence[torch.Tensor], out: torch.Tensor | None, tota
         device = views[0].device if views else torch.device("cpu")
         return torch.empty(total, dtype=torch.uint8, device=device)
     if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < total:
-        raise ValueError(f"pack: out must be a 1-D uint8 tensor of at least {total} bytes, got {out.dtype} {tuple(out.shape)}")
+        raise ValueError(
+            f"pack: out must be a 1-D uint8 tensor of at least {total} bytes, "
+            f"got {out.dtype} {tuple(out.shape)}"
+        )
     return out
 
 
 def _check_buffer(buffer: torch.Tensor, total: int) -> None:
     if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < total:
-        raise ValueError(f"unpack: buffer must be a 1-D uint8 tensor of at least {total} bytes, got {buffer.dtype} {tuple(buffer.shape)}")
+        raise ValueError(
+            f"unpack: buffer must be a 1-D uint8 tensor of at least {total} bytes, "
+            f"got {buffer.dtype} {tuple(buffer.shape)}"
+        )
 
 
 def pack_reference(views: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
@@ -70,7 +76,7 @@ def unpack_reference(buffer: torch.Tensor, views: Sequence[torch.Tensor]) -> Non
 
 
 def pack(views: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
-    """Copy ``views`` one after another into a flat ``uint8`` buffer (allocated on their device if ``out`` is None)."""
+    """Copy ``views`` one after another into a flat ``uint8`` buffer (``out``, else one on their device)."""
     _, total = byte_offsets(views)
     out = _packed_buffer(views, out, total)
     if out.is_cuda:

@@ -48,16 +48,18 @@ from nereus_lightning.rl.forward import position_ids_from_mask
 from nereus_lightning.rl.rollout import _GOLDEN, RolloutOutput, _finish, _make_picker, _SeededGumbel
 from nereus_lightning.spec.errors import require
 
-#: The prompt region of the cache is a multiple of this many slots (batches of similar widths share a decoder).
+#: The prompt region of the cache is a multiple of this many slots (batches of similar widths share a
+#: decoder).
 PROMPT_BUCKET = 64
 #: How often (in decoded tokens) the loop checks whether every row has ended.
 SYNC_EVERY = 8
-#: The decode modes a caller may offer: ``"auto"`` (static on CUDA, eager elsewhere), ``"eager"``, ``"static"``.
+#: The decode modes a caller may offer: ``"auto"`` (static on CUDA, eager elsewhere), ``"eager"``,
+#: ``"static"``.
 DECODE_MODES = ("auto", "eager", "static")
 
 
 class StaticKV:
-    """Preallocated keys and values ``[B, kv_heads, slots, head_dim]`` of one stage's layers (a transformers cache).
+    """Preallocated keys and values ``[B, kv_heads, slots, head_dim]`` of one stage's layers (a KV cache).
 
     The family's attention calls :meth:`update` with its global layer index; the new keys and
     values are written at :attr:`slots` and the first :attr:`length` slots are returned (the masks
@@ -76,7 +78,7 @@ class StaticKV:
     def update(
         self, key: Tensor, value: Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[Tensor, Tensor]:
-        """Write ``key``/``value`` ``[B, kv_heads, S, head_dim]`` at :attr:`slots`; the cached keys and values so far."""
+        """Write ``key``/``value`` ``[B, kv_heads, S, head_dim]`` at :attr:`slots`; returns all so far."""
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         keys.index_copy_(2, self.slots, key)
         values.index_copy_(2, self.slots, value)
@@ -84,10 +86,11 @@ class StaticKV:
 
 
 def additive_masks(config: Any, valid: Tensor, query_slots: Tensor, dtype: torch.dtype) -> dict[str, Tensor]:
-    """The layers' 4D additive masks ``[B, 1, S, K]`` by attention kind, for queries at ``query_slots`` ``[S]``.
+    """The layers' 4D additive masks ``[B, 1, S, K]`` by attention kind, for queries at ``query_slots``.
 
-    ``valid`` ``[B, K]``: which cache slots hold tokens (not padding). A query at slot ``q`` sees a
-    valid slot ``k <= q`` (and ``k > q - sliding_window`` on sliding layers), as transformers' masks do.
+    ``query_slots`` is ``[S]``; ``valid`` ``[B, K]``: which cache slots hold tokens (not padding). A
+    query at slot ``q`` sees a valid slot ``k <= q`` (and ``k > q - sliding_window`` on sliding
+    layers), as transformers' masks do.
     """
     kv = torch.arange(valid.shape[-1], device=valid.device)
     q = query_slots.view(-1, 1)
@@ -101,7 +104,7 @@ def additive_masks(config: Any, valid: Tensor, query_slots: Tensor, dtype: torch
 
 
 def seeded_scores(pick: _SeededGumbel, logits: Tensor, seeds: Tensor, step: Tensor) -> Tensor:
-    """``pick``'s scores of ``logits`` ``[B, V]`` at decoding step ``step`` (a 0-d tensor, so a graph can replay it).
+    """``pick``'s scores of ``logits`` ``[B, V]`` at decoding step ``step`` (0-d, so a graph can replay it).
 
     The draw of (seed, step) is the draw of (seed + step * golden, step 0): ``gumbel_noise`` mixes
     ``seed + (step + 1) * golden`` (modulo 2^64), so shifting the seeds moves the step (a test pins this).
@@ -193,7 +196,7 @@ class StaticDecoder:
     def start(
         self, unit: ShardedCausalLM, prompt_ids: Tensor, prompt_mask: Tensor, seeds: Sequence[int] | None
     ) -> None:
-        """Load a batch of left-padded prompts (and the rows' sampling seeds), run the prefill and emit token 0."""
+        """Load left-padded prompts (and the rows' sampling seeds), run the prefill and emit token 0."""
         shape, comm = self.shape, unit.comm
         width = prompt_ids.shape[1]
         offset = shape.prompt_slots - width
@@ -210,12 +213,12 @@ class StaticDecoder:
         self.kv.slots, self.kv.length = slots, shape.prompt_slots
         masks = additive_masks(unit.local_config, self.valid[:, : shape.prompt_slots], slots, self.dtype)
         hidden = None
-        if not comm.is_first_stage:
+        if comm.prev_rank is not None:  # not the first stage
             hidden = _recv(
                 self.hidden_in.new_empty(shape.batch, width, self.hidden_in.shape[-1]), comm.prev_rank
             )
         hidden = unit.stage(prompt_ids, hidden, masks, position_ids_from_mask(prompt_mask), self.kv)
-        if comm.is_last_stage:
+        if comm.next_rank is None:  # the last stage
             self._pick_token(unit, hidden[:, -1:])
         else:
             _send(hidden, comm.next_rank)
@@ -226,10 +229,10 @@ class StaticDecoder:
     def step(self, unit: ShardedCausalLM) -> None:
         """Decode one token: the previous one through the stages, then pick, share and record the next."""
         comm = unit.comm
-        if not comm.is_first_stage:
+        if comm.prev_rank is not None:  # not the first stage
             _recv(self.hidden_in, comm.prev_rank)
         self._forward(unit)
-        if not comm.is_last_stage:
+        if comm.next_rank is not None:  # not the last stage
             _send(self.hidden_out, comm.next_rank)
         self._share_token(unit)
         self._record(unit)
@@ -251,7 +254,7 @@ class StaticDecoder:
             self.hidden_out.copy_(hidden)
 
     def _pick_token(self, unit: ShardedCausalLM, hidden: Tensor) -> None:
-        """Full-vocabulary logits of the last position into :attr:`logits`, the picked token into :attr:`next_token`."""
+        """The last position's full logits into :attr:`logits`, the picked token into :attr:`next_token`."""
         self.logits.copy_(unit.full_logits(unit.local_logits(hidden))[:, -1])
         scores = (
             self.logits
@@ -268,7 +271,7 @@ class StaticDecoder:
             dist.broadcast(self.next_token, src=source, group=comm.replica_group)
 
     def _record_token(self) -> None:
-        """Emit :attr:`next_token` (pad after a row's eos) as the response's next token and the next input (graph body)."""
+        """Emit :attr:`next_token` (pad after eos) as the next response token and input (graph body)."""
         emitted = torch.where(self.done, self.shape.pad_token_id, self.next_token)
         self.response.index_copy_(1, self.emitted.view(1), emitted.unsqueeze(-1))
         if self.shape.eos_token_id is not None:
@@ -278,7 +281,7 @@ class StaticDecoder:
 
 
 def use_static_decode(mode: str, unit: ShardedCausalLM) -> bool:
-    """Whether decode mode ``mode`` (one of :data:`DECODE_MODES`) runs ``unit`` with :class:`StaticDecodeEngine`."""
+    """Whether decode mode ``mode`` (:data:`DECODE_MODES`) runs ``unit`` with :class:`StaticDecodeEngine`."""
     require(
         mode in DECODE_MODES,
         "algorithm.decode",
@@ -338,7 +341,7 @@ class StaticDecodeEngine:
         top_p: float = 1.0,
         sample_seeds: Sequence[int] | Tensor | None = None,
     ) -> RolloutOutput:
-        """See :class:`~nereus_lightning.rl.rollout.RolloutEngine`; sampling needs one seed per row (``sample_seeds``)."""
+        """See :class:`~nereus_lightning.rl.rollout.RolloutEngine`; sampling needs ``sample_seeds``."""
         batch, width = prompt_ids.shape
         require(
             bool(attention_mask[:, -1].all()),

@@ -1,4 +1,5 @@
-"""Fail fast across ranks: an exception on one rank stops every rank of the job within seconds, with its error.
+"""Fail fast across ranks: an exception on one rank stops every rank of the job within seconds, with its
+error.
 
 Without this, a rank that raises mid-schedule leaves its peers blocked in a receive or a collective
 until the process-group timeout. Inside :func:`fail_together`, an exception on this rank is
@@ -32,7 +33,7 @@ _store: dist.Store | None = None  # held, so a failing rank 0 keeps serving its 
 
 
 class PeerFailure(RuntimeError):
-    """Another rank of the job failed, and this rank stopped because of it; the message carries that rank's error."""
+    """Another rank of the job failed and this rank stopped because of it; the message carries its error."""
 
 
 def _default_store() -> dist.Store:
@@ -86,7 +87,7 @@ def _start_watcher() -> None:
     global _watcher
     if _watcher is None:
         # Its own connection: the main thread's store calls must not queue behind the watcher's.
-        store = _default_store().clone()
+        store = _default_store().clone()  # type: ignore[attr-defined]  # torch's .pyi lacks Store.clone
         _watcher = threading.Thread(target=_watch, args=(store,), name="nereus-fail-fast", daemon=True)
         _watcher.start()
 

@@ -1,4 +1,5 @@
-"""`ShardedGenerator`: transformers ``generate`` (and a plain ``model(input_ids=...).logits`` call) over one rank of a sharded replica.
+"""`ShardedGenerator`: transformers ``generate`` (and a plain ``model(input_ids=...).logits`` call) over
+one rank of a sharded replica.
 
 Every rank of the replica wraps its :class:`~nereus_lightning.models.ShardedCausalLM` and calls
 ``generate`` (or the forward) with the same inputs. Each forward runs the TP/PP-sharded unit:
@@ -50,7 +51,7 @@ class ShardedGenerator(PreTrainedModel, GenerationMixin):
         self.config.use_cache = supports_kv_cache()
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
-        """transformers ``generate``; without a cache where the installed transformers cannot keep a per-stage one."""
+        """transformers ``generate``; cache-free where transformers cannot keep a per-stage cache."""
         if not supports_kv_cache():
             kwargs["use_cache"] = False
         return super().generate(*args, **kwargs)

@@ -54,7 +54,7 @@ def adamw_dtype(dtype: torch.dtype | str) -> str:
 
 
 def fresh_adamw_state(param: Tensor) -> dict[str, Tensor]:
-    """A fresh AdamW state for ``param`` on its device: zero moments, step 0, the master a copy of ``param``."""
+    """A fresh AdamW state for ``param`` on its device: zero moments, step 0, a master copy of ``param``."""
     dtype = getattr(torch, adamw_dtype(param.dtype))
     state = {
         key: torch.zeros(param.shape, dtype=dtype, device=param.device) for key in ("exp_avg", "exp_avg_sq")
@@ -76,7 +76,7 @@ class MixedPrecisionAdamW(torch.optim.AdamW):
 
     @override
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One AdamW step (see the class docstring); returns ``closure()`` when given."""
         loss = None
         if closure is not None:
@@ -177,7 +177,8 @@ def bind_adamw(
                 require(
                     _dtype_name(entry[key].dtype) == adamw_dtype(param.dtype),
                     "optim_state",
-                    f"{name}.{key} is {_dtype_name(entry[key].dtype)}; a {_dtype_name(param.dtype)} parameter "
+                    f"{name}.{key} is {_dtype_name(entry[key].dtype)}; "
+                    f"a {_dtype_name(param.dtype)} parameter "
                     f"needs {adamw_dtype(param.dtype)} (see models.optim.fresh_adamw_state)",
                 )
         # The dict holds the owner's tensors themselves; AdamW mutates them in place.

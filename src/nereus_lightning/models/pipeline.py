@@ -97,7 +97,7 @@ def pipeline_forward(
     head: Callable[[Tensor, MicroBatch], Tensor],
     cache: Any = None,
 ) -> list[Tensor] | None:
-    """Forward every micro-batch through the pipeline (no autograd); ``head(local_logits, mb)`` on the last stage.
+    """Forward every micro-batch through the pipeline (no autograd); ``head(local_logits, mb)`` at the end.
 
     ``cache``: a transformers KV cache this rank keeps for its own layers (one micro-batch only;
     see :meth:`ShardedCausalLM.stage`). Returns the list of head outputs on last-stage ranks and
@@ -118,7 +118,7 @@ def pipeline_forward(
 
 
 def _deliver(model: ShardedCausalLM, value: Tensor | None, like: Tensor, where: Where) -> Tensor | None:
-    """Move a last-stage result (shape/dtype of ``like``) to ``where``: every replica rank, its first, or stay."""
+    """Move a last-stage result (shaped as ``like``) to ``where``: every replica rank, its first, or none."""
     comm = model.comm
     source = comm.ranks[(comm.layout.pp - 1) * comm.layout.tp]
     if where == "last":
@@ -185,8 +185,11 @@ def _logprobs_of(model: ShardedCausalLM, local_logits: Tensor, input_ids: Tensor
 def head_outputs(
     model: ShardedCausalLM, local: Tensor, input_ids: Tensor, temperature: float = 1.0
 ) -> Tensor:
-    """What :func:`train_step` hands its loss: float32 token log-probs ``[b, S-1]`` of ``logits / temperature``,
-    or a value model's values ``[b, S]`` (its first label)."""
+    """What :func:`train_step` hands its loss.
+
+    Float32 token log-probs ``[b, S-1]`` of ``logits / temperature``, or a value model's values
+    ``[b, S]`` (its first label).
+    """
     if model.value_head:
         return local[..., 0].float()
     return _logprobs_of(model, local / temperature if temperature != 1.0 else local, input_ids)

@@ -120,7 +120,7 @@ def layouts_of(config: Any, world_size: int, layouts: Sequence[tuple[int, int]] 
 
 
 def _replica(rank: int, world: int, layout: Layout, tied: bool) -> tuple[int, ReplicaComm]:
-    """Cover the world with replicas of ``layout`` (groups made on all ranks); this rank's replica index and comm."""
+    """Cover the world with replicas of ``layout`` (groups made on all ranks); this rank's index and comm."""
     size = layout.size
     replicas = [tuple(range(i * size, (i + 1) * size)) for i in range(world // size)]
     replica_groups(replicas, layout, tied=tied)
@@ -140,8 +140,11 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def layout_errors(
     rank: int, world: int, config: Any, layouts: Sequence[tuple[int, int]] = LAYOUTS, seed: int = 0
 ) -> dict[str, float]:
-    """On every rank: per layout of ``layouts`` that fits, the relative error of the sharded logits (a value
-    model's values) and, for a causal LM, the absolute error of the token log-probs, against the unsharded model."""
+    """On every rank, per layout of ``layouts`` that fits: the sharded model's errors against the full one.
+
+    The relative error of the logits (a value model's values) and, for a causal LM, the absolute
+    error of the token log-probs.
+    """
     from nereus_lightning.models.sharded import has_value_head
 
     model = tiny_model_of(config, seed)
@@ -155,10 +158,12 @@ def layout_errors(
             ref = model(ids).logits
         name = f"tp{layout.tp}pp{layout.pp}"
         out = forward_logits(sharded, split_micro_batches(ids, 2), where="all")
+        assert out is not None  # where="all": every rank gets them
         errors[f"{name}/{'values' if value else 'logits'}"] = _rel_err(out, ref)
         if not value:
             ref_lp = torch.log_softmax(ref.double(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
             lp = token_logprobs(sharded, split_micro_batches(ids, 2), where="all")
+            assert lp is not None
             errors[f"{name}/logprobs"] = float((lp.double() - ref_lp).abs().max())
     return errors
 
@@ -188,9 +193,13 @@ def chain_errors(rank: int, world: int, config: Any, seed: int = 0) -> dict[str,
         mine = next(u for u in units if rank in u.ranks)
         comm = ReplicaComm.of(mine.ranks, mine.layout, rank, tied=tied)
         sharded = ShardedCausalLM(config, comm, registry().local(stage, mine).params)
-        errors[f"{label}/logits"] = _rel_err(forward_logits(sharded, ids, where="all"), ref)
-        now = gather_logical_state(stage, dst=0)
-        errors[f"{label}/state_diffs"] = float(len(start.differences(now))) if rank == 0 else 0.0
+        logits = forward_logits(sharded, ids, where="all")
+        assert logits is not None  # where="all": every rank gets them
+        errors[f"{label}/logits"] = _rel_err(logits, ref)
+        now = gather_logical_state(stage, dst=0)  # None except on rank 0, like start
+        errors[f"{label}/state_diffs"] = (
+            float(len(start.differences(now))) if start is not None and now is not None else 0.0
+        )
 
     def run(op: Any) -> Any:
         prepare_member_groups(communicating_rank_sets([op]))  # members agree on their groups' names
@@ -221,11 +230,12 @@ def worst(results: list[dict[str, float]]) -> dict[str, float]:
 
 
 def check_model(config: Any, world_size: int = 4) -> dict[str, float]:
-    """Max errors of the sharded tiny model of ``config``'s family, per layout and check, on ``world_size`` gloo ranks.
+    """Max errors of the sharded tiny model of ``config``'s family, per layout and check, on gloo ranks.
 
-    Keys: ``"tp2pp1/logits"`` (relative), ``".../logprobs"`` (absolute), ``"value/tp2pp1/values"``
-    (relative) and, with 4 ranks, ``"chain/<step>/logits"`` and ``"chain/<step>/state_diffs"`` (tensors
-    whose gathered state changed). Refuses an unsupported family before any process starts.
+    Runs on ``world_size`` ranks. Keys: ``"tp2pp1/logits"`` (relative), ``".../logprobs"``
+    (absolute), ``"value/tp2pp1/values"`` (relative) and, with 4 ranks, ``"chain/<step>/logits"``
+    and ``"chain/<step>/state_diffs"`` (tensors whose gathered state changed). Refuses an
+    unsupported family before any process starts.
     """
     from nereus_lightning.testing import WorkerPool
 

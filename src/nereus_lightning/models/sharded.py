@@ -49,13 +49,16 @@ from nereus_lightning.models.sharding import (
 )
 from nereus_lightning.models.tp_ops import copy_to_tp, gather_from_tp, reduce_from_tp
 from nereus_lightning.plan.layout import Layout
-from nereus_lightning.spec.errors import require
+from nereus_lightning.spec.errors import NereusConfigError, require
 from nereus_lightning.spec.families import refusal
 from nereus_lightning.spec.model import ModelSpec
 
 
 def validate_layout(config: Any, layout: Layout) -> None:
-    """Reject an unsupported family, or a layout that would split a head, a KV head, the MLP or the vocabulary, or exceed the layers."""
+    """Reject an unsupported family, or a layout that splits a head, a KV head, the MLP or the vocabulary.
+
+    A layout with more pipeline stages than layers is refused as well.
+    """
     spec = ModelSpec.from_hf_config(config)  # asks the family registry
     spec.validate_tp(layout.tp)
     spec.validate_pp(layout.pp)
@@ -68,7 +71,7 @@ def validate_layout(config: Any, layout: Layout) -> None:
 
 
 def has_value_head(config: Any) -> bool:
-    """Whether ``config`` describes a value model: transformers token classification (``score`` replaces ``lm_head``).
+    """Whether ``config`` describes a value model: token classification (``score`` replaces ``lm_head``).
 
     The critic and the reward model are such models with ``num_labels == 1``, as in verl; their
     config names a ``*ForTokenClassification`` architecture.
@@ -82,7 +85,7 @@ def is_tied(config: Any) -> bool:
 
 
 def local_config(config: Any, tp: int) -> Any:
-    """A copy of ``config`` describing one TP shard: heads, KV heads, intermediate and vocabulary divided by ``tp``.
+    """A copy of ``config`` describing one TP shard: heads, KV heads, intermediate and vocabulary over ``tp``.
 
     Its ``pad_token_id`` is None (the padding row lives on one vocabulary shard only; the embedding
     is told its local padding row).
@@ -106,6 +109,7 @@ def shard_state(
 ) -> dict[str, Tensor]:
     """Rank (pp_rank, tp_rank)'s shards of a full model, keyed by global name (contiguous copies)."""
     validate_layout(config, layout)
+    state: dict[str, Tensor]
     if isinstance(model_or_state, nn.Module):
         state = dict(model_or_state.named_parameters())  # tied weights appear once, as the embedding
     else:
@@ -130,10 +134,10 @@ def _parameters_on_meta() -> Iterator[None]:
     """
     register = nn.Module.register_parameter
 
-    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    def on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
         if param is not None and not param.is_meta:
             param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        register(module, name, param)
+        register(self, name, param)
 
     nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
     try:
@@ -142,8 +146,11 @@ def _parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
-def family_model(local: Any, value_head: bool) -> nn.Module:
-    """The family's own causal LM (or token-classification value model) for config ``local``: parameters on meta, buffers on the CPU."""
+def family_model(local: Any, value_head: bool) -> Any:
+    """The family's own causal LM (or token-classification value model) for config ``local``.
+
+    Its parameters are on the meta device, its buffers on the CPU.
+    """
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
     auto = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
@@ -157,9 +164,9 @@ def family_model(local: Any, value_head: bool) -> nn.Module:
 
 @functools.cache
 def _vocab_parallel(embedding_cls: type) -> type:
-    """``embedding_cls`` whose rows ``[vocab_start, vocab_start + num_embeddings)`` live here; summed over TP."""
+    """``embedding_cls`` holding rows ``[vocab_start, vocab_start + num_embeddings)``; summed over TP."""
 
-    class VocabParallel(embedding_cls):  # type: ignore[misc, valid-type]
+    class VocabParallel(embedding_cls):
         vocab_start: int
         comm: ReplicaComm
 
@@ -191,7 +198,7 @@ class RowParallelLinear(nn.Linear):
 
 
 class GroupedColwiseLinear(nn.Linear):
-    """A fused projection holding whole groups (:class:`~nereus_lightning.models.sharding.Fused`), rows in group order.
+    """A fused projection holding whole groups (:class:`~.sharding.Fused`), rows in group order.
 
     Its output is put back into part order (``[q | k | v]`` or ``[gate | up]`` of this rank's
     groups), which is what the family's module slices.
@@ -231,7 +238,7 @@ def _as_param(t: Tensor) -> nn.Parameter:
     return t if isinstance(t, nn.Parameter) else nn.Parameter(t, requires_grad=True)
 
 
-def _copy_input_hook(group: dist.ProcessGroup):  # noqa: ANN202
+def _copy_input_hook(group: dist.ProcessGroup | None):  # noqa: ANN202
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if args:
             return (copy_to_tp(args[0], group), *args[1:]), kwargs
@@ -250,6 +257,11 @@ class ShardedCausalLM(nn.Module):
             restricted to this stage by ``sharding.pp_stages`` (exactly what :func:`shard_state` returns).
             They become the module's parameters without copies.
     """
+
+    # The family's own modules, reached by their family-specific names (embed_tokens, layers, norm, ...).
+    model: Any
+    family_head: Any
+    local_config: Any
 
     def __init__(self, config: Any, comm: ReplicaComm, shards: Mapping[str, Tensor]) -> None:
         super().__init__()
@@ -302,8 +314,8 @@ class ShardedCausalLM(nn.Module):
         assert not left, f"tensors left unassigned on the meta device: {left}"
         self.eval()  # no dropout: sharded and unsharded runs must agree
 
-    def _keep_stage(self, family: nn.Module, names: Collection[str]) -> None:
-        """Take from ``family`` the modules of this stage: its layers, the embedding, norm and head it holds."""
+    def _keep_stage(self, family: Any, names: Collection[str]) -> None:
+        """Take this stage's modules from ``family``: its layers, and the embedding, norm, head it holds."""
         body = family.model
         body.layers = nn.ModuleDict({str(i): body.layers[i] for i in self.layer_ids})
         for child, module in list(body.named_children()):
@@ -330,7 +342,7 @@ class ShardedCausalLM(nn.Module):
             local_pad = None if pad is None else pad - self.vocab_start
             _switch(
                 embed,
-                _vocab_parallel(type(embed)),
+                _vocab_parallel(type(embed)),  # type: ignore[arg-type]  # as in forward: classes hash
                 "model.embed_tokens",
                 config,
                 vocab_start=self.vocab_start,
@@ -357,7 +369,7 @@ class ShardedCausalLM(nn.Module):
     @classmethod
     def from_model(cls, model: nn.Module, comm: ReplicaComm) -> ShardedCausalLM:
         """Slice a full transformers causal LM (copies this rank's shards)."""
-        config = model.config  # type: ignore[attr-defined]
+        config = model.config
         return cls(config, comm, shard_state(model, config, comm.layout, comm.pp_rank, comm.tp_rank))
 
     @property
@@ -431,14 +443,16 @@ class ShardedCausalLM(nn.Module):
             position_ids = torch.arange(past, past + input_ids.shape[1], device=hidden.device).unsqueeze(0)
         masks = self._masks(hidden, attention_mask, position_ids, cache)
         position_embeddings = self.model.rotary_emb(hidden, position_ids)
-        with_cache = {}
+        with_cache: dict[str, Any] = {}
         if cache is not None:
-            name = _layer_cache_kwarg(type(self.model.layers[str(self.layer_ids[0])]))
-            require(
-                supports_kv_cache() and name is not None,
-                "cache",
-                "this transformers version cannot size masks by a stage's own cache layers; decode without a cache",
-            )
+            # The ignore: mypy checks a class passed to a functools.cache function against Hashable
+            # through its instances' unbound __hash__ (a false positive; classes hash).
+            name = _layer_cache_kwarg(type(self.model.layers[str(self.layer_ids[0])]))  # type: ignore[arg-type]
+            if name is None or not supports_kv_cache():
+                raise NereusConfigError(
+                    "cache: this transformers version cannot size masks by a stage's own cache layers; "
+                    "decode without a cache"
+                )
             with_cache = {name: cache, "use_cache": True}
         # Activation recompute (the plan's ``Candidate.recompute``): each layer keeps only its input
         # and runs again in the backward pass; TP collectives inside rerun in the same order on every rank.
@@ -475,7 +489,7 @@ class ShardedCausalLM(nn.Module):
         return self.family_head(inputs_embeds=hidden).logits
 
     def full_logits(self, local: Tensor) -> Tensor:
-        """All-gather local logits over TP into ``[B, S, V]`` (differentiable); a value model's values as they are."""
+        """All-gather local logits over TP into ``[B, S, V]`` (differentiable); a value model's as is."""
         if self.value_head:
             return local
         group = self.comm.tp_group if self.comm.layout.tp > 1 else None
@@ -502,7 +516,8 @@ class ShardedCausalLM(nn.Module):
         """
         named = dict(self.named_parameters())
         if self.comm.layout.tp > 1:
-            grads = [named[n].grad for n in self.tp_partial if named[n].grad is not None]
+            assert self.comm.tp_group is not None  # only a single-rank replica has none
+            grads = [g for n in self.tp_partial if (g := named[n].grad) is not None]
             _all_reduce_flat(grads, self.comm.tp_group)
         if self.comm.tied_group is not None:
             weight = self.model.embed_tokens.weight
@@ -512,9 +527,11 @@ class ShardedCausalLM(nn.Module):
 
 
 def attention_kinds(config: Any) -> tuple[str, ...]:
-    """The attention kinds of a family's layers: ``"full_attention"``, and ``"sliding_attention"`` where some layers slide."""
+    """The attention kinds of a family's layers: full, and sliding where some layers slide."""
     types = set(getattr(config, "layer_types", None) or ())
-    sliding = "sliding_attention" in types or (not types and getattr(config, "sliding_window", None) is not None)
+    sliding = "sliding_attention" in types or (
+        not types and getattr(config, "sliding_window", None) is not None
+    )
     return ("full_attention", "sliding_attention") if sliding else ("full_attention",)
 
 
@@ -529,7 +546,7 @@ def _cache_kwarg() -> str:
 
 
 @functools.cache
-def _layer_cache_kwarg(layer_cls: type) -> str | None:
+def _layer_cache_kwarg(layer_cls: type[nn.Module]) -> str | None:
     """The KV-cache argument of a decoder layer's forward (None: the layer takes none by name)."""
     import inspect
 
@@ -551,7 +568,7 @@ def supports_kv_cache() -> bool:
 
 
 def _tp_partial(name: str, plan: Mapping[str, Style], regions: tuple[str, ...]) -> bool:
-    """Replicated over TP but fed only by this rank's heads/columns (inside a TP region, e.g. Qwen3's q/k norms).
+    """Replicated over TP but fed by this rank's heads/columns only (in a TP region, as Qwen3's q/k norms).
 
     A row-parallel bias is not: it is added once, after the sum over TP.
     """

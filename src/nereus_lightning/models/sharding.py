@@ -64,7 +64,7 @@ class Fused:
         return tuple(width // self.groups for width in self.parts)
 
     def rows(self, first_group: int, num_groups: int) -> list[int]:
-        """The model's own row indices of groups ``[first_group, first_group + num_groups)``, in group order."""
+        """The model's row indices of groups ``[first_group, first_group + num_groups)``, in group order."""
         offsets = [sum(self.parts[:i]) for i in range(len(self.parts))]
         out: list[int] = []
         for g in range(first_group, first_group + num_groups):
@@ -78,7 +78,7 @@ Style = str | Fused
 
 @dataclass(frozen=True)
 class Placement:
-    """How one parameter is cut: ``tp_dim`` (None = replicated over TP), its PP owner, and its fused layout."""
+    """How one parameter is cut: ``tp_dim`` (None = replicated over TP), its PP owner, its fused layout."""
 
     name: str
     tp_dim: int | None
@@ -88,7 +88,7 @@ class Placement:
 
 
 def fused_style(kind: str, config: Any) -> Fused:
-    """The :class:`Fused` style of a fused projection of ``kind`` (``spec.families.QKV`` / ``GATE_UP``) in ``config``."""
+    """The :class:`Fused` style of ``config``'s fused projection ``kind`` (``spec.families.QKV``, ...)."""
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     if kind == QKV:
@@ -131,9 +131,10 @@ def placement(name: str, plan: Mapping[str, Style] = DEFAULT_TP_PLAN) -> Placeme
     module, _, leaf = name.rpartition(".")
     style = style_of(module, plan) or ""
     fused = style if isinstance(style, Fused) else None
-    if fused is not None or style.startswith("colwise") or style == "embedding_rowwise":
+    kind = "" if isinstance(style, Fused) else style
+    if fused is not None or kind.startswith("colwise") or kind == "embedding_rowwise":
         tp_dim: int | None = 0
-    elif style.startswith("rowwise"):
+    elif kind.startswith("rowwise"):
         tp_dim = 1 if leaf == "weight" else None
     else:
         tp_dim = None

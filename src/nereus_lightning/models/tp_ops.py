@@ -31,22 +31,22 @@ def _all_reduce(
 
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:  # type: ignore[override]
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
         ctx.group = group
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
         return _all_reduce(grad.clone(), ctx.group), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:  # type: ignore[override]
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
         return _all_reduce(x.clone(), group)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
         return grad, None
 
 
@@ -59,12 +59,12 @@ def _gather_last(x: Tensor, group: dist.ProcessGroup, order: Sequence[int]) -> T
 
 class _GatherFromTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, group: dist.ProcessGroup, order: tuple[int, ...], tp_rank: int) -> Tensor:  # type: ignore[override]
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup, order: tuple[int, ...], tp_rank: int) -> Tensor:
         ctx.width, ctx.tp_rank = x.shape[-1], tp_rank
         return _gather_last(x, group, order)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:
         start = ctx.tp_rank * ctx.width
         return grad[..., start : start + ctx.width].contiguous(), None, None, None
 
@@ -85,7 +85,7 @@ def group_order(group: dist.ProcessGroup, ranks: Sequence[int]) -> tuple[int, ..
 
 
 def gather_from_tp(x: Tensor, group: dist.ProcessGroup | None, ranks: Sequence[int], tp_rank: int) -> Tensor:
-    """Concatenate the last dim of ``x`` over ``group`` in the tp order of ``ranks``; backward keeps own slice."""
+    """Concatenate the last dim of ``x`` over ``group`` in the tp order of ``ranks``; backward: own slice."""
     if _size(group) == 1:
         return x
     assert group is not None
@@ -96,11 +96,11 @@ class _VocabParallelLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, logits: Tensor, targets: Tensor, vocab_start: int, group: dist.ProcessGroup | None
-    ) -> Tensor:  # type: ignore[override]
+    ) -> Tensor:
         logits = logits.float()
         # Max is only for stability; no gradient flows through it.
         shift = logits.max(dim=-1, keepdim=True).values
-        if _size(group) > 1:
+        if group is not None and _size(group) > 1:
             shift = _all_reduce(shift, group, dist.ReduceOp.MAX)
         shifted = logits - shift
         exp = shifted.exp()
@@ -109,7 +109,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         inside = (local >= 0) & (local < logits.shape[-1])
         local = local.clamp(0, logits.shape[-1] - 1)
         target_logit = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1) * inside
-        if _size(group) > 1:
+        if group is not None and _size(group) > 1:
             both = torch.cat([sum_exp.squeeze(-1).unsqueeze(0), target_logit.unsqueeze(0)])
             both = _all_reduce(both, group)
             sum_exp, target_logit = both[0].unsqueeze(-1), both[1]
@@ -117,7 +117,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         return target_logit - sum_exp.squeeze(-1).log()
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:
         exp, sum_exp, local, inside = ctx.saved_tensors
         # d logp / d logit_v = 1[v == target] - softmax_v; each rank handles its vocabulary slice.
         g = -(exp / sum_exp) * grad.unsqueeze(-1)

@@ -186,21 +186,23 @@ def compute_advantages(batch: RolloutBatch, cfg: RLConfig) -> tuple[RolloutBatch
     when ``cfg.kl_coef > 0``, subtracted from the token rewards (PPO, ReMax).
     """
     mask = batch.response_mask
-    rewards = scores_to_token_rewards(batch.scores, mask)
+    rewards = scores_to_token_rewards(batch.need("scores"), mask)
     metrics: dict[str, Tensor] = {}
     if batch.ref_log_probs is not None and cfg.algorithm != "grpo":
         penalised, metrics = apply_kl_penalty(
-            rewards, batch.old_log_probs, batch.ref_log_probs, mask, cfg.kl_coef, cfg.kl_penalty
+            rewards, batch.need("old_log_probs"), batch.ref_log_probs, mask, cfg.kl_coef, cfg.kl_penalty
         )
         if cfg.kl_coef > 0:
             rewards = penalised
     batch.token_rewards = rewards
     if cfg.algorithm == "ppo":
-        batch.advantages, batch.returns = gae_advantages(rewards, batch.values, mask, cfg.gamma, cfg.lam)
+        batch.advantages, batch.returns = gae_advantages(
+            rewards, batch.need("values"), mask, cfg.gamma, cfg.lam
+        )
     elif cfg.algorithm == "grpo":
-        batch.advantages, batch.returns = grpo_advantages(batch.scores, mask, batch.group_index)
+        batch.advantages, batch.returns = grpo_advantages(batch.need("scores"), mask, batch.group_index)
     else:
-        batch.advantages, batch.returns = remax_advantages(rewards, batch.baseline_scores, mask)
+        batch.advantages, batch.returns = remax_advantages(rewards, batch.need("baseline_scores"), mask)
     return batch, metrics
 
 
@@ -217,7 +219,8 @@ def actor_loss(
     Args:
         log_probs: the micro-batch's response log-probs under the current policy.
         normalizer: the global mini-batch's token (or sequence) count the losses are divided by.
-        tokens: its token count (turns per-micro token means into shares that sum over micro-batches and ranks).
+        tokens: its token count (turns per-micro token means into shares that sum over micro-batches
+            and ranks).
         entropy: per-token entropy (reported as ``actor/entropy``); needed when ``cfg.entropy_coef > 0``.
 
     Returns:
@@ -226,8 +229,8 @@ def actor_loss(
     mask = micro.response_mask
     loss, m = policy_loss(
         log_probs,
-        micro.old_log_probs,
-        micro.advantages,
+        micro.need("old_log_probs"),
+        micro.need("advantages"),
         mask,
         cfg.clip_eps,
         agg=cfg.loss_agg,
@@ -243,7 +246,9 @@ def actor_loss(
         m.update(em)
         loss = loss - cfg.entropy_coef * ent
     if cfg.kl_loss_coef > 0:
-        kl, km = kl_loss(log_probs, micro.ref_log_probs, mask, cfg.kl_loss_type, cfg.loss_agg, normalizer)
+        kl, km = kl_loss(
+            log_probs, micro.need("ref_log_probs"), mask, cfg.kl_loss_type, cfg.loss_agg, normalizer
+        )
         loss = loss + cfg.kl_loss_coef * kl
         m.update(km)
     share = mask.sum() / tokens
@@ -257,7 +262,9 @@ def critic_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The critic's clipped value loss on one micro-batch; arguments and metrics as :func:`actor_loss`."""
     mask = micro.response_mask
-    loss, m = value_loss(values, micro.values, micro.returns, mask, cfg.value_clip, cfg.loss_agg, normalizer)
+    loss, m = value_loss(
+        values, micro.need("values"), micro.need("returns"), mask, cfg.value_clip, cfg.loss_agg, normalizer
+    )
     m["critic/vf_clipfrac"] = m["critic/vf_clipfrac"] * mask.sum() / tokens
     return loss, m
 
@@ -380,10 +387,10 @@ def batch_metrics(batch: RolloutBatch, max_new_tokens: int) -> dict[str, Tensor]
     mask = batch.response_mask
     lengths = mask.sum(-1).float()
     metrics = {
-        "critic/score/mean": batch.scores.float().mean(),
-        "critic/rewards/mean": batch.token_rewards.sum(-1).mean(),
-        "critic/advantages/mean": masked_mean(batch.advantages, mask),
-        "critic/returns/mean": masked_mean(batch.returns, mask),
+        "critic/score/mean": batch.need("scores").float().mean(),
+        "critic/rewards/mean": batch.need("token_rewards").sum(-1).mean(),
+        "critic/advantages/mean": masked_mean(batch.need("advantages"), mask),
+        "critic/returns/mean": masked_mean(batch.need("returns"), mask),
         "response_length/mean": lengths.mean(),
         "response_length/max": lengths.max(),
         "response_length/clip_ratio": (lengths >= max_new_tokens).float().mean(),

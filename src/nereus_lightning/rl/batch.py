@@ -66,6 +66,13 @@ class RolloutBatch(RolloutOutput):
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
 
+    def need(self, name: str) -> Tensor:
+        """The field ``name``, which the step must have computed by now (an error names it otherwise)."""
+        value = getattr(self, name)
+        if value is None:
+            raise ValueError(f"RolloutBatch.{name} is not computed yet; the stage that fills it did not run")
+        return value
+
     def tensors(self) -> dict[str, Tensor]:
         """The fields that are set, by name."""
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}

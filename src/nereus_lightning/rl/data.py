@@ -95,7 +95,8 @@ def encode_prompt(tokenizer: Any, prompt: Any, key: str) -> list[int]:
             out = out["input_ids"]
         return list(out)
     raise NereusConfigError(
-        f"{key}: a prompt must be a string or a list of {{role, content}} messages, got {type(prompt).__name__}"
+        f"{key}: a prompt must be a string or a list of {{role, content}} messages, "
+        f"got {type(prompt).__name__}"
     )
 
 
@@ -210,7 +211,7 @@ class PromptStream:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """The ``data.*`` keys of a job, as verl names them (``train_batch_size`` is the module's ``prompts_per_step``)."""
+    """The ``data.*`` keys of a job, as verl names them (``train_batch_size``: the ``prompts_per_step``)."""
 
     train_files: str | tuple[str, ...] | None = None
     val_files: str | tuple[str, ...] | None = None

@@ -169,7 +169,7 @@ def kl_loss(
     agg: str = "token-mean",
     normalizer: float | Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """KL to the reference policy used as a loss term (GRPO style); returns ``actor/kl_loss``, ``actor/kl``."""
+    """KL to the reference policy as a loss term (GRPO style); returns ``actor/kl_loss``, ``actor/kl``."""
     loss = agg_loss(kl_penalty(log_probs, ref_log_probs, kind), mask, agg, normalizer)
     return loss, {"actor/kl_loss": loss.detach(), "actor/kl": loss.detach()}
 
@@ -180,7 +180,7 @@ def token_log_probs(logits: Tensor, labels: Tensor) -> Tensor:
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Per-token entropy of the categorical distribution given by ``logits`` (``(..., vocab)`` -> ``(...)``)."""
+    """Per-token entropy of the categorical distribution of ``logits`` (``(..., vocab)`` -> ``(...)``)."""
     logits = logits.float()
     log_p = torch.log_softmax(logits, dim=-1)
     return -(log_p.exp() * log_p).sum(-1)

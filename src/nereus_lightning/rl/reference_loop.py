@@ -153,6 +153,7 @@ def train_step(
     timing["timing_s/old_log_prob"] = time.perf_counter() - t
     batch, metrics = compute_advantages(batch, cfg)
     if models.critic is not None:
+        assert models.critic_optim is not None  # build_models gives the critic its optimizer
         t = time.perf_counter()
         metrics.update(update_critic(models.critic, models.critic_optim, batch, cfg))
         timing["timing_s/update_critic"] = time.perf_counter() - t

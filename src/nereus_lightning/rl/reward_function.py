@@ -83,7 +83,8 @@ def check_signature(fn: Callable[..., Any], label: str) -> None:
     except TypeError as exc:
         raise NereusConfigError(
             f"custom_reward_function.name: {label}{inspect.signature(fn)} cannot be called as "
-            f"compute_score({', '.join(a + '=...' for a in ARGUMENTS)}) ({exc}); give it those four parameters"
+            f"compute_score({', '.join(a + '=...' for a in ARGUMENTS)}) ({exc}); "
+            "give it those four parameters"
         ) from exc
     except ValueError:
         pass  # callables without a signature: trust the call
@@ -164,7 +165,7 @@ def _score_in_worker(item: RewardInput) -> RewardResult:
 
 
 class RewardFunction:
-    """A reward function from a :class:`RewardSpec` (inline or in ``num_workers`` processes) or a Python callable (inline)."""
+    """A reward function: a :class:`RewardSpec` (inline or in ``num_workers`` processes) or a callable."""
 
     def __init__(self, reward: RewardSpec | Callable[..., Any], num_workers: int = 0) -> None:
         if num_workers < 0:
@@ -176,7 +177,8 @@ class RewardFunction:
         else:
             if num_workers:
                 raise NereusConfigError(
-                    "reward.num_workers: a reward passed as a Python object scores in the rank's own process; "
+                    "reward.num_workers: a reward passed as a Python object scores in the rank's "
+                    "own process; "
                     "give custom_reward_function.path for a worker pool"
                 )
             self.spec, self.fn = None, reward
@@ -192,6 +194,7 @@ class RewardFunction:
         if (
             self._pool is None
         ):  # spawned: workers import the function themselves, not the parent's torch state
+            assert self.spec is not None  # __init__ refuses workers for a reward given as a Python object
             self._pool = ProcessPoolExecutor(
                 self.num_workers,
                 mp_context=multiprocessing.get_context("spawn"),

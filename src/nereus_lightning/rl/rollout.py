@@ -72,7 +72,7 @@ _MIX2 = -0x6B2FB644ECCEEE15  # 0x94D049BB133111EB
 
 
 def gumbel_noise(seeds: Tensor, step: int, vocab: int) -> Tensor:
-    """Gumbel(0, 1) noise ``[B, vocab]`` for decoding step ``step`` of rows seeded by ``seeds`` (int64 ``[B]``).
+    """Gumbel(0, 1) noise ``[B, vocab]`` for decoding step ``step`` of rows seeded by ``seeds`` (int64).
 
     A counter-based draw (splitmix64 of seed, step and token id, on the seeds' device): a row's
     noise depends only on its seed and the step, costs one ``[B, vocab]`` pass per step (no
@@ -235,7 +235,8 @@ def check_sampling(
     require(temperature > 0, "rollout.temperature", f"must be > 0 when sampling, got {temperature}")
     require(0.0 < top_p <= 1.0, "rollout.top_p", f"must be in (0, 1], got {top_p}")
     require(top_k >= 0, "rollout.top_k", f"must be >= 0 (0 = off), got {top_k}")
-    require(seeds is not None, "sample_seeds", "sampling needs one seed per row; see rl.rollout.sample_seeds")
+    if seeds is None:
+        raise NereusConfigError("sample_seeds: sampling needs one seed per row; see rl.rollout.sample_seeds")
     seeds = seeds.tolist() if isinstance(seeds, Tensor) else list(seeds)
     require(len(seeds) == batch, "sample_seeds", f"{len(seeds)} seeds for {batch} prompts")
     return seeds

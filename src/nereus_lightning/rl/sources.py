@@ -202,7 +202,7 @@ def builtin_reward_covers(data: PromptData) -> None:
 def reward_function(
     spec: RewardSpec | Callable[..., Any] | None, data: PromptData, num_workers: int = 0
 ) -> RewardFunction:
-    """The reward of ``spec`` (a spec or a callable), or the built-in one by data source (checked against ``data``)."""
+    """The reward of ``spec`` (a spec or a callable), else the data source's built-in one (checks data)."""
     if spec is None:
         builtin_reward_covers(data)
         spec = RewardSpec()

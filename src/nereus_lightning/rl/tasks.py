@@ -182,7 +182,9 @@ class PromptSampler:
 
 @dataclass
 class DenseRepeatTask:
-    """Token-level repeat task of the Lightning modules: prompt ``<bos>c:`` for a letter ``c``; the answer is ``c`` repeated ``L`` times, then eos.
+    """Token-level repeat task of the Lightning modules: prompt ``<bos>c:``, answer ``c`` x ``L``, then eos.
+
+    ``c`` is a letter; the answer repeats it ``L`` times.
 
     ``L`` grows from ``start_len`` by one every ``grow_every`` steps up to ``max_len``: responses
     grow as training goes on (the sequence-length drift of the embedded default). The score is

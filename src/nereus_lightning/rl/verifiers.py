@@ -1,4 +1,5 @@
-"""Built-in rule rewards, called as verl calls them: ``compute_score(data_source, solution_str, ground_truth, extra_info)``.
+"""Built-in rule rewards, called as verl calls them:
+``compute_score(data_source, solution_str, ground_truth, extra_info)``.
 
 - :func:`gsm8k_score`: GSM8K's final answer, the number after ``####`` (or, failing that, the last
   number of the response), compared with the ground truth as a number.
@@ -27,7 +28,7 @@ def _as_number(text: str) -> float | None:
 
 
 def gsm8k_answer(solution_str: str) -> str | None:
-    """The final answer of a GSM8K-style response: after ``####``, else the last number (None if no number)."""
+    """The final answer of a GSM8K-style response: after ``####``, else the last number (None if none)."""
     found = _FINAL.findall(solution_str)
     if found:
         return found[-1]
@@ -81,7 +82,7 @@ BUILTIN_BY_SOURCE = (("gsm8k", gsm8k_score), ("math", boxed_math_score), ("boxed
 def default_compute_score(
     data_source: str, solution_str: str, ground_truth: Any, extra_info: Mapping[str, Any] | None = None
 ) -> float:
-    """The built-in reward for ``data_source`` (GSM8K-style or boxed math); other sources need a custom one."""
+    """The built-in reward for ``data_source`` (GSM8K-style or boxed math); others need a custom one."""
     source = data_source.lower()
     for needle, fn in BUILTIN_BY_SOURCE:
         if needle in source:

@@ -104,7 +104,7 @@ def check_vocabulary(vocab_size: int, tp: int, key: str) -> None:
 
 
 def check_vllm_model(config: Any, key: str) -> None:
-    """Refuse, before any process starts, a model vLLM cannot run here (on the CPU: its attention's head sizes)."""
+    """Refuse, before any process starts, a model vLLM cannot run here (on the CPU: its head sizes)."""
     if torch.cuda.is_available():
         return
     _import_vllm()
@@ -139,7 +139,8 @@ def _model_folder(config: Any, folder: str) -> str:
 
     config = config.__class__.from_dict(config.to_dict())  # a copy: the caller's config stays as it is
     if not config.architectures:
-        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__name__]
+        # transformers annotates the mapping's values as tuples; they are model classes.
+        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__name__]  # type: ignore[attr-defined]
     config.save_pretrained(folder)
     return folder
 
@@ -220,7 +221,7 @@ def _keeping_process_group() -> Iterator[None]:
 
 
 def _host_tensor(shape: Sequence[int], dtype: torch.dtype, dim: int) -> Tensor:
-    """An uninitialised host tensor of ``shape`` laid out with ``dim`` outermost (a TP chunk is one contiguous range)."""
+    """An uninitialised host tensor of ``shape`` laid out ``dim`` outermost (a TP chunk is contiguous)."""
     order = [dim, *(d for d in range(len(shape)) if d != dim)]
     return torch.empty([shape[d] for d in order], dtype=dtype).permute(
         *sorted(range(len(shape)), key=order.__getitem__)
@@ -234,7 +235,7 @@ def checkpoint_tensors(
     tp: int,
     tp_rank: int,
 ) -> Iterator[tuple[str, Tensor]]:
-    """``(name, tensor)`` in checkpoint format whose only written part is this rank's shard (see the module docstring)."""
+    """``(name, tensor)`` in checkpoint format, only this rank's shard written (see the module docstring)."""
     from nereus_lightning.models.sharding import tp_slices
 
     for name, shard in shards.items():
@@ -250,7 +251,7 @@ def checkpoint_tensors(
 
 @dataclass
 class VLLMRollout(RolloutOutput):
-    """A rollout with the sampled tokens' log-probs (``[B, R]``, 0 outside the mask) and the weights' policy version."""
+    """A rollout with the sampled tokens' log-probs (``[B, R]``, 0 outside the mask), the policy version."""
 
     log_probs: Tensor
     policy_version: int | None
@@ -401,11 +402,11 @@ class VLLMInstance:
         self.policy_version = policy_version
 
     def read_weights(self) -> dict[str, Tensor]:
-        """This rank's engine weights (global names, our shard shapes), read back through ``collective_rpc``."""
+        """This rank's engine weights (global names, our shard shapes), read through ``collective_rpc``."""
         return self.llm.collective_rpc("nereus_read_weights")[0]
 
     def close(self) -> None:
-        """Shut the engine down; the trainer's process group stays (every rank of the engine's groups calls it)."""
+        """Shut the engine down; the trainer's process group stays (every rank of the engine calls it)."""
         with _keeping_process_group():
             self.llm.llm_engine.engine_core.shutdown()
         self._folder.cleanup()

@@ -1,4 +1,7 @@
-"""Trace-driven simulation of the controller: drift traces, a simulated machine, policies, reports (pure Python)."""
+"""Trace-driven simulation of the controller: drift traces, a simulated machine, policies, reports.
+
+Pure Python (no torch).
+"""
 
 from nereus_lightning.sim.experiment import Setup, make_setup, run_experiment
 from nereus_lightning.sim.machine import TRUE_EFFICIENCY, TrueMachine

@@ -34,9 +34,15 @@ class Setup:
 
 
 def make_setup(
-    model: str | ModelSpec = "llama3_8b", cluster: str | ClusterSpec = "paper_cluster2",
-    workload: Mapping[str, Any] | Workload | None = None, noise: float = 0.03, transition_factor: float = 1.25,
-    restart_s: float = 300.0, seed: int = 0, efficiency: Mapping[str, float] | None = None, alternatives: int = 4,
+    model: str | ModelSpec = "llama3_8b",
+    cluster: str | ClusterSpec = "paper_cluster2",
+    workload: Mapping[str, Any] | Workload | None = None,
+    noise: float = 0.03,
+    transition_factor: float = 1.25,
+    restart_s: float = 300.0,
+    seed: int = 0,
+    efficiency: Mapping[str, float] | None = None,
+    alternatives: int = 4,
 ) -> Setup:
     """Build a :class:`Setup` from preset names and plain numbers."""
     spec = model_preset(model) if isinstance(model, str) else model
@@ -51,7 +57,9 @@ def make_setup(
         work = workload
     backend = PlannerBackend(job_models(spec), alternatives=alternatives)
     truth = Calibration({**TRUE_EFFICIENCY, **dict(efficiency or {})})
-    machine = TrueMachine(backend, truth, noise=noise, transition_factor=transition_factor, restart_s=restart_s, seed=seed)
+    machine = TrueMachine(
+        backend, truth, noise=noise, transition_factor=transition_factor, restart_s=restart_s, seed=seed
+    )
     return Setup(backend, clus, work, machine)
 
 
@@ -77,27 +85,60 @@ def controller_config(cfg: Mapping[str, Any] | None) -> ControllerConfig:
 
 
 def run_experiment(
-    setup: Setup, trace: DriftTrace, policies: Sequence[str | PolicySpec], controller: ControllerConfig | None = None,
-    out_dir: str | None = None, gammas: Sequence[float] | None = None, plot: bool = True, notice: bool = True,
+    setup: Setup,
+    trace: DriftTrace,
+    policies: Sequence[str | PolicySpec],
+    controller: ControllerConfig | None = None,
+    out_dir: str | None = None,
+    gammas: Sequence[float] | None = None,
+    plot: bool = True,
+    notice: bool = True,
     oracle_tolerance: float = 0.0,
 ) -> dict[str, Any]:
     """Compare ``policies`` on ``trace``; write CSV, table, JSON, decision logs and plots to ``out_dir``."""
     specs = [p if isinstance(p, PolicySpec) else PolicySpec.parse(str(p)) for p in policies]
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
-    comparison: Comparison = compare(trace, specs, setup.backend, setup.cluster, setup.workload, setup.machine,
-                                     Calibration, controller, log_dir=out_dir, notice=notice,
-                                     oracle_tolerance=oracle_tolerance)
+    comparison: Comparison = compare(
+        trace,
+        specs,
+        setup.backend,
+        setup.cluster,
+        setup.workload,
+        setup.machine,
+        Calibration,
+        controller,
+        log_dir=out_dir,
+        notice=notice,
+        oracle_tolerance=oracle_tolerance,
+    )
     table = format_table(list(comparison.summaries.values()), title=trace.name)
-    result: dict[str, Any] = {"trace": trace.name, "steps": len(trace), "table": comparison.table(), "text": table}
+    result: dict[str, Any] = {
+        "trace": trace.name,
+        "steps": len(trace),
+        "table": comparison.table(),
+        "text": table,
+    }
     if gammas:
-        rows = gamma_sweep(trace, gammas, setup.backend, setup.cluster, setup.workload, setup.machine, Calibration,
-                           controller, oracle=comparison.records["oracle"], notice=notice)
+        rows = gamma_sweep(
+            trace,
+            gammas,
+            setup.backend,
+            setup.cluster,
+            setup.workload,
+            setup.machine,
+            Calibration,
+            controller,
+            oracle=comparison.records["oracle"],
+            notice=notice,
+        )
         best = min(rows, key=lambda r: r["mean_step_s"])
         result["gamma_sweep"] = rows
         result["best_gamma"] = best["gamma"]
     if out_dir:
-        write_csv(os.path.join(out_dir, "steps.csv"), [r for recs in comparison.records.values() for r in recs])
+        write_csv(
+            os.path.join(out_dir, "steps.csv"), [r for recs in comparison.records.values() for r in recs]
+        )
         with open(os.path.join(out_dir, "summary.md"), "w") as f:
             f.write(table + "\n")
         with open(os.path.join(out_dir, "summary.json"), "w") as f:

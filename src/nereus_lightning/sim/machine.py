@@ -71,7 +71,9 @@ class TrueMachine:
         restart_s: float = 300.0, seed: int = 0,
     ) -> None:
         require(noise >= 0, "machine.noise", f"must be >= 0, got {noise}")
-        require(transition_factor > 0, "machine.transition_factor", f"must be positive, got {transition_factor}")
+        require(
+            transition_factor > 0, "machine.transition_factor", f"must be positive, got {transition_factor}"
+        )
         require(restart_s >= 0, "machine.restart_s", f"must be >= 0, got {restart_s}")
         self.backend = backend
         self.truth = truth

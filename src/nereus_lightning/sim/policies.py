@@ -64,7 +64,9 @@ class StaticPolicy:
 
     name = "static"
 
-    def __init__(self, backend: PlanningBackend, cluster: ClusterSpec, workload: Workload, calibration: Any = None) -> None:
+    def __init__(
+        self, backend: PlanningBackend, cluster: ClusterSpec, workload: Workload, calibration: Any = None
+    ) -> None:
         self.backend, self.cluster, self.workload, self.calibration = backend, cluster, workload, calibration
         self.initial: Plan | None = None
         self.plan: Plan | None = None
@@ -73,7 +75,9 @@ class StaticPolicy:
     def start(self, signals: StepSignals) -> Plan:
         """The planner's best plan for the first step."""
         cluster = self.cluster.with_gpus(signals.num_gpus)
-        self.initial = self.plan = self.backend.plan(cluster, workload_at(self.workload, signals), self.calibration)[0][0]
+        self.initial = self.plan = self.backend.plan(
+            cluster, workload_at(self.workload, signals), self.calibration
+        )[0][0]
         self._pool = signals.num_gpus
         return self.plan
 
@@ -84,7 +88,9 @@ class StaticPolicy:
         plan = self.plan
         if signals.num_gpus != self._pool:
             self._pool = signals.num_gpus
-            refit = follow_pool(self.initial, self.workload.algorithm, signals.num_gpus, self.workload.sequences_per_step)
+            refit = follow_pool(
+                self.initial, self.workload.algorithm, signals.num_gpus, self.workload.sequences_per_step
+            )
             plan = refit if refit is not None else plan
         inside = max(g for _, c in plan.items() for g in c.gpus) < signals.num_gpus
         if not inside or not self.backend.estimate(plan, cluster, workload, self.calibration).feasible:
@@ -105,7 +111,12 @@ class OraclePolicy:
     name = "oracle"
 
     def __init__(
-        self, backend: PlanningBackend, cluster: ClusterSpec, workload: Workload, truth: Any, tolerance: float = 0.0
+        self,
+        backend: PlanningBackend,
+        cluster: ClusterSpec,
+        workload: Workload,
+        truth: Any,
+        tolerance: float = 0.0,
     ) -> None:
         self.backend, self.cluster, self.workload, self.truth = backend, cluster, workload, truth
         self.tolerance = tolerance
@@ -120,8 +131,15 @@ class OraclePolicy:
         one planner call per step).
         """
         key = (signals.num_gpus, signals.response_len, signals.response_len_p95, signals.prompt_len)
-        if self.plan is not None and self._key is not None and self.tolerance > 0 and key[0] == self._key[0] and all(
-            abs(a - b) <= self.tolerance * max(b, 1.0) for a, b in zip(key[1:], self._key[1:], strict=False)
+        if (
+            self.plan is not None
+            and self._key is not None
+            and self.tolerance > 0
+            and key[0] == self._key[0]
+            and all(
+                abs(a - b) <= self.tolerance * max(b, 1.0)
+                for a, b in zip(key[1:], self._key[1:], strict=False)
+            )
         ):
             return self.plan
         self._key = key
@@ -154,7 +172,11 @@ class PolicySpec:
     label: str = ""
 
     def __post_init__(self) -> None:
-        require(self.kind in POLICY_KINDS, "simulate.policies", f"{self.kind!r} is not one of {list(POLICY_KINDS)}")
+        require(
+            self.kind in POLICY_KINDS,
+            "simulate.policies",
+            f"{self.kind!r} is not one of {list(POLICY_KINDS)}",
+        )
         require(self.k >= 1, "simulate.k", f"must be >= 1, got {self.k}")
 
     @property
@@ -169,7 +191,11 @@ class PolicySpec:
 
     @classmethod
     def parse(cls, text: str) -> PolicySpec:
-        """Parse ``static``, ``always``, ``every_k:3``, ``nereus`` (the controller's gamma), ``nereus:0.5`` or ``oracle``."""
+        """Parse a policy name.
+
+        ``static``, ``always``, ``every_k:3``, ``nereus`` (the controller's gamma), ``nereus:0.5``,
+        ``oracle``.
+        """
         kind, _, arg = text.partition(":")
         try:
             if kind == "nereus":
@@ -184,13 +210,21 @@ class PolicySpec:
 def resolve(spec: PolicySpec, controller: ControllerConfig | None) -> PolicySpec:
     """Fill in a Nereus spec's gamma from the controller config (so names show the gamma used)."""
     if spec.kind == "nereus" and spec.gamma is None:
-        return PolicySpec("nereus", gamma=(controller or ControllerConfig()).gamma, k=spec.k, label=spec.label)
+        return PolicySpec(
+            "nereus", gamma=(controller or ControllerConfig()).gamma, k=spec.k, label=spec.label
+        )
     return spec
 
 
 def make_policy(
-    spec: PolicySpec, backend: PlanningBackend, cluster: ClusterSpec, workload: Workload, truth: Any,
-    calibration_factory: Callable[[], Any], controller: ControllerConfig | None = None, log: str | None = None,
+    spec: PolicySpec,
+    backend: PlanningBackend,
+    cluster: ClusterSpec,
+    workload: Workload,
+    truth: Any,
+    calibration_factory: Callable[[], Any],
+    controller: ControllerConfig | None = None,
+    log: str | None = None,
     oracle_tolerance: float = 0.0,
 ):
     """Instantiate ``spec`` over one backend; controller policies get a fresh calibration each."""
@@ -206,7 +240,14 @@ def make_policy(
     if spec.kind == "always":
         cfg = _with(base, admission="any_gain", replan_every=1, **plain)
     elif spec.kind == "every_k":
-        cfg = _with(base, admission="any_gain", replan_every=spec.k, drift_triggers=False, pool_triggers=False, **plain)
+        cfg = _with(
+            base,
+            admission="any_gain",
+            replan_every=spec.k,
+            drift_triggers=False,
+            pool_triggers=False,
+            **plain,
+        )
     else:
         cfg = base if spec.gamma is None else _with(base, gamma=spec.gamma)
     ctl = Controller(backend, cluster, workload, cfg, calibration=calibration_factory(),

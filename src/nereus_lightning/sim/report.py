@@ -67,13 +67,28 @@ def plot_comparison(comparison: Comparison, path: str | os.PathLike, title: str 
         color = f"C{i}"
         ys = [min(r.step_s + r.transition_s, cap) for r in recs]
         style = ":" if name == "oracle" else "-"
-        top.plot(steps, ys, style, color=color, lw=1.4, label=f"{name} ({comparison.summaries[name].mean_step_s:.1f} s/step)")
+        top.plot(
+            steps,
+            ys,
+            style,
+            color=color,
+            lw=1.4,
+            label=f"{name} ({comparison.summaries[name].mean_step_s:.1f} s/step)",
+        )
         for r, y in zip(recs, ys, strict=True):
             if r.action in ("transition", "restart") and name != "oracle":
                 top.scatter([r.step], [y], color=color, marker="v", s=28, zorder=3)
             if r.step_s + r.transition_s > cap:
-                top.annotate(f"{r.step_s + r.transition_s:.0f} s", (r.step, cap), fontsize=7, ha="left", va="top",
-                             color=color, xytext=(3, -2), textcoords="offset points")
+                top.annotate(
+                    f"{r.step_s + r.transition_s:.0f} s",
+                    (r.step, cap),
+                    fontsize=7,
+                    ha="left",
+                    va="top",
+                    color=color,
+                    xytext=(3, -2),
+                    textcoords="offset points",
+                )
             if not r.feasible:
                 top.scatter([r.step], [y if math.isfinite(y) else 0], color=color, marker="x", s=40, zorder=4)
     top.set_ylim(0, cap * 1.02)

@@ -79,15 +79,26 @@ def simulate(policy: Any, trace: DriftTrace, machine: TrueMachine, backend: Plan
             prev = trace.num_gpus[s - 1]
             draining = tuple(range(pool, prev)) if notice else ()
             sig = StepSignals(
-                s, trace.response_len[seen], trace.response_len_p95[seen], trace.prompt_len[seen], tuple(range(pool)),
-                op_time=last.op_time if last else {}, stage_time=last.stage_time if last else {},
-                transition_time=last_transition, draining=draining,
+                s,
+                trace.response_len[seen],
+                trace.response_len_p95[seen],
+                trace.prompt_len[seen],
+                tuple(range(pool)),
+                op_time=last.op_time if last else {},
+                stage_time=last.stage_time if last else {},
+                transition_time=last_transition,
+                draining=draining,
             )
             act = policy.decide(sig)
             action = act.kind
             if act.kind == "transition" and not act.free:
                 transition_s, action = _transition_time(
-                    machine, backend, s, plan, act.plan, cluster.with_gpus(max(pool, prev) if draining else pool),
+                    machine,
+                    backend,
+                    s,
+                    plan,
+                    act.plan,
+                    cluster.with_gpus(max(pool, prev) if draining else pool),
                     workload_at(workload, sig),
                 )
             elif act.kind == "restart":
@@ -107,15 +118,24 @@ def simulate(policy: Any, trace: DriftTrace, machine: TrueMachine, backend: Plan
     return records
 
 
-def _transition_time(machine: TrueMachine, backend: PlanningBackend, step: int, current: Plan, target: Plan | None,
-                     cluster: ClusterSpec, workload: Workload) -> tuple[float, str]:
+def _transition_time(
+    machine: TrueMachine,
+    backend: PlanningBackend,
+    step: int,
+    current: Plan,
+    target: Plan | None,
+    cluster: ClusterSpec,
+    workload: Workload,
+) -> tuple[float, str]:
     """Real duration and kind of a move: the DAG from the intact units, priced by the cost model
     and scaled by the machine; a move with no safe DAG is a checkpoint/restart."""
     start = None if target is None else intact_plan(current, frozenset(range(cluster.num_gpus)))
     if target is None or start is None:
         return machine.restart_s, "restart"
     try:
-        return machine.transition_time(step, backend.transition_cost(start, target, cluster, workload)), "transition"
+        return machine.transition_time(
+            step, backend.transition_cost(start, target, cluster, workload)
+        ), "transition"
     except InfeasiblePlanError:
         return machine.restart_s, "restart"
 
@@ -158,9 +178,17 @@ class Comparison:
 
 
 def compare(
-    trace: DriftTrace, specs: Sequence[PolicySpec], backend: PlanningBackend, cluster: ClusterSpec, workload: Workload,
-    machine: TrueMachine, calibration_factory: Callable[[], Any], controller: ControllerConfig | None = None,
-    log_dir: str | None = None, notice: bool = True, oracle_tolerance: float = 0.0,
+    trace: DriftTrace,
+    specs: Sequence[PolicySpec],
+    backend: PlanningBackend,
+    cluster: ClusterSpec,
+    workload: Workload,
+    machine: TrueMachine,
+    calibration_factory: Callable[[], Any],
+    controller: ControllerConfig | None = None,
+    log_dir: str | None = None,
+    notice: bool = True,
+    oracle_tolerance: float = 0.0,
 ) -> Comparison:
     """Run every policy of ``specs`` (the oracle always runs, first, for the gap column)."""
     specs = [resolve(s, controller) for s in specs]
@@ -169,11 +197,24 @@ def compare(
     specs.sort(key=lambda s: s.kind != "oracle")
     records: dict[str, list[StepRecord]] = {}
     for spec in specs:
-        log = None if log_dir is None or spec.kind in ("static", "oracle") else f"{log_dir}/decisions_{_slug(spec.name)}.jsonl"
+        log = (
+            None
+            if log_dir is None or spec.kind in ("static", "oracle")
+            else f"{log_dir}/decisions_{_slug(spec.name)}.jsonl"
+        )
         if log is not None and os.path.exists(log):
             os.remove(log)  # one simulation per file (the controller itself appends, for resumed jobs)
-        policy = make_policy(spec, backend, cluster, workload, machine.truth, calibration_factory, controller, log,
-                             oracle_tolerance)
+        policy = make_policy(
+            spec,
+            backend,
+            cluster,
+            workload,
+            machine.truth,
+            calibration_factory,
+            controller,
+            log,
+            oracle_tolerance,
+        )
         records[spec.name] = simulate(policy, trace, machine, backend, cluster, workload, notice)
     oracle = records["oracle"]
     summaries = {n: summarise(r, None if n == "oracle" else oracle) for n, r in records.items()}
@@ -185,13 +226,22 @@ def _slug(name: str) -> str:
 
 
 def gamma_sweep(
-    trace: DriftTrace, gammas: Sequence[float], backend: PlanningBackend, cluster: ClusterSpec, workload: Workload,
-    machine: TrueMachine, calibration_factory: Callable[[], Any], controller: ControllerConfig | None = None,
-    oracle: Sequence[StepRecord] | None = None, notice: bool = True,
+    trace: DriftTrace,
+    gammas: Sequence[float],
+    backend: PlanningBackend,
+    cluster: ClusterSpec,
+    workload: Workload,
+    machine: TrueMachine,
+    calibration_factory: Callable[[], Any],
+    controller: ControllerConfig | None = None,
+    oracle: Sequence[StepRecord] | None = None,
+    notice: bool = True,
 ) -> list[dict[str, Any]]:
     """Nereus(gamma) for every gamma of ``gammas``: one summary row each (gap against the oracle)."""
     if oracle is None:
-        policy = make_policy(PolicySpec("oracle"), backend, cluster, workload, machine.truth, calibration_factory)
+        policy = make_policy(
+            PolicySpec("oracle"), backend, cluster, workload, machine.truth, calibration_factory
+        )
         oracle = simulate(policy, trace, machine, backend, cluster, workload, notice)
     rows = []
     for gamma in gammas:

@@ -14,6 +14,7 @@ import os
 import random
 from dataclasses import dataclass
 from importlib import resources
+from typing import Any
 
 from nereus_lightning.control.resources import TraceResources, load_spot_trace
 from nereus_lightning.control.signals import StepSignals
@@ -26,10 +27,12 @@ CURVE_SHAPES = ("linear", "geometric")
 def spot_trace_path(name: str) -> str:
     """Path of a shipped spot trace (``SPOT_TRACES``) or of any trace JSON file given by path."""
     if name in SPOT_TRACES:
-        return str(resources.files("nereus_lightning.sim").joinpath("traces", f"{name}.json"))
+        return str(resources.files("nereus_lightning.sim") / "traces" / f"{name}.json")
     if os.path.isfile(name):
         return name
-    raise NereusConfigError(f"trace.supply: {name!r} is neither a shipped trace ({', '.join(SPOT_TRACES)}) nor a file")
+    raise NereusConfigError(
+        f"trace.supply: {name!r} is neither a shipped trace ({', '.join(SPOT_TRACES)}) nor a file"
+    )
 
 
 def length_curve(steps: int, start: float, end: float, shape: str = "linear") -> list[float]:
@@ -63,7 +66,11 @@ class DriftTrace:
         n = len(self.response_len)
         require(n >= 1, "trace", "has no steps")
         for field in ("response_len_p95", "prompt_len", "num_gpus"):
-            require(len(getattr(self, field)) == n, f"trace.{field}", f"has {len(getattr(self, field))} steps, expected {n}")
+            require(
+                len(getattr(self, field)) == n,
+                f"trace.{field}",
+                f"has {len(getattr(self, field))} steps, expected {n}",
+            )
 
     def __len__(self) -> int:
         return len(self.response_len)
@@ -78,8 +85,11 @@ class DriftTrace:
     def to_json(self) -> dict:
         """A JSON-serialisable form."""
         return {
-            "name": self.name, "response_len": list(self.response_len), "response_len_p95": list(self.response_len_p95),
-            "prompt_len": list(self.prompt_len), "num_gpus": list(self.num_gpus),
+            "name": self.name,
+            "response_len": list(self.response_len),
+            "response_len_p95": list(self.response_len_p95),
+            "prompt_len": list(self.prompt_len),
+            "num_gpus": list(self.num_gpus),
         }
 
     @classmethod
@@ -137,21 +147,33 @@ def build_trace(
     counts, _ = load_spot_trace(spot_trace_path(supply))
     res = TraceResources(counts, min_gpus, max_gpus, ticks_per_step, start_tick, granularity, max_count=16)
     gpus = tuple(res.num_gpus(s) for s in range(steps))
-    label = name or f"{os.path.basename(supply).removesuffix('.json')} {min_gpus}-{max_gpus} GPUs, {steps} steps"
+    label = (
+        name or f"{os.path.basename(supply).removesuffix('.json')} {min_gpus}-{max_gpus} GPUs, {steps} steps"
+    )
     return DriftTrace(label, tuple(lens), tuple(p95s), tuple(float(prompt_len) for _ in range(steps)), gpus)
 
 
 def paper_trace(supply: str = "us-east-2b_v100_1", start_tick: int = 0, **kwargs) -> DriftTrace:
     """The paper's 25-step held-out shape: mean 1,147.5 -> 3,722 tokens, p95 1,339 -> 4,072, 8-32 GPUs."""
-    args = dict(steps=25, mean=(1147.5, 3722.0), p95=(1339.0, 4072.0), min_gpus=8, max_gpus=32, granularity=4,
-                ticks_per_step=3.0, start_tick=start_tick, supply=supply, name="paper 25-step drift")
+    args: dict[str, Any] = dict(
+        steps=25,
+        mean=(1147.5, 3722.0),
+        p95=(1339.0, 4072.0),
+        min_gpus=8,
+        max_gpus=32,
+        granularity=4,
+        ticks_per_step=3.0,
+        start_tick=start_tick,
+        supply=supply,
+        name="paper 25-step drift",
+    )
     args.update(kwargs)
     return build_trace(**args)
 
 
 def long_trace(supply: str = "us-east-2b_v100_1", steps: int = 1000, **kwargs) -> DriftTrace:
     """The paper's long run: mean 500 -> 8,000 tokens over 1,000 steps, supply scaled to 64 ... 1,024 GPUs."""
-    args = dict(steps=steps, mean=(500.0, 8000.0), min_gpus=64, max_gpus=1024, granularity=8,
+    args: dict[str, Any] = dict(steps=steps, mean=(500.0, 8000.0), min_gpus=64, max_gpus=1024, granularity=8,
                 ticks_per_step=0.2, supply=supply, name=f"{supply} 64-1024 GPUs, {steps} steps")
     args.update(kwargs)
     return build_trace(**args)

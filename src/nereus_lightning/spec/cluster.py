@@ -33,10 +33,22 @@ class ClusterSpec:
     num_gpus: int = 0
 
     def __post_init__(self) -> None:
-        for field in ("num_nodes", "gpus_per_node", "gpu_memory", "peak_flops", "hbm_bw", "intra_bw", "inter_bw"):
-            require(getattr(self, field) > 0, f"cluster.{field}", f"must be positive, got {getattr(self, field)}")
+        for field in (
+            "num_nodes",
+            "gpus_per_node",
+            "gpu_memory",
+            "peak_flops",
+            "hbm_bw",
+            "intra_bw",
+            "inter_bw",
+        ):
+            require(
+                getattr(self, field) > 0, f"cluster.{field}", f"must be positive, got {getattr(self, field)}"
+            )
         for field in ("intra_latency", "inter_latency", "comm_setup"):
-            require(getattr(self, field) >= 0, f"cluster.{field}", f"must be >= 0, got {getattr(self, field)}")
+            require(
+                getattr(self, field) >= 0, f"cluster.{field}", f"must be >= 0, got {getattr(self, field)}"
+            )
         total = self.num_nodes * self.gpus_per_node
         if self.num_gpus == 0:
             object.__setattr__(self, "num_gpus", total)
@@ -44,7 +56,8 @@ class ClusterSpec:
         require(
             self.num_gpus <= total,
             "cluster.num_gpus",
-            f"{self.num_gpus} exceeds {self.num_nodes} nodes x {self.gpus_per_node} GPUs = {total}; raise cluster.num_nodes",
+            f"{self.num_gpus} exceeds {self.num_nodes} nodes x {self.gpus_per_node} GPUs = {total}; "
+            "raise cluster.num_nodes",
         )
 
     def node_of(self, gpu: int) -> int:
@@ -79,8 +92,12 @@ class ClusterSpec:
 
 CLUSTER_PRESETS: dict[str, ClusterSpec] = {
     # Table 3 of the paper. Peak FLOP/s are the vendors' dense bf16 numbers per GPU (per GCD for MI250X).
-    "paper_cluster1": ClusterSpec("MI250X x8 (Slingshot-11)", 128, 8, 64 * GB, 191.5e12, 1.6e12, 400 * GB, 4 * 25 * GB),
-    "paper_cluster2": ClusterSpec("A100-64GB x4 (HDR100)", 64, 4, 64 * GB, 312e12, 1.64e12, 600 * GB, 4 * 12.5 * GB),
+    "paper_cluster1": ClusterSpec(
+        "MI250X x8 (Slingshot-11)", 128, 8, 64 * GB, 191.5e12, 1.6e12, 400 * GB, 4 * 25 * GB
+    ),
+    "paper_cluster2": ClusterSpec(
+        "A100-64GB x4 (HDR100)", 64, 4, 64 * GB, 312e12, 1.64e12, 600 * GB, 4 * 12.5 * GB
+    ),
     "paper_cluster3": ClusterSpec("H200 x8 (HDR IB)", 8, 8, 141 * GB, 989e12, 4.8e12, 900 * GB, 25 * GB),
     # One 8xH200 node, like the device machines here.
     "h200x8": ClusterSpec("H200 x8 node", 1, 8, 141 * GB, 989e12, 4.8e12, 900 * GB, 25 * GB),

@@ -88,7 +88,7 @@ def _get(config: Any, key: str) -> Any:
 
 
 def refusal(model_type: object, what: str, field: str = "model.config") -> NereusConfigError:
-    """The error for a config the body cannot compute exactly: the family, what is unsupported, the supported ones."""
+    """The error for a config the body cannot compute exactly: its family, what is unsupported, what is."""
     return NereusConfigError(
         f"{field}: model family {model_type!r} is not supported: {what}; "
         f"supported families: {', '.join(supported_families())}"

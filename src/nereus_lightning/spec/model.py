@@ -15,7 +15,7 @@ DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A decoder-only transformer of a registered family (``spec.families``) described by its config numbers."""
+    """A decoder-only transformer of a registered family (``spec.families``), described by its numbers."""
 
     name: str
     num_layers: int
@@ -33,7 +33,9 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "hidden", "num_heads", "num_kv_heads", "vocab", "intermediate"):
-            require(getattr(self, field) > 0, f"model.{field}", f"must be positive, got {getattr(self, field)}")
+            require(
+                getattr(self, field) > 0, f"model.{field}", f"must be positive, got {getattr(self, field)}"
+            )
         require(self.head_dim >= 0, "model.head_dim", f"must be >= 0, got {self.head_dim}")
         require(
             self.num_heads % self.num_kv_heads == 0,
@@ -97,7 +99,11 @@ class ModelSpec:
     def validate_tp(self, tp: int) -> None:
         """Reject a TP degree that would split an attention head or KV head."""
         require(tp >= 1, "layout.tp", f"must be >= 1, got {tp}")
-        require(self.num_heads % tp == 0, "layout.tp", f"tp={tp} does not divide num_heads={self.num_heads} of {self.name}")
+        require(
+            self.num_heads % tp == 0,
+            "layout.tp",
+            f"tp={tp} does not divide num_heads={self.num_heads} of {self.name}",
+        )
         require(
             self.num_kv_heads % tp == 0,
             "layout.tp",
@@ -107,7 +113,9 @@ class ModelSpec:
     def validate_pp(self, pp: int) -> None:
         """Reject a PP degree larger than the number of layers."""
         require(pp >= 1, "layout.pp", f"must be >= 1, got {pp}")
-        require(pp <= self.num_layers, "layout.pp", f"pp={pp} exceeds num_layers={self.num_layers} of {self.name}")
+        require(
+            pp <= self.num_layers, "layout.pp", f"pp={pp} exceeds num_layers={self.num_layers} of {self.name}"
+        )
 
     def with_name(self, name: str) -> ModelSpec:
         """A copy under another name."""
@@ -117,7 +125,8 @@ class ModelSpec:
     def from_hf_config(cls, config: Any, name: str | None = None) -> ModelSpec:
         """Build from a transformers config object, a dict, or a path to a ``config.json`` (or its folder).
 
-        Refuses a config whose family the body cannot compute exactly (:func:`~nereus_lightning.spec.families.family_of`).
+        Refuses a config whose family the body cannot compute exactly
+        (:func:`~nereus_lightning.spec.families.family_of`).
         """
         if isinstance(config, (str, os.PathLike)):
             path = os.fspath(config)
@@ -149,7 +158,9 @@ class ModelSpec:
                 max_position=int(config.get("max_position_embeddings", 131072)),
             )
         except KeyError as exc:
-            raise NereusConfigError(f"model.config: missing key {exc.args[0]!r} in the transformers config") from exc
+            raise NereusConfigError(
+                f"model.config: missing key {exc.args[0]!r} in the transformers config"
+            ) from exc
         return spec
 
 
@@ -162,12 +173,20 @@ def _dtype_name(value: Any) -> str:
 MODEL_PRESETS: dict[str, ModelSpec] = {
     "llama3_8b": ModelSpec("Llama-3.1-8B", 32, 4096, 32, 8, 128256, 14336, max_position=131072),
     "llama3_70b": ModelSpec("Llama-3.3-70B", 80, 8192, 64, 8, 128256, 28672, max_position=131072),
-    "qwen3_14b": ModelSpec("Qwen3-14B", 40, 5120, 40, 8, 151936, 17408, head_dim=128, qk_norm=True, max_position=40960),
-    "qwen3_32b": ModelSpec("Qwen3-32B", 64, 5120, 64, 8, 151936, 25600, head_dim=128, qk_norm=True, max_position=40960),
+    "qwen3_14b": ModelSpec(
+        "Qwen3-14B", 40, 5120, 40, 8, 151936, 17408, head_dim=128, qk_norm=True, max_position=40960
+    ),
+    "qwen3_32b": ModelSpec(
+        "Qwen3-32B", 64, 5120, 64, 8, 151936, 25600, head_dim=128, qk_norm=True, max_position=40960
+    ),
     # Tiny models for tests and the embedded default (random weights, built from configs).
     "tiny_llama": ModelSpec("tiny-llama", 4, 64, 4, 4, 256, 128, dtype="float32", max_position=512),
-    "tiny_gqa": ModelSpec("tiny-gqa-tied", 4, 64, 8, 4, 256, 160, tie_embeddings=True, dtype="float32", max_position=512),
-    "tiny_qwen2": ModelSpec("tiny-qwen2", 4, 64, 4, 2, 256, 128, qkv_bias=True, dtype="float32", max_position=512),
+    "tiny_gqa": ModelSpec(
+        "tiny-gqa-tied", 4, 64, 8, 4, 256, 160, tie_embeddings=True, dtype="float32", max_position=512
+    ),
+    "tiny_qwen2": ModelSpec(
+        "tiny-qwen2", 4, 64, 4, 2, 256, 128, qkv_bias=True, dtype="float32", max_position=512
+    ),
 }
 
 

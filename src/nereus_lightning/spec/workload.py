@@ -90,12 +90,28 @@ class Workload:
     reward_model: bool = True  # False: rewards come from a Python function (no reward_infer model-stage)
 
     def __post_init__(self) -> None:
-        require(self.algorithm in ALGORITHMS, "workload.algorithm", f"{self.algorithm!r} is not one of {list(ALGORITHMS)}")
-        for field in ("prompts_per_step", "samples_per_prompt", "ppo_epochs", "mini_batches", "micro_batch_min"):
-            require(getattr(self, field) >= 1, f"workload.{field}", f"must be >= 1, got {getattr(self, field)}")
+        require(
+            self.algorithm in ALGORITHMS,
+            "workload.algorithm",
+            f"{self.algorithm!r} is not one of {list(ALGORITHMS)}",
+        )
+        for field in (
+            "prompts_per_step",
+            "samples_per_prompt",
+            "ppo_epochs",
+            "mini_batches",
+            "micro_batch_min",
+        ):
+            require(
+                getattr(self, field) >= 1, f"workload.{field}", f"must be >= 1, got {getattr(self, field)}"
+            )
         require(self.prompt_len >= 0, "workload.prompt_len", f"must be >= 0, got {self.prompt_len}")
         require(self.response_len > 0, "workload.response_len", f"must be positive, got {self.response_len}")
-        require(self.response_len_p95 >= 0, "workload.response_len_p95", f"must be >= 0, got {self.response_len_p95}")
+        require(
+            self.response_len_p95 >= 0,
+            "workload.response_len_p95",
+            f"must be >= 0, got {self.response_len_p95}",
+        )
         require(
             self.micro_batch_max >= self.micro_batch_min,
             "workload.micro_batch_max",

@@ -15,7 +15,7 @@ SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 300) -> Any:
-    """A byte-level BPE tokenizer trained on ``texts``, ChatML template, eos ``<|im_end|>``, pad ``<|endoftext|>``."""
+    """A byte-level BPE tokenizer trained on ``texts``: ChatML, eos ``<|im_end|>``, pad ``<|endoftext|>``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -45,7 +45,7 @@ def tiny_model_folder(
     seed: int = 0,
     **config: Any,
 ) -> str:
-    """Save a tiny ``family`` causal LM (random weights from ``seed``) and a tokenizer trained on ``texts`` into ``path``.
+    """Save a tiny ``family`` causal LM (weights from ``seed``) and a tokenizer of ``texts`` into ``path``.
 
     The model's vocabulary is the tokenizer's size, as in a real checkpoint.
     """

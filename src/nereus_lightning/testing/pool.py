@@ -72,7 +72,9 @@ class WorkerPool:
         }
         port = _free_port()
         self._procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, self._inboxes[r], self._outbox, env), daemon=True)
+            ctx.Process(
+                target=_worker, args=(r, world_size, port, self._inboxes[r], self._outbox, env), daemon=True
+            )
             for r in range(world_size)
         ]
         for p in self._procs:

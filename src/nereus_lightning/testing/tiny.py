@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 VOCAB = 256
@@ -9,11 +11,16 @@ PAD = 200  # the padding id of "gqa_tied" (its embedding row gets no gradient fr
 
 
 def tiny_config(kind: str):
-    """A tiny config: "llama" (MHA), "qwen2" (q/k/v bias, GQA), "gqa_tied" (Llama GQA, tied, pad id), "qwen3" (q/k norm, tied),
-    "mistral" (sliding window 5)."""
+    """A tiny config of ``kind``.
+
+    "llama" (MHA), "qwen2" (q/k/v bias, GQA), "gqa_tied" (Llama GQA, tied, pad id), "qwen3" (q/k
+    norm, tied), "mistral" (sliding window 5).
+    """
     import transformers as tf
 
-    common = dict(hidden_size=64, vocab_size=VOCAB, max_position_embeddings=128, attn_implementation="eager")
+    common: dict[str, Any] = dict(
+        hidden_size=64, vocab_size=VOCAB, max_position_embeddings=128, attn_implementation="eager"
+    )
     if kind == "llama":
         return tf.LlamaConfig(
             num_attention_heads=4, num_key_value_heads=4, intermediate_size=128, num_hidden_layers=4, **common
