@@ -1,0 +1,108 @@
+"""``nereus-train`` on one GPU with a user's folder: PPO or GRPO, bf16, every model-stage colocated.
+
+Runs the CLI's ``run`` on a Qwen2 folder of the 0.5B shape (random weights, see
+``bench_gpu_e2e.make_folder``) with word-problem prompts, and reports what issue "From one GPU up"
+checks: that the job runs, the plan it ran (colocated groups), per-stage peak memory
+(``perf/max_memory_allocated_gb/<stage>``), seconds per stage, and the time from the end of the
+last step to the end of ``fit`` (the shell wrapper adds interpreter exit).
+
+Usage: python benchmarks/gpu_fit.py --algorithm grpo --root /tmp/job --out results/
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def _job(root: Path, shape: str) -> dict[str, str]:
+    from bench_gpu_e2e import make_folder
+
+    from nereus_lightning.rl.wordproblems import make_rows, write_parquet
+
+    root.mkdir(parents=True, exist_ok=True)
+    reward = root / "reward.py"
+    reward.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return float(str(ground_truth) in solution_str)\n"
+    )
+    return {
+        "model": str(make_folder(shape, root)),
+        "train": write_parquet(make_rows(256, "train"), str(root / "train.parquet")),
+        "reward": str(reward),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--algorithm", default="grpo", choices=["grpo", "ppo"])
+    parser.add_argument("--root", default="/tmp/nereus-gpu-job")
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--response", type=int, default=128)
+    parser.add_argument("--shape", default="0.5b", help="bench_gpu_e2e.SHAPES: 0.5b, 1.5b, tiny (CPU check)")
+    parser.add_argument("--trainer", default="gpu", help="the trainer config group: gpu, or cpu for a check here")
+    args = parser.parse_args()
+
+    from hydra import compose, initialize_config_dir
+
+    from nereus_lightning.cli._hydra import CONFIG_ROOT
+    from nereus_lightning.cli.train import run
+    from nereus_lightning.lightning.callback import NereusCallback
+
+    job = _job(Path(args.root), args.shape)
+    out = Path(args.out) / f"gpu_fit_{args.algorithm}"
+    ends = out / "step_ends.txt"
+    original = NereusCallback.on_train_batch_end
+
+    def on_train_batch_end(self, trainer, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        original(self, trainer, *a, **k)
+        if trainer.global_rank == 0:
+            with open(ends, "a") as f:
+                f.write(f"{time.time()}\n")
+
+    NereusCallback.on_train_batch_end = on_train_batch_end
+    samples = 4 if args.algorithm == "grpo" else 1
+    overrides = [
+        f"trainer={args.trainer}", "trainer.devices=1", "trainer.precision=bf16-mixed",
+        f"algorithm={args.algorithm}", f"algorithm.samples_per_prompt={samples}",
+        "algorithm.prompts_per_step=16", f"trainer.max_steps={args.steps}",
+        f"actor.path={job['model']}", f"data.train_files={job['train']}",
+        f"custom_reward_function.path={job['reward']}", f"data.max_response_length={args.response}",
+        "algorithm.ignore_eos=true", f"output_dir={out}", "plot=false", "checkpoint_every=0",
+    ]
+    with initialize_config_dir(config_dir=str(CONFIG_ROOT), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides)
+    out.mkdir(parents=True, exist_ok=True)
+    ends.unlink(missing_ok=True)
+    start = time.time()
+    summary = run(cfg)
+    done = time.time()
+    last_end = float(open(ends).read().split()[-1])
+    files = sorted(glob.glob(str(out / "logs" / "*" / "metrics.csv")), key=os.path.getmtime)
+    rows = [r for r in csv.DictReader(open(files[-1])) if r.get("critic/score/mean")]
+    keys = sorted({k for r in rows for k in r if k.startswith(("perf/max_memory", "timing_s/"))})
+    per_step = {k: [float(r[k]) for r in rows if r.get(k)] for k in keys}
+    first = json.loads(open(out / "decisions.jsonl").readline())
+    result = {
+        "algorithm": args.algorithm, "steps": summary.get("steps"), "fit_s": done - start,
+        "last_step_to_fit_end_s": done - last_end, "plan": first.get("target_plan"),
+        "median": {k: sorted(v)[len(v) // 2] for k, v in per_step.items() if v},
+        "max": {k: max(v) for k, v in per_step.items() if v and k.startswith("perf/")},
+        "last_step_end": last_end,
+    }
+    (out / "result.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k != "plan"}, indent=1))
+    print("plan:", json.dumps(result["plan"]))
+
+
+if __name__ == "__main__":
+    main()
