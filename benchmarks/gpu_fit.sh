@@ -15,4 +15,4 @@ for alg in ${ALGORITHMS:-grpo ppo}; do
   tail -25 "$results/gpu_fit_$alg.log"
   python3 -c "import json,sys; r=json.load(open('$results/gpu_fit_$alg/result.json')); print('$alg rc=$rc last step -> process exit', round($exit_at - r['last_step_end'], 2), 's')" || echo "$alg rc=$rc (no result)"
 done
-python3 -m pytest -q -p no:cacheprovider tests/lightning/test_offload_gpu.py 2>&1 | tail -5
+[ -n "${SKIP_TESTS:-}" ] || python3 -m pytest -q -p no:cacheprovider tests/lightning/test_offload_gpu.py 2>&1 | tail -5

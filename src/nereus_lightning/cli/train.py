@@ -86,7 +86,32 @@ def job_cluster_preset(cfg: Any) -> Any:
     ``trainer.num_nodes`` x GPUs per node (checked against the launcher by :func:`job_launch`)."""
     from nereus_lightning.spec import cluster_preset
 
-    return cluster_preset(str(cfg.cluster)).on_nodes(_num_nodes(cfg), _devices_per_node(cfg))
+    return cluster_preset(cluster_name(cfg)).on_nodes(_num_nodes(cfg), _devices_per_node(cfg))
+
+
+def cluster_name(cfg: Any) -> str:
+    """``cfg.cluster``, with ``auto`` resolved: ``cpu4`` for CPU ranks, else the preset of this GPU model.
+
+    The planner prices plans on the preset's memory, FLOP/s and links, so pricing GPUs as CPU
+    ranks (or the reverse) would plan for the wrong machine; a GPU no preset describes is refused.
+    """
+    import torch
+
+    from nereus_lightning.spec.cluster import CLUSTER_PRESETS
+
+    name = str(cfg.cluster)
+    if name != "auto":
+        return name
+    if str(cfg.trainer.get("accelerator", "cpu")) == "cpu" or not torch.cuda.is_available():
+        return "cpu4"
+    device = torch.cuda.get_device_name(0)
+    for preset, spec in CLUSTER_PRESETS.items():
+        if spec.name.split()[0] in device.split():  # e.g. "H200" in "NVIDIA H200"
+            return preset
+    raise NereusConfigError(
+        f"cluster=auto: no cluster preset describes this GPU ({device}); set cluster= one of "
+        f"{', '.join(sorted(CLUSTER_PRESETS))}"
+    )
 
 
 def _prompt_len(cfg: Any) -> float:

@@ -202,8 +202,9 @@ def execute_dag(
         rank_of: GPU id in the plans -> global rank (identity by default).
         device: where received shards live (``emu.default_device()`` by default).
         colocate: model-stage -> the model-stages whose units may share its ranks. By default the
-            workflow's rule: model-stages of different stages (generation, inference, training)
-            run one after another, so they may share GPUs; those of one stage may not.
+            brain's rule: model-stages of different stages run one after another, and so do
+            same-stage ones that share GPUs in the current or the target plan; only same-stage
+            model-stages concurrent under both plans may not share a rank.
 
     Returns:
         This rank's :class:`ExecutionReport` (call :meth:`ExecutionReport.reduce` on every rank
@@ -390,8 +391,10 @@ def _overlapping(op: Primitive) -> bool:
 
 
 def _workflow_colocation(dag: TransitionDAG) -> dict[str, tuple[str, ...]]:
-    stages = dag.context.stages
-    return {name: tuple(o for o in stages if stages[o].stage != stages[name].stage) for name in stages}
+    """Every model-stage may share ranks with all but its transition peers (the brain's rule:
+    same-stage model-stages concurrent under both plans, ``TransitionContext.peers``)."""
+    stages, peers = dag.context.stages, dag.context.peers
+    return {name: tuple(o for o in stages if o != name and o not in peers.get(name, ())) for name in stages}
 
 
 def _dry_run(ops: Sequence[tuple[int, Primitive]], colocate: Mapping[str, Collection[str]]) -> None:

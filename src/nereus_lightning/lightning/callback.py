@@ -159,7 +159,11 @@ class NereusCallback(pl.Callback):
         stats["plan/num_gpus"] = (
             float(len(_used_gpus(plan))) if plan is not None else float(trainer.world_size)
         )
-        signals = _signals(pl_module, step, stats, self.pool(step, trainer.world_size))
+        pool = self.pool(step, trainer.world_size)
+        # A rank that leaves the pool stays alive (the process group keeps every rank), so the
+        # transition may still read its units: it is draining, as under a revocation notice.
+        draining = tuple(g for g in self.pool(step - 1, trainer.world_size) if g not in pool)
+        signals = _signals(pl_module, step, stats, pool, draining)
         if self._last_transition_s:
             # The measured duration of the transition executed before this step: the controller's
             # transition-cost calibration reads it.
@@ -260,7 +264,9 @@ def _initial_signals(pl_module: pl.LightningModule, step: int, pool: Sequence[in
     )
 
 
-def _signals(pl_module: pl.LightningModule, step: int, stats: dict[str, float], pool: Sequence[int]) -> Any:
+def _signals(
+    pl_module: pl.LightningModule, step: int, stats: dict[str, float], pool: Sequence[int], draining: Sequence[int] = ()
+) -> Any:
     from nereus_lightning.control.signals import StepSignals
 
     mean = max(stats.get("response_length/mean", 1.0), 1.0)
@@ -272,6 +278,7 @@ def _signals(pl_module: pl.LightningModule, step: int, stats: dict[str, float], 
         response_len_p95=p95,
         prompt_len=stats.get("prompt_length/mean", 0.0),
         gpus=tuple(pool),
+        draining=tuple(draining),
         stage_time=stage_time,
         peak_memory=dict(getattr(pl_module, "peak_memory", {}) or {}),
     )
