@@ -104,13 +104,15 @@ def test_custom_cluster_and_hf_config(tmp_path):
 
 
 def test_colocated_model_stages_are_marked_in_the_table(capsys):
-    """On 4 H200s PPO-8B's actor and critic training share GPUs: the table says they run in turn."""
-    result = plan_from_config(plan_config(["model=llama3_8b", "cluster=h200x8", "cluster.num_gpus=4"]))
+    """On one H200 a tiny PPO's inference and training model-stages share the GPU: the table says
+    they run in turn, one lettered group per stage."""
+    result = plan_from_config(plan_config(["model=tiny_llama", "cluster=h200x8", "cluster.num_gpus=1"]))
     assert ["actor_train", "critic_train"] in result["colocated"]
     rows = {r["model_stage"]: r for r in result["model_stages"]}
     assert rows["actor_train"]["colocated_group"] == ["actor_train", "critic_train"]
     assert rows["actor_gen"]["colocated_group"] == ["actor_gen"]
     render(result)
     text = capsys.readouterr().out
-    assert "in turn A1" in text and "in turn A2" in text
-    assert "colocated A (share GPUs, run one after another): actor_train -> critic_train" in text
+    assert "in turn B1" in text and "in turn B2" in text
+    assert "colocated A (share GPUs, run one after another): actor_infer -> ref_infer" in text
+    assert "colocated B (share GPUs, run one after another): actor_train -> critic_train" in text

@@ -152,8 +152,9 @@ def test_training_states_that_do_not_fit_together_are_placed_apart():
     assert result.estimate.feasible
     assert concurrent(result.plan, "actor_train", "critic_train", PPO_STAGES)
     assert all(est.feasible for _plan, est in result.alternatives)
-    # Unpinned, PP4 halves the state per GPU and both fit side by side on the same 4 GPUs.
-    free = plan_job(job_models(L8), cluster_preset("h200x8").with_gpus(4), Workload("ppo"))
+    # Pinned to PP4, which halves the state per GPU, both fit side by side on the same 4 GPUs.
+    pp4 = {"actor_train": Layout(1, 4), "critic_train": Layout(1, 4)}
+    free = plan_job(job_models(L8), cluster_preset("h200x8").with_gpus(4), Workload("ppo"), pinned=pp4)
     assert ("actor_train", "critic_train") in colocated(free.plan, PPO_STAGES)
     assert max(free.estimate.peak_memory.values()) <= free.estimate.memory_cap
 

@@ -19,6 +19,7 @@ from nereus_lightning.plan.comm import (
 )
 from nereus_lightning.plan.cost import (
     HOST_BW,
+    KERNELS_PER_LAYER,
     StageWork,
     generation_batch,
     ideal_time,
@@ -142,7 +143,8 @@ def test_decode_is_memory_bound_and_reads_weights_plus_kv():
     w = _work("generation", sequences=4)
     wave = wave_affine(w, Layout(2, 1), Links(), c)
     assert wave.steps == 300
-    assert wave.decode_fixed == pytest.approx(2 * L8.num_params / 2 / 1e12)  # bf16 weights / tp / HBM
+    launch = 32 * KERNELS_PER_LAYER * c.launch_s  # every decode step launches every layer's kernels
+    assert wave.decode_fixed == pytest.approx(2 * L8.num_params / 2 / 1e12 + launch)  # bf16 weights / tp / HBM
     context = 100 + 200 / 2
     assert wave.decode_per_seq == pytest.approx(context * 128 * KIB / 2 / 1e12)
     # One sequence: reads dominate (8 GB per step at 1 TB/s vs 15 GFLOP at 100 TFLOP/s).
@@ -229,7 +231,24 @@ def test_training_slot_counts_tp_allreduces_per_block():
             / 2
             / 100e12
         )
-        assert slot["gemm"] == pytest.approx(gemm)
+        launches = passes * 32 * KERNELS_PER_LAYER * c.launch_s  # forward, backward (x2), recompute
+        assert slot["gemm"] == pytest.approx(gemm + launches)
+
+
+def test_every_pass_of_a_slot_pays_its_layers_kernel_launches_whatever_the_batch():
+    c = _cluster()
+    launch = KERNELS_PER_LAYER * c.launch_s
+    for kind, lay, passes, layers in (
+        ("inference", Layout(1, 1), 1, 32),
+        ("inference", Layout(1, 4), 1, 8),  # the slowest pipeline stage's layers
+        ("training", Layout(1, 1), 3, 32),
+        ("training", Layout(2, 2), 3, 16),  # TP splits the FLOPs, not the launches
+    ):
+        affine = slot_affine(_work(kind, sequences=16), lay, False, canonical_links(lay, 1, c), c)
+        assert dict(affine.fixed)["gemm"] == pytest.approx(passes * layers * launch)
+        # Affine in the batch: the launches are paid once per micro-batch, so 4 sequences in one
+        # micro-batch cost less than 4 micro-batches of one.
+        assert affine.at(4)["gemm"] == pytest.approx(4 * affine.at(1)["gemm"] - 3 * passes * layers * launch)
 
 
 def test_optimizer_bytes_match_what_the_emu_holds():

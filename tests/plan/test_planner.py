@@ -470,3 +470,24 @@ def test_estimate_prices_arbitrary_plans_without_crashing():
             assert math.isfinite(est.step_latency) and max(est.peak_memory.values()) <= est.memory_cap
         else:
             assert all(isinstance(v, str) and v for v in est.violations)
+
+
+@pytest.mark.parametrize("algorithm, samples", [("grpo", 4), ("ppo", 1)])
+def test_one_h200_runs_a_small_model_in_large_micro_batches(algorithm, samples):
+    """Each pass pays its kernel launches once, so with memory to spare a 0.5B model on one H200
+    runs inference and training in micro-batches larger than one."""
+    qwen05 = ModelSpec("qwen2-0.5b", 24, 896, 14, 2, 151936, 4864, tie_embeddings=True, qkv_bias=True)
+    workload = Workload(
+        algorithm,
+        prompts_per_step=16,
+        samples_per_prompt=samples,
+        prompt_len=64,
+        response_len=128,
+        response_len_p95=128,
+        reward_model=False,
+    )
+    result = plan_job(job_models(qwen05), cluster_preset("h200x8").with_gpus(1), workload)
+    assert result.estimate.feasible
+    stages = {ms.name: ms.stage for ms in workload.stages}
+    chosen = {name: c.micro_batch for name, c in result.plan.assignments if stages[name] != "generation"}
+    assert chosen and all(mb > 1 for mb in chosen.values()), chosen

@@ -12,6 +12,10 @@ is as slow as its slowest replica, which gets ``ceil(sequences / dp)`` sequences
   gradient all-reduce and the AdamW update, for every mini-batch and PPO epoch.
 - TP all-reduces per block, PP sends per micro-batch and DP all-reduces are priced on the link
   each group spans (``comm.py``).
+- Every forward-like pass (a slot's forward, backward and recompute; a prefill; a decode step)
+  also pays ``layers * KERNELS_PER_LAYER * launch_s`` of kernel launches, independent of the
+  batch: priced as GEMM time (it scales with the GEMM efficiency), it is why fewer, larger
+  micro-batches run faster.
 - Memory: a training model-stage keeps its state (weights, gradients, AdamW) resident on its
   GPUs for the whole step; a generation or inference model-stage loads its weights from host
   memory when its stage starts and drops them after (``offload`` time), and runs next to the
@@ -38,6 +42,10 @@ from nereus_lightning.spec.workload import ModelStage, Workload
 HOST_BW = 25e9
 #: HBM bytes per parameter of one AdamW update (read weights, grads, fp32 master + 2 moments; write back).
 ADAMW_BYTES_PER_PARAM = 32
+#: Kernels one transformer layer launches per forward-like pass in an eager framework (norms,
+#: QKV / output / MLP GEMMs, rotary, attention, activation, residual adds: ~10-20). With
+#: ``ClusterSpec.launch_s`` this is the fixed host cost of a pass, paid whatever its batch.
+KERNELS_PER_LAYER = 16
 Ideal = dict[str, float]
 
 
@@ -209,6 +217,11 @@ def _affine(parts: list[tuple[str, float, float]], **decode: float) -> Affine:
     return Affine(tuple(fixed.items()), tuple(per_seq.items()), **decode)  # type: ignore[arg-type]
 
 
+def _launch_time(layers: int, cluster: ClusterSpec) -> float:
+    """Seconds of kernel launches of one forward-like pass through ``layers`` layers."""
+    return layers * KERNELS_PER_LAYER * cluster.launch_s
+
+
 def _comm_part(
     collective: str, link: GroupLink, times: float, fn, bytes_per_seq: float
 ) -> tuple[str, float, float]:
@@ -237,8 +250,8 @@ def slot_affine(
     act = tokens * model.hidden * model.dtype_bytes
     passes = (
         (4 if recompute else 3) if work.trains else 1
-    )  # forward-like passes, 2 all-reduces per block each
-    parts = [("gemm", 0.0, gemm), ("attention", 0.0, attn)]
+    )  # forward-like passes (backward = 2), 2 all-reduces per block and one set of launches each
+    parts = [("gemm", passes * _launch_time(layers, cluster), gemm), ("attention", 0.0, attn)]
     if tp > 1:
         parts.append(
             _comm_part(
@@ -271,7 +284,8 @@ def wave_affine(work: StageWork, layout: Layout, links: Links, cluster: ClusterS
     flops = compute.gemm_flops_per_token(model, L, True) + compute.attention_flops_per_token(
         model, L, context
     )
-    parts = [("gemm", 0.0, gemm), ("attention", 0.0, attn)]
+    launch = _launch_time(L, cluster)  # the prefill's, and again every decode step's
+    parts = [("gemm", launch, gemm), ("attention", 0.0, attn)]
     if tp > 1:
         allreduce = lambda b: allreduce_time(b, tp, links.tp, cluster)  # noqa: E731
         parts.append(_comm_part("allreduce", links.tp, 2 * L, allreduce, P * h * nbytes))  # prefill
@@ -284,7 +298,7 @@ def wave_affine(work: StageWork, layout: Layout, links: Links, cluster: ClusterS
         parts,
         steps=steps,
         decode_flops=flops / tp / peak,
-        decode_fixed=compute.weight_bytes(model.num_params, model) / tp / cluster.hbm_bw,
+        decode_fixed=compute.weight_bytes(model.num_params, model) / tp / cluster.hbm_bw + launch,
         decode_per_seq=memory.kv_cache_bytes(model, context, L, tp) / cluster.hbm_bw,
     )
 

@@ -7,6 +7,10 @@ from dataclasses import dataclass, replace
 from nereus_lightning.spec.errors import require, unknown_preset
 
 GB = 1e9
+#: A CUDA/HIP kernel launch from an eager framework: ~5-10 us of host time each.
+GPU_LAUNCH_S = 10e-6
+#: An eager PyTorch op on CPU (dispatch, allocation, thread-pool wake-up) before any arithmetic.
+CPU_LAUNCH_S = 20e-6
 
 
 @dataclass(frozen=True)
@@ -16,7 +20,9 @@ class ClusterSpec:
     ``intra_bw`` is one GPU's bandwidth to its node peers (NVLink / Infinity Fabric);
     ``inter_bw`` is one node's total NIC bandwidth, shared by the GPUs of that node that talk
     across nodes at the same time. ``num_gpus`` is the pool in use (GPU ids ``0..num_gpus-1``,
-    filling nodes in order); 0 means every GPU of every node.
+    filling nodes in order); 0 means every GPU of every node. ``launch_s`` is the host-side
+    cost of issuing one kernel (launch plus eager framework work): every forward-like pass pays
+    it once per kernel, whatever the batch, which is what makes larger micro-batches cheaper.
     """
 
     name: str
@@ -30,6 +36,7 @@ class ClusterSpec:
     intra_latency: float = 5e-6  # seconds per message
     inter_latency: float = 10e-6
     comm_setup: float = 0.05  # seconds to create one communicator
+    launch_s: float = GPU_LAUNCH_S  # seconds per kernel launched
     num_gpus: int = 0
 
     def __post_init__(self) -> None:
@@ -45,7 +52,7 @@ class ClusterSpec:
             require(
                 getattr(self, field) > 0, f"cluster.{field}", f"must be positive, got {getattr(self, field)}"
             )
-        for field in ("intra_latency", "inter_latency", "comm_setup"):
+        for field in ("intra_latency", "inter_latency", "comm_setup", "launch_s"):
             require(
                 getattr(self, field) >= 0, f"cluster.{field}", f"must be >= 0, got {getattr(self, field)}"
             )
@@ -102,7 +109,9 @@ CLUSTER_PRESETS: dict[str, ClusterSpec] = {
     # One 8xH200 node, like the device machines here.
     "h200x8": ClusterSpec("H200 x8 node", 1, 8, 141 * GB, 989e12, 4.8e12, 900 * GB, 25 * GB),
     # A CPU "cluster" for the embedded default and tests: 4 gloo processes on one host.
-    "cpu4": ClusterSpec("CPU x4 (gloo)", 1, 4, 4 * GB, 50e9, 20 * GB, 5 * GB, 1 * GB, 50e-6, 100e-6, 0.01),
+    "cpu4": ClusterSpec(
+        "CPU x4 (gloo)", 1, 4, 4 * GB, 50e9, 20 * GB, 5 * GB, 1 * GB, 50e-6, 100e-6, 0.01, CPU_LAUNCH_S
+    ),
 }
 
 
