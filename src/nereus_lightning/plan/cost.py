@@ -12,10 +12,10 @@ is as slow as its slowest replica, which gets ``ceil(sequences / dp)`` sequences
   gradient all-reduce and the AdamW update, for every mini-batch and PPO epoch.
 - TP all-reduces per block, PP sends per micro-batch and DP all-reduces are priced on the link
   each group spans (``comm.py``).
-- Every forward-like pass (a slot's forward, backward and recompute; a prefill; a decode step)
-  also pays ``layers * KERNELS_PER_LAYER * launch_s`` of kernel launches, independent of the
-  batch: priced as GEMM time (it scales with the GEMM efficiency), it is why fewer, larger
-  micro-batches run faster.
+- Every eager forward-like pass (a slot's forward, backward and recompute; a prefill) also pays
+  ``layers * KERNELS_PER_LAYER * launch_s`` of kernel launches, independent of the batch: priced
+  as GEMM time (it scales with the GEMM efficiency), it is why fewer, larger micro-batches run
+  faster. Decode steps pay none: they replay a captured CUDA graph (``models.decode``, vLLM).
 - Memory: a training model-stage keeps its state (weights, gradients, AdamW) resident on its
   GPUs for the whole step; a generation or inference model-stage loads its weights from host
   memory when its stage starts and drops them after (``offload`` time), and runs next to the
@@ -284,8 +284,7 @@ def wave_affine(work: StageWork, layout: Layout, links: Links, cluster: ClusterS
     flops = compute.gemm_flops_per_token(model, L, True) + compute.attention_flops_per_token(
         model, L, context
     )
-    launch = _launch_time(L, cluster)  # the prefill's, and again every decode step's
-    parts = [("gemm", launch, gemm), ("attention", 0.0, attn)]
+    parts = [("gemm", _launch_time(L, cluster), gemm), ("attention", 0.0, attn)]  # the prefill's launches
     if tp > 1:
         allreduce = lambda b: allreduce_time(b, tp, links.tp, cluster)  # noqa: E731
         parts.append(_comm_part("allreduce", links.tp, 2 * L, allreduce, P * h * nbytes))  # prefill
@@ -298,7 +297,7 @@ def wave_affine(work: StageWork, layout: Layout, links: Links, cluster: ClusterS
         parts,
         steps=steps,
         decode_flops=flops / tp / peak,
-        decode_fixed=compute.weight_bytes(model.num_params, model) / tp / cluster.hbm_bw + launch,
+        decode_fixed=compute.weight_bytes(model.num_params, model) / tp / cluster.hbm_bw,
         decode_per_seq=memory.kv_cache_bytes(model, context, L, tp) / cluster.hbm_bw,
     )
 
