@@ -2,13 +2,9 @@
 
 Checks what the controller must deliver there (issue 5): no infeasible step, at least 20% below
 the static baseline, and the lowest mean step latency of every non-oracle policy. Against
-always-switch the two are level on this trace (transitions cost seconds against gains of several
-s/step, so admitting every gain is nearly free): Nereus picks, among the admissible targets, the
-one with the largest net benefit over the short horizon of this busy pool (cheaper transitions
-for a slightly slower step). Since colocated training states make some plans memory-tight, a
-cheaper target can leave the fastest one out of a safe transition's reach for a few steps:
-measured 53.66 s/step against always-switch's 53.39 (before colocation 53.12 against 53.54), so
-the check is "within 1% of every non-oracle policy, with less transition time".
+always-switch Nereus wins by choosing, among the admissible targets, the one with the largest net
+benefit (cheaper transitions for nearly the same step); taking every gain, always-switch once
+lands on a plan a revocation leaves without a safe transition and restarts.
 """
 
 from __future__ import annotations
@@ -31,7 +27,7 @@ def test_nereus_beats_static_by_20_percent_without_infeasible_steps(paper_run):
     assert nereus.infeasible_steps == 0 and nereus.restarts == 0
     assert nereus.mean_step_s <= 0.8 * static.mean_step_s
     others = [v.mean_step_s for k, v in s.items() if k not in ("oracle", "nereus(gamma=0.5)")]
-    assert len(others) == 3 and nereus.mean_step_s < 1.01 * min(others)
+    assert len(others) == 3 and nereus.mean_step_s < min(others)
     assert nereus.transition_s < s["always-switch"].transition_s  # the same gains, cheaper moves
     assert nereus.gap_to_oracle < 0.10
 
