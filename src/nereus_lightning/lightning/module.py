@@ -588,12 +588,13 @@ class RLModule(L.LightningModule):
         metrics.update(_reward_metrics(results))
         self.peak_memory = peaks.gather()  # rank -> bytes, for the controller's memory trigger
         metrics.update(peaks.metrics())
-        assert batch.token_rewards is not None and batch.advantages is not None  # compute_advantages set them
         metrics.update(
             {
                 "critic/score/mean": float(scores.nan_to_num().mean()),
-                "critic/rewards/mean": float(batch.token_rewards.sum(-1).nan_to_num().mean()),
-                "critic/advantages/mean": float(losses.masked_mean(batch.advantages.nan_to_num(), mask)),
+                "critic/rewards/mean": float(batch.need("token_rewards").sum(-1).nan_to_num().mean()),
+                "critic/advantages/mean": float(
+                    losses.masked_mean(batch.need("advantages").nan_to_num(), mask)
+                ),
                 "response_length/mean": float(lengths.mean()),
                 "response_length/max": float(lengths.max()),
                 "response_length/p95": float(torch.quantile(lengths, 0.95)),
