@@ -19,7 +19,7 @@ import os
 import sys
 from typing import Any
 
-from nereus_lightning.cli._hydra import CONFIG_ROOT
+from nereus_lightning.cli._hydra import CONFIG_ROOT, to_dict
 from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
 
 CONFIG_DIR = str(CONFIG_ROOT)
@@ -46,7 +46,7 @@ def check_feasible(cfg: Any, world_size: int) -> None:
 
 
 def supply_counts(cfg: Any) -> list[int] | None:
-    """The GPU supply per step: ``resources.counts``, else the built-in task's ``supply`` (None: every rank)."""
+    """The GPU supply per step: ``resources.counts``, else the built-in task's ``supply`` (None: all)."""
     counts = cfg.resources.get("counts") if cfg.get("resources") else None
     if counts is None and not uses_data(cfg):
         counts = cfg.task.get("supply")
@@ -63,7 +63,7 @@ def response_budget(cfg: Any, step: int) -> float:
 
 
 def job_cluster(cfg: Any) -> Any:
-    """The job's cluster (:func:`job_cluster_preset`) with its per-GPU memory override applied (``"auto"``: see below)."""
+    """The job's cluster (:func:`job_cluster_preset`) with its per-GPU memory override (``"auto"``: below)."""
     from dataclasses import replace
 
     cluster = job_cluster_preset(cfg)
@@ -189,7 +189,7 @@ def _task_config(cfg: Any) -> Any:
     """The task node without the drift keys the CLI reads itself (``supply``, ``gpu_memory``)."""
     from omegaconf import OmegaConf
 
-    node = OmegaConf.to_container(cfg.task, resolve=True)
+    node = to_dict(cfg.task)
     for key in ("supply", "gpu_memory"):
         node.pop(key, None)
     return OmegaConf.create(node)
@@ -327,7 +327,7 @@ def _quiet() -> None:
 
 
 def build_module(cfg: Any) -> Any:
-    """The RL module of ``cfg``: models, data, reward and hyper-parameters, all checked (no process started)."""
+    """The RL module of ``cfg``: models, data, reward and hyper-parameters, all checked (no process yet)."""
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
@@ -358,19 +358,18 @@ def build_module(cfg: Any) -> Any:
 
 def check_config(cfg: Any) -> None:
     """The numbers and files of ``cfg``, checked before the planner, any model or any process."""
-    from omegaconf import OmegaConf
 
     from nereus_lightning.lightning.module import check_hyperparameters, precision_dtype
     from nereus_lightning.rl.data import DataConfig
 
-    values = {k: v for k, v in OmegaConf.to_container(cfg.algorithm, resolve=True).items() if k != "_target_"}
+    values = {k: v for k, v in to_dict(cfg.algorithm).items() if k != "_target_"}
     values["prompts_per_step"] = prompts_per_step(cfg)
     values["on_nonfinite"] = cfg.trainer.get("on_nonfinite", "raise")
     values["reward_workers"] = cfg.reward.get("num_workers", 0) if cfg.get("reward") else 0
     check_hyperparameters(values)
     precision_dtype(str(cfg.trainer.get("precision", "32-true")))
     if cfg.get("data"):
-        DataConfig.of(OmegaConf.to_container(cfg.data, resolve=True))
+        DataConfig.of(to_dict(cfg.data))
 
 
 def run(cfg: Any) -> dict[str, Any]:
@@ -385,7 +384,7 @@ def run(cfg: Any) -> dict[str, Any]:
     propagate_to_root()  # each log record once: through Hydra's handlers, not also Lightning's
     _quiet()
     from hydra.utils import instantiate
-    from omegaconf import OmegaConf, open_dict
+    from omegaconf import open_dict
 
     from nereus_lightning.control import NodeInventory, SequenceResources
     from nereus_lightning.lightning import NereusCallback, NereusStrategy
@@ -405,7 +404,8 @@ def run(cfg: Any) -> dict[str, Any]:
         _say(
             f"nereus-train: per-GPU memory {memory:.6g} bytes (auto)"
             if memory
-            else "nereus-train: cluster_gpu_memory=auto found no memory that forces a layout change; keeping the preset's"
+            else "nereus-train: cluster_gpu_memory=auto found no memory that forces a layout change; "
+            "keeping the preset's"
         )
     _say(f"nereus-train: topology {job_cluster(cfg).describe()}; {world} ranks started by {launch.launcher}")
     check_feasible(cfg, world)
@@ -413,7 +413,7 @@ def run(cfg: Any) -> dict[str, Any]:
     out = str(cfg.output_dir)
     os.makedirs(out, exist_ok=True)
     counts = supply_counts(cfg)
-    resources = SequenceResources(tuple(counts)) if counts else None
+    resources: SequenceResources | NodeInventory | None = SequenceResources(tuple(counts)) if counts else None
     if resources is None and cfg.trainer.get("accelerator") in ("gpu", "cuda"):
         resources = NodeInventory()  # every node's usable GPUs (NVML), gathered through rank 0
 
@@ -446,7 +446,7 @@ def run(cfg: Any) -> dict[str, Any]:
     )
     loggers = [instantiate(v) for v in (cfg.logger or {}).values()]
     callbacks = [callback, NereusProgressBar()] + ([checkpoint] if cfg.save_checkpoint else [])
-    trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
+    trainer_cfg = to_dict(cfg.trainer)
     for key in NEREUS_TRAINER_KEYS:
         trainer_cfg.pop(key, None)
     trainer = instantiate(

@@ -9,20 +9,33 @@ measured time per operation class for :meth:`~nereus_lightning.plan.calibration.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Protocol, runtime_checkable
 
 from nereus_lightning.plan.calibration import Calibration
-from nereus_lightning.plan.estimate import PlanEstimate
+
+
+@runtime_checkable
+class PhasedEstimate(Protocol):
+    """The parts of a plan estimate the attribution reads (e.g. the planner's ``PlanEstimate``)."""
+
+    @property
+    def phase_latency(self) -> Mapping[str, float]: ...
+
+    @property
+    def breakdown(self) -> Mapping[str, Mapping[str, float]]: ...
 
 #: A job's stage-timing names (``timing_s/<name>``) -> the workflow stages they measure.
 PHASES = {"gen": "generation", "infer": "inference", "update_actor": "training"}
 
 
-def phase_times_of(estimate: PlanEstimate) -> dict[str, float]:
+def phase_times_of(estimate: PhasedEstimate) -> dict[str, float]:
     """The predicted seconds of each measured phase (``gen``, ``infer``, ``update_actor``)."""
     return {name: estimate.phase_latency.get(stage, 0.0) for name, stage in PHASES.items()}
 
 
-def op_times(estimate: PlanEstimate, measured: Mapping[str, float], stage_of: Mapping[str, str]) -> dict[str, tuple[float, float]]:
+def op_times(
+    estimate: PhasedEstimate, measured: Mapping[str, float], stage_of: Mapping[str, str]
+) -> dict[str, tuple[float, float]]:
     """``op class -> (predicted, measured)`` seconds, each phase's measurement shared as its prediction is.
 
     ``stage_of`` maps each model-stage to its workflow stage; phases measured as zero or predicted
@@ -45,7 +58,10 @@ def op_times(estimate: PlanEstimate, measured: Mapping[str, float], stage_of: Ma
 
 
 def calibrate_on_phases(
-    calibration: Calibration, estimate: PlanEstimate, measured: Mapping[str, float], stage_of: Mapping[str, str] | None = None
+    calibration: Calibration,
+    estimate: PhasedEstimate,
+    measured: Mapping[str, float],
+    stage_of: Mapping[str, str] | None = None,
 ) -> None:
     """Feed one step's measured phases into ``calibration`` (``estimate`` priced at its current efficiencies)."""
     if stage_of is None:

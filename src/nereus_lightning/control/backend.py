@@ -17,8 +17,11 @@ from nereus_lightning.spec.workload import Workload
 class Estimate(Protocol):
     """The parts of a plan estimate the controller reads."""
 
-    step_latency: float
-    feasible: bool
+    @property
+    def step_latency(self) -> float: ...
+
+    @property
+    def feasible(self) -> bool: ...
 
 
 def op_totals(estimate: Any) -> dict[str, float]:

@@ -28,9 +28,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from typing import Any
 
-from nereus_lightning.control.attribution import PHASES, op_times
+from nereus_lightning.control.attribution import PHASES, PhasedEstimate, op_times
 from nereus_lightning.control.backend import Estimate, PlanningBackend, op_totals
 from nereus_lightning.control.candidates import CandidateSource, Option
 from nereus_lightning.control.decision import Decision, DecisionLog, describe_plan
@@ -310,13 +311,16 @@ class Controller:
             self.backend.estimate(self.plan, cluster, workload, self.calibration)
             if intact_plan(self.plan, pool) == self.plan else None
         )
-        current_ok = current_est is not None and bool(current_est.feasible)
-        current_latency = current_est.step_latency if current_ok else None
+        current_latency = (
+            current_est.step_latency if current_est is not None and current_est.feasible else None
+        )
+        current_ok = current_latency is not None
         reasons: list[str] = []
         if not current_ok:
             urgent = True
             reasons.append("the current plan no longer fits" if current_est is not None else "GPUs of the current plan were lost")
-        base = dict(
+        decision = partial(  # every verdict of this step carries these
+            Decision,
             step=signals.step, triggers=tuple(triggers), current=self.plan, current_latency=current_latency,
             horizon=horizon, gamma=cfg.gamma, urgent=urgent, signals=signals,
         )
@@ -411,40 +415,36 @@ class Controller:
                     ok, why = self._profitable(slower, max(cfg.restart_s - l_tran, 0.0), self.restart_horizon(horizon))
                     if ok:
                         entry["verdict"] = f"reachable, but a restart into {fastest.source} {why}"
-                        return Decision(
+                        return decision(
                             kind="restart", target=fastest.plan, target_latency=fastest.latency,
                             transition_cost=cfg.restart_s, considered=tuple(considered),
                             reason="; ".join([*reasons, f"urgent ({_kinds(triggers)}): the reachable target is "
                                               f"{slower:.2f} s/step slower; checkpoint/restart {why}"]),
-                            **base,
                         )
                 entry["verdict"] = "admitted (urgent: profitability waived)"
                 d_l = None if current_latency is None else current_latency - chosen.latency
-                return Decision(
+                return decision(
                     kind="transition", target=chosen.plan, target_latency=chosen.latency, delta_latency=d_l,
                     transition_cost=l_tran, considered=tuple(considered),
                     reason="; ".join([*reasons, f"urgent ({_kinds(triggers)}): {how} "
                                       f"among feasible targets ({chosen.source})"]),
-                    **base,
                 )
             entry["verdict"] = "admitted: " + entry["verdict"]
             assert current_latency is not None
-            return Decision(
+            return decision(
                 kind="transition", target=chosen.plan, target_latency=chosen.latency,
                 delta_latency=current_latency - chosen.latency, transition_cost=l_tran, considered=tuple(considered),
                 reason=f"{_kinds(triggers)}: {entry['verdict'].removeprefix('admitted: ')}; {how} ({chosen.source})",
-                **base,
             )
         if urgent:
             best = min(seen, key=lambda o: o.latency) if seen else None
-            return Decision(
+            return decision(
                 kind="restart", target=None if best is None else best.plan,
                 target_latency=None if best is None else best.latency, considered=tuple(considered),
                 reason="; ".join(
                     [*reasons, "no feasible transition: checkpoint/restart"
                      + (" into the best plan" if best else "; no plan fits the pool, wait for GPUs")]
                 ),
-                **base,
             )
         # No DAG transition was admitted. When the best gain had no safe DAG at all, a
         # checkpoint/restart is one more way to reach it: admitted under the payback rule, with
@@ -455,14 +455,15 @@ class Controller:
             d_l = current_latency - opt.latency
             ok, why = self._profitable(d_l, cfg.restart_s, self.restart_horizon(horizon))
             if ok:
-                return Decision(
+                return decision(
                     kind="restart", target=opt.plan, target_latency=opt.latency, delta_latency=d_l,
                     transition_cost=cfg.restart_s, considered=tuple(considered),
-                    reason=f"{_kinds(triggers)}: no safe transition DAG; checkpoint/restart {why} ({opt.source})", **base,
+                    reason=f"{_kinds(triggers)}: no safe transition DAG; checkpoint/restart {why} "
+                    f"({opt.source})",
                 )
         top = considered[0] if considered else None
         why = "no faster feasible plan" if top is None else f"payback failed for every candidate (best: {top['verdict']})"
-        return Decision(kind="keep", target=None, considered=tuple(considered), reason=why, **base)
+        return decision(kind="keep", target=None, considered=tuple(considered), reason=why)
 
     def restart_horizon(self, horizon: float) -> float:
         """The horizon a checkpoint/restart is judged over: ``max(H_x, H_pool)``.
@@ -512,7 +513,7 @@ class Controller:
         if not any(name in signals.stage_time for name in PHASES):
             return {}
         est, _ = self._cached_estimate(signals, self.workload_at(signals))
-        if not hasattr(est, "phase_latency"):
+        if not isinstance(est, PhasedEstimate):  # (an estimate without phases: nothing to share)
             return {}
         stage_of = {m.name: m.stage for m in self.workload.stages}
         return {op: seconds for op, (_, seconds) in op_times(est, signals.stage_time, stage_of).items()}

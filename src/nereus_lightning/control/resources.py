@@ -296,17 +296,19 @@ class NodeInventory:
 
     def pool(self, step: int) -> tuple[int, ...]:
         """The job's usable GPUs at ``step`` (collective for a step later than any asked before)."""
-        require(
-            self._exchange is not None, "resources", "NodeInventory.pool before attach(): give it to NereusCallback"
-        )
+        exchange = self._exchange
+        if exchange is None:
+            raise NereusConfigError(
+                "resources: NodeInventory.pool before attach(): give it to NereusCallback"
+            )
         if self._changes and step <= self._asked:
             return next((p for s, p in reversed(self._changes) if s <= step), self._changes[0][1])
         self._asked = step
         mine = self._node_pool(step)
-        if self._changes and not self._exchange.any(mine != self._mine):
+        if self._changes and not exchange.any(mine != self._mine):
             return self._changes[-1][1]
         self._mine = mine
-        answers = self._exchange.gather((self._node_rank, mine))
+        answers = exchange.gather((self._node_rank, mine))
         self.gathers += 1
         gpn = self._gpus_per_node
         pool = tuple(sorted(node * gpn + i for node, gpus in answers if gpus is not None for i in gpus))

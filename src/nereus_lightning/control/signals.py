@@ -9,7 +9,7 @@ from typing import Any
 
 from nereus_lightning.spec.errors import require
 
-EMPTY: Mapping[str, float] = MappingProxyType({})
+EMPTY: Mapping[Any, float] = MappingProxyType({})
 
 
 def as_pool(gpus: int | tuple[int, ...] | list[int] | range) -> tuple[int, ...]:

@@ -78,10 +78,11 @@ def gather_logical_state(model_stage: str, dst: int | None = None) -> LogicalSta
         everything: list = [None] * world
         dist.all_gather_object(everything, mine)
     else:
-        everything = [None] * world if dist.get_rank() == dst else None
-        dist.gather_object(mine, everything, dst=dst)
-        if dist.get_rank() != dst:
+        gathered = [None] * world if dist.get_rank() == dst else None  # (None on the other ranks)
+        dist.gather_object(mine, gathered, dst=dst)
+        if gathered is None:
             return None
+        everything = gathered
     by_unit: dict = {}
     for part in everything:
         for unit, rank, meta, packed, counters in part:
@@ -108,7 +109,7 @@ def _assemble(schema, unit, parts) -> LogicalState:
     if len(parts) != unit.layout.size:
         raise StateMismatchError(f"{unit}: {len(parts)} of {unit.layout.size} ranks reported their shards")
     state = LogicalState(counters=parts[0][2])
-    written: set[tuple[str, str]] = set()
+    written: set[tuple[str, str, int]] = set()  # (name, slot, tp rank or -1 if replicated)
     for rank, shards, counters in sorted(parts, key=lambda p: p[0]):
         if counters != state.counters:
             raise StateMismatchError(f"{unit}: rank {rank} counters {counters} != {state.counters}")

@@ -239,12 +239,13 @@ def _check_data_file(file: Path, directory: Path, key: str, info: Any) -> None:
 class SafeReader(FileSystemReader):
     """DCP's file-system reader, reading the metadata with :func:`read_dcp_metadata` and naming a file that fails."""
 
-    def read_metadata(self) -> Metadata:  # type: ignore[override]  # no rank-local fallback: Nereus writes one .metadata
+    def read_metadata(self) -> Metadata:  # no rank-local fallback: Nereus writes one .metadata
         """The checked metadata (see :func:`read_dcp_metadata`)."""
         metadata = read_dcp_metadata(self.path)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:
+            storage_meta = metadata.storage_meta = StorageMeta()
+        storage_meta.load_id = self.load_id
         return metadata
 
     def read_data(self, plan: Any, planner: Any) -> Future[None]:

@@ -48,7 +48,7 @@ from __future__ import annotations
 import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -386,7 +386,7 @@ def op_of(node: Node, rank_of: Mapping[int, int] | None = None) -> Primitive:
     return from_node(node, rank_of)
 
 
-def _overlapping(op: Primitive) -> bool:
+def _overlapping(op: Primitive) -> TypeGuard[Extend]:
     return isinstance(op, Extend) and any(r in op.source.ranks for u in op.targets for r in u.ranks)
 
 
@@ -468,12 +468,15 @@ def _start_extend_overlapping(op: Extend, colocate_with: Collection[str], device
                 continue
             others = tuple(r for r in receivers if r != sender)
             if me == sender:
+                assert src is not None  # a sender is a rank of the source unit
                 views = [t for _, _, t in src.tensors()] + [src.counters.as_tensor(src.device)]
                 if me in receivers:  # same position in both units: a local copy
+                    assert mine is not None  # a receiver is a rank of a target unit
                     for (_, _, new), old in zip(mine.tensors(), views[:-1], strict=True):
                         new.copy_(old)
                     mine.counters = src.counters
             else:
+                assert mine is not None  # (a receiver, as above)
                 views = [t for _, _, t in mine.tensors()] + [counters]
             if others:
                 flight.add(start_broadcast(views, sender, (sender, *others), device))

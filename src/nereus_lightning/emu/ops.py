@@ -251,12 +251,9 @@ def destroy(model_stage: str, source: Unit) -> Destroy:
 def validate_op(op: Primitive) -> None:
     """Check an op built directly (e.g. from a DAG node): degrees, rank partitions, disjointness."""
     if isinstance(op, Split):
-        small = op.targets[0].layout if op.targets else None
-        require(
-            small is not None and all(u.layout == small for u in op.targets),
-            "split.targets",
-            "need units of one layout",
-        )
+        require(bool(op.targets), "split.targets", "need units of one layout")
+        small = op.targets[0].layout
+        require(all(u.layout == small for u in op.targets), "split.targets", "need units of one layout")
         a = _factor(op.source.layout.tp, small.tp, "split.layout.tp")
         b = _factor(op.source.layout.pp, small.pp, "split.layout.pp")
         require(

@@ -66,7 +66,8 @@ class Registry:
             f"{unit} is not a live unit of {model_stage!r}; live: {[str(u) for u in units]}",
         )
         emu = units[unit]
-        require(emu is not None, "unit", f"this rank holds no part of {model_stage!r} unit {unit}")
+        if emu is None:
+            raise NereusConfigError(f"unit: this rank holds no part of {model_stage!r} unit {unit}")
         return emu
 
     def require_live(self, model_stage: str, units: Iterable[Unit]) -> None:

@@ -15,7 +15,7 @@ from functools import cached_property
 from typing import Any
 
 from nereus_lightning.models.optim import ADAMW_KEYS, adamw_dtype, adamw_keys, shaped_adamw_keys
-from nereus_lightning.models.sharding import Placement, layer_range, placement, pp_stages, tp_plan_of
+from nereus_lightning.models.sharding import Placement, Style, layer_range, placement, pp_stages, tp_plan_of
 from nereus_lightning.plan.layout import Layout
 from nereus_lightning.spec.errors import require
 from nereus_lightning.spec.families import family_of
@@ -50,7 +50,7 @@ class StateSchema:
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...]  # torch dtype names, e.g. "float32"
-    tp_plan: tuple[tuple[str, str], ...]
+    tp_plan: tuple[tuple[str, Style], ...]
     num_layers: int
     num_heads: int
     num_kv_heads: int

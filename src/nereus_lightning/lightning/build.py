@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch import nn
@@ -15,7 +15,7 @@ from nereus_lightning.spec.families import family_of
 from nereus_lightning.spec.model import MODEL_PRESETS, ModelSpec
 
 
-def is_model_folder(source: Any, key: str = "actor.path") -> bool:
+def is_model_folder(source: Any, key: str = "actor.path") -> TypeGuard[str | os.PathLike[str]]:
     """Whether ``source`` names a local model folder (a directory with a ``config.json``)."""
     if not isinstance(source, (str, os.PathLike)) or not os.path.isdir(source):
         return False
@@ -77,7 +77,7 @@ def hf_config_of(spec: ModelSpec, vocab_size: int | None = None, pad_token_id: i
     """A transformers Llama / Qwen config with ``spec``'s numbers (``vocab_size`` overrides the spec's)."""
     import transformers as tf
 
-    common = dict(
+    common: dict[str, Any] = dict(  # (each family's config takes these keyword arguments)
         hidden_size=spec.hidden,
         num_hidden_layers=spec.num_layers,
         num_attention_heads=spec.num_heads,

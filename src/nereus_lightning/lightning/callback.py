@@ -127,7 +127,7 @@ class NereusCallback(pl.Callback):
         strategy = trainer.strategy
         step = trainer.global_step
         given = getattr(strategy, "plan", None)
-        if given is not None and self._restored is None:
+        if given is not None and self._restored is None and hasattr(strategy, "transition"):
             # The user's plan is the starting point: the controller adapts from it.
             if trainer.is_global_zero and hasattr(self.controller, "plan"):
                 self.controller.plan = given

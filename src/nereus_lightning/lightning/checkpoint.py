@@ -179,7 +179,7 @@ def write_metadata(directory: str | os.PathLike, encoded: Any, state: str) -> No
 def _versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
-    out = {"torch": torch.__version__}
+    out = {"torch": str(torch.__version__)}
     for name in ("nereus-lightning", "lightning"):
         try:
             out[name] = version(name)

@@ -51,12 +51,12 @@ from nereus_lightning.models import ReplicaComm, ShardedCausalLM, bind_adamw, cl
 from nereus_lightning.models.groups import dp_ranks
 from nereus_lightning.plan.layout import Candidate, Plan
 from nereus_lightning.rl.vllm_engine import VLLMInstance, check_replicas, check_vocabulary
-from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError, require
+from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
 from nereus_lightning.spec.workload import workflow
 
 log = logging.getLogger(__name__)
 
-ADAMW = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
+ADAMW: dict[str, float | tuple[float, float]] = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
 
 
 def _units_of(plan: Plan, name: str) -> list[emu.Unit]:
@@ -175,6 +175,7 @@ class EMUStates:
         for name, cand in plan.items():
             ms = self.stages[name]
             model = models[ms.model]
+            assert model is not None  # ``_stateful`` dropped the model-stages without a model
             others = [o for o in names if o != name]
             # Every rank still has the full model here, so each replica cuts its own shards (no traffic).
             for unit in _units_of(plan, name):
@@ -363,20 +364,20 @@ class EMUStates:
 
         The unit's shards go into the engine here, on this rank, when a sync or a rebuild made them newer.
         """
-        unit = self._local(model_stage)
-        require(
-            self.vllm is not None and unit is not None,
-            "algorithm.rollout_engine",
-            f"{model_stage}: no vLLM engine with a unit on rank {dist.get_rank()}",
-        )
+        unit, engine = self._local(model_stage), self.vllm
+        if engine is None or unit is None:
+            raise NereusConfigError(
+                f"algorithm.rollout_engine: {model_stage}: no vLLM engine with a unit on rank "
+                f"{dist.get_rank()}"
+            )
         if self._vllm_stale:
             schema = unit.schema
             tp_rank = unit.unit.ranks.index(unit.rank)  # PP 1: the position is the TP rank
-            self.vllm.load(
+            engine.load(
                 unit.params, schema.shape_of, schema.placements, tp_rank, unit.counters.policy_version
             )
             self._vllm_stale = False
-        return self.vllm
+        return engine
 
     # ---- compute -------------------------------------------------------------------------
     def get(self, model_stage: str) -> ShardedCausalLM | None:
@@ -403,17 +404,19 @@ class EMUStates:
         if unit is None:
             return None, None
         params = list(unit.parameters())
+        grads: list[torch.Tensor] = []  # per parameter its gradient (clipped and reduced in place)
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
         dp_group = unit.comm.dp_group
         if dp_group is not None:
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, group=dp_group)
             offset = 0
-            for p in params:
-                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
         norm = float(clip_grad_norm_(unit, max_norm))
         bad = None
         if math.isfinite(norm):
@@ -422,7 +425,8 @@ class EMUStates:
                 model_stage, optimizer_step=1, update_count=1, policy_version=1, sample_position=samples
             )
         else:
-            names = [n for n, p in unit.named_parameters() if not bool(torch.isfinite(p.grad).all())]
+            named = zip(unit.named_parameters(), grads, strict=True)
+            names = [n for (n, _), g in named if not bool(torch.isfinite(g).all())]
             bad = f"first non-finite gradient here: {names[0]}" if names else "non-finite on another rank"
         for p in params:
             p.grad = None
@@ -471,7 +475,8 @@ class EMUStates:
         done: set[str] = set()
         for name in self.plan:
             role = self.stages[name].model
-            if role in done or models.get(role) is None:
+            model = models.get(role)
+            if role in done or model is None:
                 continue
             if (
                 any(self.stages[o].model == role and self.stages[o].trains for o in self.plan)
@@ -483,7 +488,7 @@ class EMUStates:
             if state is None:
                 continue  # not rank ``dst``
             with torch.no_grad():
-                for pname, param in models[role].named_parameters():
+                for pname, param in model.named_parameters():
                     param.data = state.params[pname].clone()
 
     def logical_params(self, model_stage: str) -> dict[str, torch.Tensor] | None:

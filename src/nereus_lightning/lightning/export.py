@@ -34,6 +34,7 @@ def write_hf_metadata(configs: Mapping[str, Any], tokenizer: Any, ckpt_dir: str)
 def logical_params(stage_dir: str) -> dict[str, Any]:
     """Every parameter of a model-stage checkpoint, full size, read on this process alone (no unpickling)."""
     import torch
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from nereus_lightning.emu.checkpoint import load_tensors, read_dcp_metadata
 
@@ -41,7 +42,7 @@ def logical_params(stage_dir: str) -> dict[str, Any]:
     state = {
         key: torch.empty(tuple(m.size), dtype=m.properties.dtype)
         for key, m in meta.state_dict_metadata.items()
-        if key.startswith("param/")
+        if key.startswith("param/") and isinstance(m, TensorStorageMetadata)  # (params are tensors)
     }
     load_tensors(state, stage_dir, alone=True)
     return {key.removeprefix("param/"): tensor for key, tensor in state.items()}

@@ -27,10 +27,10 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from functools import partial
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -69,7 +69,11 @@ from nereus_lightning.rl.rollout import HFGenerateEngine, RolloutEngine, sample_
 from nereus_lightning.rl.sources import Sample
 from nereus_lightning.rl.tokenizer import pad_ids
 from nereus_lightning.rl.vllm_engine import VLLMEngine, check_vllm_model, require_vllm
-from nereus_lightning.spec.errors import require
+from nereus_lightning.spec.errors import NereusConfigError, require
+
+if TYPE_CHECKING:
+    from lightning.fabric.utilities.data import AttributeDict
+    from lightning.pytorch.core.optimizer import LightningOptimizer
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +204,11 @@ class RLModule(L.LightningModule):
     algorithm: ClassVar[str] = "ppo"
     uses_critic: ClassVar[bool] = True
     state_backend: str = "emu"  # where model-stage state lives; see :meth:`use_state`
+
+    if TYPE_CHECKING:  # what ``save_hyperparameters`` stores: the arguments below, read by attribute
+
+        @property
+        def hparams(self) -> AttributeDict: ...
 
     def __init__(
         self,
@@ -369,6 +378,12 @@ class RLModule(L.LightningModule):
             groups.append({"params": list(self.critic.parameters()), "lr": self.hparams.critic_lr})
         return torch.optim.AdamW(groups, betas=(0.9, 0.95), weight_decay=0.0, eps=1e-8)
 
+    def _optimizer(self) -> LightningOptimizer:
+        """Lightning's wrapper of the one optimizer :meth:`configure_optimizers` makes."""
+        opt = self.optimizers()
+        assert not isinstance(opt, list)  # one optimizer, so Lightning hands back that one
+        return opt
+
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["nereus_data"] = self.source.state_dict()  # the prompt stream's position
@@ -383,7 +398,7 @@ class RLModule(L.LightningModule):
         from nereus_lightning.lightning.export import TRAINED, export_hf, write_hf_metadata
 
         models = self.role_models()
-        configs = {role: models[role].config for role in TRAINED if models.get(role) is not None}
+        configs = {role: model.config for role in TRAINED if (model := models.get(role)) is not None}
         write_hf_metadata(configs, self.tokenizer, ckpt_dir)
         return export_hf(ckpt_dir)
 
@@ -557,7 +572,7 @@ class RLModule(L.LightningModule):
         t_adv = time.perf_counter()
         self.last_rollout = batch
         if skipped:  # no gradients anywhere: the step still counts, so max_steps is reached
-            (optimizer if optimizer is not None else self.optimizers()).step()
+            (optimizer if optimizer is not None else self._optimizer()).step()
             metrics["train/skipped_update"] = 1.0
         else:
             metrics.update(self.update(plan, batch, optimizer, step))
@@ -576,8 +591,10 @@ class RLModule(L.LightningModule):
         metrics.update(
             {
                 "critic/score/mean": float(scores.nan_to_num().mean()),
-                "critic/rewards/mean": float(batch.token_rewards.sum(-1).nan_to_num().mean()),
-                "critic/advantages/mean": float(losses.masked_mean(batch.advantages.nan_to_num(), mask)),
+                "critic/rewards/mean": float(batch.need("token_rewards").sum(-1).nan_to_num().mean()),
+                "critic/advantages/mean": float(
+                    losses.masked_mean(batch.need("advantages").nan_to_num(), mask)
+                ),
                 "response_length/mean": float(lengths.mean()),
                 "response_length/max": float(lengths.max()),
                 "response_length/p95": float(torch.quantile(lengths, 0.95)),
@@ -692,9 +709,10 @@ class RLModule(L.LightningModule):
         stage, or the logical ``model`` itself (the ``"full"`` state backend's Layout(1, 1) stages)."""
         unit = self.units.get(model_stage)
         if unit is None:
-            require(
-                model is not None, "model_stage", f"{model_stage}: no unit on rank {self.rank} and no model"
-            )
+            if model is None:
+                raise NereusConfigError(
+                    f"model_stage: {model_stage}: no unit on rank {self.rank} and no model"
+                )
             return model
         held = self._adapters.get(model_stage)
         if held is None or held.unit is not unit:  # a new plan built new units
@@ -768,7 +786,7 @@ class RLModule(L.LightningModule):
         the step fails on every rank (``on_nonfinite="raise"``) or the update is skipped.
         """
         hp = self.hparams
-        opt = optimizer if optimizer is not None else self.optimizers()
+        opt = optimizer if optimizer is not None else self._optimizer()
         raw = getattr(opt, "optimizer", opt)
         mask = batch.response_mask.float()
         minis = [(lo, hi) for lo, hi in _chunks(len(batch), hp.mini_batches)]
@@ -826,8 +844,8 @@ class RLModule(L.LightningModule):
                     if self.rank == 0:
                         log.warning("%s: update skipped (trainer.on_nonfinite=skip)", problems[0])
                     skipped += 1
-                for k, val in totals.items():
-                    sums[k] = sums.get(k, 0.0) + val
+                for k, total in totals.items():
+                    sums[k] = sums.get(k, 0.0) + total
                 if self.emu_state:
                     self.units.sync_weights()  # actor_train -> actor_gen / actor_infer, critic likewise
                 else:
@@ -862,6 +880,9 @@ class RLModule(L.LightningModule):
         unit = self.units.get(stage)
         args = (part.prompt_ids, part.prompt_mask, part.response_ids, part.response_mask)
         metrics: dict[str, Tensor] = {}
+        loss_fn: Callable[
+            [Tensor, RolloutBatch, rl.RLConfig, Tensor, Tensor], tuple[Tensor, dict[str, Tensor]]
+        ]
         if stage == "actor_train":
             model = self.actor
             loss_fn, full_forward = (
@@ -983,7 +1004,8 @@ class GRPOModule(RLModule):
             "algorithm.samples_per_prompt",
             f"GRPO needs >= 2 samples per prompt, got {samples_per_prompt}",
         )
-        super().__init__(*args, samples_per_prompt=samples_per_prompt, kl_loss_coef=kl_loss_coef, **kwargs)
+        kwargs.update(samples_per_prompt=samples_per_prompt, kl_loss_coef=kl_loss_coef)
+        super().__init__(*args, **kwargs)
 
 
 class ReMaxModule(RLModule):

@@ -81,12 +81,11 @@ def make_sources(
         built = TaskSource(make_task(task, seed=seed))
         return JobSources(built, None, built.tokenizer)
     folder = config.tokenizer or (os.fspath(actor) if is_model_folder(actor) else None)
-    require(
-        folder is not None,
-        "data.tokenizer",
-        "the actor is a preset, so there is no model folder to take the tokenizer from; "
-        "set data.tokenizer=<folder with a tokenizer>",
-    )
+    if folder is None:
+        raise NereusConfigError(
+            "data.tokenizer: the actor is a preset, so there is no model folder to take the tokenizer from; "
+            "set data.tokenizer=<folder with a tokenizer>"
+        )
     tokenizer = load_tokenizer(folder)
     train = PromptData.load(config.train_files, tokenizer, config.prompt_key, config.max_prompt_length)
     val = (

@@ -18,9 +18,10 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, TypeGuard
 
 import lightning.pytorch as pl
 import torch
@@ -38,7 +39,7 @@ from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from torch import Tensor
+from torch import Tensor, nn
 from typing_extensions import override
 
 from nereus_lightning.lightning.checkpoint import (
@@ -53,6 +54,27 @@ from nereus_lightning.lightning.launch import check_launch, launch_of
 from nereus_lightning.plan.layout import Plan
 from nereus_lightning.spec.cluster import ClusterSpec, cluster_preset
 from nereus_lightning.spec.errors import CheckpointError, NereusConfigError, require
+
+
+class _UnitsModule(Protocol):
+    """What the strategy reads from a LightningModule that keeps its model-stage state in units
+    (an ``RLModule``)."""
+
+    units: Any  # ``EMUStates`` or ``StageUnits`` (``units.kind == "emu"``: the EMUs)
+
+    def role_models(self) -> Mapping[str, nn.Module | None]: ...
+
+    def write_hf(self, ckpt_dir: str) -> dict[str, str]: ...  # (read only with ``export_hf``)
+
+
+def _has_units(module: object) -> TypeGuard[_UnitsModule]:
+    """Whether ``module`` keeps its model-stage state in units."""
+    return hasattr(module, "units")
+
+
+def _emu_module(module: object) -> _UnitsModule | None:
+    """``module`` when its model-stage state lives in EMUs (``units.kind == "emu"``), else None."""
+    return module if _has_units(module) and getattr(module.units, "kind", None) == "emu" else None
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +204,8 @@ class NereusStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
         self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
+        # lightning types rank_zero_only as an overloaded function; its ``rank`` is set at runtime
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device
         )
@@ -194,9 +217,9 @@ class NereusStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         assert self.model is not None
-        module = self.lightning_module
-        if module is not None and hasattr(module, "use_state"):
-            module.use_state(self.state)
+        use_state = getattr(self.lightning_module, "use_state", None)
+        if use_state is not None:
+            use_state(self.state)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -211,10 +234,9 @@ class NereusStrategy(ParallelStrategy):
 
     @override
     def on_train_end(self) -> None:
-        module = self.lightning_module
-        units = getattr(module, "units", None)
-        if self.write_back and getattr(units, "kind", None) == "emu" and units.plan is not None:
-            units.write_back(module.role_models(), dst=0)
+        module = _emu_module(self.lightning_module)
+        if self.write_back and module is not None and module.units.plan is not None:
+            module.units.write_back(module.role_models(), dst=0)
 
     # ---- collectives Lightning needs ----------------------------------------------------
     @override
@@ -263,7 +285,7 @@ class NereusStrategy(ParallelStrategy):
         previous = self.plan
         module = self.lightning_module
         info: dict[str, Any] = {}
-        if module is not None and hasattr(module, "units"):
+        if _has_units(module):
             units = module.units
             if hasattr(units, "cluster"):  # transitions priced on the controller's cluster
                 units.cluster = self.topology
@@ -271,13 +293,14 @@ class NereusStrategy(ParallelStrategy):
             info = dict(getattr(units, "last_transition", {}) or {})
             if hasattr(units, "last_transition"):
                 units.last_transition = {}
+        reached: Plan | None = target
         if info.get("mode") == "kept":
             log.warning("keeping the current plan: %s", info.get("reason"))
-            target = previous  # the brain found no safe transition; the units did not move
-        self.plan = target
+            reached = previous  # the brain found no safe transition; the units did not move
+        self.plan = reached
         self.barrier("nereus-transition")
         seconds = time.perf_counter() - start
-        self.transitions.append({"from": previous, "to": target, "seconds": seconds, **info})
+        self.transitions.append({"from": previous, "to": reached, "seconds": seconds, **info})
         return seconds
 
     # ---- layout-independent checkpoints -------------------------------------------------
@@ -305,8 +328,8 @@ class NereusStrategy(ParallelStrategy):
         from nereus_lightning.emu.checkpoint import save_tensors
 
         path = Path(self.broadcast(str(filepath)))
-        units = getattr(self.lightning_module, "units", None)
-        state = "emu" if getattr(units, "kind", None) == "emu" else "full"
+        module = _emu_module(self.lightning_module)
+        state = "emu" if module is not None else "full"
         model = checkpoint.pop("state_dict", None)
         checkpoint.pop("optimizer_states", None)
         tensors: dict[str, Any] = {}
@@ -314,20 +337,21 @@ class NereusStrategy(ParallelStrategy):
             optim = self._optimizer_state()
             tensors = {"model": model, "optim": optim.get("state", {})}
             checkpoint[OPTIMIZER_GROUPS] = optim.get("param_groups", [])
-        encoded = self._checked_for_save(path, checkpoint, units if state == "emu" else None, tensors)
+        emus = module.units if module is not None else None
+        encoded = self._checked_for_save(path, checkpoint, emus, tensors)
         staging = staging_path(path)
         if self.is_global_zero:
             remove(staging)  # what an interrupted save of this name left
             staging.mkdir(parents=True)
         self.barrier("nereus-save-staging")
         self._require_shared(staging)
-        if state == "emu":
-            units.save(str(staging / "emu"))
+        if module is not None:
+            module.units.save(str(staging / "emu"))
         else:
             save_tensors(tensors, staging)
         if self.is_global_zero:
-            if self.export_hf and state == "emu":  # inside the staging directory: part of the atomic save
-                self.lightning_module.write_hf(str(staging))
+            if self.export_hf and module is not None:  # inside the staging directory: part of the atomic save
+                module.write_hf(str(staging))
             write_metadata(staging, encoded, state)
             commit(path)
         self.barrier("nereus-save")
@@ -338,7 +362,7 @@ class NereusStrategy(ParallelStrategy):
         Every rank writes its own shards into the directory rank 0 created, so on several nodes it
         must lie on a filesystem they all share; otherwise each node would hold a part of the checkpoint.
         """
-        seen = [directory.is_dir()]
+        seen: list[Any] = [directory.is_dir()]  # per rank (every entry filled by the gather)
         if _distributed_is_initialized():
             seen = [None] * self.world_size
             dist.all_gather_object(seen, directory.is_dir())
@@ -375,7 +399,7 @@ class NereusStrategy(ParallelStrategy):
                 None,
             )
             bad = nonfinite_names((k, v) for k, v in leaves if isinstance(v, Tensor))
-        reports = [(self.global_rank, bad, problem)]
+        reports: list[Any] = [(self.global_rank, bad, problem)]  # per rank (filled by the gather)
         if _distributed_is_initialized():
             reports = [None] * self.world_size
             dist.all_gather_object(reports, (self.global_rank, bad, problem))
@@ -419,15 +443,14 @@ class NereusStrategy(ParallelStrategy):
         meta = stored.checkpoint
         module = self.lightning_module
         assert module is not None
-        units = getattr(module, "units", None)
-        emu_units = getattr(units, "kind", None) == "emu"
-        if emu_units != (stored.state == "emu"):
+        emu_module = _emu_module(module)
+        if (emu_module is not None) != (stored.state == "emu"):
             raise NereusConfigError(
                 f"ckpt_path: {path} holds {stored.state!r} state; resume it with "
                 f"NereusStrategy(state={stored.state!r})"
             )
-        if emu_units:
-            units.resume_from = str(path / "emu")  # loaded into the units when they are built
+        if emu_module is not None:
+            emu_module.units.resume_from = str(path / "emu")  # loaded into the units when they are built
             meta["state_dict"] = {}
             return meta
         optim = self._optimizer_state()
@@ -441,11 +464,11 @@ class NereusStrategy(ParallelStrategy):
         return meta
 
     @override
-    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         pass  # done in load_checkpoint
 
     @override
-    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         pass  # done in load_checkpoint
 
     @override
@@ -483,11 +506,12 @@ def _leaves(tree: Any, prefix: str = "") -> Any:
 class _ForkLauncher(_MultiProcessingLauncher):
     """Lightning's fork/spawn launcher; rank 0's weights reach the caller's module only with ``write_back``."""
 
+    _strategy: NereusStrategy  # (the strategy that makes it)
+
     @override
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
         output = super()._collect_rank_zero_results(trainer, results)
-        units = getattr(trainer.lightning_module, "units", None)
-        released = getattr(units, "kind", None) == "emu"  # the full models were released into the EMUs
+        released = _emu_module(trainer.lightning_module) is not None  # the full models went into the EMUs
         if output is None or output.weights_path is None or self._strategy.write_back or not released:
             return output
         # Their empty tensors must not overwrite the caller's models.

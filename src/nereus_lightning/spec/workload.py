@@ -80,7 +80,7 @@ class Workload:
     algorithm: str = "ppo"
     prompts_per_step: int = 256
     samples_per_prompt: int = 1
-    prompt_len: int = 512
+    prompt_len: float = 512  # mean prompt length (tokens; a mean of the task or data, or its bound)
     response_len: float = 1024.0  # mean response length (tokens)
     response_len_p95: float = 0.0  # 0: 1.2 x mean
     ppo_epochs: int = 1

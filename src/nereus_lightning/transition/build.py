@@ -119,11 +119,13 @@ def _context(
         for name in plan:
             if name not in stages:
                 raise NereusConfigError(
-                    f"{label} plan: model-stage {name!r} is not in the {workload.algorithm} workflow {list(stages)}"
+                    f"{label} plan: model-stage {name!r} is not in the {workload.algorithm} workflow "
+                    f"{list(stages)}"
                 )
     if set(current) != set(target):
         raise NereusConfigError(
-            f"target plan: model-stages {sorted(set(target))} differ from the current plan's {sorted(set(current))}; "
+            f"target plan: model-stages {sorted(set(target))} differ from the current plan's "
+            f"{sorted(set(current))}; "
             "a transition moves existing model-stages only"
         )
     for name in current:
@@ -188,7 +190,11 @@ def _check_plan(label: str, plan: Plan, ctx: TransitionContext, per_gpu: bool = 
 def _peer_gpus(ctx: TransitionContext) -> dict[str, set[int]]:
     """Per model-stage with peers, the GPUs its peers hold under the current plan."""
     gpus = {name: c.gpus for name, c in ctx.current.items()}
-    return {name: set(chain.from_iterable(map(gpus.__getitem__, peers))) for name, peers in ctx.peers.items() if peers}
+    return {
+        name: set(chain.from_iterable(map(gpus.__getitem__, peers)))
+        for name, peers in ctx.peers.items()
+        if peers
+    }
 
 
 def union_of_local_dags(ctx: TransitionContext, batched: Collection[str] = ()) -> list[Node]:
@@ -326,7 +332,7 @@ def _order_with_resource_edges(
     ``growth`` is ``memory_growth(nodes, num_gpus)``, ``tight`` its ``_tight`` GPUs and
     ``peers_now`` is ``_held_by_peers(ctx)`` when the caller has them already.
     """
-    stages: dict[str, ModelStage] = ctx.stages
+    stages: Mapping[str, ModelStage] = ctx.stages
     current = dict(ctx.current.items())
     peers = ctx.peers
     if peers_now is None:

@@ -18,7 +18,7 @@ from enum import Enum
 from functools import cached_property
 from itertools import chain, islice
 from operator import itemgetter
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from nereus_lightning.plan.layout import Layout, Plan
 from nereus_lightning.plan.overlap import transition_peers
@@ -53,14 +53,22 @@ class Unit(NamedTuple):
         return f"{self.layout}@{list(self.gpus)}"
 
 
-def gpu_chunks(gpus: Sequence[int], size: int) -> list[tuple[int, ...]]:
-    """``gpus`` cut into consecutive tuples of ``size`` (e.g. a candidate's units, in order)."""
+_T = TypeVar("_T")
+
+
+def gpu_chunks(gpus: Sequence[_T], size: int) -> list[tuple[_T, ...]]:
+    """``gpus`` cut into consecutive tuples of ``size`` (e.g. a candidate's units, in order; or
+    units into groups)."""
     return list(zip(*[iter(gpus)] * size, strict=True))
 
 
 #: A node's memory effect on one GPU: ``(gpu, net, transient)``: ``net`` bytes it leaves allocated
 #: (negative: freed) once it ends, ``transient`` buffer bytes it holds only while it runs.
 MemEffect = tuple[int, float, float]
+
+
+# A node's (or a lane's) transfers, or a zero-argument function making them when first read.
+Transfers = Sequence[Transfer] | Callable[[], Sequence[Transfer]]
 
 
 class LaneRuns:
@@ -71,7 +79,11 @@ class LaneRuns:
 
     __slots__ = ("runs", "_parts", "_width")
 
-    def __init__(self, runs: list[tuple[int, int, int, int]], parts: list | Callable[[], list]) -> None:
+    def __init__(
+        self,
+        runs: list[tuple[int, int, int, int]],
+        parts: Sequence[Transfers] | Callable[[], Sequence[Transfers]],
+    ) -> None:
         self.runs = runs
         self._parts = parts
         self._width = sum(run[0] for run in runs)
@@ -79,7 +91,7 @@ class LaneRuns:
     def __len__(self) -> int:
         return self._width
 
-    def __iter__(self) -> Iterator[tuple[int, int, int, object]]:
+    def __iter__(self) -> Iterator[tuple[int, int, int, Transfers]]:
         parts = self._parts
         if callable(parts):
             parts = self._parts = parts()
@@ -116,11 +128,11 @@ class Node:
         model_stage: str,
         sources: tuple[Unit, ...],
         targets: tuple[Unit, ...],
-        transfers: tuple[Transfer, ...] | Callable[[], list[Transfer]],
+        transfers: Transfers,
         deps: list[int] | None = None,
         mem: tuple[MemEffect, ...] = (),
         resource_deps: list[int] | None = None,
-        lanes: LaneRuns | tuple[tuple[int, int, int, object], ...] | None = None,
+        lanes: LaneRuns | tuple[tuple[int, int, int, Transfers], ...] | None = None,
     ) -> None:
         self.id = id
         self.op = op

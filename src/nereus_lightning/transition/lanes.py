@@ -71,11 +71,11 @@ class LaneBulk:
             strict=True,
         )
 
-    def by_step(self) -> Iterator[LaneBulk]:
-        """The lanes of each step (in step order) as bulks of one step, lanes in order."""
+    def by_step(self) -> Iterator[tuple[int, LaneBulk]]:
+        """``(step, lanes)`` of each step (in step order), the lanes as a bulk of one step, in order."""
         steps = self.steps
-        if type(steps) is int:
-            yield self
+        if isinstance(steps, int):
+            yield steps, self
             return
         ns, nt, nm = self.sizes
         n = len(self.deps)
@@ -83,16 +83,19 @@ class LaneBulk:
         if not n % period and steps[:period] * (n // period) == steps:
             # Steps repeat with a period (e.g. chains of one length): each step's lanes are a slice.
             for st, i in sorted(zip(steps[:period], range(period), strict=True)):
-                yield LaneBulk(
+                yield (
                     st,
-                    self.op,
-                    _every(self.srcs, ns, i, period),
-                    _every(self.tgts, nt, i, period),
-                    self.deps[i::period],
-                    _every(self.mem, nm, i, period),
-                    self.sizes,
-                    TransferRecipe(
-                        self.transfers.make, tuple(column[i::period] for column in self.transfers.args)
+                    LaneBulk(
+                        st,
+                        self.op,
+                        _every(self.srcs, ns, i, period),
+                        _every(self.tgts, nt, i, period),
+                        self.deps[i::period],
+                        _every(self.mem, nm, i, period),
+                        self.sizes,
+                        TransferRecipe(
+                            self.transfers.make, tuple(column[i::period] for column in self.transfers.args)
+                        ),
                     ),
                 )
             return
@@ -105,15 +108,18 @@ class LaneBulk:
         for st in sorted(set(ordered)):
             hi = bisect.bisect_right(ordered, st, lo)
             idx = order[lo:hi]
-            yield LaneBulk(
+            yield (
                 st,
-                self.op,
-                _pick(srcs, idx, ns),
-                _pick(tgts, idx, nt),
-                list(map(self.deps.__getitem__, idx)),
-                _pick(mem, idx, nm),
-                self.sizes,
-                self.transfers.take(idx),
+                LaneBulk(
+                    st,
+                    self.op,
+                    _pick(srcs, idx, ns),
+                    _pick(tgts, idx, nt),
+                    list(map(self.deps.__getitem__, idx)),
+                    _pick(mem, idx, nm),
+                    self.sizes,
+                    self.transfers.take(idx),
+                ),
             )
             lo = hi
 
@@ -123,7 +129,7 @@ def _lanes_of(flat: Sequence, size: int, n: int) -> Iterator[tuple]:
     return zip(*[iter(flat)] * size, strict=True) if size else repeat((), n)
 
 
-def _every(flat: Sequence, size: int, i: int, period: int) -> list:
+def _every(flat: Sequence, size: int, i: int, period: int) -> Sequence:
     """The flat entries of lanes ``i``, ``i + period``, ... (``size`` entries a lane)."""
     if size == 1:
         return flat[i::period]
@@ -196,13 +202,13 @@ class LocalLanes:
         or per lane, ``deps`` per lane; ``srcs``, ``tgts`` and ``mem`` flat, each lane having
         ``sizes`` (sources, targets, memory effects) of them; lane ``i``'s transfers are
         ``make(*(column[i] for column in args))``, built when read."""
-        self._steps += [steps] * len(deps) if type(steps) is int else steps
+        self._steps += [steps] * len(deps) if isinstance(steps, int) else steps
         self._records.append(LaneBulk(steps, op, srcs, tgts, deps, mem, sizes, TransferRecipe(make, args)))
 
     def _each_lane(self) -> Iterator[tuple]:
         """``(op, sources, targets, transfers, deps, mem)`` of every lane, in id order."""
         for rec in self._records:
-            if type(rec) is tuple:
+            if isinstance(rec, tuple):
                 yield rec[1:]
             else:
                 op = rec.op
@@ -214,7 +220,7 @@ class LocalLanes:
         lanes concatenated and the union of their deps."""
         name = self.name
         if not batch:
-            out = []
+            out: list[Node] = []
             for op, srcs, tgts, transfers, deps, mem in self._each_lane():
                 out.append(
                     Node(
@@ -236,15 +242,15 @@ class LocalLanes:
         )
         by_step: dict[int, list[tuple | LaneBulk]] = {st: [] for st in steps}
         for rec in self._records:
-            if type(rec) is tuple:
+            if isinstance(rec, tuple):
                 by_step[rec[0]].append(rec)
             else:
-                for part in rec.by_step():
-                    by_step[part.steps].append(part)
+                for st, part in rec.by_step():
+                    by_step[st].append(part)
         out = []
         chain = itertools.chain.from_iterable
         for st, recs in by_step.items():
-            if len(recs) == 1 and type(recs[0]) is LaneBulk:  # e.g. a bulk Split or Merge: as it is
+            if len(recs) == 1 and isinstance(recs[0], LaneBulk):  # e.g. a bulk Split or Merge: as it is
                 rec = recs[0]
                 n = len(rec.deps)
                 out.append(
@@ -263,7 +269,7 @@ class LocalLanes:
                 continue
             srcs, tgts, mems, parts, deps, runs = [], [], [], [], [], []
             for rec in recs:
-                if type(rec) is tuple:
+                if isinstance(rec, tuple):
                     _, op, s, t, transfers, d, m = rec
                     srcs.append(s)
                     tgts.append(t)

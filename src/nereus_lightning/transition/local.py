@@ -19,7 +19,7 @@ import heapq
 import itertools
 import operator
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
 from itertools import repeat
 from operator import itemgetter
@@ -137,8 +137,8 @@ def local_lanes(
         if current.gpus == target.gpus and set(sub_positions(b, s)).isdisjoint(
             consecutive(b.size, s.size)
         ):  # (no strided slot is a current unit)
-            tiles = consecutive(b.size, s.size)
-            _add_merges(out, geo, s, b, tiles, cur_units, tgt_units, memory_of(b) - memory_of(s))
+            chunk_tiles = consecutive(b.size, s.size)
+            _add_merges(out, geo, s, b, chunk_tiles, cur_units, tgt_units, memory_of(b) - memory_of(s))
             return out
     if a == s:
         split_into = list(zip(cur_units))
@@ -163,7 +163,7 @@ def local_lanes(
         else:
             all_slots = set(itertools.chain.from_iterable(strided_rows())).issuperset(subs_all)
         if all_slots and BULK_SHORTCUTS:
-            split_into = gpu_chunks(subs_all, k)
+            split_into = list(gpu_chunks(subs_all, k))
             by_position = set(range(n_cur))
             where = dict(zip(subs_all, unit_and_index(n_cur, k), strict=True))
         else:
@@ -178,17 +178,17 @@ def local_lanes(
             )
             for i, u in enumerate(cur_units):
                 # Slots are disjoint, so they tile ``u`` exactly iff they cover its GPUs and no more.
-                cover = list(map(slot_at.get, u))
-                tiles = list(dict.fromkeys(cover))
+                cover = list(map(slot_at.get, u, repeat(())))  # (): in no slot (a slot is never empty)
+                unit_tiles = list(dict.fromkeys(cover))
                 by_pick = pick_a(u)
-                if tiles == by_pick:
+                if unit_tiles == by_pick:
                     by_position.add(i)
-                elif None in tiles or sum(map(len, tiles)) != len(u):
-                    tiles = by_pick
+                elif () in unit_tiles or sum(map(len, unit_tiles)) != len(u):
+                    unit_tiles = by_pick
                     by_position.add(i)
-                split_into.append(tiles)
-                k = len(tiles)
-                where.update(zip(tiles, zip(repeat(i, k), range(k), strict=True), strict=True))
+                split_into.append(unit_tiles)
+                k = len(unit_tiles)
+                where.update(zip(unit_tiles, zip(repeat(i, k), range(k), strict=True), strict=True))
     sub_at: dict[int, tuple[int, ...]] = {}  # the T_sub unit each current GPU would be part of
 
     def sub_at_of() -> dict[int, tuple[int, ...]]:  # made on first need (many plans never ask)
@@ -201,12 +201,12 @@ def local_lanes(
     in_place = False  # every target unit is a T_sub unit sitting where one is now
     chunked = False  # every target unit merges the T_sub units on its consecutive GPUs
     if a == b and SAME_LAYOUT_SHORTCUT:
-        held = len(current.gpus)
-        if BULK_SHORTCUTS and target.gpus[:held] == current.gpus:
+        n_held = len(current.gpus)
+        if BULK_SHORTCUTS and target.gpus[:n_held] == current.gpus:
             # Every current unit stays in place, the new ones come after (e.g. DP grows): no
             # lookups (target units are disjoint, so none after is a current unit).
             new = tgt_units[n_cur:]
-            same = set(current.gpus).isdisjoint(target.gpus[held:])
+            same = set(current.gpus).isdisjoint(target.gpus[n_held:])
         else:
             new = list(itertools.filterfalse(where.__contains__, tgt_units))
             same = set(current.gpus).isdisjoint(itertools.chain.from_iterable(new))
@@ -311,7 +311,7 @@ def local_lanes(
     ext_steps: list[int] = []
     ext_made: list[int | None] = []
     chain_run = 0  # > 0: the slots come in runs of this length, one run per node, chained in bulk
-    picks = None
+    picks: Iterator[int] | None = None
     slot_node_set = set(slot_nodes)
     cand_nodes = node_of[::cand_run] if cand_run else node_of
     if n_cand and slot_node_set.isdisjoint(cand_nodes) and fresh[:n_cand] == sorted(fresh[:n_cand]):
@@ -320,18 +320,18 @@ def local_lanes(
         n_picks = len(slot_node_set)
         if uniform and cand_run:  # node q's candidates are q * cand_run + (0, 1, ...): round r picks
             # every node's (r % cand_run)-th, in node order
-            picks = []
+            picked: list[int] = []
             for r in range(-(-n_picks // (n_cand // cand_run))):
-                picks += range(r % cand_run, n_cand, cand_run)
-            del picks[n_picks:]
+                picked += range(r % cand_run, n_cand, cand_run)
+            del picked[n_picks:]
         else:
-            picks = _remote_picks(list(pools().values()), fresh, n_picks)
+            picked = _remote_picks(list(pools().values()), fresh, n_picks)
         run = _run_length(slot_nodes)
         if run:
             # Each node's slots are consecutive (``run`` of them): its first reads the node's
             # pick, each other the slot before it; slices do it for every node at once.
             chain_run = run
-            head_srcs = list(map(candidates.__getitem__, picks))
+            head_srcs = list(map(candidates.__getitem__, picked))
             ext_srcs = list(
                 itertools.chain.from_iterable(
                     zip(head_srcs, *[missing[i::run] for i in range(run - 1)], strict=True)
@@ -344,7 +344,7 @@ def local_lanes(
             )
             ext_steps = list(range(3, 3 + run)) * n_picks
             slot_nodes = []  # done
-        picks = iter(picks)
+        picks = iter(picked)
     load = [0] * (n_cand + n_slots)
     # Across nodes: the source whose node has sent least so far (spread over NICs), then by load.
     sent: dict[int, int] = defaultdict(int)
@@ -435,8 +435,8 @@ def local_lanes(
                     )
             else:  # per unit, each followed by the Destroys of its unused T_sub units
                 pattern, buf = split_pattern(geo, a, s, picked_a)
-                nets = [mem_s - mem_a] * a.size  # a full split keeps every GPU
-                made = zip(
+                unit_nets = [mem_s - mem_a] * a.size  # a full split keeps every GPU
+                lanes = zip(
                     repeat(0),
                     repeat(split),
                     zip(map(_new, repeat(Unit), zip(repeat(a), units))),
@@ -445,13 +445,13 @@ def local_lanes(
                     repeat(()),
                     # per lane its GPUs' effects (one flat pass when the lanes are all units in order)
                     zip(
-                        *[zip(current.gpus, itertools.cycle(nets), itertools.cycle(buf))] * a.size,
+                        *[zip(current.gpus, itertools.cycle(unit_nets), itertools.cycle(buf))] * a.size,
                         strict=True,
                     )
                     if units is cur_units
-                    else map(tuple, map(zip, units, repeat(nets), repeat(buf))),
+                    else map(tuple, map(zip, units, repeat(unit_nets), repeat(buf))),
                 )
-                for lane, subs in zip(made, subs_of, strict=True):
+                for lane, subs in zip(lanes, subs_of, strict=True):
                     nid = out.append(lane)
                     for t in subs:
                         made_by[t] = nid
@@ -478,8 +478,8 @@ def local_lanes(
             if known is None:
                 pattern, buf = split_pattern(geo, a, s, tiles)
                 stays = {x for t in tiles for x in t}
-                nets = [mem_s - mem_a if x in stays else -mem_a for x in positions]
-                known = by_tiles[tiles] = (pattern, tuple(nets), buf)
+                gpu_nets = [mem_s - mem_a if x in stays else -mem_a for x in positions]
+                known = by_tiles[tiles] = (pattern, tuple(gpu_nets), buf)
             pattern, nets, buf = known
             nid = add(
                 0,
@@ -540,7 +540,7 @@ def local_lanes(
                 )
             )
             if not made_by:
-                head_deps = [()] * n_heads
+                head_deps: list[tuple[int, ...]] = [()] * n_heads
             elif all(map(made_by.__contains__, head_srcs)):
                 head_deps = list(zip(map(made_by.__getitem__, head_srcs)))
             else:
@@ -604,6 +604,7 @@ def local_lanes(
     picked_b = sub_positions(b, s)
     merged: dict[tuple[tuple[int, ...], ...], tuple[Pattern, tuple[int, ...]]] = {}
     strided_known: tuple[Pattern, tuple[int, ...]] | None = None
+    merge_known: tuple[Pattern, tuple[int, ...]] | None  # a target unit's (Merge pattern, buffers)
     net_b = mem_b - mem_s
     rows = strided if strided else [None] * len(tgt_units)
 
@@ -615,8 +616,8 @@ def local_lanes(
             ]
         if not made_by:
             return [()] * len(rows)
-        made = list(map(made_by.get, flat))
-        if None in made:
+        made = list(map(made_by.get, flat, repeat(-1)))  # -1: made by none (lane ids are >= 0)
+        if -1 in made:
             return [sorted({made_by[t] for t in row if t in made_by}) for row in rows]
         return list(map(sorted, map(set, gpu_chunks(made, len(flat) // len(rows)))))
 
@@ -624,12 +625,14 @@ def local_lanes(
         # Every target unit merges its strided slots: in bulk.
         flat = list(itertools.chain.from_iterable(slots))
         _add_merges(out, geo, s, b, picked_b, flat, tgt_units, net_b, last + 2, merge_deps(slots, flat))
-        tgt_units = rows = slots = []  # done
+        tgt_units, rows, slots = [], [], []  # done
     elif chunked:
         # Every target unit merges the T_sub units on its consecutive GPUs: in bulk.
-        deps = merge_deps(slots, chunks)
-        _add_merges(out, geo, s, b, consecutive(b.size, s.size), chunks, tgt_units, net_b, last + 2, deps)
-        tgt_units = rows = slots = []  # done
+        chunk_deps = merge_deps(slots, chunks)
+        _add_merges(
+            out, geo, s, b, consecutive(b.size, s.size), chunks, tgt_units, net_b, last + 2, chunk_deps
+        )
+        tgt_units, rows, slots = [], [], []  # done
     for v, row, row_strided in zip(tgt_units, slots, rows, strict=True):
         if b_is_s and row[0] == v:
             continue
@@ -639,14 +642,14 @@ def local_lanes(
             at = dict(zip(v, positions, strict=True)).__getitem__
             tiles = tuple(tuple(map(at, t)) for t in row)
         if tiles is picked_b and strided_known is not None:  # the common case: no hashing
-            known = strided_known
+            merge_known = strided_known
         else:
-            known = merged.get(tiles)
-            if known is None:
-                known = merged[tiles] = merge_pattern(geo, s, b, tiles)
+            merge_known = merged.get(tiles)
+            if merge_known is None:
+                merge_known = merged[tiles] = merge_pattern(geo, s, b, tiles)
             if tiles is picked_b:
-                strided_known = known
-        pattern, buf = known
+                strided_known = merge_known
+        pattern, buf = merge_known
         # A Merge consumes its inputs: after whatever created them and every Extend that reads them.
         deps = {made_by[t] for t in row if t in made_by} if made_by else set()
         if ext_slots:
@@ -728,11 +731,11 @@ def _drop_deps(
     reading: dict[tuple[int, ...], list[int]],
 ) -> list[list[int]]:
     """Per source to drop: the lane that made it (if any), then the Extends reading it."""
-    made = list(map(made_by.get, dropped))
+    made = list(map(made_by.get, dropped, repeat(-1)))  # -1: made by none (lane ids are >= 0)
     reads = list(map(reading.get, dropped, repeat([])))
-    if None in made:
-        return [([m] if m is not None else []) + r for m, r in zip(made, reads, strict=True)]
-    return list(map(list.__add__, map(list, zip(made)), reads))  # [made] + readers, at C speed
+    if -1 in made:
+        return [([m] if m != -1 else []) + r for m, r in zip(made, reads, strict=True)]
+    return list(map(operator.add, map(list, zip(made)), reads))  # [made] + readers, at C speed
 
 
 def _no_transfers(_unit: tuple[int, ...]) -> list[Transfer]:
@@ -805,8 +808,8 @@ def _slots_of(
     queues: list[list[int]] = [[] for _ in range(s.size)]
     for x, g in enumerate(v):
         if g not in covered:
-            p, t = divmod(x, b.tp)
-            queues[(p // k_pp) * s.tp + t // k_tp].append(g)
+            pi, ti = divmod(x, b.tp)
+            queues[(pi // k_pp) * s.tp + ti // k_tp].append(g)
     for _ in range((len(inside) - len(covered)) // s.size):
         slot = []
         for q in range(s.size):

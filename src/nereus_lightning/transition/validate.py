@@ -4,8 +4,8 @@ Three checks, each independent of how the DAG was built:
 
 1. **Sequential replay** in the DAG's own order (``dag.nodes``): every node finds its source units
    alive; every model-stage keeps at least one unit (a full copy of its state) at every moment;
-   peers (model-stages concurrent under both plans) never share a GPU; per-GPU memory (resident units + the running
-   node's transfer buffers) stays under ``plan.memory.memory_cap``; the end state is the target.
+   peers (model-stages concurrent under both plans) never share a GPU; per-GPU memory (resident units +
+   the running node's transfer buffers) stays under ``plan.memory.memory_cap``; the end state is the target.
 2. **Any order, GPUs**: an Extend of X onto GPU g must have, as an ancestor, every Destroy by which
    a peer of X leaves g. Then no topological order or concurrent run can overlap them.
 3. **Adversarial concurrent replay** (when some GPU is tight, see below): every ready node starts
@@ -33,7 +33,7 @@ GB = 1e9
 
 @dataclass(frozen=True)
 class ValidationReport:
-    """The outcome of :func:`validate`; ``problems`` start with their kind (``gpu conflict``, ``memory``, ...)."""
+    """The outcome of :func:`validate`; ``problems`` start with their kind (``memory``, ...)."""
 
     valid: bool
     problems: tuple[str, ...]
@@ -51,7 +51,7 @@ class ValidationReport:
 def validate(
     dag: TransitionDAG, *, random_orders: int = 0, seed: int = 0, max_problems: int = 8
 ) -> ValidationReport:
-    """Check ``dag`` (see the module docstring); ``random_orders`` adds replays of random topological orders."""
+    """Check ``dag`` (see the module docstring); ``random_orders`` adds replays in random orders."""
     problems: list[str] = []
     problems += _structure(dag)
     if problems:
@@ -355,15 +355,15 @@ def _any_order_gpus(dag: TransitionDAG, same_stage: _Peers) -> list[str]:
     for n in dag.nodes:
         if n.op is not Primitive.EXTEND or n.model_stage not in watched:
             continue
-        mask = leaving.get(stage[n.model_stage])
-        if mask is None:
+        leavers = leaving.get(stage[n.model_stage])
+        if leavers is None:
             continue
         gpus = n.acquired_gpus
         # every node by which a peer leaves these GPUs: all must be ancestors
         theirs_all = peer_nodes.get(n.model_stage)
         if theirs_all is None:
             theirs_all = peer_nodes[n.model_stage] = reduce(or_, (nodes[p] for p in peers[n.model_stage]), 0)
-        need = reduce(or_, filter(None, map(mask.get, gpus)), 0) & theirs_all
+        need = reduce(or_, filter(None, map(leavers.get, gpus)), 0) & theirs_all
         if not need:
             continue  # no peer leaves these GPUs: nothing to order
         if not anc:
@@ -372,7 +372,7 @@ def _any_order_gpus(dag: TransitionDAG, same_stage: _Peers) -> list[str]:
             continue
         for g in gpus:
             for other in peers[n.model_stage]:
-                theirs = mask.get(g, 0) & nodes[other]  # the nodes by which ``other`` leaves g
+                theirs = leavers.get(g, 0) & nodes[other]  # the nodes by which ``other`` leaves g
                 for d in (i for i in range(theirs.bit_length()) if theirs >> i & 1):  # in id order
                     if not anc[n.id] >> d & 1:
                         out.append(
