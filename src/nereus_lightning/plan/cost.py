@@ -58,7 +58,7 @@ class StageWork:
     role: str  # "actor", "critic", "reference" or "reward"
     model: ModelSpec
     sequences: int
-    prompt_len: int
+    prompt_len: float  # a mean
     response_len: float
     response_len_p95: float
     mini_batches: int = 1

@@ -240,10 +240,11 @@ def plan_job(
     search = _Search(
         works, {ms.name: ms.stage for ms in stages}, cluster, calibration, budget, cap, pinned, pool_key
     )
-    stuck = [n for n in (pinned or {}) if not search.fronts(n, cap)]
+    pins = dict(pinned or {})
+    stuck = [n for n in pins if not search.fronts(n, cap)]
     if stuck:
         raise InfeasiblePlanError(
-            f"{stuck[0]} pinned to {pinned[stuck[0]]}: no candidate of that layout fits {budget} GPUs under "
+            f"{stuck[0]} pinned to {pins[stuck[0]]}: no candidate of that layout fits {budget} GPUs under "
             f"the cap of {cap / 1e9:.1f} GB per GPU; pin fewer model-stages or another layout"
         )
     failed = [diagnose_memory(works[n], cluster, budget, cap, pool_key) for n in works if not search.fronts(n, cap)]
@@ -266,7 +267,7 @@ def plan_job(
     combos = sorted(itertools.product(*per_stage), key=total)[: alternatives + 1 - len(leaner)]
     for level in leaner:
         combos.append(tuple(search.solve(stage, level)[0] for stage in search.stages))
-    results = []
+    results: list[tuple[Plan, PlanEstimate]] = []
     for combo in combos:
         plan = assign_gpus({block: grp for pick in combo for block, grp in pick.items()}, search.stage_of, order)
         if all(plan != seen for seen, _ in results):
