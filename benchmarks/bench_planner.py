@@ -3,7 +3,8 @@
 Each point is the median of ``--repeats`` cold runs of ``plan_job`` (every cost cache cleared
 before each run, so nothing is reused between runs). The planner is single-threaded pure Python,
 so its time on one core is the CPU time of this process (``time.process_time``), which other
-processes on a shared machine do not inflate the way they inflate wall time; both are reported. The batch grows with the pool (``--prompts-per-gpu``
+processes on a shared machine do not inflate the way they inflate wall time; both are reported. The batch
+grows with the pool (``--prompts-per-gpu``
 prompts per GPU, at least 256), so a bigger pool also has more DP degrees to consider. Peak
 memory is traced (tracemalloc) for one run at the largest pool. Targets: <= 100 ms at 1,024 GPUs,
 < 1 s at 4,096, < 100 MB (the paper: 338 ms at 1,024 GPUs).

@@ -115,7 +115,9 @@ class Checks:
 
 
 def tiny_model(kind: str, dev: torch.device):
-    """The tests' tiny fp32 model of ``kind`` on ``dev``, with a random full AdamW state (same on every rank)."""
+    """The tests' tiny fp32 model of ``kind`` on ``dev``, with a
+    random full AdamW state (same on every rank).
+    """
     from nereus_lightning.testing.tiny import tiny_config
     from nereus_lightning.testing.tiny import tiny_model as build
 
@@ -270,7 +272,9 @@ def state_chain(checks: Checks, dev: torch.device, tol: float) -> None:
 
 
 def ppo_plans(world: int):
-    """P0 (DP over all ranks), P1 (training TP 2, DP halved), P2 (actor training DP 1, critic training PP 2)."""
+    """P0 (DP over all ranks), P1 (training TP 2, DP halved), P2
+    (actor training DP 1, critic training PP 2).
+    """
     from nereus_lightning.lightning.stages import data_parallel_plan
     from nereus_lightning.plan.layout import Candidate, Layout, Plan
 
@@ -429,7 +433,9 @@ def timing_setup(world: int, spec: Any, gpu_memory: float | None) -> tuple[Any, 
 
 
 def doubling_plans(stages: tuple[str, ...], tp: int, n_from: int):
-    """(start, doubled, merged): one TP-``tp`` unit per stage on ``n_from`` GPUs; + a copy on the next ``n_from``; merged to TP 2tp."""
+    """(start, doubled, merged): one TP-``tp`` unit per stage on ``n_from`` GPUs; + a copy on the next
+    ``n_from``; merged to TP 2tp.
+    """
     from nereus_lightning.plan.layout import Candidate, Layout, Plan
 
     start, doubled, merged = {}, {}, {}
@@ -602,7 +608,9 @@ def print_table(timing: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Run the three parts on the torchrun world; rank 0 prints and writes the JSON (returned on every rank)."""
+    """Run the three parts on the torchrun world; rank 0 prints and
+    writes the JSON (returned on every rank).
+    """
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--out", default=None, help="JSON path (default benchmarks/results/multigpu_nccl_<N>.json)"

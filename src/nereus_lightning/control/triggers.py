@@ -17,7 +17,9 @@ URGENT_KINDS = ("revocation", "memory")
 
 @dataclass(frozen=True)
 class Trigger:
-    """One reason to replan: ``kind`` is ``drift:<signal>``, ``pool``, ``revocation``, ``memory`` or ``schedule``."""
+    """One reason to replan: ``kind`` is ``drift:<signal>``, ``pool``, ``revocation``, ``memory`` or
+    ``schedule``.
+    """
 
     kind: str
     horizon: float  # H_x in steps
@@ -123,7 +125,9 @@ class PoolTrigger:
         lost = used - set(pool)
         detail = f"{len(self.reference)} -> {len(pool)} GPUs"
         if lost:
-            return Trigger("revocation", self.clock.horizon, urgent=True, detail=f"{detail}; lost {len(lost)} in use")
+            return Trigger(
+                "revocation", self.clock.horizon, urgent=True, detail=f"{detail}; lost {len(lost)} in use"
+            )
         return Trigger("pool", self.clock.horizon, detail=detail)
 
     def reset(self, pool: tuple[int, ...]) -> None:
@@ -132,7 +136,10 @@ class PoolTrigger:
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable state."""
-        return {"reference": None if self.reference is None else list(self.reference), "clock": self.clock.state_dict()}
+        return {
+            "reference": None if self.reference is None else list(self.reference),
+            "clock": self.clock.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""

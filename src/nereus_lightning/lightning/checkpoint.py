@@ -157,7 +157,9 @@ class StoredCheckpoint:
 
 
 def write_metadata(directory: str | os.PathLike, encoded: Any, state: str) -> None:
-    """Write ``nereus_meta.json`` (``encoded``: :func:`encode` of the checkpoint dict) last into ``directory``."""
+    """Write ``nereus_meta.json`` (``encoded``: :func:`encode` of the checkpoint dict) last into
+    ``directory``.
+    """
     directory = Path(directory)
     doc = {
         "format": FORMAT,

@@ -73,7 +73,9 @@ def _stage_change(old: StagePlan | None, new: StagePlan | None) -> str:
 
 
 def describe_plan(plan: Mapping[str, StagePlan] | None) -> str:
-    """A plan as ``actor_gen (4,1,1); actor_train, critic_train (1,1,2)`` (stages sharing a layout grouped)."""
+    """A plan as ``actor_gen (4,1,1); actor_train, critic_train
+    (1,1,2)`` (stages sharing a layout grouped).
+    """
     groups: dict[str, list[str]] = {}
     for stage, cand in (plan or {}).items():
         groups.setdefault(_layout(cand), []).append(stage)

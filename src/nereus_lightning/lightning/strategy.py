@@ -377,7 +377,9 @@ class NereusStrategy(ParallelStrategy):
     def _checked_for_save(
         self, path: Path, checkpoint: dict[str, Any], units: Any, tensors: dict[str, Any]
     ) -> Any:
-        """Rank 0's JSON encoding of ``checkpoint``, once every rank has found its state finite (collective)."""
+        """Rank 0's JSON encoding of ``checkpoint``, once every rank
+        has found its state finite (collective).
+        """
         from nereus_lightning.emu.checkpoint import nonfinite_names, nonfinite_tensors
 
         encoded, problem = None, None
@@ -504,7 +506,9 @@ def _leaves(tree: Any, prefix: str = "") -> Any:
 
 
 class _ForkLauncher(_MultiProcessingLauncher):
-    """Lightning's fork/spawn launcher; rank 0's weights reach the caller's module only with ``write_back``."""
+    """Lightning's fork/spawn launcher; rank 0's weights reach the
+    caller's module only with ``write_back``.
+    """
 
     _strategy: NereusStrategy  # (the strategy that makes it)
 

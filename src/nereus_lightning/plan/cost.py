@@ -164,7 +164,9 @@ def _comm(cls: str, link: GroupLink, seconds: float) -> Ideal:
 
 
 def _pipeline_stage(work: StageWork, pp: int) -> tuple[int, bool]:
-    """(layers, has LM head) of the slowest pipeline stage: the first holds the extra layers, the last the head."""
+    """(layers, has LM head) of the slowest pipeline stage: the first holds the extra layers, the last the
+    head.
+    """
     first = compute.stage_layers(work.model, pp, 0)
     last = compute.stage_layers(work.model, pp, pp - 1)
     head = work.lm_head
