@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> dict:
         )
     print(f"peak traced memory at {largest} GPUs: {peak_mb:.1f} MB; targets met: {result['targets']}")
     print(
-        f"load average {result['load_average']} on {result['cpus']} CPUs (a busy machine inflates CPU time too)"
+        f"load average {result['load_average']} on {result['cpus']} CPUs (a busy machine inflates CPU time "
+        "too)"
     )
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "planner.json").write_text(json.dumps(result, indent=2))

@@ -315,7 +315,8 @@ def main(argv: list[str] | None = None) -> dict:
         "\nPlanning time: build_transition (DAG cache empty) + validate, timed together; medians of CPU and"
     )
     print(
-        "wall ms over the repeats (CPU judged); target <= 5 ms at 1,024 GPUs, paper 1.22 ms. 'lanes': replica-level"
+        "wall ms over the repeats (CPU judged); target <= 5 ms at 1,024 GPUs, paper 1.22 ms. 'lanes': "
+        "replica-level"
     )
     print("primitive calls carried by the nodes; 'cost': build_transition + L_tran, CPU median.")
     print(
@@ -344,7 +345,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     extend = paper_extend()
     print(
-        "\nL_tran of DP doubling (Extend), Llama-3.1-8B actor + critic training, paper_cluster3 (8 x H200 per node)"
+        "\nL_tran of DP doubling (Extend), Llama-3.1-8B actor + critic training, paper_cluster3 (8 x H200 "
+        "per node)"
     )
     print(
         f"{'GPUs':>8} {'extends':>7} {'GB moved':>9} {'predicted s':>11} {'weights only s':>14} {'paper s':>8}"
@@ -355,17 +357,21 @@ def main(argv: list[str] | None = None) -> dict:
             f"{r['predicted_weights_only_s']:14.2f} {r['paper_s']:8.2f}"
         )
     print(
-        "Assumptions: TP2 x PP1 units (the smallest TP that fits 8B training state in 127 GB), actor and critic"
+        "Assumptions: TP2 x PP1 units (the smallest TP that fits 8B training state in 127 GB), actor and "
+        "critic"
     )
     print(
-        "on disjoint GPUs, every existing unit stays in place and new units fill the new GPUs (new nodes from 8 on);"
+        "on disjoint GPUs, every existing unit stays in place and new units fill the new GPUs (new nodes "
+        "from 8 on);"
     )
     print("Extend moves bf16 weights + fp32 master weights + AdamW moments (14 B/param, 112 GB per replica);")
     print(
-        "NVLink 900 GB/s per GPU, one 25 GB/s HDR NIC per node shared by the node's transfers, 50 ms communicator"
+        "NVLink 900 GB/s per GPU, one 25 GB/s HDR NIC per node shared by the node's transfers, 50 ms "
+        "communicator"
     )
     print(
-        "set-up per node, no process start-up, allocation or synchronisation overheads (the calibration learns those)."
+        "set-up per node, no process start-up, allocation or synchronisation overheads (the calibration "
+        "learns those)."
     )
 
     result = {

@@ -581,7 +581,8 @@ def transition_timing(checks: Checks, dev: torch.device, quick: bool, repeats: i
 def print_table(timing: dict[str, Any]) -> None:
     """The timing rows beside the brain's prediction and the paper."""
     print(
-        f"\nTransition timing: {timing['model']} ({timing['params_per_model'] / 1e9:.2f} B params per model), "
+        f"\nTransition timing: {timing['model']} ({timing['params_per_model'] / 1e9:.2f} B params per "
+        "model), "
         f"{'+'.join(timing['stages'])}, fp32 params + AdamW moments (12 B/param), cluster model {timing['cluster']!r}"
     )
     if timing["note"]:
@@ -669,7 +670,8 @@ def main(argv: list[str] | None = None) -> dict:
     if rank == 0:
         failed = [c["name"] for c in checks.rows if not c["passed"]]
         print(
-            f"\n{result['backend']} x {world} ({result['device']}): {len(checks.rows)} checks, {len(failed)} failed"
+            f"\n{result['backend']} x {world} ({result['device']}): {len(checks.rows)} checks, {len(failed)} "
+            "failed"
         )
         for name in failed:
             print(f"  FAILED {name}")

@@ -138,7 +138,8 @@ def render(result: dict[str, Any]) -> None:
     cl, wl = result["cluster"], result["workload"]
     title = (
         f"{result['models']['actor']} {wl['algorithm'].upper()} on {cl['num_gpus']} GPUs of {cl['name']}, "
-        f"prompt {wl['prompt_len']} + response {wl['response_len']:g} tokens, {wl['prompts_per_step']} prompts"
+        f"prompt {wl['prompt_len']} + response {wl['response_len']:g} tokens, {wl['prompts_per_step']} "
+        "prompts"
     )
     table = Table(title=title, title_justify="left")
     columns = (

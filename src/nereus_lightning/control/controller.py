@@ -489,7 +489,8 @@ class Controller:
                 delta_latency=current_latency - chosen.latency,
                 transition_cost=l_tran,
                 considered=tuple(considered),
-                reason=f"{_kinds(triggers)}: {entry['verdict'].removeprefix('admitted: ')}; {how} ({chosen.source})",
+                reason=f"{_kinds(triggers)}: {entry['verdict'].removeprefix('admitted: ')}; {how} "
+                    f"({chosen.source})",
             )
         if urgent:
             best = min(seen, key=lambda o: o.latency) if seen else None

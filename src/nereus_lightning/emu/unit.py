@@ -257,4 +257,7 @@ class EMU:
         self._host = {}
 
     def __repr__(self) -> str:
-        return f"EMU({self.model_stage!r}, {self.unit}, rank={self.rank}, {len(self.params)} tensors, {self.nbytes()} B)"
+        return (
+            f"EMU({self.model_stage!r}, {self.unit}, rank={self.rank}, {len(self.params)} tensors, "
+            f"{self.nbytes()} B)"
+        )

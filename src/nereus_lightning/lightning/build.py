@@ -118,7 +118,8 @@ def _config_of(
             )
         if source not in MODEL_PRESETS:
             raise NereusConfigError(
-                f"model: unknown preset {source!r}; known presets: {', '.join(sorted(MODEL_PRESETS))} (or a local model folder)"
+                f"model: unknown preset {source!r}; known presets: {', '.join(sorted(MODEL_PRESETS))} (or a "
+                "local model folder)"
             )
         source = MODEL_PRESETS[source]
     if isinstance(source, ModelSpec):

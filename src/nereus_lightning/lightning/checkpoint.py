@@ -261,7 +261,8 @@ def _check_file(directory: Path, name: str, size: Any) -> None:
         raise CheckpointError(f"{file}: missing (the checkpoint recorded {size} bytes)")
     if file.stat().st_size != size:
         raise CheckpointError(
-            f"{file}: damaged: {file.stat().st_size} bytes, the checkpoint recorded {size} (truncated or overwritten)"
+            f"{file}: damaged: {file.stat().st_size} bytes, the checkpoint recorded {size} (truncated or "
+            "overwritten)"
         )
 
 

@@ -250,7 +250,8 @@ class RLModule(L.LightningModule):
         require(
             reward_model is None or self.algorithm != "remax",
             "reward_model",
-            "ReMax scores its greedy baseline with the reward function; use algorithm=ppo or grpo with a reward model",
+            "ReMax scores its greedy baseline with the reward function; use algorithm=ppo or grpo with a "
+            "reward model",
         )
         self.save_hyperparameters(ignore=["task", "reward_function", "data"])
         self.automatic_optimization = False
@@ -629,7 +630,10 @@ class RLModule(L.LightningModule):
             bad = (~torch.isfinite(values)).nonzero().flatten().tolist()
             if bad:
                 first = bad[0]
-                where = f"sample {first} (prompt {samples[first].index}, data_source {samples[first].data_source!r})"
+                where = (
+                    f"sample {first} (prompt {samples[first].index}, data_source "
+                    f"{samples[first].data_source!r})"
+                )
                 message = (
                     f"step {step}: the {name} of {where} is {float(values[first])}"
                     f" ({len(bad)} of {len(values)} samples non-finite)"
@@ -735,7 +739,8 @@ class RLModule(L.LightningModule):
             require(
                 self.emu_state,
                 "algorithm.rollout_engine",
-                "vllm generates from the generation units of the 'emu' state backend; use_state('emu') or rollout_engine=hf",
+                "vllm generates from the generation units of the 'emu' state backend; use_state('emu') or "
+                "rollout_engine=hf",
             )
             return VLLMEngine(self.units.vllm_instance(model_stage), eos, tok.pad_token_id)
         unit = self.units.get(model_stage)

@@ -414,7 +414,8 @@ class NereusStrategy(ParallelStrategy):
             problems.append(f"non-finite values (NaN or inf) in {shown}")
         if problems:
             raise CheckpointError(
-                f"checkpoint {path} not written: {'; '.join(problems)}. The checkpoints already on disk are kept"
+                f"checkpoint {path} not written: {'; '.join(problems)}. The checkpoints already on disk are "
+                "kept"
             )
         return encoded
 

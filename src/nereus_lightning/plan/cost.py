@@ -105,7 +105,8 @@ def stage_work(ms: ModelStage, models: Mapping[str, ModelSpec], workload: Worklo
     sequences = workload.prompts_per_step if ms.name == "actor_greedy_gen" else workload.sequences_per_step
     if ms.stage == "training" and sequences % workload.mini_batches:
         raise NereusConfigError(
-            f"workload.mini_batches: {workload.mini_batches} does not divide the {sequences} sequences per step"
+            f"workload.mini_batches: {workload.mini_batches} does not divide the {sequences} sequences per "
+            "step"
         )
     return StageWork(
         ms.name,
