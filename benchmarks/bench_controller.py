@@ -12,9 +12,8 @@ Default run (a couple of minutes on one core):
 every-10-steps, Nereus and the oracle, plus the same ablation; a few minutes each on one core);
 ``--long-always`` adds always-switch to them (it re-plans every step: much slower).
 
-Usage: ``python benchmarks/bench_controller.py [--long | --long-always] [--skip-paper] [--repeats N] [--jobs
-N]``
-(``--jobs`` runs the long traces in parallel processes).
+Usage: ``python benchmarks/bench_controller.py [--long | --long-always] [--skip-paper] [--repeats N]
+[--jobs N]`` (``--jobs`` runs the long traces in parallel processes).
 """
 
 from __future__ import annotations
@@ -189,7 +188,8 @@ def main(argv: list[str] | None = None) -> dict:
     }
     print("| what | wall | CPU | target |\n|---|---|---|---|")
     print(
-        f"| replan at 1,024 GPUs (drift) | {times['drift'] * 1e3:.1f} ms | {times['drift_cpu'] * 1e3:.1f} ms | < 200 ms |"
+        f"| replan at 1,024 GPUs (drift) | {times['drift'] * 1e3:.1f} ms "
+        f"| {times['drift_cpu'] * 1e3:.1f} ms | < 200 ms |"
     )
     print(f"| replan at 1,024 GPUs (revocation, urgent) | {times['revocation'] * 1e3:.1f} ms "
           f"| {times['revocation_cpu'] * 1e3:.1f} ms | < 200 ms |")

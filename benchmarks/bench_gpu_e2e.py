@@ -242,7 +242,8 @@ def report(paths: list[Path]) -> str:
         train = f"{med['train_s']:.2f}" if "train_s" in med else "-"
         tokens = PROMPTS * SAMPLES * run["new_tokens"]
         rows.append(
-            f"| {run['system']} | {run['shape']} | {med['step_s']:.2f} | {med['gen_s']:.2f} | {infer} | {train} "
+            f"| {run['system']} | {run['shape']} | {med['step_s']:.2f} | {med['gen_s']:.2f} "
+            f"| {infer} | {train} "
             f"| {tokens / med['gen_s']:,.0f} | {max(s['peak_gib'] for s in steps):.1f} | {run['fit_s']:.1f} |"
         )
     return "\n".join(rows)

@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> dict:
         },
     }
     print(
-        f"{'GPUs':>6} {'prompts':>8} {'CPU ms (median)':>16} {'CPU ms (min)':>13} {'wall ms':>8} {'step s':>8}"
+        f"{'GPUs':>6} {'prompts':>8} {'CPU ms (median)':>16} {'CPU ms (min)':>13} "
+        f"{'wall ms':>8} {'step s':>8}"
     )
     for r in rows:
         print(

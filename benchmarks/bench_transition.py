@@ -305,7 +305,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     for kind, c in table.items():
         print(
-            f"{kind:26} {c['cases']:5d} {c['global_valid']:9d} {c['global_infeasible']:7d} {c['global_invalid']:7d} "
+            f"{kind:26} {c['cases']:5d} {c['global_valid']:9d} {c['global_infeasible']:7d} "
+            f"{c['global_invalid']:7d} "
             f"{c['global_success_pct']:8.1f} {c['baseline_success_pct_on_feasible']:21.1f} "
             f"{c['baseline_conflict']:8d} {c['baseline_wait_cycle']:8d}"
         )
@@ -325,8 +326,9 @@ def main(argv: list[str] | None = None) -> dict:
     )
     for r in timing:
         print(
-            f"{r['gpus']:5d} {r['scenario']:22} {r['outcome']:10} {r.get('nodes', 0):5d} {r.get('lanes', 0):5d} "
-            f"{r.get('resource_edges', 0):5d} {r['build_median_ms']:7.2f} {r.get('validate_median_ms', 0.0):8.2f} "
+            f"{r['gpus']:5d} {r['scenario']:22} {r['outcome']:10} {r.get('nodes', 0):5d} "
+            f"{r.get('lanes', 0):5d} {r.get('resource_edges', 0):5d} {r['build_median_ms']:7.2f} "
+            f"{r.get('validate_median_ms', 0.0):8.2f} "
             f"{r['total_median_ms']:9.2f} {r['total_wall_median_ms']:10.2f} {r.get('cost_ms', 0.0):7.2f}"
         )
     at_max = [r for r in timing if r["gpus"] == 1024]
@@ -349,11 +351,13 @@ def main(argv: list[str] | None = None) -> dict:
         "per node)"
     )
     print(
-        f"{'GPUs':>8} {'extends':>7} {'GB moved':>9} {'predicted s':>11} {'weights only s':>14} {'paper s':>8}"
+        f"{'GPUs':>8} {'extends':>7} {'GB moved':>9} {'predicted s':>11} "
+        f"{'weights only s':>14} {'paper s':>8}"
     )
     for r in extend:
         print(
-            f"{r['from_gpus']:>3} -> {r['to_gpus']:<3} {r['extends']:7d} {r['gb_moved']:9.0f} {r['predicted_s']:11.2f} "
+            f"{r['from_gpus']:>3} -> {r['to_gpus']:<3} {r['extends']:7d} {r['gb_moved']:9.0f} "
+            f"{r['predicted_s']:11.2f} "
             f"{r['predicted_weights_only_s']:14.2f} {r['paper_s']:8.2f}"
         )
     print(

@@ -583,11 +583,15 @@ def print_table(timing: dict[str, Any]) -> None:
     print(
         f"\nTransition timing: {timing['model']} ({timing['params_per_model'] / 1e9:.2f} B params per "
         "model), "
-        f"{'+'.join(timing['stages'])}, fp32 params + AdamW moments (12 B/param), cluster model {timing['cluster']!r}"
+        f"{'+'.join(timing['stages'])}, fp32 params + AdamW moments (12 B/param), "
+        f"cluster model {timing['cluster']!r}"
     )
     if timing["note"]:
         print(f"  note: {timing['note']}")
-    head = f"{'transition':24} {'GB':>7} {'first s':>8} {'median s':>9} {'L_tran s':>9} {'error %':>8} {'L_tran bf16 s':>13} {'paper s':>8}"
+    head = (
+        f"{'transition':24} {'GB':>7} {'first s':>8} {'median s':>9} {'L_tran s':>9} {'error %':>8} "
+        f"{'L_tran bf16 s':>13} {'paper s':>8}"
+    )
     print(head)
     for r in timing["rows"]:
         if "infeasible" in r:
@@ -600,8 +604,9 @@ def print_table(timing: dict[str, Any]) -> None:
         )
     print(
         "  first = first run (includes communicator creation); median = median of the later runs; error = "
-        "(L_tran - median) / median;\n  L_tran bf16 = the brain's price of the paper's state (bf16 weights + fp32 "
-        f"master + moments, 14 B/param). Paper Split/Merge (8B, 8-64 GPUs): {PAPER_SPLIT_MERGE_S[0]}-{PAPER_SPLIT_MERGE_S[1]} s."
+        "(L_tran - median) / median;\n  L_tran bf16 = the brain's price of the paper's state "
+        "(bf16 weights + fp32 master + moments, 14 B/param). Paper Split/Merge (8B, 8-64 GPUs): "
+        f"{PAPER_SPLIT_MERGE_S[0]}-{PAPER_SPLIT_MERGE_S[1]} s."
     )
 
 
@@ -677,7 +682,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"  FAILED {name}")
         if "ppo" in result:
             print(
-                f"PPO: {len(result['ppo']['plans'])} steps in {result['ppo']['seconds']:.1f} s (TP and DP changes)"
+                f"PPO: {len(result['ppo']['plans'])} steps in {result['ppo']['seconds']:.1f} s "
+                "(TP and DP changes)"
             )
         if "timing" in result:
             print_table(result["timing"])

@@ -28,7 +28,8 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     nan_after = int(os.environ.get("NEREUS_TEST_NAN_AFTER", "-1"))
     if nan_after >= 0 and sum(1 for _ in open(os.environ["NEREUS_TEST_COUNTER"])) > nan_after:
         return math.nan
-    return {"score": float(str(ground_truth) in solution_str), "digits": float(any(c.isdigit() for c in solution_str))}
+    score = float(str(ground_truth) in solution_str)
+    return {"score": score, "digits": float(any(c.isdigit() for c in solution_str))}
 """
 
 

@@ -86,7 +86,8 @@ class DriftTrigger:
         return Trigger(
             f"drift:{self.name}",
             self.clock.horizon,
-            detail=f"{self.name} {self.reference:.1f} -> {value:.1f} ({change:+.1%}, threshold {self.delta:.0%})",
+            detail=f"{self.name} {self.reference:.1f} -> {value:.1f} "
+            f"({change:+.1%}, threshold {self.delta:.0%})",
         )
 
     def reset(self, value: float) -> None:

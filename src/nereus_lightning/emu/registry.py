@@ -101,8 +101,8 @@ class Registry:
                 require(
                     not shared,
                     "target ranks",
-                    f"ranks {shared} already hold live unit {unit} of {stage!r}; destroy it first, pick free ranks, "
-                    "or pass colocate_with for model-stages that never run at the same time",
+                    f"ranks {shared} already hold live unit {unit} of {stage!r}; destroy it first, "
+                    "pick free ranks, or pass colocate_with for model-stages that never run at the same time",
                 )
 
     def clear(self) -> None:

@@ -139,8 +139,8 @@ def decision_line(record: Mapping[str, Any], executed: Mapping[str, Any] | None 
     if kind in EXECUTED_KINDS:  # the strategy found no safe transition DAG and kept the plan
         return (
             f"step {step} no transition{where}: plan kept, the transition is infeasible "
-            f"({executed.get('reason')})"
-        )  # type: ignore[union-attr]
+            f"({executed.get('reason')})"  # type: ignore[union-attr]
+        )
     if kind == "keep" and record.get("considered"):  # a faster plan existed and was not admitted
         return f"step {step} no transition{where}: {record.get('reason')}"
     return None
