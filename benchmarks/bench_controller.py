@@ -12,8 +12,8 @@ Default run (a couple of minutes on one core):
 every-10-steps, Nereus and the oracle, plus the same ablation; a few minutes each on one core);
 ``--long-always`` adds always-switch to them (it re-plans every step: much slower).
 
-Usage: ``python benchmarks/bench_controller.py [--long | --long-always] [--skip-paper] [--repeats N] [--jobs N]``
-(``--jobs`` runs the long traces in parallel processes).
+Usage: ``python benchmarks/bench_controller.py [--long | --long-always] [--skip-paper] [--repeats N]
+[--jobs N]`` (``--jobs`` runs the long traces in parallel processes).
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ GAMMAS = (0.0, 0.1, 0.25, 0.4, 0.5, 0.65, 0.8, 1.0, 2.0, 5.0)
 
 
 def _signals(step: int, length: float, gpus: int, draining: int = 0) -> StepSignals:
-    return StepSignals(step, length, 1.15 * length, 512, tuple(range(gpus)), draining=tuple(range(gpus, gpus + draining)))
+    return StepSignals(
+        step, length, 1.15 * length, 512, tuple(range(gpus)), draining=tuple(range(gpus, gpus + draining))
+    )
 
 
 def replan_times(repeats: int) -> dict[str, float]:
@@ -50,7 +52,9 @@ def replan_times(repeats: int) -> dict[str, float]:
     """
     backend = PlannerBackend(job_models(MODEL_PRESETS["llama3_8b"]))
     cluster = CLUSTER_PRESETS["paper_cluster1"]
-    out: dict[str, list[float]] = {k: [] for k in ("drift", "drift_cpu", "revocation", "revocation_cpu", "no_trigger")}
+    out: dict[str, list[float]] = {
+        k: [] for k in ("drift", "drift_cpu", "revocation", "revocation_cpu", "no_trigger")
+    }
 
     def timed(key: str, fn):
         wall, cpu = time.perf_counter(), time.process_time()
@@ -63,7 +67,8 @@ def replan_times(repeats: int) -> dict[str, float]:
         ctl = Controller(backend, cluster, Workload(), ControllerConfig(), calibration=Calibration())
         ctl.step(_signals(0, 4000.0, 1024))  # initial plan (not timed)
         ctl.step(_signals(1, 4000.0, 1024))
-        d = timed("drift", lambda r=r, ctl=ctl: ctl.step(_signals(2, 6000.0 + r, 1024)))  # +50%: drift trigger
+        # +50%: drift trigger
+        d = timed("drift", lambda r=r, ctl=ctl: ctl.step(_signals(2, 6000.0 + r, 1024)))
         assert d.kind in ("keep", "transition", "restart"), d
         d = timed("revocation", lambda r=r, ctl=ctl: ctl.step(_signals(3, 6000.0 + r, 960, draining=64)))
         assert d.urgent, d
@@ -89,12 +94,28 @@ ABLATIONS = {
 }
 
 
-def policy_table(trace, setup_kwargs, policies=PAPER_POLICIES, gammas=None, out_dir=None, oracle_tolerance=0.0,
-                 ablation=True) -> dict:
-    """Run ``policies`` on ``trace``; return the summary rows, Nereus' margin, the gamma sweep and the ablation."""
+def policy_table(
+    trace,
+    setup_kwargs,
+    policies=PAPER_POLICIES,
+    gammas=None,
+    out_dir=None,
+    oracle_tolerance=0.0,
+    ablation=True,
+) -> dict:
+    """Run ``policies`` on ``trace``; return the summary rows, Nereus' margin, the gamma sweep and the
+    ablation.
+    """
     setup = make_setup(**setup_kwargs)
-    res = run_experiment(setup, trace, list(policies), out_dir=out_dir, gammas=gammas, plot=out_dir is not None,
-                         oracle_tolerance=oracle_tolerance)
+    res = run_experiment(
+        setup,
+        trace,
+        list(policies),
+        out_dir=out_dir,
+        gammas=gammas,
+        plot=out_dir is not None,
+        oracle_tolerance=oracle_tolerance,
+    )
     print(res["text"])
     out = {k: v for k, v in res.items() if k not in ("comparison", "text")}
     rows = {r["policy"]: r for r in out["table"]}
@@ -122,7 +143,9 @@ def policy_table(trace, setup_kwargs, policies=PAPER_POLICIES, gammas=None, out_
 
 def _policy_table_args(args: tuple) -> dict:
     trace, setup_kwargs, policies, gammas, out_dir, tolerance = args
-    return policy_table(trace, setup_kwargs, policies, gammas=gammas, out_dir=out_dir, oracle_tolerance=tolerance)
+    return policy_table(
+        trace, setup_kwargs, policies, gammas=gammas, out_dir=out_dir, oracle_tolerance=tolerance
+    )
 
 
 def run_variant(setup, trace, name: str, changes: dict, out_dir: str | None = None):
@@ -134,15 +157,21 @@ def run_variant(setup, trace, name: str, changes: dict, out_dir: str | None = No
         Path(log.path).unlink(missing_ok=True)
     ctl = Controller(setup.backend, setup.cluster, setup.workload, ControllerConfig(**changes),
                      calibration=Calibration(), log=log)
-    return simulate(ControllerPolicy(name, ctl), trace, setup.machine, setup.backend, setup.cluster, setup.workload)
+    return simulate(
+        ControllerPolicy(name, ctl), trace, setup.machine, setup.backend, setup.cluster, setup.workload
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark; print tables; write benchmarks/results/controller.json."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--long", action="store_true", help="also run the 1,000-step traces (slow)")
-    parser.add_argument("--long-always", action="store_true", help="add always-switch to the long runs (very slow)")
-    parser.add_argument("--skip-paper", action="store_true", help="skip the 25-step trace and its gamma sweep")
+    parser.add_argument(
+        "--long-always", action="store_true", help="add always-switch to the long runs (very slow)"
+    )
+    parser.add_argument(
+        "--skip-paper", action="store_true", help="skip the 25-step trace and its gamma sweep"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--jobs", type=int, default=1, help="processes for the long traces (one trace each)")
     parser.add_argument("--out", default=str(RESULTS / "controller"), help="folder for CSV/PNG outputs")
@@ -158,7 +187,10 @@ def main(argv: list[str] | None = None) -> dict:
         "targets_ms": {"replan": 200.0, "step_no_trigger": 1.0},
     }
     print("| what | wall | CPU | target |\n|---|---|---|---|")
-    print(f"| replan at 1,024 GPUs (drift) | {times['drift'] * 1e3:.1f} ms | {times['drift_cpu'] * 1e3:.1f} ms | < 200 ms |")
+    print(
+        f"| replan at 1,024 GPUs (drift) | {times['drift'] * 1e3:.1f} ms "
+        f"| {times['drift_cpu'] * 1e3:.1f} ms | < 200 ms |"
+    )
     print(f"| replan at 1,024 GPUs (revocation, urgent) | {times['revocation'] * 1e3:.1f} ms "
           f"| {times['revocation_cpu'] * 1e3:.1f} ms | < 200 ms |")
     print(f"| Controller.step without a trigger | - | {times['no_trigger'] * 1e3:.3f} ms | < 1 ms |")
@@ -169,7 +201,10 @@ def main(argv: list[str] | None = None) -> dict:
         # The oracle re-plans when a length moved by 1% (not every step) to keep this tractable.
         big = {"model": "llama3_8b", "cluster": "paper_cluster1", "workload": {"algorithm": "ppo"}}
         policies = ("always", *LONG_POLICIES) if args.long_always else LONG_POLICIES
-        runs = [(long_trace(supply), big, policies, None, f"{args.out}/long_{supply}", 0.01) for supply in SPOT_TRACES]
+        runs = [
+            (long_trace(supply), big, policies, None, f"{args.out}/long_{supply}", 0.01)
+            for supply in SPOT_TRACES
+        ]
         if args.jobs > 1:
             from concurrent.futures import ProcessPoolExecutor
 
@@ -180,7 +215,9 @@ def main(argv: list[str] | None = None) -> dict:
         for supply, table in zip(SPOT_TRACES, tables, strict=True):
             result[f"long1000_{supply}"] = table
     RESULTS.mkdir(exist_ok=True)
-    name = "controller_long.json" if (args.long or args.long_always) and args.skip_paper else "controller.json"
+    name = (
+        "controller_long.json" if (args.long or args.long_always) and args.skip_paper else "controller.json"
+    )
     (RESULTS / name).write_text(json.dumps(result, indent=1, default=str))
     return result
 

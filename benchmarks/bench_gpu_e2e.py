@@ -22,9 +22,27 @@ import time
 from pathlib import Path
 
 SHAPES = {  # Qwen2-0.5B and Qwen2-1.5B (tied embeddings, 151,936-token vocabulary)
-    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864),
-    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, intermediate_size=8960),
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128),
+    "0.5b": dict(
+        hidden_size=896,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+    ),
+    "1.5b": dict(
+        hidden_size=1536,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        intermediate_size=8960,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+    ),
 }
 PROMPTS, SAMPLES = 16, 4
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -40,7 +58,9 @@ def make_folder(shape: str, root: Path) -> Path:
     folder = root / f"qwen2-{shape}"
     if (folder / "config.json").is_file():
         return folder
-    tokenizer = train_tokenizer([f"Question {i}: what is {i} plus {i + 1}? Answer: {2 * i + 1}." for i in range(400)])
+    tokenizer = train_tokenizer(
+        [f"Question {i}: what is {i} plus {i + 1}? Answer: {2 * i + 1}." for i in range(400)]
+    )
     config = tf.Qwen2Config(
         vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=4096, **SHAPES[shape],
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
@@ -74,7 +94,10 @@ def run_nereus(folder: Path, steps: int, new_tokens: int, out: Path) -> dict:
     from nereus_lightning.lightning.stages import data_parallel_plan
 
     data = out / "prompts.parquet"
-    pq.write_table(pa.Table.from_pylist([{"prompt": p, "data_source": "bench", "ground_truth": ""} for p in prompts()]), data)
+    pq.write_table(
+        pa.Table.from_pylist([{"prompt": p, "data_source": "bench", "ground_truth": ""} for p in prompts()]),
+        data,
+    )
     module = GRPOModule(
         actor=str(folder),
         data={"train_files": str(data), "max_response_length": new_tokens, "shuffle": False},
@@ -87,16 +110,26 @@ def run_nereus(folder: Path, steps: int, new_tokens: int, out: Path) -> dict:
     )
     plan = data_parallel_plan("grpo", [0])
     trainer = pl.Trainer(
-        accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=1, precision="bf16-mixed", max_steps=steps,
+        accelerator="gpu" if torch.cuda.is_available() else "cpu",
+        devices=1,
+        precision="bf16-mixed",
+        max_steps=steps,
         strategy=NereusStrategy(plan=plan, cluster="h200x8", export_hf=False),
         callbacks=[NereusCallback(controller=PoolFollower("grpo"))],
-        logger=pl.loggers.CSVLogger(out, name="nereus"), log_every_n_steps=1,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        logger=pl.loggers.CSVLogger(out, name="nereus"),
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     start = time.perf_counter()
     trainer.fit(module)
     fit_s = time.perf_counter() - start
-    rows = [r for r in csv.DictReader(open(next((out / "nereus").glob("*/metrics.csv")))) if r.get("timing_s/step")]
+    rows = [
+        r
+        for r in csv.DictReader(open(next((out / "nereus").glob("*/metrics.csv"))))
+        if r.get("timing_s/step")
+    ]
     steps_ = [
         {
             "step_s": float(r["timing_s/step"]),
@@ -104,7 +137,9 @@ def run_nereus(folder: Path, steps: int, new_tokens: int, out: Path) -> dict:
             "infer_s": float(r["timing_s/infer"]),
             "train_s": float(r["timing_s/update_actor"]),
             "peak_gib": float(r.get("perf/max_memory_allocated_gb") or 0.0),
-            "peak_gib_by_stage": {k: float(r.get(f"perf/max_memory_allocated_gb/{k}") or 0.0) for k in ("gen", "infer", "train")},
+            "peak_gib_by_stage": {
+                k: float(r.get(f"perf/max_memory_allocated_gb/{k}") or 0.0) for k in ("gen", "infer", "train")
+            },
         }
         for r in rows
     ]
@@ -183,7 +218,9 @@ def cost_model(folder: Path, measured: list[dict], new_tokens: int) -> dict:
     before = phase_times_of(estimate_plan(plan, models, cluster, workload))
     calibration = Calibration()
     for observed in phases[:3]:
-        calibrate_on_phases(calibration, estimate_plan(plan, models, cluster, workload, calibration), observed)
+        calibrate_on_phases(
+            calibration, estimate_plan(plan, models, cluster, workload, calibration), observed
+        )
     after = phase_times_of(estimate_plan(plan, models, cluster, workload, calibration))
     median = {k: statistics.median(p[k] for p in phases) for k in phases[0]}
     return {"measured": median, "before": before, "after": after, "efficiencies": calibration.efficiencies()}
@@ -191,16 +228,22 @@ def cost_model(folder: Path, measured: list[dict], new_tokens: int) -> dict:
 
 def report(paths: list[Path]) -> str:
     """A markdown table of the runs in ``paths`` (median of the steps after the warm-up)."""
-    rows = ["| system | shape | s/step | gen s | infer s | train s | gen tok/s | peak GiB | fit s |", "| --- " * 9 + "|"]
+    rows = [
+        "| system | shape | s/step | gen s | infer s | train s | gen tok/s | peak GiB | fit s |",
+        "| --- " * 9 + "|",
+    ]
     for path in paths:
         run = json.loads(path.read_text())
         steps = run["steps"][run["warmup"]:]
-        med = {k: statistics.median(s[k] for s in steps) for k in steps[0] if not isinstance(steps[0][k], dict)}
+        med = {
+            k: statistics.median(s[k] for s in steps) for k in steps[0] if not isinstance(steps[0][k], dict)
+        }
         infer = f"{med['infer_s']:.2f}" if "infer_s" in med else f"({med['infer_train_s']:.2f} with train)"
         train = f"{med['train_s']:.2f}" if "train_s" in med else "-"
         tokens = PROMPTS * SAMPLES * run["new_tokens"]
         rows.append(
-            f"| {run['system']} | {run['shape']} | {med['step_s']:.2f} | {med['gen_s']:.2f} | {infer} | {train} "
+            f"| {run['system']} | {run['shape']} | {med['step_s']:.2f} | {med['gen_s']:.2f} "
+            f"| {infer} | {train} "
             f"| {tokens / med['gen_s']:,.0f} | {max(s['peak_gib'] for s in steps):.1f} | {run['fit_s']:.1f} |"
         )
     return "\n".join(rows)
@@ -224,7 +267,9 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     if args.system is None or not (torch.cuda.is_available() or args.shape == "tiny"):
-        print("bench_gpu_e2e: needs a CUDA GPU and --system nereus|trl (--shape tiny runs on the CPU); skipped")
+        print(
+            "bench_gpu_e2e: needs a CUDA GPU and --system nereus|trl (--shape tiny runs on the CPU); skipped"
+        )
         return
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -233,8 +278,14 @@ def main(argv: list[str] | None = None) -> None:
     run_dir.mkdir(exist_ok=True)
     runner = run_nereus if args.system == "nereus" else run_trl
     result = runner(folder, args.steps, args.new_tokens, run_dir)
-    result.update(system=args.system, shape=args.shape, warmup=args.warmup, new_tokens=args.new_tokens,
-                  gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", torch=torch.__version__)
+    result.update(
+        system=args.system,
+        shape=args.shape,
+        warmup=args.warmup,
+        new_tokens=args.new_tokens,
+        gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        torch=torch.__version__,
+    )
     if args.system == "nereus":
         result["cost_model"] = cost_model(folder, result["steps"][args.warmup:], args.new_tokens)
         print(json.dumps(result["cost_model"], indent=1))

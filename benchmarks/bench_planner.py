@@ -3,7 +3,8 @@
 Each point is the median of ``--repeats`` cold runs of ``plan_job`` (every cost cache cleared
 before each run, so nothing is reused between runs). The planner is single-threaded pure Python,
 so its time on one core is the CPU time of this process (``time.process_time``), which other
-processes on a shared machine do not inflate the way they inflate wall time; both are reported. The batch grows with the pool (``--prompts-per-gpu``
+processes on a shared machine do not inflate the way they inflate wall time; both are reported. The batch
+grows with the pool (``--prompts-per-gpu``
 prompts per GPU, at least 256), so a bigger pool also has more DP degrees to consider. Peak
 memory is traced (tracemalloc) for one run at the largest pool. Targets: <= 100 ms at 1,024 GPUs,
 < 1 s at 4,096, < 100 MB (the paper: 338 ms at 1,024 GPUs).
@@ -86,7 +87,8 @@ def main(argv: list[str] | None = None) -> dict:
         },
     }
     print(
-        f"{'GPUs':>6} {'prompts':>8} {'CPU ms (median)':>16} {'CPU ms (min)':>13} {'wall ms':>8} {'step s':>8}"
+        f"{'GPUs':>6} {'prompts':>8} {'CPU ms (median)':>16} {'CPU ms (min)':>13} "
+        f"{'wall ms':>8} {'step s':>8}"
     )
     for r in rows:
         print(
@@ -95,7 +97,8 @@ def main(argv: list[str] | None = None) -> dict:
         )
     print(f"peak traced memory at {largest} GPUs: {peak_mb:.1f} MB; targets met: {result['targets']}")
     print(
-        f"load average {result['load_average']} on {result['cpus']} CPUs (a busy machine inflates CPU time too)"
+        f"load average {result['load_average']} on {result['cpus']} CPUs (a busy machine inflates CPU time "
+        "too)"
     )
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "planner.json").write_text(json.dumps(result, indent=2))

@@ -305,7 +305,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     for kind, c in table.items():
         print(
-            f"{kind:26} {c['cases']:5d} {c['global_valid']:9d} {c['global_infeasible']:7d} {c['global_invalid']:7d} "
+            f"{kind:26} {c['cases']:5d} {c['global_valid']:9d} {c['global_infeasible']:7d} "
+            f"{c['global_invalid']:7d} "
             f"{c['global_success_pct']:8.1f} {c['baseline_success_pct_on_feasible']:21.1f} "
             f"{c['baseline_conflict']:8d} {c['baseline_wait_cycle']:8d}"
         )
@@ -315,7 +316,8 @@ def main(argv: list[str] | None = None) -> dict:
         "\nPlanning time: build_transition (DAG cache empty) + validate, timed together; medians of CPU and"
     )
     print(
-        "wall ms over the repeats (CPU judged); target <= 5 ms at 1,024 GPUs, paper 1.22 ms. 'lanes': replica-level"
+        "wall ms over the repeats (CPU judged); target <= 5 ms at 1,024 GPUs, paper 1.22 ms. 'lanes': "
+        "replica-level"
     )
     print("primitive calls carried by the nodes; 'cost': build_transition + L_tran, CPU median.")
     print(
@@ -324,8 +326,9 @@ def main(argv: list[str] | None = None) -> dict:
     )
     for r in timing:
         print(
-            f"{r['gpus']:5d} {r['scenario']:22} {r['outcome']:10} {r.get('nodes', 0):5d} {r.get('lanes', 0):5d} "
-            f"{r.get('resource_edges', 0):5d} {r['build_median_ms']:7.2f} {r.get('validate_median_ms', 0.0):8.2f} "
+            f"{r['gpus']:5d} {r['scenario']:22} {r['outcome']:10} {r.get('nodes', 0):5d} "
+            f"{r.get('lanes', 0):5d} {r.get('resource_edges', 0):5d} {r['build_median_ms']:7.2f} "
+            f"{r.get('validate_median_ms', 0.0):8.2f} "
             f"{r['total_median_ms']:9.2f} {r['total_wall_median_ms']:10.2f} {r.get('cost_ms', 0.0):7.2f}"
         )
     at_max = [r for r in timing if r["gpus"] == 1024]
@@ -344,28 +347,35 @@ def main(argv: list[str] | None = None) -> dict:
 
     extend = paper_extend()
     print(
-        "\nL_tran of DP doubling (Extend), Llama-3.1-8B actor + critic training, paper_cluster3 (8 x H200 per node)"
+        "\nL_tran of DP doubling (Extend), Llama-3.1-8B actor + critic training, paper_cluster3 (8 x H200 "
+        "per node)"
     )
     print(
-        f"{'GPUs':>8} {'extends':>7} {'GB moved':>9} {'predicted s':>11} {'weights only s':>14} {'paper s':>8}"
+        f"{'GPUs':>8} {'extends':>7} {'GB moved':>9} {'predicted s':>11} "
+        f"{'weights only s':>14} {'paper s':>8}"
     )
     for r in extend:
         print(
-            f"{r['from_gpus']:>3} -> {r['to_gpus']:<3} {r['extends']:7d} {r['gb_moved']:9.0f} {r['predicted_s']:11.2f} "
+            f"{r['from_gpus']:>3} -> {r['to_gpus']:<3} {r['extends']:7d} {r['gb_moved']:9.0f} "
+            f"{r['predicted_s']:11.2f} "
             f"{r['predicted_weights_only_s']:14.2f} {r['paper_s']:8.2f}"
         )
     print(
-        "Assumptions: TP2 x PP1 units (the smallest TP that fits 8B training state in 127 GB), actor and critic"
+        "Assumptions: TP2 x PP1 units (the smallest TP that fits 8B training state in 127 GB), actor and "
+        "critic"
     )
     print(
-        "on disjoint GPUs, every existing unit stays in place and new units fill the new GPUs (new nodes from 8 on);"
+        "on disjoint GPUs, every existing unit stays in place and new units fill the new GPUs (new nodes "
+        "from 8 on);"
     )
     print("Extend moves bf16 weights + fp32 master weights + AdamW moments (14 B/param, 112 GB per replica);")
     print(
-        "NVLink 900 GB/s per GPU, one 25 GB/s HDR NIC per node shared by the node's transfers, 50 ms communicator"
+        "NVLink 900 GB/s per GPU, one 25 GB/s HDR NIC per node shared by the node's transfers, 50 ms "
+        "communicator"
     )
     print(
-        "set-up per node, no process start-up, allocation or synchronisation overheads (the calibration learns those)."
+        "set-up per node, no process start-up, allocation or synchronisation overheads (the calibration "
+        "learns those)."
     )
 
     result = {

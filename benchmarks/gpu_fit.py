@@ -49,7 +49,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--response", type=int, default=128)
     parser.add_argument("--shape", default="0.5b", help="bench_gpu_e2e.SHAPES: 0.5b, 1.5b, tiny (CPU check)")
-    parser.add_argument("--trainer", default="gpu", help="the trainer config group: gpu, or cpu for a check here")
+    parser.add_argument(
+        "--trainer", default="gpu", help="the trainer config group: gpu, or cpu for a check here"
+    )
     args = parser.parse_args()
 
     from hydra import compose, initialize_config_dir

@@ -115,7 +115,9 @@ class Checks:
 
 
 def tiny_model(kind: str, dev: torch.device):
-    """The tests' tiny fp32 model of ``kind`` on ``dev``, with a random full AdamW state (same on every rank)."""
+    """The tests' tiny fp32 model of ``kind`` on ``dev``, with a
+    random full AdamW state (same on every rank).
+    """
     from nereus_lightning.testing.tiny import tiny_config
     from nereus_lightning.testing.tiny import tiny_model as build
 
@@ -270,7 +272,9 @@ def state_chain(checks: Checks, dev: torch.device, tol: float) -> None:
 
 
 def ppo_plans(world: int):
-    """P0 (DP over all ranks), P1 (training TP 2, DP halved), P2 (actor training DP 1, critic training PP 2)."""
+    """P0 (DP over all ranks), P1 (training TP 2, DP halved), P2
+    (actor training DP 1, critic training PP 2).
+    """
     from nereus_lightning.lightning.stages import data_parallel_plan
     from nereus_lightning.plan.layout import Candidate, Layout, Plan
 
@@ -429,7 +433,9 @@ def timing_setup(world: int, spec: Any, gpu_memory: float | None) -> tuple[Any, 
 
 
 def doubling_plans(stages: tuple[str, ...], tp: int, n_from: int):
-    """(start, doubled, merged): one TP-``tp`` unit per stage on ``n_from`` GPUs; + a copy on the next ``n_from``; merged to TP 2tp."""
+    """(start, doubled, merged): one TP-``tp`` unit per stage on ``n_from`` GPUs; + a copy on the next
+    ``n_from``; merged to TP 2tp.
+    """
     from nereus_lightning.plan.layout import Candidate, Layout, Plan
 
     start, doubled, merged = {}, {}, {}
@@ -575,12 +581,17 @@ def transition_timing(checks: Checks, dev: torch.device, quick: bool, repeats: i
 def print_table(timing: dict[str, Any]) -> None:
     """The timing rows beside the brain's prediction and the paper."""
     print(
-        f"\nTransition timing: {timing['model']} ({timing['params_per_model'] / 1e9:.2f} B params per model), "
-        f"{'+'.join(timing['stages'])}, fp32 params + AdamW moments (12 B/param), cluster model {timing['cluster']!r}"
+        f"\nTransition timing: {timing['model']} ({timing['params_per_model'] / 1e9:.2f} B params per "
+        "model), "
+        f"{'+'.join(timing['stages'])}, fp32 params + AdamW moments (12 B/param), "
+        f"cluster model {timing['cluster']!r}"
     )
     if timing["note"]:
         print(f"  note: {timing['note']}")
-    head = f"{'transition':24} {'GB':>7} {'first s':>8} {'median s':>9} {'L_tran s':>9} {'error %':>8} {'L_tran bf16 s':>13} {'paper s':>8}"
+    head = (
+        f"{'transition':24} {'GB':>7} {'first s':>8} {'median s':>9} {'L_tran s':>9} {'error %':>8} "
+        f"{'L_tran bf16 s':>13} {'paper s':>8}"
+    )
     print(head)
     for r in timing["rows"]:
         if "infeasible" in r:
@@ -593,8 +604,9 @@ def print_table(timing: dict[str, Any]) -> None:
         )
     print(
         "  first = first run (includes communicator creation); median = median of the later runs; error = "
-        "(L_tran - median) / median;\n  L_tran bf16 = the brain's price of the paper's state (bf16 weights + fp32 "
-        f"master + moments, 14 B/param). Paper Split/Merge (8B, 8-64 GPUs): {PAPER_SPLIT_MERGE_S[0]}-{PAPER_SPLIT_MERGE_S[1]} s."
+        "(L_tran - median) / median;\n  L_tran bf16 = the brain's price of the paper's state "
+        "(bf16 weights + fp32 master + moments, 14 B/param). Paper Split/Merge (8B, 8-64 GPUs): "
+        f"{PAPER_SPLIT_MERGE_S[0]}-{PAPER_SPLIT_MERGE_S[1]} s."
     )
 
 
@@ -602,7 +614,9 @@ def print_table(timing: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Run the three parts on the torchrun world; rank 0 prints and writes the JSON (returned on every rank)."""
+    """Run the three parts on the torchrun world; rank 0 prints and
+    writes the JSON (returned on every rank).
+    """
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--out", default=None, help="JSON path (default benchmarks/results/multigpu_nccl_<N>.json)"
@@ -661,13 +675,15 @@ def main(argv: list[str] | None = None) -> dict:
     if rank == 0:
         failed = [c["name"] for c in checks.rows if not c["passed"]]
         print(
-            f"\n{result['backend']} x {world} ({result['device']}): {len(checks.rows)} checks, {len(failed)} failed"
+            f"\n{result['backend']} x {world} ({result['device']}): {len(checks.rows)} checks, {len(failed)} "
+            "failed"
         )
         for name in failed:
             print(f"  FAILED {name}")
         if "ppo" in result:
             print(
-                f"PPO: {len(result['ppo']['plans'])} steps in {result['ppo']['seconds']:.1f} s (TP and DP changes)"
+                f"PPO: {len(result['ppo']['plans'])} steps in {result['ppo']['seconds']:.1f} s "
+                "(TP and DP changes)"
             )
         if "timing" in result:
             print_table(result["timing"])

@@ -36,7 +36,9 @@ def _nereus_train(tmp_path: Path, *overrides: str) -> str:
 def test_embedded_default_console_shows_each_transition_once_and_cleanly(tmp_path):
     # The embedded default with its pool change early (a rank goes at step 2, comes back at 5); the
     # preset's memory, since 8 steps are too few for the "auto" memory to leave a 3-GPU plan.
-    out = _nereus_train(tmp_path, "trainer.max_steps=8", "resources.counts=[4,4,3,3,3,4]", "task.gpu_memory=null")
+    out = _nereus_train(
+        tmp_path, "trainer.max_steps=8", "resources.counts=[4,4,3,3,3,4]", "task.gpu_memory=null"
+    )
     summary = json.loads((tmp_path / "summary.json").read_text())
     lines = out.splitlines()
 

@@ -90,7 +90,9 @@ def test_urgent_path_considers_recompute_and_falls_back_to_restart():
     backend = FakeBackend([], {A: 10.0, relief: 12.0}, feasible={A: False})
     d = make(backend).step(sig(0))
     assert d.kind == "transition" and d.target == relief
-    backend = FakeBackend([B], {A: 10.0, B: 5.0, relief: 12.0}, tran={B: None, relief: None}, feasible={A: False})
+    backend = FakeBackend(
+        [B], {A: 10.0, B: 5.0, relief: 12.0}, tran={B: None, relief: None}, feasible={A: False}
+    )
     d = make(backend).step(sig(0))
     assert d.kind == "restart" and d.target == B
     assert "checkpoint/restart" in d.reason
@@ -117,14 +119,29 @@ def test_any_gain_and_schedule():
 def test_decision_log_and_state_roundtrip(tmp_path):
     path = tmp_path / "decisions.jsonl"
     backend = FakeBackend([A, B], {A: 10.0, B: 5.0}, tran={B: 1.0})
-    ctl = Controller(backend, CLUSTER, Workload(), ControllerConfig(try_follow_pool=False), plan=A, log=str(path))
+    ctl = Controller(
+        backend, CLUSTER, Workload(), ControllerConfig(try_follow_pool=False), plan=A, log=str(path)
+    )
     ctl.step(sig(0))
     ctl.step(sig(1, length=2000))
     records = DecisionLog(path).read()
     assert len(records) == 1
     rec = records[0]
-    for key in ("step", "trigger", "signals", "current_plan", "target_plan", "current_latency", "target_latency",
-                "dL", "L_tran", "H_x", "gamma", "decision", "reason"):
+    for key in (
+        "step",
+        "trigger",
+        "signals",
+        "current_plan",
+        "target_plan",
+        "current_latency",
+        "target_latency",
+        "dL",
+        "L_tran",
+        "H_x",
+        "gamma",
+        "decision",
+        "reason",
+    ):
         assert key in rec
     assert rec["decision"] == "transition" and rec["dL"] == 5.0 and rec["target_plan"]["actor_gen"]["tp"] == 2
     state = json.loads(json.dumps(ctl.state_dict()))
@@ -144,7 +161,9 @@ def test_calibration_loop_observes_op_classes_and_transitions():
 
     backend = FakeBackend([A, B], {A: 10.0, B: 5.0}, tran={B: 2.0}, op_time={"gemm": 4.0})
     cal = Cal()
-    ctl = Controller(backend, CLUSTER, Workload(), ControllerConfig(try_follow_pool=False), calibration=cal, plan=A)
+    ctl = Controller(
+        backend, CLUSTER, Workload(), ControllerConfig(try_follow_pool=False), calibration=cal, plan=A
+    )
     ctl.step(sig(0, op_time={"gemm": 6.0}))
     assert cal.seen == [("gemm", 4.0, 6.0)]
     assert ctl.step(sig(1, length=2000)).kind == "transition"
@@ -179,7 +198,9 @@ def test_restart_when_no_safe_dag_but_the_gain_pays_for_it():
 
 def test_revocation_falls_back_to_the_intact_units_before_restarting():
     survivors, other = gen_plan(1, 2), gen_plan(2, 1)
-    backend = FakeBackend([other], {A: 10.0, other: 15.0, survivors: 20.0}, tran={other: None, survivors: 0.0})
+    backend = FakeBackend(
+        [other], {A: 10.0, other: 15.0, survivors: 20.0}, tran={other: None, survivors: 0.0}
+    )
     ctl = make(backend)
     ctl.step(sig(0))
     d = ctl.step(sig(1, gpus=2))  # GPUs 2-3 lost; the planner's target has no safe DAG
@@ -190,10 +211,13 @@ def test_revocation_falls_back_to_the_intact_units_before_restarting():
 def test_urgent_restart_when_the_reachable_target_is_much_slower():
     relief = gen_plan(1, 4, recompute=True)
     for h_ema, expected in ((1.0, "transition"), (40.0, "restart")):
-        backend = FakeBackend([B], {A: 10.0, B: 5.0, relief: 40.0}, tran={B: None, relief: 0.0}, feasible={A: False})
+        backend = FakeBackend(
+            [B], {A: 10.0, B: 5.0, relief: 40.0}, tran={B: None, relief: 0.0}, feasible={A: False}
+        )
         ctl = make(backend, restart_s=300.0)
         ctl.memory_clock.ema, ctl.memory_clock.last_crossing = h_ema, -int(h_ema)  # H stays h_ema at step 0
-        d = ctl.step(sig(0))  # memory: B (5 s/step) has no safe DAG, the recompute variant (40 s/step) has one
+        # memory: B (5 s/step) has no safe DAG, the recompute variant (40 s/step) has one
+        d = ctl.step(sig(0))
         assert d.urgent and d.kind == expected, (h_ema, d.reason)
         # restart: 300 s / 35 s per step = 8.6 steps <= 0.5 * H only when H is large
         assert d.target == (B if expected == "restart" else relief)

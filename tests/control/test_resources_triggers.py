@@ -89,10 +89,17 @@ def _ppo_plan():
     def c(tp, dp, start):
         return Candidate(Layout(tp, 1), dp, tuple(range(start, start + tp * dp)))
 
-    return Plan.of({
-        "actor_gen": c(2, 4, 0), "actor_infer": c(1, 2, 0), "ref_infer": c(1, 2, 2), "critic_infer": c(1, 2, 4),
-        "reward_infer": c(1, 2, 6), "actor_train": c(2, 2, 0), "critic_train": c(2, 2, 4),
-    })
+    return Plan.of(
+        {
+            "actor_gen": c(2, 4, 0),
+            "actor_infer": c(1, 2, 0),
+            "ref_infer": c(1, 2, 2),
+            "critic_infer": c(1, 2, 4),
+            "reward_infer": c(1, 2, 6),
+            "actor_train": c(2, 2, 0),
+            "critic_train": c(2, 2, 4),
+        }
+    )
 
 
 def test_follow_pool_keeps_layouts_and_fills_the_pool():
@@ -108,7 +115,8 @@ def test_follow_pool_keeps_layouts_and_fills_the_pool():
     assert len(train) == 16 and max(train) == 15  # disjoint, inside the pool
     assert follow_pool(plan, "ppo", 3, batch=256) is None  # four inference replicas need 4 GPUs
     variants = relief_variants(plan)
-    assert all(c.recompute for _, c in variants[0].items()) and len(variants) == 1  # micro-batch 1 cannot halve
+    # micro-batch 1 cannot halve
+    assert all(c.recompute for _, c in variants[0].items()) and len(variants) == 1
 
 
 def test_place_near_and_keep_layouts():

@@ -64,14 +64,18 @@ def test_dag_budget_bounds_pricing_per_round():
 
 def test_the_target_changing_fewest_layouts_is_priced_right_after_the_best():
     keep = gen_plan(1, 8)  # A's layout, more replicas: Extend only
-    backend = FakeBackend([A, B, C, keep], {A: 10.0, B: 5.0, C: 5.1, keep: 6.0}, tran={B: None, C: None, keep: 1.0})
+    backend = FakeBackend(
+        [A, B, C, keep], {A: 10.0, B: 5.0, C: 5.1, keep: 6.0}, tran={B: None, C: None, keep: 1.0}
+    )
     ctl = make(backend, dag_budget_gpus=2 * 8)
     ctl.step(sig(0))
     d = ctl.step(sig(1, length=2000, gpus=8))
     assert [c["source"] for c in d.considered][:2] == ["planner best", "planner best, current layouts kept"]
     assert d.target == keep and layout_changes(keep, A) == 0 and layout_changes(B, A) == 1
     # The baselines' "first" selection keeps plain latency order (and has no DAG budget).
-    backend = FakeBackend([A, B, C, keep], {A: 10.0, B: 5.0, C: 5.1, keep: 6.0}, tran={B: None, C: None, keep: 1.0})
+    backend = FakeBackend(
+        [A, B, C, keep], {A: 10.0, B: 5.0, C: 5.1, keep: 6.0}, tran={B: None, C: None, keep: 1.0}
+    )
     ctl = make(backend, dag_budget_gpus=2 * 8, selection="first")
     ctl.step(sig(0))
     d = ctl.step(sig(1, length=2000, gpus=8))
@@ -93,7 +97,9 @@ class PinningBackend(FakeBackend):
 
 def train_plan(tp: int, pp: int, dp: int, micro_batch: int = 1) -> Plan:
     """A one-training-model-stage plan (actor_train) on GPUs 0 .. tp*pp*dp-1."""
-    return Plan.of({"actor_train": Candidate(Layout(tp, pp), dp, tuple(range(tp * pp * dp)), micro_batch, False)})
+    return Plan.of(
+        {"actor_train": Candidate(Layout(tp, pp), dp, tuple(range(tp * pp * dp)), micro_batch, False)}
+    )
 
 
 def test_pinned_training_layouts_are_tried_only_when_the_best_target_fails():
@@ -179,7 +185,9 @@ def test_restart_horizon_uses_the_pool_clock_when_it_is_longer():
     relief = gen_plan(1, 4, recompute=True)
     outcomes = {}
     for pool_h in (1.0, 80.0):
-        backend = FakeBackend([B], {A: 10.0, B: 5.0, relief: 15.0}, tran={B: None, relief: 0.0}, feasible={A: False})
+        backend = FakeBackend(
+            [B], {A: 10.0, B: 5.0, relief: 15.0}, tran={B: None, relief: 0.0}, feasible={A: False}
+        )
         ctl = make(backend, restart_s=300.0)
         ctl.pool.clock.ema, ctl.pool.clock.last_crossing = (None if pool_h == 1.0 else pool_h), None
         assert ctl.restart_horizon(1.0) == pool_h
@@ -198,7 +206,9 @@ def test_urgent_choice_weighs_latency_against_transition_cost():
 
 def test_targets_with_the_layouts_of_a_failed_dag_are_tried_last():
     same = gen_plan(2, 3)  # B's layout (TP2): its DAG would fail the same way
-    backend = FakeBackend([A, B, same, C], {A: 10.0, B: 5.0, same: 5.1, C: 5.2}, tran={B: None, same: None, C: 1.0})
+    backend = FakeBackend(
+        [A, B, same, C], {A: 10.0, B: 5.0, same: 5.1, C: 5.2}, tran={B: None, same: None, C: 1.0}
+    )
     ctl = make(backend, dag_budget_gpus=2 * 8)  # 2 DAGs per round at 8 GPUs
     ctl.step(sig(0))
     d = ctl.step(sig(1, length=2000))
@@ -237,7 +247,9 @@ def test_variants_keep_colocated_groups_together():
     # Two concurrent inference groups need two GPUs; the colocated pair needs only one of them.
     assert follow_pool(plan, "grpo", 2, batch=8) is not None
     assert follow_pool(plan, "grpo", 1, batch=8) is None
-    now = plan.replace("reward_infer", Candidate(one, 1, (0,))).replace("actor_infer", Candidate(one, 2, (2, 3)))
+    now = plan.replace("reward_infer", Candidate(one, 1, (0,))).replace(
+        "actor_infer", Candidate(one, 2, (2, 3))
+    )
     now = now.replace("ref_infer", Candidate(one, 1, (2,)))
     moved = place_near(plan, now, "grpo")  # the colocated pair is at GPU 2 now, reward_infer at 0
     assert moved["reward_infer"].gpus == (0,) and moved["actor_infer"].gpus == (1, 2)

@@ -145,7 +145,9 @@ def start(current: Plan, rank_of: dict[int, int] | None = None) -> None:
 
 
 def _extra_bytes(op, node_rank: int) -> int:
-    """Bytes the body sends beyond the brain's pieces into ``node_rank``: counters (Extend) and AdamW steps."""
+    """Bytes the body sends beyond the brain's pieces into
+    ``node_rank``: counters (Extend) and AdamW steps.
+    """
     reg = registry()
     schema, trains = reg.schema(op.model_stage), reg.trains[op.model_stage]
     if isinstance(op, Extend):

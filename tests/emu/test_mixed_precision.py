@@ -1,4 +1,6 @@
-"""bf16 training units: fp32 moments and master held, moved and priced as the brain prices them (14 B/param)."""
+"""bf16 training units: fp32 moments and master held, moved and
+priced as the brain prices them (14 B/param).
+"""
 
 from __future__ import annotations
 
@@ -31,7 +33,9 @@ ALL = (0, 1, 2, 3)
 
 
 def bf16_tiny(kind: str = "llama"):
-    """The tiny model of ``tests.emu.workers.tiny`` in bf16, its AdamW state with the fp32 weights as masters."""
+    """The tiny model of ``tests.emu.workers.tiny`` in bf16, its
+    AdamW state with the fp32 weights as masters.
+    """
     config, model, optim = tiny(kind)
     config.dtype = torch.bfloat16
     for name, p in model.named_parameters():
@@ -65,7 +69,9 @@ def test_training_state_is_14_bytes_per_bf16_param_as_the_brain_prices() -> None
 
 
 def split_extend_merge(rank: int, world: int) -> dict:
-    """(TP2,PP2) -> Split -> (TP1,PP2)x2 -> Destroy one -> Extend it back -> Merge -> relayout, bf16 training."""
+    """(TP2,PP2) -> Split -> (TP1,PP2)x2 -> Destroy one -> Extend it
+    back -> Merge -> relayout, bf16 training.
+    """
     registry().clear()
     config, model, optim = bf16_tiny()
     create_unit(STAGE, config, model, BIG, ALL, trains=True, full_optim=optim, counters=COUNTERS)

@@ -1,4 +1,6 @@
-"""CPU smoke run of benchmarks/multigpu_nccl.py: the multi-GPU validation script under torchrun on 4 gloo ranks."""
+"""CPU smoke run of benchmarks/multigpu_nccl.py: the multi-GPU validation script under torchrun on 4 gloo
+ranks.
+"""
 
 from __future__ import annotations
 

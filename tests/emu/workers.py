@@ -75,7 +75,8 @@ def start(kind: str, layout: Layout, ranks: tuple[int, ...], stage: str = "actor
 
 
 def chain(rank: int, world: int, kind: str):
-    """(TP2,PP2)x1 -> Split -> (TP1,PP2)x2 -> Destroy -> Extend -> Split -> Merge -> (TP2,PP1)x2 -> Merge -> (TP4,PP1)x1.
+    """(TP2,PP2)x1 -> Split -> (TP1,PP2)x2 -> Destroy -> Extend -> Split -> Merge -> (TP2,PP1)x2 -> Merge ->
+    (TP4,PP1)x1.
 
     Returns, after every primitive, the differences of the gathered state from the start, and the reports.
     """
@@ -111,7 +112,9 @@ def chain(rank: int, world: int, kind: str):
 
 
 def pp_and_tp_pairs(rank: int, world: int, kind: str):
-    """Every single-step Split and Merge on 4 ranks between (TP2,PP2), (TP1,PP4), (TP4,PP1) and their halves."""
+    """Every single-step Split and Merge on 4 ranks between
+    (TP2,PP2), (TP1,PP4), (TP4,PP1) and their halves.
+    """
     out = []
     stage = "actor_train"
     for big, small in (
@@ -161,7 +164,8 @@ def byte_counts(rank: int, world: int):
     report = execute(extend(stage, Unit(Layout(1, 1), (0,)), [(1,), (2,), (3,)]))
     out["extend3"] = dict(own=own, report=report)
 
-    # Split: each rank receives exactly what it lacks (TP split: new minus old; PP split: the new stages' tensors).
+    # Split: each rank receives exactly what it lacks (TP split: new minus old; PP split: the new stages'
+    # tensors).
     for name, kind, layers, big, small in (
         ("split_tp", "gqa_tied", 4, Layout(2, 2), Layout(1, 2)),
         ("split_pp_uneven", "llama", 6, Layout(1, 4), Layout(1, 2)),
@@ -255,7 +259,9 @@ def bad_inputs(rank: int, world: int):
 
 
 def dcp_oracle(rank: int, world: int, path: str):
-    """Save under layout A with DCP, reshard A -> B with our primitives, load B from DCP: compare shard by shard."""
+    """Save under layout A with DCP, reshard A -> B with our primitives, load B from DCP: compare shard by
+    shard.
+    """
     from nereus_lightning.emu import EMU
     from nereus_lightning.emu.checkpoint import load_state, save_state
 
@@ -304,7 +310,9 @@ def dcp_oracle(rank: int, world: int, path: str):
 
 
 def forward_after_transitions(rank: int, world: int, kind: str):
-    """Logits of models/ ShardedCausalLM replicas built on the moved shards, vs the full model, after each step."""
+    """Logits of models/ ShardedCausalLM replicas built on the moved shards, vs the full model, after each
+    step.
+    """
     from nereus_lightning.models.groups import ReplicaComm, replica_groups
     from nereus_lightning.models.pipeline import forward_logits
     from nereus_lightning.models.sharded import ShardedCausalLM
@@ -342,7 +350,9 @@ def forward_after_transitions(rank: int, world: int, kind: str):
 
 
 def run_local_dags(rank: int, world: int, kind: str, trains: bool):
-    """Execute transition.local_dag's nodes through from_node + execute; per node: state diff and bytes vs the node's."""
+    """Execute transition.local_dag's nodes through from_node + execute; per node: state diff and bytes vs the
+    node's.
+    """
     from dataclasses import replace
 
     from nereus_lightning.emu import from_node

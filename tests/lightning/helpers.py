@@ -37,7 +37,8 @@ def one_update(
     algorithm: str = "ppo",
     state: str = "emu",
 ) -> dict:
-    """Build the module (same seed everywhere), run one RL step under ``placement``; return params and metrics.
+    """Build the module (same seed everywhere), run one RL step under ``placement``; return params and
+    metrics.
 
     Parameters are the logical ones: gathered from the EMUs onto rank 0 (``state="emu"``; other
     ranks return none), or the full models every rank keeps (``state="full"``).
@@ -243,7 +244,9 @@ class NaNGradientPPOModule(PPOModule):
 
 
 def _poisoning(move):  # noqa: ANN001, ANN202
-    """``move`` (EMU.offload / onload), then every tensor into fresh storage and the old one filled with NaN."""
+    """``move`` (EMU.offload / onload), then every tensor into fresh
+    storage and the old one filled with NaN.
+    """
 
     def moved(self) -> None:  # noqa: ANN001
         was = self.resident

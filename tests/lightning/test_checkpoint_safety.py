@@ -1,4 +1,6 @@
-"""Checkpoints that run no code when loaded, are written atomically, hold finite state only and name damage."""
+"""Checkpoints that run no code when loaded, are written
+atomically, hold finite state only and name damage.
+"""
 
 from __future__ import annotations
 

@@ -42,7 +42,9 @@ def _first_plan(out) -> Plan:
         target = json.loads(f.readline())["target_plan"]
     return Plan.of(
         {
-            name: Candidate(Layout(c["tp"], c["pp"]), c["dp"], _gpus(c["gpus"]), c["micro_batch"], c["recompute"])
+            name: Candidate(
+                Layout(c["tp"], c["pp"]), c["dp"], _gpus(c["gpus"]), c["micro_batch"], c["recompute"]
+            )
             for name, c in target.items()
         }
     )

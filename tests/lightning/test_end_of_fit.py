@@ -19,7 +19,9 @@ pytestmark = pytest.mark.distributed
 
 
 def _recording_write_back(monkeypatch, marker):  # noqa: ANN001, ANN202
-    """``EMUStates.write_back`` that first notes the calling rank in ``marker`` (the forked ranks inherit it)."""
+    """``EMUStates.write_back`` that first notes the calling rank in
+    ``marker`` (the forked ranks inherit it).
+    """
     original = EMUStates.write_back
 
     def write_back(self, models, dst=None):  # noqa: ANN001, ANN202

@@ -1,4 +1,6 @@
-"""More than one machine: torchrun with 2 simulated nodes, resume on 1 node, the launch check, the node inventory."""
+"""More than one machine: torchrun with 2 simulated nodes, resume on 1 node, the launch check, the node
+inventory.
+"""
 
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ SHORT = (
 LOSSES = ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/score/mean")
 
 
-#: What launchers set; a test starts from a shell without them (earlier tests of this session may have set some).
+#: What launchers set; a test starts from a shell without them (earlier tests of this session may have set
+#: some).
 LAUNCH_VARIABLES = (
     "WORLD_SIZE",
     "RANK",

@@ -16,7 +16,9 @@ TRAINS = {"actor_train", "critic_train"}
 
 
 def _steps_worker(port: int, offload: bool, queue, steps: int = 2) -> None:  # noqa: ANN001
-    """PPO steps on GPU 0; puts the last step's peaks, each unit's tensors' devices and the logical parameters."""
+    """PPO steps on GPU 0; puts the last step's peaks, each unit's tensors' devices and the logical
+    parameters.
+    """
     import torch.distributed as dist
 
     from nereus_lightning.emu import EMU

@@ -10,7 +10,10 @@ from tests.lightning.helpers import plan_of
 
 
 def test_importing_the_package_does_not_import_lightning():
-    code = "import sys, nereus_lightning, nereus_lightning.control; print('lightning' in sys.modules, 'torch' in sys.modules)"
+    code = (
+        "import sys, nereus_lightning, nereus_lightning.control; print('lightning' in sys.modules, 'torch' "
+        "in sys.modules)"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout.split()

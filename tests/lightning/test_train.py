@@ -105,7 +105,10 @@ def test_a_nan_gradient_norm_stops_the_update_before_the_optimizer_step(tmp_path
 
     module = NaNGradientPPOModule(task=small_task(), seed=3, prompts_per_step=4, on_nonfinite=on_nonfinite)
     if on_nonfinite == "raise":
-        with pytest.raises(Exception, match=r"step 1: actor_train's gradient norm is nan \(first non-finite gradient here: model\."):
+        with pytest.raises(
+            Exception,
+            match=r"step 1: actor_train's gradient norm is nan \(first non-finite gradient here: model\.",
+        ):
             fit(str(tmp_path), devices=2, max_steps=3, module=module)
         return
     _, rows = fit(str(tmp_path), devices=2, max_steps=3, module=module)

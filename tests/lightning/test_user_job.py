@@ -28,7 +28,8 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     nan_after = int(os.environ.get("NEREUS_TEST_NAN_AFTER", "-1"))
     if nan_after >= 0 and sum(1 for _ in open(os.environ["NEREUS_TEST_COUNTER"])) > nan_after:
         return math.nan
-    return {"score": float(str(ground_truth) in solution_str), "digits": float(any(c.isdigit() for c in solution_str))}
+    score = float(str(ground_truth) in solution_str)
+    return {"score": score, "digits": float(any(c.isdigit() for c in solution_str))}
 """
 
 
@@ -301,7 +302,9 @@ def test_gsm8k_experiments_build_with_the_builtin_reward(job, tmp_path, experime
     cfg = _cfg(f"experiment={experiment}", f"actor.path={job['model']}", f"data.train_files={job['train']}")
     check_config(cfg)
     module = build_module(cfg)
-    assert module.hparams.prompts_per_step == 16 and (module.critic is not None) == (experiment == "gsm8k_ppo")
+    assert module.hparams.prompts_per_step == 16 and (module.critic is not None) == (
+        experiment == "gsm8k_ppo"
+    )
     ids = tuple(module.tokenizer("The answer is #### 12")["input_ids"])
     right, wrong = (Prompt(0, (), ground_truth=t, data_source="arith_gsm8k") for t in ("12", "13"))
     scores = module.source.score([Sample(0, right, ids), Sample(1, wrong, ids)])

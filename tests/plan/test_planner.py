@@ -108,7 +108,9 @@ def _brute_force(models, cluster, workload, calibration) -> float:
         return [(g, sum(p[g] for p in per)) for g in range(1, G + 1) if all(g in p for p in per)]
 
     def side_by_side(block, rho) -> list[tuple[int, float]]:
-        """Training model-stages on shared GPUs: states summed <= rho, each peak next to the others' states."""
+        """Training model-stages on shared GPUs: states summed <=
+        rho, each peak next to the others' states.
+        """
         points = []
         for combo in itertools.product(*(raw[n] for n in block)):
             total = sum(c[3] for c in combo)
@@ -126,7 +128,12 @@ def _brute_force(models, cluster, workload, calibration) -> float:
     for rho in sorted(levels):
         total = min(
             stage_best(
-                [side_by_side(b, rho) if len(b) > 1 else best_at([(c[0], c[1]) for c in raw[b[0]] if c[3] <= rho]) for b in blocks]
+                [
+                    side_by_side(b, rho)
+                    if len(b) > 1
+                    else best_at([(c[0], c[1]) for c in raw[b[0]] if c[3] <= rho])
+                    for b in blocks
+                ]
             )
             for blocks in partitions(train)
         )
@@ -316,12 +323,18 @@ def test_70b_training_on_two_gpus_names_the_binding_constraint():
 def test_training_states_that_do_not_fit_side_by_side_name_the_stage_and_the_pool_key():
     """PPO-8B on 3 H200s: actor and critic training each fit on 2 GPUs (66 GB of state per GPU),
     but not together on shared GPUs (132 GB > the 126.9 GB cap) nor on disjoint ones (4 GPUs)."""
-    with pytest.raises(InfeasiblePlanError, match="training stage: .*side by side.*raise cluster.num_gpus to 4"):
+    with pytest.raises(
+        InfeasiblePlanError, match="training stage: .*side by side.*raise cluster.num_gpus to 4"
+    ):
         plan_job(job_models(L8), cluster_preset("h200x8").with_gpus(3), Workload())
     with pytest.raises(InfeasiblePlanError, match="raise trainer.devices to 4"):
-        plan_job(job_models(L8), cluster_preset("h200x8").with_gpus(3), Workload(), pool_key="trainer.devices")
+        plan_job(
+            job_models(L8), cluster_preset("h200x8").with_gpus(3), Workload(), pool_key="trainer.devices"
+        )
     with pytest.raises(InfeasiblePlanError, match="raise trainer.devices to at least 2"):
-        plan_job(job_models(L8), cluster_preset("h200x8").with_gpus(1), Workload(), pool_key="trainer.devices")
+        plan_job(
+            job_models(L8), cluster_preset("h200x8").with_gpus(1), Workload(), pool_key="trainer.devices"
+        )
 
 
 def test_invalid_plans_and_numbers_are_rejected():
@@ -442,7 +455,9 @@ def test_generation_and_inference_run_next_to_resident_training_state():
 
 def test_resident_training_state_can_be_the_binding_constraint():
     cluster = ClusterSpec("tight", 1, 4, 40e9, 312e12, 1.6e12, 300e9, 25e9)
-    with pytest.raises(InfeasiblePlanError, match="next to 32.1 GB of resident training state per GPU, actor_gen"):
+    with pytest.raises(
+        InfeasiblePlanError, match="next to 32.1 GB of resident training state per GPU, actor_gen"
+    ):
         plan_job(job_models(L8), cluster, Workload(algorithm="grpo", response_len=4096, prompts_per_step=64))
 
 

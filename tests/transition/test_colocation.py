@@ -97,7 +97,9 @@ def test_random_colocated_cases_are_acyclic_and_safe_or_infeasible_with_reason(
 
 
 def check_colocated_case(seed: int, num_gpus: int) -> None:
-    """The global DAG of a random colocated case is acyclic and its replay valid, or infeasible with a reason."""
+    """The global DAG of a random colocated case is acyclic and its
+    replay valid, or infeasible with a reason.
+    """
     case = random_colocated_case(random.Random(seed), num_gpus)
     which = case.kind.split()[-1]
     if which in ("current", "both"):

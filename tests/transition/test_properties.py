@@ -78,7 +78,9 @@ def test_random_cases_have_the_requested_overlap(kind: str) -> None:
 def test_one_model_stage_on_shuffled_gpus_is_always_safe(
     seed: int, a: tuple[int, int], b: tuple[int, int]
 ) -> None:
-    """Any layout change onto any GPU order, with memory to spare: always a valid DAG that ends on the target."""
+    """Any layout change onto any GPU order, with memory to spare:
+    always a valid DAG that ends on the target.
+    """
     rng = random.Random(seed)
     pool = list(range(16))
     cur_gpus = rng.sample(pool, rng.choice([n for n in (8, 16) if n % (a[0] * a[1]) == 0]))

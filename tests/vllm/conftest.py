@@ -8,7 +8,8 @@ import pytest
 
 from nereus_lightning.rl.vllm_engine import INSTALL, vllm_available
 
-#: Every vLLM test carries this: marked ``vllm`` (``nox -s vllm`` runs them) and skipped where vllm is missing.
+#: Every vLLM test carries this: marked ``vllm`` (``nox -s vllm`` runs them) and skipped where vllm is
+#: missing.
 VLLM = [
     pytest.mark.vllm,
     pytest.mark.skipif(

@@ -1,4 +1,6 @@
-"""What the vLLM tests run: a job folder (tiny Qwen2, head_dim 64, fp32), scripted plans, checking modules, pool functions."""
+"""What the vLLM tests run: a job folder (tiny Qwen2, head_dim 64, fp32), scripted plans, checking modules,
+pool functions.
+"""
 
 from __future__ import annotations
 
@@ -20,7 +22,9 @@ CHECKS = "NEREUS_TEST_VLLM_CHECKS"  # a folder: CheckedGRPOModule writes one JSO
 
 
 def make_job(root: str) -> dict[str, str]:
-    """A model folder (random weights, a tokenizer trained on the prompts) and train prompts under ``root``."""
+    """A model folder (random weights, a tokenizer trained on the
+    prompts) and train prompts under ``root``.
+    """
     from nereus_lightning.rl.wordproblems import make_rows, write_parquet
     from nereus_lightning.testing.folders import tiny_model_folder
 
@@ -31,7 +35,9 @@ def make_job(root: str) -> dict[str, str]:
 
 
 def plan_2ranks(gen_tp: int) -> Plan:
-    """GRPO on ranks 0 and 1: the generation stage at TP ``gen_tp`` (x DP ``2 / gen_tp``), every other stage DP 2."""
+    """GRPO on ranks 0 and 1: the generation stage at TP ``gen_tp`` (x DP ``2 / gen_tp``), every other stage
+    DP 2.
+    """
     out = {}
     for m in workflow("grpo"):
         layout = Layout(gen_tp, 1) if m.stage == "generation" else Layout(1, 1)
@@ -125,9 +131,11 @@ class CheckedGRPOModule(GRPOModule):
 def engine_against_hf(
     rank: int, world_size: int, folder: str, variants: tuple[tuple[int, bool], ...]
 ) -> dict[str, dict[str, Any]]:
-    """Per ``(tp, tied)``: one vLLM engine per rank on a model's weights, against transformers on the same weights.
+    """Per ``(tp, tied)``: one vLLM engine per rank on a model's weights, against transformers on the same
+    weights.
 
-    ``tied=False``: the folder's model; ``tied=True``: a random model of its config with the LM head tied to the embedding.
+    ``tied=False``: the folder's model; ``tied=True``: a random model of its config with the LM head tied to
+    the embedding.
     """
     import transformers as tf
 

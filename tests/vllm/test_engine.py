@@ -1,4 +1,6 @@
-"""The vLLM engine against transformers on the same weights: weights in and back out, greedy tokens, log-probs."""
+"""The vLLM engine against transformers on the same weights: weights in and back out, greedy tokens,
+log-probs.
+"""
 
 from __future__ import annotations
 

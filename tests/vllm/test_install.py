@@ -1,4 +1,6 @@
-"""Without vllm, rollout_engine=vllm is refused when the job is configured, with the install command (runs everywhere)."""
+"""Without vllm, rollout_engine=vllm is refused when the job is configured, with the install command (runs
+everywhere).
+"""
 
 from __future__ import annotations
 

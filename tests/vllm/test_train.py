@@ -1,4 +1,5 @@
-"""nereus-train with algorithm.rollout_engine=vllm on 2 gloo ranks: TP1 x DP2, TP2 x DP1, and a transition between them.
+"""nereus-train with algorithm.rollout_engine=vllm on 2 gloo ranks: TP1 x DP2, TP2 x DP1, and a transition
+between them.
 
 Each run's module (:class:`~tests.vllm.helpers.CheckedGRPOModule`) reads every generation rank's
 engine back before each step's generation and compares it, bit for bit, with the training unit's

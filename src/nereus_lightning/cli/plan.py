@@ -138,12 +138,26 @@ def render(result: dict[str, Any]) -> None:
     cl, wl = result["cluster"], result["workload"]
     title = (
         f"{result['models']['actor']} {wl['algorithm'].upper()} on {cl['num_gpus']} GPUs of {cl['name']}, "
-        f"prompt {wl['prompt_len']} + response {wl['response_len']:g} tokens, {wl['prompts_per_step']} prompts"
+        f"prompt {wl['prompt_len']} + response {wl['response_len']:g} tokens, {wl['prompts_per_step']} "
+        "prompts"
     )
     table = Table(title=title, title_justify="left")
-    columns = ("model-stage", "runs", "dp", "tp", "pp", "GPUs", "micro-batch", "recompute", "time s", "peak/cap GB")
+    columns = (
+        "model-stage",
+        "runs",
+        "dp",
+        "tp",
+        "pp",
+        "GPUs",
+        "micro-batch",
+        "recompute",
+        "time s",
+        "peak/cap GB",
+    )
     for col in columns:
-        table.add_column(col, justify="left" if col in ("model-stage", "runs", "GPUs") else "right", no_wrap=True)
+        table.add_column(
+            col, justify="left" if col in ("model-stage", "runs", "GPUs") else "right", no_wrap=True
+        )
     letters = {tuple(g): chr(ord("A") + i) for i, g in enumerate(result["colocated"])}
     stage = None
     for row in result["model_stages"]:
@@ -155,7 +169,9 @@ def render(result: dict[str, Any]) -> None:
         span = f"{row['num_gpus']} [{gpus[0]}-{gpus[-1]}]" if contiguous else f"{row['num_gpus']} {gpus}"
         group = row["colocated_group"]
         runs = (
-            f"in turn {letters[tuple(group)]}{group.index(row['model_stage']) + 1}" if len(group) > 1 else "concurrent"
+            f"in turn {letters[tuple(group)]}{group.index(row['model_stage']) + 1}"
+            if len(group) > 1
+            else "concurrent"
         )
         table.add_row(
             row["model_stage"],

@@ -1,4 +1,6 @@
-"""The controller: monitor signals, resource providers, triggers, admission and the decision log (pure Python)."""
+"""The controller: monitor signals, resource providers, triggers, admission and the decision log (pure
+Python).
+"""
 
 from nereus_lightning.control.backend import PlannerBackend, PlanningBackend
 from nereus_lightning.control.controller import Controller, ControllerConfig

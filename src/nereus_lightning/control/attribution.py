@@ -63,7 +63,9 @@ def calibrate_on_phases(
     measured: Mapping[str, float],
     stage_of: Mapping[str, str] | None = None,
 ) -> None:
-    """Feed one step's measured phases into ``calibration`` (``estimate`` priced at its current efficiencies)."""
+    """Feed one step's measured phases into ``calibration``
+    (``estimate`` priced at its current efficiencies).
+    """
     if stage_of is None:
         from nereus_lightning.spec.workload import workflow
 

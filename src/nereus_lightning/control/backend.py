@@ -72,7 +72,9 @@ class PlannerBackend:
         self._transition = transition
 
     @classmethod
-    def for_models(cls, actor: Any, critic: Any = None, reference: Any = None, reward: Any = None, **kwargs: Any) -> PlannerBackend:
+    def for_models(
+        cls, actor: Any, critic: Any = None, reference: Any = None, reward: Any = None, **kwargs: Any
+    ) -> PlannerBackend:
         """Build the per-role model map with the planner's ``job_models``."""
         from nereus_lightning.plan.planner import job_models
 
@@ -110,7 +112,14 @@ class PlannerBackend:
         """Like :meth:`plan`, with the model-stages of ``layouts`` kept at those TP/PP layouts."""
         from nereus_lightning.plan.planner import plan_job
 
-        result = plan_job(self.models, cluster, workload, calibration=calibration, alternatives=self.alternatives,
-                          pinned=layouts, pool_key=self.pool_key)
+        result = plan_job(
+            self.models,
+            cluster,
+            workload,
+            calibration=calibration,
+            alternatives=self.alternatives,
+            pinned=layouts,
+            pool_key=self.pool_key,
+        )
         options = [(result.plan, result.estimate), *result.alternatives]
         return sorted(options, key=lambda pe: pe[1].step_latency)

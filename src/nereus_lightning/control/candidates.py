@@ -48,8 +48,16 @@ class CandidateSource:
     """Prices candidate targets of one replan, each plan at most once."""
 
     def __init__(
-        self, backend: PlanningBackend, calibration: Any, current: Plan, algorithm: str, sequences_per_step: int,
-        cluster: ClusterSpec, workload: Workload, urgent: bool, current_latency: float | None,
+        self,
+        backend: PlanningBackend,
+        calibration: Any,
+        current: Plan,
+        algorithm: str,
+        sequences_per_step: int,
+        cluster: ClusterSpec,
+        workload: Workload,
+        urgent: bool,
+        current_latency: float | None,
         safe_first: bool = True,
     ) -> None:
         self.backend, self.calibration, self.current = backend, calibration, current
@@ -65,7 +73,11 @@ class CandidateSource:
         if plan in self.seen:
             return None
         self.seen.add(plan)
-        est = est if est is not None else self.backend.estimate(plan, self.cluster, self.workload, self.calibration)
+        est = (
+            est
+            if est is not None
+            else self.backend.estimate(plan, self.cluster, self.workload, self.calibration)
+        )
         if not est.feasible:
             return None
         if not self.urgent and self.current_latency is not None and est.step_latency >= self.current_latency:
@@ -112,7 +124,9 @@ class CandidateSource:
                 rest.append(self.price(survivors, "intact units only (replicas on lost GPUs dropped)"))
             base = refit if refit is not None else self.current
             if intact_plan(base, set(signals.gpus)) == base:
-                rest += [self.price(v, "smaller micro-batches / recomputation") for v in relief_variants(base)]
+                rest += [
+                    self.price(v, "smaller micro-batches / recomputation") for v in relief_variants(base)
+                ]
         yield from self._safe_first(o for o in rest if o is not None)
 
     def _safe_first(self, options: Iterator[Option]) -> Iterator[Option]:
@@ -152,7 +166,11 @@ class CandidateSource:
         for i, (plan, est) in enumerate(planned):
             source = "training layouts kept: planner " + ("best" if i == 0 else f"alternative {i}")
             found.append(self.price(plan, source, est))
-            found.append(self.price(place_near(plan, self.current, self.algorithm), f"{source}, placed near the current GPUs"))
+            found.append(
+                self.price(
+                    place_near(plan, self.current, self.algorithm), f"{source}, placed near the current GPUs"
+                )
+            )
         yield from self._safe_first(o for o in found if o is not None)
 
 

@@ -107,16 +107,40 @@ class ControllerConfig:
     def __post_init__(self) -> None:
         require(self.gamma >= 0, "controller.gamma", f"must be >= 0, got {self.gamma}")
         require(self.delta_len > 0, "controller.delta_len", f"must be positive, got {self.delta_len}")
-        require(self.admission in ADMISSION_RULES, "controller.admission", f"{self.admission!r} not in {ADMISSION_RULES}")
+        require(
+            self.admission in ADMISSION_RULES,
+            "controller.admission",
+            f"{self.admission!r} not in {ADMISSION_RULES}",
+        )
         require(self.replan_every >= 0, "controller.replan_every", f"must be >= 0, got {self.replan_every}")
         for name in self.drift_signals:
-            require(name in DRIFT_SIGNALS, "controller.drift_signals", f"{name!r} is not one of {list(DRIFT_SIGNALS)}")
+            require(
+                name in DRIFT_SIGNALS,
+                "controller.drift_signals",
+                f"{name!r} is not one of {list(DRIFT_SIGNALS)}",
+            )
         require(self.restart_s > 0, "controller.restart_s", f"must be positive, got {self.restart_s}")
-        require(0 < self.transition_alpha <= 1, "controller.transition_alpha", f"must be in (0, 1], got {self.transition_alpha}")
-        require(self.selection in SELECTIONS, "controller.selection", f"{self.selection!r} not in {SELECTIONS}")
-        require(self.forecast_steps >= 0, "controller.forecast_steps", f"must be >= 0, got {self.forecast_steps}")
-        require(self.forecast_window >= 2, "controller.forecast_window", f"must be >= 2, got {self.forecast_window}")
-        require(self.dag_budget_gpus >= 1, "controller.dag_budget_gpus", f"must be >= 1, got {self.dag_budget_gpus}")
+        require(
+            0 < self.transition_alpha <= 1,
+            "controller.transition_alpha",
+            f"must be in (0, 1], got {self.transition_alpha}",
+        )
+        require(
+            self.selection in SELECTIONS, "controller.selection", f"{self.selection!r} not in {SELECTIONS}"
+        )
+        require(
+            self.forecast_steps >= 0, "controller.forecast_steps", f"must be >= 0, got {self.forecast_steps}"
+        )
+        require(
+            self.forecast_window >= 2,
+            "controller.forecast_window",
+            f"must be >= 2, got {self.forecast_window}",
+        )
+        require(
+            self.dag_budget_gpus >= 1,
+            "controller.dag_budget_gpus",
+            f"must be >= 1, got {self.dag_budget_gpus}",
+        )
         object.__setattr__(self, "drift_signals", tuple(self.drift_signals))
 
 
@@ -140,7 +164,10 @@ class Controller:
         self.calibration = calibration
         self.log = DecisionLog(log) if isinstance(log, str) else log
         self.plan = plan
-        self.drift = {n: DriftTrigger(n, self.config.delta_len, self.config.ema_alpha) for n in self.config.drift_signals}
+        self.drift = {
+            n: DriftTrigger(n, self.config.delta_len, self.config.ema_alpha)
+            for n in self.config.drift_signals
+        }
         self.pool = PoolTrigger(self.config.ema_alpha)
         self.memory_clock = CrossingClock(self.config.ema_alpha)
         self.transition_scale = 1.0
@@ -222,7 +249,9 @@ class Controller:
                     triggers.append(fired)
         if (pool_trigger is None or not pool_trigger.urgent) and not self._current_fits(signals):
             self.memory_clock.cross(step)
-            triggers.append(Trigger("memory", self.memory_clock.horizon, urgent=True, detail=self._memory_detail))
+            triggers.append(
+                Trigger("memory", self.memory_clock.horizon, urgent=True, detail=self._memory_detail)
+            )
         if self.last_replan_step is None:
             self.last_replan_step = step  # a plan handed in counts as planned now
         k = self.config.replan_every
@@ -318,7 +347,11 @@ class Controller:
         reasons: list[str] = []
         if not current_ok:
             urgent = True
-            reasons.append("the current plan no longer fits" if current_est is not None else "GPUs of the current plan were lost")
+            reasons.append(
+                "the current plan no longer fits"
+                if current_est is not None
+                else "GPUs of the current plan were lost"
+            )
         decision = partial(  # every verdict of this step carries these
             Decision,
             step=signals.step, triggers=tuple(triggers), current=self.plan, current_latency=current_latency,
@@ -343,7 +376,11 @@ class Controller:
             if state["ref"] is None:
                 state["ref"] = lat  # broken current plan: rank against the first target instead
             d_l = math.inf if current_latency is None else current_latency - lat
-            entry = {"source": opt.source, "latency": round(lat, 6), "dL": None if math.isinf(d_l) else round(d_l, 6)}
+            entry = {
+                "source": opt.source,
+                "latency": round(lat, 6),
+                "dL": None if math.isinf(d_l) else round(d_l, 6),
+            }
             considered.append(entry)
             best: Option | None = state["best"]
             bound = weight * (state["ref"] - lat)  # net benefit if the transition were free
@@ -358,7 +395,10 @@ class Controller:
                 return False
             state["priced"] += 1
             try:
-                l_tran = self.backend.transition_cost(intact, opt.plan, dag_cluster, workload) * self.transition_scale
+                l_tran = (
+                    self.backend.transition_cost(intact, opt.plan, dag_cluster, workload)
+                    * self.transition_scale
+                )
             except InfeasiblePlanError as exc:
                 entry["verdict"] = f"transition infeasible: {exc}"
                 state["failed"].add(layouts_of(opt.plan))
@@ -392,7 +432,8 @@ class Controller:
             if evaluate(opt):
                 stopped = True
                 break
-        best_failed = ("net" not in seen[0].notes) if seen else urgent  # not urgent, no target: none is faster
+        # not urgent, no target: none is faster
+        best_failed = ("net" not in seen[0].notes) if seen else urgent
         if not stopped and cfg.pin_training and not first and best_failed:
             # The best target failed: also try the best plans that keep the training layouts
             # (with a DAG budget of their own: they are the likely reachable ones). Pinned plans
@@ -412,14 +453,24 @@ class Controller:
                 if slower > 0 and cfg.admission == "payback":
                     # The reachable target is slower than the best plan, which has no safe DAG:
                     # restarting into the best plan is worth it if the restart pays back.
-                    ok, why = self._profitable(slower, max(cfg.restart_s - l_tran, 0.0), self.restart_horizon(horizon))
+                    ok, why = self._profitable(
+                        slower, max(cfg.restart_s - l_tran, 0.0), self.restart_horizon(horizon)
+                    )
                     if ok:
                         entry["verdict"] = f"reachable, but a restart into {fastest.source} {why}"
                         return decision(
-                            kind="restart", target=fastest.plan, target_latency=fastest.latency,
-                            transition_cost=cfg.restart_s, considered=tuple(considered),
-                            reason="; ".join([*reasons, f"urgent ({_kinds(triggers)}): the reachable target is "
-                                              f"{slower:.2f} s/step slower; checkpoint/restart {why}"]),
+                            kind="restart",
+                            target=fastest.plan,
+                            target_latency=fastest.latency,
+                            transition_cost=cfg.restart_s,
+                            considered=tuple(considered),
+                            reason="; ".join(
+                                [
+                                    *reasons,
+                                    f"urgent ({_kinds(triggers)}): the reachable target is "
+                                    f"{slower:.2f} s/step slower; checkpoint/restart {why}",
+                                ]
+                            ),
                         )
                 entry["verdict"] = "admitted (urgent: profitability waived)"
                 d_l = None if current_latency is None else current_latency - chosen.latency
@@ -432,9 +483,14 @@ class Controller:
             entry["verdict"] = "admitted: " + entry["verdict"]
             assert current_latency is not None
             return decision(
-                kind="transition", target=chosen.plan, target_latency=chosen.latency,
-                delta_latency=current_latency - chosen.latency, transition_cost=l_tran, considered=tuple(considered),
-                reason=f"{_kinds(triggers)}: {entry['verdict'].removeprefix('admitted: ')}; {how} ({chosen.source})",
+                kind="transition",
+                target=chosen.plan,
+                target_latency=chosen.latency,
+                delta_latency=current_latency - chosen.latency,
+                transition_cost=l_tran,
+                considered=tuple(considered),
+                reason=f"{_kinds(triggers)}: {entry['verdict'].removeprefix('admitted: ')}; {how} "
+                    f"({chosen.source})",
             )
         if urgent:
             best = min(seen, key=lambda o: o.latency) if seen else None
@@ -449,7 +505,11 @@ class Controller:
         # No DAG transition was admitted. When the best gain had no safe DAG at all, a
         # checkpoint/restart is one more way to reach it: admitted under the payback rule, with
         # L_tran = the restart's cost (the any-gain baselines do not restart voluntarily).
-        blocked = [(o, e) for o, e in zip(seen, considered, strict=True) if e["verdict"].startswith("transition infeasible")]
+        blocked = [
+            (o, e)
+            for o, e in zip(seen, considered, strict=True)
+            if e["verdict"].startswith("transition infeasible")
+        ]
         if blocked and current_latency is not None and cfg.admission == "payback":
             opt, entry = blocked[0]
             d_l = current_latency - opt.latency
@@ -462,7 +522,11 @@ class Controller:
                     f"({opt.source})",
                 )
         top = considered[0] if considered else None
-        why = "no faster feasible plan" if top is None else f"payback failed for every candidate (best: {top['verdict']})"
+        why = (
+            "no faster feasible plan"
+            if top is None
+            else f"payback failed for every candidate (best: {top['verdict']})"
+        )
         return decision(kind="keep", target=None, considered=tuple(considered), reason=why)
 
     def restart_horizon(self, horizon: float) -> float:
@@ -519,7 +583,9 @@ class Controller:
         return {op: seconds for op, (_, seconds) in op_times(est, signals.stage_time, stage_of).items()}
 
     def predicted_op_times(self, signals: StepSignals) -> dict[str, float]:
-        """The cost model's per-op-class times for the current plan at this step, at the current efficiencies."""
+        """The cost model's per-op-class times for the current plan at
+        this step, at the current efficiencies.
+        """
         est, then = self._cached_estimate(signals, self.workload_at(signals))
         now = _efficiencies(self.calibration)
         return {op: t * then.get(op, 1.0) / now.get(op, 1.0) for op, t in op_totals(est).items()}

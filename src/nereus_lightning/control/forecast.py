@@ -66,9 +66,15 @@ class LengthForecast:
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable state."""
-        return {"window": self.window, "clamp": self.clamp, "history": [[s, list(v)] for s, v in self.history]}
+        return {
+            "window": self.window,
+            "clamp": self.clamp,
+            "history": [[s, list(v)] for s, v in self.history],
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
         self.window, self.clamp = int(state["window"]), float(state["clamp"])
-        self.history = deque(((int(s), tuple(float(x) for x in v)) for s, v in state["history"]), maxlen=self.window)
+        self.history = deque(
+            ((int(s), tuple(float(x) for x in v)) for s, v in state["history"]), maxlen=self.window
+        )

@@ -59,7 +59,9 @@ def scale_count(count: float, max_count: float, min_gpus: int, max_gpus: int, gr
     falls below ``min_gpus``.
     """
     require(max_count > 0, "trace.max_count", f"must be positive, got {max_count}")
-    require(1 <= min_gpus <= max_gpus, "trace.min_gpus", f"need 1 <= min_gpus={min_gpus} <= max_gpus={max_gpus}")
+    require(
+        1 <= min_gpus <= max_gpus, "trace.min_gpus", f"need 1 <= min_gpus={min_gpus} <= max_gpus={max_gpus}"
+    )
     require(granularity >= 1, "trace.granularity", f"must be >= 1, got {granularity}")
     raw = min_gpus + (max_gpus - min_gpus) * min(max(count, 0.0), max_count) / max_count
     return max(min_gpus, int(math.floor(raw / granularity + 1e-9)) * granularity)
@@ -83,7 +85,9 @@ class TraceResources:
 
     def __post_init__(self) -> None:
         require(len(self.counts) > 0, "trace.counts", "is empty")
-        require(self.ticks_per_step > 0, "trace.ticks_per_step", f"must be positive, got {self.ticks_per_step}")
+        require(
+            self.ticks_per_step > 0, "trace.ticks_per_step", f"must be positive, got {self.ticks_per_step}"
+        )
         require(self.start_tick >= 0, "trace.start_tick", f"must be >= 0, got {self.start_tick}")
         if self.max_count == 0:
             object.__setattr__(self, "max_count", max(max(self.counts), 1))
@@ -100,7 +104,9 @@ class TraceResources:
 
     def num_gpus(self, step: int) -> int:
         """The scaled pool size at ``step``."""
-        return scale_count(self.counts[self.tick(step)], self.max_count, self.min_gpus, self.max_gpus, self.granularity)
+        return scale_count(
+            self.counts[self.tick(step)], self.max_count, self.min_gpus, self.max_gpus, self.granularity
+        )
 
     def pool(self, step: int) -> tuple[int, ...]:
         """GPUs ``0 .. n-1`` for the scaled count ``n``."""
@@ -145,13 +151,17 @@ class SchedulerFileResources:
                 try:
                     raw = json.load(f)
                 except ValueError as exc:
-                    raise NereusConfigError(f"resources.path: {self.path!r} is not valid JSON ({exc})") from exc
+                    raise NereusConfigError(
+                        f"resources.path: {self.path!r} is not valid JSON ({exc})"
+                    ) from exc
             if "gpus" in raw:
                 self._pool = as_pool(raw["gpus"])
             elif "num_gpus" in raw:
                 self._pool = as_pool(int(raw["num_gpus"]))
             else:
-                raise NereusConfigError(f'resources.path: {self.path!r} needs a "gpus" list or a "num_gpus" count')
+                raise NereusConfigError(
+                    f'resources.path: {self.path!r} needs a "gpus" list or a "num_gpus" count'
+                )
             self._mtime = mtime
         return self._pool
 

@@ -66,7 +66,9 @@ class StepSignals:
 
     def value(self, name: str) -> float:
         """The drifting signal called ``name`` (``response_len``, ``response_len_p95``, ``prompt_len``)."""
-        require(name in DRIFT_SIGNALS, "controller.drift_signals", f"{name!r} is not one of {list(DRIFT_SIGNALS)}")
+        require(
+            name in DRIFT_SIGNALS, "controller.drift_signals", f"{name!r} is not one of {list(DRIFT_SIGNALS)}"
+        )
         return float(getattr(self, name))
 
     def to_json(self) -> dict[str, Any]:

@@ -22,7 +22,14 @@ def plan_from_state(state: list[dict[str, Any]] | None) -> Plan | None:
     """Inverse of :func:`plan_to_state`."""
     if state is None:
         return None
-    return Plan(tuple(
-        (s["name"], Candidate(Layout(s["tp"], s["pp"]), s["dp"], tuple(s["gpus"]), s["micro_batch"], s["recompute"]))
-        for s in state
-    ))
+    return Plan(
+        tuple(
+            (
+                s["name"],
+                Candidate(
+                    Layout(s["tp"], s["pp"]), s["dp"], tuple(s["gpus"]), s["micro_batch"], s["recompute"]
+                ),
+            )
+            for s in state
+        )
+    )

@@ -17,7 +17,9 @@ URGENT_KINDS = ("revocation", "memory")
 
 @dataclass(frozen=True)
 class Trigger:
-    """One reason to replan: ``kind`` is ``drift:<signal>``, ``pool``, ``revocation``, ``memory`` or ``schedule``."""
+    """One reason to replan: ``kind`` is ``drift:<signal>``, ``pool``, ``revocation``, ``memory`` or
+    ``schedule``.
+    """
 
     kind: str
     horizon: float  # H_x in steps
@@ -84,7 +86,8 @@ class DriftTrigger:
         return Trigger(
             f"drift:{self.name}",
             self.clock.horizon,
-            detail=f"{self.name} {self.reference:.1f} -> {value:.1f} ({change:+.1%}, threshold {self.delta:.0%})",
+            detail=f"{self.name} {self.reference:.1f} -> {value:.1f} "
+            f"({change:+.1%}, threshold {self.delta:.0%})",
         )
 
     def reset(self, value: float) -> None:
@@ -123,7 +126,9 @@ class PoolTrigger:
         lost = used - set(pool)
         detail = f"{len(self.reference)} -> {len(pool)} GPUs"
         if lost:
-            return Trigger("revocation", self.clock.horizon, urgent=True, detail=f"{detail}; lost {len(lost)} in use")
+            return Trigger(
+                "revocation", self.clock.horizon, urgent=True, detail=f"{detail}; lost {len(lost)} in use"
+            )
         return Trigger("pool", self.clock.horizon, detail=detail)
 
     def reset(self, pool: tuple[int, ...]) -> None:
@@ -132,7 +137,10 @@ class PoolTrigger:
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable state."""
-        return {"reference": None if self.reference is None else list(self.reference), "clock": self.clock.state_dict()}
+        return {
+            "reference": None if self.reference is None else list(self.reference),
+            "clock": self.clock.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""

@@ -18,7 +18,11 @@ def relief_variants(plan: Plan) -> list[Plan]:
     out: list[Plan] = []
     recompute = Plan(tuple((n, replace(c, recompute=True)) for n, c in plan.items()))
     halved = Plan(tuple((n, replace(c, micro_batch=max(1, c.micro_batch // 2))) for n, c in plan.items()))
-    both = Plan(tuple((n, replace(c, recompute=True, micro_batch=max(1, c.micro_batch // 2))) for n, c in plan.items()))
+    both = Plan(
+        tuple(
+            (n, replace(c, recompute=True, micro_batch=max(1, c.micro_batch // 2))) for n, c in plan.items()
+        )
+    )
     for variant in (recompute, halved, both):
         if variant != plan and variant not in out:
             out.append(variant)
@@ -76,7 +80,9 @@ def follow_pool(plan: Plan, algorithm: str, num_gpus: int, batch: int) -> Plan |
         start = 0
         for group in sorted(groups, key=lambda g: -max(plan[m].layout.size for m in g)):
             for n in group:
-                chosen[n] = replace(plan[n], dp=dp[n], gpus=tuple(range(start, start + dp[n] * plan[n].layout.size)))
+                chosen[n] = replace(
+                    plan[n], dp=dp[n], gpus=tuple(range(start, start + dp[n] * plan[n].layout.size))
+                )
             start += size(group)
     return Plan(tuple((n, chosen[n]) for n, _ in plan.items()))
 
@@ -146,6 +152,8 @@ def keep_layouts(plan: Plan, current: Plan) -> Plan:
     for name, cand in plan.items():
         cur = current[name] if name in current else None
         if cur is not None and cur.layout != cand.layout and cand.num_gpus % cur.layout.size == 0:
-            cand = Candidate(cur.layout, cand.num_gpus // cur.layout.size, cand.gpus, cur.micro_batch, cur.recompute)
+            cand = Candidate(
+                cur.layout, cand.num_gpus // cur.layout.size, cand.gpus, cur.micro_batch, cur.recompute
+            )
         out.append((name, cand))
     return Plan(tuple(out))

@@ -62,7 +62,9 @@ def _same(a: Tensor, b: Tensor) -> bool:
 
 
 def gather_logical_state(model_stage: str, dst: int | None = None) -> LogicalState | None:
-    """The logical state of ``model_stage`` on every rank (``dst=None``) or on rank ``dst`` (None elsewhere)."""
+    """The logical state of ``model_stage`` on every rank
+    (``dst=None``) or on rank ``dst`` (None elsewhere).
+    """
     reg = registry()
     schema = reg.schema(model_stage)
     mine = []

@@ -57,7 +57,8 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def dcp_state_dict(emu: EMU) -> dict[str, Tensor]:
-    """This rank's shards keyed ``"<key>/<global name>"``: DTensors for TP-cut tensors, plain tensors otherwise.
+    """This rank's shards keyed ``"<key>/<global name>"``: DTensors for TP-cut tensors, plain tensors
+    otherwise.
 
     The values share storage with the EMU, so :func:`dcp.load` fills the EMU in place.
     """
@@ -96,13 +97,17 @@ def save_state(model_stage: str, path: str | os.PathLike) -> None:
 
 
 def save_tensors(state: dict[str, Any], path: str | os.PathLike) -> None:
-    """``dcp.save`` of ``state`` into the directory ``path`` (collective); a failure raises a :class:`CheckpointError`."""
+    """``dcp.save`` of ``state`` into the directory ``path`` (collective); a failure raises a
+    :class:`CheckpointError`.
+    """
     with _named_failures(path):
         dcp.save(state, checkpoint_id=os.fspath(path))
 
 
 def load_state(emu: EMU | None, path: str | os.PathLike) -> None:
-    """Fill ``emu``'s shards (any layout) and counters from a checkpoint written by :func:`save_state`; None off the unit."""
+    """Fill ``emu``'s shards (any layout) and counters from a checkpoint written by :func:`save_state`; None
+    off the unit.
+    """
     state = dcp_state_dict(emu) if emu is not None else {}
     load_tensors(state, path)
     if emu is not None:
@@ -124,7 +129,9 @@ def load_tensors(state: dict[str, Any], path: str | os.PathLike, alone: bool = F
 
 @contextmanager
 def _named_failures(path: str | os.PathLike) -> Iterator[None]:
-    """DCP's ``CheckpointException`` (every rank's failures, raised on all ranks) as one :class:`CheckpointError`."""
+    """DCP's ``CheckpointException`` (every rank's failures, raised on all ranks) as one
+    :class:`CheckpointError`.
+    """
     try:
         yield
     except CheckpointException as exc:
@@ -144,7 +151,9 @@ def nonfinite_names(tensors: Iterable[tuple[str, Tensor]]) -> list[str]:
 
 
 def nonfinite_tensors(model_stage: str) -> list[str]:
-    """This rank's state tensors of ``model_stage`` holding a NaN or an infinity: ``name`` or ``name (optimizer key)``."""
+    """This rank's state tensors of ``model_stage`` holding a NaN or an infinity: ``name`` or ``name
+    (optimizer key)``.
+    """
     return nonfinite_names(
         (name if key == "param" else f"{name} ({key})", tensor)
         for emu in _local_emus(model_stage)
@@ -163,7 +172,9 @@ _DCP_GLOBALS = {
 
 
 class RestrictedUnpickler(pickle.Unpickler):
-    """An unpickler that resolves a global only through ``allow(module, name)`` (None: refused, nothing imported)."""
+    """An unpickler that resolves a global only through ``allow(module, name)`` (None: refused, nothing
+    imported).
+    """
 
     def __init__(self, file: BinaryIO, allow: Callable[[str, str], Any]) -> None:
         super().__init__(file)
@@ -180,7 +191,9 @@ class RestrictedUnpickler(pickle.Unpickler):
 
 
 def dcp_global(module: str, name: str) -> Any:
-    """The globals a DCP ``.metadata`` pickle needs: DCP's metadata dataclasses and enums, torch.Size, dtypes, layouts, paths."""
+    """The globals a DCP ``.metadata`` pickle needs: DCP's metadata dataclasses and enums, torch.Size, dtypes,
+    layouts, paths.
+    """
     if (module, name) in _DCP_GLOBALS:
         return getattr(importlib.import_module(module), name)
     if module == "torch":
@@ -237,7 +250,9 @@ def _check_data_file(file: Path, directory: Path, key: str, info: Any) -> None:
 
 
 class SafeReader(FileSystemReader):
-    """DCP's file-system reader, reading the metadata with :func:`read_dcp_metadata` and naming a file that fails."""
+    """DCP's file-system reader, reading the metadata with :func:`read_dcp_metadata` and naming a file that
+    fails.
+    """
 
     def read_metadata(self) -> Metadata:  # no rank-local fallback: Nereus writes one .metadata
         """The checked metadata (see :func:`read_dcp_metadata`)."""

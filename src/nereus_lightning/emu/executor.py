@@ -30,7 +30,8 @@ Two node shapes of the transition brain go beyond the plain primitives and are h
 
 Measurements: per node and rank, the wall seconds from its issue to its completion (first seen
 complete by a non-blocking poll at the walk's next steps, else when waited for), how many of
-this rank's nodes were in flight (issued, not yet waited for) when it was issued, and the payload bytes received
+this rank's nodes were in flight (issued, not yet waited for) when it was issued, and the payload bytes
+received
 (tensor bytes, no alignment padding), next to the bytes the brain priced for that rank
 (``transition.pieces.Transfer.bytes`` of the node's transfers into the rank's GPU, local copies
 excluded). :meth:`ExecutionReport.reduce` combines the ranks (bytes summed; seconds the max over
@@ -114,7 +115,9 @@ class ExecutionReport:
         return max((r.running for r in self.records), default=0)
 
     def node_observations(self, fastest: bool = False) -> list[NodeObservation]:
-        """(node_id, op, predicted_bytes, measured_bytes, seconds) per node; ``fastest`` takes the min-over-members time."""
+        """(node_id, op, predicted_bytes, measured_bytes, seconds) per node; ``fastest`` takes the
+        min-over-members time.
+        """
         return [
             NodeObservation(
                 r.node_id,

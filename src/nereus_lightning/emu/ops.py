@@ -27,7 +27,9 @@ from nereus_lightning.spec.errors import require
 
 @dataclass(frozen=True, order=True)
 class Unit:
-    """Where one replica lives: its ``layout`` and its global ``ranks`` (pp-major, tp-minor, as in ``Candidate``)."""
+    """Where one replica lives: its ``layout`` and its global ``ranks`` (pp-major, tp-minor, as in
+    ``Candidate``).
+    """
 
     layout: Layout
     ranks: tuple[int, ...]
@@ -288,7 +290,8 @@ def validate_op(op: Primitive) -> None:
 
 
 def from_node(node: Any, rank_of: Mapping[int, int] | None = None) -> Primitive:
-    """The op of a ``transition.dag.Node`` (GPU ids mapped to global ranks by ``rank_of``; identity by default).
+    """The op of a ``transition.dag.Node`` (GPU ids mapped to global ranks by ``rank_of``; identity by
+    default).
 
     A batched node (``node.width > 1``) is one op per lane: ``emu.executor.ops_of(node)``.
     """

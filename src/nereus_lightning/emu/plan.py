@@ -22,7 +22,8 @@ Holdings = dict[int, dict[str, Interval]]  # rank -> name -> interval held
 
 @dataclass(frozen=True)
 class Move:
-    """Slice ``[lo, hi)`` of parameter ``name`` (and its AdamW slices, master included) sent from ``src`` to ``dst``.
+    """Slice ``[lo, hi)`` of parameter ``name`` (and its AdamW slices, master included) sent from ``src`` to
+    ``dst``.
 
     ``with_step``: the receiver held no copy of ``name`` before, so the 0-d AdamW step travels too.
     """
@@ -61,7 +62,9 @@ class TransferPlan:
 
 
 def position_holdings(schema: StateSchema, layout: Layout, index: int) -> dict[str, Interval]:
-    """What rank index ``index`` of a unit of ``layout`` holds: its stage's parameters, each as its TP interval."""
+    """What rank index ``index`` of a unit of ``layout`` holds: its stage's parameters, each as its TP
+    interval.
+    """
     pos = position_of(layout, index)
     return {
         name: schema.interval(name, layout, pos.tp_rank) for name in schema.stage_names(layout, pos.pp_rank)

@@ -188,7 +188,8 @@ def _check(op: Primitive, schema: StateSchema, colocate_with: Collection[str]) -
     reg.require_free(op.model_stage, new, ignore=op.sources, colocate_with=colocate_with)
     if isinstance(op, Destroy) and len(reg.live(op.model_stage)) <= 1:
         raise NereusConfigError(
-            f"destroy: {op.source} is the last copy of {op.model_stage!r}'s state; Extend it onto other ranks first"
+            f"destroy: {op.source} is the last copy of {op.model_stage!r}'s state; Extend it onto other "
+            "ranks first"
         )
     world = dist.get_world_size()
     bad = sorted(r for r in new if not 0 <= r < world)

@@ -87,7 +87,9 @@ class Registry:
         ignore: Collection[Unit] = (),
         colocate_with: Collection[str] = (),
     ) -> None:
-        """Reject ``ranks`` overlapping a live unit (other than ``ignore``) of any model-stage not in ``colocate_with``."""
+        """Reject ``ranks`` overlapping a live unit (other than ``ignore``) of any model-stage not in
+        ``colocate_with``.
+        """
         wanted = set(ranks)
         for stage, units in self.units.items():
             if stage != model_stage and stage in colocate_with:
@@ -99,8 +101,8 @@ class Registry:
                 require(
                     not shared,
                     "target ranks",
-                    f"ranks {shared} already hold live unit {unit} of {stage!r}; destroy it first, pick free ranks, "
-                    "or pass colocate_with for model-stages that never run at the same time",
+                    f"ranks {shared} already hold live unit {unit} of {stage!r}; destroy it first, "
+                    "pick free ranks, or pass colocate_with for model-stages that never run at the same time",
                 )
 
     def clear(self) -> None:

@@ -65,7 +65,8 @@ class StateSchema:
 
     @classmethod
     def of(cls, config: Any, model_or_state: Any | None = None) -> StateSchema:
-        """The schema of a transformers causal LM from its ``config`` (and optionally the model or its state dict).
+        """The schema of a transformers causal LM from its ``config`` (and optionally the model or its state
+        dict).
 
         Without a model, one is instantiated on the meta device (no memory) to read the shapes.
         Refuses a family the body cannot compute exactly (:func:`~nereus_lightning.spec.families.family_of`)
@@ -130,7 +131,9 @@ class StateSchema:
         return adamw_keys(self.dtype_name_of[name])
 
     def shaped_optim_keys(self, name: str) -> tuple[str, ...]:
-        """The AdamW tensors of ``name`` shaped like it (cut with it): the moments, + ``master`` below fp32."""
+        """The AdamW tensors of ``name`` shaped like it (cut with
+        it): the moments, + ``master`` below fp32.
+        """
         return shaped_adamw_keys(self.dtype_name_of[name])
 
     def shaped_keys(self, name: str, trains: bool) -> tuple[str, ...]:

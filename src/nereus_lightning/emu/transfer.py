@@ -1,7 +1,8 @@
 """Executing a transfer: pack per peer, one P2P batch or broadcast, unpack on arrival.
 
 Every buffer is built by :func:`nereus_lightning.kernels.pack` from strided views of the sender's
-shards (parameters and optimizer tensors together, the fp32 master of a bf16/fp16 parameter too) and scattered by
+shards (parameters and optimizer tensors together, the fp32 master of a bf16/fp16 parameter too) and scattered
+by
 :func:`nereus_lightning.kernels.unpack` into the receiver's new shards. Tensors stay on their
 device: on NCCL the buffers are device tensors, on gloo CPU tensors.
 
@@ -147,7 +148,9 @@ def run_plan(
     new_intervals: Mapping[str, Interval],
     device: torch.device,
 ) -> Traffic:
-    """Send this rank's moves and receive into ``new`` (already holding its local part): one buffer per peer."""
+    """Send this rank's moves and receive into ``new`` (already
+    holding its local part): one buffer per peer.
+    """
     return start_plan(schema, plan, trains, old, old_intervals, new, new_intervals, device).wait()
 
 
@@ -192,7 +195,9 @@ def start_plan(
 
 
 def broadcast_views(views: list[Tensor], src: int, ranks: tuple[int, ...], device: torch.device) -> Traffic:
-    """Broadcast ``views`` from ``src`` to the other ``ranks`` as one packed buffer (receivers get them filled)."""
+    """Broadcast ``views`` from ``src`` to the other ``ranks`` as one packed buffer (receivers get them
+    filled).
+    """
     return start_broadcast(views, src, ranks, device).wait()
 
 

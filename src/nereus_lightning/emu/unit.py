@@ -188,7 +188,9 @@ class EMU:
         return next(iter(self.params.values())).device if self.params else torch.device("cpu")
 
     def tensors(self) -> Iterator[tuple[str, str, Tensor]]:
-        """Every state tensor as ``(name, key, tensor)``, key ``"param"`` or an optimizer key, in schema order."""
+        """Every state tensor as ``(name, key, tensor)``, key ``"param"`` or an optimizer key, in schema
+        order.
+        """
         for name in self.schema.names:
             if name not in self.params:
                 continue
@@ -207,7 +209,9 @@ class EMU:
         return sum(t.numel() * t.element_size() for _, _, t in self.tensors())
 
     def generator(self, dp_rank: int, stream: int = 0) -> torch.Generator:
-        """A generator derived from the seed, the sample position and ``dp_rank`` (same on every rank of the replica)."""
+        """A generator derived from the seed, the sample position and ``dp_rank`` (same on every rank of the
+        replica).
+        """
         c = self.counters
         seed = hash((c.seed, c.sample_position, dp_rank, stream)) & 0x7FFF_FFFF_FFFF_FFFF
         return torch.Generator(device=self.device).manual_seed(seed)
@@ -235,7 +239,9 @@ class EMU:
         self.resident = False
 
     def onload(self) -> None:
-        """Bring this rank's tensors back to their compute device in place (no collectives); a no-op when resident."""
+        """Bring this rank's tensors back to their compute device in place (no collectives); a no-op when
+        resident.
+        """
         if self.resident:
             return
         if self._home is not None:
@@ -251,4 +257,7 @@ class EMU:
         self._host = {}
 
     def __repr__(self) -> str:
-        return f"EMU({self.model_stage!r}, {self.unit}, rank={self.rank}, {len(self.params)} tensors, {self.nbytes()} B)"
+        return (
+            f"EMU({self.model_stage!r}, {self.unit}, rank={self.rank}, {len(self.params)} tensors, "
+            f"{self.nbytes()} B)"
+        )

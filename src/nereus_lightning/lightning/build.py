@@ -1,4 +1,6 @@
-"""Build the role models of a job (actor and reference: causal LMs; critic and reward: value models) from presets, dicts or local paths."""
+"""Build the role models of a job (actor and reference: causal LMs; critic and reward: value models) from
+presets, dicts or local paths.
+"""
 
 from __future__ import annotations
 
@@ -27,7 +29,9 @@ def is_model_folder(source: Any, key: str = "actor.path") -> TypeGuard[str | os.
 def model_config(
     source: Any, vocab_size: int | None = None, pad_token_id: int | None = None, key: str = "actor.path"
 ) -> Any:
-    """The transformers config a role model is built from (a folder's ``config.json``, a preset, a dict, a config)."""
+    """The transformers config a role model is built from (a folder's ``config.json``, a preset, a dict, a
+    config).
+    """
     import transformers as tf
 
     if is_model_folder(source, key):
@@ -36,7 +40,9 @@ def model_config(
 
 
 def vocabulary_rows(tokenizer: Any, multiple: int = 8) -> int:
-    """Embedding rows for a model built from a preset to this tokenizer: its size rounded up so TP splits it."""
+    """Embedding rows for a model built from a preset to this
+    tokenizer: its size rounded up so TP splits it.
+    """
     return -(-len(tokenizer) // multiple) * multiple
 
 
@@ -112,7 +118,8 @@ def _config_of(
             )
         if source not in MODEL_PRESETS:
             raise NereusConfigError(
-                f"model: unknown preset {source!r}; known presets: {', '.join(sorted(MODEL_PRESETS))} (or a local model folder)"
+                f"model: unknown preset {source!r}; known presets: {', '.join(sorted(MODEL_PRESETS))} (or a "
+                "local model folder)"
             )
         source = MODEL_PRESETS[source]
     if isinstance(source, ModelSpec):
@@ -131,7 +138,8 @@ def build_causal_lm(
     pad_token_id: int | None = None,
     key: str = "actor.path",
 ) -> nn.Module:
-    """A causal LM in fp32 from a preset name, a ``ModelSpec``, a transformers config (or dict), or a local path.
+    """A causal LM in fp32 from a preset name, a ``ModelSpec``, a transformers config (or dict), or a local
+    path.
 
     Presets and configs get random weights drawn from ``seed`` (no downloads); a path loads weights.
     """
@@ -158,7 +166,8 @@ def build_value_model(
     pad_token_id: int | None = None,
     key: str = "critic.path",
 ) -> nn.Module:
-    """A value model in fp32 (transformers ``*ForTokenClassification``, one label) from the same sources as :func:`build_causal_lm`.
+    """A value model in fp32 (transformers ``*ForTokenClassification``, one label) from the same sources as
+    :func:`build_causal_lm`.
 
     A local causal-LM folder loads its body; the ``score`` head then starts from ``seed``'s draw.
     """

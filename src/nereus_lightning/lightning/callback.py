@@ -265,7 +265,11 @@ def _initial_signals(pl_module: pl.LightningModule, step: int, pool: Sequence[in
 
 
 def _signals(
-    pl_module: pl.LightningModule, step: int, stats: dict[str, float], pool: Sequence[int], draining: Sequence[int] = ()
+    pl_module: pl.LightningModule,
+    step: int,
+    stats: dict[str, float],
+    pool: Sequence[int],
+    draining: Sequence[int] = (),
 ) -> Any:
     from nereus_lightning.control.signals import StepSignals
 

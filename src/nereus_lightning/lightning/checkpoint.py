@@ -157,7 +157,9 @@ class StoredCheckpoint:
 
 
 def write_metadata(directory: str | os.PathLike, encoded: Any, state: str) -> None:
-    """Write ``nereus_meta.json`` (``encoded``: :func:`encode` of the checkpoint dict) last into ``directory``."""
+    """Write ``nereus_meta.json`` (``encoded``: :func:`encode` of the checkpoint dict) last into
+    ``directory``.
+    """
     directory = Path(directory)
     doc = {
         "format": FORMAT,
@@ -259,7 +261,8 @@ def _check_file(directory: Path, name: str, size: Any) -> None:
         raise CheckpointError(f"{file}: missing (the checkpoint recorded {size} bytes)")
     if file.stat().st_size != size:
         raise CheckpointError(
-            f"{file}: damaged: {file.stat().st_size} bytes, the checkpoint recorded {size} (truncated or overwritten)"
+            f"{file}: damaged: {file.stat().st_size} bytes, the checkpoint recorded {size} (truncated or "
+            "overwritten)"
         )
 
 

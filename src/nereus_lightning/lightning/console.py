@@ -73,7 +73,9 @@ def _stage_change(old: StagePlan | None, new: StagePlan | None) -> str:
 
 
 def describe_plan(plan: Mapping[str, StagePlan] | None) -> str:
-    """A plan as ``actor_gen (4,1,1); actor_train, critic_train (1,1,2)`` (stages sharing a layout grouped)."""
+    """A plan as ``actor_gen (4,1,1); actor_train, critic_train
+    (1,1,2)`` (stages sharing a layout grouped).
+    """
     groups: dict[str, list[str]] = {}
     for stage, cand in (plan or {}).items():
         groups.setdefault(_layout(cand), []).append(stage)
@@ -129,10 +131,16 @@ def decision_line(record: Mapping[str, Any], executed: Mapping[str, Any] | None 
             line += " (the controller chose checkpoint/restart; run in place)"
         if executed:
             seconds = record.get("measured_s", executed.get("seconds"))
-            line += f"; took {_seconds(seconds)}, moved {format_bytes(executed.get('bytes') or 0)} ({_how(executed)})"
+            line += (
+                f"; took {_seconds(seconds)}, moved {format_bytes(executed.get('bytes') or 0)} "
+                f"({_how(executed)})"
+            )
         return line
     if kind in EXECUTED_KINDS:  # the strategy found no safe transition DAG and kept the plan
-        return f"step {step} no transition{where}: plan kept, the transition is infeasible ({executed.get('reason')})"  # type: ignore[union-attr]
+        return (
+            f"step {step} no transition{where}: plan kept, the transition is infeasible "
+            f"({executed.get('reason')})"  # type: ignore[union-attr]
+        )
     if kind == "keep" and record.get("considered"):  # a faster plan existed and was not admitted
         return f"step {step} no transition{where}: {record.get('reason')}"
     return None

@@ -40,7 +40,8 @@ def model_specs(pl_module: Any) -> dict[str, ModelSpec]:
 def default_controller(
     pl_module: Any, world_size: int, decision_log: str | None = None, cluster: Any = "cpu4", **config: Any
 ) -> Any:
-    """The planner-backed controller on ``cluster`` (a ``ClusterSpec`` or preset name) sized to ``world_size`` ranks.
+    """The planner-backed controller on ``cluster`` (a ``ClusterSpec`` or preset name) sized to ``world_size``
+    ranks.
 
     Falls back to :class:`~nereus_lightning.lightning.callback.PoolFollower` (all model-stages
     data-parallel over the pool) when the planner is not installed.

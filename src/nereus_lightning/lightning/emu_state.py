@@ -1,4 +1,5 @@
-"""The EMU state backend: every model-stage's state lives in Elastic Model Units on the ranks its plan gives it.
+"""The EMU state backend: every model-stage's state lives in Elastic Model Units on the ranks its plan gives
+it.
 
 Each model-stage with a model (actor, critic, reference, reward roles) is a set of live EMUs in
 :func:`nereus_lightning.emu.registry` (one per replica, sharded by the stage's TP x PP layout).
@@ -168,7 +169,9 @@ class EMUStates:
         return True
 
     def _create(self, plan: Plan, models: Mapping[str, nn.Module | None]) -> None:
-        """First units of every model-stage from the full models (or a checkpoint), then release the full models."""
+        """First units of every model-stage from the full models (or a checkpoint), then release the full
+        models.
+        """
         reg = emu.registry()
         reg.clear()
         names = list(plan)
@@ -302,7 +305,9 @@ class EMUStates:
         return {n: unit.resident for n in (self.plan or {}) if (unit := self._local(n)) is not None}
 
     def _offload(self, model_stage: str) -> None:
-        """Move this rank's idle unit of a non-training model-stage to the host (its static decoder is freed first)."""
+        """Move this rank's idle unit of a non-training model-stage to the host (its static decoder is freed
+        first).
+        """
         unit = self._local(model_stage)
         if unit is None or self.stages[model_stage].trains:
             return
@@ -343,7 +348,9 @@ class EMUStates:
         return cand
 
     def _refresh_vllm(self) -> None:
-        """Build this rank's vLLM engine for the plan's generation layout unless it serves it already (collective)."""
+        """Build this rank's vLLM engine for the plan's generation layout unless it serves it already
+        (collective).
+        """
         assert self.plan is not None
         cand = self._generation_candidate(self.plan)
         key = (cand.layout, cand.gpus)
@@ -360,7 +367,8 @@ class EMUStates:
         self._vllm_stale = True
 
     def vllm_instance(self, model_stage: str) -> VLLMInstance:
-        """This rank's vLLM engine for generation model-stage ``model_stage``, holding its unit's current weights.
+        """This rank's vLLM engine for generation model-stage ``model_stage``, holding its unit's current
+        weights.
 
         The unit's shards go into the engine here, on this rank, when a sync or a rebuild made them newer.
         """
@@ -440,7 +448,9 @@ class EMUStates:
             unit.counters = replace(c, **{k: getattr(c, k) + v for k, v in steps.items()})
 
     def sync_weights(self) -> None:
-        """Copy each training stage's fresh parameters into the other model-stages of its model (collective)."""
+        """Copy each training stage's fresh parameters into the other
+        model-stages of its model (collective).
+        """
         assert self.plan is not None
         for train in self.training_stages():
             role = self.stages[train].model

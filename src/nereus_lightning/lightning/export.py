@@ -57,7 +57,9 @@ def _model_of(config: Any, dtype: Any) -> Any:
 
 
 def export_model(stage_dir: str, folder: str) -> str:
-    """Write ``folder/model.safetensors`` from the model-stage checkpoint ``stage_dir`` (``folder`` holds the config)."""
+    """Write ``folder/model.safetensors`` from the model-stage checkpoint ``stage_dir`` (``folder`` holds the
+    config).
+    """
     import torch
     import transformers as tf
 
@@ -92,7 +94,9 @@ def export_model(stage_dir: str, folder: str) -> str:
 
 
 def export_hf(ckpt_dir: str, output: str | None = None) -> dict[str, str]:
-    """Hugging Face folders of every trainable model in ``ckpt_dir``, under ``output`` (default ``ckpt_dir/hf``)."""
+    """Hugging Face folders of every trainable model in ``ckpt_dir``, under ``output`` (default
+    ``ckpt_dir/hf``).
+    """
     source = os.path.join(ckpt_dir, HF_DIR)
     target = output or source
     if not os.path.isdir(source):

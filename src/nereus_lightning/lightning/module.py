@@ -14,7 +14,8 @@ a :class:`~nereus_lightning.rl.rollout.RolloutEngine` (transformers ``generate``
 :class:`~nereus_lightning.models.generation.ShardedGenerator` of the generation unit, each sample
 seeded by its global index), inference stages score with :mod:`nereus_lightning.rl.forward` over
 the same adapter, and updates read the same response positions
-(:func:`~nereus_lightning.rl.forward.response_span`) from :func:`~nereus_lightning.models.train_step`. *Where* each
+(:func:`~nereus_lightning.rl.forward.response_span`) from :func:`~nereus_lightning.models.train_step`. *Where*
+each
 model-stage runs comes from the strategy's current plan (:class:`NereusStrategy`): every stage
 runs on its replicas' slice of the global batch (see :mod:`nereus_lightning.lightning.stages`)
 and the results are gathered in global sample order before the next stage. Losses are
@@ -249,7 +250,8 @@ class RLModule(L.LightningModule):
         require(
             reward_model is None or self.algorithm != "remax",
             "reward_model",
-            "ReMax scores its greedy baseline with the reward function; use algorithm=ppo or grpo with a reward model",
+            "ReMax scores its greedy baseline with the reward function; use algorithm=ppo or grpo with a "
+            "reward model",
         )
         self.save_hyperparameters(ignore=["task", "reward_function", "data"])
         self.automatic_optimization = False
@@ -328,7 +330,8 @@ class RLModule(L.LightningModule):
         return built_actor, built_ref, built_critic, built_reward
 
     def use_state(self, kind: str) -> None:
-        """Hold model-stage state in ``"emu"`` units (default) or ``"full"`` (every rank keeps each full model).
+        """Hold model-stage state in ``"emu"`` units (default) or ``"full"`` (every rank keeps each full
+        model).
 
         ``"emu"``: each model-stage's state lives in Elastic Model Units on the ranks its plan gives
         it (:class:`~nereus_lightning.lightning.emu_state.EMUStates`); ``"full"``: the earlier
@@ -394,7 +397,9 @@ class RLModule(L.LightningModule):
             self.source.load_state_dict(checkpoint["nereus_data"])
 
     def write_hf(self, ckpt_dir: str) -> dict[str, str]:
-        """Hugging Face folders of the trainable models in a checkpoint just written (``ckpt_dir/hf/<model>``)."""
+        """Hugging Face folders of the trainable models in a checkpoint just written
+        (``ckpt_dir/hf/<model>``).
+        """
         from nereus_lightning.lightning.export import TRAINED, export_hf, write_hf_metadata
 
         models = self.role_models()
@@ -426,7 +431,9 @@ class RLModule(L.LightningModule):
                 logger.log_metrics(val, step=step)
 
     def _validation_due(self, step: int) -> bool:
-        """Every ``trainer.val_check_interval`` steps (an integer) and at the last step, with validation data."""
+        """Every ``trainer.val_check_interval`` steps (an integer) and
+        at the last step, with validation data.
+        """
         if self.sources.val is None or self._trainer is None:
             return False
         interval = self.trainer.val_check_interval
@@ -623,7 +630,10 @@ class RLModule(L.LightningModule):
             bad = (~torch.isfinite(values)).nonzero().flatten().tolist()
             if bad:
                 first = bad[0]
-                where = f"sample {first} (prompt {samples[first].index}, data_source {samples[first].data_source!r})"
+                where = (
+                    f"sample {first} (prompt {samples[first].index}, data_source "
+                    f"{samples[first].data_source!r})"
+                )
                 message = (
                     f"step {step}: the {name} of {where} is {float(values[first])}"
                     f" ({len(bad)} of {len(values)} samples non-finite)"
@@ -729,7 +739,8 @@ class RLModule(L.LightningModule):
             require(
                 self.emu_state,
                 "algorithm.rollout_engine",
-                "vllm generates from the generation units of the 'emu' state backend; use_state('emu') or rollout_engine=hf",
+                "vllm generates from the generation units of the 'emu' state backend; use_state('emu') or "
+                "rollout_engine=hf",
             )
             return VLLMEngine(self.units.vllm_instance(model_stage), eos, tok.pad_token_id)
         unit = self.units.get(model_stage)
@@ -773,7 +784,9 @@ class RLModule(L.LightningModule):
         return torch.cat(outs)
 
     def _in_use(self, model_stage: str) -> AbstractContextManager[None]:
-        """This rank's unit of ``model_stage`` on its device for the block (EMU state; the full backend keeps its models)."""
+        """This rank's unit of ``model_stage`` on its device for the block (EMU state; the full backend keeps
+        its models).
+        """
         return self.units.in_use(model_stage) if self.emu_state else nullcontext()
 
     # ---- training stage ------------------------------------------------------------------
@@ -865,7 +878,8 @@ class RLModule(L.LightningModule):
     def _train_slice(
         self, stage: str, part: RolloutBatch, total_tokens: Tensor, leader: bool, micro_batch: int
     ) -> tuple[dict[str, Tensor], bool]:
-        """Backward of one replica's slice into its gradients; returns (metrics, whether this rank reports them).
+        """Backward of one replica's slice into its gradients; returns (metrics, whether this rank reports
+        them).
 
         The losses are :func:`~nereus_lightning.rl.algorithm.actor_loss` and ``critic_loss``,
         normalised by the global mini-batch's tokens (``total_tokens``). Through this rank's unit:
@@ -904,7 +918,10 @@ class RLModule(L.LightningModule):
             return metrics, leader
         span = response_span(part.prompt_ids.shape[-1], part.response_ids.shape[-1])
         micros = [part.select(rows) for rows in micro_slices(len(part), micro_batch)]
-        batches = [MicroBatch(m.sequences, m.attention_mask, position_ids_from_mask(m.attention_mask)) for m in micros]
+        batches = [
+            MicroBatch(m.sequences, m.attention_mask, position_ids_from_mask(m.attention_mask))
+            for m in micros
+        ]
         of = {id(mb): m for mb, m in zip(batches, micros, strict=True)}
         # train_step's objective is the mean over micro-batches; the losses here are already
         # normalised by the mini-batch's tokens, so each is scaled back up by their number.
@@ -969,7 +986,9 @@ def _reward_metrics(results: Sequence[RewardResult]) -> dict[str, float]:
 
 
 def _sum_over_ranks(values: dict[str, float], problems: list[str]) -> tuple[dict[str, float], list[str]]:
-    """Sum per-leader metric parts over the world and collect every rank's problems (the same on every rank)."""
+    """Sum per-leader metric parts over the world and collect every
+    rank's problems (the same on every rank).
+    """
     if not torch.distributed.is_initialized():
         return values, problems
     parts: list[Any] = [None] * torch.distributed.get_world_size()
@@ -991,7 +1010,9 @@ class PPOModule(RLModule):
 
 
 class GRPOModule(RLModule):
-    """GRPO: several samples per prompt, group-normalised scores as advantages, KL to the reference as a loss term."""
+    """GRPO: several samples per prompt, group-normalised scores as advantages, KL to the reference as a loss
+    term.
+    """
 
     algorithm = "grpo"
     uses_critic = False

@@ -37,7 +37,9 @@ class JobSources:
 
 
 def reward_spec(value: Any) -> RewardSpec | None:
-    """``custom_reward_function`` as given: None, ``"file.py"``, ``"module:function"``, a mapping or a spec."""
+    """``custom_reward_function`` as given: None, ``"file.py"``,
+    ``"module:function"``, a mapping or a spec.
+    """
     if value is None or isinstance(value, RewardSpec):
         return value
     if isinstance(value, str):
@@ -61,7 +63,9 @@ def make_sources(
     actor: Any,
     seed: int,
 ) -> JobSources:
-    """The sources of a job: ``data.train_files`` with a reward function, or the built-in/hand-written ``task``."""
+    """The sources of a job: ``data.train_files`` with a reward function, or the built-in/hand-written
+    ``task``.
+    """
     config = DataConfig.of(data)
     spec = reward if callable(reward) else reward_spec(reward)
     if config.train_files is None:

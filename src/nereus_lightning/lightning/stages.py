@@ -194,7 +194,8 @@ def run_partitioned_rows(
     device: torch.device,
     fn: Callable[[StageSlot], torch.Tensor],
 ) -> torch.Tensor:
-    """Like :func:`run_partitioned` for per-sample tensor rows: ``fn`` returns ``[b, width]``; every rank gets ``[n, width]``.
+    """Like :func:`run_partitioned` for per-sample tensor rows: ``fn`` returns ``[b, width]``; every rank gets
+    ``[n, width]``.
 
     One model-stage of :func:`run_stages_rows`.
     """

@@ -377,7 +377,9 @@ class NereusStrategy(ParallelStrategy):
     def _checked_for_save(
         self, path: Path, checkpoint: dict[str, Any], units: Any, tensors: dict[str, Any]
     ) -> Any:
-        """Rank 0's JSON encoding of ``checkpoint``, once every rank has found its state finite (collective)."""
+        """Rank 0's JSON encoding of ``checkpoint``, once every rank
+        has found its state finite (collective).
+        """
         from nereus_lightning.emu.checkpoint import nonfinite_names, nonfinite_tensors
 
         encoded, problem = None, None
@@ -412,7 +414,8 @@ class NereusStrategy(ParallelStrategy):
             problems.append(f"non-finite values (NaN or inf) in {shown}")
         if problems:
             raise CheckpointError(
-                f"checkpoint {path} not written: {'; '.join(problems)}. The checkpoints already on disk are kept"
+                f"checkpoint {path} not written: {'; '.join(problems)}. The checkpoints already on disk are "
+                "kept"
             )
         return encoded
 
@@ -504,7 +507,9 @@ def _leaves(tree: Any, prefix: str = "") -> Any:
 
 
 class _ForkLauncher(_MultiProcessingLauncher):
-    """Lightning's fork/spawn launcher; rank 0's weights reach the caller's module only with ``write_back``."""
+    """Lightning's fork/spawn launcher; rank 0's weights reach the
+    caller's module only with ``write_back``.
+    """
 
     _strategy: NereusStrategy  # (the strategy that makes it)
 

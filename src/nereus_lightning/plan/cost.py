@@ -105,7 +105,8 @@ def stage_work(ms: ModelStage, models: Mapping[str, ModelSpec], workload: Worklo
     sequences = workload.prompts_per_step if ms.name == "actor_greedy_gen" else workload.sequences_per_step
     if ms.stage == "training" and sequences % workload.mini_batches:
         raise NereusConfigError(
-            f"workload.mini_batches: {workload.mini_batches} does not divide the {sequences} sequences per step"
+            f"workload.mini_batches: {workload.mini_batches} does not divide the {sequences} sequences per "
+            "step"
         )
     return StageWork(
         ms.name,
@@ -164,7 +165,9 @@ def _comm(cls: str, link: GroupLink, seconds: float) -> Ideal:
 
 
 def _pipeline_stage(work: StageWork, pp: int) -> tuple[int, bool]:
-    """(layers, has LM head) of the slowest pipeline stage: the first holds the extra layers, the last the head."""
+    """(layers, has LM head) of the slowest pipeline stage: the first holds the extra layers, the last the
+    head.
+    """
     first = compute.stage_layers(work.model, pp, 0)
     last = compute.stage_layers(work.model, pp, pp - 1)
     head = work.lm_head

@@ -136,7 +136,11 @@ def estimate_plan(
         stage_memory[ms.name] = worst
         if worst > cap:
             others = "other model-stages' " if work.trains else ""
-            held = f", {worst_beside / 1e9:.1f} GB of it {others}resident training state" if worst_beside > 0 else ""
+            held = (
+                f", {worst_beside / 1e9:.1f} GB of it {others}resident training state"
+                if worst_beside > 0
+                else ""
+            )
             violations.append(
                 f"{ms.name}: GPU {worst_gpu} needs {worst / 1e9:.1f} GB{held}, over the cap "
                 f"{cap / 1e9:.1f} GB ({cand.describe()})"

@@ -168,7 +168,8 @@ def inference_peak_bytes(
 def generation_peak_bytes(
     model: ModelSpec, layout: Layout, pp_rank: int, batch: int, prompt_len: float, max_len: float
 ) -> float:
-    """Peak bytes on one GPU of stage ``pp_rank`` while decoding ``batch`` sequences of up to ``max_len`` tokens.
+    """Peak bytes on one GPU of stage ``pp_rank`` while decoding ``batch`` sequences of up to ``max_len``
+    tokens.
 
     Weights, the full KV cache, the prefill's live block activations and last-token logits.
     """

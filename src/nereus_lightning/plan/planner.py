@@ -152,7 +152,10 @@ def _group_frontier(groups: list[Group]) -> list[Group]:
 
 
 def _select(
-    fronts: Mapping[tuple[str, ...], list[Group]], keys: dict[tuple[str, ...], list[float]], lam: float, budget: int
+    fronts: Mapping[tuple[str, ...], list[Group]],
+    keys: dict[tuple[str, ...], list[float]],
+    lam: float,
+    budget: int,
 ) -> Pick | None:
     """Per group the fewest-GPU frontier point with latency <= lam, if they fit together."""
     pick = {}
@@ -188,7 +191,9 @@ def solve_stage(fronts: Mapping[tuple[str, ...], list[Group]], budget: int, coun
     return out
 
 
-def assign_gpus(selection: Mapping[tuple[str, ...], Group], stage_of: Mapping[str, str], order: list[str]) -> Plan:
+def assign_gpus(
+    selection: Mapping[tuple[str, ...], Group], stage_of: Mapping[str, str], order: list[str]
+) -> Plan:
     """Concrete GPU ids for a selection: groups of one stage get disjoint ids, a group's members
     all start at the group's first id (they share GPUs and run in turn)."""
     cands: dict[str, Candidate] = {}
@@ -247,7 +252,9 @@ def plan_job(
             f"{stuck[0]} pinned to {pins[stuck[0]]}: no candidate of that layout fits {budget} GPUs under "
             f"the cap of {cap / 1e9:.1f} GB per GPU; pin fewer model-stages or another layout"
         )
-    failed = [diagnose_memory(works[n], cluster, budget, cap, pool_key) for n in works if not search.fronts(n, cap)]
+    failed = [
+        diagnose_memory(works[n], cluster, budget, cap, pool_key) for n in works if not search.fronts(n, cap)
+    ]
     if failed:
         # The binding constraint is the model-stage that needs the most GPUs.
         failed.sort(key=lambda x: -(x[0] if x[0] is not None else 1 << 30))
@@ -269,7 +276,9 @@ def plan_job(
         combos.append(tuple(search.solve(stage, level)[0] for stage in search.stages))
     results: list[tuple[Plan, PlanEstimate]] = []
     for combo in combos:
-        plan = assign_gpus({block: grp for pick in combo for block, grp in pick.items()}, search.stage_of, order)
+        plan = assign_gpus(
+            {block: grp for pick in combo for block, grp in pick.items()}, search.stage_of, order
+        )
         if all(plan != seen for seen, _ in results):
             results.append((plan, estimate_plan(plan, models, cluster, workload, calibration)))
     # On power-of-two nodes the concrete estimate equals the search's objective; elsewhere a
@@ -312,7 +321,9 @@ class _Search:
     def fronts(
         self, name: str, memory: float, resident: float = math.inf, least: float = -math.inf
     ) -> list[Option]:
-        """The frontier of ``name`` within ``memory`` bytes per GPU and ``least`` to ``resident`` bytes of state."""
+        """The frontier of ``name`` within ``memory`` bytes per GPU and ``least`` to ``resident`` bytes of
+        state.
+        """
         table = self.tables[name]
         layout = self.pinned.get(name)
         trains = self.works[name].trains
@@ -346,7 +357,9 @@ class _Search:
         return self._groups[key]
 
     def _levels(self, name: str) -> list[float]:
-        """The per-GPU states ``name`` (a training model-stage) can keep, ascending (its pinned layout's, if pinned)."""
+        """The per-GPU states ``name`` (a training model-stage) can keep, ascending (its pinned layout's, if
+        pinned).
+        """
         layout = self.pinned.get(name)
         return sorted({row[3] for row in self.tables[name].rows if layout in (None, row[1])})
 
@@ -369,7 +382,9 @@ class _Search:
             total = sum(states)
             if total > rho or sum(fastest[n, s] for n, s in zip(block, states, strict=True)) >= limit:
                 continue
-            fronts = [self.fronts(n, self.cap - (total - s), s, s) for n, s in zip(block, states, strict=True)]
+            fronts = [
+                self.fronts(n, self.cap - (total - s), s, s) for n, s in zip(block, states, strict=True)
+            ]
             if all(fronts):
                 points += [grp for grp in _sum_front(block, fronts) if grp.latency < limit]
         return _group_frontier(points)
@@ -380,7 +395,9 @@ class _Search:
         return sum(f[-1].latency for f in fronts) if all(fronts) else math.inf
 
     def solve(self, stage: str, rho: float, count: int = 1) -> list[Pick]:
-        """The ``count`` best selections of ``stage`` at level ``rho`` over every grouping ([] if none fits)."""
+        """The ``count`` best selections of ``stage`` at level ``rho``
+        over every grouping ([] if none fits).
+        """
         key = (stage, rho, count)
         if key in self._solved:
             return self._solved[key]
@@ -452,7 +469,9 @@ class _Search:
         """Up to ``count`` training-state levels below ``rho`` at which a whole plan still fits."""
         # Below the smallest state some training model-stage can keep (its pinned layout's, if
         # pinned) no plan fits: skip those levels without solving them.
-        floor = max((min(self._levels(n), default=math.inf) for n in self.members.get("training", ())), default=0.0)
+        floor = max(
+            (min(self._levels(n), default=math.inf) for n in self.members.get("training", ())), default=0.0
+        )
         out: list[float] = []
         for level in (lvl for lvl in self._training_levels() if floor <= lvl < rho):
             if len(out) >= count:

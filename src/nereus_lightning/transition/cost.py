@@ -38,7 +38,9 @@ _LINK = 1 << 24  # link ids: kind * _LINK + GPU or node index
 
 
 def _loads(n: Node, cluster: ClusterSpec) -> tuple[dict[int, float], float]:
-    """Bytes each link carries for node ``n`` (NVLink out/in per GPU, NIC out/in per node, HBM) and its latency."""
+    """Bytes each link carries for node ``n`` (NVLink out/in per GPU, NIC out/in per node, HBM) and its
+    latency.
+    """
     busy: dict[int, float] = defaultdict(float)
     latency = 0.0
     gpn = cluster.gpus_per_node

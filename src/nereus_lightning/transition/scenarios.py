@@ -225,11 +225,15 @@ def random_case(
     )
 
 
-def _colocate(rng: random.Random, plan: Plan, workload: Workload, models: dict[str, ModelSpec], num_gpus: int, gpn: int) -> Plan:
+def _colocate(
+    rng: random.Random, plan: Plan, workload: Workload, models: dict[str, ModelSpec], num_gpus: int, gpn: int
+) -> Plan:
     """``plan`` with two or more model-stages of one stage moved onto the run of the first of them."""
     block = max(1, num_gpus // BLOCKS)
     stages = {ms.name: ms for ms in workload.stages}
-    shared = [s for s in ("generation", "inference", "training") if sum(m.stage == s for m in stages.values()) > 1]
+    shared = [
+        s for s in ("generation", "inference", "training") if sum(m.stage == s for m in stages.values()) > 1
+    ]
     stage = rng.choice(shared)
     names = [n for n in plan if stages[n].stage == stage]
     chosen = sorted(rng.sample(names, rng.randint(2, len(names))), key=names.index)
@@ -267,5 +271,11 @@ def random_colocated_case(
         base, num_nodes=max(1, num_gpus // gpn), gpus_per_node=gpn, gpu_memory=memory, num_gpus=0
     )
     return TransitionCase(
-        current, target, models, cluster, workload, f"colocated {which}", overlaps_of(current, target, workload)
+        current,
+        target,
+        models,
+        cluster,
+        workload,
+        f"colocated {which}",
+        overlaps_of(current, target, workload),
     )

@@ -91,7 +91,9 @@ Pattern = tuple[tuple[int, int, int, Piece], ...]  # (src position, dst position
 def split_pattern(
     geo: Geometry, a: Layout, s: Layout, tiles: tuple[tuple[int, ...], ...]
 ) -> tuple[Pattern, tuple[int, ...]]:
-    """Split of a layout-``a`` unit into ``s`` units at ``tiles`` (its positions), and buffers per position."""
+    """Split of a layout-``a`` unit into ``s`` units at ``tiles``
+    (its positions), and buffers per position.
+    """
     out = []
     for tile in tiles:
         for q, x in enumerate(tile):
