@@ -14,6 +14,7 @@ from nereus_lightning.spec.errors import InfeasiblePlanError
 from nereus_lightning.transition import Primitive, build_transition, validate
 from nereus_lightning.transition.scenarios import random_colocated_case
 from tests.transition.helpers import CLUSTER, MODELS, PPO, cand, plan, with_memory
+from tests.transition.test_properties import check_transition
 
 STAGE_OF = {ms.name: ms.stage for ms in PPO.stages}
 ROOMY = with_memory(400)  # memory is not what these cases test
@@ -106,15 +107,7 @@ def check_colocated_case(seed: int, num_gpus: int) -> None:
         assert colocated(case.current, STAGE_OF)
     if which in ("target", "both"):
         assert colocated(case.target, STAGE_OF)
-    try:
-        dag = build_transition(*case.args())
-    except InfeasiblePlanError as err:
-        assert "stuck:" in str(err) and " onto [" in str(err)
-        return
-    assert all(0 <= d < n.id for n in dag.nodes for d in n.deps), "not in topological order (or cyclic)"
-    report = validate(dag, random_orders=1, seed=seed)
-    assert report.valid, report.problems
-    assert report.peak_memory <= report.memory_cap * (1 + 1e-9)
+    check_transition(case, seed)
 
 
 def test_colocated_cases_are_mostly_feasible_and_cover_every_kind() -> None:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from nereus_lightning.spec.errors import InfeasiblePlanError
 from nereus_lightning.transition import build_transition, per_component_baseline, validate
-from nereus_lightning.transition.scenarios import OVERLAP_KINDS, random_case
+from nereus_lightning.transition.scenarios import OVERLAP_KINDS, TransitionCase, random_case
 from tests.transition.helpers import CLUSTER, MODELS, PPO, cand, plan
 
 SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)
@@ -34,6 +34,11 @@ def check_case(seed: int, kind: str, num_gpus: int) -> None:
     """The global DAG of a random case is acyclic and its replay valid, or infeasible with a reason."""
     case = random_case(random.Random(seed), kind, num_gpus)
     assert kind in case.overlaps
+    check_transition(case, seed)
+
+
+def check_transition(case: TransitionCase, seed: int) -> None:
+    """``case``'s global DAG is acyclic and its replay valid, or infeasible with a reason."""
     try:
         dag = build_transition(*case.args())
     except InfeasiblePlanError as err:

@@ -8,8 +8,9 @@ resident)?" (the planner asks once per level of co-resident training state it tr
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 from nereus_lightning.plan.calibration import Calibration
 from nereus_lightning.plan.comm import canonical_links
@@ -241,9 +242,20 @@ class CandidateTable:
         return sorted({row[3] for row in self.rows})
 
 
-def frontier(options: list[Option]) -> list[Option]:
-    """Non-dominated options: increasing GPU count, strictly decreasing latency."""
-    best: list[Option] = []
+class _Point(Protocol):
+    @property
+    def gpus(self) -> int: ...
+    @property
+    def latency(self) -> float: ...
+
+
+P = TypeVar("P", bound=_Point)
+
+
+def frontier(options: Iterable[P]) -> list[P]:
+    """Non-dominated points (options, or colocated groups): increasing GPU count, strictly
+    decreasing latency."""
+    best: list[P] = []
     for opt in sorted(options, key=lambda o: (o.gpus, o.latency)):
         if not best or opt.latency < best[-1].latency:
             best.append(opt)

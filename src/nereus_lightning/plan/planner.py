@@ -142,15 +142,6 @@ def _sum_front(block: tuple[str, ...], fronts: list[list[Option]]) -> list[Group
     return out
 
 
-def _group_frontier(groups: list[Group]) -> list[Group]:
-    """Non-dominated groups: increasing GPU count, strictly decreasing latency."""
-    best: list[Group] = []
-    for grp in sorted(groups, key=lambda x: (x.gpus, x.latency)):
-        if not best or grp.latency < best[-1].latency:
-            best.append(grp)
-    return best
-
-
 def _select(
     fronts: Mapping[tuple[str, ...], list[Group]],
     keys: dict[tuple[str, ...], list[float]],
@@ -387,7 +378,7 @@ class _Search:
             ]
             if all(fronts):
                 points += [grp for grp in _sum_front(block, fronts) if grp.latency < limit]
-        return _group_frontier(points)
+        return frontier(points)
 
     def _bound(self, block: tuple[str, ...], rho: float) -> float:
         """A lower bound on ``block``'s latency: each member alone with the whole pool."""

@@ -214,15 +214,28 @@ def random_case(
             break
     else:  # pragma: no cover - the generator always finds one quickly
         raise RuntimeError(f"no {kind} case found on {num_gpus} GPUs")
-    peak = max(_resident_peak(current, workload, models), _resident_peak(target, workload, models))
-    memory = peak / (1 - MEMORY_HEADROOM) * rng.uniform(*slack) * (1 + 1e-9)
-    base = CLUSTER_PRESETS["paper_cluster3"]
-    cluster = replace(
-        base, num_nodes=max(1, num_gpus // gpn), gpus_per_node=gpn, gpu_memory=memory, num_gpus=0
-    )
+    cluster = _case_cluster(rng, current, target, workload, models, num_gpus, gpn, slack)
     return TransitionCase(
         current, target, models, cluster, workload, kind, overlaps_of(current, target, workload)
     )
+
+
+def _case_cluster(
+    rng: random.Random,
+    current: Plan,
+    target: Plan,
+    workload: Workload,
+    models: dict[str, ModelSpec],
+    num_gpus: int,
+    gpn: int,
+    slack: tuple[float, float],
+) -> ClusterSpec:
+    """An H200 cluster of ``num_gpus`` whose per-GPU memory is the resident peak of either plan
+    times a random slack (so some cases are tight)."""
+    peak = max(_resident_peak(current, workload, models), _resident_peak(target, workload, models))
+    memory = peak / (1 - MEMORY_HEADROOM) * rng.uniform(*slack) * (1 + 1e-9)
+    base = CLUSTER_PRESETS["paper_cluster3"]
+    return replace(base, num_nodes=max(1, num_gpus // gpn), gpus_per_node=gpn, gpu_memory=memory, num_gpus=0)
 
 
 def _colocate(
@@ -264,12 +277,7 @@ def random_colocated_case(
         current = _colocate(rng, current, workload, models, num_gpus, gpn)
     if which != "current":
         target = _colocate(rng, target, workload, models, num_gpus, gpn)
-    peak = max(_resident_peak(current, workload, models), _resident_peak(target, workload, models))
-    memory = peak / (1 - MEMORY_HEADROOM) * rng.uniform(*slack) * (1 + 1e-9)
-    base = CLUSTER_PRESETS["paper_cluster3"]
-    cluster = replace(
-        base, num_nodes=max(1, num_gpus // gpn), gpus_per_node=gpn, gpu_memory=memory, num_gpus=0
-    )
+    cluster = _case_cluster(rng, current, target, workload, models, num_gpus, gpn, slack)
     return TransitionCase(
         current,
         target,
