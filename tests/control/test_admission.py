@@ -159,13 +159,13 @@ def test_calibration_loop_observes_op_classes_and_transitions():
         def observe(self, op, predicted, measured):
             self.seen.append((op, predicted, measured))
 
-    backend = FakeBackend([A, B], {A: 10.0, B: 5.0}, tran={B: 2.0}, op_time={"gemm": 4.0})
+    backend = FakeBackend([A, B], {A: 10.0, B: 5.0}, tran={B: 2.0}, op_time={"training.gemm": 4.0})
     cal = Cal()
     ctl = Controller(
         backend, CLUSTER, Workload(), ControllerConfig(try_follow_pool=False), calibration=cal, plan=A
     )
-    ctl.step(sig(0, op_time={"gemm": 6.0}))
-    assert cal.seen == [("gemm", 4.0, 6.0)]
+    ctl.step(sig(0, op_time={"training.gemm": 6.0}))
+    assert cal.seen == [("training.gemm", 4.0, 6.0)]
     assert ctl.step(sig(1, length=2000)).kind == "transition"
     ctl.step(sig(2, length=2000, transition_time=4.0))  # measured twice the prediction
     assert ctl.transition_scale == pytest.approx(1.5)  # EMA with alpha 0.5

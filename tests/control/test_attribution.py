@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from nereus_lightning.control.attribution import calibrate_on_phases, op_times, phase_times_of
 from nereus_lightning.plan.calibration import Calibration
 from nereus_lightning.plan.estimate import estimate_plan
@@ -32,20 +34,23 @@ def test_each_phase_is_shared_among_its_op_classes_as_predicted():
     assert op_times(est, {}, stage_of) == {}
 
 
-def test_calibrating_on_three_steps_predicts_the_measured_phases():
+@pytest.mark.parametrize("gpus", [8, 1])  # TP2 x DP4 on disjoint GPUs; everything colocated on one
+@pytest.mark.parametrize("factors", [(1.7, 0.6, 1.3), (2.8, 1.2, 3.5), (0.9, 2.5, 0.7)])
+def test_calibrating_on_three_steps_predicts_every_measured_phase(gpus, factors):
     models, cluster, workload, plan, stage_of = _setup()
+    if gpus == 1:
+        cluster = cluster.with_gpus(1)
+        plan = Plan.of({m.name: Candidate(Layout(1, 1), 1, (0,), 16) for m in workflow("grpo")})
     before = phase_times_of(estimate_plan(plan, models, cluster, workload))
-    measured = {
-        "gen": 1.7 * before["gen"],
-        "infer": 0.6 * before["infer"],
-        "update_actor": 1.3 * before["update_actor"],
-    }
+    phases = ("gen", "infer", "update_actor")
+    measured = {name: f * before[name] for name, f in zip(phases, factors, strict=True)}
     calibration = Calibration()
     for _ in range(3):
         calibrate_on_phases(
             calibration, estimate_plan(plan, models, cluster, workload, calibration), measured, stage_of
         )
     after = phase_times_of(estimate_plan(plan, models, cluster, workload, calibration))
-    error = {k: abs(after[k] - measured[k]) / measured[k] for k in measured}
-    assert error["gen"] < 0.05 and max(error.values()) < 0.5, error
-    assert max(error.values()) < max(abs(before[k] - measured[k]) / measured[k] for k in measured)
+    # Each measured stage calibrates its own stage kind's classes, so every phase is met, not just
+    # their sum (a GEMM class shared by inference and training could match neither).
+    for name in measured:
+        assert after[name] == pytest.approx(measured[name], rel=1e-6), name

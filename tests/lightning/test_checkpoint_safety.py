@@ -127,7 +127,7 @@ def test_controller_state_round_trips_exactly_through_the_callback_state():
     from tests.control.fakes import FakeBackend, gen_plan, sig
 
     a, b = gen_plan(1, 4), gen_plan(2, 4)
-    backend = FakeBackend([a, b], {a: 10.0, b: 5.0}, tran={b: 2.0}, op_time={"gemm": 4.0})
+    backend = FakeBackend([a, b], {a: 10.0, b: 5.0}, tran={b: 2.0}, op_time={"training.gemm": 4.0})
 
     def controller() -> Controller:
         config = ControllerConfig(try_follow_pool=False)
@@ -139,10 +139,11 @@ def test_controller_state_round_trips_exactly_through_the_callback_state():
     for step, length in enumerate(
         [1000, 1000, 1500, 1500, 2300, 2300, 3500]
     ):  # drift crossings: H_x EMAs move
-        ctl.step(sig(step, length=length, op_time={"gemm": 6.0 + step / 3}, transition_time=0.7 * (step > 3)))
+        op_time = {"training.gemm": 6.0 + step / 3}
+        ctl.step(sig(step, length=length, op_time=op_time, transition_time=0.7 * (step > 3)))
     state = ctl.state_dict()
     assert state["drift"]["response_len"]["clock"]["ema"] is not None  # the test covers a learned H_x
-    assert state["calibration"]["count"]["gemm"] > 0 and state["transition_scale"] != 1.0
+    assert state["calibration"]["count"]["training.gemm"] > 0 and state["transition_scale"] != 1.0
     callback = NereusCallback(controller=ctl)
     callback.controller = ctl
     callback.history = [{"step": 0.0, "actor/pg_loss": float("nan")}]

@@ -11,25 +11,35 @@ from nereus_lightning.plan.calibration import DEFAULT_EFFICIENCY, OP_CLASSES
 from nereus_lightning.spec import NereusConfigError, Workload, cluster_preset, model_preset
 
 #: A "true machine" whose efficiencies differ from the conservative priors in both directions.
-TRUE = {
-    name: eff
-    for name, eff in zip(OP_CLASSES, (0.8, 0.6, 0.3, 0.9, 0.85, 0.2, 0.7, 0.4, 0.95, 0.35), strict=False)
-}
+_VALUES = (0.8, 0.6, 0.3, 0.9, 0.85, 0.2, 0.7, 0.4, 0.95, 0.35, 0.65)
+TRUE = {name: _VALUES[i % len(_VALUES)] for i, name in enumerate(OP_CLASSES)}
 
 
 def test_every_class_has_a_conservative_prior():
     assert set(DEFAULT_EFFICIENCY) == set(OP_CLASSES)
     assert all(0 < v <= 0.6 for v in DEFAULT_EFFICIENCY.values())
-    assert Calibration().observations("gemm") == 0
+    assert Calibration().observations("training.gemm") == 0
+    # Every class is a stage kind and an operation; each kind has its own GEMMs.
+    assert {"generation.decode", "inference.gemm", "training.gemm", "training.optimizer"} <= set(OP_CLASSES)
 
 
 def test_one_observation_recovers_the_implied_efficiency():
     cal = Calibration()
     # Predicted 2 s at efficiency 0.5 => ideal 1 s; measured 1.25 s => efficiency 0.8.
-    assert cal.observe("gemm", 2.0, 1.25) == pytest.approx(0.8)
+    assert cal.observe("training.gemm", 2.0, 1.25) == pytest.approx(0.8)
     # Later observations move in log space by `rate`.
-    cal.observe("gemm", 1.0, 2.0)
-    assert cal.efficiency("gemm") == pytest.approx((0.8 * 0.4) ** 0.5)
+    cal.observe("training.gemm", 1.0, 2.0)
+    assert cal.efficiency("training.gemm") == pytest.approx((0.8 * 0.4) ** 0.5)
+    assert cal.efficiency("inference.gemm") == DEFAULT_EFFICIENCY["inference.gemm"]  # another kind's
+
+
+def test_an_operation_stands_for_its_class_in_every_kind():
+    cal = Calibration({"gemm": 0.7, "training.gemm": 0.4})  # a class overrides its operation
+    assert cal.efficiency("generation.gemm") == cal.efficiency("inference.gemm") == 0.7
+    assert cal.efficiency("training.gemm") == 0.4
+    # A state saved when classes were operations only loads into every kind's class.
+    cal.load_state_dict({"efficiency": {"decode": 0.3}, "count": {"decode": 2}})
+    assert cal.efficiency("generation.decode") == 0.3 and cal.observations("generation.decode") == 2
 
 
 def test_predictions_converge_to_a_machine_with_other_efficiencies():
@@ -64,18 +74,22 @@ def test_predictions_converge_to_a_machine_with_other_efficiencies():
 
 def test_state_dict_round_trips_through_json():
     cal = Calibration(rate=0.3)
-    cal.observe("allreduce_inter", 1.0, 3.0)
+    cal.observe("training.allreduce_inter", 1.0, 3.0)
     state = json.loads(json.dumps(cal.state_dict()))
     other = Calibration()
     other.load_state_dict(state)
     assert other.efficiencies() == cal.efficiencies()
-    assert other.observations("allreduce_inter") == 1 and other.rate == 0.3
+    assert other.observations("training.allreduce_inter") == 1 and other.rate == 0.3
 
 
 def test_bad_input_is_rejected():
     with pytest.raises(NereusConfigError, match="unknown op class 'matmul'"):
         Calibration().observe("matmul", 1.0, 1.0)
+    with pytest.raises(NereusConfigError, match="unknown op class 'gemm'"):
+        Calibration().observe("gemm", 1.0, 1.0)  # an observation is of one class
+    with pytest.raises(NereusConfigError, match="unknown op class 'inference.optimizer'"):
+        Calibration({"inference.optimizer": 0.5})
     with pytest.raises(NereusConfigError, match="measured_s"):
-        Calibration().observe("gemm", 1.0, 0.0)
+        Calibration().observe("training.gemm", 1.0, 0.0)
     with pytest.raises(NereusConfigError, match="calibration.rate"):
         Calibration(rate=0)

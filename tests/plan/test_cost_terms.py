@@ -158,15 +158,15 @@ def test_inference_pipeline_bubble_and_offload():
     ideal = ideal_time(w, Layout(1, 2), 1, 2, False, links, c)
     slot = slot_affine(w, Layout(1, 2), False, links, c).at(2)
     slots = 8 // 2 + 2 - 1  # a + pp - 1
-    assert ideal["gemm"] == pytest.approx(slots * slot["gemm"])
-    assert ideal["offload"] == pytest.approx(
+    assert ideal["inference.gemm"] == pytest.approx(slots * slot["gemm"])
+    assert ideal["inference.offload"] == pytest.approx(
         2 * memory.state_bytes_per_gpu(L8, False, Layout(1, 2)) / HOST_BW
     )
 
 
 def test_latency_divides_by_calibrated_efficiency():
-    ideal = {"gemm": 1.0, "allreduce_inter": 2.0}
-    cal = Calibration({"gemm": 0.5, "allreduce_inter": 0.25})
+    ideal = {"training.gemm": 1.0, "training.allreduce_inter": 2.0}
+    cal = Calibration({"gemm": 0.5, "training.allreduce_inter": 0.25})
     assert latency(ideal, cal) == pytest.approx(1 / 0.5 + 2 / 0.25)
 
 
@@ -211,7 +211,7 @@ def test_optimizer_step_is_dp_allreduce_plus_adamw_traffic():
     params = L8.num_params / 2  # one pipeline stage, split over TP=2
     links = canonical_links(lay, 4, c)  # 8 GPUs over two 4-GPU nodes: DP groups cross nodes
     step = _optimizer_step(w, lay, 4, links, c)
-    assert step["decode"] == pytest.approx(params * ADAMW_BYTES_PER_PARAM / 1e12)
+    assert step["optimizer"] == pytest.approx(params * ADAMW_BYTES_PER_PARAM / 1e12)
     assert step["allreduce_inter"] == pytest.approx(2 * 3 / 4 * params * 2 / (10e9 / 4) + 6 * 10e-6)
 
 

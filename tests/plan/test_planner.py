@@ -274,9 +274,9 @@ def test_tp_group_spanning_nodes_is_priced_on_the_inter_node_link():
     plan = _tp8_plan(workload)
     across = estimate_plan(plan, models, four, workload)
     inside = estimate_plan(plan, models, eight, workload)
-    assert "allreduce_inter" in across.breakdown["actor_train"]
-    assert "allreduce_intra" not in across.breakdown["actor_train"]
-    assert "allreduce_intra" in inside.breakdown["actor_train"]
+    assert "training.allreduce_inter" in across.breakdown["actor_train"]
+    assert "training.allreduce_intra" not in across.breakdown["actor_train"]
+    assert "training.allreduce_intra" in inside.breakdown["actor_train"]
     assert across.stage_latency["actor_train"] > inside.stage_latency["actor_train"]
 
 

@@ -28,7 +28,7 @@ class StepSignals:
 
     Lengths are in tokens, memory in bytes, times in seconds. ``stage_time`` maps a stage or a
     model-stage name to its measured time; ``op_time`` maps an operation class (the
-    calibration's names, e.g. ``"gemm"``) to its measured time; ``transition_time`` is the
+    calibration's classes, e.g. ``"training.gemm"``) to its measured time; ``transition_time`` is the
     measured duration of the transition executed just before this step (``None`` if none ran).
     ``draining`` lists GPUs that are being revoked but can still be read until the transition
     ends (a spot two-minute notice): a transition may copy state off them.

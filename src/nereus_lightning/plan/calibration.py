@@ -1,4 +1,4 @@
-"""`Calibration`: one learned efficiency per operation class, read by the cost model.
+"""`Calibration`: one learned efficiency per operation class (a stage kind and an operation).
 
 The cost model prices every operation at its *ideal* time (peak FLOP/s, peak HBM bandwidth,
 nominal link bandwidth and latency) and divides it by the efficiency of its class. A measured
@@ -17,27 +17,64 @@ from nereus_lightning.spec.errors import NereusConfigError, require
 
 LINKS = ("intra", "inter")
 COLLECTIVES = ("allreduce", "allgather", "p2p")
+_COMM = tuple(f"{c}_{link}" for c in COLLECTIVES for link in LINKS)
 
-#: Every operation class the cost model emits, e.g. ``allreduce_inter``.
-OP_CLASSES: tuple[str, ...] = ("gemm", "attention", "decode", "offload") + tuple(
-    f"{c}_{link}" for c in COLLECTIVES for link in LINKS
-)
+#: The operations each stage kind runs. An operation class is a kind and an operation, e.g.
+#: ``training.gemm``: a training step's GEMMs (forward, backward, autograd) run at another
+#: efficiency than a forward-only pass's, and each measured stage then calibrates its own classes.
+OPERATIONS: dict[str, tuple[str, ...]] = {
+    "generation": ("gemm", "attention", "decode", "offload", *_COMM),
+    "inference": ("gemm", "attention", "offload", *_COMM),
+    "training": ("gemm", "attention", "optimizer", *_COMM),
+}
 
-#: Priors for classes never observed: deliberately conservative (well below what tuned
-#: kernels reach), so an uncalibrated plan over-estimates time rather than promising too much.
-DEFAULT_EFFICIENCY: dict[str, float] = {
+#: Every operation class the cost model emits, e.g. ``training.allreduce_inter``.
+OP_CLASSES: tuple[str, ...] = tuple(f"{kind}.{op}" for kind, ops in OPERATIONS.items() for op in ops)
+
+#: Priors per operation, for classes never observed: deliberately conservative (well below what
+#: tuned kernels reach), so an uncalibrated plan over-estimates time rather than promising too much.
+DEFAULT_OP_EFFICIENCY: dict[str, float] = {
     "gemm": 0.5,
     "attention": 0.35,
     "decode": 0.5,
+    "optimizer": 0.5,
     "offload": 0.5,
     **{f"{c}_intra": 0.6 for c in COLLECTIVES},
     **{f"{c}_inter": 0.5 for c in COLLECTIVES},
 }
 
+#: The priors of every operation class.
+DEFAULT_EFFICIENCY: dict[str, float] = {c: DEFAULT_OP_EFFICIENCY[c.split(".")[1]] for c in OP_CLASSES}
+
+
+_KNOWN = "; ".join(f"{kind}: {', '.join(ops)}" for kind, ops in OPERATIONS.items())
+
 
 def op_class(collective: str, inter_node: bool) -> str:
-    """The class name of a collective on the link it spans, e.g. ``allreduce_inter``."""
+    """The operation name of a collective on the link it spans, e.g. ``allreduce_inter``."""
     return f"{collective}_{'inter' if inter_node else 'intra'}"
+
+
+def classes_of(name: str) -> tuple[str, ...]:
+    """The operation classes ``name`` stands for: itself, or an operation's class in every kind.
+
+    ``"gemm"`` stands for ``generation.gemm``, ``inference.gemm`` and ``training.gemm`` (a setting
+    or an old checkpoint that knows operations only); an unknown name is an error.
+    """
+    if name in DEFAULT_EFFICIENCY:
+        return (name,)
+    classes = tuple(c for c in OP_CLASSES if c.split(".")[1] == name)
+    if not classes:
+        raise NereusConfigError(
+            f"calibration: unknown op class {name!r}; give <kind>.<operation>, or an operation for "
+            f"every kind ({_KNOWN})"
+        )
+    return classes
+
+
+def qualified(kind: str, ideal: Mapping[str, float]) -> dict[str, float]:
+    """An ideal-time dict by operation, as operation classes of stage kind ``kind``."""
+    return {f"{kind}.{op}": seconds for op, seconds in ideal.items()}
 
 
 class Calibration:
@@ -54,14 +91,18 @@ class Calibration:
         self._eff: dict[str, float] = dict(DEFAULT_EFFICIENCY)
         self._count: dict[str, int] = {c: 0 for c in OP_CLASSES}
         for name, value in (efficiencies or {}).items():
-            self._check_class(name)
             require(value > 0, f"calibration.{name}", f"efficiency must be positive, got {value}")
-            self._eff[name] = float(value)
+            for c in classes_of(name):  # operations first, then classes: a class overrides its operation
+                if "." in name or c not in (efficiencies or {}):
+                    self._eff[c] = float(value)
 
     @staticmethod
     def _check_class(name: str) -> None:
         if name not in DEFAULT_EFFICIENCY:
-            raise NereusConfigError(f"calibration: unknown op class {name!r}; known: {', '.join(OP_CLASSES)}")
+            raise NereusConfigError(
+                f"calibration: unknown op class {name!r}; a class is <kind>.<operation>, e.g. "
+                f"training.gemm ({_KNOWN})"
+            )
 
     def efficiency(self, name: str) -> float:
         """The current efficiency of class ``name``."""
@@ -106,11 +147,12 @@ class Calibration:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore from :meth:`state_dict` output."""
-        for name in state.get("efficiency", {}):
-            self._check_class(name)
+        # A state saved before classes had kinds names operations: each stands for its classes.
+        eff = {c: float(v) for k, v in state.get("efficiency", {}).items() for c in classes_of(k)}
+        count = {c: int(v) for k, v in state.get("count", {}).items() for c in classes_of(k)}
         self.rate = float(state.get("rate", self.rate))
-        self._eff.update({k: float(v) for k, v in state.get("efficiency", {}).items()})
-        self._count.update({k: int(v) for k, v in state.get("count", {}).items()})
+        self._eff.update(eff)
+        self._count.update(count)
 
     def __repr__(self) -> str:
         seen = {k: round(v, 3) for k, v in self._eff.items() if self._count[k]}

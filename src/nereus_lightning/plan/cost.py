@@ -10,6 +10,9 @@ is as slow as its slowest replica, which gets ``ceil(sequences / dp)`` sequences
 - Inference = forward passes of ``micro_batch`` sequences through a pipeline.
 - Training = 1F1B pipeline, ``(a + pp - 1)`` micro-batch slots per optimizer step, then the DP
   gradient all-reduce and the AdamW update, for every mini-batch and PPO epoch.
+- Each operation is priced per stage kind (``training.gemm``, ``inference.gemm``...): a training
+  step's GEMMs run at another efficiency than a forward-only pass's, and each measured stage
+  calibrates its own classes only.
 - TP all-reduces per block, PP sends per micro-batch and DP all-reduces are priced on the link
   each group spans (``comm.py``).
 - Every eager forward-like pass (a slot's forward, backward and recompute; a prefill) also pays
@@ -30,7 +33,7 @@ from dataclasses import dataclass, field, fields
 from functools import lru_cache
 
 from nereus_lightning.plan import compute, memory
-from nereus_lightning.plan.calibration import Calibration, op_class
+from nereus_lightning.plan.calibration import Calibration, op_class, qualified
 from nereus_lightning.plan.comm import GroupLink, Links, allreduce_time, p2p_time
 from nereus_lightning.plan.layout import Layout
 from nereus_lightning.spec.cluster import ClusterSpec
@@ -328,7 +331,7 @@ def _offload(work: StageWork, layout: Layout) -> Ideal:
 def _optimizer_step(work: StageWork, layout: Layout, dp: int, links: Links, cluster: ClusterSpec) -> Ideal:
     """Per optimizer step: DP gradient all-reduce (weight dtype) and the HBM-bound AdamW update."""
     params = memory.max_stage_params(work.model, layout.pp) / layout.tp
-    step: Ideal = {"decode": params * ADAMW_BYTES_PER_PARAM / cluster.hbm_bw}
+    step: Ideal = {"optimizer": params * ADAMW_BYTES_PER_PARAM / cluster.hbm_bw}
     _add(
         step,
         _comm("allreduce", links.dp, allreduce_time(params * work.model.dtype_bytes, dp, links.dp, cluster)),
@@ -345,7 +348,7 @@ def ideal_time(
     links: Links,
     cluster: ClusterSpec,
 ) -> Ideal:
-    """Ideal seconds per operation class for one RL step of ``work`` under this candidate."""
+    """Ideal seconds per operation class (``<kind>.<operation>``) of one RL step of ``work``."""
     per_replica = replica_sequences(work, dp)
     if per_replica is None:
         raise NereusConfigError(f"{work.name}: dp={dp} cannot split {work.sequences} sequences ({work.kind})")
@@ -366,7 +369,7 @@ def ideal_time(
         else:
             _add(total, _slot(work, layout, micro_batch, False, links, cluster), slots)
     _add(total, _offload(work, layout))
-    return total
+    return qualified(work.kind, total)
 
 
 def latency(ideal: Mapping[str, float], calibration: Calibration | None = None) -> float:

@@ -87,18 +87,24 @@ class _Scalars:
     float rounding): each affine piece collapses to ``fixed + per_seq * n`` seconds.
     """
 
-    def __init__(self, calibration: Calibration | None) -> None:
-        self.eff = (calibration or Calibration()).efficiencies()
+    def __init__(self, calibration: Calibration | None, kind: str) -> None:
+        # The efficiencies of this stage kind's operations (the classes ``<kind>.<operation>``).
+        prefix = f"{kind}."
+        self.eff = {
+            c.removeprefix(prefix): e
+            for c, e in (calibration or Calibration()).efficiencies().items()
+            if c.startswith(prefix)
+        }
 
     def scalar(self, ideal: Mapping[str, float]) -> float:
-        """Calibrated seconds of an ideal-time dict."""
+        """Calibrated seconds of an ideal-time dict (by operation)."""
         return sum(seconds / self.eff[name] for name, seconds in ideal.items())
 
     def affine(self, piece: Affine) -> tuple[float, float, float, float, float, float]:
         """(fixed, per_seq, steps / eff_decode, decode_flops, decode_fixed, decode_per_seq)."""
         fixed = sum(v / self.eff[c] for c, v in piece.fixed)
         per_seq = sum(v / self.eff[c] for c, v in piece.per_seq)
-        decode = piece.steps / self.eff["decode"]
+        decode = piece.steps / self.eff["decode"] if piece.steps else 0.0
         return fixed, per_seq, decode, piece.decode_flops, piece.decode_fixed, piece.decode_per_seq
 
 
@@ -128,7 +134,7 @@ class CandidateTable:
         cap: float,
     ) -> None:
         self.work, self.cluster, self.cap = work, cluster, cap
-        sc = _Scalars(calibration)
+        sc = _Scalars(calibration, work.kind)
         # generation: (layout, wave coefficients, offload seconds, dps); others: (gpus, layout, dp,
         # resident bytes, [(latency, peak, micro_batch, recompute)] fastest first)
         self.waves: list[tuple] = []

@@ -20,11 +20,13 @@ from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.errors import require
 from nereus_lightning.spec.workload import Workload
 
-#: Hidden efficiencies of the simulated machine (the planner's priors are lower: see plan/calibration.py).
+#: Hidden efficiencies of the simulated machine by operation, every stage kind alike (the planner's
+#: priors are lower: see plan/calibration.py).
 TRUE_EFFICIENCY: dict[str, float] = {
     "gemm": 0.72,
     "attention": 0.55,
     "decode": 0.62,
+    "optimizer": 0.62,
     "offload": 0.8,
     "allreduce_intra": 0.78,
     "allgather_intra": 0.75,
