@@ -3,9 +3,12 @@
 Qwen2 shapes with random weights (``0.5b``, ``1.5b``), bf16, the same 16 prompts x 4 samples, every
 response exactly ``--new-tokens`` long (eos ignored), one optimizer step per RL step, a KL-to-reference
 loss on both sides. Each system runs in its own process (``--system``); ``--report`` collects the
-JSON files into a table. Medians of the steps after ``--warmup``. The nereus run also prints the
-planner's predicted seconds per stage for the plan it ran (``h200x8`` preset sized to one GPU),
-before calibration and after a calibration fitted on its first three measured steps.
+JSON files into a table. Medians of the steps after ``--warmup``. nereus runs the plan its planner
+picks for this job on the ``h200x8`` preset sized to one GPU (every model-stage colocated) and
+prints the planner's predicted seconds per stage for it, before calibration and after a
+calibration fitted on its first three measured steps. ``--micro-batch``/``--recompute`` override
+the plan's inference and training micro-batch and recompute (the sweep ``gpu_e2e.sh`` runs to set
+the planner's choice beside the fastest measured one).
 
 On the GPU machine: ``bash benchmarks/gpu_e2e.sh`` (carries TRL and datasets as wheels).
 """
@@ -14,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.metadata
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -81,8 +86,36 @@ def reward(data_source=None, solution_str="", ground_truth=None, extra_info=None
     return float(len(solution_str) % 7) / 7.0
 
 
-def run_nereus(folder: Path, steps: int, new_tokens: int, out: Path) -> dict:
-    """nereus GRPO on GPU 0: every model-stage on it (colocated), bf16 weights with fp32 masters."""
+def planned(folder: Path, new_tokens: int):  # noqa: ANN201
+    """(plan, models, cluster, workload): the planner's plan for this job on one H200 of ``h200x8``."""
+    from nereus_lightning.plan.planner import job_models, plan_job
+    from nereus_lightning.spec import ModelSpec, Workload, cluster_preset
+
+    models = job_models(ModelSpec.from_hf_config(folder))
+    cluster = cluster_preset("h200x8").with_gpus(1)
+    workload = Workload(algorithm="grpo", prompts_per_step=PROMPTS, samples_per_prompt=SAMPLES, prompt_len=24,
+                        response_len=float(new_tokens), response_len_p95=float(new_tokens))
+    return plan_job(models, cluster, workload).plan, models, cluster, workload
+
+
+def with_slots(plan, micro_batch: int | None, recompute: bool | None):  # noqa: ANN001, ANN201
+    """``plan`` with its inference and training model-stages' micro-batch / recompute overridden."""
+    import dataclasses
+
+    from nereus_lightning.plan.layout import Plan
+    from nereus_lightning.spec.workload import workflow
+
+    kinds = {m.name: m.stage for m in workflow("grpo")}
+    changes = {"micro_batch": micro_batch, "recompute": recompute}
+    changes = {k: v for k, v in changes.items() if v is not None}
+    return Plan.of({
+        name: dataclasses.replace(c, **changes) if kinds[name] != "generation" else c
+        for name, c in plan.assignments
+    })
+
+
+def run_nereus(folder: Path, steps: int, new_tokens: int, out: Path, plan) -> dict:  # noqa: ANN001
+    """nereus GRPO on GPU 0 under ``plan``: bf16 weights with fp32 masters."""
     import csv
 
     import lightning.pytorch as pl
@@ -91,7 +124,6 @@ def run_nereus(folder: Path, steps: int, new_tokens: int, out: Path) -> dict:
     import torch
 
     from nereus_lightning.lightning import GRPOModule, NereusCallback, NereusStrategy, PoolFollower
-    from nereus_lightning.lightning.stages import data_parallel_plan
 
     data = out / "prompts.parquet"
     pq.write_table(
@@ -108,7 +140,6 @@ def run_nereus(folder: Path, steps: int, new_tokens: int, out: Path) -> dict:
         kl_loss_coef=0.001,
         ignore_eos=True,
     )
-    plan = data_parallel_plan("grpo", [0])
     trainer = pl.Trainer(
         accelerator="gpu" if torch.cuda.is_available() else "cpu",
         devices=1,
@@ -143,7 +174,7 @@ def run_nereus(folder: Path, steps: int, new_tokens: int, out: Path) -> dict:
         }
         for r in rows
     ]
-    return {"steps": steps_, "fit_s": fit_s, "end_s": getattr(module, "end_seconds", None), "plan": str(plan)}
+    return {"steps": steps_, "fit_s": fit_s, "plan": str(plan)}
 
 
 def run_trl(folder: Path, steps: int, new_tokens: int, out: Path) -> dict:
@@ -199,21 +230,12 @@ def run_trl(folder: Path, steps: int, new_tokens: int, out: Path) -> dict:
     return {"steps": records, "fit_s": time.perf_counter() - start}
 
 
-def cost_model(folder: Path, measured: list[dict], new_tokens: int) -> dict:
+def cost_model(plan, models, cluster, workload, measured: list[dict]) -> dict:  # noqa: ANN001
     """The planner's seconds per stage for the plan nereus ran, before and after calibrating on 3 steps."""
     from nereus_lightning.control.attribution import calibrate_on_phases, phase_times_of
-    from nereus_lightning.lightning.stages import data_parallel_plan
     from nereus_lightning.plan.calibration import Calibration
     from nereus_lightning.plan.estimate import estimate_plan
-    from nereus_lightning.plan.planner import job_models
-    from nereus_lightning.spec import ModelSpec, Workload, cluster_preset
 
-    spec = ModelSpec.from_hf_config(folder)
-    models = job_models(spec)
-    cluster = cluster_preset("h200x8").with_gpus(1)
-    workload = Workload(algorithm="grpo", prompts_per_step=PROMPTS, samples_per_prompt=SAMPLES, prompt_len=24,
-                        response_len=float(new_tokens), response_len_p95=float(new_tokens))
-    plan = data_parallel_plan("grpo", [0])
     phases = [{"gen": s["gen_s"], "infer": s["infer_s"], "update_actor": s["train_s"]} for s in measured]
     before = phase_times_of(estimate_plan(plan, models, cluster, workload))
     calibration = Calibration()
@@ -226,11 +248,22 @@ def cost_model(folder: Path, measured: list[dict], new_tokens: int) -> dict:
     return {"measured": median, "before": before, "after": after, "efficiencies": calibration.efficiencies()}
 
 
+def _slots(run: dict) -> str:
+    """The inference/training micro-batch and recompute a run used ("planner: mb16" when not overridden)."""
+    if run["system"] != "nereus":
+        return "-"
+    choice = run["planner_choice"]["actor_train"]
+    mb = run.get("micro_batch") or choice["micro_batch"]
+    rc = choice["recompute"] if run.get("recompute") is None else bool(run["recompute"])
+    who = "planner: " if run.get("micro_batch") is None and run.get("recompute") is None else ""
+    return f"{who}mb{mb}{' recompute' if rc else ''}"
+
+
 def report(paths: list[Path]) -> str:
     """A markdown table of the runs in ``paths`` (median of the steps after the warm-up)."""
     rows = [
-        "| system | shape | s/step | gen s | infer s | train s | gen tok/s | peak GiB | fit s |",
-        "| --- " * 9 + "|",
+        "| system | shape | slots | s/step | gen s | infer s | train s | gen tok/s | peak GiB | fit s |",
+        "| --- " * 10 + "|",
     ]
     for path in paths:
         run = json.loads(path.read_text())
@@ -242,7 +275,7 @@ def report(paths: list[Path]) -> str:
         train = f"{med['train_s']:.2f}" if "train_s" in med else "-"
         tokens = PROMPTS * SAMPLES * run["new_tokens"]
         rows.append(
-            f"| {run['system']} | {run['shape']} | {med['step_s']:.2f} | {med['gen_s']:.2f} "
+            f"| {run['system']} | {run['shape']} | {_slots(run)} | {med['step_s']:.2f} | {med['gen_s']:.2f} "
             f"| {infer} | {train} "
             f"| {tokens / med['gen_s']:,.0f} | {max(s['peak_gib'] for s in steps):.1f} | {run['fit_s']:.1f} |"
         )
@@ -260,6 +293,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--work", default=os.environ.get("TMPDIR", "/tmp") + "/nereus-gpu-e2e")
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--report", nargs="*", help="JSON files of earlier runs")
+    parser.add_argument("--micro-batch", type=int, help="override the plan's inference/training micro-batch")
+    parser.add_argument("--recompute", type=int, choices=(0, 1), help="override the plan's training recompute")
+    parser.add_argument("--tag", default="", help="suffix of the result file (e.g. mb4)")
     args = parser.parse_args(argv if argv is not None else sys.argv[1:])
     if args.report is not None:
         print(report([Path(p) for p in args.report]))
@@ -274,10 +310,20 @@ def main(argv: list[str] | None = None) -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     folder = make_folder(args.shape, work)
-    run_dir = work / f"{args.system}-{args.shape}"
-    run_dir.mkdir(exist_ok=True)
-    runner = run_nereus if args.system == "nereus" else run_trl
-    result = runner(folder, args.steps, args.new_tokens, run_dir)
+    run_dir = work / f"{args.system}-{args.shape}{args.tag and '-' + args.tag}"
+    shutil.rmtree(run_dir, ignore_errors=True)  # one run's logs only
+    run_dir.mkdir()
+    if args.system == "nereus":
+        plan, models, cluster, workload = planned(folder, args.new_tokens)
+        chosen = {name: {"micro_batch": c.micro_batch, "recompute": c.recompute} for name, c in plan.assignments}
+        recompute = None if args.recompute is None else bool(args.recompute)
+        plan = with_slots(plan, args.micro_batch, recompute)
+        result = run_nereus(folder, args.steps, args.new_tokens, run_dir, plan)
+        result["planner_choice"] = chosen
+        result["cost_model"] = cost_model(plan, models, cluster, workload, result["steps"][args.warmup:])
+        print(json.dumps(result["cost_model"], indent=1))
+    else:
+        result = run_trl(folder, args.steps, args.new_tokens, run_dir)
     result.update(
         system=args.system,
         shape=args.shape,
@@ -285,11 +331,11 @@ def main(argv: list[str] | None = None) -> None:
         new_tokens=args.new_tokens,
         gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         torch=torch.__version__,
+        transformers=importlib.metadata.version("transformers"),
+        micro_batch=args.micro_batch,
+        recompute=args.recompute,
     )
-    if args.system == "nereus":
-        result["cost_model"] = cost_model(folder, result["steps"][args.warmup:], args.new_tokens)
-        print(json.dumps(result["cost_model"], indent=1))
-    path = Path(args.out) / f"gpu_e2e_{args.system}_{args.shape}.json"
+    path = Path(args.out) / f"gpu_e2e_{args.system}_{args.shape}{args.tag and '_' + args.tag}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
     print(report([path]))

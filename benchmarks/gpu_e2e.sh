@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # nereus GRPO against TRL's GRPOTrainer on one GPU (see benchmarks/bench_gpu_e2e.py).
 # Needs the wheels the GPU image lacks in .whl/ (TRL, datasets, hydra-core, omegaconf, antlr4,
-# math-verify; see the README's "GPU benchmark" section for the download command).
+# math-verify, transformers; see the README's "One GPU" section for the download command).
 # Usage: bash benchmarks/gpu_e2e.sh [shape ...]   (default: 0.5b 1.5b); results in $OUT or benchmarks/results.
+# SWEEP="4 32" also runs nereus at those inference/training micro-batches on the first shape (the
+# planner's choice against the fastest measured).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ -d .whl ]; then
@@ -21,5 +23,11 @@ for shape in $shapes; do
     python3 benchmarks/bench_gpu_e2e.py --system "$system" --shape "$shape" --out "$results" 2>&1 | tail -40
     runs+=("$results/gpu_e2e_${system}_${shape}.json")
   done
+done
+first=${shapes%% *}
+for mb in ${SWEEP:-}; do
+  python3 benchmarks/bench_gpu_e2e.py --system nereus --shape "$first" --micro-batch "$mb" --tag "mb$mb" \
+    --out "$results" 2>&1 | tail -3
+  runs+=("$results/gpu_e2e_nereus_${first}_mb$mb.json")
 done
 python3 benchmarks/bench_gpu_e2e.py --report "${runs[@]}" | tee "$results/gpu_e2e.md"

@@ -6,7 +6,8 @@ checks: that the job runs, the plan it ran (colocated groups), per-stage peak me
 (``perf/max_memory_allocated_gb/<stage>``), seconds per stage, and the time from the end of the
 last step to the end of ``fit`` (the shell wrapper adds interpreter exit).
 
-Usage: python benchmarks/gpu_fit.py --algorithm grpo --root /tmp/job --out results/
+Usage: python benchmarks/gpu_fit.py --algorithm grpo --root /tmp/job --out results/ [hydra overrides]
+(e.g. ``export_hf=false``: the end of ``fit`` without a Hugging Face export).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def main() -> None:
     parser.add_argument(
         "--trainer", default="gpu", help="the trainer config group: gpu, or cpu for a check here"
     )
+    parser.add_argument("overrides", nargs="*", help="more nereus-train overrides, e.g. export_hf=false")
     args = parser.parse_args()
 
     from hydra import compose, initialize_config_dir
@@ -80,6 +82,7 @@ def main() -> None:
         f"actor.path={job['model']}", f"data.train_files={job['train']}",
         f"custom_reward_function.path={job['reward']}", f"data.max_response_length={args.response}",
         "algorithm.ignore_eos=true", f"output_dir={out}", "plot=false", "checkpoint_every=0",
+        *args.overrides,
     ]
     with initialize_config_dir(config_dir=str(CONFIG_ROOT), version_base="1.3"):
         cfg = compose(config_name="train", overrides=overrides)
@@ -95,7 +98,7 @@ def main() -> None:
     per_step = {k: [float(r[k]) for r in rows if r.get(k)] for k in keys}
     first = json.loads(open(out / "decisions.jsonl").readline())
     result = {
-        "algorithm": args.algorithm, "steps": summary.get("steps"), "fit_s": done - start,
+        "algorithm": args.algorithm, "overrides": args.overrides, "steps": summary.get("steps"), "fit_s": done - start,
         "last_step_to_fit_end_s": done - last_end, "plan": first.get("target_plan"),
         "median": {k: sorted(v)[len(v) // 2] for k, v in per_step.items() if v},
         "max": {k: max(v) for k, v in per_step.items() if v and k.startswith("perf/")},

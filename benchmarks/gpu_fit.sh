@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One H200: nereus-train with PPO and GRPO on a 0.5B Qwen2 folder (bf16, trainer.devices=1), and the
-# GPU-only offload test. Needs hydra-core, omegaconf and antlr4 wheels in .whl/ (README "GPU benchmark").
+# GPU-only offload test. Arguments are nereus-train overrides (e.g. export_hf=false). Needs
+# hydra-core, omegaconf and antlr4 wheels in .whl/ (README "One GPU").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
@@ -9,7 +10,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 results=${OUT:-benchmarks/results}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 for alg in ${ALGORITHMS:-grpo ppo}; do
-  python3 benchmarks/gpu_fit.py --algorithm "$alg" --out "$results" > "$results/gpu_fit_$alg.log" 2>&1
+  python3 benchmarks/gpu_fit.py --algorithm "$alg" --out "$results" "$@" > "$results/gpu_fit_$alg.log" 2>&1
   rc=$?
   exit_at=$(date +%s.%N)
   tail -25 "$results/gpu_fit_$alg.log"
