@@ -24,7 +24,7 @@ from nereus_lightning.transition.build import build_transition
 from nereus_lightning.transition.cost import Schedule, schedule, transition_cost
 from nereus_lightning.transition.dag import MemEffect, Node, Primitive, TransitionDAG, Unit
 from nereus_lightning.transition.pieces import Piece, Transfer, piece_bytes
-from nereus_lightning.transition.tsub import common_layout
+from nereus_lightning.plan.units import common_layout
 from nereus_lightning.transition.validate import ValidationReport, validate
 
 __all__ = [
