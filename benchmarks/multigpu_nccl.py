@@ -181,14 +181,14 @@ def _logits_error(stage: str, config: Any, model: Any, dev: torch.device) -> flo
     rank = dist.get_rank()
     tied = bool(config.tie_word_embeddings)
     units = registry().live(stage)
-    replica_groups([u.ranks for u in units], units[0].layout, tied=tied)
-    mine = next((u for u in units if rank in u.ranks), None)
+    replica_groups([u.gpus for u in units], units[0].layout, tied=tied)
+    mine = next((u for u in units if rank in u.gpus), None)
     err = 0.0
     if mine is not None:
         ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(5)).to(dev)
         emu = registry().local(stage, mine)
         sharded = ShardedCausalLM(
-            config, ReplicaComm.of(mine.ranks, mine.layout, rank, tied=tied), emu.params
+            config, ReplicaComm.of(mine.gpus, mine.layout, rank, tied=tied), emu.params
         )
         with torch.no_grad():
             err = rel_err(forward_logits(sharded, ids, where="all"), model(ids).logits)
@@ -223,7 +223,7 @@ def state_chain(checks: Checks, dev: torch.device, tol: float) -> None:
         registry().clear()
         config, model, optim = tiny_model(kind, dev)
         start = Unit(big, tuple(range(world)))
-        create_unit(stage, config, model, big, start.ranks, trains=True, full_optim=optim, counters=counters)
+        create_unit(stage, config, model, big, start.gpus, trains=True, full_optim=optim, counters=counters)
         before = gather_logical_state(stage, dst=0)
         if rank == 0:  # the gathered start equals the model and optimizer we cut it from
             wrong = [
@@ -248,12 +248,12 @@ def state_chain(checks: Checks, dev: torch.device, tol: float) -> None:
         s, _ = step(f"split {big}->{half}", split(stage, start, half))
         a, b = s.targets
         step(f"destroy {b}", destroy(stage, b))
-        step(f"extend {a}->{b.ranks}", extend(stage, a, [b.ranks]), logits=True)
+        step(f"extend {a}->{b.gpus}", extend(stage, a, [b.gpus]), logits=True)
         one = Layout(1, 1)
         for unit in registry().live(stage):
             if unit.layout != one:
                 step(f"split {unit}->{one}", split(stage, unit, one))
-        by_rank = {u.ranks[0]: u for u in registry().live(stage)}
+        by_rank = {u.gpus[0]: u for u in registry().live(stage)}
         schema = registry().schema(stage)
         for r in range(0, world, 2):
             label = f"merge ranks {r},{r + 1}->{Layout(1, 2)}"
@@ -462,7 +462,7 @@ def random_units(plan: Any, spec: Any, dev: torch.device) -> int:
         registry().declare(name, schema, True)
         unit = Unit(cand.layout, cand.replica_gpus(0))
         emu = None
-        if rank in unit.ranks:
+        if rank in unit.gpus:
             emu = EMU.empty(name, schema, unit, rank, trains=True, device=dev)
             emu.counters = Counters(3, 3, 2, 1, 96, seed=7 + i)
             for _, key, t in emu.tensors():

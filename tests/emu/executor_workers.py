@@ -151,11 +151,11 @@ def _extra_bytes(op, node_rank: int) -> int:
     reg = registry()
     schema, trains = reg.schema(op.model_stage), reg.trains[op.model_stage]
     if isinstance(op, Extend):
-        target = next((u for u in op.targets if node_rank in u.ranks), None)
+        target = next((u for u in op.targets if node_rank in u.gpus), None)
         if target is None:
             return 0
-        index = target.ranks.index(node_rank)
-        if op.source.ranks[index] == node_rank:
+        index = target.gpus.index(node_rank)
+        if op.source.gpus[index] == node_rank:
             return 0  # a local copy
         names = schema.stage_names(target.layout, index // target.layout.tp)
         return Counters.size() * 8 + (4 * len(names) if trains else 0)
@@ -175,14 +175,14 @@ def logits_errors(names, ids: torch.Tensor) -> list[tuple[str, str, float]]:
     for name in names:
         config, model, _ = role_model(STAGES[name].model)
         units = registry().live(name)
-        replica_groups([u.ranks for u in units], units[0].layout)  # world-collective, same order everywhere
-        mine = next((u for u in units if rank in u.ranks), None)
+        replica_groups([u.gpus for u in units], units[0].layout)  # world-collective, same order everywhere
+        mine = next((u for u in units if rank in u.gpus), None)
         if mine is None:
             continue
         with torch.no_grad():
             expected = model(ids).logits
             sharded = ShardedCausalLM(
-                config, ReplicaComm.of(mine.ranks, mine.layout), registry().local(name, mine).params
+                config, ReplicaComm.of(mine.gpus, mine.layout), registry().local(name, mine).params
             )
             logits = forward_logits(sharded, ids, where="all")
         out.append((name, str(mine), ((logits - expected).abs().max() / expected.abs().max()).item()))

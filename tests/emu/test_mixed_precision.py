@@ -51,7 +51,7 @@ def test_training_state_is_14_bytes_per_bf16_param_as_the_brain_prices() -> None
         schema = StateSchema.of(config, model)
         for layout in (Layout(1, 1), BIG):
             unit = Unit(layout, ALL[: layout.size])
-            for rank in unit.ranks:
+            for rank in unit.gpus:
                 emu = EMU.from_model(STAGE, schema, model, unit, rank, trains=True, full_optim=optim)
                 params = sum(p.numel() for p in emu.params.values())
                 shaped = sum(t.nbytes for _, key, t in emu.tensors() if key != "step")
@@ -80,7 +80,7 @@ def split_extend_merge(rank: int, world: int) -> dict:
     got = {"split": execute(op).payload_received}
     keep, gone = op.targets
     execute(destroy(STAGE, gone))
-    got["extend"] = execute(extend(STAGE, keep, [gone.ranks])).payload_received
+    got["extend"] = execute(extend(STAGE, keep, [gone.gpus])).payload_received
     mid = gather_logical_state(STAGE)
     got["merge"] = execute(merge(STAGE, op.targets, BIG)).payload_received
     after = gather_logical_state(STAGE)
@@ -112,25 +112,25 @@ def test_bf16_transfers_are_exact_and_carry_the_bytes_the_brain_prices(dist4) ->
     op = split(STAGE, Unit(BIG, ALL), SMALL)
     plan = reshard_plan(op, schema, True)
     for unit in op.targets:
-        for index, gpu in enumerate(unit.ranks):
+        for index, gpu in enumerate(unit.gpus):
             pp, tp = divmod(index, SMALL.tp)
             priced = gather_transfers(geo, BIG, ALL, ALL.index(gpu), SMALL, pp, tp)
             brain = sum(t.bytes for t in priced if t.src_gpu != t.dst_gpu)
             assert brain > 0 and per_rank[gpu]["payload"]["split"] == brain + _steps_into(plan, gpu), gpu
     # Extend: the new replica's positions receive a whole shard each + 48 B of counters + steps.
     keep, gone = op.targets
-    priced = {t.dst_gpu: t.bytes for t in extend_transfers(geo, SMALL, keep.ranks, gone.ranks)}
-    for index, gpu in enumerate(gone.ranks):
+    priced = {t.dst_gpu: t.bytes for t in extend_transfers(geo, SMALL, keep.gpus, gone.gpus)}
+    for index, gpu in enumerate(gone.gpus):
         names = schema.stage_names(SMALL, index // SMALL.tp)
         assert per_rank[gpu]["payload"]["extend"] == priced[gpu] + 48 + 4 * len(names), gpu
-    assert all(per_rank[gpu]["payload"]["extend"] == 0 for gpu in keep.ranks)
+    assert all(per_rank[gpu]["payload"]["extend"] == 0 for gpu in keep.gpus)
     # Merge back.
     back = merge(STAGE, op.targets, BIG)
     plan = reshard_plan(back, schema, True)
-    for index, gpu in enumerate(back.target.ranks):
-        own = next(u for u in back.sources if gpu in u.ranks)
+    for index, gpu in enumerate(back.target.gpus):
+        own = next(u for u in back.sources if gpu in u.gpus)
         pp, tp = divmod(index, BIG.tp)
-        priced = gather_transfers(geo, SMALL, own.ranks, own.ranks.index(gpu), BIG, pp, tp)
+        priced = gather_transfers(geo, SMALL, own.gpus, own.gpus.index(gpu), BIG, pp, tp)
         brain = sum(t.bytes for t in priced if t.src_gpu != t.dst_gpu)
         assert per_rank[gpu]["payload"]["merge"] == brain + _steps_into(plan, gpu), gpu
     # The state, master included, survives bit for bit.
@@ -154,7 +154,7 @@ def dcp_bf16(rank: int, world: int, path: str) -> tuple[list[str], int]:
     create_unit(STAGE, config, model, BIG, ALL, trains=True, full_optim=optim, counters=COUNTERS)
     save_state(STAGE, path)
     execute(split(STAGE, Unit(BIG, ALL), SMALL))
-    mine = next(u for u in registry().live(STAGE) if rank in u.ranks)
+    mine = next(u for u in registry().live(STAGE) if rank in u.gpus)
     ours = registry().local(STAGE, mine)
     oracle = EMU.empty(STAGE, registry().schema(STAGE), mine, rank, trains=True)
     for _, _, t in oracle.tensors():

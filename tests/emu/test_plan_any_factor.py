@@ -58,9 +58,9 @@ def _replay(schema, full, optim, op):
             _CUTS[key] = EMU.from_model("s", schema, full, unit, rank, trains=True, full_optim=optim)
         return _CUTS[key]
 
-    old = {r: {(n, k): t for n, k, t in cut(u, r).tensors()} for u in op.sources for r in u.ranks}
-    old_iv = {r: iv for u in op.sources for r, iv in unit_holdings(schema, u.layout, u.ranks).items()}
-    new_iv = {r: iv for u in op.targets for r, iv in unit_holdings(schema, u.layout, u.ranks).items()}
+    old = {r: {(n, k): t for n, k, t in cut(u, r).tensors()} for u in op.sources for r in u.gpus}
+    old_iv = {r: iv for u in op.sources for r, iv in unit_holdings(schema, u.layout, u.gpus).items()}
+    new_iv = {r: iv for u in op.targets for r, iv in unit_holdings(schema, u.layout, u.gpus).items()}
     new = {r: _new_state(schema, old[r], old_iv[r], new_iv[r], True, torch.device("cpu")) for r in new_iv}
     plan = reshard_plan(op, schema, True)
     for (src, dst), moves in plan.pairs().items():
@@ -69,7 +69,7 @@ def _replay(schema, full, optim, op):
         unpack(pack(out), into)
     wrong = []
     for u in op.targets:
-        for r in u.ranks:
+        for r in u.gpus:
             want = {(n, k): t for n, k, t in cut(u, r).tensors()}
             if want.keys() != new[r].keys():
                 wrong.append((str(u), r, "names"))

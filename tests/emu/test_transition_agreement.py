@@ -1,63 +1,152 @@
-"""The body's transfer plans receive, per GPU, exactly the bytes the brain's transition pieces price."""
+"""The body executes the brain's Split/Merge plan, byte for byte, for every layout pair up to TP x PP = 16.
 
+For each model shape the tests use (and a wide one that admits TP 16 and PP 16), each pair of
+layouts ``a -> b`` goes through ``T_sub``: Split ``a -> s``, Merge ``s -> b`` (canonical, reversed
+and shuffled rank orders; a shuffled Split too; a one-unit re-ranking when ``a == b``). Every
+(source, target) rank pair of the body's plan (``emu.reshard_plan``) moves exactly the bytes the
+brain prices for it (``transition.tsub`` patterns placed on the units' GPUs), and every target rank
+ends up with exactly its new shards: what it kept plus what it received, each part once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import Counter
 from dataclasses import replace
 
 import pytest
 
-from nereus_lightning.emu import StateSchema, Unit, merge, reshard_plan, split
-from nereus_lightning.emu.plan import move_bytes
+from nereus_lightning.emu import Merge, Split, StateSchema, Unit, merge, reshard_plan, split, unit_holdings
+from nereus_lightning.emu.plan import element_count
 from nereus_lightning.plan.layout import Layout
+from nereus_lightning.plan.units import common_layout, split_units
+from nereus_lightning.spec.errors import NereusConfigError
 from nereus_lightning.spec.model import ModelSpec
-from nereus_lightning.transition.pieces import gather_transfers, geometry
-from tests.emu.workers import tiny
+from nereus_lightning.testing.tiny import tiny_config
+from nereus_lightning.transition.pieces import geometry
+from nereus_lightning.transition.tsub import merge_pattern, placed, split_pattern
 
-PAIRS = [
-    (Layout(2, 2), Layout(1, 2)),
-    (Layout(2, 2), Layout(1, 1)),
-    (Layout(2, 2), Layout(2, 1)),
-    (Layout(1, 4), Layout(1, 2)),
-    (Layout(1, 4), Layout(1, 1)),
-    (Layout(4, 1), Layout(1, 1)),
-]
+LAYOUTS = [Layout(t, p) for t in (1, 2, 4, 8, 16) for p in (1, 2, 4, 8, 16) if t * p <= 16]
 
 
-def _received(plan, schema) -> dict[int, int]:
-    out: dict[int, int] = {}
-    for move in plan.moves:
-        out[move.dst] = out.get(move.dst, 0) + move_bytes(schema, move, trains=False)
+def _llama(**kw):
+    from transformers import LlamaConfig
+
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, max_position_embeddings=64)
+    return LlamaConfig(**{**common, **kw})
+
+
+SHAPES = {  # name: (config, parameter dtype)
+    **{kind: (tiny_config(kind), "float32") for kind in ("llama", "qwen2", "gqa_tied", "qwen3", "mistral")},
+    "llama_6_layers": (_llama(num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=6), "float32"),
+    "tied_8_layers": (
+        _llama(num_attention_heads=8, num_key_value_heads=8, num_hidden_layers=8, tie_word_embeddings=True),
+        "float32",
+    ),
+    "gqa_tied_bf16": (tiny_config("gqa_tied"), "bfloat16"),
+    "wide_tied_17_layers": (  # TP 16 and PP 16 (uneven stages)
+        _llama(
+            hidden_size=64,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            num_hidden_layers=17,
+            tie_word_embeddings=True,
+        ),
+        "bfloat16",
+    ),
+}
+
+
+def _fits(schema: StateSchema, layout: Layout) -> bool:
+    try:
+        schema.validate(layout)
+    except NereusConfigError:
+        return False
+    return True
+
+
+def _ops(schema: StateSchema, rng: random.Random) -> list[Split | Merge]:
+    """Every Split and Merge of the pairs of :data:`LAYOUTS` the schema admits, in several rank orders."""
+    ops: dict[Split | Merge, None] = {}
+    for a, b in itertools.product(LAYOUTS, LAYOUTS):
+        if not (_fits(schema, a) and _fits(schema, b)):
+            continue
+        s = common_layout(a, b)
+        if a != s:
+            whole = Unit(a, range(a.size))
+            ops[split("s", whole, s)] = None
+            shuffled = rng.sample(whole.gpus, a.size)
+            parts = tuple(Unit(s, shuffled[i : i + s.size]) for i in range(0, a.size, s.size))
+            ops[Split("s", whole, parts)] = None
+        if b != s:
+            parts = split_units(Unit(b, range(b.size)), s)
+            for order in (None, tuple(reversed(range(b.size))), tuple(rng.sample(range(b.size), b.size))):
+                ops[merge("s", parts, b, ranks=order)] = None
+        if a == b:
+            ops[Merge("s", (Unit(a, range(a.size)),), Unit(a, rng.sample(range(a.size), a.size)))] = None
+    return list(ops)
+
+
+def _brain_bytes(geo, op: Split | Merge) -> Counter:
+    """Bytes per (source, target) GPU of the brain's transfers for ``op``."""
+    if isinstance(op, Split):
+        tiles = tuple(tuple(op.source.gpus.index(g) for g in u.gpus) for u in op.targets)
+        pattern, _ = split_pattern(geo, op.source.layout, op.targets[0].layout, tiles)
+        transfers = placed(op.source.gpus, pattern)
+    else:
+        tiles = tuple(tuple(op.target.gpus.index(g) for g in u.gpus) for u in op.sources)
+        pattern, _ = merge_pattern(geo, op.sources[0].layout, op.target.layout, tiles)
+        transfers = placed(op.target.gpus, pattern)
+    out: Counter = Counter()
+    for t in transfers:
+        out[(t.src_gpu, t.dst_gpu)] += t.bytes
     return out
 
 
-@pytest.mark.parametrize("kind,layers", [("llama", 4), ("gqa_tied", 4), ("qwen2", 4), ("llama", 6)])
-def test_split_and_merge_bytes_match_transition_pieces(kind, layers):
-    config, model, _ = tiny(kind, layers)
-    schema = StateSchema.of(config, model)
-    geo = geometry(replace(ModelSpec.from_hf_config(config), dtype="float32"), False)
-    checked = 0
-    for big, small in PAIRS:
-        if config.num_key_value_heads % big.tp:
-            continue
-        op = split("s", Unit(big, (0, 1, 2, 3)), small)
-        brain = {}
-        for unit in op.targets:
-            for index, gpu in enumerate(unit.ranks):
-                pp, tp = divmod(index, small.tp)
-                sent = gather_transfers(geo, big, op.source.ranks, op.source.ranks.index(gpu), small, pp, tp)
-                brain[gpu] = sum(t.bytes for t in sent if t.src_gpu != t.dst_gpu)
-        assert _received(reshard_plan(op, schema, False), schema) == {g: b for g, b in brain.items() if b}, (
-            big,
-            small,
-        )
-        for order in (None, (3, 2, 1, 0)):
-            back = merge("s", op.targets, big, ranks=order)
-            brain = {}
-            for index, gpu in enumerate(back.target.ranks):
-                own = next(u for u in back.sources if gpu in u.ranks)
-                pp, tp = divmod(index, big.tp)
-                sent = gather_transfers(geo, small, own.ranks, own.ranks.index(gpu), big, pp, tp)
-                brain[gpu] = sum(t.bytes for t in sent if t.src_gpu != t.dst_gpu)
-            assert _received(reshard_plan(back, schema, False), schema) == {
-                g: b for g, b in brain.items() if b
-            }
-            checked += 1
-    assert checked >= 8
+def _wrong_holdings(schema: StateSchema, op: Split | Merge, plan) -> list[tuple]:
+    """(rank, name) whose new shard is not exactly what it kept plus what it received, once each;
+    and (rank, name, "step") where the AdamW step does not arrive exactly once for a new tensor."""
+    held = {r: h for u in op.sources for r, h in unit_holdings(schema, u.layout, u.gpus).items()}
+    needed = {r: h for u in op.targets for r, h in unit_holdings(schema, u.layout, u.gpus).items()}
+    got: dict[tuple[int, str], list[tuple[int, int]]] = {}
+    steps: Counter = Counter()
+    for m in plan.moves:
+        got.setdefault((m.dst, m.name), []).append((m.lo, m.hi))
+        steps[(m.dst, m.name)] += m.with_step
+    wrong = []
+    for rank, names in needed.items():
+        for name, (lo, hi) in names.items():
+            parts = list(got.pop((rank, name), []))
+            have = held[rank].get(name)
+            if have is not None and max(lo, have[0]) < min(hi, have[1]):
+                parts.append((max(lo, have[0]), min(hi, have[1])))
+            parts.sort()
+            ends = [lo] + [p[1] for p in parts]
+            if [p[0] for p in parts] != ends[:-1] or ends[-1] != hi:
+                wrong.append((rank, name))
+            if steps[(rank, name)] != (have is None):
+                wrong.append((rank, name, "step"))
+    return wrong + sorted(got)  # anything left was received without being needed
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_body_moves_what_the_brain_prices_for_every_layout_pair(shape: str) -> None:
+    config, dtype = SHAPES[shape]
+    schema = StateSchema.of(config)
+    schema = replace(schema, dtypes=(dtype,) * len(schema.names))
+    model = replace(ModelSpec.from_hf_config(config), dtype=dtype)
+    ops = _ops(schema, random.Random(shape))
+    assert len(ops) >= 20, shape
+    geos = {trains: geometry(model, trains) for trains in (False, True)}
+    for op in ops:
+        plan = reshard_plan(op, schema, True)  # the moves do not depend on ``trains``, their bytes do
+        elements: Counter = Counter()
+        for m in plan.moves:
+            elements[(m.src, m.dst, m.name)] += element_count(schema, m.name, m.lo, m.hi)
+        for trains, geo in geos.items():
+            body: Counter = Counter()
+            for (src, dst, name), n in elements.items():
+                body[(src, dst)] += n * schema.element_bytes(name, trains)
+            assert body == _brain_bytes(geo, op), (shape, trains, op)
+        assert _wrong_holdings(schema, op, plan) == [], (shape, op)

@@ -99,11 +99,11 @@ def chain(rank: int, world: int, kind: str):
     s = run(split(stage, Unit(Layout(2, 2), (0, 1, 2, 3)), Layout(1, 2)))
     a, b = s.targets
     run(destroy(stage, b))
-    e = run(extend(stage, a, [b.ranks]))
+    e = run(extend(stage, a, [b.gpus]))
     units = []
     for unit in (e.source, *e.targets):
         units += run(split(stage, unit, Layout(1, 1))).targets
-    by_rank = {u.ranks[0]: u for u in units}
+    by_rank = {u.gpus[0]: u for u in units}
     m1 = run(merge(stage, [by_rank[0], by_rank[1]], Layout(2, 1), schema=registry().schema(stage)))
     m2 = run(merge(stage, [by_rank[2], by_rank[3]], Layout(2, 1), schema=registry().schema(stage)))
     run(merge(stage, [m1.target, m2.target], Layout(4, 1) if kind != "qwen2" else Layout(2, 2)))
@@ -134,7 +134,7 @@ def pp_and_tp_pairs(rank: int, world: int, kind: str):
         report = execute(back)
         after = gather_logical_state(stage, dst=0)
         diffs = (before.differences(mid), before.differences(after)) if rank == 0 else (None, None)
-        out.append((str(big), str(small), *diffs, back.target.ranks, report.payload_sent))
+        out.append((str(big), str(small), *diffs, back.target.gpus, report.payload_sent))
     return out
 
 
@@ -174,11 +174,11 @@ def byte_counts(rank: int, world: int):
         registry().clear()
         config, model, optim = tiny(kind, layers)
         unit = Unit(big, (0, 1, 2, 3))
-        create_unit(stage, config, model, big, unit.ranks, trains=True, full_optim=optim, counters=COUNTERS)
+        create_unit(stage, config, model, big, unit.gpus, trains=True, full_optim=optim, counters=COUNTERS)
         old = _names_bytes(reg.local(stage, unit))
         op = split(stage, unit, small)
         report = execute(op)
-        mine = next(u for u in op.targets if rank in u.ranks)
+        mine = next(u for u in op.targets if rank in u.gpus)
         new = _names_bytes(reg.local(stage, mine))
         if big.tp == small.tp:
             lacked = sum(b for n, b in new.items() if n not in old)
@@ -191,12 +191,12 @@ def byte_counts(rank: int, world: int):
         start("llama", Layout(1, 2), (0, 2))
         execute(extend(stage, Unit(Layout(1, 2), (0, 2)), [(1, 3)]))
         units = registry().live(stage)
-        old = _names_bytes(reg.local(stage, next(u for u in units if rank in u.ranks)))
+        old = _names_bytes(reg.local(stage, next(u for u in units if rank in u.gpus)))
         op = merge(stage, units, Layout(2, 2), ranks=order, schema=reg.schema(stage))
         report = execute(op)
         new = _names_bytes(reg.local(stage, op.target))
         lacked = sum(b for n, b in new.items() if n not in old)
-        out[name] = dict(lacked=lacked, report=report, ranks=op.target.ranks)
+        out[name] = dict(lacked=lacked, report=report, ranks=op.target.gpus)
     return out
 
 
@@ -287,7 +287,7 @@ def dcp_oracle(rank: int, world: int, path: str):
         save_state(stage, where)
         for op in ops(Unit(layout, ranks)):
             execute(op)
-        mine = next(u for u in reg.live(stage) if rank in u.ranks)
+        mine = next(u for u in reg.live(stage) if rank in u.gpus)
         ours = reg.local(stage, mine)
         oracle = EMU.empty(stage, reg.schema(stage), mine, rank, trains=True)
         for _, _, t in oracle.tensors():
@@ -327,10 +327,10 @@ def forward_after_transitions(rank: int, world: int, kind: str):
 
     def check(label):
         units = registry().live(stage)
-        replica_groups([u.ranks for u in units], units[0].layout, tied=tied)  # world-collective, same order
-        mine = next(u for u in units if rank in u.ranks)
+        replica_groups([u.gpus for u in units], units[0].layout, tied=tied)  # world-collective, same order
+        mine = next(u for u in units if rank in u.gpus)
         emu = registry().local(stage, mine)
-        sharded = ShardedCausalLM(config, ReplicaComm.of(mine.ranks, mine.layout, tied=tied), emu.params)
+        sharded = ShardedCausalLM(config, ReplicaComm.of(mine.gpus, mine.layout, tied=tied), emu.params)
         with torch.no_grad():
             logits = forward_logits(sharded, ids, where="all")
         err = ((logits - expected).abs().max() / expected.abs().max()).item()
@@ -342,7 +342,7 @@ def forward_after_transitions(rank: int, world: int, kind: str):
     check("split")
     for unit in s.targets:
         execute(split(stage, unit, Layout(1, 1)))
-    by_rank = {u.ranks[0]: u for u in registry().live(stage)}
+    by_rank = {u.gpus[0]: u for u in registry().live(stage)}
     execute(merge(stage, [by_rank[0], by_rank[1]], Layout(2, 1)))
     execute(merge(stage, [by_rank[2], by_rank[3]], Layout(2, 1)))
     check("merge")

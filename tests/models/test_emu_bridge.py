@@ -27,7 +27,7 @@ def _emu_step(rank: int, world: int) -> dict[str, float]:
     layout = Layout(2, 2)
     unit = Unit(layout, tuple(range(world)))
     emu = EMU.from_model("actor_train", StateSchema.of(model.config, model), model, unit, rank, trains=True)
-    comm = ReplicaComm.of(unit.ranks, layout, rank, tied=True, group_factory=member_group)
+    comm = ReplicaComm.of(unit.gpus, layout, rank, tied=True, group_factory=member_group)
     sharded = ShardedCausalLM(model.config, comm, emu.params)
     opt = bind_adamw(sharded, emu.optim_state, lr=1e-3, eps=1e-4)
     ids = torch.randint(0, VOCAB, (4, 10), generator=torch.Generator().manual_seed(5))

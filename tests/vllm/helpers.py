@@ -94,7 +94,7 @@ def engine_matches_training(module: Any) -> dict[str, Any] | None:
     ).instance  # pushes the unit's shards when a sync made them newer
     back = engine.read_weights()
     schema, tp = unit.schema, unit.unit.layout.tp
-    tp_rank = unit.unit.ranks.index(unit.rank)
+    tp_rank = unit.unit.gpus.index(unit.rank)
     differ = sorted(
         name
         for name, full in logical.items()

@@ -26,9 +26,8 @@ from nereus_lightning.emu.ops import (
     Destroy,
     Extend,
     Merge,
-    Primitive,
+    Op,
     Split,
-    Unit,
     canonical_merge_ranks,
     destroy,
     extend,
@@ -37,12 +36,13 @@ from nereus_lightning.emu.ops import (
     split,
     validate_op,
 )
-from nereus_lightning.emu.plan import Move, TransferPlan, plan_transfer, unit_holdings
-from nereus_lightning.emu.primitives import TransferReport, create_unit, execute, reshard_plan
+from nereus_lightning.emu.plan import Move, TransferPlan, plan_transfer, reshard_plan, unit_holdings
+from nereus_lightning.emu.primitives import TransferReport, create_unit, execute
 from nereus_lightning.emu.registry import Registry, registry
-from nereus_lightning.emu.schema import OPTIM_KEYS, Position, StateSchema, position_of
+from nereus_lightning.emu.schema import OPTIM_KEYS, StateSchema
 from nereus_lightning.emu.transfer import default_device
 from nereus_lightning.emu.unit import EMU, Counters
+from nereus_lightning.plan.units import Position, Primitive, Unit, position_of
 
 __all__ = [
     "EMU",
@@ -54,6 +54,7 @@ __all__ = [
     "LogicalState",
     "Merge",
     "Move",
+    "Op",
     "Position",
     "Primitive",
     "Registry",

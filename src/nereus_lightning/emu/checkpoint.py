@@ -65,7 +65,7 @@ def dcp_state_dict(emu: EMU) -> dict[str, Tensor]:
     layout, pos = emu.layout, emu.position
     mesh = None
     if layout.tp > 1:
-        tp_ranks = tuple(emu.unit.rank_at(pos.pp_rank, t) for t in range(layout.tp))
+        tp_ranks = tuple(emu.unit.gpu_at(pos.pp_rank, t) for t in range(layout.tp))
         mesh = DeviceMesh.from_group(member_group(tp_ranks), emu.device.type)
     out: dict[str, Tensor] = {}
     for name, key, tensor in emu.tensors():

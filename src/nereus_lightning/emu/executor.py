@@ -55,12 +55,14 @@ import torch
 import torch.distributed as dist
 
 from nereus_lightning.emu.groups import prepare_member_groups
-from nereus_lightning.emu.ops import Destroy, Extend, Merge, Primitive, Split, Unit, from_node
-from nereus_lightning.emu.primitives import Started, TransferReport, reshard_plan
+from nereus_lightning.emu.ops import Destroy, Extend, Merge, Op, Split, from_node, ranked
+from nereus_lightning.emu.plan import reshard_plan
+from nereus_lightning.emu.primitives import Started, TransferReport
 from nereus_lightning.emu.primitives import start as start_op
 from nereus_lightning.emu.registry import Registry, registry
 from nereus_lightning.emu.transfer import InFlight, default_device, start_broadcast
 from nereus_lightning.emu.unit import EMU, Counters
+from nereus_lightning.plan.units import Primitive
 from nereus_lightning.spec.errors import NereusConfigError, require
 
 if TYPE_CHECKING:
@@ -241,7 +243,7 @@ def execute_dag(
     with torch.no_grad():
         for node, ops in zip(dag.nodes, lane_ops, strict=True):
             _note_completions(flying)
-            ranks = tuple(sorted({r for op in ops for u in (*op.sources, *op.targets) for r in u.ranks}))
+            ranks = tuple(sorted({r for op in ops for u in (*op.sources, *op.targets) for r in u.gpus}))
             need = frozenset().union(*(needs[d] for d in node.deps)) if node.deps else frozenset()
             if me not in ranks:  # registry bookkeeping only
                 for op in ops:
@@ -266,21 +268,21 @@ def execute_dag(
     return ExecutionReport(me, tuple(r for r in records if r is not None), time.perf_counter() - start)
 
 
-def communicating_rank_sets(ops: Sequence[Primitive]) -> list[tuple[int, ...]]:
+def communicating_rank_sets(ops: Sequence[Op]) -> list[tuple[int, ...]]:
     """Every rank set the collectives of ``ops`` span (the same list on every rank)."""
     reg = registry()
     out: list[tuple[int, ...]] = []
     for op in ops:
         if isinstance(op, Extend):
-            for i, sender in enumerate(op.source.ranks):
-                out.append((sender, *(u.ranks[i] for u in op.targets if u.ranks[i] != sender)))
+            for i, sender in enumerate(op.source.gpus):
+                out.append((sender, *(u.gpus[i] for u in op.targets if u.gpus[i] != sender)))
         elif isinstance(op, (Split, Merge)):
             name = op.model_stage
             out.append(reshard_plan(op, reg.schema(name), reg.trains[name]).ranks())
     return out
 
 
-def _start(op: Primitive, colocate_with: tuple[str, ...], device: torch.device) -> Started:
+def _start(op: Op, colocate_with: tuple[str, ...], device: torch.device) -> Started:
     if _overlapping(op):
         return _start_extend_overlapping(op, colocate_with, device)
     return start_op(op, colocate_with=colocate_with, device=device)
@@ -291,7 +293,7 @@ class _Issued:
 
     __slots__ = ("node", "ops", "ranks", "mine", "lanes", "began", "completed", "in_flight", "running")
 
-    def __init__(self, node: Node, ops: list[Primitive], ranks: tuple[int, ...], mine: int | None) -> None:
+    def __init__(self, node: Node, ops: list[Op], ranks: tuple[int, ...], mine: int | None) -> None:
         self.node, self.ops, self.ranks, self.mine = node, ops, ranks, mine
         self.lanes: list[Started] = []
         self.began = time.perf_counter()
@@ -350,32 +352,26 @@ def _sum_reports(reports: list[TransferReport]) -> TransferReport:
     )
 
 
-def ops_of(node: Node, rank_of: Mapping[int, int] | None = None) -> list[Primitive]:
+def ops_of(node: Node, rank_of: Mapping[int, int] | None = None) -> list[Op]:
     """The EMU op of every lane of a transition node (one for an ordinary node), see :func:`op_of`."""
-    return (
-        [op_of(lane, rank_of) for lane in node.lanes()] if hasattr(node, "lanes") else [op_of(node, rank_of)]
-    )
+    return [op_of(lane, rank_of) for lane in node.lanes()]
 
 
-def op_of(node: Node, rank_of: Mapping[int, int] | None = None) -> Primitive:
+def op_of(node: Node, rank_of: Mapping[int, int] | None = None) -> Op:
     """The EMU op of a transition node, including an Extend that overlaps its source (checked here).
 
     A batched node (``node.width > 1``) is several ops: use :func:`ops_of`.
     """
     require(
-        getattr(node, "width", 1) == 1,
+        node.width == 1,
         "node",
-        f"node #{node.id} carries {getattr(node, 'width', 1)} replicas; use emu.executor.ops_of(node) "
-        "(one op per lane)",
+        f"node #{node.id} carries {node.width} replicas; use emu.executor.ops_of(node) (one op per lane)",
     )
-    kind = getattr(node.op, "value", node.op)
-    if kind == "extend":
-        ranks = (lambda g: rank_of[g]) if rank_of is not None else (lambda g: g)
-        source = Unit(node.sources[0].layout, tuple(map(ranks, node.sources[0].gpus)))
-        targets = tuple(Unit(u.layout, tuple(map(ranks, u.gpus))) for u in node.targets)
+    if node.op is Primitive.EXTEND:
+        (source,), targets = ranked(node.sources, rank_of), ranked(node.targets, rank_of)
         op = Extend(node.model_stage, source, targets)
         if _overlapping(op):
-            used = [r for u in targets for r in u.ranks]
+            used = [r for u in targets for r in u.gpus]
             require(len(targets) >= 1, "extend.targets", f"node #{node.id} has no target")
             require(
                 len(set(used)) == len(used), "extend.targets", f"node #{node.id}: targets overlap each other"
@@ -389,8 +385,8 @@ def op_of(node: Node, rank_of: Mapping[int, int] | None = None) -> Primitive:
     return from_node(node, rank_of)
 
 
-def _overlapping(op: Primitive) -> TypeGuard[Extend]:
-    return isinstance(op, Extend) and any(r in op.source.ranks for u in op.targets for r in u.ranks)
+def _overlapping(op: Op) -> TypeGuard[Extend]:
+    return isinstance(op, Extend) and any(r in op.source.gpus for u in op.targets for r in u.gpus)
 
 
 def _workflow_colocation(dag: TransitionDAG) -> dict[str, tuple[str, ...]]:
@@ -400,7 +396,7 @@ def _workflow_colocation(dag: TransitionDAG) -> dict[str, tuple[str, ...]]:
     return {name: tuple(o for o in stages if o != name and o not in peers.get(name, ())) for name in stages}
 
 
-def _dry_run(ops: Sequence[tuple[int, Primitive]], colocate: Mapping[str, Collection[str]]) -> None:
+def _dry_run(ops: Sequence[tuple[int, Op]], colocate: Mapping[str, Collection[str]]) -> None:
     """Replay ``(node id, op)`` pairs on a scratch copy of this rank's registry picture (no state):
     raise before anything moves."""
     live = registry()
@@ -417,8 +413,8 @@ def _dry_run(ops: Sequence[tuple[int, Primitive]], colocate: Mapping[str, Collec
             scratch.require_live(op.model_stage, op.sources)
             for unit in op.targets:
                 scratch.schema(op.model_stage).validate(unit.layout)
-            old = {r for u in op.sources for r in u.ranks}
-            new = {r for u in op.targets for r in u.ranks} - old
+            old = {r for u in op.sources for r in u.gpus}
+            new = {r for u in op.targets for r in u.gpus} - old
             scratch.require_free(
                 op.model_stage, new, ignore=op.sources, colocate_with=colocate.get(op.model_stage, ())
             )
@@ -454,19 +450,19 @@ def _start_extend_overlapping(op: Extend, colocate_with: Collection[str], device
     reg.require_live(name, [op.source])
     for unit in op.targets:
         schema.validate(unit.layout)
-    new_ranks = {r for u in op.targets for r in u.ranks} - set(op.source.ranks)
+    new_ranks = {r for u in op.targets for r in u.gpus} - set(op.source.gpus)
     reg.require_free(name, new_ranks, ignore=(op.source,), colocate_with=colocate_with)
     me = dist.get_rank()
     flight = InFlight()
-    target = next((u for u in op.targets if me in u.ranks), None)
+    target = next((u for u in op.targets if me in u.gpus), None)
     mine = None
-    if target is not None or me in op.source.ranks:
-        src = reg.local(name, op.source) if me in op.source.ranks else None
+    if target is not None or me in op.source.gpus:
+        src = reg.local(name, op.source) if me in op.source.gpus else None
         if target is not None:
             mine = EMU.empty(name, schema, target, me, trains=trains, device=device)
         counters = torch.empty(Counters.size(), dtype=torch.int64, device=device)
-        for i, sender in enumerate(op.source.ranks):
-            receivers = tuple(u.ranks[i] for u in op.targets)
+        for i, sender in enumerate(op.source.gpus):
+            receivers = tuple(u.gpus[i] for u in op.targets)
             if me != sender and me not in receivers:
                 continue
             others = tuple(r for r in receivers if r != sender)

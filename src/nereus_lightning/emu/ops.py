@@ -1,12 +1,12 @@
-"""The four primitives as data: one small frozen dataclass per call, over (layout, ranks) units.
+"""The four primitives as data: one small frozen dataclass per call (an :data:`Op`), over units.
 
 A transition DAG node maps to one of these; :func:`nereus_lightning.emu.primitives.execute` runs
 it. Building one validates everything that can be checked without a registry (degrees, rank
-counts, disjointness); pure Python, no torch.
+counts, disjointness); pure Python, no torch. Units, the :class:`Primitive` kinds and the Split
+geometry are the brain's (``plan.units``); a unit's ``gpus`` are the ranks that hold it.
 
-- :class:`Split`: one unit -> k units of a smaller layout on the same ranks. Source rank at
-  (pp, tp) joins target unit ``(pp % b) * a + (tp % a)`` at position (pp // b, tp // a), where
-  ``a``, ``b`` are the TP and PP factors: the ranks that pool their shards are neighbours.
+- :class:`Split`: one unit -> k units of a smaller layout on the same ranks, in
+  ``plan.units.sub_positions`` order (the ranks that pool their shards are neighbours).
 - :class:`Merge`: k units of one layout -> one larger unit on their ranks (the inverse mapping
   by default, which moves nothing when the shards already nest); with one source unit, a
   re-ranking of it onto the same ranks in another order.
@@ -18,49 +18,29 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-from nereus_lightning.emu.schema import Position, StateSchema, position_of
+from nereus_lightning.emu.plan import (
+    element_count,
+    merged_holdings,
+    position_holdings,
+    reshard_plan,
+    unit_holdings,
+)
+from nereus_lightning.emu.schema import StateSchema
 from nereus_lightning.plan.layout import Layout
+from nereus_lightning.plan.units import Primitive, Unit, merged_gpus, split_units
 from nereus_lightning.spec.errors import require
 
-
-@dataclass(frozen=True, order=True)
-class Unit:
-    """Where one replica lives: its ``layout`` and its global ``ranks`` (pp-major, tp-minor, as in
-    ``Candidate``).
-    """
-
-    layout: Layout
-    ranks: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
-        require(
-            len(self.ranks) == self.layout.size,
-            "unit.ranks",
-            f"{len(self.ranks)} ranks given for {self.layout} ({self.layout.size} needed)",
-        )
-        require(len(set(self.ranks)) == len(self.ranks), "unit.ranks", f"ranks repeat in {self.ranks}")
-
-    def position(self, rank: int) -> Position:
-        """The (pp_rank, tp_rank) of global ``rank`` in this unit."""
-        require(rank in self.ranks, "rank", f"rank {rank} is not in unit {self}")
-        return position_of(self.layout, self.ranks.index(rank))
-
-    def rank_at(self, pp_rank: int, tp_rank: int) -> int:
-        """The global rank at position (``pp_rank``, ``tp_rank``)."""
-        return self.ranks[pp_rank * self.layout.tp + tp_rank]
-
-    def __str__(self) -> str:
-        return f"{self.layout}@{list(self.ranks)}"
+if TYPE_CHECKING:
+    from nereus_lightning.transition.dag import Node
 
 
 @dataclass(frozen=True)
 class Split:
     """Split ``source`` into ``targets`` (smaller layout, same ranks)."""
 
-    kind: ClassVar[str] = "split"
+    kind: ClassVar[Primitive] = Primitive.SPLIT
     model_stage: str
     source: Unit
     targets: tuple[Unit, ...]
@@ -75,7 +55,7 @@ class Split:
 class Merge:
     """Merge replicated ``sources`` into ``target`` (larger layout on the union of their ranks)."""
 
-    kind: ClassVar[str] = "merge"
+    kind: ClassVar[Primitive] = Primitive.MERGE
     model_stage: str
     sources: tuple[Unit, ...]
     target: Unit
@@ -90,7 +70,7 @@ class Merge:
 class Extend:
     """Copy ``source`` onto the disjoint rank tuples of ``targets`` (same layout); ``source`` stays."""
 
-    kind: ClassVar[str] = "extend"
+    kind: ClassVar[Primitive] = Primitive.EXTEND
     model_stage: str
     source: Unit
     targets: tuple[Unit, ...]
@@ -105,7 +85,7 @@ class Extend:
 class Destroy:
     """Drop replica ``source`` and free its memory."""
 
-    kind: ClassVar[str] = "destroy"
+    kind: ClassVar[Primitive] = Primitive.DESTROY
     model_stage: str
     source: Unit
 
@@ -120,7 +100,7 @@ class Destroy:
         return ()
 
 
-Primitive = Split | Merge | Extend | Destroy
+Op = Split | Merge | Extend | Destroy
 
 
 def _factor(big: int, small: int, field: str) -> int:
@@ -137,16 +117,11 @@ def split(model_stage: str, source: Unit, layout: Layout) -> Split:
     a = _factor(source.layout.tp, layout.tp, "split.layout.tp")
     b = _factor(source.layout.pp, layout.pp, "split.layout.pp")
     require(a * b > 1, "split.layout", f"{layout} is not smaller than {source.layout}")
-    ranks: list[list[int]] = [[0] * layout.size for _ in range(a * b)]
-    for index, rank in enumerate(source.ranks):
-        pos = position_of(source.layout, index)
-        unit = (pos.pp_rank % b) * a + pos.tp_rank % a
-        ranks[unit][(pos.pp_rank // b) * layout.tp + pos.tp_rank // a] = rank
-    return Split(model_stage, source, tuple(Unit(layout, tuple(r)) for r in ranks))
+    return Split(model_stage, source, split_units(source, layout))
 
 
 def canonical_merge_ranks(sources: Sequence[Unit], layout: Layout) -> tuple[int, ...]:
-    """The inverse of :func:`split`'s mapping: unit ``m * a + s`` at (pp, tp) goes to (pp*b + m, tp*a + s)."""
+    """The inverse of :func:`split`'s mapping (``plan.units.merged_gpus``), checked."""
     small = sources[0].layout
     a = _factor(layout.tp, small.tp, "merge.layout.tp")
     b = _factor(layout.pp, small.pp, "merge.layout.pp")
@@ -155,13 +130,7 @@ def canonical_merge_ranks(sources: Sequence[Unit], layout: Layout) -> tuple[int,
         "merge.sources",
         f"{len(sources)} units given, {small} -> {layout} needs {a * b}",
     )
-    out = [0] * layout.size
-    for j, unit in enumerate(sources):
-        m, s = divmod(j, a)
-        for index, rank in enumerate(unit.ranks):
-            pos = position_of(small, index)
-            out[(pos.pp_rank * b + m) * layout.tp + pos.tp_rank * a + s] = rank
-    return tuple(out)
+    return merged_gpus(sources, layout)
 
 
 def merge(
@@ -185,11 +154,15 @@ def merge(
         "merge.sources",
         f"units differ in layout: {[str(u) for u in sources]}",
     )
-    pool = [r for u in sources for r in u.ranks]
+    pool = [r for u in sources for r in u.gpus]
     require(len(set(pool)) == len(pool), "merge.sources", f"units share ranks: {[str(u) for u in sources]}")
     canonical = canonical_merge_ranks(sources, layout)
     if ranks is None:
-        ranks = canonical if schema is None else _cheapest_order(schema, sources, layout, canonical, trains)
+        ranks = (
+            canonical
+            if schema is None
+            else _cheapest_order(model_stage, schema, sources, layout, canonical, trains)
+        )
     ranks = tuple(ranks)
     require(
         sorted(ranks) == sorted(pool),
@@ -200,14 +173,17 @@ def merge(
 
 
 def _cheapest_order(
-    schema: StateSchema, sources: Sequence[Unit], layout: Layout, canonical: tuple[int, ...], trains: bool
+    model_stage: str,
+    schema: StateSchema,
+    sources: tuple[Unit, ...],
+    layout: Layout,
+    canonical: tuple[int, ...],
+    trains: bool,
 ) -> tuple[int, ...]:
-    from nereus_lightning.emu.plan import merged_holdings, plan_transfer, position_holdings, unit_holdings
-
-    held = merged_holdings(*(unit_holdings(schema, u.layout, u.ranks) for u in sources))
+    held = merged_holdings(*(unit_holdings(schema, u.layout, u.gpus) for u in sources))
 
     def cost(order: tuple[int, ...]) -> int:
-        plan = plan_transfer(schema, held, unit_holdings(schema, layout, order), trains)
+        plan = reshard_plan(Merge(model_stage, sources, Unit(layout, order)), schema, trains)
         return sum(plan.payload_bytes(schema, trains).values())
 
     # Greedy: each target position takes the free rank that already holds most of its shard.
@@ -222,8 +198,6 @@ def _cheapest_order(
 
 
 def _missing(schema: StateSchema, want: dict, have: dict) -> int:
-    from nereus_lightning.emu.plan import element_count
-
     total = 0
     for name, (lo, hi) in want.items():
         h = have.get(name)
@@ -234,13 +208,13 @@ def _missing(schema: StateSchema, want: dict, have: dict) -> int:
 
 def extend(model_stage: str, source: Unit, new_ranks: Sequence[Sequence[int]]) -> Extend:
     """Copy ``source`` onto each rank tuple of ``new_ranks`` (disjoint from it and from each other)."""
-    targets = tuple(Unit(source.layout, tuple(r)) for r in new_ranks)
+    targets = tuple(Unit(source.layout, r) for r in new_ranks)
     require(len(targets) >= 1, "extend.new_ranks", "give at least one rank tuple")
-    used = list(source.ranks) + [r for t in targets for r in t.ranks]
+    used = list(source.gpus) + [r for t in targets for r in t.gpus]
     require(
         len(set(used)) == len(used),
         "extend.new_ranks",
-        f"{[t.ranks for t in targets]} overlap each other or {source}",
+        f"{[t.gpus for t in targets]} overlap each other or {source}",
     )
     return Extend(model_stage, source, targets)
 
@@ -250,7 +224,7 @@ def destroy(model_stage: str, source: Unit) -> Destroy:
     return Destroy(model_stage, source)
 
 
-def validate_op(op: Primitive) -> None:
+def validate_op(op: Op) -> None:
     """Check an op built directly (e.g. from a DAG node): degrees, rank partitions, disjointness."""
     if isinstance(op, Split):
         require(bool(op.targets), "split.targets", "need units of one layout")
@@ -263,25 +237,25 @@ def validate_op(op: Primitive) -> None:
             "split.targets",
             f"{len(op.targets)} units for {op.source.layout} -> {small}",
         )
-        ranks = [r for u in op.targets for r in u.ranks]
+        ranks = [r for u in op.targets for r in u.gpus]
         require(
-            sorted(ranks) == sorted(op.source.ranks),
+            sorted(ranks) == sorted(op.source.gpus),
             "split.targets",
-            f"{ranks} must partition {op.source.ranks}",
+            f"{ranks} must partition {op.source.gpus}",
         )
     elif isinstance(op, Merge) and len(op.sources) == 1:
         # A re-ranking (the transition brain emits it when a target unit holds its T_sub unit's
         # ranks in another order): same layout, same ranks, shards moved to their new positions.
         source = op.sources[0]
         require(
-            op.target.layout == source.layout and sorted(op.target.ranks) == sorted(source.ranks),
+            op.target.layout == source.layout and sorted(op.target.gpus) == sorted(source.gpus),
             "merge.sources",
             f"one source unit ({source}) only re-ranks onto the same layout and ranks, not {op.target}",
         )
     elif isinstance(op, Merge):
-        merge(op.model_stage, op.sources, op.target.layout, ranks=op.target.ranks)
+        merge(op.model_stage, op.sources, op.target.layout, ranks=op.target.gpus)
     elif isinstance(op, Extend):
-        extend(op.model_stage, op.source, [u.ranks for u in op.targets])
+        extend(op.model_stage, op.source, [u.gpus for u in op.targets])
         require(
             all(u.layout == op.source.layout for u in op.targets),
             "extend.targets",
@@ -289,29 +263,33 @@ def validate_op(op: Primitive) -> None:
         )
 
 
-def from_node(node: Any, rank_of: Mapping[int, int] | None = None) -> Primitive:
-    """The op of a ``transition.dag.Node`` (GPU ids mapped to global ranks by ``rank_of``; identity by
-    default).
+def from_node(node: Node, rank_of: Mapping[int, int] | None = None) -> Op:
+    """The op of a ``transition.dag.Node`` (GPU ids mapped to global ranks by ``rank_of``; the node's
+    own units by default).
 
     A batched node (``node.width > 1``) is one op per lane: ``emu.executor.ops_of(node)``.
     """
-    width = getattr(node, "width", 1)
-    require(width == 1, "node", f"node #{node.id} carries {width} replicas; use emu.executor.ops_of(node)")
-
-    def unit(u: Any) -> Unit:
-        return Unit(u.layout, tuple(rank_of[g] if rank_of is not None else g for g in u.gpus))
-
-    kind = getattr(node.op, "value", node.op)
-    sources, targets = tuple(unit(u) for u in node.sources), tuple(unit(u) for u in node.targets)
-    if kind == "split":
-        op: Primitive = Split(node.model_stage, sources[0], targets)
-    elif kind == "merge":
+    require(
+        node.width == 1,
+        "node",
+        f"node #{node.id} carries {node.width} replicas; use emu.executor.ops_of(node)",
+    )
+    sources, targets = ranked(node.sources, rank_of), ranked(node.targets, rank_of)
+    op: Op
+    if node.op is Primitive.SPLIT:
+        op = Split(node.model_stage, sources[0], targets)
+    elif node.op is Primitive.MERGE:
         op = Merge(node.model_stage, sources, targets[0])
-    elif kind == "extend":
+    elif node.op is Primitive.EXTEND:
         op = Extend(node.model_stage, sources[0], targets)
-    elif kind == "destroy":
-        op = Destroy(node.model_stage, sources[0])
     else:
-        raise ValueError(f"unknown primitive {kind!r}")
+        op = Destroy(node.model_stage, sources[0])
     validate_op(op)
     return op
+
+
+def ranked(units: tuple[Unit, ...], rank_of: Mapping[int, int] | None) -> tuple[Unit, ...]:
+    """``units`` with their GPU ids mapped to global ranks by ``rank_of`` (as they are without it)."""
+    if rank_of is None:
+        return units
+    return tuple(Unit(u.layout, (rank_of[g] for g in u.gpus)) for u in units)

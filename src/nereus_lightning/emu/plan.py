@@ -1,20 +1,34 @@
 """Which slice of which tensor goes from which rank to which: the transfer plan of a resharding.
 
-Pure Python (no torch), so the same list prices a transition and drives its execution. Every
-shard is one interval ``[lo, hi)`` along its parameter's TP dimension (the whole first-dim
-extent for replicated tensors). A target rank keeps what it already holds and receives exactly
-the rest, each missing segment from one holder; the holder is the least-loaded one so far
-(ties: the nearest rank, then the lowest), which spreads an all-gather evenly over its group.
+Pure Python (no torch). Every shard is one interval ``[lo, hi)`` along its parameter's TP
+dimension (the whole first-dim extent for replicated tensors). A target rank keeps what it
+already holds and receives exactly the rest.
+
+* Split and Merge (:func:`reshard_plan`) execute the brain's own plan: the pieces of
+  ``transition.tsub.split_pieces`` / ``merge_pieces``, each turned into the tensor slices it
+  names (:func:`piece_slices`). The same pieces price the transition (``transition.pieces``),
+  so what a DAG node is priced at and what it sends are one list, rank pair by rank pair.
+* Copies between arbitrary unit sets (weight sync, re-layout: ``emu.sync``, which the brain does
+  not price) use :func:`plan_transfer`: each missing segment from one holder, the least-loaded
+  one so far (ties: the nearest rank, then the lowest), which spreads an all-gather evenly.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING
 
-from nereus_lightning.emu.schema import StateSchema, position_of
+from nereus_lightning.emu.schema import StateSchema
 from nereus_lightning.plan.layout import Layout
+from nereus_lightning.plan.units import Primitive, position_of
 from nereus_lightning.spec.errors import require
+from nereus_lightning.transition.pieces import Piece
+from nereus_lightning.transition.tsub import merge_pieces, split_pieces
+
+if TYPE_CHECKING:
+    from nereus_lightning.emu.ops import Merge, Split
 
 Interval = tuple[int, int]
 Holdings = dict[int, dict[str, Interval]]  # rank -> name -> interval held
@@ -112,6 +126,71 @@ def _prod(values: Iterable[int]) -> int:
     for v in values:
         out *= v
     return out
+
+
+@lru_cache(maxsize=256)
+def reshard_plan(op: Split | Merge, schema: StateSchema, trains: bool) -> TransferPlan:
+    """The moves of a Split or Merge: the brain's pieces of that call as tensor slices (the same
+    list on every rank; cached per op).
+
+    A piece's slices travel in schema order; the 0-d AdamW step of a tensor the receiver held no
+    copy of travels once, with its first slice.
+    """
+    if op.kind is Primitive.SPLIT:  # positions are the source unit's; a tile per target unit
+        (whole,), parts, of = op.sources, op.targets, split_pieces
+    else:  # Merge: positions are the target unit's; a tile per source unit
+        (whole,), parts, of = op.targets, op.sources, merge_pieces
+    gpus = whole.gpus
+    tiles = tuple(tuple(map(gpus.index, u.gpus)) for u in parts)
+    pieces = of(schema.num_layers, schema.tied, op.sources[0].layout, op.targets[0].layout, tiles)
+    held = merged_holdings(*(unit_holdings(schema, u.layout, u.gpus) for u in op.sources))
+    moves: list[Move] = []
+    stepped: set[tuple[int, str]] = set()
+    for sx, dx, piece in pieces:
+        src, dst = gpus[sx], gpus[dx]
+        for name, lo, hi in piece_slices(schema, piece):
+            first = name not in held[dst] and (dst, name) not in stepped
+            if first:
+                stepped.add((dst, name))
+            moves.append(Move(src, dst, name, lo, hi, first))
+    return TransferPlan(tuple(moves))
+
+
+@lru_cache(maxsize=65536)
+def piece_slices(schema: StateSchema, piece: Piece) -> tuple[tuple[str, int, int], ...]:
+    """The tensor slices ``(name, lo, hi)`` of a brain :class:`~nereus_lightning.transition.pieces.Piece`.
+
+    Its blocks' TP-split tensors for the fraction ``[tp_lo / tp_den, tp_hi / tp_den)`` of their TP
+    dim, their replicated tensors whole (``layer_norms``); the embedding and LM head for that
+    fraction; the last stage's replicated tensors (final norm, a critic's value head) whole
+    (``final_norm``).
+    """
+    out = []
+    for name in schema.names:
+        p = schema.placements[name]
+        if p.kind == "block":
+            assert p.layer is not None
+            in_range = piece.layer_lo <= p.layer < piece.layer_hi
+            wanted = in_range and (p.tp_dim is not None or piece.layer_norms)
+        elif p.kind in ("embed", "lm_head"):
+            require(p.tp_dim is not None, "tp_plan", f"{name} must be TP-split (it is priced as split)")
+            wanted = piece.embed if p.kind == "embed" else piece.lm_head
+        else:  # final_norm, value_head
+            require(p.tp_dim is None, "tp_plan", f"{name} must be TP-replicated (it is priced as replicated)")
+            wanted = piece.final_norm
+        if not wanted:
+            continue
+        if p.tp_dim is None:
+            out.append((name, *schema.interval(name, Layout(), 0)))
+            continue
+        size = schema.shape_of[name][p.tp_dim]
+        require(
+            size * piece.tp_lo % piece.tp_den == 0 and size * piece.tp_hi % piece.tp_den == 0,
+            "layout.tp",
+            f"{piece.tp_den} does not divide dim {p.tp_dim} ({size}) of {name}",
+        )
+        out.append((name, size * piece.tp_lo // piece.tp_den, size * piece.tp_hi // piece.tp_den))
+    return tuple(out)
 
 
 def plan_transfer(schema: StateSchema, held: Holdings, needed: Holdings, trains: bool = True) -> TransferPlan:

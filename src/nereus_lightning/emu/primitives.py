@@ -13,15 +13,14 @@ from __future__ import annotations
 import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from nereus_lightning.emu.ops import Destroy, Extend, Merge, Primitive, Split, Unit, validate_op
-from nereus_lightning.emu.plan import TransferPlan, merged_holdings, plan_transfer, unit_holdings
+from nereus_lightning.emu.ops import Destroy, Extend, Merge, Op, Split, validate_op
+from nereus_lightning.emu.plan import reshard_plan, unit_holdings
 from nereus_lightning.emu.registry import registry
 from nereus_lightning.emu.schema import StateSchema
 from nereus_lightning.emu.transfer import (
@@ -34,6 +33,7 @@ from nereus_lightning.emu.transfer import (
 )
 from nereus_lightning.emu.unit import EMU, Counters
 from nereus_lightning.plan.layout import Layout
+from nereus_lightning.plan.units import Primitive, Unit
 from nereus_lightning.spec.errors import NereusConfigError, require
 from nereus_lightning.spec.families import family_of
 
@@ -42,7 +42,7 @@ from nereus_lightning.spec.families import family_of
 class TransferReport:
     """What one rank did in one primitive call (sum the ranks' reports for the whole op)."""
 
-    kind: str
+    kind: Primitive
     model_stage: str
     rank: int
     sent_bytes: int = 0  # packed buffer bytes sent, once per receiving peer
@@ -81,10 +81,10 @@ def create_unit(
     schema = schema or StateSchema.of(config, model_or_state)
     unit = Unit(layout, tuple(ranks))
     schema.validate(layout)
-    reg.require_free(model_stage, unit.ranks, colocate_with=colocate_with)
+    reg.require_free(model_stage, unit.gpus, colocate_with=colocate_with)
     reg.declare(model_stage, schema, trains)
     emu = None
-    if dist.get_rank() in unit.ranks:
+    if dist.get_rank() in unit.gpus:
         require(model_or_state is not None, "model", f"rank {dist.get_rank()} is in {unit} but got no model")
         emu = EMU.from_model(
             model_stage,
@@ -102,7 +102,7 @@ def create_unit(
 
 
 def execute(
-    op: Primitive,
+    op: Op,
     *,
     colocate_with: Collection[str] = (),
     device: torch.device | str | None = None,
@@ -116,7 +116,7 @@ class Started:
 
     __slots__ = ("op", "flight", "freed", "began", "_report")
 
-    def __init__(self, op: Primitive, flight: InFlight, freed: int, began: float) -> None:
+    def __init__(self, op: Op, flight: InFlight, freed: int, began: float) -> None:
         self.op, self.flight, self.freed, self.began = op, flight, freed, began
         self._report: TransferReport | None = None
 
@@ -145,7 +145,7 @@ class Started:
 
 
 def start(
-    op: Primitive,
+    op: Op,
     *,
     colocate_with: Collection[str] = (),
     device: torch.device | str | None = None,
@@ -163,7 +163,7 @@ def start(
     _check(op, schema, colocate_with)
     me = dist.get_rank()
     device = torch.device(device) if device is not None else default_device()
-    involved = {r for u in (*op.sources, *op.targets) for r in u.ranks}
+    involved = {r for u in (*op.sources, *op.targets) for r in u.gpus}
     flight, freed = InFlight(), 0
     if me in involved:
         if isinstance(op, Destroy):
@@ -177,14 +177,14 @@ def start(
     return Started(op, flight, freed, began)
 
 
-def _check(op: Primitive, schema: StateSchema, colocate_with: Collection[str]) -> None:
+def _check(op: Op, schema: StateSchema, colocate_with: Collection[str]) -> None:
     reg = registry()
     validate_op(op)
     reg.require_live(op.model_stage, op.sources)
     for unit in op.targets:
         schema.validate(unit.layout)
-    old = {r for u in op.sources for r in u.ranks}
-    new = {r for u in op.targets for r in u.ranks} - old
+    old = {r for u in op.sources for r in u.gpus}
+    new = {r for u in op.targets for r in u.gpus} - old
     reg.require_free(op.model_stage, new, ignore=op.sources, colocate_with=colocate_with)
     if isinstance(op, Destroy) and len(reg.live(op.model_stage)) <= 1:
         raise NereusConfigError(
@@ -196,7 +196,7 @@ def _check(op: Primitive, schema: StateSchema, colocate_with: Collection[str]) -
     require(not bad, "target ranks", f"ranks {bad} are outside the world (size {world})")
 
 
-def _record(op: Primitive, local: dict[Unit, EMU]) -> None:
+def _record(op: Op, local: dict[Unit, EMU]) -> None:
     reg = registry()
     if not isinstance(op, Extend):
         for unit in op.sources:
@@ -215,15 +215,15 @@ def _destroy(op: Destroy) -> int:
 
 def _extend(op: Extend, schema: StateSchema, trains: bool, device: torch.device) -> InFlight:
     me = dist.get_rank()
-    index = next(i for u in (op.source, *op.targets) for i, r in enumerate(u.ranks) if r == me)
-    ranks = (op.source.ranks[index], *(u.ranks[index] for u in op.targets))
-    if me == op.source.ranks[index]:
+    index = next(i for u in (op.source, *op.targets) for i, r in enumerate(u.gpus) if r == me)
+    ranks = (op.source.gpus[index], *(u.gpus[index] for u in op.targets))
+    if me == op.source.gpus[index]:
         emu = registry().local(op.model_stage, op.source)
         counters = emu.counters.as_tensor(emu.device)
         flight = start_broadcast([t for _, _, t in emu.tensors()] + [counters], ranks[0], ranks, device)
         local = {}
     else:
-        target = next(u for u in op.targets if me in u.ranks)
+        target = next(u for u in op.targets if me in u.gpus)
         emu = EMU.empty(op.model_stage, schema, target, me, trains=trains, device=device)
         counters = torch.empty(Counters.size(), dtype=torch.int64, device=device)
         flight = start_broadcast([t for _, _, t in emu.tensors()] + [counters], ranks[0], ranks, device)
@@ -233,24 +233,16 @@ def _extend(op: Extend, schema: StateSchema, trains: bool, device: torch.device)
     return flight
 
 
-@lru_cache(maxsize=256)
-def reshard_plan(op: Split | Merge, schema: StateSchema, trains: bool) -> TransferPlan:
-    """The moves of a Split or Merge (the same list on every rank; cached per op)."""
-    held = merged_holdings(*(unit_holdings(schema, u.layout, u.ranks) for u in op.sources))
-    needed = merged_holdings(*(unit_holdings(schema, u.layout, u.ranks) for u in op.targets))
-    return plan_transfer(schema, held, needed, trains)
-
-
 def _reshard(
     op: Split | Merge, schema: StateSchema, trains: bool, device: torch.device
 ) -> tuple[InFlight, int]:
     me = dist.get_rank()
     reg = registry()
-    source = next(u for u in op.sources if me in u.ranks)
-    target = next(u for u in op.targets if me in u.ranks)
+    source = next(u for u in op.sources if me in u.gpus)
+    target = next(u for u in op.targets if me in u.gpus)
     old_emu = reg.local(op.model_stage, source)
-    old_iv = unit_holdings(schema, source.layout, source.ranks)[me]
-    new_iv = unit_holdings(schema, target.layout, target.ranks)[me]
+    old_iv = unit_holdings(schema, source.layout, source.gpus)[me]
+    new_iv = unit_holdings(schema, target.layout, target.gpus)[me]
     old: StateDict = {(n, k): t for n, k, t in old_emu.tensors()}
     new = _new_state(schema, old, old_iv, new_iv, trains, device)
     flight = start_plan(schema, reshard_plan(op, schema, trains), trains, old, old_iv, new, new_iv, device)

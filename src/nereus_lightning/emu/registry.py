@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 
 from nereus_lightning.emu.schema import StateSchema
-from nereus_lightning.emu.unit import EMU, Unit
+from nereus_lightning.emu.unit import EMU
+from nereus_lightning.plan.units import Unit
 from nereus_lightning.spec.errors import NereusConfigError, require
 
 
@@ -97,7 +98,7 @@ class Registry:
             for unit in units:
                 if unit in ignore:
                     continue
-                shared = sorted(wanted & set(unit.ranks))
+                shared = sorted(wanted & set(unit.gpus))
                 require(
                     not shared,
                     "target ranks",

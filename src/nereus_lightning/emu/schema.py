@@ -30,20 +30,6 @@ ITEMSIZE = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "int64": 8,
 
 
 @dataclass(frozen=True)
-class Position:
-    """One rank's place in a unit: its pipeline stage and TP rank."""
-
-    pp_rank: int
-    tp_rank: int
-
-
-def position_of(layout: Layout, index: int) -> Position:
-    """The position of rank index ``index`` (``pp_rank * tp + tp_rank``, as in ``Candidate``)."""
-    pp_rank, tp_rank = divmod(index, layout.tp)
-    return Position(pp_rank, tp_rank)
-
-
-@dataclass(frozen=True)
 class StateSchema:
     """Names, full shapes and dtypes of a causal LM's parameters, plus its TP plan and layer/head counts."""
 
@@ -192,12 +178,20 @@ class StateSchema:
                 )
 
     def stage_names(self, layout: Layout, pp_rank: int) -> tuple[str, ...]:
-        """The parameters held by pipeline stage ``pp_rank`` under ``layout``."""
-        return tuple(
-            name
-            for name in self.names
-            if pp_rank in pp_stages(self.placements[name], self.num_layers, layout.pp, self.tied)
-        )
+        """The parameters held by pipeline stage ``pp_rank`` under ``layout`` (schema order)."""
+        by_pp = self._stage_names
+        if layout.pp not in by_pp:
+            stages: list[list[str]] = [[] for _ in range(layout.pp)]
+            for name in self.names:
+                for rank in pp_stages(self.placements[name], self.num_layers, layout.pp, self.tied):
+                    stages[rank].append(name)
+            by_pp[layout.pp] = tuple(tuple(names) for names in stages)
+        return by_pp[layout.pp][pp_rank]
+
+    @cached_property
+    def _stage_names(self) -> dict[int, tuple[tuple[str, ...], ...]]:
+        """Per PP degree, every stage's parameters (filled by :meth:`stage_names`)."""
+        return {}
 
     def interval(self, name: str, layout: Layout, tp_rank: int) -> tuple[int, int]:
         """The ``[lo, hi)`` range along the TP dim that ``tp_rank`` holds (the whole extent when not cut).

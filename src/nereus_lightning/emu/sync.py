@@ -23,12 +23,12 @@ import torch
 import torch.distributed as dist
 
 from nereus_lightning.emu.groups import prepare_member_groups
-from nereus_lightning.emu.ops import Unit
 from nereus_lightning.emu.plan import Interval, merged_holdings, plan_transfer, unit_holdings
 from nereus_lightning.emu.registry import registry
 from nereus_lightning.emu.schema import StateSchema
 from nereus_lightning.emu.transfer import StateDict, Traffic, default_device, run_plan, slice_of
 from nereus_lightning.emu.unit import EMU, Counters
+from nereus_lightning.plan.units import Unit
 from nereus_lightning.spec.errors import require
 
 
@@ -48,8 +48,8 @@ def copy_between(
     ``"param"`` and, with ``trains``, the AdamW keys (``schema.state_keys``). Returns this rank's traffic.
     """
     me = dist.get_rank()
-    held = merged_holdings(*(unit_holdings(schema, u.layout, u.ranks) for u in sources))
-    needed = merged_holdings(*(unit_holdings(schema, u.layout, u.ranks) for u in targets))
+    held = merged_holdings(*(unit_holdings(schema, u.layout, u.gpus) for u in sources))
+    needed = merged_holdings(*(unit_holdings(schema, u.layout, u.gpus) for u in targets))
     old_iv: Mapping[str, Interval] = held.get(me, {})
     new_iv: Mapping[str, Interval] = needed.get(me, {})
     with torch.no_grad():
@@ -110,18 +110,18 @@ def relayout(
     require(bool(sources), "model_stage", f"{model_stage!r} has no live unit to move")
     for unit in targets:
         schema.validate(unit.layout)
-    used = [r for u in targets for r in u.ranks]
+    used = [r for u in targets for r in u.gpus]
     require(len(set(used)) == len(used), "targets", f"target units share ranks: {used}")
     device = device or default_device()
     me = dist.get_rank()
-    mine = next((u for u in targets if me in u.ranks), None)
+    mine = next((u for u in targets if me in u.gpus), None)
     emu = EMU.empty(model_stage, schema, mine, me, trains=trains, device=device) if mine is not None else None
     old_emu = _local(model_stage)
     traffic = copy_between(
         schema, sources, targets, _state_of(old_emu, True), _state_of(emu, True), trains=trains, device=device
     )
     counters = (old_emu.counters if old_emu is not None else Counters()).as_tensor(device)
-    dist.broadcast(counters, src=sources[0].ranks[0])
+    dist.broadcast(counters, src=sources[0].gpus[0])
     if emu is not None:
         emu.counters = Counters.from_tensor(counters)
     for unit in sources:

@@ -24,11 +24,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from nereus_lightning.emu.ops import Unit
-from nereus_lightning.emu.schema import Position, StateSchema
+from nereus_lightning.emu.schema import StateSchema
 from nereus_lightning.models.optim import MASTER_KEY
 from nereus_lightning.models.sharding import tp_slices
 from nereus_lightning.plan.layout import Layout
+from nereus_lightning.plan.units import Position, Unit
 from nereus_lightning.spec.errors import require
 
 

@@ -189,9 +189,9 @@ def chain_errors(rank: int, world: int, config: Any, seed: int = 0) -> dict[str,
 
     def check(label: str) -> None:
         units = registry().live(stage)
-        replica_groups([u.ranks for u in units], units[0].layout, tied=tied)  # world-collective
-        mine = next(u for u in units if rank in u.ranks)
-        comm = ReplicaComm.of(mine.ranks, mine.layout, rank, tied=tied)
+        replica_groups([u.gpus for u in units], units[0].layout, tied=tied)  # world-collective
+        mine = next(u for u in units if rank in u.gpus)
+        comm = ReplicaComm.of(mine.gpus, mine.layout, rank, tied=tied)
         sharded = ShardedCausalLM(config, comm, registry().local(stage, mine).params)
         logits = forward_logits(sharded, ids, where="all")
         assert logits is not None  # where="all": every rank gets them
@@ -211,7 +211,7 @@ def chain_errors(rank: int, world: int, config: Any, seed: int = 0) -> dict[str,
     for unit in first.targets:
         run(split(stage, unit, Layout(1, 1)))
     check("split_tp")
-    by_rank = {u.ranks[0]: u for u in registry().live(stage)}
+    by_rank = {u.gpus[0]: u for u in registry().live(stage)}
     pairs = [run(merge(stage, [by_rank[r], by_rank[r + 1]], Layout(2, 1))) for r in (0, 2)]
     check("merge_tp")
     run(merge(stage, [op.target for op in pairs], Layout(2, 2)))

@@ -19,12 +19,12 @@ gets one batched node per step of its local DAG for all its replicas.
 ``pieces`` defines the byte formula every transfer uses; ``scenarios`` makes random plan pairs.
 """
 
+from nereus_lightning.plan.units import common_layout
 from nereus_lightning.transition.baseline import BaselineOutcome, per_component_baseline
 from nereus_lightning.transition.build import build_transition
 from nereus_lightning.transition.cost import Schedule, schedule, transition_cost
 from nereus_lightning.transition.dag import MemEffect, Node, Primitive, TransitionDAG, Unit
 from nereus_lightning.transition.pieces import Piece, Transfer, piece_bytes
-from nereus_lightning.transition.tsub import common_layout
 from nereus_lightning.transition.validate import ValidationReport, validate
 
 __all__ = [

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
 from functools import cached_property
 from itertools import chain, islice
 from operator import itemgetter
-from typing import TYPE_CHECKING, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from nereus_lightning.plan.layout import Layout, Plan
 from nereus_lightning.plan.overlap import transition_peers
+from nereus_lightning.plan.units import Primitive, Unit
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.model import ModelSpec
 from nereus_lightning.spec.workload import ModelStage, Workload
@@ -31,26 +31,8 @@ if TYPE_CHECKING:
     from nereus_lightning.transition.validate import ValidationReport
 
 
-class Primitive(str, Enum):
-    """The four EMU primitives (section 5.2 of the paper)."""
-
-    SPLIT = "split"  # one unit -> k units of a smaller layout on the same GPUs (gather within groups)
-    MERGE = "merge"  # k units -> one unit of a larger layout on their GPUs (only non-resident pieces move)
-    EXTEND = "extend"  # copy one unit onto new GPUs, rank-aligned (the source stays)
-    DESTROY = "destroy"  # drop one unit and free its GPUs (no transfers)
-
-
+# Unit and Primitive live in plan.units (shared with the body); the transition modules import them from here.
 _GPUS = itemgetter(1)  # a Unit's gpus
-
-
-class Unit(NamedTuple):
-    """One replica (EMU) of a model-stage: ``layout`` on ``gpus`` (index ``pp_rank * tp + tp_rank``)."""
-
-    layout: Layout
-    gpus: tuple[int, ...]
-
-    def __str__(self) -> str:
-        return f"{self.layout}@{list(self.gpus)}"
 
 
 _T = TypeVar("_T")

@@ -127,26 +127,27 @@ class StageContent(NamedTuple):
 
 
 @lru_cache(maxsize=4096)
-def stage_content(model: ModelSpec, pp: int, pp_rank: int) -> StageContent:
-    """What pipeline stage ``pp_rank`` of ``pp`` holds (see the module docstring)."""
-    base, extra = divmod(model.num_layers, pp)
+def stage_content(num_layers: int, tied: bool, pp: int, pp_rank: int) -> StageContent:
+    """What pipeline stage ``pp_rank`` of ``pp`` holds of a ``num_layers``-block model (``tied``:
+    its LM head is the embedding; see the module docstring)."""
+    base, extra = divmod(num_layers, pp)
     lo = pp_rank * base + min(pp_rank, extra)
     hi = lo + base + (1 if pp_rank < extra else 0)
     last = pp_rank == pp - 1
-    embed = pp_rank == 0 or (model.tie_embeddings and last)
-    return StageContent(lo, hi, embed, last and not model.tie_embeddings, last)
+    embed = pp_rank == 0 or (tied and last)
+    return StageContent(lo, hi, embed, last and not tied, last)
 
 
 @lru_cache(maxsize=4096)
 def shard_bytes(geo: Geometry, layout: Layout, pp_rank: int) -> int:
     """Bytes held by one GPU of pipeline stage ``pp_rank`` under ``layout``."""
-    c = stage_content(geo.model, layout.pp, pp_rank)
+    c = stage_content(geo.model.num_layers, geo.model.tie_embeddings, layout.pp, pp_rank)
     return piece_bytes(geo, Piece(c.lo, c.hi, c.embed, c.lm_head, c.final_norm, True, 0, 1, layout.tp))
 
 
 def full_piece(model: ModelSpec, layout: Layout, pp_rank: int, tp_rank: int) -> Piece:
     """The whole shard at position ``(pp_rank, tp_rank)`` of ``layout``."""
-    c = stage_content(model, layout.pp, pp_rank)
+    c = stage_content(model.num_layers, model.tie_embeddings, layout.pp, pp_rank)
     return Piece(c.lo, c.hi, c.embed, c.lm_head, c.final_norm, True, tp_rank, tp_rank + 1, layout.tp)
 
 
@@ -202,16 +203,31 @@ def gather_pattern(
 ) -> tuple[tuple[int, int, Piece], ...]:
     """:func:`gather_transfers` by positions: (source index, bytes, piece)."""
     model = geo.model
+    return tuple(
+        (i, piece_bytes(geo, piece), piece)
+        for i, piece in gather_pieces(
+            model.num_layers, model.tie_embeddings, have, dst_index, want, want_pp, want_tp
+        )
+    )
+
+
+@lru_cache(maxsize=65536)
+def gather_pieces(
+    num_layers: int, tied: bool, have: Layout, dst_index: int, want: Layout, want_pp: int, want_tp: int
+) -> tuple[tuple[int, Piece], ...]:
+    """:func:`gather_pattern` without the bytes: (source index, piece), for a model of
+    ``num_layers`` blocks (``tied``: LM head tied to the embedding). It depends on nothing else,
+    so the body executes these very pieces (``emu.plan.reshard_plan``)."""
     p0, t0 = divmod(dst_index, have.tp)
-    w = stage_content(model, want.pp, want_pp)
+    w = stage_content(num_layers, tied, want.pp, want_pp)
     den = have.tp * want.tp // gcd(have.tp, want.tp)
     w_lo, w_hi = want_tp * (den // want.tp), (want_tp + 1) * (den // want.tp)
     step = den // have.tp
     # A tied model may hold the embedding on two stages: take it from one (the resident's if any).
-    embed_from = p0 if stage_content(model, have.pp, p0).embed else (0 if w.embed else -1)
+    embed_from = p0 if stage_content(num_layers, tied, have.pp, p0).embed else (0 if w.embed else -1)
     out = []
     for p in range(have.pp):
-        h = stage_content(model, have.pp, p)
+        h = stage_content(num_layers, tied, have.pp, p)
         lo, hi = max(h.lo, w.lo), min(h.hi, w.hi)
         if hi < lo:
             hi = lo
@@ -228,10 +244,8 @@ def gather_pattern(
             first = False
             if p == p0 and t == t0:
                 continue  # resident
-            piece = Piece(
-                lo, hi, embed, lm_head, norm and replicated, replicated and hi > lo, f_lo, f_hi, den
-            )
-            size = piece_bytes(geo, piece)
-            if size:
-                out.append((p * have.tp + t, size, piece))
+            final_norm = norm and replicated
+            if hi > lo or embed or lm_head or final_norm:  # else nothing of it is missing here
+                piece = Piece(lo, hi, embed, lm_head, final_norm, replicated and hi > lo, f_lo, f_hi, den)
+                out.append((p * have.tp + t, piece))
     return tuple(out)

@@ -1,75 +1,43 @@
-"""``T_sub`` geometry: how a unit of one layout splits into (and merges from) units of a smaller one.
+"""Split and Merge as transfers: which piece of state each GPU of a Split or Merge receives, and from where.
 
-Pure position arithmetic, cached per layout pair: the sub-units' positions, the GPU tuples they
-land on, and the position patterns (with transfer buffers) of Split and Merge. Placing a pattern
-on a unit's GPUs gives the exact transfers of that primitive call (``transition.pieces``).
+:func:`split_pieces` and :func:`merge_pieces` are THE transfer plan of those primitives: the
+brain prices them (:func:`split_pattern`, :func:`merge_pattern` add the bytes of
+``transition.pieces`` and the buffers) and the body executes them (``emu.plan.reshard_plan``
+turns each piece into tensor slices). Pure position arithmetic, cached per layout pair and
+tiling; placing a pattern on a unit's GPUs gives the exact transfers of one primitive call.
+The unit geometry itself (which positions form each sub-unit, ``T_sub``) is ``plan.units``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import lru_cache
 from itertools import repeat
-from math import gcd
-from operator import itemgetter
 
 from nereus_lightning.plan.layout import Layout
+from nereus_lightning.plan.units import all_subs, common_layout, splitter, sub_gpus, sub_positions
 from nereus_lightning.transition.dag import MemEffect
-from nereus_lightning.transition.pieces import Geometry, Piece, Transfer, gather_pattern
+from nereus_lightning.transition.pieces import Geometry, Piece, Transfer, gather_pieces, piece_bytes
+
+# Re-exported for the transition modules that import the unit geometry from here.
+__all__ = [
+    "Pattern",
+    "PiecePattern",
+    "all_subs",
+    "common_layout",
+    "consecutive",
+    "merge_pattern",
+    "merge_pieces",
+    "placed",
+    "split_pattern",
+    "split_pieces",
+    "splitter",
+    "sub_gpus",
+    "sub_positions",
+    "uniform_effects",
+    "unit_and_index",
+]
 
 _new = tuple.__new__  # builds a NamedTuple without its (slow) Python-level __new__
-
-
-def common_layout(a: Layout, b: Layout) -> Layout:
-    """``T_sub``: the largest layout into which both ``a`` and ``b`` can be split."""
-    return Layout(gcd(a.tp, b.tp), gcd(a.pp, b.pp))
-
-
-@lru_cache(maxsize=1024)
-def sub_positions(x: Layout, s: Layout) -> tuple[tuple[int, ...], ...]:
-    """For each sub-unit ``j`` of a layout-``x`` unit split into ``s``: its positions as ``x`` indices."""
-    k_tp, k_pp = x.tp // s.tp, x.pp // s.pp
-    out = []
-    for jp in range(k_pp):
-        for jt in range(k_tp):
-            out.append(
-                tuple((pq * k_pp + jp) * x.tp + tq * k_tp + jt for pq in range(s.pp) for tq in range(s.tp))
-            )
-    return tuple(out)
-
-
-@lru_cache(maxsize=1024)
-def splitter(x: Layout, s: Layout) -> Callable[[tuple[int, ...]], list[tuple[int, ...]]]:
-    """A function from a layout-``x`` unit's GPUs to its ``s`` sub-units' GPUs (``sub_positions`` order)."""
-    positions = sub_positions(x, s)
-    if len(positions) == 1:
-        return lambda gpus: [gpus]
-    flat = itemgetter(*(i for idx in positions for i in idx))
-    size = s.size
-    if size == 1:
-        return lambda gpus: list(zip(flat(gpus)))  # single GPUs: C speed
-    return lambda gpus: list(zip(*[iter(flat(gpus))] * size, strict=True))
-
-
-@lru_cache(maxsize=1024)
-def sub_gpus(x: Layout, s: Layout, units: int) -> Callable[[tuple[int, ...]], tuple[int, ...]]:
-    """The GPUs of :func:`all_subs`'s sub-units, flat (a tuple: compared without making the units)."""
-    positions = [u * x.size + i for u in range(units) for idx in sub_positions(x, s) for i in idx]
-    if not positions:
-        return lambda gpus: ()
-    if positions == list(range(len(positions))):  # every GPU in order (e.g. TP2 -> TP1)
-        return tuple
-    return itemgetter(*positions) if len(positions) > 1 else (lambda gpus: (gpus[positions[0]],))
-
-
-@lru_cache(maxsize=1024)
-def all_subs(x: Layout, s: Layout, units: int) -> Callable[[tuple[int, ...]], list[tuple[int, ...]]]:
-    """Like :func:`splitter` for ``units`` consecutive layout-``x`` units at once (unit-major)."""
-    flat = sub_gpus(x, s, units)
-    size = s.size
-    if size == 1:
-        return lambda gpus: list(zip(flat(gpus)))
-    return lambda gpus: list(zip(*[iter(flat(gpus))] * size, strict=True))
 
 
 @lru_cache(maxsize=256)
@@ -85,20 +53,45 @@ def unit_and_index(units: int, k: int) -> tuple[tuple[int, int], ...]:
 
 
 Pattern = tuple[tuple[int, int, int, Piece], ...]  # (src position, dst position, bytes, piece)
+PiecePattern = tuple[tuple[int, int, Piece], ...]  # (src position, dst position, piece)
+
+
+@lru_cache(maxsize=4096)
+def split_pieces(
+    num_layers: int, tied: bool, a: Layout, s: Layout, tiles: tuple[tuple[int, ...], ...]
+) -> PiecePattern:
+    """Split of a layout-``a`` unit into ``s`` units at ``tiles`` (per new unit, its positions in
+    the ``a`` unit): what each position receives, from which position (``gather_pieces``)."""
+    return tuple(
+        (src, x, piece)
+        for tile in tiles
+        for q, x in enumerate(tile)
+        for src, piece in gather_pieces(num_layers, tied, a, x, s, q // s.tp, q % s.tp)
+    )
+
+
+@lru_cache(maxsize=4096)
+def merge_pieces(
+    num_layers: int, tied: bool, s: Layout, b: Layout, tiles: tuple[tuple[int, ...], ...]
+) -> PiecePattern:
+    """Merge of ``s`` units at ``tiles`` (per old unit, the positions of its GPUs in the layout-``b``
+    result): what each position receives, from which position of its own old unit."""
+    at = {x: (tile, q) for tile in tiles for q, x in enumerate(tile)}
+    out = []
+    for x in range(b.size):
+        tile, q = at[x]
+        for src, piece in gather_pieces(num_layers, tied, s, q, b, x // b.tp, x % b.tp):
+            out.append((tile[src], x, piece))
+    return tuple(out)
 
 
 @lru_cache(maxsize=4096)
 def split_pattern(
     geo: Geometry, a: Layout, s: Layout, tiles: tuple[tuple[int, ...], ...]
 ) -> tuple[Pattern, tuple[int, ...]]:
-    """Split of a layout-``a`` unit into ``s`` units at ``tiles``
-    (its positions), and buffers per position.
-    """
-    out = []
-    for tile in tiles:
-        for q, x in enumerate(tile):
-            for src, size, piece in gather_pattern(geo, a, x, s, q // s.tp, q % s.tp):
-                out.append((src, x, size, piece))
+    """:func:`split_pieces` with their bytes, and the transfer buffers per position."""
+    pieces = split_pieces(geo.model.num_layers, geo.model.tie_embeddings, a, s, tiles)
+    out = [(src, x, piece_bytes(geo, piece), piece) for src, x, piece in pieces]
     return tuple(out), _buffers(out, a.size)
 
 
@@ -106,13 +99,9 @@ def split_pattern(
 def merge_pattern(
     geo: Geometry, s: Layout, b: Layout, tiles: tuple[tuple[int, ...], ...]
 ) -> tuple[Pattern, tuple[int, ...]]:
-    """Merge of ``s`` units at ``tiles`` (positions of the layout-``b`` result), and buffers per position."""
-    at = {x: (tile, q) for tile in tiles for q, x in enumerate(tile)}
-    out = []
-    for x in range(b.size):
-        tile, q = at[x]
-        for src, size, piece in gather_pattern(geo, s, q, b, x // b.tp, x % b.tp):
-            out.append((tile[src], x, size, piece))
+    """:func:`merge_pieces` with their bytes, and the transfer buffers per position."""
+    pieces = merge_pieces(geo.model.num_layers, geo.model.tie_embeddings, s, b, tiles)
+    out = [(src, x, piece_bytes(geo, piece), piece) for src, x, piece in pieces]
     return tuple(out), _buffers(out, b.size)
 
 
