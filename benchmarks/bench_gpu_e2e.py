@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--report", nargs="*", help="JSON files of earlier runs")
     parser.add_argument("--micro-batch", type=int, help="override the plan's inference/training micro-batch")
-    parser.add_argument("--recompute", type=int, choices=(0, 1), help="override the plan's training recompute")
+    parser.add_argument("--recompute", type=int, choices=(0, 1), help="override recompute (0/1)")
     parser.add_argument("--tag", default="", help="suffix of the result file (e.g. mb4)")
     args = parser.parse_args(argv if argv is not None else sys.argv[1:])
     if args.report is not None:
@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> None:
     run_dir.mkdir()
     if args.system == "nereus":
         plan, models, cluster, workload = planned(folder, args.new_tokens)
-        chosen = {name: {"micro_batch": c.micro_batch, "recompute": c.recompute} for name, c in plan.assignments}
+        chosen = {n: {"micro_batch": c.micro_batch, "recompute": c.recompute} for n, c in plan.assignments}
         recompute = None if args.recompute is None else bool(args.recompute)
         plan = with_slots(plan, args.micro_batch, recompute)
         result = run_nereus(folder, args.steps, args.new_tokens, run_dir, plan)

@@ -98,7 +98,8 @@ def main() -> None:
     per_step = {k: [float(r[k]) for r in rows if r.get(k)] for k in keys}
     first = json.loads(open(out / "decisions.jsonl").readline())
     result = {
-        "algorithm": args.algorithm, "overrides": args.overrides, "steps": summary.get("steps"), "fit_s": done - start,
+        "algorithm": args.algorithm, "overrides": args.overrides, "steps": summary.get("steps"),
+        "fit_s": done - start,
         "last_step_to_fit_end_s": done - last_end, "plan": first.get("target_plan"),
         "median": {k: sorted(v)[len(v) // 2] for k, v in per_step.items() if v},
         "max": {k: max(v) for k, v in per_step.items() if v and k.startswith("perf/")},
