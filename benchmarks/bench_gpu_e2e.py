@@ -114,6 +114,27 @@ def with_slots(plan, micro_batch: int | None, recompute: bool | None):  # noqa: 
     })
 
 
+class KeepPlan:
+    """A controller that keeps one plan all run (the pool never changes here), so a sweep runs its plan."""
+
+    def __init__(self, plan) -> None:  # noqa: ANN001
+        self.plan, self.started = plan, False
+
+    def step(self, signals):  # noqa: ANN001, ANN201
+        from nereus_lightning.control.decision import Decision
+
+        if self.started:
+            return Decision(signals.step, "none")
+        self.started = True
+        return Decision(signals.step, "initial", reason="given plan", target=self.plan, signals=signals)
+
+    def state_dict(self) -> dict:
+        return {"plan": self.plan}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.plan = state["plan"]
+
+
 def run_nereus(folder: Path, steps: int, new_tokens: int, out: Path, plan) -> dict:  # noqa: ANN001
     """nereus GRPO on GPU 0 under ``plan``: bf16 weights with fp32 masters."""
     import csv
@@ -123,7 +144,7 @@ def run_nereus(folder: Path, steps: int, new_tokens: int, out: Path, plan) -> di
     import pyarrow.parquet as pq
     import torch
 
-    from nereus_lightning.lightning import GRPOModule, NereusCallback, NereusStrategy, PoolFollower
+    from nereus_lightning.lightning import GRPOModule, NereusCallback, NereusStrategy
 
     data = out / "prompts.parquet"
     pq.write_table(
@@ -146,7 +167,7 @@ def run_nereus(folder: Path, steps: int, new_tokens: int, out: Path, plan) -> di
         precision="bf16-mixed",
         max_steps=steps,
         strategy=NereusStrategy(plan=plan, cluster="h200x8", export_hf=False),
-        callbacks=[NereusCallback(controller=PoolFollower("grpo"))],
+        callbacks=[NereusCallback(controller=KeepPlan(plan))],
         logger=pl.loggers.CSVLogger(out, name="nereus"),
         log_every_n_steps=1,
         enable_checkpointing=False,
