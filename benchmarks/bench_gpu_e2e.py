@@ -90,8 +90,8 @@ def run_nereus(folder: Path, steps: int, new_tokens: int, out: Path) -> dict:
     import pyarrow.parquet as pq
     import torch
 
-    from nereus_lightning.lightning import GRPOModule, NereusCallback, NereusStrategy, PoolFollower
-    from nereus_lightning.lightning.stages import data_parallel_plan
+    from nereus_lightning.control import PoolFollower, data_parallel_plan
+    from nereus_lightning.lightning import GRPOModule, NereusCallback, NereusStrategy
 
     data = out / "prompts.parquet"
     pq.write_table(
@@ -201,8 +201,8 @@ def run_trl(folder: Path, steps: int, new_tokens: int, out: Path) -> dict:
 
 def cost_model(folder: Path, measured: list[dict], new_tokens: int) -> dict:
     """The planner's seconds per stage for the plan nereus ran, before and after calibrating on 3 steps."""
+    from nereus_lightning.control import data_parallel_plan
     from nereus_lightning.control.attribution import calibrate_on_phases, phase_times_of
-    from nereus_lightning.lightning.stages import data_parallel_plan
     from nereus_lightning.plan.calibration import Calibration
     from nereus_lightning.plan.estimate import estimate_plan
     from nereus_lightning.plan.planner import job_models

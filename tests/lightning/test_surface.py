@@ -79,8 +79,3 @@ def test_rollout_engine_is_chosen_by_name_and_vllm_says_how_to_install():
     if importlib.util.find_spec("vllm") is None:
         with pytest.raises(NereusConfigError, match="vllm is not installed"):
             PPOModule(task=small_task(), prompts_per_step=2, rollout_engine="vllm")
-    else:
-        module = PPOModule(task=small_task(), prompts_per_step=2, rollout_engine="vllm")
-        module.use_state("full")
-        with pytest.raises(NereusConfigError, match="'emu' state backend"):
-            module.rl_step(0, optimizer=module.configure_optimizers())

@@ -432,7 +432,7 @@ def run(cfg: Any) -> dict[str, Any]:
     if cfg.get("adapt", True):
         callback = NereusCallback(controller=controller, resources=resources, plot_path=plot_path)
     else:  # adaptation off: every model-stage data-parallel over all ranks, never changed
-        from nereus_lightning.lightning import PoolFollower
+        from nereus_lightning.control import PoolFollower
 
         callback = NereusCallback(controller=PoolFollower(_algorithm_name(cfg)), plot_path=plot_path)
     ckpt_dir = os.path.join(out, "checkpoints")

@@ -18,8 +18,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from nereus_lightning.plan.layout import Candidate, Layout, Plan
-from nereus_lightning.spec.errors import require
+from nereus_lightning.plan.layout import Candidate, Plan
+from nereus_lightning.spec.errors import NereusConfigError, require
 from nereus_lightning.spec.workload import workflow
 
 T = TypeVar("T")
@@ -35,6 +35,17 @@ def chunk_bounds(num_samples: int, dp: int) -> list[tuple[int, int]]:
         bounds.append((start, stop))
         start = stop
     return bounds
+
+
+def role_of(model_stage: str, algorithm: str) -> str:
+    """The role model (``actor``, ``critic``, ``reference``, ``reward``) ``model_stage`` runs."""
+    for ms in workflow(algorithm):
+        if ms.name == model_stage:
+            return ms.model
+    raise NereusConfigError(
+        f"model_stage: {model_stage!r} is not a model-stage of {algorithm!r} "
+        f"({', '.join(m.name for m in workflow(algorithm))})"
+    )
 
 
 @dataclass(frozen=True)
@@ -200,33 +211,6 @@ def run_partitioned_rows(
     One model-stage of :func:`run_stages_rows`.
     """
     return run_stages_rows(plan, [RowsJob(stage, width, fn)], rank, num_samples, device)[stage]
-
-
-def all_reduce_grads(params: Sequence[torch.nn.Parameter]) -> None:
-    """Sum gradients over the world through one flat buffer; absent gradients count as zeros."""
-    if not params or not dist.is_initialized():
-        return
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    offset = 0
-    for p in params:
-        n = p.numel()
-        p.grad = flat[offset : offset + n].view_as(p).clone()
-        offset += n
-
-
-#: Sequences per micro-batch of the fallback plan (the planner chooses its own).
-FALLBACK_MICRO_BATCH = 16
-
-
-def data_parallel_plan(algorithm: str, gpus: Sequence[int], micro_batch: int = FALLBACK_MICRO_BATCH) -> Plan:
-    """Every model-stage as ``len(gpus)`` replicas of ``Layout(1, 1)`` (the fallback plan)."""
-    gpus = tuple(gpus)
-    require(len(gpus) >= 1, "pool", "no GPUs available for the plan")
-    return Plan.of(
-        {m.name: Candidate(Layout(1, 1), len(gpus), gpus, micro_batch) for m in workflow(algorithm)}
-    )
 
 
 def micro_slices(rows: int, micro_batch: int) -> list[slice]:
