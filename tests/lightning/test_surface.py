@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 from nereus_lightning.lightning.stages import chunk_bounds, slot_of
 from tests.lightning.helpers import plan_of
@@ -79,3 +81,21 @@ def test_rollout_engine_is_chosen_by_name_and_vllm_says_how_to_install():
     if importlib.util.find_spec("vllm") is None:
         with pytest.raises(NereusConfigError, match="vllm is not installed"):
             PPOModule(task=small_task(), prompts_per_step=2, rollout_engine="vllm")
+
+
+def test_lightning_reads_no_attribute_by_name():
+    # Strategy, callback, module, units and controller meet through typed protocols and concrete
+    # types (mypy checks them), not duck typing. Only the checkpoint codec reflects, over the fields
+    # and module paths of the nereus dataclasses it stores.
+    import nereus_lightning.lightning as package
+
+    found = [
+        f"{path.name}:{node.lineno}: {node.func.id}(...)"
+        for path in sorted(Path(package.__file__).parent.glob("*.py"))
+        if path.name != "checkpoint.py"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in ("hasattr", "getattr")
+    ]
+    assert found == []
