@@ -7,7 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from nereus_lightning.lightning.stages import chunk_bounds, slot_of
+from nereus_lightning.lightning.stages import slot_of
+from nereus_lightning.rl.batch import dp_slice
 from tests.lightning.helpers import plan_of
 
 
@@ -33,9 +34,8 @@ def test_strategy_is_registered_as_nereus():
     assert isinstance(trainer.strategy, NereusStrategy) and trainer.strategy.num_processes == 2
 
 
-def test_chunks_cover_the_batch_once_in_order():
-    assert chunk_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
-    assert chunk_bounds(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]
+def test_slots_cover_the_batch_once_in_order():
+    assert [dp_slice(2, 4, r) for r in range(4)] == [slice(0, 1), slice(1, 2), slice(2, 2), slice(2, 2)]
     plan = plan_of("ppo", {"actor_train": ((1, 2), (3, 2, 1, 0))})  # dp2 x PP2
     slots = [slot_of(plan, "actor_train", r, 8) for r in range(4)]
     assert [(s.replica, s.position, s.start, s.stop) for s in slots] == [

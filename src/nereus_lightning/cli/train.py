@@ -418,7 +418,7 @@ def run(cfg: Any) -> dict[str, Any]:
         resources = NodeInventory()  # every node's usable GPUs (NVML), gathered through rank 0
 
     def controller(pl_module: Any, world_size: int) -> Any:
-        from nereus_lightning.lightning.control import default_controller
+        from nereus_lightning.lightning.callback import default_controller
 
         return default_controller(
             pl_module,

@@ -19,6 +19,7 @@ import lightning.pytorch as pl
 import torch.distributed as dist
 from typing_extensions import override
 
+from nereus_lightning.control import Controller, ControllerConfig, PlannerBackend
 from nereus_lightning.control.follower import PlanController
 from nereus_lightning.control.resources import NodeInventory, ResourceProvider
 from nereus_lightning.control.signals import StepSignals
@@ -26,6 +27,7 @@ from nereus_lightning.lightning.console import announce, executed_transitions
 from nereus_lightning.lightning.roles import RoleModule
 from nereus_lightning.lightning.strategy import NereusStrategy
 from nereus_lightning.plan.layout import Plan
+from nereus_lightning.spec.cluster import ClusterSpec, cluster_preset
 from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
 
 # What a decision record keeps of the strategy's transition record (JSON-serialisable).
@@ -34,6 +36,23 @@ PEAK_MEMORY = "perf/max_memory_allocated_gb"  # the step metric a rank's peak GP
 
 #: Builds the controller on rank 0 at the start of training: ``f(module, world_size)``.
 ControllerFactory = Callable[[RoleModule, int], PlanController]
+
+
+def default_controller(
+    module: RoleModule,
+    world_size: int,
+    decision_log: str | None = None,
+    cluster: ClusterSpec | str = "cpu4",
+    **config: Any,
+) -> Controller:
+    """The planner-backed controller of ``module``'s models and workload on ``cluster`` (a ``ClusterSpec``
+    or preset name) sized to ``world_size`` ranks."""
+    specs = module.role_models().specs()
+    backend = PlannerBackend.for_models(  # the pool is the Trainer's: Trainer(devices=...), trainer.devices
+        specs["actor"], critic=specs.get("critic"), reference=specs["reference"], pool_key="trainer.devices"
+    )
+    spec = (cluster_preset(cluster) if isinstance(cluster, str) else cluster).with_gpus(world_size)
+    return Controller(backend, spec, module.workload(0), ControllerConfig(**config), log=decision_log)
 
 
 class NereusCallback(pl.Callback):
@@ -85,8 +104,6 @@ class NereusCallback(pl.Callback):
             return factory
         if factory is not None:
             return factory(module, trainer.world_size)
-        from nereus_lightning.lightning.control import default_controller
-
         cluster = _strategy(trainer).topology  # the launch's nodes x GPUs per node
         return default_controller(module, trainer.world_size, self.decision_log, cluster=cluster)
 

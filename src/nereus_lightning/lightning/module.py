@@ -37,13 +37,12 @@ from torch import Tensor
 from typing_extensions import override
 
 import lightning as L
-from nereus_lightning.lightning import build
+from nereus_lightning.lightning import roles
 from nereus_lightning.lightning.roles import RoleModels
 from nereus_lightning.lightning.sources import make_sources
 from nereus_lightning.lightning.stages import (
     RowsJob,
     StageSlot,
-    chunk_bounds,
     gather_samples,
     micro_slices,
     role_of,
@@ -55,7 +54,7 @@ from nereus_lightning.models.decode import DECODE_MODES, StaticDecodeEngine, use
 from nereus_lightning.models.generation import ShardedGenerator
 from nereus_lightning.rl import algorithm as rl
 from nereus_lightning.rl import losses
-from nereus_lightning.rl.batch import RolloutBatch
+from nereus_lightning.rl.batch import RolloutBatch, dp_slice
 from nereus_lightning.rl.data import Prompt
 from nereus_lightning.rl.forward import (
     position_ids_from_mask,
@@ -292,24 +291,24 @@ class RLModule(L.LightningModule):
     def _build_models(self, actor: Any, reference: Any, critic: Any, reward_model: Any, seed: int) -> tuple:
         """Actor, reference, critic and reward model, each checked against the tokenizer."""
         tok = self.tokenizer
-        vocab, pad = build.vocabulary_rows(tok), tok.pad_token_id
-        built_actor = build.build_causal_lm(actor, seed, vocab, pad, key="actor.path")
+        vocab, pad = roles.vocabulary_rows(tok), tok.pad_token_id
+        built_actor = roles.build_causal_lm(actor, seed, vocab, pad, key="actor.path")
         if reference is None or reference == actor:
-            built_ref = build.frozen_copy(built_actor)
+            built_ref = roles.frozen_copy(built_actor)
         else:
-            built_ref = build.frozen_copy(
-                build.build_causal_lm(reference, seed, vocab, pad, key="reference.path")
+            built_ref = roles.frozen_copy(
+                roles.build_causal_lm(reference, seed, vocab, pad, key="reference.path")
             )
         built_critic = (
-            build.build_value_model(
+            roles.build_value_model(
                 critic if critic is not None else actor, seed + 1, vocab, pad, key="critic.path"
             )
             if self.uses_critic
             else None
         )
         built_reward = (
-            build.frozen_copy(
-                build.build_value_model(reward_model, seed + 2, vocab, pad, key="reward_model.path")
+            roles.frozen_copy(
+                roles.build_value_model(reward_model, seed + 2, vocab, pad, key="reward_model.path")
             )
             if reward_model is not None
             else None
@@ -321,7 +320,7 @@ class RLModule(L.LightningModule):
             ("reward", built_reward),
         ):
             if model is not None:
-                build.check_vocabulary(tok, model.config, role)
+                roles.check_vocabulary(tok, model.config, role)
         return built_actor, built_ref, built_critic, built_reward
 
     def role_models(self) -> RoleModels:
@@ -485,7 +484,8 @@ class RLModule(L.LightningModule):
         rank = strategy.global_rank
         lo, hi = 0, 0
         if rank in pool:
-            lo, hi = chunk_bounds(len(samples), len(pool))[pool.index(rank)]
+            mine = dp_slice(len(samples), len(pool), pool.index(rank))
+            lo, hi = mine.start, mine.stop
         local = source.score(samples[lo:hi]) if hi > lo else []
         results = gather_samples(local if rank in pool else None, lo, len(samples))
         errors = [r.error for r in results if r.error is not None]
@@ -755,7 +755,7 @@ class RLModule(L.LightningModule):
         assert plan is not None
         opt = optimizer if optimizer is not None else self._optimizer()
         mask = batch.response_mask.float()
-        minis = [(lo, hi) for lo, hi in _chunks(len(batch), hp.mini_batches)]
+        minis = _mini_batches(len(batch), hp.mini_batches)
         sums: dict[str, float] = {}
         updates = skipped = 0
         for _epoch in range(hp.ppo_epochs):
@@ -871,8 +871,10 @@ class StagePeaks:
         return out
 
 
-def _chunks(n: int, parts: int) -> list[tuple[int, int]]:
-    return [b for b in chunk_bounds(n, parts) if b[1] > b[0]]
+def _mini_batches(n: int, parts: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of each non-empty mini-batch of ``n`` samples cut into ``parts``."""
+    blocks = (dp_slice(n, parts, i) for i in range(parts))
+    return [(b.start, b.stop) for b in blocks if b.stop > b.start]
 
 
 def _reward_metrics(results: Sequence[RewardResult]) -> dict[str, float]:

@@ -1,12 +1,12 @@
 """Which rank does what in one RL step: partitions of the global batch per model-stage, and the
 collectives that move per-sample results between stages with different DP layouts.
 
-A model-stage with ``dp`` replicas splits the global batch into ``dp`` contiguous chunks of
-global sample indices (replica ``r`` gets chunk ``r``). The split depends only on the global
-sample count and ``dp``, never on which ranks hold the replicas, so results are identical under
-any placement. Each replica's "leader" (its first GPU) reports the replica's results; every rank
-then holds the whole batch again in global order, which is how a batch moves from one stage's DP
-layout to the next one's.
+A model-stage with ``dp`` replicas splits the global batch into ``dp`` contiguous blocks of
+global sample indices (replica ``r`` gets block ``r`` of :func:`~nereus_lightning.rl.batch.dp_slice`).
+The split depends only on the global sample count and ``dp``, never on which ranks hold the
+replicas, so results are identical under any placement. Each replica's "leader" (its first GPU)
+reports the replica's results; every rank then holds the whole batch again in global order, which
+is how a batch moves from one stage's DP layout to the next one's.
 """
 
 from __future__ import annotations
@@ -19,22 +19,11 @@ import torch
 import torch.distributed as dist
 
 from nereus_lightning.plan.layout import Candidate, Plan
+from nereus_lightning.rl.batch import dp_slice
 from nereus_lightning.spec.errors import NereusConfigError, require
 from nereus_lightning.spec.workload import workflow
 
 T = TypeVar("T")
-
-
-def chunk_bounds(num_samples: int, dp: int) -> list[tuple[int, int]]:
-    """``[start, stop)`` of each replica's contiguous chunk of global sample indices."""
-    require(dp >= 1, "candidate.dp", f"must be >= 1, got {dp}")
-    base, extra = divmod(num_samples, dp)
-    bounds, start = [], 0
-    for r in range(dp):
-        stop = start + base + (1 if r < extra else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
 
 
 def role_of(model_stage: str, algorithm: str) -> str:
@@ -82,8 +71,8 @@ def slot_of(plan: Plan, stage: str, rank: int, num_samples: int) -> StageSlot:
         return StageSlot(stage, cand, None, None)
     index = cand.gpus.index(rank)
     replica, position = divmod(index, cand.layout.size)
-    start, stop = chunk_bounds(num_samples, cand.dp)[replica]
-    return StageSlot(stage, cand, replica, position, start, stop)
+    rows = dp_slice(num_samples, cand.dp, replica)
+    return StageSlot(stage, cand, replica, position, rows.start, rows.stop)
 
 
 def _assemble(payloads: Sequence[Any], num_samples: int, stage: str = "") -> list[Any]:
