@@ -11,7 +11,7 @@ from nereus_lightning.models import MicroBatch, ShardedCausalLM, forward_logits,
 from nereus_lightning.models.sharded import has_value_head
 from nereus_lightning.models.sharding import pp_stages, tp_slices
 from nereus_lightning.plan.layout import Layout
-from tests.models.tiny import VOCAB, my_replica, rel_err, tiny_config
+from nereus_lightning.testing.tiny import VOCAB, my_replica, rel_err, tiny_config
 
 LAYOUTS = [(2, 1), (1, 2), (2, 2)]
 
