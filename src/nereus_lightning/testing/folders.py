@@ -62,7 +62,7 @@ def tiny_model_folder(
         "max_position_embeddings": 512,
         **config,
     }
-    model = tiny_model(
+    model: Any = tiny_model(  # a transformers PreTrainedModel (save_pretrained)
         family,
         seed,
         vocab_size=len(tokenizer),
