@@ -8,10 +8,11 @@ GPUs the very same code runs on gloo/CPU. Three parts, every rank runs all of th
    transformers model for every (TP, PP) layout that fits the world; the logical state (parameters,
    AdamW tensors, counters) is bit-identical after every primitive of a chain Split -> Destroy ->
    Extend -> Split -> Merge (PP) -> Merge (TP + PP), and the moved units still give the same logits.
-2. **PPO run**: ``PPOModule.rl_step`` (what ``NereusStrategy``'s ``training_step`` calls) for three
-   steps under plans P0 (everything DP over all ranks) -> P1 (training TP 1 -> 2, DP N -> N/2) ->
-   P2 (actor training DP N/2 -> 1; critic training TP 2 -> PP 2), beside a reference module that
-   keeps P0: the metrics and the final parameters must agree, and every rank must hold the same ones.
+2. **PPO run**: ``PPOModule.rl_step`` (what its ``training_step`` calls) on
+   ``NereusStrategy.without_trainer`` for three steps under plans P0 (everything DP over all ranks)
+   -> P1 (training TP 1 -> 2, DP N -> N/2) -> P2 (actor training DP N/2 -> 1; critic training
+   TP 2 -> PP 2), beside a reference module that keeps P0: the metrics and the final parameters
+   must agree, and every rank must hold the same ones.
 3. **Timing** of the transition DAGs the brain builds (``transition.build_transition``), executed by
    ``emu.executor.execute_dag`` on a random training state (fp32 params + fp32 AdamW moments, the
    EMU's training state; 12 B/param) of an 8B actor and critic: Extend (4 -> 8 GPUs at N = 8, as in
@@ -275,7 +276,7 @@ def ppo_plans(world: int):
     """P0 (DP over all ranks), P1 (training TP 2, DP halved), P2
     (actor training DP 1, critic training PP 2).
     """
-    from nereus_lightning.lightning.stages import data_parallel_plan
+    from nereus_lightning.control import data_parallel_plan
     from nereus_lightning.plan.layout import Candidate, Layout, Plan
 
     ranks = tuple(range(world))
@@ -294,13 +295,12 @@ def ppo_plans(world: int):
 
 def ppo_run(checks: Checks, dev: torch.device, steps: int, tol: float) -> dict[str, Any]:
     """Three RL steps under changing plans beside a reference that keeps P0."""
-    from nereus_lightning.lightning import PPOModule
+    from nereus_lightning.lightning import NereusStrategy, PPOModule
     from nereus_lightning.lightning.tasks import RepeatTask
 
     world = dist.get_world_size()
     p0, p1, p2 = ppo_plans(world)
     schedule = [p0, p1, p2][:steps] + [p2] * max(0, steps - 3)
-    module_backend = ""
 
     def describe(plan) -> dict[str, str]:  # noqa: ANN001
         return {n: f"dp{c.dp} x tp{c.layout.tp} pp{c.layout.pp} on {list(c.gpus)}" for n, c in plan.items()}
@@ -311,25 +311,21 @@ def ppo_run(checks: Checks, dev: torch.device, steps: int, tol: float) -> dict[s
             task=RepeatTask(start_len=3, max_len=6, grow_every=2, seed=0), prompts_per_step=8, seed=3
         )
         module.to(dev)
-        nonlocal module_backend
-        module_backend = module.state_backend
         opt = module.configure_optimizers()
+        strategy = NereusStrategy.without_trainer(module)
         t0 = time.perf_counter()
-        metrics = [module.rl_step(i, plan=plan, optimizer=opt) for i, plan in enumerate(plans)]
+        metrics = []
+        for i, plan in enumerate(plans):
+            strategy.transition(plan)
+            metrics.append(module.rl_step(i, strategy, opt))
         seconds = time.perf_counter() - t0
-        if (
-            module.emu_state
-        ):  # the logical state, gathered from the EMUs (checks every replica against the others)
-            from nereus_lightning.emu import gather_logical_state
+        # the logical state, gathered from the EMUs (checks every replica against the others)
+        from nereus_lightning.emu import gather_logical_state
 
-            named = []
-            for stage in ("actor_train", "critic_train"):
-                state = gather_logical_state(stage, dst=0)
-                named += [(f"{stage}.{n}", p) for n, p in state.params.items()] if state is not None else []
-        else:  # every rank keeps the full models
-            named = [
-                (f"{r}.{n}", p) for r in ("actor", "critic") for n, p in getattr(module, r).named_parameters()
-            ]
+        named = []
+        for stage in ("actor_train", "critic_train"):
+            state = gather_logical_state(stage, dst=0)
+            named += [(f"{stage}.{n}", p) for n, p in state.params.items()] if state is not None else []
         flat = torch.cat([p.detach().reshape(-1).cpu() for _, p in named]) if named else torch.zeros(0)
         bad = [n for n, p in named if not p.detach().isfinite().all()]
         return metrics, flat, seconds, bad
@@ -372,7 +368,6 @@ def ppo_run(checks: Checks, dev: torch.device, steps: int, tol: float) -> dict[s
     )
     checks.add("ppo/run has a TP change and a DP change", tp_change and dp_change, None)
     return {
-        "state_backend": module_backend,
         "plans": [describe(p) for p in schedule],
         "metrics": [{k: m[k] for k in (*keys, "response_length/mean", "timing_s/step")} for m in metrics],
         "reference_metrics": [{k: m[k] for k in keys} for m in ref_metrics],

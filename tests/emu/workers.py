@@ -18,6 +18,7 @@ from nereus_lightning.emu import (
 )
 from nereus_lightning.plan.layout import Layout
 from nereus_lightning.spec.errors import NereusConfigError
+from nereus_lightning.testing.tiny import SMALL, tiny_model
 
 COUNTERS = Counters(
     optimizer_step=3, update_count=3, policy_version=2, stage_version=1, sample_position=96, seed=1234
@@ -25,26 +26,13 @@ COUNTERS = Counters(
 
 
 def tiny(kind: str = "llama", layers: int = 4):
-    """A tiny fp32 causal LM with random weights (same on every rank) and a random full AdamW state."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    """A tiny fp32 causal LM with random weights (same on every rank) and a random full AdamW state.
 
-    common = dict(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        max_position_embeddings=64,
-    )
-    if kind == "llama":
-        config = LlamaConfig(num_attention_heads=4, num_key_value_heads=4, **common)
-    elif kind == "gqa_tied":
-        config = LlamaConfig(num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=True, **common)
-    elif kind == "qwen2":
-        config = Qwen2Config(num_attention_heads=4, num_key_value_heads=2, **common)
-    else:
-        raise ValueError(kind)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).float()
+    The shared test models at the EMU tests' small shape; "qwen2" with 2 KV heads (TP 4 refused).
+    """
+    heads = {"num_attention_heads": 4, "num_key_value_heads": 2} if kind == "qwen2" else {}
+    model = tiny_model(kind, seed=0, **SMALL, num_hidden_layers=layers, **heads)
+    config = model.config
     gen = torch.Generator().manual_seed(1)
     optim = {
         name: {

@@ -7,7 +7,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from nereus_lightning.lightning import GRPOModule, PPOModule
+from nereus_lightning.lightning import GRPOModule, NereusStrategy, PPOModule
 from nereus_lightning.lightning.tasks import RepeatTask
 from nereus_lightning.plan.layout import Candidate, Layout, Plan
 from nereus_lightning.spec.workload import workflow
@@ -30,32 +30,31 @@ def plan_of(algorithm: str, placement: dict) -> Plan:
     return Plan.of(out)
 
 
+def strategy_at(module, placement: dict, algorithm: str = "ppo") -> NereusStrategy:  # noqa: ANN001
+    """``module``'s strategy outside a Trainer, its units built under ``placement`` (collective)."""
+    strategy = NereusStrategy.without_trainer(module)
+    strategy.transition(plan_of(algorithm, placement))
+    return strategy
+
+
 def one_update(
-    rank: int,
-    world_size: int,
-    placement: dict[str, tuple[int, ...]],
-    algorithm: str = "ppo",
-    state: str = "emu",
+    rank: int, world_size: int, placement: dict[str, tuple[int, ...]], algorithm: str = "ppo"
 ) -> dict:
     """Build the module (same seed everywhere), run one RL step under ``placement``; return params and
     metrics.
 
-    Parameters are the logical ones: gathered from the EMUs onto rank 0 (``state="emu"``; other
-    ranks return none), or the full models every rank keeps (``state="full"``).
+    Parameters are the logical ones, gathered from the EMUs onto rank 0 (other ranks return none).
     """
     torch.manual_seed(0)
     cls = PPOModule if algorithm == "ppo" else GRPOModule
     module = cls(task=small_task(), prompts_per_step=8, seed=3)
-    module.use_state(state)
     opt = module.configure_optimizers()
-    metrics = module.rl_step(0, plan=plan_of(algorithm, placement), optimizer=opt)
+    strategy = strategy_at(module, placement, algorithm)
+    metrics = module.rl_step(0, strategy, opt)
     params: dict[str, torch.Tensor] = {}
     roles = [("actor", "actor_train")] + ([("critic", "critic_train")] if module.critic is not None else [])
     for role, stage in roles:
-        if state == "emu":
-            full = module.units.logical_params(stage) or {}
-        else:
-            full = dict(getattr(module, role).named_parameters())
+        full = strategy.units.logical_params(stage) or {}
         params.update({f"{role}.{n}": p.detach().clone() for n, p in full.items()})
     return {"params": params, "metrics": metrics}
 
@@ -71,7 +70,7 @@ def rollout_and_scores(rank: int, world_size: int, placement: dict) -> dict:
     torch.manual_seed(0)
     module = PPOModule(task=small_task(), prompts_per_step=8, seed=3)
     actor, critic = copy.deepcopy(module.actor), copy.deepcopy(module.critic)  # before the EMUs take them
-    module.rl_step(0, plan=plan_of("ppo", placement), optimizer=module.configure_optimizers())
+    module.rl_step(0, strategy_at(module, placement), module.configure_optimizers())
     batch, tok = module.last_rollout, module.tokenizer
     want = HFGenerateEngine(actor, tok.eos_token_id, tok.pad_token_id).generate(
         batch.prompt_ids,
@@ -102,21 +101,21 @@ def fit(
     every: int = 0,
     module=None,
     last: bool = False,
-    state: str = "emu",
     write_back: bool = False,
     precision: str = "32-true",
 ):  # noqa: ANN001, ANN201
     """A short Trainer run with DP-only plans over all ranks; returns the trainer and metric rows.
 
     ``every``: a checkpoint ``ckpt/s<step>.ckpt`` every that many steps (and ``ckpt/last.ckpt``
-    with ``last``); ``state``, ``write_back``: the strategy's; ``precision``: the Trainer's.
+    with ``last``); ``write_back``: the strategy's; ``precision``: the Trainer's.
     """
     import csv
     import glob
 
     import lightning.pytorch as pl
 
-    from nereus_lightning.lightning import NereusCallback, NereusStrategy, PoolFollower, ReMaxModule
+    from nereus_lightning.control import PoolFollower
+    from nereus_lightning.lightning import NereusCallback, ReMaxModule
 
     classes = {"ppo": PPOModule, "grpo": GRPOModule, "remax": ReMaxModule}
     if module is None:
@@ -142,7 +141,7 @@ def fit(
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=devices,
-        strategy=NereusStrategy(state=state, write_back=write_back),
+        strategy=NereusStrategy(write_back=write_back),
         precision=precision,
         max_steps=max_steps,
         callbacks=callbacks,
@@ -161,10 +160,10 @@ def fit(
 class DyingPPOModule(PPOModule):
     """PPO whose rank 1 dies (hard exit) at RL step 2: the failure-path test."""
 
-    def rl_step(self, step, plan=None, optimizer=None):  # noqa: ANN001, ANN201
+    def rl_step(self, step, strategy, optimizer=None):  # noqa: ANN001, ANN201
         if step == 2 and torch.distributed.get_rank() == 1:
             os._exit(3)
-        return super().rl_step(step, plan, optimizer)
+        return super().rl_step(step, strategy, optimizer)
 
 
 # Two PPO plans the transition brain accepts (model-stages of one stage on disjoint ranks). P1 -> P2
@@ -194,53 +193,59 @@ def emu_transitions(rank: int, world_size: int) -> dict:
 
     torch.manual_seed(0)
     module = PPOModule(task=small_task(), prompts_per_step=4, seed=3)
-    module.use_state("emu")
     opt = module.configure_optimizers()
+    strategy = NereusStrategy.without_trainer(module)
     plans = [plan_of("ppo", p) for p in (EMU_P1, EMU_P2, EMU_P1)]
     out: dict = {"transitions": [], "diffs": [], "rewards": []}
     for step, plan in enumerate(plans):
         before = None
         if step:
-            before = {n: emu.gather_logical_state(n, dst=0) for n in module.units.plan}
-        module.units.ensure(plan, module.role_models(), rank)
+            before = {n: emu.gather_logical_state(n, dst=0) for n in strategy.units.plan}
+        strategy.transition(plan)
         if step:
-            info = dict(module.units.last_transition)
+            info = dict(strategy.units.last_transition)
             info.pop("observations", None)
             out["transitions"].append(info)
-            after = {n: emu.gather_logical_state(n, dst=0) for n in module.units.plan}
+            after = {n: emu.gather_logical_state(n, dst=0) for n in strategy.units.plan}
             if rank == 0:
                 out["diffs"].append({n: before[n].differences(after[n]) for n in before})
-        metrics = module.rl_step(step, plan=plan, optimizer=opt)
+        metrics = module.rl_step(step, strategy, opt)
         out["rewards"].append(metrics["critic/score/mean"])
     out["full_model_numel"] = sum(p.numel() for p in module.actor.parameters())
     return out
 
 
 def emu_infeasible_keeps_plan(rank: int, world_size: int) -> dict:
-    """A target the brain calls infeasible leaves the units (and the plan) where they are."""
+    """A target the brain calls infeasible leaves the units (and the strategy's plan) where they are."""
+    from nereus_lightning import transition
     from nereus_lightning.spec.errors import InfeasiblePlanError
 
     module = PPOModule(task=small_task(), prompts_per_step=4, seed=3)
-    module.use_state("emu")
-    p1, p2 = plan_of("ppo", EMU_P1), plan_of("ppo", EMU_P2)
-    module.units.ensure(p1, module.role_models(), rank)
-    kept = module.units.plan
+    strategy = strategy_at(module, EMU_P1)
+    kept, p1 = strategy.units.plan, strategy.plan
 
-    def infeasible():  # noqa: ANN202
+    def infeasible(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         raise InfeasiblePlanError("test: no safe order")
 
-    module.units.specs_fn = infeasible
-    moved = module.units.ensure(p2, module.role_models(), rank)
-    return {"moved": moved, "same": module.units.plan == kept, "info": dict(module.units.last_transition)}
+    build, transition.build_transition = transition.build_transition, infeasible
+    try:
+        strategy.transition(plan_of("ppo", EMU_P2))
+    finally:
+        transition.build_transition = build
+    return {
+        "moved": strategy.units.plan != kept,
+        "same": strategy.plan == p1,
+        "info": dict(strategy.units.last_transition),
+    }
 
 
 class NaNGradientPPOModule(PPOModule):
     """PPO whose advantages turn NaN at RL step 1, so the actor's gradient norm is NaN: the guard's test."""
 
-    def update(self, plan, batch, optimizer=None, step=0):  # noqa: ANN001, ANN201
+    def update(self, strategy, batch, optimizer=None, step=0):  # noqa: ANN001, ANN201
         if step == 1:
             batch.advantages = batch.advantages * float("nan")
-        return super().update(plan, batch, optimizer, step)
+        return super().update(strategy, batch, optimizer, step)
 
 
 def _poisoning(move):  # noqa: ANN001, ANN202
@@ -279,11 +284,11 @@ def storage_moves():  # noqa: ANN201
         EMU.offload, EMU.onload = offload, onload
 
 
-def _trained_state(module) -> dict:  # noqa: ANN001
-    """The logical parameters of every model-stage of ``module`` on rank 0 (empty elsewhere; collective)."""
+def _trained_state(strategy: NereusStrategy) -> dict:
+    """The logical parameters of every model-stage on rank 0 (empty elsewhere; collective)."""
     out = {}
-    for stage in module.units.plan:
-        full = module.units.logical_params(stage) or {}
+    for stage in strategy.units.plan:
+        full = strategy.units.logical_params(stage) or {}
         out.update({f"{stage}.{n}": p.detach().clone() for n, p in full.items()})
     return out
 
@@ -297,25 +302,26 @@ def offload_run(rank: int, world_size: int, placements: list, folder: str, movin
     """
     plans = [plan_of("ppo", p) for p in placements]
 
-    def fresh() -> PPOModule:
+    def fresh() -> tuple[PPOModule, NereusStrategy]:
         torch.manual_seed(0)
         module = PPOModule(task=small_task(), prompts_per_step=4, seed=3)
-        module.use_state("emu")
-        return module
+        return module, NereusStrategy.without_trainer(module)
 
     with storage_moves() if moving else nullcontext():
-        module = fresh()
+        module, strategy = fresh()
         opt = module.configure_optimizers()
         out: dict = {"residency": [], "scores": []}
         for step, plan in enumerate(plans):
-            out["scores"].append(module.rl_step(step, plan=plan, optimizer=opt)["critic/score/mean"])
-            out["residency"].append(module.units.residency())
-        module.units.save(folder)
-        out["after_save"] = module.units.residency()
-        resumed = fresh()
-        resumed.units.resume_from = folder
-        metrics = resumed.rl_step(len(plans), plan=plans[-1], optimizer=resumed.configure_optimizers())
+            strategy.transition(plan)
+            out["scores"].append(module.rl_step(step, strategy, opt)["critic/score/mean"])
+            out["residency"].append(strategy.units.residency())
+        strategy.units.save(folder)
+        out["after_save"] = strategy.units.residency()
+        resumed, again = fresh()
+        again.units.resume_from = folder
+        again.transition(plans[-1])
+        metrics = resumed.rl_step(len(plans), again, resumed.configure_optimizers())
         out["scores"].append(metrics["critic/score/mean"])
-        out["residency"].append(resumed.units.residency())
-        out["params"] = _trained_state(resumed)
+        out["residency"].append(again.units.residency())
+        out["params"] = _trained_state(again)
     return out

@@ -320,10 +320,10 @@ def test_a_checkpoint_with_non_finite_state_is_refused_on_every_rank(tmp_path):
     from nereus_lightning.lightning import PPOModule
 
     class Poisoned(PPOModule):
-        def rl_step(self, step, plan=None, optimizer=None):  # noqa: ANN001, ANN202
-            out = super().rl_step(step, plan, optimizer)
+        def rl_step(self, step, strategy, optimizer=None):  # noqa: ANN001, ANN202
+            out = super().rl_step(step, strategy, optimizer)
             if step == 1 and torch.distributed.get_rank() == 1:
-                unit = self.units._local("actor_train")
+                unit = strategy.units._local("actor_train")
                 unit.params["model.norm.weight"][0] = float("nan")
             return out
 
@@ -336,15 +336,3 @@ def test_a_checkpoint_with_non_finite_state_is_refused_on_every_rank(tmp_path):
     ckpts = tmp_path / "a" / "ckpt"
     assert sorted(p.name for p in ckpts.iterdir()) == ["s1.ckpt"]
     assert latest_checkpoint(ckpts) == str(ckpts / "s1.ckpt")
-
-
-@pytest.mark.distributed
-def test_the_full_state_backend_resumes_under_another_world_size(tmp_path):
-    _, full = fit(str(tmp_path / "a"), devices=2, max_steps=3, every=2, state="full")
-    ckpt = tmp_path / "a" / "ckpt" / "s2.ckpt"
-    assert read_checkpoint(ckpt).state == "full"
-    _, resumed = fit(str(tmp_path / "b"), devices=3, max_steps=3, ckpt_path=str(ckpt), state="full")
-    assert [int(float(r["step"])) for r in resumed] == [2]
-    for key in ("actor/pg_loss", "critic/vf_loss", "critic/score/mean"):
-        a, b = float(full[2][key]), float(resumed[0][key])
-        assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (key, a, b)

@@ -12,19 +12,19 @@ pytestmark = pytest.mark.distributed
 def counters_after_steps(rank: int, world_size: int) -> dict:
     """Two PPO steps under P1, a transition to P2, one more step: every unit's counters on rank 0."""
     from nereus_lightning import emu
-    from nereus_lightning.lightning.module import PPOModule
+    from nereus_lightning.lightning import NereusStrategy, PPOModule
 
     module = PPOModule(task=small_task(), prompts_per_step=4, seed=3)
-    module.use_state("emu")
     opt = module.configure_optimizers()
+    strategy = NereusStrategy.without_trainer(module)
     p1, p2 = plan_of("ppo", EMU_P1), plan_of("ppo", EMU_P2)
     out: dict = {}
     for step, plan in enumerate((p1, p1, p2)):
-        module.units.ensure(plan, module.role_models(), rank)
+        strategy.transition(plan)
         if step == 2:
-            out["moved"] = module.units.last_transition.get("mode")
-        module.rl_step(step, plan=plan, optimizer=opt)
-    for name in module.units.plan:
+            out["moved"] = strategy.units.last_transition.get("mode")
+        module.rl_step(step, strategy, opt)
+    for name in strategy.units.plan:
         state = emu.gather_logical_state(name, dst=0)  # raises if ranks of one stage disagree
         if state is not None:
             out[name] = state.counters

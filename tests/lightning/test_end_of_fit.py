@@ -24,10 +24,10 @@ def _recording_write_back(monkeypatch, marker):  # noqa: ANN001, ANN202
     """
     original = EMUStates.write_back
 
-    def write_back(self, models, dst=None):  # noqa: ANN001, ANN202
+    def write_back(self, dst=None):  # noqa: ANN001, ANN202
         with open(marker, "a") as f:
             f.write(f"{torch.distributed.get_rank()}\n")
-        return original(self, models, dst)
+        return original(self, dst)
 
     monkeypatch.setattr(EMUStates, "write_back", write_back)
 

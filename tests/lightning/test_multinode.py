@@ -131,7 +131,7 @@ def _memory_that_needs_tp(overrides: tuple[str, ...]) -> tuple[float, object]:
     from hydra import compose, initialize_config_dir
 
     from nereus_lightning.control import StepSignals
-    from nereus_lightning.lightning.control import default_controller
+    from nereus_lightning.lightning.callback import default_controller
     from nereus_lightning.spec.errors import InfeasiblePlanError
 
     with initialize_config_dir(config_dir=train.CONFIG_DIR, version_base="1.3"):

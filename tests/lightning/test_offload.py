@@ -56,10 +56,13 @@ def test_after_a_step_only_training_units_are_on_their_device(dist4, tmp_path_fa
 
 
 def test_peak_memory_is_absent_not_zero_without_a_gpu():
+    from nereus_lightning.lightning.callback import _signals
     from nereus_lightning.lightning.module import StagePeaks
 
     peaks = StagePeaks(torch.device("cpu"))
     for stage in ("gen", "infer", "train"):
         peaks.mark(stage)
+    assert peaks.stages == {} and peaks.metrics() == {}
     # The controller's memory trigger then sees no measurement at all (rather than 0 bytes).
-    assert peaks.stages == {} and peaks.gather() == {} and peaks.metrics() == {}
+    assert _signals(1, peaks.metrics(), (0, 1)).peak_memory == {}
+    assert _signals(1, {"perf/max_memory_allocated_gb": 0.5}, (0,)).peak_memory == {0: 2.0**29}

@@ -9,50 +9,27 @@ from nereus_lightning.spec import CLUSTER_PRESETS
 from nereus_lightning.spec.errors import NereusConfigError
 
 
-class _Units:
-    kind = "emu"
+def _priced_on(rank: int, world_size: int, cluster: str | None) -> tuple:
+    """The cluster the strategy's units hand the transition brain (name, GPUs, per-GPU memory)."""
+    from nereus_lightning.lightning import PPOModule
+    from tests.lightning.helpers import small_task
 
-    def __init__(self) -> None:
-        self.cluster = None
-        self.last_transition: dict = {}
-        self.seen = None
-
-    def ensure(self, plan, models, rank) -> bool:  # noqa: ANN001
-        self.seen = self.cluster
-        return True
+    module = PPOModule(task=small_task(), prompts_per_step=2, seed=3)
+    kwargs = {} if cluster is None else {"cluster": cluster}
+    spec = NereusStrategy.without_trainer(module, **kwargs).units.cluster
+    return spec.name, spec.num_gpus, spec.gpu_memory
 
 
-class _Module:
-    def __init__(self) -> None:
-        self.units = _Units()
-
-    def role_models(self) -> dict:
-        return {}
+@pytest.mark.distributed
+def test_named_cluster_sized_to_world(dist4) -> None:
+    given = CLUSTER_PRESETS["paper_cluster2"]
+    assert set(dist4.run(_priced_on, "paper_cluster2")) == {(given.name, 4, given.gpu_memory)}
 
 
-def _transition(strategy: NereusStrategy) -> _Units:
-    module = _Module()
-    strategy._lightning_module = module  # what the Trainer sets
-    strategy.validate_plan = lambda plan: None
-    strategy.barrier = lambda name=None: None
-    strategy.transition(None)
-    return module.units
-
-
-def test_named_cluster_sized_to_world() -> None:
-    from lightning.fabric.plugins.environments import LightningEnvironment
-
-    env = LightningEnvironment()
-    env.set_world_size(4)
-    strategy = NereusStrategy(cluster="paper_cluster2", cluster_environment=env)
-    units = _transition(strategy)
-    assert units.seen.name == CLUSTER_PRESETS["paper_cluster2"].name
-    assert units.seen.num_gpus == 4
-    assert units.seen.gpu_memory == CLUSTER_PRESETS["paper_cluster2"].gpu_memory
-
-
-def test_default_is_cpu4() -> None:
-    assert _transition(NereusStrategy()).seen.name == CLUSTER_PRESETS["cpu4"].name
+@pytest.mark.distributed
+def test_default_is_cpu4(dist4) -> None:
+    cpu4 = CLUSTER_PRESETS["cpu4"]
+    assert set(dist4.run(_priced_on, None)) == {(cpu4.name, 4, cpu4.gpu_memory)}
 
 
 def test_unknown_cluster_fails_at_construction() -> None:

@@ -64,7 +64,8 @@ def test_ppo_with_a_reward_model_runs_end_to_end(tmp_path):
 def test_a_given_plan_is_where_training_starts(tmp_path):
     import lightning.pytorch as pl
 
-    from nereus_lightning.lightning import NereusCallback, NereusStrategy, PoolFollower, PPOModule
+    from nereus_lightning.control import PoolFollower
+    from nereus_lightning.lightning import NereusCallback, NereusStrategy, PPOModule
     from tests.lightning.helpers import plan_of, small_task
 
     plan = plan_of(

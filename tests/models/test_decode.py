@@ -19,7 +19,7 @@ from nereus_lightning.plan.layout import Layout
 from nereus_lightning.rl.rollout import HFGenerateEngine, _make_picker, _SeededGumbel, sample_seeds
 from nereus_lightning.spec.errors import NereusConfigError
 from nereus_lightning.spec.families import FAMILIES
-from tests.models.tiny import my_replica, tiny_model
+from nereus_lightning.testing.tiny import my_replica, tiny_model
 
 EOS = 255
 TOL = 1e-5

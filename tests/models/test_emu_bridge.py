@@ -13,7 +13,7 @@ from nereus_lightning.models import (
     train_step,
 )
 from nereus_lightning.plan.layout import Layout
-from tests.models.tiny import VOCAB, rel_err, tiny_model
+from nereus_lightning.testing.tiny import VOCAB, rel_err, tiny_model
 
 
 def _loss(lp: torch.Tensor, mb) -> torch.Tensor:

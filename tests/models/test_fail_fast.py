@@ -10,7 +10,7 @@ from nereus_lightning.models import ReplicaComm, ShardedCausalLM, forward_logits
 from nereus_lightning.models.fail_fast import PeerFailure
 from nereus_lightning.plan.layout import Layout
 from nereus_lightning.testing import WorkerPool
-from tests.models.tiny import VOCAB, tiny_model
+from nereus_lightning.testing.tiny import VOCAB, tiny_model
 
 INJECTED = "injected failure in stage 0's first layer"
 

@@ -104,7 +104,7 @@ def test_every_entry_point_refuses_an_unsupported_family(name: str, tmp_path) ->
     from nereus_lightning.cli.check_model import check_config, check_from_config
     from nereus_lightning.cli.plan import plan_config, plan_from_config
     from nereus_lightning.emu import StateSchema, create_unit, registry
-    from nereus_lightning.lightning.build import build_causal_lm, build_value_model
+    from nereus_lightning.lightning.roles import build_causal_lm, build_value_model
     from nereus_lightning.models import ReplicaComm, ShardedCausalLM, shard_state
     from nereus_lightning.plan.layout import Layout
     from nereus_lightning.spec.model import ModelSpec

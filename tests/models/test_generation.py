@@ -12,7 +12,7 @@ from nereus_lightning.models.generation import ShardedGenerator
 from nereus_lightning.plan.layout import Layout
 from nereus_lightning.rl.forward import response_log_probs
 from nereus_lightning.rl.rollout import HFGenerateEngine, sample_seeds
-from tests.models.tiny import my_replica, tiny_model
+from nereus_lightning.testing.tiny import my_replica, tiny_model
 
 EOS = 255
 LAYOUTS = [(2, 1), (1, 2), (2, 2)]

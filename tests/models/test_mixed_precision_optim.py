@@ -7,7 +7,7 @@ import torch
 
 from nereus_lightning.models.optim import MixedPrecisionAdamW, adamw_keys, bind_adamw, fresh_adamw_state
 from nereus_lightning.spec.errors import NereusConfigError
-from tests.models.tiny import VOCAB, tiny_model
+from nereus_lightning.testing.tiny import VOCAB, tiny_model
 
 HYPER = dict(lr=3e-2, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)
 

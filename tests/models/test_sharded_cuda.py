@@ -16,7 +16,7 @@ from nereus_lightning.models import (
     train_step,
 )
 from nereus_lightning.plan.layout import Layout
-from tests.models.tiny import VOCAB, rel_err, tiny_model
+from nereus_lightning.testing.tiny import VOCAB, rel_err, tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -9,7 +9,7 @@ from nereus_lightning.models import ReplicaComm, ShardedCausalLM, forward_logits
 from nereus_lightning.models.groups import replica_groups
 from nereus_lightning.plan.layout import Layout
 from nereus_lightning.spec.errors import NereusConfigError
-from tests.models.tiny import VOCAB, rel_err, tiny_model
+from nereus_lightning.testing.tiny import VOCAB, rel_err, tiny_model
 
 
 def _comm(layout: Layout, index: int = 0) -> ReplicaComm:

@@ -7,7 +7,7 @@ import torch
 
 from nereus_lightning.models import ShardedCausalLM, forward_logits, split_micro_batches, token_logprobs
 from nereus_lightning.plan.layout import Layout
-from tests.models.tiny import VOCAB, my_replica, rel_err, tiny_model
+from nereus_lightning.testing.tiny import VOCAB, my_replica, rel_err, tiny_model
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (1, 4)]
 

@@ -14,7 +14,7 @@ from nereus_lightning.models import (
     train_step,
 )
 from nereus_lightning.plan.layout import Layout
-from tests.models.tiny import PAD, VOCAB, my_replica, rel_err, tiny_model
+from nereus_lightning.testing.tiny import PAD, VOCAB, my_replica, rel_err, tiny_model
 
 STEPS, BATCH, SEQ, LR = 3, 8, 10, 1e-3
 # Adam's first steps are ~lr * sign(grad), so float32 reordering noise in small gradient entries

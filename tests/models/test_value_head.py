@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from nereus_lightning.emu.schema import StateSchema
-from nereus_lightning.lightning.build import build_value_model
+from nereus_lightning.lightning.roles import build_value_model
 from nereus_lightning.models import MicroBatch, ShardedCausalLM, forward_logits, placement, train_step
 from nereus_lightning.models.sharded import has_value_head
 from nereus_lightning.models.sharding import pp_stages, tp_slices
 from nereus_lightning.plan.layout import Layout
-from tests.models.tiny import VOCAB, my_replica, rel_err, tiny_config
+from nereus_lightning.testing.tiny import VOCAB, my_replica, rel_err, tiny_config
 
 LAYOUTS = [(2, 1), (1, 2), (2, 2)]
 

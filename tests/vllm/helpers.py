@@ -75,7 +75,7 @@ class ScriptedPlans:
         self.plan = state.get("plan")
 
 
-def engine_matches_training(module: Any) -> dict[str, Any] | None:
+def engine_matches_training(module: Any, strategy: Any) -> dict[str, Any] | None:
     """Whether this rank's vLLM engine holds the actor's logical parameters, bit for bit (collective).
 
     The training unit's state is gathered to every rank; a rank of the generation stage reads its
@@ -86,11 +86,11 @@ def engine_matches_training(module: Any) -> dict[str, Any] | None:
     from nereus_lightning.models.sharding import tp_slices
 
     logical = emu.gather_logical_state("actor_train").params
-    unit = module.units._local("actor_gen")
+    unit = strategy.units._local("actor_gen")
     if unit is None:
         return None
     engine = module.rollout_engine(
-        "actor_gen"
+        strategy, "actor_gen"
     ).instance  # pushes the unit's shards when a sync made them newer
     back = engine.read_weights()
     schema, tp = unit.schema, unit.unit.layout.tp
@@ -109,8 +109,8 @@ def engine_matches_training(module: Any) -> dict[str, Any] | None:
         "read_back": sorted(back) == sorted(logical),
         "differ": differ,
         "policy_version": engine.policy_version,
-        "train_version": module.units._local("actor_train").counters.policy_version
-        if module.units._local("actor_train") is not None
+        "train_version": strategy.units._local("actor_train").counters.policy_version
+        if strategy.units._local("actor_train") is not None
         else None,
     }
 
@@ -118,13 +118,13 @@ def engine_matches_training(module: Any) -> dict[str, Any] | None:
 class CheckedGRPOModule(GRPOModule):
     """GRPO that checks, before each step's generation, that vLLM holds the trained weights (see above)."""
 
-    def generate(self, plan, prompts, max_new, step, greedy=False, with_greedy=False, first_index=0):  # noqa: ANN001, ANN201
-        record = engine_matches_training(self)
+    def generate(self, strategy, prompts, max_new, step, greedy=False, with_greedy=False, first_index=0):  # noqa: ANN001, ANN201
+        record = engine_matches_training(self, strategy)
         folder = os.environ.get(CHECKS)
         if folder and record is not None:
-            with open(os.path.join(folder, f"rank{self.rank}.jsonl"), "a") as f:
+            with open(os.path.join(folder, f"rank{strategy.global_rank}.jsonl"), "a") as f:
                 f.write(json.dumps({"step": step, **record}) + "\n")
-        return super().generate(plan, prompts, max_new, step, greedy, with_greedy, first_index)
+        return super().generate(strategy, prompts, max_new, step, greedy, with_greedy, first_index)
 
 
 # ---- pool functions -------------------------------------------------------------------------

@@ -26,11 +26,11 @@ STEPS = 5
 
 def _train(job, out, monkeypatch, plans):
     from nereus_lightning.cli.train import run
-    from nereus_lightning.lightning import control
+    from nereus_lightning.lightning import callback
     from tests.vllm.helpers import CHECKS, ScriptedPlans
 
     if plans is not None:  # the test hook: these layouts, whatever the planner would pick
-        monkeypatch.setattr(control, "default_controller", lambda *a, **k: ScriptedPlans(plans))
+        monkeypatch.setattr(callback, "default_controller", lambda *a, **k: ScriptedPlans(plans))
     checks = out / "checks"
     checks.mkdir()
     monkeypatch.setenv(CHECKS, str(checks))

@@ -418,7 +418,7 @@ def run(cfg: Any) -> dict[str, Any]:
         resources = NodeInventory()  # every node's usable GPUs (NVML), gathered through rank 0
 
     def controller(pl_module: Any, world_size: int) -> Any:
-        from nereus_lightning.lightning.control import default_controller
+        from nereus_lightning.lightning.callback import default_controller
 
         return default_controller(
             pl_module,
@@ -432,7 +432,7 @@ def run(cfg: Any) -> dict[str, Any]:
     if cfg.get("adapt", True):
         callback = NereusCallback(controller=controller, resources=resources, plot_path=plot_path)
     else:  # adaptation off: every model-stage data-parallel over all ranks, never changed
-        from nereus_lightning.lightning import PoolFollower
+        from nereus_lightning.control import PoolFollower
 
         callback = NereusCallback(controller=PoolFollower(_algorithm_name(cfg)), plot_path=plot_path)
     ckpt_dir = os.path.join(out, "checkpoints")

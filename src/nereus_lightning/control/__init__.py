@@ -5,6 +5,7 @@ Python).
 from nereus_lightning.control.backend import PlannerBackend, PlanningBackend
 from nereus_lightning.control.controller import Controller, ControllerConfig
 from nereus_lightning.control.decision import Decision, DecisionLog, describe_plan, plan_to_json
+from nereus_lightning.control.follower import PlanController, PoolFollower, data_parallel_plan
 from nereus_lightning.control.forecast import LengthForecast
 from nereus_lightning.control.resources import (
     DeviceInventoryError,
@@ -46,8 +47,10 @@ __all__ = [
     "LengthForecast",
     "NodeInventory",
     "NvmlResources",
+    "PlanController",
     "PlannerBackend",
     "PlanningBackend",
+    "PoolFollower",
     "PoolTrigger",
     "ResourceProvider",
     "SchedulerFileResources",
@@ -57,6 +60,7 @@ __all__ = [
     "TraceResources",
     "Trigger",
     "as_pool",
+    "data_parallel_plan",
     "describe_plan",
     "follow_pool",
     "intact_plan",

@@ -1,7 +1,9 @@
-"""The Lightning surface: `NereusStrategy`, `NereusCallback` and the RL LightningModules."""
+"""The Lightning surface: `NereusStrategy`, `NereusCallback`, the RL LightningModules and what a module gives
+the strategy (`RoleModels`, `RoleModule`)."""
 
-from nereus_lightning.lightning.callback import NereusCallback, PoolFollower
+from nereus_lightning.lightning.callback import NereusCallback
 from nereus_lightning.lightning.module import GRPOModule, PPOModule, ReMaxModule, RLModule
+from nereus_lightning.lightning.roles import RoleModels, RoleModule
 from nereus_lightning.lightning.strategy import NereusStrategy
 
 __all__ = [
@@ -9,7 +11,8 @@ __all__ = [
     "NereusCallback",
     "NereusStrategy",
     "PPOModule",
-    "PoolFollower",
     "ReMaxModule",
     "RLModule",
+    "RoleModels",
+    "RoleModule",
 ]

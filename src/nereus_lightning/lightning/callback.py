@@ -11,7 +11,7 @@ checkpoint and a resume under another world size.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -19,69 +19,71 @@ import lightning.pytorch as pl
 import torch.distributed as dist
 from typing_extensions import override
 
+from nereus_lightning.control import Controller, ControllerConfig, PlannerBackend
+from nereus_lightning.control.follower import PlanController
+from nereus_lightning.control.resources import NodeInventory, ResourceProvider
+from nereus_lightning.control.signals import StepSignals
 from nereus_lightning.lightning.console import announce, executed_transitions
-from nereus_lightning.lightning.stages import data_parallel_plan
+from nereus_lightning.lightning.roles import RoleModule
+from nereus_lightning.lightning.strategy import NereusStrategy
 from nereus_lightning.plan.layout import Plan
-from nereus_lightning.spec.errors import InfeasiblePlanError
+from nereus_lightning.spec.cluster import ClusterSpec, cluster_preset
+from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
 
 # What a decision record keeps of the strategy's transition record (JSON-serialisable).
 TRANSITION_KEYS = ("mode", "counts", "bytes", "predicted_s", "reason")
+PEAK_MEMORY = "perf/max_memory_allocated_gb"  # the step metric a rank's peak GPU memory comes in
+
+#: Builds the controller on rank 0 at the start of training: ``f(module, world_size)``.
+ControllerFactory = Callable[[RoleModule, int], PlanController]
 
 
-class PoolFollower:
-    """The fallback controller without a planner: every model-stage data-parallel over the pool."""
-
-    def __init__(self, algorithm: str) -> None:
-        self.algorithm = algorithm
-        self.plan: Plan | None = None
-
-    def step(self, signals: Any) -> Any:
-        """A new all-DP plan when the pool changed, else nothing."""
-        from nereus_lightning.control.decision import Decision
-
-        target = data_parallel_plan(self.algorithm, signals.gpus)
-        if self.plan is not None and target == self.plan:
-            return Decision(signals.step, "none")
-        kind = "initial" if self.plan is None else "transition"
-        decision = Decision(
-            signals.step, kind, reason="pool changed", current=self.plan, target=target, signals=signals
-        )
-        self.plan = target
-        return decision
-
-    def state_dict(self) -> dict[str, Any]:
-        """The current plan."""
-        return {"plan": self.plan}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the current plan."""
-        self.plan = state.get("plan")
+def default_controller(
+    module: RoleModule,
+    world_size: int,
+    decision_log: str | None = None,
+    cluster: ClusterSpec | str = "cpu4",
+    **config: Any,
+) -> Controller:
+    """The planner-backed controller of ``module``'s models and workload on ``cluster`` (a ``ClusterSpec``
+    or preset name) sized to ``world_size`` ranks."""
+    specs = module.role_models().specs()
+    backend = PlannerBackend.for_models(  # the pool is the Trainer's: Trainer(devices=...), trainer.devices
+        specs["actor"], critic=specs.get("critic"), reference=specs["reference"], pool_key="trainer.devices"
+    )
+    spec = (cluster_preset(cluster) if isinstance(cluster, str) else cluster).with_gpus(world_size)
+    return Controller(backend, spec, module.workload(0), ControllerConfig(**config), log=decision_log)
 
 
 class NereusCallback(pl.Callback):
     """Feeds the controller every step and applies its decisions through :class:`NereusStrategy`.
 
+    The step's metrics come from the module's ``training_step`` output (a mapping of floats, as
+    ``RLModule`` returns): response and prompt lengths, ``timing_s/*`` and every rank's
+    ``perf/max_memory_allocated_gb`` become the controller's :class:`StepSignals`.
+
     Args:
-        controller: an object with ``step(StepSignals) -> Decision`` (and ``state_dict`` /
-            ``load_state_dict``), e.g. :class:`nereus_lightning.control.Controller`. A callable
-            ``f(module, world_size) -> controller`` is built lazily on rank 0; ``None`` builds
-            the planner-backed controller (or :class:`PoolFollower` when no planner is installed).
+        controller: a :class:`~nereus_lightning.control.PlanController`, e.g.
+            :class:`nereus_lightning.control.Controller` or
+            :class:`~nereus_lightning.control.PoolFollower`; or ``f(module, world_size) ->
+            controller``, built lazily on rank 0; ``None`` builds the planner-backed controller
+            of the module's models and workload on the strategy's cluster.
         resources: the GPU pool per step (``pool(step) -> tuple[int, ...]``); ``None``: all ranks.
-            A provider with ``attach`` (:class:`~nereus_lightning.control.NodeInventory`) is bound
-            to the job's ranks at the start and asked on every rank at every step.
+            A :class:`~nereus_lightning.control.NodeInventory` is bound to the job's ranks at the
+            start and asked on every rank at every step.
         decision_log: a JSON-lines file for the decision log (rank 0 appends).
         plot_path: where to write the reward / latency plot at the end (``None``: no plot).
     """
 
     def __init__(
         self,
-        controller: Any = None,
-        resources: Any = None,
+        controller: PlanController | ControllerFactory | None = None,
+        resources: ResourceProvider | None = None,
         decision_log: str | None = None,
         plot_path: str | None = None,
     ) -> None:
         self.controller_factory = controller
-        self.controller: Any = None
+        self.controller: PlanController | None = None
         self.resources = resources
         self.decision_log = decision_log
         self.plot_path = plot_path
@@ -96,16 +98,14 @@ class NereusCallback(pl.Callback):
         return executed_transitions(self.decisions)
 
     # ---- setup ---------------------------------------------------------------------------
-    def _build_controller(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
+    def _build_controller(self, trainer: pl.Trainer, module: RoleModule) -> PlanController:
         factory = self.controller_factory
-        if factory is not None and hasattr(factory, "step"):
+        if isinstance(factory, PlanController):
             return factory
         if factory is not None:
-            return factory(pl_module, trainer.world_size)
-        from nereus_lightning.lightning.control import default_controller
-
-        cluster = getattr(trainer.strategy, "topology", "cpu4")  # the launch's nodes x GPUs per node
-        return default_controller(pl_module, trainer.world_size, self.decision_log, cluster=cluster)
+            return factory(module, trainer.world_size)
+        cluster = _strategy(trainer).topology  # the launch's nodes x GPUs per node
+        return default_controller(module, trainer.world_size, self.decision_log, cluster=cluster)
 
     def pool(self, step: int, world_size: int) -> tuple[int, ...]:
         """The GPU pool at ``step`` (all ranks without a resource provider), clipped to the job's ranks."""
@@ -115,37 +115,49 @@ class NereusCallback(pl.Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if hasattr(self.resources, "attach"):  # a per-node inventory, gathered through the job's ranks
+        strategy = _strategy(trainer)
+        if not isinstance(pl_module, RoleModule):
+            raise NereusConfigError(
+                f"NereusCallback: {type(pl_module).__name__} has no role_models() and workload(step) "
+                "(nereus_lightning.lightning.roles.RoleModule); the controller plans for them"
+            )
+        if isinstance(self.resources, NodeInventory):  # per node, gathered through the job's ranks
             from nereus_lightning.lightning.launch import DistExchange
 
-            exchange = DistExchange(trainer.strategy.root_device)
+            exchange = DistExchange(strategy.root_device)
             self.resources.attach(exchange, trainer.node_rank, trainer.local_rank, trainer.num_devices)
         if trainer.is_global_zero:
             self.controller = self._build_controller(trainer, pl_module)
-            if self._restored is not None and hasattr(self.controller, "load_state_dict"):
+            if self._restored is not None:
                 self.controller.load_state_dict(self._restored)
-        strategy = trainer.strategy
         step = trainer.global_step
-        given = getattr(strategy, "plan", None)
-        if given is not None and self._restored is None and hasattr(strategy, "transition"):
+        given = strategy.plan
+        if given is not None and self._restored is None:
             # The user's plan is the starting point: the controller adapts from it.
-            if trainer.is_global_zero and hasattr(self.controller, "plan"):
+            if self.controller is not None:
                 self.controller.plan = given
             strategy.transition(given)
             return
         # Initial plan before the first step (or on resume: the controller's plan for this pool).
-        signals = _initial_signals(pl_module, step, self.pool(step, trainer.world_size))
-        self._decide_and_apply(trainer, pl_module, signals, initial=True)
+        workload = pl_module.workload(step)
+        signals = StepSignals(
+            step=step,
+            response_len=workload.response_len,
+            response_len_p95=workload.response_len,
+            prompt_len=float(workload.prompt_len),
+            gpus=self.pool(step, trainer.world_size),
+        )
+        self._decide_and_apply(trainer, signals, initial=True)
 
     # ---- every step ----------------------------------------------------------------------
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        stats = dict(getattr(pl_module, "step_stats", {}) or {})
+        stats = {k: float(v) for k, v in outputs.items()} if isinstance(outputs, Mapping) else {}
         step = trainer.global_step  # already counts the step just finished
-        strategy = trainer.strategy
-        plan = getattr(strategy, "plan", None)
+        strategy = _strategy(trainer)
+        plan = strategy.plan
         if plan is not None:
             for name, cand in plan.items():
                 dims = (
@@ -163,16 +175,16 @@ class NereusCallback(pl.Callback):
         # A rank that leaves the pool stays alive (the process group keeps every rank), so the
         # transition may still read its units: it is draining, as under a revocation notice.
         draining = tuple(g for g in self.pool(step - 1, trainer.world_size) if g not in pool)
-        signals = _signals(pl_module, step, stats, pool, draining)
+        signals = _signals(step, stats, pool, draining)
         if self._last_transition_s:
             # The measured duration of the transition executed before this step: the controller's
             # transition-cost calibration reads it.
             signals = replace(signals, transition_time=self._last_transition_s)
         stats["pool/num_gpus"] = float(len(self.pool(step - 1, trainer.world_size)))  # during this step
-        seconds = self._decide_and_apply(trainer, pl_module, signals)
+        seconds = self._decide_and_apply(trainer, signals)
         self._last_transition_s = seconds
         stats["timing_s/transition"] = seconds
-        done = getattr(strategy, "transitions", None)
+        done = strategy.transitions
         stats["transition/bytes"] = float(done[-1].get("bytes", 0.0)) if seconds and done else 0.0
         if trainer.is_global_zero:
             record = {"step": float(step - 1), **{k: float(v) for k, v in stats.items()}}
@@ -183,18 +195,16 @@ class NereusCallback(pl.Callback):
             {k: v for k, v in stats.items() if k.startswith(("plan/", "pool/"))}, rank_zero_only=True
         )
 
-    def _decide_and_apply(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, signals: Any, initial: bool = False
-    ) -> float:
+    def _decide_and_apply(self, trainer: pl.Trainer, signals: StepSignals, initial: bool = False) -> float:
         """Rank 0 decides, everyone receives the decision, an admitted plan is executed; returns seconds."""
         payload: Any = None
-        if trainer.is_global_zero:
+        if self.controller is not None:  # rank 0
             try:
                 decision = self.controller.step(signals)
                 target = decision.target if decision.changes_plan else None
                 if initial and target is None:
                     # Resumed controller that keeps its plan: the fresh strategy still needs it.
-                    target = getattr(self.controller, "plan", None)
+                    target = self.controller.plan
                 payload = ("ok", decision.kind, target, decision.to_json())
             except InfeasiblePlanError as exc:
                 payload = ("infeasible", str(exc), None, None)
@@ -207,14 +217,14 @@ class NereusCallback(pl.Callback):
             raise InfeasiblePlanError(f"the controller found no feasible plan at step {signals.step}: {kind}")
         if record is not None and kind != "none":
             self.decisions.append(record)
-        strategy = trainer.strategy
-        if target is None or not hasattr(strategy, "transition"):
+        strategy = _strategy(trainer)
+        if target is None:
             if trainer.is_global_zero and record is not None:
                 announce(record)
             return 0.0
         seconds = strategy.transition(target)
         if trainer.is_global_zero and record is not None:
-            done = getattr(strategy, "transitions", None)
+            done = strategy.transitions
             executed = done[-1] if done and not initial else None
             if not initial:
                 record["measured_s"] = seconds
@@ -235,11 +245,7 @@ class NereusCallback(pl.Callback):
     # ---- state ---------------------------------------------------------------------------
     @override
     def state_dict(self) -> dict[str, Any]:
-        controller = (
-            self.controller.state_dict()
-            if self.controller is not None and hasattr(self.controller, "state_dict")
-            else None
-        )
+        controller = self.controller.state_dict() if self.controller is not None else None
         return {"controller": controller, "history": list(self.history), "decisions": list(self.decisions)}
 
     @override
@@ -253,26 +259,35 @@ def _used_gpus(plan: Plan | None) -> set[int]:
     return {g for _, c in plan.items() for g in c.gpus} if plan is not None else set()
 
 
-def _initial_signals(pl_module: pl.LightningModule, step: int, pool: Sequence[int]) -> Any:
-    from nereus_lightning.control.signals import StepSignals
+def _strategy(trainer: pl.Trainer) -> NereusStrategy:
+    """The Trainer's strategy, which executes the controller's plans."""
+    strategy = trainer.strategy
+    if not isinstance(strategy, NereusStrategy):
+        raise NereusConfigError(
+            f"trainer.strategy: NereusCallback applies plans through NereusStrategy, not a "
+            f"{type(strategy).__name__}; use Trainer(strategy=NereusStrategy()) or strategy=\"nereus\""
+        )
+    return strategy
 
-    source = getattr(pl_module, "source", None)
-    length = float(source.max_response_len(step)) if source is not None else 1.0
-    prompt = float(source.mean_prompt_len()) if source is not None else 1.0
-    return StepSignals(
-        step=step, response_len=length, response_len_p95=length, prompt_len=prompt, gpus=tuple(pool)
-    )
+
+def _peak_memory(stats: Mapping[str, float]) -> dict[int, float]:
+    """Every rank's peak GPU memory of the step in bytes (collective; empty without GPUs)."""
+    if PEAK_MEMORY not in stats:  # no GPU: absent on every rank alike
+        return {}
+    mine = stats[PEAK_MEMORY] * 2**30
+    if not dist.is_initialized():
+        return {0: mine}
+    every: list[Any] = [None] * dist.get_world_size()  # per rank (every entry filled by the gather)
+    dist.all_gather_object(every, mine)
+    return {rank: float(v) for rank, v in enumerate(every)}
 
 
 def _signals(
-    pl_module: pl.LightningModule,
     step: int,
     stats: dict[str, float],
     pool: Sequence[int],
     draining: Sequence[int] = (),
-) -> Any:
-    from nereus_lightning.control.signals import StepSignals
-
+) -> StepSignals:
     mean = max(stats.get("response_length/mean", 1.0), 1.0)
     p95 = max(stats.get("response_length/p95", mean), mean)
     stage_time = {k.split("/", 1)[1]: v for k, v in stats.items() if k.startswith("timing_s/")}
@@ -284,5 +299,5 @@ def _signals(
         gpus=tuple(pool),
         draining=tuple(draining),
         stage_time=stage_time,
-        peak_memory=dict(getattr(pl_module, "peak_memory", {}) or {}),
+        peak_memory=_peak_memory(stats),
     )

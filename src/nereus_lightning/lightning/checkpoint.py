@@ -1,7 +1,7 @@
 """The JSON metadata of a Nereus checkpoint directory, its atomic commit, and finding the newest good one.
 
-A checkpoint is a directory: the tensors through DCP (``emu/<model_stage>/`` for the EMU state,
-the directory itself for the full-model state) and ``nereus_meta.json``: the format version, the
+A checkpoint is a directory: the tensors through DCP (``emu/<model_stage>/``, every model-stage's
+units) and ``nereus_meta.json``: the format version, the
 versions that wrote it, the size of every file, and Lightning's checkpoint dict (step, epoch,
 loops, callback states such as the controller's, hyper-parameters, what the module adds) in
 JSON. Reading it runs no code: values JSON lacks are tagged objects (:func:`encode`), built back
@@ -152,7 +152,7 @@ class StoredCheckpoint:
     """What ``nereus_meta.json`` says: Lightning's checkpoint dict, the state backend and the save time."""
 
     checkpoint: dict[str, Any]
-    state: str  # "emu" (tensors under emu/<model_stage>/) or "full" (tensors in the directory itself)
+    state: str  # "emu" (tensors under emu/<model_stage>/); "full" (the retired backend's) is not resumed
     saved_at: float
 
 

@@ -1,5 +1,8 @@
-"""The EMU state backend: every model-stage's state lives in Elastic Model Units on the ranks its plan gives
-it.
+"""`EMUStates`: every model-stage's state in Elastic Model Units on the ranks its plan gives it.
+
+:class:`~nereus_lightning.lightning.strategy.NereusStrategy` holds one and is the only caller; the
+LightningModule reaches the units through the strategy's interface (``stage``, ``update``,
+``sync_weights``, ...).
 
 Each model-stage with a model (actor, critic, reference, reward roles) is a set of live EMUs in
 :func:`nereus_lightning.emu.registry` (one per replica, sharded by the stage's TP x PP layout).
@@ -9,9 +12,9 @@ built on its EMU's very tensors; a training stage's AdamW is bound to the EMU's 
 rank keeps a full model beyond what its units hold: the module's full transformers models are
 released (emptied) once the units exist.
 
-A plan change runs the transition brain's DAG (``build_transition``) through the EMU executor
-(``execute_dag``) on every rank; plans the brain does not model (model-stages of one stage
-sharing GPUs, as in the all-data-parallel fallback) move each model-stage with
+A plan change runs the transition brain's DAG (``build_transition``, priced on the strategy's
+cluster) through the EMU executor (``execute_dag``) on every rank; plans the brain does not model
+(model-stages of one stage sharing GPUs, as in the all-data-parallel fallback) move each model-stage with
 :func:`nereus_lightning.emu.sync.relayout` (the same transfer plans). After each update the
 fresh weights go from every training stage to the other model-stages of its model
 (:func:`nereus_lightning.emu.sync.sync_params`).
@@ -36,9 +39,9 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import astuple, dataclass
 from typing import Any
 
 import torch
@@ -48,12 +51,16 @@ from torch import nn
 from nereus_lightning import emu
 from nereus_lightning.emu.groups import prepare_member_groups
 from nereus_lightning.emu.sync import relayout, sync_params
+from nereus_lightning.emu.unit import Counters
+from nereus_lightning.lightning.roles import RoleModels
 from nereus_lightning.models import ReplicaComm, ShardedCausalLM, bind_adamw, clip_grad_norm_, replica_groups
 from nereus_lightning.models.groups import dp_ranks
+from nereus_lightning.models.sharded import is_tied
 from nereus_lightning.plan.layout import Candidate, Plan
 from nereus_lightning.rl.vllm_engine import VLLMInstance, check_replicas, check_vocabulary
+from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
-from nereus_lightning.spec.workload import workflow
+from nereus_lightning.spec.workload import Workload, workflow
 
 log = logging.getLogger(__name__)
 
@@ -106,56 +113,55 @@ def _frozen(tensor: torch.Tensor) -> nn.Parameter:
     return tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=False)
 
 
+@dataclass(frozen=True)
+class StageUpdate:
+    """What one optimizer step of a training model-stage found (see :meth:`EMUStates.update`)."""
+
+    norm: float | None  # the global gradient norm; None on a rank outside the model-stage
+    problem: str | None = None  # the first non-finite gradient when ``norm`` is not finite (nothing stepped)
+
+
 class EMUStates:
     """This job's model-stage state in EMUs, and this rank's compute modules on them.
 
     Args:
-        algorithm: the RL algorithm (names the model-stages and which of them train).
-        learning_rates: role -> AdamW learning rate of its training stage.
-        rollout_engine: ``"hf"`` (generation runs on the units' modules) or ``"vllm"`` (on vLLM
-            engines fed from the generation units, see the module docstring).
+        roles: the module's role models: they seed the first units (then are released), and
+            name the model-stages, their learning rates and the rollout engine.
+        workload: the RL step the transition brain prices a plan change for.
+        cluster: the cluster it prices and validates the transition DAG on.
     """
 
-    kind = "emu"
-
-    def __init__(
-        self, algorithm: str, learning_rates: Mapping[str, float] | None = None, rollout_engine: str = "hf"
-    ) -> None:
-        self.algorithm = algorithm
-        self.rollout_engine = rollout_engine
+    def __init__(self, roles: RoleModels, workload: Workload, cluster: ClusterSpec) -> None:
+        self.roles = roles
+        self.workload = workload
+        self.cluster = cluster
         self.vllm: VLLMInstance | None = None  # this rank's engine (rollout_engine="vllm")
         self._vllm_key: tuple | None = None  # the (layout, gpus) of the generation stage it serves
         self._vllm_stale = False  # the generation units hold newer weights than the engine
-        self.learning_rates = dict(learning_rates or {})
-        self.stages = {m.name: m for m in workflow(algorithm)}
+        self.stages = {m.name: m for m in workflow(roles.algorithm)}
+        self.configs = roles.configs()  # role -> transformers config (kept when the models are released)
         self.plan: Plan | None = None  # the plan of the live units (model-stages with a model only)
         self.units: dict[str, ShardedCausalLM] = {}
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
-        self.configs: dict[str, Any] = {}
         self.resume_from: str | None = None  # a checkpoint directory to load when the units are built
         self.last_report: Any = None  # the reduced ExecutionReport of the last DAG transition
         self.last_transition: dict[str, Any] = {}
-        self.workload_fn: Callable[[], Any] | None = None
-        self.specs_fn: Callable[[], Any] | None = None
-        self.cluster: Any = (
-            None  # the ClusterSpec the brain prices transitions on (None: cpu4 sized to the world)
-        )
 
     # ---- building ------------------------------------------------------------------------
-    def _stateful(self, plan: Plan, models: Mapping[str, nn.Module | None]) -> Plan:
-        return Plan.of({n: c for n, c in plan.items() if models.get(self.stages[n].model) is not None})
+    def _stateful(self, plan: Plan) -> Plan:
+        return Plan.of({n: c for n, c in plan.items() if self.stages[n].model in self.configs})
 
-    def ensure(self, plan: Plan, models: Mapping[str, nn.Module | None], rank: int) -> bool:
-        """Make the live units those of ``plan`` (collective); False if they already are."""
-        if not self.configs:
-            self.configs = {r: m.config for r, m in models.items() if m is not None}
-        target = self._stateful(plan, models)
+    def ensure(self, plan: Plan, rank: int) -> bool:
+        """Make the live units those of ``plan`` (collective); False if they already are, or if the brain
+        found no safe transition (then ``last_transition["mode"] == "kept"`` and nothing moved)."""
+        self.last_transition = {}
+        target = self._stateful(plan)
         if self.plan == target:
             return False
-        if self.rollout_engine == "vllm":
+        if self.roles.rollout_engine == "vllm":
             self._generation_candidate(target)  # refuse a layout vLLM cannot take before anything moves
         if self.plan is None:
-            self._create(target, models)
+            self._create(target)
         else:
             self._onload_all()  # the transfers read and write device tensors
             if not self._move(self.plan, target):
@@ -164,21 +170,21 @@ class EMUStates:
         self.plan = target
         self._build_modules(rank)
         self._offload_idle()
-        if self.rollout_engine == "vllm":
+        if self.roles.rollout_engine == "vllm":
             self._refresh_vllm()
         return True
 
-    def _create(self, plan: Plan, models: Mapping[str, nn.Module | None]) -> None:
+    def _create(self, plan: Plan) -> None:
         """First units of every model-stage from the full models (or a checkpoint), then release the full
         models.
         """
         reg = emu.registry()
         reg.clear()
         names = list(plan)
+        models = self.roles.present()
         for name, cand in plan.items():
             ms = self.stages[name]
             model = models[ms.model]
-            assert model is not None  # ``_stateful`` dropped the model-stages without a model
             others = [o for o in names if o != name]
             # Every rank still has the full model here, so each replica cuts its own shards (no traffic).
             for unit in _units_of(plan, name):
@@ -193,8 +199,7 @@ class EMUStates:
                 load_state(self._local(name), os.path.join(self.resume_from, name))
             self.resume_from = None
         for model in models.values():
-            if model is not None:
-                release(model)  # the units hold the state now
+            release(model)  # the units hold the state now
 
     def _local(self, name: str) -> emu.EMU | None:
         return next((e for e in emu.registry().units.get(name, {}).values() if e is not None), None)
@@ -206,22 +211,20 @@ class EMUStates:
         no safe transition (``InfeasiblePlanError``); plans it does not model at all
         (``NereusConfigError``, e.g. model-stages of one stage sharing GPUs) move per model-stage.
         """
+        from nereus_lightning import transition
+
         start = time.perf_counter()
         dag = None
         reason = ""
-        if self.specs_fn is not None and self.workload_fn is not None:
-            from nereus_lightning.spec.cluster import cluster_preset
-            from nereus_lightning.transition import build_transition
-
-            cluster = self.cluster or cluster_preset("cpu4").with_gpus(dist.get_world_size())
-            try:
-                dag = build_transition(current, target, self.specs_fn(), cluster, self.workload_fn())
-            except InfeasiblePlanError as exc:
-                log.warning("transition to the new plan is infeasible (%s); keeping the current plan", exc)
-                self.last_transition = {"mode": "kept", "reason": str(exc), "bytes": 0}
-                return False
-            except NereusConfigError as exc:
-                reason = str(exc)
+        try:
+            specs = self.roles.specs()
+            dag = transition.build_transition(current, target, specs, self.cluster, self.workload)
+        except InfeasiblePlanError as exc:
+            log.warning("transition to the new plan is infeasible (%s); keeping the current plan", exc)
+            self.last_transition = {"mode": "kept", "reason": str(exc), "bytes": 0}
+            return False
+        except NereusConfigError as exc:
+            reason = str(exc)
         info: dict[str, Any] = {"mode": "relayout", "reason": reason}
         if dag is not None:
             prepare_member_groups(_dag_rank_sets(dag))
@@ -259,7 +262,7 @@ class EMUStates:
         for name, cand in self.plan.items():
             ms = self.stages[name]
             config = self.configs[ms.model]
-            tied = bool(getattr(config, "tie_word_embeddings", False))
+            tied = is_tied(config)
             replicas = [cand.replica_gpus(r) for r in range(cand.dp)]
             replica_groups(replicas, cand.layout, tied)  # every rank, same order
             if rank not in cand.gpus:
@@ -277,7 +280,7 @@ class EMUStates:
             module = ShardedCausalLM(config, comm, state.params)
             module.recompute = cand.recompute  # as the planner priced the stage's activations
             if ms.trains:
-                lr = self.learning_rates.get(ms.model, 1e-3)
+                lr = self.roles.learning_rates.get(ms.model, 1e-3)
                 self.optimizers[name] = bind_adamw(module, state.optim_state, lr=lr, **ADAMW)
             self.units[name] = module
 
@@ -293,7 +296,7 @@ class EMUStates:
         if unit is None or self.stages[model_stage].trains:
             yield
             return
-        if not (self.rollout_engine == "vllm" and self.stages[model_stage].stage == "generation"):
+        if not (self.roles.rollout_engine == "vllm" and self.stages[model_stage].stage == "generation"):
             unit.onload()
         try:
             yield
@@ -388,7 +391,7 @@ class EMUStates:
         return engine
 
     # ---- compute -------------------------------------------------------------------------
-    def get(self, model_stage: str) -> ShardedCausalLM | None:
+    def stage(self, model_stage: str) -> ShardedCausalLM | None:
         """This rank's compute module of ``model_stage`` (None: not a member)."""
         return self.units.get(model_stage)
 
@@ -396,21 +399,19 @@ class EMUStates:
         """The training model-stages with live units, in workflow order."""
         return [n for n in (self.plan or {}) if self.stages[n].trains]
 
-    def apply_update(
-        self, model_stage: str, max_norm: float = 1.0, samples: int = 0
-    ) -> tuple[float | None, str | None]:
+    def update(self, model_stage: str, max_norm: float = 1.0, samples: int = 0) -> StageUpdate:
         """Sum gradients over the stage's replicas, clip, and step its EMU-bound AdamW.
 
-        Every rank of the model-stage calls it (absent gradients count as zeros). Returns the
-        global gradient norm (None off the stage) and, when that norm is not finite, the first
-        parameter here whose gradient is not: then nothing is stepped and the gradients are dropped.
-        The unit's counters advance with a step (one optimizer step, one update and policy
-        version, ``samples`` more samples consumed), so they travel with the state through
-        transitions and checkpoints.
+        Every rank of the model-stage calls it (absent gradients count as zeros); a rank outside
+        it gets ``StageUpdate(None)``. When the global gradient norm is not finite, nothing is
+        stepped, the gradients are dropped and the update names the first parameter here whose
+        gradient is not finite. The unit's counters advance with a step (one optimizer step, one
+        update and policy version, ``samples`` more samples consumed), so they travel with the
+        state through transitions and checkpoints.
         """
         unit = self.units.get(model_stage)
         if unit is None:
-            return None, None
+            return StageUpdate(None)
         params = list(unit.parameters())
         grads: list[torch.Tensor] = []  # per parameter its gradient (clipped and reduced in place)
         for p in params:
@@ -426,26 +427,25 @@ class EMUStates:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
         norm = float(clip_grad_norm_(unit, max_norm))
-        bad = None
+        problem = None
         if math.isfinite(norm):
             self.optimizers[model_stage].step()
-            self._advance(
-                model_stage, optimizer_step=1, update_count=1, policy_version=1, sample_position=samples
-            )
+            step = Counters(optimizer_step=1, update_count=1, policy_version=1, sample_position=samples)
+            self._advance(model_stage, step)
         else:
             named = zip(unit.named_parameters(), grads, strict=True)
             names = [n for (n, _), g in named if not bool(torch.isfinite(g).all())]
-            bad = f"first non-finite gradient here: {names[0]}" if names else "non-finite on another rank"
+            problem = f"first non-finite gradient here: {names[0]}" if names else "non-finite on another rank"
         for p in params:
             p.grad = None
-        return norm, bad
+        return StageUpdate(norm, problem)
 
-    def _advance(self, model_stage: str, **steps: int) -> None:
+    def _advance(self, model_stage: str, steps: Counters) -> None:
         """Add ``steps`` to this rank's unit counters of ``model_stage`` (every member does the same)."""
         unit = self._local(model_stage)
         if unit is not None:
-            c = unit.counters
-            unit.counters = replace(c, **{k: getattr(c, k) + v for k, v in steps.items()})
+            now = zip(astuple(unit.counters), astuple(steps), strict=True)
+            unit.counters = Counters(*(a + b for a, b in now))
 
     def sync_weights(self) -> None:
         """Copy each training stage's fresh parameters into the other
@@ -458,7 +458,7 @@ class EMUStates:
                 if name != train and self.stages[name].model == role and not self.stages[name].trains:
                     sync_params(train, name)
                     # a new policy version in this model-stage (one sync per update)
-                    self._advance(name, policy_version=1, stage_version=1)
+                    self._advance(name, Counters(policy_version=1, stage_version=1))
         self._vllm_stale = self.vllm is not None
 
     # ---- state ---------------------------------------------------------------------------
@@ -475,13 +475,14 @@ class EMUStates:
             save_state(name, os.path.join(path, name))
             self._offload(name)
 
-    def write_back(self, models: Mapping[str, nn.Module | None], dst: int | None = None) -> None:
+    def write_back(self, dst: int | None = None) -> None:
         """Put every role's logical parameters back into its (released) full model (collective).
 
         On every rank (``dst=None``) or on rank ``dst`` only. The end of fit uses ``dst=0``:
         Lightning's launcher hands rank 0's module weights to the caller.
         """
         assert self.plan is not None
+        models = self.roles.present()
         done: set[str] = set()
         for name in self.plan:
             role = self.stages[name].model

@@ -14,6 +14,7 @@ import shutil
 from collections.abc import Mapping
 from typing import Any
 
+from nereus_lightning.rl.tokenizer import ByteTokenizer
 from nereus_lightning.spec.errors import NereusConfigError
 
 #: Trainable model -> the model-stage that holds its freshest state.
@@ -27,7 +28,7 @@ def write_hf_metadata(configs: Mapping[str, Any], tokenizer: Any, ckpt_dir: str)
         folder = os.path.join(ckpt_dir, HF_DIR, role)
         os.makedirs(folder, exist_ok=True)
         config.save_pretrained(folder)
-        if hasattr(tokenizer, "save_pretrained"):  # the byte tokenizer of the built-in task has no files
+        if tokenizer is not None and not isinstance(tokenizer, ByteTokenizer):  # (the toy task's: no files)
             tokenizer.save_pretrained(folder)
 
 

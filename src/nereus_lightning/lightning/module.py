@@ -6,18 +6,18 @@ user's data files and ``compute_score`` reward (``data=...``, ``reward_function=
 built-in task. The RL step itself (advantages, in-reward KL, losses) is
 :mod:`nereus_lightning.rl.algorithm`'s, the same functions the one-process reference loop runs.
 
-The module builds the role models (full transformers modules) and owns the algorithm. With the
-default EMU state backend (:mod:`nereus_lightning.lightning.emu_state`) the models seed each
-model-stage's Elastic Model Units and are then released: every stage computes on sharded modules
-built on its units' tensors. There is one way to sample and one way to score: rollouts go through
-a :class:`~nereus_lightning.rl.rollout.RolloutEngine` (transformers ``generate`` over a
+The module builds the role models (full transformers modules, :meth:`RLModule.role_models`) and
+owns the algorithm; :class:`~nereus_lightning.lightning.strategy.NereusStrategy` owns the state:
+the models seed each model-stage's Elastic Model Units and are then released, and every stage
+computes on this rank's sharded module of its unit (``strategy.stage``). There is one way to
+sample and one way to score: rollouts go through a
+:class:`~nereus_lightning.rl.rollout.RolloutEngine` (transformers ``generate`` over a
 :class:`~nereus_lightning.models.generation.ShardedGenerator` of the generation unit, each sample
 seeded by its global index), inference stages score with :mod:`nereus_lightning.rl.forward` over
 the same adapter, and updates read the same response positions
-(:func:`~nereus_lightning.rl.forward.response_span`) from :func:`~nereus_lightning.models.train_step`. *Where*
-each
-model-stage runs comes from the strategy's current plan (:class:`NereusStrategy`): every stage
-runs on its replicas' slice of the global batch (see :mod:`nereus_lightning.lightning.stages`)
+(:func:`~nereus_lightning.rl.forward.response_span`) from :func:`~nereus_lightning.models.train_step`.
+*Where* each model-stage runs comes from the strategy's current plan: every stage runs on its
+replicas' slice of the global batch (``strategy.slot``, :mod:`nereus_lightning.lightning.stages`)
 and the results are gathered in global sample order before the next stage. Losses are
 normalised by global token counts, so one update is the same under any DP layout up to
 floating-point reduction order.
@@ -28,8 +28,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -38,25 +37,24 @@ from torch import Tensor
 from typing_extensions import override
 
 import lightning as L
-from nereus_lightning.lightning import build
+from nereus_lightning.lightning import roles
+from nereus_lightning.lightning.roles import RoleModels
 from nereus_lightning.lightning.sources import make_sources
 from nereus_lightning.lightning.stages import (
     RowsJob,
     StageSlot,
-    all_reduce_grads,
-    chunk_bounds,
-    data_parallel_plan,
     gather_samples,
     micro_slices,
+    role_of,
     run_stages,
     run_stages_rows,
-    slot_of,
 )
+from nereus_lightning.lightning.strategy import NereusStrategy
 from nereus_lightning.models.decode import DECODE_MODES, StaticDecodeEngine, use_static_decode
-from nereus_lightning.plan.layout import Plan
+from nereus_lightning.models.generation import ShardedGenerator
 from nereus_lightning.rl import algorithm as rl
 from nereus_lightning.rl import losses
-from nereus_lightning.rl.batch import RolloutBatch
+from nereus_lightning.rl.batch import RolloutBatch, dp_slice
 from nereus_lightning.rl.data import Prompt
 from nereus_lightning.rl.forward import (
     position_ids_from_mask,
@@ -71,6 +69,7 @@ from nereus_lightning.rl.sources import Sample
 from nereus_lightning.rl.tokenizer import pad_ids
 from nereus_lightning.rl.vllm_engine import VLLMEngine, check_vllm_model, require_vllm
 from nereus_lightning.spec.errors import NereusConfigError, require
+from nereus_lightning.spec.workload import Workload
 
 if TYPE_CHECKING:
     from lightning.fabric.utilities.data import AttributeDict
@@ -204,7 +203,6 @@ class RLModule(L.LightningModule):
 
     algorithm: ClassVar[str] = "ppo"
     uses_critic: ClassVar[bool] = True
-    state_backend: str = "emu"  # where model-stage state lives; see :meth:`use_state`
 
     if TYPE_CHECKING:  # what ``save_hyperparameters`` stores: the arguments below, read by attribute
 
@@ -285,11 +283,7 @@ class RLModule(L.LightningModule):
             check_vllm_model(self.actor.config, "actor")
         self.step_stats: dict[str, float] = {}
         self._logged_keys: set[str] = set()
-        self.peak_memory: dict[int, float] = {}  # this step's peak GPU memory per rank (empty on CPU)
-        self.units: Any = None
-        self._adapters: dict[str, Any] = {}  # model-stage -> ShardedGenerator over this rank's unit
         self.last_rollout: RolloutBatch | None = None  # the last step's batch, every sample (for inspection)
-        self.use_state(self.state_backend)
         from nereus_lightning.lightning.metrics import RunMetrics
 
         self.run_metrics = RunMetrics()
@@ -297,24 +291,24 @@ class RLModule(L.LightningModule):
     def _build_models(self, actor: Any, reference: Any, critic: Any, reward_model: Any, seed: int) -> tuple:
         """Actor, reference, critic and reward model, each checked against the tokenizer."""
         tok = self.tokenizer
-        vocab, pad = build.vocabulary_rows(tok), tok.pad_token_id
-        built_actor = build.build_causal_lm(actor, seed, vocab, pad, key="actor.path")
+        vocab, pad = roles.vocabulary_rows(tok), tok.pad_token_id
+        built_actor = roles.build_causal_lm(actor, seed, vocab, pad, key="actor.path")
         if reference is None or reference == actor:
-            built_ref = build.frozen_copy(built_actor)
+            built_ref = roles.frozen_copy(built_actor)
         else:
-            built_ref = build.frozen_copy(
-                build.build_causal_lm(reference, seed, vocab, pad, key="reference.path")
+            built_ref = roles.frozen_copy(
+                roles.build_causal_lm(reference, seed, vocab, pad, key="reference.path")
             )
         built_critic = (
-            build.build_value_model(
+            roles.build_value_model(
                 critic if critic is not None else actor, seed + 1, vocab, pad, key="critic.path"
             )
             if self.uses_critic
             else None
         )
         built_reward = (
-            build.frozen_copy(
-                build.build_value_model(reward_model, seed + 2, vocab, pad, key="reward_model.path")
+            roles.frozen_copy(
+                roles.build_value_model(reward_model, seed + 2, vocab, pad, key="reward_model.path")
             )
             if reward_model is not None
             else None
@@ -326,42 +320,34 @@ class RLModule(L.LightningModule):
             ("reward", built_reward),
         ):
             if model is not None:
-                build.check_vocabulary(tok, model.config, role)
+                roles.check_vocabulary(tok, model.config, role)
         return built_actor, built_ref, built_critic, built_reward
 
-    def use_state(self, kind: str) -> None:
-        """Hold model-stage state in ``"emu"`` units (default) or ``"full"`` (every rank keeps each full
-        model).
-
-        ``"emu"``: each model-stage's state lives in Elastic Model Units on the ranks its plan gives
-        it (:class:`~nereus_lightning.lightning.emu_state.EMUStates`); ``"full"``: the earlier
-        backend, every rank keeps the logical models and re-slices them per plan. Call before the
-        first step.
-        """
-        require(kind in ("emu", "full"), "strategy.state", f"{kind!r} is not one of 'emu', 'full'")
-        require(
-            self.units is None or getattr(self.units, "plan", None) is None or kind == self.state_backend,
-            "strategy.state",
-            "the state backend cannot change once units exist",
+    def role_models(self) -> RoleModels:
+        """The role models the strategy cuts into model-stage units (their tensors go there at the first
+        plan)."""
+        hp = self.hparams
+        return RoleModels(
+            self.algorithm,
+            {"actor": self.actor, "reference": self.reference, "critic": self.critic, "reward": self.reward},
+            {"actor": hp.actor_lr, "critic": hp.critic_lr},
+            hp.rollout_engine,
+            self.tokenizer,
         )
-        self.state_backend = kind
-        if kind == "emu":
-            from nereus_lightning.lightning.control import job_workload, model_specs
-            from nereus_lightning.lightning.emu_state import EMUStates
 
-            lrs = {"actor": self.hparams.actor_lr, "critic": self.hparams.critic_lr}
-            self.units = EMUStates(self.algorithm, lrs, rollout_engine=self.hparams.rollout_engine)
-            self.units.specs_fn = lambda: model_specs(self)
-            self.units.workload_fn = lambda: job_workload(self)
-        else:
-            from nereus_lightning.lightning.units import StageUnits
-
-            self.units = StageUnits(self.algorithm)
-
-    @property
-    def emu_state(self) -> bool:
-        """Whether model-stage state lives in EMUs."""
-        return getattr(self.units, "kind", "full") == "emu"
+    def workload(self, step: int = 0) -> Workload:
+        """The RL step's shape at ``step`` (batch and expected lengths), as the planner prices it."""
+        hp = self.hparams
+        return Workload(
+            algorithm=self.algorithm,
+            prompts_per_step=hp.prompts_per_step,
+            samples_per_prompt=hp.samples_per_prompt,
+            prompt_len=self.source.mean_prompt_len(),
+            response_len=float(self.source.max_response_len(step)),
+            mini_batches=hp.mini_batches,
+            ppo_epochs=hp.ppo_epochs,
+            reward_model=self.reward is not None,
+        )
 
     # ---- Lightning hooks -------------------------------------------------------------------
     @override
@@ -369,8 +355,8 @@ class RLModule(L.LightningModule):
         # Compute weights in the trainer's precision; the EMUs keep fp32 masters and AdamW moments
         # for low-precision weights, and log-probs, losses and advantages stay fp32.
         dtype = precision_dtype(str(self.trainer.precision))
-        for model in self.role_models().values():
-            if model is not None and dtype != torch.float32:
+        for model in self.role_models().present().values():
+            if dtype != torch.float32:
                 model.to(dtype)
                 model.config.dtype = dtype  # what the planner prices
 
@@ -396,25 +382,15 @@ class RLModule(L.LightningModule):
         if "nereus_data" in checkpoint:
             self.source.load_state_dict(checkpoint["nereus_data"])
 
-    def write_hf(self, ckpt_dir: str) -> dict[str, str]:
-        """Hugging Face folders of the trainable models in a checkpoint just written
-        (``ckpt_dir/hf/<model>``).
-        """
-        from nereus_lightning.lightning.export import TRAINED, export_hf, write_hf_metadata
-
-        models = self.role_models()
-        configs = {role: model.config for role in TRAINED if (model := models.get(role)) is not None}
-        write_hf_metadata(configs, self.tokenizer, ckpt_dir)
-        return export_hf(ckpt_dir)
-
     @override
     def train_dataloader(self) -> torch.utils.data.DataLoader:
         return torch.utils.data.DataLoader(_StepClock(), batch_size=None)
 
     @override
-    def training_step(self, batch: Tensor, batch_idx: int) -> None:
+    def training_step(self, batch: Tensor, batch_idx: int) -> dict[str, float]:
         step = self.global_step
-        self.step_stats = self.rl_step(step)
+        strategy = self.nereus_strategy
+        self.step_stats = self.rl_step(step, strategy)
         self.step_stats.update(self.run_metrics.update(self.step_stats))
         # Lightning repeats a step-level metric's last value while it is not logged again (its
         # results reset per epoch, and an RL run is one endless epoch): a metric this step did
@@ -426,9 +402,10 @@ class RLModule(L.LightningModule):
         self.log("resp_len", self.step_stats["response_length/mean"], prog_bar=True, rank_zero_only=True)
         if self._validation_due(step):
             # Straight to the loggers: self.log would repeat the values at every later step.
-            val = self.validate(self.current_plan())
+            val = self.validate(strategy)
             for logger in self.loggers:
                 logger.log_metrics(val, step=step)
+        return self.step_stats  # what NereusCallback reads (``outputs``) for the controller
 
     def _validation_due(self, step: int) -> bool:
         """Every ``trainer.val_check_interval`` steps (an integer) and
@@ -440,25 +417,23 @@ class RLModule(L.LightningModule):
         every = isinstance(interval, int) and interval > 0 and (step + 1) % interval == 0
         return every or step + 1 == self.trainer.max_steps
 
-    # ---- the plan ------------------------------------------------------------------------
-    def current_plan(self):  # noqa: ANN201
-        """The strategy's plan, or every stage data-parallel over all ranks (plain Trainer)."""
-        strategy = self.trainer.strategy if self._trainer is not None else None
-        plan = getattr(strategy, "plan", None)
-        if plan is not None:
-            return plan
-        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        return data_parallel_plan(self.algorithm, range(world))
-
+    # ---- the strategy ----------------------------------------------------------------------
     @property
-    def rank(self) -> int:
-        """This process's global rank."""
-        return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    def nereus_strategy(self) -> NereusStrategy:
+        """The Trainer's strategy, which holds the model-stages' units."""
+        strategy = self.trainer.strategy
+        if not isinstance(strategy, NereusStrategy):
+            raise NereusConfigError(
+                f"trainer.strategy: {type(self).__name__} computes on the model-stage units NereusStrategy "
+                f"holds, not on a {type(strategy).__name__}; use Trainer(strategy=NereusStrategy()) or "
+                'strategy="nereus"'
+            )
+        return strategy
 
     # ---- one RL step -----------------------------------------------------------------------
     def generate(
         self,
-        plan: Plan,
+        strategy: NereusStrategy,
         prompts: Sequence[Prompt],
         max_new: int,
         step: int,
@@ -480,8 +455,8 @@ class RLModule(L.LightningModule):
         def gen(slot: StageSlot, greedy: bool) -> list[list[int]]:
             rows = slice(slot.start, slot.stop)
             indices = [first_index + i for i in slot.indices]
-            with self._in_use(slot.stage):
-                out = self.rollout_engine(slot.stage).generate(
+            with strategy.in_use(slot.stage):
+                out = self.rollout_engine(strategy, slot.stage).generate(
                     prompt_ids[rows],
                     prompt_mask[rows],
                     max_new,
@@ -495,35 +470,41 @@ class RLModule(L.LightningModule):
         jobs = {"actor_gen": partial(gen, greedy=greedy)}
         if with_greedy:  # the greedy baseline, concurrently where its ranks are disjoint
             jobs["actor_greedy_gen"] = partial(gen, greedy=True)
-        generated = run_stages(plan, jobs, self.rank, len(prompts))
+        assert strategy.plan is not None
+        generated = run_stages(strategy.plan, jobs, strategy.global_rank, len(prompts))
         return prompt_ids, prompt_mask, generated["actor_gen"], generated.get("actor_greedy_gen")
 
-    def score(self, plan: Plan, source: Any, samples: Sequence[Sample]) -> list[RewardResult]:
+    def score(self, strategy: NereusStrategy, source: Any, samples: Sequence[Sample]) -> list[RewardResult]:
         """Every sample's reward, each computed once in the whole job: the pool's ranks score a slice each.
 
         A reward that fails on any rank fails the step on every rank with that sample's error.
         """
-        pool = sorted({g for _, c in plan.items() for g in c.gpus})
+        assert strategy.plan is not None
+        pool = sorted({g for _, c in strategy.plan.items() for g in c.gpus})
+        rank = strategy.global_rank
         lo, hi = 0, 0
-        if self.rank in pool:
-            lo, hi = chunk_bounds(len(samples), len(pool))[pool.index(self.rank)]
+        if rank in pool:
+            mine = dp_slice(len(samples), len(pool), pool.index(rank))
+            lo, hi = mine.start, mine.stop
         local = source.score(samples[lo:hi]) if hi > lo else []
-        results = gather_samples(local if self.rank in pool else None, lo, len(samples))
+        results = gather_samples(local if rank in pool else None, lo, len(samples))
         errors = [r.error for r in results if r.error is not None]
         if errors:
             more = f" (and {len(errors) - 1} more samples)" if len(errors) > 1 else ""
             raise RuntimeError(f"reward failed: {errors[0]}{more}")
         return results
 
-    def rl_step(self, step: int, plan: Plan | None = None, optimizer: Any = None) -> dict[str, float]:
-        """Generate, score, compute advantages and update; returns the step's metrics (verl names).
+    def rl_step(self, step: int, strategy: NereusStrategy, optimizer: Any = None) -> dict[str, float]:
+        """Generate, score, compute advantages and update under the strategy's plan; returns the step's
+        metrics (verl names).
 
-        ``plan`` defaults to the strategy's; ``optimizer`` to the Lightning one (pass both to run
-        a step outside a Trainer, e.g. in tests).
+        ``optimizer`` defaults to the Lightning one (it counts the step; pass one to run a step
+        outside a Trainer, with :meth:`NereusStrategy.without_trainer`).
         """
         hp = self.hparams
-        plan = plan if plan is not None else self.current_plan()
-        self.units.ensure(plan, self.role_models(), self.rank)  # no-op unless the plan changed
+        plan = strategy.plan
+        require(plan is not None, "plan", "no plan yet; call strategy.transition(plan) before the first step")
+        assert plan is not None
         peaks = StagePeaks(self.device)
         t0 = time.perf_counter()
         prompts = self.source.prompts(step, hp.prompts_per_step)
@@ -532,12 +513,12 @@ class RLModule(L.LightningModule):
         n = len(samples)
         max_new = self.source.max_response_len(step)
         prompt_ids, prompt_mask, responses, greedy = self.generate(
-            plan, samples, max_new, step, with_greedy=self.algorithm == "remax"
+            strategy, samples, max_new, step, with_greedy=self.algorithm == "remax"
         )
         t_gen = time.perf_counter()
         peaks.mark("gen")
         results = self.score(
-            plan,
+            strategy,
             self.source,
             [Sample(i, p, tuple(r)) for i, (p, r) in enumerate(zip(samples, responses, strict=True))],
         )
@@ -555,7 +536,7 @@ class RLModule(L.LightningModule):
         )
         if greedy is not None:
             baseline = self.score(
-                plan,
+                strategy,
                 self.source,
                 [Sample(i, p, tuple(r)) for i, (p, r) in enumerate(zip(samples, greedy, strict=True))],
             )
@@ -563,7 +544,7 @@ class RLModule(L.LightningModule):
                 [r.score for r in baseline], dtype=torch.float32, device=self.device
             )
 
-        inferred = self.infer(plan, batch)
+        inferred = self.infer(strategy, batch)
         batch.old_log_probs = inferred["actor_infer"]
         batch.ref_log_probs = inferred["ref_infer"]
         batch.values = inferred.get("critic_infer")
@@ -582,10 +563,10 @@ class RLModule(L.LightningModule):
             (optimizer if optimizer is not None else self._optimizer()).step()
             metrics["train/skipped_update"] = 1.0
         else:
-            metrics.update(self.update(plan, batch, optimizer, step))
+            metrics.update(self.update(strategy, batch, optimizer, step))
         t_upd = time.perf_counter()
         peaks.mark("train")
-        if self.hparams.rollout_data_dir and self.rank == 0:
+        if self.hparams.rollout_data_dir and strategy.global_rank == 0:
             self._dump_rollouts(step, samples, responses, results)
 
         mask = response_mask.float()
@@ -593,7 +574,6 @@ class RLModule(L.LightningModule):
         tokens = float(batch.attention_mask.sum())
         plens = prompt_mask.sum(-1).float()
         metrics.update(_reward_metrics(results))
-        self.peak_memory = peaks.gather()  # rank -> bytes, for the controller's memory trigger
         metrics.update(peaks.metrics())
         metrics.update(
             {
@@ -677,7 +657,7 @@ class RLModule(L.LightningModule):
                 }
                 f.write(json.dumps(record) + "\n")
 
-    def validate(self, plan: Plan) -> dict[str, float]:
+    def validate(self, strategy: NereusStrategy) -> dict[str, float]:
         """The validation set's mean reward, overall and per data source (``val/<source>/reward/mean``)."""
         val = self.sources.val
         assert val is not None and self.sources.val_data is not None
@@ -688,10 +668,10 @@ class RLModule(L.LightningModule):
         for lo in range(0, len(prompts), chunk):
             part = prompts[lo : lo + chunk]
             _, _, responses, _ = self.generate(
-                plan, part, val.max_response_length, VALIDATION_STEP, greedy=hp.val_greedy, first_index=lo
+                strategy, part, val.max_response_length, VALIDATION_STEP, greedy=hp.val_greedy, first_index=lo
             )
             results = self.score(
-                plan,
+                strategy,
                 val,
                 [Sample(lo + i, p, tuple(r)) for i, (p, r) in enumerate(zip(part, responses, strict=True))],
             )
@@ -703,52 +683,27 @@ class RLModule(L.LightningModule):
         out["val/reward/mean"] = sum(scores) / len(scores)
         return out
 
-    def role_models(self) -> dict[str, torch.nn.Module | None]:
-        """The logical model of each role."""
-        return {
-            "actor": self.actor,
-            "reference": self.reference,
-            "critic": self.critic,
-            "reward": self.reward,
-        }
-
     # ---- how a model-stage computes on this rank ------------------------------------------------
-    def stage_model(self, model_stage: str, model: torch.nn.Module | None = None) -> torch.nn.Module:
+    def stage_model(self, strategy: NereusStrategy, model_stage: str) -> ShardedGenerator:
         """The transformers-style model ``model_stage`` computes with here: a
-        :class:`~nereus_lightning.models.generation.ShardedGenerator` over this rank's unit of the
-        stage, or the logical ``model`` itself (the ``"full"`` state backend's Layout(1, 1) stages)."""
-        unit = self.units.get(model_stage)
+        :class:`~nereus_lightning.models.generation.ShardedGenerator` over this rank's unit of it."""
+        unit = strategy.stage(model_stage)
         if unit is None:
-            if model is None:
-                raise NereusConfigError(
-                    f"model_stage: {model_stage}: no unit on rank {self.rank} and no model"
-                )
-            return model
-        held = self._adapters.get(model_stage)
-        if held is None or held.unit is not unit:  # a new plan built new units
-            from nereus_lightning.models.generation import ShardedGenerator
+            raise NereusConfigError(f"model_stage: {model_stage}: no unit on rank {strategy.global_rank}")
+        return ShardedGenerator(unit)
 
-            held = self._adapters[model_stage] = ShardedGenerator(unit)
-        return held
-
-    def rollout_engine(self, model_stage: str) -> RolloutEngine:
+    def rollout_engine(self, strategy: NereusStrategy, model_stage: str) -> RolloutEngine:
         """The rollout engine of a generation model-stage (``rollout_engine``: ``"hf"`` or ``"vllm"``)."""
         tok = self.tokenizer
         eos = None if self.hparams.ignore_eos else tok.eos_token_id
         if self.hparams.rollout_engine == "vllm":
-            require(
-                self.emu_state,
-                "algorithm.rollout_engine",
-                "vllm generates from the generation units of the 'emu' state backend; use_state('emu') or "
-                "rollout_engine=hf",
-            )
-            return VLLMEngine(self.units.vllm_instance(model_stage), eos, tok.pad_token_id)
-        unit = self.units.get(model_stage)
+            return VLLMEngine(strategy.vllm_engine(model_stage), eos, tok.pad_token_id)
+        unit = strategy.stage(model_stage)
         if unit is not None and use_static_decode(self.hparams.decode, unit):
             return StaticDecodeEngine(unit, eos, tok.pad_token_id)  # its decoder is cached per unit
-        return HFGenerateEngine(self.stage_model(model_stage, self.actor), eos, tok.pad_token_id)
+        return HFGenerateEngine(self.stage_model(strategy, model_stage), eos, tok.pad_token_id)
 
-    def infer(self, plan: Plan, batch: RolloutBatch) -> dict[str, Tensor]:
+    def infer(self, strategy: NereusStrategy, batch: RolloutBatch) -> dict[str, Tensor]:
         """The inference model-stages over the batch, each rank running those it holds units of (so
         model-stages on disjoint ranks run at once), then one exchange: ``[n, R]`` response
         log-probs (``actor_infer``, ``ref_infer``) or values (``critic_infer``), ``[n, 1]`` scores
@@ -761,16 +716,19 @@ class RLModule(L.LightningModule):
             ("reward_infer", self.reward),
         ):
             if model is not None:
-                role = self.stages_role(stage)
+                role = role_of(stage, self.algorithm)
                 width = 1 if role == "reward" else batch.response_ids.shape[-1]
-                jobs.append(RowsJob(stage, width, partial(self._infer_slot, role, model, batch)))
-        return run_stages_rows(plan, jobs, self.rank, len(batch), self.device)
+                jobs.append(RowsJob(stage, width, partial(self._infer_slot, strategy, role, batch)))
+        assert strategy.plan is not None
+        return run_stages_rows(strategy.plan, jobs, strategy.global_rank, len(batch), self.device)
 
-    def _infer_slot(self, role: str, model: torch.nn.Module, batch: RolloutBatch, slot: StageSlot) -> Tensor:
+    def _infer_slot(
+        self, strategy: NereusStrategy, role: str, batch: RolloutBatch, slot: StageSlot
+    ) -> Tensor:
         """One replica's rows of an inference model-stage (see :meth:`infer`), in the plan's micro-batches."""
         outs = []
-        with self._in_use(slot.stage):
-            net = self.stage_model(slot.stage, model)
+        with strategy.in_use(slot.stage):
+            net = self.stage_model(strategy, slot.stage)
             for rows in micro_slices(slot.stop - slot.start, slot.candidate.micro_batch):
                 part = batch.select(slice(slot.start + rows.start, slot.start + rows.stop))
                 args = (part.prompt_ids, part.prompt_mask, part.response_ids, part.response_mask)
@@ -783,15 +741,9 @@ class RLModule(L.LightningModule):
                         outs.append(response_log_probs(net, *args, temperature=self.hparams.temperature)[0])
         return torch.cat(outs)
 
-    def _in_use(self, model_stage: str) -> AbstractContextManager[None]:
-        """This rank's unit of ``model_stage`` on its device for the block (EMU state; the full backend keeps
-        its models).
-        """
-        return self.units.in_use(model_stage) if self.emu_state else nullcontext()
-
     # ---- training stage ------------------------------------------------------------------
     def update(
-        self, plan: Plan, batch: RolloutBatch, optimizer: Any = None, step: int = 0
+        self, strategy: NereusStrategy, batch: RolloutBatch, optimizer: Any = None, step: int = 0
     ) -> dict[str, float]:
         """Actor (and critic) updates on this rank's slice; gradients summed over all replicas.
 
@@ -799,54 +751,41 @@ class RLModule(L.LightningModule):
         the step fails on every rank (``on_nonfinite="raise"``) or the update is skipped.
         """
         hp = self.hparams
+        plan = strategy.plan
+        assert plan is not None
         opt = optimizer if optimizer is not None else self._optimizer()
-        raw = getattr(opt, "optimizer", opt)
         mask = batch.response_mask.float()
-        minis = [(lo, hi) for lo, hi in _chunks(len(batch), hp.mini_batches)]
+        minis = _mini_batches(len(batch), hp.mini_batches)
         sums: dict[str, float] = {}
         updates = skipped = 0
         for _epoch in range(hp.ppo_epochs):
             for lo, hi in minis:
                 total_tokens = mask[lo:hi].sum().clamp_min(1.0)
-                opt.zero_grad(set_to_none=True)
                 part: dict[str, float] = {}
                 problems: list[str] = []
-                for stage in ("actor_train", "critic_train"):
-                    if stage not in plan:
-                        continue
-                    slot = slot_of(plan, stage, self.rank, hi - lo)
+                for stage in strategy.training_stages():
+                    slot = strategy.slot(stage, hi - lo)
                     if not slot.active or slot.stop <= slot.start:
                         continue
                     rows = slice(lo + slot.start, lo + slot.stop)
                     m, reporter = self._train_slice(
-                        stage, batch.select(rows), total_tokens, slot.is_leader, slot.candidate.micro_batch
+                        strategy, stage, batch.select(rows), total_tokens, slot.candidate.micro_batch
                     )
                     if reporter:
                         for k, val in m.items():
                             part[k] = part.get(k, 0.0) + float(val)
-                last = _epoch == hp.ppo_epochs - 1 and (lo, hi) == minis[-1]
-                if self.emu_state:
-                    # Each training stage steps its own EMU-bound AdamW (grads summed over its replicas).
-                    for stage in self.units.training_stages():
-                        # samples consumed: counted once, in the first epoch over the batch
-                        norm, bad = self.units.apply_update(
-                            stage, hp.grad_clip, samples=(hi - lo) if _epoch == 0 else 0
+                # Each training stage steps its own EMU-bound AdamW (grads summed over its replicas).
+                for stage in strategy.training_stages():
+                    # samples consumed: counted once, in the first epoch over the batch
+                    done = strategy.update(stage, hp.grad_clip, samples=(hi - lo) if _epoch == 0 else 0)
+                    if done.problem is not None:
+                        problems.append(
+                            f"step {step}: {stage}'s gradient norm is {done.norm} ({done.problem})"
                         )
-                        if bad is not None:
-                            problems.append(f"step {step}: {stage}'s gradient norm is {norm} ({bad})")
-                        elif norm is not None and self.rank == plan[stage].gpus[0]:
-                            part[f"{self.stages_role(stage)}/grad_norm"] = norm
-                    if last:
-                        opt.step()  # no gradients there: counts one Lightning step per RL step
-                else:
-                    params = [p for g in raw.param_groups for p in g["params"]]
-                    all_reduce_grads(params)
-                    grad_norm = torch.nn.utils.clip_grad_norm_(params, hp.grad_clip)
-                    sums["actor/grad_norm"] = sums.get("actor/grad_norm", 0.0) + float(grad_norm)
-                    if last:
-                        opt.step()  # counts one Lightning step per RL step
-                    else:
-                        raw.step()
+                    elif done.norm is not None and strategy.global_rank == plan[stage].gpus[0]:
+                        part[f"{role_of(stage, self.algorithm)}/grad_norm"] = done.norm
+                if _epoch == hp.ppo_epochs - 1 and (lo, hi) == minis[-1]:
+                    opt.step()  # no gradients there: counts one Lightning step per RL step
                 updates += 1
                 totals, problems = _sum_over_ranks(part, problems)
                 if problems:
@@ -854,58 +793,34 @@ class RLModule(L.LightningModule):
                         raise NonFiniteError(
                             f"{problems[0]}; set trainer.on_nonfinite=skip to skip such updates"
                         )
-                    if self.rank == 0:
+                    if strategy.global_rank == 0:
                         log.warning("%s: update skipped (trainer.on_nonfinite=skip)", problems[0])
                     skipped += 1
                 for k, total in totals.items():
                     sums[k] = sums.get(k, 0.0) + total
-                if self.emu_state:
-                    self.units.sync_weights()  # actor_train -> actor_gen / actor_infer, critic likewise
-                else:
-                    self.units.refresh("actor", self.actor)  # weight sync into the actor's other units
-                    if self.critic is not None:
-                        self.units.refresh("critic", self.critic)
+                strategy.sync_weights()  # actor_train -> actor_gen / actor_infer, critic likewise
         out = {k: v / updates for k, v in sums.items()}
         out["train/skipped_update"] = skipped / updates  # the share of this step's updates a guard skipped
         return out
 
-    def stages_role(self, model_stage: str) -> str:
-        """The role model (``actor``, ``critic``, ...) ``model_stage`` runs."""
-        from nereus_lightning.lightning.units import role_of
-
-        return role_of(model_stage, self.algorithm) or model_stage
-
     def _train_slice(
-        self, stage: str, part: RolloutBatch, total_tokens: Tensor, leader: bool, micro_batch: int
+        self, strategy: NereusStrategy, stage: str, part: RolloutBatch, total_tokens: Tensor, micro_batch: int
     ) -> tuple[dict[str, Tensor], bool]:
-        """Backward of one replica's slice into its gradients; returns (metrics, whether this rank reports
-        them).
+        """Backward of one replica's slice into its unit's gradients; returns (metrics, whether this rank
+        reports them).
 
         The losses are :func:`~nereus_lightning.rl.algorithm.actor_loss` and ``critic_loss``,
-        normalised by the global mini-batch's tokens (``total_tokens``). Through this rank's unit:
-        :func:`~nereus_lightning.models.train_step` (1F1B over the pipeline) with the response
-        entries :func:`~nereus_lightning.rl.forward.response_span` picks; without one (``"full"``
-        backend, Layout(1, 1)): :mod:`nereus_lightning.rl.forward` on the logical model.
+        normalised by the global mini-batch's tokens (``total_tokens``), through this rank's unit:
+        :func:`~nereus_lightning.models.train_step` (1F1B over the pipeline, in the plan's
+        micro-batches) with the response entries :func:`~nereus_lightning.rl.forward.response_span` picks.
         """
-        from nereus_lightning.lightning.units import StageUnits
         from nereus_lightning.models import MicroBatch, train_step
 
         cfg = self.rl_config
-        unit = self.units.get(stage)
-        args = (part.prompt_ids, part.prompt_mask, part.response_ids, part.response_mask)
+        unit = strategy.stage(stage)
+        assert unit is not None  # the slot is active: this rank holds a unit
         metrics: dict[str, Tensor] = {}
-        loss_fn: Callable[
-            [Tensor, RolloutBatch, rl.RLConfig, Tensor, Tensor], tuple[Tensor, dict[str, Tensor]]
-        ]
-        if stage == "actor_train":
-            model = self.actor
-            loss_fn, full_forward = (
-                rl.actor_loss,
-                lambda: response_log_probs(model, *args, temperature=cfg.temperature)[0],
-            )
-        else:
-            model = self.critic
-            loss_fn, full_forward = rl.critic_loss, lambda: response_values(model, *args)
+        loss_fn = rl.actor_loss if stage == "actor_train" else rl.critic_loss
 
         def loss_of(out: Tensor, micro: RolloutBatch) -> Tensor:
             loss, m = loss_fn(out, micro, cfg, total_tokens, total_tokens)
@@ -913,9 +828,6 @@ class RLModule(L.LightningModule):
                 metrics[k] = metrics[k] + v if k in metrics else v
             return loss
 
-        if unit is None:
-            loss_of(full_forward(), part).backward()
-            return metrics, leader
         span = response_span(part.prompt_ids.shape[-1], part.response_ids.shape[-1])
         micros = [part.select(rows) for rows in micro_slices(len(part), micro_batch)]
         batches = [
@@ -931,8 +843,6 @@ class RLModule(L.LightningModule):
             lambda out, mb: loss_of(out[:, span], of[id(mb)]) * len(batches),
             temperature=cfg.temperature,
         )
-        if not self.emu_state:
-            StageUnits.add_grads_to(unit, model)
         return metrics, unit.comm.is_last_stage and unit.comm.tp_rank == 0
 
 
@@ -952,17 +862,6 @@ class StagePeaks:
             self.stages[stage] = float(torch.cuda.max_memory_allocated(self.device))
             torch.cuda.reset_peak_memory_stats(self.device)
 
-    def gather(self) -> dict[int, float]:
-        """Every rank's step peak (collective; empty without GPUs)."""
-        if not self.on_gpu:
-            return {}
-        mine = torch.tensor([max(self.stages.values(), default=0.0)], device=self.device)
-        if not torch.distributed.is_initialized():
-            return {0: float(mine)}
-        every = [torch.zeros_like(mine) for _ in range(torch.distributed.get_world_size())]
-        torch.distributed.all_gather(every, mine)
-        return {rank: float(t) for rank, t in enumerate(every)}
-
     def metrics(self) -> dict[str, float]:
         """verl's ``perf/max_memory_allocated_gb`` (this rank's) and one per stage."""
         if not self.on_gpu:
@@ -972,8 +871,10 @@ class StagePeaks:
         return out
 
 
-def _chunks(n: int, parts: int) -> list[tuple[int, int]]:
-    return [b for b in chunk_bounds(n, parts) if b[1] > b[0]]
+def _mini_batches(n: int, parts: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of each non-empty mini-batch of ``n`` samples cut into ``parts``."""
+    blocks = (dp_slice(n, parts, i) for i in range(parts))
+    return [(b.start, b.stop) for b in blocks if b.stop > b.start]
 
 
 def _reward_metrics(results: Sequence[RewardResult]) -> dict[str, float]:

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from nereus_lightning.lightning.build import is_model_folder, load_tokenizer
+from nereus_lightning.lightning.roles import is_model_folder, load_tokenizer
 from nereus_lightning.lightning.tasks import TASKS, make_task
 from nereus_lightning.rl.data import DataConfig, PromptData, PromptStream
 from nereus_lightning.rl.reward_function import RewardFunction, RewardSpec

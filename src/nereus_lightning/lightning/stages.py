@@ -1,12 +1,12 @@
 """Which rank does what in one RL step: partitions of the global batch per model-stage, and the
 collectives that move per-sample results between stages with different DP layouts.
 
-A model-stage with ``dp`` replicas splits the global batch into ``dp`` contiguous chunks of
-global sample indices (replica ``r`` gets chunk ``r``). The split depends only on the global
-sample count and ``dp``, never on which ranks hold the replicas, so results are identical under
-any placement. Each replica's "leader" (its first GPU) reports the replica's results; every rank
-then holds the whole batch again in global order, which is how a batch moves from one stage's DP
-layout to the next one's.
+A model-stage with ``dp`` replicas splits the global batch into ``dp`` contiguous blocks of
+global sample indices (replica ``r`` gets block ``r`` of :func:`~nereus_lightning.rl.batch.dp_slice`).
+The split depends only on the global sample count and ``dp``, never on which ranks hold the
+replicas, so results are identical under any placement. Each replica's "leader" (its first GPU)
+reports the replica's results; every rank then holds the whole batch again in global order, which
+is how a batch moves from one stage's DP layout to the next one's.
 """
 
 from __future__ import annotations
@@ -18,23 +18,23 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from nereus_lightning.plan.layout import Candidate, Layout, Plan
-from nereus_lightning.spec.errors import require
+from nereus_lightning.plan.layout import Candidate, Plan
+from nereus_lightning.rl.batch import dp_slice
+from nereus_lightning.spec.errors import NereusConfigError, require
 from nereus_lightning.spec.workload import workflow
 
 T = TypeVar("T")
 
 
-def chunk_bounds(num_samples: int, dp: int) -> list[tuple[int, int]]:
-    """``[start, stop)`` of each replica's contiguous chunk of global sample indices."""
-    require(dp >= 1, "candidate.dp", f"must be >= 1, got {dp}")
-    base, extra = divmod(num_samples, dp)
-    bounds, start = [], 0
-    for r in range(dp):
-        stop = start + base + (1 if r < extra else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
+def role_of(model_stage: str, algorithm: str) -> str:
+    """The role model (``actor``, ``critic``, ``reference``, ``reward``) ``model_stage`` runs."""
+    for ms in workflow(algorithm):
+        if ms.name == model_stage:
+            return ms.model
+    raise NereusConfigError(
+        f"model_stage: {model_stage!r} is not a model-stage of {algorithm!r} "
+        f"({', '.join(m.name for m in workflow(algorithm))})"
+    )
 
 
 @dataclass(frozen=True)
@@ -71,8 +71,8 @@ def slot_of(plan: Plan, stage: str, rank: int, num_samples: int) -> StageSlot:
         return StageSlot(stage, cand, None, None)
     index = cand.gpus.index(rank)
     replica, position = divmod(index, cand.layout.size)
-    start, stop = chunk_bounds(num_samples, cand.dp)[replica]
-    return StageSlot(stage, cand, replica, position, start, stop)
+    rows = dp_slice(num_samples, cand.dp, replica)
+    return StageSlot(stage, cand, replica, position, rows.start, rows.stop)
 
 
 def _assemble(payloads: Sequence[Any], num_samples: int, stage: str = "") -> list[Any]:
@@ -200,33 +200,6 @@ def run_partitioned_rows(
     One model-stage of :func:`run_stages_rows`.
     """
     return run_stages_rows(plan, [RowsJob(stage, width, fn)], rank, num_samples, device)[stage]
-
-
-def all_reduce_grads(params: Sequence[torch.nn.Parameter]) -> None:
-    """Sum gradients over the world through one flat buffer; absent gradients count as zeros."""
-    if not params or not dist.is_initialized():
-        return
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    offset = 0
-    for p in params:
-        n = p.numel()
-        p.grad = flat[offset : offset + n].view_as(p).clone()
-        offset += n
-
-
-#: Sequences per micro-batch of the fallback plan (the planner chooses its own).
-FALLBACK_MICRO_BATCH = 16
-
-
-def data_parallel_plan(algorithm: str, gpus: Sequence[int], micro_batch: int = FALLBACK_MICRO_BATCH) -> Plan:
-    """Every model-stage as ``len(gpus)`` replicas of ``Layout(1, 1)`` (the fallback plan)."""
-    gpus = tuple(gpus)
-    require(len(gpus) >= 1, "pool", "no GPUs available for the plan")
-    return Plan.of(
-        {m.name: Candidate(Layout(1, 1), len(gpus), gpus, micro_batch) for m in workflow(algorithm)}
-    )
 
 
 def micro_slices(rows: int, micro_batch: int) -> list[slice]:

@@ -1,16 +1,24 @@
 """`NereusStrategy`: a Lightning `ParallelStrategy` whose parallel layout may change between steps.
 
-The strategy sets up one process group over all ranks (gloo on CPU, NCCL on GPUs) and holds the
-current :class:`~nereus_lightning.plan.layout.Plan`: which ranks run each model-stage, in which
-layout. The RL module asks it where each stage runs (``plan``); the callback hands it admitted
-decisions, which it executes at the safe boundary before the next step (``transition``).
-Ranks outside the GPU pool stay alive as processes but get no work from the plan.
+The strategy sets up one process group over all ranks (gloo on CPU, NCCL on GPUs), holds the
+current :class:`~nereus_lightning.plan.layout.Plan` (which ranks run each model-stage, in which
+layout) and owns every model-stage's Elastic Model Units (:class:`EMUStates`): it cuts them from
+the LightningModule's role models at setup (the module is a
+:class:`~nereus_lightning.lightning.roles.RoleModule`), moves them when the callback hands it an
+admitted plan (``transition``, at the safe boundary before the next step), syncs weights,
+offloads idle units and checkpoints them. The module holds the algorithm and computes through
+the strategy's small interface: :meth:`~NereusStrategy.slot` (its rows of the global batch),
+:meth:`~NereusStrategy.stage` (this rank's compute module of a model-stage),
+:meth:`~NereusStrategy.in_use`, :meth:`~NereusStrategy.update` (the optimizer step) and
+:meth:`~NereusStrategy.sync_weights`. Ranks outside the GPU pool stay alive as processes but get
+no work from the plan.
 
-Checkpoints are layout-independent: the logical state (full parameters and optimizer state by
-parameter name) goes through ``torch.distributed.checkpoint`` into a directory, so a run saved
-under one plan and world size resumes under another. The rest (step, loops, callback states) is
-JSON (:mod:`nereus_lightning.lightning.checkpoint`); nothing is pickled, a save with non-finite
-state is refused, and a directory is renamed into place only when complete.
+Checkpoints are layout-independent: every model-stage's logical state (parameters, optimizer
+state and counters by parameter name) goes through ``torch.distributed.checkpoint`` into
+``emu/<model_stage>/``, so a run saved under one plan and world size resumes under another. The
+rest (step, loops, callback states) is JSON (:mod:`nereus_lightning.lightning.checkpoint`);
+nothing is pickled, a save with non-finite state is refused, and a directory is renamed into
+place only when complete.
 """
 
 from __future__ import annotations
@@ -19,14 +27,16 @@ import logging
 import os
 import time
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal, Protocol, TypeGuard
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
@@ -39,9 +49,10 @@ from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from torch import Tensor, nn
+from torch import Tensor
 from typing_extensions import override
 
+from nereus_lightning.control.follower import data_parallel_plan
 from nereus_lightning.lightning.checkpoint import (
     commit,
     encode,
@@ -50,35 +61,19 @@ from nereus_lightning.lightning.checkpoint import (
     staging_path,
     write_metadata,
 )
+from nereus_lightning.lightning.emu_state import EMUStates, StageUpdate
 from nereus_lightning.lightning.launch import check_launch, launch_of
+from nereus_lightning.lightning.roles import RoleModels, RoleModule
+from nereus_lightning.lightning.stages import StageSlot, slot_of
+from nereus_lightning.models import ShardedCausalLM
 from nereus_lightning.plan.layout import Plan
+from nereus_lightning.rl.vllm_engine import VLLMInstance
 from nereus_lightning.spec.cluster import ClusterSpec, cluster_preset
 from nereus_lightning.spec.errors import CheckpointError, NereusConfigError, require
 
-
-class _UnitsModule(Protocol):
-    """What the strategy reads from a LightningModule that keeps its model-stage state in units
-    (an ``RLModule``)."""
-
-    units: Any  # ``EMUStates`` or ``StageUnits`` (``units.kind == "emu"``: the EMUs)
-
-    def role_models(self) -> Mapping[str, nn.Module | None]: ...
-
-    def write_hf(self, ckpt_dir: str) -> dict[str, str]: ...  # (read only with ``export_hf``)
-
-
-def _has_units(module: object) -> TypeGuard[_UnitsModule]:
-    """Whether ``module`` keeps its model-stage state in units."""
-    return hasattr(module, "units")
-
-
-def _emu_module(module: object) -> _UnitsModule | None:
-    """``module`` when its model-stage state lives in EMUs (``units.kind == "emu"``), else None."""
-    return module if _has_units(module) and getattr(module.units, "kind", None) == "emu" else None
-
 log = logging.getLogger(__name__)
 
-OPTIMIZER_GROUPS = "nereus_optimizer_groups"  # the full-model state's optimizer settings, kept in the JSON
+STATE = "emu"  # what a checkpoint's metadata says holds its tensors (``emu/<model_stage>/``)
 
 
 class NereusStrategy(ParallelStrategy):
@@ -92,11 +87,6 @@ class NereusStrategy(ParallelStrategy):
             or ``"popen"`` (re-run the script per rank, as Lightning's DDP does).
         process_group_backend: ``"gloo"`` / ``"nccl"``; by default from the device.
         timeout: collective timeout; a rank that dies makes the others fail after it.
-        state: where model-stage state lives. ``"emu"`` (default): in Elastic Model Units on the
-            ranks the plan gives each model-stage; plan changes run the transition DAG through
-            the EMU executor, weights sync from actor_train to the actor's other model-stages
-            through the same transfer plans. ``"full"``: every rank keeps each full model and
-            re-slices it per plan (the earlier backend).
         cluster: the cluster (a ``ClusterSpec`` or preset name: memory, FLOP/s, links) the
             transition DAG is priced and validated on, shaped as the launch (``num_nodes`` x
             processes per node, :attr:`topology`); give the one the controller plans on.
@@ -122,7 +112,6 @@ class NereusStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | float = timedelta(seconds=120),
         start_method: Literal["fork", "spawn", "popen"] | None = None,
-        state: Literal["emu", "full"] = "emu",
         cluster: ClusterSpec | str | None = None,
         export_hf: bool = True,
         write_back: bool = False,
@@ -133,8 +122,6 @@ class NereusStrategy(ParallelStrategy):
             "strategy.start_method",
             f"{start_method!r} is not one of 'fork', 'spawn', 'popen'",
         )
-        require(state in ("emu", "full"), "strategy.state", f"{state!r} is not one of 'emu', 'full'")
-        self.state = state
         self.export_hf = export_hf
         self.write_back = write_back
         if isinstance(cluster, str):
@@ -146,6 +133,24 @@ class NereusStrategy(ParallelStrategy):
         self._start_method = start_method
         self.plan: Plan | None = plan
         self.transitions: list[dict[str, Any]] = []
+        self._units: EMUStates | None = None  # every model-stage's units (built at setup)
+
+    @classmethod
+    def without_trainer(
+        cls, module: pl.LightningModule, plan: Plan | None = None, **kwargs: Any
+    ) -> NereusStrategy:
+        """The strategy of ``module`` in this process's initialised default process group, without a Trainer.
+
+        For code that drives RL steps itself (tests, benchmarks): ``transition(plan)``, then
+        ``module.rl_step(step, strategy)``. ``kwargs`` are the constructor's (``cluster``, ...).
+        """
+        env = LightningEnvironment()
+        env.set_global_rank(dist.get_rank())
+        env.set_world_size(dist.get_world_size())
+        strategy = cls(plan, parallel_devices=[module.device], cluster_environment=env, **kwargs)
+        strategy.connect(module)
+        strategy._hold(module)
+        return strategy
 
     # ---- processes and the process group ------------------------------------------------
     @property
@@ -216,16 +221,31 @@ class NereusStrategy(ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        assert self.model is not None
-        use_state = getattr(self.lightning_module, "use_state", None)
-        if use_state is not None:
-            use_state(self.state)
+        assert self.model is not None and self.lightning_module is not None
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if self.plan is not None:
             self.validate_plan(self.plan)
+        self._hold(self.lightning_module)
+
+    def _hold(self, module: pl.LightningModule) -> None:
+        """Take ``module``'s role models: every model-stage's units are cut from them at the first plan."""
+        if not isinstance(module, RoleModule):
+            raise NereusConfigError(
+                f"NereusStrategy: {type(module).__name__} does not say which role models it trains; give "
+                "it role_models() -> RoleModels and workload(step) -> Workload "
+                "(nereus_lightning.lightning.roles), as RLModule does"
+            )
+        roles = module.role_models()
+        workload = module.workload(0)
+        require(
+            workload.algorithm == roles.algorithm,
+            "workload.algorithm",
+            f"the workload is {workload.algorithm!r} but the role models are {roles.algorithm!r}'s",
+        )
+        self._units = EMUStates(roles, workload, self.topology)
 
     @override
     def model_to_device(self) -> None:
@@ -233,10 +253,65 @@ class NereusStrategy(ParallelStrategy):
         self.model.to(self.root_device)
 
     @override
+    def on_train_start(self) -> None:
+        if self.units.plan is None:  # no callback gave a plan: the given one, or every model-stage DP
+            everywhere = data_parallel_plan(self.units.roles.algorithm, range(self.world_size))
+            self.transition(self.plan or everywhere)
+
+    @override
     def on_train_end(self) -> None:
-        module = _emu_module(self.lightning_module)
-        if self.write_back and module is not None and module.units.plan is not None:
-            module.units.write_back(module.role_models(), dst=0)
+        if self.write_back and self.units.plan is not None:
+            self.units.write_back(dst=0)
+
+    # ---- the model-stages, as the LightningModule computes on them ------------------------
+    @property
+    def units(self) -> EMUStates:
+        """Every model-stage's units and this rank's compute modules on them (after setup)."""
+        if self._units is None:
+            raise NereusConfigError(
+                "NereusStrategy: no model-stage units before setup (Trainer.fit sets the strategy up; "
+                "outside a Trainer use NereusStrategy.without_trainer(module))"
+            )
+        return self._units
+
+    @property
+    def roles(self) -> RoleModels:
+        """The module's role models (their configs stay; their tensors went into the units)."""
+        return self.units.roles
+
+    def slot(self, model_stage: str, num_samples: int) -> StageSlot:
+        """This rank's place in ``model_stage`` of the current plan: its replica's rows of a global batch."""
+        require(self.plan is not None, "plan", "the strategy has no plan yet (it gets one before step 0)")
+        assert self.plan is not None
+        return slot_of(self.plan, model_stage, self.global_rank, num_samples)
+
+    def stage(self, model_stage: str) -> ShardedCausalLM | None:
+        """This rank's compute module of ``model_stage`` (its unit's very tensors), None when not a member."""
+        return self.units.stage(model_stage)
+
+    def in_use(self, model_stage: str) -> AbstractContextManager[None]:
+        """This rank's unit of ``model_stage`` on its device for the block (idle units wait on the host)."""
+        return self.units.in_use(model_stage)
+
+    def training_stages(self) -> list[str]:
+        """The training model-stages with units, in workflow order."""
+        return self.units.training_stages()
+
+    def update(self, model_stage: str, max_norm: float = 1.0, samples: int = 0) -> StageUpdate:
+        """The optimizer step of a training model-stage after its backward (collective over its ranks).
+
+        Gradients are summed over its replicas and clipped to ``max_norm``; a non-finite norm
+        steps nothing (see :class:`StageUpdate`). ``samples``: how many samples this update consumed.
+        """
+        return self.units.update(model_stage, max_norm, samples)
+
+    def sync_weights(self) -> None:
+        """Fresh weights from each training model-stage into its model's other model-stages (collective)."""
+        self.units.sync_weights()
+
+    def vllm_engine(self, model_stage: str) -> VLLMInstance:
+        """This rank's vLLM engine of a generation model-stage, holding its unit's current weights."""
+        return self.units.vllm_instance(model_stage)
 
     # ---- collectives Lightning needs ----------------------------------------------------
     @override
@@ -273,26 +348,20 @@ class NereusStrategy(ParallelStrategy):
     def transition(self, target: Plan) -> float:
         """Execute the move from the current plan to ``target`` on every rank; returns seconds taken.
 
-        ``state="emu"``: the transition brain's DAG for ``current -> target`` runs through the
-        EMU executor on every rank (plans the brain does not model move per model-stage through
-        the same transfer plans), then the compute modules are rebuilt on the moved tensors; the
-        record carries the DAG's node counts, bytes moved and per-node observations.
-        ``state="full"``: the units are re-sliced from the logical models every rank keeps.
-        The time covers moving the state, rebuilding the modules and a barrier.
+        The transition brain's DAG for ``current -> target`` runs through the EMU executor on
+        every rank (plans the brain does not model move per model-stage through the same transfer
+        plans), then the compute modules are rebuilt on the moved tensors; the first plan cuts the
+        units from the role models. The record (:attr:`transitions`) carries the DAG's node
+        counts, bytes moved and per-node observations. When the brain finds no safe transition,
+        nothing moves and the current plan stays. The time covers moving the state, rebuilding
+        the modules and a barrier.
         """
         self.validate_plan(target)
         start = time.perf_counter()
         previous = self.plan
-        module = self.lightning_module
-        info: dict[str, Any] = {}
-        if _has_units(module):
-            units = module.units
-            if hasattr(units, "cluster"):  # transitions priced on the controller's cluster
-                units.cluster = self.topology
-            units.ensure(target, module.role_models(), self.global_rank)
-            info = dict(getattr(units, "last_transition", {}) or {})
-            if hasattr(units, "last_transition"):
-                units.last_transition = {}
+        units = self.units
+        units.ensure(target, self.global_rank)
+        info = dict(units.last_transition)
         reached: Plan | None = target
         if info.get("mode") == "kept":
             log.warning("keeping the current plan: %s", info.get("reason"))
@@ -325,36 +394,33 @@ class NereusStrategy(ParallelStrategy):
         rank) or a value of the checkpoint dict cannot be stored in JSON (it names the key). The
         directory is written under a staging name and renamed to ``filepath`` once complete.
         """
-        from nereus_lightning.emu.checkpoint import save_tensors
-
         path = Path(self.broadcast(str(filepath)))
-        module = _emu_module(self.lightning_module)
-        state = "emu" if module is not None else "full"
-        model = checkpoint.pop("state_dict", None)
+        units = self.units
+        require(units.plan is not None, "checkpoint", "no model-stage units yet: save after the first plan")
+        checkpoint.pop("state_dict", None)  # the units hold the model state (the full modules are released)
         checkpoint.pop("optimizer_states", None)
-        tensors: dict[str, Any] = {}
-        if state == "full":  # the EMUs hold the state otherwise (the full modules are released)
-            optim = self._optimizer_state()
-            tensors = {"model": model, "optim": optim.get("state", {})}
-            checkpoint[OPTIMIZER_GROUPS] = optim.get("param_groups", [])
-        emus = module.units if module is not None else None
-        encoded = self._checked_for_save(path, checkpoint, emus, tensors)
+        encoded = self._checked_for_save(path, checkpoint, units)
         staging = staging_path(path)
         if self.is_global_zero:
             remove(staging)  # what an interrupted save of this name left
             staging.mkdir(parents=True)
         self.barrier("nereus-save-staging")
         self._require_shared(staging)
-        if module is not None:
-            module.units.save(str(staging / "emu"))
-        else:
-            save_tensors(tensors, staging)
+        units.save(str(staging / STATE))
         if self.is_global_zero:
-            if self.export_hf and module is not None:  # inside the staging directory: part of the atomic save
-                module.write_hf(str(staging))
-            write_metadata(staging, encoded, state)
+            if self.export_hf:  # inside the staging directory: part of the atomic save
+                self._write_hf(str(staging))
+            write_metadata(staging, encoded, STATE)
             commit(path)
         self.barrier("nereus-save")
+
+    def _write_hf(self, ckpt_dir: str) -> dict[str, str]:
+        """Hugging Face folders of the trained models in a checkpoint being written (``hf/<model>``)."""
+        from nereus_lightning.lightning.export import TRAINED, export_hf, write_hf_metadata
+
+        configs = {role: config for role, config in self.units.configs.items() if role in TRAINED}
+        write_hf_metadata(configs, self.roles.tokenizer, ckpt_dir)
+        return export_hf(ckpt_dir)
 
     def _require_shared(self, directory: Path) -> None:
         """Refuse (on every rank) a save into ``directory`` when some rank does not see it (collective).
@@ -374,13 +440,9 @@ class NereusStrategy(ParallelStrategy):
                 "ModelCheckpoint's dirpath) on a filesystem every node shares"
             )
 
-    def _checked_for_save(
-        self, path: Path, checkpoint: dict[str, Any], units: Any, tensors: dict[str, Any]
-    ) -> Any:
-        """Rank 0's JSON encoding of ``checkpoint``, once every rank
-        has found its state finite (collective).
-        """
-        from nereus_lightning.emu.checkpoint import nonfinite_names, nonfinite_tensors
+    def _checked_for_save(self, path: Path, checkpoint: dict[str, Any], units: EMUStates) -> Any:
+        """Rank 0's JSON encoding of ``checkpoint`` once every rank found its state finite (collective)."""
+        from nereus_lightning.emu.checkpoint import nonfinite_tensors
 
         encoded, problem = None, None
         if self.is_global_zero:
@@ -388,19 +450,7 @@ class NereusStrategy(ParallelStrategy):
                 encoded = encode(checkpoint)
             except CheckpointError as exc:
                 problem = str(exc)
-        if units is not None:
-            bad = [f"{name}/{t}" for name in (units.plan or {}) for t in nonfinite_tensors(name)]
-        else:
-            leaves = list(_leaves(tensors))
-            problem = problem or next(
-                (
-                    f"{key}: a {type(v).__name__}, not a tensor (DCP would pickle it)"
-                    for key, v in leaves
-                    if not isinstance(v, Tensor)
-                ),
-                None,
-            )
-            bad = nonfinite_names((k, v) for k, v in leaves if isinstance(v, Tensor))
+        bad = [f"{name}/{t}" for name in (units.plan or {}) for t in nonfinite_tensors(name)]
         reports: list[Any] = [(self.global_rank, bad, problem)]  # per rank (filled by the gather)
         if _distributed_is_initialized():
             reports = [None] * self.world_size
@@ -429,10 +479,6 @@ class NereusStrategy(ParallelStrategy):
         (:func:`~nereus_lightning.lightning.checkpoint.read_checkpoint`); every rank raises the
         same :class:`CheckpointError`, naming the damaged file, before any state changes.
         """
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
-        from nereus_lightning.emu.checkpoint import load_tensors
-
         path = Path(self.broadcast(str(checkpoint_path)))
         stored, problem = None, None
         if self.is_global_zero:
@@ -443,27 +489,15 @@ class NereusStrategy(ParallelStrategy):
         stored, problem = self.broadcast((stored, problem))  # between this job's own ranks
         if problem is not None:
             raise CheckpointError(problem)
-        meta = stored.checkpoint
-        module = self.lightning_module
-        assert module is not None
-        emu_module = _emu_module(module)
-        if (emu_module is not None) != (stored.state == "emu"):
-            raise NereusConfigError(
-                f"ckpt_path: {path} holds {stored.state!r} state; resume it with "
-                f"NereusStrategy(state={stored.state!r})"
+        if stored.state != STATE:
+            raise CheckpointError(
+                f"ckpt_path: {path} holds {stored.state!r} state, written by the retired full-model backend; "
+                "this nereus-lightning resumes only EMU checkpoints (emu/<model_stage>/): export its models "
+                "with the nereus-lightning that wrote it and start from them"
             )
-        if emu_module is not None:
-            emu_module.units.resume_from = str(path / "emu")  # loaded into the units when they are built
-            meta["state_dict"] = {}
-            return meta
-        optim = self._optimizer_state()
-        state = {"model": module.state_dict(), "optim": optim.get("state", {})}
-        load_tensors(state, path)
-        module.load_state_dict(state["model"])
-        groups = meta.pop(OPTIMIZER_GROUPS, optim.get("param_groups", []))
-        for opt in self.optimizers:
-            set_optimizer_state_dict(module, opt, {"state": state["optim"], "param_groups": groups})
-        meta["state_dict"] = state["model"]
+        self.units.resume_from = str(path / STATE)  # loaded into the units when they are built
+        meta = stored.checkpoint
+        meta["state_dict"] = {}
         return meta
 
     @override
@@ -479,14 +513,6 @@ class NereusStrategy(ParallelStrategy):
         if self.is_global_zero:
             remove(filepath)
 
-    def _optimizer_state(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        module = self.lightning_module
-        if not self.optimizers or module is None:
-            return {}
-        return get_optimizer_state_dict(module, self.optimizers[0])
-
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -494,16 +520,6 @@ class NereusStrategy(ParallelStrategy):
         strategy_registry.register(
             "nereus_spawn", cls, description="Nereus strategy, spawned ranks", start_method="spawn"
         )
-
-
-def _leaves(tree: Any, prefix: str = "") -> Any:
-    """``(dotted key, value)`` for every non-dict value of a nested dict."""
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            yield from _leaves(value, f"{name}.")
-        else:
-            yield name, value
 
 
 class _ForkLauncher(_MultiProcessingLauncher):
@@ -516,10 +532,9 @@ class _ForkLauncher(_MultiProcessingLauncher):
     @override
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
         output = super()._collect_rank_zero_results(trainer, results)
-        released = _emu_module(trainer.lightning_module) is not None  # the full models went into the EMUs
-        if output is None or output.weights_path is None or self._strategy.write_back or not released:
+        if output is None or output.weights_path is None or self._strategy.write_back:
             return output
-        # Their empty tensors must not overwrite the caller's models.
+        # The full models went into the units: their empty tensors must not overwrite the caller's models.
         self._strategy.checkpoint_io.remove_checkpoint(output.weights_path)
         return output._replace(weights_path=None)
 

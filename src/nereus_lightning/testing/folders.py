@@ -45,12 +45,12 @@ def tiny_model_folder(
     seed: int = 0,
     **config: Any,
 ) -> str:
-    """Save a tiny ``family`` causal LM (weights from ``seed``) and a tokenizer of ``texts`` into ``path``.
+    """Save a tiny ``family`` causal LM (:func:`~nereus_lightning.testing.tiny.tiny_model`, weights from
+    ``seed``) and a tokenizer of ``texts`` into ``path``.
 
     The model's vocabulary is the tokenizer's size, as in a real checkpoint.
     """
-    import torch
-    import transformers as tf
+    from nereus_lightning.testing.tiny import tiny_model
 
     tokenizer = train_tokenizer(texts, vocab_size)
     shape = {
@@ -62,17 +62,17 @@ def tiny_model_folder(
         "max_position_embeddings": 512,
         **config,
     }
-    model_config = tf.AutoConfig.for_model(
+    model: Any = tiny_model(  # a transformers PreTrainedModel (save_pretrained)
         family,
+        seed,
         vocab_size=len(tokenizer),
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
         tie_word_embeddings=False,
+        attn_implementation=None,  # (a saved folder keeps transformers' default)
         **shape,
     )
-    torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
