@@ -104,14 +104,18 @@ def estimate_plan(
     resident: dict[int, float] = {}
     own: dict[str, list[float]] = {}
     for ms in stages:
-        if ms.trains and replica_sequences(stage_work(ms, models, workload), plan[ms.name].dp) is not None:
+        if (
+            ms.trains
+            and replica_sequences(stage_work(ms, models, workload, cluster.gpu_memory), plan[ms.name].dp)
+            is not None
+        ):
             cand, model = plan[ms.name], models[ms.model]
             per_rank = [rank_state_bytes(model, True, cand.layout, p) for p in range(cand.layout.pp)]
             own[ms.name] = _per_gpu(per_rank, cand)
             for g, value in zip(cand.gpus, own[ms.name], strict=True):
                 resident[g] = resident.get(g, 0.0) + value
     for ms in stages:
-        work, cand = stage_work(ms, models, workload), plan[ms.name]
+        work, cand = stage_work(ms, models, workload, cluster.gpu_memory), plan[ms.name]
         work.model.validate_tp(cand.layout.tp)
         work.model.validate_pp(cand.layout.pp)
         outside = [g for g in cand.gpus if not 0 <= g < cluster.num_gpus]
