@@ -119,7 +119,7 @@ def test_engine_settings_are_checked_naming_their_key():
 
 
 def test_the_engine_settings_reach_the_planner_from_the_configs(tmp_path):
-    """nereus-plan's ``workload.generation_engine``, nereus-train's ``algorithm.vllm``: both reach the plan."""
+    """The engine settings of nereus-plan (workload.generation_engine) and nereus-train (algorithm.vllm)."""
     import json
 
     from hydra import compose, initialize_config_dir

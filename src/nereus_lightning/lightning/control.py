@@ -23,6 +23,7 @@ def job_workload(pl_module: Any) -> Workload:
         mini_batches=hp.mini_batches,
         ppo_epochs=hp.ppo_epochs,
         reward_model=getattr(pl_module, "reward", None) is not None,
+        generation_engine=pl_module.generation_engine,
     )
 
 
