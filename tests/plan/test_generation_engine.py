@@ -49,8 +49,9 @@ def test_vllm_takes_its_share_of_every_gpu_whatever_the_batch():
 
 
 def test_vllm_counts_kv_cache_in_whole_blocks():
-    hf, vllm = GenerationEngine(), _vllm(block_size=16)
+    hf, vllm = GenerationEngine(), _vllm()  # vLLM's block on CUDA: 16 tokens
     assert vllm.cache_tokens(400) == 400 and vllm.cache_tokens(401) == 416 and hf.cache_tokens(401) == 401
+    assert _vllm(block_size=128).cache_tokens(401) == 512
     lay = Layout(2, 1)
     extra = mem.generation_peak_bytes(L8, lay, 0, 8, 100, 401, vllm) - mem.generation_peak_bytes(
         L8, lay, 0, 8, 100, 401, hf

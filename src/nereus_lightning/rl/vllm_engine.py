@@ -80,8 +80,11 @@ def require_vllm(key: str = "algorithm.rollout_engine") -> None:
 
 
 def check_replicas(replicas: Sequence[Sequence[int]], pp: int, key: str) -> None:
-    """Refuse a generation layout vLLM's engines cannot take: pipeline parallelism is not wired (PP 1),
-    and a rank runs one engine (replicas on disjoint ranks)."""
+    """Refuse a generation layout vLLM's engines cannot take.
+
+    Pipeline parallelism is not wired (PP 1); a rank runs one engine (replicas on disjoint ranks);
+    vLLM orders a TP group by rank, so a replica's TP ranks must be its ranks in ascending order.
+    """
     require(pp == 1, key, f"vLLM generation runs PP 1 here, the plan gives PP {pp}; use rollout_engine=hf")
     ranks = [r for replica in replicas for r in replica]
     require(
@@ -89,6 +92,13 @@ def check_replicas(replicas: Sequence[Sequence[int]], pp: int, key: str) -> None
         key,
         f"replicas {[tuple(r) for r in replicas]} share ranks; a rank runs one vLLM engine",
     )
+    for replica in replicas:
+        require(
+            list(replica) == sorted(replica),
+            key,
+            f"replica on ranks {tuple(replica)}: vLLM orders TP ranks by rank, so they must ascend; "
+            "use rollout_engine=hf for this plan",
+        )
 
 
 def check_vocabulary(vocab_size: int, tp: int, key: str) -> None:
@@ -414,7 +424,7 @@ def build_engine(
 
     Args:
         config: the actor's transformers config (the engine's architecture and shapes).
-        replicas: the ranks of each generation replica (its TP ranks, in TP order).
+        replicas: the ranks of each generation replica (its TP ranks in TP order, ascending).
         dtype: the generation unit's parameter dtype.
         settings: the engine's memory settings (``gpu_memory_utilization``, ``block_size``,
             ``max_model_len``).
@@ -465,13 +475,12 @@ class VLLMInstance:
         self.sleeps = current_platform.is_sleep_mode_available()
         self.asleep = False
         self._folder = tempfile.TemporaryDirectory(prefix="nereus-vllm-")
-        limits = {"max_model_len": settings.max_model_len} if settings.max_model_len is not None else {}
+        given = {"block_size": settings.block_size, "max_model_len": settings.max_model_len}
         args = {
             "enforce_eager": not torch.cuda.is_available(),  # CPU graphs would need an inductor compile
             "gpu_memory_utilization": settings.gpu_memory_utilization,  # the planner prices this share
-            "block_size": settings.block_size,
             "enable_sleep_mode": self.sleeps,
-            **limits,
+            **{k: v for k, v in given.items() if v is not None},  # None: vLLM's own choice
             **engine_args,
         }
         with _preserving_rng(), _replica_world():  # vLLM seeds the global generators of its process

@@ -13,6 +13,8 @@ ALGORITHMS = ("ppo", "grpo", "remax")
 STAGES = ("generation", "inference", "training")
 #: Rollout engines of the generation model-stages (``algorithm.rollout_engine``).
 ENGINES = ("hf", "vllm")
+#: vLLM's KV-cache block on CUDA, in tokens (what the planner prices when vLLM chooses the block size).
+CUDA_BLOCK_SIZE = 16
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,7 @@ class GenerationEngine:
 
     kind: str = "hf"
     gpu_memory_utilization: float = 0.5
-    block_size: int = 16
+    block_size: int | None = None  # None: vLLM's choice for the device (16 tokens on CUDA)
     max_model_len: int | None = None
 
     def __post_init__(self) -> None:
@@ -56,7 +58,11 @@ class GenerationEngine:
             "algorithm.vllm.gpu_memory_utilization",
             f"must be in (0, 1], got {self.gpu_memory_utilization}",
         )
-        require(self.block_size >= 1, "algorithm.vllm.block_size", f"must be >= 1, got {self.block_size}")
+        require(
+            self.block_size is None or self.block_size >= 1,
+            "algorithm.vllm.block_size",
+            f"must be >= 1 or null (vLLM's choice), got {self.block_size}",
+        )
         require(
             self.max_model_len is None or self.max_model_len >= 1,
             "algorithm.vllm.max_model_len",
@@ -79,7 +85,10 @@ class GenerationEngine:
 
     def cache_tokens(self, max_len: float) -> float:
         """KV-cache tokens one sequence of up to ``max_len`` tokens holds: whole blocks for vLLM."""
-        return math.ceil(max_len / self.block_size) * self.block_size if self.reserves else max_len
+        if not self.reserves:
+            return max_len
+        block = self.block_size or CUDA_BLOCK_SIZE
+        return math.ceil(max_len / block) * block
 
 
 def _ms(name: str, model: str, stage: str) -> ModelStage:
