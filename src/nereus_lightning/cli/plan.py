@@ -27,7 +27,7 @@ from nereus_lightning.plan.layout import Plan
 from nereus_lightning.plan.overlap import colocated, describe_groups
 from nereus_lightning.plan.planner import plan_job
 from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
-from nereus_lightning.spec.workload import workflow
+from nereus_lightning.spec.workload import GenerationEngine, workflow
 
 #: nereus-plan's own config root (kept apart so its `model`/`cluster` groups do not clash with
 #: the plain `model:`/`cluster:` keys of nereus-simulate and nereus-train).
@@ -78,7 +78,7 @@ def _plan_dict(plan: Plan, est: PlanEstimate, algorithm: str) -> dict[str, Any]:
 
 def _plain(value: Any) -> Any:
     """A workload field as JSON has it (the generation engine as its fields)."""
-    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+    return dataclasses.asdict(value) if isinstance(value, GenerationEngine) else value
 
 
 def _build(node: Any) -> Any:
