@@ -240,7 +240,8 @@ def _build_groups(replicas: Sequence[Sequence[int]]) -> None:
 
     vLLM creates its groups with plain ``new_group`` calls, which every rank of the trainer's
     world enters, so every rank builds every group here; with PP 1 a replica is vLLM's world and
-    its TP group, and the other parallel dimensions (DP, PP, context parallelism) are single ranks.
+    its TP group, and the other parallel dimensions (DP, PP, context parallelism) are single ranks
+    (dense models only: the model registry refuses experts, so there is no expert-parallel group).
     vLLM's worker then finds its groups set up and uses them (:func:`_replica_world`).
     """
     from vllm.distributed import parallel_state as ps
@@ -432,7 +433,7 @@ def build_engine(
     """
     require_vllm()
     _import_vllm()
-    check_replicas(replicas, 1, "plan.actor_gen")
+    check_replicas(replicas, 1, "replicas")
     rank = torch.distributed.get_rank()
     mine = next((list(ranks) for ranks in replicas if rank in ranks), None)
     if mine is not None:
