@@ -104,11 +104,7 @@ def estimate_plan(
     resident: dict[int, float] = {}
     own: dict[str, list[float]] = {}
     for ms in stages:
-        if (
-            ms.trains
-            and replica_sequences(stage_work(ms, models, workload, cluster.gpu_memory), plan[ms.name].dp)
-            is not None
-        ):
+        if ms.trains and replica_sequences(stage_work(ms, models, workload), plan[ms.name].dp) is not None:
             cand, model = plan[ms.name], models[ms.model]
             per_rank = [rank_state_bytes(model, True, cand.layout, p) for p in range(cand.layout.pp)]
             own[ms.name] = _per_gpu(per_rank, cand)
