@@ -66,3 +66,25 @@ def test_rows_must_agree():
     b = _batch([0, 1])
     with pytest.raises(NereusConfigError, match="RolloutBatch.values"):
         RolloutBatch(**{**b.tensors(), "values": torch.zeros(3, 3)})
+
+
+def test_the_policy_version_of_each_sample_travels_with_it():
+    from nereus_lightning.rl.rollout import RolloutOutput, response_rows, version_tensor
+
+    a, b = _batch([5, 1]), _batch([0, 3])
+    a.policy_version, b.policy_version = torch.tensor([7, 7]), torch.tensor([6, 6])
+    whole = RolloutBatch.concat([a, b])
+    assert whole.policy_version.tolist() == [6, 7, 6, 7]  # sorted by sample index with the rest
+    assert [p.policy_version.tolist() for p in RolloutBatch.repartition([a, b], 2)] == [[6, 7], [6, 7]]
+    # An engine's rows: response ids up to the mask, each with its version; unknown versions stay unknown.
+    out = RolloutOutput(
+        torch.ones(2, 1, dtype=torch.long),
+        torch.ones(2, 1, dtype=torch.long),
+        torch.tensor([[4, 9, 0], [5, 0, 0]]),
+        torch.tensor([[1, 1, 0], [1, 0, 0]]),
+        policy_version=torch.tensor([3, 3]),
+    )
+    assert response_rows(out) == [([4, 9], 3), ([5], 3)]
+    out.policy_version = None
+    assert response_rows(out) == [([4, 9], None), ([5], None)]
+    assert version_tensor([3, 3]).tolist() == [3, 3] and version_tensor([3, None]) is None

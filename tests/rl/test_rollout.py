@@ -112,10 +112,10 @@ def test_engine_rejects_bad_input():
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm installed")
 def test_vllm_engine_says_how_to_install():
-    from nereus_lightning.rl.vllm_engine import VLLMInstance
+    from nereus_lightning.rl.vllm_engine import build_engine
 
     with pytest.raises(NereusConfigError, match=r"nereus-lightning\[vllm\]"):
-        VLLMInstance(tiny_llama_config(), 1)
+        build_engine(tiny_llama_config(), [[0]])
 
 
 def test_response_log_probs_ignore_left_padding_and_match_manual():

@@ -34,14 +34,16 @@ def make_job(root: str) -> dict[str, str]:
     return {"model": model, "train": write_parquet(rows, os.path.join(root, "train.parquet"))}
 
 
-def plan_2ranks(gen_tp: int) -> Plan:
-    """GRPO on ranks 0 and 1: the generation stage at TP ``gen_tp`` (x DP ``2 / gen_tp``), every other stage
-    DP 2.
+def plan_2ranks(gen_tp: int, gen_ranks: tuple[int, ...] = (0, 1)) -> Plan:
+    """GRPO on ranks 0 and 1: the generation stage at TP ``gen_tp`` on ``gen_ranks`` (DP the rest), every
+    other stage DP 2.
     """
     out = {}
     for m in workflow("grpo"):
-        layout = Layout(gen_tp, 1) if m.stage == "generation" else Layout(1, 1)
-        out[m.name] = Candidate(layout, 2 // layout.size, (0, 1))
+        if m.stage == "generation":
+            out[m.name] = Candidate(Layout(gen_tp, 1), len(gen_ranks) // gen_tp, gen_ranks)
+        else:
+            out[m.name] = Candidate(Layout(1, 1), 2, (0, 1))
     return Plan.of(out)
 
 
@@ -120,22 +122,27 @@ class CheckedGRPOModule(GRPOModule):
 
     def generate(self, strategy, prompts, max_new, step, greedy=False, with_greedy=False, first_index=0):  # noqa: ANN001, ANN201
         record = engine_matches_training(self, strategy)
+        out = super().generate(strategy, prompts, max_new, step, greedy, with_greedy, first_index)
         folder = os.environ.get(CHECKS)
         if folder and record is not None:
+            record["batch_versions"] = None if out[4] is None else sorted(set(out[4].tolist()))
             with open(os.path.join(folder, f"rank{strategy.global_rank}.jsonl"), "a") as f:
                 f.write(json.dumps({"step": step, **record}) + "\n")
-        return super().generate(strategy, prompts, max_new, step, greedy, with_greedy, first_index)
+        return out
 
 
 # ---- pool functions -------------------------------------------------------------------------
 def engine_against_hf(
-    rank: int, world_size: int, folder: str, variants: tuple[tuple[int, bool], ...]
+    rank: int,
+    world_size: int,
+    folder: str,
+    variants: tuple[tuple[str, tuple[tuple[int, ...], ...], bool], ...],
 ) -> dict[str, dict[str, Any]]:
-    """Per ``(tp, tied)``: one vLLM engine per rank on a model's weights, against transformers on the same
-    weights.
+    """Per ``(name, replicas, tied)``: vLLM engines on the ranks of ``replicas`` (one per rank, each replica
+    a vLLM world of its own) on a model's weights, against transformers on the same weights.
 
     ``tied=False``: the folder's model; ``tied=True``: a random model of its config with the LM head tied to
-    the embedding.
+    the embedding. A rank outside the replicas reports that it holds no engine.
     """
     import transformers as tf
 
@@ -144,14 +151,15 @@ def engine_against_hf(
     from nereus_lightning.rl.forward import response_log_probs
     from nereus_lightning.rl.rollout import HFGenerateEngine, sample_seeds
     from nereus_lightning.rl.tokenizer import pad_ids
-    from nereus_lightning.rl.vllm_engine import VLLMEngine, VLLMInstance
+    from nereus_lightning.rl.vllm_engine import VLLMEngine, build_engine
+    from nereus_lightning.spec.workload import GenerationEngine
 
     pad = 0
     prompts = [[5, 6, 7, 8], [9, 10, 11], [40, 41, 42, 43, 44, 45], [100, 3], [7] * 9, [250, 251, 252]]
     ids, mask = pad_ids(prompts, pad, "left")
     seeds = sample_seeds(7, 0, range(len(prompts)))
     out: dict[str, dict[str, Any]] = {}
-    for tp, tied in variants:
+    for name, replicas, tied in variants:
         if tied:
             config = tf.AutoConfig.from_pretrained(folder, tie_word_embeddings=True)
             torch.manual_seed(1)
@@ -160,9 +168,14 @@ def engine_against_hf(
             hf = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
         config, schema = hf.config, StateSchema.of(hf.config, hf)
         greedy_hf = HFGenerateEngine(hf, config.eos_token_id, pad).generate(ids, mask, 8, do_sample=False)
-        instance = VLLMInstance(config, tp, max_model_len=64)
-        shards = shard_state(hf, config, Layout(tp, 1), 0, rank % tp)
-        instance.load(shards, schema.shape_of, schema.placements, rank % tp, policy_version=5)
+        instance = build_engine(config, replicas, settings=GenerationEngine("vllm", max_model_len=64))
+        if instance is None:
+            out[name] = {"engine": False}
+            continue
+        replica = next(r for r in replicas if rank in r)
+        tp, tp_rank = len(replica), replica.index(rank)
+        shards = shard_state(hf, config, Layout(tp, 1), 0, tp_rank)
+        instance.load(shards, schema.shape_of, schema.placements, tp_rank, policy_version=5)
         back = instance.read_weights()
         want = dict(shards)
         if tied:  # the head's own kernel, read back too: it must hold the embedding
@@ -182,7 +195,9 @@ def engine_against_hf(
             sampled.response_mask,
             temperature=0.8,
         )
-        out[f"tp{tp}" + ("-tied" if tied else "")] = {
+        out[name] = {
+            "engine": True,
+            "tp": tp,
             "greedy_equal": torch.equal(greedy.response_ids, greedy_hf.response_ids),
             "greedy": greedy.response_ids.tolist(),
             "read_back": sorted(back) == sorted(want),
@@ -194,7 +209,8 @@ def engine_against_hf(
             "split_batches_equal": torch.equal(
                 torch.cat([h.response_ids for h in halves]), sampled.response_ids
             ),
-            "policy_version": sampled.policy_version,
+            "policy_version": sampled.policy_version.tolist(),
+            "asleep_after_sleep": (instance.sleep(), instance.asleep)[1],  # no sleep mode on the CPU
         }
         instance.close()
     return out

@@ -39,17 +39,17 @@ def test_the_module_refuses_vllm_before_building_anything(no_vllm):
 
 
 def test_layouts_vllm_cannot_take_are_refused_naming_the_plan():
-    from nereus_lightning.rl.vllm_engine import check_replicas, check_vocabulary
+    from nereus_lightning.rl.vllm_engine import check_replicas, check_vocabulary, replica_worlds
 
-    check_replicas([(0, 1), (2, 3)], 2, 1, 4, "plan.actor_gen")
-    with pytest.raises(
-        NereusConfigError, match=r"plan.actor_gen.*ranks \(1, 2\) is not one of vLLM's TP groups"
-    ):
-        check_replicas([(1, 2)], 2, 1, 4, "plan.actor_gen")
+    check_replicas([(0, 2), (1, 3)], 1, "plan.actor_gen")  # any ranks, one engine each
+    with pytest.raises(NereusConfigError, match=r"ranks \(3, 1\): vLLM orders TP ranks by rank"):
+        check_replicas([(0, 2), (3, 1)], 1, "plan.actor_gen")
+    with pytest.raises(NereusConfigError, match=r"plan.actor_gen.*share ranks; a rank runs one vLLM engine"):
+        check_replicas([(0, 1), (1, 2)], 1, "plan.actor_gen")
     with pytest.raises(NereusConfigError, match="PP 1"):
-        check_replicas([(0, 1)], 1, 2, 2, "plan.actor_gen")
-    with pytest.raises(NereusConfigError, match="divisible by tp=2"):
-        check_replicas([(0, 1)], 2, 1, 3, "plan.actor_gen")
+        check_replicas([(0, 1)], 2, "plan.actor_gen")
+    # Each replica is a vLLM world of its own; a rank outside them is one alone.
+    assert replica_worlds([(1, 3)], 4) == [[1, 3], [0], [2]]
     check_vocabulary(300, 1, "actor.vocab_size")
     with pytest.raises(NereusConfigError, match="vocab_size=300 is not a multiple of 64"):
         check_vocabulary(300, 2, "actor.vocab_size")

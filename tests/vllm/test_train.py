@@ -62,6 +62,8 @@ def _check(records, rows, tps_by_step):
         assert r["tp"] == tps_by_step[r["step"]], r
         assert r["read_back"] and r["differ"] == [], r  # the engine holds the trained weights, bit for bit
         assert r["policy_version"] == r["train_version"] == r["step"], r  # one update and sync per step
+        assert r["batch_versions"] == [r["step"]], r  # every sample carries the version it came from
+    assert [float(r["rollout/policy_version"]) for r in rows] == list(range(STEPS))  # logged per step
 
 
 def test_train_at_tp1_dp2(job, tmp_path, monkeypatch):
@@ -84,10 +86,11 @@ def test_train_at_tp2_dp1(job, tmp_path, monkeypatch):
 def test_transition_from_tp1_dp2_to_tp2_dp1_keeps_generating_with_the_synced_weights(
     job, tmp_path, monkeypatch
 ):
+    """Generation on rank 1 alone first (rank 0 holds no engine), then TP1 x DP2, then TP2 x DP1."""
     from tests.vllm.helpers import plan_2ranks
 
-    summary, records, rows = _train(
-        job, tmp_path, monkeypatch, [plan_2ranks(1), plan_2ranks(1), plan_2ranks(2)]
-    )
-    assert summary["transitions"] == 1 and summary["transition_steps"] == [1]
+    plans = [plan_2ranks(1, (1,)), plan_2ranks(1), plan_2ranks(2)]
+    summary, records, rows = _train(job, tmp_path, monkeypatch, plans)
+    assert summary["transitions"] == 2 and summary["transition_steps"] == [0, 1]
     _check(records, rows, [1, 1, 2, 2, 2])
+    assert [r["step"] for r in records].count(0) == 1  # one engine at step 0, on rank 1

@@ -14,7 +14,7 @@ from nereus_lightning._resources import resource_dir
 from nereus_lightning.spec.cluster import ClusterSpec, cluster_preset
 from nereus_lightning.spec.errors import NereusConfigError
 from nereus_lightning.spec.model import ModelSpec, model_preset
-from nereus_lightning.spec.workload import Workload
+from nereus_lightning.spec.workload import GenerationEngine, Workload
 
 #: The Hydra apps' config directory (``configs/`` of the repository; ``nereus_lightning/configs`` in a wheel).
 CONFIG_ROOT = resource_dir("configs")
@@ -108,5 +108,8 @@ def build_cluster(preset: str | None = None, num_gpus: int | None = None, **fiel
 
 
 def build_workload(**fields: Any) -> Workload:
-    """A ``Workload`` from its fields; unknown names list the valid ones."""
+    """A ``Workload`` from its fields (``generation_engine`` a mapping); unknown names list the valid ones."""
+    engine = to_dict(fields.get("generation_engine"))
+    if engine:
+        fields["generation_engine"] = GenerationEngine.of(str(engine.pop("kind", "hf")), engine)
     return _with_fields(Workload(), fields, "workload")

@@ -8,6 +8,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
@@ -26,7 +27,7 @@ from nereus_lightning.plan.layout import Plan
 from nereus_lightning.plan.overlap import colocated, describe_groups
 from nereus_lightning.plan.planner import plan_job
 from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
-from nereus_lightning.spec.workload import workflow
+from nereus_lightning.spec.workload import GenerationEngine, workflow
 
 #: nereus-plan's own config root (kept apart so its `model`/`cluster` groups do not clash with
 #: the plain `model:`/`cluster:` keys of nereus-simulate and nereus-train).
@@ -75,6 +76,11 @@ def _plan_dict(plan: Plan, est: PlanEstimate, algorithm: str) -> dict[str, Any]:
     }
 
 
+def _plain(value: Any) -> Any:
+    """A workload field as JSON has it (the generation engine as its fields)."""
+    return dataclasses.asdict(value) if isinstance(value, GenerationEngine) else value
+
+
 def _build(node: Any) -> Any:
     """``hydra.utils.instantiate`` that re-raises our config errors as themselves (not wrapped)."""
     try:
@@ -118,7 +124,7 @@ def plan_from_config(cfg: DictConfig) -> dict[str, Any]:
             "gpus_per_node": cluster.gpus_per_node,
             "gpu_memory_bytes": cluster.gpu_memory,
         },
-        "workload": {k: getattr(workload, k) for k in workload_cfg if k != "_target_"},
+        "workload": {k: _plain(getattr(workload, k)) for k in workload_cfg if k != "_target_"},
         "memory_cap_bytes": result.estimate.memory_cap,
         **_plan_dict(result.plan, result.estimate, algorithm),
         "alternatives": [_plan_dict(p, e, algorithm) for p, e in result.alternatives],

@@ -125,7 +125,7 @@ def _prompt_len(cfg: Any) -> float:
 
 
 def _workload(cfg: Any, length: float) -> Any:
-    from nereus_lightning.spec import Workload
+    from nereus_lightning.spec import GenerationEngine, Workload
 
     return Workload(
         algorithm=_algorithm_name(cfg),
@@ -135,6 +135,9 @@ def _workload(cfg: Any, length: float) -> Any:
         response_len=float(length),
         response_len_p95=float(length),
         reward_model=reward_model_source(cfg) is not None,
+        generation_engine=GenerationEngine.of(
+            str(cfg.algorithm.get("rollout_engine", "hf")), to_dict(cfg.algorithm.get("vllm"))
+        ),
     )
 
 

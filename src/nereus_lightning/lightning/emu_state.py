@@ -27,10 +27,11 @@ in turn. Its EMU tensors are its module's parameters (the same objects), so
 copies; transitions and checkpoint saves bring the units they read back to the GPU first (the
 transfers and DCP run on device tensors under NCCL).
 
-With ``rollout_engine="vllm"`` every rank also holds one vLLM engine
-(:class:`~nereus_lightning.rl.vllm_engine.VLLMInstance`) for the generation layout of the plan,
-rebuilt on every rank when a transition changes that layout; the generation unit's shards go
-into the engine on the same rank (no gather) before the first generation after each weight sync.
+With ``rollout_engine="vllm"`` every rank of a generation replica also holds one vLLM engine
+(:class:`~nereus_lightning.rl.vllm_engine.VLLMInstance`, the replica a vLLM world of its own),
+rebuilt when a transition changes the generation layout; the generation unit's shards go into
+the engine on the same rank (no gather) before the first generation after each weight sync, and
+the engine sleeps (frees its GPU memory) once its model-stage has run.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ from nereus_lightning.models import ReplicaComm, ShardedCausalLM, bind_adamw, cl
 from nereus_lightning.models.groups import dp_ranks
 from nereus_lightning.models.sharded import is_tied
 from nereus_lightning.plan.layout import Candidate, Plan
-from nereus_lightning.rl.vllm_engine import VLLMInstance, check_replicas, check_vocabulary
+from nereus_lightning.rl.vllm_engine import VLLMInstance, build_engine, check_replicas, check_vocabulary
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
 from nereus_lightning.spec.workload import Workload, workflow
@@ -296,12 +297,15 @@ class EMUStates:
         if unit is None or self.stages[model_stage].trains:
             yield
             return
-        if not (self.roles.rollout_engine == "vllm" and self.stages[model_stage].stage == "generation"):
+        engine = self.vllm if self.stages[model_stage].stage == "generation" else None
+        if engine is None:
             unit.onload()
         try:
             yield
         finally:
             self._offload(model_stage)
+            if engine is not None:
+                engine.sleep()
 
     def residency(self) -> dict[str, bool]:
         """Whether this rank's unit of each model-stage is on its compute device (model-stages it holds)."""
@@ -344,8 +348,7 @@ class EMUStates:
                 f"{sorted(str(plan[n].describe()) for n in gens)}; use rollout_engine=hf for this plan"
             )
         cand = plan[gens[0]]
-        replicas = [cand.replica_gpus(r) for r in range(cand.dp)]
-        check_replicas(replicas, cand.layout.tp, cand.layout.pp, dist.get_world_size(), f"plan.{gens[0]}")
+        check_replicas([cand.replica_gpus(r) for r in range(cand.dp)], cand.layout.pp, f"plan.{gens[0]}")
         vocab = int(self.configs[self.stages[gens[0]].model].vocab_size)
         check_vocabulary(vocab, cand.layout.tp, f"plan.{gens[0]} (actor vocab_size)")
         return cand
@@ -363,8 +366,11 @@ class EMUStates:
         schema = emu.registry().schema(name)
         if self.vllm is not None:
             self.vllm.close()
-        self.vllm = VLLMInstance(
-            self.configs[self.stages[name].model], cand.layout.tp, dtype=schema.dtype_of(schema.names[0])
+        self.vllm = build_engine(  # None on a rank outside the generation replicas
+            self.configs[self.stages[name].model],
+            [cand.replica_gpus(r) for r in range(cand.dp)],
+            schema.dtype_of(schema.names[0]),
+            self.workload.generation_engine,
         )
         self._vllm_key = key
         self._vllm_stale = True

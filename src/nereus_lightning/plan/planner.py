@@ -226,7 +226,7 @@ def plan_job(
             share the pool; the message names the model-stage, its memory and the GPUs it needs.
     """
     stages = workload.stages
-    works = {ms.name: stage_work(ms, models, workload) for ms in stages}
+    works = {ms.name: stage_work(ms, models, workload, cluster.gpu_memory) for ms in stages}
     cap, budget = memory_cap(cluster), cluster.num_gpus
     unknown = set(pinned or {}) - set(works)
     if unknown:
@@ -542,6 +542,11 @@ def diagnose_memory(
         if fits
         else "it does not fit at any layout; use GPUs with more memory or shorter sequences"
     )
+    if work.reserved:
+        hint += (
+            f"; or lower algorithm.vllm.gpu_memory_utilization ({work.engine.gpu_memory_utilization}: "
+            "the share of each GPU a vLLM engine takes)"
+        )
     message = (
         f"{work.name} ({work.model.name}, {work.kind}) cannot fit: it needs {need}, "
         f"over the cap of {cap / 1e9:.1f} GB ({cluster.gpu_memory / 1e9:.0f} GB less 10% headroom) "

@@ -33,8 +33,8 @@ class RolloutBatch(RolloutOutput):
     """Per-sample tensors of one step (a rollout plus what scoring adds); fields not computed yet are None.
 
     Shapes: ids and masks ``(B, P)`` / ``(B, R)``; per-token fields ``(B, R)``; ``scores``,
-    ``baseline_scores``, ``sample_index`` and ``group_index`` (the prompt a sample answers, for
-    GRPO) ``(B,)``.
+    ``baseline_scores``, ``sample_index``, ``group_index`` (the prompt a sample answers, for
+    GRPO) and ``policy_version`` (of the weights that generated a sample) ``(B,)``.
     """
 
     prompt_ids: Tensor
@@ -121,7 +121,7 @@ class RolloutBatch(RolloutOutput):
 
 
 _PROMPT_FIELDS = ("prompt_ids", "prompt_mask")
-_SCALAR_FIELDS = ("sample_index", "group_index", "scores", "baseline_scores")
+_SCALAR_FIELDS = ("sample_index", "group_index", "scores", "baseline_scores", "policy_version")
 
 
 def _pad_to(t: Tensor, name: str, prompt_width: int, response_width: int) -> Tensor:

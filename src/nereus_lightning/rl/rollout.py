@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -22,12 +22,17 @@ from nereus_lightning.spec.errors import NereusConfigError, require
 
 @dataclass
 class RolloutOutput:
-    """Left-padded prompts and right-padded responses; a response's mask covers its eos."""
+    """Left-padded prompts and right-padded responses; a response's mask covers its eos.
+
+    ``policy_version`` (``[B]``, where the engine records it): per row, the policy version (weight
+    syncs of the generation model-stage, one per update) of the weights that generated it.
+    """
 
     prompt_ids: Tensor
     prompt_mask: Tensor
     response_ids: Tensor
     response_mask: Tensor
+    policy_version: Tensor | None = field(default=None, kw_only=True)
 
     @property
     def sequences(self) -> Tensor:
@@ -57,6 +62,20 @@ class RolloutEngine(Protocol):
     ) -> RolloutOutput:
         """Responses (``max_new_tokens`` wide, padded) and their masks; greedy when ``do_sample`` is False."""
         ...
+
+
+def response_rows(out: RolloutOutput) -> list[tuple[list[int], int | None]]:
+    """Each row's response ids (up to and with its eos) and the policy version that generated it (or None)."""
+    lengths = out.response_mask.sum(-1).tolist()
+    versions = [None] * len(lengths) if out.policy_version is None else out.policy_version.tolist()
+    return [(ids[:k], v) for ids, k, v in zip(out.response_ids.tolist(), lengths, versions, strict=True)]
+
+
+def version_tensor(versions: Sequence[int | None], device: torch.device | str = "cpu") -> Tensor | None:
+    """Per-sample policy versions as a ``[B]`` tensor; None unless every sample's is known."""
+    if any(v is None for v in versions):
+        return None
+    return torch.tensor(list(versions), dtype=torch.long, device=device)
 
 
 def sample_seeds(seed: int, step: int, indices: Sequence[int] | Tensor) -> list[int]:

