@@ -62,6 +62,7 @@ from nereus_lightning.emu.registry import Registry, registry
 from nereus_lightning.emu.transfer import InFlight, default_device, start_broadcast
 from nereus_lightning.emu.unit import EMU, Counters
 from nereus_lightning.spec.errors import NereusConfigError, require
+from nereus_lightning.transition.dag import Primitive as TransitionPrimitive
 
 if TYPE_CHECKING:
     from nereus_lightning.transition.dag import Node, TransitionDAG
@@ -352,9 +353,7 @@ def _sum_reports(reports: list[TransferReport]) -> TransferReport:
 
 def ops_of(node: Node, rank_of: Mapping[int, int] | None = None) -> list[Primitive]:
     """The EMU op of every lane of a transition node (one for an ordinary node), see :func:`op_of`."""
-    return (
-        [op_of(lane, rank_of) for lane in node.lanes()] if hasattr(node, "lanes") else [op_of(node, rank_of)]
-    )
+    return [op_of(lane, rank_of) for lane in node.lanes()]
 
 
 def op_of(node: Node, rank_of: Mapping[int, int] | None = None) -> Primitive:
@@ -363,13 +362,11 @@ def op_of(node: Node, rank_of: Mapping[int, int] | None = None) -> Primitive:
     A batched node (``node.width > 1``) is several ops: use :func:`ops_of`.
     """
     require(
-        getattr(node, "width", 1) == 1,
+        node.width == 1,
         "node",
-        f"node #{node.id} carries {getattr(node, 'width', 1)} replicas; use emu.executor.ops_of(node) "
-        "(one op per lane)",
+        f"node #{node.id} carries {node.width} replicas; use emu.executor.ops_of(node) (one op per lane)",
     )
-    kind = getattr(node.op, "value", node.op)
-    if kind == "extend":
+    if node.op is TransitionPrimitive.EXTEND:
         ranks = (lambda g: rank_of[g]) if rank_of is not None else (lambda g: g)
         source = Unit(node.sources[0].layout, tuple(map(ranks, node.sources[0].gpus)))
         targets = tuple(Unit(u.layout, tuple(map(ranks, u.gpus))) for u in node.targets)

@@ -72,9 +72,7 @@ def _blocking_deadlocks(dag: TransitionDAG) -> bool:
             while pos[name] < len(q):
                 n = q[pos[name]]
                 if n.op is Primitive.EXTEND and any(
-                    c and o in peers[name]
-                    for g in n.acquired_gpus
-                    for o, c in held[g].items()
+                    c and o in peers[name] for g in n.acquired_gpus for o, c in held[g].items()
                 ):
                     break
                 if any(mem[g] + max(net, 0.0) + tr > cap * (1 + 1e-9) for g, net, tr in n.mem):
