@@ -48,7 +48,7 @@ from nereus_lightning.transition.dag import (
     memory_growth,
     released_gpus,
 )
-from nereus_lightning.transition.lanes import Lane, LocalNode, group, numbered
+from nereus_lightning.transition.lanes import LocalNode, StepLanes, group, numbered
 from nereus_lightning.transition.local import local_lanes
 from nereus_lightning.transition.pieces import geometry
 from nereus_lightning.transition.tsub import common_layout
@@ -209,7 +209,7 @@ def union_of_local_dags(ctx: TransitionContext, batched: Collection[str] = ()) -
     )
 
 
-def _local_lanes(ctx: TransitionContext, name: str) -> list[Lane]:
+def _local_lanes(ctx: TransitionContext, name: str) -> list[StepLanes]:
     """The primitive calls of model-stage ``name``'s local DAG."""
     ms = ctx.stages[name]
     geo = geometry(ctx.models[ms.model], ms.trains)
@@ -483,5 +483,18 @@ def _numbered_in_order(
         n = nodes[i]
         extra = sorted(position[d] for d in resource.get(i, ()))
         deps = tuple(sorted({position[d] for d in n.deps}.union(extra)))
-        out.append(Node(new, n.op, n.model_stage, n.sources, n.targets, deps, n.mem, tuple(extra), n.recipes))
+        out.append(
+            Node(
+                new,
+                n.op,
+                n.model_stage,
+                n.sources,
+                n.targets,
+                deps,
+                n.mem,
+                tuple(extra),
+                n.make_transfers,
+                n.lane_args,
+            )
+        )
     return tuple(out)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from functools import cached_property
-from itertools import chain
+from itertools import chain, repeat
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 from nereus_lightning.plan.layout import Layout, Plan
@@ -49,6 +49,12 @@ class Unit(NamedTuple):
         return f"{self.layout}@{list(self.gpus)}"
 
 
+def units_of(layout: Layout, gpus: Iterable[tuple[int, ...]]) -> tuple[Unit, ...]:
+    """A unit of ``layout`` on each of ``gpus`` (made as plain tuples: a NamedTuple's own
+    constructor is a Python call per unit, and planners make thousands)."""
+    return tuple(map(tuple.__new__, repeat(Unit), zip(repeat(layout), gpus)))
+
+
 _T = TypeVar("_T")
 
 
@@ -63,20 +69,9 @@ def gpu_chunks(gpus: Sequence[_T], size: int) -> list[tuple[_T, ...]]:
 MemEffect = tuple[int, float, float]
 
 
-class TransferRecipe(NamedTuple):
-    """One lane's transfers, made when read: ``make(*args)``. The build and the validation read
-    only memory effects, so an Extend's list is made only for the cost model and the executor."""
-
-    make: Callable[..., Sequence[Transfer]]
-    args: tuple[Any, ...]
-
-    def build(self) -> Sequence[Transfer]:
-        """The transfers."""
-        return self.make(*self.args)
-
-
-#: The transfers of a Destroy.
-NO_TRANSFERS = TransferRecipe(tuple, ())
+def no_transfers() -> tuple[Transfer, ...]:
+    """A Destroy's transfers: none."""
+    return ()
 
 
 def acquired_gpus(op: Primitive, targets: tuple[Unit, ...]) -> tuple[int, ...]:
@@ -100,8 +95,10 @@ class Node(NamedTuple):
     """One primitive call on one model-stage, or (batched) one per lane; immutable.
 
     A batched node's lanes are alike (the same number of sources, targets and memory effects
-    each): ``sources``, ``targets`` and ``mem`` are theirs concatenated, ``recipes`` one per lane.
-    ``deps`` are earlier node ids; ``resource_deps`` those of them the global order added.
+    each): ``sources``, ``targets`` and ``mem`` are theirs concatenated. ``deps`` are earlier
+    node ids, ``resource_deps`` those of them the global order added. Lane ``k``'s transfers are
+    ``make_transfers(*lane_args[k])``, made when read: the build and the validation read only
+    memory effects (an Extend's list is for the cost model and the executor).
     """
 
     id: int
@@ -112,33 +109,35 @@ class Node(NamedTuple):
     deps: tuple[int, ...]
     mem: tuple[MemEffect, ...]
     resource_deps: tuple[int, ...]
-    recipes: tuple[TransferRecipe, ...]
+    make_transfers: Callable[..., Sequence[Transfer]]
+    lane_args: tuple[tuple[Any, ...], ...]
 
     @property
     def width(self) -> int:
         """How many independent replicas (lanes) this node carries (1: an ordinary node)."""
-        return len(self.recipes)
+        return len(self.lane_args)
 
     def lanes(self) -> tuple[Node, ...]:
         """One ordinary node per lane (same id, op, model-stage and deps; ``(self,)`` if width 1)."""
-        width = len(self.recipes)
+        width = len(self.lane_args)
         if width == 1:
             return (self,)
         ns, nt, nm = len(self.sources) // width, len(self.targets) // width, len(self.mem) // width
         return tuple(
             self._replace(
-                sources=self.sources[i * ns : (i + 1) * ns],
-                targets=self.targets[i * nt : (i + 1) * nt],
-                mem=self.mem[i * nm : (i + 1) * nm],
-                recipes=(recipe,),
+                sources=self.sources[k * ns : (k + 1) * ns],
+                targets=self.targets[k * nt : (k + 1) * nt],
+                mem=self.mem[k * nm : (k + 1) * nm],
+                lane_args=(args,),
             )
-            for i, recipe in enumerate(self.recipes)
+            for k, args in enumerate(self.lane_args)
         )
 
     @property
     def transfers(self) -> tuple[Transfer, ...]:
         """Every point-to-point copy this node makes (``src_gpu == dst_gpu``: a local copy)."""
-        return tuple(chain.from_iterable(recipe.build() for recipe in self.recipes))
+        make = self.make_transfers
+        return tuple(chain.from_iterable(make(*args) for args in self.lane_args))
 
     @property
     def bytes(self) -> int:

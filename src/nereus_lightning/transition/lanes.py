@@ -1,19 +1,20 @@
-"""The primitive calls of a local DAG (*lanes*), and the grouping pass that makes them nodes.
+"""The primitive calls of a local DAG (*lanes*) by step, and the grouping pass that makes them nodes.
 
-The local planner (``transition.local``) emits a model-stage's lanes in order, each at a
-:class:`Step` of its local DAG; a lane depends on lanes of earlier steps only. :func:`group` makes
-them one :class:`LocalNode` per lane, or (batched) one per step in step order with that step's lanes
-in order: both orders are topological. :func:`numbered` gives local nodes their ids.
+The local planner (``transition.local``) numbers a model-stage's lanes in the order it decides
+them and emits them by :class:`Step` of its local DAG, one :class:`StepLanes` (columns: every lane
+of the step) per step; a lane depends on lanes of earlier steps only. :func:`group` makes them one
+:class:`LocalNode` per lane in lane order, or (batched) one per step in step order: both orders
+are topological. :func:`numbered` gives local nodes their ids.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import IntEnum
-from itertools import chain
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-from nereus_lightning.transition.dag import MemEffect, Node, Primitive, TransferRecipe, Unit
+from nereus_lightning.transition.dag import MemEffect, Node, Primitive, Unit
+from nereus_lightning.transition.pieces import Transfer
 
 
 class Step(IntEnum):
@@ -31,26 +32,33 @@ def drop_sources_step(last_extend: int) -> int:
 
 
 def merge_step(last_extend: int) -> int:
-    """The step of the Merges: after the sources they might share GPUs with are gone."""
+    """The step of the Merges: after every unit they read has been made and read."""
     return last_extend + 2
 
 
-class Lane(NamedTuple):
-    """One primitive call of a local DAG: ``deps`` are the indices of earlier lanes."""
+class StepLanes(NamedTuple):
+    """Every lane of one step of a local DAG, by columns.
+
+    The lanes are alike: as many sources, targets and memory effects each (``sources``,
+    ``targets`` and ``mem`` are theirs concatenated). ``ids`` are the lanes' numbers (ascending),
+    ``deps`` per lane the numbers of the lanes it waits for; lane ``k``'s transfers are
+    ``make_transfers(*lane_args[k])``.
+    """
 
     step: int
     op: Primitive
+    ids: Sequence[int]
     sources: tuple[Unit, ...]
     targets: tuple[Unit, ...]
-    deps: tuple[int, ...]
+    deps: Sequence[tuple[int, ...]]
     mem: tuple[MemEffect, ...]
-    transfers: TransferRecipe
+    make_transfers: Callable[..., Sequence[Transfer]]
+    lane_args: tuple[tuple[Any, ...], ...]
 
 
 class LocalNode(NamedTuple):
-    """A node of one model-stage's local DAG before it has an id: one lane, or a step's lanes
-    (alike: as many sources, targets and memory effects each) concatenated; ``deps`` are indices
-    of earlier local nodes."""
+    """A node of one model-stage's local DAG before it has an id (fields as :class:`Node`'s;
+    ``deps`` are indices of earlier local nodes)."""
 
     op: Primitive
     model_stage: str
@@ -58,34 +66,46 @@ class LocalNode(NamedTuple):
     targets: tuple[Unit, ...]
     deps: tuple[int, ...]
     mem: tuple[MemEffect, ...]
-    recipes: tuple[TransferRecipe, ...]
+    make_transfers: Callable[..., Sequence[Transfer]]
+    lane_args: tuple[tuple[Any, ...], ...]
 
 
-def group(name: str, lanes: Sequence[Lane], batch: bool) -> list[LocalNode]:
-    """The local nodes of model-stage ``name``: one per lane, or with ``batch`` one per step."""
-    if not batch:
-        return [LocalNode(x.op, name, x.sources, x.targets, x.deps, x.mem, (x.transfers,)) for x in lanes]
-    steps = sorted({x.step for x in lanes})
-    node_of_step = {step: i for i, step in enumerate(steps)}
-    by_step: dict[int, list[Lane]] = {step: [] for step in steps}
-    for x in lanes:
-        by_step[x.step].append(x)
-    out = []
-    for step in steps:
-        members = by_step[step]
-        deps = {node_of_step[lanes[d].step] for x in members for d in x.deps}
-        out.append(
+def group(name: str, steps: Sequence[StepLanes], batch: bool) -> list[LocalNode]:
+    """The local nodes of model-stage ``name``: one per lane (numbered as the lanes), or with
+    ``batch`` one per step (in step order, deps mapped from lanes to their steps)."""
+    steps = sorted((x for x in steps if x.ids), key=lambda x: x.step)
+    if batch:
+        node_of = {lane: i for i, x in enumerate(steps) for lane in x.ids}
+        return [
             LocalNode(
-                members[0].op,
+                x.op,
                 name,
-                tuple(chain.from_iterable(x.sources for x in members)),
-                tuple(chain.from_iterable(x.targets for x in members)),
-                tuple(sorted(deps)),
-                tuple(chain.from_iterable(x.mem for x in members)),
-                tuple(x.transfers for x in members),
+                x.sources,
+                x.targets,
+                tuple(sorted({node_of[d] for deps in x.deps for d in deps})),
+                x.mem,
+                x.make_transfers,
+                x.lane_args,
             )
-        )
-    return out
+            for x in steps
+        ]
+    out: list[LocalNode | None] = [None] * sum(len(x.ids) for x in steps)
+    for x in steps:
+        n = len(x.ids)
+        ns, nt, nm = len(x.sources) // n, len(x.targets) // n, len(x.mem) // n
+        for k, lane in enumerate(x.ids):
+            out[lane] = LocalNode(
+                x.op,
+                name,
+                x.sources[k * ns : k * ns + ns],
+                x.targets[k * nt : k * nt + nt],
+                x.deps[k],
+                x.mem[k * nm : k * nm + nm],
+                x.make_transfers,
+                x.lane_args[k : k + 1],
+            )
+    assert None not in out, "lane numbers must be 0, 1, ... without gaps"
+    return out  # type: ignore[return-value]
 
 
 def numbered(nodes: Sequence[LocalNode], first_id: int = 0) -> list[Node]:
@@ -100,7 +120,8 @@ def numbered(nodes: Sequence[LocalNode], first_id: int = 0) -> list[Node]:
             tuple(first_id + d for d in n.deps),
             n.mem,
             (),
-            n.recipes,
+            n.make_transfers,
+            n.lane_args,
         )
         for i, n in enumerate(nodes)
     ]

@@ -29,26 +29,27 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from itertools import chain, repeat
 from typing import NamedTuple
 
 from nereus_lightning.plan.layout import Candidate, Layout
 from nereus_lightning.spec.cluster import ClusterSpec
-from nereus_lightning.transition.dag import NO_TRANSFERS, Node, Primitive, TransferRecipe, Unit, gpu_chunks
-from nereus_lightning.transition.lanes import Lane, Step, drop_sources_step, group, merge_step, numbered
+from nereus_lightning.transition.dag import Node, Primitive, gpu_chunks, no_transfers, units_of
+from nereus_lightning.transition.lanes import Step, StepLanes, drop_sources_step, group, merge_step, numbered
 from nereus_lightning.transition.pieces import Geometry, extend_transfers
 from nereus_lightning.transition.tsub import (
+    Pattern,
     common_layout,
     merge_pattern,
     placed,
     split_pattern,
     splitter,
     sub_positions,
-    uniform_effects,
 )
 
 Gpus = tuple[int, ...]  # a unit, by its GPUs
+Tiles = tuple[tuple[int, ...], ...]  # the positions of a unit's parts in it
 
 
 def local_dag(
@@ -77,35 +78,53 @@ def local_lanes(
     current: Candidate,
     target: Candidate,
     cluster: ClusterSpec,
-) -> list[Lane]:
-    """The primitive calls of one model-stage's local DAG, in order (see the module docstring)."""
+) -> list[StepLanes]:
+    """The primitive calls of one model-stage's local DAG, by step (see the module docstring)."""
     a, b = current.layout, target.layout
     if a == b and current.gpus == target.gpus:
         return []
     s = common_layout(a, b)
     cur_units, tgt_units = gpu_chunks(current.gpus, a.size), gpu_chunks(target.gpus, b.size)
-    strided = [splitter(b, s)(v) for v in tgt_units]  # per target unit: its strided slots
-    tiling = tile_current_units(a, s, cur_units, tgt_units if b == s else list(chain.from_iterable(strided)))
-    slots = choose_target_slots(b, s, tgt_units, strided, tiling.where, set(current.gpus))
-    reuse = decide_reuse(a, s, slots, tiling)
+    pick = splitter(b, s)
+    strided = [pick(v) for v in tgt_units]  # per target unit: its strided slots (itself if b == s)
+    tiling = tile_current_units(a, s, cur_units, list(chain.from_iterable(strided)))
+    rows = choose_target_slots(b, s, tgt_units, strided, tiling.where, set(current.gpus))
+    reuse = decide_reuse(a, s, rows, tiling)
     candidates = [t for i in reuse.split_units for t in tiling.subs[i]] if reuse.missing else []
     extends = plan_extends(candidates, reuse.reused, reuse.missing, cluster.gpus_per_node)
     kept = reuse.reused.union(e.source for e in extends if e.source in tiling.where)
     splitting = [i for i in reuse.split_units if not kept.isdisjoint(tiling.subs[i])]
     mem = _UnitMemory(memory_of(a), memory_of(s), memory_of(b))
-    lanes: list[Lane] = []
     made_by: dict[Gpus, int] = {}  # T_sub unit or slot -> the lane that made it
-    if a != s:
-        _emit_splits(lanes, made_by, geo, a, s, [(cur_units[i], i) for i in splitting], tiling, kept, mem)
-    unused = set(range(len(cur_units))).difference(splitting)
-    _emit_unit_drops(lanes, a, [cur_units[i] for i in sorted(unused)], mem.a)
-    readers = _emit_extends(lanes, made_by, geo, s, extends, reuse.missing, mem.s)
+    steps = _splits(0, made_by, geo, a, s, [(cur_units[i], i) for i in splitting], tiling, kept, mem)
+    unused = [cur_units[i] for i in sorted(set(range(len(cur_units))).difference(splitting))]
+    # Current units that neither stay nor feed anything go first (release before acquire).
+    steps.append(_destroys(_lanes_after(steps, len(unused)), Step.DROP_UNITS, a, unused, None, mem.a))
+    extend_steps, readers = _extends(_next_lane(steps), made_by, geo, s, extends, reuse.missing, mem.s)
+    steps += extend_steps
     last = max((e.step for e in extends), default=Step.FIRST_EXTEND - 1)
+    # Sources that are not part of the target go after the Extends that read them (the last copy
+    # of the state is never dropped before it has been copied).
     dropped = sorted(kept - reuse.reused, key=tiling.where.__getitem__)
-    _emit_source_drops(lanes, drop_sources_step(last), s, dropped, made_by, readers, mem.s)
-    rows = zip(tgt_units, slots, strict=True)
-    _emit_merges(lanes, merge_step(last), geo, s, b, rows, made_by, readers, mem)
-    return lanes
+    deps = [((made_by[t],) if t in made_by else ()) + tuple(readers.get(t, ())) for t in dropped]
+    steps.append(
+        _destroys(_lanes_after(steps, len(dropped)), drop_sources_step(last), s, dropped, deps, mem.s)
+    )
+    steps.append(
+        _merges(_next_lane(steps), merge_step(last), geo, s, b, tgt_units, rows, made_by, readers, mem)
+    )
+    return steps
+
+
+def _next_lane(steps: list[StepLanes]) -> int:
+    """The number the next lane gets."""
+    return sum(len(x.ids) for x in steps)
+
+
+def _lanes_after(steps: list[StepLanes], count: int) -> range:
+    """The numbers of ``count`` lanes after those of ``steps``."""
+    first = _next_lane(steps)
+    return range(first, first + count)
 
 
 class _UnitMemory(NamedTuple):
@@ -117,37 +136,53 @@ class _UnitMemory(NamedTuple):
 
 
 class Tiling(NamedTuple):
-    """The T_sub units each current unit would split into (``subs``, per unit), where each lies
-    (``where``: T_sub unit -> (unit index, index among its T_sub units)), and whether the unit
-    splits at the position-wise T_sub units (``sub_positions``) rather than at target slots."""
+    """The T_sub units each current unit would split into (``subs``, per unit) and their positions
+    in it (``tiles``), and where each T_sub unit lies (``where``: T_sub unit -> (unit index, index
+    among its T_sub units))."""
 
     subs: list[Sequence[Gpus]]
+    tiles: list[Tiles]
     where: dict[Gpus, tuple[int, int]]
-    position_wise: list[bool]
 
 
 def tile_current_units(a: Layout, s: Layout, cur_units: list[Gpus], slot_list: list[Gpus]) -> Tiling:
-    """Phase 1: each current unit's T_sub units: the target's slots (``slot_list``: the target units
-    if they are T_sub units, else their strided slots) when they tile the unit exactly (then Merge
-    or nothing follows in place), else the position-wise split."""
+    """Phase 1: each current unit's T_sub units: the target's slots (``slot_list``) when they tile
+    the unit exactly (then Merge or nothing follows in place), else the position-wise split
+    (``sub_positions``)."""
+    by_position = sub_positions(a, s)
     if a == s:  # each current unit is a T_sub unit
         where = {u: (i, 0) for i, u in enumerate(cur_units)}
-        return Tiling([(u,) for u in cur_units], where, [True] * len(cur_units))
+        return Tiling([(u,) for u in cur_units], [by_position] * len(cur_units), where)
     slot_at = {g: slot for slot in slot_list for g in slot}
     pick = splitter(a, s)
     subs: list[Sequence[Gpus]] = []
+    tiles: list[Tiles] = []
     where: dict[Gpus, tuple[int, int]] = {}
-    position_wise = []
     for i, u in enumerate(cur_units):
-        by_position = pick(u)
+        picked = pick(u)
         # Slots are disjoint, so they tile ``u`` exactly iff they cover its GPUs and no more.
-        tiles = list(dict.fromkeys(slot_at.get(g, ()) for g in u))  # (): in no slot
-        if tiles != by_position and (() in tiles or sum(map(len, tiles)) != len(u)):
-            tiles = by_position
-        subs.append(tiles)
-        position_wise.append(tiles == by_position)
-        where.update((t, (i, j)) for j, t in enumerate(tiles))
-    return Tiling(subs, where, position_wise)
+        on_slots = list(dict.fromkeys(map(slot_at.get, u, repeat(()))))  # (): in no slot
+        if on_slots == picked or () in on_slots or sum(map(len, on_slots)) != len(u):
+            subs.append(picked)
+            tiles.append(by_position)
+        else:
+            subs.append(on_slots)
+            tiles.append(positions_in(u, on_slots))
+        where.update((t, (i, j)) for j, t in enumerate(subs[-1]))
+    return Tiling(subs, tiles, where)
+
+
+def positions_in(unit: Gpus, parts: Sequence[Gpus]) -> Tiles:
+    """The positions in ``unit`` of each of ``parts``' GPUs."""
+    at = {g: x for x, g in enumerate(unit)}
+    return tuple(tuple(map(at.__getitem__, t)) for t in parts)
+
+
+class Row(NamedTuple):
+    """The T_sub units one target unit is merged from (``slots``) and their positions in it (``tiles``)."""
+
+    slots: list[Gpus]
+    tiles: Tiles
 
 
 def choose_target_slots(
@@ -157,20 +192,21 @@ def choose_target_slots(
     strided: list[list[Gpus]],
     where: dict[Gpus, tuple[int, int]],
     held: set[int],
-) -> list[list[Gpus]]:
-    """Phase 2: per target unit, the T_sub units its Merge fuses: its strided slots (the unit
-    itself if it is a T_sub unit) when all exist or the unit holds none of this model-stage's
-    GPUs now, else the ones :func:`_slots_of` finds."""
-    rows = [[v] for v in tgt_units] if b == s else strided
+) -> list[Row]:
+    """Phase 2: per target unit, the T_sub units its Merge fuses: its strided slots (``strided``;
+    the unit itself if it is a T_sub unit) when all exist or the unit holds none of this
+    model-stage's GPUs now, else the ones :func:`_slots_of` finds."""
+    at_strided = sub_positions(b, s)
     sub_at: dict[int, Gpus] = {}  # the T_sub unit each current GPU would be part of (made on first need)
     out = []
-    for v, row in zip(tgt_units, rows, strict=True):
-        if held.isdisjoint(v) or all(t in where for t in row):
-            out.append(row)
+    for v, row in zip(tgt_units, strided, strict=True):
+        if held.isdisjoint(v) or all(map(where.__contains__, row)):
+            out.append(Row(row, at_strided))
             continue
         if not sub_at:
             sub_at = {g: t for t in where for g in t}
-        out.append(_slots_of(v, row, b, s, where, sub_at))
+        slots = _slots_of(v, row, b, s, where, sub_at)
+        out.append(Row(slots, at_strided if slots is row else positions_in(v, slots)))
     return out
 
 
@@ -226,10 +262,10 @@ class Reuse(NamedTuple):
     split_units: list[int]
 
 
-def decide_reuse(a: Layout, s: Layout, slots: list[list[Gpus]], tiling: Tiling) -> Reuse:
+def decide_reuse(a: Layout, s: Layout, rows: list[Row], tiling: Tiling) -> Reuse:
     """Phase 3: a slot that is a T_sub unit of a current unit is reused (that unit is split);
     if none is, just enough current units are split to have a source per missing slot."""
-    flat = list(chain.from_iterable(slots))
+    flat = list(chain.from_iterable(row.slots for row in rows))
     reused = {t for t in flat if t in tiling.where}
     missing = [t for t in flat if t not in tiling.where]
     split_units = sorted({tiling.where[t][0] for t in reused})
@@ -312,8 +348,8 @@ class _RemoteSources:
         return k
 
 
-def _emit_splits(
-    lanes: list[Lane],
+def _splits(
+    first: int,
     made_by: dict[Gpus, int],
     geo: Geometry,
     a: Layout,
@@ -322,140 +358,148 @@ def _emit_splits(
     tiling: Tiling,
     kept: set[Gpus],
     mem: _UnitMemory,
-) -> None:
+) -> list[StepLanes]:
     """Step SPLIT: each of ``units`` (GPUs, index) into its T_sub units (a full split keeps every
     GPU), each followed by the Destroys (step DROP_PIECES) of its T_sub units nothing uses."""
+    if a == s or not units:
+        return []
     net = mem.s - mem.a
+    patterns: dict[Tiles, tuple[Pattern, tuple[int, ...]]] = {}  # units mostly split alike
+    split_ids, args, effects = [], [], []
+    drop_ids, drops, drop_deps = [], [], []
+    lane = first  # the next lane's number
     for u, i in units:
-        subs = tiling.subs[i]
-        if tiling.position_wise[i]:
-            tiles = sub_positions(a, s)
-        else:
-            at = {g: x for x, g in enumerate(u)}
-            tiles = tuple(tuple(at[g] for g in t) for t in subs)
-        pattern, buf = split_pattern(geo, a, s, tiles)
-        split = len(lanes)
-        effects = tuple(zip(u, repeat(net), buf))
-        lanes.append(
-            Lane(
-                Step.SPLIT,
-                Primitive.SPLIT,
-                (Unit(a, u),),
-                tuple(Unit(s, t) for t in subs),
-                (),
-                effects,
-                TransferRecipe(placed, (u, pattern)),
-            )
-        )
-        for t in subs:
-            made_by[t] = split
+        tiles = tiling.tiles[i]
+        if tiles not in patterns:
+            patterns[tiles] = split_pattern(geo, a, s, tiles)
+        pattern, buf = patterns[tiles]
+        split, lane = lane, lane + 1
+        split_ids.append(split)
+        args.append((u, pattern))
+        effects += zip(u, repeat(net), buf)
+        made_by.update(zip(tiling.subs[i], repeat(split)))
+        for t in tiling.subs[i]:
             if t not in kept:
-                lanes.append(
-                    Lane(
-                        Step.DROP_PIECES,
-                        Primitive.DESTROY,
-                        (Unit(s, t),),
-                        (),
-                        (split,),
-                        uniform_effects(t, -mem.s),
-                        NO_TRANSFERS,
-                    )
-                )
+                drop_ids.append(lane)
+                lane += 1
+                drops.append(t)
+                drop_deps.append((split,))
+    sources = units_of(a, [u for u, _ in units])
+    targets = units_of(s, chain.from_iterable(tiling.subs[i] for _, i in units))
+    split = StepLanes(
+        Step.SPLIT,
+        Primitive.SPLIT,
+        split_ids,
+        sources,
+        targets,
+        [()] * len(units),
+        tuple(effects),
+        placed,
+        tuple(args),
+    )
+    return [split, _destroys(drop_ids, Step.DROP_PIECES, s, drops, drop_deps, mem.s)]
 
 
-def _emit_unit_drops(lanes: list[Lane], a: Layout, units: list[Gpus], mem_a: float) -> None:
-    """Step DROP_UNITS: Destroy the current units that neither stay nor feed anything (release
-    before acquire)."""
-    for u in units:
-        lanes.append(
-            Lane(
-                Step.DROP_UNITS,
-                Primitive.DESTROY,
-                (Unit(a, u),),
-                (),
-                (),
-                uniform_effects(u, -mem_a),
-                NO_TRANSFERS,
-            )
-        )
+def _destroys(
+    ids: Sequence[int],
+    step: int,
+    layout: Layout,
+    units: list[Gpus],
+    deps: Sequence[tuple[int, ...]] | None,
+    mem: float,
+) -> StepLanes:
+    """Lanes ``ids``: Destroy each of ``units`` (of ``layout``, ``mem`` bytes per GPU) after its
+    ``deps`` (None: nothing)."""
+    effects = tuple(zip(chain.from_iterable(units), repeat(-mem), repeat(0.0)))
+    return StepLanes(
+        step,
+        Primitive.DESTROY,
+        ids,
+        units_of(layout, units),
+        (),
+        [()] * len(units) if deps is None else deps,
+        effects,
+        no_transfers,
+        ((),) * len(units),
+    )
 
 
-def _emit_extends(
-    lanes: list[Lane],
+def _extends(
+    first: int,
     made_by: dict[Gpus, int],
     geo: Geometry,
     s: Layout,
     extends: list[PlannedExtend],
     slots: list[Gpus],
     mem_s: float,
-) -> dict[Gpus, list[int]]:
-    """The Extends onto ``slots``, each after whatever made its source; returns per source the
-    Extends reading it (lane indices)."""
-    first = len(lanes)
+) -> tuple[list[StepLanes], dict[Gpus, list[int]]]:
+    """The Extends onto ``slots`` (lanes from ``first``, one step per chain depth), each after
+    whatever made its source; and per source the Extends reading it (lane numbers)."""
+    deps = [
+        (first + e.made_by,)
+        if e.made_by is not None
+        else ((made_by[e.source],) if e.source in made_by else ())
+        for e in extends
+    ]
     readers: dict[Gpus, list[int]] = defaultdict(list)
-    for j, (e, slot) in enumerate(zip(extends, slots, strict=True)):
-        if e.made_by is not None:
-            deps: tuple[int, ...] = (first + e.made_by,)
-        else:
-            deps = (made_by[e.source],) if e.source in made_by else ()
+    by_step: dict[int, list[int]] = defaultdict(list)  # step -> the Extends at it
+    for j, e in enumerate(extends):
         readers[e.source].append(first + j)
-        effects = tuple(zip(slot, repeat(mem_s), repeat(0.0)))
-        recipe = TransferRecipe(extend_transfers, (geo, s, e.source, slot))
-        lanes.append(
-            Lane(e.step, Primitive.EXTEND, (Unit(s, e.source),), (Unit(s, slot),), deps, effects, recipe)
-        )
+        by_step[e.step].append(j)
     made_by.update(zip(slots, range(first, first + len(slots)), strict=True))
-    return readers
-
-
-def _emit_source_drops(
-    lanes: list[Lane],
-    step: int,
-    s: Layout,
-    dropped: list[Gpus],
-    made_by: dict[Gpus, int],
-    readers: dict[Gpus, list[int]],
-    mem_s: float,
-) -> None:
-    """Destroy the sources that are not part of the target after the Extends that read them (the
-    last copy of the state is never dropped before it has been copied)."""
-    for t in dropped:
-        deps = ((made_by[t],) if t in made_by else ()) + tuple(readers.get(t, ()))
-        lanes.append(
-            Lane(step, Primitive.DESTROY, (Unit(s, t),), (), deps, uniform_effects(t, -mem_s), NO_TRANSFERS)
+    out = []
+    for step, js in sorted(by_step.items()):
+        sources, targets = [extends[j].source for j in js], [slots[j] for j in js]
+        out.append(
+            StepLanes(
+                step,
+                Primitive.EXTEND,
+                [first + j for j in js],
+                units_of(s, sources),
+                units_of(s, targets),
+                [deps[j] for j in js],
+                tuple(zip(chain.from_iterable(targets), repeat(mem_s), repeat(0.0))),
+                extend_transfers,
+                tuple(zip(repeat(geo), repeat(s), sources, targets)),
+            )
         )
+    return out, readers
 
 
-def _emit_merges(
-    lanes: list[Lane],
+def _merges(
+    first: int,
     step: int,
     geo: Geometry,
     s: Layout,
     b: Layout,
-    rows: Iterable[tuple[Gpus, list[Gpus]]],
+    tgt_units: list[Gpus],
+    rows: list[Row],
     made_by: dict[Gpus, int],
     readers: dict[Gpus, list[int]],
     mem: _UnitMemory,
-) -> None:
-    """Merge each target unit from its slots, after what made them and every Extend reading them;
-    a T_sub target unit sitting exactly on its one slot is done already."""
+) -> StepLanes:
+    """Merge each target unit from its row of slots, after what made them and every Extend
+    reading them; a T_sub target unit sitting exactly on its one slot is done already."""
+    todo = [(v, row) for v, row in zip(tgt_units, rows, strict=True) if b != s or row.slots[0] != v]
     net = mem.b - mem.s
-    for v, row in rows:
-        if b == s and row[0] == v:
-            continue
-        at = {g: x for x, g in enumerate(v)}
-        tiles = tuple(tuple(at[g] for g in t) for t in row)
-        pattern, buf = merge_pattern(geo, s, b, tiles)
-        deps = {made_by[t] for t in row if t in made_by}.union(*(readers.get(t, ()) for t in row))
-        effects = tuple(zip(v, repeat(net), buf))
-        lanes.append(
-            Lane(
-                step,
-                Primitive.MERGE,
-                tuple(Unit(s, t) for t in row),
-                (Unit(b, v),),
-                tuple(sorted(deps)),
-                effects,
-                TransferRecipe(placed, (v, pattern)),
-            )
-        )
+    patterns: dict[Tiles, tuple[Pattern, tuple[int, ...]]] = {}  # units mostly merge alike
+    args, effects, deps = [], [], []
+    for v, (slots, tiles) in todo:
+        if tiles not in patterns:
+            patterns[tiles] = merge_pattern(geo, s, b, tiles)
+        pattern, buf = patterns[tiles]
+        args.append((v, pattern))
+        effects += zip(v, repeat(net), buf)
+        made = {made_by[t] for t in slots if t in made_by} if made_by else set()
+        deps.append(tuple(sorted(made.union(*map(readers.get, slots, repeat(()))))))
+    return StepLanes(
+        step,
+        Primitive.MERGE,
+        range(first, first + len(todo)),
+        units_of(s, chain.from_iterable(row.slots for _, row in todo)),
+        units_of(b, [v for v, _ in todo]),
+        deps,
+        tuple(effects),
+        placed,
+        tuple(args),
+    )

@@ -10,9 +10,11 @@ Three checks, written for a reader to verify, not for speed:
    the end state is the target.
 2. **Any order, GPUs**: an Extend of X onto GPU g must have, as an ancestor, every node by which a
    peer of X leaves g. Then no topological order or concurrent run can overlap them.
-3. **Adversarial concurrent replay**, memory: every ready node starts at once and releases finish
-   last (acquisitions finish first), the worst case for memory among the orders a concurrent
-   executor may take.
+3. **Memory in any order**: a GPU whose resident bytes plus the growth of every node on it (net
+   allocations and buffers, as if nothing were freed) fit is safe in every order. Unless every
+   GPU is, an **adversarial concurrent replay**: every ready node starts at once and releases
+   finish last (acquisitions finish first), the worst case for memory among the orders a
+   concurrent executor may take.
 
 ``random_orders`` adds sequential replays in random topological orders.
 """
@@ -20,11 +22,12 @@ Three checks, written for a reader to verify, not for speed:
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from nereus_lightning.plan.layout import Candidate, Layout
+from nereus_lightning.plan.layout import Candidate
 from nereus_lightning.plan.memory import memory_cap
-from nereus_lightning.transition.dag import Node, Primitive, TransitionDAG, gpu_chunks
+from nereus_lightning.transition.dag import Node, Primitive, TransitionDAG, Unit, gpu_chunks
 
 GB = 1e9
 
@@ -56,7 +59,8 @@ def validate(
         return ValidationReport(False, tuple(problems[:max_problems]), 0.0, cap)
     peak = _replay(dag, dag.nodes, problems, "")
     problems += _any_order_gpus(dag)
-    peak = max(peak, _concurrent_memory(dag, problems))
+    if not _fits_in_any_order(dag):
+        peak = max(peak, _concurrent_memory(dag, problems))
     rng = random.Random(seed)
     for k in range(random_orders):
         peak = max(peak, _replay(dag, _random_order(dag, rng), problems, f" (random order {k})"))
@@ -87,67 +91,85 @@ def _resident(dag: TransitionDAG) -> list[float]:
     return mem
 
 
-def _units(c: Candidate) -> dict[tuple[int, ...], Layout]:
-    """The units of ``c``: GPUs -> layout."""
-    return dict.fromkeys(gpu_chunks(c.gpus, c.layout.size), c.layout)
+def _units(c: Candidate) -> dict[tuple[int, ...], Unit]:
+    """The units of ``c``, by their GPUs."""
+    return {gpus: Unit(c.layout, gpus) for gpus in gpu_chunks(c.gpus, c.layout.size)}
 
 
-def _replay(
-    dag: TransitionDAG, order: tuple[Node, ...] | list[Node], problems: list[str], label: str
-) -> float:
+def _replay(dag: TransitionDAG, order: Sequence[Node], problems: list[str], label: str) -> float:
     """Check 1 in ``order``; returns the peak memory of any GPU."""
-    ctx = dag.context
-    cap = memory_cap(ctx.cluster) * (1 + 1e-9)
-    live = {name: _units(c) for name, c in ctx.current.items()}
-    # per model-stage and GPU: how many of its units hold the GPU
-    count = {name: [0] * ctx.cluster.num_gpus for name in ctx.current}
-    for name, units in live.items():
-        for gpus in units:
-            for g in gpus:
-                count[name][g] += 1
+    peak = _replay_memory(dag, order, problems, label)
+    _replay_units(dag, order, problems, label)
+    return peak
+
+
+def _replay_memory(dag: TransitionDAG, order: Sequence[Node], problems: list[str], label: str) -> float:
+    """Per-GPU memory in ``order``: resident units plus the running node's growth and buffers."""
+    cap = memory_cap(dag.context.cluster) * (1 + 1e-9)
     mem = _resident(dag)
     peak = max(mem, default=0.0)
     for n in order:
-        units, held = live[n.model_stage], count[n.model_stage]
-        missing = [u for u in n.sources if units.get(u.gpus) != u.layout]
-        if missing:
-            problems.append(f"structure{label}: {n} reads units that do not exist: {missing}")
-            return peak
         over = []
         for g, net, transient in n.mem:
-            top = mem[g] + max(net, 0.0) + transient
-            peak = max(peak, top)
+            top = mem[g] + (net if net > 0 else 0.0) + transient
+            if top > peak:
+                peak = top
             if top > cap:
                 over.append(f"GPU {g} reaches {top / GB:.1f} GB")
             mem[g] += net
         if over:
             problems.append(f"memory{label}: {', '.join(over[:2])} > cap {cap / GB:.1f} GB during {n}")
-        new = [g for u in n.targets for g in u.gpus if not held[g]]  # GPUs it did not hold before
+    return peak
+
+
+def _replay_units(dag: TransitionDAG, order: Sequence[Node], problems: list[str], label: str) -> None:
+    """The units of every model-stage in ``order``, and, for those with peers, who holds each GPU."""
+    ctx = dag.context
+    live = {name: _units(c) for name, c in ctx.current.items()}
+    # per model-stage with peers (only peers can conflict) and GPU: how many of its units hold it
+    count = {name: [0] * ctx.cluster.num_gpus for name, peers in ctx.peers.items() if peers}
+    for name, held in count.items():
+        for g in ctx.current[name].gpus:
+            held[g] += 1
+    for n in order:
+        units = live[n.model_stage]
+        missing = [u for u in n.sources if units.get(u.gpus) != u]
+        if missing:
+            problems.append(f"structure{label}: {n} reads units that do not exist: {missing}")
+            return
         if n.op is not Primitive.EXTEND:  # every other primitive consumes its sources
             for u in n.sources:
                 del units[u.gpus]
-                for g in u.gpus:
-                    held[g] -= 1
         for u in n.targets:
             if u.gpus in units:
                 problems.append(f"structure{label}: {n} creates {u} where a unit already is")
-            units[u.gpus] = u.layout
-            for g in u.gpus:
-                held[g] += 1
+            units[u.gpus] = u
         if not units:
             problems.append(f"last copy{label}: {n.model_stage} has no unit left after {n}")
-        for other in ctx.peers[n.model_stage]:
-            problems += [
-                f"gpu conflict{label}: {n} lands on GPU {g} still held by {other}"
-                for g in new
-                if count[other][g]
-            ]
+        if n.model_stage in count:
+            problems += _count_gpus(n, count, ctx.peers[n.model_stage], label)
     for name, c in ctx.target.items():
         if live[name] != _units(c):
-            problems.append(
-                f"structure{label}: {name} ends with {sorted(live[name].items())}, not the target"
-            )
-    return peak
+            problems.append(f"structure{label}: {name} ends with {sorted(live[name])}, not the target")
+
+
+def _count_gpus(n: Node, count: dict[str, list[int]], peers: tuple[str, ...], label: str) -> list[str]:
+    """Move ``n``'s model-stage's per-GPU unit counts; name each GPU it newly holds that a peer holds."""
+    held = count[n.model_stage]
+    new = [g for u in n.targets for g in u.gpus if not held[g]]  # GPUs it did not hold before
+    if n.op is not Primitive.EXTEND:
+        for u in n.sources:
+            for g in u.gpus:
+                held[g] -= 1
+    for u in n.targets:
+        for g in u.gpus:
+            held[g] += 1
+    return [
+        f"gpu conflict{label}: {n} lands on GPU {g} still held by {other}"
+        for other in peers
+        for g in new
+        if count[other][g]
+    ]
 
 
 def _ancestors(dag: TransitionDAG) -> list[int]:
@@ -164,22 +186,31 @@ def _ancestors(dag: TransitionDAG) -> list[int]:
 def _any_order_gpus(dag: TransitionDAG) -> list[str]:
     """Check 2: every Extend onto a GPU a peer leaves comes after every node by which it leaves."""
     peers = dag.context.peers
-    leaving: dict[tuple[str, int], list[int]] = {}  # (model-stage, GPU) -> the nodes by which it leaves
+    leaving: dict[str, dict[int, list[int]]] = {}  # model-stage -> GPU -> the nodes by which it leaves
     for n in dag.nodes:
-        for g in n.released_gpus:
-            leaving.setdefault((n.model_stage, g), []).append(n.id)
-    anc = _ancestors(dag)
+        if peers[n.model_stage]:
+            for g in n.released_gpus:
+                leaving.setdefault(n.model_stage, {}).setdefault(g, []).append(n.id)
+    anc = _ancestors(dag) if leaving else []
     out = []
     for n in dag.nodes:
-        for g in n.acquired_gpus:
-            for other in peers[n.model_stage]:
-                d = next((d for d in leaving.get((other, g), ()) if not anc[n.id] >> d & 1), None)
-                if d is not None:
+        theirs = [(other, leaving[other]) for other in peers[n.model_stage] if other in leaving]
+        for g in n.acquired_gpus if theirs else ():
+            for other, left in theirs:
+                late = [d for d in left.get(g, ()) if not anc[n.id] >> d & 1]
+                if late:
                     out.append(
                         f"gpu conflict: {n} may land on GPU {g} before {other} leaves it "
-                        f"(#{d} is not ordered before it)"
+                        f"(#{late[0]} is not ordered before it)"
                     )
     return out
+
+
+def _fits_in_any_order(dag: TransitionDAG) -> bool:
+    """Whether every GPU fits its resident bytes plus the growth of every node on it (what all of
+    them may add if nothing were freed): then no order, sequential or concurrent, passes the cap."""
+    cap = memory_cap(dag.context.cluster) * (1 + 1e-9)
+    return all(base + grow <= cap for base, grow in zip(_resident(dag), dag.memory_growth(), strict=True))
 
 
 def _concurrent_memory(dag: TransitionDAG, problems: list[str]) -> float:
@@ -200,7 +231,7 @@ def _concurrent_memory(dag: TransitionDAG, problems: list[str]) -> float:
     while ready or running or releases:
         for i in ready:  # start: growth and buffers now
             for g, net, transient in nodes[i].mem:
-                mem[g] += max(net, 0.0) + transient
+                mem[g] += (net if net > 0 else 0.0) + transient
                 if mem[g] > peak:
                     peak = mem[g]
                     if peak > cap and reported < 4:
@@ -212,7 +243,7 @@ def _concurrent_memory(dag: TransitionDAG, problems: list[str]) -> float:
         ready = []
         i = running.pop() if running else releases.pop()  # finish one: frees and buffers go
         for g, net, transient in nodes[i].mem:
-            mem[g] += net - transient - max(net, 0.0)
+            mem[g] += net - transient - (net if net > 0 else 0.0)
         for j in succs[i]:
             indeg[j] -= 1
             if indeg[j] == 0:
