@@ -42,7 +42,7 @@ def per_component_baseline(
 ) -> BaselineOutcome:
     """Run the local DAGs independently and report whether that is safe (see the module docstring)."""
     ctx = make_context(current, target, models, cluster, workload)
-    dag = TransitionDAG(union_of_local_dags(ctx), ctx, global_order=False)
+    dag = TransitionDAG(tuple(union_of_local_dags(ctx)), ctx, global_order=False)
     report = validate(dag)
     cycle = _blocking_deadlocks(dag)
     outcome = "wait cycle" if cycle else ("ok" if report.valid else "conflict")

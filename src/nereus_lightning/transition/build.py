@@ -94,7 +94,7 @@ def _cached_build(
     held = _held_by_peers(ctx, peer_gpus)
     batched = batchable(ctx, held)
     lanes = {name: _local_lanes(ctx, name) for name in ctx.current}
-    nodes = _union({name: group(name, calls, name in batched) for name, calls in lanes.items()})
+    nodes = _union(lanes, batched)
     growth = memory_growth(nodes, cluster.num_gpus)
     tight = _tight(ctx, growth)
     if tight:
@@ -104,9 +104,7 @@ def _cached_build(
         # A model-stage touching a GPU that may overflow needs per-replica memory ordering.
         wide = {n.model_stage for n, c in zip(nodes, careful, strict=True) if c and n.model_stage in batched}
         if wide:
-            nodes = _union(
-                {name: group(name, calls, name in batched - wide) for name, calls in lanes.items()}
-            )
+            nodes = _union(lanes, batched - wide)
     order, resource = _order_with_resource_edges(nodes, ctx, growth, tight, held)
     return TransitionDAG(_numbered_in_order(nodes, order, resource), ctx, global_order=True)
 
@@ -204,9 +202,7 @@ def union_of_local_dags(ctx: TransitionContext, batched: Collection[str] = ()) -
 
     Model-stages in ``batched`` get one node per step for all their replicas (``local_dag(batch=True)``).
     """
-    return numbered(
-        _union({name: group(name, _local_lanes(ctx, name), name in batched) for name in ctx.current})
-    )
+    return numbered(_union({name: _local_lanes(ctx, name) for name in ctx.current}, batched))
 
 
 def _local_lanes(ctx: TransitionContext, name: str) -> list[StepLanes]:
@@ -218,12 +214,12 @@ def _local_lanes(ctx: TransitionContext, name: str) -> list[StepLanes]:
     )
 
 
-def _union(parts: Mapping[str, list[LocalNode]]) -> list[LocalNode]:
-    """The local DAGs concatenated in order, each one's deps shifted to indices of the union."""
+def _union(lanes: Mapping[str, list[StepLanes]], batched: Collection[str]) -> list[LocalNode]:
+    """Every model-stage's local nodes in order (those in ``batched`` one per step), deps as
+    indices of the union."""
     out: list[LocalNode] = []
-    for part in parts.values():
-        shift = len(out)
-        out += [n._replace(deps=tuple(d + shift for d in n.deps)) if shift and n.deps else n for n in part]
+    for name, steps in lanes.items():
+        out += group(name, steps, name in batched, len(out))
     return out
 
 
@@ -338,8 +334,9 @@ class _PeerWaits:
         """The releases (mask) of the contested GPUs Extend ``n`` acquires."""
         gone = self.gone.get(n.model_stage) if n.op is Primitive.EXTEND else None
         mask = 0
-        for g in acquired_gpus(n.op, n.targets) if gone else ():
-            mask |= gone.get(g, 0)
+        if gone:
+            for g in acquired_gpus(n.op, n.targets):
+                mask |= gone.get(g, 0)
         return mask
 
     def release(self, n: LocalNode, index: int) -> None:
@@ -350,9 +347,9 @@ class _PeerWaits:
         left = released_gpus(n.op, n.sources, n.targets)
         for waiter in waiters:
             held, gone = self.holders[waiter], self.gone[waiter]
-            for g in left:
-                holders = held.get(g)
-                if holders and n.model_stage in holders:
+            for g in filter(held.__contains__, left):
+                holders = held[g]
+                if n.model_stage in holders:
                     holders.discard(n.model_stage)
                     gone[g] = gone.get(g, 0) | 1 << index
                     if not holders:
@@ -436,7 +433,7 @@ def _order_with_resource_edges(
             for d in (*n.deps, i):
                 relied &= ~(1 << d)
             if relied:
-                resource[i] = [d for d in range(relied.bit_length()) if relied >> d & 1]
+                resource[i] = _bits(relied)
             order.append(i)
             for j in succs[i]:
                 indeg[j] -= 1
@@ -448,6 +445,16 @@ def _order_with_resource_edges(
     if len(order) != len(nodes):  # pragma: no cover - a bug in the local DAGs, not bad input
         raise RuntimeError(f"transition replay ran {len(order)} of {len(nodes)} nodes")
     return order, resource
+
+
+def _bits(mask: int) -> list[int]:
+    """The set bits of ``mask``, ascending."""
+    out = []
+    while mask:
+        low = mask & -mask
+        out.append(low.bit_length() - 1)
+        mask ^= low
+    return out
 
 
 def _priorities(nodes: Sequence[LocalNode], ctx: TransitionContext) -> list[int]:

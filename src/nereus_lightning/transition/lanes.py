@@ -70,12 +70,13 @@ class LocalNode(NamedTuple):
     lane_args: tuple[tuple[Any, ...], ...]
 
 
-def group(name: str, steps: Sequence[StepLanes], batch: bool) -> list[LocalNode]:
+def group(name: str, steps: Sequence[StepLanes], batch: bool, first: int = 0) -> list[LocalNode]:
     """The local nodes of model-stage ``name``: one per lane (numbered as the lanes), or with
-    ``batch`` one per step (in step order, deps mapped from lanes to their steps)."""
+    ``batch`` one per step (in step order, deps mapped from lanes to their steps); deps count
+    from ``first`` (where the nodes will stand in a longer list)."""
     steps = sorted((x for x in steps if x.ids), key=lambda x: x.step)
     if batch:
-        node_of = {lane: i for i, x in enumerate(steps) for lane in x.ids}
+        node_of = {lane: first + i for i, x in enumerate(steps) for lane in x.ids}
         return [
             LocalNode(
                 x.op,
@@ -99,7 +100,7 @@ def group(name: str, steps: Sequence[StepLanes], batch: bool) -> list[LocalNode]
                 name,
                 x.sources[k * ns : k * ns + ns],
                 x.targets[k * nt : k * nt + nt],
-                x.deps[k],
+                tuple(first + d for d in x.deps[k]) if first else x.deps[k],
                 x.mem[k * nm : k * nm + nm],
                 x.make_transfers,
                 x.lane_args[k : k + 1],
@@ -109,7 +110,8 @@ def group(name: str, steps: Sequence[StepLanes], batch: bool) -> list[LocalNode]
 
 
 def numbered(nodes: Sequence[LocalNode], first_id: int = 0) -> list[Node]:
-    """``nodes`` as DAG nodes with ids from ``first_id`` (deps shifted alike, no resource deps)."""
+    """``nodes`` as DAG nodes with ids from ``first_id`` (their deps counted so already, see
+    :func:`group`; no resource deps)."""
     return [
         Node(
             first_id + i,
@@ -117,7 +119,7 @@ def numbered(nodes: Sequence[LocalNode], first_id: int = 0) -> list[Node]:
             n.model_stage,
             n.sources,
             n.targets,
-            tuple(first_id + d for d in n.deps),
+            n.deps,
             n.mem,
             (),
             n.make_transfers,

@@ -30,16 +30,17 @@ from __future__ import annotations
 import heapq
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from itertools import chain, repeat
+from itertools import chain, compress, repeat
 from typing import NamedTuple
 
 from nereus_lightning.plan.layout import Candidate, Layout
 from nereus_lightning.spec.cluster import ClusterSpec
-from nereus_lightning.transition.dag import Node, Primitive, gpu_chunks, no_transfers, units_of
+from nereus_lightning.transition.dag import MemEffect, Node, Primitive, gpu_chunks, no_transfers, units_of
 from nereus_lightning.transition.lanes import Step, StepLanes, drop_sources_step, group, merge_step, numbered
 from nereus_lightning.transition.pieces import Geometry, extend_transfers
 from nereus_lightning.transition.tsub import (
     Pattern,
+    all_subs,
     common_layout,
     merge_pattern,
     placed,
@@ -69,7 +70,8 @@ def local_dag(
     once (its lanes: the Splits, the Destroys of unused pieces, of unused units, the Extends of
     one chain depth, the Destroys of sources, the Merges); its deps are the union of its lanes'.
     """
-    return numbered(group(name, local_lanes(geo, memory_of, current, target, cluster), batch), first_id)
+    steps = local_lanes(geo, memory_of, current, target, cluster)
+    return numbered(group(name, steps, batch, first_id), first_id)
 
 
 def local_lanes(
@@ -84,12 +86,13 @@ def local_lanes(
     if a == b and current.gpus == target.gpus:
         return []
     s = common_layout(a, b)
+    s = a if s == a else b if s == b else s  # an equal layout as the same object: units compare fast
     cur_units, tgt_units = gpu_chunks(current.gpus, a.size), gpu_chunks(target.gpus, b.size)
     pick = splitter(b, s)
     strided = [pick(v) for v in tgt_units]  # per target unit: its strided slots (itself if b == s)
-    tiling = tile_current_units(a, s, cur_units, list(chain.from_iterable(strided)))
-    rows = choose_target_slots(b, s, tgt_units, strided, tiling.where, set(current.gpus))
-    reuse = decide_reuse(a, s, rows, tiling)
+    tiling = tile_current_units(a, s, current, list(chain.from_iterable(strided)))
+    slots = choose_target_slots(b, s, tgt_units, strided, tiling.where, set(current.gpus))
+    reuse = decide_reuse(slots, tiling)
     candidates = [t for i in reuse.split_units for t in tiling.subs[i]] if reuse.missing else []
     extends = plan_extends(candidates, reuse.reused, reuse.missing, cluster.gpus_per_node)
     kept = reuse.reused.union(e.source for e in extends if e.source in tiling.where)
@@ -111,7 +114,7 @@ def local_lanes(
         _destroys(_lanes_after(steps, len(dropped)), drop_sources_step(last), s, dropped, deps, mem.s)
     )
     steps.append(
-        _merges(_next_lane(steps), merge_step(last), geo, s, b, tgt_units, rows, made_by, readers, mem)
+        _merges(_next_lane(steps), merge_step(last), geo, s, b, tgt_units, slots, made_by, readers, mem)
     )
     return steps
 
@@ -136,40 +139,42 @@ class _UnitMemory(NamedTuple):
 
 
 class Tiling(NamedTuple):
-    """The T_sub units each current unit would split into (``subs``, per unit) and their positions
-    in it (``tiles``), and where each T_sub unit lies (``where``: T_sub unit -> (unit index, index
-    among its T_sub units))."""
+    """The ``k`` T_sub units each current unit would split into (``subs``, per unit), their
+    positions in it (``tiles``), and each T_sub unit's index in them all (``where``: T_sub unit
+    -> ``unit index * k + its index among the unit's``)."""
 
     subs: list[Sequence[Gpus]]
     tiles: list[Tiles]
-    where: dict[Gpus, tuple[int, int]]
+    where: dict[Gpus, int]
+    k: int
+
+    def unit_of(self, t: Gpus) -> int:
+        """The index of the current unit T_sub unit ``t`` is part of."""
+        return self.where[t] // self.k
 
 
-def tile_current_units(a: Layout, s: Layout, cur_units: list[Gpus], slot_list: list[Gpus]) -> Tiling:
+def tile_current_units(a: Layout, s: Layout, current: Candidate, slot_list: list[Gpus]) -> Tiling:
     """Phase 1: each current unit's T_sub units: the target's slots (``slot_list``) when they tile
     the unit exactly (then Merge or nothing follows in place), else the position-wise split
     (``sub_positions``)."""
     by_position = sub_positions(a, s)
-    if a == s:  # each current unit is a T_sub unit
-        where = {u: (i, 0) for i, u in enumerate(cur_units)}
-        return Tiling([(u,) for u in cur_units], [by_position] * len(cur_units), where)
-    slot_at = {g: slot for slot in slot_list for g in slot}
-    pick = splitter(a, s)
-    subs: list[Sequence[Gpus]] = []
-    tiles: list[Tiles] = []
-    where: dict[Gpus, tuple[int, int]] = {}
-    for i, u in enumerate(cur_units):
-        picked = pick(u)
+    k = len(by_position)
+    pieces = all_subs(a, s, len(current.gpus) // a.size)(current.gpus)  # position-wise, unit-major
+    subs: list[Sequence[Gpus]] = [pieces[i : i + k] for i in range(0, len(pieces), k)]
+    tiles = [by_position] * len(subs)
+    is_slot = set(slot_list).__contains__
+    slot_at: dict[int, Gpus] = {}  # made on first need
+    for i, u in enumerate(gpu_chunks(current.gpus, a.size)):
+        if k == 1 or all(map(is_slot, subs[i])):
+            continue  # the slots on ``u`` are its position-wise T_sub units
+        if not slot_at:
+            slot_at = {g: slot for slot in slot_list for g in slot}
         # Slots are disjoint, so they tile ``u`` exactly iff they cover its GPUs and no more.
         on_slots = list(dict.fromkeys(map(slot_at.get, u, repeat(()))))  # (): in no slot
-        if on_slots == picked or () in on_slots or sum(map(len, on_slots)) != len(u):
-            subs.append(picked)
-            tiles.append(by_position)
-        else:
-            subs.append(on_slots)
-            tiles.append(positions_in(u, on_slots))
-        where.update((t, (i, j)) for j, t in enumerate(subs[-1]))
-    return Tiling(subs, tiles, where)
+        if () not in on_slots and sum(map(len, on_slots)) == len(u):
+            subs[i], tiles[i] = on_slots, positions_in(u, on_slots)
+    where = {t: x for x, t in enumerate(chain.from_iterable(subs))}
+    return Tiling(subs, tiles, where, k)
 
 
 def positions_in(unit: Gpus, parts: Sequence[Gpus]) -> Tiles:
@@ -178,11 +183,12 @@ def positions_in(unit: Gpus, parts: Sequence[Gpus]) -> Tiles:
     return tuple(tuple(map(at.__getitem__, t)) for t in parts)
 
 
-class Row(NamedTuple):
-    """The T_sub units one target unit is merged from (``slots``) and their positions in it (``tiles``)."""
+class TargetSlots(NamedTuple):
+    """Per target unit, the T_sub units it is merged from (``rows``) and their positions in it
+    (``tiles``)."""
 
-    slots: list[Gpus]
-    tiles: Tiles
+    rows: list[list[Gpus]]
+    tiles: list[Tiles]
 
 
 def choose_target_slots(
@@ -190,24 +196,23 @@ def choose_target_slots(
     s: Layout,
     tgt_units: list[Gpus],
     strided: list[list[Gpus]],
-    where: dict[Gpus, tuple[int, int]],
+    where: dict[Gpus, int],
     held: set[int],
-) -> list[Row]:
+) -> TargetSlots:
     """Phase 2: per target unit, the T_sub units its Merge fuses: its strided slots (``strided``;
     the unit itself if it is a T_sub unit) when all exist or the unit holds none of this
     model-stage's GPUs now, else the ones :func:`_slots_of` finds."""
-    at_strided = sub_positions(b, s)
+    rows, tiles = list(strided), [sub_positions(b, s)] * len(strided)
     sub_at: dict[int, Gpus] = {}  # the T_sub unit each current GPU would be part of (made on first need)
-    out = []
-    for v, row in zip(tgt_units, strided, strict=True):
+    for i, (v, row) in enumerate(zip(tgt_units, strided, strict=True)):
         if held.isdisjoint(v) or all(map(where.__contains__, row)):
-            out.append(Row(row, at_strided))
             continue
         if not sub_at:
             sub_at = {g: t for t in where for g in t}
-        slots = _slots_of(v, row, b, s, where, sub_at)
-        out.append(Row(slots, at_strided if slots is row else positions_in(v, slots)))
-    return out
+        rows[i] = _slots_of(v, row, b, s, where, sub_at)
+        if rows[i] is not row:
+            tiles[i] = positions_in(v, rows[i])
+    return TargetSlots(rows, tiles)
 
 
 def _slots_of(
@@ -215,7 +220,7 @@ def _slots_of(
     strided: list[Gpus],
     b: Layout,
     s: Layout,
-    where: dict[Gpus, tuple[int, int]],
+    where: dict[Gpus, int],
     sub_at: dict[int, Gpus],
 ) -> list[Gpus]:
     """The T_sub units the target unit on GPUs ``v`` is merged from (``strided``: its strided slots;
@@ -262,16 +267,16 @@ class Reuse(NamedTuple):
     split_units: list[int]
 
 
-def decide_reuse(a: Layout, s: Layout, rows: list[Row], tiling: Tiling) -> Reuse:
+def decide_reuse(slots: TargetSlots, tiling: Tiling) -> Reuse:
     """Phase 3: a slot that is a T_sub unit of a current unit is reused (that unit is split);
     if none is, just enough current units are split to have a source per missing slot."""
-    flat = list(chain.from_iterable(row.slots for row in rows))
-    reused = {t for t in flat if t in tiling.where}
-    missing = [t for t in flat if t not in tiling.where]
-    split_units = sorted({tiling.where[t][0] for t in reused})
+    flat = list(chain.from_iterable(slots.rows))
+    exists = list(map(tiling.where.__contains__, flat))
+    reused = set(compress(flat, exists))
+    missing = [t for t, e in zip(flat, exists, strict=True) if not e]
+    split_units = sorted({tiling.where[t] // tiling.k for t in reused})
     if missing and not split_units:
-        k = len(sub_positions(a, s))
-        split_units = list(range(min(len(tiling.subs), -(-len(missing) // k))))
+        split_units = list(range(min(len(tiling.subs), -(-len(missing) // tiling.k))))
     return Reuse(reused, missing, split_units)
 
 
@@ -365,8 +370,12 @@ def _splits(
         return []
     net = mem.s - mem.a
     patterns: dict[Tiles, tuple[Pattern, tuple[int, ...]]] = {}  # units mostly split alike
-    split_ids, args, effects = [], [], []
-    drop_ids, drops, drop_deps = [], [], []
+    split_ids: list[int] = []
+    args: list[tuple[Gpus, Pattern]] = []
+    effects: list[MemEffect] = []
+    drop_ids: list[int] = []
+    drops: list[Gpus] = []
+    drop_deps: list[tuple[int, ...]] = []
     lane = first  # the next lane's number
     for u, i in units:
         tiles = tiling.tiles[i]
@@ -386,7 +395,7 @@ def _splits(
                 drop_deps.append((split,))
     sources = units_of(a, [u for u, _ in units])
     targets = units_of(s, chain.from_iterable(tiling.subs[i] for _, i in units))
-    split = StepLanes(
+    splits = StepLanes(
         Step.SPLIT,
         Primitive.SPLIT,
         split_ids,
@@ -397,7 +406,7 @@ def _splits(
         placed,
         tuple(args),
     )
-    return [split, _destroys(drop_ids, Step.DROP_PIECES, s, drops, drop_deps, mem.s)]
+    return [splits, _destroys(drop_ids, Step.DROP_PIECES, s, drops, drop_deps, mem.s)]
 
 
 def _destroys(
@@ -473,31 +482,34 @@ def _merges(
     s: Layout,
     b: Layout,
     tgt_units: list[Gpus],
-    rows: list[Row],
+    slots: TargetSlots,
     made_by: dict[Gpus, int],
     readers: dict[Gpus, list[int]],
     mem: _UnitMemory,
 ) -> StepLanes:
     """Merge each target unit from its row of slots, after what made them and every Extend
     reading them; a T_sub target unit sitting exactly on its one slot is done already."""
-    todo = [(v, row) for v, row in zip(tgt_units, rows, strict=True) if b != s or row.slots[0] != v]
+    rows = zip(tgt_units, slots.rows, slots.tiles, strict=True)
+    todo = [(v, row, tiles) for v, row, tiles in rows if row[0] != v] if b == s else list(rows)
     net = mem.b - mem.s
     patterns: dict[Tiles, tuple[Pattern, tuple[int, ...]]] = {}  # units mostly merge alike
-    args, effects, deps = [], [], []
-    for v, (slots, tiles) in todo:
+    args: list[tuple[Gpus, Pattern]] = []
+    effects: list[MemEffect] = []
+    deps: list[tuple[int, ...]] = []
+    for v, row, tiles in todo:
         if tiles not in patterns:
             patterns[tiles] = merge_pattern(geo, s, b, tiles)
         pattern, buf = patterns[tiles]
         args.append((v, pattern))
         effects += zip(v, repeat(net), buf)
-        made = {made_by[t] for t in slots if t in made_by} if made_by else set()
-        deps.append(tuple(sorted(made.union(*map(readers.get, slots, repeat(()))))))
+        made = {made_by[t] for t in row if t in made_by} if made_by else set()
+        deps.append(tuple(sorted(made.union(*map(readers.get, row, repeat(()))))))
     return StepLanes(
         step,
         Primitive.MERGE,
         range(first, first + len(todo)),
-        units_of(s, chain.from_iterable(row.slots for _, row in todo)),
-        units_of(b, [v for v, _ in todo]),
+        units_of(s, chain.from_iterable(row for _, row, _ in todo)),
+        units_of(b, [v for v, _, _ in todo]),
         deps,
         tuple(effects),
         placed,

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from nereus_lightning.plan.layout import Candidate
 from nereus_lightning.plan.memory import memory_cap
-from nereus_lightning.transition.dag import Node, Primitive, TransitionDAG, Unit, gpu_chunks
+from nereus_lightning.transition.dag import Node, Primitive, TransitionDAG, Unit, gpu_chunks, units_of
 
 GB = 1e9
 
@@ -93,7 +93,8 @@ def _resident(dag: TransitionDAG) -> list[float]:
 
 def _units(c: Candidate) -> dict[tuple[int, ...], Unit]:
     """The units of ``c``, by their GPUs."""
-    return {gpus: Unit(c.layout, gpus) for gpus in gpu_chunks(c.gpus, c.layout.size)}
+    gpus = gpu_chunks(c.gpus, c.layout.size)
+    return dict(zip(gpus, units_of(c.layout, gpus), strict=True))
 
 
 def _replay(dag: TransitionDAG, order: Sequence[Node], problems: list[str], label: str) -> float:
