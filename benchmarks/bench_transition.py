@@ -33,8 +33,7 @@ from typing import NamedTuple
 from nereus_lightning.plan.layout import Candidate, Layout, Plan
 from nereus_lightning.spec import CLUSTER_PRESETS, MODEL_PRESETS, Workload
 from nereus_lightning.spec.errors import InfeasiblePlanError
-from nereus_lightning.transition import build_transition, per_component_baseline, validate
-from nereus_lightning.transition.build import _build
+from nereus_lightning.transition import build_transition, clear_cache, per_component_baseline, validate
 from nereus_lightning.transition.scenarios import OVERLAP_KINDS, default_models, random_case
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -141,11 +140,11 @@ def planning_times(sizes: tuple[int, ...], repeats: int) -> list[dict[str, objec
             def build(args=args):
                 return build_transition(*args)
 
-            _build.cache_clear()
+            clear_cache()
             try:
                 dag = build()
             except InfeasiblePlanError:
-                t = _time(lambda: _swallow(build), repeats, setup=_build.cache_clear)
+                t = _time(lambda: _swallow(build), repeats, setup=clear_cache)
                 row.update(outcome="infeasible", **_fields("build", t), **_fields("total", t))
                 rows.append(row)
                 continue
@@ -155,10 +154,10 @@ def planning_times(sizes: tuple[int, ...], repeats: int) -> list[dict[str, objec
                 lanes=sum(n.width for n in dag.nodes),  # replica-level primitive calls
                 resource_edges=dag.resource_edges,
             )
-            b = _time(build, repeats, setup=_build.cache_clear)
+            b = _time(build, repeats, setup=clear_cache)
             v = _time(lambda dag=dag: validate(dag), repeats)
-            both = _time(lambda: validate(build()), repeats, setup=_build.cache_clear)
-            c = _time(lambda args=args: build_transition(*args).cost, repeats, setup=_build.cache_clear)
+            both = _time(lambda: validate(build()), repeats, setup=clear_cache)
+            c = _time(lambda args=args: build_transition(*args).cost, repeats, setup=clear_cache)
             row.update(
                 **_fields("build", b),
                 **_fields("validate", v),

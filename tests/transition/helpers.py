@@ -7,6 +7,7 @@ from dataclasses import replace
 from nereus_lightning.plan.layout import Candidate, Layout, Plan
 from nereus_lightning.spec.cluster import CLUSTER_PRESETS, ClusterSpec
 from nereus_lightning.spec.workload import Workload
+from nereus_lightning.transition import Node, TransitionDAG
 from nereus_lightning.transition.scenarios import default_models
 
 MODELS = default_models()
@@ -31,6 +32,18 @@ def with_memory(gb: float) -> ClusterSpec:
     return replace(CLUSTER, gpu_memory=gb * 1e9)
 
 
-def lanes(dag) -> list:
+def lanes(dag: TransitionDAG) -> list[Node]:
     """Every replica-level node of ``dag`` (batched nodes split into their lanes), in order."""
     return [lane for n in dag.nodes for lane in n.lanes()]
+
+
+def with_nodes(dag: TransitionDAG, *nodes: Node) -> TransitionDAG:
+    """``dag`` with other nodes (the context kept): a DAG a test has broken on purpose."""
+    return replace(dag, nodes=tuple(nodes))
+
+
+def without_resource_edges(dag: TransitionDAG) -> TransitionDAG:
+    """``dag`` with every resource edge taken out of the deps."""
+    return with_nodes(
+        dag, *(n._replace(deps=tuple(d for d in n.deps if d not in n.resource_deps)) for n in dag.nodes)
+    )

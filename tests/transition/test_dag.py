@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import pytest
@@ -11,13 +10,24 @@ from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
 from nereus_lightning.transition import (
     Primitive,
     build_transition,
+    clear_cache,
     per_component_baseline,
     schedule,
     transition_cost,
     validate,
 )
 from nereus_lightning.transition.pieces import geometry, shard_bytes
-from tests.transition.helpers import CLUSTER, MODELS, PPO, cand, lanes, plan, with_memory
+from tests.transition.helpers import (
+    CLUSTER,
+    MODELS,
+    PPO,
+    cand,
+    lanes,
+    plan,
+    with_memory,
+    with_nodes,
+    without_resource_edges,
+)
 
 
 def ops(dag) -> list[str]:
@@ -27,7 +37,7 @@ def ops(dag) -> list[str]:
 def test_unchanged_plan_needs_no_nodes() -> None:
     p = plan(actor_train=cand(2, 1, range(8)))
     dag = build_transition(p, p, MODELS, CLUSTER, PPO)
-    assert dag.nodes == [] and dag.cost == 0.0 and validate(dag).valid
+    assert dag.nodes == () and dag.cost == 0.0 and validate(dag).valid
 
 
 def test_dp_doubling_is_extend_only_and_rank_aligned() -> None:
@@ -76,7 +86,7 @@ def test_moving_the_only_copy_extends_before_destroying() -> None:
     tgt = plan(critic_train=cand(2, 1, (8, 9)))
     dag = build_transition(cur, tgt, MODELS, CLUSTER, PPO)
     assert ops(dag) == ["extend", "destroy"]
-    assert dag.nodes[1].deps == [0]
+    assert dag.nodes[1].deps == (0,)
     assert validate(dag).valid
 
 
@@ -137,12 +147,26 @@ def test_bad_plans_are_rejected_with_the_field() -> None:
         build_transition(big, big, MODELS, CLUSTER, PPO)
 
 
-def test_plans_are_cached_per_pair() -> None:
+def test_plans_are_cached_per_pair_until_the_cache_is_cleared() -> None:
     cur = plan(actor_train=cand(2, 1, range(0, 4)))
     tgt = plan(actor_train=cand(2, 1, range(0, 8)))
-    assert build_transition(cur, tgt, MODELS, CLUSTER, PPO) is build_transition(
-        cur, tgt, dict(MODELS), CLUSTER, PPO
-    )
+    first = build_transition(cur, tgt, MODELS, CLUSTER, PPO)
+    assert build_transition(cur, tgt, dict(MODELS), CLUSTER, PPO) is first
+    clear_cache()
+    again = build_transition(cur, tgt, MODELS, CLUSTER, PPO)
+    assert again is not first and again.nodes == first.nodes
+
+
+def test_a_built_dag_is_immutable() -> None:
+    cur = plan(critic_train=cand(2, 1, (0, 1)))
+    tgt = plan(critic_train=cand(2, 1, (8, 9)))
+    dag = build_transition(cur, tgt, MODELS, CLUSTER, PPO)
+    node = dag.nodes[1]
+    with pytest.raises(AttributeError):
+        node.id = 5  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        dag.nodes = ()  # type: ignore[misc]
+    assert isinstance(dag.nodes, tuple) and isinstance(node.deps, tuple) and isinstance(node.mem, tuple)
 
 
 def test_cost_of_one_intra_node_extend() -> None:
@@ -173,9 +197,7 @@ def test_validation_catches_a_missing_resource_edge() -> None:
     cur = plan(ref_infer=cand(1, 1, (0,)), critic_infer=cand(1, 1, (1,)))
     tgt = plan(ref_infer=cand(1, 1, (1,)), critic_infer=cand(1, 1, (2,)))
     dag = build_transition(cur, tgt, MODELS, CLUSTER, PPO)
-    broken = copy.deepcopy(dag)
-    for n in broken.nodes:
-        n.deps = [d for d in n.deps if d not in n.resource_deps]
+    broken = without_resource_edges(dag)
     report = validate(broken)
     assert not report.valid and "gpu conflict" in report.kinds()
 
@@ -183,11 +205,12 @@ def test_validation_catches_a_missing_resource_edge() -> None:
 def test_validation_catches_destroying_the_last_copy_first() -> None:
     cur = plan(critic_train=cand(2, 1, (0, 1)))
     tgt = plan(critic_train=cand(2, 1, (8, 9)))
-    dag = copy.deepcopy(build_transition(cur, tgt, MODELS, CLUSTER, PPO))
-    extend, destroy = dag.nodes
-    destroy.deps, destroy.id, extend.id = [], 0, 1
-    extend.deps = []
-    dag.nodes = [destroy, extend]
+    extend, destroy = build_transition(cur, tgt, MODELS, CLUSTER, PPO).nodes
+    dag = with_nodes(
+        build_transition(cur, tgt, MODELS, CLUSTER, PPO),
+        destroy._replace(id=0, deps=()),
+        extend._replace(id=1),
+    )
     report = validate(dag)
     assert not report.valid and {"last copy", "structure"} <= report.kinds()
 
@@ -195,11 +218,34 @@ def test_validation_catches_destroying_the_last_copy_first() -> None:
 def test_validation_catches_memory_overflow() -> None:
     cur = plan(actor_gen=cand(1, 1, (0, 1)), actor_train=cand(2, 1, (2, 3)))
     tgt = plan(actor_gen=cand(1, 1, (4, 5)), actor_train=cand(2, 1, (0, 1)))
-    dag = copy.deepcopy(build_transition(cur, tgt, MODELS, with_memory(85), PPO))
+    dag = build_transition(cur, tgt, MODELS, with_memory(85), PPO)
     assert validate(dag).valid
     # 20 GB more already resident on GPUs 0-1: the 64 GB of training state landing there overflows.
     base = dag.context.current_memory
     extra = tuple(m + (20e9 if g in (0, 1) else 0.0) for g, m in enumerate(base))
-    dag.context = dataclasses.replace(dag.context, current_memory=extra)
-    report = validate(dag)
+    report = validate(
+        dataclasses.replace(dag, context=dataclasses.replace(dag.context, current_memory=extra))
+    )
     assert not report.valid and report.kinds() & {"memory", "memory (concurrent)"}
+
+
+def test_validation_sees_memory_effects_changed_after_build() -> None:
+    cur = plan(actor_gen=cand(1, 1, (0, 1)), actor_train=cand(2, 1, (2, 3)))
+    tgt = plan(actor_gen=cand(1, 1, (4, 5)), actor_train=cand(2, 1, (0, 1)))
+    dag = build_transition(cur, tgt, MODELS, with_memory(85), PPO)
+    assert validate(dag).valid
+    grower = next(n for n in dag.nodes if n.op is Primitive.EXTEND and n.model_stage == "actor_train")
+    heavier = grower._replace(mem=tuple((g, net + 100e9, transient) for g, net, transient in grower.mem))
+    report = validate(with_nodes(dag, *(heavier if n is grower else n for n in dag.nodes)))
+    assert not report.valid and report.kinds() >= {"memory", "memory (concurrent)"}
+
+
+def test_validation_names_a_unit_made_twice_or_where_one_is() -> None:
+    cur = plan(actor_train=cand(2, 1, range(4)), critic_train=cand(2, 1, range(8, 12)))
+    tgt = plan(actor_train=cand(2, 1, range(8)), critic_train=cand(2, 1, range(8, 12)))
+    dag = build_transition(cur, tgt, MODELS, CLUSTER, PPO)
+    grower = next(n for n in dag.nodes if n.op is Primitive.EXTEND)
+    for targets in (grower.targets * 2, grower.sources[:1]):
+        broken = with_nodes(dag, *(n._replace(targets=targets) if n is grower else n for n in dag.nodes))
+        report = validate(broken)
+        assert not report.valid and "where a unit already is" in report.problems[0]

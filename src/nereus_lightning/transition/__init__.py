@@ -3,6 +3,7 @@
 Pure Python (the brain). The body's executor runs :class:`TransitionDAG` nodes one-to-one::
 
     dag = build_transition(current, target, models, cluster, workload)  # InfeasiblePlanError: why
+                                    # (immutable, cached: ``clear_cache()`` forgets them)
     report = validate(dag)          # replay: peers never share a GPU, memory under cap, last copy kept
     seconds = dag.cost              # L_tran = transition_cost(dag, cluster)
     for node in dag.nodes:          # topological order; node.deps are earlier ids
@@ -21,7 +22,7 @@ gets one batched node per step of its local DAG for all its replicas.
 
 from nereus_lightning.plan.units import common_layout
 from nereus_lightning.transition.baseline import BaselineOutcome, per_component_baseline
-from nereus_lightning.transition.build import build_transition
+from nereus_lightning.transition.build import build_transition, clear_cache
 from nereus_lightning.transition.cost import Schedule, schedule, transition_cost
 from nereus_lightning.transition.dag import MemEffect, Node, Primitive, TransitionDAG, Unit
 from nereus_lightning.transition.pieces import Piece, Transfer, piece_bytes
@@ -39,6 +40,7 @@ __all__ = [
     "Unit",
     "ValidationReport",
     "build_transition",
+    "clear_cache",
     "common_layout",
     "per_component_baseline",
     "piece_bytes",

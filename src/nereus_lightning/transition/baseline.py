@@ -42,7 +42,7 @@ def per_component_baseline(
 ) -> BaselineOutcome:
     """Run the local DAGs independently and report whether that is safe (see the module docstring)."""
     ctx = make_context(current, target, models, cluster, workload)
-    dag = TransitionDAG(union_of_local_dags(ctx), ctx, global_order=False)
+    dag = TransitionDAG(tuple(union_of_local_dags(ctx)), ctx, global_order=False)
     report = validate(dag)
     cycle = _blocking_deadlocks(dag)
     outcome = "wait cycle" if cycle else ("ok" if report.valid else "conflict")
@@ -72,9 +72,7 @@ def _blocking_deadlocks(dag: TransitionDAG) -> bool:
             while pos[name] < len(q):
                 n = q[pos[name]]
                 if n.op is Primitive.EXTEND and any(
-                    c and o in peers[name]
-                    for g in n.acquired_gpus
-                    for o, c in held[g].items()
+                    c and o in peers[name] for g in n.acquired_gpus for o, c in held[g].items()
                 ):
                     break
                 if any(mem[g] + max(net, 0.0) + tr > cap * (1 + 1e-9) for g, net, tr in n.mem):

@@ -20,34 +20,41 @@ dependencies), so the edges keep the graph acyclic. If nothing can run while acq
 blocked, no releasing Destroy exists: :class:`InfeasiblePlanError` names the stuck acquisitions.
 An acquisition that cannot fit on a tight GPU even after every other node there has freed all it
 frees is reported before the replay (no order could admit it; the replay would end stuck on it).
+
+The replay works on the local nodes (``lanes.LocalNode``, by their index in the union); the DAG's
+nodes are made once, numbered in the replay's order. Built DAGs are immutable and cached
+(:func:`clear_cache` empties the cache).
 """
 
 from __future__ import annotations
 
 import heapq
-from collections import defaultdict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
-from functools import lru_cache, reduce
-from itertools import chain, compress, repeat
-from operator import add, gt, itemgetter, or_
+from functools import lru_cache
 
 from nereus_lightning.plan.layout import Layout, Plan
 from nereus_lightning.plan.memory import boundary_state_bytes, memory_cap
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
 from nereus_lightning.spec.model import ModelSpec
-from nereus_lightning.spec.workload import ModelStage, Workload
-from nereus_lightning.transition.dag import Node, Primitive, TransitionContext, TransitionDAG, memory_growth
-from nereus_lightning.transition.lanes import LocalLanes
+from nereus_lightning.spec.workload import Workload
+from nereus_lightning.transition.dag import (
+    Node,
+    Primitive,
+    TransitionContext,
+    TransitionDAG,
+    acquired_gpus,
+    memory_growth,
+    released_gpus,
+)
+from nereus_lightning.transition.lanes import LocalNode, StepLanes, group, numbered
 from nereus_lightning.transition.local import local_lanes
 from nereus_lightning.transition.pieces import geometry
 from nereus_lightning.transition.tsub import common_layout
 
 _OP_RANK = {Primitive.DESTROY: 0, Primitive.MERGE: 1, Primitive.SPLIT: 2, Primitive.EXTEND: 3}
 GB = 1e9
-_FIRST = itemgetter(0)  # a memory effect's GPU
-_GPUS = itemgetter(1)  # a Unit's GPUs
 
 
 def build_transition(
@@ -67,40 +74,39 @@ def build_transition(
         InfeasiblePlanError: no safe order exists (the message names the stuck acquisition),
             or a plan does not fit in GPU memory.
     """
-    return _build(current, target, tuple(sorted(models.items())), cluster, workload)
+    return _cached_build(current, target, tuple(sorted(models.items())), cluster, workload)
+
+
+def clear_cache() -> None:
+    """Forget the DAGs :func:`build_transition` has cached."""
+    _cached_build.cache_clear()
 
 
 @lru_cache(maxsize=128)
-def _build(
+def _cached_build(
     current: Plan,
     target: Plan,
     models: tuple[tuple[str, ModelSpec], ...],
     cluster: ClusterSpec,
     workload: Workload,
 ) -> TransitionDAG:
-    ctx, now = _context(current, target, dict(models), cluster, workload)
-    peers_now = _held_by_peers(ctx, now)
-    batched = batchable(ctx, peers_now)
-    lanes = {name: _local(ctx, name) for name in ctx.current}
-    parts = {name: calls.nodes(name in batched) for name, calls in lanes.items()}
-    nodes = _numbered(parts)
+    ctx, peer_gpus = _context(current, target, dict(models), cluster, workload)
+    held = _held_by_peers(ctx, peer_gpus)
+    batched = batchable(ctx, held)
+    lanes = {name: _local_lanes(ctx, name) for name in ctx.current}
+    nodes = _union(lanes, batched)
     growth = memory_growth(nodes, cluster.num_gpus)
     tight = _tight(ctx, growth)
     if tight:
-        careful = [not tight.isdisjoint(map(_FIRST, n.mem)) for n in nodes]
-        # Per lane the same memory effects as per replica: no need to rebuild to find these.
-        base = ctx.current_memory or resident_memory(ctx.current, ctx)
-        _never_fits(nodes, careful, tight, base, memory_cap(cluster))
-        # A model-stage touching a GPU that may overflow needs per-replica memory ordering:
-        # rebuild it per replica (the growth per GPU is the same either way).
+        careful = [not tight.isdisjoint(g for g, _, _ in n.mem) for n in nodes]
+        # Per lane the same memory effects as per replica: no need to regroup to find these.
+        _never_fits(nodes, careful, tight, ctx.current_memory, memory_cap(cluster))
+        # A model-stage touching a GPU that may overflow needs per-replica memory ordering.
         wide = {n.model_stage for n, c in zip(nodes, careful, strict=True) if c and n.model_stage in batched}
         if wide:
-            parts.update({name: lanes[name].nodes(False) for name in wide})
-            nodes = _numbered(parts)
-    order = _order_with_resource_edges(nodes, ctx, growth, tight, peers_now)
-    dag = TransitionDAG(order, ctx, global_order=True)
-    dag._growth = ((cluster.num_gpus, *(n.mem for n in order)), growth)  # validate reuses it
-    return dag
+            nodes = _union(lanes, batched - wide)
+    order, resource = _order_with_resource_edges(nodes, ctx, growth, tight, held)
+    return TransitionDAG(_numbered_in_order(nodes, order, resource), ctx, global_order=True)
 
 
 def make_context(
@@ -135,16 +141,11 @@ def _context(
                 f"models: no ModelSpec for role {role!r} (needed by {name}); pass models[{role!r}]"
             )
     unit_memory: dict[tuple[str, Layout], float] = {}
-    known: dict[tuple[str, bool, Layout], float] = {}  # model-stages of one role share their layouts
-    goal = dict(target.items())
     for name, cand in current.items():
         ms = stages[name]
-        a, b = cand.layout, goal[name].layout
+        a, b = cand.layout, target[name].layout
         for layout in (a, b, common_layout(a, b)):
-            key = (ms.model, ms.trains, layout)
-            if key not in known:
-                known[key] = boundary_state_bytes(models[ms.model], ms.trains, layout)
-            unit_memory[(name, layout)] = known[key]
+            unit_memory[(name, layout)] = boundary_state_bytes(models[ms.model], ms.trains, layout)
     ctx = TransitionContext(current, target, stages, dict(models), cluster, workload, unit_memory)
     resident = _check_plan("current", current, ctx)
     _check_plan("target", target, ctx, per_gpu=False)
@@ -189,9 +190,8 @@ def _check_plan(label: str, plan: Plan, ctx: TransitionContext, per_gpu: bool = 
 
 def _peer_gpus(ctx: TransitionContext) -> dict[str, set[int]]:
     """Per model-stage with peers, the GPUs its peers hold under the current plan."""
-    gpus = {name: c.gpus for name, c in ctx.current.items()}
     return {
-        name: set(chain.from_iterable(map(gpus.__getitem__, peers)))
+        name: {g for other in peers for g in ctx.current[other].gpus}
         for name, peers in ctx.peers.items()
         if peers
     }
@@ -202,42 +202,38 @@ def union_of_local_dags(ctx: TransitionContext, batched: Collection[str] = ()) -
 
     Model-stages in ``batched`` get one node per step for all their replicas (``local_dag(batch=True)``).
     """
-    return _numbered({name: _local(ctx, name).nodes(name in batched) for name in ctx.current})
+    return numbered(_union({name: _local_lanes(ctx, name) for name in ctx.current}, batched))
 
 
-def _local(ctx: TransitionContext, name: str) -> LocalLanes:
+def _local_lanes(ctx: TransitionContext, name: str) -> list[StepLanes]:
     """The primitive calls of model-stage ``name``'s local DAG."""
     ms = ctx.stages[name]
     geo = geometry(ctx.models[ms.model], ms.trains)
-    memory_of = lambda layout: ctx.memory_of(name, layout)  # noqa: E731
-    return local_lanes(name, geo, memory_of, ctx.current[name], ctx.target[name], ctx.cluster)
+    return local_lanes(
+        geo, lambda layout: ctx.memory_of(name, layout), ctx.current[name], ctx.target[name], ctx.cluster
+    )
 
 
-def _numbered(parts: Mapping[str, list[Node]]) -> list[Node]:
-    """The local DAGs (each numbered contiguously) concatenated in order, ids and deps shifted in place."""
-    nodes: list[Node] = []
-    for part in parts.values():
-        shift = len(nodes) - part[0].id if part else 0  # a part numbered before keeps its ids apart
-        if shift:
-            for n in part:
-                n.id += shift
-                if n.deps:
-                    n.deps = [d + shift for d in n.deps]
-        nodes += part
-    return nodes
+def _union(lanes: Mapping[str, list[StepLanes]], batched: Collection[str]) -> list[LocalNode]:
+    """Every model-stage's local nodes in order (those in ``batched`` one per step), deps as
+    indices of the union."""
+    out: list[LocalNode] = []
+    for name, steps in lanes.items():
+        out += group(name, steps, name in batched, len(out))
+    return out
 
 
-def batchable(ctx: TransitionContext, peers_now: Mapping[str, set[int]] | None = None) -> set[str]:
+def batchable(ctx: TransitionContext, held: Mapping[str, set[int]] | None = None) -> set[str]:
     """Model-stages whose acquisitions no peer can block: their target GPUs hold no unit of a
     peer now (peers only move onto their own target GPUs, disjoint from theirs).
 
-    Their nodes never wait in the global order (unless memory is tight, see ``_build``), so one
-    node per step for all replicas orders exactly as well as one per replica, and the releases
-    other model-stages wait for still always come. ``peers_now`` is ``_held_by_peers(ctx)`` if known.
+    Their nodes never wait in the global order (unless memory is tight, see ``_cached_build``), so
+    one node per step for all replicas orders exactly as well as one per replica, and the releases
+    other model-stages wait for still always come. ``held`` is ``_held_by_peers(ctx)`` if known.
     """
-    if peers_now is None:
-        peers_now = _held_by_peers(ctx)
-    return {name for name in ctx.current if name not in peers_now}
+    if held is None:
+        held = _held_by_peers(ctx)
+    return {name for name in ctx.current if name not in held}
 
 
 def _held_by_peers(ctx: TransitionContext, now: Mapping[str, set[int]] | None = None) -> dict[str, set[int]]:
@@ -247,31 +243,19 @@ def _held_by_peers(ctx: TransitionContext, now: Mapping[str, set[int]] | None = 
     """
     if now is None:
         now = _peer_gpus(ctx)
-    target = dict(ctx.target.items())
-    return {name: held for name, held in now.items() if not held.isdisjoint(target[name].gpus)}
+    return {name: held for name, held in now.items() if not held.isdisjoint(ctx.target[name].gpus)}
 
 
 def _tight(ctx: TransitionContext, growth: list[float]) -> set[int]:
     """GPUs whose resident state plus every node's growth there may pass the memory cap."""
     cap = memory_cap(ctx.cluster)
-    base = ctx.current_memory or resident_memory(ctx.current, ctx)
-    if max(map(add, base, growth), default=0.0) <= cap:
-        return set()
-    return set(compress(range(len(growth)), map(gt, map(add, base, growth), repeat(cap))))
-
-
-def _ids(mask: int) -> list[int]:
-    """The set bits of ``mask``, ascending (one step per set bit)."""
-    out = []
-    while mask:
-        low = mask & -mask
-        out.append(low.bit_length() - 1)
-        mask ^= low
-    return out
+    return {
+        g for g, (base, grow) in enumerate(zip(ctx.current_memory, growth, strict=True)) if base + grow > cap
+    }
 
 
 def _never_fits(
-    nodes: list[Node], careful: list[bool], tight: set[int], base: Sequence[float], cap: float
+    nodes: Sequence[LocalNode], careful: list[bool], tight: set[int], base: Sequence[float], cap: float
 ) -> None:
     """Raise at once if an acquisition cannot fit even after every other node on its GPU freed
     all it ever frees (the replay would block it forever and stop with it stuck).
@@ -279,39 +263,30 @@ def _never_fits(
     A node on GPU g needs ``base + grown + grow - freed`` there; ``grown >= 0`` and ``freed`` is at
     most what the other nodes free on g, so this bound failing means no order can admit it.
     """
-    # Per GPU as lists: indexing one is cheaper than hashing a GPU id into a set or dict.
-    is_tight = [False] * len(base)
-    for g in tight:
-        is_tight[g] = True
-    frees = [0.0] * len(base)
-    grows: list[tuple[Node, int, float, float]] = []  # (node, gpu, growth, own free) on tight GPUs
-    for n in compress(nodes, careful):
-        for g, net, transient in n.mem:
-            if is_tight[g]:
-                if net < 0:
-                    free, grow = transient - net, transient
-                else:
-                    free, grow = transient, net + transient
-                if free > 0:
+    frees = dict.fromkeys(tight, 0.0)
+    grows: list[tuple[int, int, float, float]] = []  # (node index, gpu, growth, own free) on tight GPUs
+    for i, n in enumerate(nodes):
+        if careful[i]:
+            for g, net, transient in n.mem:
+                if g in tight:
+                    grow, free = max(net, 0.0) + transient, max(-net, 0.0) + transient
                     frees[g] += free
-                if grow > 0:
-                    grows.append((n, g, grow, free))
-    stuck: dict[tuple[int, tuple[int, ...]], tuple[Node, int, float]] = {}  # per (node, unit)
-    unit_at: dict[int, tuple[int, ...]] = {}  # the unit holding each GPU of the last stuck node
-    last: Node | None = None
-    for n, g, grow, own in grows:
+                    if grow > 0:
+                        grows.append((i, g, grow, free))
+    stuck: dict[tuple[int, tuple[int, ...]], tuple[int, int, float]] = {}  # per (node, unit): the first
+    unit_at: dict[int, tuple[int, ...]] = {}  # per GPU of the last stuck node: its unit there
+    last = -1
+    for i, g, grow, own in grows:
         need = base[g] + grow - (frees[g] - own)
         if need > cap:
-            if n is not last:  # a batched node: tell its lanes apart by their units
-                last, unit_at = n, {}
-                for u in n.targets or n.sources:
-                    unit_at.update(dict.fromkeys(u.gpus, u.gpus))
-            stuck.setdefault((id(n), unit_at.get(g, (g,))), (n, g, need))
+            if i != last:  # a batched node: tell its lanes apart by their units
+                last, unit_at = i, {x: u.gpus for u in nodes[i].targets or nodes[i].sources for x in u.gpus}
+            stuck.setdefault((i, unit_at.get(g, (g,))), (i, g, need))
     if stuck:
         lines = "; ".join(
-            f"{n.op.value} of {n.model_stage} onto {list(unit)}: GPU {g} "
+            f"{nodes[i].op.value} of {nodes[i].model_stage} onto {list(unit)}: GPU {g} "
             f"would need {need / GB:.1f} GB > cap {cap / GB:.1f} GB"
-            for (_, unit), (n, g, need) in list(stuck.items())[:4]
+            for (_, unit), (i, g, need) in list(stuck.items())[:4]
         )
         raise InfeasiblePlanError(
             f"no safe transition order: {len(stuck)} acquisition(s) cannot fit in memory even after every "
@@ -320,179 +295,213 @@ def _never_fits(
         )
 
 
-def _order_with_resource_edges(
-    nodes: list[Node],
-    ctx: TransitionContext,
-    growth: list[float] | None = None,
-    tight: set[int] | None = None,
-    peers_now: Mapping[str, set[int]] | None = None,
-) -> list[Node]:
-    """Replay ``nodes`` in priority order, adding resource edges; return them renumbered.
+class _PeerWaits:
+    """Per model-stage whose target holds GPUs its peers hold now (*contested* GPUs): the peers
+    still holding each, and per contested GPU the releases of it so far (bit i: node i).
 
-    ``growth`` is ``memory_growth(nodes, num_gpus)``, ``tight`` its ``_tight`` GPUs and
-    ``peers_now`` is ``_held_by_peers(ctx)`` when the caller has them already.
-    """
-    stages: Mapping[str, ModelStage] = ctx.stages
-    current = dict(ctx.current.items())
-    peers = ctx.peers
-    if peers_now is None:
-        peers_now = _held_by_peers(ctx)
-    target = dict(ctx.target.items())
-    # Per model-stage whose Extends may wait: the GPUs of its target that its peers hold now.
-    # Only these *contested* GPUs can block an acquisition or give it a resource edge. Extend
-    # acquires GPUs of its own target only and peers are disjoint in the target, so a peer holds
-    # such a GPU until it releases it, once: per contested GPU the peers still holding it (more
-    # than one only where those peers are colocated now) and the releases (bit i: node i) so far.
-    wait: dict[str, dict[int, set[str]]] = {}
-    gone_of: dict[str, dict[int, int]] = {}
-    watchers: dict[str, list[str]] = defaultdict(list)  # per peer holding a contested GPU: who waits
-    for name, others in peers_now.items():
-        contested = others.intersection(target[name].gpus)
-        wait[name], gone_of[name] = {}, {}
-        for other in peers[name]:
-            theirs = contested.intersection(current[other].gpus)
-            if theirs:
-                watchers[other].append(name)
-                for g in theirs:
-                    wait[name].setdefault(g, set()).add(other)
-    cap = memory_cap(ctx.cluster)
-    n_gpus = ctx.cluster.num_gpus
-    base = ctx.current_memory or resident_memory(ctx.current, ctx)
-    if growth is None:
-        growth = memory_growth(nodes, n_gpus)
-    if tight is None:
-        tight = _tight(ctx, growth)
-    # Nodes that touch a tight GPU: only they need memory bookkeeping.
-    careful = [not tight.isdisjoint(map(_FIRST, n.mem)) for n in nodes] if tight else [False] * len(nodes)
+    Extend acquires GPUs of its own target only and peers are disjoint in the target, so a peer
+    holds such a GPU until it releases it, once (more than one peer holds it only where those
+    peers are colocated now)."""
 
-    grown: dict[int, float] = defaultdict(float)
-    freed: dict[int, float] = defaultdict(float)
-    # Executed nodes that freed memory per tight GPU, as a bit mask (bit i: node i).
-    freers: dict[int, int] = defaultdict(int)
-    succs: list[list[int]] = [[] for _ in nodes]
-    indeg = [0] * len(nodes)
-    for n in nodes:
-        if n.deps:
-            indeg[n.id] = len(n.deps)
-            for d in n.deps:
-                succs[d].append(n.id)
-    # Priority (op rank, stage index, plan position, id) packed into one int: cheaper to compare.
-    size, n_ms = len(nodes), len(current)
-    rank = {name: stages[name].stage_index * n_ms + i for i, name in enumerate(current)}
-    n_ranks = max(rank.values(), default=0) + 1
-    keys = [(_OP_RANK[n.op] * n_ranks + rank[n.model_stage]) * size + n.id for n in nodes]
-    heap = [keys[i] for i, d in enumerate(indeg) if d == 0]
-    heapq.heapify(heap)
-    extend, destroy, split = Primitive.EXTEND, Primitive.DESTROY, Primitive.SPLIT
+    def __init__(self, ctx: TransitionContext, held: Mapping[str, set[int]]) -> None:
+        self.ctx = ctx
+        self.holders: dict[str, dict[int, set[str]]] = {}  # waiter -> contested GPU -> peers on it
+        self.gone: dict[str, dict[int, int]] = {}  # waiter -> contested GPU -> its releases (mask)
+        self.watchers: dict[str, list[str]] = {}  # peer -> the model-stages waiting for its GPUs
+        for name, others in held.items():
+            contested = others.intersection(ctx.target[name].gpus)
+            self.holders[name], self.gone[name] = {}, {}
+            for other in ctx.peers[name]:
+                theirs = contested.intersection(ctx.current[other].gpus)
+                if theirs:
+                    self.watchers.setdefault(other, []).append(name)
+                    for g in theirs:
+                        self.holders[name].setdefault(g, set()).add(other)
 
-    def blocked_by_peer(ms: str, gpus: tuple[int, ...]) -> str:
-        held = wait[ms]
-        for other in peers[ms]:  # the first peer (plan order) holding one, at its first such GPU
+    def blocked(self, n: LocalNode) -> str | None:
+        """Why Extend ``n`` must wait (a peer still holds one of its GPUs), or None."""
+        held = self.holders.get(n.model_stage) if n.op is Primitive.EXTEND else None
+        if not held:
+            return None
+        gpus = acquired_gpus(n.op, n.targets)
+        for other in self.ctx.peers[n.model_stage]:  # the first peer (plan order) holding one
             g = next((g for g in gpus if other in held.get(g, ())), None)
             if g is not None:
-                return f"GPU {g} is still held by {other} (same {stages[other].stage} stage)"
-        raise AssertionError("a held GPU without a holder")  # pragma: no cover
-
-    def blocked_by_memory(n: Node) -> str | None:
-        for g, net, transient in n.mem:
-            if g not in tight:
-                continue
-            grow = (net if net > 0 else 0.0) + transient
-            if grow > 0 and base[g] + grown[g] + grow - freed[g] > cap:
-                need = base[g] + grown[g] + grow - freed[g]
-                return f"GPU {g} would need {need / GB:.1f} GB > cap {cap / GB:.1f} GB"
+                return f"GPU {g} is still held by {other} (same {self.ctx.stages[other].stage} stage)"
         return None
 
-    order: list[Node] = []
-    stuck: list[tuple[Node, str]] = []
-    while True:
-        progressed = False
+    def relied_on(self, n: LocalNode) -> int:
+        """The releases (mask) of the contested GPUs Extend ``n`` acquires."""
+        gone = self.gone.get(n.model_stage) if n.op is Primitive.EXTEND else None
+        mask = 0
+        if gone:
+            for g in acquired_gpus(n.op, n.targets):
+                mask |= gone.get(g, 0)
+        return mask
+
+    def release(self, n: LocalNode, index: int) -> None:
+        """Note the contested GPUs node ``index`` (a Destroy or Split) leaves."""
+        waiters = self.watchers.get(n.model_stage)
+        if not waiters:
+            return
+        left = released_gpus(n.op, n.sources, n.targets)
+        for waiter in waiters:
+            held, gone = self.holders[waiter], self.gone[waiter]
+            for g in filter(held.__contains__, left):
+                holders = held[g]
+                if n.model_stage in holders:
+                    holders.discard(n.model_stage)
+                    gone[g] = gone.get(g, 0) | 1 << index
+                    if not holders:
+                        del held[g]
+
+
+class _MemoryBook:
+    """Memory on the tight GPUs as the replay admits nodes: resident bytes, growth of every node
+    admitted so far, what they freed, and which nodes freed (bit i: node i)."""
+
+    def __init__(self, base: Sequence[float], tight: set[int], cap: float) -> None:
+        self.base, self.tight, self.cap = base, tight, cap
+        self.grown = dict.fromkeys(tight, 0.0)
+        self.freed = dict.fromkeys(tight, 0.0)
+        self.freers = dict.fromkeys(tight, 0)
+
+    def blocked(self, n: LocalNode) -> str | None:
+        """Why ``n`` must wait (it would pass the cap on a tight GPU), or None."""
+        for g, net, transient in n.mem:
+            if g in self.tight:
+                grow = max(net, 0.0) + transient
+                need = self.base[g] + self.grown[g] + grow - self.freed[g]
+                if grow > 0 and need > self.cap:
+                    return f"GPU {g} would need {need / GB:.1f} GB > cap {self.cap / GB:.1f} GB"
+        return None
+
+    def admit(self, n: LocalNode, index: int) -> int:
+        """Count node ``index``'s growth and frees; returns the freeing nodes its growth relied on (mask)."""
+        relied = 0
+        for g, net, transient in n.mem:
+            if g in self.tight:
+                grow, free = max(net, 0.0) + transient, max(-net, 0.0) + transient
+                if grow > 0:
+                    relied |= self.freers[g]
+                self.grown[g] += grow
+                if free > 0:
+                    self.freed[g] += free
+                    self.freers[g] |= 1 << index
+        return relied
+
+
+def _order_with_resource_edges(
+    nodes: Sequence[LocalNode],
+    ctx: TransitionContext,
+    growth: list[float],
+    tight: set[int],
+    held: Mapping[str, set[int]],
+) -> tuple[list[int], dict[int, list[int]]]:
+    """Replay ``nodes`` in priority order (see the module docstring): the order (node indices) and
+    each node's resource deps (indices; ``growth`` and ``tight`` from :func:`_tight`, ``held``
+    from :func:`_held_by_peers`)."""
+    peers = _PeerWaits(ctx, held)
+    memory = _MemoryBook(ctx.current_memory, tight, memory_cap(ctx.cluster))
+    careful = [bool(tight) and not tight.isdisjoint(g for g, _, _ in n.mem) for n in nodes]
+    succs: list[list[int]] = [[] for _ in nodes]
+    indeg = [len(n.deps) for n in nodes]
+    for i, n in enumerate(nodes):
+        for d in n.deps:
+            succs[d].append(i)
+    keys = _priorities(nodes, ctx)
+    size = len(nodes)
+    order: list[int] = []
+    resource: dict[int, list[int]] = {}
+    ready = [i for i, d in enumerate(indeg) if d == 0]
+    while ready:  # one pass runs all it can; the acquisitions stuck in it retry if it ran anything
+        heap = [keys[i] for i in ready]
+        heapq.heapify(heap)
+        ran, stuck = len(order), []
         while heap:
-            nid = heapq.heappop(heap) % size
-            n = nodes[nid]
-            ms = n.model_stage
-            why = None
-            peer_checked = n.op is extend and ms in wait
-            if peer_checked:
-                gpus = n.acquired_gpus
-                if not wait[ms].keys().isdisjoint(gpus):
-                    why = blocked_by_peer(ms, gpus)
-            if why is None and careful[nid]:
-                why = blocked_by_memory(n)
+            i = heapq.heappop(heap) % size
+            n = nodes[i]
+            why = peers.blocked(n) or (memory.blocked(n) if careful[i] else None)
             if why:
-                stuck.append((n, why))
+                stuck.append((i, why))
                 continue
-            extra = 0  # the releases this node relied on, as a bit mask
-            if peer_checked:
-                gone = gone_of[ms]
-                if gone:
-                    relied = gone.keys() & gpus
-                    if relied:
-                        extra = reduce(or_, set(map(gone.__getitem__, relied)))
-            elif ms in watchers and (n.op is destroy or n.op is split):
-                # The contested GPUs a Destroy releases, or a Split does not keep.
-                left = set(chain.from_iterable(map(_GPUS, n.sources)))
-                if n.op is split:
-                    left.difference_update(chain.from_iterable(map(_GPUS, n.targets)))
-                for waiter in watchers[ms]:
-                    held, gone = wait[waiter], gone_of[waiter]
-                    for g in left.intersection(held):
-                        holders = held[g]
-                        if ms in holders:
-                            holders.discard(ms)
-                            gone[g] = gone.get(g, 0) | 1 << nid
-                            if not holders:
-                                del held[g]
-            if careful[nid]:
-                for g, net, transient in n.mem:
-                    if g not in tight:
-                        continue
-                    grow = (net if net > 0 else 0.0) + transient
-                    if grow > 0:
-                        extra |= freers[g]
-                    grown[g] += grow
-                    free = (-net if net < 0 else 0.0) + transient
-                    if free > 0:
-                        freed[g] += free
-                        freers[g] |= 1 << nid
-            if extra:
-                for d in n.deps:
-                    extra &= ~(1 << d)
-                extra &= ~(1 << nid)
-                n.resource_deps = _ids(extra)
-            order.append(n)
-            progressed = True
-            for s in succs[nid]:
-                indeg[s] -= 1
-                if indeg[s] == 0:
-                    heapq.heappush(heap, keys[s])
-        if not stuck:
-            break
-        if not progressed:
-            lines = "; ".join(
-                f"{n.op.value} of {n.model_stage} onto {list((n.targets or n.sources)[0].gpus)}: {why}"
-                for n, why in stuck[:4]
-            )
-            raise InfeasiblePlanError(
-                f"no safe transition order: {len(stuck)} acquisition(s) blocked and no release can run; "
-                f"stuck: {lines}. Choose a target that leaves these GPUs free or frees memory first"
-            )
-        for n, _ in stuck:
-            heapq.heappush(heap, keys[n.id])
-        stuck = []
+            relied = peers.relied_on(n)
+            if n.op is Primitive.DESTROY or n.op is Primitive.SPLIT:
+                peers.release(n, i)
+            if careful[i]:
+                relied |= memory.admit(n, i)
+            for d in (*n.deps, i):
+                relied &= ~(1 << d)
+            if relied:
+                resource[i] = _bits(relied)
+            order.append(i)
+            for j in succs[i]:
+                indeg[j] -= 1
+                if indeg[j] == 0:
+                    heapq.heappush(heap, keys[j])
+        if stuck and len(order) == ran:
+            _raise_stuck(nodes, stuck)
+        ready = [i for i, _ in stuck]
     if len(order) != len(nodes):  # pragma: no cover - a bug in the local DAGs, not bad input
         raise RuntimeError(f"transition replay ran {len(order)} of {len(nodes)} nodes")
-    renumber = [0] * len(order)
-    for i, n in enumerate(order):
-        renumber[n.id] = i
-    at = renumber.__getitem__
-    for i, n in enumerate(order):
-        n.id = i
-        if n.resource_deps:
-            n.resource_deps = sorted(map(at, n.resource_deps))
-            n.deps = sorted(set(map(at, n.deps)).union(n.resource_deps))
-        else:
-            n.resource_deps = []
-            if n.deps:
-                n.deps = sorted(set(map(at, n.deps)))
-    return order
+    return order, resource
+
+
+def _bits(mask: int) -> list[int]:
+    """The set bits of ``mask``, ascending."""
+    out = []
+    while mask:
+        low = mask & -mask
+        out.append(low.bit_length() - 1)
+        mask ^= low
+    return out
+
+
+def _priorities(nodes: Sequence[LocalNode], ctx: TransitionContext) -> list[int]:
+    """Per node its replay priority (op rank, stage, plan position, index) packed into one int,
+    plus the index: ``key % len(nodes)`` is the node."""
+    n_ms, size = len(ctx.current.items()), len(nodes)
+    rank = {name: ctx.stages[name].stage_index * n_ms + i for i, name in enumerate(ctx.current)}
+    n_ranks = max(rank.values(), default=0) + 1
+    return [(_OP_RANK[n.op] * n_ranks + rank[n.model_stage]) * size + i for i, n in enumerate(nodes)]
+
+
+def _raise_stuck(nodes: Sequence[LocalNode], stuck: list[tuple[int, str]]) -> None:
+    """No release can run and these acquisitions are blocked: say which and why."""
+    lines = "; ".join(
+        f"{n.op.value} of {n.model_stage} onto {list((n.targets or n.sources)[0].gpus)}: {why}"
+        for n, why in ((nodes[i], why) for i, why in stuck[:4])
+    )
+    raise InfeasiblePlanError(
+        f"no safe transition order: {len(stuck)} acquisition(s) blocked and no release can run; "
+        f"stuck: {lines}. Choose a target that leaves these GPUs free or frees memory first"
+    )
+
+
+def _numbered_in_order(
+    nodes: Sequence[LocalNode], order: list[int], resource: Mapping[int, list[int]]
+) -> tuple[Node, ...]:
+    """The DAG's nodes: ``nodes`` in ``order``, numbered by position, deps (local and resource) mapped."""
+    position = [0] * len(nodes)
+    for new, i in enumerate(order):
+        position[i] = new
+    out = []
+    for new, i in enumerate(order):
+        n = nodes[i]
+        extra = sorted(position[d] for d in resource.get(i, ()))
+        deps = tuple(sorted({position[d] for d in n.deps}.union(extra)))
+        out.append(
+            Node(
+                new,
+                n.op,
+                n.model_stage,
+                n.sources,
+                n.targets,
+                deps,
+                n.mem,
+                tuple(extra),
+                n.make_transfers,
+                n.lane_args,
+            )
+        )
+    return tuple(out)

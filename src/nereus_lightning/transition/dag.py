@@ -12,12 +12,12 @@ it sends; they price the node (``transition.cost``) and the executor checks its 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from functools import cached_property
-from itertools import chain, islice
+from itertools import chain, repeat
 from operator import itemgetter
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 from nereus_lightning.plan.layout import Layout, Plan
 from nereus_lightning.plan.overlap import transition_peers
@@ -35,6 +35,12 @@ if TYPE_CHECKING:
 _GPUS = itemgetter(1)  # a Unit's gpus
 
 
+def units_of(layout: Layout, gpus: Iterable[tuple[int, ...]]) -> tuple[Unit, ...]:
+    """A unit of ``layout`` on each of ``gpus`` (made as plain tuples: the checked constructor is a
+    Python call per unit, and planners make thousands)."""
+    return tuple(map(tuple.__new__, repeat(Unit), zip(repeat(layout), gpus)))
+
+
 _T = TypeVar("_T")
 
 
@@ -49,125 +55,75 @@ def gpu_chunks(gpus: Sequence[_T], size: int) -> list[tuple[_T, ...]]:
 MemEffect = tuple[int, float, float]
 
 
-# A node's (or a lane's) transfers, or a zero-argument function making them when first read.
-Transfers = Sequence[Transfer] | Callable[[], Sequence[Transfer]]
+def no_transfers() -> tuple[Transfer, ...]:
+    """A Destroy's transfers: none."""
+    return ()
 
 
-class LaneRuns:
-    """The lanes of a batched node, ``(sources, targets, mem entries, transfers)`` each, kept as
-    runs of alike lanes (``runs``: ``(lanes, sources, targets, mem entries)``) and per lane its
-    transfers (or their function), given as a list or as a function making it: a node of many
-    lanes costs a few entries until they are read."""
-
-    __slots__ = ("runs", "_parts", "_width")
-
-    def __init__(
-        self,
-        runs: list[tuple[int, int, int, int]],
-        parts: Sequence[Transfers] | Callable[[], Sequence[Transfers]],
-    ) -> None:
-        self.runs = runs
-        self._parts = parts
-        self._width = sum(run[0] for run in runs)
-
-    def __len__(self) -> int:
-        return self._width
-
-    def __iter__(self) -> Iterator[tuple[int, int, int, Transfers]]:
-        parts = self._parts
-        if callable(parts):
-            parts = self._parts = parts()
-        it = iter(parts)
-        for count, ns, nt, nm in self.runs:
-            for transfers in islice(it, count):
-                yield ns, nt, nm, transfers
+def acquired_gpus(op: Primitive, targets: tuple[Unit, ...]) -> tuple[int, ...]:
+    """GPUs a call of ``op`` creating ``targets`` newly places state on: Extend's targets."""
+    if op is not Primitive.EXTEND:
+        return ()
+    return tuple(g for u in targets for g in u.gpus)
 
 
-class Node:
-    """One primitive call on one model-stage (treat as read-only once built).
+def released_gpus(op: Primitive, sources: tuple[Unit, ...], targets: tuple[Unit, ...]) -> tuple[int, ...]:
+    """GPUs a call of ``op`` leaves: Destroy's, and those of Split's source that no target keeps."""
+    if op is Primitive.DESTROY:
+        return tuple(g for u in sources for g in u.gpus)
+    if op is Primitive.SPLIT:
+        keep = {g for t in targets for g in t.gpus}
+        return tuple(g for u in sources for g in u.gpus if g not in keep)
+    return ()
 
-    ``transfers`` may be given as a zero-argument function (Extend builds its list only when
-    something reads it: the replay and validation need only ``mem``).
+
+class Node(NamedTuple):
+    """One primitive call on one model-stage, or (batched) one per lane; immutable.
+
+    A batched node's lanes are alike (the same number of sources, targets and memory effects
+    each): ``sources``, ``targets`` and ``mem`` are theirs concatenated. ``deps`` are earlier
+    node ids, ``resource_deps`` those of them the global order added. Lane ``k``'s transfers are
+    ``make_transfers(*lane_args[k])``, made when read: the build and the validation read only
+    memory effects (an Extend's list is for the cost model and the executor).
     """
 
-    __slots__ = (
-        "id",
-        "op",
-        "model_stage",
-        "sources",
-        "targets",
-        "_transfers",
-        "deps",
-        "mem",
-        "resource_deps",
-        "_lanes",
-    )
-
-    def __init__(
-        self,
-        id: int,
-        op: Primitive,
-        model_stage: str,
-        sources: tuple[Unit, ...],
-        targets: tuple[Unit, ...],
-        transfers: Transfers,
-        deps: list[int] | None = None,
-        mem: tuple[MemEffect, ...] = (),
-        resource_deps: list[int] | None = None,
-        lanes: LaneRuns | tuple[tuple[int, int, int, Transfers], ...] | None = None,
-    ) -> None:
-        self.id = id
-        self.op = op
-        self.model_stage = model_stage
-        self.sources = sources
-        self.targets = targets
-        self._transfers = transfers if callable(transfers) else tuple(transfers)
-        self.deps: list[int] = deps if deps is not None else []
-        self.mem = mem
-        self.resource_deps: list[int] = (
-            resource_deps if resource_deps is not None else []
-        )  # added by the global order
-        # Per lane of a batched node: (sources, targets, mem entries, transfers or their function).
-        self._lanes = lanes if lanes is not None and len(lanes) > 1 else None
+    id: int
+    op: Primitive
+    model_stage: str
+    sources: tuple[Unit, ...]
+    targets: tuple[Unit, ...]
+    deps: tuple[int, ...]
+    mem: tuple[MemEffect, ...]
+    resource_deps: tuple[int, ...]
+    make_transfers: Callable[..., Sequence[Transfer]]
+    lane_args: tuple[tuple[Any, ...], ...]
 
     @property
     def width(self) -> int:
         """How many independent replicas (lanes) this node carries (1: an ordinary node)."""
-        return len(self._lanes) if self._lanes is not None else 1
+        return len(self.lane_args)
 
-    def lanes(self) -> list[Node]:
-        """One ordinary node per lane (same id, op, model-stage and deps; ``[self]`` if width 1)."""
-        if self._lanes is None:
-            return [self]
-        out = []
-        i = j = k = 0
-        for ns, nt, nm, transfers in self._lanes:
-            out.append(
-                Node(
-                    self.id,
-                    self.op,
-                    self.model_stage,
-                    self.sources[i : i + ns],
-                    self.targets[j : j + nt],
-                    transfers,
-                    self.deps,
-                    self.mem[k : k + nm],
-                    self.resource_deps,
-                )
+    def lanes(self) -> tuple[Node, ...]:
+        """One ordinary node per lane (same id, op, model-stage and deps; ``(self,)`` if width 1)."""
+        width = len(self.lane_args)
+        if width == 1:
+            return (self,)
+        ns, nt, nm = len(self.sources) // width, len(self.targets) // width, len(self.mem) // width
+        return tuple(
+            self._replace(
+                sources=self.sources[k * ns : (k + 1) * ns],
+                targets=self.targets[k * nt : (k + 1) * nt],
+                mem=self.mem[k * nm : (k + 1) * nm],
+                lane_args=(args,),
             )
-            i, j, k = i + ns, j + nt, k + nm
-        return out
+            for k, args in enumerate(self.lane_args)
+        )
 
     @property
     def transfers(self) -> tuple[Transfer, ...]:
         """Every point-to-point copy this node makes (``src_gpu == dst_gpu``: a local copy)."""
-        t = self._transfers
-        if callable(t):
-            t = self._transfers = tuple(t())
-        return t
-
-    def __repr__(self) -> str:
-        return f"Node({self})"
+        make = self.make_transfers
+        return tuple(chain.from_iterable(make(*args) for args in self.lane_args))
 
     @property
     def bytes(self) -> int:
@@ -177,39 +133,23 @@ class Node:
     @property
     def acquired_gpus(self) -> tuple[int, ...]:
         """GPUs this node newly places state of its model-stage on (Extend's targets)."""
-        if self.op is not Primitive.EXTEND:
-            return ()
-        return (
-            self.targets[0].gpus
-            if len(self.targets) == 1
-            else tuple(chain.from_iterable(map(_GPUS, self.targets)))
-        )
+        return acquired_gpus(self.op, self.targets)
 
     @property
     def released_gpus(self) -> tuple[int, ...]:
         """GPUs whose unit of this model-stage the node drops (Destroy; Split's GPUs it does not keep)."""
-        if self.op is Primitive.DESTROY:
-            return (
-                self.sources[0].gpus
-                if len(self.sources) == 1
-                else tuple(chain.from_iterable(map(_GPUS, self.sources)))
-            )
-        if self.op is Primitive.SPLIT:
-            keep = {g for t in self.targets for g in t.gpus}
-            return tuple(g for u in self.sources for g in u.gpus if g not in keep)
-        return ()
+        return released_gpus(self.op, self.sources, self.targets)
 
     @property
     def gpus(self) -> tuple[int, ...]:
         """Every GPU the node touches."""
-        seen: dict[int, None] = {}
-        for u in self.sources + self.targets:
-            for g in u.gpus:
-                seen[g] = None
-        return tuple(seen)
+        return tuple(dict.fromkeys(g for u in self.sources + self.targets for g in u.gpus))
+
+    def __repr__(self) -> str:
+        return f"Node({self})"
 
     def __str__(self) -> str:
-        if self._lanes is not None:  # a batched node: its size, not every unit
+        if self.width > 1:  # a batched node: its size, not every unit
             return (
                 f"#{self.id} {self.op.value}({self.model_stage}: {self.width} lanes, "
                 f"{len(self.sources)} -> {len(self.targets)} units; {self.bytes / 1e9:.3g} GB)"
@@ -219,7 +159,14 @@ class Node:
         return f"#{self.id} {self.op.value}({self.model_stage}: {src} -> {dst}; {self.bytes / 1e9:.3g} GB)"
 
 
-def memory_growth(nodes: list[Node], num_gpus: int) -> list[float]:
+class HasMemory(Protocol):
+    """Anything with memory effects (a node, or a local node before it has an id)."""
+
+    @property
+    def mem(self) -> tuple[MemEffect, ...]: ...
+
+
+def memory_growth(nodes: Iterable[HasMemory], num_gpus: int) -> list[float]:
     """Per GPU: the bytes all ``nodes`` together may add there if nothing were ever freed
     (positive net allocations plus transfer buffers); resident bytes plus this bound any order."""
     grow = [0.0] * num_gpus
@@ -256,34 +203,24 @@ class TransitionContext:
         return transition_peers(self.current, self.target, {n: ms.stage for n, ms in self.stages.items()})
 
 
-@dataclass(eq=False)
+@dataclass(frozen=True, eq=False)
 class TransitionDAG:
-    """Nodes in a topological order (``nodes[i].id == i``; every dep is an earlier id)."""
+    """Nodes in a topological order (``nodes[i].id == i``; every dep is an earlier id); immutable."""
 
-    nodes: list[Node]
+    nodes: tuple[Node, ...]
     context: TransitionContext
     global_order: bool = True  # False for the per-component baseline (no resource edges)
-    _cost: float | None = field(default=None, repr=False)
-    # memory_growth of ``nodes``, keyed by the ``mem`` tuples it was computed from (compared by
-    # identity first, so a hit costs one pointer comparison per node).
-    _growth: tuple[tuple[object, ...], list[float]] | None = field(default=None, repr=False)
 
     def memory_growth(self) -> list[float]:
-        """:func:`memory_growth` of the nodes (cached while no node's ``mem`` changes)."""
-        n_gpus = self.context.cluster.num_gpus
-        key = (n_gpus, *(n.mem for n in self.nodes))
-        if self._growth is None or self._growth[0] != key:
-            self._growth = (key, memory_growth(self.nodes, n_gpus))
-        return self._growth[1]
+        """:func:`memory_growth` of the nodes."""
+        return memory_growth(self.nodes, self.context.cluster.num_gpus)
 
-    @property
+    @cached_property
     def cost(self) -> float:
-        """``L_tran`` in seconds on the context's cluster (cached)."""
-        if self._cost is None:
-            from nereus_lightning.transition.cost import transition_cost
+        """``L_tran`` in seconds on the context's cluster."""
+        from nereus_lightning.transition.cost import transition_cost
 
-            self._cost = transition_cost(self, self.context.cluster)
-        return self._cost
+        return transition_cost(self, self.context.cluster)
 
     @property
     def total_bytes(self) -> int:
