@@ -114,25 +114,17 @@ def with_slots(plan, micro_batch: int | None, recompute: bool | None):  # noqa: 
     })
 
 
-class KeepPlan:
-    """A controller that keeps one plan all run (the pool never changes here), so a sweep runs its plan."""
+def keep_plan(plan):  # noqa: ANN001, ANN201
+    """A controller that keeps ``plan`` all run (the pool never changes here), so a sweep runs its plan."""
+    from nereus_lightning.control import PlanFollower
 
-    def __init__(self, plan) -> None:  # noqa: ANN001
-        self.plan, self.started = plan, False
+    class KeepPlan(PlanFollower):
+        reason = "given plan"
 
-    def step(self, signals):  # noqa: ANN001, ANN201
-        from nereus_lightning.control.decision import Decision
+        def target(self, signals):  # noqa: ANN001, ANN202
+            return plan
 
-        if self.started:
-            return Decision(signals.step, "none")
-        self.started = True
-        return Decision(signals.step, "initial", reason="given plan", target=self.plan, signals=signals)
-
-    def state_dict(self) -> dict:
-        return {"plan": self.plan}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.plan = state["plan"]
+    return KeepPlan()
 
 
 def run_nereus(folder: Path, steps: int, new_tokens: int, out: Path, plan) -> dict:  # noqa: ANN001
@@ -167,7 +159,7 @@ def run_nereus(folder: Path, steps: int, new_tokens: int, out: Path, plan) -> di
         precision="bf16-mixed",
         max_steps=steps,
         strategy=NereusStrategy(plan=plan, cluster="h200x8", export_hf=False),
-        callbacks=[NereusCallback(controller=KeepPlan(plan))],
+        callbacks=[NereusCallback(controller=keep_plan(plan))],
         logger=pl.loggers.CSVLogger(out, name="nereus"),
         log_every_n_steps=1,
         enable_checkpointing=False,

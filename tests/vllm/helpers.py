@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from nereus_lightning.control import PlanFollower
 from nereus_lightning.lightning import GRPOModule
 from nereus_lightning.plan.layout import Candidate, Layout, Plan
 from nereus_lightning.spec.workload import workflow
@@ -47,34 +48,18 @@ def plan_2ranks(gen_tp: int, gen_ranks: tuple[int, ...] = (0, 1)) -> Plan:
     return Plan.of(out)
 
 
-class ScriptedPlans:
+class ScriptedPlans(PlanFollower):
     """A controller that runs ``plans[step]`` (the last one holds): a test hook that forces layouts."""
 
+    reason = "scripted"
+
     def __init__(self, plans: list[Plan]) -> None:
+        super().__init__()
         self.plans = plans
-        self.plan: Plan | None = None
 
-    def step(self, signals: Any) -> Any:
-        """The scripted plan of ``signals.step``: initial, a transition when it changes, else none."""
-        from nereus_lightning.control.decision import Decision
-
-        target = self.plans[min(signals.step, len(self.plans) - 1)]
-        if target == self.plan:
-            return Decision(signals.step, "none")
-        kind = "initial" if self.plan is None else "transition"
-        decision = Decision(
-            signals.step, kind, reason="scripted", current=self.plan, target=target, signals=signals
-        )
-        self.plan = target
-        return decision
-
-    def state_dict(self) -> dict[str, Any]:
-        """The current plan."""
-        return {"plan": self.plan}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the current plan."""
-        self.plan = state.get("plan")
+    def target(self, signals: Any) -> Plan:
+        """The scripted plan of ``signals.step``."""
+        return self.plans[min(signals.step, len(self.plans) - 1)]
 
 
 def engine_matches_training(module: Any, strategy: Any) -> dict[str, Any] | None:

@@ -5,7 +5,7 @@ Python).
 from nereus_lightning.control.backend import PlannerBackend, PlanningBackend
 from nereus_lightning.control.controller import Controller, ControllerConfig
 from nereus_lightning.control.decision import Decision, DecisionLog, describe_plan, plan_to_json
-from nereus_lightning.control.follower import PlanController, PoolFollower, data_parallel_plan
+from nereus_lightning.control.follower import PlanController, PlanFollower, PoolFollower, data_parallel_plan
 from nereus_lightning.control.forecast import LengthForecast
 from nereus_lightning.control.resources import (
     DeviceInventoryError,
@@ -50,6 +50,7 @@ __all__ = [
     "PlanController",
     "PlannerBackend",
     "PlanningBackend",
+    "PlanFollower",
     "PoolFollower",
     "PoolTrigger",
     "ResourceProvider",

@@ -48,21 +48,27 @@ def data_parallel_plan(algorithm: str, gpus: Sequence[int], micro_batch: int = F
     )
 
 
-class PoolFollower:
-    """The fallback controller without a planner: every model-stage data-parallel over the pool."""
+class PlanFollower:
+    """A controller that runs :meth:`target`'s plan of each step: the initial decision, a transition
+    when it changes, none otherwise. Subclasses say which plan (and why, in :attr:`reason`)."""
 
-    def __init__(self, algorithm: str) -> None:
-        self.algorithm = algorithm
+    reason = ""
+
+    def __init__(self) -> None:
         self.plan: Plan | None = None
 
+    def target(self, signals: StepSignals) -> Plan:
+        """The plan to run after ``signals.step``."""
+        raise NotImplementedError
+
     def step(self, signals: StepSignals) -> Decision:
-        """A new all-DP plan when the pool changed, else nothing."""
-        target = data_parallel_plan(self.algorithm, signals.gpus)
+        """The decision for the boundary after ``signals.step``."""
+        target = self.target(signals)
         if self.plan is not None and target == self.plan:
             return Decision(signals.step, "none")
         kind = "initial" if self.plan is None else "transition"
         decision = Decision(
-            signals.step, kind, reason="pool changed", current=self.plan, target=target, signals=signals
+            signals.step, kind, reason=self.reason, current=self.plan, target=target, signals=signals
         )
         self.plan = target
         return decision
@@ -74,3 +80,17 @@ class PoolFollower:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the current plan."""
         self.plan = state.get("plan")
+
+
+class PoolFollower(PlanFollower):
+    """The fallback controller without a planner: every model-stage data-parallel over the pool."""
+
+    reason = "pool changed"
+
+    def __init__(self, algorithm: str) -> None:
+        super().__init__()
+        self.algorithm = algorithm
+
+    def target(self, signals: StepSignals) -> Plan:
+        """Every model-stage data-parallel over this step's pool."""
+        return data_parallel_plan(self.algorithm, signals.gpus)
