@@ -79,7 +79,7 @@ def _tp_rank_sets(plan: Plan) -> list[tuple[int, ...]]:
     for name in plan:
         for unit in _units_of(plan, name):
             tp = unit.layout.tp
-            out += [unit.ranks[p * tp : (p + 1) * tp] for p in range(unit.layout.pp)]
+            out += [unit.gpus[p * tp : (p + 1) * tp] for p in range(unit.layout.pp)]
     return out
 
 
@@ -91,8 +91,8 @@ def _dag_rank_sets(dag: Any) -> list[tuple[int, ...]]:
     out: list[tuple[int, ...]] = []
     for op in (op for node in dag.nodes for op in ops_of(node)):  # a batched node: one op per lane
         if isinstance(op, emu.Extend):
-            for i, sender in enumerate(op.source.ranks):
-                out.append((sender, *(u.ranks[i] for u in op.targets)))
+            for i, sender in enumerate(op.source.gpus):
+                out.append((sender, *(u.gpus[i] for u in op.targets)))
         elif isinstance(op, (emu.Split, emu.Merge)):
             name = op.model_stage
             out.append(emu.reshard_plan(op, reg.schema(name), reg.trains[name]).ranks())
@@ -190,7 +190,7 @@ class EMUStates:
             # Every rank still has the full model here, so each replica cuts its own shards (no traffic).
             for unit in _units_of(plan, name):
                 emu.create_unit(
-                    name, model.config, model, cand.layout, unit.ranks, trains=ms.trains, colocate_with=others
+                    name, model.config, model, cand.layout, unit.gpus, trains=ms.trains, colocate_with=others
                 )
         if self.resume_from is not None:
             from nereus_lightning.emu.checkpoint import load_state
@@ -389,7 +389,7 @@ class EMUStates:
             )
         if self._vllm_stale:
             schema = unit.schema
-            tp_rank = unit.unit.ranks.index(unit.rank)  # PP 1: the position is the TP rank
+            tp_rank = unit.unit.gpus.index(unit.rank)  # PP 1: the position is the TP rank
             engine.load(
                 unit.params, schema.shape_of, schema.placements, tp_rank, unit.counters.policy_version
             )

@@ -77,11 +77,6 @@ class Unit(_UnitFields):
         require(len(set(gpus)) == len(gpus), "unit.gpus", f"GPUs repeat in {gpus}")
         return super().__new__(cls, layout, gpus)
 
-    @property
-    def ranks(self) -> tuple[int, ...]:
-        """``gpus`` under its former body name (``lightning.emu_state`` still reads it)."""
-        return self.gpus
-
     def position(self, gpu: int) -> Position:
         """The (pp_rank, tp_rank) of ``gpu`` in this unit."""
         require(gpu in self.gpus, "rank", f"GPU {gpu} is not in unit {self}")
