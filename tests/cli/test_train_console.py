@@ -3,42 +3,28 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
+from tests.helpers import nereus_train
+
 MOVE = re.compile(r"^step (\d+) transition \[.*?\]: (.+?); .*took ([\d.e+-]+) s, moved ")
 LAYOUT_CHANGE = re.compile(r"\w+ \(\d+,\d+,\d+\)->\(\d+,\d+,\d+\)")
-
-
-def _nereus_train(tmp_path: Path, *overrides: str) -> str:
-    """Run ``nereus-train`` as a user does (stdout and stderr together, not a terminal)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg", "COLUMNS": "200"}
-    done = subprocess.run(
-        [sys.executable, "-m", "nereus_lightning.cli.train", f"hydra.run.dir={tmp_path}", *overrides],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout[-3000:]
-    return done.stdout
 
 
 @pytest.mark.distributed
 def test_embedded_default_console_shows_each_transition_once_and_cleanly(tmp_path):
     # The embedded default with its pool change early (a rank goes at step 2, comes back at 5); the
     # preset's memory, since 8 steps are too few for the "auto" memory to leave a 3-GPU plan.
-    out = _nereus_train(
-        tmp_path, "trainer.max_steps=8", "resources.counts=[4,4,3,3,3,4]", "task.gpu_memory=null"
-    )
+    out = nereus_train(
+        tmp_path,
+        "trainer.max_steps=8",
+        "resources.counts=[4,4,3,3,3,4]",
+        "task.gpu_memory=null",
+        cwd=tmp_path,
+    ).stdout
     summary = json.loads((tmp_path / "summary.json").read_text())
     lines = out.splitlines()
 
@@ -66,7 +52,7 @@ def test_embedded_default_console_shows_each_transition_once_and_cleanly(tmp_pat
 
 
 def test_help_lists_only_the_groups_nereus_train_uses(tmp_path):
-    out = _nereus_train(tmp_path, "algorithm=grpo", "--help")
+    out = nereus_train(tmp_path, "algorithm=grpo", "--help", cwd=tmp_path).stdout
     groups = re.findall(r"^  ([\w/]+)=(\S+)  \(options: ", out, flags=re.M)
     assert ("algorithm", "grpo") in groups and {"actor", "trainer", "controller", "task"} <= dict(
         groups

@@ -1,17 +1,25 @@
-"""A scripted planning backend: latencies, feasibility and transition costs chosen by the test."""
+"""A scripted planning backend (latencies, feasibility and transition costs chosen by the test) and a
+controller over it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-from nereus_lightning.control import StepSignals
+from nereus_lightning.control import Controller, ControllerConfig, StepSignals
 from nereus_lightning.plan.layout import Candidate, Layout, Plan
+from nereus_lightning.spec import CLUSTER_PRESETS, Workload
 from nereus_lightning.spec.errors import InfeasiblePlanError
+
+CLUSTER = CLUSTER_PRESETS["paper_cluster2"]
 
 
 def gen_plan(tp: int, dp: int, micro_batch: int = 1, recompute: bool = False) -> Plan:
     """A one-model-stage plan on GPUs 0 .. tp*dp-1."""
     return Plan.of({"actor_gen": Candidate(Layout(tp, 1), dp, tuple(range(tp * dp)), micro_batch, recompute)})
+
+
+START = gen_plan(1, 4)  # where a scripted controller starts unless told
 
 
 @dataclass
@@ -56,6 +64,19 @@ class FakeBackend:
         if cost is None:
             raise InfeasiblePlanError("no safe DAG")
         return cost
+
+
+def controller(
+    backend: FakeBackend, plan: Plan | None = START, *, calibration: Any = None, log: Any = None, **cfg: Any
+) -> Controller:
+    """A controller over ``backend`` on paper_cluster2 at ``plan``; ``cfg``: ``ControllerConfig`` fields.
+
+    It only weighs the backend's plans (``try_follow_pool`` off unless given).
+    """
+    cfg.setdefault("try_follow_pool", False)
+    return Controller(
+        backend, CLUSTER, Workload(), ControllerConfig(**cfg), calibration=calibration, log=log, plan=plan
+    )
 
 
 def sig(step: int, length: float = 1000.0, gpus: int = 8, p95: float | None = None, **kw) -> StepSignals:

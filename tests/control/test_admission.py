@@ -6,22 +6,15 @@ import json
 
 import pytest
 
-from nereus_lightning.control import Controller, ControllerConfig, DecisionLog
-from nereus_lightning.spec import CLUSTER_PRESETS, Workload
-from tests.control.fakes import FakeBackend, gen_plan, sig
+from nereus_lightning.control import DecisionLog
+from tests.control.fakes import FakeBackend, controller, gen_plan, sig
 
-CLUSTER = CLUSTER_PRESETS["paper_cluster2"]
 A, B, C = gen_plan(1, 4), gen_plan(2, 4), gen_plan(4, 2)
-
-
-def make(backend, plan=A, **cfg):
-    cfg.setdefault("try_follow_pool", False)
-    return Controller(backend, CLUSTER, Workload(), ControllerConfig(**cfg), plan=plan)
 
 
 def test_gamma_zero_admits_only_urgent():
     backend = FakeBackend([A, B], {A: 10.0, B: 5.0}, tran={B: 0.0})
-    ctl = make(backend, gamma=0.0)
+    ctl = controller(backend, gamma=0.0)
     assert ctl.step(sig(0)).kind == "none"
     d = ctl.step(sig(1, length=2000))  # drift: B is faster and even free, but gamma=0
     assert d.kind == "keep" and not d.urgent
@@ -34,7 +27,7 @@ def test_gamma_zero_admits_only_urgent():
 
 
 def test_reference_resets_after_rejected_replan():
-    ctl = make(FakeBackend([A, B], {A: 10.0, B: 5.0}, tran={B: 1000.0}))
+    ctl = controller(FakeBackend([A, B], {A: 10.0, B: 5.0}, tran={B: 1000.0}))
     ctl.step(sig(0, length=1000))
     d = ctl.step(sig(1, length=1400))  # +40% > 30%: replan, payback fails
     assert d.kind == "keep"
@@ -44,7 +37,8 @@ def test_reference_resets_after_rejected_replan():
 
 
 def test_horizon_is_one_step_before_any_interval_and_updates_only_at_crossings():
-    ctl = make(FakeBackend([A, B], {A: 10.0, B: 5.0}, tran={B: 1000.0}), drift_signals=("response_len",))
+    backend = FakeBackend([A, B], {A: 10.0, B: 5.0}, tran={B: 1000.0})
+    ctl = controller(backend, drift_signals=("response_len",))
     ctl.step(sig(0, length=1000))
     d = ctl.step(sig(1, length=1400))
     assert d.horizon == 1.0  # first crossing: no interval seen yet
@@ -60,7 +54,7 @@ def test_horizon_is_one_step_before_any_interval_and_updates_only_at_crossings()
 def test_smallest_horizon_wins():
     # payback L_tran / dL = 3 steps; gamma = 1: admitted with H = 10, rejected with H = 2.
     backend = FakeBackend([A, B], {A: 10.0, B: 5.0}, tran={B: 15.0})
-    ctl = make(backend, gamma=1.0, drift_signals=("response_len", "response_len_p95"))
+    ctl = controller(backend, gamma=1.0, drift_signals=("response_len", "response_len_p95"))
     ctl.step(sig(0, length=1000, p95=1100))
     ctl.drift["response_len"].clock.ema, ctl.drift["response_len"].clock.last_crossing = 10.0, 0
     ctl.drift["response_len_p95"].clock.ema, ctl.drift["response_len_p95"].clock.last_crossing = 2.0, 0
@@ -69,8 +63,8 @@ def test_smallest_horizon_wins():
     horizons = {t.kind: t.horizon for t in d.triggers}
     assert horizons["drift:response_len"] == 10.0 and horizons["drift:response_len_p95"] == 6.0
     assert d.horizon == 6.0 and d.kind == "transition"
-    ctl2 = make(FakeBackend([A, B], {A: 10.0, B: 5.0}, tran={B: 15.0}), gamma=1.0,
-                drift_signals=("response_len", "response_len_p95"))
+    ctl2 = controller(FakeBackend([A, B], {A: 10.0, B: 5.0}, tran={B: 15.0}), gamma=1.0,
+                      drift_signals=("response_len", "response_len_p95"))
     ctl2.step(sig(0, length=1000, p95=1100))
     ctl2.drift["response_len_p95"].clock.ema, ctl2.drift["response_len_p95"].clock.last_crossing = 1.0, 9
     d = ctl2.step(sig(10, length=1500, p95=1650))
@@ -79,7 +73,7 @@ def test_smallest_horizon_wins():
 
 def test_infeasible_current_plan_takes_urgent_path_even_when_payback_fails():
     backend = FakeBackend([B], {A: 10.0, B: 9.9}, tran={B: 1e6}, feasible={A: False})
-    d = make(backend, gamma=0.5).step(sig(0))
+    d = controller(backend, gamma=0.5).step(sig(0))
     assert d.urgent and d.kind == "transition" and d.target == B
     assert any(t.kind == "memory" for t in d.triggers)
     assert d.transition_cost == 1e6  # payback 1e6 / 0.1 steps would fail by far
@@ -88,19 +82,19 @@ def test_infeasible_current_plan_takes_urgent_path_even_when_payback_fails():
 def test_urgent_path_considers_recompute_and_falls_back_to_restart():
     relief = gen_plan(1, 4, recompute=True)
     backend = FakeBackend([], {A: 10.0, relief: 12.0}, feasible={A: False})
-    d = make(backend).step(sig(0))
+    d = controller(backend).step(sig(0))
     assert d.kind == "transition" and d.target == relief
     backend = FakeBackend(
         [B], {A: 10.0, B: 5.0, relief: 12.0}, tran={B: None, relief: None}, feasible={A: False}
     )
-    d = make(backend).step(sig(0))
+    d = controller(backend).step(sig(0))
     assert d.kind == "restart" and d.target == B
     assert "checkpoint/restart" in d.reason
 
 
 def test_slower_alternative_with_cheaper_transition():
     backend = FakeBackend([A, B, C], {A: 10.0, B: 5.0, C: 6.0}, tran={B: 100.0, C: 1.0})
-    ctl = make(backend)
+    ctl = controller(backend)
     ctl.step(sig(0))
     d = ctl.step(sig(1, length=2000))  # H = 1: B needs 20 steps, C 0.25 <= 0.5
     assert d.kind == "transition" and d.target == C
@@ -110,7 +104,7 @@ def test_slower_alternative_with_cheaper_transition():
 
 def test_any_gain_and_schedule():
     backend = FakeBackend([A, B], {A: 10.0, B: 9.99}, tran={B: 1e4})
-    ctl = make(backend, admission="any_gain", replan_every=3, drift_triggers=False)
+    ctl = controller(backend, admission="any_gain", replan_every=3, drift_triggers=False)
     assert ctl.step(sig(0)).kind == "none"
     kinds = [ctl.step(sig(s, length=1000 * (1 + s))).kind for s in range(1, 4)]
     assert kinds == ["none", "none", "transition"]  # drift ignored; the schedule fires at step 3
@@ -119,9 +113,7 @@ def test_any_gain_and_schedule():
 def test_decision_log_and_state_roundtrip(tmp_path):
     path = tmp_path / "decisions.jsonl"
     backend = FakeBackend([A, B], {A: 10.0, B: 5.0}, tran={B: 1.0})
-    ctl = Controller(
-        backend, CLUSTER, Workload(), ControllerConfig(try_follow_pool=False), plan=A, log=str(path)
-    )
+    ctl = controller(backend, log=str(path))
     ctl.step(sig(0))
     ctl.step(sig(1, length=2000))
     records = DecisionLog(path).read()
@@ -145,7 +137,7 @@ def test_decision_log_and_state_roundtrip(tmp_path):
         assert key in rec
     assert rec["decision"] == "transition" and rec["dL"] == 5.0 and rec["target_plan"]["actor_gen"]["tp"] == 2
     state = json.loads(json.dumps(ctl.state_dict()))
-    other = Controller(backend, CLUSTER, Workload(), ControllerConfig(try_follow_pool=False))
+    other = controller(backend, plan=None)
     other.load_state_dict(state)
     assert other.plan == ctl.plan and other.drift["response_len"].reference == 2000
     assert other.state_dict() == ctl.state_dict()
@@ -161,9 +153,7 @@ def test_calibration_loop_observes_op_classes_and_transitions():
 
     backend = FakeBackend([A, B], {A: 10.0, B: 5.0}, tran={B: 2.0}, op_time={"training.gemm": 4.0})
     cal = Cal()
-    ctl = Controller(
-        backend, CLUSTER, Workload(), ControllerConfig(try_follow_pool=False), calibration=cal, plan=A
-    )
+    ctl = controller(backend, calibration=cal)
     ctl.step(sig(0, op_time={"training.gemm": 6.0}))
     assert cal.seen == [("training.gemm", 4.0, 6.0)]
     assert ctl.step(sig(1, length=2000)).kind == "transition"
@@ -174,7 +164,7 @@ def test_calibration_loop_observes_op_classes_and_transitions():
 def test_restart_without_any_plan_waits_then_restarts():
     small = gen_plan(1, 2)
     backend = FakeBackend([], {A: 10.0})  # not even the surviving replicas fit
-    ctl = make(backend)
+    ctl = controller(backend)
     ctl.step(sig(0))
     d = ctl.step(sig(1, gpus=2))  # lost GPUs 2-7, nothing fits: checkpoint and wait
     assert d.kind == "restart" and d.target is None and "wait for GPUs" in d.reason
@@ -186,12 +176,12 @@ def test_restart_without_any_plan_waits_then_restarts():
 
 def test_restart_when_no_safe_dag_but_the_gain_pays_for_it():
     backend = FakeBackend([A, B], {A: 1000.0, B: 100.0}, tran={B: None})
-    ctl = make(backend, restart_s=300.0)
+    ctl = controller(backend, restart_s=300.0)
     ctl.step(sig(0))
     d = ctl.step(sig(1, length=2000))  # 300 s / 900 s per step = 0.33 steps <= 0.5 * H(=1)
     assert d.kind == "restart" and d.target == B and not d.urgent and d.transition_cost == 300.0
     backend = FakeBackend([A, B], {A: 1000.0, B: 800.0}, tran={B: None})
-    ctl = make(backend, restart_s=300.0)
+    ctl = controller(backend, restart_s=300.0)
     ctl.step(sig(0))
     assert ctl.step(sig(1, length=2000)).kind == "keep"  # 1.5 steps > 0.5: not worth a restart
 
@@ -201,7 +191,7 @@ def test_revocation_falls_back_to_the_intact_units_before_restarting():
     backend = FakeBackend(
         [other], {A: 10.0, other: 15.0, survivors: 20.0}, tran={other: None, survivors: 0.0}
     )
-    ctl = make(backend)
+    ctl = controller(backend)
     ctl.step(sig(0))
     d = ctl.step(sig(1, gpus=2))  # GPUs 2-3 lost; the planner's target has no safe DAG
     assert d.kind == "transition" and d.target == survivors and d.urgent
@@ -214,7 +204,7 @@ def test_urgent_restart_when_the_reachable_target_is_much_slower():
         backend = FakeBackend(
             [B], {A: 10.0, B: 5.0, relief: 40.0}, tran={B: None, relief: 0.0}, feasible={A: False}
         )
-        ctl = make(backend, restart_s=300.0)
+        ctl = controller(backend, restart_s=300.0)
         ctl.memory_clock.ema, ctl.memory_clock.last_crossing = h_ema, -int(h_ema)  # H stays h_ema at step 0
         # memory: B (5 s/step) has no safe DAG, the recompute variant (40 s/step) has one
         d = ctl.step(sig(0))

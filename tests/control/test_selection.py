@@ -4,28 +4,21 @@ from __future__ import annotations
 
 import pytest
 
-from nereus_lightning.control import Controller, ControllerConfig, LengthForecast
+from nereus_lightning.control import ControllerConfig, LengthForecast
 from nereus_lightning.control.candidates import layout_changes
 from nereus_lightning.plan import job_models, plan_job
 from nereus_lightning.plan.layout import Candidate, Layout, Plan
 from nereus_lightning.spec import CLUSTER_PRESETS, MODEL_PRESETS, Workload
 from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
-from tests.control.fakes import FakeBackend, gen_plan, sig
+from tests.control.fakes import CLUSTER, FakeBackend, controller, gen_plan, sig
 
-CLUSTER = CLUSTER_PRESETS["paper_cluster2"]
 A, B, C, D = gen_plan(1, 4), gen_plan(2, 4), gen_plan(4, 2), gen_plan(8, 1)
-
-
-def make(backend, plan=A, **cfg):
-    cfg.setdefault("try_follow_pool", False)
-    cfg.setdefault("forecast_steps", 0.0)
-    return Controller(backend, CLUSTER, Workload(), ControllerConfig(**cfg), plan=plan)
 
 
 def test_net_benefit_prefers_a_cheaper_slightly_slower_target():
     # H = 1, gamma = 1: B gains 5 s for 4 s of transition (net 1), C gains 4.5 s for 0.5 s (net 4).
     backend = FakeBackend([A, B, C], {A: 10.0, B: 5.0, C: 5.5}, tran={B: 4.0, C: 0.5})
-    ctl = make(backend, gamma=1.0)
+    ctl = controller(backend, gamma=1.0)
     ctl.step(sig(0))
     d = ctl.step(sig(1, length=2000))
     assert d.kind == "transition" and d.target == C and d.transition_cost == 0.5
@@ -33,8 +26,8 @@ def test_net_benefit_prefers_a_cheaper_slightly_slower_target():
     assert nets == {"planner best": 1.0, "planner alternative 1": 4.0}
     assert "net benefit" in d.reason
     # The baselines' "first" selection admits the first target that pays back: B.
-    first = make(FakeBackend([A, B, C], {A: 10.0, B: 5.0, C: 5.5}, tran={B: 4.0, C: 0.5}), gamma=1.0,
-                 selection="first")
+    first = controller(FakeBackend([A, B, C], {A: 10.0, B: 5.0, C: 5.5}, tran={B: 4.0, C: 0.5}), gamma=1.0,
+                       selection="first")
     first.step(sig(0))
     assert first.step(sig(1, length=2000)).target == B
 
@@ -42,7 +35,7 @@ def test_net_benefit_prefers_a_cheaper_slightly_slower_target():
 def test_targets_that_cannot_beat_the_incumbent_are_not_priced():
     # B: net 0.5 * (10 - 5) - 0 = 2.5; C even free gives 0.5 * (10 - 9) = 0.5 < 2.5.
     backend = FakeBackend([A, B, C], {A: 10.0, B: 5.0, C: 9.0}, tran={B: 0.0, C: 0.0})
-    ctl = make(backend)
+    ctl = controller(backend)
     ctl.step(sig(0))
     d = ctl.step(sig(1, length=2000))
     assert d.target == B and backend.calls["transition_cost"] == 1
@@ -53,7 +46,7 @@ def test_dag_budget_bounds_pricing_per_round():
     plans = [gen_plan(tp, dp) for tp, dp in ((2, 4), (4, 2), (8, 1), (2, 2), (4, 1))]
     latency = {A: 10.0, **{p: 5.0 + 0.1 * i for i, p in enumerate(plans)}}
     backend = FakeBackend([A, *plans], latency, tran={p: None for p in plans})  # every DAG infeasible
-    ctl = make(backend, dag_budget_gpus=2 * CLUSTER.with_gpus(8).num_gpus)  # 2 DAGs per round at 8 GPUs
+    ctl = controller(backend, dag_budget_gpus=2 * CLUSTER.with_gpus(8).num_gpus)  # 2 DAGs per round at 8 GPUs
     ctl.step(sig(0))
     d = ctl.step(sig(1, length=2000))
     assert backend.calls["transition_cost"] == 2
@@ -67,7 +60,7 @@ def test_the_target_changing_fewest_layouts_is_priced_right_after_the_best():
     backend = FakeBackend(
         [A, B, C, keep], {A: 10.0, B: 5.0, C: 5.1, keep: 6.0}, tran={B: None, C: None, keep: 1.0}
     )
-    ctl = make(backend, dag_budget_gpus=2 * 8)
+    ctl = controller(backend, dag_budget_gpus=2 * 8)
     ctl.step(sig(0))
     d = ctl.step(sig(1, length=2000, gpus=8))
     assert [c["source"] for c in d.considered][:2] == ["planner best", "planner best, current layouts kept"]
@@ -76,7 +69,7 @@ def test_the_target_changing_fewest_layouts_is_priced_right_after_the_best():
     backend = FakeBackend(
         [A, B, C, keep], {A: 10.0, B: 5.0, C: 5.1, keep: 6.0}, tran={B: None, C: None, keep: 1.0}
     )
-    ctl = make(backend, dag_budget_gpus=2 * 8, selection="first")
+    ctl = controller(backend, dag_budget_gpus=2 * 8, selection="first")
     ctl.step(sig(0))
     d = ctl.step(sig(1, length=2000, gpus=8))
     assert [c["latency"] for c in d.considered] == [5.0, 5.1, 6.0] and d.target == keep
@@ -107,7 +100,7 @@ def test_pinned_training_layouts_are_tried_only_when_the_best_target_fails():
     cur, best, pinned = train_plan(1, 4, 1), train_plan(4, 1, 2), train_plan(1, 4, 2, micro_batch=2)
     backend = PinningBackend([best], {cur: 20.0, best: 8.0, pinned: 10.0}, tran={best: None, pinned: 1.0},
                              pinned_plans=[pinned])
-    ctl = make(backend, plan=cur)
+    ctl = controller(backend, plan=cur)
     ctl.step(sig(0))
     d = ctl.step(sig(1, length=2000))  # best has no safe DAG: the pinned plan is reachable
     assert d.kind == "transition" and d.target == pinned
@@ -115,13 +108,13 @@ def test_pinned_training_layouts_are_tried_only_when_the_best_target_fails():
     assert d.considered[-1]["source"].startswith("training layouts kept")
     # When the best target is admitted, no pinned planner call is made.
     backend = PinningBackend([best], {cur: 20.0, best: 8.0}, tran={best: 1.0}, pinned_plans=[pinned])
-    ctl = make(backend, plan=cur)
+    ctl = controller(backend, plan=cur)
     ctl.step(sig(0))
     assert ctl.step(sig(1, length=2000)).target == best and backend.pinned_calls == []
     # Switched off: the best target fails and nothing else is tried.
     backend = PinningBackend([best], {cur: 20.0, best: 8.0, pinned: 10.0}, tran={best: None, pinned: 1.0},
                              pinned_plans=[pinned])
-    ctl = make(backend, plan=cur, pin_training=False)
+    ctl = controller(backend, plan=cur, pin_training=False)
     ctl.step(sig(0))
     assert ctl.step(sig(1, length=2000)).kind == "keep" and backend.pinned_calls == []
 
@@ -167,7 +160,7 @@ def test_controller_plans_for_the_forecast_and_warns_of_memory_before_it_breaks(
             return est
 
     backend = Recording([A, B], {A: 10.0, B: 12.0}, tran={B: 1.0})
-    ctl = make(backend, forecast_steps=1.0)
+    ctl = controller(backend, forecast_steps=1.0)
     for step, length in enumerate((1000, 1100, 1200)):
         assert ctl.step(sig(step, length=length)).kind == "none"
     d = ctl.step(sig(3, length=1290))  # measured 1,290 still fits; the next step (~1,385) does not
@@ -175,7 +168,7 @@ def test_controller_plans_for_the_forecast_and_warns_of_memory_before_it_breaks(
     assert max(seen) == pytest.approx(1385)
     # Without the forecast the same trace triggers nothing until memory actually breaks.
     backend = Recording([A, B], {A: 10.0, B: 12.0}, tran={B: 1.0})
-    ctl = make(backend, forecast_steps=0.0)
+    ctl = controller(backend, forecast_steps=0.0)
     assert [ctl.step(sig(s, length=n)).kind for s, n in enumerate((1000, 1100, 1200, 1290))] == ["none"] * 4
 
 
@@ -188,7 +181,7 @@ def test_restart_horizon_uses_the_pool_clock_when_it_is_longer():
         backend = FakeBackend(
             [B], {A: 10.0, B: 5.0, relief: 15.0}, tran={B: None, relief: 0.0}, feasible={A: False}
         )
-        ctl = make(backend, restart_s=300.0)
+        ctl = controller(backend, restart_s=300.0)
         ctl.pool.clock.ema, ctl.pool.clock.last_crossing = (None if pool_h == 1.0 else pool_h), None
         assert ctl.restart_horizon(1.0) == pool_h
         outcomes[pool_h] = ctl.step(sig(0)).kind
@@ -198,7 +191,7 @@ def test_restart_horizon_uses_the_pool_clock_when_it_is_longer():
 def test_urgent_choice_weighs_latency_against_transition_cost():
     # Lost GPUs: B is fast but its DAG is slow, C a bit slower and cheap; w = max(0.5 * 1, 1) = 1.
     backend = FakeBackend([B, C], {A: 10.0, B: 5.0, C: 5.5}, tran={B: 30.0, C: 1.0})
-    ctl = make(backend)
+    ctl = controller(backend)
     ctl.step(sig(0))
     d = ctl.step(sig(1, gpus=2))
     assert d.urgent and d.kind == "transition" and d.target == C
@@ -209,7 +202,7 @@ def test_targets_with_the_layouts_of_a_failed_dag_are_tried_last():
     backend = FakeBackend(
         [A, B, same, C], {A: 10.0, B: 5.0, same: 5.1, C: 5.2}, tran={B: None, same: None, C: 1.0}
     )
-    ctl = make(backend, dag_budget_gpus=2 * 8)  # 2 DAGs per round at 8 GPUs
+    ctl = controller(backend, dag_budget_gpus=2 * 8)  # 2 DAGs per round at 8 GPUs
     ctl.step(sig(0))
     d = ctl.step(sig(1, length=2000))
     assert d.kind == "transition" and d.target == C
@@ -220,7 +213,7 @@ def test_targets_with_the_layouts_of_a_failed_dag_are_tried_last():
 def test_no_pinned_planner_call_without_a_faster_target():
     cur, pinned = train_plan(1, 4, 1), train_plan(1, 4, 2, micro_batch=2)
     backend = PinningBackend([cur], {cur: 10.0, pinned: 9.0}, pinned_plans=[pinned])
-    ctl = make(backend, plan=cur)
+    ctl = controller(backend, plan=cur)
     ctl.step(sig(0))
     d = ctl.step(sig(1, length=2000))  # drift; the planner's best is the current plan
     assert d.kind == "keep" and backend.pinned_calls == []

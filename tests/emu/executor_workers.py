@@ -19,29 +19,21 @@ from nereus_lightning.emu import (
     reshard_plan,
 )
 from nereus_lightning.emu.executor import calibration_observations, execute_dag, ops_of
-from nereus_lightning.plan.layout import Candidate, Layout, Plan
+from nereus_lightning.plan.layout import Plan
 from nereus_lightning.spec.cluster import CLUSTER_PRESETS
 from nereus_lightning.spec.errors import NereusConfigError
 from nereus_lightning.spec.model import ModelSpec
 from nereus_lightning.spec.workload import Workload
+from nereus_lightning.testing.tiny import rel_err
 from nereus_lightning.transition import build_transition
 from nereus_lightning.transition.pieces import geometry
 from tests.emu.workers import tiny
+from tests.helpers import cand, plan
 
 PPO = Workload("ppo")
 STAGES = {ms.name: ms for ms in PPO.stages}
 CLUSTER = CLUSTER_PRESETS["cpu4"]
 ROLES = ("actor", "critic", "reference", "reward")
-
-
-def cand(tp: int, pp: int, gpus: tuple[int, ...]) -> Candidate:
-    """``len(gpus) / (tp * pp)`` replicas of TP x PP on ``gpus``."""
-    return Candidate(Layout(tp, pp), len(gpus) // (tp * pp), gpus)
-
-
-def plan(**stages: Candidate) -> Plan:
-    """A plan in workflow order."""
-    return Plan.of({name: stages[name] for name in STAGES if name in stages})
 
 
 # A: actor_gen TP2 x2, ref and critic inference on one GPU each, actor_train TP2, critic_train PP2.
@@ -89,23 +81,8 @@ PLANS = {
 
 @cache
 def role_model(role: str):
-    """A tiny fp32 Llama per role, each with its own weights, AdamW state and counters."""
-    config, _, _ = tiny("llama")
-    from transformers import AutoModelForCausalLM
-
-    seed = 10 + ROLES.index(role)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).float()
-    gen = torch.Generator().manual_seed(seed)
-    optim = {
-        name: {
-            "exp_avg": torch.randn(p.shape, generator=gen),
-            "exp_avg_sq": torch.rand(p.shape, generator=gen),
-            "step": torch.tensor(float(seed)),
-        }
-        for name, p in model.named_parameters()
-    }
-    return config, model, optim
+    """A tiny fp32 Llama per role, each with its own weights and AdamW state."""
+    return tiny("llama", seed=10 + 2 * ROLES.index(role))
 
 
 def models() -> dict[str, ModelSpec]:
@@ -185,7 +162,7 @@ def logits_errors(names, ids: torch.Tensor) -> list[tuple[str, str, float]]:
                 config, ReplicaComm.of(mine.gpus, mine.layout), registry().local(name, mine).params
             )
             logits = forward_logits(sharded, ids, where="all")
-        out.append((name, str(mine), ((logits - expected).abs().max() / expected.abs().max()).item()))
+        out.append((name, str(mine), rel_err(logits, expected)))
     return out
 
 

@@ -15,36 +15,19 @@ from nereus_lightning.emu.primitives import _new_state
 from nereus_lightning.emu.transfer import move_views
 from nereus_lightning.kernels import pack, unpack
 from nereus_lightning.plan.layout import Layout
+from tests.emu.workers import tiny
 
 LAYOUTS = [Layout(t, p) for t in (1, 2, 4, 8) for p in (1, 2, 4, 8) if t * p <= 8]
 
 
 @pytest.fixture(scope="module", params=[(8, True), (6, False)], ids=["8layers_tied", "6layers"])
 def model_state(request):
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
     layers, tied = request.param
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        tie_word_embeddings=tied,
+    # 8 heads of 4 dimensions: TP 8 divides them.
+    config, model, optim = tiny(
+        "llama", layers, num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=tied
     )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
     full = {n: p.detach() for n, p in model.named_parameters()}
-    gen = torch.Generator().manual_seed(1)
-    optim = {
-        n: {
-            "exp_avg": torch.randn(p.shape, generator=gen),
-            "exp_avg_sq": torch.rand(p.shape, generator=gen),
-            "step": torch.tensor(2.0),
-        }
-        for n, p in full.items()
-    }
     return StateSchema.of(config, model), full, optim
 
 

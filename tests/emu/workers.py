@@ -18,22 +18,22 @@ from nereus_lightning.emu import (
 )
 from nereus_lightning.plan.layout import Layout
 from nereus_lightning.spec.errors import NereusConfigError
-from nereus_lightning.testing.tiny import SMALL, tiny_model
+from nereus_lightning.testing.tiny import SMALL, rel_err, tiny_model
 
 COUNTERS = Counters(
     optimizer_step=3, update_count=3, policy_version=2, stage_version=1, sample_position=96, seed=1234
 )
 
 
-def tiny(kind: str = "llama", layers: int = 4):
+def tiny(kind: str = "llama", layers: int = 4, seed: int = 0, **fields):
     """A tiny fp32 causal LM with random weights (same on every rank) and a random full AdamW state.
 
-    The shared test models at the EMU tests' small shape; "qwen2" with 2 KV heads (TP 4 refused).
+    The shared test models at the EMU tests' small shape, ``fields`` overriding it; "qwen2" with 2 KV
+    heads (TP 4 refused). The weights come from ``seed``, the AdamW state from ``seed + 1``.
     """
     heads = {"num_attention_heads": 4, "num_key_value_heads": 2} if kind == "qwen2" else {}
-    model = tiny_model(kind, seed=0, **SMALL, num_hidden_layers=layers, **heads)
-    config = model.config
-    gen = torch.Generator().manual_seed(1)
+    model = tiny_model(kind, seed=seed, **{**SMALL, "num_hidden_layers": layers, **heads, **fields})
+    gen = torch.Generator().manual_seed(seed + 1)
     optim = {
         name: {
             "exp_avg": torch.randn(p.shape, generator=gen),
@@ -42,7 +42,7 @@ def tiny(kind: str = "llama", layers: int = 4):
         }
         for name, p in model.named_parameters()
     }
-    return config, model, optim
+    return model.config, model, optim
 
 
 def start(kind: str, layout: Layout, ranks: tuple[int, ...], stage: str = "actor_train", trains: bool = True):
@@ -321,7 +321,7 @@ def forward_after_transitions(rank: int, world: int, kind: str):
         sharded = ShardedCausalLM(config, ReplicaComm.of(mine.gpus, mine.layout, tied=tied), emu.params)
         with torch.no_grad():
             logits = forward_logits(sharded, ids, where="all")
-        err = ((logits - expected).abs().max() / expected.abs().max()).item()
+        err = rel_err(logits, expected)
         errors.append((label, str(mine), err))
 
     check("start")

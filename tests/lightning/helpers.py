@@ -9,8 +9,9 @@ import torch
 
 from nereus_lightning.lightning import GRPOModule, NereusStrategy, PPOModule
 from nereus_lightning.lightning.tasks import RepeatTask
-from nereus_lightning.plan.layout import Candidate, Layout, Plan
+from nereus_lightning.plan.layout import Plan
 from nereus_lightning.spec.workload import workflow
+from tests.helpers import cand
 
 
 def small_task(seed: int = 0) -> RepeatTask:
@@ -23,10 +24,7 @@ def plan_of(algorithm: str, placement: dict) -> Plan:
     out = {}
     for m in workflow(algorithm):
         spec = placement.get(m.name, (0, 1, 2, 3))
-        layout, gpus = (
-            (Layout(*spec[0]), tuple(spec[1])) if isinstance(spec[0], tuple) else (Layout(1, 1), tuple(spec))
-        )
-        out[m.name] = Candidate(layout, len(gpus) // layout.size, gpus)
+        out[m.name] = cand(*spec[0], spec[1]) if isinstance(spec[0], tuple) else cand(1, 1, spec)
     return Plan.of(out)
 
 

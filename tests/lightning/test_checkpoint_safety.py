@@ -120,27 +120,23 @@ def test_decoding_builds_only_nereus_dataclasses(tmp_path, cls):
 
 
 def test_controller_state_round_trips_exactly_through_the_callback_state():
-    from nereus_lightning.control import Controller, ControllerConfig
+    from nereus_lightning.control import Controller
     from nereus_lightning.lightning import NereusCallback
     from nereus_lightning.plan.calibration import Calibration
-    from nereus_lightning.spec import CLUSTER_PRESETS, Workload
-    from tests.control.fakes import FakeBackend, gen_plan, sig
+    from tests.control import fakes
 
-    a, b = gen_plan(1, 4), gen_plan(2, 4)
-    backend = FakeBackend([a, b], {a: 10.0, b: 5.0}, tran={b: 2.0}, op_time={"training.gemm": 4.0})
+    a, b = fakes.gen_plan(1, 4), fakes.gen_plan(2, 4)
+    backend = fakes.FakeBackend([a, b], {a: 10.0, b: 5.0}, tran={b: 2.0}, op_time={"training.gemm": 4.0})
 
     def controller() -> Controller:
-        config = ControllerConfig(try_follow_pool=False)
-        return Controller(
-            backend, CLUSTER_PRESETS["paper_cluster2"], Workload(), config, calibration=Calibration(), plan=a
-        )
+        return fakes.controller(backend, a, calibration=Calibration())
 
     ctl = controller()
     for step, length in enumerate(
         [1000, 1000, 1500, 1500, 2300, 2300, 3500]
     ):  # drift crossings: H_x EMAs move
         op_time = {"training.gemm": 6.0 + step / 3}
-        ctl.step(sig(step, length=length, op_time=op_time, transition_time=0.7 * (step > 3)))
+        ctl.step(fakes.sig(step, length=length, op_time=op_time, transition_time=0.7 * (step > 3)))
     state = ctl.state_dict()
     assert state["drift"]["response_len"]["clock"]["ema"] is not None  # the test covers a learned H_x
     assert state["calibration"]["count"]["training.gemm"] > 0 and state["transition_scale"] != 1.0

@@ -5,19 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from hydra import compose, initialize_config_dir
 
-from nereus_lightning.cli._hydra import CONFIG_ROOT
+from nereus_lightning.cli.train import train_config
 from nereus_lightning.spec.errors import InfeasiblePlanError
 
 
-def _cfg(*overrides: str):
-    with initialize_config_dir(config_dir=str(CONFIG_ROOT), version_base="1.3"):
-        return compose(config_name="train", overrides=list(overrides))
-
-
 def test_default_config_composes_to_the_embedded_default():
-    cfg = _cfg("output_dir=/tmp/x")
+    cfg = train_config(["output_dir=/tmp/x"])
     assert cfg.trainer.devices == 4 and cfg.trainer.accelerator == "cpu"
     assert cfg.algorithm._target_.endswith("PPOModule") and cfg.actor.preset == "tiny_llama"
     from nereus_lightning.cli.train import supply_counts
@@ -31,7 +25,7 @@ def test_unknown_group_value_lists_the_valid_choices():
     from hydra.errors import MissingConfigException
 
     with pytest.raises(MissingConfigException) as info:
-        _cfg("algorithm=dpo")
+        train_config(["algorithm=dpo"])
     text = str(info.value)
     assert "grpo" in text and "ppo" in text and "remax" in text
 
@@ -39,7 +33,7 @@ def test_unknown_group_value_lists_the_valid_choices():
 def test_model_too_large_fails_fast_with_the_planners_explanation():
     from nereus_lightning.cli.train import check_feasible
 
-    cfg = _cfg("actor=llama3_70b", "output_dir=/tmp/x")
+    cfg = train_config(["actor=llama3_70b", "output_dir=/tmp/x"])
     with pytest.raises(InfeasiblePlanError, match="GB|memory|fit"):
         check_feasible(cfg, world_size=4)
 
@@ -48,12 +42,14 @@ def test_model_too_large_fails_fast_with_the_planners_explanation():
 def test_quick_experiment_trains_transitions_and_plots(tmp_path):
     from nereus_lightning.cli.train import run
 
-    cfg = _cfg(
-        "experiment=quick",
-        f"output_dir={tmp_path}",
-        "trainer.max_steps=6",
-        "resources.counts=[4,4,3]",
-        "save_checkpoint=false",
+    cfg = train_config(
+        [
+            "experiment=quick",
+            f"output_dir={tmp_path}",
+            "trainer.max_steps=6",
+            "resources.counts=[4,4,3]",
+            "save_checkpoint=false",
+        ]
     )
     summary = run(cfg)
     assert summary["steps"] == 6
@@ -67,14 +63,16 @@ def test_quick_experiment_trains_transitions_and_plots(tmp_path):
 def test_dead_rank_stops_nereus_train_with_a_message_and_a_checkpoint(tmp_path):
     from nereus_lightning.cli.train import run
 
-    cfg = _cfg(
-        "experiment=quick",
-        f"output_dir={tmp_path}",
-        "trainer.devices=3",
-        "algorithm._target_=tests.lightning.helpers.DyingPPOModule",
-        "adapt=false",
-        "plot=false",
-        "checkpoint_every=1",
+    cfg = train_config(
+        [
+            "experiment=quick",
+            f"output_dir={tmp_path}",
+            "trainer.devices=3",
+            "algorithm._target_=tests.lightning.helpers.DyingPPOModule",
+            "adapt=false",
+            "plot=false",
+            "checkpoint_every=1",
+        ]
     )
     cfg.trainer.max_steps = 4
     with pytest.raises(

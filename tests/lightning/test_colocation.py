@@ -11,20 +11,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from hydra import compose, initialize_config_dir
 
+from nereus_lightning.cli.train import train_config
 from nereus_lightning.plan.layout import Candidate, Layout, Plan
 from nereus_lightning.plan.overlap import stage_groups
 from nereus_lightning.spec.workload import stages_of
 
 pytestmark = pytest.mark.distributed
-
-
-def _cfg(*overrides: str):
-    from nereus_lightning.cli._hydra import CONFIG_ROOT
-
-    with initialize_config_dir(config_dir=str(CONFIG_ROOT), version_base="1.3"):
-        return compose(config_name="train", overrides=list(overrides))
 
 
 def _gpus(ranges: str) -> tuple[int, ...]:
@@ -54,16 +47,18 @@ def _first_plan(out) -> Plan:
 @pytest.mark.parametrize("algorithm", ["ppo", "grpo", "remax"])
 def test_small_pools_train_through_the_planner(tmp_path, algorithm, devices):
     from nereus_lightning.cli.train import run
-    cfg = _cfg(
-        f"algorithm={algorithm}",
-        f"trainer.devices={devices}",
-        "trainer.max_steps=5",
-        "algorithm.prompts_per_step=4",
-        "task.max_len=6",
-        "task.supply=null",
-        "task.gpu_memory=null",  # the preset's memory: the pool alone decides
-        f"output_dir={tmp_path}",
-        "plot=false",
+    cfg = train_config(
+        [
+            f"algorithm={algorithm}",
+            f"trainer.devices={devices}",
+            "trainer.max_steps=5",
+            "algorithm.prompts_per_step=4",
+            "task.max_len=6",
+            "task.supply=null",
+            "task.gpu_memory=null",  # the preset's memory: the pool alone decides
+            f"output_dir={tmp_path}",
+            "plot=false",
+        ]
     )
     summary = run(cfg)
     assert summary["steps"] == 5

@@ -7,7 +7,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,8 @@ import pytest
 
 from nereus_lightning.cli import train
 from nereus_lightning.spec.errors import NereusConfigError
+from nereus_lightning.testing.pool import free_port
+from tests.helpers import is_launch_variable, launch_env, nereus_train
 
 # GRPO on the embedded default, answers kept at their first length (the first plan stays feasible).
 SHORT = (
@@ -29,51 +30,9 @@ SHORT = (
 LOSSES = ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/score/mean")
 
 
-#: What launchers set; a test starts from a shell without them (earlier tests of this session may have set
-#: some).
-LAUNCH_VARIABLES = (
-    "WORLD_SIZE",
-    "RANK",
-    "LOCAL_RANK",
-    "GROUP_RANK",
-    "NODE_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
-
-
-def _env() -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("TORCHELASTIC", "SLURM_")) and k not in LAUNCH_VARIABLES
-    }
-    return {**env, "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg", "COLUMNS": "200"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _nereus_train(out: Path, *overrides: str, check: bool = True) -> subprocess.CompletedProcess:
-    """``nereus-train`` as a user starts it on one machine (Lightning forks the ranks)."""
-    done = subprocess.run(
-        [sys.executable, "-m", "nereus_lightning.cli.train", f"hydra.run.dir={out}", *overrides],
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=300,
-    )
-    assert not check or done.returncode == 0, done.stdout[-3000:]
-    return done
-
-
 def _torchrun_two_nodes(out: Path, *overrides: str) -> str:
     """Two torchrun agents on this host, one per simulated node, 2 gloo processes each; node 0's output."""
-    port = _free_port()
+    port = free_port()
     logs = [out.parent / f"{out.name}.node{r}.log" for r in (0, 1)]
     agents = [
         subprocess.Popen(
@@ -93,7 +52,7 @@ def _torchrun_two_nodes(out: Path, *overrides: str) -> str:
                 "trainer.devices=2",
                 *overrides,
             ],
-            env=_env(),
+            env=launch_env(),
             stdout=open(logs[r], "w"),
             stderr=subprocess.STDOUT,
         )
@@ -128,14 +87,11 @@ def _memory_that_needs_tp(overrides: tuple[str, ...]) -> tuple[float, object]:
     """
     from dataclasses import replace
 
-    from hydra import compose, initialize_config_dir
-
     from nereus_lightning.control import StepSignals
     from nereus_lightning.lightning.callback import default_controller
     from nereus_lightning.spec.errors import InfeasiblePlanError
 
-    with initialize_config_dir(config_dir=train.CONFIG_DIR, version_base="1.3"):
-        cfg = compose("train", overrides=[*overrides, "trainer.num_nodes=2", "trainer.devices=2"])
+    cfg = train.train_config([*overrides, "trainer.num_nodes=2", "trainer.devices=2"])
     module, cluster = train.build_module(cfg), train.job_cluster_preset(cfg)
     assert (cluster.num_nodes, cluster.gpus_per_node) == (2, 2)
     length = float(module.source.max_response_len(0))
@@ -188,7 +144,7 @@ def test_two_nodes_under_torchrun_then_resume_on_one_node(tmp_path, algorithm):
 
     # The checkpoint written by 2 nodes x 2 resumes on 1 node x 4 (Lightning forks the ranks).
     one = tmp_path / "one_node"
-    console = _nereus_train(one, *overrides, "trainer.devices=4", f"ckpt_path={ckpt}").stdout
+    console = nereus_train(one, *overrides, "trainer.devices=4", f"ckpt_path={ckpt}").stdout
     assert "topology 1 node x 4 GPUs" in console
     resumed = _rows(one)
     assert sorted(resumed) == [5]
@@ -199,7 +155,7 @@ def test_two_nodes_under_torchrun_then_resume_on_one_node(tmp_path, algorithm):
 
 
 def test_num_nodes_without_a_launcher_fails_before_training(tmp_path):
-    done = _nereus_train(tmp_path, "trainer.num_nodes=2", "trainer.devices=2", check=False)
+    done = nereus_train(tmp_path, "trainer.num_nodes=2", "trainer.devices=2", check=False)
     assert done.returncode == 2, done.stdout[-2000:]
     message = done.stdout
     for part in (
@@ -241,7 +197,7 @@ def _launched(monkeypatch, env: dict[str, str]):  # noqa: ANN202
     from nereus_lightning.lightning.launch import detect_environment, launch_of
 
     for key in list(os.environ):
-        if key.startswith(("TORCHELASTIC", "SLURM_")) or key in LAUNCH_VARIABLES:
+        if is_launch_variable(key):
             monkeypatch.delenv(key)
     for key, value in env.items():
         monkeypatch.setenv(key, value)

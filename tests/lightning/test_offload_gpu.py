@@ -67,11 +67,11 @@ def _steps_worker(port: int, offload: bool, queue, steps: int = 2) -> None:  # n
 def _run(offload: bool) -> dict:
     import torch.multiprocessing as mp
 
-    from nereus_lightning.testing.pool import _free_port
+    from nereus_lightning.testing.pool import free_port
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_steps_worker, args=(_free_port(), offload, queue))
+    proc = ctx.Process(target=_steps_worker, args=(free_port(), offload, queue))
     proc.start()
     out = queue.get(timeout=600)
     proc.join(timeout=60)

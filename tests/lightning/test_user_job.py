@@ -14,10 +14,10 @@ import textwrap
 from collections import Counter
 
 import pytest
-from hydra import compose, initialize_config_dir
 
-from nereus_lightning.cli._hydra import CONFIG_ROOT
+from nereus_lightning.cli.train import train_config
 from nereus_lightning.spec.errors import NereusConfigError
+from tests.helpers import word_problem_job
 
 REWARD = """
 import math, os
@@ -37,38 +37,28 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 def job(tmp_path_factory):
     """The user's files: model folder, train/val parquet, reward file."""
     from nereus_lightning.rl.wordproblems import make_rows, write_parquet
-    from nereus_lightning.testing.folders import tiny_model_folder
 
     root = tmp_path_factory.mktemp("user_job")
-    train, val = make_rows(64, "train"), make_rows(8, "test")
-    texts = [r["prompt"][0]["content"] + " " + r["extra_info"]["answer"] for r in train]
-    files = {
-        "model": tiny_model_folder(root / "model", texts, family="qwen2", vocab_size=300),
-        "train": write_parquet(train, str(root / "train.parquet")),
-        "val": write_parquet(val, str(root / "test.parquet")),
-        "reward": str(root / "reward.py"),
-        "rows": train,
-    }
+    files = word_problem_job(root, vocab_size=300)
+    files["val"] = write_parquet(make_rows(8, "test"), str(root / "test.parquet"))
+    files["reward"] = str(root / "reward.py")
     (root / "reward.py").write_text(textwrap.dedent(REWARD))
     return files
 
 
-def _cfg(*overrides: str):
-    with initialize_config_dir(config_dir=str(CONFIG_ROOT), version_base="1.3"):
-        return compose(config_name="train", overrides=list(overrides))
-
-
 def _user_cfg(job, out, *overrides: str):
-    return _cfg(
-        f"actor.path={job['model']}",
-        f"data.train_files={job['train']}",
-        f"custom_reward_function.path={job['reward']}",
-        f"output_dir={out}",
-        f"trainer.rollout_data_dir={out}/rollouts",
-        "data.max_response_length=6",
-        "algorithm.prompts_per_step=4",
-        "plot=false",
-        *overrides,
+    return train_config(
+        [
+            f"actor.path={job['model']}",
+            f"data.train_files={job['train']}",
+            f"custom_reward_function.path={job['reward']}",
+            f"output_dir={out}",
+            f"trainer.rollout_data_dir={out}/rollouts",
+            "data.max_response_length=6",
+            "algorithm.prompts_per_step=4",
+            "plot=false",
+            *overrides,
+        ]
     )
 
 
@@ -290,7 +280,7 @@ def test_a_model_folder_without_data_is_refused(job, tmp_path):
     from nereus_lightning.cli.train import run
 
     with pytest.raises(NereusConfigError, match="data.train_files"):
-        run(_cfg(f"actor.path={job['model']}", f"output_dir={tmp_path}"))
+        run(train_config([f"actor.path={job['model']}", f"output_dir={tmp_path}"]))
 
 
 @pytest.mark.parametrize("experiment", ["gsm8k_grpo", "gsm8k_ppo"])
@@ -299,7 +289,9 @@ def test_gsm8k_experiments_build_with_the_builtin_reward(job, tmp_path, experime
     from nereus_lightning.rl.data import Prompt
     from nereus_lightning.rl.sources import Sample
 
-    cfg = _cfg(f"experiment={experiment}", f"actor.path={job['model']}", f"data.train_files={job['train']}")
+    cfg = train_config(
+        [f"experiment={experiment}", f"actor.path={job['model']}", f"data.train_files={job['train']}"]
+    )
     check_config(cfg)
     module = build_module(cfg)
     assert module.hparams.prompts_per_step == 16 and (module.critic is not None) == (

@@ -227,11 +227,11 @@ def _nccl_worker(rank: int, world: int, port: int, queue) -> None:  # noqa: ANN0
 def test_cuda_graph_decode_on_nccl_tp2_and_pp2_matches_eager() -> None:
     import torch.multiprocessing as mp
 
-    from nereus_lightning.testing.pool import _free_port
+    from nereus_lightning.testing.pool import free_port
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_nccl_worker, args=(r, 2, port, queue)) for r in range(2)]
     for p in procs:
         p.start()

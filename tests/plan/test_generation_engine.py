@@ -123,11 +123,8 @@ def test_the_engine_settings_reach_the_planner_from_the_configs(tmp_path):
     """The engine settings of nereus-plan (workload.generation_engine) and nereus-train (algorithm.vllm)."""
     import json
 
-    from hydra import compose, initialize_config_dir
-
-    from nereus_lightning.cli._hydra import CONFIG_ROOT
     from nereus_lightning.cli.plan import plan_config, plan_from_config
-    from nereus_lightning.cli.train import _workload
+    from nereus_lightning.cli.train import _workload, train_config
 
     out = tmp_path / "plan.json"
     overrides = [
@@ -143,9 +140,5 @@ def test_the_engine_settings_reach_the_planner_from_the_configs(tmp_path):
     assert row["peak_memory_bytes"] >= 0.3 * H200.gpu_memory
     assert json.loads(out.read_text())["workload"]["generation_engine"]["gpu_memory_utilization"] == 0.3
 
-    with initialize_config_dir(config_dir=str(CONFIG_ROOT), version_base="1.3"):
-        cfg = compose(
-            config_name="train",
-            overrides=["algorithm=grpo", "algorithm.rollout_engine=vllm", "algorithm.vllm.block_size=32"],
-        )
+    cfg = train_config(["algorithm=grpo", "algorithm.rollout_engine=vllm", "algorithm.vllm.block_size=32"])
     assert _workload(cfg, 64.0).generation_engine == _vllm(0.5, block_size=32)

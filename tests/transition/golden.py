@@ -37,7 +37,8 @@ from nereus_lightning.plan.layout import Plan
 from nereus_lightning.spec.errors import InfeasiblePlanError
 from nereus_lightning.transition import TransitionDAG, build_transition, per_component_baseline, validate
 from nereus_lightning.transition.scenarios import OVERLAP_KINDS, random_case, random_colocated_case
-from tests.transition.helpers import MODELS, PPO, cand, plan, with_memory
+from tests.helpers import cand, plan
+from tests.transition.helpers import MODELS, PPO, with_memory
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).with_name("golden_dags.json")

@@ -12,7 +12,8 @@ from nereus_lightning.plan.overlap import colocated
 from nereus_lightning.spec.errors import InfeasiblePlanError
 from nereus_lightning.transition import Primitive, build_transition, validate
 from nereus_lightning.transition.scenarios import random_colocated_case
-from tests.transition.helpers import CLUSTER, MODELS, PPO, cand, plan, with_memory, without_resource_edges
+from tests.helpers import cand, plan
+from tests.transition.helpers import CLUSTER, MODELS, PPO, with_memory, without_resource_edges
 from tests.transition.test_properties import check_transition
 
 STAGE_OF = {ms.name: ms.stage for ms in PPO.stages}

@@ -17,13 +17,12 @@ from nereus_lightning.transition import (
     validate,
 )
 from nereus_lightning.transition.pieces import geometry, shard_bytes
+from tests.helpers import cand, plan
 from tests.transition.helpers import (
     CLUSTER,
     MODELS,
     PPO,
-    cand,
     lanes,
-    plan,
     with_memory,
     with_nodes,
     without_resource_edges,

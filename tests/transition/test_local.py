@@ -14,7 +14,8 @@ from nereus_lightning.transition.dag import memory_growth
 from nereus_lightning.transition.local import local_dag, plan_extends
 from nereus_lightning.transition.pieces import geometry
 from nereus_lightning.transition.scenarios import OVERLAP_KINDS, random_case
-from tests.transition.helpers import CLUSTER, MODELS, PPO, cand, lanes, plan, with_memory
+from tests.helpers import cand, plan
+from tests.transition.helpers import CLUSTER, MODELS, PPO, lanes, with_memory
 
 BIG = with_memory(400).with_gpus(256)  # memory is not what the layout cases test
 

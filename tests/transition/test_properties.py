@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from nereus_lightning.spec.errors import InfeasiblePlanError
 from nereus_lightning.transition import build_transition, per_component_baseline, validate
 from nereus_lightning.transition.scenarios import OVERLAP_KINDS, TransitionCase, random_case
-from tests.transition.helpers import CLUSTER, MODELS, PPO, cand, plan
+from tests.helpers import cand, plan
+from tests.transition.helpers import CLUSTER, MODELS, PPO
 
 SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)
 

@@ -27,9 +27,10 @@ if vllm_available():
 @pytest.fixture(scope="session")
 def job(tmp_path_factory):
     """The user's files: a tiny Qwen2 folder vLLM runs (head_dim 64, fp32) and train prompts."""
-    from tests.vllm.helpers import make_job
+    from tests.helpers import word_problem_job
+    from tests.vllm.helpers import MODEL, VOCAB
 
-    return make_job(str(tmp_path_factory.mktemp("vllm_job")))
+    return word_problem_job(str(tmp_path_factory.mktemp("vllm_job")), VOCAB, **MODEL)
 
 
 @pytest.fixture(scope="session")

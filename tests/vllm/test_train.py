@@ -14,9 +14,8 @@ import json
 import os
 
 import pytest
-from hydra import compose, initialize_config_dir
 
-from nereus_lightning.cli._hydra import CONFIG_ROOT
+from nereus_lightning.cli.train import train_config
 from tests.vllm.conftest import VLLM
 
 pytestmark = [*VLLM, pytest.mark.distributed]
@@ -48,8 +47,7 @@ def _train(job, out, monkeypatch, plans):
         f"trainer.max_steps={STEPS}",
         "save_checkpoint=false",
     ]
-    with initialize_config_dir(config_dir=str(CONFIG_ROOT), version_base="1.3"):
-        summary = run(compose(config_name="train", overrides=overrides))
+    summary = run(train_config(overrides))
     records = [json.loads(line) for path in sorted(glob.glob(str(checks / "*.jsonl"))) for line in open(path)]
     rows = [r for r in csv.DictReader(open(summary["metrics_csv"])) if r.get("critic/score/mean")]
     return summary, records, rows

@@ -17,12 +17,20 @@ import glob
 import json
 import os
 import sys
+from collections.abc import Sequence
 from typing import Any
 
-from nereus_lightning.cli._hydra import CONFIG_ROOT, to_dict
+from omegaconf import DictConfig
+
+from nereus_lightning.cli._hydra import CONFIG_ROOT, compose, to_dict
 from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
 
 CONFIG_DIR = str(CONFIG_ROOT)
+
+
+def train_config(overrides: Sequence[str] = ()) -> DictConfig:
+    """The composed nereus-train config with command-line style ``overrides`` (what :func:`run` takes)."""
+    return compose(CONFIG_ROOT, "train", overrides)
 
 
 #: ``trainer.*`` keys that configure nereus, not ``lightning.Trainer``.
@@ -513,7 +521,6 @@ def main() -> None:
     # child whose parent already ran a multi-threaded OpenMP region can hang in its first one.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import hydra
-    from omegaconf import DictConfig
 
     from nereus_lightning.cli._help import register_help_resolver
 

@@ -23,7 +23,8 @@ class WorkerError(RuntimeError):
     """A function raised on one or more ranks."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (for a rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -70,7 +71,7 @@ class WorkerPool:
             "MASTER_ADDR": "127.0.0.1",
             "NEREUS_PG_TIMEOUT": os.environ.get("NEREUS_PG_TIMEOUT", "120"),
         }
-        port = _free_port()
+        port = free_port()
         self._procs = [
             ctx.Process(
                 target=_worker, args=(r, world_size, port, self._inboxes[r], self._outbox, env), daemon=True
