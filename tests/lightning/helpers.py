@@ -90,6 +90,25 @@ def rollout_and_scores(rank: int, world_size: int, placement: dict) -> dict:
     }
 
 
+def quiet_trainer(devices: int, strategy, max_steps: int, callbacks: list, logger, **kwargs):  # noqa: ANN001, ANN201
+    """A CPU ``Trainer`` logging every step, without a bar, a model summary or (unless asked) checkpoints."""
+    import lightning.pytorch as pl
+
+    kwargs.setdefault("enable_checkpointing", False)
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=max_steps,
+        callbacks=callbacks,
+        logger=logger,
+        log_every_n_steps=1,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+        **kwargs,
+    )
+
+
 def fit(
     tmp: str,
     devices: int,
@@ -135,19 +154,14 @@ def fit(
                 auto_insert_metric_name=False,
             )
         )
-    logger = pl.loggers.CSVLogger(tmp, name="logs")
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=NereusStrategy(write_back=write_back),
+    trainer = quiet_trainer(
+        devices,
+        NereusStrategy(write_back=write_back),
+        max_steps,
+        callbacks,
+        pl.loggers.CSVLogger(tmp, name="logs"),
         precision=precision,
-        max_steps=max_steps,
-        callbacks=callbacks,
-        logger=logger,
-        log_every_n_steps=1,
         enable_checkpointing=bool(every),
-        enable_model_summary=False,
-        enable_progress_bar=False,
     )
     trainer.fit(module, ckpt_path=ckpt_path)
     files = sorted(glob.glob(os.path.join(tmp, "logs", "*", "metrics.csv")), key=os.path.getmtime)

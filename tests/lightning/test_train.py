@@ -66,7 +66,7 @@ def test_a_given_plan_is_where_training_starts(tmp_path):
 
     from nereus_lightning.control import PoolFollower
     from nereus_lightning.lightning import NereusCallback, NereusStrategy, PPOModule
-    from tests.lightning.helpers import plan_of, small_task
+    from tests.lightning.helpers import plan_of, quiet_trainer, small_task
 
     plan = plan_of(
         "ppo",
@@ -80,18 +80,8 @@ def test_a_given_plan_is_where_training_starts(tmp_path):
         },
     )  # PP2 training, dp1 generation
     module = PPOModule(task=small_task(), seed=3, prompts_per_step=4)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=NereusStrategy(plan=plan),
-        max_steps=1,
-        callbacks=[NereusCallback(controller=PoolFollower("ppo"))],
-        logger=pl.loggers.CSVLogger(tmp_path),
-        log_every_n_steps=1,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    callbacks = [NereusCallback(controller=PoolFollower("ppo"))]
+    trainer = quiet_trainer(2, NereusStrategy(plan=plan), 1, callbacks, pl.loggers.CSVLogger(tmp_path))
     trainer.fit(module)
     import csv
     import glob

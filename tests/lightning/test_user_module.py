@@ -25,7 +25,7 @@ from nereus_lightning.models import MicroBatch, forward_logits, train_step
 from nereus_lightning.plan.layout import Plan
 from nereus_lightning.spec import Workload
 from nereus_lightning.testing.tiny import VOCAB, tiny_model
-from tests.lightning.helpers import plan_of
+from tests.lightning.helpers import plan_of, quiet_trainer
 
 pytestmark = pytest.mark.distributed
 
@@ -156,19 +156,10 @@ class StateRecord(pl.Callback):
 
 def test_a_users_module_trains_across_dp_and_tp_pp_changes(tmp_path):
     record = str(tmp_path / "record.jsonl")
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=4,
-        strategy=NereusStrategy(export_hf=False),
-        max_steps=5,
-        # before NereusCallback: its batch end runs before the transition
-        callbacks=[StateRecord(record), NereusCallback(controller=Scripted())],
-        logger=pl.loggers.CSVLogger(tmp_path, name="logs"),
-        log_every_n_steps=1,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    # StateRecord before NereusCallback: its batch end runs before the transition
+    callbacks = [StateRecord(record), NereusCallback(controller=Scripted())]
+    logger = pl.loggers.CSVLogger(tmp_path, name="logs")
+    trainer = quiet_trainer(4, NereusStrategy(export_hf=False), 5, callbacks, logger)
     trainer.fit(Reinforce())
     assert trainer.state.finished  # (the ranks ran in forked processes: their step counts are below)
     rows = [json.loads(line) for line in open(record)]
