@@ -21,7 +21,7 @@ done
 python3 -m cProfile -o "$out/fit.prof" benchmarks/gpu_fit.py --algorithm "${ALGORITHM:-grpo}" \
   --out /tmp/fitout "$@" > "$out/fit.log" 2>&1
 echo "fit rc=$?"; tail -8 "$out/fit.log"
-python3 - "$out/fit.prof" <<'PY'
+python3 - "$out/fit.prof" > "$out/fit_stats.txt" <<'PY'
 import pstats, sys
 s = pstats.Stats(sys.argv[1])
 s.sort_stats("cumulative").print_stats(
@@ -29,3 +29,4 @@ s.sort_stats("cumulative").print_stats(
     r"_teardown|destroy|export|summarize|print_summary|_run_train|fit_loop|on_train_batch_end|_offload|onload")
 s.sort_stats("tottime").print_stats(25)
 PY
+head -c 7000 "$out/fit_stats.txt"
