@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import faulthandler
 import glob
 import json
 import os
@@ -53,6 +54,11 @@ def main() -> None:
     parser.add_argument(
         "--trainer", default="gpu", help="the trainer config group: gpu, or cpu for a check here"
     )
+    parser.add_argument(
+        "--trace-end",
+        default=None,
+        help="sample every thread's stack every 0.2 s after the last step into this file",
+    )
     parser.add_argument("overrides", nargs="*", help="more nereus-train overrides, e.g. export_hf=false")
     args = parser.parse_args()
 
@@ -72,6 +78,8 @@ def main() -> None:
         if trainer.global_rank == 0:
             with open(ends, "a") as f:
                 f.write(f"{time.time()}\n")
+        if args.trace_end and trainer.global_step >= args.steps:  # faulthandler: wall-clock samples
+            faulthandler.dump_traceback_later(0.2, repeat=True, file=trace)
 
     NereusCallback.on_train_batch_end = on_train_batch_end
     samples = 4 if args.algorithm == "grpo" else 1
@@ -88,9 +96,11 @@ def main() -> None:
         cfg = compose(config_name="train", overrides=overrides)
     out.mkdir(parents=True, exist_ok=True)
     ends.unlink(missing_ok=True)
+    trace = open(args.trace_end, "w") if args.trace_end else None
     start = time.time()
     summary = run(cfg)
     done = time.time()
+    faulthandler.cancel_dump_traceback_later()
     last_end = float(open(ends).read().split()[-1])
     files = sorted(glob.glob(str(out / "logs" / "*" / "metrics.csv")), key=os.path.getmtime)
     rows = [r for r in csv.DictReader(open(files[-1])) if r.get("critic/score/mean")]

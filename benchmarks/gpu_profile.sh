@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200: where the time goes. The static decode step's kernels (torch.profiler), the disk's write
-# speed, and nereus-train's end of fit under cProfile (GRPO, 0.5B, export_hf=false). Needs the wheels
+# speed, and nereus-train's end of fit as stack samples (GRPO, 0.5B, export_hf=false). Needs the wheels
 # of the README's "One GPU" section in .whl/. Output under $OUT (or /tmp/profile).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,15 +18,7 @@ for dir in /tmp "$PWD"; do
   echo "disk $dir: 1 GiB in $(python3 -c "print(round($(date +%s.%N) - $start, 2))") s (urandom + fsync)"
   rm -f "$dir/ddtest"
 done
-python3 -m cProfile -o "$out/fit.prof" benchmarks/gpu_fit.py --algorithm "${ALGORITHM:-grpo}" \
-  --out /tmp/fitout "$@" > "$out/fit.log" 2>&1
-echo "fit rc=$?"; tail -8 "$out/fit.log"
-python3 - "$out/fit.prof" > "$out/fit_stats.txt" <<'PY'
-import pstats, sys
-s = pstats.Stats(sys.argv[1])
-s.sort_stats("cumulative").print_stats(
-    r"save_checkpoint|save_state|save_tensors|dcp|nonfinite|on_train_end|teardown|write_back|barrier|"
-    r"_teardown|destroy|export|summarize|print_summary|_run_train|fit_loop|on_train_batch_end|_offload|onload")
-s.sort_stats("tottime").print_stats(25)
-PY
-head -c 7000 "$out/fit_stats.txt"
+python3 benchmarks/gpu_fit.py --algorithm "${ALGORITHM:-grpo}" --out /tmp/fitout \
+  --trace-end "$out/end_trace.txt" "$@" > "$out/fit.log" 2>&1
+echo "fit rc=$?"; grep -E "fit_s|last_step_to_fit_end|timing_s/step" "$out/fit.log"
+python3 benchmarks/stack_samples.py "$out/end_trace.txt" | tee "$out/end_samples.txt" | head -60

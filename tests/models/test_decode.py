@@ -57,9 +57,9 @@ def eager_decode(unit: ShardedCausalLM, ids, mask, n: int, **kw):  # noqa: ANN00
     return out, torch.stack(seen, 1)
 
 
-def fast_decode(unit: ShardedCausalLM, ids, mask, n: int, **kw):  # noqa: ANN001, ANN201
+def fast_decode(unit: ShardedCausalLM, ids, mask, n: int, compiled: bool = False, **kw):  # noqa: ANN001, ANN201
     """The static decode's responses, then its decoder driven step by step for its logits ``[B, n, V]``."""
-    out = StaticDecodeEngine(unit, EOS, 0).generate(ids, mask, n, **kw)
+    out = StaticDecodeEngine(unit, EOS, 0, compiled=compiled).generate(ids, mask, n, **kw)
     decoder = decode._DECODERS[unit]
     decoder.start(unit, ids, mask, kw.get("sample_seeds"))
     logits = [decoder.logits.float().clone()]  # the decoder's buffer is overwritten every step
@@ -69,11 +69,13 @@ def fast_decode(unit: ShardedCausalLM, ids, mask, n: int, **kw):  # noqa: ANN001
     return out, torch.stack(logits, 1)
 
 
-def compare(unit: ShardedCausalLM, ids, mask, seeds, n: int, sampling: dict) -> dict[str, object]:  # noqa: ANN001
+def compare(  # noqa: ANN001
+    unit: ShardedCausalLM, ids, mask, seeds, n: int, sampling: dict, compiled: bool = False
+) -> dict[str, object]:
     """Same tokens and masks; the largest decode-step logit difference (last-stage ranks hold logits)."""
     kw = sampling if sampling.get("do_sample", True) is False else {**sampling, "sample_seeds": seeds}
     want, want_logits = eager_decode(unit, ids, mask, n, **kw)
-    got, got_logits = fast_decode(unit, ids, mask, n, **kw)
+    got, got_logits = fast_decode(unit, ids, mask, n, compiled, **kw)
     steps = want_logits.shape[1]
     err = float((want_logits - got_logits[:, :steps]).abs().max()) if unit.comm.is_last_stage else 0.0
     return {
@@ -84,24 +86,26 @@ def compare(unit: ShardedCausalLM, ids, mask, seeds, n: int, sampling: dict) -> 
     }
 
 
-def _decode_on_replicas(rank: int, world: int, kind: str) -> dict[str, object]:
+def _decode_on_replicas(rank: int, world: int, kind: str, compiled: bool) -> dict[str, object]:
     model = tiny_model(kind)
     tied = bool(model.config.tie_word_embeddings)
     out: dict[str, object] = {}
-    for tp, pp in LAYOUTS:
+    for tp, pp in LAYOUTS[1:3] if compiled else LAYOUTS:  # compiled: TP2 and PP2 (compiling is slow here)
         index, comm = my_replica(rank, world, Layout(tp, pp), tied)
         unit = ShardedCausalLM.from_model(model, comm)
         ids, mask, seeds = _prompts(index)
         for name in DISTRIBUTED_SAMPLINGS:
-            for key, value in compare(unit, ids, mask, seeds, STEPS, SAMPLINGS[name]).items():
+            for key, value in compare(unit, ids, mask, seeds, STEPS, SAMPLINGS[name], compiled).items():
                 out[f"tp{tp}pp{pp}/{name}/{key}"] = value
     return out
 
 
-@pytest.mark.parametrize("kind", ["gqa_tied", "mistral"])
-def test_static_decode_matches_eager_on_tp_and_pp_replicas(dist4, kind: str) -> None:
-    for rank, out in enumerate(dist4.run(_decode_on_replicas, kind)):
-        for tp, pp in LAYOUTS:
+@pytest.mark.parametrize(
+    ("kind", "compiled"), [("gqa_tied", False), ("mistral", False), ("gqa_tied", True)]
+)  # compiled: TP collectives and pipeline sends around a torch.compile'd stage
+def test_static_decode_matches_eager_on_tp_and_pp_replicas(dist4, kind: str, compiled: bool) -> None:
+    for rank, out in enumerate(dist4.run(_decode_on_replicas, kind, compiled)):
+        for tp, pp in LAYOUTS[1:3] if compiled else LAYOUTS:
             for name in DISTRIBUTED_SAMPLINGS:
                 key = f"tp{tp}pp{pp}/{name}"
                 assert out[f"{key}/same_tokens"], f"rank {rank} {kind} {key}: tokens differ"
@@ -151,11 +155,19 @@ def test_a_decoder_is_kept_per_shape_and_rebuilt_when_the_weights_move(device: s
     assert compare(unit, ids, mask, seeds, 9, {})["same_tokens"]  # another length: another decoder
 
 
-def test_the_decode_mode_picks_static_on_cuda_only_when_auto() -> None:
+def test_the_decode_mode_picks_compiled_on_cuda_only_when_auto() -> None:
     unit = ShardedCausalLM.from_model(tiny_model("llama"), ReplicaComm.single())
-    assert [decode.use_static_decode(m, unit) for m in ("auto", "eager", "static")] == [False, False, True]
+    modes = ("auto", "eager", "static", "compiled")
+    assert [decode.decode_path(m, unit) for m in modes] == ["eager", "eager", "static", "compiled"]
     with pytest.raises(NereusConfigError, match="algorithm.decode.*'fast' is not one of"):
-        decode.use_static_decode("fast", unit)
+        decode.decode_path("fast", unit)
+
+
+def test_the_compiled_stage_samples_the_eager_tokens_on_the_cpu() -> None:
+    unit = ShardedCausalLM.from_model(tiny_model("qwen2"), ReplicaComm.single())
+    ids, mask, seeds = _prompts(0, rows=4, width=9)
+    result = compare(unit, ids, mask, seeds, 6, SAMPLINGS["sampled"], compiled=True)
+    assert result["same_tokens"] and result["logit_err"] <= TOL, result
 
 
 def test_a_value_model_is_refused() -> None:
@@ -169,10 +181,11 @@ def test_a_value_model_is_refused() -> None:
 @needs_cuda
 @pytest.mark.parametrize("kind", ["qwen2", "mistral"])
 @pytest.mark.parametrize("sampling", sorted(SAMPLINGS))
-def test_cuda_graph_decode_matches_eager_in_fp32(kind: str, sampling: str) -> None:
+@pytest.mark.parametrize("compiled", [False, True], ids=["static", "compiled"])
+def test_cuda_graph_decode_matches_eager_in_fp32(kind: str, sampling: str, compiled: bool) -> None:
     unit = ShardedCausalLM.from_model(tiny_model(kind).cuda(), ReplicaComm.single())
     ids, mask, seeds = _prompts(0, rows=8, width=20, device="cuda")
-    result = compare(unit, ids, mask, seeds, 24, SAMPLINGS[sampling])
+    result = compare(unit, ids, mask, seeds, 24, SAMPLINGS[sampling], compiled)
     assert result["same_tokens"], f"{kind} {sampling}: tokens differ"
     assert result["logit_err"] <= TOL, (
         f"{kind} {sampling}: decode-step logits differ by {result['logit_err']}"
@@ -181,11 +194,12 @@ def test_cuda_graph_decode_matches_eager_in_fp32(kind: str, sampling: str) -> No
 
 @pytest.mark.gpu
 @needs_cuda
-def test_cuda_graph_decode_in_bf16_samples_nearly_the_eager_tokens() -> None:
+@pytest.mark.parametrize("compiled", [False, True], ids=["static", "compiled"])
+def test_cuda_graph_decode_in_bf16_samples_nearly_the_eager_tokens(compiled: bool) -> None:
     unit = ShardedCausalLM.from_model(tiny_model("qwen2").to("cuda", torch.bfloat16), ReplicaComm.single())
     ids, mask, seeds = _prompts(0, rows=16, width=20, device="cuda")
     want, want_logits = eager_decode(unit, ids, mask, 32, sample_seeds=seeds)
-    got, got_logits = fast_decode(unit, ids, mask, 32, sample_seeds=seeds)
+    got, got_logits = fast_decode(unit, ids, mask, 32, compiled, sample_seeds=seeds)
     differ = (want.response_ids != got.response_ids).float().mean().item()
     print(f"bf16: {differ:.1%} of the tokens differ from the eager path's")
     # Until a row's tokens part, both paths read the same sequence: logits agree to bf16 precision.

@@ -50,7 +50,7 @@ from nereus_lightning.lightning.stages import (
     run_stages_rows,
 )
 from nereus_lightning.lightning.strategy import NereusStrategy
-from nereus_lightning.models.decode import DECODE_MODES, StaticDecodeEngine, use_static_decode
+from nereus_lightning.models.decode import DECODE_MODES, StaticDecodeEngine, decode_path
 from nereus_lightning.models.generation import ShardedGenerator
 from nereus_lightning.rl import algorithm as rl
 from nereus_lightning.rl import losses
@@ -722,8 +722,9 @@ class RLModule(L.LightningModule):
         if self.hparams.rollout_engine == "vllm":
             return VLLMEngine(strategy.vllm_engine(model_stage), eos, tok.pad_token_id)
         unit = strategy.stage(model_stage)
-        if unit is not None and use_static_decode(self.hparams.decode, unit):
-            return StaticDecodeEngine(unit, eos, tok.pad_token_id)  # its decoder is cached per unit
+        path = None if unit is None else decode_path(self.hparams.decode, unit)
+        if unit is not None and path != "eager":  # its decoder is cached per unit
+            return StaticDecodeEngine(unit, eos, tok.pad_token_id, compiled=path == "compiled")
         return HFGenerateEngine(self.stage_model(strategy, model_stage), eos, tok.pad_token_id)
 
     def infer(self, strategy: NereusStrategy, batch: RolloutBatch) -> dict[str, Tensor]:

@@ -295,6 +295,11 @@ class ShardedCausalLM(nn.Module):
         )
         device = devices.pop()
         self._keep_stage(family, stage.keys())
+        # The layers' KV-cache argument, read here rather than in stage() (which torch.compile traces).
+        # The ignore: mypy checks a class passed to a functools.cache function against Hashable
+        # through its instances' unbound __hash__ (a false positive; classes hash).
+        first = type(self.model.layers[str(self.layer_ids[0])])
+        self._cache_argument = _layer_cache_kwarg(first) if supports_kv_cache() else None  # type: ignore[arg-type]
         for name, tensor in shards.items():
             owner, _, leaf = name.rpartition(".")
             setattr(self.get_submodule(owner), leaf, _as_param(tensor))
@@ -445,10 +450,8 @@ class ShardedCausalLM(nn.Module):
         position_embeddings = self.model.rotary_emb(hidden, position_ids)
         with_cache: dict[str, Any] = {}
         if cache is not None:
-            # The ignore: mypy checks a class passed to a functools.cache function against Hashable
-            # through its instances' unbound __hash__ (a false positive; classes hash).
-            name = _layer_cache_kwarg(type(self.model.layers[str(self.layer_ids[0])]))  # type: ignore[arg-type]
-            if name is None or not supports_kv_cache():
+            name = self._cache_argument
+            if name is None:
                 raise NereusConfigError(
                     "cache: this transformers version cannot size masks by a stage's own cache layers; "
                     "decode without a cache"
