@@ -6,7 +6,9 @@ long (no eos: ``ignore_eos``). Both engines sample with the same per-row seeds:
 
 - eager: ``HFGenerateEngine`` over ``ShardedGenerator`` (transformers ``generate``, dynamic cache);
 - static: ``models.decode.StaticDecodeEngine`` (static KV cache, prefill eager, decode steps replayed
-  as CUDA graphs). Its first call builds the decoder (cache and graph capture); later calls reuse it.
+  as CUDA graphs; ``--mode compiled``, the default: the stage's forward compiled by torch.compile
+  before capture). Its first call builds the decoder (compile, cache and graph capture); later calls
+  reuse it.
 
 Printed: ms per decoded token (whole ``generate`` / new tokens) and generated tokens/s for both,
 the static path's prefill and per-step time, the one-off capture time, the memory-bandwidth floor of
@@ -108,13 +110,15 @@ def peak_gib() -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if DEVICE.type == "cuda" else 0.0
 
 
-def engines(unit) -> tuple[Any, Any]:  # noqa: ANN001
-    """The eager and the static engine over ``unit``, both without an eos (fixed-length responses)."""
+def engines(unit, mode: str) -> tuple[Any, Any]:  # noqa: ANN001
+    """The eager and the static engine (``mode``: static or compiled) over ``unit``, both without an
+    eos (fixed-length responses)."""
     from nereus_lightning.models.decode import StaticDecodeEngine
     from nereus_lightning.models.generation import ShardedGenerator
     from nereus_lightning.rl.rollout import HFGenerateEngine
 
-    return HFGenerateEngine(ShardedGenerator(unit), None, 0), StaticDecodeEngine(unit, None, 0)
+    fast = StaticDecodeEngine(unit, None, 0, compiled=mode == "compiled")
+    return HFGenerateEngine(ShardedGenerator(unit), None, 0), fast
 
 
 def speed(unit, args: argparse.Namespace) -> dict[str, Any]:  # noqa: ANN001
@@ -123,7 +127,7 @@ def speed(unit, args: argparse.Namespace) -> dict[str, Any]:  # noqa: ANN001
 
     vocab = unit.config.vocab_size
     ids, mask, seeds = prompts(args.batch, args.prompt_len, vocab)
-    eager, static = engines(unit)
+    eager, static = engines(unit, args.mode)
     n = args.new_tokens
     eager.generate(ids, mask, 4, sample_seeds=seeds)  # warm-up (kernels, allocator)
     reset_peak()
@@ -202,7 +206,7 @@ def fp32_check(shape: str, args: argparse.Namespace) -> dict[str, Any]:
     unit = build_unit(shape, torch.float32)
     vocab = unit.config.vocab_size
     ids, mask, seeds = prompts(args.batch, args.prompt_len, vocab)
-    eager, static = engines(unit)
+    eager, static = engines(unit, args.mode)
     n = args.fp32_tokens
     seen: list[torch.Tensor] = []
     eager.model.register_forward_hook(
@@ -231,6 +235,7 @@ def main() -> None:
     )
     parser.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument("--mode", choices=("static", "compiled"), default="compiled")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
