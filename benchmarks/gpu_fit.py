@@ -6,7 +6,7 @@ checks: that the job runs, the plan it ran (colocated groups), per-stage peak me
 (``perf/max_memory_allocated_gb/<stage>``), seconds per stage, and the time from the end of the
 last step to the end of ``fit`` (the shell wrapper adds interpreter exit).
 
-Usage: python benchmarks/gpu_fit.py --algorithm grpo --root /tmp/job --out results/ [hydra overrides]
+Usage: python benchmarks/gpu_fit.py --algorithm grpo --root /tmp/job --out results/ [--phases] [overrides]
 (e.g. ``export_hf=false``: the end of ``fit`` without a Hugging Face export).
 """
 
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import argparse
 import csv
-import faulthandler
 import glob
+import importlib
 import json
 import os
 import sys
@@ -43,6 +43,51 @@ def _job(root: Path, shape: str) -> dict[str, str]:
     }
 
 
+#: What runs between the last step and the end of ``fit`` (``--phases`` times each call).
+PHASES = (
+    "nereus_lightning.lightning.callback.NereusCallback.on_train_batch_end",
+    "nereus_lightning.lightning.callback.NereusCallback.on_train_end",
+    "nereus_lightning.lightning.strategy.NereusStrategy.save_checkpoint",
+    "nereus_lightning.lightning.strategy.NereusStrategy._checked_for_save",
+    "nereus_lightning.lightning.strategy.NereusStrategy.on_train_end",
+    "nereus_lightning.lightning.strategy.NereusStrategy.teardown",
+    "nereus_lightning.lightning.emu_state.EMUStates.save",
+    "nereus_lightning.emu.checkpoint.save_tensors",
+    "nereus_lightning.lightning.console.print_summary",
+    "nereus_lightning.cli.train.summarize",
+    "lightning.pytorch.callbacks.ModelCheckpoint.on_train_epoch_end",
+    "lightning.pytorch.callbacks.ModelCheckpoint.on_validation_end",
+    "lightning.pytorch.callbacks.ModelCheckpoint.on_train_end",
+    "lightning.pytorch.trainer.trainer.Trainer._teardown",
+    "torch.distributed.destroy_process_group",
+)
+
+
+def _time_calls(path: str, events: list[tuple[str, float, float]]) -> None:
+    """Wrap the function or method at ``path`` (module.attr or module.Class.attr) to record its calls."""
+    parts = path.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            owner = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:-1]:
+            owner = getattr(owner, name)
+        break
+    original = getattr(owner, parts[-1], None)
+    if original is None:
+        return
+
+    def timed(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        begin = time.time()
+        try:
+            return original(*a, **k)
+        finally:
+            events.append((path.rsplit(".", 2)[-2] + "." + parts[-1], begin, time.time()))
+
+    setattr(owner, parts[-1], timed)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--algorithm", default="grpo", choices=["grpo", "ppo"])
@@ -55,9 +100,7 @@ def main() -> None:
         "--trainer", default="gpu", help="the trainer config group: gpu, or cpu for a check here"
     )
     parser.add_argument(
-        "--trace-end",
-        default=None,
-        help="sample every thread's stack every 0.2 s after the last step into this file",
+        "--phases", action="store_true", help="time the end-of-fit phases (PHASES)"
     )
     parser.add_argument("overrides", nargs="*", help="more nereus-train overrides, e.g. export_hf=false")
     args = parser.parse_args()
@@ -78,8 +121,6 @@ def main() -> None:
         if trainer.global_rank == 0:
             with open(ends, "a") as f:
                 f.write(f"{time.time()}\n")
-        if args.trace_end and trainer.global_step >= args.steps:  # faulthandler: wall-clock samples
-            faulthandler.dump_traceback_later(0.2, repeat=True, file=trace)
 
     NereusCallback.on_train_batch_end = on_train_batch_end
     samples = 4 if args.algorithm == "grpo" else 1
@@ -96,11 +137,13 @@ def main() -> None:
         cfg = compose(config_name="train", overrides=overrides)
     out.mkdir(parents=True, exist_ok=True)
     ends.unlink(missing_ok=True)
-    trace = open(args.trace_end, "w") if args.trace_end else None
+    events: list[tuple[str, float, float]] = []
+    if args.phases:
+        for phase in PHASES:
+            _time_calls(phase, events)
     start = time.time()
     summary = run(cfg)
     done = time.time()
-    faulthandler.cancel_dump_traceback_later()
     last_end = float(open(ends).read().split()[-1])
     files = sorted(glob.glob(str(out / "logs" / "*" / "metrics.csv")), key=os.path.getmtime)
     rows = [r for r in csv.DictReader(open(files[-1])) if r.get("critic/score/mean")]
@@ -118,6 +161,11 @@ def main() -> None:
     (out / "result.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "plan"}, indent=1))
     print("plan:", json.dumps(result["plan"]))
+    if args.phases:
+        print(f"phases after the last step (s from its end; fit ended at {done - last_end:.2f}):")
+        for name, begin, end in sorted(events, key=lambda e: e[1]):
+            if end >= last_end - 1e-3:
+                print(f"  {begin - last_end:8.2f} {end - last_end:8.2f}  {end - begin:7.2f}  {name}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200: where the time goes. The static decode step's kernels (torch.profiler), the disk's write
-# speed, and nereus-train's end of fit as stack samples (GRPO, 0.5B, export_hf=false). Needs the wheels
+# speed, and when nereus-train's end-of-fit phases ran (GRPO, 0.5B, export_hf=false). Needs the wheels
 # of the README's "One GPU" section in .whl/. Output under $OUT (or /tmp/profile).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +18,5 @@ for dir in /tmp "$PWD"; do
   echo "disk $dir: 1 GiB in $(python3 -c "print(round($(date +%s.%N) - $start, 2))") s (urandom + fsync)"
   rm -f "$dir/ddtest"
 done
-python3 benchmarks/gpu_fit.py --algorithm "${ALGORITHM:-grpo}" --out /tmp/fitout \
-  --trace-end "$out/end_trace.txt" "$@" > "$out/fit.log" 2>&1
-echo "fit rc=$?"; grep -E "fit_s|last_step_to_fit_end|timing_s/step" "$out/fit.log"
-python3 benchmarks/stack_samples.py "$out/end_trace.txt" | tee "$out/end_samples.txt" | head -60
+python3 benchmarks/gpu_fit.py --algorithm "${ALGORITHM:-grpo}" --out /tmp/fitout --phases "$@" > "$out/fit.log" 2>&1
+echo "fit rc=$?"; grep -E "fit_s|last_step_to_fit_end|timing_s/step" "$out/fit.log"; sed -n '/^phases after/,$p' "$out/fit.log"

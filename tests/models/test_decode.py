@@ -87,7 +87,7 @@ def compare(  # noqa: ANN001
 
 
 def _decode_on_replicas(rank: int, world: int, kind: str, compiled: bool) -> dict[str, object]:
-    model = tiny_model(kind)
+    model = tiny_model(kind, attn_implementation="sdpa" if compiled else "eager")
     tied = bool(model.config.tie_word_embeddings)
     out: dict[str, object] = {}
     for tp, pp in LAYOUTS[1:3] if compiled else LAYOUTS:  # compiled: TP2 and PP2 (compiling is slow here)
@@ -163,8 +163,24 @@ def test_the_decode_mode_picks_compiled_on_cuda_only_when_auto() -> None:
         decode.decode_path("fast", unit)
 
 
+def test_the_packed_decode_attention_is_transformers_sdpa() -> None:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    gen = torch.Generator().manual_seed(3)
+    module = torch.nn.Module()
+    module.num_key_value_groups = 4
+    query, key, value = (torch.randn(3, h, s, 16, generator=gen) for h, s in ((8, 1), (2, 11), (2, 11)))
+    mask = torch.zeros(3, 1, 1, 11).masked_fill_(torch.rand(3, 1, 1, 11, generator=gen) < 0.3, -1e30)
+    want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)
+    got, _ = decode.decode_attention(module, query, key, value, mask, scaling=0.25)
+    assert got.shape == want.shape == (3, 1, 8, 16)
+    assert torch.allclose(got, want, atol=1e-6), float((got - want).abs().max())
+
+
 def test_the_compiled_stage_samples_the_eager_tokens_on_the_cpu() -> None:
-    unit = ShardedCausalLM.from_model(tiny_model("qwen2"), ReplicaComm.single())
+    model = tiny_model("qwen2", attn_implementation="sdpa")  # GQA through the packed decode attention
+    unit = ShardedCausalLM.from_model(model, ReplicaComm.single())
+    assert unit.local_config._attn_implementation == "sdpa"
     ids, mask, seeds = _prompts(0, rows=4, width=9)
     result = compare(unit, ids, mask, seeds, 6, SAMPLINGS["sampled"], compiled=True)
     assert result["same_tokens"] and result["logit_err"] <= TOL, result
@@ -183,7 +199,8 @@ def test_a_value_model_is_refused() -> None:
 @pytest.mark.parametrize("sampling", sorted(SAMPLINGS))
 @pytest.mark.parametrize("compiled", [False, True], ids=["static", "compiled"])
 def test_cuda_graph_decode_matches_eager_in_fp32(kind: str, sampling: str, compiled: bool) -> None:
-    unit = ShardedCausalLM.from_model(tiny_model(kind).cuda(), ReplicaComm.single())
+    model = tiny_model(kind, attn_implementation="sdpa" if compiled else "eager")
+    unit = ShardedCausalLM.from_model(model.cuda(), ReplicaComm.single())
     ids, mask, seeds = _prompts(0, rows=8, width=20, device="cuda")
     result = compare(unit, ids, mask, seeds, 24, SAMPLINGS[sampling], compiled)
     assert result["same_tokens"], f"{kind} {sampling}: tokens differ"
@@ -196,7 +213,8 @@ def test_cuda_graph_decode_matches_eager_in_fp32(kind: str, sampling: str, compi
 @needs_cuda
 @pytest.mark.parametrize("compiled", [False, True], ids=["static", "compiled"])
 def test_cuda_graph_decode_in_bf16_samples_nearly_the_eager_tokens(compiled: bool) -> None:
-    unit = ShardedCausalLM.from_model(tiny_model("qwen2").to("cuda", torch.bfloat16), ReplicaComm.single())
+    model = tiny_model("qwen2", attn_implementation="sdpa" if compiled else "eager")
+    unit = ShardedCausalLM.from_model(model.to("cuda", torch.bfloat16), ReplicaComm.single())
     ids, mask, seeds = _prompts(0, rows=16, width=20, device="cuda")
     want, want_logits = eager_decode(unit, ids, mask, 32, sample_seeds=seeds)
     got, got_logits = fast_decode(unit, ids, mask, 32, compiled, sample_seeds=seeds)

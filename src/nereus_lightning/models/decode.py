@@ -22,8 +22,11 @@ How (one :class:`StaticDecoder` per batch shape, kept per unit between calls):
   hidden states go point-to-point and the last stage broadcasts the token ids, outside the graphs.
 - In ``"compiled"`` mode (the default on CUDA) the stage's forward goes through ``torch.compile``
   before it is captured: inductor fuses each layer's norms, rotary embedding, activation and
-  residual adds, which are most of a decode step's ~30 kernels per layer. The sampling stays as
-  written (its 64-bit hash arithmetic is the reference's, bit for bit).
+  residual adds, which are most of a decode step's ~30 kernels per layer. Its sdpa attention is
+  :func:`decode_attention` (:data:`DECODE_ATTENTION`): transformers packs a one-token query onto
+  the key/value heads only outside torch.compile and repeats the keys and values inside it, which
+  costs more than the fusion saves. The sampling stays as written (its 64-bit hash arithmetic is
+  the reference's, bit for bit).
 - Every rank leaves the loop at the same step: they see the same tokens. The loop looks at the
   ``done`` flags every :data:`SYNC_EVERY` steps only (one host sync each); steps after every row
   ended write padding, as ``generate``'s output would hold.
@@ -38,13 +41,17 @@ from __future__ import annotations
 import functools
 import math
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from nereus_lightning.models.fail_fast import fail_together
 from nereus_lightning.models.pipeline import _recv, _send
@@ -117,6 +124,57 @@ def seeded_scores(pick: _SeededGumbel, logits: Tensor, seeds: Tensor, step: Tens
     """
     pick._seeds = seeds + step * _GOLDEN
     return pick(logits.new_empty((logits.shape[0], 0), dtype=torch.long), logits)
+
+
+#: The attention implementation (transformers' registry) of a compiled decode step's sdpa layers.
+DECODE_ATTENTION = "nereus_decode_sdpa"
+
+
+def decode_attention(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """transformers' sdpa attention, a one-token GQA query packed onto the key/value heads.
+
+    The query's ``heads`` rows become ``kv_heads x groups`` query rows of the key/value heads (the
+    additive mask ``[B, 1, 1, K]`` broadcasts over them): the same products as repeating the keys
+    and values, without writing them. Anything else goes to transformers' sdpa as is.
+    """
+    groups = getattr(module, "num_key_value_groups", 1)
+    if query.shape[2] != 1 or groups == 1 or kwargs.get("position_bias") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    batch, heads, _, dim = query.shape
+    packed = query.reshape(batch, heads // groups, groups, dim)
+    out = F.scaled_dot_product_attention(
+        packed, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling
+    )
+    return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(DECODE_ATTENTION, decode_attention)
+
+
+@contextmanager
+def decode_attention_for(unit: ShardedCausalLM) -> Iterator[None]:
+    """The unit's sdpa layers on :func:`decode_attention` for the block (tracing a compiled step).
+
+    Only while the step is compiled and captured: a captured graph never looks at the setting
+    again, and every other caller of the unit keeps transformers' own sdpa.
+    """
+    config = unit.local_config
+    kept = config._attn_implementation
+    if kept == "sdpa":
+        config._attn_implementation = DECODE_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = kept
 
 
 def capture(fn: Callable[[], None], pool: Any) -> Callable[[], None]:
@@ -192,9 +250,11 @@ class StaticDecoder:
         self._stage = compiled_stage() if shape.compiled else ShardedCausalLM.stage
         self._forward: Callable[[ShardedCausalLM], None] = self._decode_forward
         self._record: Callable[[ShardedCausalLM], None] = lambda unit: self._record_token()
+        if shape.compiled:  # traced with the packed attention; guards see the same setting each time
+            self._forward = self._compiled_forward
         if device.type == "cuda":
             pool = torch.cuda.graph_pool_handle()
-            forward = capture(lambda: self._decode_forward(unit), pool)
+            forward = capture(lambda: self._forward(unit), pool)
             record = capture(self._record_token, pool)
             self._forward = lambda unit: forward()
             self._record = lambda unit: record()
@@ -247,6 +307,11 @@ class StaticDecoder:
     def finished(self) -> bool:
         """Whether every row has ended (a host sync)."""
         return bool(self.done.all())
+
+    def _compiled_forward(self, unit: ShardedCausalLM) -> None:
+        """:meth:`_decode_forward` through :func:`compiled_stage`, on :func:`decode_attention`."""
+        with decode_attention_for(unit):
+            self._decode_forward(unit)
 
     def _decode_forward(self, unit: ShardedCausalLM) -> None:
         """The stage's forward of the input token at its slot (graph body: static tensors only)."""
