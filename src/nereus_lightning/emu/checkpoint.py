@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
@@ -46,6 +46,9 @@ from nereus_lightning.emu.unit import EMU, Counters
 from nereus_lightning.spec.errors import CheckpointError
 
 DCP_METADATA = ".metadata"  # the file DCP writes last, after every rank's data files
+#: Threads (each its own file) writing one rank's shards: serialising and writing overlap, about twice
+#: DCP's one thread from pinned host memory (benchmarks/gpu_dcp_write.py).
+WRITE_THREADS = 8
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -100,8 +103,10 @@ def save_tensors(state: dict[str, Any], path: str | os.PathLike) -> None:
     """``dcp.save`` of ``state`` into the directory ``path`` (collective); a failure raises a
     :class:`CheckpointError`.
     """
+    tensors = sum(isinstance(v, Tensor) for v in state.values())
+    writer = FileSystemWriter(os.fspath(path), thread_count=max(1, min(WRITE_THREADS, tensors)))
     with _named_failures(path):
-        dcp.save(state, checkpoint_id=os.fspath(path))
+        dcp.save(state, storage_writer=writer)
 
 
 def load_state(emu: EMU | None, path: str | os.PathLike) -> None:
