@@ -46,8 +46,9 @@ from nereus_lightning.emu.unit import EMU, Counters
 from nereus_lightning.spec.errors import CheckpointError
 
 DCP_METADATA = ".metadata"  # the file DCP writes last, after every rank's data files
-#: Threads (each its own file) writing one rank's shards: serialising and writing overlap, about twice
-#: DCP's one thread from pinned host memory (benchmarks/gpu_dcp_write.py).
+#: Threads (each its own file) writing one rank's shards: serialising and writing overlap, 1.6x DCP's
+#: one thread from pinned host memory; from the device the copies out of it bound both
+#: (benchmarks/gpu_dcp_write.py).
 WRITE_THREADS = 8
 
 

@@ -475,16 +475,10 @@ class EMUStates:
         assert self.plan is not None
         prepare_member_groups(_tp_rank_sets(self.plan))
         for name in self.plan:
-            unit = self._local(name)
-            resident = unit is not None and unit.resident
-            if resident:  # DCP writes from pinned host memory twice as fast as from the device
-                self._offload(name)
-                assert unit is not None
-                unit.offload()  # a training unit too (its pinned buffers are kept for the next save)
+            # From where each unit is: an idle one from pinned host memory (0.7 s for 1 GB on an
+            # H200, 1.1-2.0 s after moving it to the device), a resident one from the device
+            # (staging a 0.5B training unit in newly pinned memory took 8.3 s, the 6 s it saved).
             save_state(name, os.path.join(path, name))
-            if resident:
-                assert unit is not None
-                unit.onload()
 
     def write_back(self, dst: int | None = None) -> None:
         """Put every role's logical parameters back into its (released) full model (collective).
