@@ -177,6 +177,18 @@ def test_the_packed_decode_attention_is_transformers_sdpa() -> None:
     assert torch.allclose(got, want, atol=1e-6), float((got - want).abs().max())
 
 
+def test_a_compiler_failure_names_the_decode_mode_to_use(monkeypatch) -> None:  # noqa: ANN001
+    def no_compiler(graph, inputs):  # noqa: ANN001, ANN202
+        raise OSError("no C compiler")
+
+    failing = torch.compile(ShardedCausalLM.stage, backend=no_compiler, dynamic=False)
+    monkeypatch.setattr(decode, "compiled_stage", lambda: failing)
+    unit = ShardedCausalLM.from_model(tiny_model("qwen2"), ReplicaComm.single())
+    ids, mask, seeds = _prompts(0, rows=2, width=5)
+    with pytest.raises(NereusConfigError, match="algorithm.decode: torch.compile could not.*no C compiler"):
+        StaticDecodeEngine(unit, EOS, 0, compiled=True).generate(ids, mask, 3, sample_seeds=seeds)
+
+
 def test_the_compiled_stage_samples_the_eager_tokens_on_the_cpu() -> None:
     model = tiny_model("qwen2", attn_implementation="sdpa")  # GQA through the packed decode attention
     unit = ShardedCausalLM.from_model(model, ReplicaComm.single())

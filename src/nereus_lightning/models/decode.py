@@ -58,7 +58,7 @@ from nereus_lightning.models.pipeline import _recv, _send
 from nereus_lightning.models.sharded import ShardedCausalLM, attention_kinds
 from nereus_lightning.rl.forward import position_ids_from_mask
 from nereus_lightning.rl.rollout import _GOLDEN, RolloutOutput, _finish, _make_picker, _SeededGumbel
-from nereus_lightning.spec.errors import require
+from nereus_lightning.spec.errors import NereusConfigError, require
 
 #: The prompt region of the cache is a multiple of this many slots (batches of similar widths share a
 #: decoder).
@@ -310,8 +310,16 @@ class StaticDecoder:
 
     def _compiled_forward(self, unit: ShardedCausalLM) -> None:
         """:meth:`_decode_forward` through :func:`compiled_stage`, on :func:`decode_attention`."""
-        with decode_attention_for(unit):
-            self._decode_forward(unit)
+        from torch._dynamo.exc import BackendCompilerFailed
+
+        try:
+            with decode_attention_for(unit):
+                self._decode_forward(unit)
+        except BackendCompilerFailed as exc:  # e.g. no C compiler or Triton for inductor
+            raise NereusConfigError(
+                "algorithm.decode: torch.compile could not compile the decode step "
+                f"({exc.inner_exception!r}); set algorithm.decode=static to capture it uncompiled"
+            ) from exc
 
     def _decode_forward(self, unit: ShardedCausalLM) -> None:
         """The stage's forward of the input token at its slot (graph body: static tensors only)."""
