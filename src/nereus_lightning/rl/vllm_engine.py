@@ -185,6 +185,8 @@ def _tag_shared_memory() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.broadcast_object_list(token, src=0)
     os.environ[SHM_TAG] = token[0]
+    # vLLM's CPU worker sets this when it starts; groups built before any worker need it too.
+    os.environ.setdefault("VLLM_DIST_IDENT", token[0])
     shm = cpu_communicator._CPUSHMDistributed
     if not getattr(shm.make_group_name, "nereus_tagged", False):
         untagged = shm.make_group_name
