@@ -722,8 +722,8 @@ class RLModule(L.LightningModule):
         if self.hparams.rollout_engine == "vllm":
             return VLLMEngine(strategy.vllm_engine(model_stage), eos, tok.pad_token_id)
         unit = strategy.stage(model_stage)
-        path = None if unit is None else decode_path(self.hparams.decode, unit)
-        if unit is not None and path != "eager":  # its decoder is cached per unit
+        if unit is not None and (path := decode_path(self.hparams.decode, unit)) != "eager":
+            # its decoder is cached per unit
             return StaticDecodeEngine(unit, eos, tok.pad_token_id, compiled=path == "compiled")
         return HFGenerateEngine(self.stage_model(strategy, model_stage), eos, tok.pad_token_id)
 

@@ -147,7 +147,8 @@ def decode_attention(
     and values, without writing them. Anything else goes to transformers' sdpa as is.
     """
     groups = getattr(module, "num_key_value_groups", 1)
-    if query.shape[2] != 1 or groups == 1 or kwargs.get("position_bias") is not None:
+    per_head_mask = attention_mask is not None and attention_mask.shape[1] != 1  # cannot be packed
+    if query.shape[2] != 1 or groups == 1 or per_head_mask or kwargs.get("position_bias") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     batch, heads, _, dim = query.shape
     packed = query.reshape(batch, heads // groups, groups, dim)
