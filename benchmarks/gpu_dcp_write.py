@@ -1,8 +1,11 @@
-"""How fast one process writes a 0.5B model-stage's state with DCP: threads, and from device or host.
+"""What bounds writing a 0.5B training unit's state at the end of ``fit``: disk, staging, DCP.
 
-Tensors shaped like Qwen2-0.5B's (fp32 masters and two AdamW moments: ~5.9 GB), saved with
-``dcp.save`` (no process group) through a ``FileSystemWriter`` of 1 and of 8 threads, from GPU
-memory and from pinned host memory. Prints seconds and GB/s for each.
+Tensors shaped like Qwen2-0.5B's fp32 masters and two AdamW moments (~5.9 GB) on the GPU. Prints,
+one line each: the disk's own write rate (threads writing raw bytes, fsync'd); staging the state in
+host memory (allocate, copy from the device, free) in pinned and in pageable memory; ``dcp.save``
+(no process group) from the device and from the staged copies, by thread count and with torch's zip
+CRC32 on and off. ``--pinning-child`` repeats the pinned staging in a process whose
+``PYTORCH_CUDA_ALLOC_CONF`` pins with ``cudaHostRegister`` from several threads.
 
     python benchmarks/gpu_dcp_write.py --dir /tmp/dcp
 """
@@ -10,42 +13,158 @@ memory and from pinned host memory. Prints seconds and GB/s for each.
 from __future__ import annotations
 
 import argparse
+import gc
+import os
 import shutil
+import subprocess
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
+HOST_REGISTER = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
 
-def state(device: str, pinned: bool) -> dict[str, torch.Tensor]:
+
+def state(device: str) -> dict[str, torch.Tensor]:
     """Qwen2-0.5B-shaped fp32 tensors, three per weight (masters, exp_avg, exp_avg_sq)."""
     shapes = [(151936, 896)] + [(896, 896), (128, 896), (128, 896), (896, 896)] * 24
     shapes += [(4864, 896), (4864, 896), (896, 4864)] * 24
-    out = {}
-    for i, shape in enumerate(shapes):
-        for key in ("param", "exp_avg", "exp_avg_sq"):
-            t = torch.randn(shape, device=device)
-            out[f"{key}/{i}"] = t.pin_memory() if pinned else t
-    return out
+    return {
+        f"{key}/{i}": torch.randn(shape, device=device)
+        for i, shape in enumerate(shapes)
+        for key in ("param", "exp_avg", "exp_avg_sq")
+    }
+
+
+def gigabytes(tensors: dict[str, torch.Tensor]) -> float:
+    return sum(t.numel() * t.element_size() for t in tensors.values()) / 1e9
+
+
+def report(what: str, gb: float, seconds: float) -> None:
+    print(f"{what:52s} {gb:5.2f} GB in {seconds:6.2f} s ({gb / seconds:5.2f} GB/s)", flush=True)
+
+
+def disk(directory: str, gb: float, threads: int) -> None:
+    """Raw bytes from memory to ``threads`` files, each fsync'd: the disk's ceiling for the same bytes."""
+    shutil.rmtree(directory, ignore_errors=True)
+    os.makedirs(directory)
+    chunk = bytes(64 << 20)
+    per_thread = int(gb * 1e9 / threads / len(chunk)) + 1
+
+    def write(i: int) -> None:
+        with open(os.path.join(directory, f"{i}.bin"), "wb", buffering=0) as f:
+            for _ in range(per_thread):
+                f.write(chunk)
+            os.fsync(f.fileno())
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(write, range(threads)))
+    written = per_thread * threads * len(chunk) / 1e9
+    report(f"disk, raw bytes, {threads} threads", written, time.perf_counter() - start)
+
+
+def stage(tensors: dict[str, torch.Tensor], pinned: bool, label: str) -> dict[str, torch.Tensor]:
+    """Host copies of ``tensors``: time to allocate and to copy, printed."""
+    gb = gigabytes(tensors)
+    start = time.perf_counter()
+    host = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for k, t in tensors.items()}
+    allocated = time.perf_counter()
+    for k, t in tensors.items():
+        host[k].copy_(t, non_blocking=pinned)
+    torch.cuda.synchronize()
+    report(f"stage {label}: allocate", gb, allocated - start)
+    report(f"stage {label}: copy from the device", gb, time.perf_counter() - allocated)
+    return host
+
+
+def free(host: dict[str, torch.Tensor], label: str) -> None:
+    gb = gigabytes(host)
+    start = time.perf_counter()
+    host.clear()
+    gc.collect()
+    torch._C._host_emptyCache()  # pinned blocks go back to the driver here, not at exit
+    report(f"stage {label}: free", gb, time.perf_counter() - start)
+
+
+def stage_with_dcp(tensors: dict[str, torch.Tensor], directory: str) -> None:
+    """DCP's own stager (``cudaHostRegister`` on plain host memory), a write from it, and its release."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    gb = gigabytes(tensors)
+    start = time.perf_counter()
+    options = StagingOptions(
+        use_pinned_memory=True, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=True
+    )
+    stager = DefaultStager(options)
+    host = stager.stage(tensors)
+    report("stage DCP DefaultStager: allocate, register, copy", gb, time.perf_counter() - start)
+    write(host, directory, 8, True, "from DCP's stager")
+    start = time.perf_counter()
+    stager.close()
+    del host
+    gc.collect()
+    report("stage DCP DefaultStager: release", gb, time.perf_counter() - start)
+
+
+def write(tensors: dict[str, torch.Tensor], directory: str, threads: int, crc: bool, label: str) -> None:
+    shutil.rmtree(directory, ignore_errors=True)
+    torch.serialization.set_crc32_options(crc)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    dcp.save(tensors, storage_writer=FileSystemWriter(directory, thread_count=threads), no_dist=True)
+    report(f"dcp {label}, {threads} threads, crc32 {'on' if crc else 'off'}", gigabytes(tensors),
+           time.perf_counter() - start)
+    torch.serialization.set_crc32_options(True)
 
 
 def main() -> None:
-    """Time each variant once (after a warm-up write)."""
+    """Each variant once, after a warm-up write of the same bytes."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default="/tmp/dcp")
+    parser.add_argument("--pinning-child", choices=["free", "keep"], help="the pinned staging only (a child)")
+    parser.add_argument("--stager-only", action="store_true", help="DCP's stager only")
     args = parser.parse_args()
-    for where in ("cuda", "pinned"):
-        tensors = state("cpu" if where == "pinned" else "cuda", where == "pinned")
-        gb = sum(t.numel() * t.element_size() for t in tensors.values()) / 1e9
-        for threads in (1, 8, 1):
-            shutil.rmtree(args.dir, ignore_errors=True)
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            dcp.save(tensors, storage_writer=FileSystemWriter(args.dir, thread_count=threads), no_dist=True)
-            s = time.perf_counter() - start
-            print(f"dcp write {where:6s} threads={threads}: {gb:.2f} GB in {s:.2f} s ({gb / s:.2f} GB/s)")
-        del tensors
+    tensors = state("cuda")
+    gb = gigabytes(tensors)
+    if args.pinning_child:
+        label = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or "cudaHostAlloc"
+        host = stage(tensors, True, f"pinned, {label}")
+        if args.pinning_child == "free":
+            free(host, f"pinned, {label}")
+        print(f"child done {time.time()}", flush=True)  # the parent times the interpreter's exit from here
+        return
+    if args.stager_only:
+        write(tensors, args.dir, 8, True, "from the device (warm-up)")
+        stage_with_dcp(tensors, args.dir)
+        return
+    disk(args.dir, gb, 8)  # warm-up: the filesystem's first big write
+    for threads in (1, 8, 16):
+        disk(args.dir, gb, threads)
+    write(tensors, args.dir, 8, True, "from the device")
+    stage_with_dcp(tensors, args.dir)
+    for pinned in (True, False):
+        label = "pinned" if pinned else "pageable"
+        host = stage(tensors, pinned, label)
+        for threads, crc in ((1, True), (8, True), (8, False), (16, False)):
+            write(host, args.dir, threads, crc, f"from {label}")
+        free(host, label)
+    del tensors
+    gc.collect()
+    torch.cuda.empty_cache()
+    for conf, then in (("", "keep"), (HOST_REGISTER, "free"), (HOST_REGISTER, "keep")):
+        env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": conf}
+        child = [sys.executable, __file__, "--pinning-child", then, "--dir", args.dir]
+        out = subprocess.run(child, env=env, check=True, capture_output=True, text=True).stdout
+        exited = time.time()
+        print(out.rsplit("child done", 1)[0], end="")
+        done = float(out.rsplit("child done", 1)[1])
+        held = "none" if then == "free" else f"{gb:.2f} GB"
+        conf = conf or "cudaHostAlloc"
+        print(f"process exit, pinned memory held: {held} ({conf}): {exited - done:.2f} s", flush=True)
     shutil.rmtree(args.dir, ignore_errors=True)
 
 

@@ -13,7 +13,9 @@ Usage: python benchmarks/gpu_fit.py --algorithm grpo --root /tmp/job --out resul
 from __future__ import annotations
 
 import argparse
+import atexit
 import csv
+import gc
 import glob
 import importlib
 import json
@@ -88,6 +90,58 @@ def _time_calls(path: str, events: list[tuple[str, float, float]]) -> None:
     setattr(owner, parts[-1], timed)
 
 
+def _time_exit(base: list[float], fast: bool) -> None:
+    """Print each ``atexit`` callback registered from here on as it runs (seconds from ``base[0]``),
+    and last of all, how long freeing the units and the pinned host cache takes; with ``fast``, then
+    ``os._exit`` (what is left is the kernel's and the driver's teardown, without Python's).
+    """
+    register = atexit.register
+
+    def line(begin: float, what: str) -> None:
+        now = time.time()
+        print(f"  {begin - base[0]:8.2f} {now - base[0]:8.2f}  {now - begin:7.2f}  exit: {what}", flush=True)
+
+    def timed_register(fn, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        def timed(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            begin = time.time()
+            try:
+                return fn(*a, **k)
+            finally:
+                line(begin, f"atexit {getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', fn)}")
+
+        register(timed, *args, **kwargs)
+        return fn
+
+    def free_last() -> None:  # registered first, so it runs after every other callback
+        import torch
+
+        from nereus_lightning.emu import registry
+
+        if torch.cuda.is_available():
+            host = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) / 2**30
+            device = torch.cuda.memory_reserved() / 2**30
+            objects = len(gc.get_objects())
+            print(f"  at exit: {device:.1f} GiB reserved on the device, {host:.1f} GiB in torch's pinned "
+                  f"cache, {objects} objects", flush=True)
+        begin = time.time()
+        registry().clear()
+        gc.collect()
+        line(begin, "units dropped, gc")
+        if torch.cuda.is_available():
+            begin = time.time()
+            torch._C._host_emptyCache()
+            line(begin, "pinned host cache emptied")
+            begin = time.time()
+            torch.cuda.empty_cache()
+            line(begin, "device cache emptied")
+        print(f"interpreter teardown from {time.time()}", flush=True)
+        if fast:
+            os._exit(0)
+
+    register(free_last)
+    atexit.register = timed_register
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--algorithm", default="grpo", choices=["grpo", "ppo"])
@@ -97,13 +151,17 @@ def main() -> None:
     parser.add_argument("--response", type=int, default=128)
     parser.add_argument("--shape", default="0.5b", help="bench_gpu_e2e.SHAPES: 0.5b, 1.5b, tiny (CPU check)")
     parser.add_argument(
-        "--trainer", default="gpu", help="the trainer config group: gpu, or cpu for a check here"
+        "--trainer", default="gpu", help="the trainer config group: gpu, or cpu4 for a check here"
     )
     parser.add_argument(
         "--phases", action="store_true", help="time the end-of-fit phases (PHASES)"
     )
+    parser.add_argument("--fast-exit", action="store_true", help="with --phases: os._exit after the probe")
     parser.add_argument("overrides", nargs="*", help="more nereus-train overrides, e.g. export_hf=false")
     args = parser.parse_args()
+    base = [time.time()]  # the end of the last step, once known (--phases times exit from it)
+    if args.phases:
+        _time_exit(base, args.fast_exit)
 
     from hydra import compose, initialize_config_dir
 
@@ -145,6 +203,7 @@ def main() -> None:
     summary = run(cfg)
     done = time.time()
     last_end = float(open(ends).read().split()[-1])
+    base[0] = last_end
     files = sorted(glob.glob(str(out / "logs" / "*" / "metrics.csv")), key=os.path.getmtime)
     rows = [r for r in csv.DictReader(open(files[-1])) if r.get("critic/score/mean")]
     keys = sorted({k for r in rows for k in r if k.startswith(("perf/max_memory", "timing_s/"))})
@@ -166,6 +225,7 @@ def main() -> None:
         for name, begin, end in sorted(events, key=lambda e: e[1]):
             if end >= last_end - 1e-3:
                 print(f"  {begin - last_end:8.2f} {end - last_end:8.2f}  {end - begin:7.2f}  {name}")
+        print(f"  {time.time() - last_end:8.2f}  main returns", flush=True)
 
 
 if __name__ == "__main__":

@@ -42,3 +42,49 @@ def test_counters_count_updates_and_syncs_across_a_transition(dist4):
         c = out[follower]
         assert (c.optimizer_step, c.policy_version, c.stage_version) == (0, 3, 3), (follower, c)
     assert out["ref_infer"].policy_version == 0  # the reference never receives weights
+
+
+def saved_stages(rank: int, world_size: int, folder: str) -> dict:
+    """One PPO step, a save; an actor update nobody syncs, a save: what each save holds (rank 0)."""
+    import json
+    import os
+
+    from nereus_lightning.emu.checkpoint import read_dcp_metadata
+    from nereus_lightning.lightning import NereusStrategy, PPOModule
+
+    module = PPOModule(task=small_task(), prompts_per_step=4, seed=3)
+    opt = module.configure_optimizers()
+    strategy = NereusStrategy.without_trainer(module)
+    strategy.transition(plan_of("ppo", EMU_P1))
+    module.rl_step(0, strategy, opt)
+    out: dict = {}
+    for name in ("synced", "unsynced"):
+        if name == "unsynced":
+            strategy.update("actor_train")  # the module's own update without strategy.sync_weights()
+        path = os.path.join(folder, name)
+        strategy.units.save(path)
+        if rank == 0:
+            with open(os.path.join(path, "weights_from.json")) as f:
+                weights_from = json.load(f)
+            keys = {}
+            for stage in strategy.units.plan:
+                stored = read_dcp_metadata(os.path.join(path, stage)).state_dict_metadata
+                keys[stage] = {k.split("/")[0] for k in stored}
+            out[name] = (weights_from, keys)
+    return out
+
+
+def test_a_checkpoint_stores_weights_that_a_training_stage_holds_once(dist4, tmp_path):
+    out = dist4.run(saved_stages, str(tmp_path))[0]
+    weights_from, keys = out["synced"]
+    assert weights_from == {
+        "actor_gen": "actor_train", "actor_infer": "actor_train", "critic_infer": "critic_train"
+    }
+    trained = {"counters", "param", "exp_avg", "exp_avg_sq", "step"}  # with AdamW's state
+    for stage, stored in keys.items():
+        expected = trained if stage.endswith("_train") else {"counters", "param"}
+        assert stored == ({"counters"} if stage in weights_from else expected), (stage, stored)
+    # After an update without a sync the actor's other stages hold older weights: saved in full.
+    weights_from, keys = out["unsynced"]
+    assert weights_from == {"critic_infer": "critic_train"}
+    assert keys["actor_gen"] == keys["actor_infer"] == {"counters", "param"}

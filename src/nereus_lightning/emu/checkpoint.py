@@ -27,7 +27,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,7 @@ from torch import Tensor
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.futures import Future
@@ -93,11 +94,39 @@ def _local_emus(model_stage: str) -> list[EMU]:
     return [emu for emu in registry().units.get(model_stage, {}).values() if emu is not None]
 
 
-def save_state(model_stage: str, path: str | os.PathLike) -> None:
-    """Save every live replica of ``model_stage`` to ``path`` (duplicate shards are written once)."""
+def save_state(model_stage: str, path: str | os.PathLike, weights: bool = True) -> None:
+    """Save every live replica of ``model_stage`` to ``path`` (duplicate shards are written once).
+
+    Without ``weights`` only the counters are written: for a model-stage whose weights another
+    model-stage holds (see :meth:`~nereus_lightning.lightning.emu_state.EMUStates.save`).
+    """
     emus = _local_emus(model_stage)
     state = dcp_state_dict(emus[0]) if emus else {}
-    save_tensors(state, path)
+    if not weights:
+        state = {k: v for k, v in state.items() if k == "counters"}
+    with _on_host(state) as staged:
+        save_tensors(staged, path)
+
+
+@contextmanager
+def _on_host(state: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """``state`` with its GPU tensors copied into page-locked host memory for the block.
+
+    DCP's writer threads would copy GPU tensors out one at a time through pageable memory (1.4 GB/s
+    on an H200 host); DCP's own stager registers plain host memory with ``cudaHostRegister``
+    instead (``benchmarks/gpu_dcp_write.py``) and copies at the link's speed. Released on exit.
+    """
+    if not any(isinstance(v, Tensor) and v.device.type == "cuda" for v in state.values()):
+        yield state
+        return
+    options = StagingOptions(
+        use_pinned_memory=True, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=True
+    )
+    stager = DefaultStager(options)
+    try:
+        yield cast(dict[str, Any], stager.stage(state))
+    finally:
+        stager.close()
 
 
 def save_tensors(state: dict[str, Any], path: str | os.PathLike) -> None:
@@ -110,11 +139,13 @@ def save_tensors(state: dict[str, Any], path: str | os.PathLike) -> None:
         dcp.save(state, storage_writer=writer)
 
 
-def load_state(emu: EMU | None, path: str | os.PathLike) -> None:
+def load_state(emu: EMU | None, path: str | os.PathLike, weights: bool = True) -> None:
     """Fill ``emu``'s shards (any layout) and counters from a checkpoint written by :func:`save_state`; None
-    off the unit.
+    off the unit. Without ``weights`` only the counters are read.
     """
     state = dcp_state_dict(emu) if emu is not None else {}
+    if not weights:
+        state = {k: v for k, v in state.items() if k == "counters"}
     load_tensors(state, path)
     if emu is not None:
         emu.counters = Counters.from_tensor(state["counters"])

@@ -36,6 +36,7 @@ the engine sleeps (frees its GPU memory) once its model-stage has run.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -60,12 +61,31 @@ from nereus_lightning.models.sharded import is_tied
 from nereus_lightning.plan.layout import Candidate, Plan
 from nereus_lightning.rl.vllm_engine import VLLMInstance, build_engine, check_replicas, check_vocabulary
 from nereus_lightning.spec.cluster import ClusterSpec
-from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
+from nereus_lightning.spec.errors import CheckpointError, InfeasiblePlanError, NereusConfigError
 from nereus_lightning.spec.workload import Workload, workflow
 
+#: In a checkpoint's ``emu/``: the model-stages saved without weights and the training stage holding them.
+WEIGHTS_FROM = "weights_from.json"
 log = logging.getLogger(__name__)
 
 ADAMW: dict[str, float | tuple[float, float]] = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
+
+
+def _read_weights_from(path: str) -> dict[str, str]:
+    """``path/weights_from.json``: model-stages saved without weights -> the training stage holding them
+    (empty for checkpoints that hold every model-stage's weights).
+    """
+    file = os.path.join(path, WEIGHTS_FROM)
+    if not os.path.isfile(file):
+        return {}
+    try:
+        with open(file) as f:
+            found = json.load(f)
+        if not isinstance(found, dict) or not all(isinstance(v, str) for v in found.values()):
+            raise ValueError("not a mapping of model-stage names")
+    except ValueError as exc:
+        raise CheckpointError(f"{file}: damaged ({exc})") from exc
+    return found
 
 
 def _units_of(plan: Plan, name: str) -> list[emu.Unit]:
@@ -145,6 +165,9 @@ class EMUStates:
         self.units: dict[str, ShardedCausalLM] = {}
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self.resume_from: str | None = None  # a checkpoint directory to load when the units are built
+        # Model-stages holding exactly the weights of their model's training stage (built from the same
+        # model, or synced since its last update): checkpoints store them once, in the training stage.
+        self.synced: set[str] = set()
         self.last_report: Any = None  # the reduced ExecutionReport of the last DAG transition
         self.last_transition: dict[str, Any] = {}
 
@@ -192,15 +215,41 @@ class EMUStates:
                 emu.create_unit(
                     name, model.config, model, cand.layout, unit.gpus, trains=ms.trains, colocate_with=others
                 )
+        self.synced = set(self._sources(plan))
         if self.resume_from is not None:
-            from nereus_lightning.emu.checkpoint import load_state
-
-            prepare_member_groups(_tp_rank_sets(plan))
-            for name in plan:
-                load_state(self._local(name), os.path.join(self.resume_from, name))
+            self._load(plan, self.resume_from)
             self.resume_from = None
         for model in models.values():
             release(model)  # the units hold the state now
+
+    def _load(self, plan: Plan, path: str) -> None:
+        """Fill the new units from the checkpoint directory ``path`` (``<checkpoint>/emu``; collective)."""
+        from nereus_lightning.emu.checkpoint import load_state
+
+        weights_from = _read_weights_from(path)
+        sources = self._sources(plan)
+        wrong = {n: s for n, s in weights_from.items() if sources.get(n) != s}
+        if wrong:
+            raise CheckpointError(
+                f"ckpt_path: {path}/{WEIGHTS_FROM} takes the weights of {wrong} from training stages this "
+                f"job's plan does not pair them with ({sources}); resume with the algorithm that wrote it"
+            )
+        prepare_member_groups(_tp_rank_sets(plan))
+        for name in plan:
+            load_state(self._local(name), os.path.join(path, name), weights=name not in weights_from)
+        for name, source in weights_from.items():
+            sync_params(source, name)
+        self.synced = set(weights_from)
+
+    def _sources(self, plan: Plan | None = None) -> dict[str, str]:
+        """Each model-stage that does not train -> the training stage of its model, where ``plan`` has one."""
+        plan = plan if plan is not None else self.plan or Plan.of({})
+        trains = {self.stages[n].model: n for n in plan if self.stages[n].trains}
+        return {
+            n: trains[self.stages[n].model]
+            for n in plan
+            if not self.stages[n].trains and self.stages[n].model in trains
+        }
 
     def _local(self, name: str) -> emu.EMU | None:
         return next((e for e in emu.registry().units.get(name, {}).values() if e is not None), None)
@@ -415,6 +464,8 @@ class EMUStates:
         update and policy version, ``samples`` more samples consumed), so they travel with the
         state through transitions and checkpoints.
         """
+        # (every rank: whatever the outcome, the model's other stages may no longer hold its weights)
+        self.synced -= {n for n, train in self._sources().items() if train == model_stage}
         unit = self.units.get(model_stage)
         if unit is None:
             return StageUpdate(None)
@@ -458,27 +509,39 @@ class EMUStates:
         model-stages of its model (collective).
         """
         assert self.plan is not None
-        for train in self.training_stages():
-            role = self.stages[train].model
-            for name in self.plan:
-                if name != train and self.stages[name].model == role and not self.stages[name].trains:
-                    sync_params(train, name)
-                    # a new policy version in this model-stage (one sync per update)
-                    self._advance(name, Counters(policy_version=1, stage_version=1))
+        for name, train in self._sources().items():
+            sync_params(train, name)
+            # a new policy version in this model-stage (one sync per update)
+            self._advance(name, Counters(policy_version=1, stage_version=1))
+            self.synced.add(name)
         self._vllm_stale = self.vllm is not None
 
     # ---- state ---------------------------------------------------------------------------
     def save(self, path: str) -> None:
-        """Every model-stage's logical state through DCP into ``path/<model_stage>`` (collective)."""
+        """Every model-stage's logical state through DCP into ``path/<model_stage>`` (collective).
+
+        A model-stage that holds exactly its training stage's weights (:attr:`synced` on every rank)
+        is saved with its counters only and listed in ``path/weights_from.json``; loading syncs it
+        from the training stage (``actor_gen`` and ``actor_infer`` of a 0.5B actor are 2 GB of the
+        checkpoint's 9 GB).
+        """
         from nereus_lightning.emu.checkpoint import save_state
 
         assert self.plan is not None
+        views: list[Any] = [sorted(self.synced)]  # per rank (filled by the gather)
+        if dist.is_initialized():
+            views = [None] * dist.get_world_size()
+            dist.all_gather_object(views, sorted(self.synced))
+        everywhere = set.intersection(*(set(v) for v in views))
+        weights_from = {n: train for n, train in self._sources().items() if n in everywhere}
         prepare_member_groups(_tp_rank_sets(self.plan))
         for name in self.plan:
-            # From where each unit is: an idle one from pinned host memory (0.7 s for 1 GB on an
-            # H200, 1.1-2.0 s after moving it to the device), a resident one from the device
-            # (staging a 0.5B training unit in newly pinned memory took 8.3 s, the 6 s it saved).
-            save_state(name, os.path.join(path, name))
+            # Each unit from where it is: an idle one from its pinned host memory, a resident one
+            # staged in page-locked host memory first (emu.checkpoint._on_host).
+            save_state(name, os.path.join(path, name), weights=name not in weights_from)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            with open(os.path.join(path, WEIGHTS_FROM), "w") as f:
+                json.dump(weights_from, f, indent=1, sort_keys=True)
 
     def write_back(self, dst: int | None = None) -> None:
         """Put every role's logical parameters back into its (released) full model (collective).
