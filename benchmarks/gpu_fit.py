@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import csv
-import gc
 import glob
 import importlib
 import json
@@ -90,16 +89,9 @@ def _time_calls(path: str, events: list[tuple[str, float, float]]) -> None:
     setattr(owner, parts[-1], timed)
 
 
-def _time_exit(base: list[float], fast: bool) -> None:
-    """Print each ``atexit`` callback registered from here on as it runs (seconds from ``base[0]``),
-    and last of all, how long freeing the units and the pinned host cache takes; with ``fast``, then
-    ``os._exit`` (what is left is the kernel's and the driver's teardown, without Python's).
-    """
+def _time_exit(base: list[float]) -> None:
+    """Print each ``atexit`` callback registered from here on as it runs (seconds from ``base[0]``)."""
     register = atexit.register
-
-    def line(begin: float, what: str) -> None:
-        now = time.time()
-        print(f"  {begin - base[0]:8.2f} {now - base[0]:8.2f}  {now - begin:7.2f}  exit: {what}", flush=True)
 
     def timed_register(fn, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
         def timed(*a, **k):  # noqa: ANN002, ANN003, ANN202
@@ -107,38 +99,13 @@ def _time_exit(base: list[float], fast: bool) -> None:
             try:
                 return fn(*a, **k)
             finally:
-                line(begin, f"atexit {getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', fn)}")
+                now, name = time.time(), f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', fn)}"
+                spans = f"{begin - base[0]:8.2f} {now - base[0]:8.2f}  {now - begin:7.2f}"
+                print(f"  {spans}  atexit {name}", flush=True)
 
         register(timed, *args, **kwargs)
         return fn
 
-    def free_last() -> None:  # registered first, so it runs after every other callback
-        import torch
-
-        from nereus_lightning.emu import registry
-
-        if torch.cuda.is_available():
-            host = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) / 2**30
-            device = torch.cuda.memory_reserved() / 2**30
-            objects = len(gc.get_objects())
-            print(f"  at exit: {device:.1f} GiB reserved on the device, {host:.1f} GiB in torch's pinned "
-                  f"cache, {objects} objects", flush=True)
-        begin = time.time()
-        registry().clear()
-        gc.collect()
-        line(begin, "units dropped, gc")
-        if torch.cuda.is_available():
-            begin = time.time()
-            torch._C._host_emptyCache()
-            line(begin, "pinned host cache emptied")
-            begin = time.time()
-            torch.cuda.empty_cache()
-            line(begin, "device cache emptied")
-        print(f"interpreter teardown from {time.time()}", flush=True)
-        if fast:
-            os._exit(0)
-
-    register(free_last)
     atexit.register = timed_register
 
 
@@ -156,17 +123,16 @@ def main() -> None:
     parser.add_argument(
         "--phases", action="store_true", help="time the end-of-fit phases (PHASES)"
     )
-    parser.add_argument("--fast-exit", action="store_true", help="with --phases: os._exit after the probe")
     parser.add_argument("overrides", nargs="*", help="more nereus-train overrides, e.g. export_hf=false")
     args = parser.parse_args()
     base = [time.time()]  # the end of the last step, once known (--phases times exit from it)
     if args.phases:
-        _time_exit(base, args.fast_exit)
+        _time_exit(base)
 
     from hydra import compose, initialize_config_dir
 
     from nereus_lightning.cli._hydra import CONFIG_ROOT
-    from nereus_lightning.cli.train import run
+    from nereus_lightning.cli.train import leave, run
     from nereus_lightning.lightning.callback import NereusCallback
 
     job = _job(Path(args.root), args.shape)
@@ -226,6 +192,7 @@ def main() -> None:
             if end >= last_end - 1e-3:
                 print(f"  {begin - last_end:8.2f} {end - last_end:8.2f}  {end - begin:7.2f}  {name}")
         print(f"  {time.time() - last_end:8.2f}  main returns", flush=True)
+    leave(0)  # as nereus-train ends
 
 
 if __name__ == "__main__":

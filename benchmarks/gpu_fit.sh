@@ -14,8 +14,6 @@ for alg in ${ALGORITHMS:-grpo ppo}; do
   rc=$?
   exit_at=$(date +%s.%N)
   tail -40 "$results/gpu_fit_$alg.log"
-  teardown=$(grep -o 'interpreter teardown from [0-9.]*' "$results/gpu_fit_$alg.log" | awk '{print $4}')
-  [ -z "$teardown" ] || python3 -c "print('interpreter teardown (after the last atexit callback):', round($exit_at - $teardown, 2), 's')"
   python3 -c "import json,sys; r=json.load(open('$results/gpu_fit_$alg/result.json')); print('$alg rc=$rc last step -> process exit', round($exit_at - r['last_step_end'], 2), 's')" || echo "$alg rc=$rc (no result)"
 done
 [ -n "${SKIP_TESTS:-}" ] || python3 -m pytest -q -p no:cacheprovider tests/lightning/test_offload_gpu.py 2>&1 | tail -5

@@ -292,8 +292,8 @@ def test_a_crash_mid_save_leaves_the_previous_last_ckpt_whole(tmp_path, monkeypa
 
     real, stages_saved = emu_checkpoint.save_state, []
 
-    def save_then_die(model_stage: str, path: str) -> None:
-        real(model_stage, path)
+    def save_then_die(model_stage: str, path: str, weights: bool = True) -> None:
+        real(model_stage, path, weights)
         if ".last.ckpt.partial" in str(path):
             if model_stage in stages_saved:  # the second save of last.ckpt, one model-stage written
                 os._exit(3)

@@ -81,3 +81,27 @@ def test_dead_rank_stops_nereus_train_with_a_message_and_a_checkpoint(tmp_path):
         run(cfg)
     ckpt = str(info.value).rsplit("ckpt_path=", 1)[1].strip()
     assert (tmp_path / "checkpoints").is_dir() and ckpt.startswith(str(tmp_path / "checkpoints"))
+
+
+@pytest.mark.parametrize("busy", [False, True])
+def test_leaving_runs_the_exit_callbacks_and_waits_for_working_threads(tmp_path, busy):
+    import subprocess
+    import sys
+
+    script = f"""
+import atexit, sys, threading, time
+from nereus_lightning.cli.train import leave
+atexit.register(lambda: open({str(tmp_path / "callback")!r}, "w").write("ran"))
+def work():
+    time.sleep(0.5)
+    open({str(tmp_path / "thread")!r}, "w").write("done")
+if {busy}:
+    threading.Thread(target=work).start()
+print("unflushed", end="")
+leave(0)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "unflushed"
+    assert (tmp_path / "callback").read_text() == "ran"
+    assert (tmp_path / "thread").exists() == busy

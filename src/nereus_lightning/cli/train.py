@@ -13,12 +13,14 @@ processes, and a GPU-supply schedule that takes a rank away and gives it back. E
 
 from __future__ import annotations
 
+import atexit
 import glob
 import json
 import os
 import sys
+import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from omegaconf import DictConfig
 
@@ -535,6 +537,25 @@ def main() -> None:
             sys.exit(2)
 
     _main()
+    leave(0)
+
+
+def leave(status: int) -> NoReturn:
+    """End a finished run's process without the interpreter's teardown of its objects.
+
+    After a GPU run, tearing down the ~1M objects that torch.compile, transformers and Lightning
+    leave took 3.4 s of the time from the last step to process exit (0.5B on an H200,
+    ``benchmarks/gpu_fit.py --phases``). Everything the run wrote is closed by now; the exit
+    callbacks still run (logging, torch.compile's workers, the process group) and the streams are
+    flushed. While a thread other than the main one is still running, the normal exit waits for it.
+    """
+    main = threading.main_thread()
+    if any(t is not main and t.is_alive() and not t.daemon for t in threading.enumerate()):
+        sys.exit(status)
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":
