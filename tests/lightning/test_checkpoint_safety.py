@@ -332,3 +332,16 @@ def test_a_checkpoint_with_non_finite_state_is_refused_on_every_rank(tmp_path):
     ckpts = tmp_path / "a" / "ckpt"
     assert sorted(p.name for p in ckpts.iterdir()) == ["s1.ckpt"]
     assert latest_checkpoint(ckpts) == str(ckpts / "s1.ckpt")
+
+
+def test_a_damaged_weights_record_is_named(tmp_path):
+    from nereus_lightning.lightning.emu_state import WEIGHTS_FROM, _read_weights_from
+    from nereus_lightning.plan.layout import Candidate, Layout, Plan
+
+    plan = Plan.of({n: Candidate(Layout(1, 1), 1, (0,)) for n in ("actor_gen", "actor_train")})
+    (tmp_path / "actor_gen").mkdir()
+    (tmp_path / "actor_gen" / WEIGHTS_FROM).write_text('{"weights_from": "actor_train"}')
+    assert _read_weights_from(str(tmp_path), plan) == {"actor_gen": "actor_train"}
+    (tmp_path / "actor_gen" / WEIGHTS_FROM).write_text('{"weights_from": 3}')
+    with pytest.raises(CheckpointError, match=r"actor_gen/weights_from\.json: damaged"):
+        _read_weights_from(str(tmp_path), plan)

@@ -64,10 +64,11 @@ def saved_stages(rank: int, world_size: int, folder: str) -> dict:
         path = os.path.join(folder, name)
         strategy.units.save(path)
         if rank == 0:
-            with open(os.path.join(path, "weights_from.json")) as f:
-                weights_from = json.load(f)
-            keys = {}
+            weights_from, keys = {}, {}
             for stage in strategy.units.plan:
+                if os.path.isfile(os.path.join(path, stage, "weights_from.json")):
+                    with open(os.path.join(path, stage, "weights_from.json")) as f:
+                        weights_from[stage] = json.load(f)["weights_from"]
                 stored = read_dcp_metadata(os.path.join(path, stage)).state_dict_metadata
                 keys[stage] = {k.split("/")[0] for k in stored}
             out[name] = (weights_from, keys)

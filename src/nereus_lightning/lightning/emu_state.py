@@ -64,27 +64,30 @@ from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.errors import CheckpointError, InfeasiblePlanError, NereusConfigError
 from nereus_lightning.spec.workload import Workload, workflow
 
-#: In a checkpoint's ``emu/``: the model-stages saved without weights and the training stage holding them.
+#: In a checkpoint's ``emu/<model_stage>/`` saved without weights: the training stage that holds them.
 WEIGHTS_FROM = "weights_from.json"
 log = logging.getLogger(__name__)
 
 ADAMW: dict[str, float | tuple[float, float]] = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
 
 
-def _read_weights_from(path: str) -> dict[str, str]:
-    """``path/weights_from.json``: model-stages saved without weights -> the training stage holding them
-    (empty for checkpoints that hold every model-stage's weights).
+def _read_weights_from(path: str, plan: Plan) -> dict[str, str]:
+    """The model-stages of ``plan`` saved without weights in the checkpoint ``path`` (``<ckpt>/emu``) -> the
+    training stage holding them (``<stage>/weights_from.json``; none in checkpoints before it existed).
     """
-    file = os.path.join(path, WEIGHTS_FROM)
-    if not os.path.isfile(file):
-        return {}
-    try:
-        with open(file) as f:
-            found = json.load(f)
-        if not isinstance(found, dict) or not all(isinstance(v, str) for v in found.values()):
-            raise ValueError("not a mapping of model-stage names")
-    except ValueError as exc:
-        raise CheckpointError(f"{file}: damaged ({exc})") from exc
+    found: dict[str, str] = {}
+    for name in plan:
+        file = os.path.join(path, name, WEIGHTS_FROM)
+        if not os.path.isfile(file):
+            continue
+        try:
+            with open(file) as f:
+                source = json.load(f)["weights_from"]
+            if not isinstance(source, str):
+                raise ValueError(f"weights_from is {source!r}, not a model-stage name")
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{file}: damaged ({type(exc).__name__}: {exc})") from exc
+        found[name] = source
     return found
 
 
@@ -226,13 +229,14 @@ class EMUStates:
         """Fill the new units from the checkpoint directory ``path`` (``<checkpoint>/emu``; collective)."""
         from nereus_lightning.emu.checkpoint import load_state
 
-        weights_from = _read_weights_from(path)
+        weights_from = _read_weights_from(path, plan)
         sources = self._sources(plan)
         wrong = {n: s for n, s in weights_from.items() if sources.get(n) != s}
         if wrong:
             raise CheckpointError(
-                f"ckpt_path: {path}/{WEIGHTS_FROM} takes the weights of {wrong} from training stages this "
-                f"job's plan does not pair them with ({sources}); resume with the algorithm that wrote it"
+                f"ckpt_path: {path} takes the weights of {wrong} (<stage>/{WEIGHTS_FROM}) from training "
+                f"stages this job's plan does not pair them with ({sources}); resume with the algorithm "
+                "that wrote it"
             )
         prepare_member_groups(_tp_rank_sets(plan))
         for name in plan:
@@ -521,9 +525,9 @@ class EMUStates:
         """Every model-stage's logical state through DCP into ``path/<model_stage>`` (collective).
 
         A model-stage that holds exactly its training stage's weights (:attr:`synced` on every rank)
-        is saved with its counters only and listed in ``path/weights_from.json``; loading syncs it
-        from the training stage (``actor_gen`` and ``actor_infer`` of a 0.5B actor are 2 GB of the
-        checkpoint's 9 GB).
+        is saved with its counters only and ``path/<model_stage>/weights_from.json`` names the
+        training stage; loading syncs it from there (``actor_gen`` and ``actor_infer`` of a 0.5B
+        actor are 2 GB of the checkpoint's 9 GB).
         """
         from nereus_lightning.emu.checkpoint import save_state
 
@@ -540,8 +544,9 @@ class EMUStates:
             # staged in page-locked host memory first (emu.checkpoint._on_host).
             save_state(name, os.path.join(path, name), weights=name not in weights_from)
         if not dist.is_initialized() or dist.get_rank() == 0:
-            with open(os.path.join(path, WEIGHTS_FROM), "w") as f:
-                json.dump(weights_from, f, indent=1, sort_keys=True)
+            for name, train in weights_from.items():
+                with open(os.path.join(path, name, WEIGHTS_FROM), "w") as f:
+                    json.dump({"weights_from": train}, f)
 
     def write_back(self, dst: int | None = None) -> None:
         """Put every role's logical parameters back into its (released) full model (collective).
