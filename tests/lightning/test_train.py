@@ -122,8 +122,13 @@ def test_bf16_mixed_trains_on_bf16_weights_with_fp32_masters(tmp_path):
     assert meta[f"param/{name}"].properties.dtype == torch.bfloat16
     assert meta[f"master/{name}"].properties.dtype == torch.float32
     assert meta[f"exp_avg/{name}"].properties.dtype == torch.float32
-    gen = read_dcp_metadata(tmp_path / "ckpt" / "s2.ckpt" / "emu" / "actor_gen").state_dict_metadata
-    assert gen[f"param/{name}"].properties.dtype == torch.bfloat16 and f"master/{name}" not in gen
+    # The reference is stored whole, in bf16 and without masters; the generation unit holds the
+    # training stage's weights, so the checkpoint keeps its counters and names where they are.
+    ref = read_dcp_metadata(tmp_path / "ckpt" / "s2.ckpt" / "emu" / "ref_infer").state_dict_metadata
+    assert ref[f"param/{name}"].properties.dtype == torch.bfloat16 and f"master/{name}" not in ref
+    gen = tmp_path / "ckpt" / "s2.ckpt" / "emu" / "actor_gen"
+    assert set(read_dcp_metadata(gen).state_dict_metadata) == {"counters"}
+    assert (gen / "weights_from.json").read_text() == '{"weights_from": "actor_train"}'
 
 
 def test_an_unsupported_precision_is_refused_naming_the_key():
