@@ -4,10 +4,12 @@ Tensors shaped like Qwen2-0.5B's fp32 masters and two AdamW moments (~5.9 GB) on
 one line each: the disk's own write rate (threads writing raw bytes, fsync'd); staging the state in
 host memory (allocate, copy from the device, free) in pinned and in pageable memory; ``dcp.save``
 (no process group) from the device and from the staged copies, by thread count and with torch's zip
-CRC32 on and off. ``--pinning-child`` repeats the pinned staging in a process whose
-``PYTORCH_CUDA_ALLOC_CONF`` pins with ``cudaHostRegister`` from several threads.
+CRC32 on and off; DCP's own ``DefaultStager`` (what ``emu.checkpoint`` stages resident units with)
+and a write from it; and, in child processes, the pinned staging with ``PYTORCH_CUDA_ALLOC_CONF``
+pinning through ``cudaHostRegister`` from several threads, and the cost at process exit of
+holding pinned memory.
 
-    python benchmarks/gpu_dcp_write.py --dir /tmp/dcp
+    python benchmarks/gpu_dcp_write.py --dir /tmp/dcp [--stager-only]
 """
 
 from __future__ import annotations

@@ -100,11 +100,14 @@ def save_state(model_stage: str, path: str | os.PathLike, weights: bool = True) 
     model-stage holds (see :meth:`~nereus_lightning.lightning.emu_state.EMUStates.save`).
     """
     emus = _local_emus(model_stage)
-    state = dcp_state_dict(emus[0]) if emus else {}
-    if not weights:
-        state = {k: v for k, v in state.items() if k == "counters"}
-    with _on_host(state) as staged:
+    with _on_host(_unit_state(emus[0] if emus else None, weights)) as staged:
         save_tensors(staged, path)
+
+
+def _unit_state(emu: EMU | None, weights: bool) -> dict[str, Any]:
+    """What :func:`save_state` and :func:`load_state` move for ``emu``: all of it, or its counters only."""
+    state = dcp_state_dict(emu) if emu is not None else {}
+    return state if weights else {k: v for k, v in state.items() if k == "counters"}
 
 
 @contextmanager
@@ -142,9 +145,7 @@ def load_state(emu: EMU | None, path: str | os.PathLike, weights: bool = True) -
     """Fill ``emu``'s shards (any layout) and counters from a checkpoint written by :func:`save_state`; None
     off the unit. Without ``weights`` only the counters are read.
     """
-    state = dcp_state_dict(emu) if emu is not None else {}
-    if not weights:
-        state = {k: v for k, v in state.items() if k == "counters"}
+    state = _unit_state(emu, weights)
     load_tensors(state, path)
     if emu is not None:
         emu.counters = Counters.from_tensor(state["counters"])
