@@ -56,3 +56,35 @@ def test_fit_gathers_the_models_into_the_caller_only_with_write_back(tmp_path, m
         # ... and nothing was gathered: the caller's module keeps the weights it started with.
         assert not marker.exists()
         assert all(torch.equal(after[n].detach(), initial[n]) for n in initial)
+
+
+def test_the_compile_workers_shut_down_while_the_final_checkpoint_is_written(monkeypatch):
+    """``on_train_end`` (before ModelCheckpoint's save) starts their shutdown on a thread; ``teardown``
+    waits for it. Without inductor loaded there is nothing to shut down.
+    """
+    import sys
+    import threading
+    import types
+
+    from nereus_lightning.lightning import NereusCallback
+
+    trainer = types.SimpleNamespace(is_global_zero=True)
+    monkeypatch.delitem(sys.modules, "torch._inductor.async_compile", raising=False)
+    callback = NereusCallback()
+    callback.on_train_end(trainer, None)
+    callback.teardown(trainer, None, "fit")  # nothing started, nothing to wait for
+
+    release, calls = threading.Event(), []
+
+    def shutdown_compile_workers() -> None:
+        calls.append(threading.current_thread().name)
+        release.wait(10)
+
+    fake = types.SimpleNamespace(shutdown_compile_workers=shutdown_compile_workers)
+    monkeypatch.setitem(sys.modules, "torch._inductor.async_compile", fake)
+    callback.on_train_end(trainer, None)
+    worker = callback._compile_workers
+    assert worker is not None and worker.is_alive()  # the save would run now, beside it
+    release.set()
+    callback.teardown(trainer, None, "fit")
+    assert not worker.is_alive() and calls == ["nereus-compile-workers"]

@@ -27,7 +27,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, BinaryIO, cast
+from typing import Any, BinaryIO
 
 import torch
 import torch.distributed as dist
@@ -36,12 +36,12 @@ from torch import Tensor
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.futures import Future
 
 from nereus_lightning.emu.groups import member_group
+from nereus_lightning.emu.host import HostBlock
 from nereus_lightning.emu.registry import registry
 from nereus_lightning.emu.unit import EMU, Counters
 from nereus_lightning.spec.errors import CheckpointError
@@ -115,20 +115,37 @@ def _on_host(state: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """``state`` with its GPU tensors copied into page-locked host memory for the block.
 
     DCP's writer threads would copy GPU tensors out one at a time through pageable memory (1.4 GB/s
-    on an H200 host); DCP's own stager registers plain host memory with ``cudaHostRegister``
-    instead (``benchmarks/gpu_dcp_write.py``) and copies at the link's speed. Released on exit.
+    on an H200 host); one registered :class:`~nereus_lightning.emu.host.HostBlock` takes them at
+    the link's speed (``benchmarks/gpu_dcp_write.py``). Unregistered on exit.
     """
-    if not any(isinstance(v, Tensor) and v.device.type == "cuda" for v in state.values()):
+    on_gpu = [k for k, v in state.items() if isinstance(v, Tensor) and v.device.type == "cuda"]
+    if not on_gpu:
         yield state
         return
-    options = StagingOptions(
-        use_pinned_memory=True, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=True
-    )
-    stager = DefaultStager(options)
+    block = HostBlock([_local(state[k]) for k in on_gpu], pin=True)
+    staged = dict(state)
+    for key, host in zip(on_gpu, block.tensors, strict=True):
+        host.copy_(_local(state[key]), non_blocking=True)
+        staged[key] = _with_local(state[key], host)
+    torch.cuda.synchronize()
     try:
-        yield cast(dict[str, Any], stager.stage(state))
+        yield staged
     finally:
-        stager.close()
+        block.release()
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _with_local(tensor: Tensor, local: Tensor) -> Tensor:
+    """``local`` in ``tensor``'s place: a DTensor of the same mesh, placements and global shape."""
+    if not isinstance(tensor, DTensor):
+        return local
+    mesh, placements = tensor.device_mesh, tensor.placements
+    return DTensor.from_local(
+        local, mesh, placements, run_check=False, shape=tensor.shape, stride=tensor.stride()
+    )
 
 
 def save_tensors(state: dict[str, Any], path: str | os.PathLike) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from nereus_lightning.emu.host import HostBlock
 from nereus_lightning.emu.schema import StateSchema
 from nereus_lightning.models.optim import MASTER_KEY
 from nereus_lightning.models.sharding import tp_slices
@@ -86,7 +87,7 @@ class EMU:
         self.trains = bool(self.optim_state) if trains is None else trains
         self.resident = True  # the tensors are on their compute device (see offload / onload)
         self._home: torch.device | None = None  # the compute device while offloaded from a GPU
-        self._host: dict[tuple[str, str], Tensor] = {}  # pinned host copies, kept for the next offload
+        self._host: HostBlock | None = None  # page-locked host copies, kept for the next offload
 
     # -- construction -------------------------------------------------------------------------------------
 
@@ -221,21 +222,24 @@ class EMU:
     def offload(self) -> None:
         """Move this rank's tensors to host memory in place (no collectives); a no-op when already there.
 
-        A GPU tensor is copied into a pinned host buffer (allocated on the first offload, reused
-        after) and then points at it, so its device memory is freed once nothing else holds it.
+        GPU tensors are copied into one page-locked :class:`~nereus_lightning.emu.host.HostBlock`
+        (made on the first offload, reused after) and then point at it, so their device memory is
+        freed once nothing else holds it.
         """
         if not self.resident:
             return
-        for name, key, tensor in self.tensors():
-            if tensor.device.type == "cpu":
-                continue
-            host = self._host.get((name, key))
-            if host is None:
-                host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
-                self._host[(name, key)] = host
-            host.copy_(tensor)  # blocking: the host copy is complete before anyone reads or writes it
-            self._home = tensor.device
-            tensor.data = host
+        on_gpu = [t for _, _, t in self.tensors() if t.device.type != "cpu"]
+        if on_gpu:
+            if self._host is None or not self._host.holds(on_gpu):
+                self._release_host()
+                self._host = HostBlock(on_gpu, pin=on_gpu[0].device.type == "cuda")
+            for tensor, host in zip(on_gpu, self._host.tensors, strict=True):
+                host.copy_(tensor, non_blocking=self._host.pinned)
+            self._home = on_gpu[0].device
+            if self._host.pinned:
+                torch.cuda.synchronize(self._home)  # copied before anyone reads the host copies
+            for tensor, host in zip(on_gpu, self._host.tensors, strict=True):
+                tensor.data = host
         self.resident = False
 
     def onload(self) -> None:
@@ -254,7 +258,13 @@ class EMU:
         """Drop every tensor this rank holds for the unit (no collectives)."""
         self.params = {}
         self.optim_state = {}
-        self._host = {}
+        self._release_host()
+
+    def _release_host(self) -> None:
+        """Give back the page-locked host copies (an offloaded unit keeps using them until it is onloaded)."""
+        if self._host is not None:
+            self._host.release()
+        self._host = None
 
     def __repr__(self) -> str:
         return (

@@ -11,6 +11,7 @@ checkpoint and a resume under another world size.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -91,6 +92,7 @@ class NereusCallback(pl.Callback):
         self.decisions: list[dict[str, Any]] = []
         self._restored: dict[str, Any] | None = None
         self._last_transition_s = 0.0
+        self._compile_workers: threading.Thread | None = None  # their shutdown, from on_train_end
 
     @property
     def transition_count(self) -> int:
@@ -236,11 +238,20 @@ class NereusCallback(pl.Callback):
     # ---- the end -------------------------------------------------------------------------
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from nereus_lightning.models.decode import stop_compile_workers
+
+        self._compile_workers = stop_compile_workers()  # while the final checkpoint is written
         if trainer.is_global_zero and self.plot_path and self.history:
             from nereus_lightning.lightning.plot import plot_run
 
             os.makedirs(os.path.dirname(os.path.abspath(self.plot_path)), exist_ok=True)
             plot_run(self.history, self.plot_path)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._compile_workers is not None:
+            self._compile_workers.join()
+            self._compile_workers = None
 
     # ---- state ---------------------------------------------------------------------------
     @override
@@ -265,7 +276,7 @@ def _strategy(trainer: pl.Trainer) -> NereusStrategy:
     if not isinstance(strategy, NereusStrategy):
         raise NereusConfigError(
             f"trainer.strategy: NereusCallback applies plans through NereusStrategy, not a "
-            f"{type(strategy).__name__}; use Trainer(strategy=NereusStrategy()) or strategy=\"nereus\""
+            f'{type(strategy).__name__}; use Trainer(strategy=NereusStrategy()) or strategy="nereus"'
         )
     return strategy
 

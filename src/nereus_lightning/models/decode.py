@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
+import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -359,6 +361,21 @@ class StaticDecoder:
             self.done |= emitted == self.shape.eos_token_id
         self.tokens.copy_(emitted.unsqueeze(-1))
         self.emitted += 1
+
+
+def stop_compile_workers() -> threading.Thread | None:
+    """Shut torch.compile's worker processes down on a thread of their own (None if none were started).
+
+    At the end of training they are not needed: their shutdown took 1.2 s after a 0.5B run on an
+    H200 host as an exit callback, after the final checkpoint; on this thread it runs while the
+    checkpoint is written. A later compile starts them again. Join the thread before exiting.
+    """
+    workers = sys.modules.get("torch._inductor.async_compile")  # only once inductor was used
+    if workers is None:
+        return None
+    thread = threading.Thread(target=workers.shutdown_compile_workers, name="nereus-compile-workers")
+    thread.start()
+    return thread
 
 
 @functools.cache
