@@ -4,12 +4,12 @@ Tensors shaped like Qwen2-0.5B's fp32 masters and two AdamW moments (~5.9 GB) on
 one line each: the disk's own write rate (threads writing raw bytes, fsync'd); staging the state in
 host memory (allocate, copy from the device, free) in pinned and in pageable memory; ``dcp.save``
 (no process group) from the device and from the staged copies, by thread count and with torch's zip
-CRC32 on and off; DCP's own ``DefaultStager`` (what ``emu.checkpoint`` stages resident units with)
-and a write from it; and, in child processes, the pinned staging with ``PYTORCH_CUDA_ALLOC_CONF``
-pinning through ``cudaHostRegister`` from several threads, and the cost at process exit of
-holding pinned memory.
+CRC32 on and off; DCP's own ``DefaultStager`` and a :class:`~nereus_lightning.emu.host.HostBlock`
+(what ``emu.checkpoint`` stages resident units with), each with a write from it; and, in child
+processes, the pinned staging with ``PYTORCH_CUDA_ALLOC_CONF`` pinning through ``cudaHostRegister``
+from several threads, and the cost at process exit of holding pinned memory (a HostBlock's too).
 
-    python benchmarks/gpu_dcp_write.py --dir /tmp/dcp [--stager-only]
+    python benchmarks/gpu_dcp_write.py --dir /tmp/dcp [--staging-only]
 """
 
 from __future__ import annotations
@@ -112,6 +112,27 @@ def stage_with_dcp(tensors: dict[str, torch.Tensor], directory: str) -> None:
     report("stage DCP DefaultStager: release", gb, time.perf_counter() - start)
 
 
+def stage_with_block(tensors: dict[str, torch.Tensor], directory: str) -> None:
+    """What ``emu.checkpoint`` stages with: one HostBlock (pages touched, one cudaHostRegister), a write
+    from it, its release.
+    """
+    from nereus_lightning.emu.host import HostBlock
+
+    gb = gigabytes(tensors)
+    start = time.perf_counter()
+    block = HostBlock(list(tensors.values()), pin=True)
+    allocated = time.perf_counter()
+    for host, tensor in zip(block.tensors, tensors.values(), strict=True):
+        host.copy_(tensor, non_blocking=True)
+    torch.cuda.synchronize()
+    report("stage HostBlock: allocate, touch, register", gb, allocated - start)
+    report("stage HostBlock: copy from the device", gb, time.perf_counter() - allocated)
+    write(dict(zip(tensors, block.tensors, strict=True)), directory, 16, True, "from a HostBlock")
+    start = time.perf_counter()
+    block.release()
+    report("stage HostBlock: release (unregister)", gb, time.perf_counter() - start)
+
+
 def write(tensors: dict[str, torch.Tensor], directory: str, threads: int, crc: bool, label: str) -> None:
     shutil.rmtree(directory, ignore_errors=True)
     torch.serialization.set_crc32_options(crc)
@@ -123,15 +144,39 @@ def write(tensors: dict[str, torch.Tensor], directory: str, threads: int, crc: b
     torch.serialization.set_crc32_options(True)
 
 
+def exits(directory: str, gb: float, children: list[tuple[str, str]]) -> None:
+    """Per (PYTORCH_CUDA_ALLOC_CONF, what the child keeps): the time its process takes to exit."""
+    for conf, then in children:
+        env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": conf}
+        child = [sys.executable, __file__, "--pinning-child", then, "--dir", directory]
+        out = subprocess.run(child, env=env, check=True, capture_output=True, text=True).stdout
+        exited = time.time()
+        print(out.rsplit("child done", 1)[0], end="")
+        done = float(out.rsplit("child done", 1)[1])
+        held = "none" if then == "free" else f"{gb:.2f} GB"
+        kind = "HostBlock" if then == "block" else conf or "cudaHostAlloc"
+        print(f"process exit, pinned memory held: {held} ({kind}): {exited - done:.2f} s", flush=True)
+
+
 def main() -> None:
     """Each variant once, after a warm-up write of the same bytes."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default="/tmp/dcp")
-    parser.add_argument("--pinning-child", choices=["free", "keep"], help="the pinned staging only (a child)")
-    parser.add_argument("--stager-only", action="store_true", help="DCP's stager only")
+    parser.add_argument(
+        "--pinning-child", choices=["free", "keep", "block"], help="the pinned staging only (a child)"
+    )
+    parser.add_argument(
+        "--staging-only", action="store_true", help="the disk, DCP's stager and a HostBlock only"
+    )
     args = parser.parse_args()
     tensors = state("cuda")
     gb = gigabytes(tensors)
+    if args.pinning_child == "block":
+        from nereus_lightning.emu.host import HostBlock
+
+        held = HostBlock(list(tensors.values()), pin=True)
+        print(f"child done {time.time()}", flush=True)
+        os._exit(0 if held.pinned else 1)  # as nereus-train leaves: no interpreter teardown
     if args.pinning_child:
         label = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or "cudaHostAlloc"
         host = stage(tensors, True, f"pinned, {label}")
@@ -139,9 +184,14 @@ def main() -> None:
             free(host, f"pinned, {label}")
         print(f"child done {time.time()}", flush=True)  # the parent times the interpreter's exit from here
         return
-    if args.stager_only:
+    if args.staging_only:
         write(tensors, args.dir, 8, True, "from the device (warm-up)")
+        disk(args.dir, gb, 16)
         stage_with_dcp(tensors, args.dir)
+        stage_with_block(tensors, args.dir)
+        del tensors
+        torch.cuda.empty_cache()
+        exits(args.dir, gb, [("", "block")])
         return
     disk(args.dir, gb, 8)  # warm-up: the filesystem's first big write
     for threads in (1, 8, 16):
@@ -157,16 +207,7 @@ def main() -> None:
     del tensors
     gc.collect()
     torch.cuda.empty_cache()
-    for conf, then in (("", "keep"), (HOST_REGISTER, "free"), (HOST_REGISTER, "keep")):
-        env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": conf}
-        child = [sys.executable, __file__, "--pinning-child", then, "--dir", args.dir]
-        out = subprocess.run(child, env=env, check=True, capture_output=True, text=True).stdout
-        exited = time.time()
-        print(out.rsplit("child done", 1)[0], end="")
-        done = float(out.rsplit("child done", 1)[1])
-        held = "none" if then == "free" else f"{gb:.2f} GB"
-        conf = conf or "cudaHostAlloc"
-        print(f"process exit, pinned memory held: {held} ({conf}): {exited - done:.2f} s", flush=True)
+    exits(args.dir, gb, [("", "keep"), (HOST_REGISTER, "free"), (HOST_REGISTER, "keep"), ("", "block")])
     shutil.rmtree(args.dir, ignore_errors=True)
 
 

@@ -30,12 +30,15 @@ def test_a_block_holds_one_tensor_per_entry_with_its_shape_and_dtype_and_no_over
     assert not block.pinned
     assert [(h.shape, h.dtype) for h in block.tensors] == [(t.shape, t.dtype) for t in LIKE]
     assert all(h.is_contiguous() for h in block.tensors)
-    base = block.tensors[0].untyped_storage().data_ptr()
-    assert all(h.untyped_storage().data_ptr() == base for h in block.tensors)  # one allocation
-    assert block.tensors[0].untyped_storage().nbytes() % PAGE == 0
-    spans = sorted(_span(h) for h in block.tensors)
-    assert all(start % ALIGN == 0 for start, _ in spans)
-    assert all(end <= nxt for (_, end), (nxt, _) in pairwise(spans))
+    # Each tensor owns a storage of exactly its bytes (DCP's writer would clone a view of a larger one) ...
+    assert all(h.untyped_storage().nbytes() == h.numel() * h.element_size() for h in block.tensors)
+    # ... inside one mapping, aligned, disjoint.
+    spans = sorted(_span(h) for h in block.tensors if h.numel())
+    base, end = block._memory.data_ptr(), block._memory.data_ptr() + block._memory.numel()
+    assert block._memory.numel() % PAGE == 0
+    assert all(base <= start and stop <= end for start, stop in spans)
+    assert all((start - base) % ALIGN == 0 for start, _ in spans)
+    assert all(stop <= nxt for (_, stop), (nxt, _) in pairwise(spans))
     for host, tensor in zip(block.tensors, LIKE, strict=True):  # no write may reach another tensor
         host.copy_(tensor)
     assert all(torch.equal(h, t) for h, t in zip(block.tensors, LIKE, strict=True))
