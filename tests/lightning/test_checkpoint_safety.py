@@ -290,16 +290,17 @@ def test_an_older_checkpoint_converts_and_resumes(saved, tmp_path):
 def test_a_crash_mid_save_leaves_the_previous_last_ckpt_whole(tmp_path, monkeypatch):
     import nereus_lightning.emu.checkpoint as emu_checkpoint
 
-    real, stages_saved = emu_checkpoint.save_state, []
+    real, stages_saved = emu_checkpoint.save_tensors, []
 
-    def save_then_die(model_stage: str, path: str, weights: bool = True) -> None:
-        real(model_stage, path, weights)
+    def save_then_die(state: dict, path: str) -> None:
+        real(state, path)
         if ".last.ckpt.partial" in str(path):
+            model_stage = os.path.basename(path)
             if model_stage in stages_saved:  # the second save of last.ckpt, one model-stage written
                 os._exit(3)
             stages_saved.append(model_stage)
 
-    monkeypatch.setattr(emu_checkpoint, "save_state", save_then_die)  # the forked ranks inherit it
+    monkeypatch.setattr(emu_checkpoint, "save_tensors", save_then_die)  # the forked ranks inherit it
     with pytest.raises(Exception, match="exit code|terminated|signal"):
         fit(str(tmp_path / "a"), devices=2, max_steps=3, every=1, last=True)
     monkeypatch.undo()

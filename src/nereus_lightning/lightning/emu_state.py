@@ -529,7 +529,7 @@ class EMUStates:
         training stage; loading syncs it from there (``actor_gen`` and ``actor_infer`` of a 0.5B
         actor are 2 GB of the checkpoint's 9 GB).
         """
-        from nereus_lightning.emu.checkpoint import save_state
+        from nereus_lightning.emu.checkpoint import save_states
 
         assert self.plan is not None
         views: list[Any] = [sorted(self.synced)]  # per rank (filled by the gather)
@@ -539,10 +539,11 @@ class EMUStates:
         everywhere = set.intersection(*(set(v) for v in views))
         weights_from = {n: train for n, train in self._sources().items() if n in everywhere}
         prepare_member_groups(_tp_rank_sets(self.plan))
-        for name in self.plan:
-            # Each unit from where it is: an idle one from its pinned host memory, a resident one
-            # staged in page-locked host memory first (emu.checkpoint._on_host).
-            save_state(name, os.path.join(path, name), weights=name not in weights_from)
+        # Each unit from where it is: an idle one from its pinned host memory, a resident one staged
+        # in page-locked host memory first. Training units (resident) go last, so that they are
+        # staged while the others are written (emu.checkpoint.save_states).
+        order = sorted(self.plan, key=lambda n: self.stages[n].trains)
+        save_states([(n, os.path.join(path, n), n not in weights_from) for n in order])
         if not dist.is_initialized() or dist.get_rank() == 0:
             for name, train in weights_from.items():
                 with open(os.path.join(path, name, WEIGHTS_FROM), "w") as f:
