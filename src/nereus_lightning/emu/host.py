@@ -3,9 +3,9 @@
 Offloaded units and checkpoint staging copy GBs between a GPU and the host. torch's pinned
 allocator (``cudaHostAlloc``) took 5.1 s to allocate 5.9 GB on an H200 host, 1.8 s to free it, and
 held, 1.9 s more at process exit; DCP's stager registers each tensor's memory on its own (2.8 s).
-One anonymous mapping whose pages are touched from several
-threads and then registered in one call took 0.66 s, its release 0.13 s, and held, 0.56 s at exit
-(``benchmarks/gpu_dcp_write.py``). Each tensor gets a storage of its own over its part of the
+One anonymous mapping whose pages are touched from several threads and then registered in one call
+took 0.66-1.77 s (three H200 hosts), its release 0.1 s, and held, 0.56-1.05 s at exit
+(``benchmarks/gpu_dcp_write.py --staging-only``). Each tensor gets a storage of its own over its part of the
 mapping: DCP's writer clones a tensor that views a larger storage.
 """
 
@@ -67,7 +67,7 @@ class HostBlock:
 
     def __init__(self, like: Sequence[Tensor], pin: bool) -> None:
         offsets, size = _offsets(like)
-        self._mapping = mmap.mmap(-1, size)  # no MADV_HUGEPAGE: 1.6 s instead of 0.66 s for 5.9 GB
+        self._mapping = mmap.mmap(-1, size)
         self._memory = torch.frombuffer(self._mapping, dtype=torch.uint8)
         self.tensors = [_carve(self._mapping, o, t) for o, t in zip(offsets, like, strict=True)]
         self.pinned = pin and self._register()
