@@ -113,22 +113,40 @@ def test_a_nan_gradient_norm_stops_the_update_before_the_optimizer_step(tmp_path
 def test_bf16_mixed_trains_on_bf16_weights_with_fp32_masters(tmp_path):
     import math
 
-    from nereus_lightning.emu.checkpoint import read_dcp_metadata
+    from safetensors.torch import load_file
 
-    _, rows = fit(str(tmp_path), devices=2, max_steps=2, algorithm="grpo", every=2, precision="bf16-mixed")
+    from nereus_lightning.emu.checkpoint import read_dcp_metadata
+    from nereus_lightning.lightning import GRPOModule
+    from nereus_lightning.lightning.export import logical_params
+    from tests.lightning.helpers import small_task
+
+    module = GRPOModule(task=small_task(), seed=3, samples_per_prompt=2, prompts_per_step=4)
+    _, rows = fit(
+        str(tmp_path), 2, 2, "grpo", every=2, module=module, write_back=True, precision="bf16-mixed"
+    )
     assert all(math.isfinite(float(r["actor/pg_loss"])) and float(r["actor/grad_norm"]) > 0 for r in rows)
-    meta = read_dcp_metadata(tmp_path / "ckpt" / "s2.ckpt" / "emu" / "actor_train").state_dict_metadata
+    ckpt = tmp_path / "ckpt" / "s2.ckpt"
+    meta = read_dcp_metadata(ckpt / "emu" / "actor_train").state_dict_metadata
     name = "model.layers.0.mlp.up_proj.weight"
-    assert meta[f"param/{name}"].properties.dtype == torch.bfloat16
+    # The training stage stores each bf16 weight as its fp32 master only (the weight is the master rounded).
+    assert not [k for k in meta if k.startswith("param/")]
     assert meta[f"master/{name}"].properties.dtype == torch.float32
     assert meta[f"exp_avg/{name}"].properties.dtype == torch.float32
     # The reference is stored whole, in bf16 and without masters; the generation unit holds the
     # training stage's weights, so the checkpoint keeps its counters and names where they are.
-    ref = read_dcp_metadata(tmp_path / "ckpt" / "s2.ckpt" / "emu" / "ref_infer").state_dict_metadata
+    ref = read_dcp_metadata(ckpt / "emu" / "ref_infer").state_dict_metadata
     assert ref[f"param/{name}"].properties.dtype == torch.bfloat16 and f"master/{name}" not in ref
-    gen = tmp_path / "ckpt" / "s2.ckpt" / "emu" / "actor_gen"
+    gen = ckpt / "emu" / "actor_gen"
     assert set(read_dcp_metadata(gen).state_dict_metadata) == {"counters"}
     assert (gen / "weights_from.json").read_text() == '{"weights_from": "actor_train"}'
+    # Read back from the masters, the weights are the trained bf16 weights bit for bit: those the caller's
+    # module received from the units (write_back) and those of the Hugging Face export.
+    trained = dict(module.actor.named_parameters())
+    params = logical_params(str(ckpt / "emu" / "actor_train"))
+    assert params.keys() == trained.keys()
+    assert all(p.dtype == torch.bfloat16 and torch.equal(p, trained[n].detach()) for n, p in params.items())
+    exported = load_file(ckpt / "hf" / "actor" / "model.safetensors")
+    assert exported and all(torch.equal(t, trained[n].detach()) for n, t in exported.items())
 
 
 def test_an_unsupported_precision_is_refused_naming_the_key():

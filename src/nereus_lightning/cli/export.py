@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 
 from nereus_lightning.cli._hydra import CONFIG_ROOT
-from nereus_lightning.spec.errors import NereusConfigError
+from nereus_lightning.spec.errors import CheckpointError, NereusConfigError
 
 
 def main() -> None:
@@ -22,7 +22,7 @@ def main() -> None:
 
         try:
             done = export_hf(str(cfg.ckpt_path), cfg.output and str(cfg.output))
-        except NereusConfigError as exc:
+        except (NereusConfigError, CheckpointError) as exc:  # a bad path or config; a damaged checkpoint
             print(f"nereus-export: {exc}", file=sys.stderr)
             sys.exit(2)
         for role, folder in done.items():

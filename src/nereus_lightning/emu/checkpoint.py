@@ -6,6 +6,12 @@ global offsets. Loading into a unit of any other layout lets DCP compute, indepe
 transfer plans, which bytes each new shard needs. Both calls are collective over the default
 process group (ranks without a unit of the model-stage take part with nothing).
 
+A training unit's bf16/fp16 parameter is stored as its fp32 master only (key ``master/<name>``, no
+``param/<name>``): the parameter is always its master rounded, so loading rounds the master into
+it as the optimizer step does (see :func:`params_from_masters`), on any layout. The directory's
+:data:`PARAMS_FROM_MASTERS` file names those parameters and their dtype for readers without a unit
+(export). Checkpoints that also hold ``param/<name>`` load the same way.
+
 Loading runs no code from the checkpoint. DCP's own ``FileSystemReader.read_metadata`` unpickles
 the ``.metadata`` file with the unrestricted ``pickle`` module (torch 2.4 to 2.13), and its planner
 loads entries stored as bytes with ``torch.load`` outside weights-only mode (``load_bytes``), so
@@ -21,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import importlib
+import json
 import os
 import pickle
 import warnings
@@ -44,10 +51,14 @@ from torch.futures import Future
 from nereus_lightning.emu.groups import member_group
 from nereus_lightning.emu.host import HostBlock
 from nereus_lightning.emu.registry import registry
+from nereus_lightning.emu.schema import StateSchema
 from nereus_lightning.emu.unit import EMU, Counters
+from nereus_lightning.models.optim import MASTER_KEY, off_master
 from nereus_lightning.spec.errors import CheckpointError
 
 DCP_METADATA = ".metadata"  # the file DCP writes last, after every rank's data files
+#: In a model-stage's directory: the parameters stored as their fp32 master only -> their dtype names.
+PARAMS_FROM_MASTERS = "params_from_masters.json"
 #: Threads (each its own file) writing one rank's shards from host memory: 2.15 GB/s with 16 on an H200
 #: host, 1.8 with 8, 0.7 with DCP's one (the disk takes 2.0; benchmarks/gpu_dcp_write.py).
 WRITE_THREADS = 16
@@ -61,9 +72,23 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
+def params_from_masters(schema: StateSchema, trains: bool) -> dict[str, str]:
+    """The parameters a checkpoint of a unit stores as their fp32 master only -> their dtype names.
+
+    Those of a training unit that have a master (bf16/fp16): each is its master rounded, because
+    :class:`~nereus_lightning.models.optim.MixedPrecisionAdamW` copies every master into its parameter
+    after a step and a fresh unit's master is the parameter upcast (``EMU.from_model`` refuses a given
+    master that rounds to another value). Storing them too would write 2 more bytes per parameter
+    (1 GB of a 0.5B training unit's 7 GB).
+    """
+    if not trains:
+        return {}
+    return {n: schema.dtype_name_of[n] for n in schema.names if MASTER_KEY in schema.optim_keys(n)}
+
+
 def dcp_state_dict(emu: EMU) -> dict[str, Tensor]:
-    """This rank's shards keyed ``"<key>/<global name>"``: DTensors for TP-cut tensors, plain tensors
-    otherwise.
+    """Every tensor of this rank's shards keyed ``"<key>/<global name>"``: DTensors for TP-cut tensors,
+    plain tensors otherwise (a checkpoint holds all but :func:`params_from_masters`).
 
     The values share storage with the EMU, so :func:`dcp.load` fills the EMU in place.
     """
@@ -109,13 +134,19 @@ def save_states(saves: Sequence[tuple[str, str | os.PathLike, bool]]) -> None:
     One thread stages every unit that is on a GPU into host memory, in order, while the ones before
     it are written (each staged unit holds its host memory until it is written): a 0.5B training
     unit stages 7 GB (~2 s on an H200 host).
+
+    A training unit's low-precision parameters are written as their masters only (see
+    :func:`params_from_masters`); the caller makes sure each still is its master rounded
+    (:func:`params_off_master`, as :meth:`~nereus_lightning.lightning.NereusStrategy.save_checkpoint` does).
     """
     states = [_unit_state(next(iter(_local_emus(stage)), None), weights) for stage, _, weights in saves]
     with ThreadPoolExecutor(1, thread_name_prefix="nereus-staging") as pool:
         staged = [pool.submit(_on_host, state) for state in states]
-        for (_, path, _), ready in zip(saves, staged, strict=True):
+        for (stage, path, weights), ready in zip(saves, staged, strict=True):
             state, block = ready.result()
             try:
+                if weights:
+                    _write_params_from_masters(stage, path)
                 save_tensors(state, path)
             finally:
                 if block is not None:
@@ -123,9 +154,51 @@ def save_states(saves: Sequence[tuple[str, str | os.PathLike, bool]]) -> None:
 
 
 def _unit_state(emu: EMU | None, weights: bool) -> dict[str, Any]:
-    """What :func:`save_state` and :func:`load_state` move for ``emu``: all of it, or its counters only."""
-    state = dcp_state_dict(emu) if emu is not None else {}
-    return state if weights else {k: v for k, v in state.items() if k == "counters"}
+    """What :func:`save_state` and :func:`load_state` move for ``emu``: all of it but the parameters its
+    masters give (:func:`params_from_masters`), or its counters only.
+    """
+    if emu is None:
+        return {}
+    state = dcp_state_dict(emu)
+    if not weights:
+        return {"counters": state["counters"]}
+    derived = {f"param/{name}" for name in params_from_masters(emu.schema, emu.trains)}
+    return {key: value for key, value in state.items() if key not in derived}
+
+
+def _write_params_from_masters(model_stage: str, path: str | os.PathLike) -> None:
+    """Rank 0 writes :data:`PARAMS_FROM_MASTERS` into ``path`` when the model-stage has such parameters
+    (before DCP, whose ``.metadata`` comes last).
+    """
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    reg = registry()
+    derived = params_from_masters(reg.schema(model_stage), reg.trains[model_stage])
+    if derived:
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, PARAMS_FROM_MASTERS), "w") as f:
+            json.dump({"params_from_masters": derived}, f)
+
+
+def read_params_from_masters(directory: str | os.PathLike) -> dict[str, str]:
+    """The parameters ``directory`` (one model-stage) stores as their fp32 master only -> their dtype names.
+
+    Empty when it has no :data:`PARAMS_FROM_MASTERS` (checkpoints before it existed hold every
+    parameter); a damaged file raises :class:`CheckpointError` naming it.
+    """
+    file = Path(directory) / PARAMS_FROM_MASTERS
+    if not file.is_file():
+        return {}
+    try:
+        derived = json.loads(file.read_text())["params_from_masters"]
+        if not isinstance(derived, dict) or not all(
+            isinstance(n, str) and isinstance(getattr(torch, str(d), None), torch.dtype)
+            for n, d in derived.items()
+        ):
+            raise ValueError("params_from_masters is not a map of parameter names to torch dtype names")
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{file}: damaged ({type(exc).__name__}: {exc})") from exc
+    return derived
 
 
 def _on_host(state: dict[str, Any]) -> tuple[dict[str, Any], HostBlock | None]:
@@ -181,8 +254,20 @@ def load_state(emu: EMU | None, path: str | os.PathLike, weights: bool = True) -
     load_tensors(state, path)
     if emu is not None:
         emu.counters = Counters.from_tensor(state["counters"])
+        if weights:
+            _round_masters_into_params(emu)
     if dist.is_initialized():
         dist.barrier()
+
+
+def _round_masters_into_params(emu: EMU) -> None:
+    """Each parameter of :func:`params_from_masters` from its loaded master, rounded as the optimizer
+    step rounds it (``param.copy_(master)``).
+    """
+    with torch.no_grad():
+        for name in params_from_masters(emu.schema, emu.trains):
+            if name in emu.params:  # (this rank's pipeline stage)
+                emu.params[name].copy_(emu.optim_state[name][MASTER_KEY])
 
 
 def load_tensors(state: dict[str, Any], path: str | os.PathLike, alone: bool = False) -> None:
@@ -232,6 +317,25 @@ def nonfinite_tensors(model_stage: str) -> list[str]:
         for emu in _local_emus(model_stage)
         for name, key, tensor in emu.tensors()
     )
+
+
+def params_off_master(model_stage: str) -> list[str]:
+    """This rank's parameters of ``model_stage`` that are not their fp32 master rounded, bit for bit (one
+    device sync in all).
+
+    A checkpoint stores such a parameter as its master only (:func:`params_from_masters`), so it
+    would not give one of these back: something changed it outside the optimizer step.
+    """
+    named = [
+        (name, emu.params[name], emu.optim_state[name][MASTER_KEY])
+        for emu in _local_emus(model_stage)
+        for name in params_from_masters(emu.schema, emu.trains)
+        if name in emu.params
+    ]
+    if not named:
+        return []
+    differs = torch.stack([off_master(param, master) for _, param, master in named]).tolist()
+    return [name for (name, _, _), bad in zip(named, differs, strict=True) if bad]
 
 
 # ---- reading DCP's metadata without running code from it --------------------------------------

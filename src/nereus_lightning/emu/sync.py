@@ -6,7 +6,8 @@ a rank that holds a source and a target shard copies their overlap locally first
 
 * :func:`sync_params` copies the parameters of model-stage A's live units into model-stage B's
   live units, in place (B's tensors keep their identity, so modules built on them stay valid):
-  the weight synchronisation actor_train -> actor_gen / actor_infer after an update.
+  the weight synchronisation actor_train -> actor_gen / actor_infer after an update. B does not
+  train (its parameters would part from its optimizer state).
 * :func:`relayout` moves a model-stage's whole state (parameters, AdamW state, counters) from its
   live units onto new units of any layouts and ranks, then makes those the live units: the
   per-model-stage fallback for plans the transition brain does not model (e.g. model-stages of
@@ -89,6 +90,13 @@ def sync_params(source_stage: str, target_stage: str, device: torch.device | Non
         reg.schema(target_stage) == schema,
         "target_stage",
         f"{target_stage!r} holds another model than {source_stage!r}; weight sync needs one schema",
+    )
+    # A training unit's parameters are its optimizer's (through fp32 masters below fp32): written here,
+    # they would part from the masters that the next step and every checkpoint take them from.
+    require(
+        not reg.trains[target_stage],
+        "target_stage",
+        f"{target_stage!r} trains; weight sync writes parameters into generation and inference stages only",
     )
     sources, targets = reg.live(source_stage), reg.live(target_stage)
     require(bool(sources), "source_stage", f"{source_stage!r} has no live unit")

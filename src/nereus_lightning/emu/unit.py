@@ -26,7 +26,7 @@ from torch import Tensor
 
 from nereus_lightning.emu.host import HostBlock
 from nereus_lightning.emu.schema import StateSchema
-from nereus_lightning.models.optim import MASTER_KEY
+from nereus_lightning.models.optim import MASTER_KEY, off_master
 from nereus_lightning.models.sharding import tp_slices
 from nereus_lightning.plan.layout import Layout
 from nereus_lightning.plan.units import Position, Unit
@@ -110,7 +110,9 @@ class EMU:
         ``full_optim`` maps global names to full-size ``exp_avg`` / ``exp_avg_sq`` / ``step`` (and,
         for bf16/fp16 parameters, optionally ``master``; without it the master is the parameter
         upcast); without ``full_optim`` a training unit starts from zeros (a fresh AdamW). The AdamW
-        tensors are stored in ``schema.key_dtype`` (fp32 moments and master below fp32).
+        tensors are stored in ``schema.key_dtype`` (fp32 moments and master below fp32). A given
+        master must round to the parameter bit for bit, as the optimizer step leaves them (a
+        :class:`~nereus_lightning.spec.errors.NereusConfigError` names the first that does not).
         """
         schema.validate(unit.layout)
         full = (
@@ -138,6 +140,14 @@ class EMU:
                         src = torch.zeros_like(params[name])
                     dtype = schema.key_dtype(name, key)
                     state[key] = src.detach().to(device=device, dtype=dtype, copy=True).contiguous()
+                if MASTER_KEY in state and given is not None and MASTER_KEY in given:
+                    # Checkpoints store the master only (emu.checkpoint.params_from_masters).
+                    require(
+                        not bool(off_master(params[name], state[MASTER_KEY])),
+                        "full_optim",
+                        f"{name}: its master rounded to {schema.dtype_name_of[name]} is not the parameter; "
+                        "give the master the parameter was rounded from (or none: the parameter upcast)",
+                    )
                 step = given["step"] if given is not None else torch.zeros((), dtype=torch.float32)
                 state["step"] = step.detach().to(device=device, copy=True).reshape(())
                 optim[name] = state

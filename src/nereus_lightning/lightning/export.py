@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from nereus_lightning.rl.tokenizer import ByteTokenizer
-from nereus_lightning.spec.errors import NereusConfigError
+from nereus_lightning.spec.errors import CheckpointError, NereusConfigError
 
 #: Trainable model -> the model-stage that holds its freshest state.
 TRAINED = {"actor": "actor_train", "critic": "critic_train"}
@@ -33,20 +33,56 @@ def write_hf_metadata(configs: Mapping[str, Any], tokenizer: Any, ckpt_dir: str)
 
 
 def logical_params(stage_dir: str) -> dict[str, Any]:
-    """Every parameter of a model-stage checkpoint, full size, read on this process alone (no unpickling)."""
+    """Every parameter of a model-stage checkpoint, full size, read on this process alone (no unpickling).
+
+    A training stage stores its bf16/fp16 parameters as their fp32 masters only
+    (:data:`~nereus_lightning.emu.checkpoint.PARAMS_FROM_MASTERS` names them and their dtype): each
+    is its master rounded to that dtype, as the optimizer step rounds it.
+    """
     import torch
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from nereus_lightning.emu.checkpoint import load_tensors, read_dcp_metadata
+    from nereus_lightning.emu.checkpoint import load_tensors, read_dcp_metadata, read_params_from_masters
 
-    meta = read_dcp_metadata(stage_dir)
+    stored: Mapping[str, Any] = read_dcp_metadata(stage_dir).state_dict_metadata  # (tensors only)
+    dtypes = read_params_from_masters(stage_dir)
+    sources = _param_sources(stage_dir, stored, dtypes)
     state = {
-        key: torch.empty(tuple(m.size), dtype=m.properties.dtype)
-        for key, m in meta.state_dict_metadata.items()
-        if key.startswith("param/") and isinstance(m, TensorStorageMetadata)  # (params are tensors)
+        key: torch.empty(tuple(stored[key].size), dtype=stored[key].properties.dtype)
+        for key in sources.values()
     }
     load_tensors(state, stage_dir, alone=True)
-    return {key.removeprefix("param/"): tensor for key, tensor in state.items()}
+    return {
+        name: state[key] if key.startswith("param/") else state[key].to(getattr(torch, dtypes[name]))
+        for name, key in sources.items()
+    }
+
+
+def _param_sources(stage_dir: str, stored: Mapping[str, Any], dtypes: Mapping[str, str]) -> dict[str, str]:
+    """Each parameter of a model-stage checkpoint, in its order -> the key it is read from: ``param/<name>``,
+    or ``master/<name>`` for one stored as its master only (``dtypes``: those and their dtype names).
+
+    A :class:`CheckpointError` names the file and key of a parameter that has neither, or whose
+    dtype no file gives.
+    """
+    from nereus_lightning.emu.checkpoint import DCP_METADATA, PARAMS_FROM_MASTERS
+
+    metadata, record = os.path.join(stage_dir, DCP_METADATA), os.path.join(stage_dir, PARAMS_FROM_MASTERS)
+    sources: dict[str, str] = {}
+    for key in stored:
+        kind, _, name = key.partition("/")
+        if kind == "param":
+            sources[name] = key
+        elif kind == "master" and f"param/{name}" not in stored:
+            if name not in dtypes:
+                raise CheckpointError(
+                    f"{metadata}: holds {key!r} but not 'param/{name}', and {record} does not give the "
+                    "parameter's dtype (missing, or it does not name it)"
+                )
+            sources[name] = key
+    for name in dtypes:
+        if name not in sources:
+            raise CheckpointError(f"{metadata}: holds neither 'param/{name}' nor 'master/{name}' ({record})")
+    return sources
 
 
 def _model_of(config: Any, dtype: Any) -> Any:

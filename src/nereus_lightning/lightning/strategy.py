@@ -391,7 +391,9 @@ class NereusStrategy(ParallelStrategy):
 
         Refused with a :class:`CheckpointError` on every rank, before anything is written, when any
         rank holds a NaN or an infinity in its state (the error names the model-stage, tensor and
-        rank) or a value of the checkpoint dict cannot be stored in JSON (it names the key). The
+        rank), a training unit's bf16/fp16 parameter that is not its fp32 master rounded (the
+        checkpoint stores the master only), or a value of the checkpoint dict cannot be stored in
+        JSON (it names the key). The
         directory is written under a staging name and renamed to ``filepath`` once complete.
         """
         path = Path(self.broadcast(str(filepath)))
@@ -442,7 +444,7 @@ class NereusStrategy(ParallelStrategy):
 
     def _checked_for_save(self, path: Path, checkpoint: dict[str, Any], units: EMUStates) -> Any:
         """Rank 0's JSON encoding of ``checkpoint`` once every rank found its state finite (collective)."""
-        from nereus_lightning.emu.checkpoint import nonfinite_tensors
+        from nereus_lightning.emu.checkpoint import nonfinite_tensors, params_off_master
 
         encoded, problem = None, None
         if self.is_global_zero:
@@ -450,18 +452,24 @@ class NereusStrategy(ParallelStrategy):
                 encoded = encode(checkpoint)
             except CheckpointError as exc:
                 problem = str(exc)
-        bad = [f"{name}/{t}" for name in (units.plan or {}) for t in nonfinite_tensors(name)]
-        reports: list[Any] = [(self.global_rank, bad, problem)]  # per rank (filled by the gather)
+        stages = list(units.plan or ())
+        bad = [f"{name}/{t}" for name in stages for t in nonfinite_tensors(name)]
+        off = [f"{name}/{t}" for name in stages for t in params_off_master(name)]
+        mine = (self.global_rank, bad, off, problem)
+        reports: list[Any] = [mine]  # per rank (filled by the gather)
         if _distributed_is_initialized():
             reports = [None] * self.world_size
-            dist.all_gather_object(reports, (self.global_rank, bad, problem))
-        nonfinite = [f"{name} (rank {rank})" for rank, names, _ in reports for name in names]
-        problems = list(dict.fromkeys(p for _, _, p in reports if p))  # the same on every rank
+            dist.all_gather_object(reports, mine)
+        problems = list(dict.fromkeys(p for *_, p in reports if p))  # the same on every rank
+        nonfinite = [f"{name} (rank {rank})" for rank, names, _, _ in reports for name in names]
         if nonfinite:
-            shown = ", ".join(nonfinite[:8]) + (
-                f" and {len(nonfinite) - 8} more" if len(nonfinite) > 8 else ""
+            problems.append(f"non-finite values (NaN or inf) in {_first_few(nonfinite)}")
+        stale = [f"{name} (rank {rank})" for rank, _, names, _ in reports for name in names]
+        if stale:
+            problems.append(
+                f"parameters that are not their fp32 master rounded: {_first_few(stale)} (changed outside "
+                "the optimizer step; a checkpoint stores the master only, so it would not give them back)"
             )
-            problems.append(f"non-finite values (NaN or inf) in {shown}")
         if problems:
             raise CheckpointError(
                 f"checkpoint {path} not written: {'; '.join(problems)}. The checkpoints already on disk are "
@@ -520,6 +528,12 @@ class NereusStrategy(ParallelStrategy):
         strategy_registry.register(
             "nereus_spawn", cls, description="Nereus strategy, spawned ranks", start_method="spawn"
         )
+
+
+def _first_few(names: list[str], shown: int = 8) -> str:
+    """``names`` joined, the first ``shown`` of them and how many more."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
 
 
 class _ForkLauncher(_MultiProcessingLauncher):

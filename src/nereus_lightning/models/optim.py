@@ -65,6 +65,15 @@ def fresh_adamw_state(param: Tensor) -> dict[str, Tensor]:
     return state
 
 
+def off_master(param: Tensor, master: Tensor) -> Tensor:
+    """Whether ``param`` is not ``master`` rounded to its dtype as a step leaves it, bit for bit (a 0-d bool
+    tensor, no device sync).
+
+    Bytes, not values: -0.0 and 0.0 are not the same parameter.
+    """
+    return torch.ne(param.view(torch.uint8), master.to(param.dtype).view(torch.uint8)).any()
+
+
 class MixedPrecisionAdamW(torch.optim.AdamW):
     """``torch.optim.AdamW`` whose low-precision parameters are stepped through fp32 master copies.
 
