@@ -4,6 +4,10 @@ priced as the brain prices them (14 B/param).
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import pytest
 import torch
 
 from nereus_lightning.emu import (
@@ -23,6 +27,7 @@ from nereus_lightning.emu import (
 from nereus_lightning.emu.sync import relayout
 from nereus_lightning.plan.layout import Layout
 from nereus_lightning.plan.memory import optimizer_bytes_per_param
+from nereus_lightning.spec.errors import NereusConfigError
 from nereus_lightning.spec.model import ModelSpec
 from nereus_lightning.transition.pieces import extend_transfers, gather_transfers, geometry, shard_bytes
 from tests.emu.workers import COUNTERS, tiny
@@ -145,26 +150,71 @@ def test_bf16_transfers_are_exact_and_carry_the_bytes_the_brain_prices(dist4) ->
     )
 
 
-def dcp_bf16(rank: int, world: int, path: str) -> tuple[list[str], int]:
-    """Save a bf16 training unit with DCP, Split it, load the new layout from DCP: the shards that differ."""
-    from nereus_lightning.emu.checkpoint import load_state, save_state
+def test_a_given_master_that_does_not_round_to_its_parameter_is_refused() -> None:
+    config, model, optim = bf16_tiny()
+    schema, unit = StateSchema.of(config, model), Unit(Layout(1, 1), (0,))
+    name = "model.layers.0.mlp.up_proj.weight"
+    optim[name]["master"] = optim[name]["master"] + 0.25  # no longer the master the bf16 weight came from
+    # A checkpoint stores the master only: this unit would resume with other weights than it holds.
+    with pytest.raises(NereusConfigError, match=rf"full_optim: {name}: its master rounded to bfloat16 is"):
+        EMU.from_model(STAGE, schema, model, unit, 0, trains=True, full_optim=optim)
+
+
+def dcp_bf16(rank: int, world: int, path: str) -> dict:
+    """A training unit of bf16 weights (fp32 masters) and fp32 norms (none) saved with DCP as it is (``new``)
+    and as checkpoints before issue 14 were (``old``: every parameter too), Split, then each loaded into the
+    new layout: per checkpoint the shards that differ; on rank 0 what each holds.
+    """
+    from nereus_lightning.emu.checkpoint import (
+        PARAMS_FROM_MASTERS,
+        dcp_state_dict,
+        load_state,
+        read_dcp_metadata,
+        save_state,
+        save_tensors,
+    )
 
     registry().clear()
     config, model, optim = bf16_tiny("gqa_tied")
+    for name, p in model.named_parameters():
+        if "norm" in name:  # an fp32 parameter is stepped as it is, without a master
+            p.data = p.data.float()
+            del optim[name]["master"]
     create_unit(STAGE, config, model, BIG, ALL, trains=True, full_optim=optim, counters=COUNTERS)
-    save_state(STAGE, path)
+    save_state(STAGE, f"{path}/new")
+    save_tensors(dcp_state_dict(registry().local(STAGE, Unit(BIG, ALL))), f"{path}/old")
     execute(split(STAGE, Unit(BIG, ALL), SMALL))
     mine = next(u for u in registry().live(STAGE) if rank in u.gpus)
     ours = registry().local(STAGE, mine)
-    oracle = EMU.empty(STAGE, registry().schema(STAGE), mine, rank, trains=True)
-    for _, _, t in oracle.tensors():
-        t.fill_(-7.0)  # a shard DCP did not fill cannot pass by chance
-    load_state(oracle, path)
-    theirs = {(n, k): t for n, k, t in oracle.tensors()}
-    bad = [f"{n}.{k}" for n, k, t in ours.tensors() if not torch.equal(t, theirs[(n, k)])]
-    return bad, sum(1 for _, k, _ in ours.tensors() if k == "master")
+    out: dict = {"masters": sum(1 for _, k, _ in ours.tensors() if k == "master")}
+    for saved in ("new", "old"):
+        oracle = EMU.empty(STAGE, registry().schema(STAGE), mine, rank, trains=True)
+        for _, _, t in oracle.tensors():
+            t.fill_(-7.0)  # a shard DCP did not fill cannot pass by chance
+        load_state(oracle, f"{path}/{saved}")
+        theirs = {(n, k): t for n, k, t in oracle.tensors()}
+        bad = [f"{n}.{k}" for n, k, t in ours.tensors() if not torch.equal(t, theirs[(n, k)])]
+        out[saved] = bad + ([] if oracle.counters == ours.counters else ["counters"])
+    if rank == 0:
+        out["stored"] = {s: set(read_dcp_metadata(f"{path}/{s}").state_dict_metadata) for s in ("new", "old")}
+        out["record"] = json.loads((Path(path) / "new" / PARAMS_FROM_MASTERS).read_text())
+        out["dtypes"] = {n: str(p.dtype).removeprefix("torch.") for n, p in model.named_parameters()}
+    return out
 
 
-def test_dcp_checkpoint_carries_the_master(dist4, tmp_path) -> None:
-    for rank, (bad, masters) in enumerate(dist4.run(dcp_bf16, str(tmp_path / "bf16"))):
-        assert masters > 0 and bad == [], (rank, bad[:4])
+def test_dcp_checkpoint_holds_the_master_and_gives_back_its_weight(dist4, tmp_path) -> None:
+    per_rank = dist4.run(dcp_bf16, str(tmp_path))
+    for rank, out in enumerate(per_rank):
+        # Both loads give every shard of the new layout bit for bit: bf16 weights rounded from their masters,
+        # the older checkpoint's stored weights left unread.
+        assert out["masters"] > 0 and out["new"] == out["old"] == [], (rank, out["new"][:4], out["old"][:4])
+    out = per_rank[0]
+    low = {n for n, dtype in out["dtypes"].items() if dtype == "bfloat16"}
+    fp32 = set(out["dtypes"]) - low
+    assert low and fp32
+    # A bf16 weight is stored as its fp32 master only; an fp32 one (no master) as it is.
+    new, old = out["stored"]["new"], out["stored"]["old"]
+    assert {k for k in new if k.startswith("param/")} == {f"param/{n}" for n in fp32}
+    assert {k for k in new if k.startswith("master/")} == {f"master/{n}" for n in low}
+    assert old == new | {f"param/{n}" for n in low}
+    assert out["record"] == {"params_from_masters": dict.fromkeys(low, "bfloat16")}  # (what export reads)

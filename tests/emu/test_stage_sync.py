@@ -7,6 +7,7 @@ import torch
 from nereus_lightning.emu import Unit, create_unit, gather_logical_state, registry
 from nereus_lightning.emu.sync import relayout, sync_params
 from nereus_lightning.plan.layout import Layout
+from nereus_lightning.spec.errors import NereusConfigError
 from tests.emu.workers import tiny
 
 TRAIN, GEN = "actor_train", "actor_gen"
@@ -29,6 +30,11 @@ def sync_and_relayout(rank: int, world: int, kind: str) -> dict:
     gen_before = next((e for e in registry().units[GEN].values() if e is not None), None)
     ids_before = {n: t.data_ptr() for n, t in gen_before.params.items()} if gen_before else {}
     traffic = sync_params(TRAIN, GEN)
+    try:  # the other way round would part the training weights from their AdamW state
+        sync_params(GEN, TRAIN)
+        refused = ""
+    except NereusConfigError as exc:
+        refused = str(exc)
     same_tensors = (
         all(gen_before.params[n].data_ptr() == p for n, p in ids_before.items()) if gen_before else True
     )
@@ -42,6 +48,7 @@ def sync_and_relayout(rank: int, world: int, kind: str) -> dict:
         received=traffic.payload_received,
         relayout_received=moved.payload_received,
         same_tensors=same_tensors,
+        refused=refused,
         live=[str(u) for u in live],
     )
     if rank == 0:
@@ -58,6 +65,7 @@ def test_sync_params_copies_the_training_weights_into_another_layout(dist4):
         first = per_rank[0]
         assert first["names_equal"] and first["sync_diff"] == [], (kind, first["sync_diff"][:3])
         assert all(out["same_tensors"] for out in per_rank)  # modules built on actor_gen stay valid
+        assert all("target_stage: 'actor_train' trains" in out["refused"] for out in per_rank)
         assert per_rank[2]["received"] > 0 and per_rank[3]["received"] > 0  # not a local copy
         assert first["relayout_diff"] == [] and first["replicas"] == 2, (kind, first["relayout_diff"][:3])
         assert sum(out["relayout_received"] for out in per_rank) > 0
