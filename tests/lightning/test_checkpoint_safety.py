@@ -313,7 +313,22 @@ def test_a_crash_mid_save_leaves_the_previous_last_ckpt_whole(tmp_path, monkeypa
 
 
 @pytest.mark.distributed
-def test_a_checkpoint_with_non_finite_state_is_refused_on_every_rank(tmp_path):
+@pytest.mark.parametrize(
+    "precision, poison, problem",
+    [
+        ("32-true", float("nan"), r"non-finite values .* in actor_train/model\.norm\.weight \(rank 1\)"),
+        # bf16 training weights are stored as their fp32 masters: one changed outside the step would not
+        # come back, so it is named instead.
+        (
+            "bf16-mixed",
+            3.0,
+            r"parameters that are not their fp32 master rounded: actor_train/model\.norm\.weight \(rank 1\)",
+        ),
+    ],
+)
+def test_a_checkpoint_that_would_not_give_the_state_back_is_refused_on_every_rank(
+    tmp_path, precision, poison, problem
+):
     from nereus_lightning.lightning import PPOModule
 
     class Poisoned(PPOModule):
@@ -321,18 +336,44 @@ def test_a_checkpoint_with_non_finite_state_is_refused_on_every_rank(tmp_path):
             out = super().rl_step(step, strategy, optimizer)
             if step == 1 and torch.distributed.get_rank() == 1:
                 unit = strategy.units._local("actor_train")
-                unit.params["model.norm.weight"][0] = float("nan")
+                unit.params["model.norm.weight"][0] = poison
             return out
 
     module = Poisoned(task=small_task(), seed=3, prompts_per_step=8)
-    with pytest.raises(
-        Exception,
-        match=r"s2\.ckpt not written: non-finite values .* in actor_train/model\.norm\.weight \(rank 1\)",
-    ):
-        fit(str(tmp_path / "a"), devices=2, max_steps=3, every=1, module=module)
+    with pytest.raises(Exception, match=rf"s2\.ckpt not written: {problem}"):
+        fit(str(tmp_path / "a"), devices=2, max_steps=3, every=1, module=module, precision=precision)
     ckpts = tmp_path / "a" / "ckpt"
     assert sorted(p.name for p in ckpts.iterdir()) == ["s1.ckpt"]
     assert latest_checkpoint(ckpts) == str(ckpts / "s1.ckpt")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP's note on one-process use
+def test_weights_stored_as_masters_read_back_rounded_and_a_missing_one_is_named(tmp_path):
+    from nereus_lightning.emu.checkpoint import PARAMS_FROM_MASTERS, save_tensors
+    from nereus_lightning.lightning.export import logical_params
+
+    norm, master = torch.rand(8), torch.randn(4, 8)
+    stage = tmp_path / "actor_train"
+    state = {"param/norm": norm, "master/w": master, "exp_avg/w": torch.zeros(4, 8)}
+    save_tensors({**state, "counters": torch.zeros(6, dtype=torch.int64)}, stage)
+    record = stage / PARAMS_FROM_MASTERS
+    record.write_text(json.dumps({"params_from_masters": {"w": "bfloat16"}}))
+    params = logical_params(str(stage))
+    assert params.keys() == {"norm", "w"} and torch.equal(params["norm"], norm)
+    assert params["w"].dtype == torch.bfloat16 and torch.equal(params["w"], master.to(torch.bfloat16))
+    # A weight named by the record that the checkpoint lacks, a master without a dtype, a damaged record.
+    record.write_text(json.dumps({"params_from_masters": {"w": "bfloat16", "v": "bfloat16"}}))
+    with pytest.raises(CheckpointError, match=r"train/\.metadata: holds neither 'param/v' nor 'master/v'"):
+        logical_params(str(stage))
+    record.unlink()
+    with pytest.raises(
+        CheckpointError,
+        match=r"train/\.metadata: holds 'master/w' but not 'param/w', and .*/params_from_masters\.json does",
+    ):
+        logical_params(str(stage))
+    record.write_text('{"params_from_masters": {"w": "int4x"}}')
+    with pytest.raises(CheckpointError, match=r"actor_train/params_from_masters\.json: damaged"):
+        logical_params(str(stage))
 
 
 def test_a_damaged_weights_record_is_named(tmp_path):

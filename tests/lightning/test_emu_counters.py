@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.lightning.helpers import EMU_P1, EMU_P2, plan_of, small_task
 
@@ -44,25 +45,37 @@ def test_counters_count_updates_and_syncs_across_a_transition(dist4):
     assert out["ref_infer"].policy_version == 0  # the reference never receives weights
 
 
-def saved_stages(rank: int, world_size: int, folder: str) -> dict:
-    """One PPO step, a save; an actor update nobody syncs, a save: what each save holds (rank 0)."""
+def saved_stages(rank: int, world_size: int, folder: str, dtype: torch.dtype) -> dict:
+    """One PPO step with the role models in ``dtype``, a save; an actor update nobody syncs, a save; each save
+    resumed under another plan. Rank 0: what each save holds and what differs after its resume.
+    """
     import json
     import os
 
+    from nereus_lightning import emu
     from nereus_lightning.emu.checkpoint import read_dcp_metadata
     from nereus_lightning.lightning import NereusStrategy, PPOModule
 
-    module = PPOModule(task=small_task(), prompts_per_step=4, seed=3)
+    def module_in_dtype() -> PPOModule:
+        module = PPOModule(task=small_task(), prompts_per_step=4, seed=3)
+        for model in module.role_models().present().values():  # as RLModule.setup does for the precision
+            model.to(dtype)
+            model.config.dtype = dtype
+        return module
+
+    module = module_in_dtype()
     opt = module.configure_optimizers()
     strategy = NereusStrategy.without_trainer(module)
     strategy.transition(plan_of("ppo", EMU_P1))
     module.rl_step(0, strategy, opt)
     out: dict = {}
+    saved = {}
     for name in ("synced", "unsynced"):
         if name == "unsynced":
             strategy.update("actor_train")  # the module's own update without strategy.sync_weights()
         path = os.path.join(folder, name)
         strategy.units.save(path)
+        saved[name] = {stage: emu.gather_logical_state(stage, dst=0) for stage in strategy.units.plan}
         if rank == 0:
             weights_from, keys = {}, {}
             for stage in strategy.units.plan:
@@ -72,16 +85,27 @@ def saved_stages(rank: int, world_size: int, folder: str) -> dict:
                 stored = read_dcp_metadata(os.path.join(path, stage)).state_dict_metadata
                 keys[stage] = {k.split("/")[0] for k in stored}
             out[name] = (weights_from, keys)
+    for name in ("synced", "unsynced"):
+        again = NereusStrategy.without_trainer(module_in_dtype())
+        again.units.resume_from = os.path.join(folder, name)
+        again.transition(plan_of("ppo", EMU_P2))  # every training stage in another layout
+        resumed = {stage: emu.gather_logical_state(stage, dst=0) for stage in again.units.plan}
+        if rank == 0:
+            out[f"{name} resumed"] = {s: saved[name][s].differences(state) for s, state in resumed.items()}
     return out
 
 
-def test_a_checkpoint_stores_weights_that_a_training_stage_holds_once(dist4, tmp_path):
-    out = dist4.run(saved_stages, str(tmp_path))[0]
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_checkpoint_stores_weights_that_a_training_stage_holds_once(dist4, tmp_path, dtype):
+    out = dist4.run(saved_stages, str(tmp_path), dtype)[0]
     weights_from, keys = out["synced"]
     assert weights_from == {
         "actor_gen": "actor_train", "actor_infer": "actor_train", "critic_infer": "critic_train"
     }
-    trained = {"counters", "param", "exp_avg", "exp_avg_sq", "step"}  # with AdamW's state
+    # A training stage stores its AdamW state; bf16 weights as their fp32 masters only (each is its master
+    # rounded), fp32 weights as they are.
+    weights = {"master"} if dtype == torch.bfloat16 else {"param"}
+    trained = {"counters", "exp_avg", "exp_avg_sq", "step"} | weights
     for stage, stored in keys.items():
         expected = trained if stage.endswith("_train") else {"counters", "param"}
         assert stored == ({"counters"} if stage in weights_from else expected), (stage, stored)
@@ -89,3 +113,8 @@ def test_a_checkpoint_stores_weights_that_a_training_stage_holds_once(dist4, tmp
     weights_from, keys = out["unsynced"]
     assert weights_from == {"critic_infer": "critic_train"}
     assert keys["actor_gen"] == keys["actor_infer"] == {"counters", "param"}
+    # Resumed under another plan, every model-stage holds what was saved, bit for bit: weights, masters,
+    # AdamW moments and counters.
+    for name in ("synced", "unsynced"):
+        resumed = out[f"{name} resumed"]
+        assert set(resumed) == set(keys) and all(d == [] for d in resumed.values()), (name, resumed)
