@@ -147,6 +147,13 @@ def test_bf16_mixed_trains_on_bf16_weights_with_fp32_masters(tmp_path):
     assert all(p.dtype == torch.bfloat16 and torch.equal(p, trained[n].detach()) for n, p in params.items())
     exported = load_file(ckpt / "hf" / "actor" / "model.safetensors")
     assert exported and all(torch.equal(t, trained[n].detach()) for n, t in exported.items())
+    # In fp32 the actor's weights have no masters to come from: refused, naming the precision.
+    with pytest.raises(
+        Exception,
+        match=r"actor_train/params_from_masters\.json: stores .* as its fp32 master only, this job's "
+        r"actor_train holds it as float32 without a master .* resume with the trainer\.precision",
+    ):
+        fit(str(tmp_path / "fp32"), 2, 3, "grpo", ckpt_path=str(ckpt))
 
 
 def test_an_unsupported_precision_is_refused_naming_the_key():

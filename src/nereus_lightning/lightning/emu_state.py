@@ -91,6 +91,30 @@ def _read_weights_from(path: str, plan: Plan) -> dict[str, str]:
     return found
 
 
+def _require_masters_held(directory: str, model_stage: str) -> None:
+    """Refuse (every rank alike) a model-stage directory that stores parameters as their fp32 masters only
+    where this job's units hold them otherwise (another ``trainer.precision``): no master would fill them.
+    """
+    from nereus_lightning.emu.checkpoint import (
+        PARAMS_FROM_MASTERS,
+        params_from_masters,
+        read_params_from_masters,
+    )
+
+    reg = emu.registry()
+    schema = reg.schema(model_stage)
+    held = params_from_masters(schema, reg.trains[model_stage])
+    other = [(n, dtype) for n, dtype in read_params_from_masters(directory).items() if held.get(n) != dtype]
+    if other:
+        name, dtype = other[0]
+        here = f"{schema.dtype_name_of[name]} {'with' if name in held else 'without'} a master"
+        raise CheckpointError(
+            f"{os.path.join(directory, PARAMS_FROM_MASTERS)}: stores {name} ({dtype}) as its fp32 master "
+            f"only, this job's {model_stage} holds it as {here} ({len(other)} such parameters); resume "
+            "with the trainer.precision that wrote the checkpoint"
+        )
+
+
 def _units_of(plan: Plan, name: str) -> list[emu.Unit]:
     cand = plan[name]
     return [emu.Unit(cand.layout, tuple(cand.replica_gpus(r))) for r in range(cand.dp)]
@@ -238,6 +262,9 @@ class EMUStates:
                 f"stages this job's plan does not pair them with ({sources}); resume with the algorithm "
                 "that wrote it"
             )
+        for name in plan:
+            if name not in weights_from:
+                _require_masters_held(os.path.join(path, name), name)
         prepare_member_groups(_tp_rank_sets(plan))
         for name in plan:
             load_state(self._local(name), os.path.join(path, name), weights=name not in weights_from)
