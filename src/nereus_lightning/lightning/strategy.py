@@ -390,11 +390,11 @@ class NereusStrategy(ParallelStrategy):
         """Write the checkpoint directory ``filepath`` (collective): tensors through DCP, the rest as JSON.
 
         Refused with a :class:`CheckpointError` on every rank, before anything is written, when any
-        rank holds a NaN or an infinity in its state (the error names the model-stage, tensor and
-        rank), a training unit's bf16/fp16 parameter that is not its fp32 master rounded (the
-        checkpoint stores the master only), or a value of the checkpoint dict cannot be stored in
-        JSON (it names the key). The
-        directory is written under a staging name and renamed to ``filepath`` once complete.
+        rank holds a NaN or an infinity in its state or a training unit's bf16/fp16 parameter that
+        is not its fp32 master rounded (the checkpoint stores the master only; the error names the
+        model-stage, tensor and rank), or a value of the checkpoint dict cannot be stored in JSON
+        (it names the key). The directory is written under a staging name and renamed to
+        ``filepath`` once complete.
         """
         path = Path(self.broadcast(str(filepath)))
         units = self.units
@@ -443,7 +443,9 @@ class NereusStrategy(ParallelStrategy):
             )
 
     def _checked_for_save(self, path: Path, checkpoint: dict[str, Any], units: EMUStates) -> Any:
-        """Rank 0's JSON encoding of ``checkpoint`` once every rank found its state finite (collective)."""
+        """Rank 0's JSON encoding of ``checkpoint`` once every rank found its state finite and its bf16/fp16
+        training parameters their masters rounded (collective).
+        """
         from nereus_lightning.emu.checkpoint import nonfinite_tensors, params_off_master
 
         encoded, problem = None, None
@@ -464,11 +466,12 @@ class NereusStrategy(ParallelStrategy):
         nonfinite = [f"{name} (rank {rank})" for rank, names, _, _ in reports for name in names]
         if nonfinite:
             problems.append(f"non-finite values (NaN or inf) in {_first_few(nonfinite)}")
-        stale = [f"{name} (rank {rank})" for rank, _, names, _ in reports for name in names]
-        if stale:
+        unrounded = [f"{name} (rank {rank})" for rank, _, names, _ in reports for name in names]
+        if unrounded:
             problems.append(
-                f"parameters that are not their fp32 master rounded: {_first_few(stale)} (changed outside "
-                "the optimizer step; a checkpoint stores the master only, so it would not give them back)"
+                f"parameters that are not their fp32 master rounded: {_first_few(unrounded)} (changed "
+                "outside the optimizer step; a checkpoint stores the master only, so it would not give them "
+                "back)"
             )
         if problems:
             raise CheckpointError(
