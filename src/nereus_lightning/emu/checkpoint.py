@@ -180,8 +180,8 @@ def _write_params_from_masters(model_stage: str, path: str | os.PathLike) -> Non
             json.dump({"params_from_masters": derived}, f)
 
 
-def read_params_from_masters(directory: str | os.PathLike) -> dict[str, str]:
-    """The parameters ``directory`` (one model-stage) stores as their fp32 master only -> their dtype names.
+def read_params_from_masters(directory: str | os.PathLike) -> dict[str, torch.dtype]:
+    """The parameters ``directory`` (one model-stage) stores as their fp32 master only -> their dtypes.
 
     Empty when it has no :data:`PARAMS_FROM_MASTERS` (checkpoints before it existed hold every
     parameter); a damaged file raises :class:`CheckpointError` naming it.
@@ -190,15 +190,15 @@ def read_params_from_masters(directory: str | os.PathLike) -> dict[str, str]:
     if not file.is_file():
         return {}
     try:
-        derived = json.loads(file.read_text())["params_from_masters"]
-        if not isinstance(derived, dict) or not all(
-            isinstance(n, str) and isinstance(getattr(torch, str(d), None), torch.dtype)
-            for n, d in derived.items()
-        ):
-            raise ValueError("params_from_masters is not a map of parameter names to torch dtype names")
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        dtypes: dict[str, torch.dtype] = {}
+        for name, dtype_name in json.loads(file.read_text())["params_from_masters"].items():
+            dtype = getattr(torch, str(dtype_name), None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"{name}: {dtype_name!r} is not a torch dtype")
+            dtypes[name] = dtype
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{file}: damaged ({type(exc).__name__}: {exc})") from exc
-    return derived
+    return dtypes
 
 
 def _on_host(state: dict[str, Any]) -> tuple[dict[str, Any], HostBlock | None]:

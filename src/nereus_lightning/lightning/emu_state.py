@@ -103,13 +103,14 @@ def _require_masters_held(directory: str, model_stage: str) -> None:
 
     reg = emu.registry()
     schema = reg.schema(model_stage)
-    held = params_from_masters(schema, reg.trains[model_stage])
+    held = {n: schema.dtype_of(n) for n in params_from_masters(schema, reg.trains[model_stage])}
     other = [(n, dtype) for n, dtype in read_params_from_masters(directory).items() if held.get(n) != dtype]
     if other:
         name, dtype = other[0]
+        stored = str(dtype).removeprefix("torch.")
         here = f"{schema.dtype_name_of[name]} {'with' if name in held else 'without'} a master"
         raise CheckpointError(
-            f"{os.path.join(directory, PARAMS_FROM_MASTERS)}: stores {name} ({dtype}) as its fp32 master "
+            f"{os.path.join(directory, PARAMS_FROM_MASTERS)}: stores {name} ({stored}) as its fp32 master "
             f"only, this job's {model_stage} holds it as {here} ({len(other)} such parameters); resume "
             "with the trainer.precision that wrote the checkpoint"
         )

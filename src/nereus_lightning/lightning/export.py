@@ -52,14 +52,14 @@ def logical_params(stage_dir: str) -> dict[str, Any]:
     }
     load_tensors(state, stage_dir, alone=True)
     return {
-        name: state[key] if key.startswith("param/") else state[key].to(getattr(torch, dtypes[name]))
+        name: state[key] if key.startswith("param/") else state[key].to(dtypes[name])
         for name, key in sources.items()
     }
 
 
-def _param_sources(stage_dir: str, stored: Mapping[str, Any], dtypes: Mapping[str, str]) -> dict[str, str]:
+def _param_sources(stage_dir: str, stored: Mapping[str, Any], dtypes: Mapping[str, Any]) -> dict[str, str]:
     """Each parameter of a model-stage checkpoint, in its order -> the key it is read from: ``param/<name>``,
-    or ``master/<name>`` for one stored as its master only (``dtypes``: those and their dtype names).
+    or ``master/<name>`` for one stored as its master only (``dtypes``: those and their dtypes).
 
     A :class:`CheckpointError` names the file and key of a parameter that has neither, or whose
     dtype no file gives.
