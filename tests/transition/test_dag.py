@@ -16,6 +16,7 @@ from nereus_lightning.transition import (
     transition_cost,
     validate,
 )
+from nereus_lightning.transition.dag import Memory, Units
 from nereus_lightning.transition.pieces import geometry, shard_bytes
 from tests.helpers import cand, plan
 from tests.transition.helpers import (
@@ -73,9 +74,9 @@ def test_paper_example_reshards_through_tsub() -> None:
     cur = plan(reward_infer=cand(4, 8, range(32)))
     tgt = plan(reward_infer=cand(8, 2, range(32)))
     dag = build_transition(cur, tgt, MODELS, CLUSTER, PPO)
-    assert {u.layout for n in dag.nodes for u in n.sources + n.targets} >= {cur["reward_infer"].layout}
+    assert {u.layout for n in dag.nodes for u in (*n.sources, *n.targets)} >= {cur["reward_infer"].layout}
     assert all(
-        u.layout.tp in (4, 8) and u.layout.pp in (2, 8) for n in dag.nodes for u in n.sources + n.targets
+        u.layout.tp in (4, 8) and u.layout.pp in (2, 8) for n in dag.nodes for u in (*n.sources, *n.targets)
     )
     assert ops(dag).count("merge") == 2 and validate(dag).valid
 
@@ -165,7 +166,10 @@ def test_a_built_dag_is_immutable() -> None:
         node.id = 5  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
         dag.nodes = ()  # type: ignore[misc]
-    assert isinstance(dag.nodes, tuple) and isinstance(node.deps, tuple) and isinstance(node.mem, tuple)
+    assert isinstance(dag.nodes, tuple) and isinstance(node.deps, tuple)
+    for part in (node.sources, node.mem):
+        with pytest.raises(AttributeError):
+            part.gpus = ()  # type: ignore[misc]
 
 
 def test_cost_of_one_intra_node_extend() -> None:
@@ -234,7 +238,7 @@ def test_validation_sees_memory_effects_changed_after_build() -> None:
     dag = build_transition(cur, tgt, MODELS, with_memory(85), PPO)
     assert validate(dag).valid
     grower = next(n for n in dag.nodes if n.op is Primitive.EXTEND and n.model_stage == "actor_train")
-    heavier = grower._replace(mem=tuple((g, net + 100e9, transient) for g, net, transient in grower.mem))
+    heavier = grower._replace(mem=Memory(grower.mem.gpus, grower.mem.net + 100e9, grower.mem.transient))
     report = validate(with_nodes(dag, *(heavier if n is grower else n for n in dag.nodes)))
     assert not report.valid and report.kinds() >= {"memory", "memory (concurrent)"}
 
@@ -244,7 +248,7 @@ def test_validation_names_a_unit_made_twice_or_where_one_is() -> None:
     tgt = plan(actor_train=cand(2, 1, range(8)), critic_train=cand(2, 1, range(8, 12)))
     dag = build_transition(cur, tgt, MODELS, CLUSTER, PPO)
     grower = next(n for n in dag.nodes if n.op is Primitive.EXTEND)
-    for targets in (grower.targets * 2, grower.sources[:1]):
+    for targets in (Units(grower.targets.layout, grower.targets.gpus * 2), grower.sources[:1]):
         broken = with_nodes(dag, *(n._replace(targets=targets) if n is grower else n for n in dag.nodes))
         report = validate(broken)
         assert not report.valid and "where a unit already is" in report.problems[0]

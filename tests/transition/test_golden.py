@@ -4,6 +4,13 @@ Every benchmark scenario, a few hundred seeded random cases and hand-picked layo
 the DAGs (and the infeasibility messages) recorded in ``golden_dags.json``, node for node; every
 DAG built passes the validator's replay. A change of the planner that changes a DAG on purpose
 regenerates the file (``PYTHONPATH=src python -m tests.transition.golden``) and says why here.
+
+Regenerated 2026-12-04 (93 of 467 DAGs changed, the rest and every baseline and infeasibility
+message identical): a model-stage that a same-stage peer can make wait was one node per replica;
+now the lanes of a step that no peer can make wait share one node (as a model-stage's do when
+none can), and after the ordered replay alike calls of one model-stage that wait for exactly the
+same nodes are joined into one (a subset of the executions the separate nodes allowed). Every
+changed DAG passes the validator (``compute`` asserts it); the local DAGs' lanes are unchanged.
 """
 
 from __future__ import annotations

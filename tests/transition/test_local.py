@@ -61,7 +61,7 @@ def test_batched_local_dag_carries_exactly_the_per_replica_nodes() -> None:
         one = local_dag("actor_train", geo, lambda layout: 1e9, current, target, CLUSTER)
         many = local_dag("actor_train", geo, lambda layout: 1e9, current, target, CLUSTER, batch=True)
         split = [lane for n in many for lane in n.lanes()]
-        key = lambda n: (n.op, n.sources, n.targets, n.mem, n.transfers)  # noqa: E731
+        key = lambda n: (n.op, tuple(n.sources), tuple(n.targets), tuple(n.mem), tuple(n.transfers))  # noqa: E731
         assert sorted(map(key, split)) == sorted(map(key, one))
         assert len(many) < len(one) or len(one) <= 1
         owner = {}  # per-replica node id -> batched node id, matched by what it does
@@ -73,13 +73,30 @@ def test_batched_local_dag_carries_exactly_the_per_replica_nodes() -> None:
         assert all(0 <= d < n.id for n in many for d in n.deps)
 
 
-def test_model_stages_a_same_stage_peer_blocks_stay_per_replica() -> None:
+def test_lanes_a_peer_blocks_wait_for_its_release_and_go_together_when_they_wait_for_the_same_one() -> None:
+    """ref_infer moves onto GPUs critic_infer holds now: its Extends wait for critic_infer's
+    Destroy node, and since both wait for that one node they share a node; critic_infer, which no
+    peer blocks, is batched per step."""
     cur = plan(ref_infer=cand(1, 1, (0, 4)), critic_infer=cand(1, 1, (1, 5)))
     tgt = plan(ref_infer=cand(1, 1, (1, 5)), critic_infer=cand(1, 1, (2, 6)))
     dag = build_transition(cur, tgt, MODELS, CLUSTER, PPO)
-    assert all(n.width == 1 for n in dag.nodes if n.model_stage == "ref_infer")
-    assert any(n.width == 2 for n in dag.nodes if n.model_stage == "critic_infer")
-    assert validate(dag).valid and dag.resource_edges >= 2
+    extend = next(n for n in dag.nodes if n.model_stage == "ref_infer" and n.op is Primitive.EXTEND)
+    release = next(n for n in dag.nodes if n.model_stage == "critic_infer" and n.op is Primitive.DESTROY)
+    assert extend.width == 2 and extend.resource_deps == (release.id,)
+    assert all(n.width == 2 for n in dag.nodes if n.model_stage == "critic_infer")
+    assert validate(dag).valid
+
+
+def test_lanes_waiting_for_different_releases_stay_apart() -> None:
+    """Two ref_infer Extends onto GPUs critic_infer releases at different times (one unit it
+    drops at once, one it reads first) are carried by separate nodes."""
+    cur = plan(ref_infer=cand(1, 1, (0, 4)), critic_infer=cand(1, 1, (1, 5)))
+    tgt = plan(ref_infer=cand(1, 1, (1, 5)), critic_infer=cand(1, 1, (2,)))
+    dag = build_transition(cur, tgt, MODELS, CLUSTER, PPO)
+    extends = [n for n in dag.nodes if n.model_stage == "ref_infer" and n.op is Primitive.EXTEND]
+    assert sorted(n.width for n in extends) == [1, 1]
+    assert extends[0].resource_deps != extends[1].resource_deps
+    assert validate(dag).valid
 
 
 # (current, target, the replica-level primitives expected): each path of the local planner.
@@ -196,7 +213,7 @@ def test_extend_sources_follow_the_documented_rule() -> None:
         candidates = [(g,) for g in gpus[:cut]]
         missing = [(g,) for g in gpus[cut:]]
         reused = {t for t in candidates if rng.random() < 0.4}
-        got = [e.source for e in plan_extends(candidates, reused, missing, gpn)]
+        got = plan_extends(candidates, reused, missing, gpn).sources
         assert got == _brute_force_sources(candidates, reused, missing, gpn)
 
 

@@ -16,7 +16,7 @@ geometry are the brain's (``plan.units``); a unit's ``gpus`` are the ranks that 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -288,8 +288,8 @@ def from_node(node: Node, rank_of: Mapping[int, int] | None = None) -> Op:
     return op
 
 
-def ranked(units: tuple[Unit, ...], rank_of: Mapping[int, int] | None) -> tuple[Unit, ...]:
+def ranked(units: Iterable[Unit], rank_of: Mapping[int, int] | None) -> tuple[Unit, ...]:
     """``units`` with their GPU ids mapped to global ranks by ``rank_of`` (as they are without it)."""
     if rank_of is None:
-        return units
+        return tuple(units)
     return tuple(Unit(u.layout, (rank_of[g] for g in u.gpus)) for u in units)

@@ -21,26 +21,19 @@ def stage_groups(plan: Plan, members: Sequence[str]) -> tuple[tuple[str, ...], .
     Groups are ordered by their first member, members in plan order.
     """
     order = [n for n in plan if n in set(members)]
-    root = {n: n for n in order}
-
-    def find(n: str) -> str:
-        while root[n] != n:
-            root[n] = root[root[n]]
-            n = root[n]
-        return n
-
-    owner: dict[int, str] = {}
-    for n in order:
-        for g in plan[n].gpus:
-            other = owner.setdefault(g, n)
-            if other != n:
-                a, b = find(other), find(n)
-                if a != b:
-                    root[max(a, b, key=order.index)] = min(a, b, key=order.index)
-    groups: dict[str, list[str]] = {}
-    for n in order:
-        groups.setdefault(find(n), []).append(n)
-    return tuple(tuple(g) for g in groups.values())
+    gpus = {n: frozenset(plan[n].gpus) for n in order}
+    groups: list[list[str]] = []
+    for n in order:  # merge n with every group it shares a GPU with (keeping the first one's place)
+        touching = [g for g in groups if any(not gpus[n].isdisjoint(gpus[m]) for m in g)]
+        if touching:
+            first = touching[0]
+            for g in touching[1:]:
+                first += g
+                groups.remove(g)
+            first.append(n)
+        else:
+            groups.append([n])
+    return tuple(tuple(sorted(g, key=order.index)) for g in groups)
 
 
 def groups_by_stage(plan: Plan, stage_of: Mapping[str, str]) -> dict[str, tuple[tuple[str, ...], ...]]:

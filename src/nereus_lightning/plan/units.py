@@ -62,19 +62,17 @@ class Unit(_UnitFields):
     """One replica (EMU) of a model-stage: ``layout`` on ``gpus`` (index ``pp_rank * tp + tp_rank``).
 
     A tuple: hashable, ordered, and cheap. Building one checks it (one GPU per position, none
-    twice); the brain's hot loops build checked GPU tuples with ``tuple.__new__(Unit, ...)``.
+    twice); the brain plans on GPU tuples and makes units only for the body (``transition.dag.Units``).
     """
 
     __slots__ = ()
 
     def __new__(cls, layout: Layout, gpus: Iterable[int]) -> Unit:
-        gpus = tuple(int(g) for g in gpus)
-        require(
-            len(gpus) == layout.size,
-            "unit.gpus",
-            f"{len(gpus)} GPUs given for {layout} ({layout.size} needed)",
-        )
-        require(len(set(gpus)) == len(gpus), "unit.gpus", f"GPUs repeat in {gpus}")
+        gpus = tuple(map(int, gpus))
+        if len(gpus) != layout.size:
+            require(False, "unit.gpus", f"{len(gpus)} GPUs given for {layout} ({layout.size} needed)")
+        if len(set(gpus)) != len(gpus):
+            require(False, "unit.gpus", f"GPUs repeat in {gpus}")
         return super().__new__(cls, layout, gpus)
 
     def position(self, gpu: int) -> Position:

@@ -13,8 +13,9 @@ Pure Python (the brain). The body's executor runs :class:`TransitionDAG` nodes o
 
 Peers are model-stages that run concurrently (same stage, disjoint GPUs) under both plans;
 pairs colocated under either plan run in turn there and may share GPUs during the transition.
-A model-stage whose acquisitions no peer can block (and that touches no GPU that may overflow)
-gets one batched node per step of its local DAG for all its replicas.
+The calls of a step of a local DAG that no peer can make wait share one batched node (a
+model-stage touching a GPU that may overflow goes per replica); the others are ordered one by
+one, and alike calls of one model-stage that end up waiting for the same nodes share one node.
 
 ``per_component_baseline`` runs the same local DAGs without coordination, for comparison.
 ``pieces`` defines the byte formula every transfer uses; ``scenarios`` makes random plan pairs.

@@ -21,17 +21,23 @@ blocked, no releasing Destroy exists: :class:`InfeasiblePlanError` names the stu
 An acquisition that cannot fit on a tight GPU even after every other node there has freed all it
 frees is reported before the replay (no order could admit it; the replay would end stuck on it).
 
-The replay works on the local nodes (``lanes.LocalNode``, by their index in the union); the DAG's
-nodes are made once, numbered in the replay's order. Built DAGs are immutable and cached
-(:func:`clear_cache` empties the cache).
+Memory is judged on the lanes' effects before any grouping (they are the same in every
+grouping). The replay works on the local nodes (``lanes.LocalNode``, by their index in the
+union): the lanes no peer can make wait batched per step, the others one by one. The DAG's nodes
+are made once, in the replay's order, where alike calls of one model-stage that wait for exactly
+the same nodes become one batched node. Built DAGs are immutable and cached (:func:`clear_cache`
+empties the cache).
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import replace
 from functools import lru_cache
+from itertools import chain
+
+import numpy as np
 
 from nereus_lightning.plan.layout import Layout, Plan
 from nereus_lightning.plan.memory import boundary_state_bytes, memory_cap
@@ -40,15 +46,18 @@ from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
 from nereus_lightning.spec.model import ModelSpec
 from nereus_lightning.spec.workload import Workload
 from nereus_lightning.transition.dag import (
+    Effects,
+    Memory,
     Node,
     Primitive,
     TransitionContext,
     TransitionDAG,
+    Units,
     acquired_gpus,
     memory_growth,
     released_gpus,
 )
-from nereus_lightning.transition.lanes import LocalNode, StepLanes, group, numbered
+from nereus_lightning.transition.lanes import LocalNode, StepLanes, group, numbered, waiting_lanes
 from nereus_lightning.transition.local import local_lanes
 from nereus_lightning.transition.pieces import geometry
 from nereus_lightning.transition.tsub import common_layout
@@ -92,19 +101,20 @@ def _cached_build(
 ) -> TransitionDAG:
     ctx, peer_gpus = _context(current, target, dict(models), cluster, workload)
     held = _held_by_peers(ctx, peer_gpus)
-    batched = batchable(ctx, held)
     lanes = {name: _local_lanes(ctx, name) for name in ctx.current}
-    nodes = _union(lanes, batched)
-    growth = memory_growth(nodes, cluster.num_gpus)
+    every = [(name, x) for name, steps in lanes.items() for x in steps]  # memory effects in any grouping
+    growth = memory_growth([x for _, x in every], cluster.num_gpus)
     tight = _tight(ctx, growth)
+    single: dict[str, Collection[int]] = {}
     if tight:
-        careful = [not tight.isdisjoint(g for g, _, _ in n.mem) for n in nodes]
-        # Per lane the same memory effects as per replica: no need to regroup to find these.
-        _never_fits(nodes, careful, tight, ctx.current_memory, memory_cap(cluster))
+        _never_fits(every, tight, ctx.current_memory, memory_cap(cluster))
         # A model-stage touching a GPU that may overflow needs per-replica memory ordering.
-        wide = {n.model_stage for n, c in zip(nodes, careful, strict=True) if c and n.model_stage in batched}
-        if wide:
-            nodes = _union(lanes, batched - wide)
+        for name, steps in lanes.items():
+            if any(not tight.isdisjoint(x.mem.gpus.tolist()) for x in steps):
+                single[name] = _all_lanes(steps)
+    for name, gpus in held.items():
+        single.setdefault(name, waiting_lanes(lanes[name], gpus))
+    nodes = _union(lanes, single)
     order, resource = _order_with_resource_edges(nodes, ctx, growth, tight, held)
     return TransitionDAG(_numbered_in_order(nodes, order, resource), ctx, global_order=True)
 
@@ -149,24 +159,23 @@ def _context(
     ctx = TransitionContext(current, target, stages, dict(models), cluster, workload, unit_memory)
     resident = _check_plan("current", current, ctx)
     _check_plan("target", target, ctx, per_gpu=False)
-    ctx = replace(ctx, current_memory=tuple(resident))
+    ctx = replace(ctx, current_memory=tuple(resident.tolist()))
     return ctx, _peer_gpus(ctx)
 
 
-def resident_memory(plan: Plan, ctx: TransitionContext) -> list[float]:
+def resident_memory(plan: Plan, ctx: TransitionContext) -> np.ndarray:
     """Resident state bytes per GPU (index = GPU id) under ``plan``."""
-    mem = [0.0] * ctx.cluster.num_gpus
+    mem = np.zeros(ctx.cluster.num_gpus)
     for name, cand in plan.items():
         per_gpu = ctx.memory_of(name, cand.layout)
         if per_gpu:  # idle generation/inference weights are offloaded: nothing resident
-            for g in cand.gpus:
-                mem[g] += per_gpu
+            mem[np.fromiter(cand.gpus, dtype=np.int64, count=len(cand.gpus))] += per_gpu  # (no GPU twice)
     return mem
 
 
-def _check_plan(label: str, plan: Plan, ctx: TransitionContext, per_gpu: bool = True) -> list[float]:
+def _check_plan(label: str, plan: Plan, ctx: TransitionContext, per_gpu: bool = True) -> np.ndarray:
     """GPU ids exist and resident state fits (model-stages of one stage may share GPUs: they then
-    run in turn); returns the resident state per GPU (or, without ``per_gpu``, ``[]`` when the sum
+    run in turn); returns the resident state per GPU (or, without ``per_gpu``, nothing when the sum
     of every model-stage's unit memory fits anyway)."""
     n = ctx.cluster.num_gpus
     for name, cand in plan.items():
@@ -175,11 +184,11 @@ def _check_plan(label: str, plan: Plan, ctx: TransitionContext, per_gpu: bool = 
             raise NereusConfigError(f"{label} plan: {name} uses GPU {bad}, outside the pool 0..{n - 1}")
     cap = memory_cap(ctx.cluster)
     if not per_gpu and sum(ctx.memory_of(name, c.layout) for name, c in plan.items()) <= cap:
-        return []  # no GPU can hold more than all model-stages together
+        return np.zeros(0)  # no GPU can hold more than all model-stages together
     mem = resident_memory(plan, ctx)
-    top = max(mem)
+    g = int(mem.argmax())
+    top = float(mem[g])
     if top > cap:
-        g = mem.index(top)
         holders = [name for name, c in plan.items() if g in c.gpus]
         raise InfeasiblePlanError(
             f"{label} plan does not fit on GPU {g}: {top / GB:.1f} GB resident ({', '.join(holders)}) "
@@ -191,18 +200,17 @@ def _check_plan(label: str, plan: Plan, ctx: TransitionContext, per_gpu: bool = 
 def _peer_gpus(ctx: TransitionContext) -> dict[str, set[int]]:
     """Per model-stage with peers, the GPUs its peers hold under the current plan."""
     return {
-        name: {g for other in peers for g in ctx.current[other].gpus}
+        name: set().union(*(ctx.current[other].gpus for other in peers))
         for name, peers in ctx.peers.items()
         if peers
     }
 
 
-def union_of_local_dags(ctx: TransitionContext, batched: Collection[str] = ()) -> list[Node]:
-    """Every model-stage's local DAG in workflow order, ids global (deps local only).
-
-    Model-stages in ``batched`` get one node per step for all their replicas (``local_dag(batch=True)``).
-    """
-    return numbered(_union({name: _local_lanes(ctx, name) for name in ctx.current}, batched))
+def union_of_local_dags(ctx: TransitionContext) -> list[Node]:
+    """Every model-stage's local DAG in workflow order, one node per replica-level call, ids
+    global (deps local only)."""
+    lanes = {name: _local_lanes(ctx, name) for name in ctx.current}
+    return numbered(_union(lanes, {name: _all_lanes(steps) for name, steps in lanes.items()}))
 
 
 def _local_lanes(ctx: TransitionContext, name: str) -> list[StepLanes]:
@@ -214,26 +222,17 @@ def _local_lanes(ctx: TransitionContext, name: str) -> list[StepLanes]:
     )
 
 
-def _union(lanes: Mapping[str, list[StepLanes]], batched: Collection[str]) -> list[LocalNode]:
-    """Every model-stage's local nodes in order (those in ``batched`` one per step), deps as
-    indices of the union."""
+def _all_lanes(steps: Sequence[StepLanes]) -> set[int]:
+    return {lane for x in steps for lane in x.ids}
+
+
+def _union(lanes: Mapping[str, list[StepLanes]], single: Mapping[str, Collection[int]]) -> list[LocalNode]:
+    """Every model-stage's local nodes in order, deps as indices of the union: one node per step
+    for the lanes no peer can make wait, one per lane for those in ``single`` (``lanes.group``)."""
     out: list[LocalNode] = []
     for name, steps in lanes.items():
-        out += group(name, steps, name in batched, len(out))
+        out += group(name, steps, single.get(name, ()), len(out))
     return out
-
-
-def batchable(ctx: TransitionContext, held: Mapping[str, set[int]] | None = None) -> set[str]:
-    """Model-stages whose acquisitions no peer can block: their target GPUs hold no unit of a
-    peer now (peers only move onto their own target GPUs, disjoint from theirs).
-
-    Their nodes never wait in the global order (unless memory is tight, see ``_cached_build``), so
-    one node per step for all replicas orders exactly as well as one per replica, and the releases
-    other model-stages wait for still always come. ``held`` is ``_held_by_peers(ctx)`` if known.
-    """
-    if held is None:
-        held = _held_by_peers(ctx)
-    return {name for name in ctx.current if name not in held}
 
 
 def _held_by_peers(ctx: TransitionContext, now: Mapping[str, set[int]] | None = None) -> dict[str, set[int]]:
@@ -246,58 +245,52 @@ def _held_by_peers(ctx: TransitionContext, now: Mapping[str, set[int]] | None = 
     return {name: held for name, held in now.items() if not held.isdisjoint(ctx.target[name].gpus)}
 
 
-def _tight(ctx: TransitionContext, growth: list[float]) -> set[int]:
+def _tight(ctx: TransitionContext, growth: np.ndarray) -> set[int]:
     """GPUs whose resident state plus every node's growth there may pass the memory cap."""
-    cap = memory_cap(ctx.cluster)
-    return {
-        g for g, (base, grow) in enumerate(zip(ctx.current_memory, growth, strict=True)) if base + grow > cap
-    }
+    over = np.asarray(ctx.current_memory) + growth > memory_cap(ctx.cluster)
+    return set(np.flatnonzero(over).tolist())
 
 
 def _never_fits(
-    nodes: Sequence[LocalNode], careful: list[bool], tight: set[int], base: Sequence[float], cap: float
+    parts: Sequence[tuple[str, StepLanes]], tight: set[int], base: Sequence[float], cap: float
 ) -> None:
-    """Raise at once if an acquisition cannot fit even after every other node on its GPU freed
+    """Raise at once if an acquisition cannot fit even after every other call on its GPU freed
     all it ever frees (the replay would block it forever and stop with it stuck).
 
-    A node on GPU g needs ``base + grown + grow - freed`` there; ``grown >= 0`` and ``freed`` is at
-    most what the other nodes free on g, so this bound failing means no order can admit it.
+    A call on GPU g needs ``base + grown + grow - freed`` there; ``grown >= 0`` and ``freed`` is at
+    most what the other calls free on g, so this bound failing means no order can admit it.
     """
-    frees = dict.fromkeys(tight, 0.0)
-    grows: list[tuple[int, int, float, float]] = []  # (node index, gpu, growth, own free) on tight GPUs
-    for i, n in enumerate(nodes):
-        if careful[i]:
-            for g, net, transient in n.mem:
-                if g in tight:
-                    grow, free = max(net, 0.0) + transient, max(-net, 0.0) + transient
-                    frees[g] += free
-                    if grow > 0:
-                        grows.append((i, g, grow, free))
-    stuck: dict[tuple[int, tuple[int, ...]], tuple[int, int, float]] = {}  # per (node, unit): the first
-    unit_at: dict[int, tuple[int, ...]] = {}  # per GPU of the last stuck node: its unit there
-    last = -1
-    for i, g, grow, own in grows:
-        need = base[g] + grow - (frees[g] - own)
-        if need > cap:
-            if i != last:  # a batched node: tell its lanes apart by their units
-                last, unit_at = i, {x: u.gpus for u in nodes[i].targets or nodes[i].sources for x in u.gpus}
-            stuck.setdefault((i, unit_at.get(g, (g,))), (i, g, need))
-    if stuck:
-        lines = "; ".join(
-            f"{nodes[i].op.value} of {nodes[i].model_stage} onto {list(unit)}: GPU {g} "
-            f"would need {need / GB:.1f} GB > cap {cap / GB:.1f} GB"
-            for (_, unit), (i, g, need) in list(stuck.items())[:4]
-        )
-        raise InfeasiblePlanError(
-            f"no safe transition order: {len(stuck)} acquisition(s) cannot fit in memory even after every "
-            f"other node on their GPUs has freed its memory; stuck: {lines}. Choose a target that leaves "
-            "these GPUs free or frees memory first"
-        )
+    eff = Effects.of([x.mem for _, x in parts])
+    on_tight = np.isin(eff.gpu, sorted(tight))
+    grow = np.maximum(eff.net, 0.0) + eff.transient
+    free = np.maximum(-eff.net, 0.0) + eff.transient
+    frees = np.bincount(eff.gpu[on_tight], free[on_tight], minlength=len(base))
+    need = np.asarray(base)[eff.gpu] + grow - (frees[eff.gpu] - free)
+    at = np.flatnonzero(on_tight & (grow > 0) & (need > cap)).tolist()
+    if not at:
+        return
+    stuck: dict[tuple[int, tuple[int, ...]], tuple[int, int, float]] = {}  # per (part, unit): the first
+    unit_at: dict[int, dict[int, tuple[int, ...]]] = {}  # per part: the unit on each of its GPUs
+    for i, g, needed in zip(eff.node[at].tolist(), eff.gpu[at].tolist(), need[at].tolist(), strict=True):
+        if i not in unit_at:
+            units = parts[i][1].targets or parts[i][1].sources
+            unit_at[i] = {x: u for u in units.gpus for x in u}
+        stuck.setdefault((i, unit_at[i].get(g, (g,))), (i, g, needed))
+    lines = "; ".join(
+        f"{parts[i][1].op.value} of {parts[i][0]} onto {list(unit)}: GPU {g} "
+        f"would need {needed / GB:.1f} GB > cap {cap / GB:.1f} GB"
+        for (_, unit), (i, g, needed) in list(stuck.items())[:4]
+    )
+    raise InfeasiblePlanError(
+        f"no safe transition order: {len(stuck)} acquisition(s) cannot fit in memory even after every "
+        f"other node on their GPUs has freed its memory; stuck: {lines}. Choose a target that leaves "
+        "these GPUs free or frees memory first"
+    )
 
 
 class _PeerWaits:
-    """Per model-stage whose target holds GPUs its peers hold now (*contested* GPUs): the peers
-    still holding each, and per contested GPU the releases of it so far (bit i: node i).
+    """Per model-stage whose target holds GPUs its peers hold now (*contested* GPUs): per peer, the
+    contested GPUs it still holds, and per contested GPU the releases of it so far (bit i: node i).
 
     Extend acquires GPUs of its own target only and peers are disjoint in the target, so a peer
     holds such a GPU until it releases it, once (more than one peer holds it only where those
@@ -305,28 +298,28 @@ class _PeerWaits:
 
     def __init__(self, ctx: TransitionContext, held: Mapping[str, set[int]]) -> None:
         self.ctx = ctx
-        self.holders: dict[str, dict[int, set[str]]] = {}  # waiter -> contested GPU -> peers on it
+        self.still: dict[str, dict[str, set[int]]] = {}  # waiter -> peer -> contested GPUs it holds
         self.gone: dict[str, dict[int, int]] = {}  # waiter -> contested GPU -> its releases (mask)
         self.watchers: dict[str, list[str]] = {}  # peer -> the model-stages waiting for its GPUs
         for name, others in held.items():
             contested = others.intersection(ctx.target[name].gpus)
-            self.holders[name], self.gone[name] = {}, {}
+            self.still[name], self.gone[name] = {}, {}
             for other in ctx.peers[name]:
                 theirs = contested.intersection(ctx.current[other].gpus)
                 if theirs:
                     self.watchers.setdefault(other, []).append(name)
-                    for g in theirs:
-                        self.holders[name].setdefault(g, set()).add(other)
+                    self.still[name][other] = theirs
 
     def blocked(self, n: LocalNode) -> str | None:
         """Why Extend ``n`` must wait (a peer still holds one of its GPUs), or None."""
-        held = self.holders.get(n.model_stage) if n.op is Primitive.EXTEND else None
-        if not held:
+        still = self.still.get(n.model_stage) if n.op is Primitive.EXTEND else None
+        if not still:
             return None
         gpus = acquired_gpus(n.op, n.targets)
         for other in self.ctx.peers[n.model_stage]:  # the first peer (plan order) holding one
-            g = next((g for g in gpus if other in held.get(g, ())), None)
-            if g is not None:
+            theirs = still.get(other)
+            if theirs and not theirs.isdisjoint(gpus):
+                g = next(g for g in gpus if g in theirs)
                 return f"GPU {g} is still held by {other} (same {self.ctx.stages[other].stage} stage)"
         return None
 
@@ -335,8 +328,8 @@ class _PeerWaits:
         gone = self.gone.get(n.model_stage) if n.op is Primitive.EXTEND else None
         mask = 0
         if gone:
-            for g in acquired_gpus(n.op, n.targets):
-                mask |= gone.get(g, 0)
+            for g in gone.keys() & acquired_gpus(n.op, n.targets):
+                mask |= gone[g]
         return mask
 
     def release(self, n: LocalNode, index: int) -> None:
@@ -346,14 +339,13 @@ class _PeerWaits:
             return
         left = released_gpus(n.op, n.sources, n.targets)
         for waiter in waiters:
-            held, gone = self.holders[waiter], self.gone[waiter]
-            for g in filter(held.__contains__, left):
-                holders = held[g]
-                if n.model_stage in holders:
-                    holders.discard(n.model_stage)
+            theirs = self.still[waiter].get(n.model_stage, set())
+            hit = theirs.intersection(left)
+            if hit:
+                theirs -= hit
+                gone = self.gone[waiter]
+                for g in hit:
                     gone[g] = gone.get(g, 0) | 1 << index
-                    if not holders:
-                        del held[g]
 
 
 class _MemoryBook:
@@ -394,7 +386,7 @@ class _MemoryBook:
 def _order_with_resource_edges(
     nodes: Sequence[LocalNode],
     ctx: TransitionContext,
-    growth: list[float],
+    growth: np.ndarray,
     tight: set[int],
     held: Mapping[str, set[int]],
 ) -> tuple[list[int], dict[int, list[int]]]:
@@ -403,7 +395,7 @@ def _order_with_resource_edges(
     from :func:`_held_by_peers`)."""
     peers = _PeerWaits(ctx, held)
     memory = _MemoryBook(ctx.current_memory, tight, memory_cap(ctx.cluster))
-    careful = [bool(tight) and not tight.isdisjoint(g for g, _, _ in n.mem) for n in nodes]
+    careful = [bool(tight) and not tight.isdisjoint(n.mem.gpus.tolist()) for n in nodes]
     succs: list[list[int]] = [[] for _ in nodes]
     indeg = [len(n.deps) for n in nodes]
     for i, n in enumerate(nodes):
@@ -481,27 +473,49 @@ def _raise_stuck(nodes: Sequence[LocalNode], stuck: list[tuple[int, str]]) -> No
 def _numbered_in_order(
     nodes: Sequence[LocalNode], order: list[int], resource: Mapping[int, list[int]]
 ) -> tuple[Node, ...]:
-    """The DAG's nodes: ``nodes`` in ``order``, numbered by position, deps (local and resource) mapped."""
-    position = [0] * len(nodes)
-    for new, i in enumerate(order):
-        position[i] = new
-    out = []
-    for new, i in enumerate(order):
+    """The DAG's nodes: ``nodes`` in ``order``, numbered by position, deps (local and resource)
+    mapped; alike calls of one model-stage that wait for exactly the same nodes become one.
+
+    Such a batched node stands where the first of them did: it waits for what each of them did,
+    and whatever waited for one of them now waits for all (a subset of the executions the nodes
+    allowed apart, so no less safe; still a topological order).
+    """
+    group_of: dict[int, int] = {}  # node index -> the position of the node carrying it
+    groups: list[list[int]] = []  # per position: the nodes it carries, in order
+    waits: list[tuple[tuple[int, ...], tuple[int, ...]]] = []  # per position: (local, resource) deps
+    alike: dict[Hashable, int] = {}
+    for i in order:
         n = nodes[i]
-        extra = sorted(position[d] for d in resource.get(i, ()))
-        deps = tuple(sorted({position[d] for d in n.deps}.union(extra)))
-        out.append(
-            Node(
-                new,
-                n.op,
-                n.model_stage,
-                n.sources,
-                n.targets,
-                deps,
-                n.mem,
-                tuple(extra),
-                n.make_transfers,
-                n.lane_args,
-            )
-        )
-    return tuple(out)
+        local = tuple(sorted({group_of[d] for d in n.deps}))
+        extra = tuple(sorted({group_of[d] for d in resource.get(i, ())}.difference(local)))
+        key = (_shape(n), local, extra)
+        at = alike.setdefault(key, len(groups))
+        if at == len(groups):
+            groups.append([])
+            waits.append((local, extra))
+        groups[at].append(i)
+        group_of[i] = at
+    return tuple(_joined(at, [nodes[i] for i in carried], *waits[at]) for at, carried in enumerate(groups))
+
+
+def _shape(n: LocalNode) -> Hashable:
+    """What makes calls alike: model-stage, primitive, layouts, memory per byte and per-lane sizes."""
+    w = n.width
+    sizes = (len(n.sources.gpus) // w, len(n.targets.gpus) // w, len(n.mem) // w)
+    return (n.model_stage, n.op, n.make_transfers, n.sources.layout, n.targets.layout, n.mem.net, sizes)
+
+
+def _joined(at: int, carried: list[LocalNode], local: tuple[int, ...], extra: tuple[int, ...]) -> Node:
+    """Node ``at`` carrying the lanes of ``carried`` (alike), after ``local`` and ``extra`` deps."""
+    first = carried[0]
+    if len(carried) == 1:
+        sources, targets, mem, lane_args = first.sources, first.targets, first.mem, first.lane_args
+    else:
+        sources = Units(first.sources.layout, chain.from_iterable(n.sources.gpus for n in carried))
+        targets = Units(first.targets.layout, chain.from_iterable(n.targets.gpus for n in carried))
+        mem = Memory.joined([n.mem for n in carried])
+        lane_args = tuple(chain.from_iterable(n.lane_args for n in carried))
+    deps = tuple(sorted(local + extra))
+    return Node(
+        at, first.op, first.model_stage, sources, targets, deps, mem, extra, first.make_transfers, lane_args
+    )

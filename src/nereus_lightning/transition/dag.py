@@ -8,16 +8,21 @@ concurrently too. ``sources`` are the units the primitive reads (and, except for
 Extend, consumes); ``targets`` the units it creates. A unit is a layout and its GPUs in
 ``Candidate`` order (index ``pp_rank * tp + tp_rank``). The transfers of a node are exactly what
 it sends; they price the node (``transition.cost``) and the executor checks its bytes against them.
+
+A node holds its units as :class:`Units` (one layout, each unit as its GPU tuple) and its memory
+effects as :class:`Memory` (columns): the brain works on GPU tuples and makes no object per unit;
+iterating them gives :class:`Unit` objects and ``(gpu, net, transient)`` triples.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import chain, repeat
-from operator import itemgetter
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar, overload
+
+import numpy as np
 
 from nereus_lightning.plan.layout import Layout, Plan
 from nereus_lightning.plan.overlap import transition_peers
@@ -32,13 +37,190 @@ if TYPE_CHECKING:
 
 
 # Unit and Primitive live in plan.units (shared with the body); the transition modules import them from here.
-_GPUS = itemgetter(1)  # a Unit's gpus
+Gpus = tuple[int, ...]  # a unit, by its GPUs
 
 
-def units_of(layout: Layout, gpus: Iterable[tuple[int, ...]]) -> tuple[Unit, ...]:
-    """A unit of ``layout`` on each of ``gpus`` (made as plain tuples: the checked constructor is a
-    Python call per unit, and planners make thousands)."""
-    return tuple(map(tuple.__new__, repeat(Unit), zip(repeat(layout), gpus)))
+class Units(Sequence[Unit]):
+    """Units of one ``layout``, each as its GPU tuple (``gpus[i]``): a node's sources or targets.
+
+    Immutable. Indexing or iterating gives :class:`Unit` objects; a slice gives ``Units``.
+    """
+
+    __slots__ = ("layout", "gpus")
+
+    def __init__(self, layout: Layout, gpus: Iterable[Gpus] = ()) -> None:
+        object.__setattr__(self, "layout", layout)
+        object.__setattr__(self, "gpus", tuple(gpus))
+
+    layout: Layout
+    gpus: tuple[Gpus, ...]
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"Units are immutable (tried to set {name})")
+
+    def __len__(self) -> int:
+        return len(self.gpus)
+
+    @overload
+    def __getitem__(self, index: int) -> Unit: ...
+    @overload
+    def __getitem__(self, index: slice) -> Units: ...
+    def __getitem__(self, index: int | slice) -> Unit | Units:
+        if isinstance(index, slice):
+            return Units(self.layout, self.gpus[index])
+        return Unit(self.layout, self.gpus[index])
+
+    def __iter__(self) -> Iterator[Unit]:
+        return (Unit(self.layout, g) for g in self.gpus)
+
+    def lane(self, k: int, width: int) -> Units:
+        """The units of lane ``k`` of ``width`` alike lanes."""
+        n = len(self.gpus) // width
+        return Units(self.layout, self.gpus[k * n : (k + 1) * n])
+
+    def all_gpus(self) -> Iterator[int]:
+        """Every GPU of every unit, in order."""
+        return chain.from_iterable(self.gpus)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Units):
+            return NotImplemented
+        return self.gpus == other.gpus and (not self.gpus or self.layout == other.layout)
+
+    def __hash__(self) -> int:
+        return hash(self.gpus)
+
+    def __repr__(self) -> str:
+        return f"Units({self.layout}, {list(self.gpus)})"
+
+
+#: A node's memory effect on one GPU: ``(gpu, net, transient)``: ``net`` bytes it leaves allocated
+#: (negative: freed) once it ends, ``transient`` buffer bytes it holds only while it runs.
+MemEffect = tuple[int, float, float]
+
+
+class Memory(Sequence[MemEffect]):
+    """A node's memory effects as columns (numpy arrays): on each of ``gpus`` (in order) it leaves
+    ``net`` bytes allocated once it ends (negative: freed) and holds ``transient[i]`` buffer bytes
+    while it runs.
+
+    Immutable (read-only arrays); items are ``(gpu, net, transient)`` triples (:data:`MemEffect`).
+    """
+
+    __slots__ = ("gpus", "net", "transient")
+
+    def __init__(self, gpus: Iterable[int], net: float, transient: Iterable[float] | None = None) -> None:
+        ids = _frozen(np.fromiter(gpus, dtype=np.int64) if not isinstance(gpus, np.ndarray) else gpus)
+        if transient is None:
+            buffers = _frozen(np.zeros(len(ids)))
+        elif isinstance(transient, np.ndarray):
+            buffers = _frozen(transient.astype(np.float64, copy=False))
+        else:
+            buffers = _frozen(np.fromiter(transient, dtype=np.float64))
+        if len(buffers) != len(ids):
+            raise ValueError(f"{len(buffers)} transient sizes for {len(ids)} GPUs")
+        object.__setattr__(self, "gpus", ids)
+        object.__setattr__(self, "net", float(net))
+        object.__setattr__(self, "transient", buffers)
+
+    gpus: np.ndarray
+    net: float
+    transient: np.ndarray
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"Memory is immutable (tried to set {name})")
+
+    @property
+    def growth(self) -> float:
+        """Bytes the node may add on each of its GPUs beyond its buffers: ``net`` if it allocates."""
+        return self.net if self.net > 0 else 0.0
+
+    def __len__(self) -> int:
+        return len(self.gpus)
+
+    @overload
+    def __getitem__(self, index: int) -> MemEffect: ...
+    @overload
+    def __getitem__(self, index: slice) -> Memory: ...
+    def __getitem__(self, index: int | slice) -> MemEffect | Memory:
+        if isinstance(index, slice):
+            return Memory(self.gpus[index], self.net, self.transient[index])
+        return (int(self.gpus[index]), self.net, float(self.transient[index]))
+
+    def __iter__(self) -> Iterator[MemEffect]:
+        return zip(self.gpus.tolist(), repeat(self.net), self.transient.tolist())
+
+    def lane(self, k: int, width: int) -> Memory:
+        """The effects of lane ``k`` of ``width`` alike lanes."""
+        n = len(self.gpus) // width
+        return self._part(slice(k * n, (k + 1) * n))
+
+    def _part(self, index: slice | np.ndarray) -> Memory:
+        """The effects at ``index`` (views of read-only arrays stay read-only: no checks needed)."""
+        part = object.__new__(Memory)
+        object.__setattr__(part, "gpus", self.gpus[index])
+        object.__setattr__(part, "net", self.net)
+        object.__setattr__(part, "transient", self.transient[index])
+        return part
+
+    def take(self, ks: Sequence[int], width: int) -> Memory:
+        """The effects of lanes ``ks`` of ``width`` alike lanes."""
+        n = len(self.gpus) // width
+        at = (np.asarray(ks)[:, None] * n + np.arange(n)).ravel()
+        return Memory(self.gpus[at], self.net, self.transient[at])  # copies: made read-only
+
+    @staticmethod
+    def joined(parts: Sequence[Memory]) -> Memory:
+        """The effects of ``parts`` (with one ``net``) one after another."""
+        gpus = np.concatenate([m.gpus for m in parts])
+        return Memory(gpus, parts[0].net, np.concatenate([m.transient for m in parts]))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Memory):
+            return NotImplemented
+        same = np.array_equal(self.gpus, other.gpus) and np.array_equal(self.transient, other.transient)
+        return bool(same) and (not len(self.gpus) or self.net == other.net)
+
+    def __hash__(self) -> int:
+        return hash((self.gpus.tobytes(), self.net))
+
+    def __repr__(self) -> str:
+        return f"Memory({self.gpus.tolist()}, net={self.net}, transient={self.transient.tolist()})"
+
+
+def _frozen(array: np.ndarray) -> np.ndarray:
+    """``array`` made read-only (a view where it was writable elsewhere)."""
+    if array.flags.writeable:
+        array = array.view()
+        array.flags.writeable = False
+    return array
+
+
+class Effects(NamedTuple):
+    """Memory effects of many nodes as one table (numpy columns, node by node in order):
+    ``node[i]`` is the position of effect ``i``'s node in that order."""
+
+    node: np.ndarray
+    gpu: np.ndarray
+    net: np.ndarray
+    transient: np.ndarray
+
+    @classmethod
+    def of(cls, mems: Sequence[Memory]) -> Effects:
+        """The table of ``mems`` (one per node, in order)."""
+        counts = [len(m.gpus) for m in mems]
+        if not mems:
+            return cls(*(np.zeros(0, dtype=t) for t in (np.int64, np.int64, np.float64, np.float64)))
+        return cls(
+            np.repeat(np.arange(len(mems)), counts),
+            np.concatenate([m.gpus for m in mems]),
+            np.repeat([m.net for m in mems], counts),
+            np.concatenate([m.transient for m in mems]),
+        )
+
+    def growth(self, num_gpus: int) -> np.ndarray:
+        """Per GPU: what the effects may add if nothing were freed (positive nets plus buffers)."""
+        return np.bincount(self.gpu, np.maximum(self.net, 0.0) + self.transient, minlength=num_gpus)
 
 
 _T = TypeVar("_T")
@@ -50,30 +232,23 @@ def gpu_chunks(gpus: Sequence[_T], size: int) -> list[tuple[_T, ...]]:
     return list(zip(*[iter(gpus)] * size, strict=True))
 
 
-#: A node's memory effect on one GPU: ``(gpu, net, transient)``: ``net`` bytes it leaves allocated
-#: (negative: freed) once it ends, ``transient`` buffer bytes it holds only while it runs.
-MemEffect = tuple[int, float, float]
-
-
 def no_transfers() -> tuple[Transfer, ...]:
     """A Destroy's transfers: none."""
     return ()
 
 
-def acquired_gpus(op: Primitive, targets: tuple[Unit, ...]) -> tuple[int, ...]:
+def acquired_gpus(op: Primitive, targets: Units) -> tuple[int, ...]:
     """GPUs a call of ``op`` creating ``targets`` newly places state on: Extend's targets."""
-    if op is not Primitive.EXTEND:
-        return ()
-    return tuple(g for u in targets for g in u.gpus)
+    return tuple(targets.all_gpus()) if op is Primitive.EXTEND else ()
 
 
-def released_gpus(op: Primitive, sources: tuple[Unit, ...], targets: tuple[Unit, ...]) -> tuple[int, ...]:
+def released_gpus(op: Primitive, sources: Units, targets: Units) -> tuple[int, ...]:
     """GPUs a call of ``op`` leaves: Destroy's, and those of Split's source that no target keeps."""
     if op is Primitive.DESTROY:
-        return tuple(g for u in sources for g in u.gpus)
+        return tuple(sources.all_gpus())
     if op is Primitive.SPLIT:
-        keep = {g for t in targets for g in t.gpus}
-        return tuple(g for u in sources for g in u.gpus if g not in keep)
+        keep = set(targets.all_gpus())
+        return tuple(g for g in sources.all_gpus() if g not in keep)
     return ()
 
 
@@ -90,10 +265,10 @@ class Node(NamedTuple):
     id: int
     op: Primitive
     model_stage: str
-    sources: tuple[Unit, ...]
-    targets: tuple[Unit, ...]
+    sources: Units
+    targets: Units
     deps: tuple[int, ...]
-    mem: tuple[MemEffect, ...]
+    mem: Memory
     resource_deps: tuple[int, ...]
     make_transfers: Callable[..., Sequence[Transfer]]
     lane_args: tuple[tuple[Any, ...], ...]
@@ -108,12 +283,11 @@ class Node(NamedTuple):
         width = len(self.lane_args)
         if width == 1:
             return (self,)
-        ns, nt, nm = len(self.sources) // width, len(self.targets) // width, len(self.mem) // width
         return tuple(
             self._replace(
-                sources=self.sources[k * ns : (k + 1) * ns],
-                targets=self.targets[k * nt : (k + 1) * nt],
-                mem=self.mem[k * nm : (k + 1) * nm],
+                sources=self.sources.lane(k, width),
+                targets=self.targets.lane(k, width),
+                mem=self.mem.lane(k, width),
                 lane_args=(args,),
             )
             for k, args in enumerate(self.lane_args)
@@ -143,7 +317,7 @@ class Node(NamedTuple):
     @property
     def gpus(self) -> tuple[int, ...]:
         """Every GPU the node touches."""
-        return tuple(dict.fromkeys(g for u in self.sources + self.targets for g in u.gpus))
+        return tuple(dict.fromkeys(chain(self.sources.all_gpus(), self.targets.all_gpus())))
 
     def __repr__(self) -> str:
         return f"Node({self})"
@@ -163,20 +337,13 @@ class HasMemory(Protocol):
     """Anything with memory effects (a node, or a local node before it has an id)."""
 
     @property
-    def mem(self) -> tuple[MemEffect, ...]: ...
+    def mem(self) -> Memory: ...
 
 
-def memory_growth(nodes: Iterable[HasMemory], num_gpus: int) -> list[float]:
+def memory_growth(nodes: Iterable[HasMemory], num_gpus: int) -> np.ndarray:
     """Per GPU: the bytes all ``nodes`` together may add there if nothing were ever freed
     (positive net allocations plus transfer buffers); resident bytes plus this bound any order."""
-    grow = [0.0] * num_gpus
-    for n in nodes:
-        for g, net, transient in n.mem:
-            if net > 0:
-                grow[g] += net + transient
-            elif transient:
-                grow[g] += transient
-    return grow
+    return Effects.of([n.mem for n in nodes]).growth(num_gpus)
 
 
 @dataclass(frozen=True)
@@ -211,9 +378,14 @@ class TransitionDAG:
     context: TransitionContext
     global_order: bool = True  # False for the per-component baseline (no resource edges)
 
-    def memory_growth(self) -> list[float]:
+    @cached_property
+    def effects(self) -> Effects:
+        """The memory effects of every node, as one table in node order."""
+        return Effects.of([n.mem for n in self.nodes])
+
+    def memory_growth(self) -> np.ndarray:
         """:func:`memory_growth` of the nodes."""
-        return memory_growth(self.nodes, self.context.cluster.num_gpus)
+        return self.effects.growth(self.context.cluster.num_gpus)
 
     @cached_property
     def cost(self) -> float:

@@ -2,19 +2,23 @@
 
 The local planner (``transition.local``) numbers a model-stage's lanes in the order it decides
 them and emits them by :class:`Step` of its local DAG, one :class:`StepLanes` (columns: every lane
-of the step) per step; a lane depends on lanes of earlier steps only. :func:`group` makes them one
-:class:`LocalNode` per lane in lane order, or (batched) one per step in step order: both orders
-are topological. :func:`numbered` gives local nodes their ids.
+of the step) per step; a lane depends on lanes of earlier steps only. :func:`group` makes them
+:class:`LocalNode` s: the lanes of a step that no same-stage peer can make wait
+(:func:`waiting_lanes`) share one (batched) node, the others get one each (the global order then
+picks each one's moment; ``build`` joins alike ones that wait for the same nodes afterwards). A
+per-replica local DAG is one node per lane, in lane order. :func:`numbered` gives local nodes ids.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from enum import IntEnum
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
-from nereus_lightning.transition.dag import MemEffect, Node, Primitive, Unit
+from nereus_lightning.transition.dag import Memory, Node, Primitive, Units
 from nereus_lightning.transition.pieces import Transfer
+
+_T = TypeVar("_T")
 
 
 class Step(IntEnum):
@@ -48,12 +52,42 @@ class StepLanes(NamedTuple):
     step: int
     op: Primitive
     ids: Sequence[int]
-    sources: tuple[Unit, ...]
-    targets: tuple[Unit, ...]
+    sources: Units
+    targets: Units
     deps: Sequence[tuple[int, ...]]
-    mem: tuple[MemEffect, ...]
+    mem: Memory
     make_transfers: Callable[..., Sequence[Transfer]]
     lane_args: tuple[tuple[Any, ...], ...]
+
+    def take(self, ks: Sequence[int]) -> StepLanes:
+        """Lanes ``ks`` (positions in ``ids``, ascending) of this step; all of them: itself."""
+        n = len(self.ids)
+        if len(ks) == n:
+            return self
+        if len(ks) == 1:
+            (k,) = ks
+            return self._replace(
+                ids=self.ids[k : k + 1],
+                sources=self.sources.lane(k, n),
+                targets=self.targets.lane(k, n),
+                deps=self.deps[k : k + 1],
+                mem=self.mem.lane(k, n),
+                lane_args=self.lane_args[k : k + 1],
+            )
+        return self._replace(
+            ids=[self.ids[k] for k in ks],
+            sources=Units(self.sources.layout, _pick(self.sources.gpus, ks, n)),
+            targets=Units(self.targets.layout, _pick(self.targets.gpus, ks, n)),
+            deps=[self.deps[k] for k in ks],
+            mem=self.mem.take(ks, n),
+            lane_args=tuple(self.lane_args[k] for k in ks),
+        )
+
+
+def _pick(column: tuple[_T, ...], ks: Sequence[int], width: int) -> list[_T]:
+    """The entries of lanes ``ks`` of a column of ``width`` alike lanes."""
+    each = len(column) // width
+    return [v for k in ks for v in column[k * each : (k + 1) * each]]
 
 
 class LocalNode(NamedTuple):
@@ -62,49 +96,87 @@ class LocalNode(NamedTuple):
 
     op: Primitive
     model_stage: str
-    sources: tuple[Unit, ...]
-    targets: tuple[Unit, ...]
+    sources: Units
+    targets: Units
     deps: tuple[int, ...]
-    mem: tuple[MemEffect, ...]
+    mem: Memory
     make_transfers: Callable[..., Sequence[Transfer]]
     lane_args: tuple[tuple[Any, ...], ...]
 
+    @property
+    def width(self) -> int:
+        """How many lanes this node carries."""
+        return len(self.lane_args)
 
-def group(name: str, steps: Sequence[StepLanes], batch: bool, first: int = 0) -> list[LocalNode]:
-    """The local nodes of model-stage ``name``: one per lane (numbered as the lanes), or with
-    ``batch`` one per step (in step order, deps mapped from lanes to their steps); deps count
-    from ``first`` (where the nodes will stand in a longer list)."""
+
+def waiting_lanes(steps: Sequence[StepLanes], contested: set[int]) -> set[int]:
+    """The lanes a same-stage peer can make wait: the Extends onto a ``contested`` GPU (one a peer
+    holds now) and every lane after one of them."""
+    waiting: set[int] = set()
+    for x in sorted(steps, key=lambda x: x.step):
+        n = len(x.ids)
+        for k, lane in enumerate(x.ids):
+            onto = x.targets.lane(k, n).all_gpus() if x.op is Primitive.EXTEND else ()
+            if not waiting.isdisjoint(x.deps[k]) or not contested.isdisjoint(onto):
+                waiting.add(lane)
+    return waiting
+
+
+def group(name: str, steps: Sequence[StepLanes], single: Collection[int], first: int = 0) -> list[LocalNode]:
+    """The local nodes of model-stage ``name``, deps mapped from lanes to nodes and counted from
+    ``first`` (where the nodes will stand in a longer list).
+
+    Every lane in ``single`` gets a node of its own, the other lanes of a step share one (batched)
+    node. Nodes go by step, the shared one first; if every lane is single, in lane order (both
+    orders are topological).
+    """
     steps = sorted((x for x in steps if x.ids), key=lambda x: x.step)
-    if batch:
-        node_of = {lane: first + i for i, x in enumerate(steps) for lane in x.ids}
-        return [
-            LocalNode(
-                x.op,
-                name,
-                x.sources,
-                x.targets,
-                tuple(sorted({node_of[d] for deps in x.deps for d in deps})),
-                x.mem,
-                x.make_transfers,
-                x.lane_args,
+    if all(lane in single for x in steps for lane in x.ids):
+        return _one_per_lane(name, steps, first)
+    node_of: dict[int, int] = {}
+    out: list[LocalNode] = []
+    for x in steps:
+        shared = [k for k, lane in enumerate(x.ids) if lane not in single]
+        if shared:
+            part = x.take(shared)
+            node_of.update(dict.fromkeys(part.ids, first + len(out)))
+            deps = tuple(sorted({node_of[d] for lane_deps in part.deps for d in lane_deps}))
+            out.append(
+                LocalNode(
+                    x.op, name, part.sources, part.targets, deps, part.mem, x.make_transfers, part.lane_args
+                )
             )
-            for x in steps
-        ]
+        n = len(x.ids)
+        for k, lane in enumerate(x.ids):
+            if lane in single:
+                node_of[lane] = first + len(out)
+                deps = tuple(sorted({node_of[d] for d in x.deps[k]}))
+                out.append(_lane_node(name, x, k, n, deps))
+    return out
+
+
+def _lane_node(name: str, x: StepLanes, k: int, n: int, deps: tuple[int, ...]) -> LocalNode:
+    """Lane ``k`` of the ``n`` of step ``x`` as a node of its own, after ``deps``."""
+    return LocalNode(
+        x.op,
+        name,
+        x.sources.lane(k, n),
+        x.targets.lane(k, n),
+        deps,
+        x.mem.lane(k, n),
+        x.make_transfers,
+        x.lane_args[k : k + 1],
+    )
+
+
+def _one_per_lane(name: str, steps: Sequence[StepLanes], first: int) -> list[LocalNode]:
+    """A node per lane, in lane order (the lanes numbered 0, 1, ... without gaps)."""
     out: list[LocalNode | None] = [None] * sum(len(x.ids) for x in steps)
     for x in steps:
         n = len(x.ids)
-        ns, nt, nm = len(x.sources) // n, len(x.targets) // n, len(x.mem) // n
         for k, lane in enumerate(x.ids):
-            out[lane] = LocalNode(
-                x.op,
-                name,
-                x.sources[k * ns : k * ns + ns],
-                x.targets[k * nt : k * nt + nt],
-                tuple(first + d for d in x.deps[k]) if first else x.deps[k],
-                x.mem[k * nm : k * nm + nm],
-                x.make_transfers,
-                x.lane_args[k : k + 1],
-            )
+            deps = tuple(first + d for d in x.deps[k]) if first else x.deps[k]
+            out[lane] = _lane_node(name, x, k, n, deps)
     assert None not in out, "lane numbers must be 0, 1, ... without gaps"
     return out  # type: ignore[return-value]
 

@@ -21,31 +21,33 @@ The planner runs in phases, each a function below:
 5. emit the lanes, step by step (``lanes.Step``): Splits (and the Destroys of unused pieces),
    Destroys of unused units, Extends, Destroys of used sources, Merges.
 
-A unit is handled as its GPU tuple here (its layout is the phase's: current, T_sub or target);
-:class:`Unit` objects are made only for the lanes.
+A unit is handled as its GPU tuple here (its layout is the phase's: current, T_sub or target),
+and the phases work on whole columns of them (every unit's pieces in one list, unit-major), so
+that a layout change that treats every replica alike costs a few passes over those lists.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import defaultdict
-from collections.abc import Callable, Sequence
-from itertools import chain, compress, repeat
+from collections.abc import Callable, Mapping, Sequence
+from itertools import accumulate, chain, compress, cycle, repeat
+from operator import ne, not_
 from typing import NamedTuple
+
+import numpy as np
 
 from nereus_lightning.plan.layout import Candidate, Layout
 from nereus_lightning.spec.cluster import ClusterSpec
-from nereus_lightning.transition.dag import MemEffect, Node, Primitive, gpu_chunks, no_transfers, units_of
+from nereus_lightning.transition.dag import Memory, Node, Primitive, Units, gpu_chunks, no_transfers
 from nereus_lightning.transition.lanes import Step, StepLanes, drop_sources_step, group, merge_step, numbered
 from nereus_lightning.transition.pieces import Geometry, extend_transfers
 from nereus_lightning.transition.tsub import (
-    Pattern,
     all_subs,
     common_layout,
     merge_pattern,
     placed,
     split_pattern,
-    splitter,
     sub_positions,
 )
 
@@ -71,7 +73,8 @@ def local_dag(
     one chain depth, the Destroys of sources, the Merges); its deps are the union of its lanes'.
     """
     steps = local_lanes(geo, memory_of, current, target, cluster)
-    return numbered(group(name, steps, batch, first_id), first_id)
+    single = () if batch else {lane for x in steps for lane in x.ids}
+    return numbered(group(name, steps, single, first_id), first_id)
 
 
 def local_lanes(
@@ -86,17 +89,18 @@ def local_lanes(
     if a == b and current.gpus == target.gpus:
         return []
     s = common_layout(a, b)
-    s = a if s == a else b if s == b else s  # an equal layout as the same object: units compare fast
     cur_units, tgt_units = gpu_chunks(current.gpus, a.size), gpu_chunks(target.gpus, b.size)
-    pick = splitter(b, s)
-    strided = [pick(v) for v in tgt_units]  # per target unit: its strided slots (itself if b == s)
-    tiling = tile_current_units(a, s, current, list(chain.from_iterable(strided)))
+    strided = all_subs(b, s, len(tgt_units))(target.gpus)  # every target unit's strided slots
+    tiling = tile_current_units(a, s, current, strided)
     slots = choose_target_slots(b, s, tgt_units, strided, tiling.where, set(current.gpus))
-    reuse = decide_reuse(slots, tiling)
-    candidates = [t for i in reuse.split_units for t in tiling.subs[i]] if reuse.missing else []
+    reuse = decide_reuse(slots.flat, tiling)
+    candidates = [t for i in reuse.split_units for t in tiling.subs(i)] if reuse.missing else []
     extends = plan_extends(candidates, reuse.reused, reuse.missing, cluster.gpus_per_node)
-    kept = reuse.reused.union(e.source for e in extends if e.source in tiling.where)
-    splitting = [i for i in reuse.split_units if not kept.isdisjoint(tiling.subs[i])]
+    kept = reuse.reused.union(filter(tiling.where.__contains__, extends.sources))
+    # A unit with a reused piece is split; a spare one only if an Extend reads one of its pieces.
+    splitting = reuse.split_units
+    if not reuse.reused:
+        splitting = [i for i in reuse.split_units if not kept.isdisjoint(tiling.subs(i))]
     mem = _UnitMemory(memory_of(a), memory_of(s), memory_of(b))
     made_by: dict[Gpus, int] = {}  # T_sub unit or slot -> the lane that made it
     steps = _splits(0, made_by, geo, a, s, [(cur_units[i], i) for i in splitting], tiling, kept, mem)
@@ -105,7 +109,7 @@ def local_lanes(
     steps.append(_destroys(_lanes_after(steps, len(unused)), Step.DROP_UNITS, a, unused, None, mem.a))
     extend_steps, readers = _extends(_next_lane(steps), made_by, geo, s, extends, reuse.missing, mem.s)
     steps += extend_steps
-    last = max((e.step for e in extends), default=Step.FIRST_EXTEND - 1)
+    last = max(extends.steps, default=Step.FIRST_EXTEND - 1)
     # Sources that are not part of the target go after the Extends that read them (the last copy
     # of the state is never dropped before it has been copied).
     dropped = sorted(kept - reuse.reused, key=tiling.where.__getitem__)
@@ -139,80 +143,109 @@ class _UnitMemory(NamedTuple):
 
 
 class Tiling(NamedTuple):
-    """The ``k`` T_sub units each current unit would split into (``subs``, per unit), their
-    positions in it (``tiles``), and each T_sub unit's index in them all (``where``: T_sub unit
-    -> ``unit index * k + its index among the unit's``)."""
+    """The ``k`` T_sub units (*pieces*) each current unit would split into, unit-major
+    (``pieces[i * k + j]``: piece ``j`` of unit ``i``), each piece's index there (``where``), and
+    the positions of a unit's pieces in it: ``tiles`` for the units tiled other than by
+    position, ``by_position`` for the rest."""
 
-    subs: list[Sequence[Gpus]]
-    tiles: list[Tiles]
+    pieces: list[Gpus]
     where: dict[Gpus, int]
+    tiles: dict[int, Tiles]
+    by_position: Tiles
     k: int
 
-    def unit_of(self, t: Gpus) -> int:
-        """The index of the current unit T_sub unit ``t`` is part of."""
-        return self.where[t] // self.k
+    def subs(self, i: int) -> list[Gpus]:
+        """The pieces of current unit ``i``."""
+        return self.pieces[i * self.k : (i + 1) * self.k]
+
+    def tiles_of(self, i: int) -> Tiles:
+        """The positions of current unit ``i``'s pieces in it."""
+        return self.tiles.get(i, self.by_position)
 
 
-def tile_current_units(a: Layout, s: Layout, current: Candidate, slot_list: list[Gpus]) -> Tiling:
+def tile_current_units(a: Layout, s: Layout, current: Candidate, slot_list: Sequence[Gpus]) -> Tiling:
     """Phase 1: each current unit's T_sub units: the target's slots (``slot_list``) when they tile
     the unit exactly (then Merge or nothing follows in place), else the position-wise split
     (``sub_positions``)."""
     by_position = sub_positions(a, s)
     k = len(by_position)
     pieces = all_subs(a, s, len(current.gpus) // a.size)(current.gpus)  # position-wise, unit-major
-    subs: list[Sequence[Gpus]] = [pieces[i : i + k] for i in range(0, len(pieces), k)]
-    tiles = [by_position] * len(subs)
-    is_slot = set(slot_list).__contains__
-    slot_at: dict[int, Gpus] = {}  # made on first need
-    for i, u in enumerate(gpu_chunks(current.gpus, a.size)):
-        if k == 1 or all(map(is_slot, subs[i])):
-            continue  # the slots on ``u`` are its position-wise T_sub units
-        if not slot_at:
-            slot_at = {g: slot for slot in slot_list for g in slot}
-        # Slots are disjoint, so they tile ``u`` exactly iff they cover its GPUs and no more.
-        on_slots = list(dict.fromkeys(map(slot_at.get, u, repeat(()))))  # (): in no slot
-        if () not in on_slots and sum(map(len, on_slots)) == len(u):
-            subs[i], tiles[i] = on_slots, positions_in(u, on_slots)
-    where = {t: x for x, t in enumerate(chain.from_iterable(subs))}
-    return Tiling(subs, tiles, where, k)
+    where = dict(zip(pieces, range(len(pieces)), strict=True))
+    tiles: dict[int, Tiles] = {}
+    not_slots = set(pieces).difference(slot_list) if k > 1 else set()
+    if not_slots:  # the units with such a piece may lie on slots another way
+        slot_at = {g: slot for slot in slot_list for g in slot}
+        for i in sorted({where[t] // k for t in not_slots}):
+            u = current.gpus[i * a.size : (i + 1) * a.size]
+            # Slots are disjoint, so they tile ``u`` exactly iff they cover its GPUs and no more.
+            on_slots = list(dict.fromkeys(map(slot_at.get, u, repeat(()))))  # (): in no slot
+            if () not in on_slots and sum(map(len, on_slots)) == len(u):
+                pieces[i * k : (i + 1) * k] = on_slots
+                tiles[i] = positions_in(u, on_slots)
+        where = dict(zip(pieces, range(len(pieces)), strict=True))
+    return Tiling(pieces, where, tiles, by_position, k)
 
 
 def positions_in(unit: Gpus, parts: Sequence[Gpus]) -> Tiles:
     """The positions in ``unit`` of each of ``parts``' GPUs."""
-    at = {g: x for x, g in enumerate(unit)}
+    return positions(parts, {g: x for x, g in enumerate(unit)})
+
+
+def positions(parts: Sequence[Gpus], at: Mapping[int, int]) -> Tiles:
+    """The positions of each of ``parts``' GPUs in their unit (``at``: GPU -> position)."""
     return tuple(tuple(map(at.__getitem__, t)) for t in parts)
 
 
 class TargetSlots(NamedTuple):
-    """Per target unit, the T_sub units it is merged from (``rows``) and their positions in it
-    (``tiles``)."""
+    """The ``k`` T_sub units each target unit is merged from, unit-major (``flat[i * k + j]``),
+    and their positions in it: ``tiles`` for the units not merged from their strided slots,
+    ``strided`` for the rest."""
 
-    rows: list[list[Gpus]]
-    tiles: list[Tiles]
+    flat: list[Gpus]
+    tiles: dict[int, Tiles]
+    strided: Tiles
+    k: int
+
+    def row(self, i: int) -> list[Gpus]:
+        """The slots of target unit ``i``."""
+        return self.flat[i * self.k : (i + 1) * self.k]
+
+    def tiles_of(self, i: int) -> Tiles:
+        """The positions of target unit ``i``'s slots in it."""
+        return self.tiles.get(i, self.strided)
 
 
 def choose_target_slots(
     b: Layout,
     s: Layout,
     tgt_units: list[Gpus],
-    strided: list[list[Gpus]],
+    strided: list[Gpus],
     where: dict[Gpus, int],
     held: set[int],
 ) -> TargetSlots:
-    """Phase 2: per target unit, the T_sub units its Merge fuses: its strided slots (``strided``;
-    the unit itself if it is a T_sub unit) when all exist or the unit holds none of this
-    model-stage's GPUs now, else the ones :func:`_slots_of` finds."""
-    rows, tiles = list(strided), [sub_positions(b, s)] * len(strided)
+    """Phase 2: per target unit, the T_sub units its Merge fuses: its strided slots (``strided``,
+    unit-major; the unit itself if it is a T_sub unit) when all exist or the unit holds none of
+    this model-stage's GPUs now, else the ones :func:`_slots_of` finds."""
+    by_position = sub_positions(b, s)
+    k = len(by_position)
+    flat, tiles = list(strided), {}
+    absent = set(strided).difference(where)
+    todo = sorted({j // k for j, t in enumerate(strided) if t in absent}) if absent else []
     sub_at: dict[int, Gpus] = {}  # the T_sub unit each current GPU would be part of (made on first need)
-    for i, (v, row) in enumerate(zip(tgt_units, strided, strict=True)):
-        if held.isdisjoint(v) or all(map(where.__contains__, row)):
+    at: dict[int, int] = {}  # each target GPU's position in its unit (made on first need)
+    for i in todo:
+        v = tgt_units[i]
+        if held.isdisjoint(v):
             continue
         if not sub_at:
             sub_at = {g: t for t in where for g in t}
-        rows[i] = _slots_of(v, row, b, s, where, sub_at)
-        if rows[i] is not row:
-            tiles[i] = positions_in(v, rows[i])
-    return TargetSlots(rows, tiles)
+            at = dict(zip(chain.from_iterable(tgt_units), cycle(range(b.size))))
+        row = strided[i * k : (i + 1) * k]
+        found = _slots_of(v, row, b, s, where, sub_at)
+        if found is not row:
+            flat[i * k : (i + 1) * k] = found
+            tiles[i] = positions(found, at)
+    return TargetSlots(flat, tiles, by_position, k)
 
 
 def _slots_of(
@@ -234,6 +267,10 @@ def _slots_of(
     row = [t for t in strided if t in where]
     if len(row) == len(strided) or (not row and sub_at.keys().isdisjoint(v)):
         return strided
+    if not row:  # T_sub units tile ``v`` exactly (they are disjoint: they cover it and no more)
+        on_subs = list(dict.fromkeys(map(sub_at.get, v)))
+        if None not in on_subs and sum(map(len, on_subs)) == len(v):  # type: ignore[arg-type]
+            return on_subs  # type: ignore[return-value]
     inside = set(v)
     covered = {g for t in row for g in t}
     for g in v:
@@ -267,31 +304,32 @@ class Reuse(NamedTuple):
     split_units: list[int]
 
 
-def decide_reuse(slots: TargetSlots, tiling: Tiling) -> Reuse:
+def decide_reuse(slots: list[Gpus], tiling: Tiling) -> Reuse:
     """Phase 3: a slot that is a T_sub unit of a current unit is reused (that unit is split);
     if none is, just enough current units are split to have a source per missing slot."""
-    flat = list(chain.from_iterable(slots.rows))
-    exists = list(map(tiling.where.__contains__, flat))
-    reused = set(compress(flat, exists))
-    missing = [t for t, e in zip(flat, exists, strict=True) if not e]
-    split_units = sorted({tiling.where[t] // tiling.k for t in reused})
+    exists = list(map(tiling.where.__contains__, slots))
+    reused = set(compress(slots, exists))
+    missing = list(compress(slots, map(not_, exists)))
+    on_slot = np.fromiter(map(reused.__contains__, tiling.pieces), dtype=bool, count=len(tiling.pieces))
+    split_units: list[int] = np.flatnonzero(on_slot.reshape(-1, tiling.k).any(axis=1)).tolist()
     if missing and not split_units:
-        split_units = list(range(min(len(tiling.subs), -(-len(missing) // tiling.k))))
+        units = len(tiling.pieces) // tiling.k
+        split_units = list(range(min(units, -(-len(missing) // tiling.k))))
     return Reuse(reused, missing, split_units)
 
 
-class PlannedExtend(NamedTuple):
-    """The Extend filling one missing slot: its source unit, the index of the Extend that makes
-    that source (None: a T_sub unit of a current unit) and its step."""
+class PlannedExtends(NamedTuple):
+    """The Extends filling the missing slots, as columns: each one's source unit, the index of the
+    Extend that makes that source (None: a T_sub unit of a current unit) and its step."""
 
-    source: Gpus
-    made_by: int | None
-    step: int
+    sources: list[Gpus]
+    made_by: list[int | None]
+    steps: list[int]
 
 
 def plan_extends(
     candidates: list[Gpus], reused: set[Gpus], missing: list[Gpus], gpus_per_node: int
-) -> list[PlannedExtend]:
+) -> PlannedExtends:
     """Phase 4: a source for every missing slot, in slot order.
 
     On a node with candidates (T_sub units of the split units) or slots made there already: the
@@ -308,7 +346,7 @@ def plan_extends(
         pools[t[0] // gpus_per_node].append(k)
     remote = _RemoteSources(candidates, fresh, gpus_per_node)
     tail: dict[int, int] = {}  # per node without candidates: its newest slot (the next source there)
-    out: list[PlannedExtend] = []
+    out = PlannedExtends([], [], [])
     for j, slot in enumerate(missing):
         node = slot[0] // gpus_per_node
         si = tail.get(node)
@@ -324,10 +362,14 @@ def plan_extends(
                 tail[node] = n_cand + j
             load[si] += 1
         if si < n_cand:
-            out.append(PlannedExtend(candidates[si], None, Step.FIRST_EXTEND))
+            out.sources.append(candidates[si])
+            out.made_by.append(None)
+            out.steps.append(Step.FIRST_EXTEND)
         else:
             made = si - n_cand
-            out.append(PlannedExtend(missing[made], made, out[made].step + 1))
+            out.sources.append(missing[made])
+            out.made_by.append(made)
+            out.steps.append(out.steps[made] + 1)
     return out
 
 
@@ -368,45 +410,55 @@ def _splits(
     GPU), each followed by the Destroys (step DROP_PIECES) of its T_sub units nothing uses."""
     if a == s or not units:
         return []
-    net = mem.s - mem.a
-    patterns: dict[Tiles, tuple[Pattern, tuple[int, ...]]] = {}  # units mostly split alike
-    split_ids: list[int] = []
-    args: list[tuple[Gpus, Pattern]] = []
-    effects: list[MemEffect] = []
-    drop_ids: list[int] = []
-    drops: list[Gpus] = []
-    drop_deps: list[tuple[int, ...]] = []
-    lane = first  # the next lane's number
-    for u, i in units:
-        tiles = tiling.tiles[i]
-        if tiles not in patterns:
-            patterns[tiles] = split_pattern(geo, a, s, tiles)
-        pattern, buf = patterns[tiles]
-        split, lane = lane, lane + 1
-        split_ids.append(split)
-        args.append((u, pattern))
-        effects += zip(u, repeat(net), buf)
-        made_by.update(zip(tiling.subs[i], repeat(split)))
-        for t in tiling.subs[i]:
-            if t not in kept:
-                drop_ids.append(lane)
-                lane += 1
-                drops.append(t)
-                drop_deps.append((split,))
-    sources = units_of(a, [u for u, _ in units])
-    targets = units_of(s, chain.from_iterable(tiling.subs[i] for _, i in units))
+    k, whole = tiling.k, [u for u, _ in units]
+    if len(units) * k == len(tiling.pieces):  # every current unit
+        pieces = tiling.pieces
+    else:
+        pieces = list(chain.from_iterable(map(tiling.subs, (i for _, i in units))))  # k per unit
+    tiles = [tiling.tiles_of(i) for _, i in units] if tiling.tiles else [tiling.by_position] * len(units)
+    patterns = {t: split_pattern(geo, a, s, t) for t in set(tiles)}  # units mostly split alike
+    # Lane numbers: each Split, then the Destroys of its pieces nothing uses (usually none).
+    drops: list[tuple[int, int, Gpus]] = []
+    if kept.issuperset(pieces):
+        split_ids = list(range(first, first + len(units)))
+    else:
+        unused = [[t for t in tiling.subs(i) if t not in kept] for _, i in units]
+        split_ids = list(accumulate((1 + len(ts) for ts in unused[:-1]), initial=first))
+        drops = [
+            (split, split + 1 + x, t)
+            for split, ts in zip(split_ids, unused, strict=True)
+            for x, t in enumerate(ts)
+        ]
+    made_by.update(zip(pieces, np.repeat(split_ids, k).tolist(), strict=True))
+    if len(patterns) == 1:  # every unit split alike
+        ((pattern, buf),) = patterns.values()
+        args = tuple(zip(whole, repeat(pattern)))
+        buffers = np.tile(np.asarray(buf, dtype=np.float64), len(units))
+    else:
+        args = tuple(zip(whole, (patterns[t][0] for t in tiles), strict=True))
+        buffers = np.fromiter(chain.from_iterable(patterns[t][1] for t in tiles), dtype=np.float64)
     splits = StepLanes(
         Step.SPLIT,
         Primitive.SPLIT,
         split_ids,
-        sources,
-        targets,
+        Units(a, whole),
+        Units(s, pieces),
         [()] * len(units),
-        tuple(effects),
+        Memory(chain.from_iterable(whole), mem.s - mem.a, buffers),
         placed,
-        tuple(args),
+        args,
     )
-    return [splits, _destroys(drop_ids, Step.DROP_PIECES, s, drops, drop_deps, mem.s)]
+    return [
+        splits,
+        _destroys(
+            [lane for _, lane, _ in drops],
+            Step.DROP_PIECES,
+            s,
+            [t for _, _, t in drops],
+            [(split,) for split, _, _ in drops],
+            mem.s,
+        ),
+    ]
 
 
 def _destroys(
@@ -419,15 +471,14 @@ def _destroys(
 ) -> StepLanes:
     """Lanes ``ids``: Destroy each of ``units`` (of ``layout``, ``mem`` bytes per GPU) after its
     ``deps`` (None: nothing)."""
-    effects = tuple(zip(chain.from_iterable(units), repeat(-mem), repeat(0.0)))
     return StepLanes(
         step,
         Primitive.DESTROY,
         ids,
-        units_of(layout, units),
-        (),
+        Units(layout, units),
+        Units(layout),
         [()] * len(units) if deps is None else deps,
-        effects,
+        Memory(chain.from_iterable(units), -mem),
         no_transfers,
         ((),) * len(units),
     )
@@ -438,36 +489,35 @@ def _extends(
     made_by: dict[Gpus, int],
     geo: Geometry,
     s: Layout,
-    extends: list[PlannedExtend],
+    extends: PlannedExtends,
     slots: list[Gpus],
     mem_s: float,
 ) -> tuple[list[StepLanes], dict[Gpus, list[int]]]:
     """The Extends onto ``slots`` (lanes from ``first``, one step per chain depth), each after
     whatever made its source; and per source the Extends reading it (lane numbers)."""
     deps = [
-        (first + e.made_by,)
-        if e.made_by is not None
-        else ((made_by[e.source],) if e.source in made_by else ())
-        for e in extends
+        (first + made,) if made is not None else ((made_by[source],) if source in made_by else ())
+        for source, made in zip(extends.sources, extends.made_by, strict=True)
     ]
     readers: dict[Gpus, list[int]] = defaultdict(list)
+    for lane, source in enumerate(extends.sources, first):
+        readers[source].append(lane)
     by_step: dict[int, list[int]] = defaultdict(list)  # step -> the Extends at it
-    for j, e in enumerate(extends):
-        readers[e.source].append(first + j)
-        by_step[e.step].append(j)
+    for j, step in enumerate(extends.steps):
+        by_step[step].append(j)
     made_by.update(zip(slots, range(first, first + len(slots)), strict=True))
     out = []
     for step, js in sorted(by_step.items()):
-        sources, targets = [extends[j].source for j in js], [slots[j] for j in js]
+        sources, targets = [extends.sources[j] for j in js], [slots[j] for j in js]
         out.append(
             StepLanes(
                 step,
                 Primitive.EXTEND,
                 [first + j for j in js],
-                units_of(s, sources),
-                units_of(s, targets),
+                Units(s, sources),
+                Units(s, targets),
                 [deps[j] for j in js],
-                tuple(zip(chain.from_iterable(targets), repeat(mem_s), repeat(0.0))),
+                Memory(chain.from_iterable(targets), mem_s),
                 extend_transfers,
                 tuple(zip(repeat(geo), repeat(s), sources, targets)),
             )
@@ -489,29 +539,42 @@ def _merges(
 ) -> StepLanes:
     """Merge each target unit from its row of slots, after what made them and every Extend
     reading them; a T_sub target unit sitting exactly on its one slot is done already."""
-    rows = zip(tgt_units, slots.rows, slots.tiles, strict=True)
-    todo = [(v, row, tiles) for v, row, tiles in rows if row[0] != v] if b == s else list(rows)
-    net = mem.b - mem.s
-    patterns: dict[Tiles, tuple[Pattern, tuple[int, ...]]] = {}  # units mostly merge alike
-    args: list[tuple[Gpus, Pattern]] = []
-    effects: list[MemEffect] = []
-    deps: list[tuple[int, ...]] = []
-    for v, row, tiles in todo:
-        if tiles not in patterns:
-            patterns[tiles] = merge_pattern(geo, s, b, tiles)
-        pattern, buf = patterns[tiles]
-        args.append((v, pattern))
-        effects += zip(v, repeat(net), buf)
-        made = {made_by[t] for t in row if t in made_by} if made_by else set()
-        deps.append(tuple(sorted(made.union(*map(readers.get, row, repeat(()))))))
+    if b == s:  # one slot per target unit
+        todo = list(compress(range(len(tgt_units)), map(ne, slots.flat, tgt_units)))
+    else:
+        todo = list(range(len(tgt_units)))
+    every = len(todo) == len(tgt_units)
+    units = tgt_units if every else [tgt_units[i] for i in todo]
+    rows = [slots.row(i) for i in todo]
+    tiles = [slots.tiles_of(i) for i in todo] if slots.tiles else [slots.strided] * len(todo)
+    patterns = {t: merge_pattern(geo, s, b, t) for t in set(tiles)}  # units mostly merge alike
+    if made_by or readers:
+        deps = [_made_or_read(row, made_by, readers) for row in rows]
+    else:  # nothing was made or read before: the Merges wait for nothing
+        deps = [()] * len(todo)
+    if len(patterns) == 1:  # every unit merges alike
+        ((pattern, buf),) = patterns.values()
+        args = tuple(zip(units, repeat(pattern)))
+        buffers = np.tile(np.asarray(buf, dtype=np.float64), len(units))
+    else:
+        args = tuple(zip(units, (patterns[t][0] for t in tiles), strict=True))
+        buffers = np.fromiter(chain.from_iterable(patterns[t][1] for t in tiles), dtype=np.float64)
     return StepLanes(
         step,
         Primitive.MERGE,
         range(first, first + len(todo)),
-        units_of(s, chain.from_iterable(row for _, row, _ in todo)),
-        units_of(b, [v for v, _, _ in todo]),
+        Units(s, slots.flat if every else chain.from_iterable(rows)),
+        Units(b, units),
         deps,
-        tuple(effects),
+        Memory(chain.from_iterable(units), mem.b - mem.s, buffers),
         placed,
-        tuple(args),
+        args,
     )
+
+
+def _made_or_read(
+    row: list[Gpus], made_by: dict[Gpus, int], readers: dict[Gpus, list[int]]
+) -> tuple[int, ...]:
+    """The lanes that made a slot of ``row`` or read one (ascending)."""
+    made = {made_by[t] for t in row if t in made_by}
+    return tuple(sorted(made.union(*map(readers.get, row, repeat(())))))

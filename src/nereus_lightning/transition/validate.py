@@ -25,9 +25,11 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from nereus_lightning.plan.layout import Candidate
+import numpy as np
+
+from nereus_lightning.plan.layout import Candidate, Layout
 from nereus_lightning.plan.memory import memory_cap
-from nereus_lightning.transition.dag import Node, Primitive, TransitionDAG, Unit, gpu_chunks, units_of
+from nereus_lightning.transition.dag import Effects, Gpus, Node, Primitive, TransitionDAG, Unit, gpu_chunks
 
 GB = 1e9
 
@@ -91,10 +93,9 @@ def _resident(dag: TransitionDAG) -> list[float]:
     return mem
 
 
-def _units(c: Candidate) -> dict[tuple[int, ...], Unit]:
-    """The units of ``c``, by their GPUs."""
-    gpus = gpu_chunks(c.gpus, c.layout.size)
-    return dict(zip(gpus, units_of(c.layout, gpus), strict=True))
+def _units(c: Candidate) -> dict[Layout, set[Gpus]]:
+    """The units of ``c``: its layout and the GPU tuple of each unit."""
+    return {c.layout: set(gpu_chunks(c.gpus, c.layout.size))}
 
 
 def _replay(dag: TransitionDAG, order: Sequence[Node], problems: list[str], label: str) -> float:
@@ -107,24 +108,34 @@ def _replay(dag: TransitionDAG, order: Sequence[Node], problems: list[str], labe
 def _replay_memory(dag: TransitionDAG, order: Sequence[Node], problems: list[str], label: str) -> float:
     """Per-GPU memory in ``order``: resident units plus the running node's growth and buffers."""
     cap = memory_cap(dag.context.cluster) * (1 + 1e-9)
-    mem = _resident(dag)
-    peak = max(mem, default=0.0)
-    for n in order:
-        over = []
-        for g, net, transient in n.mem:
-            top = mem[g] + (net if net > 0 else 0.0) + transient
-            if top > peak:
-                peak = top
-            if top > cap:
-                over.append(f"GPU {g} reaches {top / GB:.1f} GB")
-            mem[g] += net
-        if over:
-            problems.append(f"memory{label}: {', '.join(over[:2])} > cap {cap / GB:.1f} GB during {n}")
-    return peak
+    base = np.asarray(_resident(dag))
+    eff = Effects.of([n.mem for n in order])
+    # On its GPU while a node runs: what is resident, what every earlier effect there left, and
+    # what this one adds (its growth and buffers).
+    before = base[eff.gpu] + _earlier_sums(eff.gpu, eff.net)
+    top = before + np.maximum(eff.net, 0.0) + eff.transient
+    for i in np.unique(eff.node[top > cap]).tolist()[:8]:
+        at = (eff.node == i) & (top > cap)
+        gpus, tops = eff.gpu[at].tolist(), top[at].tolist()
+        over = [f"GPU {g} reaches {t / GB:.1f} GB" for g, t in zip(gpus, tops, strict=True)]
+        problems.append(f"memory{label}: {', '.join(over[:2])} > cap {cap / GB:.1f} GB during {order[i]}")
+    return float(max(base.max(initial=0.0), top.max(initial=0.0)))
+
+
+def _earlier_sums(keys: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Per entry: the sum of the ``values`` of the entries before it with the same key."""
+    by_key = np.argsort(keys, kind="stable")  # entries grouped by key, in their order inside a group
+    ordered = values[by_key]
+    running = np.cumsum(ordered) - ordered  # sums of the entries before, over the grouped list
+    first = np.searchsorted(keys[by_key], keys[by_key])  # where each entry's group starts
+    out = np.empty_like(values)
+    out[by_key] = running - running[first]
+    return out
 
 
 def _replay_units(dag: TransitionDAG, order: Sequence[Node], problems: list[str], label: str) -> None:
-    """The units of every model-stage in ``order``, and, for those with peers, who holds each GPU."""
+    """The units of every model-stage in ``order`` (per layout, each unit as its GPU tuple), and,
+    for those with peers, who holds each GPU."""
     ctx = dag.context
     live = {name: _units(c) for name, c in ctx.current.items()}
     # per model-stage with peers (only peers can conflict) and GPU: how many of its units hold it
@@ -134,40 +145,44 @@ def _replay_units(dag: TransitionDAG, order: Sequence[Node], problems: list[str]
             held[g] += 1
     for n in order:
         units = live[n.model_stage]
-        missing = [u for u in n.sources if units.get(u.gpus) != u]
-        if missing:
+        have = units.setdefault(n.sources.layout, set())
+        if not have.issuperset(n.sources.gpus):
+            missing = [Unit(n.sources.layout, g) for g in n.sources.gpus if g not in have]
             problems.append(f"structure{label}: {n} reads units that do not exist: {missing}")
             return
         if n.op is not Primitive.EXTEND:  # every other primitive consumes its sources
-            for u in n.sources:
-                del units[u.gpus]
-        for u in n.targets:
-            if u.gpus in units:
-                problems.append(f"structure{label}: {n} creates {u} where a unit already is")
-            units[u.gpus] = u
-        if not units:
+            have.difference_update(n.sources.gpus)
+        made = set(n.targets.gpus)
+        again = len(made) < len(n.targets.gpus) or any(not s.isdisjoint(made) for s in units.values())
+        if again:
+            problems.append(f"structure{label}: {n} creates a unit where a unit already is")
+        units.setdefault(n.targets.layout, set()).update(made)
+        if not any(units.values()):
             problems.append(f"last copy{label}: {n.model_stage} has no unit left after {n}")
         if n.model_stage in count:
             problems += _count_gpus(n, count, ctx.peers[n.model_stage], label)
     for name, c in ctx.target.items():
-        if live[name] != _units(c):
-            problems.append(f"structure{label}: {name} ends with {sorted(live[name])}, not the target")
+        ends = {layout: gpus for layout, gpus in live[name].items() if gpus}
+        if ends != _units(c):
+            problems.append(f"structure{label}: {name} ends with {ends}, not the target")
 
 
 def _count_gpus(n: Node, count: dict[str, list[int]], peers: tuple[str, ...], label: str) -> list[str]:
     """Move ``n``'s model-stage's per-GPU unit counts; name each GPU it newly holds that a peer holds."""
+    made = sorted(n.targets.all_gpus())
+    left = sorted(n.sources.all_gpus()) if n.op is not Primitive.EXTEND else []
+    if made == left:  # e.g. a Merge on its sources' GPUs: no GPU changes hands
+        return []
     held = count[n.model_stage]
-    new = [g for u in n.targets for g in u.gpus if not held[g]]  # GPUs it did not hold before
-    if n.op is not Primitive.EXTEND:
-        for u in n.sources:
-            for g in u.gpus:
-                held[g] -= 1
-    for u in n.targets:
-        for g in u.gpus:
-            held[g] += 1
+    new = [g for g in made if not held[g]]  # GPUs it did not hold before
+    for g in left:
+        held[g] -= 1
+    for g in made:
+        held[g] += 1
     return [
         f"gpu conflict{label}: {n} lands on GPU {g} still held by {other}"
         for other in peers
+        if any(map(count[other].__getitem__, new))  # (conflicts are rare: look closer only then)
         for g in new
         if count[other][g]
     ]
@@ -187,22 +202,23 @@ def _ancestors(dag: TransitionDAG) -> list[int]:
 def _any_order_gpus(dag: TransitionDAG) -> list[str]:
     """Check 2: every Extend onto a GPU a peer leaves comes after every node by which it leaves."""
     peers = dag.context.peers
-    leaving: dict[str, dict[int, list[int]]] = {}  # model-stage -> GPU -> the nodes by which it leaves
+    leaving: dict[str, dict[int, int]] = {}  # model-stage -> GPU -> the nodes leaving it (bit i: node i)
     for n in dag.nodes:
         if peers[n.model_stage]:
+            left = leaving.setdefault(n.model_stage, {})
             for g in n.released_gpus:
-                leaving.setdefault(n.model_stage, {}).setdefault(g, []).append(n.id)
+                left[g] = left.get(g, 0) | 1 << n.id
     anc = _ancestors(dag) if leaving else []
     out = []
     for n in dag.nodes:
         theirs = [(other, leaving[other]) for other in peers[n.model_stage] if other in leaving]
         for g in n.acquired_gpus if theirs else ():
             for other, left in theirs:
-                late = [d for d in left.get(g, ()) if not anc[n.id] >> d & 1]
+                late = left.get(g, 0) & ~anc[n.id]
                 if late:
                     out.append(
                         f"gpu conflict: {n} may land on GPU {g} before {other} leaves it "
-                        f"(#{late[0]} is not ordered before it)"
+                        f"(#{(late & -late).bit_length() - 1} is not ordered before it)"
                     )
     return out
 
@@ -211,7 +227,7 @@ def _fits_in_any_order(dag: TransitionDAG) -> bool:
     """Whether every GPU fits its resident bytes plus the growth of every node on it (what all of
     them may add if nothing were freed): then no order, sequential or concurrent, passes the cap."""
     cap = memory_cap(dag.context.cluster) * (1 + 1e-9)
-    return all(base + grow <= cap for base, grow in zip(_resident(dag), dag.memory_growth(), strict=True))
+    return bool(np.all(np.asarray(_resident(dag)) + dag.memory_growth() <= cap))
 
 
 def _concurrent_memory(dag: TransitionDAG, problems: list[str]) -> float:
