@@ -374,25 +374,36 @@ def plan_extends(
 
 
 class _RemoteSources:
-    """The candidate a node without candidates copies from: by (sends of its node, its load,
-    fresh, index), kept as a lazy heap (keys only grow: a stale top is re-keyed and pushed back)."""
+    """The candidate a node without candidates copies from: the least-loaded one (reused first,
+    then the lower index) of the node that has sent least so far.
+
+    Per node its candidates in a heap by (load, fresh, index), and the nodes in a heap by (sends,
+    their best candidate); keys only grow, so a stale top is re-keyed and pushed back (lazily).
+    """
 
     def __init__(self, candidates: list[Gpus], fresh: list[bool], gpus_per_node: int) -> None:
-        self.node_of = [t[0] // gpus_per_node for t in candidates]
-        self.sent: dict[int, int] = defaultdict(int)
-        self.heap = [(0, 0, fresh[k], k) for k in range(len(candidates))]
-        heapq.heapify(self.heap)
+        self.of_node: dict[int, list[tuple[int, bool, int]]] = defaultdict(list)
+        for k, t in enumerate(candidates):
+            self.of_node[t[0] // gpus_per_node].append((0, fresh[k], k))
+        for heap in self.of_node.values():
+            heapq.heapify(heap)
+        self.sent = dict.fromkeys(self.of_node, 0)
+        self.nodes = [(0, heap[0], node) for node, heap in self.of_node.items()]
+        heapq.heapify(self.nodes)
 
     def pick(self, load: list[int]) -> int:
         """The best candidate now (counted as one more send of its node)."""
-        heap, sent, node_of = self.heap, self.sent, self.node_of
         while True:
-            n_sent, n_load, is_fresh, k = heap[0]
-            if n_sent == sent[node_of[k]] and n_load == load[k]:
+            n_sent, best, node = self.nodes[0]
+            heap = self.of_node[node]
+            while heap[0][0] != load[heap[0][2]]:  # its load grew since: re-key it
+                _, is_fresh, k = heap[0]
+                heapq.heapreplace(heap, (load[k], is_fresh, k))
+            if n_sent == self.sent[node] and best == heap[0]:
                 break
-            heapq.heapreplace(heap, (sent[node_of[k]], load[k], is_fresh, k))
-        sent[node_of[k]] += 1
-        return k
+            heapq.heapreplace(self.nodes, (self.sent[node], heap[0], node))
+        self.sent[node] += 1
+        return best[2]
 
 
 def _splits(

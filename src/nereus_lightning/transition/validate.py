@@ -202,19 +202,23 @@ def _ancestors(dag: TransitionDAG) -> list[int]:
 def _any_order_gpus(dag: TransitionDAG) -> list[str]:
     """Check 2: every Extend onto a GPU a peer leaves comes after every node by which it leaves."""
     peers = dag.context.peers
-    leaving: dict[str, dict[int, int]] = {}  # model-stage -> GPU -> the nodes leaving it (bit i: node i)
+    extends = [n for n in dag.nodes if n.op is Primitive.EXTEND and peers[n.model_stage]]
+    onto = {n.id: set(n.acquired_gpus) for n in extends}
+    wanted = set().union(*onto.values())  # only these GPUs matter
+    leaving: dict[str, dict[int, int]] = {}  # model-stage -> wanted GPU -> the nodes leaving it (bit i: #i)
     for n in dag.nodes:
-        if peers[n.model_stage]:
+        if peers[n.model_stage] and n.op is not Primitive.EXTEND:
             left = leaving.setdefault(n.model_stage, {})
-            for g in n.released_gpus:
+            for g in wanted.intersection(n.released_gpus):
                 left[g] = left.get(g, 0) | 1 << n.id
     anc = _ancestors(dag) if leaving else []
     out = []
-    for n in dag.nodes:
-        theirs = [(other, leaving[other]) for other in peers[n.model_stage] if other in leaving]
-        for g in n.acquired_gpus if theirs else ():
-            for other, left in theirs:
-                late = left.get(g, 0) & ~anc[n.id]
+    for i, gpus in onto.items():
+        n = dag.nodes[i]
+        for other in peers[n.model_stage]:
+            left = leaving.get(other, {})
+            for g in sorted(left.keys() & gpus):
+                late = left[g] & ~anc[i]
                 if late:
                     out.append(
                         f"gpu conflict: {n} may land on GPU {g} before {other} leaves it "
