@@ -500,8 +500,8 @@ def _numbered_in_order(
 
 def _shape(n: LocalNode) -> Hashable:
     """What makes calls alike: model-stage, primitive, layouts, memory per byte and per-lane sizes."""
-    w = n.width
-    sizes = (len(n.sources.gpus) // w, len(n.targets.gpus) // w, len(n.mem) // w)
+    w = len(n.lane_args)
+    sizes = (len(n.sources.gpus) // w, len(n.targets.gpus) // w, len(n.mem.gpus) // w)
     return (n.model_stage, n.op, n.make_transfers, n.sources.layout, n.targets.layout, n.mem.net, sizes)
 
 

@@ -157,11 +157,16 @@ class Memory(Sequence[MemEffect]):
 
     def _part(self, index: slice | np.ndarray) -> Memory:
         """The effects at ``index`` (views of read-only arrays stay read-only: no checks needed)."""
-        part = object.__new__(Memory)
-        object.__setattr__(part, "gpus", self.gpus[index])
-        object.__setattr__(part, "net", self.net)
-        object.__setattr__(part, "transient", self.transient[index])
-        return part
+        return Memory._of(self.gpus[index], self.net, self.transient[index])
+
+    @staticmethod
+    def _of(gpus: np.ndarray, net: float, transient: np.ndarray) -> Memory:
+        """Effects from columns already checked (alike, read-only), without checking them again."""
+        made = object.__new__(Memory)
+        object.__setattr__(made, "gpus", gpus)
+        object.__setattr__(made, "net", net)
+        object.__setattr__(made, "transient", transient)
+        return made
 
     def take(self, ks: Sequence[int], width: int) -> Memory:
         """The effects of lanes ``ks`` of ``width`` alike lanes."""
@@ -172,8 +177,8 @@ class Memory(Sequence[MemEffect]):
     @staticmethod
     def joined(parts: Sequence[Memory]) -> Memory:
         """The effects of ``parts`` (with one ``net``) one after another."""
-        gpus = np.concatenate([m.gpus for m in parts])
-        return Memory(gpus, parts[0].net, np.concatenate([m.transient for m in parts]))
+        gpus = _frozen(np.concatenate([m.gpus for m in parts]))
+        return Memory._of(gpus, parts[0].net, _frozen(np.concatenate([m.transient for m in parts])))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Memory):
