@@ -170,7 +170,7 @@ def save_states(saves: Sequence[tuple[str, str | os.PathLike, bool]]) -> None:
     (:func:`params_off_master`, as :meth:`~nereus_lightning.lightning.NereusStrategy.save_checkpoint` does).
     """
     states = [_unit_state(next(iter(_local_emus(stage)), None), weights) for stage, _, weights in saves]
-    writers = min(CONCURRENT_SAVES, len(saves))
+    writers = max(1, min(CONCURRENT_SAVES, len(saves)))
     groups = _write_groups()[:writers]  # created here, on every rank in the same order, before any thread
     room = threading.Semaphore(writers + 1)  # staged units alive at once
     freeing = ThreadPoolExecutor(1, thread_name_prefix="nereus-unmap")
