@@ -292,8 +292,8 @@ def test_a_crash_mid_save_leaves_the_previous_last_ckpt_whole(tmp_path, monkeypa
 
     real, stages_saved = emu_checkpoint.save_tensors, []
 
-    def save_then_die(state: dict, path: str) -> None:
-        real(state, path)
+    def save_then_die(state: dict, path: str, **group: object) -> None:
+        real(state, path, **group)
         if ".last.ckpt.partial" in str(path):
             model_stage = os.path.basename(path)
             if model_stage in stages_saved:  # the second save of last.ckpt, one model-stage written

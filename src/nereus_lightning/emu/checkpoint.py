@@ -30,10 +30,11 @@ import importlib
 import json
 import os
 import pickle
+import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -46,13 +47,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
-from torch.futures import Future
+from torch.futures import Future as TorchFuture
 
 from nereus_lightning.emu.groups import member_group
 from nereus_lightning.emu.host import HostBlock
 from nereus_lightning.emu.registry import registry
 from nereus_lightning.emu.schema import StateSchema
 from nereus_lightning.emu.unit import EMU, Counters
+from nereus_lightning.models.groups import collective_timeout
 from nereus_lightning.models.optim import MASTER_KEY, off_master
 from nereus_lightning.spec.errors import CheckpointError
 
@@ -62,6 +64,12 @@ PARAMS_FROM_MASTERS = "params_from_masters.json"
 #: Threads (each its own file) writing one rank's shards from host memory: 2.15 GB/s with 16 on an H200
 #: host, 1.8 with 8, 0.7 with DCP's one (the disk takes 2.0; benchmarks/gpu_dcp_write.py).
 WRITE_THREADS = 16
+#: Model-stages :func:`save_states` writes at once: inside a finished 0.5B PPO run one save from host memory
+#: wrote 1.5 GB/s of a disk that takes 2.0-2.5 (fsync'd), so its two 6 GB training units share it.
+CONCURRENT_SAVES = 2
+#: The default group the write groups were made in, and one gloo group per concurrent save (see
+#: :func:`_write_groups`).
+_WRITE_GROUPS: tuple[Any, list[dist.ProcessGroup | None]] | None = None
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -129,28 +137,154 @@ def save_state(model_stage: str, path: str | os.PathLike, weights: bool = True) 
 
 
 def save_states(saves: Sequence[tuple[str, str | os.PathLike, bool]]) -> None:
-    """:func:`save_state` for each ``(model_stage, path, weights)``, in this order on every rank.
+    """:func:`save_state` for each ``(model_stage, path, weights)`` (collective; same list on every rank).
 
-    One thread stages every unit that is on a GPU into host memory, in order, while the ones before
-    it are written (each staged unit holds its host memory until it is written): a 0.5B training
-    unit stages 6 GB of masters and moments (~2 s for 7 GB with its bf16 weights on an H200 host).
+    Three kinds of threads overlap the work:
+
+    - One thread stages every unit that is on a GPU into page-locked host memory, in the given order:
+      a 0.5B training unit stages 6 GB of fp32 masters and AdamW moments (~2 s on an H200 host, most of
+      it locking the memory). A unit already in host memory (an idle one) is written from there.
+    - :data:`CONCURRENT_SAVES` writers each write their share of ``saves`` in order: save ``i`` goes to
+      writer ``i % CONCURRENT_SAVES``, so consecutive saves, such as the two training units a caller
+      lists last, are written at once and share the disk (one DCP save alone reaches 1.5-2.2 GB/s of
+      it). DCP's save is collective, so each writer saves over a process group of its own
+      (:func:`_write_groups`): two saves on one group would interleave their collectives differently on
+      different ranks.
+    - One thread frees each unit's staged memory as soon as its write ends (unregistered, then unmapped:
+      ~0.1 s per GB), while the writers go on; this function returns once everything it staged is
+      freed, so no staged memory is left for the process's exit.
+
+    At most ``CONCURRENT_SAVES + 1`` units are staged at once (those being written and the next one):
+    for a 0.5B PPO job that is its two training units, 2 x 6 GB = 12 GB of page-locked host memory (the
+    other model-stages are written from their own host memory or are counters only; see
+    :meth:`~nereus_lightning.lightning.emu_state.EMUStates.save`).
+
+    A failed save raises on every rank (DCP gathers every rank's failure), so every rank's writer stops at
+    the same save; the other writer finishes its share (every rank does the same), memory staged for the
+    saves not written is freed, and the first writer's failure is raised. A failure on one rank only
+    (staging, ``params_from_masters.json``) leaves the other ranks waiting in DCP until the collective
+    timeout, as it did before saves ran concurrently.
 
     A training unit's low-precision parameters are written as their masters only (see
     :func:`params_from_masters`); the caller makes sure each still is its master rounded
     (:func:`params_off_master`, as :meth:`~nereus_lightning.lightning.NereusStrategy.save_checkpoint` does).
     """
     states = [_unit_state(next(iter(_local_emus(stage)), None), weights) for stage, _, weights in saves]
-    with ThreadPoolExecutor(1, thread_name_prefix="nereus-staging") as pool:
-        staged = [pool.submit(_on_host, state) for state in states]
-        for (stage, path, weights), ready in zip(saves, staged, strict=True):
-            state, block = ready.result()
-            try:
-                if weights:
-                    _write_params_from_masters(stage, path)
-                save_tensors(state, path)
-            finally:
-                if block is not None:
-                    block.release()
+    writers = max(1, min(CONCURRENT_SAVES, len(saves)))
+    groups = _write_groups()[:writers]  # created here, on every rank in the same order, before any thread
+    room = threading.Semaphore(writers + 1)  # staged units alive at once
+    freeing = ThreadPoolExecutor(1, thread_name_prefix="nereus-unmap")
+    try:
+        with (
+            ThreadPoolExecutor(1, thread_name_prefix="nereus-staging") as staging,
+            ThreadPoolExecutor(writers, thread_name_prefix="nereus-save") as writing,
+        ):
+            ready = [staging.submit(_stage, state, room) for state in states]
+            jobs = [(*save, staged) for save, staged in zip(saves, ready, strict=True)]
+            written = [
+                writing.submit(_write_share, jobs[writer::writers], group, freeing)
+                for writer, group in enumerate(groups)
+            ]
+            failures = [future.exception() for future in written]  # waits for every writer
+    finally:
+        freeing.shutdown(wait=True)  # every staged unit unmapped (the writers handed each over)
+    failure = next((f for f in failures if f is not None), None)
+    if failure is not None:
+        raise failure
+
+
+class _Staged:
+    """One unit's state as it is written, and the page-locked host memory it was staged into (None: written
+    from where it is).
+
+    Its future and its writer hold it until they finish; :meth:`free` takes the state and the memory out
+    of it, so that the freeing thread drops their last references.
+    """
+
+    def __init__(self, state: dict[str, Any], block: HostBlock | None, room: threading.Semaphore) -> None:
+        self.state, self.block, self._room = state, block, room
+
+    def free(self) -> None:
+        """Unregister the staged memory (after the copies that filled it), unmap it, give its room back.
+
+        Called once the write has returned (DCP keeps no reference to the state), so the mapping is unmapped
+        here, on the calling thread, when the references below go.
+        """
+        state, block = self.state, self.block
+        self.state, self.block = {}, None
+        try:
+            if block is not None:
+                block.release()
+            del state, block  # the last references: the mapping is unmapped now
+        finally:
+            self._room.release()
+
+
+def _stage(state: dict[str, Any], room: threading.Semaphore) -> _Staged:
+    """``state`` staged in host memory (:func:`_on_host`) once fewer than the bound are staged."""
+    room.acquire()
+    try:
+        return _Staged(*_on_host(state), room)
+    except BaseException:
+        room.release()
+        raise
+
+
+def _write_share(
+    share: Sequence[tuple[str, str | os.PathLike, bool, Future[_Staged]]],
+    group: dist.ProcessGroup | None,
+    freeing: ThreadPoolExecutor,
+) -> None:
+    """Write each ``(model_stage, path, weights, staged)`` of one writer's share in order, over ``group``.
+
+    Each unit's staged memory goes to ``freeing`` as soon as its write ends. After a failure nothing more
+    is written (the failure was raised on every rank), but the rest of the share still leaves the staging
+    thread: units not staged yet are cancelled, staged ones freed, so that staging never waits for room
+    that would not come back. The failure is raised at the end.
+    """
+    failure: BaseException | None = None
+    for model_stage, path, weights, ready in share:
+        if failure is not None:
+            if not ready.cancel():  # being staged or staged: free it
+                with suppress(Exception):
+                    freeing.submit(ready.result().free)
+            continue
+        try:
+            staged = ready.result()
+        except BaseException as exc:  # staging failed
+            failure = exc
+            continue
+        try:
+            if weights:
+                _write_params_from_masters(model_stage, path)
+            save_tensors(staged.state, path, process_group=group)
+        except BaseException as exc:
+            failure = exc
+        finally:
+            freeing.submit(staged.free)
+    if failure is not None:
+        raise failure
+
+
+def _write_groups() -> list[dist.ProcessGroup | None]:
+    """One process group over every rank per concurrent save (:data:`CONCURRENT_SAVES`); Nones without
+    torch.distributed.
+
+    Created on the first save on every rank in the same order (each a world-collective ``new_group``),
+    and kept for the default group's lifetime. gloo, as DCP recommends for its coordination: it moves
+    pickled plans and results, no tensors, so it needs no GPU (the staged tensors are on the host anyway).
+    """
+    global _WRITE_GROUPS
+    if not dist.is_initialized():
+        return [None] * CONCURRENT_SAVES
+    world = dist.group.WORLD
+    if _WRITE_GROUPS is None or _WRITE_GROUPS[0] is not world:
+        timeout = collective_timeout()
+        _WRITE_GROUPS = (
+            world,
+            [dist.new_group(backend="gloo", timeout=timeout) for _ in range(CONCURRENT_SAVES)],
+        )
+    return list(_WRITE_GROUPS[1])
 
 
 def _unit_state(emu: EMU | None, weights: bool) -> dict[str, Any]:
@@ -236,14 +370,16 @@ def _with_local(tensor: Tensor, local: Tensor) -> Tensor:
     )
 
 
-def save_tensors(state: dict[str, Any], path: str | os.PathLike) -> None:
-    """``dcp.save`` of ``state`` into the directory ``path`` (collective); a failure raises a
-    :class:`CheckpointError`.
+def save_tensors(
+    state: dict[str, Any], path: str | os.PathLike, process_group: dist.ProcessGroup | None = None
+) -> None:
+    """``dcp.save`` of ``state`` into the directory ``path``, collective over ``process_group`` (None: the
+    default group); a failure raises a :class:`CheckpointError`.
     """
     tensors = sum(isinstance(v, Tensor) for v in state.values())
     writer = FileSystemWriter(os.fspath(path), thread_count=max(1, min(WRITE_THREADS, tensors)))
     with _named_failures(path):
-        dcp.save(state, storage_writer=writer)
+        dcp.save(state, storage_writer=writer, process_group=process_group)
 
 
 def load_state(emu: EMU | None, path: str | os.PathLike, weights: bool = True) -> None:
@@ -440,7 +576,7 @@ class SafeReader(FileSystemReader):
         storage_meta.load_id = self.load_id
         return metadata
 
-    def read_data(self, plan: Any, planner: Any) -> Future[None]:
+    def read_data(self, plan: Any, planner: Any) -> TorchFuture[None]:
         """DCP's read, one data file at a time, so that an error names the file it came from."""
         for name, items in _by_file(plan.items, self.storage_data).items():
             try:
@@ -449,7 +585,7 @@ class SafeReader(FileSystemReader):
                 raise CheckpointError(
                     f"{Path(self.path) / name}: damaged ({type(exc).__name__}: {exc})"
                 ) from exc
-        done: Future[None] = Future()
+        done: TorchFuture[None] = TorchFuture()
         done.set_result(None)
         return done
 

@@ -51,8 +51,8 @@ def _carve(mapping: mmap.mmap, offset: int, like: Tensor) -> Tensor:
     return flat.view(like.shape)
 
 
-def _unregister(address: int) -> None:
-    torch.cuda.synchronize()  # no copy may still read or write the memory
+def _unregister(address: int, device: torch.device) -> None:
+    torch.cuda.synchronize(device)  # no copy may still read or write the memory
     torch.cuda.cudart().cudaHostUnregister(address)
 
 
@@ -72,8 +72,12 @@ class HostBlock:
         self.tensors = [_carve(self._mapping, o, t) for o, t in zip(offsets, like, strict=True)]
         self.pinned = pin and self._register()
         if self.pinned:
+            # The copies into and out of the block run on the GPU of ``like``; releasing waits for that GPU's,
+            # from whichever thread releases it (a fresh thread's current device is GPU 0).
+            on_gpu = [t.device for t in like if t.is_cuda]
+            device = on_gpu[0] if on_gpu else torch.device("cuda", torch.cuda.current_device())
             # Unregistered before the memory is unmapped: the block holds the mapping, so it dies first.
-            self._release = weakref.finalize(self, _unregister, self._memory.data_ptr())
+            self._release = weakref.finalize(self, _unregister, self._memory.data_ptr(), device)
             self._release.atexit = False  # at exit the kernel takes the pages back without it
 
     def _register(self) -> bool:
@@ -95,6 +99,8 @@ class HostBlock:
         )
 
     def release(self) -> None:
-        """Unregister the memory now (it is freed once no tensor views it)."""
+        """Unregister the memory now, once the copies on its GPU have finished (from any thread; the memory
+        is unmapped once neither the block nor any of its tensors is referenced).
+        """
         if self.pinned:
             self._release()

@@ -568,8 +568,9 @@ class EMUStates:
         weights_from = {n: train for n, train in self._sources().items() if n in everywhere}
         prepare_member_groups(_tp_rank_sets(self.plan))
         # Each unit from where it is: an idle one from its pinned host memory, a resident one staged
-        # in page-locked host memory first. Training units (resident) go last, so that they are
-        # staged while the others are written (emu.checkpoint.save_states).
+        # in page-locked host memory first. Training units (resident) go last: they are staged while
+        # the others are written, and being consecutive they go to different writers, so that PPO's
+        # two are written at once (emu.checkpoint.save_states).
         order = sorted(self.plan, key=lambda n: self.stages[n].trains)
         save_states([(n, os.path.join(path, n), n not in weights_from) for n in order])
         if not dist.is_initialized() or dist.get_rank() == 0:
