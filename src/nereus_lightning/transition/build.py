@@ -35,7 +35,6 @@ import heapq
 from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import replace
 from functools import lru_cache
-from itertools import chain
 
 import numpy as np
 
@@ -47,12 +46,10 @@ from nereus_lightning.spec.model import ModelSpec
 from nereus_lightning.spec.workload import Workload
 from nereus_lightning.transition.dag import (
     Effects,
-    Memory,
     Node,
     Primitive,
     TransitionContext,
     TransitionDAG,
-    Units,
     acquired_gpus,
     memory_growth,
     released_gpus,
@@ -474,7 +471,7 @@ def _numbered_in_order(
     nodes: Sequence[LocalNode], order: list[int], resource: Mapping[int, list[int]]
 ) -> tuple[Node, ...]:
     """The DAG's nodes: ``nodes`` in ``order``, numbered by position, deps (local and resource)
-    mapped; alike calls of one model-stage that wait for exactly the same nodes become one.
+    mapped; nodes of one step of a model-stage that wait for exactly the same nodes become one.
 
     Such a batched node stands where the first of them did: it waits for what each of them did,
     and whatever waited for one of them now waits for all (a subset of the executions the nodes
@@ -488,34 +485,17 @@ def _numbered_in_order(
         n = nodes[i]
         local = tuple(sorted({group_of[d] for d in n.deps}))
         extra = tuple(sorted({group_of[d] for d in resource.get(i, ())}.difference(local)))
-        key = (_shape(n), local, extra)
-        at = alike.setdefault(key, len(groups))
+        at = alike.setdefault((n.model_stage, id(n.lanes), local, extra), len(groups))
         if at == len(groups):
             groups.append([])
             waits.append((local, extra))
         groups[at].append(i)
         group_of[i] = at
-    return tuple(_joined(at, [nodes[i] for i in carried], *waits[at]) for at, carried in enumerate(groups))
-
-
-def _shape(n: LocalNode) -> Hashable:
-    """What makes calls alike: model-stage, primitive, layouts, memory per byte and per-lane sizes."""
-    w = len(n.lane_args)
-    sizes = (len(n.sources.gpus) // w, len(n.targets.gpus) // w, len(n.mem.gpus) // w)
-    return (n.model_stage, n.op, n.make_transfers, n.sources.layout, n.targets.layout, n.mem.net, sizes)
-
-
-def _joined(at: int, carried: list[LocalNode], local: tuple[int, ...], extra: tuple[int, ...]) -> Node:
-    """Node ``at`` carrying the lanes of ``carried`` (alike), after ``local`` and ``extra`` deps."""
-    first = carried[0]
-    if len(carried) == 1:
-        sources, targets, mem, lane_args = first.sources, first.targets, first.mem, first.lane_args
-    else:
-        sources = Units(first.sources.layout, chain.from_iterable(n.sources.gpus for n in carried))
-        targets = Units(first.targets.layout, chain.from_iterable(n.targets.gpus for n in carried))
-        mem = Memory.joined([n.mem for n in carried])
-        lane_args = tuple(chain.from_iterable(n.lane_args for n in carried))
-    deps = tuple(sorted(local + extra))
-    return Node(
-        at, first.op, first.model_stage, sources, targets, deps, mem, extra, first.make_transfers, lane_args
-    )
+    out = []
+    for at, carried in enumerate(groups):
+        local, extra = waits[at]
+        first = nodes[carried[0]]
+        lanes = tuple(sorted(k for i in carried for k in nodes[i].ks))  # the step's lanes, in their order
+        joined = first if len(carried) == 1 else first._replace(ks=lanes)
+        out.append(joined.node(at, tuple(sorted(local + extra)), extra))
+    return tuple(out)
