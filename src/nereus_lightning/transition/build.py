@@ -298,6 +298,7 @@ class _PeerWaits:
         self.still: dict[str, dict[str, set[int]]] = {}  # waiter -> peer -> contested GPUs it holds
         self.gone: dict[str, dict[int, int]] = {}  # waiter -> contested GPU -> its releases (mask)
         self.watchers: dict[str, list[str]] = {}  # peer -> the model-stages waiting for its GPUs
+        self.onto: dict[int, tuple[int, ...]] = {}  # per Extend asked about: the GPUs it acquires
         for name, others in held.items():
             contested = others.intersection(ctx.target[name].gpus)
             self.still[name], self.gone[name] = {}, {}
@@ -307,12 +308,19 @@ class _PeerWaits:
                     self.watchers.setdefault(other, []).append(name)
                     self.still[name][other] = theirs
 
-    def blocked(self, n: LocalNode) -> str | None:
-        """Why Extend ``n`` must wait (a peer still holds one of its GPUs), or None."""
+    def _onto(self, i: int, n: LocalNode) -> tuple[int, ...]:
+        """The GPUs Extend ``n`` (node ``i``) acquires (found once: a blocked node is asked again)."""
+        gpus = self.onto.get(i)
+        if gpus is None:
+            gpus = self.onto[i] = acquired_gpus(n.op, n.targets)
+        return gpus
+
+    def blocked(self, i: int, n: LocalNode) -> str | None:
+        """Why Extend ``n`` (node ``i``) must wait (a peer still holds one of its GPUs), or None."""
         still = self.still.get(n.model_stage) if n.op is Primitive.EXTEND else None
         if not still:
             return None
-        gpus = acquired_gpus(n.op, n.targets)
+        gpus = self._onto(i, n)
         for other in self.ctx.peers[n.model_stage]:  # the first peer (plan order) holding one
             theirs = still.get(other)
             if theirs and not theirs.isdisjoint(gpus):
@@ -320,12 +328,12 @@ class _PeerWaits:
                 return f"GPU {g} is still held by {other} (same {self.ctx.stages[other].stage} stage)"
         return None
 
-    def relied_on(self, n: LocalNode) -> int:
-        """The releases (mask) of the contested GPUs Extend ``n`` acquires."""
+    def relied_on(self, i: int, n: LocalNode) -> int:
+        """The releases (mask) of the contested GPUs Extend ``n`` (node ``i``) acquires."""
         gone = self.gone.get(n.model_stage) if n.op is Primitive.EXTEND else None
         mask = 0
         if gone:
-            for g in gone.keys() & acquired_gpus(n.op, n.targets):
+            for g in gone.keys() & self._onto(i, n):
                 mask |= gone[g]
         return mask
 
@@ -410,11 +418,11 @@ def _order_with_resource_edges(
         while heap:
             i = heapq.heappop(heap) % size
             n = nodes[i]
-            why = peers.blocked(n) or (memory.blocked(n) if careful[i] else None)
+            why = peers.blocked(i, n) or (memory.blocked(n) if careful[i] else None)
             if why:
                 stuck.append((i, why))
                 continue
-            relied = peers.relied_on(n)
+            relied = peers.relied_on(i, n)
             if n.op is Primitive.DESTROY or n.op is Primitive.SPLIT:
                 peers.release(n, i)
             if careful[i]:
