@@ -9,7 +9,8 @@ Regenerated 2026-12-04 (93 of 467 DAGs changed, the rest and every baseline and 
 message identical): a model-stage that a same-stage peer can make wait was one node per replica;
 now the lanes of a step that no peer can make wait share one node (as a model-stage's do when
 none can), and after the ordered replay alike calls of one model-stage that wait for exactly the
-same nodes are joined into one (a subset of the executions the separate nodes allowed). Every
+same nodes are joined into one (a subset of the executions the separate nodes allowed); then
+(15 more changed) only nodes of one step are joined, their lanes in the step's order. Every
 changed DAG passes the validator (``compute`` asserts it); the local DAGs' lanes are unchanged.
 """
 

@@ -35,7 +35,6 @@ import heapq
 from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import replace
 from functools import lru_cache
-from itertools import chain
 
 import numpy as np
 
@@ -47,12 +46,10 @@ from nereus_lightning.spec.model import ModelSpec
 from nereus_lightning.spec.workload import Workload
 from nereus_lightning.transition.dag import (
     Effects,
-    Memory,
     Node,
     Primitive,
     TransitionContext,
     TransitionDAG,
-    Units,
     acquired_gpus,
     memory_growth,
     released_gpus,
@@ -301,6 +298,7 @@ class _PeerWaits:
         self.still: dict[str, dict[str, set[int]]] = {}  # waiter -> peer -> contested GPUs it holds
         self.gone: dict[str, dict[int, int]] = {}  # waiter -> contested GPU -> its releases (mask)
         self.watchers: dict[str, list[str]] = {}  # peer -> the model-stages waiting for its GPUs
+        self.onto: dict[int, tuple[int, ...]] = {}  # per Extend asked about: the GPUs it acquires
         for name, others in held.items():
             contested = others.intersection(ctx.target[name].gpus)
             self.still[name], self.gone[name] = {}, {}
@@ -310,12 +308,19 @@ class _PeerWaits:
                     self.watchers.setdefault(other, []).append(name)
                     self.still[name][other] = theirs
 
-    def blocked(self, n: LocalNode) -> str | None:
-        """Why Extend ``n`` must wait (a peer still holds one of its GPUs), or None."""
+    def _onto(self, i: int, n: LocalNode) -> tuple[int, ...]:
+        """The GPUs Extend ``n`` (node ``i``) acquires (found once: a blocked node is asked again)."""
+        gpus = self.onto.get(i)
+        if gpus is None:
+            gpus = self.onto[i] = acquired_gpus(n.op, n.targets)
+        return gpus
+
+    def blocked(self, i: int, n: LocalNode) -> str | None:
+        """Why Extend ``n`` (node ``i``) must wait (a peer still holds one of its GPUs), or None."""
         still = self.still.get(n.model_stage) if n.op is Primitive.EXTEND else None
         if not still:
             return None
-        gpus = acquired_gpus(n.op, n.targets)
+        gpus = self._onto(i, n)
         for other in self.ctx.peers[n.model_stage]:  # the first peer (plan order) holding one
             theirs = still.get(other)
             if theirs and not theirs.isdisjoint(gpus):
@@ -323,12 +328,12 @@ class _PeerWaits:
                 return f"GPU {g} is still held by {other} (same {self.ctx.stages[other].stage} stage)"
         return None
 
-    def relied_on(self, n: LocalNode) -> int:
-        """The releases (mask) of the contested GPUs Extend ``n`` acquires."""
+    def relied_on(self, i: int, n: LocalNode) -> int:
+        """The releases (mask) of the contested GPUs Extend ``n`` (node ``i``) acquires."""
         gone = self.gone.get(n.model_stage) if n.op is Primitive.EXTEND else None
         mask = 0
         if gone:
-            for g in gone.keys() & acquired_gpus(n.op, n.targets):
+            for g in gone.keys() & self._onto(i, n):
                 mask |= gone[g]
         return mask
 
@@ -413,11 +418,11 @@ def _order_with_resource_edges(
         while heap:
             i = heapq.heappop(heap) % size
             n = nodes[i]
-            why = peers.blocked(n) or (memory.blocked(n) if careful[i] else None)
+            why = peers.blocked(i, n) or (memory.blocked(n) if careful[i] else None)
             if why:
                 stuck.append((i, why))
                 continue
-            relied = peers.relied_on(n)
+            relied = peers.relied_on(i, n)
             if n.op is Primitive.DESTROY or n.op is Primitive.SPLIT:
                 peers.release(n, i)
             if careful[i]:
@@ -474,7 +479,7 @@ def _numbered_in_order(
     nodes: Sequence[LocalNode], order: list[int], resource: Mapping[int, list[int]]
 ) -> tuple[Node, ...]:
     """The DAG's nodes: ``nodes`` in ``order``, numbered by position, deps (local and resource)
-    mapped; alike calls of one model-stage that wait for exactly the same nodes become one.
+    mapped; nodes of one step of a model-stage that wait for exactly the same nodes become one.
 
     Such a batched node stands where the first of them did: it waits for what each of them did,
     and whatever waited for one of them now waits for all (a subset of the executions the nodes
@@ -488,34 +493,17 @@ def _numbered_in_order(
         n = nodes[i]
         local = tuple(sorted({group_of[d] for d in n.deps}))
         extra = tuple(sorted({group_of[d] for d in resource.get(i, ())}.difference(local)))
-        key = (_shape(n), local, extra)
-        at = alike.setdefault(key, len(groups))
+        at = alike.setdefault((n.model_stage, id(n.lanes), local, extra), len(groups))
         if at == len(groups):
             groups.append([])
             waits.append((local, extra))
         groups[at].append(i)
         group_of[i] = at
-    return tuple(_joined(at, [nodes[i] for i in carried], *waits[at]) for at, carried in enumerate(groups))
-
-
-def _shape(n: LocalNode) -> Hashable:
-    """What makes calls alike: model-stage, primitive, layouts, memory per byte and per-lane sizes."""
-    w = len(n.lane_args)
-    sizes = (len(n.sources.gpus) // w, len(n.targets.gpus) // w, len(n.mem.gpus) // w)
-    return (n.model_stage, n.op, n.make_transfers, n.sources.layout, n.targets.layout, n.mem.net, sizes)
-
-
-def _joined(at: int, carried: list[LocalNode], local: tuple[int, ...], extra: tuple[int, ...]) -> Node:
-    """Node ``at`` carrying the lanes of ``carried`` (alike), after ``local`` and ``extra`` deps."""
-    first = carried[0]
-    if len(carried) == 1:
-        sources, targets, mem, lane_args = first.sources, first.targets, first.mem, first.lane_args
-    else:
-        sources = Units(first.sources.layout, chain.from_iterable(n.sources.gpus for n in carried))
-        targets = Units(first.targets.layout, chain.from_iterable(n.targets.gpus for n in carried))
-        mem = Memory.joined([n.mem for n in carried])
-        lane_args = tuple(chain.from_iterable(n.lane_args for n in carried))
-    deps = tuple(sorted(local + extra))
-    return Node(
-        at, first.op, first.model_stage, sources, targets, deps, mem, extra, first.make_transfers, lane_args
-    )
+    out = []
+    for at, carried in enumerate(groups):
+        local, extra = waits[at]
+        first = nodes[carried[0]]
+        lanes = tuple(sorted(k for i in carried for k in nodes[i].ks))  # the step's lanes, in their order
+        joined = first if len(carried) == 1 else first._replace(ks=lanes)
+        out.append(joined.node(at, tuple(sorted(local + extra)), extra))
+    return tuple(out)

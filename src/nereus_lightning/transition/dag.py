@@ -78,6 +78,15 @@ class Units(Sequence[Unit]):
         n = len(self.gpus) // width
         return Units(self.layout, self.gpus[k * n : (k + 1) * n])
 
+    def take(self, ks: Sequence[int], width: int) -> Units:
+        """The units of lanes ``ks`` of ``width`` alike lanes (all of them: itself)."""
+        if len(ks) == width:
+            return self
+        n = len(self.gpus) // width
+        if len(ks) == 1:
+            return Units(self.layout, self.gpus[ks[0] * n : (ks[0] + 1) * n])
+        return Units(self.layout, [g for k in ks for g in self.gpus[k * n : (k + 1) * n]])
+
     def all_gpus(self) -> Iterator[int]:
         """Every GPU of every unit, in order."""
         return chain.from_iterable(self.gpus)
@@ -169,8 +178,12 @@ class Memory(Sequence[MemEffect]):
         return made
 
     def take(self, ks: Sequence[int], width: int) -> Memory:
-        """The effects of lanes ``ks`` of ``width`` alike lanes."""
+        """The effects of lanes ``ks`` of ``width`` alike lanes (all of them: itself)."""
+        if len(ks) == width:
+            return self
         n = len(self.gpus) // width
+        if len(ks) == 1:
+            return self._part(slice(ks[0] * n, (ks[0] + 1) * n))
         at = (np.asarray(ks)[:, None] * n + np.arange(n)).ravel()
         return Memory(self.gpus[at], self.net, self.transient[at])  # copies: made read-only
 

@@ -13,12 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
 from enum import IntEnum
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 from nereus_lightning.transition.dag import Memory, Node, Primitive, Units
 from nereus_lightning.transition.pieces import Transfer
-
-_T = TypeVar("_T")
 
 
 class Step(IntEnum):
@@ -64,49 +62,70 @@ class StepLanes(NamedTuple):
         n = len(self.ids)
         if len(ks) == n:
             return self
-        if len(ks) == 1:
-            (k,) = ks
-            return self._replace(
-                ids=self.ids[k : k + 1],
-                sources=self.sources.lane(k, n),
-                targets=self.targets.lane(k, n),
-                deps=self.deps[k : k + 1],
-                mem=self.mem.lane(k, n),
-                lane_args=self.lane_args[k : k + 1],
-            )
         return self._replace(
             ids=[self.ids[k] for k in ks],
-            sources=Units(self.sources.layout, _pick(self.sources.gpus, ks, n)),
-            targets=Units(self.targets.layout, _pick(self.targets.gpus, ks, n)),
+            sources=self.sources.take(ks, n),
+            targets=self.targets.take(ks, n),
             deps=[self.deps[k] for k in ks],
             mem=self.mem.take(ks, n),
             lane_args=tuple(self.lane_args[k] for k in ks),
         )
 
 
-def _pick(column: tuple[_T, ...], ks: Sequence[int], width: int) -> list[_T]:
-    """The entries of lanes ``ks`` of a column of ``width`` alike lanes."""
-    each = len(column) // width
-    return [v for k in ks for v in column[k * each : (k + 1) * each]]
-
-
 class LocalNode(NamedTuple):
-    """A node of one model-stage's local DAG before it has an id (fields as :class:`Node`'s;
-    ``deps`` are indices of earlier local nodes)."""
+    """A node of one model-stage's local DAG before it has an id: lanes ``ks`` (positions in
+    ``lanes.ids``) of one step; ``deps`` are indices of earlier local nodes. Its units, memory
+    effects and transfer arguments are the step's, taken when read (:meth:`part`)."""
 
-    op: Primitive
     model_stage: str
-    sources: Units
-    targets: Units
+    lanes: StepLanes
+    ks: tuple[int, ...]
     deps: tuple[int, ...]
-    mem: Memory
-    make_transfers: Callable[..., Sequence[Transfer]]
-    lane_args: tuple[tuple[Any, ...], ...]
+
+    @property
+    def op(self) -> Primitive:
+        """The primitive its lanes call."""
+        return self.lanes.op
 
     @property
     def width(self) -> int:
         """How many lanes this node carries."""
-        return len(self.lane_args)
+        return len(self.ks)
+
+    def part(self) -> StepLanes:
+        """Its lanes (the step's columns for them)."""
+        return self.lanes.take(self.ks)
+
+    @property
+    def sources(self) -> Units:
+        """The units its lanes read."""
+        return self.lanes.sources.take(self.ks, len(self.lanes.ids))
+
+    @property
+    def targets(self) -> Units:
+        """The units its lanes make."""
+        return self.lanes.targets.take(self.ks, len(self.lanes.ids))
+
+    @property
+    def mem(self) -> Memory:
+        """Its lanes' memory effects."""
+        return self.lanes.mem.take(self.ks, len(self.lanes.ids))
+
+    def node(self, id: int, deps: tuple[int, ...], resource_deps: tuple[int, ...] = ()) -> Node:
+        """This node numbered ``id``, after ``deps`` (of which ``resource_deps`` the global order added)."""
+        part = self.part()
+        return Node(
+            id,
+            self.lanes.op,
+            self.model_stage,
+            part.sources,
+            part.targets,
+            deps,
+            part.mem,
+            resource_deps,
+            self.lanes.make_transfers,
+            part.lane_args,
+        )
 
 
 def waiting_lanes(steps: Sequence[StepLanes], contested: set[int]) -> set[int]:
@@ -136,47 +155,25 @@ def group(name: str, steps: Sequence[StepLanes], single: Collection[int], first:
     node_of: dict[int, int] = {}
     out: list[LocalNode] = []
     for x in steps:
-        shared = [k for k, lane in enumerate(x.ids) if lane not in single]
+        shared = tuple(k for k, lane in enumerate(x.ids) if lane not in single)
         if shared:
-            part = x.take(shared)
-            node_of.update(dict.fromkeys(part.ids, first + len(out)))
-            deps = tuple(sorted({node_of[d] for lane_deps in part.deps for d in lane_deps}))
-            out.append(
-                LocalNode(
-                    x.op, name, part.sources, part.targets, deps, part.mem, x.make_transfers, part.lane_args
-                )
-            )
-        n = len(x.ids)
+            node_of.update(dict.fromkeys((x.ids[k] for k in shared), first + len(out)))
+            deps = tuple(sorted({node_of[d] for k in shared for d in x.deps[k]}))
+            out.append(LocalNode(name, x, shared, deps))
         for k, lane in enumerate(x.ids):
             if lane in single:
                 node_of[lane] = first + len(out)
-                deps = tuple(sorted({node_of[d] for d in x.deps[k]}))
-                out.append(_lane_node(name, x, k, n, deps))
+                out.append(LocalNode(name, x, (k,), tuple(sorted({node_of[d] for d in x.deps[k]}))))
     return out
-
-
-def _lane_node(name: str, x: StepLanes, k: int, n: int, deps: tuple[int, ...]) -> LocalNode:
-    """Lane ``k`` of the ``n`` of step ``x`` as a node of its own, after ``deps``."""
-    return LocalNode(
-        x.op,
-        name,
-        x.sources.lane(k, n),
-        x.targets.lane(k, n),
-        deps,
-        x.mem.lane(k, n),
-        x.make_transfers,
-        x.lane_args[k : k + 1],
-    )
 
 
 def _one_per_lane(name: str, steps: Sequence[StepLanes], first: int) -> list[LocalNode]:
     """A node per lane, in lane order (the lanes numbered 0, 1, ... without gaps)."""
     out: list[LocalNode | None] = [None] * sum(len(x.ids) for x in steps)
     for x in steps:
-        n = len(x.ids)
         for k, lane in enumerate(x.ids):
             deps = tuple(first + d for d in x.deps[k]) if first else x.deps[k]
-            out[lane] = _lane_node(name, x, k, n, deps)
+            out[lane] = LocalNode(name, x, (k,), deps)
     assert None not in out, "lane numbers must be 0, 1, ... without gaps"
     return out  # type: ignore[return-value]
 
@@ -184,18 +181,4 @@ def _one_per_lane(name: str, steps: Sequence[StepLanes], first: int) -> list[Loc
 def numbered(nodes: Sequence[LocalNode], first_id: int = 0) -> list[Node]:
     """``nodes`` as DAG nodes with ids from ``first_id`` (their deps counted so already, see
     :func:`group`; no resource deps)."""
-    return [
-        Node(
-            first_id + i,
-            n.op,
-            n.model_stage,
-            n.sources,
-            n.targets,
-            n.deps,
-            n.mem,
-            (),
-            n.make_transfers,
-            n.lane_args,
-        )
-        for i, n in enumerate(nodes)
-    ]
+    return [n.node(first_id + i, n.deps) for i, n in enumerate(nodes)]

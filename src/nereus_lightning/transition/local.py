@@ -94,7 +94,11 @@ def local_lanes(
     tiling = tile_current_units(a, s, current, strided)
     slots = choose_target_slots(b, s, tgt_units, strided, tiling.where, set(current.gpus))
     reuse = decide_reuse(slots.flat, tiling)
-    candidates = [t for i in reuse.split_units for t in tiling.subs(i)] if reuse.missing else []
+    candidates: list[Gpus] = []  # T_sub units an Extend may copy: those of the split units
+    if reuse.missing:
+        every = len(reuse.split_units) * tiling.k == len(tiling.pieces)
+        split = chain.from_iterable(map(tiling.subs, reuse.split_units))
+        candidates = tiling.pieces if every else list(split)
     extends = plan_extends(candidates, reuse.reused, reuse.missing, cluster.gpus_per_node)
     kept = reuse.reused.union(filter(tiling.where.__contains__, extends.sources))
     # A unit with a reused piece is split; a spare one only if an Extend reads one of its pieces.
@@ -103,7 +107,7 @@ def local_lanes(
         splitting = [i for i in reuse.split_units if not kept.isdisjoint(tiling.subs(i))]
     mem = _UnitMemory(memory_of(a), memory_of(s), memory_of(b))
     made_by: dict[Gpus, int] = {}  # T_sub unit or slot -> the lane that made it
-    steps = _splits(0, made_by, geo, a, s, [(cur_units[i], i) for i in splitting], tiling, kept, mem)
+    steps = _splits(0, made_by, geo, a, s, cur_units, splitting, tiling, kept, mem)
     unused = [cur_units[i] for i in sorted(set(range(len(cur_units))).difference(splitting))]
     # Current units that neither stay nor feed anything go first (release before acquire).
     steps.append(_destroys(_lanes_after(steps, len(unused)), Step.DROP_UNITS, a, unused, None, mem.a))
@@ -346,7 +350,10 @@ def plan_extends(
         pools[t[0] // gpus_per_node].append(k)
     remote = _RemoteSources(candidates, fresh, gpus_per_node)
     tail: dict[int, int] = {}  # per node without candidates: its newest slot (the next source there)
-    out = PlannedExtends([], [], [])
+    sources: list[Gpus] = []
+    made_by: list[int | None] = []
+    steps: list[int] = []
+    first = int(Step.FIRST_EXTEND)
     for j, slot in enumerate(missing):
         node = slot[0] // gpus_per_node
         si = tail.get(node)
@@ -362,15 +369,15 @@ def plan_extends(
                 tail[node] = n_cand + j
             load[si] += 1
         if si < n_cand:
-            out.sources.append(candidates[si])
-            out.made_by.append(None)
-            out.steps.append(Step.FIRST_EXTEND)
+            sources.append(candidates[si])
+            made_by.append(None)
+            steps.append(first)
         else:
             made = si - n_cand
-            out.sources.append(missing[made])
-            out.made_by.append(made)
-            out.steps.append(out.steps[made] + 1)
-    return out
+            sources.append(missing[made])
+            made_by.append(made)
+            steps.append(steps[made] + 1)
+    return PlannedExtends(sources, made_by, steps)
 
 
 class _RemoteSources:
@@ -412,28 +419,30 @@ def _splits(
     geo: Geometry,
     a: Layout,
     s: Layout,
-    units: list[tuple[Gpus, int]],
+    cur_units: list[Gpus],
+    splitting: list[int],
     tiling: Tiling,
     kept: set[Gpus],
     mem: _UnitMemory,
 ) -> list[StepLanes]:
-    """Step SPLIT: each of ``units`` (GPUs, index) into its T_sub units (a full split keeps every
-    GPU), each followed by the Destroys (step DROP_PIECES) of its T_sub units nothing uses."""
-    if a == s or not units:
+    """Step SPLIT: each current unit in ``splitting`` (indices) into its T_sub units (a full split
+    keeps every GPU), each followed by the Destroys (step DROP_PIECES) of its T_sub units nothing
+    uses."""
+    if a == s or not splitting:
         return []
-    k, whole = tiling.k, [u for u, _ in units]
-    if len(units) * k == len(tiling.pieces):  # every current unit
+    k, whole = tiling.k, [cur_units[i] for i in splitting]
+    if len(splitting) * k == len(tiling.pieces):  # every current unit
         pieces = tiling.pieces
     else:
-        pieces = list(chain.from_iterable(map(tiling.subs, (i for _, i in units))))  # k per unit
-    tiles = [tiling.tiles_of(i) for _, i in units] if tiling.tiles else [tiling.by_position] * len(units)
+        pieces = list(chain.from_iterable(map(tiling.subs, splitting)))  # k per unit
+    tiles = [tiling.tiles_of(i) for i in splitting] if tiling.tiles else [tiling.by_position] * len(whole)
     patterns = {t: split_pattern(geo, a, s, t) for t in set(tiles)}  # units mostly split alike
     # Lane numbers: each Split, then the Destroys of its pieces nothing uses (usually none).
     drops: list[tuple[int, int, Gpus]] = []
     if kept.issuperset(pieces):
-        split_ids = list(range(first, first + len(units)))
+        split_ids = list(range(first, first + len(whole)))
     else:
-        unused = [[t for t in tiling.subs(i) if t not in kept] for _, i in units]
+        unused = [[t for t in tiling.subs(i) if t not in kept] for i in splitting]
         split_ids = list(accumulate((1 + len(ts) for ts in unused[:-1]), initial=first))
         drops = [
             (split, split + 1 + x, t)
@@ -444,7 +453,7 @@ def _splits(
     if len(patterns) == 1:  # every unit split alike
         ((pattern, buf),) = patterns.values()
         args = tuple(zip(whole, repeat(pattern)))
-        buffers = np.tile(np.asarray(buf, dtype=np.float64), len(units))
+        buffers = np.tile(np.asarray(buf, dtype=np.float64), len(whole))
     else:
         args = tuple(zip(whole, (patterns[t][0] for t in tiles), strict=True))
         buffers = np.fromiter(chain.from_iterable(patterns[t][1] for t in tiles), dtype=np.float64)
@@ -454,7 +463,7 @@ def _splits(
         split_ids,
         Units(a, whole),
         Units(s, pieces),
-        [()] * len(units),
+        [()] * len(whole),
         Memory(chain.from_iterable(whole), mem.s - mem.a, buffers),
         placed,
         args,
