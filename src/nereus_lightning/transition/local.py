@@ -96,15 +96,13 @@ def local_lanes(
     reuse = decide_reuse(slots.flat, tiling)
     candidates: list[Gpus] = []  # T_sub units an Extend may copy: those of the split units
     if reuse.missing:
-        every = len(reuse.split_units) * tiling.k == len(tiling.pieces)
-        split = chain.from_iterable(map(tiling.subs, reuse.split_units))
-        candidates = tiling.pieces if every else list(split)
+        candidates = tiling.pieces.of_units(reuse.split_units)
     extends = plan_extends(candidates, reuse.reused, reuse.missing, cluster.gpus_per_node)
     kept = reuse.reused.union(filter(tiling.where.__contains__, extends.sources))
     # A unit with a reused piece is split; a spare one only if an Extend reads one of its pieces.
     splitting = reuse.split_units
     if not reuse.reused:
-        splitting = [i for i in reuse.split_units if not kept.isdisjoint(tiling.subs(i))]
+        splitting = [i for i in reuse.split_units if not kept.isdisjoint(tiling.pieces.row(i))]
     mem = _UnitMemory(memory_of(a), memory_of(s), memory_of(b))
     made_by: dict[Gpus, int] = {}  # T_sub unit or slot -> the lane that made it
     steps = _splits(0, made_by, geo, a, s, cur_units, splitting, tiling, kept, mem)
@@ -146,25 +144,37 @@ class _UnitMemory(NamedTuple):
     b: float
 
 
-class Tiling(NamedTuple):
-    """The ``k`` T_sub units (*pieces*) each current unit would split into, unit-major
-    (``pieces[i * k + j]``: piece ``j`` of unit ``i``), each piece's index there (``where``), and
-    the positions of a unit's pieces in it: ``tiles`` for the units tiled other than by
-    position, ``by_position`` for the rest."""
+class Rows(NamedTuple):
+    """``k`` T_sub units for each of some units, unit-major (``flat[i * k + j]``: the ``j``-th of
+    unit ``i``), and their positions in that unit: ``tiles`` for the units where they are not
+    ``default``."""
 
-    pieces: list[Gpus]
-    where: dict[Gpus, int]
+    flat: list[Gpus]
     tiles: dict[int, Tiles]
-    by_position: Tiles
+    default: Tiles
     k: int
 
-    def subs(self, i: int) -> list[Gpus]:
-        """The pieces of current unit ``i``."""
-        return self.pieces[i * self.k : (i + 1) * self.k]
+    def row(self, i: int) -> list[Gpus]:
+        """The T_sub units of unit ``i``."""
+        return self.flat[i * self.k : (i + 1) * self.k]
 
     def tiles_of(self, i: int) -> Tiles:
-        """The positions of current unit ``i``'s pieces in it."""
-        return self.tiles.get(i, self.by_position)
+        """The positions of unit ``i``'s T_sub units in it."""
+        return self.tiles.get(i, self.default)
+
+    def of_units(self, units: Sequence[int]) -> list[Gpus]:
+        """The T_sub units of ``units`` (indices, ascending), in order."""
+        if len(units) * self.k == len(self.flat):  # all of them
+            return self.flat
+        return list(chain.from_iterable(map(self.row, units)))
+
+
+class Tiling(NamedTuple):
+    """The T_sub units (*pieces*) each current unit would split into, and each piece's index in
+    ``pieces.flat``."""
+
+    pieces: Rows
+    where: dict[Gpus, int]
 
 
 def tile_current_units(a: Layout, s: Layout, current: Candidate, slot_list: Sequence[Gpus]) -> Tiling:
@@ -187,7 +197,7 @@ def tile_current_units(a: Layout, s: Layout, current: Candidate, slot_list: Sequ
                 pieces[i * k : (i + 1) * k] = on_slots
                 tiles[i] = positions_in(u, on_slots)
         where = dict(zip(pieces, range(len(pieces)), strict=True))
-    return Tiling(pieces, where, tiles, by_position, k)
+    return Tiling(Rows(pieces, tiles, by_position, k), where)
 
 
 def positions_in(unit: Gpus, parts: Sequence[Gpus]) -> Tiles:
@@ -200,25 +210,6 @@ def positions(parts: Sequence[Gpus], at: Mapping[int, int]) -> Tiles:
     return tuple(tuple(map(at.__getitem__, t)) for t in parts)
 
 
-class TargetSlots(NamedTuple):
-    """The ``k`` T_sub units each target unit is merged from, unit-major (``flat[i * k + j]``),
-    and their positions in it: ``tiles`` for the units not merged from their strided slots,
-    ``strided`` for the rest."""
-
-    flat: list[Gpus]
-    tiles: dict[int, Tiles]
-    strided: Tiles
-    k: int
-
-    def row(self, i: int) -> list[Gpus]:
-        """The slots of target unit ``i``."""
-        return self.flat[i * self.k : (i + 1) * self.k]
-
-    def tiles_of(self, i: int) -> Tiles:
-        """The positions of target unit ``i``'s slots in it."""
-        return self.tiles.get(i, self.strided)
-
-
 def choose_target_slots(
     b: Layout,
     s: Layout,
@@ -226,7 +217,7 @@ def choose_target_slots(
     strided: list[Gpus],
     where: dict[Gpus, int],
     held: set[int],
-) -> TargetSlots:
+) -> Rows:
     """Phase 2: per target unit, the T_sub units its Merge fuses: its strided slots (``strided``,
     unit-major; the unit itself if it is a T_sub unit) when all exist or the unit holds none of
     this model-stage's GPUs now, else the ones :func:`_slots_of` finds."""
@@ -249,7 +240,7 @@ def choose_target_slots(
         if found is not row:
             flat[i * k : (i + 1) * k] = found
             tiles[i] = positions(found, at)
-    return TargetSlots(flat, tiles, by_position, k)
+    return Rows(flat, tiles, by_position, k)
 
 
 def _slots_of(
@@ -314,11 +305,12 @@ def decide_reuse(slots: list[Gpus], tiling: Tiling) -> Reuse:
     exists = list(map(tiling.where.__contains__, slots))
     reused = set(compress(slots, exists))
     missing = list(compress(slots, map(not_, exists)))
-    on_slot = np.fromiter(map(reused.__contains__, tiling.pieces), dtype=bool, count=len(tiling.pieces))
-    split_units: list[int] = np.flatnonzero(on_slot.reshape(-1, tiling.k).any(axis=1)).tolist()
+    pieces = tiling.pieces
+    on_slot = np.fromiter(map(reused.__contains__, pieces.flat), dtype=bool, count=len(pieces.flat))
+    split_units: list[int] = np.flatnonzero(on_slot.reshape(-1, pieces.k).any(axis=1)).tolist()
     if missing and not split_units:
-        units = len(tiling.pieces) // tiling.k
-        split_units = list(range(min(units, -(-len(missing) // tiling.k))))
+        units = len(pieces.flat) // pieces.k
+        split_units = list(range(min(units, -(-len(missing) // pieces.k))))
     return Reuse(reused, missing, split_units)
 
 
@@ -430,19 +422,16 @@ def _splits(
     uses."""
     if a == s or not splitting:
         return []
-    k, whole = tiling.k, [cur_units[i] for i in splitting]
-    if len(splitting) * k == len(tiling.pieces):  # every current unit
-        pieces = tiling.pieces
-    else:
-        pieces = list(chain.from_iterable(map(tiling.subs, splitting)))  # k per unit
-    tiles = [tiling.tiles_of(i) for i in splitting] if tiling.tiles else [tiling.by_position] * len(whole)
+    rows, whole = tiling.pieces, [cur_units[i] for i in splitting]
+    k, pieces = rows.k, rows.of_units(splitting)  # k per unit
+    tiles = [rows.tiles_of(i) for i in splitting] if rows.tiles else [rows.default] * len(whole)
     patterns = {t: split_pattern(geo, a, s, t) for t in set(tiles)}  # units mostly split alike
     # Lane numbers: each Split, then the Destroys of its pieces nothing uses (usually none).
     drops: list[tuple[int, int, Gpus]] = []
     if kept.issuperset(pieces):
         split_ids = list(range(first, first + len(whole)))
     else:
-        unused = [[t for t in tiling.subs(i) if t not in kept] for i in splitting]
+        unused = [[t for t in rows.row(i) if t not in kept] for i in splitting]
         split_ids = list(accumulate((1 + len(ts) for ts in unused[:-1]), initial=first))
         drops = [
             (split, split + 1 + x, t)
@@ -552,7 +541,7 @@ def _merges(
     s: Layout,
     b: Layout,
     tgt_units: list[Gpus],
-    slots: TargetSlots,
+    slots: Rows,
     made_by: dict[Gpus, int],
     readers: dict[Gpus, list[int]],
     mem: _UnitMemory,
@@ -566,7 +555,7 @@ def _merges(
     every = len(todo) == len(tgt_units)
     units = tgt_units if every else [tgt_units[i] for i in todo]
     rows = [slots.row(i) for i in todo]
-    tiles = [slots.tiles_of(i) for i in todo] if slots.tiles else [slots.strided] * len(todo)
+    tiles = [slots.tiles_of(i) for i in todo] if slots.tiles else [slots.default] * len(todo)
     patterns = {t: merge_pattern(geo, s, b, t) for t in set(tiles)}  # units mostly merge alike
     if made_by or readers:
         deps = [_made_or_read(row, made_by, readers) for row in rows]
