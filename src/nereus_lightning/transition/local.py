@@ -43,6 +43,7 @@ from nereus_lightning.transition.dag import Memory, Node, Primitive, Units, gpu_
 from nereus_lightning.transition.lanes import Step, StepLanes, drop_sources_step, group, merge_step, numbered
 from nereus_lightning.transition.pieces import Geometry, extend_transfers
 from nereus_lightning.transition.tsub import (
+    Pattern,
     all_subs,
     common_layout,
     merge_pattern,
@@ -425,7 +426,6 @@ def _splits(
     rows, whole = tiling.pieces, [cur_units[i] for i in splitting]
     k, pieces = rows.k, rows.of_units(splitting)  # k per unit
     tiles = [rows.tiles_of(i) for i in splitting] if rows.tiles else [rows.default] * len(whole)
-    patterns = {t: split_pattern(geo, a, s, t) for t in set(tiles)}  # units mostly split alike
     # Lane numbers: each Split, then the Destroys of its pieces nothing uses (usually none).
     drops: list[tuple[int, int, Gpus]] = []
     if kept.issuperset(pieces):
@@ -439,13 +439,7 @@ def _splits(
             for x, t in enumerate(ts)
         ]
     made_by.update(zip(pieces, np.repeat(split_ids, k).tolist(), strict=True))
-    if len(patterns) == 1:  # every unit split alike
-        ((pattern, buf),) = patterns.values()
-        args = tuple(zip(whole, repeat(pattern)))
-        buffers = np.tile(np.asarray(buf, dtype=np.float64), len(whole))
-    else:
-        args = tuple(zip(whole, (patterns[t][0] for t in tiles), strict=True))
-        buffers = np.fromiter(chain.from_iterable(patterns[t][1] for t in tiles), dtype=np.float64)
+    args, buffers = _patterned(whole, tiles, lambda t: split_pattern(geo, a, s, t))
     splits = StepLanes(
         Step.SPLIT,
         Primitive.SPLIT,
@@ -468,6 +462,19 @@ def _splits(
             mem.s,
         ),
     ]
+
+
+def _patterned(
+    units: list[Gpus], tiles: list[Tiles], pattern_of: Callable[[Tiles], tuple[Pattern, tuple[int, ...]]]
+) -> tuple[tuple[tuple[Gpus, Pattern], ...], np.ndarray]:
+    """Each Split's or Merge's lane arguments (its unit's GPUs and the pattern of its ``tiles``) and
+    their transfer buffers, in order; units are mostly alike, so each pattern is made once."""
+    patterns = {t: pattern_of(t) for t in set(tiles)}
+    if len(patterns) == 1:  # every unit alike
+        ((pattern, buf),) = patterns.values()
+        return tuple(zip(units, repeat(pattern))), np.tile(np.asarray(buf, dtype=np.float64), len(units))
+    args = tuple(zip(units, (patterns[t][0] for t in tiles), strict=True))
+    return args, np.fromiter(chain.from_iterable(patterns[t][1] for t in tiles), dtype=np.float64)
 
 
 def _destroys(
@@ -556,18 +563,11 @@ def _merges(
     units = tgt_units if every else [tgt_units[i] for i in todo]
     rows = [slots.row(i) for i in todo]
     tiles = [slots.tiles_of(i) for i in todo] if slots.tiles else [slots.default] * len(todo)
-    patterns = {t: merge_pattern(geo, s, b, t) for t in set(tiles)}  # units mostly merge alike
     if made_by or readers:
         deps = [_made_or_read(row, made_by, readers) for row in rows]
     else:  # nothing was made or read before: the Merges wait for nothing
         deps = [()] * len(todo)
-    if len(patterns) == 1:  # every unit merges alike
-        ((pattern, buf),) = patterns.values()
-        args = tuple(zip(units, repeat(pattern)))
-        buffers = np.tile(np.asarray(buf, dtype=np.float64), len(units))
-    else:
-        args = tuple(zip(units, (patterns[t][0] for t in tiles), strict=True))
-        buffers = np.fromiter(chain.from_iterable(patterns[t][1] for t in tiles), dtype=np.float64)
+    args, buffers = _patterned(units, tiles, lambda t: merge_pattern(geo, s, b, t))
     return StepLanes(
         step,
         Primitive.MERGE,
