@@ -187,12 +187,6 @@ class Memory(Sequence[MemEffect]):
         at = (np.asarray(ks)[:, None] * n + np.arange(n)).ravel()
         return Memory(self.gpus[at], self.net, self.transient[at])  # copies: made read-only
 
-    @staticmethod
-    def joined(parts: Sequence[Memory]) -> Memory:
-        """The effects of ``parts`` (with one ``net``) one after another."""
-        gpus = _frozen(np.concatenate([m.gpus for m in parts]))
-        return Memory._of(gpus, parts[0].net, _frozen(np.concatenate([m.transient for m in parts])))
-
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Memory):
             return NotImplemented
