@@ -346,7 +346,7 @@ class Node(NamedTuple):
 
 
 class HasMemory(Protocol):
-    """Anything with memory effects (a node, or a local node before it has an id)."""
+    """Anything with memory effects (a node, a local node, a step's lanes)."""
 
     @property
     def mem(self) -> Memory: ...
