@@ -232,13 +232,9 @@ def _union(lanes: Mapping[str, list[StepLanes]], single: Mapping[str, Collection
     return out
 
 
-def _held_by_peers(ctx: TransitionContext, now: Mapping[str, set[int]] | None = None) -> dict[str, set[int]]:
-    """The GPUs peers hold now, for each model-stage whose target holds one of them.
-
-    ``now``: per model-stage with peers, the GPUs they hold now, if known (``_peer_gpus``).
-    """
-    if now is None:
-        now = _peer_gpus(ctx)
+def _held_by_peers(ctx: TransitionContext, now: Mapping[str, set[int]]) -> dict[str, set[int]]:
+    """The GPUs peers hold now (``now``: per model-stage with peers, ``_peer_gpus``), for each
+    model-stage whose target holds one of them."""
     return {name: held for name, held in now.items() if not held.isdisjoint(ctx.target[name].gpus)}
 
 

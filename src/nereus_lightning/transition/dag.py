@@ -75,8 +75,7 @@ class Units(Sequence[Unit]):
 
     def lane(self, k: int, width: int) -> Units:
         """The units of lane ``k`` of ``width`` alike lanes."""
-        n = len(self.gpus) // width
-        return Units(self.layout, self.gpus[k * n : (k + 1) * n])
+        return self.take((k,), width)
 
     def take(self, ks: Sequence[int], width: int) -> Units:
         """The units of lanes ``ks`` of ``width`` alike lanes (all of them: itself)."""
@@ -161,29 +160,19 @@ class Memory(Sequence[MemEffect]):
 
     def lane(self, k: int, width: int) -> Memory:
         """The effects of lane ``k`` of ``width`` alike lanes."""
-        n = len(self.gpus) // width
-        return self._part(slice(k * n, (k + 1) * n))
-
-    def _part(self, index: slice | np.ndarray) -> Memory:
-        """The effects at ``index`` (views of read-only arrays stay read-only: no checks needed)."""
-        return Memory._of(self.gpus[index], self.net, self.transient[index])
-
-    @staticmethod
-    def _of(gpus: np.ndarray, net: float, transient: np.ndarray) -> Memory:
-        """Effects from columns already checked (alike, read-only), without checking them again."""
-        made = object.__new__(Memory)
-        object.__setattr__(made, "gpus", gpus)
-        object.__setattr__(made, "net", net)
-        object.__setattr__(made, "transient", transient)
-        return made
+        return self.take((k,), width)
 
     def take(self, ks: Sequence[int], width: int) -> Memory:
         """The effects of lanes ``ks`` of ``width`` alike lanes (all of them: itself)."""
         if len(ks) == width:
             return self
         n = len(self.gpus) // width
-        if len(ks) == 1:
-            return self._part(slice(ks[0] * n, (ks[0] + 1) * n))
+        if len(ks) == 1:  # views of read-only arrays stay read-only: no checks needed
+            part = object.__new__(Memory)
+            object.__setattr__(part, "gpus", self.gpus[ks[0] * n : (ks[0] + 1) * n])
+            object.__setattr__(part, "net", self.net)
+            object.__setattr__(part, "transient", self.transient[ks[0] * n : (ks[0] + 1) * n])
+            return part
         at = (np.asarray(ks)[:, None] * n + np.arange(n)).ravel()
         return Memory(self.gpus[at], self.net, self.transient[at])  # copies: made read-only
 

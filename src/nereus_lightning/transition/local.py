@@ -263,10 +263,6 @@ def _slots_of(
     row = [t for t in strided if t in where]
     if len(row) == len(strided) or (not row and sub_at.keys().isdisjoint(v)):
         return strided
-    if not row:  # T_sub units tile ``v`` exactly (they are disjoint: they cover it and no more)
-        on_subs = list(dict.fromkeys(map(sub_at.get, v)))
-        if None not in on_subs and sum(map(len, on_subs)) == len(v):  # type: ignore[arg-type]
-            return on_subs  # type: ignore[return-value]
     inside = set(v)
     covered = {g for t in row for g in t}
     for g in v:

@@ -154,9 +154,11 @@ def _replay_units(dag: TransitionDAG, order: Sequence[Node], problems: list[str]
         if n.op is not Primitive.EXTEND:  # every other primitive consumes its sources
             have.difference_update(n.sources.gpus)
         made = set(n.targets.gpus)
-        again = len(made) < len(n.targets.gpus) or any(not s.isdisjoint(made) for s in units.values())
-        if again:
-            problems.append(f"structure{label}: {n} creates a unit where a unit already is")
+        if len(made) < len(n.targets.gpus) or any(not s.isdisjoint(made) for s in units.values()):
+            gpus = n.targets.gpus
+            again = next(g for i, g in enumerate(gpus) if g in gpus[:i] or _live(units, g))
+            where = Unit(n.targets.layout, again)
+            problems.append(f"structure{label}: {n} creates {where} where a unit already is")
         units.setdefault(n.targets.layout, set()).update(made)
         if not any(units.values()):
             problems.append(f"last copy{label}: {n.model_stage} has no unit left after {n}")
@@ -166,6 +168,11 @@ def _replay_units(dag: TransitionDAG, order: Sequence[Node], problems: list[str]
         ends = {layout: gpus for layout, gpus in live[name].items() if gpus}
         if ends != _units(c):
             problems.append(f"structure{label}: {name} ends with {ends}, not the target")
+
+
+def _live(units: dict[Layout, set[Gpus]], gpus: Gpus) -> bool:
+    """Whether a unit on ``gpus`` is alive (in any layout)."""
+    return any(gpus in live for live in units.values())
 
 
 def _count_gpus(n: Node, count: dict[str, list[int]], peers: tuple[str, ...], label: str) -> list[str]:
