@@ -30,6 +30,7 @@ _BREAK_TAG = 0x6E657275  # a tag no other operation uses
 
 _watcher: threading.Thread | None = None
 _store: dist.Store | None = None  # held, so a failing rank 0 keeps serving its store
+_seen: str | None = None  # the failure the watcher read before it aborted this rank's groups
 
 
 class PeerFailure(RuntimeError):
@@ -72,12 +73,17 @@ def _break_gloo_pairs() -> None:
 
 
 def _watch(store: dist.Store) -> None:
+    global _seen
     while dist.is_initialized():
         try:
             failed = store.check([FAILURE_KEY])
         except Exception:  # the store is gone: the job is over
             return
         if failed:
+            # Kept before the abort: the main thread, whose work the abort breaks, may then fail to
+            # read the store and must still name the rank that failed first.
+            with contextlib.suppress(Exception):
+                _seen = store.get(FAILURE_KEY).decode()
             _abort()
             return
         time.sleep(POLL_S)
@@ -94,11 +100,11 @@ def _start_watcher() -> None:
 
 def published_failure() -> str | None:
     """The job's first failure (``"rank <r>: <error>"``), or None."""
-    store = _default_store()
     with contextlib.suppress(Exception):
+        store = _default_store()
         if store.check([FAILURE_KEY]):
             return store.get(FAILURE_KEY).decode()
-    return None
+    return _seen
 
 
 @contextlib.contextmanager
