@@ -210,27 +210,22 @@ def _ancestors(dag: TransitionDAG) -> list[int]:
 def _any_order_gpus(dag: TransitionDAG) -> list[str]:
     """Check 2: every Extend onto a GPU a peer leaves comes after every node by which it leaves."""
     peers = dag.context.peers
-    extends = [n for n in dag.nodes if n.op is Primitive.EXTEND and peers[n.model_stage]]
-    onto = {n.id: set(n.acquired_gpus) for n in extends}
-    wanted = set().union(*onto.values())  # only these GPUs matter
-    leaving: dict[str, dict[int, int]] = {}  # model-stage -> wanted GPU -> the nodes leaving it (bit i: #i)
+    leaving: dict[str, list[tuple[int, set[int]]]] = {}  # model-stage -> (node id, the GPUs it leaves)
     for n in dag.nodes:
-        if peers[n.model_stage] and n.op is not Primitive.EXTEND:
-            left = leaving.setdefault(n.model_stage, {})
-            for g in wanted.intersection(n.released_gpus):
-                left[g] = left.get(g, 0) | 1 << n.id
+        if peers[n.model_stage] and n.op is not Primitive.EXTEND and n.released_gpus:
+            leaving.setdefault(n.model_stage, []).append((n.id, set(n.released_gpus)))
     anc = _ancestors(dag) if leaving else []
     out = []
-    for i, gpus in onto.items():
-        n = dag.nodes[i]
+    for n in dag.nodes:
+        if n.op is not Primitive.EXTEND or not leaving:
+            continue
+        onto = n.acquired_gpus
         for other in peers[n.model_stage]:
-            left = leaving.get(other, {})
-            for g in sorted(left.keys() & gpus):
-                late = left[g] & ~anc[i]
-                if late:
+            for i, left in leaving.get(other, ()):
+                if not anc[n.id] >> i & 1 and not left.isdisjoint(onto):
                     out.append(
-                        f"gpu conflict: {n} may land on GPU {g} before {other} leaves it "
-                        f"(#{(late & -late).bit_length() - 1} is not ordered before it)"
+                        f"gpu conflict: {n} may land on GPU {min(left.intersection(onto))} before "
+                        f"{other} leaves it (#{i} is not ordered before it)"
                     )
     return out
 
