@@ -308,7 +308,7 @@ class _PeerWaits:
         """The GPUs Extend ``n`` (node ``i``) acquires (found once: a blocked node is asked again)."""
         gpus = self.onto.get(i)
         if gpus is None:
-            gpus = self.onto[i] = acquired_gpus(n.op, n.targets)
+            gpus = self.onto[i] = acquired_gpus(n.op, n.target_gpus())
         return gpus
 
     def blocked(self, i: int, n: LocalNode) -> str | None:
@@ -338,7 +338,7 @@ class _PeerWaits:
         waiters = self.watchers.get(n.model_stage)
         if not waiters:
             return
-        left = released_gpus(n.op, n.sources, n.targets)
+        left = released_gpus(n.op, n.source_gpus(), n.target_gpus())
         for waiter in waiters:
             theirs = self.still[waiter].get(n.model_stage, set())
             hit = theirs.intersection(left)

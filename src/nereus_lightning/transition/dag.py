@@ -90,6 +90,11 @@ class Units(Sequence[Unit]):
         """Every GPU of every unit, in order."""
         return chain.from_iterable(self.gpus)
 
+    def gpus_of(self, ks: Sequence[int], width: int) -> list[int]:
+        """Every GPU of the units of lanes ``ks`` of ``width`` alike lanes, in order."""
+        n = len(self.gpus) // width
+        return [g for k in ks for unit in self.gpus[k * n : (k + 1) * n] for g in unit]
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Units):
             return NotImplemented
@@ -238,18 +243,20 @@ def no_transfers() -> tuple[Transfer, ...]:
     return ()
 
 
-def acquired_gpus(op: Primitive, targets: Units) -> tuple[int, ...]:
-    """GPUs a call of ``op`` creating ``targets`` newly places state on: Extend's targets."""
-    return tuple(targets.all_gpus()) if op is Primitive.EXTEND else ()
+def acquired_gpus(op: Primitive, targets: Iterable[int]) -> tuple[int, ...]:
+    """GPUs a call of ``op`` creating units on ``targets`` (their GPUs) newly places state on:
+    Extend's targets."""
+    return tuple(targets) if op is Primitive.EXTEND else ()
 
 
-def released_gpus(op: Primitive, sources: Units, targets: Units) -> tuple[int, ...]:
-    """GPUs a call of ``op`` leaves: Destroy's, and those of Split's source that no target keeps."""
+def released_gpus(op: Primitive, sources: Iterable[int], targets: Iterable[int]) -> tuple[int, ...]:
+    """GPUs a call of ``op`` reading units on ``sources`` and creating units on ``targets`` (their
+    GPUs) leaves: Destroy's, and those of Split's source that no target keeps."""
     if op is Primitive.DESTROY:
-        return tuple(sources.all_gpus())
+        return tuple(sources)
     if op is Primitive.SPLIT:
-        keep = set(targets.all_gpus())
-        return tuple(g for g in sources.all_gpus() if g not in keep)
+        keep = set(targets)
+        return tuple(g for g in sources if g not in keep)
     return ()
 
 
@@ -308,12 +315,12 @@ class Node(NamedTuple):
     @property
     def acquired_gpus(self) -> tuple[int, ...]:
         """GPUs this node newly places state of its model-stage on (Extend's targets)."""
-        return acquired_gpus(self.op, self.targets)
+        return acquired_gpus(self.op, self.targets.all_gpus())
 
     @property
     def released_gpus(self) -> tuple[int, ...]:
         """GPUs whose unit of this model-stage the node drops (Destroy; Split's GPUs it does not keep)."""
-        return released_gpus(self.op, self.sources, self.targets)
+        return released_gpus(self.op, self.sources.all_gpus(), self.targets.all_gpus())
 
     @property
     def gpus(self) -> tuple[int, ...]:

@@ -106,6 +106,14 @@ class LocalNode(NamedTuple):
         """The units its lanes make."""
         return self.lanes.targets.take(self.ks, len(self.lanes.ids))
 
+    def source_gpus(self) -> list[int]:
+        """Every GPU of the units its lanes read, in order."""
+        return self.lanes.sources.gpus_of(self.ks, len(self.lanes.ids))
+
+    def target_gpus(self) -> list[int]:
+        """Every GPU of the units its lanes make, in order."""
+        return self.lanes.targets.gpus_of(self.ks, len(self.lanes.ids))
+
     @property
     def mem(self) -> Memory:
         """Its lanes' memory effects."""
@@ -135,7 +143,7 @@ def waiting_lanes(steps: Sequence[StepLanes], contested: set[int]) -> set[int]:
     for x in sorted(steps, key=lambda x: x.step):
         n = len(x.ids)
         for k, lane in enumerate(x.ids):
-            onto = x.targets.lane(k, n).all_gpus() if x.op is Primitive.EXTEND else ()
+            onto = x.targets.gpus_of((k,), n) if x.op is Primitive.EXTEND else ()
             if not waiting.isdisjoint(x.deps[k]) or not contested.isdisjoint(onto):
                 waiting.add(lane)
     return waiting
