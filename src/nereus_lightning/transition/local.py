@@ -109,7 +109,7 @@ def local_lanes(
     steps = _splits(0, made_by, geo, a, s, cur_units, splitting, tiling, kept, mem)
     unused = [cur_units[i] for i in sorted(set(range(len(cur_units))).difference(splitting))]
     # Current units that neither stay nor feed anything go first (release before acquire).
-    steps.append(_destroys(_lanes_after(steps, len(unused)), Step.DROP_UNITS, a, unused, None, mem.a))
+    steps += _destroys(_lanes_after(steps, len(unused)), Step.DROP_UNITS, a, unused, None, mem.a)
     extend_steps, readers = _extends(_next_lane(steps), made_by, geo, s, extends, reuse.missing, mem.s)
     steps += extend_steps
     last = max(extends.steps, default=Step.FIRST_EXTEND - 1)
@@ -117,12 +117,8 @@ def local_lanes(
     # of the state is never dropped before it has been copied).
     dropped = sorted(kept - reuse.reused, key=tiling.where.__getitem__)
     deps = [((made_by[t],) if t in made_by else ()) + tuple(readers.get(t, ())) for t in dropped]
-    steps.append(
-        _destroys(_lanes_after(steps, len(dropped)), drop_sources_step(last), s, dropped, deps, mem.s)
-    )
-    steps.append(
-        _merges(_next_lane(steps), merge_step(last), geo, s, b, tgt_units, slots, made_by, readers, mem)
-    )
+    steps += _destroys(_lanes_after(steps, len(dropped)), drop_sources_step(last), s, dropped, deps, mem.s)
+    steps += _merges(_next_lane(steps), merge_step(last), geo, s, b, tgt_units, slots, made_by, readers, mem)
     return steps
 
 
@@ -278,11 +274,15 @@ def _slots_of(
         if g not in covered:
             pi, ti = divmod(x, b.tp)
             queues[(pi // k_pp) * s.tp + ti // k_tp].append(g)
+    lowest = 0  # the queues before it are empty (they never refill)
     for _ in range((len(inside) - len(covered)) // s.size):
         slot = []
         for q in range(s.size):
-            src = queues[q] if queues[q] else next(qq for qq in queues if qq)
-            slot.append(src.pop())
+            if not queues[q]:  # take from the first queue that has a GPU left
+                while not queues[lowest]:
+                    lowest += 1
+                q = lowest
+            slot.append(queues[q].pop())
         row.append(tuple(slot))
     return row
 
@@ -449,7 +449,7 @@ def _splits(
     )
     return [
         splits,
-        _destroys(
+        *_destroys(
             [lane for _, lane, _ in drops],
             Step.DROP_PIECES,
             s,
@@ -480,20 +480,24 @@ def _destroys(
     units: list[Gpus],
     deps: Sequence[tuple[int, ...]] | None,
     mem: float,
-) -> StepLanes:
+) -> list[StepLanes]:
     """Lanes ``ids``: Destroy each of ``units`` (of ``layout``, ``mem`` bytes per GPU) after its
-    ``deps`` (None: nothing)."""
-    return StepLanes(
-        step,
-        Primitive.DESTROY,
-        ids,
-        Units(layout, units),
-        Units(layout),
-        [()] * len(units) if deps is None else deps,
-        Memory(chain.from_iterable(units), -mem),
-        no_transfers,
-        ((),) * len(units),
-    )
+    ``deps`` (None: nothing); no step if there are none."""
+    if not units:
+        return []
+    return [
+        StepLanes(
+            step,
+            Primitive.DESTROY,
+            ids,
+            Units(layout, units),
+            Units(layout),
+            [()] * len(units) if deps is None else deps,
+            Memory(chain.from_iterable(units), -mem),
+            no_transfers,
+            ((),) * len(units),
+        )
+    ]
 
 
 def _extends(
@@ -548,11 +552,13 @@ def _merges(
     made_by: dict[Gpus, int],
     readers: dict[Gpus, list[int]],
     mem: _UnitMemory,
-) -> StepLanes:
+) -> list[StepLanes]:
     """Merge each target unit from its row of slots, after what made them and every Extend
     reading them; a T_sub target unit sitting exactly on its one slot is done already."""
     if b == s:  # one slot per target unit
         todo = list(compress(range(len(tgt_units)), map(ne, slots.flat, tgt_units)))
+        if not todo:
+            return []
     else:
         todo = list(range(len(tgt_units)))
     every = len(todo) == len(tgt_units)
@@ -564,17 +570,19 @@ def _merges(
     else:  # nothing was made or read before: the Merges wait for nothing
         deps = [()] * len(todo)
     args, buffers = _patterned(units, tiles, lambda t: merge_pattern(geo, s, b, t))
-    return StepLanes(
-        step,
-        Primitive.MERGE,
-        range(first, first + len(todo)),
-        Units(s, slots.flat if every else chain.from_iterable(rows)),
-        Units(b, units),
-        deps,
-        Memory(chain.from_iterable(units), mem.b - mem.s, buffers),
-        placed,
-        args,
-    )
+    return [
+        StepLanes(
+            step,
+            Primitive.MERGE,
+            range(first, first + len(todo)),
+            Units(s, slots.flat if every else chain.from_iterable(rows)),
+            Units(b, units),
+            deps,
+            Memory(chain.from_iterable(units), mem.b - mem.s, buffers),
+            placed,
+            args,
+        )
+    ]
 
 
 def _made_or_read(
