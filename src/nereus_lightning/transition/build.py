@@ -499,7 +499,6 @@ def _numbered_in_order(
     for at, carried in enumerate(groups):
         local, extra = waits[at]
         first = nodes[carried[0]]
-        lanes = tuple(sorted(k for i in carried for k in nodes[i].ks))  # the step's lanes, in their order
-        joined = first if len(carried) == 1 else first._replace(ks=lanes)
-        out.append(joined.node(at, tuple(sorted(local + extra)), extra))
+        lanes = None if len(carried) == 1 else sorted(k for i in carried for k in nodes[i].ks)
+        out.append(first.node(at, tuple(sorted(local + extra)), extra, lanes))  # lanes in the step's order
     return tuple(out)

@@ -75,7 +75,7 @@ class StepLanes(NamedTuple):
 class LocalNode(NamedTuple):
     """A node of one model-stage's local DAG before it has an id: lanes ``ks`` (positions in
     ``lanes.ids``) of one step; ``deps`` are indices of earlier local nodes. Its units, memory
-    effects and transfer arguments are the step's, taken when read (:meth:`part`)."""
+    effects and transfer arguments are the step's, taken when read."""
 
     model_stage: str
     lanes: StepLanes
@@ -91,10 +91,6 @@ class LocalNode(NamedTuple):
     def width(self) -> int:
         """How many lanes this node carries."""
         return len(self.ks)
-
-    def part(self) -> StepLanes:
-        """Its lanes (the step's columns for them)."""
-        return self.lanes.take(self.ks)
 
     @property
     def sources(self) -> Units:
@@ -119,20 +115,28 @@ class LocalNode(NamedTuple):
         """Its lanes' memory effects."""
         return self.lanes.mem.take(self.ks, len(self.lanes.ids))
 
-    def node(self, id: int, deps: tuple[int, ...], resource_deps: tuple[int, ...] = ()) -> Node:
-        """This node numbered ``id``, after ``deps`` (of which ``resource_deps`` the global order added)."""
-        part = self.part()
+    def node(
+        self,
+        id: int,
+        deps: tuple[int, ...],
+        resource_deps: tuple[int, ...] = (),
+        ks: Sequence[int] | None = None,
+    ) -> Node:
+        """This node numbered ``id``, after ``deps`` (of which ``resource_deps`` the global order
+        added); with ``ks``, carrying those lanes of its step instead of its own."""
+        x, n = self.lanes, len(self.lanes.ids)
+        ks = self.ks if ks is None else ks
         return Node(
             id,
-            self.lanes.op,
+            x.op,
             self.model_stage,
-            part.sources,
-            part.targets,
+            x.sources.take(ks, n),
+            x.targets.take(ks, n),
             deps,
-            part.mem,
+            x.mem.take(ks, n),
             resource_deps,
-            self.lanes.make_transfers,
-            part.lane_args,
+            x.make_transfers,
+            x.lane_args if len(ks) == n else tuple(x.lane_args[k] for k in ks),
         )
 
 
