@@ -283,7 +283,7 @@ def _never_fits(
 
 class _PeerWaits:
     """Per model-stage whose target holds GPUs its peers hold now (*contested* GPUs): per peer, the
-    contested GPUs it still holds, and per contested GPU the releases of it so far (bit i: node i).
+    contested GPUs it still holds, and the releases of contested GPUs so far (node, GPUs).
 
     Extend acquires GPUs of its own target only and peers are disjoint in the target, so a peer
     holds such a GPU until it releases it, once (more than one peer holds it only where those
@@ -292,12 +292,12 @@ class _PeerWaits:
     def __init__(self, ctx: TransitionContext, held: Mapping[str, set[int]]) -> None:
         self.ctx = ctx
         self.still: dict[str, dict[str, set[int]]] = {}  # waiter -> peer -> contested GPUs it holds
-        self.gone: dict[str, dict[int, int]] = {}  # waiter -> contested GPU -> its releases (mask)
+        self.gone: dict[str, list[tuple[int, set[int]]]] = {}  # waiter -> (node, contested GPUs it left)
         self.watchers: dict[str, list[str]] = {}  # peer -> the model-stages waiting for its GPUs
         self.onto: dict[int, tuple[int, ...]] = {}  # per Extend asked about: the GPUs it acquires
         for name, others in held.items():
             contested = others.intersection(ctx.target[name].gpus)
-            self.still[name], self.gone[name] = {}, {}
+            self.still[name], self.gone[name] = {}, []
             for other in ctx.peers[name]:
                 theirs = contested.intersection(ctx.current[other].gpus)
                 if theirs:
@@ -329,8 +329,10 @@ class _PeerWaits:
         gone = self.gone.get(n.model_stage) if n.op is Primitive.EXTEND else None
         mask = 0
         if gone:
-            for g in gone.keys() & self._onto(i, n):
-                mask |= gone[g]
+            gpus = self._onto(i, n)
+            for index, left in gone:
+                if not left.isdisjoint(gpus):
+                    mask |= 1 << index
         return mask
 
     def release(self, n: LocalNode, index: int) -> None:
@@ -344,9 +346,7 @@ class _PeerWaits:
             hit = theirs.intersection(left)
             if hit:
                 theirs -= hit
-                gone = self.gone[waiter]
-                for g in hit:
-                    gone[g] = gone.get(g, 0) | 1 << index
+                self.gone[waiter].append((index, hit))
 
 
 class _MemoryBook:
@@ -423,10 +423,11 @@ def _order_with_resource_edges(
                 peers.release(n, i)
             if careful[i]:
                 relied |= memory.admit(n, i)
-            for d in (*n.deps, i):
-                relied &= ~(1 << d)
-            if relied:
-                resource[i] = _bits(relied)
+            if relied:  # (a node needs no resource edge to itself or its deps)
+                for d in (*n.deps, i):
+                    relied &= ~(1 << d)
+                if relied:
+                    resource[i] = _bits(relied)
             order.append(i)
             for j in succs[i]:
                 indeg[j] -= 1
