@@ -20,7 +20,8 @@ def stage_groups(plan: Plan, members: Sequence[str]) -> tuple[tuple[str, ...], .
 
     Groups are ordered by their first member, members in plan order.
     """
-    order = [n for n in plan if n in set(members)]
+    wanted = set(members)
+    order = [n for n in plan if n in wanted]
     gpus = {n: frozenset(plan[n].gpus) for n in order}
     groups: list[list[str]] = []
     for n in order:  # merge n with every group it shares a GPU with (keeping the first one's place)

@@ -109,7 +109,7 @@ def _replay_memory(dag: TransitionDAG, order: Sequence[Node], problems: list[str
     """Per-GPU memory in ``order``: resident units plus the running node's growth and buffers."""
     cap = memory_cap(dag.context.cluster) * (1 + 1e-9)
     base = np.asarray(_resident(dag))
-    eff = Effects.of([n.mem for n in order])
+    eff = dag.effects if order is dag.nodes else Effects.of([n.mem for n in order])
     # On its GPU while a node runs: what is resident, what every earlier effect there left, and
     # what this one adds (its growth and buffers).
     before = base[eff.gpu] + _earlier_sums(eff.gpu, eff.net)
@@ -177,10 +177,10 @@ def _live(units: dict[Layout, set[Gpus]], gpus: Gpus) -> bool:
 
 def _count_gpus(n: Node, count: dict[str, list[int]], peers: tuple[str, ...], label: str) -> list[str]:
     """Move ``n``'s model-stage's per-GPU unit counts; name each GPU it newly holds that a peer holds."""
-    made = sorted(n.targets.all_gpus())
-    left = sorted(n.sources.all_gpus()) if n.op is not Primitive.EXTEND else []
-    if made == left:  # e.g. a Merge on its sources' GPUs: no GPU changes hands
-        return []
+    made = list(n.targets.all_gpus())
+    left = list(n.sources.all_gpus()) if n.op is not Primitive.EXTEND else []
+    if made and left and sorted(made) == sorted(left):  # e.g. a Merge on its sources' GPUs
+        return []  # no GPU changes hands
     held = count[n.model_stage]
     new = [g for g in made if not held[g]]  # GPUs it did not hold before
     for g in left:
