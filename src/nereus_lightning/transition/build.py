@@ -489,7 +489,7 @@ def _numbered_in_order(
     for i in order:
         n = nodes[i]
         local = tuple(sorted({group_of[d] for d in n.deps}))
-        extra = tuple(sorted({group_of[d] for d in resource.get(i, ())}.difference(local)))
+        extra = tuple(sorted({group_of[d] for d in resource[i]}.difference(local))) if i in resource else ()
         at = alike.setdefault((n.model_stage, id(n.lanes), local, extra), len(groups))
         if at == len(groups):
             groups.append([])
