@@ -167,15 +167,20 @@ def group(name: str, steps: Sequence[StepLanes], single: Collection[int], first:
     node_of: dict[int, int] = {}
     out: list[LocalNode] = []
     for x in steps:
-        shared = tuple(k for k, lane in enumerate(x.ids) if lane not in single)
+        alone = [k for k, lane in enumerate(x.ids) if lane in single] if single else []
+        shared: Sequence[int] = range(len(x.ids))
+        ids, deps = x.ids, x.deps
+        if alone:
+            apart = set(alone)
+            shared = [k for k in shared if k not in apart]
+            ids, deps = [x.ids[k] for k in shared], [x.deps[k] for k in shared]
         if shared:
-            node_of.update(dict.fromkeys((x.ids[k] for k in shared), first + len(out)))
-            deps = tuple(sorted({node_of[d] for k in shared for d in x.deps[k]}))
-            out.append(LocalNode(name, x, shared, deps))
-        for k, lane in enumerate(x.ids):
-            if lane in single:
-                node_of[lane] = first + len(out)
-                out.append(LocalNode(name, x, (k,), tuple(sorted({node_of[d] for d in x.deps[k]}))))
+            node_of.update(dict.fromkeys(ids, first + len(out)))
+            waits = tuple(sorted({node_of[d] for d in set().union(*deps)}))
+            out.append(LocalNode(name, x, tuple(shared), waits))
+        for k in alone:
+            node_of[x.ids[k]] = first + len(out)
+            out.append(LocalNode(name, x, (k,), tuple(sorted({node_of[d] for d in x.deps[k]}))))
     return out
 
 
