@@ -12,6 +12,11 @@ none can), and after the ordered replay alike calls of one model-stage that wait
 same nodes are joined into one (a subset of the executions the separate nodes allowed); then
 (15 more changed) only nodes of one step are joined, their lanes in the step's order. Every
 changed DAG passes the validator (``compute`` asserts it); the local DAGs' lanes are unchanged.
+
+Regenerated again (2 of 467 changed, both infeasibility messages; every DAG identical): the
+waiting lanes of a step that wait for the same peer releases after the same nodes now share one
+node before the replay (they ran alike and were joined after it anyway), so a stuck message names
+such calls together (``extend of actor_infer onto [6, 7], [8, 9]: ...``), counting every call.
 """
 
 from __future__ import annotations

@@ -23,10 +23,12 @@ frees is reported before the replay (no order could admit it; the replay would e
 
 Memory is judged on the lanes' effects before any grouping (they are the same in every
 grouping). The replay works on the local nodes (``lanes.LocalNode``, by their index in the
-union): the lanes no peer can make wait batched per step, the others one by one. The DAG's nodes
-are made once, in the replay's order, where alike calls of one model-stage that wait for exactly
-the same nodes become one batched node. Built DAGs are immutable and cached (:func:`clear_cache`
-empties the cache).
+union): the lanes no peer can make wait batched per step; the others batched only with the lanes
+of their step that wait for the same peer releases after the same nodes (``_wait_keys``: they
+run alike in the replay), one by one where that is unclear; a model-stage on a tight GPU one by
+one (memory is admitted per call). The DAG's nodes are made once, in the replay's order, where
+alike calls of one model-stage that wait for exactly the same nodes become one batched node.
+Built DAGs are immutable and cached (:func:`clear_cache` empties the cache).
 """
 
 from __future__ import annotations
@@ -54,7 +56,14 @@ from nereus_lightning.transition.dag import (
     memory_growth,
     released_gpus,
 )
-from nereus_lightning.transition.lanes import LocalNode, StepLanes, group, numbered, waiting_lanes
+from nereus_lightning.transition.lanes import (
+    LocalNode,
+    StepLanes,
+    group,
+    numbered,
+    one_per_lane,
+    waiting_lanes,
+)
 from nereus_lightning.transition.local import local_lanes
 from nereus_lightning.transition.pieces import geometry
 from nereus_lightning.transition.tsub import common_layout
@@ -102,16 +111,16 @@ def _cached_build(
     every = [(name, x) for name, steps in lanes.items() for x in steps]  # memory effects in any grouping
     growth = memory_growth([x for _, x in every], cluster.num_gpus)
     tight = _tight(ctx, growth)
-    single: dict[str, Collection[int]] = {}
+    careful: set[str] = set()  # model-stages whose calls are admitted one by one (memory)
     if tight:
         _never_fits(every, tight, ctx.current_memory, memory_cap(cluster))
         # A model-stage touching a GPU that may overflow needs per-replica memory ordering.
-        for name, steps in lanes.items():
-            if any(not tight.isdisjoint(x.mem.gpus.tolist()) for x in steps):
-                single[name] = _all_lanes(steps)
-    for name, gpus in held.items():
-        single.setdefault(name, waiting_lanes(lanes[name], gpus))
-    nodes = _union(lanes, single)
+        careful = {name for name, steps in lanes.items() if any(_touches(x, tight) for x in steps)}
+    waiting = {name: waiting_lanes(lanes[name], gpus) for name, gpus in held.items() if name not in careful}
+    peers = {p for name in waiting for p in ctx.peers[name]}
+    left_by = {p: _left_by(p, lanes[p], p in careful, waiting.get(p, {})) for p in peers}
+    waits = {name: _wait_keys(ctx, name, lanes_waiting, left_by) for name, lanes_waiting in waiting.items()}
+    nodes = _union(lanes, careful, waits)
     order, resource = _order_with_resource_edges(nodes, ctx, growth, tight, held)
     return TransitionDAG(_numbered_in_order(nodes, order, resource), ctx, global_order=True)
 
@@ -207,7 +216,7 @@ def union_of_local_dags(ctx: TransitionContext) -> list[Node]:
     """Every model-stage's local DAG in workflow order, one node per replica-level call, ids
     global (deps local only)."""
     lanes = {name: _local_lanes(ctx, name) for name in ctx.current}
-    return numbered(_union(lanes, {name: _all_lanes(steps) for name, steps in lanes.items()}))
+    return numbered(_union(lanes, set(lanes), {}))
 
 
 def _local_lanes(ctx: TransitionContext, name: str) -> list[StepLanes]:
@@ -219,17 +228,82 @@ def _local_lanes(ctx: TransitionContext, name: str) -> list[StepLanes]:
     )
 
 
-def _all_lanes(steps: Sequence[StepLanes]) -> set[int]:
-    return {lane for x in steps for lane in x.ids}
+def _touches(x: StepLanes, gpus: set[int]) -> bool:
+    """Whether a lane of ``x`` has a memory effect on one of ``gpus``."""
+    return not gpus.isdisjoint(x.mem.gpus.tolist())
 
 
-def _union(lanes: Mapping[str, list[StepLanes]], single: Mapping[str, Collection[int]]) -> list[LocalNode]:
-    """Every model-stage's local nodes in order, deps as indices of the union: one node per step
-    for the lanes no peer can make wait, one per lane for those in ``single`` (``lanes.group``)."""
+def _union(
+    lanes: Mapping[str, list[StepLanes]],
+    careful: Collection[str],
+    waits: Mapping[str, Mapping[int, Hashable]],
+) -> list[LocalNode]:
+    """Every model-stage's local nodes in order, deps as indices of the union: one per lane for
+    the ``careful`` model-stages, else grouped (``lanes.group``; ``waits``: the waiting lanes)."""
     out: list[LocalNode] = []
     for name, steps in lanes.items():
-        out += group(name, steps, single.get(name, ()), len(out))
+        if name in careful:
+            out += one_per_lane(name, steps, len(out))
+        else:
+            out += group(name, steps, waits.get(name, {}), len(out))
     return out
+
+
+def _left_by(
+    name: str, steps: Sequence[StepLanes], careful: bool, waiting: Collection[int]
+) -> dict[int, Hashable] | None:
+    """The call by which model-stage ``name`` leaves each GPU it leaves: its lane where that lane
+    has a node of its own (``careful``: all; else those ``waiting``), else its step; None if it
+    leaves a GPU twice."""
+    out: dict[int, Hashable] = {}
+    count = 0
+    for x in steps:
+        if not _leaves_some(x):
+            continue
+        n = len(x.ids)
+        alone = [k for k, lane in enumerate(x.ids) if careful or lane in waiting]
+        parts = [([k], (name, "lane", x.ids[k])) for k in alone]
+        apart = set(alone)
+        shared = [k for k in range(n) if k not in apart]
+        if shared:
+            parts.append((shared, (name, "step", x.step)))
+        for ks, call in parts:
+            gpus = released_gpus(x.op, x.sources.gpus_of(ks, n), x.targets.gpus_of(ks, n))
+            out.update(dict.fromkeys(gpus, call))
+            count += len(gpus)
+    return out if len(out) == count else None
+
+
+def _leaves_some(x: StepLanes) -> bool:
+    """Whether a lane of ``x`` may leave a GPU: a Destroy, or a Split making fewer GPUs' worth of
+    units than it reads (its units lie on its source's GPUs)."""
+    if x.op is Primitive.SPLIT:
+        return len(x.targets) * x.targets.layout.size < len(x.sources) * x.sources.layout.size
+    return x.op is Primitive.DESTROY and bool(x.ids)
+
+
+def _wait_keys(
+    ctx: TransitionContext,
+    name: str,
+    waiting: Mapping[int, tuple[int, ...]],
+    left_by: Mapping[str, Mapping[int, Hashable] | None],
+) -> dict[int, Hashable]:
+    """Per waiting lane of model-stage ``name`` (with the contested GPUs it lands on), what it
+    waits for besides its deps: the calls by which its peers leave those GPUs (``_left_by``;
+    None: never). Each lane waits alone where a GPU is held by more than one peer or left twice."""
+    onto = set().union(*waiting.values())
+    release: dict[int, Hashable] = {}
+    held = 0
+    for other in ctx.peers[name]:
+        theirs = onto.intersection(ctx.current[other].gpus)
+        calls = left_by[other]
+        if theirs and calls is None:
+            return {lane: ("alone", lane) for lane in waiting}
+        release.update(zip(theirs, map(calls.get, theirs), strict=True))  # type: ignore[union-attr]
+        held += len(theirs)
+    if held != len(release):
+        return {lane: ("alone", lane) for lane in waiting}
+    return {lane: frozenset(map(release.__getitem__, gpus)) for lane, gpus in waiting.items()}
 
 
 def _held_by_peers(ctx: TransitionContext, now: Mapping[str, set[int]]) -> dict[str, set[int]]:
@@ -461,15 +535,23 @@ def _priorities(nodes: Sequence[LocalNode], ctx: TransitionContext) -> list[int]
 
 
 def _raise_stuck(nodes: Sequence[LocalNode], stuck: list[tuple[int, str]]) -> None:
-    """No release can run and these acquisitions are blocked: say which and why."""
+    """No release can run and these acquisitions are blocked: say which (the first unit of each
+    call, alike calls together) and why."""
     lines = "; ".join(
-        f"{n.op.value} of {n.model_stage} onto {list((n.targets or n.sources)[0].gpus)}: {why}"
+        f"{n.op.value} of {n.model_stage} onto {_first_units(n)}: {why}"
         for n, why in ((nodes[i], why) for i, why in stuck[:4])
     )
+    calls = sum(nodes[i].width for i, _ in stuck)
     raise InfeasiblePlanError(
-        f"no safe transition order: {len(stuck)} acquisition(s) blocked and no release can run; "
+        f"no safe transition order: {calls} acquisition(s) blocked and no release can run; "
         f"stuck: {lines}. Choose a target that leaves these GPUs free or frees memory first"
     )
+
+
+def _first_units(n: LocalNode) -> str:
+    """The GPUs of the first unit each lane of ``n`` makes (or reads, if it makes none)."""
+    units = n.targets or n.sources
+    return ", ".join(str(list(gpus)) for gpus in units.gpus[:: len(units) // n.width])
 
 
 def _numbered_in_order(

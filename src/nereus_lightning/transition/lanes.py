@@ -4,14 +4,16 @@ The local planner (``transition.local``) numbers a model-stage's lanes in the or
 them and emits them by :class:`Step` of its local DAG, one :class:`StepLanes` (columns: every lane
 of the step) per step; a lane depends on lanes of earlier steps only. :func:`group` makes them
 :class:`LocalNode` s: the lanes of a step that no same-stage peer can make wait
-(:func:`waiting_lanes`) share one (batched) node, the others get one each (the global order then
-picks each one's moment; ``build`` joins alike ones that wait for the same nodes afterwards). A
-per-replica local DAG is one node per lane, in lane order. :func:`numbered` gives local nodes ids.
+(:func:`waiting_lanes`) share one (batched) node; the others share one only with the lanes that
+wait for the same peer releases after the same nodes (the global order then picks each node's
+moment; ``build`` joins alike ones that wait for the same nodes afterwards). A per-replica local
+DAG is one node per lane, in lane order (:func:`one_per_lane`). :func:`numbered` gives local nodes
+ids.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from enum import IntEnum
 from typing import Any, NamedTuple
 
@@ -140,52 +142,51 @@ class LocalNode(NamedTuple):
         )
 
 
-def waiting_lanes(steps: Sequence[StepLanes], contested: set[int]) -> set[int]:
+def waiting_lanes(steps: Sequence[StepLanes], contested: set[int]) -> dict[int, tuple[int, ...]]:
     """The lanes a same-stage peer can make wait: the Extends onto a ``contested`` GPU (one a peer
-    holds now) and every lane after one of them."""
-    waiting: set[int] = set()
+    holds now) and every lane after one of them; each with the contested GPUs it lands on."""
+    waiting: dict[int, tuple[int, ...]] = {}
     for x in sorted(steps, key=lambda x: x.step):
         n = len(x.ids)
         for k, lane in enumerate(x.ids):
-            onto = x.targets.gpus_of((k,), n) if x.op is Primitive.EXTEND else ()
-            if not waiting.isdisjoint(x.deps[k]) or not contested.isdisjoint(onto):
-                waiting.add(lane)
+            onto = contested.intersection(x.targets.gpus_of((k,), n)) if x.op is Primitive.EXTEND else ()
+            if onto or not waiting.keys().isdisjoint(x.deps[k]):
+                waiting[lane] = tuple(sorted(onto))
     return waiting
 
 
-def group(name: str, steps: Sequence[StepLanes], single: Collection[int], first: int = 0) -> list[LocalNode]:
+def group(
+    name: str, steps: Sequence[StepLanes], waits: Mapping[int, Hashable], first: int = 0
+) -> list[LocalNode]:
     """The local nodes of model-stage ``name``, deps mapped from lanes to nodes and counted from
     ``first`` (where the nodes will stand in a longer list).
 
-    Every lane in ``single`` gets a node of its own, the other lanes of a step share one (batched)
-    node. Nodes go by step, the shared one first; if every lane is single, in lane order (both
-    orders are topological).
+    The lanes of a step not in ``waits`` share one (batched) node. A lane in ``waits`` shares a
+    node with the lanes of its step that wait for the same (``waits[lane]``) after the same
+    nodes: the global replay treats them alike. Nodes go by step, the batched one first, the
+    others in the order of their first lanes (a topological order).
     """
-    steps = sorted((x for x in steps if x.ids), key=lambda x: x.step)
-    if all(lane in single for x in steps for lane in x.ids):
-        return _one_per_lane(name, steps, first)
     node_of: dict[int, int] = {}
     out: list[LocalNode] = []
-    for x in steps:
-        alone = [k for k, lane in enumerate(x.ids) if lane in single] if single else []
-        shared: Sequence[int] = range(len(x.ids))
-        ids, deps = x.ids, x.deps
-        if alone:
-            apart = set(alone)
-            shared = [k for k in shared if k not in apart]
-            ids, deps = [x.ids[k] for k in shared], [x.deps[k] for k in shared]
-        if shared:
-            node_of.update(dict.fromkeys(ids, first + len(out)))
-            waits = tuple(sorted({node_of[d] for d in set().union(*deps)}))
-            out.append(LocalNode(name, x, tuple(shared), waits))
-        for k in alone:
-            node_of[x.ids[k]] = first + len(out)
-            out.append(LocalNode(name, x, (k,), tuple(sorted({node_of[d] for d in x.deps[k]}))))
+    for x in sorted((x for x in steps if x.ids), key=lambda x: x.step):
+        parts: dict[Hashable, Sequence[int]] = {None: range(len(x.ids))}
+        if not waits.keys().isdisjoint(x.ids):  # by (what they wait for, after which nodes)
+            parts = {None: []}
+            for k, lane in enumerate(x.ids):
+                key = (waits[lane], frozenset(node_of[d] for d in x.deps[k])) if lane in waits else None
+                parts.setdefault(key, []).append(k)  # type: ignore[attr-defined]
+        for ks in parts.values():
+            every = len(ks) == len(x.ids)
+            if ks:
+                node_of.update(dict.fromkeys(x.ids if every else [x.ids[k] for k in ks], first + len(out)))
+                deps = set().union(*(x.deps if every else [x.deps[k] for k in ks]))
+                out.append(LocalNode(name, x, tuple(ks), tuple(sorted({node_of[d] for d in deps}))))
     return out
 
 
-def _one_per_lane(name: str, steps: Sequence[StepLanes], first: int) -> list[LocalNode]:
-    """A node per lane, in lane order (the lanes numbered 0, 1, ... without gaps)."""
+def one_per_lane(name: str, steps: Sequence[StepLanes], first: int = 0) -> list[LocalNode]:
+    """The local nodes of model-stage ``name``, one per lane, in lane order (the lanes numbered 0,
+    1, ... without gaps), deps counted from ``first``."""
     out: list[LocalNode | None] = [None] * sum(len(x.ids) for x in steps)
     for x in steps:
         for k, lane in enumerate(x.ids):

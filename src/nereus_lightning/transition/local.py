@@ -40,7 +40,15 @@ import numpy as np
 from nereus_lightning.plan.layout import Candidate, Layout
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.transition.dag import Memory, Node, Primitive, Units, gpu_chunks, no_transfers
-from nereus_lightning.transition.lanes import Step, StepLanes, drop_sources_step, group, merge_step, numbered
+from nereus_lightning.transition.lanes import (
+    Step,
+    StepLanes,
+    drop_sources_step,
+    group,
+    merge_step,
+    numbered,
+    one_per_lane,
+)
 from nereus_lightning.transition.pieces import Geometry, extend_transfers
 from nereus_lightning.transition.tsub import (
     Pattern,
@@ -74,8 +82,8 @@ def local_dag(
     one chain depth, the Destroys of sources, the Merges); its deps are the union of its lanes'.
     """
     steps = local_lanes(geo, memory_of, current, target, cluster)
-    single = () if batch else {lane for x in steps for lane in x.ids}
-    return numbered(group(name, steps, single, first_id), first_id)
+    nodes = group(name, steps, {}, first_id) if batch else one_per_lane(name, steps, first_id)
+    return numbered(nodes, first_id)
 
 
 def local_lanes(
