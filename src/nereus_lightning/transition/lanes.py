@@ -149,9 +149,11 @@ def waiting_lanes(steps: Sequence[StepLanes], contested: set[int]) -> dict[int, 
     for x in sorted(steps, key=lambda x: x.step):
         n = len(x.ids)
         for k, lane in enumerate(x.ids):
-            onto = contested.intersection(x.targets.gpus_of((k,), n)) if x.op is Primitive.EXTEND else ()
-            if onto or not waiting.keys().isdisjoint(x.deps[k]):
-                waiting[lane] = tuple(sorted(onto))
+            onto = x.targets.gpus_of((k,), n) if x.op is Primitive.EXTEND else ()
+            if not contested.isdisjoint(onto):
+                waiting[lane] = tuple(sorted(contested.intersection(onto)))
+            elif not waiting.keys().isdisjoint(x.deps[k]):
+                waiting[lane] = ()
     return waiting
 
 

@@ -532,15 +532,17 @@ def _extends(
     made_by.update(zip(slots, range(first, first + len(slots)), strict=True))
     out = []
     for step, js in sorted(by_step.items()):
-        sources, targets = [extends.sources[j] for j in js], [slots[j] for j in js]
+        every = len(js) == len(slots)  # (one step: its columns are the Extends')
+        sources = extends.sources if every else [extends.sources[j] for j in js]
+        targets = slots if every else [slots[j] for j in js]
         out.append(
             StepLanes(
                 step,
                 Primitive.EXTEND,
-                [first + j for j in js],
+                range(first, first + len(slots)) if every else [first + j for j in js],
                 Units(s, sources),
                 Units(s, targets),
-                [deps[j] for j in js],
+                deps if every else [deps[j] for j in js],
                 Memory(chain.from_iterable(targets), mem_s),
                 extend_transfers,
                 tuple(zip(repeat(geo), repeat(s), sources, targets)),
