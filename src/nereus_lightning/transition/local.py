@@ -361,10 +361,10 @@ def plan_extends(
             if pool:
                 si = min(pool, key=lambda i: (load[i], fresh[i]))
                 pool.append(n_cand + j)
+                load[si] += 1
             else:
-                si = remote.pick(load)
+                si = remote.pick(load)  # (counts its load)
                 tail[node] = n_cand + j
-            load[si] += 1
         if si < n_cand:
             sources.append(candidates[si])
             made_by.append(None)
@@ -382,7 +382,8 @@ class _RemoteSources:
     then the lower index) of the node that has sent least so far.
 
     Per node its candidates in a heap by (load, fresh, index), and the nodes in a heap by (sends,
-    their best candidate); keys only grow, so a stale top is re-keyed and pushed back (lazily).
+    their best candidate), both updated at each pick; a load that grew by a local Extend only
+    makes a stale top, re-keyed when found (keys only grow).
     """
 
     def __init__(self, candidates: list[Gpus], fresh: list[bool], gpus_per_node: int) -> None:
@@ -396,18 +397,22 @@ class _RemoteSources:
         heapq.heapify(self.nodes)
 
     def pick(self, load: list[int]) -> int:
-        """The best candidate now (counted as one more send of its node)."""
+        """The best candidate now, counted as one more send of its node and one more load of it."""
         while True:
             n_sent, best, node = self.nodes[0]
             heap = self.of_node[node]
-            while heap[0][0] != load[heap[0][2]]:  # its load grew since: re-key it
+            while heap[0][0] != load[heap[0][2]]:  # its load grew since (a local Extend): re-key it
                 _, is_fresh, k = heap[0]
                 heapq.heapreplace(heap, (load[k], is_fresh, k))
-            if n_sent == self.sent[node] and best == heap[0]:
+            if best == heap[0]:
                 break
-            heapq.heapreplace(self.nodes, (self.sent[node], heap[0], node))
-        self.sent[node] += 1
-        return best[2]
+            heapq.heapreplace(self.nodes, (n_sent, heap[0], node))
+        _, is_fresh, k = best
+        load[k] += 1
+        self.sent[node] = n_sent + 1
+        heapq.heapreplace(heap, (load[k], is_fresh, k))
+        heapq.heapreplace(self.nodes, (n_sent + 1, heap[0], node))
+        return k
 
 
 def _splits(
