@@ -147,13 +147,17 @@ def waiting_lanes(steps: Sequence[StepLanes], contested: set[int]) -> dict[int, 
     holds now) and every lane after one of them; each with the contested GPUs it lands on."""
     waiting: dict[int, tuple[int, ...]] = {}
     for x in sorted(steps, key=lambda x: x.step):
-        n = len(x.ids)
-        for k, lane in enumerate(x.ids):
-            onto = x.targets.gpus_of((k,), n) if x.op is Primitive.EXTEND else ()
-            if not contested.isdisjoint(onto):
-                waiting[lane] = tuple(sorted(contested.intersection(onto)))
-            elif not waiting.keys().isdisjoint(x.deps[k]):
-                waiting[lane] = ()
+        if x.op is Primitive.EXTEND:
+            n = len(x.ids)
+            for k, lane in enumerate(x.ids):
+                onto = x.targets.gpus_of((k,), n)
+                if not contested.isdisjoint(onto):
+                    waiting[lane] = tuple(sorted(contested.intersection(onto)))
+        if waiting:  # (none before the first Extend onto a contested GPU)
+            after = [
+                lane for lane, deps in zip(x.ids, x.deps, strict=True) if not waiting.keys().isdisjoint(deps)
+            ]
+            waiting.update(dict.fromkeys((lane for lane in after if lane not in waiting), ()))
     return waiting
 
 
