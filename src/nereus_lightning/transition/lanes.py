@@ -179,7 +179,7 @@ def group(
         if not waits.keys().isdisjoint(x.ids):  # by (what they wait for, after which nodes)
             parts = {None: []}
             for k, lane in enumerate(x.ids):
-                key = (waits[lane], frozenset(node_of[d] for d in x.deps[k])) if lane in waits else None
+                key = (waits[lane], frozenset(map(node_of.__getitem__, x.deps[k]))) if lane in waits else None
                 parts.setdefault(key, []).append(k)  # type: ignore[attr-defined]
         for ks in parts.values():
             every = len(ks) == len(x.ids)
