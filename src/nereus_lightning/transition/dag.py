@@ -78,12 +78,12 @@ class Units(Sequence[Unit]):
         return self.take((k,), width)
 
     def take(self, ks: Sequence[int], width: int) -> Units:
-        """The units of lanes ``ks`` of ``width`` alike lanes (all of them: itself)."""
+        """The units of lanes ``ks`` (ascending) of ``width`` alike lanes (all of them: itself)."""
         if len(ks) == width:
             return self
         n = len(self.gpus) // width
-        if len(ks) == 1:
-            return Units(self.layout, self.gpus[ks[0] * n : (ks[0] + 1) * n])
+        if ks[-1] - ks[0] + 1 == len(ks):  # consecutive lanes (ks ascend): one slice
+            return Units(self.layout, self.gpus[ks[0] * n : (ks[-1] + 1) * n])
         return Units(self.layout, [g for k in ks for g in self.gpus[k * n : (k + 1) * n]])
 
     def all_gpus(self) -> Iterator[int]:
@@ -168,15 +168,15 @@ class Memory(Sequence[MemEffect]):
         return self.take((k,), width)
 
     def take(self, ks: Sequence[int], width: int) -> Memory:
-        """The effects of lanes ``ks`` of ``width`` alike lanes (all of them: itself)."""
+        """The effects of lanes ``ks`` (ascending) of ``width`` alike lanes (all of them: itself)."""
         if len(ks) == width:
             return self
         n = len(self.gpus) // width
-        if len(ks) == 1:  # views of read-only arrays stay read-only: no checks needed
+        if ks[-1] - ks[0] + 1 == len(ks):  # consecutive lanes (ks ascend): views, read-only already
             part = object.__new__(Memory)
-            object.__setattr__(part, "gpus", self.gpus[ks[0] * n : (ks[0] + 1) * n])
+            object.__setattr__(part, "gpus", self.gpus[ks[0] * n : (ks[-1] + 1) * n])
             object.__setattr__(part, "net", self.net)
-            object.__setattr__(part, "transient", self.transient[ks[0] * n : (ks[0] + 1) * n])
+            object.__setattr__(part, "transient", self.transient[ks[0] * n : (ks[-1] + 1) * n])
             return part
         at = (np.asarray(ks)[:, None] * n + np.arange(n)).ravel()
         return Memory(self.gpus[at], self.net, self.transient[at])  # copies: made read-only
