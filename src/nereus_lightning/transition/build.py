@@ -37,6 +37,7 @@ import heapq
 from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import replace
 from functools import lru_cache
+from itertools import chain
 
 import numpy as np
 
@@ -184,10 +185,10 @@ def _check_plan(label: str, plan: Plan, ctx: TransitionContext, per_gpu: bool = 
     run in turn); returns the resident state per GPU (or, without ``per_gpu``, nothing when the sum
     of every model-stage's unit memory fits anyway)."""
     n = ctx.cluster.num_gpus
-    for name, cand in plan.items():
-        if min(cand.gpus) < 0 or max(cand.gpus) >= n:
-            bad = next(g for g in cand.gpus if not 0 <= g < n)
-            raise NereusConfigError(f"{label} plan: {name} uses GPU {bad}, outside the pool 0..{n - 1}")
+    every = np.fromiter(chain.from_iterable(c.gpus for _, c in plan.items()), dtype=np.int64)
+    if every.size and (every.min() < 0 or every.max() >= n):
+        name, bad = next((name, g) for name, c in plan.items() for g in c.gpus if not 0 <= g < n)
+        raise NereusConfigError(f"{label} plan: {name} uses GPU {bad}, outside the pool 0..{n - 1}")
     cap = memory_cap(ctx.cluster)
     if not per_gpu and sum(ctx.memory_of(name, c.layout) for name, c in plan.items()) <= cap:
         return np.zeros(0)  # no GPU can hold more than all model-stages together
