@@ -106,8 +106,8 @@ def _cached_build(
     cluster: ClusterSpec,
     workload: Workload,
 ) -> TransitionDAG:
-    ctx, peer_gpus = _context(current, target, dict(models), cluster, workload)
-    held = _held_by_peers(ctx, peer_gpus)
+    ctx = _context(current, target, dict(models), cluster, workload)
+    contested = _contested(ctx)
     lanes = {name: _local_lanes(ctx, name) for name in ctx.current}
     every = [(name, x) for name, steps in lanes.items() for x in steps]  # memory effects in any grouping
     growth = memory_growth([x for _, x in every], cluster.num_gpus)
@@ -117,12 +117,14 @@ def _cached_build(
         _never_fits(every, tight, ctx.current_memory, memory_cap(cluster))
         # A model-stage touching a GPU that may overflow needs per-replica memory ordering.
         careful = {name for name, steps in lanes.items() if any(_touches(x, tight) for x in steps)}
-    waiting = {name: waiting_lanes(lanes[name], gpus) for name, gpus in held.items() if name not in careful}
+    waiting = {
+        name: waiting_lanes(lanes[name], gpus) for name, gpus in contested.items() if name not in careful
+    }
     peers = {p for name in waiting for p in ctx.peers[name]}
     left_by = {p: _left_by(p, lanes[p], p in careful, waiting.get(p, {})) for p in peers}
     waits = {name: _wait_keys(ctx, name, lanes_waiting, left_by) for name, lanes_waiting in waiting.items()}
     nodes = _union(lanes, careful, waits)
-    order, resource = _order_with_resource_edges(nodes, ctx, growth, tight, held)
+    order, resource = _order_with_resource_edges(nodes, ctx, growth, tight, contested)
     return TransitionDAG(_numbered_in_order(nodes, order, resource), ctx, global_order=True)
 
 
@@ -130,13 +132,13 @@ def make_context(
     current: Plan, target: Plan, models: Mapping[str, ModelSpec], cluster: ClusterSpec, workload: Workload
 ) -> TransitionContext:
     """Check the inputs and collect what every later step needs (unit memory per layout)."""
-    return _context(current, target, models, cluster, workload)[0]
+    return _context(current, target, models, cluster, workload)
 
 
 def _context(
     current: Plan, target: Plan, models: Mapping[str, ModelSpec], cluster: ClusterSpec, workload: Workload
-) -> tuple[TransitionContext, dict[str, set[int]]]:
-    """:func:`make_context`, and per model-stage with peers the GPUs its peers hold now."""
+) -> TransitionContext:
+    """:func:`make_context`."""
     stages = {ms.name: ms for ms in workload.stages}
     for label, plan in (("current", current), ("target", target)):
         for name in plan:
@@ -166,8 +168,7 @@ def _context(
     ctx = TransitionContext(current, target, stages, dict(models), cluster, workload, unit_memory)
     resident = _check_plan("current", current, ctx)
     _check_plan("target", target, ctx, per_gpu=False)
-    ctx = replace(ctx, current_memory=tuple(resident.tolist()))
-    return ctx, _peer_gpus(ctx)
+    return replace(ctx, current_memory=tuple(resident.tolist()))
 
 
 def resident_memory(plan: Plan, ctx: TransitionContext) -> np.ndarray:
@@ -204,13 +205,15 @@ def _check_plan(label: str, plan: Plan, ctx: TransitionContext, per_gpu: bool = 
     return mem
 
 
-def _peer_gpus(ctx: TransitionContext) -> dict[str, set[int]]:
-    """Per model-stage with peers, the GPUs its peers hold under the current plan."""
-    return {
-        name: set().union(*(ctx.current[other].gpus for other in peers))
-        for name, peers in ctx.peers.items()
-        if peers
-    }
+def _contested(ctx: TransitionContext) -> dict[str, set[int]]:
+    """Per model-stage whose target holds GPUs its peers hold now, those GPUs (*contested*)."""
+    out = {}
+    for name, peers in ctx.peers.items():
+        mine = set(ctx.target[name].gpus) if peers else set()
+        theirs = set().union(*(mine.intersection(ctx.current[other].gpus) for other in peers))
+        if theirs:
+            out[name] = theirs
+    return out
 
 
 def union_of_local_dags(ctx: TransitionContext) -> list[Node]:
@@ -307,12 +310,6 @@ def _wait_keys(
     return {lane: frozenset(map(release.__getitem__, gpus)) for lane, gpus in waiting.items()}
 
 
-def _held_by_peers(ctx: TransitionContext, now: Mapping[str, set[int]]) -> dict[str, set[int]]:
-    """The GPUs peers hold now (``now``: per model-stage with peers, ``_peer_gpus``), for each
-    model-stage whose target holds one of them."""
-    return {name: held for name, held in now.items() if not held.isdisjoint(ctx.target[name].gpus)}
-
-
 def _tight(ctx: TransitionContext, growth: np.ndarray) -> set[int]:
     """GPUs whose resident state plus every node's growth there may pass the memory cap."""
     over = np.asarray(ctx.current_memory) + growth > memory_cap(ctx.cluster)
@@ -364,17 +361,16 @@ class _PeerWaits:
     holds such a GPU until it releases it, once (more than one peer holds it only where those
     peers are colocated now)."""
 
-    def __init__(self, ctx: TransitionContext, held: Mapping[str, set[int]]) -> None:
+    def __init__(self, ctx: TransitionContext, contested: Mapping[str, set[int]]) -> None:
         self.ctx = ctx
         self.still: dict[str, dict[str, set[int]]] = {}  # waiter -> peer -> contested GPUs it holds
         self.gone: dict[str, list[tuple[int, set[int]]]] = {}  # waiter -> (node, contested GPUs it left)
         self.watchers: dict[str, list[str]] = {}  # peer -> the model-stages waiting for its GPUs
         self.onto: dict[int, tuple[int, ...]] = {}  # per Extend asked about: the GPUs it acquires
-        for name, others in held.items():
-            contested = others.intersection(ctx.target[name].gpus)
+        for name, gpus in contested.items():
             self.still[name], self.gone[name] = {}, []
             for other in ctx.peers[name]:
-                theirs = contested.intersection(ctx.current[other].gpus)
+                theirs = gpus.intersection(ctx.current[other].gpus)
                 if theirs:
                     self.watchers.setdefault(other, []).append(name)
                     self.still[name][other] = theirs
@@ -464,12 +460,12 @@ def _order_with_resource_edges(
     ctx: TransitionContext,
     growth: np.ndarray,
     tight: set[int],
-    held: Mapping[str, set[int]],
+    contested: Mapping[str, set[int]],
 ) -> tuple[list[int], dict[int, list[int]]]:
     """Replay ``nodes`` in priority order (see the module docstring): the order (node indices) and
-    each node's resource deps (indices; ``growth`` and ``tight`` from :func:`_tight`, ``held``
-    from :func:`_held_by_peers`)."""
-    peers = _PeerWaits(ctx, held)
+    each node's resource deps (indices; ``growth`` and ``tight`` from :func:`_tight`, ``contested``
+    from :func:`_contested`)."""
+    peers = _PeerWaits(ctx, contested)
     memory = _MemoryBook(ctx.current_memory, tight, memory_cap(ctx.cluster))
     careful = [bool(tight) and not tight.isdisjoint(n.mem.gpus.tolist()) for n in nodes]
     succs: list[list[int]] = [[] for _ in nodes]
