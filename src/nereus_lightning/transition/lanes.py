@@ -175,18 +175,18 @@ def group(
     node_of: dict[int, int] = {}
     out: list[LocalNode] = []
     for x in sorted((x for x in steps if x.ids), key=lambda x: x.step):
-        parts: dict[Hashable, Sequence[int]] = {None: range(len(x.ids))}
+        parts: list[Sequence[int]] = [range(len(x.ids))]
         if not waits.keys().isdisjoint(x.ids):  # by (what they wait for, after which nodes)
-            parts = {None: []}
+            by_key: dict[Hashable, list[int]] = {None: []}  # None: the lanes that do not wait
             for k, lane in enumerate(x.ids):
                 key = (waits[lane], frozenset(map(node_of.__getitem__, x.deps[k]))) if lane in waits else None
-                parts.setdefault(key, []).append(k)  # type: ignore[attr-defined]
-        for ks in parts.values():
+                by_key.setdefault(key, []).append(k)
+            parts = [ks for ks in by_key.values() if ks]
+        for ks in parts:
             every = len(ks) == len(x.ids)
-            if ks:
-                node_of.update(dict.fromkeys(x.ids if every else [x.ids[k] for k in ks], first + len(out)))
-                deps = set().union(*(x.deps if every else [x.deps[k] for k in ks]))
-                out.append(LocalNode(name, x, tuple(ks), tuple(sorted({node_of[d] for d in deps}))))
+            node_of.update(dict.fromkeys(x.ids if every else [x.ids[k] for k in ks], first + len(out)))
+            deps = set().union(*(x.deps if every else [x.deps[k] for k in ks]))
+            out.append(LocalNode(name, x, tuple(ks), tuple(sorted({node_of[d] for d in deps}))))
     return out
 
 
