@@ -392,7 +392,6 @@ class _RemoteSources:
             self.of_node[t[0] // gpus_per_node].append((0, fresh[k], k))
         for heap in self.of_node.values():
             heapq.heapify(heap)
-        self.sent = dict.fromkeys(self.of_node, 0)
         self.nodes = [(0, heap[0], node) for node, heap in self.of_node.items()]
         heapq.heapify(self.nodes)
 
@@ -409,7 +408,6 @@ class _RemoteSources:
             heapq.heapreplace(self.nodes, (n_sent, heap[0], node))
         _, is_fresh, k = best
         load[k] += 1
-        self.sent[node] = n_sent + 1
         heapq.heapreplace(heap, (load[k], is_fresh, k))
         heapq.heapreplace(self.nodes, (n_sent + 1, heap[0], node))
         return k
