@@ -212,8 +212,9 @@ def _any_order_gpus(dag: TransitionDAG) -> list[str]:
     peers = dag.context.peers
     leaving: dict[str, list[tuple[int, set[int]]]] = {}  # model-stage -> (node id, the GPUs it leaves)
     for n in dag.nodes:
-        if peers[n.model_stage] and n.op is not Primitive.EXTEND and n.released_gpus:
-            leaving.setdefault(n.model_stage, []).append((n.id, set(n.released_gpus)))
+        left = set(n.released_gpus) if peers[n.model_stage] else set()
+        if left:
+            leaving.setdefault(n.model_stage, []).append((n.id, left))
     anc = _ancestors(dag) if leaving else []
     out = []
     for n in dag.nodes:
