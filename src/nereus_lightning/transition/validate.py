@@ -114,8 +114,9 @@ def _replay_memory(dag: TransitionDAG, order: Sequence[Node], problems: list[str
     # what this one adds (its growth and buffers).
     before = base[eff.gpu] + _earlier_sums(eff.gpu, eff.net)
     top = before + np.maximum(eff.net, 0.0) + eff.transient
-    for i in np.unique(eff.node[top > cap]).tolist()[:8]:
-        at = (eff.node == i) & (top > cap)
+    past = top > cap
+    for i in np.unique(eff.node[past]).tolist()[:8] if past.any() else ():
+        at = (eff.node == i) & past
         gpus, tops = eff.gpu[at].tolist(), top[at].tolist()
         over = [f"GPU {g} reaches {t / GB:.1f} GB" for g, t in zip(gpus, tops, strict=True)]
         problems.append(f"memory{label}: {', '.join(over[:2])} > cap {cap / GB:.1f} GB during {order[i]}")
