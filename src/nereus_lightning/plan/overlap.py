@@ -22,6 +22,8 @@ def stage_groups(plan: Plan, members: Sequence[str]) -> tuple[tuple[str, ...], .
     """
     wanted = set(members)
     order = [n for n in plan if n in wanted]
+    if len(order) < 2:  # (nothing to compare)
+        return (tuple(order),) if order else ()
     gpus = {n: frozenset(plan[n].gpus) for n in order}
     groups: list[list[str]] = []
     for n in order:  # merge n with every group it shares a GPU with (keeping the first one's place)
