@@ -59,20 +59,6 @@ class StepLanes(NamedTuple):
     make_transfers: Callable[..., Sequence[Transfer]]
     lane_args: tuple[tuple[Any, ...], ...]
 
-    def take(self, ks: Sequence[int]) -> StepLanes:
-        """Lanes ``ks`` (positions in ``ids``, ascending) of this step; all of them: itself."""
-        n = len(self.ids)
-        if len(ks) == n:
-            return self
-        return self._replace(
-            ids=[self.ids[k] for k in ks],
-            sources=self.sources.take(ks, n),
-            targets=self.targets.take(ks, n),
-            deps=[self.deps[k] for k in ks],
-            mem=self.mem.take(ks, n),
-            lane_args=tuple(self.lane_args[k] for k in ks),
-        )
-
 
 class LocalNode(NamedTuple):
     """A node of one model-stage's local DAG before it has an id: lanes ``ks`` (positions in
@@ -154,10 +140,9 @@ def waiting_lanes(steps: Sequence[StepLanes], contested: set[int]) -> dict[int, 
                 if not contested.isdisjoint(onto):
                     waiting[lane] = tuple(sorted(contested.intersection(onto)))
         if waiting:  # (none before the first Extend onto a contested GPU)
-            after = [
-                lane for lane, deps in zip(x.ids, x.deps, strict=True) if not waiting.keys().isdisjoint(deps)
-            ]
-            waiting.update(dict.fromkeys((lane for lane in after if lane not in waiting), ()))
+            for lane, deps in zip(x.ids, x.deps, strict=True):
+                if not waiting.keys().isdisjoint(deps):
+                    waiting.setdefault(lane, ())
     return waiting
 
 
