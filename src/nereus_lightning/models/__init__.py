@@ -13,12 +13,14 @@ decode steps: :class:`nereus_lightning.models.decode.StaticDecodeEngine`.
 from nereus_lightning.models.fail_fast import PeerFailure, fail_together
 from nereus_lightning.models.groups import ReplicaComm, group_for, replica_groups
 from nereus_lightning.models.optim import bind_adamw, clip_grad_norm_, grad_norm
+from nereus_lightning.models.packing import Documents, Packed, pack, token_budget_slices
 from nereus_lightning.models.pipeline import (
     MicroBatch,
     forward_logits,
     pipeline_forward,
     split_micro_batches,
     token_logprobs,
+    token_scores,
     train_step,
 )
 from nereus_lightning.models.selfcheck import check_model
@@ -35,8 +37,10 @@ from nereus_lightning.models.sharding import (
 )
 
 __all__ = [
+    "Documents",
     "Fused",
     "MicroBatch",
+    "Packed",
     "PeerFailure",
     "Placement",
     "ReplicaComm",
@@ -50,6 +54,7 @@ __all__ = [
     "group_for",
     "layer_range",
     "local_config",
+    "pack",
     "pipeline_forward",
     "placement",
     "pp_stages",
@@ -57,7 +62,9 @@ __all__ = [
     "shard_shape",
     "shard_state",
     "split_micro_batches",
+    "token_budget_slices",
     "token_logprobs",
+    "token_scores",
     "tp_plan_of",
     "tp_slices",
     "train_step",

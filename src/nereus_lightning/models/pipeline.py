@@ -25,9 +25,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from nereus_lightning.models.fail_fast import fail_together
+from nereus_lightning.models.logprobs import head_logprobs
 from nereus_lightning.models.optim import clip_grad_norm_
+from nereus_lightning.models.packing import Documents, Packed
 from nereus_lightning.models.sharded import ShardedCausalLM, _all_reduce_flat
-from nereus_lightning.models.tp_ops import vocab_parallel_logprobs
 from nereus_lightning.spec.errors import require
 
 Where = Literal["all", "first", "last"]
@@ -35,12 +36,26 @@ Where = Literal["all", "first", "last"]
 
 @dataclass(frozen=True)
 class MicroBatch:
-    """One micro-batch: token ids ``[B, S]``, optional padding mask / positions, and loss inputs."""
+    """One micro-batch: token ids ``[B, S]``, optional padding mask / positions, and loss inputs.
+
+    A packed micro-batch (:meth:`packed`) is one row of sequences laid end to end (``documents``);
+    ``score_positions`` (flat positions into ``[B * S]``) restricts the head to the positions whose
+    outputs the loss reads: the head then returns ``[n]`` values in that order (see :func:`head_outputs`).
+    """
 
     input_ids: Tensor
     attention_mask: Tensor | None = None
     position_ids: Tensor | None = None
     extras: dict[str, Tensor] = field(default_factory=dict)
+    documents: Documents | None = None
+    score_positions: Tensor | None = None
+
+    @staticmethod
+    def packed(packed: Packed, **extras: Tensor) -> MicroBatch:
+        """The micro-batch of a :func:`~.packing.pack` result, scoring its score positions."""
+        return MicroBatch(
+            packed.input_ids, None, packed.position_ids, extras, packed.documents, packed.score_positions
+        )
 
 
 def split_micro_batches(
@@ -91,13 +106,19 @@ def _send(t: Tensor, dst: int) -> None:
     dist.send(t.detach().contiguous(), dst=dst)
 
 
+def _stage(model: ShardedCausalLM, mb: MicroBatch, hidden: Tensor | None, cache: Any = None) -> Tensor:
+    return model.stage(mb.input_ids, hidden, mb.attention_mask, mb.position_ids, cache, mb.documents)
+
+
 def pipeline_forward(
     model: ShardedCausalLM,
     micro_batches: Sequence[MicroBatch],
     head: Callable[[Tensor, MicroBatch], Tensor],
     cache: Any = None,
 ) -> list[Tensor] | None:
-    """Forward every micro-batch through the pipeline (no autograd); ``head(local_logits, mb)`` at the end.
+    """Forward every micro-batch through the pipeline (no autograd); ``head(hidden, mb)`` at the end.
+
+    ``hidden``: the last stage's final hidden states ``[B, S, H]`` (its head is the caller's).
 
     ``cache``: a transformers KV cache this rank keeps for its own layers (one micro-batch only;
     see :meth:`ShardedCausalLM.stage`). Returns the list of head outputs on last-stage ranks and
@@ -109,7 +130,7 @@ def pipeline_forward(
     with torch.no_grad(), fail_together():
         for mb in micro_batches:
             hidden = None if comm.is_first_stage else _recv(_hidden_buffer(model, mb), comm.prev_rank)  # type: ignore[arg-type]
-            out = model(mb.input_ids, hidden, mb.attention_mask, mb.position_ids, cache)
+            out = _stage(model, mb, hidden, cache)
             if comm.is_last_stage:
                 outs.append(head(out, mb))
             else:
@@ -164,7 +185,7 @@ def forward_logits(
     """
     mbs = _as_micro_batches(batch)
     with fail_together():
-        outs = pipeline_forward(model, mbs, lambda local, mb: model.full_logits(local), cache)
+        outs = pipeline_forward(model, mbs, lambda h, mb: model.full_logits(model.local_logits(h)), cache)
         value = None if outs is None else torch.cat(outs)
         like = _like(model, mbs, model.out_features, 0, next(model.parameters()).dtype)
         return _deliver(model, value, like, where)
@@ -176,23 +197,75 @@ def _require_lm(model: ShardedCausalLM) -> None:
     )
 
 
-def _logprobs_of(model: ShardedCausalLM, local_logits: Tensor, input_ids: Tensor) -> Tensor:
-    _require_lm(model)
-    group = model.comm.tp_group if model.comm.layout.tp > 1 else None
-    return vocab_parallel_logprobs(local_logits[:, :-1], input_ids[:, 1:], model.vocab_start, group)
-
-
 def head_outputs(
-    model: ShardedCausalLM, local: Tensor, input_ids: Tensor, temperature: float = 1.0
-) -> Tensor:
-    """What :func:`train_step` hands its loss.
+    model: ShardedCausalLM,
+    hidden: Tensor,
+    mb: MicroBatch,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """What :func:`train_step` hands its loss, from the last stage's hidden states ``[B, S, H]``.
 
-    Float32 token log-probs ``[b, S-1]`` of ``logits / temperature``, or a value model's values
-    ``[b, S]`` (its first label).
+    Float32 token log-probs ``[B, S-1]`` of ``logits / temperature`` (entry ``t`` scores token
+    ``t + 1``), or a value model's values ``[B, S]`` (its first label). With ``mb.score_positions``
+    only those positions: ``[n]`` (log-probs of the token after each). ``with_entropy`` (LM only):
+    ``(log_probs, entropy)`` of the same shape. Logits are never materialised for the whole
+    vocabulary and batch at once (:func:`~.logprobs.head_logprobs`).
     """
+    pos = mb.score_positions
     if model.value_head:
-        return local[..., 0].float()
-    return _logprobs_of(model, local / temperature if temperature != 1.0 else local, input_ids)
+        values = model.local_logits(hidden)[..., 0].float()
+        return values if pos is None else values.flatten()[pos]
+    _require_lm(model)
+    if pos is None:
+        b, s = mb.input_ids.shape
+        rows, targets = hidden[:, :-1].flatten(0, 1), mb.input_ids[:, 1:].flatten()
+    else:
+        rows, targets = hidden.flatten(0, 1)[pos], mb.input_ids.flatten()[pos + 1]
+    log_probs, entropy = head_logprobs(model, rows, targets, temperature)
+    if pos is None:
+        log_probs, entropy = log_probs.view(b, s - 1), entropy.view(b, s - 1)
+    return (log_probs, entropy) if with_entropy else log_probs
+
+
+def _scores_like(model: ShardedCausalLM, mbs: Sequence[MicroBatch], rows: int) -> Tensor:
+    weight = next(model.parameters())
+    positions = [mb.score_positions for mb in mbs if mb.score_positions is not None]
+    if len(positions) == len(mbs):
+        n = sum(int(p.numel()) for p in positions)
+        return torch.empty((rows, n), dtype=torch.float32, device=weight.device)
+    require(
+        not positions,
+        "micro_batches",
+        "score positions on some micro-batches only",
+    )
+    like = _like(model, mbs, None, 0 if model.value_head else 1, torch.float32)
+    return like.unsqueeze(0).expand(rows, *like.shape).contiguous()
+
+
+def token_scores(
+    model: ShardedCausalLM,
+    batch: Tensor | MicroBatch | Sequence[MicroBatch],
+    where: Where = "all",
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> Tensor | None:
+    """:func:`head_outputs` of every micro-batch (no autograd), concatenated, delivered to ``where``.
+
+    Shape ``[k, B, S-1]`` (values: ``[k, B, S]``) or ``[k, n]`` with score positions, where ``k``
+    is 2 with entropy (log-probs first) and 1 otherwise.
+    """
+    mbs = _as_micro_batches(batch)
+    rows = 2 if with_entropy else 1
+
+    def head(hidden: Tensor, mb: MicroBatch) -> Tensor:
+        out = head_outputs(model, hidden, mb, temperature, with_entropy)
+        return torch.stack(out) if isinstance(out, tuple) else out.unsqueeze(0)
+
+    with fail_together():
+        outs = pipeline_forward(model, mbs, head)
+        value = None if outs is None else torch.cat(outs, dim=1)
+        return _deliver(model, value, _scores_like(model, mbs, rows), where)
 
 
 def token_logprobs(
@@ -200,14 +273,11 @@ def token_logprobs(
 ) -> Tensor | None:
     """``log p(input_ids[:, t+1] | input_ids[:, :t+1])`` as float32 ``[B, S-1]``, without gathering logits."""
     _require_lm(model)
-    mbs = _as_micro_batches(batch)
-    with fail_together():
-        outs = pipeline_forward(model, mbs, lambda local, mb: _logprobs_of(model, local, mb.input_ids))
-        value = None if outs is None else torch.cat(outs)
-        return _deliver(model, value, _like(model, mbs, None, 1, torch.float32), where)
+    out = token_scores(model, batch, where)
+    return None if out is None else out[0]
 
 
-LossFn = Callable[[Tensor, MicroBatch], Tensor]
+LossFn = Callable[[Any, MicroBatch], Tensor]
 
 
 def _exchange(
@@ -235,14 +305,16 @@ def train_step(
     optimizer: torch.optim.Optimizer | None = None,
     max_grad_norm: float | None = None,
     temperature: float = 1.0,
+    with_entropy: bool = False,
 ) -> Tensor:
     """One optimisation step of a replica: 1F1B forward + backward of every micro-batch, then gradient sync.
 
     ``loss_fn(outputs, mb)`` maps :func:`head_outputs` of a micro-batch (float32 ``[b, S-1]``
-    token log-probs of ``logits / temperature``; a value model's ``[b, S]`` values) to a
-    scalar; the objective is the mean over micro-batches. Gradients are summed over TP where
-    needed, over tied-embedding copies, and averaged over ``model.comm.dp_group`` (so the objective
-    is also the mean over replicas), clipped to a global norm of ``max_grad_norm`` when given
+    token log-probs of ``logits / temperature``, ``[n]`` at its score positions; a value model's
+    values; ``(log_probs, entropy)`` with ``with_entropy``) to a scalar; the objective is the
+    mean over micro-batches. Gradients are summed over TP where needed, over tied-embedding
+    copies, and averaged over ``model.comm.dp_group`` (so the objective is also the mean over
+    replicas), clipped to a global norm of ``max_grad_norm`` when given
     (:func:`~nereus_lightning.models.optim.clip_grad_norm_`), then ``optimizer.step()`` when given
     (grads are left in ``.grad`` either way). Returns this replica's mean loss (float32 scalar) on
     every replica rank.
@@ -250,7 +322,7 @@ def train_step(
     mbs = list(micro_batches)
     require(len(mbs) >= 1, "micro_batches", "need at least one micro-batch")
     with fail_together():
-        return _one_step(model, mbs, loss_fn, optimizer, max_grad_norm, temperature)
+        return _one_step(model, mbs, loss_fn, optimizer, max_grad_norm, temperature, with_entropy)
 
 
 def _one_step(
@@ -260,6 +332,7 @@ def _one_step(
     optimizer: torch.optim.Optimizer | None,
     max_grad_norm: float | None,
     temperature: float,
+    with_entropy: bool,
 ) -> Tensor:
     comm = model.comm
     params = list(model.parameters())
@@ -270,9 +343,9 @@ def _one_step(
     prev, nxt = comm.prev_rank, comm.next_rank
 
     def forward(mb: MicroBatch, inp: Tensor | None) -> Tensor:
-        out = model(mb.input_ids, inp, mb.attention_mask, mb.position_ids)
+        out = _stage(model, mb, inp)
         if last:
-            out = loss_fn(head_outputs(model, out, mb.input_ids, temperature), mb) / len(mbs)
+            out = loss_fn(head_outputs(model, out, mb, temperature, with_entropy), mb) / len(mbs)
             total.add_(out.detach().float())
         return out
 

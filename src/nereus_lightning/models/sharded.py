@@ -37,6 +37,7 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from nereus_lightning.models.groups import ReplicaComm
+from nereus_lightning.models.packing import Documents, packed_attention_for, packing_refusal
 from nereus_lightning.models.sharding import (
     Fused,
     Style,
@@ -425,6 +426,7 @@ class ShardedCausalLM(nn.Module):
         attention_mask: Tensor | dict[str, Tensor] | None = None,
         position_ids: Tensor | None = None,
         cache: Any = None,
+        documents: Documents | None = None,
     ) -> Tensor:
         """This stage's output hidden states ``[B, S, H]`` (after the final norm on the last stage).
 
@@ -435,6 +437,8 @@ class ShardedCausalLM(nn.Module):
         tokens while ``attention_mask`` covers past and new ones (as transformers ``generate`` passes them).
         ``attention_mask`` may also be the layers' 4D masks keyed by :func:`attention_kinds` (as
         transformers' own models accept them), for a cache the mask helpers do not know.
+        ``documents``: ``input_ids`` is one packed row of these sequences (:func:`~.packing.pack`,
+        with its ``position_ids``); attention stays within each sequence.
         """
         if self.comm.is_first_stage:
             hidden = self.model.embed_tokens(input_ids)
@@ -446,7 +450,15 @@ class ShardedCausalLM(nn.Module):
         if position_ids is None:
             past = 0 if cache is None else cache.get_seq_length(self.layer_ids[0])
             position_ids = torch.arange(past, past + input_ids.shape[1], device=hidden.device).unsqueeze(0)
-        masks = self._masks(hidden, attention_mask, position_ids, cache)
+        if documents is None:
+            masks = self._masks(hidden, attention_mask, position_ids, cache)
+        else:
+            require(
+                cache is None and attention_mask is None, "documents", "a packed row takes no mask or cache"
+            )
+            if (why := packing_refusal(self.local_config)) is not None:
+                raise NereusConfigError(f"documents: {self.config.model_type} cannot run packed: {why}")
+            masks = dict.fromkeys(attention_kinds(self.local_config))
         position_embeddings = self.model.rotary_emb(hidden, position_ids)
         with_cache: dict[str, Any] = {}
         if cache is not None:
@@ -460,6 +472,8 @@ class ShardedCausalLM(nn.Module):
         # Activation recompute (the plan's ``Candidate.recompute``): each layer keeps only its input
         # and runs again in the backward pass; TP collectives inside rerun in the same order on every rank.
         recompute = self.recompute and cache is None and torch.is_grad_enabled()
+        if documents is not None:
+            with_cache["nereus_documents"] = documents
         for i in self.layer_ids:
             layer = self.model.layers[str(i)]
             kwargs = dict(
@@ -469,12 +483,21 @@ class ShardedCausalLM(nn.Module):
                 **with_cache,
             )
             if recompute:
-                hidden = torch.utils.checkpoint.checkpoint(layer, hidden, use_reentrant=False, **kwargs)
+                hidden = torch.utils.checkpoint.checkpoint(
+                    self._layer, layer, hidden, documents is not None, use_reentrant=False, **kwargs
+                )
             else:
-                hidden = layer(hidden, **kwargs)
+                hidden = self._layer(layer, hidden, documents is not None, **kwargs)
         if self.comm.is_last_stage:
             hidden = self.model.norm(hidden)
         return hidden
+
+    def _layer(self, layer: nn.Module, hidden: Tensor, packed: bool, **kwargs: Any) -> Tensor:
+        """One decoder layer; a packed row's attention stays within each sequence (also when recomputed)."""
+        if not packed:
+            return layer(hidden, **kwargs)
+        with packed_attention_for(self.local_config):
+            return layer(hidden, **kwargs)
 
     @property
     def out_features(self) -> int:

@@ -1,0 +1,189 @@
+"""Sequences packed end to end in one row, without padding, and attention that keeps them apart.
+
+:func:`pack` lays the valid tokens of a padded batch end to end (``[1, T]``), restarts the
+positions at every sequence, and records the sequence bounds (:class:`Documents`). A packed
+forward runs each attention layer as :func:`packed_attention`: causal attention within each
+sequence (and its sliding window, for the layers that slide), never across, which is exactly what
+the padded batch computes. Outputs come back to the padded layout with :meth:`Packed.unpack`.
+
+:func:`token_budget_slices` cuts a batch into micro-batches by a token budget (verl's
+``ppo_max_token_len_per_gpu`` idea) instead of a count of padded sequences.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from nereus_lightning.spec.errors import NereusConfigError
+
+#: The attention implementation (transformers' registry) of a packed forward's layers.
+PACKED_ATTENTION = "nereus_packed_sdpa"
+#: Attention implementations a packed forward replaces (both compute plain softmax attention).
+_PACKABLE = ("sdpa", "eager")
+#: Attention arguments the packed attention cannot honour: a family that passes one is refused.
+_UNSUPPORTED = ("softcap", "s_aux", "sinks", "position_bias")
+
+
+@dataclass(frozen=True)
+class Documents:
+    """The sequences of one packed row: ``bounds[i]:bounds[i + 1]`` is sequence ``i`` (host ints)."""
+
+    bounds: tuple[int, ...]
+
+    def spans(self) -> Iterator[tuple[int, int]]:
+        """``(start, stop)`` of every non-empty sequence."""
+        for start, stop in zip(self.bounds[:-1], self.bounds[1:], strict=False):
+            if stop > start:
+                yield start, stop
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A packed row (``input_ids``, ``position_ids`` ``[1, T]``) and the way back to the padded batch.
+
+    ``score_positions`` ``[n]``: packed positions whose outputs the caller asked for (the
+    ``score_mask`` of :func:`pack`, in row-major order); ``rows``/``cols`` are their places in the
+    padded ``[B, S]`` batch.
+    """
+
+    input_ids: Tensor
+    position_ids: Tensor
+    documents: Documents
+    score_positions: Tensor
+    rows: Tensor
+    cols: Tensor
+    shape: tuple[int, int]
+
+    def unpack(self, values: Tensor) -> Tensor:
+        """Per-score-position ``values`` ``[n, ...]`` in the padded ``[B, S, ...]`` layout, zero elsewhere."""
+        out = values.new_zeros(*self.shape, *values.shape[1:])
+        out[self.rows, self.cols] = values
+        return out
+
+
+def pack(input_ids: Tensor, attention_mask: Tensor, score_mask: Tensor | None = None) -> Packed:
+    """Pack the valid tokens (``attention_mask`` 1) of ``input_ids`` ``[B, S]`` into one row, in row order.
+
+    ``score_mask`` ``[B, S]`` (a subset of the valid tokens; default all) marks the positions whose
+    outputs the caller will read back. Positions count each sequence's valid tokens from 0, as
+    transformers ``generate`` does for a left-padded prompt.
+    """
+    valid = attention_mask.bool()
+    lengths = valid.sum(-1)
+    flat = valid.flatten().nonzero().squeeze(-1)
+    total = int(flat.numel())
+    bounds = [0, *torch.cumsum(lengths, 0).tolist()]
+    starts = torch.repeat_interleave(torch.tensor(bounds[:-1], device=flat.device), lengths.to(flat.device))
+    positions = torch.arange(total, device=flat.device) - starts
+    score = valid if score_mask is None else score_mask.bool()
+    if bool((score & ~valid).any()):
+        raise NereusConfigError("score_mask: marks padding positions; it must be a subset of attention_mask")
+    packed_of = torch.full((valid.numel(),), -1, dtype=torch.long, device=flat.device)
+    packed_of[flat] = torch.arange(total, device=flat.device)
+    wanted = score.flatten().nonzero().squeeze(-1)
+    width = input_ids.shape[1]
+    return Packed(
+        input_ids.flatten()[flat].unsqueeze(0),
+        positions.unsqueeze(0),
+        Documents(tuple(int(b) for b in bounds)),
+        packed_of[wanted],
+        wanted // width,
+        wanted % width,
+        (input_ids.shape[0], width),
+    )
+
+
+def token_budget_slices(lengths: Sequence[int], budget: int) -> list[slice]:
+    """Consecutive rows grouped so that each group's tokens stay within ``budget``.
+
+    A row longer than the budget is a micro-batch of its own (it cannot be cut).
+    """
+    slices: list[slice] = []
+    start, used = 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and used + n > budget:
+            slices.append(slice(start, i))
+            start, used = i, 0
+        used += n
+    if start < len(lengths):
+        slices.append(slice(start, len(lengths)))
+    return slices
+
+
+def packing_refusal(local_config: Any) -> str | None:
+    """Why a unit with this (local) config cannot run packed forwards, or None when it can."""
+    impl = local_config._attn_implementation or "sdpa"
+    if impl not in _PACKABLE:
+        return f"attention implementation {impl!r} (packed forwards replace {' or '.join(_PACKABLE)})"
+    for name in ("attn_logit_softcapping", "attention_chunk_size"):
+        if getattr(local_config, name, None) is not None:
+            return f"{name}={getattr(local_config, name)} (not computed by the packed attention)"
+    return None
+
+
+def _window_mask(n: int, window: int, device: torch.device) -> Tensor:
+    """Causal and within ``window``, as transformers slides: query i sees key j iff i - window < j <= i."""
+    i = torch.arange(n, device=device)
+    return (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+
+
+def packed_attention(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    nereus_documents: Documents | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """Softmax attention of ``[1, heads, T, D]`` tensors within each packed sequence (sdpa per sequence)."""
+    unsupported = [k for k in _UNSUPPORTED if kwargs.get(k) is not None]
+    if unsupported or nereus_documents is None:
+        what = f"attention arguments {unsupported}" if unsupported else "no packed documents"
+        raise NereusConfigError(f"packed attention: {what}; this family must run padded micro-batches")
+    window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
+    gqa = query.shape[1] != key.shape[1]
+    outs = []
+    for start, stop in nereus_documents.spans():
+        q, k, v = (t[:, :, start:stop] for t in (query, key, value))
+        causal = window is None or stop - start <= window
+        mask = None if causal else _window_mask(stop - start, window, query.device)  # type: ignore[arg-type]
+        outs.append(
+            F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal, scale=scaling, enable_gqa=gqa
+            )
+        )
+    out = torch.cat(outs, dim=2) if outs else query.new_zeros(query.shape[:3] + value.shape[-1:])
+    return out.transpose(1, 2).contiguous(), None
+
+
+@cache
+def _registered() -> None:
+    """Register :func:`packed_attention` with transformers (once, on first use: importing this package
+    does not import transformers)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+
+
+@contextmanager
+def packed_attention_for(local_config: Any) -> Iterator[None]:
+    """The unit's attention layers on :func:`packed_attention` for the block (one layer call)."""
+    _registered()
+    kept = local_config._attn_implementation
+    local_config._attn_implementation = PACKED_ATTENTION
+    try:
+        yield
+    finally:
+        local_config._attn_implementation = kept
