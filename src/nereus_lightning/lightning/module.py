@@ -38,6 +38,7 @@ from typing_extensions import override
 
 import lightning as L
 from nereus_lightning.lightning import roles
+from nereus_lightning.lightning.batches import response_micro_batches, sequence_tokens
 from nereus_lightning.lightning.roles import RoleModels
 from nereus_lightning.lightning.sources import make_sources
 from nereus_lightning.lightning.stages import (
@@ -50,18 +51,13 @@ from nereus_lightning.lightning.stages import (
     run_stages_rows,
 )
 from nereus_lightning.lightning.strategy import NereusStrategy
+from nereus_lightning.models import MicroBatch, token_scores
 from nereus_lightning.models.decode import DECODE_MODES, StaticDecodeEngine, decode_path
 from nereus_lightning.models.generation import ShardedGenerator
 from nereus_lightning.rl import algorithm as rl
 from nereus_lightning.rl import losses
 from nereus_lightning.rl.batch import RolloutBatch, dp_slice
 from nereus_lightning.rl.data import Prompt
-from nereus_lightning.rl.forward import (
-    position_ids_from_mask,
-    response_log_probs,
-    response_span,
-    response_values,
-)
 from nereus_lightning.rl.reward import ModelReward
 from nereus_lightning.rl.reward_function import RewardResult
 from nereus_lightning.rl.rollout import (
@@ -744,26 +740,29 @@ class RLModule(L.LightningModule):
                 width = 1 if role == "reward" else batch.response_ids.shape[-1]
                 jobs.append(RowsJob(stage, width, partial(self._infer_slot, strategy, role, batch)))
         assert strategy.plan is not None
-        return run_stages_rows(strategy.plan, jobs, strategy.global_rank, len(batch), self.device)
+        tokens = sequence_tokens(batch)
+        return run_stages_rows(strategy.plan, jobs, strategy.global_rank, len(batch), self.device, tokens)
 
     def _infer_slot(
         self, strategy: NereusStrategy, role: str, batch: RolloutBatch, slot: StageSlot
     ) -> Tensor:
-        """One replica's rows of an inference model-stage (see :meth:`infer`), in the plan's micro-batches."""
-        outs = []
-        with strategy.in_use(slot.stage):
-            net = self.stage_model(strategy, slot.stage)
-            for rows in micro_slices(slot.stop - slot.start, slot.candidate.micro_batch):
-                part = batch.select(slice(slot.start + rows.start, slot.start + rows.stop))
-                args = (part.prompt_ids, part.prompt_mask, part.response_ids, part.response_mask)
-                with torch.no_grad():
-                    if role == "reward":
-                        outs.append(ModelReward(net)(*args).unsqueeze(-1))
-                    elif role == "critic":
-                        outs.append(response_values(net, *args))
-                    else:
-                        outs.append(response_log_probs(net, *args, temperature=self.hparams.temperature)[0])
-        return torch.cat(outs)
+        """One replica's rows of an inference model-stage (see :meth:`infer`), packed under the plan's
+        token budget; log-probs never hold the whole vocabulary's logits."""
+        part = batch.select(slice(slot.start, slot.stop))
+        with strategy.in_use(slot.stage), torch.no_grad():
+            if role == "reward":
+                net = self.stage_model(strategy, slot.stage)
+                reward = ModelReward(net)
+                rows = (part.select(r) for r in micro_slices(len(part), slot.candidate.micro_batch))
+                scores = [reward(r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask) for r in rows]
+                return torch.cat(scores)[:, None]
+            unit = strategy.stage(slot.stage)
+            assert unit is not None  # the slot is active
+            micros = response_micro_batches(unit, part, slot.candidate.micro_batch)
+            out = token_scores(unit, [m.micro for m in micros], temperature=self.hparams.temperature)
+            assert out is not None  # delivered to every rank of the replica
+            parts = out[0].split([m.size for m in micros])
+            return torch.cat([m.responses(o) for m, o in zip(micros, parts, strict=True)])
 
     # ---- training stage ------------------------------------------------------------------
     def update(
@@ -787,8 +786,9 @@ class RLModule(L.LightningModule):
                 total_tokens = mask[lo:hi].sum().clamp_min(1.0)
                 part: dict[str, float] = {}
                 problems: list[str] = []
+                tokens = sequence_tokens(batch.select(slice(lo, hi)))
                 for stage in strategy.training_stages():
-                    slot = strategy.slot(stage, hi - lo)
+                    slot = strategy.slot(stage, hi - lo, tokens)
                     if not slot.active or slot.stop <= slot.start:
                         continue
                     rows = slice(lo + slot.start, lo + slot.stop)
@@ -835,38 +835,34 @@ class RLModule(L.LightningModule):
 
         The losses are :func:`~nereus_lightning.rl.algorithm.actor_loss` and ``critic_loss``,
         normalised by the global mini-batch's tokens (``total_tokens``), through this rank's unit:
-        :func:`~nereus_lightning.models.train_step` (1F1B over the pipeline, in the plan's
-        micro-batches) with the response entries :func:`~nereus_lightning.rl.forward.response_span` picks.
+        :func:`~nereus_lightning.models.train_step` (1F1B over the pipeline), in packed micro-batches
+        under the plan's token budget (:func:`~nereus_lightning.lightning.batches.response_micro_batches`).
         """
-        from nereus_lightning.models import MicroBatch, train_step
+        from nereus_lightning.models import train_step
 
         cfg = self.rl_config
         unit = strategy.stage(stage)
         assert unit is not None  # the slot is active: this rank holds a unit
         metrics: dict[str, Tensor] = {}
-        loss_fn = rl.actor_loss if stage == "actor_train" else rl.critic_loss
+        actor = stage == "actor_train"
+        micros = response_micro_batches(unit, part, micro_batch)
+        of = {id(m.micro): m for m in micros}
 
-        def loss_of(out: Tensor, micro: RolloutBatch) -> Tensor:
-            loss, m = loss_fn(out, micro, cfg, total_tokens, total_tokens)
+        def loss_of(out: Any, mb: MicroBatch) -> Tensor:
+            micro = of[id(mb)]
+            if actor:
+                log_probs, entropy = (micro.responses(o) for o in out)
+                entropy = entropy if cfg.entropy_coef else entropy.detach()  # reported; no gradient
+                loss, m = rl.actor_loss(log_probs, micro.rows, cfg, total_tokens, total_tokens, entropy)
+            else:
+                loss, m = rl.critic_loss(micro.responses(out), micro.rows, cfg, total_tokens, total_tokens)
             for k, v in m.items():  # contributions: they sum over micro-batches
                 metrics[k] = metrics[k] + v if k in metrics else v
-            return loss
+            # train_step's objective is the mean over micro-batches; the losses here are already
+            # normalised by the mini-batch's tokens, so each is scaled back up by their number.
+            return loss * len(micros)
 
-        span = response_span(part.prompt_ids.shape[-1], part.response_ids.shape[-1])
-        micros = [part.select(rows) for rows in micro_slices(len(part), micro_batch)]
-        batches = [
-            MicroBatch(m.sequences, m.attention_mask, position_ids_from_mask(m.attention_mask))
-            for m in micros
-        ]
-        of = {id(mb): m for mb, m in zip(batches, micros, strict=True)}
-        # train_step's objective is the mean over micro-batches; the losses here are already
-        # normalised by the mini-batch's tokens, so each is scaled back up by their number.
-        train_step(
-            unit,
-            batches,
-            lambda out, mb: loss_of(out[:, span], of[id(mb)]) * len(batches),
-            temperature=cfg.temperature,
-        )
+        train_step(unit, [m.micro for m in micros], loss_of, temperature=cfg.temperature, with_entropy=actor)
         return metrics, unit.comm.is_last_stage and unit.comm.tp_rank == 0
 
 

@@ -2,8 +2,9 @@
 collectives that move per-sample results between stages with different DP layouts.
 
 A model-stage with ``dp`` replicas splits the global batch into ``dp`` contiguous blocks of
-global sample indices (replica ``r`` gets block ``r`` of :func:`~nereus_lightning.rl.batch.dp_slice`).
-The split depends only on the global sample count and ``dp``, never on which ranks hold the
+global sample indices (replica ``r`` gets block ``r`` of :func:`~nereus_lightning.rl.batch.dp_slice`,
+or of :func:`~nereus_lightning.rl.batch.balanced_slice` where the samples' tokens are known).
+The split depends only on the batch and ``dp``, never on which ranks hold the
 replicas, so results are identical under any placement. Each replica's "leader" (its first GPU)
 reports the replica's results; every rank then holds the whole batch again in global order, which
 is how a batch moves from one stage's DP layout to the next one's.
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from nereus_lightning.plan.layout import Candidate, Plan
-from nereus_lightning.rl.batch import dp_slice
+from nereus_lightning.rl.batch import balanced_slice, dp_slice
 from nereus_lightning.spec.errors import NereusConfigError, require
 from nereus_lightning.spec.workload import workflow
 
@@ -64,14 +65,24 @@ class StageSlot:
         return range(self.start, self.stop)
 
 
-def slot_of(plan: Plan, stage: str, rank: int, num_samples: int) -> StageSlot:
-    """This rank's slot in ``stage`` of ``plan`` for a batch of ``num_samples`` samples."""
+def slot_of(
+    plan: Plan, stage: str, rank: int, num_samples: int, tokens: Sequence[int] | None = None
+) -> StageSlot:
+    """This rank's slot in ``stage`` of ``plan`` for a batch of ``num_samples`` samples.
+
+    With ``tokens`` (each sample's), replicas get contiguous blocks of near-equal tokens
+    (:func:`~nereus_lightning.rl.batch.balanced_slice`); else of near-equal sample counts.
+    """
     cand = plan[stage]
     if rank not in cand.gpus:
         return StageSlot(stage, cand, None, None)
     index = cand.gpus.index(rank)
     replica, position = divmod(index, cand.layout.size)
-    rows = dp_slice(num_samples, cand.dp, replica)
+    if tokens is None:
+        rows = dp_slice(num_samples, cand.dp, replica)
+    else:
+        require(len(tokens) == num_samples, "tokens", f"{len(tokens)} counts for {num_samples} samples")
+        rows = balanced_slice(tokens, cand.dp, replica)
     return StageSlot(stage, cand, replica, position, rows.start, rows.stop)
 
 
@@ -149,13 +160,19 @@ class RowsJob:
 
 
 def run_stages_rows(
-    plan: Plan, jobs: Sequence[RowsJob], rank: int, num_samples: int, device: torch.device
+    plan: Plan,
+    jobs: Sequence[RowsJob],
+    rank: int,
+    num_samples: int,
+    device: torch.device,
+    tokens: Sequence[int] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Run several model-stages of one stage (e.g. every inference model-stage) and exchange their rows once.
 
     Each rank runs, in the given order, only the model-stages it holds a unit of; model-stages on
     disjoint ranks therefore compute at the same time, and no rank waits for a model-stage it is
     not part of until the single exchange at the end. Every rank gets ``[n, width]`` per stage.
+    ``tokens``: each sample's, to balance replicas by tokens (:func:`slot_of`).
     The rows travel as one float32 buffer summed over the world (each row is reported by one
     leader, the others add zeros, so the sum is exact); tensors stay on their device.
     """
@@ -163,7 +180,7 @@ def run_stages_rows(
     buffer = torch.zeros(num_samples, sum(columns), dtype=torch.float32, device=device)
     offset = 0
     for job, cols in zip(jobs, columns, strict=True):
-        slot = slot_of(plan, job.stage, rank, num_samples)
+        slot = slot_of(plan, job.stage, rank, num_samples, tokens)
         if slot.active and slot.stop > slot.start:
             rows = job.fn(slot)
             if slot.is_leader:

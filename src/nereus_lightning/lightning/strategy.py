@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from datetime import timedelta
 from pathlib import Path
@@ -279,11 +279,14 @@ class NereusStrategy(ParallelStrategy):
         """The module's role models (their configs stay; their tensors went into the units)."""
         return self.units.roles
 
-    def slot(self, model_stage: str, num_samples: int) -> StageSlot:
-        """This rank's place in ``model_stage`` of the current plan: its replica's rows of a global batch."""
+    def slot(self, model_stage: str, num_samples: int, tokens: Sequence[int] | None = None) -> StageSlot:
+        """This rank's place in ``model_stage`` of the current plan: its replica's rows of a global batch.
+
+        ``tokens`` (each sample's) balances the replicas by tokens instead of sample counts.
+        """
         require(self.plan is not None, "plan", "the strategy has no plan yet (it gets one before step 0)")
         assert self.plan is not None
-        return slot_of(self.plan, model_stage, self.global_rank, num_samples)
+        return slot_of(self.plan, model_stage, self.global_rank, num_samples, tokens)
 
     def stage(self, model_stage: str) -> ShardedCausalLM | None:
         """This rank's compute module of ``model_stage`` (its unit's very tensors), None when not a member."""

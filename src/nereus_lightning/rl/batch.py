@@ -9,6 +9,8 @@ cuts the new rank's block.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
@@ -26,6 +28,28 @@ def dp_slice(num_samples: int, dp: int, rank: int) -> slice:
     base, extra = divmod(num_samples, dp)
     start = rank * base + min(rank, extra)
     return slice(start, start + base + (1 if rank < extra else 0))
+
+
+def balanced_slice(tokens: Sequence[int], dp: int, rank: int) -> slice:
+    """DP rank ``rank``'s contiguous block of samples with ``tokens`` each, the blocks' tokens near equal.
+
+    Cut ``r`` falls at the sample boundary nearest ``r / dp`` of the total; every block keeps at
+    least one sample while there are as many samples as ranks (as :func:`dp_slice`).
+    """
+    require(dp >= 1, "dp", f"must be >= 1, got {dp}")
+    require(0 <= rank < dp, "rank", f"must be in [0, {dp}), got {rank}")
+    n = len(tokens)
+    prefix = list(itertools.accumulate(tokens, initial=0))
+    cuts = [0]
+    for r in range(1, dp):
+        target = prefix[-1] * r / dp
+        i = bisect.bisect_left(prefix, target)
+        if i > 0 and target - prefix[i - 1] <= prefix[min(i, n)] - target:
+            i -= 1
+        low, high = cuts[-1] + (1 if n >= dp else 0), n - (dp - r if n >= dp else 0)
+        cuts.append(min(max(i, low), high))
+    cuts.append(n)
+    return slice(cuts[rank], cuts[rank + 1])
 
 
 @dataclass
