@@ -35,3 +35,24 @@ def test_default_is_cpu4(dist4) -> None:
 def test_unknown_cluster_fails_at_construction() -> None:
     with pytest.raises(NereusConfigError, match="paper_cluster1"):
         NereusStrategy(cluster="no_such_cluster")
+
+
+def test_expandable_segments_unless_the_user_configured_them(monkeypatch) -> None:
+    import torch
+
+    from nereus_lightning.lightning.strategy import use_expandable_segments
+
+    given: list[str] = []
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", given.append)
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    assert use_expandable_segments()
+    assert given == ["expandable_segments:True"]
+    import os
+
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512,expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False")  # the user's choice stands
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")
+    assert not use_expandable_segments()
+    assert given == ["expandable_segments:True"]
