@@ -552,9 +552,10 @@ def use_expandable_segments() -> bool:
     """
     if any("expandable_segments" in os.environ.get(name, "") for name in ALLOC_CONF_VARS):
         return False
+    setting = "expandable_segments:True"
     kept = os.environ.get(ALLOC_CONF_VARS[0], "")
-    os.environ[ALLOC_CONF_VARS[0]] = f"{kept},expandable_segments:True" if kept else "expandable_segments:True"
-    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    os.environ[ALLOC_CONF_VARS[0]] = f"{kept},{setting}" if kept else setting
+    torch.cuda.memory._set_allocator_settings(setting)
     return True
 
 
