@@ -86,16 +86,55 @@ def reward(data_source=None, solution_str="", ground_truth=None, extra_info=None
     return float(len(solution_str) % 7) / 7.0
 
 
+def params_of(folder: Path) -> int:
+    """Parameters of the folder's model (the 12 B/param of fp32 masters and AdamW moments nereus may add)."""
+    from nereus_lightning.spec import ModelSpec
+
+    return int(ModelSpec.from_hf_config(folder).num_params)
+
+
+def prompt_tokens(folder: Path) -> float:
+    """Mean tokens of the benchmark's prompts through the folder's chat template (the planner's prompt_len)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    lengths = [len(tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True)) for p in prompts()]
+    return sum(lengths) / len(lengths)
+
+
 def planned(folder: Path, new_tokens: int):  # noqa: ANN201
-    """(plan, models, cluster, workload): the planner's plan for this job on one H200 of ``h200x8``."""
+    """(plan, models, cluster, workload): the planner's plan for this job on this GPU (``h200x8``'s
+    rates, this GPU's memory)."""
+    import dataclasses
+
+    import torch
+
     from nereus_lightning.plan.planner import job_models, plan_job
     from nereus_lightning.spec import ModelSpec, Workload, cluster_preset
 
     models = job_models(ModelSpec.from_hf_config(folder))
     cluster = cluster_preset("h200x8").with_gpus(1)
-    workload = Workload(algorithm="grpo", prompts_per_step=PROMPTS, samples_per_prompt=SAMPLES, prompt_len=24,
-                        response_len=float(new_tokens), response_len_p95=float(new_tokens))
+    if torch.cuda.is_available():
+        cluster = dataclasses.replace(cluster, gpu_memory=float(torch.cuda.get_device_properties(0).total_memory))
+    workload = Workload(algorithm="grpo", prompts_per_step=PROMPTS, samples_per_prompt=SAMPLES,
+                        prompt_len=prompt_tokens(folder), response_len=float(new_tokens),
+                        response_len_p95=float(new_tokens), reward_model=False)
     return plan_job(models, cluster, workload).plan, models, cluster, workload
+
+
+def predicted_peaks(plan, models, cluster, workload) -> dict[str, float]:  # noqa: ANN001
+    """The cost model's peak GiB per workflow stage (gen, infer, train) of ``plan``: its model-stages'
+    largest (colocated ones run one after another)."""
+    from nereus_lightning.plan.estimate import estimate_plan
+
+    short = {"generation": "gen", "inference": "infer", "training": "train"}
+    memory = estimate_plan(plan, models, cluster, workload).stage_memory
+    out: dict[str, float] = {}
+    for ms in workload.stages:
+        if ms.name in memory:
+            key = short[ms.stage]
+            out[key] = max(out.get(key, 0.0), memory[ms.name] / 2**30)
+    return out
 
 
 def with_slots(plan, micro_batch: int | None, recompute: bool | None):  # noqa: ANN001, ANN201
@@ -127,7 +166,7 @@ def keep_plan(plan):  # noqa: ANN001, ANN201
     return KeepPlan()
 
 
-def run_nereus(folder: Path, steps: int, new_tokens: int, out: Path, plan) -> dict:  # noqa: ANN001
+def run_nereus(folder: Path, steps: int, new_tokens: int, out: Path, plan, cluster) -> dict:  # noqa: ANN001
     """nereus GRPO on GPU 0 under ``plan``: bf16 weights with fp32 masters."""
     import csv
 
@@ -158,7 +197,7 @@ def run_nereus(folder: Path, steps: int, new_tokens: int, out: Path, plan) -> di
         devices=1,
         precision="bf16-mixed",
         max_steps=steps,
-        strategy=NereusStrategy(plan=plan, cluster="h200x8", export_hf=False),
+        strategy=NereusStrategy(plan=plan, cluster=cluster, export_hf=False),
         callbacks=[NereusCallback(controller=keep_plan(plan))],
         logger=pl.loggers.CSVLogger(out, name="nereus"),
         log_every_n_steps=1,
@@ -272,25 +311,47 @@ def _slots(run: dict) -> str:
     return f"{who}mb{mb}{' recompute' if rc else ''}"
 
 
+def _median_steps(run: dict) -> dict[str, float]:
+    steps = run["steps"][run["warmup"]:]
+    return {k: statistics.median(s[k] for s in steps) for k in steps[0] if not isinstance(steps[0][k], dict)}
+
+
+def _stage_peaks(run: dict) -> str:
+    """Measured peak GiB per stage (gen/infer/train; the step's for TRL) and, for nereus, the prediction."""
+    steps = run["steps"][run["warmup"]:]
+    if run["system"] != "nereus":
+        return f"{max(s['peak_gib'] for s in steps):.1f}"
+    measured = {k: max(s["peak_gib_by_stage"][k] for s in steps) for k in ("gen", "infer", "train")}
+    predicted = run.get("predicted_peak_gib", {})
+    return " / ".join(f"{measured[k]:.1f} ({predicted.get(k, float('nan')):.1f})" for k in measured)
+
+
 def report(paths: list[Path]) -> str:
-    """A markdown table of the runs in ``paths`` (median of the steps after the warm-up)."""
+    """A markdown table of the runs in ``paths`` (median of the steps after the warm-up), grouped by
+    shape and response length, with nereus's speed-up over TRL and its peak against TRL's + 12 B/param."""
+    runs = [json.loads(p.read_text()) for p in paths]
     rows = [
-        "| system | shape | slots | s/step | gen s | infer s | train s | gen tok/s | peak GiB | fit s |",
-        "| --- " * 10 + "|",
+        "| shape | N | system | slots | s/step | gen s | infer s | train s | gen tok/s | peak GiB: gen / infer / "
+        "train (predicted) | vs TRL |",
+        "| --- " * 11 + "|",
     ]
-    for path in paths:
-        run = json.loads(path.read_text())
-        steps = run["steps"][run["warmup"]:]
-        med = {
-            k: statistics.median(s[k] for s in steps) for k in steps[0] if not isinstance(steps[0][k], dict)
-        }
+    trl = {(r["shape"], r["new_tokens"]): r for r in runs if r["system"] == "trl"}
+    for run in sorted(runs, key=lambda r: (r["shape"], r["new_tokens"], r["system"] != "nereus")):
+        med = _median_steps(run)
         infer = f"{med['infer_s']:.2f}" if "infer_s" in med else f"({med['infer_train_s']:.2f} with train)"
         train = f"{med['train_s']:.2f}" if "train_s" in med else "-"
         tokens = PROMPTS * SAMPLES * run["new_tokens"]
+        versus = "-"
+        other = trl.get((run["shape"], run["new_tokens"]))
+        if run["system"] == "nereus" and other is not None:
+            base = _median_steps(other)
+            peak = max(s["peak_gib"] for s in run["steps"][run["warmup"]:])
+            allowed = max(s["peak_gib"] for s in other["steps"][other["warmup"]:]) + 12 * run["params"] / 2**30
+            versus = f"{base['step_s'] / med['step_s']:.1f}x faster; peak {peak:.1f} vs {allowed:.1f} allowed"
         rows.append(
-            f"| {run['system']} | {run['shape']} | {_slots(run)} | {med['step_s']:.2f} | {med['gen_s']:.2f} "
-            f"| {infer} | {train} "
-            f"| {tokens / med['gen_s']:,.0f} | {max(s['peak_gib'] for s in steps):.1f} | {run['fit_s']:.1f} |"
+            f"| {run['shape']} | {run['new_tokens']} | {run['system']} | {_slots(run)} | {med['step_s']:.2f} "
+            f"| {med['gen_s']:.2f} | {infer} | {train} | {tokens / med['gen_s']:,.0f} | {_stage_peaks(run)} "
+            f"| {versus} |"
         )
     return "\n".join(rows)
 
@@ -323,7 +384,7 @@ def main(argv: list[str] | None = None) -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     folder = make_folder(args.shape, work)
-    run_dir = work / f"{args.system}-{args.shape}{args.tag and '-' + args.tag}"
+    run_dir = work / f"{args.system}-{args.shape}-n{args.new_tokens}{args.tag and '-' + args.tag}"
     shutil.rmtree(run_dir, ignore_errors=True)  # one run's logs only
     run_dir.mkdir()
     if args.system == "nereus":
@@ -331,8 +392,9 @@ def main(argv: list[str] | None = None) -> None:
         chosen = {n: {"micro_batch": c.micro_batch, "recompute": c.recompute} for n, c in plan.assignments}
         recompute = None if args.recompute is None else bool(args.recompute)
         plan = with_slots(plan, args.micro_batch, recompute)
-        result = run_nereus(folder, args.steps, args.new_tokens, run_dir, plan)
+        result = run_nereus(folder, args.steps, args.new_tokens, run_dir, plan, cluster)
         result["planner_choice"] = chosen
+        result["predicted_peak_gib"] = predicted_peaks(plan, models, cluster, workload)
         result["cost_model"] = cost_model(plan, models, cluster, workload, result["steps"][args.warmup:])
         print(json.dumps(result["cost_model"], indent=1))
     else:
@@ -347,8 +409,10 @@ def main(argv: list[str] | None = None) -> None:
         transformers=importlib.metadata.version("transformers"),
         micro_batch=args.micro_batch,
         recompute=args.recompute,
+        params=params_of(folder),
     )
-    path = Path(args.out) / f"gpu_e2e_{args.system}_{args.shape}{args.tag and '_' + args.tag}.json"
+    name = f"gpu_e2e_{args.system}_{args.shape}_n{args.new_tokens}{args.tag and '_' + args.tag}.json"
+    path = Path(args.out) / name
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
     print(report([path]))

@@ -64,14 +64,19 @@ class ShardedGenerator(PreTrainedModel, GenerationMixin):
         cache: Any = None,
         use_cache: bool | None = None,
         past_key_values: Any = None,
+        logits_to_keep: int = 0,
         **kwargs: Any,
     ) -> Any:
-        """Full-vocabulary logits ``[B, S, V]`` on every rank of the replica (``.logits``), and the cache."""
+        """Full-vocabulary logits ``[B, S, V]`` on every rank of the replica (``.logits``), and the cache.
+
+        ``logits_to_keep`` > 0: only the last positions' logits (``generate`` asks for 1, so a
+        prefill never holds a prompt's whole-vocabulary logits).
+        """
         cache = cache if cache is not None else past_key_values
         if use_cache is False:
             cache = None
         if position_ids is None and attention_mask is not None and cache is None:
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
         batch = MicroBatch(input_ids, attention_mask, position_ids)
-        logits = forward_logits(self.unit, batch, where="all", cache=cache)
+        logits = forward_logits(self.unit, batch, where="all", cache=cache, last=logits_to_keep)
         return CausalLMOutputWithPast(logits=logits, **{_CACHE_FIELD: cache})

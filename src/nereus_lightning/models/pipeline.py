@@ -164,10 +164,12 @@ def _like(
     last_dim: int | None,
     shift: int,
     dtype: torch.dtype,
+    last: int = 0,
 ) -> Tensor:
     weight = next(model.parameters())
     b = sum(mb.input_ids.shape[0] for mb in micro_batches)
     s = micro_batches[0].input_ids.shape[1] - shift
+    s = min(s, last) if last else s
     shape = (b, s) if last_dim is None else (b, s, last_dim)
     return torch.empty(shape, dtype=dtype, device=weight.device)
 
@@ -177,17 +179,23 @@ def forward_logits(
     batch: Tensor | MicroBatch | Sequence[MicroBatch],
     where: Where = "all",
     cache: Any = None,
+    last: int = 0,
 ) -> Tensor | None:
     """Full-vocabulary logits ``[B, S, V]`` of the replica, concatenated over micro-batches.
 
     ``where``: "all" (every rank of the replica), "first" (the replica's first rank) or "last"
     (last-stage ranks); other ranks get None. ``cache``: see :func:`pipeline_forward`.
+    ``last`` > 0: the last ``last`` positions only (``[B, last, V]``).
     """
     mbs = _as_micro_batches(batch)
+
+    def head(hidden: Tensor, mb: MicroBatch) -> Tensor:
+        return model.full_logits(model.local_logits(hidden[:, -last:] if last else hidden))
+
     with fail_together():
-        outs = pipeline_forward(model, mbs, lambda h, mb: model.full_logits(model.local_logits(h)), cache)
+        outs = pipeline_forward(model, mbs, head, cache)
         value = None if outs is None else torch.cat(outs)
-        like = _like(model, mbs, model.out_features, 0, next(model.parameters()).dtype)
+        like = _like(model, mbs, model.out_features, 0, next(model.parameters()).dtype, last)
         return _deliver(model, value, like, where)
 
 
