@@ -89,6 +89,8 @@ def _logit_grad_kernel(
     inv_S = 1.0 / tl.load(S_ptr + row)
     mean = tl.load(mean_ptr + row)
     tgt = tl.load(targets_ptr + row)
+    # int32 for the per-element compare; a target outside [0, V) becomes -1 and matches no column.
+    tgt = tl.where((tgt >= 0) & (tgt < V), tgt, -1).to(tl.int32)
     g_logp = 0.0
     g_ent = 0.0
     if HAS_LOGP:
@@ -102,7 +104,7 @@ def _logit_grad_kernel(
         p = tl.exp(x - M) * inv_S
         g = tl.zeros([BLOCK_V], dtype=tl.float32)
         if HAS_LOGP:
-            # A target outside [0, V) matches no column: its one-hot lives on another rank.
+            # A target outside this slice has its one-hot on another rank.
             g = g_logp * (tl.where(idx == tgt, 1.0, 0.0) - p)
         if HAS_ENT:
             g = g - g_ent * tl.where(p > 0.0, p * (x - mean), 0.0)
