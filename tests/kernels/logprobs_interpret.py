@@ -67,6 +67,8 @@ def _check_grads(logits: torch.Tensor, targets: torch.Tensor, scale: float, bloc
     _, _, M, S, mean = combine_stats(*row_stats_reference(logits, targets, scale))
     gen = torch.Generator().manual_seed(n)
     g_logp, g_ent = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    # Row vectors as strided views (columns of a stack), as an all-reduced buffer may hand them over.
+    M, S, mean = torch.stack([M, S, mean, M], dim=1).unbind(1)[:3]
     errors = []
     for gl, ge in ((g_logp, g_ent), (g_logp, None), (None, g_ent)):
         out = torch.full(logits.shape, float("nan"), dtype=logits.dtype)

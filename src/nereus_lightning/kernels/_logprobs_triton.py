@@ -156,6 +156,10 @@ def logit_grad(
     n, V = logits.shape
     if out is None:
         out = torch.empty((n, V), dtype=logits.dtype, device=logits.device)
+    # The kernel reads element ``row`` of each [n] vector: a strided view (a column of a stack) is copied.
+    M, S, mean = M.contiguous(), S.contiguous(), mean.contiguous()
+    g_logp = None if g_logp is None else g_logp.contiguous()
+    g_ent = None if g_ent is None else g_ent.contiguous()
     if n:
         _logit_grad_kernel[(n,)](
             logits,
