@@ -17,7 +17,13 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import Tensor
 
-from nereus_lightning.kernels.logprobs import combine_stats, logit_grad, row_stats
+from nereus_lightning.kernels.logprobs import (
+    combine_stats,
+    finish_stats,
+    logit_grad,
+    rescale_stats,
+    row_stats,
+)
 
 if TYPE_CHECKING:
     from nereus_lightning.models.sharded import ShardedCausalLM
@@ -40,11 +46,9 @@ def _combined(
         return combine_stats(m, s, e, t)
     M = m.clone()
     dist.all_reduce(M, op=dist.ReduceOp.MAX, group=group)
-    shift = m - M
-    a = shift.exp()
-    sums = torch.stack([s * a, a * (e + shift * s), t])  # rescaled to the global max
+    sums = torch.stack([*rescale_stats(m, s, e, M), t])
     dist.all_reduce(sums, group=group)
-    return combine_stats(M, sums[0], sums[1], sums[2])
+    return finish_stats(M, sums[0], sums[1], sums[2])
 
 
 class _VocabParallelStats(torch.autograd.Function):
