@@ -11,12 +11,14 @@ exactly runs padded micro-batches of whole rows instead.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from torch import Tensor
 
-from nereus_lightning.models import MicroBatch, Packed, pack, token_budget_slices
+from nereus_lightning.models import MicroBatch, Packed, pack, token_budget_slices, train_step
 from nereus_lightning.models.packing import packing_refusal
 from nereus_lightning.models.sharded import ShardedCausalLM
+from nereus_lightning.rl.algorithm import RLConfig, actor_loss, critic_loss
 from nereus_lightning.rl.batch import RolloutBatch
 from nereus_lightning.rl.forward import position_ids_from_mask, response_span
 
@@ -46,13 +48,16 @@ def sequence_tokens(batch: RolloutBatch) -> list[int]:
 
 
 def response_micro_batches(
-    unit: ShardedCausalLM, part: RolloutBatch, micro_batch: int
+    unit: ShardedCausalLM, part: RolloutBatch, micro_batch: int, remove_padding: bool = True
 ) -> list[ResponseMicroBatch]:
-    """``part`` in micro-batches of at most ``micro_batch`` padded rows' tokens, packed where the unit can."""
+    """``part`` in micro-batches of at most ``micro_batch`` padded rows' tokens, packed where the unit can.
+
+    ``remove_padding`` False (verl's ``use_remove_padding``): padded micro-batches of ``micro_batch`` rows.
+    """
     ids, mask = part.sequences, part.attention_mask
     span = response_span(part.prompt_ids.shape[-1], part.response_ids.shape[-1])
     budget = micro_batch * ids.shape[-1]
-    packable = packing_refusal(unit.local_config) is None
+    packable = remove_padding and packing_refusal(unit.local_config) is None
     lengths = sequence_tokens(part) if packable else [ids.shape[-1]] * len(part)
     out = []
     for rows in token_budget_slices(lengths, budget):
@@ -66,3 +71,43 @@ def response_micro_batches(
         packed = pack(ids[rows], mask[rows], score)
         out.append(ResponseMicroBatch(MicroBatch.packed(packed), part.select(rows), packed, span))
     return out
+
+
+def replica_backward(
+    unit: ShardedCausalLM,
+    part: RolloutBatch,
+    micro_batch: int,
+    cfg: RLConfig,
+    normalizer: Tensor,
+    tokens: Tensor,
+    actor: bool,
+    remove_padding: bool = True,
+) -> dict[str, Tensor]:
+    """Backward of one replica's rows of a mini-batch into its unit's gradients; returns the loss metrics.
+
+    The losses are :func:`~nereus_lightning.rl.algorithm.actor_loss` (``actor``) or ``critic_loss``
+    divided by the global mini-batch's ``normalizer`` (its tokens or sequences, by ``cfg.loss_agg``),
+    so they sum over micro-batches and replicas to the mini-batch's loss whatever the layout and
+    micro-batching. Runs :func:`~nereus_lightning.models.train_step` (1F1B over the pipeline) over
+    :func:`response_micro_batches`. The metrics are contributions that sum over replicas.
+    """
+    metrics: dict[str, Tensor] = {}
+    micros = response_micro_batches(unit, part, micro_batch, remove_padding)
+    of = {id(m.micro): m for m in micros}
+
+    def loss_of(out: Any, mb: MicroBatch) -> Tensor:
+        micro = of[id(mb)]
+        if actor:
+            log_probs, entropy = (micro.responses(o) for o in out)
+            entropy = entropy if cfg.entropy_coef else entropy.detach()  # reported; no gradient
+            loss, m = actor_loss(log_probs, micro.rows, cfg, normalizer, tokens, entropy)
+        else:
+            loss, m = critic_loss(micro.responses(out), micro.rows, cfg, normalizer, tokens)
+        for k, v in m.items():
+            metrics[k] = metrics[k] + v if k in metrics else v
+        # train_step's objective is the mean over micro-batches; these losses are already shares of
+        # the mini-batch's, so each is scaled back up by their number.
+        return loss * len(micros)
+
+    train_step(unit, [m.micro for m in micros], loss_of, temperature=cfg.temperature, with_entropy=actor)
+    return metrics

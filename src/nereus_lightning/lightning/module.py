@@ -38,7 +38,7 @@ from typing_extensions import override
 
 import lightning as L
 from nereus_lightning.lightning import roles
-from nereus_lightning.lightning.batches import response_micro_batches, sequence_tokens
+from nereus_lightning.lightning.batches import replica_backward, response_micro_batches, sequence_tokens
 from nereus_lightning.lightning.roles import RoleModels
 from nereus_lightning.lightning.sources import make_sources
 from nereus_lightning.lightning.stages import (
@@ -51,7 +51,7 @@ from nereus_lightning.lightning.stages import (
     run_stages_rows,
 )
 from nereus_lightning.lightning.strategy import NereusStrategy
-from nereus_lightning.models import MicroBatch, token_scores
+from nereus_lightning.models import token_scores
 from nereus_lightning.models.decode import DECODE_MODES, StaticDecodeEngine, decode_path
 from nereus_lightning.models.generation import ShardedGenerator
 from nereus_lightning.rl import algorithm as rl
@@ -205,6 +205,9 @@ class RLModule(L.LightningModule):
         val_greedy: validation decodes greedily (else it samples like training).
         rollout_data_dir: rank 0 writes every step's samples here as ``<step>.jsonl`` (verl's
             ``trainer.rollout_data_dir``).
+        remove_padding: inference and training run packed micro-batches without padding (verl's
+            ``use_remove_padding``), each holding at most the plan's micro-batch of padded rows'
+            tokens; False: padded micro-batches of the plan's micro-batch of rows.
     """
 
     algorithm: ClassVar[str] = "ppo"
@@ -249,6 +252,7 @@ class RLModule(L.LightningModule):
         on_nonfinite: str = "raise",
         val_greedy: bool = True,
         rollout_data_dir: str | None = None,
+        remove_padding: bool = True,
     ) -> None:
         super().__init__()
         check_hyperparameters(dict(locals()))
@@ -758,7 +762,8 @@ class RLModule(L.LightningModule):
                 return torch.cat(scores)[:, None]
             unit = strategy.stage(slot.stage)
             assert unit is not None  # the slot is active
-            micros = response_micro_batches(unit, part, slot.candidate.micro_batch)
+            budget = slot.candidate.micro_batch
+            micros = response_micro_batches(unit, part, budget, self.hparams.remove_padding)
             out = token_scores(unit, [m.micro for m in micros], temperature=self.hparams.temperature)
             assert out is not None  # delivered to every rank of the replica
             parts = out[0].split([m.size for m in micros])
@@ -783,18 +788,19 @@ class RLModule(L.LightningModule):
         updates = skipped = 0
         for _epoch in range(hp.ppo_epochs):
             for lo, hi in minis:
+                # the global mini-batch's loss denominator and tokens (every layout and micro-batching alike)
+                normalizer = rl.loss_normalizer(mask[lo:hi], self.rl_config.loss_agg).clamp_min(1.0)
                 total_tokens = mask[lo:hi].sum().clamp_min(1.0)
                 part: dict[str, float] = {}
                 problems: list[str] = []
-                tokens = sequence_tokens(batch.select(slice(lo, hi)))
+                lengths = sequence_tokens(batch.select(slice(lo, hi)))
                 for stage in strategy.training_stages():
-                    slot = strategy.slot(stage, hi - lo, tokens)
+                    slot = strategy.slot(stage, hi - lo, lengths)
                     if not slot.active or slot.stop <= slot.start:
                         continue
                     rows = slice(lo + slot.start, lo + slot.stop)
-                    m, reporter = self._train_slice(
-                        strategy, stage, batch.select(rows), total_tokens, slot.candidate.micro_batch
-                    )
+                    args = (normalizer, total_tokens, slot.candidate.micro_batch)
+                    m, reporter = self._train_slice(strategy, stage, batch.select(rows), *args)
                     if reporter:
                         for k, val in m.items():
                             part[k] = part.get(k, 0.0) + float(val)
@@ -828,41 +834,28 @@ class RLModule(L.LightningModule):
         return out
 
     def _train_slice(
-        self, strategy: NereusStrategy, stage: str, part: RolloutBatch, total_tokens: Tensor, micro_batch: int
+        self,
+        strategy: NereusStrategy,
+        stage: str,
+        part: RolloutBatch,
+        normalizer: Tensor,
+        tokens: Tensor,
+        micro_batch: int,
     ) -> tuple[dict[str, Tensor], bool]:
-        """Backward of one replica's slice into its unit's gradients; returns (metrics, whether this rank
-        reports them).
-
-        The losses are :func:`~nereus_lightning.rl.algorithm.actor_loss` and ``critic_loss``,
-        normalised by the global mini-batch's tokens (``total_tokens``), through this rank's unit:
-        :func:`~nereus_lightning.models.train_step` (1F1B over the pipeline), in packed micro-batches
-        under the plan's token budget (:func:`~nereus_lightning.lightning.batches.response_micro_batches`).
-        """
-        from nereus_lightning.models import train_step
-
-        cfg = self.rl_config
+        """Backward of one replica's slice into its unit's gradients (:func:`~.batches.replica_backward`);
+        returns (metrics, whether this rank reports them)."""
         unit = strategy.stage(stage)
         assert unit is not None  # the slot is active: this rank holds a unit
-        metrics: dict[str, Tensor] = {}
-        actor = stage == "actor_train"
-        micros = response_micro_batches(unit, part, micro_batch)
-        of = {id(m.micro): m for m in micros}
-
-        def loss_of(out: Any, mb: MicroBatch) -> Tensor:
-            micro = of[id(mb)]
-            if actor:
-                log_probs, entropy = (micro.responses(o) for o in out)
-                entropy = entropy if cfg.entropy_coef else entropy.detach()  # reported; no gradient
-                loss, m = rl.actor_loss(log_probs, micro.rows, cfg, total_tokens, total_tokens, entropy)
-            else:
-                loss, m = rl.critic_loss(micro.responses(out), micro.rows, cfg, total_tokens, total_tokens)
-            for k, v in m.items():  # contributions: they sum over micro-batches
-                metrics[k] = metrics[k] + v if k in metrics else v
-            # train_step's objective is the mean over micro-batches; the losses here are already
-            # normalised by the mini-batch's tokens, so each is scaled back up by their number.
-            return loss * len(micros)
-
-        train_step(unit, [m.micro for m in micros], loss_of, temperature=cfg.temperature, with_entropy=actor)
+        metrics = replica_backward(
+            unit,
+            part,
+            micro_batch,
+            self.rl_config,
+            normalizer,
+            tokens,
+            actor=stage == "actor_train",
+            remove_padding=self.hparams.remove_padding,
+        )
         return metrics, unit.comm.is_last_stage and unit.comm.tp_rank == 0
 
 
