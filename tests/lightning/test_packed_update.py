@@ -60,13 +60,15 @@ def _update_errors(rank: int, world: int) -> dict[str, float]:
             unit = ShardedCausalLM.from_model(model, comm)
             if remove_padding:  # one padded row's tokens per micro-batch: several packed micro-batches
                 assert len(response_micro_batches(unit, batch, micro_batch)) >= 3
-            metrics = replica_backward(unit, batch, micro_batch, cfg, normalizer, tokens, True, remove_padding)
+            args = (cfg, normalizer, tokens, True, remove_padding)
+            metrics = replica_backward(unit, batch, micro_batch, *args)
             grads.append({n: p.grad.clone() for n, p in unit.named_parameters()})
             losses.append({k: float(v) for k, v in metrics.items()})
         errors[f"{mode}/grad"] = max(rel_err(grads[1][n], grads[0][n]) for n in grads[0])
         if comm.is_last_stage and comm.tp_rank == 0:  # the reporting rank
             for key in ("actor/pg_loss", "actor/entropy", "actor/kl_loss"):
-                errors[f"{mode}/{key}"] = abs(losses[1][key] - losses[0][key]) / max(abs(losses[0][key]), 1e-6)
+                scale = max(abs(losses[0][key]), 1e-6)
+                errors[f"{mode}/{key}"] = abs(losses[1][key] - losses[0][key]) / scale
     return errors
 
 
