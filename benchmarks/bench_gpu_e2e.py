@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import statistics
+from functools import partial
 import sys
 import time
 from pathlib import Path
@@ -86,6 +87,19 @@ def reward(data_source=None, solution_str="", ground_truth=None, extra_info=None
     return float(len(solution_str) % 7) / 7.0
 
 
+def gpu_bytes() -> float:
+    """This GPU's memory, or less where ``GPU_GIB`` caps it (the allocator then refuses beyond it, as a
+    smaller card would: an H100's 80 GB on an H200)."""
+    import torch
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    cap = float(os.environ.get("GPU_GIB", 0)) * 2**30
+    if 0 < cap < total:
+        torch.cuda.set_per_process_memory_fraction(cap / total)
+        return cap
+    return float(total)
+
+
 def params_of(folder: Path) -> int:
     """Parameters of the folder's model (the 12 B/param of fp32 masters and AdamW moments nereus may add)."""
     from nereus_lightning.spec import ModelSpec
@@ -115,7 +129,7 @@ def planned(folder: Path, new_tokens: int):  # noqa: ANN201
     models = job_models(ModelSpec.from_hf_config(folder))
     cluster = cluster_preset("h200x8").with_gpus(1)
     if torch.cuda.is_available():
-        cluster = dataclasses.replace(cluster, gpu_memory=float(torch.cuda.get_device_properties(0).total_memory))
+        cluster = dataclasses.replace(cluster, gpu_memory=gpu_bytes())
     workload = Workload(algorithm="grpo", prompts_per_step=PROMPTS, samples_per_prompt=SAMPLES,
                         prompt_len=prompt_tokens(folder), response_len=float(new_tokens),
                         response_len_p95=float(new_tokens), reward_model=False)
@@ -331,8 +345,8 @@ def report(paths: list[Path]) -> str:
     shape and response length, with nereus's speed-up over TRL and its peak against TRL's + 12 B/param."""
     runs = [json.loads(p.read_text()) for p in paths]
     rows = [
-        "| shape | N | system | slots | s/step | gen s | infer s | train s | gen tok/s | peak GiB: gen / infer / "
-        "train (predicted) | vs TRL |",
+        "| shape | N | system | slots | s/step | gen s | infer s | train s | gen tok/s "
+        "| peak GiB: gen / infer / train (predicted) | vs TRL |",
         "| --- " * 11 + "|",
     ]
     trl = {(r["shape"], r["new_tokens"]): r for r in runs if r["system"] == "trl"}
@@ -346,7 +360,8 @@ def report(paths: list[Path]) -> str:
         if run["system"] == "nereus" and other is not None:
             base = _median_steps(other)
             peak = max(s["peak_gib"] for s in run["steps"][run["warmup"]:])
-            allowed = max(s["peak_gib"] for s in other["steps"][other["warmup"]:]) + 12 * run["params"] / 2**30
+            trl_peak = max(s["peak_gib"] for s in other["steps"][other["warmup"]:])
+            allowed = trl_peak + 12 * run["params"] / 2**30
             versus = f"{base['step_s'] / med['step_s']:.1f}x faster; peak {peak:.1f} vs {allowed:.1f} allowed"
         rows.append(
             f"| {run['shape']} | {run['new_tokens']} | {run['system']} | {_slots(run)} | {med['step_s']:.2f} "
@@ -398,6 +413,7 @@ def main(argv: list[str] | None = None) -> None:
         result["cost_model"] = cost_model(plan, models, cluster, workload, result["steps"][args.warmup:])
         print(json.dumps(result["cost_model"], indent=1))
     else:
+        gpu_bytes()
         result = run_trl(folder, args.steps, args.new_tokens, run_dir)
     result.update(
         system=args.system,
@@ -410,6 +426,7 @@ def main(argv: list[str] | None = None) -> None:
         micro_batch=args.micro_batch,
         recompute=args.recompute,
         params=params_of(folder),
+        gpu_gib=gpu_bytes() / 2**30 if torch.cuda.is_available() else None,
     )
     name = f"gpu_e2e_{args.system}_{args.shape}_n{args.new_tokens}{args.tag and '_' + args.tag}.json"
     path = Path(args.out) / name

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import tempfile
@@ -21,7 +20,10 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 VOCAB = 151936
-REWARD = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return len(solution_str) % 7 / 7\n"
+REWARD = (
+    "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+    "    return len(solution_str) % 7 / 7\n"
+)
 
 
 def make_job(root: Path) -> tuple[Path, Path, Path]:
@@ -34,7 +36,8 @@ def make_job(root: Path) -> tuple[Path, Path, Path]:
     from nereus_lightning.testing.folders import train_tokenizer
 
     folder = root / "model"
-    tokenizer = train_tokenizer([f"Question {i}: what is {i} plus {i + 1}? Answer: {2 * i + 1}." for i in range(200)])
+    texts = [f"Question {i}: what is {i} plus {i + 1}? Answer: {2 * i + 1}." for i in range(200)]
+    tokenizer = train_tokenizer(texts)
     config = tf.Qwen2Config(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False,

@@ -6,7 +6,7 @@
 # LENGTHS="256 1024 2048 4096 8192": response lengths N; MAX_N_1_5B=4096: the longest N at 1.5B;
 # TRL_MAX_N=2048: TRL runs up to this N (it takes ~20 s/step per 1K tokens here); STEPS: steps per run
 # (the first is a warm-up). SWEEP="4 32" also runs nereus at those inference/training micro-batches on
-# the first shape and length. REPORT_ONLY=1 only prints the table of the JSON files in the results folder.
+# the first shape and length. GPU_GIB=80 caps the memory both systems may use (an H100 on an H200). REPORT_ONLY=1 only prints the table of the JSON files in the results folder.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ -d .whl ]; then
