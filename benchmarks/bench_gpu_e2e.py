@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import statistics
-from functools import partial
 import sys
 import time
 from pathlib import Path
@@ -108,11 +107,12 @@ def params_of(folder: Path) -> int:
 
 
 def prompt_tokens(folder: Path) -> float:
-    """Mean tokens of the benchmark's prompts through the folder's chat template (the planner's prompt_len)."""
+    """Mean tokens of the prompts through the folder's chat template (the planner's prompt_len)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    lengths = [len(tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True)) for p in prompts()]
+    template = partial(tokenizer.apply_chat_template, add_generation_prompt=True, tokenize=True)
+    lengths = [len(template(p)) for p in prompts()]
     return sum(lengths) / len(lengths)
 
 
