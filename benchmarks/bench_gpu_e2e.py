@@ -24,6 +24,7 @@ import shutil
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 SHAPES = {  # Qwen2-0.5B and Qwen2-1.5B (tied embeddings, 151,936-token vocabulary)
