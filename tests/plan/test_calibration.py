@@ -17,7 +17,9 @@ TRUE = {name: _VALUES[i % len(_VALUES)] for i, name in enumerate(OP_CLASSES)}
 
 def test_every_class_has_a_conservative_prior():
     assert set(DEFAULT_EFFICIENCY) == set(OP_CLASSES)
-    assert all(0 < v <= 0.6 for v in DEFAULT_EFFICIENCY.values())
+    # Ideal times start conservative; the decode steps' launch cost is priced from measurements.
+    assert all(0 < v <= 0.6 for c, v in DEFAULT_EFFICIENCY.items() if c != "generation.launch")
+    assert DEFAULT_EFFICIENCY["generation.launch"] == 1.0
     assert Calibration().observations("training.gemm") == 0
     # Every class is a stage kind and an operation; each kind has its own GEMMs.
     assert {"generation.decode", "inference.gemm", "training.gemm", "training.optimizer"} <= set(OP_CLASSES)
