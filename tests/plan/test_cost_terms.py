@@ -91,11 +91,11 @@ def test_activation_and_logit_bytes():
     qk = model_preset("qwen3_14b")
     plain = memory.attention_bytes_per_token(replace(qk, qk_norm=False))
     assert memory.attention_bytes_per_token(qk) - plain == 6 * (qk.q_dim + qk.kv_dim)
-    # The LM head runs over chunks of ceil(2**26 / (V / tp)) rows: bf16 logits + 2 fp32 copies.
-    assert memory.logit_chunk_rows(L8, 1) == 524 and memory.logit_chunk_rows(L8, 2) == 1047
+    # The LM head runs over chunks of 2**26 // (V / tp) rows: bf16 logits + 2 fp32 copies.
+    assert memory.logit_chunk_rows(L8, 1) == 523 and memory.logit_chunk_rows(L8, 2) == 1046
     assert memory.logits_bytes(L8, rows=10, tp=2) == 10 * 64128 * 10
     assert memory.chunked_logits_bytes(L8, 100, 1) == memory.logits_bytes(L8, 100, 1)
-    assert memory.chunked_logits_bytes(L8, 1e6, 1) == memory.logits_bytes(L8, 524, 1)
+    assert memory.chunked_logits_bytes(L8, 1e6, 1) == memory.logits_bytes(L8, 523, 1)
 
 
 def test_optimizer_step_temporaries():

@@ -155,7 +155,7 @@ def estimate_plan(
                 if worst_beside > 0
                 else ""
             )
-            measured = f", {factor:.2f} x its prediction as measured" if factor != 1 else ""
+            measured = f" ({factor:.2f} x the cost model's peak, as measured)" if factor != 1 else ""
             violations.append(
                 f"{ms.name}: GPU {worst_gpu} needs {worst / 1e9:.1f} GB{held}{measured}, over the cap "
                 f"{cap / 1e9:.1f} GB ({cand.describe()})"

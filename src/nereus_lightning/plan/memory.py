@@ -46,7 +46,8 @@ WORKSPACE_BYTES = 1 * GIB
 #: Fraction of GPU memory kept free by the feasibility check (Eq. 1 uses a 10% headroom).
 MEMORY_HEADROOM = 0.10
 #: Logit elements one rank computes at a time: the LM head runs over chunks of
-#: ``ceil(LOGIT_CHUNK_ELEMENTS / (V / tp))`` token rows (the body's constant of the same name).
+#: ``LOGIT_CHUNK_ELEMENTS // (V / tp)`` token rows (``models.logprobs.LOGIT_CHUNK_ELEMENTS``,
+#: mirrored: the brain imports no body module; a test pins them equal).
 LOGIT_CHUNK_ELEMENTS = 2**26
 #: fp32 copies of a chunk's logits alive beside the chunk itself (the upcast logits and their
 #: log-softmax / gradient): a chunk element costs ``dtype_bytes + 4 * LOGIT_FP32_COPIES`` bytes.
@@ -170,8 +171,9 @@ def checkpoint_bytes_per_token_layer(model: ModelSpec) -> float:
 
 
 def logit_chunk_rows(model: ModelSpec, tp: int) -> int:
-    """Token rows of one LM-head chunk: :data:`LOGIT_CHUNK_ELEMENTS` over the rank's vocabulary."""
-    return math.ceil(LOGIT_CHUNK_ELEMENTS / math.ceil(model.vocab / tp))
+    """Token rows of one LM-head chunk: as many as :data:`LOGIT_CHUNK_ELEMENTS` holds of the rank's
+    vocabulary slice, at least one (``models.logprobs.chunk_rows``)."""
+    return max(1, LOGIT_CHUNK_ELEMENTS // math.ceil(model.vocab / tp))
 
 
 def logits_bytes(model: ModelSpec, rows: float, tp: int) -> float:
