@@ -489,6 +489,22 @@ def peak_memory(work: StageWork, layout: Layout, dp: int, micro_batch: int, reco
 
 
 @lru_cache(maxsize=1 << 14)
+def wave_memory(work: StageWork, layout: Layout) -> tuple[tuple[float, float], ...]:
+    """Generation's own peak bytes on the first and the last pipeline rank as ``(fixed, per
+    sequence)``: affine in the batch (weights and workspace, then KV cache, prefill or logits per
+    sequence); an engine that reserves a share of the GPU holds at least that."""
+    ends = (0, layout.pp - 1) if layout.pp > 1 else (0,)
+    base = _rank_memory(work, layout, 0, False, 0, ends)
+    one = _rank_memory(work, layout, 1, False, 0, ends)
+    return tuple((b0, b1 - b0) for b0, b1 in zip(base, one, strict=True))
+
+
+def wave_peak(work: StageWork, layout: Layout, batch: int) -> float:
+    """:func:`peak_memory` of a generation replica decoding ``batch`` sequences, from :func:`wave_memory`."""
+    return max(work.reserved, *(fixed + per_seq * batch for fixed, per_seq in wave_memory(work, layout)))
+
+
+@lru_cache(maxsize=1 << 14)
 def generation_batch(work: StageWork, layout: Layout, per_replica: int, cap: float) -> int:
     """Sequences a generation replica decodes at once: as many as fit under ``cap`` (like vLLM's
     KV-cache-filling continuous batching), at most its share; 0 when not even one fits.
@@ -499,11 +515,9 @@ def generation_batch(work: StageWork, layout: Layout, per_replica: int, cap: flo
     """
     cap = memory.generation_budget(work.reserved, cap)
     ends = (0, layout.pp - 1) if layout.pp > 1 else (0,)
-    base = _rank_memory(work, layout, 0, False, 0, ends)
-    one = _rank_memory(work, layout, 1, False, 0, ends)
     fit = per_replica
-    for b0, b1 in zip(base, one, strict=False):
-        fit = min(fit, int((cap - b0) // (b1 - b0)) if cap >= b0 else -1)
+    for fixed, per_seq in wave_memory(work, layout):
+        fit = min(fit, int((cap - fixed) // per_seq) if cap >= fixed else -1)
     while fit > 0 and max(_rank_memory(work, layout, fit, False, 0, ends)) > cap:
         fit -= 1
     return max(fit, 0)
@@ -519,6 +533,7 @@ def clear_cost_caches() -> None:
     for cached in (
         slot_affine,
         wave_affine,
+        wave_memory,
         _rank_memory,
         generation_batch,
         comm.canonical_links,

@@ -12,6 +12,7 @@ the other model-stages on its GPUs.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from nereus_lightning.plan.cost import (
     replica_sequences,
     slot_affine,
     wave_affine,
+    wave_peak,
 )
 from nereus_lightning.plan.layout import Layout
 from nereus_lightning.plan.memory import state_bytes_per_gpu
@@ -242,17 +244,17 @@ class CandidateTable:
                 batch = share if share < fit else fit
                 full, rest = divmod(share, batch)
                 lat = offload + full * _at(coef, batch) + (_at(coef, rest) if rest else 0.0)
-                peak = peak_memory(work, layout, dp, batch, False)
-                out.append((dp * size, lat, peak, 0.0, layout, dp, batch, False))
+                out.append((dp * size, lat, wave_peak(work, layout, batch), 0.0, layout, dp, batch, False))
         for gpus, layout, dp, res, choices in self.rows:
             if res > resident or res < least:
                 continue
-            fastest = math.inf
+            limit = math.inf  # the tolerance over the fastest choice that fits
             for lat, peak, mb, rc in choices:  # fastest first, each leaner than the ones before
-                if lat > fastest * (1 + LATENCY_TOLERANCE):
+                if lat > limit:
                     break
                 if peak <= memory:
-                    fastest = min(fastest, lat)
+                    if limit == math.inf:
+                        limit = lat * (1 + LATENCY_TOLERANCE)
                     out.append((gpus, lat, peak, res, layout, dp, mb, rc))
         return out
 
@@ -285,19 +287,25 @@ def leanest_within(rows: Iterable[tuple], tolerance: float = LATENCY_TOLERANCE) 
     """The row ``(gpus, latency, peak, ...)`` with the smallest peak among those whose latency is
     within ``tolerance`` of the fastest (on a tie the faster; then the first)."""
     rows = list(rows)
+    if len(rows) == 1:
+        return rows[0]
     limit = min(row[1] for row in rows) * (1 + tolerance)
-    return min((row for row in rows if row[1] <= limit), key=lambda row: (row[2], row[1]))
+    pick = None
+    for row in rows:
+        if row[1] <= limit and (pick is None or (row[2], row[1]) < (pick[2], pick[1])):
+            pick = row
+    assert pick is not None  # the fastest row is within the limit
+    return pick
 
 
 def frontier_of_rows(rows: list[tuple]) -> list[Option]:
     """:func:`frontier` of :meth:`CandidateTable.rows_within` tuples, each GPU count represented by
     its :func:`leanest_within` row (only the survivors become Options)."""
-    by_gpus: dict[int, list[tuple]] = {}
-    for row in sorted(rows):  # ties keep their order: the leaner, then less resident state, ...
-        by_gpus.setdefault(row[0], []).append(row)
     best: list[tuple] = []
-    for gpus in sorted(by_gpus):
-        row = leanest_within(by_gpus[gpus])
+    # Sorted, each GPU count's rows are adjacent and fastest first; ties keep their order (the
+    # leaner, then less resident state, ...).
+    for _, same in itertools.groupby(sorted(rows), key=lambda row: row[0]):
+        row = leanest_within(same)
         if not best or row[1] < best[-1][1]:
             best.append(row)
     return [_option(row) for row in best]
