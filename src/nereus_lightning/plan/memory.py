@@ -150,8 +150,8 @@ def activation_bytes_per_token_layer(model: ModelSpec) -> float:
     """Activations one token keeps in one block for the backward pass (a transformers decoder
     layer with SDPA, no T x T scores): two norms, attention and MLP.
 
-    The block's input is not kept (the first norm keeps its upcast instead); the final norm's
-    one norm per token is left out (under 1% of the blocks').
+    The block's input is not kept (the first norm keeps its upcast instead). The final norm (one
+    more norm per token, under 1% of the blocks') is left out.
     """
     return 2 * norm_bytes_per_token(model) + attention_bytes_per_token(model) + mlp_bytes_per_token(model)
 
