@@ -46,7 +46,7 @@ class FakeBackend:
             return FakeEstimate(float("inf"), False)
         return FakeEstimate(self.latency[plan], self.feasible.get(plan, True), op_time=dict(self.op_time))
 
-    def plan(self, cluster, workload, calibration):
+    def plan(self, cluster, workload, calibration, memory=None):
         self.calls["plan"] += 1
         cands = self.candidates(cluster, workload) if callable(self.candidates) else self.candidates
         opts = [(p, self._est(p)) for p in cands if self.feasible.get(p, True)]
@@ -54,7 +54,7 @@ class FakeBackend:
             raise InfeasiblePlanError("nothing fits")
         return sorted(opts, key=lambda pe: pe[1].step_latency)
 
-    def estimate(self, plan, cluster, workload, calibration):
+    def estimate(self, plan, cluster, workload, calibration, memory=None):
         self.calls["estimate"] += 1
         return self._est(plan)
 

@@ -83,7 +83,7 @@ class PinningBackend(FakeBackend):
         self.pinned_plans = list(pinned_plans)
         self.pinned_calls = []
 
-    def plan_pinned(self, cluster, workload, calibration, layouts):
+    def plan_pinned(self, cluster, workload, calibration, layouts, memory=None):
         self.pinned_calls.append(dict(layouts))
         return [(p, self._est(p)) for p in self.pinned_plans]
 
@@ -153,7 +153,7 @@ def test_controller_plans_for_the_forecast_and_warns_of_memory_before_it_breaks(
     seen = []
 
     class Recording(FakeBackend):
-        def estimate(self, plan, cluster, workload, calibration):
+        def estimate(self, plan, cluster, workload, calibration, memory=None):
             seen.append(workload.response_len)
             est = super().estimate(plan, cluster, workload, calibration)
             est.feasible = workload.response_len < 1350  # A runs out of memory from 1,350 tokens

@@ -1,4 +1,5 @@
-"""Calibration learns the efficiencies of a machine from measured timings."""
+"""Calibration learns the efficiencies of a machine from measured timings, and MemoryCalibration how far
+measured peak memory exceeds the cost model's."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import json
 
 import pytest
 
-from nereus_lightning.plan import Calibration, estimate_plan, job_models, plan_job
+from nereus_lightning.plan import Calibration, MemoryCalibration, estimate_plan, job_models, plan_job
 from nereus_lightning.plan.calibration import DEFAULT_EFFICIENCY, OP_CLASSES
 from nereus_lightning.spec import NereusConfigError, Workload, cluster_preset, model_preset
 
@@ -17,7 +18,9 @@ TRUE = {name: _VALUES[i % len(_VALUES)] for i, name in enumerate(OP_CLASSES)}
 
 def test_every_class_has_a_conservative_prior():
     assert set(DEFAULT_EFFICIENCY) == set(OP_CLASSES)
-    assert all(0 < v <= 0.6 for v in DEFAULT_EFFICIENCY.values())
+    # Ideal times start conservative; the decode steps' launch cost is priced from measurements.
+    assert all(0 < v <= 0.6 for c, v in DEFAULT_EFFICIENCY.items() if c != "generation.launch")
+    assert DEFAULT_EFFICIENCY["generation.launch"] == 1.0
     assert Calibration().observations("training.gemm") == 0
     # Every class is a stage kind and an operation; each kind has its own GEMMs.
     assert {"generation.decode", "inference.gemm", "training.gemm", "training.optimizer"} <= set(OP_CLASSES)
@@ -93,3 +96,58 @@ def test_bad_input_is_rejected():
         Calibration().observe("training.gemm", 1.0, 0.0)
     with pytest.raises(NereusConfigError, match="calibration.rate"):
         Calibration(rate=0)
+
+
+def test_memory_factor_jumps_up_at_once_and_never_comes_down():
+    mem = MemoryCalibration()
+    assert mem.factors() == {"generation": 1.0, "inference": 1.0, "training": 1.0}
+    # Under the prediction: the factor stays at its floor of 1 (it never loosens the cost model).
+    assert not mem.observe("training", 50e9, 40e9) and mem.factor("training") == 1.0
+    assert mem.observe("training", 50e9, 65e9) and mem.factor("training") == pytest.approx(1.3)
+    # Lower ratios later (this plan or another) leave it: the plan that measured 1.3 x stays priced so.
+    assert not mem.observe("training", 50e9, 51e9) and mem.factor("training") == pytest.approx(1.3)
+    assert mem.observations("training") == 3 and mem.factor("generation") == 1.0
+    loose = MemoryCalibration(floor=0.5)  # a floor below 1 lets measurements loosen the model
+    loose.observe("inference", 10e9, 8e9)
+    assert loose.factor("inference") == pytest.approx(0.8)
+
+
+def test_memory_calibration_round_trips_and_rejects_bad_input():
+    mem = MemoryCalibration()
+    mem.observe("generation", 10e9, 12e9)
+    other = MemoryCalibration()
+    other.load_state_dict(json.loads(json.dumps(mem.state_dict())))
+    assert other.factors() == mem.factors() and other.observations("generation") == 1
+    with pytest.raises(NereusConfigError, match="unknown stage 'decode'"):
+        mem.factor("decode")
+    with pytest.raises(NereusConfigError, match="memory_calibration.predicted"):
+        mem.observe("training", 0.0, 1.0)
+    with pytest.raises(NereusConfigError, match="memory_calibration.floor"):
+        MemoryCalibration(floor=0)
+
+
+def test_measured_memory_factor_makes_a_plan_infeasible_and_the_planner_leaner():
+    """0.5B GRPO at 2K tokens on one 80 GB GPU: training measured at 1.3 x its prediction no longer
+    fits with the micro-batch it ran; the planner picks a smaller one that fits with the factor."""
+    from dataclasses import replace
+
+    qwen = model_preset("qwen2_0_5b")
+    cluster = replace(cluster_preset("h200x8"), gpu_memory=80e9).with_gpus(1)
+    workload = Workload(
+        "grpo", prompts_per_step=16, samples_per_prompt=4, prompt_len=90, response_len=2048,
+        response_len_p95=2048, reward_model=False,
+    )
+    models = job_models(qwen)
+    ran = plan_job(models, cluster, workload)
+    mem = MemoryCalibration()
+    predicted = ran.estimate.stage_peak["training"][0]
+    mem.observe("training", predicted, 1.3 * predicted)
+    again = estimate_plan(ran.plan, models, cluster, workload, memory=mem)
+    assert not again.feasible and "1.30 x the cost model's peak, as measured" in again.violations[0]
+    assert again.stage_peak == ran.estimate.stage_peak  # the cost model's own peaks do not move
+    lean = plan_job(models, cluster, workload, memory=mem)
+    assert lean.estimate.feasible and lean.plan != ran.plan
+    assert lean.plan["actor_train"].micro_batch < ran.plan["actor_train"].micro_batch
+    train = lean.estimate.stage_memory["actor_train"]
+    assert train == pytest.approx(1.3 * lean.estimate.stage_peak["training"][0])
+    assert train <= lean.estimate.memory_cap

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -21,6 +22,7 @@ from nereus_lightning.plan.cost import (
     HOST_BW,
     KERNELS_PER_LAYER,
     StageWork,
+    decode_context,
     generation_batch,
     ideal_time,
     latency,
@@ -30,7 +32,7 @@ from nereus_lightning.plan.cost import (
     wave_affine,
 )
 from nereus_lightning.plan.layout import Layout
-from nereus_lightning.spec import ClusterSpec, model_preset
+from nereus_lightning.spec import ClusterSpec, GenerationEngine, model_preset
 
 L8 = model_preset("llama3_8b")
 KIB = 1024
@@ -76,23 +78,62 @@ def test_gemm_and_attention_flops():
 
 
 def test_activation_and_logit_bytes():
-    # bf16 x (4h + 2q + 2kv + 4i) = 2 x (16384 + 8192 + 2048 + 57344)
-    assert memory.activation_bytes_per_token_layer(L8) == 167_936
+    # Per token and block, bf16: two RMSNorms keep (4 + 2 + 2) h each (fp32 upcast, normalised,
+    # output); attention 2 (3q + 2kv) + 4 per head (q, k, v, SDPA out + its log-sum-exp, o_proj
+    # input); the MLP 2 x 4i (gate, silu(gate), up, product).
+    assert memory.norm_bytes_per_token(L8) == 8 * 4096
+    assert memory.attention_bytes_per_token(L8) == 2 * (3 * 4096 + 2 * 1024) + 4 * 32
+    assert memory.mlp_bytes_per_token(L8) == 8 * 14336
+    assert memory.activation_bytes_per_token_layer(L8) == 2 * 32768 + 28_800 + 114_688 == 209_024
+    assert memory.forward_bytes_per_token(L8) == 2 * (2 * 4096 + 3 * 14336)
     assert memory.checkpoint_bytes_per_token_layer(L8) == 8192
-    assert memory.logits_bytes(L8, tokens=10, tp=2) == 10 * 128256 / 2 * 8
+    # q/k norms keep their fp32 upcast and normalised value too.
+    qk = model_preset("qwen3_14b")
+    plain = memory.attention_bytes_per_token(replace(qk, qk_norm=False))
+    assert memory.attention_bytes_per_token(qk) - plain == 6 * (qk.q_dim + qk.kv_dim)
+    # The LM head runs over chunks of 2**26 // (V / tp) rows: bf16 logits + 2 fp32 copies.
+    assert memory.logit_chunk_rows(L8, 1) == 523 and memory.logit_chunk_rows(L8, 2) == 1046
+    assert memory.logits_bytes(L8, rows=10, tp=2) == 10 * 64128 * 10
+    assert memory.chunked_logits_bytes(L8, 100, 1) == memory.logits_bytes(L8, 100, 1)
+    assert memory.chunked_logits_bytes(L8, 1e6, 1) == memory.logits_bytes(L8, 523, 1)
+
+
+def test_optimizer_step_temporaries():
+    # bf16: every gradient upcast to fp32, then foreach AdamW's sqrt(exp_avg_sq): 8 bytes a param.
+    assert memory.optimizer_step_bytes(L8, 1000) == 8000
+    assert memory.optimizer_step_bytes(model_preset("tiny_llama"), 1000) == 4000  # fp32: the sqrt only
+    # They come after the activations are freed: the training peak holds the larger of the two.
+    lay = Layout(1, 1)
+    state = memory.rank_state_bytes(L8, True, lay, 0) + memory.WORKSPACE_BYTES
+    short = memory.training_peak_bytes(L8, lay, 0, 1, 100, 1, False, True)
+    assert short - state == memory.optimizer_step_bytes(L8, L8.num_params)
+
+
+def test_static_decoder_cache_is_the_whole_rollout():
+    # The prompt region rounded up to 64 slots, then every new token but the last.
+    hf = memory.BUILTIN_ENGINE
+    assert hf.cache_tokens(90, 4096) == 128 + 4095 and hf.cache_tokens(64, 256) == 64 + 255
+    lay = Layout(2, 1)
+    one = memory.generation_peak_bytes(L8, lay, 0, 1, 90, 4096)
+    two = memory.generation_peak_bytes(L8, lay, 0, 2, 90, 4096)
+    kv = (128 + 4095) * 128 * KIB / 2  # a sequence's preallocated slots, KV heads over TP 2
+    prefill = 90 * memory.forward_bytes_per_token(L8) / 2
+    assert two - one == pytest.approx(kv + max(prefill, memory.logits_bytes(L8, 1, 2)))
 
 
 def test_1f1b_in_flight_micro_batches():
     lay = Layout(1, 4)
+    act = memory.activation_bytes_per_token_layer(L8)
     # stage 0 keeps 4 micro-batches in flight, stage 3 one; with only 2 micro-batches, stage 0 keeps 2.
-    a0 = memory.training_activation_bytes(L8, 8, 1000, 4, 1, False)
-    assert a0 == 4 * 1000 * 8 * 167_936
-    r0 = memory.training_peak_bytes(L8, lay, 0, 1, 1000, 16, False, False)
-    r3 = memory.training_peak_bytes(L8, lay, 3, 1, 1000, 16, False, False)
+    # (Long sequences: the activations outweigh the optimizer step's temporaries on every stage.)
+    a0 = memory.training_activation_bytes(L8, 8, 16000, 4, 1, False)
+    assert a0 == 4 * 16000 * 8 * act
+    r0 = memory.training_peak_bytes(L8, lay, 0, 1, 16000, 16, False, False)
+    r3 = memory.training_peak_bytes(L8, lay, 3, 1, 16000, 16, False, False)
     assert r0 - memory.rank_state_bytes(L8, True, lay, 0) - memory.WORKSPACE_BYTES == pytest.approx(a0)
     assert r3 - memory.rank_state_bytes(L8, True, lay, 3) - memory.WORKSPACE_BYTES == pytest.approx(a0 / 4)
     rc = memory.training_activation_bytes(L8, 8, 1000, 4, 1, True)
-    assert rc == 4 * 1000 * 8 * 8192 + 1000 * 167_936  # block inputs + one block being recomputed
+    assert rc == 4 * 1000 * 8 * 8192 + 1000 * act  # block inputs + one block being recomputed
 
 
 def test_memory_cap_keeps_ten_percent():
@@ -138,17 +179,26 @@ def test_canonical_links_match_a_walk_over_gpus():
                         assert canonical_links(Layout(tp, pp), dp, c) == walk, (gpn, tp, pp, dp)
 
 
-def test_decode_is_memory_bound_and_reads_weights_plus_kv():
+def test_decode_reads_weights_plus_the_whole_static_cache_and_pays_its_launches():
     c = _cluster()
     w = _work("generation", sequences=4)
     wave = wave_affine(w, Layout(2, 1), Links(), c)
     assert wave.steps == 300
-    # bf16 weights / tp / HBM; no launches: decode steps replay a captured CUDA graph
+    # bf16 weights / tp / HBM
     assert wave.decode_fixed == pytest.approx(2 * L8.num_params / 2 / 1e12)
-    context = 100 + 200 / 2
-    assert wave.decode_per_seq == pytest.approx(context * 128 * KIB / 2 / 1e12)
+    # The static decoder attends over its whole preallocated cache at every step:
+    # the prompt region (100 tokens -> 128 slots) and 300 - 1 new tokens.
+    slots = 128 + 299
+    assert decode_context(w) == slots
+    assert wave.decode_per_seq == pytest.approx(slots * 128 * KIB / 2 / 1e12)
     # One sequence: reads dominate (8 GB per step at 1 TB/s vs 15 GFLOP at 100 TFLOP/s).
     assert wave.at(1)["decode"] == pytest.approx(300 * (wave.decode_fixed + wave.decode_per_seq))
+    # A replayed decode step still pays its kernels (class launch), whatever the batch.
+    launch = 300 * 32 * KERNELS_PER_LAYER * c.launch_s
+    assert wave.at(1)["launch"] == wave.at(4)["launch"] == pytest.approx(launch)
+    # vLLM pages its cache: a step reads the running context (prompt + half the mean response).
+    paged = replace(w, engine=GenerationEngine("vllm"), gpu_memory=64e9)
+    assert decode_context(paged) == 100 + 200 / 2
 
 
 def test_inference_pipeline_bubble_and_offload():

@@ -50,19 +50,22 @@ def test_vllm_takes_its_share_of_every_gpu_whatever_the_batch():
 
 def test_vllm_counts_kv_cache_in_whole_blocks():
     hf, vllm = GenerationEngine(), _vllm()  # vLLM's block on CUDA: 16 tokens
-    assert vllm.cache_tokens(400) == 400 and vllm.cache_tokens(401) == 416 and hf.cache_tokens(401) == 401
-    assert _vllm(block_size=128).cache_tokens(401) == 512
+    assert vllm.cache_tokens(100, 300) == 400 and vllm.cache_tokens(100, 301) == 416
+    assert _vllm(block_size=128).cache_tokens(100, 301) == 512
+    # The static decoder preallocates its prompt region (rounded up to 64 slots) and all new tokens
+    # but the last.
+    assert hf.cache_tokens(100, 301) == 128 + 300
     lay = Layout(2, 1)
-    extra = mem.generation_peak_bytes(L8, lay, 0, 8, 100, 401, vllm) - mem.generation_peak_bytes(
-        L8, lay, 0, 8, 100, 401, hf
+    fewer = mem.generation_peak_bytes(L8, lay, 0, 8, 100, 301, hf) - mem.generation_peak_bytes(
+        L8, lay, 0, 8, 100, 301, vllm
     )
-    assert extra == 8 * 15 * 128 * 1024 / 2  # 15 more tokens a sequence, 128 KiB each, KV heads over TP 2
+    assert fewer == 8 * 12 * 128 * 1024 / 2  # 12 fewer tokens a sequence, 128 KiB each, KV heads over TP 2
 
 
 def test_vllm_decodes_as_many_sequences_as_its_share_holds():
     work, lay = _gen(_vllm(0.5)), Layout(1, 1)
-    base = mem.generation_peak_bytes(L8, lay, 0, 0, 100, 400, work.engine)
-    per_seq = mem.generation_peak_bytes(L8, lay, 0, 1, 100, 400, work.engine) - base
+    base = mem.generation_peak_bytes(L8, lay, 0, 0, 100, 300, work.engine)
+    per_seq = mem.generation_peak_bytes(L8, lay, 0, 1, 100, 300, work.engine) - base
     fits = math.floor((0.5 * H200.gpu_memory - base) / per_seq)
     assert 0 < fits < 10_000
     # Its share, not the GPU's free memory, bounds the batch; a share that does not fit: nothing runs.

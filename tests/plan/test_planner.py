@@ -23,6 +23,7 @@ from nereus_lightning.plan.memory import memory_cap
 from nereus_lightning.plan.overlap import colocated
 from nereus_lightning.spec import (
     ClusterSpec,
+    GenerationEngine,
     InfeasiblePlanError,
     ModelSpec,
     NereusConfigError,
@@ -48,6 +49,11 @@ def _brute_force(models, cluster, workload, calibration) -> float:
     to the largest per-GPU training state ``rho`` of the plan; colocated training model-stages
     keep their states side by side (summed, each peak next to the others' states). We try every
     ``rho`` the training candidates can have, alone or summed (a plan's actual ``rho`` is one).
+
+    Choice: on each GPU count a model-stage takes its leanest candidate within 2% of the fastest
+    that fits (the planner's rule, ``options.leanest_within``). So the candidates themselves
+    matter, not only the fastest: generation and inference take the smallest dp of each replica
+    share, as the planner does (a larger one costs GPUs and gains nothing).
     """
     G, cap = cluster.num_gpus, memory_cap(cluster)
     raw: dict = {}  # name or (name, rho) -> [(gpus, latency, own peak, resident)]
@@ -60,12 +66,14 @@ def _brute_force(models, cluster, workload, calibration) -> float:
                 continue
             for pp in _pow2_upto(min(m.num_layers, G // tp)):
                 lay = Layout(tp, pp)
+                shares = set()
                 for dp in range(1, G // lay.size + 1):
                     if work.trains and dp & (dp - 1):
                         continue  # training DP degrees are powers of two
                     share = replica_sequences(work, dp)
-                    if share is None:
+                    if share is None or (not work.trains and share in shares):
                         continue
+                    shares.add(share)
                     links = canonical_links(lay, dp, cluster)
                     for mb in micro_batch_options(work, lay, share, memory):
                         for rc in (False, True) if work.trains else (False,):
@@ -77,13 +85,23 @@ def _brute_force(models, cluster, workload, calibration) -> float:
                             out.append((dp * lay.size, lat, own, res))
         return out
 
-    def best_at(points) -> list[tuple[int, float]]:
+    def running_best(points) -> list[tuple[int, float]]:
         """(g, fastest latency with at most g GPUs) for g = 1..G."""
         out, best = [], math.inf
         for g in range(1, G + 1):
             best = min([best] + [lat for t, lat in points if t == g])
             out.append((g, best))
         return [(g, lat) for g, lat in out if lat < math.inf]
+
+    def best_at(points) -> list[tuple[int, float]]:
+        """:func:`running_best` of each GPU count's choice among ``(gpus, latency, peak, ...)``:
+        the leanest within 2% of the fastest (on a tie the faster)."""
+        chosen = []
+        for g in {p[0] for p in points}:
+            at = [p for p in points if p[0] == g]
+            limit = min(p[1] for p in at) * 1.02
+            chosen.append(min((p for p in at if p[1] <= limit), key=lambda p: (p[2], p[1]))[:2])
+        return running_best(chosen)
 
     def stage_best(blocks) -> float:
         """Groups on disjoint GPUs, each group's members in turn from one first GPU."""
@@ -103,20 +121,26 @@ def _brute_force(models, cluster, workload, calibration) -> float:
                 yield [*sub[:i], [names[0], *sub[i]], *sub[i + 1 :]]
 
     def sequential(block, tables) -> list[tuple[int, float]]:
-        """A block of non-training model-stages: at g GPUs each member's fastest with <= g GPUs."""
-        per = [dict(best_at([(t, lat) for t, lat, *_ in tables[n]])) for n in block]
+        """A block of non-training model-stages: at g GPUs each member's best with <= g GPUs."""
+        per = [dict(best_at(tables[n])) for n in block]
         return [(g, sum(p[g] for p in per)) for g in range(1, G + 1) if all(g in p for p in per)]
 
     def side_by_side(block, rho) -> list[tuple[int, float]]:
-        """Training model-stages on shared GPUs: states summed <=
-        rho, each peak next to the others' states.
-        """
+        """Training model-stages on shared GPUs: for every combination of their states (summed <=
+        rho), each member's candidates of its state whose peak fits next to the others' states,
+        chosen per member; at g GPUs each member's best with <= g GPUs."""
         points = []
-        for combo in itertools.product(*(raw[n] for n in block)):
-            total = sum(c[3] for c in combo)
-            if total <= rho and all(c[2] + total - c[3] <= cap for c in combo):
-                points.append((max(c[0] for c in combo), sum(c[1] for c in combo)))
-        return best_at(points)
+        levels = [sorted({c[3] for c in raw[n]}) for n in block]
+        for states in itertools.product(*levels):
+            total = sum(states)
+            if total > rho:
+                continue
+            per = [
+                dict(best_at([c for c in raw[n] if c[3] == s and c[2] + total - s <= cap]))
+                for n, s in zip(block, states, strict=True)
+            ]
+            points += [(g, sum(p[g] for p in per)) for g in range(1, G + 1) if all(g in p for p in per)]
+        return running_best(points)
 
     train = [n for n, w in works.items() if w.trains]
     for n in train:
@@ -131,7 +155,7 @@ def _brute_force(models, cluster, workload, calibration) -> float:
                 [
                     side_by_side(b, rho)
                     if len(b) > 1
-                    else best_at([(c[0], c[1]) for c in raw[b[0]] if c[3] <= rho])
+                    else best_at([c for c in raw[b[0]] if c[3] <= rho])
                     for b in blocks
                 ]
             )
@@ -454,11 +478,19 @@ def test_generation_and_inference_run_next_to_resident_training_state():
 
 
 def test_resident_training_state_can_be_the_binding_constraint():
-    cluster = ClusterSpec("tight", 1, 4, 40e9, 312e12, 1.6e12, 300e9, 25e9)
+    """The 8B actor trains on 4 GPUs only (32.1 GB of state per GPU, 49.3 GB at its optimizer step);
+    a vLLM engine's 0.5 share of a 60 GB GPU does not fit beside that state under the 54 GB cap."""
+    cluster = ClusterSpec("tight", 1, 4, 60e9, 312e12, 1.6e12, 300e9, 25e9)
+    workload = Workload(
+        algorithm="grpo",
+        response_len=4096,
+        prompts_per_step=64,
+        generation_engine=GenerationEngine("vllm", gpu_memory_utilization=0.5),
+    )
     with pytest.raises(
         InfeasiblePlanError, match="next to 32.1 GB of resident training state per GPU, actor_gen"
     ):
-        plan_job(job_models(L8), cluster, Workload(algorithm="grpo", response_len=4096, prompts_per_step=64))
+        plan_job(job_models(L8), cluster, workload)
 
 
 def test_estimate_prices_arbitrary_plans_without_crashing():

@@ -17,6 +17,11 @@ Regenerated again (2 of 467 changed, both infeasibility messages; every DAG iden
 waiting lanes of a step that wait for the same peer releases after the same nodes now share one
 node before the replay (they ran alike and were joined after it anyway), so a stuck message names
 such calls together (``extend of actor_infer onto [6, 7], [8, 9]: ...``), counting every call.
+
+Regenerated 2026-12-05 (issue 31, the cost model): only the 12 timed benchmark scenarios, whose
+plans the planner makes, changed input (the memory model as the body holds it, decode priced at the
+static cache's length, the leanest of equally fast candidates); their DAGs follow from the new plans
+(7 of the 12 are now infeasible, 6 were). The other 455 cases, DAGs and baselines, are identical.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """What the controller needs from the planner and the transition DAG, as a small protocol.
 
 `PlannerBackend` is the real implementation (plan/planner.py and transition/); tests may pass any
-object with the same three methods.
+object with the same three methods. ``calibration`` is the time calibration and ``memory`` the
+memory calibration (``plan.calibration.MemoryCalibration``: predicted peaks times its factors
+must fit the cap); either may be None.
 """
 
 from __future__ import annotations
@@ -43,11 +45,15 @@ def op_totals(estimate: Any) -> dict[str, float]:
 class PlanningBackend(Protocol):
     """Planner, cost model and transition cost, as the controller calls them."""
 
-    def plan(self, cluster: ClusterSpec, workload: Workload, calibration: Any) -> list[tuple[Plan, Estimate]]:
+    def plan(
+        self, cluster: ClusterSpec, workload: Workload, calibration: Any, memory: Any = None
+    ) -> list[tuple[Plan, Estimate]]:
         """The best plan and its next-best alternatives, fastest first (raises InfeasiblePlanError)."""
         ...
 
-    def estimate(self, plan: Plan, cluster: ClusterSpec, workload: Workload, calibration: Any) -> Estimate:
+    def estimate(
+        self, plan: Plan, cluster: ClusterSpec, workload: Workload, calibration: Any, memory: Any = None
+    ) -> Estimate:
         """Predicted step latency and memory feasibility of ``plan``."""
         ...
 
@@ -80,22 +86,26 @@ class PlannerBackend:
 
         return cls(job_models(actor, critic=critic, reference=reference, reward=reward), **kwargs)
 
-    def plan(self, cluster: ClusterSpec, workload: Workload, calibration: Any) -> list[tuple[Plan, Estimate]]:
+    def plan(
+        self, cluster: ClusterSpec, workload: Workload, calibration: Any, memory: Any = None
+    ) -> list[tuple[Plan, Estimate]]:
         """``plan_job`` best plan first, then its alternatives, sorted by predicted latency."""
         from nereus_lightning.plan.planner import plan_job
 
         result = plan_job(
             self.models, cluster, workload, calibration=calibration, alternatives=self.alternatives,
-            pool_key=self.pool_key,
+            pool_key=self.pool_key, memory=memory,
         )
         options = [(result.plan, result.estimate), *result.alternatives]
         return sorted(options, key=lambda pe: pe[1].step_latency)
 
-    def estimate(self, plan: Plan, cluster: ClusterSpec, workload: Workload, calibration: Any) -> Estimate:
+    def estimate(
+        self, plan: Plan, cluster: ClusterSpec, workload: Workload, calibration: Any, memory: Any = None
+    ) -> Estimate:
         """``estimate_plan`` of the cost model."""
         from nereus_lightning.plan.planner import estimate_plan
 
-        return estimate_plan(plan, self.models, cluster, workload, calibration=calibration)
+        return estimate_plan(plan, self.models, cluster, workload, calibration=calibration, memory=memory)
 
     def transition_cost(self, current: Plan, target: Plan, cluster: ClusterSpec, workload: Workload) -> float:
         """The critical path of the global transition DAG from ``current`` to ``target``."""
@@ -107,7 +117,12 @@ class PlannerBackend:
         return float(transition_cost(dag, cluster))
 
     def plan_pinned(
-        self, cluster: ClusterSpec, workload: Workload, calibration: Any, layouts: Mapping[str, Any]
+        self,
+        cluster: ClusterSpec,
+        workload: Workload,
+        calibration: Any,
+        layouts: Mapping[str, Any],
+        memory: Any = None,
     ) -> list[tuple[Plan, Estimate]]:
         """Like :meth:`plan`, with the model-stages of ``layouts`` kept at those TP/PP layouts."""
         from nereus_lightning.plan.planner import plan_job
@@ -120,6 +135,7 @@ class PlannerBackend:
             alternatives=self.alternatives,
             pinned=layouts,
             pool_key=self.pool_key,
+            memory=memory,
         )
         options = [(result.plan, result.estimate), *result.alternatives]
         return sorted(options, key=lambda pe: pe[1].step_latency)

@@ -59,8 +59,10 @@ class CandidateSource:
         urgent: bool,
         current_latency: float | None,
         safe_first: bool = True,
+        memory: Any = None,
     ) -> None:
         self.backend, self.calibration, self.current = backend, calibration, current
+        self.memory = memory  # the memory calibration every plan is priced with
         self.algorithm, self.sequences_per_step = algorithm, sequences_per_step
         self.cluster, self.workload = cluster, workload
         self.urgent, self.current_latency = urgent, current_latency
@@ -73,11 +75,10 @@ class CandidateSource:
         if plan in self.seen:
             return None
         self.seen.add(plan)
-        est = (
-            est
-            if est is not None
-            else self.backend.estimate(plan, self.cluster, self.workload, self.calibration)
-        )
+        if est is None:
+            est = self.backend.estimate(
+                plan, self.cluster, self.workload, self.calibration, memory=self.memory
+            )
         if not est.feasible:
             return None
         if not self.urgent and self.current_latency is not None and est.step_latency >= self.current_latency:
@@ -94,7 +95,7 @@ class CandidateSource:
         micro-batches / recomputation.
         """
         try:
-            planned = self.backend.plan(self.cluster, self.workload, self.calibration)
+            planned = self.backend.plan(self.cluster, self.workload, self.calibration, memory=self.memory)
         except InfeasiblePlanError as exc:
             self.reasons.append(f"planner: {exc}")
             planned = []
@@ -158,7 +159,7 @@ class CandidateSource:
         if not layouts:
             return
         try:
-            planned = plan_pinned(self.cluster, self.workload, self.calibration, layouts)
+            planned = plan_pinned(self.cluster, self.workload, self.calibration, layouts, memory=self.memory)
         except InfeasiblePlanError as exc:
             self.reasons.append(f"planner with the training layouts kept: {exc}")
             return

@@ -12,7 +12,11 @@ paper (section 4 of "Nereus: Adaptive Parallelism for LLM Post-Training"):
   with cheaper transitions are tried before the current plan is kept;
 * urgent path (revocation, memory pressure that breaks the current plan): profitability is
   waived, smaller micro-batches and recomputation are considered, and checkpoint/restart is the
-  last resort.
+  last resort;
+* calibration: measured op-class times correct the time model (``calibration``), and measured
+  per-stage peak memory the memory model (``memory_calibration``, a
+  :class:`~nereus_lightning.plan.calibration.MemoryCalibration`): every plan, the current one
+  included, is then judged on its predicted peaks times the stage's measured factor.
 
 Where to move (``ControllerConfig.selection``, documented there) is Nereus' own policy on top of
 the paper's admission rule: among the targets that pass, the one with the largest net benefit
@@ -46,6 +50,7 @@ from nereus_lightning.control.triggers import (
     smallest_horizon,
 )
 from nereus_lightning.control.variants import intact_plan
+from nereus_lightning.plan.calibration import MemoryCalibration
 from nereus_lightning.plan.layout import Plan
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.errors import InfeasiblePlanError, require
@@ -145,7 +150,12 @@ class ControllerConfig:
 
 
 class Controller:
-    """The adaptive-parallelism controller of one job (pure Python, one process)."""
+    """The adaptive-parallelism controller of one job (pure Python, one process).
+
+    ``calibration`` (time; None: the cost model's priors) and ``memory_calibration`` (peak memory;
+    None: a fresh :class:`~nereus_lightning.plan.calibration.MemoryCalibration`) learn from every
+    step's measurements and are part of :meth:`state_dict`.
+    """
 
     def __init__(
         self,
@@ -156,12 +166,14 @@ class Controller:
         calibration: Any = None,
         log: DecisionLog | str | None = None,
         plan: Plan | None = None,
+        memory_calibration: MemoryCalibration | None = None,
     ) -> None:
         self.backend = backend
         self.cluster = cluster
         self.workload = workload
         self.config = config or ControllerConfig()
         self.calibration = calibration
+        self.memory_calibration = memory_calibration or MemoryCalibration()
         self.log = DecisionLog(log) if isinstance(log, str) else log
         self.plan = plan
         self.drift = {
@@ -278,7 +290,8 @@ class Controller:
 
         Memory does not depend on the efficiencies, and op-class predictions are rescaled to the
         current efficiencies in :meth:`predicted_op_times`, so the cache stays valid across
-        calibration updates. This keeps the per-step cost without a trigger tiny.
+        calibration updates; a memory factor that rises clears it (:meth:`_calibrate_memory`).
+        This keeps the per-step cost without a trigger tiny.
         """
         return self._cached_estimate(signals, workload or self.workload_at(signals))[0]
 
@@ -295,7 +308,8 @@ class Controller:
             assert self.plan is not None
             if len(self._estimates) >= 4:
                 self._estimates.clear()
-            est = self.backend.estimate(self.plan, self.cluster_at(signals), workload, self.calibration)
+            cluster, memory = self.cluster_at(signals), self.memory_calibration
+            est = self.backend.estimate(self.plan, cluster, workload, self.calibration, memory=memory)
             hit = self._estimates[key] = (est, _efficiencies(self.calibration))
         return hit
 
@@ -311,7 +325,7 @@ class Controller:
         cluster, workload = self.cluster_at(signals), self.workload_at(signals)
         suspended = self.decisions > 0  # a restart with no plan left the job checkpointed, waiting
         try:
-            options = self.backend.plan(cluster, workload, self.calibration)
+            options = self.backend.plan(cluster, workload, self.calibration, memory=self.memory_calibration)
         except InfeasiblePlanError as exc:
             if not suspended:
                 raise  # the job cannot start at all: the error names the binding constraint
@@ -336,8 +350,9 @@ class Controller:
         readable = pool | set(signals.draining)
         intact = intact_plan(self.plan, readable)
         dag_cluster = self.cluster.with_gpus(max(signals.num_gpus, max(readable, default=0) + 1))
+        memory = self.memory_calibration
         current_est = (
-            self.backend.estimate(self.plan, cluster, workload, self.calibration)
+            self.backend.estimate(self.plan, cluster, workload, self.calibration, memory=memory)
             if intact_plan(self.plan, pool) == self.plan else None
         )
         current_latency = (
@@ -360,7 +375,7 @@ class Controller:
         first = cfg.selection == "first"
         source = CandidateSource(self.backend, self.calibration, self.plan, self.workload.algorithm,
                                  self.workload.sequences_per_step, cluster, workload, urgent, current_latency,
-                                 safe_first=not first)
+                                 safe_first=not first, memory=self.memory_calibration)
         # Weight of one s/step over the horizon: the payback rule's gamma * H_x; on the urgent
         # path (payback waived) the new plan runs at least one step whatever gamma is.
         weight = cfg.gamma * horizon if not urgent else max(cfg.gamma * horizon, 1.0)
@@ -556,12 +571,14 @@ class Controller:
 
     # ---------------------------------------------------------------------------- calibration
     def _calibrate(self, signals: StepSignals) -> None:
-        """Feed measured op-class and transition times back into the cost model after every step."""
+        """Feed measured op-class and transition times and stage peaks back into the cost model after
+        every step."""
         if signals.transition_time is not None and self._pending_transition:
             ratio = signals.transition_time / self._pending_transition
             a = self.config.transition_alpha
             self.transition_scale = a * ratio + (1 - a) * self.transition_scale
             self._pending_transition = None
+        self._calibrate_memory(signals)
         if self.calibration is None or self.plan is None:
             return
         measured = signals.op_time or self._op_time_from_phases(signals)
@@ -571,6 +588,22 @@ class Controller:
         for op_class, seconds in measured.items():
             if predicted.get(op_class, 0) > 0 and seconds > 0:
                 self.calibration.observe(op_class, predicted[op_class], seconds)
+
+    def _calibrate_memory(self, signals: StepSignals) -> None:
+        """Feed each stage's measured peak into the memory calibration: on the GPU where measured /
+        predicted is largest, against the plan that ran, priced at the lengths it ran."""
+        if self.plan is None or not signals.stage_peak_memory:
+            return
+        est, _ = self._cached_estimate(signals, self.workload_at(signals))
+        predicted = getattr(est, "stage_peak", None) or {}
+        rose = False
+        for stage, measured in signals.stage_peak_memory.items():
+            pairs = [(measured[g], p) for g, p in predicted.get(stage, {}).items() if p > 0 and g in measured]
+            if pairs:
+                worst, p = max(pairs, key=lambda mp: mp[0] / mp[1])
+                rose |= self.memory_calibration.observe(stage, p, worst)
+        if rose:  # every estimate priced before judged memory with the old factors
+            self._estimates.clear()
 
     def _op_time_from_phases(self, signals: StepSignals) -> dict[str, float]:
         """A training job's measured stages (``gen``, ``infer``, ``update_actor``) shared among op classes."""
@@ -592,7 +625,7 @@ class Controller:
 
     # -------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        """JSON-serialisable controller state: plan, references, H_x clocks, calibration."""
+        """JSON-serialisable controller state: plan, references, H_x clocks, calibrations."""
         cal = self.calibration.state_dict() if hasattr(self.calibration, "state_dict") else None
         return {
             "config": asdict(self.config),
@@ -605,6 +638,7 @@ class Controller:
             "last_replan_step": self.last_replan_step,
             "decisions": self.decisions,
             "calibration": cal,
+            "memory_calibration": self.memory_calibration.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -622,6 +656,8 @@ class Controller:
         self.decisions = int(state["decisions"])
         if state.get("calibration") is not None and hasattr(self.calibration, "load_state_dict"):
             self.calibration.load_state_dict(state["calibration"])
+        if state.get("memory_calibration") is not None:  # absent in checkpoints of older versions
+            self.memory_calibration.load_state_dict(state["memory_calibration"])
         self._estimates.clear()
 
     def __repr__(self) -> str:

@@ -8,8 +8,13 @@ from types import MappingProxyType
 from typing import Any
 
 from nereus_lightning.spec.errors import require
+from nereus_lightning.spec.workload import STAGES
 
 EMPTY: Mapping[Any, float] = MappingProxyType({})
+NO_STAGES: Mapping[str, Mapping[int, float]] = MappingProxyType({})
+#: The body's stage names in its peak-memory metrics (``perf/max_memory_allocated_gb/<name>``) ->
+#: the workflow stages they measure.
+PEAK_STAGES = {"gen": "generation", "infer": "inference", "train": "training"}
 
 
 def as_pool(gpus: int | tuple[int, ...] | list[int] | range) -> tuple[int, ...]:
@@ -32,6 +37,10 @@ class StepSignals:
     measured duration of the transition executed just before this step (``None`` if none ran).
     ``draining`` lists GPUs that are being revoked but can still be read until the transition
     ends (a spot two-minute notice): a transition may copy state off them.
+
+    ``peak_memory`` maps a rank to its peak GPU memory over the step; ``stage_peak_memory`` maps a
+    workflow stage (``generation``, ``inference``, ``training``) to each rank's peak during that
+    stage (the allocator's peak, reset between stages), which the memory calibration reads.
     """
 
     step: int
@@ -40,6 +49,7 @@ class StepSignals:
     prompt_len: float
     gpus: tuple[int, ...]
     peak_memory: Mapping[int, float] = field(default_factory=lambda: EMPTY)
+    stage_peak_memory: Mapping[str, Mapping[int, float]] = field(default_factory=lambda: NO_STAGES)
     stage_time: Mapping[str, float] = field(default_factory=lambda: EMPTY)
     op_time: Mapping[str, float] = field(default_factory=lambda: EMPTY)
     transition_time: float | None = None
@@ -54,6 +64,8 @@ class StepSignals:
             f"{self.response_len_p95} is below the mean response_len={self.response_len}",
         )
         require(self.prompt_len >= 0, "signals.prompt_len", f"must be >= 0, got {self.prompt_len}")
+        unknown = sorted(set(self.stage_peak_memory) - set(STAGES))
+        require(not unknown, "signals.stage_peak_memory", f"unknown stages {unknown}; one of {list(STAGES)}")
         object.__setattr__(self, "gpus", as_pool(self.gpus))
         if self.draining:
             pool = set(self.gpus)
@@ -81,6 +93,9 @@ class StepSignals:
             "num_gpus": self.num_gpus,
             "gpus": gpu_ranges(self.gpus),
             "max_peak_memory": max(self.peak_memory.values(), default=None),
+            "max_stage_peak_memory": {
+                stage: max(peaks.values(), default=None) for stage, peaks in self.stage_peak_memory.items()
+            },
             "stage_time": dict(self.stage_time),
         }
 

@@ -23,7 +23,7 @@ from typing_extensions import override
 from nereus_lightning.control import Controller, ControllerConfig, PlannerBackend
 from nereus_lightning.control.follower import PlanController
 from nereus_lightning.control.resources import NodeInventory, ResourceProvider
-from nereus_lightning.control.signals import StepSignals
+from nereus_lightning.control.signals import PEAK_STAGES, StepSignals
 from nereus_lightning.lightning.console import announce, executed_transitions
 from nereus_lightning.lightning.roles import RoleModule
 from nereus_lightning.lightning.strategy import NereusStrategy
@@ -61,7 +61,8 @@ class NereusCallback(pl.Callback):
 
     The step's metrics come from the module's ``training_step`` output (a mapping of floats, as
     ``RLModule`` returns): response and prompt lengths, ``timing_s/*`` and every rank's
-    ``perf/max_memory_allocated_gb`` become the controller's :class:`StepSignals`.
+    ``perf/max_memory_allocated_gb`` (and its per-stage ``perf/max_memory_allocated_gb/<stage>``)
+    become the controller's :class:`StepSignals`.
 
     Args:
         controller: a :class:`~nereus_lightning.control.PlanController`, e.g.
@@ -281,16 +282,31 @@ def _strategy(trainer: pl.Trainer) -> NereusStrategy:
     return strategy
 
 
-def _peak_memory(stats: Mapping[str, float]) -> dict[int, float]:
-    """Every rank's peak GPU memory of the step in bytes (collective; empty without GPUs)."""
+def _peak_memory(stats: Mapping[str, float]) -> tuple[dict[int, float], dict[str, dict[int, float]]]:
+    """Every rank's peak GPU memory in bytes, over the step and per workflow stage (``generation``,
+    ``inference``, ``training``: what the body reported as ``perf/max_memory_allocated_gb/<name>``).
+
+    Collective; both empty without GPUs.
+    """
     if PEAK_MEMORY not in stats:  # no GPU: absent on every rank alike
-        return {}
-    mine = stats[PEAK_MEMORY] * 2**30
-    if not dist.is_initialized():
-        return {0: mine}
-    every: list[Any] = [None] * dist.get_world_size()  # per rank (every entry filled by the gather)
-    dist.all_gather_object(every, mine)
-    return {rank: float(v) for rank, v in enumerate(every)}
+        return {}, {}
+    mine = (
+        stats[PEAK_MEMORY] * 2**30,
+        {
+            stage: stats[f"{PEAK_MEMORY}/{name}"] * 2**30
+            for name, stage in PEAK_STAGES.items()
+            if f"{PEAK_MEMORY}/{name}" in stats
+        },
+    )
+    every: list[Any] = [mine]
+    if dist.is_initialized():
+        every = [None] * dist.get_world_size()  # per rank (every entry filled by the gather)
+        dist.all_gather_object(every, mine)
+    stages: dict[str, dict[int, float]] = {}
+    for rank, (_, per_stage) in enumerate(every):
+        for stage, peak in per_stage.items():
+            stages.setdefault(stage, {})[rank] = float(peak)
+    return {rank: float(total) for rank, (total, _) in enumerate(every)}, stages
 
 
 def _signals(
@@ -302,6 +318,7 @@ def _signals(
     mean = max(stats.get("response_length/mean", 1.0), 1.0)
     p95 = max(stats.get("response_length/p95", mean), mean)
     stage_time = {k.split("/", 1)[1]: v for k, v in stats.items() if k.startswith("timing_s/")}
+    peak_memory, stage_peak_memory = _peak_memory(stats)
     return StepSignals(
         step=step,
         response_len=mean,
@@ -310,5 +327,6 @@ def _signals(
         gpus=tuple(pool),
         draining=tuple(draining),
         stage_time=stage_time,
-        peak_memory=_peak_memory(stats),
+        peak_memory=peak_memory,
+        stage_peak_memory=stage_peak_memory,
     )

@@ -1,6 +1,6 @@
 """Layouts, the cost model, calibration and the planner (pure Python)."""
 
-from nereus_lightning.plan.calibration import OP_CLASSES, Calibration
+from nereus_lightning.plan.calibration import OP_CLASSES, Calibration, MemoryCalibration
 from nereus_lightning.plan.estimate import PlanEstimate, estimate_plan
 from nereus_lightning.plan.layout import Candidate, Layout, Plan
 from nereus_lightning.plan.planner import PlanResult, job_models, plan_job
@@ -10,6 +10,7 @@ __all__ = [
     "Calibration",
     "Candidate",
     "Layout",
+    "MemoryCalibration",
     "Plan",
     "PlanEstimate",
     "PlanResult",

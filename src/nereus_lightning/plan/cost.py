@@ -4,9 +4,13 @@ Times are built as *ideal* seconds per operation class (peak FLOP/s, HBM and lin
 and divided by the calibrated efficiency of each class (see ``calibration.py``). A model-stage
 is as slow as its slowest replica, which gets ``ceil(sequences / dp)`` sequences.
 
-- Generation = prefill (compute-bound GEMMs + attention) + decode (each step reads the weights
-  and the KV cache once: ``max(FLOPs / peak, bytes / HBM)``), batch ``micro_batch`` sequences per
-  replica at a time; the wave lasts as long as its p95 response.
+- Generation = prefill (compute-bound GEMMs + attention) + decode, batch ``micro_batch``
+  sequences per replica at a time; the wave lasts as long as its p95 response. Each decode step
+  reads the weights and the KV cache it attends over once (``max(FLOPs / peak, bytes / HBM)``):
+  the static decoder attends over its whole preallocated cache every step, vLLM over the
+  running context (:func:`decode_context`). Each step also pays the fixed cost of its kernels
+  (class ``launch``, :func:`_launch_time`): a replayed CUDA graph saves the host's launch work,
+  but at decode sizes every kernel still takes about a launch's time on the GPU.
 - Inference = forward passes of ``micro_batch`` sequences through a pipeline.
 - Training = 1F1B pipeline, ``(a + pp - 1)`` micro-batch slots per optimizer step, then the DP
   gradient all-reduce and the AdamW update, for every mini-batch and PPO epoch.
@@ -18,11 +22,11 @@ is as slow as its slowest replica, which gets ``ceil(sequences / dp)`` sequences
 - Every eager forward-like pass (a slot's forward, backward and recompute; a prefill) also pays
   ``layers * KERNELS_PER_LAYER * launch_s`` of kernel launches, independent of the batch: priced
   as GEMM time (it scales with the GEMM efficiency), it is why fewer, larger micro-batches run
-  faster. Decode steps pay none: they replay a captured CUDA graph (``models.decode``, vLLM).
+  faster.
 - Memory: a training model-stage keeps its state (weights, gradients, AdamW) resident on its
   GPUs for the whole step; a generation or inference model-stage loads its weights from host
   memory when its stage starts and drops them after (``offload`` time), and runs next to the
-  training state resident on the same GPUs.
+  training state resident on the same GPUs. The terms are ``memory.py``'s.
 """
 
 from __future__ import annotations
@@ -48,6 +52,9 @@ ADAMW_BYTES_PER_PARAM = 32
 #: Kernels one transformer layer launches per forward-like pass in an eager framework (norms,
 #: QKV / output / MLP GEMMs, rotary, attention, activation, residual adds: ~10-20). With
 #: ``ClusterSpec.launch_s`` this is the fixed host cost of a pass, paid whatever its batch.
+#: A decode step replayed as a CUDA graph (inductor-fused) pays about as much on the GPU: the
+#: 24-layer 0.5B shape decodes a batch of 64 in 3.4-4.5 ms a step where its HBM floor is 0.25 ms
+#: (reference/gpu-facts.md); 24 x 16 x 10 us = 3.84 ms.
 KERNELS_PER_LAYER = 16
 Ideal = dict[str, float]
 
@@ -92,7 +99,8 @@ class StageWork:
 
     @property
     def max_len(self) -> float:
-        """p95 tokens per sequence: drives memory (batches are padded to their long sequences)."""
+        """p95 tokens per sequence: drives memory (a packed micro-batch holds up to
+        ``micro_batch * max_len`` tokens)."""
         return self.prompt_len + self.response_len_p95
 
     @property
@@ -297,20 +305,40 @@ def slot_affine(
     return _affine(parts)
 
 
+def decode_context(work: StageWork) -> float:
+    """KV-cache slots a decode step attends over per sequence, averaged over the rollout.
+
+    The static decoder attends over its whole preallocated cache at every step (its masks hide
+    the slots not written yet, but the kernel reads them all); vLLM over the running context,
+    the prompt plus half the mean response.
+    """
+    if work.engine.paged:
+        return work.prompt_len + work.response_len / 2
+    return work.engine.cache_tokens(work.prompt_len, work.response_len_p95)
+
+
 @lru_cache(maxsize=1 << 14)
 def wave_affine(work: StageWork, layout: Layout, links: Links, cluster: ClusterSpec) -> Affine:
-    """Generation of a batch on one replica: prefill, then p95-response decode steps."""
+    """Generation of a batch on one replica: prefill, then p95-response decode steps.
+
+    A decode step goes through all ``L`` layers (every pipeline stage in turn): it pays their
+    kernels' fixed cost and reads all weights and the KV cache of :func:`decode_context`.
+    """
     model, tp, pp = work.model, layout.tp, layout.pp
     L, h, peak, nbytes = model.num_layers, model.hidden, cluster.peak_flops, model.dtype_bytes
     P = work.prompt_len
     gemm = (P * compute.gemm_flops_per_token(model, L, False) + 2.0 * model.vocab * h) / tp / peak
     attn = P * compute.attention_flops_per_token(model, L, P / 2) / tp / peak
     steps = math.ceil(work.response_len_p95)
-    context = work.prompt_len + work.response_len / 2
+    context = decode_context(work)
     flops = compute.gemm_flops_per_token(model, L, True) + compute.attention_flops_per_token(
         model, L, context
     )
-    parts = [("gemm", _launch_time(L, cluster), gemm), ("attention", 0.0, attn)]  # the prefill's launches
+    parts = [
+        ("gemm", _launch_time(L, cluster), gemm),  # the prefill's launches
+        ("attention", 0.0, attn),
+        ("launch", steps * _launch_time(L, cluster), 0.0),  # every decode step's kernels
+    ]
     if tp > 1:
         allreduce = lambda b: allreduce_time(b, tp, links.tp, cluster)  # noqa: E731
         parts.append(_comm_part("allreduce", links.tp, 2 * L, allreduce, P * h * nbytes))  # prefill
@@ -426,7 +454,9 @@ def _rank_memory(
     ranks = tuple(range(layout.pp)) if ranks is None else ranks
     if work.kind == "generation":
         return tuple(
-            memory.generation_peak_bytes(model, layout, r, batch, work.prompt_len, work.max_len, work.engine)
+            memory.generation_peak_bytes(
+                model, layout, r, batch, work.prompt_len, work.response_len_p95, work.engine
+            )
             for r in ranks
         )
     if work.kind == "inference":
@@ -459,6 +489,22 @@ def peak_memory(work: StageWork, layout: Layout, dp: int, micro_batch: int, reco
 
 
 @lru_cache(maxsize=1 << 14)
+def wave_memory(work: StageWork, layout: Layout) -> tuple[tuple[float, float], ...]:
+    """Generation's own peak bytes on the first and the last pipeline rank as ``(fixed, per
+    sequence)``: affine in the batch (weights and workspace, then KV cache, prefill or logits per
+    sequence); an engine that reserves a share of the GPU holds at least that."""
+    ends = (0, layout.pp - 1) if layout.pp > 1 else (0,)
+    base = _rank_memory(work, layout, 0, False, 0, ends)
+    one = _rank_memory(work, layout, 1, False, 0, ends)
+    return tuple((b0, b1 - b0) for b0, b1 in zip(base, one, strict=True))
+
+
+def wave_peak(work: StageWork, layout: Layout, batch: int) -> float:
+    """:func:`peak_memory` of a generation replica decoding ``batch`` sequences, from :func:`wave_memory`."""
+    return max(work.reserved, *(fixed + per_seq * batch for fixed, per_seq in wave_memory(work, layout)))
+
+
+@lru_cache(maxsize=1 << 14)
 def generation_batch(work: StageWork, layout: Layout, per_replica: int, cap: float) -> int:
     """Sequences a generation replica decodes at once: as many as fit under ``cap`` (like vLLM's
     KV-cache-filling continuous batching), at most its share; 0 when not even one fits.
@@ -469,11 +515,9 @@ def generation_batch(work: StageWork, layout: Layout, per_replica: int, cap: flo
     """
     cap = memory.generation_budget(work.reserved, cap)
     ends = (0, layout.pp - 1) if layout.pp > 1 else (0,)
-    base = _rank_memory(work, layout, 0, False, 0, ends)
-    one = _rank_memory(work, layout, 1, False, 0, ends)
     fit = per_replica
-    for b0, b1 in zip(base, one, strict=False):
-        fit = min(fit, int((cap - b0) // (b1 - b0)) if cap >= b0 else -1)
+    for fixed, per_seq in wave_memory(work, layout):
+        fit = min(fit, int((cap - fixed) // per_seq) if cap >= fixed else -1)
     while fit > 0 and max(_rank_memory(work, layout, fit, False, 0, ends)) > cap:
         fit -= 1
     return max(fit, 0)
@@ -489,6 +533,7 @@ def clear_cost_caches() -> None:
     for cached in (
         slot_affine,
         wave_affine,
+        wave_memory,
         _rank_memory,
         generation_batch,
         comm.canonical_links,

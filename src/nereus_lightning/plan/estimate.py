@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from nereus_lightning.plan.calibration import Calibration
+from nereus_lightning.plan.calibration import Calibration, MemoryCalibration
 from nereus_lightning.plan.comm import links_of
 from nereus_lightning.plan.cost import StageWork, ideal_time, rank_peak_memory, replica_sequences, stage_work
 from nereus_lightning.plan.layout import Candidate, Plan
@@ -28,14 +28,19 @@ class PlanEstimate:
         stage_latency: seconds per model-stage (key: model-stage name).
         peak_memory: peak bytes per GPU id over the step (GPUs no model-stage uses are absent):
             the largest of each unit's own peak plus the training state other model-stages keep
-            resident on it (colocated training model-stages keep their states side by side).
+            resident on it (colocated training model-stages keep their states side by side),
+            times its stage's memory factor (``MemoryCalibration``; 1 without one).
         memory_cap: bytes allowed per GPU (GPU memory less the 10% headroom).
         feasible: no violation.
         violations: human-readable reasons the plan cannot run as priced.
         phase_latency: seconds per stage (generation, inference, training).
         breakdown: predicted seconds per operation class, per model-stage (for calibration).
         stage_memory: peak bytes on the most-loaded GPU of each model-stage, including the
-            training state other model-stages keep resident on the same GPU.
+            training state other model-stages keep resident on the same GPU, times its stage's
+            memory factor.
+        stage_peak: the cost model's own peak (no memory factor) per workflow stage and GPU: the
+            largest of the stage's model-stages on that GPU (they run in turn) plus the training
+            state resident beside it. What a measured stage peak is compared with.
     """
 
     step_latency: float
@@ -47,6 +52,7 @@ class PlanEstimate:
     phase_latency: dict[str, float] = field(default_factory=dict)
     breakdown: dict[str, dict[str, float]] = field(default_factory=dict)
     stage_memory: dict[str, float] = field(default_factory=dict)
+    stage_peak: dict[str, dict[int, float]] = field(default_factory=dict)
 
     def peak_of(self, gpus: tuple[int, ...]) -> float:
         """The largest peak memory among ``gpus``."""
@@ -77,8 +83,11 @@ def estimate_plan(
     cluster: ClusterSpec,
     workload: Workload,
     calibration: Calibration | None = None,
+    memory: MemoryCalibration | None = None,
 ) -> PlanEstimate:
     """Price ``plan`` on its concrete GPUs; infeasibilities are reported, not raised.
+
+    ``memory`` scales each stage's predicted peaks by its measured factor before the cap check.
 
     Raises:
         NereusConfigError: the plan misses a model-stage of the workload, names an unknown one,
@@ -98,7 +107,9 @@ def estimate_plan(
     breakdown: dict[str, dict[str, float]] = {}
     peak: dict[int, float] = {}
     stage_memory: dict[str, float] = {}
+    stage_peak: dict[str, dict[int, float]] = {}
     cal = calibration or Calibration()
+    factors = (memory or MemoryCalibration()).factors()
     # Training state stays on its GPUs all step (colocated training model-stages keep theirs side
     # by side); generation and inference run next to all of it, a training unit next to the others'.
     resident: dict[int, float] = {}
@@ -125,10 +136,13 @@ def estimate_plan(
         breakdown[ms.name] = {c: s / cal.efficiency(c) for c, s in ideal.items()}
         stage_latency[ms.name] = sum(breakdown[ms.name].values())
         mine = own.get(ms.name, [0.0] * len(cand.gpus))  # its own state is in its peak already
+        factor, raw = factors[ms.stage], stage_peak.setdefault(ms.stage, {})
         worst, worst_gpu, worst_beside = 0.0, -1, 0.0
         for g, value, state in zip(cand.gpus, per_gpu, mine, strict=True):
             beside = resident.get(g, 0.0) - state
             value += beside
+            raw[g] = max(raw.get(g, 0.0), value)
+            value *= factor
             if value > worst:
                 worst, worst_gpu, worst_beside = value, g, beside
             if value > peak.get(g, 0.0):
@@ -141,8 +155,9 @@ def estimate_plan(
                 if worst_beside > 0
                 else ""
             )
+            measured = f" ({factor:.2f} x the cost model's peak, as measured)" if factor != 1 else ""
             violations.append(
-                f"{ms.name}: GPU {worst_gpu} needs {worst / 1e9:.1f} GB{held}, over the cap "
+                f"{ms.name}: GPU {worst_gpu} needs {worst / 1e9:.1f} GB{held}{measured}, over the cap "
                 f"{cap / 1e9:.1f} GB ({cand.describe()})"
             )
     phase: dict[str, float] = {}
@@ -160,4 +175,5 @@ def estimate_plan(
         phase_latency=phase,
         breakdown=breakdown,
         stage_memory=stage_memory,
+        stage_peak=stage_peak,
     )

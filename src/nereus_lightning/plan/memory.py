@@ -4,6 +4,18 @@ Every term is a small function of the model's numbers, so each can be checked by
 are bytes on the most-loaded GPU of a pipeline stage; TP divides everything it shards (we
 assume sequence parallelism, so norm and residual activations are divided by TP as well).
 
+The terms follow what the body holds (``models``, ``rl``, the static decoder ``models.decode``):
+
+- log-probs and entropy run the LM head over chunks of at most :func:`logit_chunk_rows` token
+  rows (recomputed in backward), so no stage holds full-vocabulary logits of all its tokens;
+- a micro-batch packs its sequences without padding under a budget of ``micro_batch * max_len``
+  tokens, and attention runs per sequence (flash / SDPA, no T x T scores);
+- training keeps what a transformers decoder layer with SDPA saves for backward
+  (:func:`activation_bytes_per_token_layer`), or with recompute only each block's input plus one
+  block's activations; the optimizer step adds its fp32 temporaries (:func:`optimizer_step_bytes`);
+- the static decoder preallocates the KV cache of the whole rollout for its whole batch
+  (``GenerationEngine.cache_tokens``) and computes ``[batch, V / tp]`` logits per step.
+
 Generation depends on the rollout engine (``spec.workload.GenerationEngine``): the built-in one
 holds what its batch needs; vLLM takes its ``gpu_memory_utilization`` share of each GPU whatever
 the batch (:func:`engine_reserved_bytes`) and decodes as many sequences as fit in that share, their
@@ -12,6 +24,7 @@ KV cache in whole blocks (:func:`generation_budget`).
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 from nereus_lightning.plan.compute import kv_bytes_per_token_layer, stage_layers
@@ -32,8 +45,13 @@ GIB = 2**30
 WORKSPACE_BYTES = 1 * GIB
 #: Fraction of GPU memory kept free by the feasibility check (Eq. 1 uses a 10% headroom).
 MEMORY_HEADROOM = 0.10
-#: Logits are materialised in fp32, twice (logits and their log-softmax / gradient).
-LOGIT_BYTES_PER_ELEMENT = 8
+#: Logit elements one rank computes at a time: the LM head runs over chunks of
+#: ``LOGIT_CHUNK_ELEMENTS // (V / tp)`` token rows (``models.logprobs.LOGIT_CHUNK_ELEMENTS``,
+#: mirrored: the brain imports no body module; a test pins them equal).
+LOGIT_CHUNK_ELEMENTS = 2**26
+#: fp32 copies of a chunk's logits alive beside the chunk itself (the upcast logits and their
+#: log-softmax / gradient): a chunk element costs ``dtype_bytes + 4 * LOGIT_FP32_COPIES`` bytes.
+LOGIT_FP32_COPIES = 2
 
 
 @lru_cache(maxsize=256)
@@ -100,15 +118,51 @@ def state_bytes_per_gpu(model: ModelSpec, trains: bool, layout: Layout) -> float
     return max(rank_state_bytes(model, trains, layout, r) for r in {0, layout.pp - 1})
 
 
-def activation_bytes_per_token_layer(model: ModelSpec) -> float:
-    """Activations one token keeps in one block for the backward pass (flash attention, no scores).
+def norm_bytes_per_token(model: ModelSpec) -> float:
+    """What one RMSNorm keeps per token for backward: its fp32 upcast input (4 bytes an element,
+    saved by the variance and the scaling), the normalised value in the weight dtype (saved by the
+    weight multiply) and its output (saved by the projections it feeds).
 
-    Attention keeps its norm input, the QKV input, q, k, v and the attention output (the o_proj
-    input): 2h + 2q + 2kv. The MLP keeps its norm input, its input, gate, up, silu(gate) and the
-    down-projection input: 2h + 4i.
+    For an fp32 model the upcast is the input itself; the count is the same.
     """
-    h, q, kv, i = model.hidden, model.q_dim, model.kv_dim, model.intermediate
-    return model.dtype_bytes * (4 * h + 2 * q + 2 * kv + 4 * i)
+    return (4 + 2 * model.dtype_bytes) * model.hidden
+
+
+def attention_bytes_per_token(model: ModelSpec) -> float:
+    """What one attention block keeps per token beyond its norm: the rotated q and k and v (SDPA's
+    inputs; GQA keys and values are not repeated), SDPA's output and its fp32 log-sum-exp per
+    head, and the o_proj input (the output made contiguous: a second copy). With q/k norms, each
+    keeps its fp32 upcast and normalised value as well."""
+    q, kv = model.q_dim, model.kv_dim
+    kept = model.dtype_bytes * (3 * q + 2 * kv) + 4 * model.num_heads
+    if model.qk_norm:
+        kept += (4 + model.dtype_bytes) * (q + kv)
+    return kept
+
+
+def mlp_bytes_per_token(model: ModelSpec) -> float:
+    """What one gated MLP keeps per token beyond its norm: gate (silu's input), silu(gate) and up
+    (the product's inputs) and the product (down_proj's input)."""
+    return 4 * model.dtype_bytes * model.intermediate
+
+
+def activation_bytes_per_token_layer(model: ModelSpec) -> float:
+    """Activations one token keeps in one block for the backward pass (a transformers decoder
+    layer with SDPA, no T x T scores): two norms, attention and MLP.
+
+    The block's input is not kept (the first norm keeps its upcast instead). The final norm (one
+    more norm per token, under 1% of the blocks') is left out.
+    """
+    return 2 * norm_bytes_per_token(model) + attention_bytes_per_token(model) + mlp_bytes_per_token(model)
+
+
+def forward_bytes_per_token(model: ModelSpec) -> float:
+    """Activations one token has alive in a forward pass without gradients (one block at a time).
+
+    The MLP is the largest moment: the residual, the normed input, silu(gate), up and their
+    product.
+    """
+    return model.dtype_bytes * (2 * model.hidden + 3 * model.intermediate)
 
 
 def checkpoint_bytes_per_token_layer(model: ModelSpec) -> float:
@@ -116,14 +170,37 @@ def checkpoint_bytes_per_token_layer(model: ModelSpec) -> float:
     return model.dtype_bytes * model.hidden
 
 
-def logits_bytes(model: ModelSpec, tokens: float, tp: int) -> float:
-    """fp32 logits (and their log-softmax / gradient) for ``tokens`` tokens, vocabulary split over TP."""
-    return tokens * model.vocab / tp * LOGIT_BYTES_PER_ELEMENT
+def logit_chunk_rows(model: ModelSpec, tp: int) -> int:
+    """Token rows of one LM-head chunk: as many as :data:`LOGIT_CHUNK_ELEMENTS` holds of the rank's
+    vocabulary slice, at least one (``models.logprobs.chunk_rows``)."""
+    return max(1, LOGIT_CHUNK_ELEMENTS // math.ceil(model.vocab / tp))
+
+
+def logits_bytes(model: ModelSpec, rows: float, tp: int) -> float:
+    """Logits of ``rows`` token rows over the rank's vocabulary, in the weight dtype with their
+    :data:`LOGIT_FP32_COPIES` fp32 copies."""
+    return rows * math.ceil(model.vocab / tp) * (model.dtype_bytes + 4 * LOGIT_FP32_COPIES)
+
+
+def chunked_logits_bytes(model: ModelSpec, tokens: float, tp: int) -> float:
+    """Logits alive while log-probs / entropy of ``tokens`` tokens are computed: one chunk (recomputed
+    in backward, so training holds no more)."""
+    return logits_bytes(model, min(tokens, logit_chunk_rows(model, tp)), tp)
 
 
 def kv_cache_bytes(model: ModelSpec, tokens: float, layers: int, tp: int) -> float:
     """KV cache of ``tokens`` tokens over ``layers`` blocks, KV heads split over TP."""
     return tokens * layers * kv_bytes_per_token_layer(model) / tp
+
+
+def optimizer_step_bytes(model: ModelSpec, params: float) -> float:
+    """Temporaries of one AdamW step over ``params`` parameters (activations are freed by then).
+
+    Below fp32 the step upcasts every gradient to fp32 (``models.optim.MixedPrecisionAdamW``);
+    torch's foreach AdamW then builds ``sqrt(exp_avg_sq)`` for all parameters at once (fp32).
+    """
+    upcast = 4 if model.dtype_bytes < 4 else 0
+    return params * (upcast + 4)
 
 
 def training_activation_bytes(
@@ -150,27 +227,30 @@ def training_peak_bytes(
 ) -> float:
     """Peak bytes on one GPU of pipeline stage ``pp_rank`` while training (1F1B schedule).
 
-    Stage ``p`` of ``pp`` keeps ``min(pp - p, micro_batches)`` micro-batches in flight.
+    Stage ``p`` of ``pp`` keeps ``min(pp - p, micro_batches)`` micro-batches in flight, each packed
+    to ``micro_batch * seq_len`` tokens; the last stage adds one LM-head chunk. The optimizer
+    step's temporaries come after the activations are freed: the peak is the larger of the two.
     """
     tokens = micro_batch * seq_len
     in_flight = min(layout.pp - pp_rank, micro_batches)
     layers = stage_layers(model, layout.pp, pp_rank)
-    total = rank_state_bytes(model, True, layout, pp_rank) + WORKSPACE_BYTES
-    total += training_activation_bytes(model, layers, tokens, in_flight, layout.tp, recompute)
+    passes = training_activation_bytes(model, layers, tokens, in_flight, layout.tp, recompute)
     if lm_head and pp_rank == layout.pp - 1:
-        total += logits_bytes(model, tokens, layout.tp)
-    return total
+        passes += chunked_logits_bytes(model, tokens, layout.tp)
+    step = optimizer_step_bytes(model, stage_params(model, layout.pp, pp_rank) / layout.tp)
+    return rank_state_bytes(model, True, layout, pp_rank) + WORKSPACE_BYTES + max(passes, step)
 
 
 def inference_peak_bytes(
     model: ModelSpec, layout: Layout, pp_rank: int, micro_batch: int, seq_len: float, lm_head: bool
 ) -> float:
-    """Peak bytes on one GPU of stage ``pp_rank`` for a forward pass (one block's activations live)."""
+    """Peak bytes on one GPU of stage ``pp_rank`` for a forward pass of a packed micro-batch of
+    ``micro_batch * seq_len`` tokens (one block's activations alive, one LM-head chunk)."""
     tokens = micro_batch * seq_len
     total = rank_state_bytes(model, False, layout, pp_rank) + WORKSPACE_BYTES
-    total += tokens * activation_bytes_per_token_layer(model) / layout.tp
+    total += tokens * forward_bytes_per_token(model) / layout.tp
     if lm_head and pp_rank == layout.pp - 1:
-        total += logits_bytes(model, tokens, layout.tp)
+        total += chunked_logits_bytes(model, tokens, layout.tp)
     return total
 
 
@@ -180,22 +260,23 @@ def generation_peak_bytes(
     pp_rank: int,
     batch: int,
     prompt_len: float,
-    max_len: float,
+    new_tokens: float,
     engine: GenerationEngine = BUILTIN_ENGINE,
 ) -> float:
-    """Bytes one GPU of stage ``pp_rank`` needs to decode ``batch`` sequences of up to ``max_len`` tokens.
+    """Bytes one GPU of stage ``pp_rank`` needs to decode ``batch`` sequences of ``prompt_len`` +
+    ``new_tokens`` tokens.
 
-    Weights, the full KV cache (whole blocks with vLLM), the prefill's live block activations and
-    last-token logits. An engine that reserves a share of the GPU holds
-    :func:`engine_reserved_bytes` when that is more.
+    Weights and the KV cache the engine allocates (``GenerationEngine.cache_tokens``: the static
+    decoder's whole rollout, vLLM's whole blocks), then the larger of the prefill's live block
+    and a decode step's ``[batch, V / tp]`` logits (one after the other). An engine that reserves
+    a share of the GPU holds :func:`engine_reserved_bytes` when that is more.
     """
     layers = stage_layers(model, layout.pp, pp_rank)
     total = rank_state_bytes(model, False, layout, pp_rank) + WORKSPACE_BYTES
-    total += kv_cache_bytes(model, batch * engine.cache_tokens(max_len), layers, layout.tp)
-    total += batch * prompt_len * activation_bytes_per_token_layer(model) / layout.tp
-    if pp_rank == layout.pp - 1:
-        total += logits_bytes(model, batch, layout.tp)
-    return total
+    total += kv_cache_bytes(model, batch * engine.cache_tokens(prompt_len, new_tokens), layers, layout.tp)
+    prefill = batch * prompt_len * forward_bytes_per_token(model) / layout.tp
+    logits = logits_bytes(model, batch, layout.tp) if pp_rank == layout.pp - 1 else 0.0
+    return total + max(prefill, logits)
 
 
 def engine_reserved_bytes(engine: GenerationEngine, gpu_memory: float) -> float:

@@ -3,10 +3,16 @@
 A :class:`CandidateTable` prices all candidates of one model-stage and then answers, cheaply
 and many times, "which candidates fit under this much memory (and keep at most this much state
 resident)?" (the planner asks once per level of co-resident training state it tries).
+
+One rule chooses among a model-stage's candidates on as many GPUs (:func:`leanest_within`): the
+one with the smallest peak memory among those within :data:`LATENCY_TOLERANCE` of the fastest.
+Predictions are not that exact, and the leaner candidate leaves headroom for drift and room for
+the other model-stages on its GPUs.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -25,20 +31,23 @@ from nereus_lightning.plan.cost import (
     replica_sequences,
     slot_affine,
     wave_affine,
+    wave_peak,
 )
 from nereus_lightning.plan.layout import Layout
 from nereus_lightning.plan.memory import state_bytes_per_gpu
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.model import ModelSpec
 
+#: Candidates within this fraction of the fastest one on as many GPUs count as equally fast.
+LATENCY_TOLERANCE = 0.02
+
 
 @dataclass(frozen=True)
 class Option:
     """One priced candidate shape of a model-stage (no GPU ids yet).
 
-    ``peak_memory`` is the model-stage's own peak per GPU (-1 until filled in for generation,
-    whose batch fits by construction); ``resident`` is the state a training candidate keeps on
-    each of its GPUs through the whole step (0 for generation and inference).
+    ``peak_memory`` is the model-stage's own peak per GPU; ``resident`` is the state a training
+    candidate keeps on each of its GPUs through the whole step (0 for generation and inference).
     """
 
     gpus: int
@@ -120,9 +129,10 @@ class CandidateTable:
     """All candidates of one model-stage within ``max_gpus`` GPUs and ``cap`` bytes, priced.
 
     For generation and inference only the smallest dp of each distinct replica share is kept
-    (larger ones cost GPUs and gain nothing). Per (layout, dp) the table keeps every feasible
-    micro-batch / recompute choice ordered by latency, so :meth:`options` can pick the fastest
-    one that fits a tighter memory budget without pricing anything again.
+    (larger ones cost GPUs and gain nothing). Per (layout, dp) the table keeps the feasible
+    micro-batch / recompute choices ordered by latency, each leaner than every faster one, so
+    :meth:`rows_within` can pick those that fit a tighter memory budget without pricing anything
+    again.
     """
 
     def __init__(
@@ -211,8 +221,9 @@ class CandidateTable:
                     self.rows.append((dp * size, layout, dp, resident, choices))
 
     def options(self, memory: float | None = None, resident: float = math.inf) -> list[Option]:
-        """The fastest choice per (layout, dp) whose peak fits ``memory`` (default: the cap) and
-        whose resident state is at most ``resident``."""
+        """The choices per (layout, dp) whose peak fits ``memory`` (default: the cap) and whose
+        resident state is at most ``resident``: the fastest, and the leaner ones within
+        :data:`LATENCY_TOLERANCE` of it (only those can be the GPU count's :func:`leanest_within`)."""
         return [_option(row) for row in self.rows_within(memory, resident)]
 
     def rows_within(
@@ -233,14 +244,18 @@ class CandidateTable:
                 batch = share if share < fit else fit
                 full, rest = divmod(share, batch)
                 lat = offload + full * _at(coef, batch) + (_at(coef, rest) if rest else 0.0)
-                out.append((dp * size, lat, -1.0, 0.0, layout, dp, batch, False))
+                out.append((dp * size, lat, wave_peak(work, layout, batch), 0.0, layout, dp, batch, False))
         for gpus, layout, dp, res, choices in self.rows:
             if res > resident or res < least:
                 continue
-            for lat, peak, mb, rc in choices:
-                if peak <= memory:
-                    out.append((gpus, lat, peak, res, layout, dp, mb, rc))
+            limit = math.inf  # the tolerance over the fastest choice that fits
+            for lat, peak, mb, rc in choices:  # fastest first, each leaner than the ones before
+                if lat > limit:
                     break
+                if peak <= memory:
+                    if limit == math.inf:
+                        limit = lat * (1 + LATENCY_TOLERANCE)
+                    out.append((gpus, lat, peak, res, layout, dp, mb, rc))
         return out
 
     def resident_levels(self) -> list[float]:
@@ -268,11 +283,29 @@ def frontier(options: Iterable[P]) -> list[P]:
     return best
 
 
-def frontier_of_rows(rows: list[tuple]) -> list[Option]:
-    """:func:`frontier` of :meth:`CandidateTable.rows_within` tuples (only the survivors become Options)."""
-    rows = sorted(rows)
-    best: list[tuple] = []
+def leanest_within(rows: Iterable[tuple], tolerance: float = LATENCY_TOLERANCE) -> tuple:
+    """The row ``(gpus, latency, peak, ...)`` with the smallest peak among those whose latency is
+    within ``tolerance`` of the fastest (on a tie the faster; then the first)."""
+    rows = list(rows)
+    if len(rows) == 1:
+        return rows[0]
+    limit = min(row[1] for row in rows) * (1 + tolerance)
+    pick = None
     for row in rows:
+        if row[1] <= limit and (pick is None or (row[2], row[1]) < (pick[2], pick[1])):
+            pick = row
+    assert pick is not None  # the fastest row is within the limit
+    return pick
+
+
+def frontier_of_rows(rows: list[tuple]) -> list[Option]:
+    """:func:`frontier` of :meth:`CandidateTable.rows_within` tuples, each GPU count represented by
+    its :func:`leanest_within` row (only the survivors become Options)."""
+    best: list[tuple] = []
+    # Sorted, each GPU count's rows are adjacent and fastest first; ties keep their order (the
+    # leaner, then less resident state, ...).
+    for _, same in itertools.groupby(sorted(rows), key=lambda row: row[0]):
+        row = leanest_within(same)
         if not best or row[1] < best[-1][1]:
             best.append(row)
     return [_option(row) for row in best]
@@ -281,17 +314,6 @@ def frontier_of_rows(rows: list[tuple]) -> list[Option]:
 def _option(row: tuple) -> Option:
     gpus, lat, peak, res, layout, dp, mb, rc = row
     return Option(gpus, lat, layout, dp, mb, rc, peak, res)
-
-
-def fill_peaks(work: StageWork, front: list[Option]) -> list[Option]:
-    """Give generation options their peak memory (priced lazily: the batch fits by construction)."""
-    out = []
-    for o in front:
-        if o.peak_memory < 0:
-            peak = peak_memory(work, o.layout, o.dp, o.micro_batch, o.recompute)
-            o = Option(o.gpus, o.latency, o.layout, o.dp, o.micro_batch, o.recompute, peak, o.resident)
-        out.append(o)
-    return out
 
 
 def stage_options(

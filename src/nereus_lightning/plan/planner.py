@@ -4,8 +4,11 @@
    DP from the GPUs left, micro-batch options, recompute for training) and price each with
    the cost model, placed as the planner will place it (``comm.canonical_links``); see
    ``options.py``.
-2. Drop the ones over the memory cap and the dominated ones: the frontier keeps, per GPU count,
-   only candidates faster than every candidate with fewer GPUs.
+2. Drop the ones over the memory cap (each stage's predicted peaks times its measured memory
+   factor, ``calibration.MemoryCalibration``: the cap divided by it), choose per GPU count the
+   leanest candidate within 2% of the fastest (``options.leanest_within``), and drop the
+   dominated ones: the frontier keeps only GPU counts faster than every smaller one. "Fastest"
+   below means fastest over these choices (the search is exact for them).
 3. Stages run one after another, so for a fixed memory budget the step latency is a sum of
    independent per-stage problems. In one stage, model-stages on disjoint GPUs run concurrently
    and model-stages that share GPUs run one after another (``overlap.py``). For every partition
@@ -44,7 +47,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from nereus_lightning.plan.calibration import Calibration
+from nereus_lightning.plan.calibration import Calibration, MemoryCalibration
 from nereus_lightning.plan.cost import (
     StageWork,
     micro_batch_options,
@@ -59,7 +62,6 @@ from nereus_lightning.plan.options import (  # noqa: F401  (re-exported for call
     CandidateTable,
     Option,
     dp_options,
-    fill_peaks,
     frontier,
     frontier_of_rows,
     layouts_for,
@@ -212,8 +214,12 @@ def plan_job(
     alternatives: int = 4,
     pinned: Mapping[str, Layout] | None = None,
     pool_key: str = "cluster.num_gpus",
+    memory: MemoryCalibration | None = None,
 ) -> PlanResult:
     """The fastest feasible plan for ``workload`` on ``cluster`` and up to ``alternatives`` next-best plans.
+
+    ``memory`` holds the measured memory factor of each stage: a stage's predicted peaks times its
+    factor must fit the cap.
 
     ``pinned`` restricts model-stages to one layout each (their DP degree, micro-batch and
     recomputation stay free): the controller asks for plans that keep the training layouts it
@@ -228,23 +234,25 @@ def plan_job(
     stages = workload.stages
     works = {ms.name: stage_work(ms, models, workload, cluster.gpu_memory) for ms in stages}
     cap, budget = memory_cap(cluster), cluster.num_gpus
+    factors = (memory or MemoryCalibration()).factors()
     unknown = set(pinned or {}) - set(works)
     if unknown:
         raise NereusConfigError(
             f"plan_job.pinned: unknown model-stages {sorted(unknown)}; known: {sorted(works)}"
         )
-    search = _Search(
-        works, {ms.name: ms.stage for ms in stages}, cluster, calibration, budget, cap, pinned, pool_key
-    )
+    stage_of = {ms.name: ms.stage for ms in stages}
+    search = _Search(works, stage_of, cluster, calibration, budget, cap, factors, pinned, pool_key)
     pins = dict(pinned or {})
-    stuck = [n for n in pins if not search.fronts(n, cap)]
+    stuck = [n for n in pins if not search.fronts(n, search.cap(n))]
     if stuck:
         raise InfeasiblePlanError(
             f"{stuck[0]} pinned to {pins[stuck[0]]}: no candidate of that layout fits {budget} GPUs under "
             f"the cap of {cap / 1e9:.1f} GB per GPU; pin fewer model-stages or another layout"
         )
     failed = [
-        diagnose_memory(works[n], cluster, budget, cap, pool_key) for n in works if not search.fronts(n, cap)
+        diagnose_memory(works[n], cluster, budget, cap, pool_key, factors[stage_of[n]])
+        for n in works
+        if not search.fronts(n, search.cap(n))
     ]
     if failed:
         # The binding constraint is the model-stage that needs the most GPUs.
@@ -271,7 +279,7 @@ def plan_job(
             {block: grp for pick in combo for block, grp in pick.items()}, search.stage_of, order
         )
         if all(plan != seen for seen, _ in results):
-            results.append((plan, estimate_plan(plan, models, cluster, workload, calibration)))
+            results.append((plan, estimate_plan(plan, models, cluster, workload, calibration, memory)))
     # On power-of-two nodes the concrete estimate equals the search's objective; elsewhere a
     # placement can cost more than its shape promised, so order by the concrete estimate.
     results.sort(key=lambda r: (not r[1].feasible, r[1].step_latency))
@@ -280,7 +288,11 @@ def plan_job(
 
 class _Search:
     """Frontiers per (model-stage, memory budget, resident level), stage solves over every
-    grouping (step 3), and the search over levels of co-resident training state (step 4)."""
+    grouping (step 3), and the search over levels of co-resident training state (step 4).
+
+    ``factors`` is each stage's measured memory factor: the cost model's peaks of a stage fit
+    within ``cap / factor`` (:meth:`cap`).
+    """
 
     def __init__(
         self,
@@ -290,10 +302,14 @@ class _Search:
         calibration: Calibration | None,
         budget: int,
         cap: float,
+        factors: Mapping[str, float],
         pinned: Mapping[str, Layout] | None = None,
         pool_key: str = "cluster.num_gpus",
     ) -> None:
-        self.works, self.stage_of, self.budget, self.cap = works, dict(stage_of), budget, cap
+        self.works, self.stage_of, self.budget = works, dict(stage_of), budget
+        self.factors = {stage: factors.get(stage, 1.0) for stage in STAGES}
+        self.caps = {stage: cap / factor for stage, factor in self.factors.items()}
+        self.memory_cap = cap
         self.pinned, self.pool_key = dict(pinned or {}), pool_key
         self.stages = [s for s in STAGES if any(v == s for v in stage_of.values())]
         self.members = {s: tuple(n for n, v in stage_of.items() if v == s) for s in self.stages}
@@ -303,11 +319,15 @@ class _Search:
         for name, work in works.items():
             key = replace(work, name="")
             if key not in shared:
-                shared[key] = CandidateTable(work, cluster, calibration, budget, cap)
+                shared[key] = CandidateTable(work, cluster, calibration, budget, self.cap(name))
             self.tables[name] = shared[key]
         self._fronts: dict[tuple, list[Option]] = {}
         self._groups: dict[tuple, list[Group]] = {}
         self._solved: dict[tuple, list[Pick]] = {}
+
+    def cap(self, name: str) -> float:
+        """The memory cap of model-stage ``name``'s stage (over its measured memory factor)."""
+        return self.caps[self.stage_of[name]]
 
     def fronts(
         self, name: str, memory: float, resident: float = math.inf, least: float = -math.inf
@@ -329,14 +349,18 @@ class _Search:
     def _member_front(self, name: str, rho: float) -> list[Option]:
         """``name``'s frontier at training-state level ``rho``, on GPUs of its own."""
         if self.stage_of[name] == "training":
-            return self.fronts(name, self.cap, rho)
-        return self.fronts(name, self.cap - rho)
+            return self.fronts(name, self.cap(name), rho)
+        return self.fronts(name, self.cap(name) - rho)
 
     def group_front(self, block: tuple[str, ...], rho: float, limit: float = math.inf) -> list[Group]:
         """The frontier of ``block`` (one stage's model-stages run in turn on shared GPUs) at level
         ``rho``; colocated training model-stages keep only points faster than ``limit``."""
         training = self.stage_of[block[0]] == "training"
-        key = (block, rho if training else self.cap - rho, limit if training and len(block) > 1 else math.inf)
+        key = (
+            block,
+            rho if training else self.cap(block[0]) - rho,
+            limit if training and len(block) > 1 else math.inf,
+        )
         if key not in self._groups:
             if len(block) == 1:
                 self._groups[key] = _single(block[0], self._member_front(block[0], rho))
@@ -365,7 +389,7 @@ class _Search:
         """
         points: list[Group] = []
         fastest = {
-            (n, s): (front[-1].latency if (front := self.fronts(n, self.cap, s)) else math.inf)
+            (n, s): (front[-1].latency if (front := self.fronts(n, self.cap(n), s)) else math.inf)
             for n in block
             for s in self._levels(n)
         }
@@ -374,7 +398,7 @@ class _Search:
             if total > rho or sum(fastest[n, s] for n, s in zip(block, states, strict=True)) >= limit:
                 continue
             fronts = [
-                self.fronts(n, self.cap - (total - s), s, s) for n, s in zip(block, states, strict=True)
+                self.fronts(n, self.cap(n) - (total - s), s, s) for n, s in zip(block, states, strict=True)
             ]
             if all(fronts):
                 points += [grp for grp in _sum_front(block, fronts) if grp.latency < limit]
@@ -481,7 +505,8 @@ class _Search:
             # Only co-resident training state can keep model-stages that each fit from sharing GPUs.
             raise InfeasiblePlanError(
                 f"{stage} stage: its model-stages fit neither side by side on shared GPUs (their training "
-                f"states together pass the cap of {self.cap / 1e9:.1f} GB per GPU) nor on disjoint GPUs, "
+                f"states together pass the cap of {self.caps[stage] / 1e9:.1f} GB per GPU) nor on disjoint "
+                "GPUs, "
                 f"where they need at least {sum(need.values())} GPUs together "
                 f"({', '.join(f'{n} {g}' for n, g in need.items())}) but the pool has {self.budget}; "
                 f"raise {self.pool_key} to {sum(need.values())}"
@@ -493,8 +518,14 @@ class _Search:
                 continue
             for name in self.members[stage]:
                 if not self._member_front(name, leanest):
+                    factor = self.factors[stage]
                     _, text = diagnose_memory(
-                        self.works[name], self.cluster_of(), self.budget, self.cap - leanest, self.pool_key
+                        self.works[name],
+                        self.cluster_of(),
+                        self.budget,
+                        self.memory_cap - factor * leanest,
+                        self.pool_key,
+                        factor,
                     )
                     return f"next to {leanest / 1e9:.1f} GB of resident training state per GPU, {text}"
         return (
@@ -518,22 +549,31 @@ def _least_memory(work: StageWork, layout: Layout) -> float:
 
 
 def diagnose_memory(
-    work: StageWork, cluster: ClusterSpec, budget: int, cap: float, pool_key: str = "cluster.num_gpus"
+    work: StageWork,
+    cluster: ClusterSpec,
+    budget: int,
+    cap: float,
+    pool_key: str = "cluster.num_gpus",
+    factor: float = 1.0,
 ) -> tuple[int | None, str]:
     """Why ``work`` fits no candidate: (GPUs that would fit it or None, a message naming its
-    least memory within the pool, the cap, and the GPU count to ask for)."""
-    inside = [(_least_memory(work, lay), lay) for lay in layouts_for(work.model, budget)]
+    least memory within the pool, the cap, and the GPU count to ask for).
+
+    ``factor`` is the stage's measured memory factor: the cost model's peaks times it must fit.
+    """
+    inside = [(factor * _least_memory(work, lay), lay) for lay in layouts_for(work.model, budget)]
     best = min(inside, key=lambda x: x[0], default=None)
     fits = next(
         (
             lay
             for lay in sorted(layouts_for(work.model, 1 << 20), key=lambda lay: lay.size)
-            if _least_memory(work, lay) <= cap
+            if factor * _least_memory(work, lay) <= cap
         ),
         None,
     )
+    measured = f", {factor:.2f} x the cost model's as measured" if factor != 1 else ""
     need = (
-        f"{best[0] / 1e9:.1f} GB per GPU at its best layout {best[1]}"
+        f"{best[0] / 1e9:.1f} GB per GPU at its best layout {best[1]}{measured}"
         if best
         else "more GPUs than the pool has"
     )

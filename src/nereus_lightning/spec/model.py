@@ -179,6 +179,10 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     "qwen3_32b": ModelSpec(
         "Qwen3-32B", 64, 5120, 64, 8, 151936, 25600, head_dim=128, qk_norm=True, max_position=40960
     ),
+    # The shape of the issue-31 measurements (reference/gpu-facts.md): 151,936-token vocabulary, tied head.
+    "qwen2_0_5b": ModelSpec(
+        "Qwen2-0.5B", 24, 896, 14, 2, 151936, 4864, tie_embeddings=True, qkv_bias=True, max_position=131072
+    ),
     # Tiny models for tests and the embedded default (random weights, built from configs).
     "tiny_llama": ModelSpec("tiny-llama", 4, 64, 4, 4, 256, 128, dtype="float32", max_position=512),
     "tiny_gqa": ModelSpec(

@@ -15,6 +15,9 @@ STAGES = ("generation", "inference", "training")
 ENGINES = ("hf", "vllm")
 #: vLLM's KV-cache block on CUDA, in tokens (what the planner prices when vLLM chooses the block size).
 CUDA_BLOCK_SIZE = 16
+#: The built-in static decoder's prompt region is a multiple of this many cache slots (the body's
+#: ``models.decode.PROMPT_BUCKET``, mirrored: the brain imports no body module; a test pins them equal).
+STATIC_PROMPT_BUCKET = 64
 
 
 @dataclass(frozen=True)
@@ -83,12 +86,24 @@ class GenerationEngine:
         """Whether the engine takes a fixed share of each GPU (vLLM) rather than what its batch needs."""
         return self.kind == "vllm"
 
-    def cache_tokens(self, max_len: float) -> float:
-        """KV-cache tokens one sequence of up to ``max_len`` tokens holds: whole blocks for vLLM."""
-        if not self.reserves:
-            return max_len
+    @property
+    def paged(self) -> bool:
+        """Whether the KV cache is paged (vLLM): a decode step reads each sequence's running context,
+        not a cache preallocated for the whole rollout."""
+        return self.kind == "vllm"
+
+    def cache_tokens(self, prompt_len: float, new_tokens: float) -> float:
+        """KV-cache slots one sequence of ``prompt_len`` + ``new_tokens`` tokens holds.
+
+        The built-in static decoder preallocates the whole rollout: the prompt region rounded up
+        to :data:`STATIC_PROMPT_BUCKET` slots, then every new token but the last (never fed back).
+        vLLM holds whole blocks of what the sequence has.
+        """
+        new = math.ceil(new_tokens)
+        if not self.paged:
+            return STATIC_PROMPT_BUCKET * math.ceil(prompt_len / STATIC_PROMPT_BUCKET) + max(new - 1, 0)
         block = self.block_size or CUDA_BLOCK_SIZE
-        return math.ceil(max_len / block) * block
+        return math.ceil((prompt_len + new) / block) * block
 
 
 def _ms(name: str, model: str, stage: str) -> ModelStage:
