@@ -28,7 +28,7 @@ def test_the_readme_example(tmp_path, capsys):
     result = plan_from_config(cfg)
     render(result)
     text = capsys.readouterr().out
-    assert "actor_train" in text and "step latency" in text and "/57.6" in text
+    assert "actor_train" in text and "step latency" in text and "/56.5" in text
     saved = json.loads(out.read_text())
     assert saved["step_latency_s"] == pytest.approx(result["step_latency_s"])
     assert saved["cluster"]["num_gpus"] == 16

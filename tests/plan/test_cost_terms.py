@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from dataclasses import replace
 
@@ -104,7 +106,7 @@ def test_optimizer_step_temporaries():
     assert memory.optimizer_step_bytes(model_preset("tiny_llama"), 1000) == 4000  # fp32: the sqrt only
     # They come after the activations are freed: the training peak holds the larger of the two.
     lay = Layout(1, 1)
-    state = memory.rank_state_bytes(L8, True, lay, 0) + memory.WORKSPACE_BYTES
+    state = memory.rank_state_bytes(L8, True, lay, 0)
     short = memory.training_peak_bytes(L8, lay, 0, 1, 100, 1, False, True)
     assert short - state == memory.optimizer_step_bytes(L8, L8.num_params)
 
@@ -130,14 +132,16 @@ def test_1f1b_in_flight_micro_batches():
     assert a0 == 4 * 16000 * 8 * act
     r0 = memory.training_peak_bytes(L8, lay, 0, 1, 16000, 16, False, False)
     r3 = memory.training_peak_bytes(L8, lay, 3, 1, 16000, 16, False, False)
-    assert r0 - memory.rank_state_bytes(L8, True, lay, 0) - memory.WORKSPACE_BYTES == pytest.approx(a0)
-    assert r3 - memory.rank_state_bytes(L8, True, lay, 3) - memory.WORKSPACE_BYTES == pytest.approx(a0 / 4)
+    assert r0 - memory.rank_state_bytes(L8, True, lay, 0) == pytest.approx(a0)
+    assert r3 - memory.rank_state_bytes(L8, True, lay, 3) == pytest.approx(a0 / 4)
     rc = memory.training_activation_bytes(L8, 8, 1000, 4, 1, True)
     assert rc == 4 * 1000 * 8 * 8192 + 1000 * act  # block inputs + one block being recomputed
 
 
-def test_memory_cap_keeps_ten_percent():
-    assert memory.memory_cap(_cluster()) == pytest.approx(0.9 * 64e9)
+def test_memory_cap_keeps_ten_percent_and_what_the_allocator_never_sees():
+    assert memory.memory_cap(_cluster()) == pytest.approx(0.9 * 64e9 - 2**30)
+    cpu = dataclasses.replace(_cluster(), reserved_memory=0.0)
+    assert memory.memory_cap(cpu) == pytest.approx(0.9 * 64e9)
 
 
 def test_collectives_alpha_beta():

@@ -340,7 +340,7 @@ def test_70b_training_on_two_gpus_names_the_binding_constraint():
             Workload(algorithm="grpo"),
         )
     text = str(err.value)
-    assert "actor_train" in text and "GB per GPU" in text and "cap of 57.6 GB" in text
+    assert "actor_train" in text and "GB per GPU" in text and "cap of 56.5 GB" in text
     assert "raise cluster.num_gpus to at least 32" in text
 
 

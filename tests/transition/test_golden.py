@@ -22,6 +22,12 @@ Regenerated 2026-12-05 (issue 31, the cost model): only the 12 timed benchmark s
 plans the planner makes, changed input (the memory model as the body holds it, decode priced at the
 static cache's length, the leanest of equally fast candidates); their DAGs follow from the new plans
 (7 of the 12 are now infeasible, 6 were). The other 455 cases, DAGs and baselines, are identical.
+
+Regenerated again (issue 31, the memory cap): a GPU's cap is now the allocator's share, the GPU's
+memory less the 10% headroom and ``ClusterSpec.reserved_memory`` (1 GiB: CUDA context, NCCL, cuBLAS,
+which the peaks no longer include), so every case's input (its cluster) changed; transitions keep
+that 1 GiB free too. 152 infeasibility messages changed (they quote the cap), one DAG became
+infeasible (292 -> 291 feasible); every feasible DAG is identical.
 """
 
 from __future__ import annotations

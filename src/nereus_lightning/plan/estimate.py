@@ -30,7 +30,7 @@ class PlanEstimate:
             the largest of each unit's own peak plus the training state other model-stages keep
             resident on it (colocated training model-stages keep their states side by side),
             times its stage's memory factor (``MemoryCalibration``; 1 without one).
-        memory_cap: bytes allowed per GPU (GPU memory less the 10% headroom).
+        memory_cap: allocator bytes allowed per GPU (:func:`~nereus_lightning.plan.memory.memory_cap`).
         feasible: no violation.
         violations: human-readable reasons the plan cannot run as priced.
         phase_latency: seconds per stage (generation, inference, training).

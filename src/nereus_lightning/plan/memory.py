@@ -41,8 +41,6 @@ ADAM_MOMENT_BYTES_PER_PARAM = 8
 #: fp32 master weights, kept only when the weights themselves are below fp32.
 MASTER_WEIGHT_BYTES_PER_PARAM = 4
 GIB = 2**30
-#: cuBLAS / NCCL workspaces and allocator fragmentation, per GPU.
-WORKSPACE_BYTES = 1 * GIB
 #: Fraction of GPU memory kept free by the feasibility check (Eq. 1 uses a 10% headroom).
 MEMORY_HEADROOM = 0.10
 #: Logit elements one rank computes at a time: the LM head runs over chunks of
@@ -65,8 +63,10 @@ def max_stage_params(model: ModelSpec, pp: int) -> int:
 
 
 def memory_cap(cluster: ClusterSpec) -> float:
-    """Bytes a plan may use per GPU: the GPU's memory less the headroom."""
-    return cluster.gpu_memory * (1 - MEMORY_HEADROOM)
+    """Bytes the allocator may hold per GPU: the GPU's memory less the headroom and what the GPU
+    holds outside the allocator (``ClusterSpec.reserved_memory``). Every peak here is allocator bytes
+    (what ``torch.cuda.max_memory_allocated`` measures)."""
+    return cluster.gpu_memory * (1 - MEMORY_HEADROOM) - cluster.reserved_memory
 
 
 @lru_cache(maxsize=1 << 13)
@@ -238,7 +238,7 @@ def training_peak_bytes(
     if lm_head and pp_rank == layout.pp - 1:
         passes += chunked_logits_bytes(model, tokens, layout.tp)
     step = optimizer_step_bytes(model, stage_params(model, layout.pp, pp_rank) / layout.tp)
-    return rank_state_bytes(model, True, layout, pp_rank) + WORKSPACE_BYTES + max(passes, step)
+    return rank_state_bytes(model, True, layout, pp_rank) + max(passes, step)
 
 
 def inference_peak_bytes(
@@ -247,7 +247,7 @@ def inference_peak_bytes(
     """Peak bytes on one GPU of stage ``pp_rank`` for a forward pass of a packed micro-batch of
     ``micro_batch * seq_len`` tokens (one block's activations alive, one LM-head chunk)."""
     tokens = micro_batch * seq_len
-    total = rank_state_bytes(model, False, layout, pp_rank) + WORKSPACE_BYTES
+    total = rank_state_bytes(model, False, layout, pp_rank)
     total += tokens * forward_bytes_per_token(model) / layout.tp
     if lm_head and pp_rank == layout.pp - 1:
         total += chunked_logits_bytes(model, tokens, layout.tp)
@@ -272,7 +272,7 @@ def generation_peak_bytes(
     a share of the GPU holds :func:`engine_reserved_bytes` when that is more.
     """
     layers = stage_layers(model, layout.pp, pp_rank)
-    total = rank_state_bytes(model, False, layout, pp_rank) + WORKSPACE_BYTES
+    total = rank_state_bytes(model, False, layout, pp_rank)
     total += kv_cache_bytes(model, batch * engine.cache_tokens(prompt_len, new_tokens), layers, layout.tp)
     prefill = batch * prompt_len * forward_bytes_per_token(model) / layout.tp
     logits = logits_bytes(model, batch, layout.tp) if pp_rank == layout.pp - 1 else 0.0

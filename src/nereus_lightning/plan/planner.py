@@ -589,7 +589,13 @@ def diagnose_memory(
         )
     message = (
         f"{work.name} ({work.model.name}, {work.kind}) cannot fit: it needs {need}, "
-        f"over the cap of {cap / 1e9:.1f} GB ({cluster.gpu_memory / 1e9:.0f} GB less 10% headroom) "
+        f"over the cap of {cap / 1e9:.1f} GB ({_cap_terms(cluster)}) "
         f"with {budget} GPUs; {hint}"
     )
     return (fits.size if fits else None), message
+
+
+def _cap_terms(cluster: ClusterSpec) -> str:
+    """How the memory cap comes from the GPU's memory, for messages."""
+    reserved = f" and {cluster.reserved_memory / 1e9:.1f} GB outside the allocator" if cluster.reserved_memory else ""
+    return f"{cluster.gpu_memory / 1e9:.0f} GB less 10% headroom{reserved}"

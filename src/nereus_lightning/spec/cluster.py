@@ -11,6 +11,8 @@ GB = 1e9
 GPU_LAUNCH_S = 10e-6
 #: An eager PyTorch op on CPU (dispatch, allocation, thread-pool wake-up) before any arithmetic.
 CPU_LAUNCH_S = 20e-6
+#: GPU memory outside PyTorch's allocator: CUDA context (~0.5 GB), NCCL buffers, cuBLAS workspaces.
+GPU_RESERVED_BYTES = 2**30
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,8 @@ class ClusterSpec:
     filling nodes in order); 0 means every GPU of every node. ``launch_s`` is the host-side
     cost of issuing one kernel (launch plus eager framework work): every forward-like pass pays
     it once per kernel, whatever the batch, which is what makes larger micro-batches cheaper.
+    ``reserved_memory`` is what a GPU holds outside PyTorch's allocator (the CUDA context, NCCL's
+    buffers, cuBLAS workspaces): plans size what the allocator holds under the rest.
     """
 
     name: str
@@ -38,6 +42,7 @@ class ClusterSpec:
     comm_setup: float = 0.05  # seconds to create one communicator
     launch_s: float = GPU_LAUNCH_S  # seconds per kernel launched
     num_gpus: int = 0
+    reserved_memory: float = GPU_RESERVED_BYTES  # bytes per GPU outside the allocator (0 on CPU ranks)
 
     def __post_init__(self) -> None:
         for field in (
@@ -52,7 +57,7 @@ class ClusterSpec:
             require(
                 getattr(self, field) > 0, f"cluster.{field}", f"must be positive, got {getattr(self, field)}"
             )
-        for field in ("intra_latency", "inter_latency", "comm_setup", "launch_s"):
+        for field in ("intra_latency", "inter_latency", "comm_setup", "launch_s", "reserved_memory"):
             require(
                 getattr(self, field) >= 0, f"cluster.{field}", f"must be >= 0, got {getattr(self, field)}"
             )
@@ -110,7 +115,8 @@ CLUSTER_PRESETS: dict[str, ClusterSpec] = {
     "h200x8": ClusterSpec("H200 x8 node", 1, 8, 141 * GB, 989e12, 4.8e12, 900 * GB, 25 * GB),
     # A CPU "cluster" for the embedded default and tests: 4 gloo processes on one host.
     "cpu4": ClusterSpec(
-        "CPU x4 (gloo)", 1, 4, 4 * GB, 50e9, 20 * GB, 5 * GB, 1 * GB, 50e-6, 100e-6, 0.01, CPU_LAUNCH_S
+        "CPU x4 (gloo)", 1, 4, 4 * GB, 50e9, 20 * GB, 5 * GB, 1 * GB, 50e-6, 100e-6, 0.01, CPU_LAUNCH_S,
+        reserved_memory=0.0,
     ),
 }
 
