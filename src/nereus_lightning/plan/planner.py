@@ -597,5 +597,6 @@ def diagnose_memory(
 
 def _cap_terms(cluster: ClusterSpec) -> str:
     """How the memory cap comes from the GPU's memory, for messages."""
-    reserved = f" and {cluster.reserved_memory / 1e9:.1f} GB outside the allocator" if cluster.reserved_memory else ""
+    outside = cluster.reserved_memory / 1e9
+    reserved = f" and {outside:.1f} GB outside the allocator" if outside else ""
     return f"{cluster.gpu_memory / 1e9:.0f} GB less 10% headroom{reserved}"
