@@ -72,8 +72,9 @@ class Packed:
 def pack(input_ids: Tensor, attention_mask: Tensor, score_mask: Tensor | None = None) -> Packed:
     """Pack the valid tokens (``attention_mask`` 1) of ``input_ids`` ``[B, S]`` into one row, in row order.
 
-    ``score_mask`` ``[B, S]`` (a subset of the valid tokens; default all) marks the positions whose
-    outputs the caller will read back. Positions count each sequence's valid tokens from 0, as
+    ``score_mask`` ``[B, S]`` (a subset of the valid tokens) marks the positions whose outputs the
+    caller will read back; by default every valid token but each sequence's last (those that have a
+    next token to score). Positions count each sequence's valid tokens from 0, as
     transformers ``generate`` does for a left-padded prompt.
     """
     valid = attention_mask.bool()
@@ -83,7 +84,7 @@ def pack(input_ids: Tensor, attention_mask: Tensor, score_mask: Tensor | None = 
     bounds = [0, *torch.cumsum(lengths, 0).tolist()]
     starts = torch.repeat_interleave(torch.tensor(bounds[:-1], device=flat.device), lengths.to(flat.device))
     positions = torch.arange(total, device=flat.device) - starts
-    score = valid if score_mask is None else score_mask.bool()
+    score = _all_but_last(valid) if score_mask is None else score_mask.bool()
     if bool((score & ~valid).any()):
         raise NereusConfigError("score_mask: marks padding positions; it must be a subset of attention_mask")
     packed_of = torch.full((valid.numel(),), -1, dtype=torch.long, device=flat.device)
@@ -99,6 +100,14 @@ def pack(input_ids: Tensor, attention_mask: Tensor, score_mask: Tensor | None = 
         wanted % width,
         (input_ids.shape[0], width),
     )
+
+
+def _all_but_last(valid: Tensor) -> Tensor:
+    """``valid`` without each row's last valid token."""
+    last = valid.shape[1] - 1 - valid.flip(-1).long().argmax(-1)
+    out = valid.clone()
+    out[torch.arange(valid.shape[0], device=valid.device), last] = False
+    return out & valid
 
 
 def token_budget_slices(lengths: Sequence[int], budget: int) -> list[slice]:
