@@ -12,6 +12,7 @@ the padded batch computes. Outputs come back to the padded layout with :meth:`Pa
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from nereus_lightning.spec.errors import NereusConfigError
+
+log = logging.getLogger(__name__)
 
 #: The attention implementation (transformers' registry) of a packed forward's layers.
 PACKED_ATTENTION = "nereus_packed_sdpa"
@@ -162,9 +165,24 @@ def packed_attention(
         what = f"attention arguments {unsupported}" if unsupported else "no packed documents"
         raise NereusConfigError(f"packed attention: {what}; this family must run padded micro-batches")
     window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
+    if dropout == 0.0 and query.is_cuda and _varlen_works(query.device, query.dtype):
+        return _varlen(query, key, value, nereus_documents, scaling, window), None
+    return _per_sequence(query, key, value, nereus_documents, dropout, scaling, window), None
+
+
+def _per_sequence(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    documents: Documents,
+    dropout: float,
+    scaling: float | None,
+    window: int | None,
+) -> Tensor:
+    """:func:`packed_attention` as one sdpa call per sequence (every device; the reference)."""
     gqa = query.shape[1] != key.shape[1]
     outs = []
-    for start, stop in nereus_documents.spans():
+    for start, stop in documents.spans():
         q, k, v = (t[:, :, start:stop] for t in (query, key, value))
         causal = window is None or stop - start <= window
         mask = None if causal else _window_mask(stop - start, window, query.device)  # type: ignore[arg-type]
@@ -174,7 +192,78 @@ def packed_attention(
             )
         )
     out = torch.cat(outs, dim=2) if outs else query.new_zeros(query.shape[:3] + value.shape[-1:])
-    return out.transpose(1, 2).contiguous(), None
+    return out.transpose(1, 2).contiguous()
+
+
+def _varlen(
+    query: Tensor, key: Tensor, value: Tensor, documents: Documents, scaling: float | None, window: int | None
+) -> Tensor:
+    """:func:`packed_attention` as one FlashAttention varlen call (``torch.nn.attention.varlen``, CUDA)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    groups = query.shape[1] // key.shape[1]
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, D]
+    if groups > 1:  # the kernel's own GQA is not in every torch version that has it
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    bounds = torch.tensor(documents.bounds, dtype=torch.int32, device=query.device)
+    longest = max((b - a for a, b in documents.spans()), default=0)
+    left = -1 if window is None else window - 1  # transformers: i - window < j <= i
+    out: Tensor = varlen_attn(  # type: ignore[assignment]  # a tensor without return_aux
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        bounds,
+        bounds,
+        longest,
+        longest,
+        scale=scaling,
+        window_size=(left, 0),
+    )
+    return out.unsqueeze(0)
+
+
+@cache
+def _varlen_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this torch runs :func:`_varlen` on ``device`` and ``dtype``, checked once against
+    :func:`_per_sequence` (forward and backward) on a small packed batch; else per-sequence sdpa."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return False
+    try:
+        import inspect
+
+        from torch.nn.attention.varlen import varlen_attn
+
+        if "window_size" not in inspect.signature(varlen_attn).parameters:
+            return False
+        gen = torch.Generator(device=device).manual_seed(0)
+        q, k, v = (
+            torch.randn(1, h, 40, 64, device=device, generator=gen, dtype=dtype).requires_grad_()
+            for h in (4, 2, 2)
+        )
+        docs = Documents((0, 7, 7, 30, 40))
+        with torch.enable_grad():  # the first use may be in a no-grad pass
+            ok = all(
+                _agree(
+                    _per_sequence(q, k, v, docs, 0.0, 0.125, w), _varlen(q, k, v, docs, 0.125, w), (q, k, v)
+                )
+                for w in (None, 9)
+            )
+    except Exception as exc:  # noqa: BLE001  # any failure means: use the per-sequence path
+        log.info("packed attention: varlen kernel unavailable (%s); one sdpa call per sequence", exc)
+        return False
+    if not ok:
+        log.warning(
+            "packed attention: the varlen kernel disagrees with sdpa here; one sdpa call per sequence"
+        )
+    return ok
+
+
+def _agree(ref: Tensor, fast: Tensor, inputs: tuple[Tensor, ...]) -> bool:
+    """Whether two attention outputs and their gradients w.r.t. ``inputs`` agree to bf16 rounding."""
+    pairs = [(ref, fast)]
+    grads = [torch.autograd.grad(out.float().square().sum(), inputs) for out in (ref, fast)]
+    pairs += list(zip(*grads, strict=True))
+    return all(torch.allclose(a.float(), b.float(), atol=2e-2, rtol=2e-2) for a, b in pairs)
 
 
 @cache
