@@ -3,7 +3,6 @@
 - :func:`copy_to_tp`: identity forward, all-reduce backward (before a column-parallel matmul).
 - :func:`reduce_from_tp`: all-reduce forward, identity backward (after a row-parallel matmul).
 - :func:`gather_from_tp`: all-gather along the last dim forward, keep own slice backward.
-- :func:`vocab_parallel_logprobs`: log p(target) from vocabulary-sharded logits without gathering them.
 
 Every function is a no-op when the group has one rank.
 """
@@ -90,47 +89,3 @@ def gather_from_tp(x: Tensor, group: dist.ProcessGroup | None, ranks: Sequence[i
         return x
     assert group is not None
     return _GatherFromTP.apply(x, group, group_order(group, ranks), tp_rank)
-
-
-class _VocabParallelLogprobs(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx, logits: Tensor, targets: Tensor, vocab_start: int, group: dist.ProcessGroup | None
-    ) -> Tensor:
-        logits = logits.float()
-        # Max is only for stability; no gradient flows through it.
-        shift = logits.max(dim=-1, keepdim=True).values
-        if group is not None and _size(group) > 1:
-            shift = _all_reduce(shift, group, dist.ReduceOp.MAX)
-        shifted = logits - shift
-        exp = shifted.exp()
-        sum_exp = exp.sum(dim=-1, keepdim=True)
-        local = targets - vocab_start
-        inside = (local >= 0) & (local < logits.shape[-1])
-        local = local.clamp(0, logits.shape[-1] - 1)
-        target_logit = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1) * inside
-        if group is not None and _size(group) > 1:
-            both = torch.cat([sum_exp.squeeze(-1).unsqueeze(0), target_logit.unsqueeze(0)])
-            both = _all_reduce(both, group)
-            sum_exp, target_logit = both[0].unsqueeze(-1), both[1]
-        ctx.save_for_backward(exp, sum_exp, local, inside)
-        return target_logit - sum_exp.squeeze(-1).log()
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:
-        exp, sum_exp, local, inside = ctx.saved_tensors
-        # d logp / d logit_v = 1[v == target] - softmax_v; each rank handles its vocabulary slice.
-        g = -(exp / sum_exp) * grad.unsqueeze(-1)
-        g.scatter_add_(-1, local.unsqueeze(-1), (grad * inside).unsqueeze(-1))
-        return g, None, None, None
-
-
-def vocab_parallel_logprobs(
-    logits: Tensor, targets: Tensor, vocab_start: int, group: dist.ProcessGroup | None
-) -> Tensor:
-    """log softmax(full logits)[target] from this rank's vocabulary slice ``[vocab_start, +width)``.
-
-    ``logits``: ``[..., V/tp]`` local slice; ``targets``: ``[...]`` global token ids. Returns float32
-    ``[...]``, identical on every rank of ``group``; differentiable w.r.t. the local logits.
-    """
-    return _VocabParallelLogprobs.apply(logits, targets, vocab_start, group)
