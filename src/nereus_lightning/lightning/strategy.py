@@ -61,6 +61,7 @@ from nereus_lightning.lightning.checkpoint import (
     staging_path,
     write_metadata,
 )
+from nereus_lightning.lightning.devices import auto_cluster
 from nereus_lightning.lightning.emu_state import EMUStates, StageUpdate
 from nereus_lightning.lightning.launch import check_launch, launch_of
 from nereus_lightning.lightning.roles import RoleModels, RoleModule
@@ -90,7 +91,9 @@ class NereusStrategy(ParallelStrategy):
         cluster: the cluster (a ``ClusterSpec`` or preset name: memory, FLOP/s, links) the
             transition DAG is priced and validated on, shaped as the launch (``num_nodes`` x
             processes per node, :attr:`topology`); give the one the controller plans on.
-            ``None``: the ``cpu4`` preset.
+            ``"auto"`` (the default): ``cpu4`` on CPU ranks, else the GPU this job has
+            (:func:`~nereus_lightning.lightning.devices.auto_cluster`). Every rank prices on
+            rank 0's.
         export_hf: every checkpoint also holds ``hf/<model>/`` per trainable model
             (``save_pretrained`` in safetensors plus the tokenizer), written by rank 0.
         write_back: at the end of ``fit``, gather every role's trained parameters into the
@@ -112,7 +115,7 @@ class NereusStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | float = timedelta(seconds=120),
         start_method: Literal["fork", "spawn", "popen"] | None = None,
-        cluster: ClusterSpec | str | None = None,
+        cluster: ClusterSpec | str = "auto",
         export_hf: bool = True,
         write_back: bool = False,
     ) -> None:
@@ -124,9 +127,9 @@ class NereusStrategy(ParallelStrategy):
         )
         self.export_hf = export_hf
         self.write_back = write_back
-        if isinstance(cluster, str):
+        if cluster != "auto" and isinstance(cluster, str):
             cluster = cluster_preset(cluster)  # an unknown name fails here, listing the presets
-        self.cluster: ClusterSpec | None = cluster
+        self.cluster: ClusterSpec | str = cluster
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
         self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
@@ -181,11 +184,16 @@ class NereusStrategy(ParallelStrategy):
 
     @property
     def topology(self) -> ClusterSpec:
-        """The cluster the job runs on: the given one (``cpu4`` by default) shaped as the launch,
-        ``num_nodes`` x processes per node, so TP groups are priced inside a node and the rest
-        across nodes as they really are."""
-        cluster = self.cluster or cluster_preset("cpu4")
-        return cluster.on_nodes(self.num_nodes, max(self.world_size // self.num_nodes, 1))
+        """The cluster the job runs on (the given one, or what ``"auto"`` detects) shaped as the
+        launch, ``num_nodes`` x processes per node, so TP groups are priced inside a node and the
+        rest across nodes as they really are."""
+        return self._cluster().on_nodes(self.num_nodes, max(self.world_size // self.num_nodes, 1))
+
+    def _cluster(self) -> ClusterSpec:
+        """The given cluster, or for ``"auto"`` the one this rank's device makes."""
+        if isinstance(self.cluster, ClusterSpec):
+            return self.cluster
+        return auto_cluster(self.root_device.type != "cpu", 1, 1)
 
     @override
     def _configure_launcher(self) -> None:
@@ -218,6 +226,10 @@ class NereusStrategy(ParallelStrategy):
         )
         self._process_group_backend = backend
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        # One cluster for every rank: a chip measured on each rank would price alike only by luck.
+        box = [self._cluster()]
+        dist.broadcast_object_list(box, 0, device=self.root_device if backend == "nccl" else None)
+        self.cluster = box[0]
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
