@@ -30,6 +30,7 @@ from nereus_lightning.lightning.strategy import NereusStrategy
 from nereus_lightning.plan.layout import Plan
 from nereus_lightning.spec.cluster import ClusterSpec, cluster_preset
 from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
+from nereus_lightning.spec.workload import Workload
 
 # What a decision record keeps of the strategy's transition record (JSON-serialisable).
 TRANSITION_KEYS = ("mode", "counts", "bytes", "predicted_s", "reason")
@@ -142,14 +143,7 @@ class NereusCallback(pl.Callback):
             strategy.transition(given)
             return
         # Initial plan before the first step (or on resume: the controller's plan for this pool).
-        workload = pl_module.workload(step)
-        signals = StepSignals(
-            step=step,
-            response_len=workload.response_len,
-            response_len_p95=workload.response_len,
-            prompt_len=float(workload.prompt_len),
-            gpus=self.pool(step, trainer.world_size),
-        )
+        signals = _signals(step, {}, self.pool(step, trainer.world_size), expected=pl_module.workload(step))
         self._decide_and_apply(trainer, signals, initial=True)
 
     # ---- every step ----------------------------------------------------------------------
@@ -178,7 +172,8 @@ class NereusCallback(pl.Callback):
         # A rank that leaves the pool stays alive (the process group keeps every rank), so the
         # transition may still read its units: it is draining, as under a revocation notice.
         draining = tuple(g for g in self.pool(step - 1, trainer.world_size) if g not in pool)
-        signals = _signals(step, stats, pool, draining)
+        assert isinstance(pl_module, RoleModule)  # checked at the start of training
+        signals = _signals(step, stats, pool, draining, expected=pl_module.workload(step - 1))
         if self._last_transition_s:
             # The measured duration of the transition executed before this step: the controller's
             # transition-cost calibration reads it.
@@ -311,11 +306,15 @@ def _peak_memory(stats: Mapping[str, float]) -> tuple[dict[int, float], dict[str
 
 def _signals(
     step: int,
-    stats: dict[str, float],
+    stats: Mapping[str, float],
     pool: Sequence[int],
     draining: Sequence[int] = (),
+    *,
+    expected: Workload,
 ) -> StepSignals:
-    mean = max(stats.get("response_length/mean", 1.0), 1.0)
+    """The controller's view after ``step``: the step's metrics, and where the module reported no
+    lengths, the ones its ``workload`` expects (so a module that reports nothing changes nothing)."""
+    mean = max(stats.get("response_length/mean", expected.response_len), 1.0)
     p95 = max(stats.get("response_length/p95", mean), mean)
     stage_time = {k.split("/", 1)[1]: v for k, v in stats.items() if k.startswith("timing_s/")}
     peak_memory, stage_peak_memory = _peak_memory(stats)
@@ -323,7 +322,7 @@ def _signals(
         step=step,
         response_len=mean,
         response_len_p95=p95,
-        prompt_len=stats.get("prompt_length/mean", 0.0),
+        prompt_len=stats.get("prompt_length/mean", float(expected.prompt_len)),
         gpus=tuple(pool),
         draining=tuple(draining),
         stage_time=stage_time,
