@@ -33,7 +33,9 @@ CONFIG_DIR = str(CONFIG_ROOT)
 def train_config(overrides: Sequence[str] = ()) -> DictConfig:
     """The composed nereus-train config with command-line style ``overrides`` (what :func:`run` takes),
     its ``trainer`` resolved (:func:`resolve_trainer`)."""
-    return resolve_trainer(compose(CONFIG_ROOT, "train", overrides))
+    from nereus_lightning.cli.verl import translate
+
+    return resolve_trainer(compose(CONFIG_ROOT, "train", translate(overrides)[0]))
 
 
 #: What ``trainer.devices`` and ``trainer.precision`` are when ``auto``, on GPUs and on CPU ranks.
@@ -399,6 +401,12 @@ def check_config(cfg: Any) -> None:
     values["on_nonfinite"] = cfg.trainer.get("on_nonfinite", "raise")
     values["reward_workers"] = cfg.reward.get("num_workers", 0) if cfg.get("reward") else 0
     check_hyperparameters(values)
+    every = cfg.get("checkpoint_every", 10)
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        raise NereusConfigError(
+            f"checkpoint_every: must be a whole number of steps >= 1, got {every!r} "
+            "(save_checkpoint=false writes none)"
+        )
     precision_dtype(str(cfg.trainer.get("precision", "32-true")))
     if cfg.get("data"):
         DataConfig.of(to_dict(cfg.data))
@@ -547,6 +555,15 @@ def main() -> None:
     from nereus_lightning.cli._help import register_help_resolver
 
     register_help_resolver()
+    from nereus_lightning.cli.verl import translate
+
+    try:
+        sys.argv[1:], notes = translate(sys.argv[1:])  # verl's keys -> ours, before Hydra reads them
+    except NereusConfigError as exc:
+        print(f"nereus-train: {exc}", file=sys.stderr)
+        sys.exit(2)
+    for note in notes:
+        _say(f"nereus-train: {note}")
 
     @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
     def _main(cfg: DictConfig) -> None:

@@ -93,7 +93,8 @@ class NereusCallback(pl.Callback):
         self.history: list[dict[str, float]] = []
         self.decisions: list[dict[str, Any]] = []
         self._restored: dict[str, Any] | None = None
-        self._last_transition_s = 0.0
+        self._last_transition_s = 0.0  # the transition before the next step: seconds and bytes moved
+        self._last_transition_bytes = 0.0
         self._compile_workers: threading.Thread | None = None  # their shutdown, from on_train_end
 
     @property
@@ -179,19 +180,24 @@ class NereusCallback(pl.Callback):
             # transition-cost calibration reads it.
             signals = replace(signals, transition_time=self._last_transition_s)
         stats["pool/num_gpus"] = float(len(self.pool(step - 1, trainer.world_size)))  # during this step
-        seconds = self._decide_and_apply(trainer, signals)
-        self._last_transition_s = seconds
-        stats["timing_s/transition"] = seconds
-        done = strategy.transitions
-        stats["transition/bytes"] = float(done[-1].get("bytes", 0.0)) if seconds and done else 0.0
+        # A step's row carries the transition that ran before it: step k is the k-th step (from 0)
+        # in the console, the decision log, the metrics and the summary alike.
+        stats["timing_s/transition"] = self._last_transition_s
+        stats["transition/bytes"] = self._last_transition_bytes
         if trainer.is_global_zero:
             record = {"step": float(step - 1), **{k: float(v) for k, v in stats.items()}}
             self.history.append(record)
-        pl_module.log("timing_s/transition", seconds, rank_zero_only=True)
-        pl_module.log("transition/bytes", stats["transition/bytes"], rank_zero_only=True)
+        for key in ("timing_s/transition", "transition/bytes"):
+            pl_module.log(key, stats[key], rank_zero_only=True)
         pl_module.log_dict(
             {k: v for k, v in stats.items() if k.startswith(("plan/", "pool/"))}, rank_zero_only=True
         )
+        if 0 <= trainer.max_steps <= step:  # no step follows: nothing to move for
+            return
+        seconds = self._decide_and_apply(trainer, signals)
+        done = strategy.transitions
+        self._last_transition_s = seconds
+        self._last_transition_bytes = float(done[-1].get("bytes", 0.0)) if seconds and done else 0.0
 
     def _decide_and_apply(self, trainer: pl.Trainer, signals: StepSignals, initial: bool = False) -> float:
         """Rank 0 decides, everyone receives the decision, an admitted plan is executed; returns seconds."""
@@ -253,13 +259,19 @@ class NereusCallback(pl.Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         controller = self.controller.state_dict() if self.controller is not None else None
-        return {"controller": controller, "history": list(self.history), "decisions": list(self.decisions)}
+        return {
+            "controller": controller,
+            "history": list(self.history),
+            "decisions": list(self.decisions),
+            "last_transition": [self._last_transition_s, self._last_transition_bytes],
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restored = state_dict.get("controller")
         self.history = list(state_dict.get("history", []))
         self.decisions = list(state_dict.get("decisions", []))
+        self._last_transition_s, self._last_transition_bytes = state_dict.get("last_transition", (0.0, 0.0))
 
 
 def _used_gpus(plan: Plan | None) -> set[int]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from datetime import timedelta
@@ -579,10 +580,15 @@ def _first_few(names: list[str], shown: int = 8) -> str:
 
 class _ForkLauncher(_MultiProcessingLauncher):
     """Lightning's fork/spawn launcher; rank 0's weights reach the
-    caller's module only with ``write_back``.
+    caller's module only with ``write_back``, and only rank 0 prints Lightning's tips and warnings.
     """
 
     _strategy: NereusStrategy  # (the strategy that makes it)
+
+    @override
+    def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
+        quiet_unless_rank_zero(self._strategy.node_rank * self._strategy.num_processes + process_idx)
+        super()._wrapping_function(process_idx, *args, **kwargs)
 
     @override
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
@@ -592,6 +598,20 @@ class _ForkLauncher(_MultiProcessingLauncher):
         # The full models went into the units: their empty tensors must not overwrite the caller's models.
         self._strategy.checkpoint_io.remove_checkpoint(output.weights_path)
         return output._replace(weights_path=None)
+
+
+#: Third-party packages whose warnings every rank would print alike.
+THIRD_PARTY = r"(lightning|torch|transformers)(\.|$)"
+
+
+def quiet_unless_rank_zero(rank: int) -> None:
+    """In a forked rank: Lightning's rank-zero tips and logs know this rank (it inherited rank 0's
+    number), and on ranks other than 0 third-party warnings and Lightning's per-rank start line are off,
+    so each prints once."""
+    rank_zero_only.rank = rank  # type: ignore[attr-defined]
+    if rank != 0:
+        warnings.filterwarnings("ignore", module=THIRD_PARTY)
+        logging.getLogger("lightning.fabric.utilities.distributed").setLevel(logging.WARNING)
 
 
 if "nereus" not in StrategyRegistry:
