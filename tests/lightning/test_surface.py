@@ -100,3 +100,17 @@ def test_lightning_reads_no_attribute_by_name():
         and node.func.id in ("hasattr", "getattr")
     ]
     assert found == []
+
+
+def test_a_module_that_optimizes_automatically_is_told_what_to_set():
+    import lightning.pytorch as pl
+    import pytest
+
+    from nereus_lightning.lightning import NereusStrategy
+    from nereus_lightning.spec.errors import NereusConfigError
+
+    class Automatic(pl.LightningModule):
+        pass
+
+    with pytest.raises(NereusConfigError, match="Automatic optimizes automatically; set self.automatic_opt"):
+        NereusStrategy().connect(Automatic())

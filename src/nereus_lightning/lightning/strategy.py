@@ -245,6 +245,17 @@ class NereusStrategy(ParallelStrategy):
             self.validate_plan(self.plan)
         self._hold(self.lightning_module)
 
+    @override
+    def connect(self, model: pl.LightningModule) -> None:
+        if model.automatic_optimization:  # Lightning would look for a loss and an optimizer of its own
+            raise NereusConfigError(
+                f"NereusStrategy: {type(model).__name__} optimizes automatically; set "
+                "self.automatic_optimization = False in its __init__ (the strategy's units hold the "
+                "optimizer state: training_step calls strategy.update and self.optimizers().step(), "
+                "and configure_optimizers may return None)"
+            )
+        super().connect(model)
+
     def _hold(self, module: pl.LightningModule) -> None:
         """Take ``module``'s role models: every model-stage's units are cut from them at the first plan."""
         if not isinstance(module, RoleModule):
