@@ -191,10 +191,11 @@ class NereusStrategy(ParallelStrategy):
         return self._cluster().on_nodes(self.num_nodes, max(self.world_size // self.num_nodes, 1))
 
     def _cluster(self) -> ClusterSpec:
-        """The given cluster, or for ``"auto"`` the one this rank's device makes."""
+        """The given cluster, or for ``"auto"`` the one the job's devices make."""
         if isinstance(self.cluster, ClusterSpec):
             return self.cluster
-        return auto_cluster(self.root_device.type != "cpu", 1, 1)
+        devices = self.parallel_devices or [torch.device("cpu")]  # one kind of device per job
+        return auto_cluster(devices[0].type != "cpu", 1, 1)
 
     @override
     def _configure_launcher(self) -> None:
