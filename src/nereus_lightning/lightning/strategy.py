@@ -229,9 +229,7 @@ class NereusStrategy(ParallelStrategy):
         self._process_group_backend = backend
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
         # One cluster for every rank: a chip measured on each rank would price alike only by luck.
-        box = [self._cluster()]
-        dist.broadcast_object_list(box, 0, device=self.root_device if backend == "nccl" else None)
-        self.cluster = box[0]
+        self.cluster = self.broadcast(self._cluster() if self.global_rank == 0 else None)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
