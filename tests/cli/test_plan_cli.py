@@ -116,3 +116,18 @@ def test_colocated_model_stages_are_marked_in_the_table(capsys):
     assert "in turn B1" in text and "in turn B2" in text
     assert "colocated A (share GPUs, run one after another): actor_infer -> ref_infer" in text
     assert "colocated B (share GPUs, run one after another): actor_train -> critic_train" in text
+
+
+def _stages(*overrides: str) -> set[str]:
+    return {r["model_stage"] for r in plan_from_config(plan_config(list(overrides)))["model_stages"]}
+
+
+def test_a_reward_model_is_priced_only_when_one_is_asked_for():
+    job = ["model=llama3_8b", "cluster=h200x8", "cluster.num_gpus=8", "workload.algorithm=grpo"]
+    assert "reward_infer" not in _stages(*job)  # a reward function, as nereus-train's default
+    assert "reward_infer" in _stages(*job, "workload.reward_model=true")  # the actor's architecture
+    assert "reward_infer" in _stages(*job, "model.reward=qwen3_14b")
+    with pytest.raises(NereusConfigError, match="workload.reward_model=false, but model.reward=qwen3_14b"):
+        _stages(*job, "model.reward=qwen3_14b", "workload.reward_model=false")
+    with pytest.raises(NereusConfigError, match="workload.reward_model: must be true, false or null"):
+        _stages(*job, "workload.reward_model=maybe")

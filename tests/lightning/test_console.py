@@ -153,16 +153,17 @@ def test_changes_group_stages_and_name_what_else_changed():
 
 # ---- the run figure ----------------------------------------------------------------------------
 def _history(transitions: set[int], steps: int = 60) -> list[dict[str, float]]:
-    """A history whose pool drops at step 28 and whose plan changes at every step in ``transitions``."""
+    """A history whose pool drops after step 28 and whose plan changes before every step in
+    ``transitions`` (the row of that step carries the transition)."""
     history, dp = [], 4
     for step in range(steps):
+        if step in transitions:
+            dp = 3 if dp == 4 else 4
         row = {"step": float(step), "critic/score/mean": step / steps, "timing_s/step": 0.3}
         row |= {"pool/num_gpus": 3.0 if step > 28 else 4.0, "response_length/mean": 4.0 + step / 4}
         row |= {"plan/num_gpus": float(dp), "plan/actor_gen/dp": float(dp), "plan/actor_gen/tp": 1.0}
         row |= {"plan/actor_gen/pp": 1.0, "timing_s/transition": 0.1 if step in transitions else 0.0}
         history.append(row)
-        if step in transitions:
-            dp = 3 if dp == 4 else 4
     return history
 
 
@@ -176,9 +177,7 @@ def test_run_figure_labels_of_neighbouring_transitions_never_overlap(tmp_path):
     fig = draw_run(_history(steps))
     renderer = fig.canvas.get_renderer()
     labels = [t for t in fig.findobj(Text) if t.get_gid() == "transition-label"]
-    assert sorted(int(t.get_text().split(":")[0].removeprefix("step ")) for t in labels) == sorted(
-        s + 1 for s in steps
-    )
+    assert sorted(int(t.get_text().split(":")[0].removeprefix("step ")) for t in labels) == sorted(steps)
     boxes = [t.get_window_extent(renderer) for t in labels]
     for a, b in itertools.combinations(boxes, 2):
         assert not a.overlaps(b)
@@ -198,7 +197,7 @@ def test_summary_table_lists_each_transition_and_where_the_outputs_are(tmp_path)
 
     moved, _, _ = _pool_records()
     (tmp_path / "decisions.jsonl").write_text(json.dumps({**moved, "step": 29}) + "\n")
-    rows = _history({28})
+    rows = _history({29})
     for row in rows:
         row["transition/bytes"] = 3.2e6 if row["timing_s/transition"] else 0.0
     metrics = tmp_path / "metrics.csv"

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from nereus_lightning.spec import Workload
 from tests.lightning.helpers import EMU_P1, EMU_P2, offload_run
 
 TRANSITION = [EMU_P1, EMU_P2]  # model-stages on disjoint ranks; the change runs a transition DAG
@@ -64,5 +65,8 @@ def test_peak_memory_is_absent_not_zero_without_a_gpu():
         peaks.mark(stage)
     assert peaks.stages == {} and peaks.metrics() == {}
     # The controller's memory trigger then sees no measurement at all (rather than 0 bytes).
-    assert _signals(1, peaks.metrics(), (0, 1)).peak_memory == {}
-    assert _signals(1, {"perf/max_memory_allocated_gb": 0.5}, (0,)).peak_memory == {0: 2.0**29}
+    workload = Workload("ppo", 2, response_len=8.0)
+    assert _signals(1, peaks.metrics(), (0, 1), expected=workload).peak_memory == {}
+    assert _signals(1, {"perf/max_memory_allocated_gb": 0.5}, (0,), expected=workload).peak_memory == {
+        0: 2.0**29
+    }

@@ -48,20 +48,21 @@ def test_slots_cover_the_batch_once_in_order():
 
 
 def test_plot_marks_what_each_transition_changed(tmp_path):
-    from nereus_lightning.lightning.plot import change_label, plot_run
+    from nereus_lightning.lightning.plot import change_label, plot_run, transition_marks
 
     a = {
         "step": 0.0,
         "critic/score/mean": 0.1,
         "timing_s/step": 1.0,
-        "timing_s/transition": 0.2,
+        "timing_s/transition": 0.0,
         "plan/num_gpus": 4.0,
         "plan/actor_train/dp": 2.0,
         "plan/actor_train/tp": 1.0,
         "plan/actor_train/pp": 1.0,
     }
-    b = {**a, "step": 1.0, "timing_s/transition": 0.0, "plan/actor_train/dp": 1.0, "plan/actor_train/pp": 2.0}
+    b = {**a, "step": 1.0, "timing_s/transition": 0.2, "plan/actor_train/dp": 1.0, "plan/actor_train/pp": 2.0}
     assert change_label(a, b) == "actor_train (2,1,1)->(1,1,2)"
+    assert transition_marks([a, b]) == [(0.5, "step 1: actor_train (2,1,1)->(1,1,2)")]  # before step 1
     assert change_label(a, {**a, "plan/num_gpus": 3.0}) == "GPUs 4->3"
     path = plot_run([a, b], str(tmp_path / "run.png"))
     assert (tmp_path / "run.png").stat().st_size > 1000 and path.endswith("run.png")
@@ -99,3 +100,17 @@ def test_lightning_reads_no_attribute_by_name():
         and node.func.id in ("hasattr", "getattr")
     ]
     assert found == []
+
+
+def test_a_module_that_optimizes_automatically_is_told_what_to_set():
+    import lightning.pytorch as pl
+    import pytest
+
+    from nereus_lightning.lightning import NereusStrategy
+    from nereus_lightning.spec.errors import NereusConfigError
+
+    class Automatic(pl.LightningModule):
+        pass
+
+    with pytest.raises(NereusConfigError, match="Automatic optimizes automatically; set self.automatic_opt"):
+        NereusStrategy().connect(Automatic())

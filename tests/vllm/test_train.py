@@ -89,6 +89,6 @@ def test_transition_from_tp1_dp2_to_tp2_dp1_keeps_generating_with_the_synced_wei
 
     plans = [plan_2ranks(1, (1,)), plan_2ranks(1), plan_2ranks(2)]
     summary, records, rows = _train(job, tmp_path, monkeypatch, plans)
-    assert summary["transitions"] == 2 and summary["transition_steps"] == [0, 1]
+    assert summary["transitions"] == 2 and summary["transition_steps"] == [1, 2]
     _check(records, rows, [1, 1, 2, 2, 2])
     assert [r["step"] for r in records].count(0) == 1  # one engine at step 0, on rank 1

@@ -91,6 +91,23 @@ def _build(node: Any) -> Any:
         raise
 
 
+def _reward_model(cfg: DictConfig) -> bool:
+    """Whether a reward model scores responses: ``workload.reward_model``, else whether ``model.reward``
+    names one (a reward function otherwise, as nereus-train without ``reward_model.path``)."""
+    named = cfg.model.get("reward") is not None
+    given = cfg.workload.get("reward_model")
+    if given is None:
+        return named
+    if not isinstance(given, bool):
+        raise NereusConfigError(f"workload.reward_model: must be true, false or null, got {given!r}")
+    if named and not given:
+        raise NereusConfigError(
+            f"workload.reward_model=false, but model.reward={cfg.model.reward} names a reward model; "
+            "drop model.reward (a reward function scores) or workload.reward_model (the model does)"
+        )
+    return given
+
+
 def plan_from_config(cfg: DictConfig) -> dict[str, Any]:
     """Plan the job a composed nereus-plan config describes; returns a JSON-ready dict.
 
@@ -103,6 +120,7 @@ def plan_from_config(cfg: DictConfig) -> dict[str, Any]:
     workload_cfg = to_dict(cfg.workload)
     if cfg.get("algorithm"):
         workload_cfg["algorithm"] = cfg.algorithm
+    workload_cfg["reward_model"] = _reward_model(cfg)
     workload = _build(workload_cfg)
     calibration = None
     if cfg.get("calibration"):

@@ -31,8 +31,44 @@ CONFIG_DIR = str(CONFIG_ROOT)
 
 
 def train_config(overrides: Sequence[str] = ()) -> DictConfig:
-    """The composed nereus-train config with command-line style ``overrides`` (what :func:`run` takes)."""
-    return compose(CONFIG_ROOT, "train", overrides)
+    """The composed nereus-train config with command-line style ``overrides`` (what :func:`run` takes),
+    its ``trainer`` resolved (:func:`resolve_trainer`)."""
+    from nereus_lightning.cli.verl import translate
+
+    return resolve_trainer(compose(CONFIG_ROOT, "train", translate(overrides)[0]))
+
+
+#: What ``trainer.devices`` and ``trainer.precision`` are when ``auto``, on GPUs and on CPU ranks.
+AUTO_TRAINER = {
+    "gpu": {"devices": -1, "precision": "bf16-mixed"},
+    "cpu": {"devices": 4, "precision": "32-true"},
+}
+
+
+def resolve_trainer(cfg: DictConfig) -> DictConfig:
+    """``cfg`` with ``trainer.accelerator``, ``devices`` and ``precision`` set where they are ``auto``:
+    every visible GPU in bf16-mixed for a model folder (``actor.path``) where CUDA is available,
+    else 4 CPU processes in fp32 (what ``trainer=gpu`` and ``trainer=cpu4`` set)."""
+    from omegaconf import open_dict
+
+    trainer = cfg.trainer
+    with open_dict(cfg):
+        if str(trainer.get("accelerator")) == "auto":
+            trainer.accelerator = "gpu" if _folder_on_cuda(cfg) else "cpu"
+        kind = "gpu" if _on_gpus(cfg) else "cpu"
+        for key, value in AUTO_TRAINER[kind].items():
+            if str(trainer.get(key)) == "auto":
+                trainer[key] = value
+    return cfg
+
+
+def _folder_on_cuda(cfg: DictConfig) -> bool:
+    """Whether the actor is a model folder and this machine has a CUDA (or ROCm) device."""
+    import torch
+
+    from nereus_lightning.lightning.roles import is_model_folder
+
+    return is_model_folder(cfg.actor.get("path"), "actor.path") and torch.cuda.is_available()
 
 
 #: ``trainer.*`` keys that configure nereus, not ``lightning.Trainer``.
@@ -92,36 +128,21 @@ def gpu_memory_setting(cfg: Any) -> Any:
 
 
 def job_cluster_preset(cfg: Any) -> Any:
-    """The cluster preset named by ``cfg.cluster`` (memory, FLOP/s, links) shaped as the launch:
+    """The cluster ``cfg.cluster`` names (memory, FLOP/s, links), or for ``auto`` the one the job's
+    devices make (:func:`~nereus_lightning.lightning.devices.auto_cluster`), shaped as the launch:
     ``trainer.num_nodes`` x GPUs per node (checked against the launcher by :func:`job_launch`)."""
+    from nereus_lightning.lightning.devices import auto_cluster
     from nereus_lightning.spec import cluster_preset
 
-    return cluster_preset(cluster_name(cfg)).on_nodes(_num_nodes(cfg), _devices_per_node(cfg))
+    shape = (_num_nodes(cfg), _devices_per_node(cfg))
+    if str(cfg.cluster) == "auto":
+        return auto_cluster(_on_gpus(cfg), *shape)
+    return cluster_preset(str(cfg.cluster)).on_nodes(*shape)
 
 
-def cluster_name(cfg: Any) -> str:
-    """``cfg.cluster``, with ``auto`` resolved: ``cpu4`` for CPU ranks, else the preset of this GPU model.
-
-    The planner prices plans on the preset's memory, FLOP/s and links, so pricing GPUs as CPU
-    ranks (or the reverse) would plan for the wrong machine; a GPU no preset describes is refused.
-    """
-    import torch
-
-    from nereus_lightning.spec.cluster import CLUSTER_PRESETS
-
-    name = str(cfg.cluster)
-    if name != "auto":
-        return name
-    if str(cfg.trainer.get("accelerator", "cpu")) == "cpu" or not torch.cuda.is_available():
-        return "cpu4"
-    device = torch.cuda.get_device_name(0)
-    for preset, spec in CLUSTER_PRESETS.items():
-        if spec.name.split()[0] in device.split():  # e.g. "H200" in "NVIDIA H200"
-            return preset
-    raise NereusConfigError(
-        f"cluster=auto: no cluster preset describes this GPU ({device}); set cluster= one of "
-        f"{', '.join(sorted(CLUSTER_PRESETS))}"
-    )
+def _on_gpus(cfg: Any) -> bool:
+    """Whether the job's ranks are GPUs (``trainer.accelerator``, resolved by :func:`resolve_trainer`)."""
+    return str(cfg.trainer.get("accelerator", "cpu")) in ("gpu", "cuda")
 
 
 def _prompt_len(cfg: Any) -> float:
@@ -375,11 +396,17 @@ def check_config(cfg: Any) -> None:
     from nereus_lightning.lightning.module import check_hyperparameters, precision_dtype
     from nereus_lightning.rl.data import DataConfig
 
-    values = {k: v for k, v in to_dict(cfg.algorithm).items() if k != "_target_"}
+    values = {k: v for k, v in to_dict(cfg.algorithm).items() if k != "_target_" and v is not None}
     values["prompts_per_step"] = prompts_per_step(cfg)
     values["on_nonfinite"] = cfg.trainer.get("on_nonfinite", "raise")
     values["reward_workers"] = cfg.reward.get("num_workers", 0) if cfg.get("reward") else 0
     check_hyperparameters(values)
+    every = cfg.get("checkpoint_every", 10)
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        raise NereusConfigError(
+            f"checkpoint_every: must be a whole number of steps >= 1, got {every!r} "
+            "(save_checkpoint=false writes none)"
+        )
     precision_dtype(str(cfg.trainer.get("precision", "32-true")))
     if cfg.get("data"):
         DataConfig.of(to_dict(cfg.data))
@@ -404,6 +431,7 @@ def run(cfg: Any) -> dict[str, Any]:
     from nereus_lightning.lightning.console import print_summary
     from nereus_lightning.lightning.progress import NereusProgressBar
 
+    resolve_trainer(cfg)
     check_config(cfg)
     launch = job_launch(cfg)  # before any model: the keys must describe the job the launcher started
     world = _world_size(cfg)
@@ -427,7 +455,7 @@ def run(cfg: Any) -> dict[str, Any]:
     os.makedirs(out, exist_ok=True)
     counts = supply_counts(cfg)
     resources: SequenceResources | NodeInventory | None = SequenceResources(tuple(counts)) if counts else None
-    if resources is None and cfg.trainer.get("accelerator") in ("gpu", "cuda"):
+    if resources is None and _on_gpus(cfg):
         resources = NodeInventory()  # every node's usable GPUs (NVML), gathered through rank 0
 
     def controller(pl_module: Any, world_size: int) -> Any:
@@ -527,6 +555,15 @@ def main() -> None:
     from nereus_lightning.cli._help import register_help_resolver
 
     register_help_resolver()
+    from nereus_lightning.cli.verl import translate
+
+    try:
+        sys.argv[1:], notes = translate(sys.argv[1:])  # verl's keys -> ours, before Hydra reads them
+    except NereusConfigError as exc:
+        print(f"nereus-train: {exc}", file=sys.stderr)
+        sys.exit(2)
+    for note in notes:
+        _say(f"nereus-train: {note}")
 
     @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
     def _main(cfg: DictConfig) -> None:

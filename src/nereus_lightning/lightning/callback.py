@@ -30,6 +30,7 @@ from nereus_lightning.lightning.strategy import NereusStrategy
 from nereus_lightning.plan.layout import Plan
 from nereus_lightning.spec.cluster import ClusterSpec, cluster_preset
 from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
+from nereus_lightning.spec.workload import Workload
 
 # What a decision record keeps of the strategy's transition record (JSON-serialisable).
 TRANSITION_KEYS = ("mode", "counts", "bytes", "predicted_s", "reason")
@@ -92,7 +93,8 @@ class NereusCallback(pl.Callback):
         self.history: list[dict[str, float]] = []
         self.decisions: list[dict[str, Any]] = []
         self._restored: dict[str, Any] | None = None
-        self._last_transition_s = 0.0
+        self._last_transition_s = 0.0  # the transition before the next step: seconds and bytes moved
+        self._last_transition_bytes = 0.0
         self._compile_workers: threading.Thread | None = None  # their shutdown, from on_train_end
 
     @property
@@ -142,14 +144,7 @@ class NereusCallback(pl.Callback):
             strategy.transition(given)
             return
         # Initial plan before the first step (or on resume: the controller's plan for this pool).
-        workload = pl_module.workload(step)
-        signals = StepSignals(
-            step=step,
-            response_len=workload.response_len,
-            response_len_p95=workload.response_len,
-            prompt_len=float(workload.prompt_len),
-            gpus=self.pool(step, trainer.world_size),
-        )
+        signals = _signals(step, {}, self.pool(step, trainer.world_size), expected=pl_module.workload(step))
         self._decide_and_apply(trainer, signals, initial=True)
 
     # ---- every step ----------------------------------------------------------------------
@@ -178,25 +173,31 @@ class NereusCallback(pl.Callback):
         # A rank that leaves the pool stays alive (the process group keeps every rank), so the
         # transition may still read its units: it is draining, as under a revocation notice.
         draining = tuple(g for g in self.pool(step - 1, trainer.world_size) if g not in pool)
-        signals = _signals(step, stats, pool, draining)
+        assert isinstance(pl_module, RoleModule)  # checked at the start of training
+        signals = _signals(step, stats, pool, draining, expected=pl_module.workload(step - 1))
         if self._last_transition_s:
             # The measured duration of the transition executed before this step: the controller's
             # transition-cost calibration reads it.
             signals = replace(signals, transition_time=self._last_transition_s)
         stats["pool/num_gpus"] = float(len(self.pool(step - 1, trainer.world_size)))  # during this step
-        seconds = self._decide_and_apply(trainer, signals)
-        self._last_transition_s = seconds
-        stats["timing_s/transition"] = seconds
-        done = strategy.transitions
-        stats["transition/bytes"] = float(done[-1].get("bytes", 0.0)) if seconds and done else 0.0
+        # A step's row carries the transition that ran before it: step k is the k-th step (from 0)
+        # in the console, the decision log, the metrics and the summary alike.
+        stats["timing_s/transition"] = self._last_transition_s
+        stats["transition/bytes"] = self._last_transition_bytes
         if trainer.is_global_zero:
             record = {"step": float(step - 1), **{k: float(v) for k, v in stats.items()}}
             self.history.append(record)
-        pl_module.log("timing_s/transition", seconds, rank_zero_only=True)
-        pl_module.log("transition/bytes", stats["transition/bytes"], rank_zero_only=True)
+        for key in ("timing_s/transition", "transition/bytes"):
+            pl_module.log(key, stats[key], rank_zero_only=True)
         pl_module.log_dict(
             {k: v for k, v in stats.items() if k.startswith(("plan/", "pool/"))}, rank_zero_only=True
         )
+        if 0 <= trainer.max_steps <= step:  # no step follows: nothing to move for
+            return
+        seconds = self._decide_and_apply(trainer, signals)
+        done = strategy.transitions
+        self._last_transition_s = seconds
+        self._last_transition_bytes = float(done[-1].get("bytes", 0.0)) if seconds and done else 0.0
 
     def _decide_and_apply(self, trainer: pl.Trainer, signals: StepSignals, initial: bool = False) -> float:
         """Rank 0 decides, everyone receives the decision, an admitted plan is executed; returns seconds."""
@@ -258,13 +259,19 @@ class NereusCallback(pl.Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         controller = self.controller.state_dict() if self.controller is not None else None
-        return {"controller": controller, "history": list(self.history), "decisions": list(self.decisions)}
+        return {
+            "controller": controller,
+            "history": list(self.history),
+            "decisions": list(self.decisions),
+            "last_transition": [self._last_transition_s, self._last_transition_bytes],
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restored = state_dict.get("controller")
         self.history = list(state_dict.get("history", []))
         self.decisions = list(state_dict.get("decisions", []))
+        self._last_transition_s, self._last_transition_bytes = state_dict.get("last_transition", (0.0, 0.0))
 
 
 def _used_gpus(plan: Plan | None) -> set[int]:
@@ -311,11 +318,15 @@ def _peak_memory(stats: Mapping[str, float]) -> tuple[dict[int, float], dict[str
 
 def _signals(
     step: int,
-    stats: dict[str, float],
+    stats: Mapping[str, float],
     pool: Sequence[int],
     draining: Sequence[int] = (),
+    *,
+    expected: Workload,
 ) -> StepSignals:
-    mean = max(stats.get("response_length/mean", 1.0), 1.0)
+    """The controller's view after ``step``: the step's metrics, and where the module reported no
+    lengths, the ones its ``workload`` expects (so a module that reports nothing changes nothing)."""
+    mean = max(stats.get("response_length/mean", expected.response_len), 1.0)
     p95 = max(stats.get("response_length/p95", mean), mean)
     stage_time = {k.split("/", 1)[1]: v for k, v in stats.items() if k.startswith("timing_s/")}
     peak_memory, stage_peak_memory = _peak_memory(stats)
@@ -323,7 +334,7 @@ def _signals(
         step=step,
         response_len=mean,
         response_len_p95=p95,
-        prompt_len=stats.get("prompt_length/mean", 0.0),
+        prompt_len=stats.get("prompt_length/mean", float(expected.prompt_len)),
         gpus=tuple(pool),
         draining=tuple(draining),
         stage_time=stage_time,

@@ -221,8 +221,8 @@ def transition_rows(
 ) -> list[dict[str, Any]]:
     """One entry per executed transition: step, what changed, why, seconds, bytes moved.
 
-    A metrics row with ``timing_s/transition > 0`` is the step after which a transition ran; its
-    decision carries the same step number plus one (decisions count finished steps).
+    A metrics row with ``timing_s/transition > 0`` is the step before which a transition ran, as
+    its decision's step (decisions count finished steps).
     """
     why = {
         int(d["step"]): trigger_text(d.get("trigger") or ()) or d.get("reason", "")
@@ -234,10 +234,10 @@ def transition_rows(
         seconds = float(row.get("timing_s/transition") or 0)
         if seconds <= 0:
             continue
-        after = rows[i + 1] if i + 1 < len(rows) else row
-        gpus = (_int(row.get("plan/num_gpus")), _int(after.get("plan/num_gpus")))
-        step = int(float(row["step"])) + 1
-        changes = describe_changes(plan_of_metrics(row), plan_of_metrics(after), gpus)
+        before = rows[i - 1] if i > 0 else row
+        gpus = (_int(before.get("plan/num_gpus")), _int(row.get("plan/num_gpus")))
+        step = int(float(row["step"]))
+        changes = describe_changes(plan_of_metrics(before), plan_of_metrics(row), gpus)
         out.append(
             {
                 "step": step,

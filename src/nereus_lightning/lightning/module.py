@@ -113,6 +113,17 @@ def precision_dtype(precision: str) -> torch.dtype:
     return PRECISIONS[precision]
 
 
+#: AdamW learning rates when none is given, per role: (a model folder's, a preset's). A folder holds
+#: pretrained weights and gets verl's defaults; a preset's random weights learn the built-in task at 3e-3.
+DEFAULT_LR = {"actor": (1e-6, 3e-3), "critic": (1e-5, 3e-3)}
+
+
+def default_lr(role: str, source: Any) -> float:
+    """The learning rate of ``role`` (``actor`` or ``critic``) built from ``source`` when none is given."""
+    folder, preset = DEFAULT_LR[role]
+    return folder if roles.is_model_folder(source, f"{role}.path") else preset
+
+
 VALIDATION_STEP = -1  # the step validation samples are seeded with (training steps are >= 0)
 
 
@@ -181,7 +192,8 @@ class RLModule(L.LightningModule):
             built-in reward of each data source (GSM8K-style or boxed math).
         reward_workers: processes that score in parallel (``reward.num_workers``; 0: inline).
         prompts_per_step, samples_per_prompt: global batch of one RL step.
-        actor_lr, critic_lr: AdamW learning rates.
+        actor_lr, critic_lr: AdamW learning rates; ``None``: :func:`default_lr` (verl's 1e-6 and
+            1e-5 for a model folder, 3e-3 for a preset's or config's random weights).
         kl_coef, kl_penalty: in-reward KL penalty and its estimator (PPO, ReMax).
         kl_loss_coef, kl_loss_type: KL to the reference as a loss term and its estimator (GRPO).
         clip_ratio, cliprange_value: PPO clipping.
@@ -230,8 +242,8 @@ class RLModule(L.LightningModule):
         reward_workers: int = 0,
         prompts_per_step: int = 16,
         samples_per_prompt: int = 1,
-        actor_lr: float = 3e-3,
-        critic_lr: float = 3e-3,
+        actor_lr: float | None = None,
+        critic_lr: float | None = None,
         kl_coef: float = 0.0,
         kl_penalty: str = "kl",
         kl_loss_coef: float = 0.0,
@@ -255,6 +267,10 @@ class RLModule(L.LightningModule):
         remove_padding: bool = True,
     ) -> None:
         super().__init__()
+        if actor_lr is None:
+            actor_lr = default_lr("actor", actor)
+        if critic_lr is None:
+            critic_lr = default_lr("critic", actor if critic is None else critic)
         check_hyperparameters(dict(locals()))
         require(
             reward_model is None or self.algorithm != "remax",
@@ -263,6 +279,8 @@ class RLModule(L.LightningModule):
             "reward model",
         )
         self.save_hyperparameters(ignore=["task", "reward_function", "data"])
+        # The resolved rates (a subclass's own arguments would otherwise record the None it was given).
+        self.hparams.update(actor_lr=actor_lr, critic_lr=critic_lr)
         self.automatic_optimization = False
         self.sources = make_sources(task, data, reward_function, reward_workers, actor, seed)
         self.source = self.sources.train

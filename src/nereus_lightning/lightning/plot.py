@@ -29,12 +29,13 @@ def change_label(before: Mapping[str, float], after: Mapping[str, float]) -> str
 
 
 def transition_marks(history: Sequence[Mapping[str, float]]) -> list[tuple[float, str]]:
-    """``(x, label)`` per executed transition: x between the step before and the step after it."""
+    """``(x, label)`` per executed transition (on the row of the step it ran before): x between the
+    step before and the step after it."""
     marks = []
     for i, h in enumerate(history):
         if h.get("timing_s/transition", 0.0) > 0:
-            after = history[i + 1] if i + 1 < len(history) else h
-            marks.append((h["step"] + 0.5, f"step {int(h['step']) + 1}: {change_label(h, after)}"))
+            before = history[i - 1] if i > 0 else h
+            marks.append((h["step"] - 0.5, f"step {int(h['step'])}: {change_label(before, h)}"))
     return marks
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from datetime import timedelta
@@ -61,6 +62,7 @@ from nereus_lightning.lightning.checkpoint import (
     staging_path,
     write_metadata,
 )
+from nereus_lightning.lightning.devices import auto_cluster
 from nereus_lightning.lightning.emu_state import EMUStates, StageUpdate
 from nereus_lightning.lightning.launch import check_launch, launch_of
 from nereus_lightning.lightning.roles import RoleModels, RoleModule
@@ -90,7 +92,9 @@ class NereusStrategy(ParallelStrategy):
         cluster: the cluster (a ``ClusterSpec`` or preset name: memory, FLOP/s, links) the
             transition DAG is priced and validated on, shaped as the launch (``num_nodes`` x
             processes per node, :attr:`topology`); give the one the controller plans on.
-            ``None``: the ``cpu4`` preset.
+            ``"auto"`` (the default): ``cpu4`` on CPU ranks, else the GPU this job has
+            (:func:`~nereus_lightning.lightning.devices.auto_cluster`). Every rank prices on
+            rank 0's.
         export_hf: every checkpoint also holds ``hf/<model>/`` per trainable model
             (``save_pretrained`` in safetensors plus the tokenizer), written by rank 0.
         write_back: at the end of ``fit``, gather every role's trained parameters into the
@@ -112,7 +116,7 @@ class NereusStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | float = timedelta(seconds=120),
         start_method: Literal["fork", "spawn", "popen"] | None = None,
-        cluster: ClusterSpec | str | None = None,
+        cluster: ClusterSpec | str = "auto",
         export_hf: bool = True,
         write_back: bool = False,
     ) -> None:
@@ -124,9 +128,9 @@ class NereusStrategy(ParallelStrategy):
         )
         self.export_hf = export_hf
         self.write_back = write_back
-        if isinstance(cluster, str):
+        if cluster != "auto" and isinstance(cluster, str):
             cluster = cluster_preset(cluster)  # an unknown name fails here, listing the presets
-        self.cluster: ClusterSpec | None = cluster
+        self.cluster: ClusterSpec | str = cluster
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
         self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
@@ -181,11 +185,17 @@ class NereusStrategy(ParallelStrategy):
 
     @property
     def topology(self) -> ClusterSpec:
-        """The cluster the job runs on: the given one (``cpu4`` by default) shaped as the launch,
-        ``num_nodes`` x processes per node, so TP groups are priced inside a node and the rest
-        across nodes as they really are."""
-        cluster = self.cluster or cluster_preset("cpu4")
-        return cluster.on_nodes(self.num_nodes, max(self.world_size // self.num_nodes, 1))
+        """The cluster the job runs on (the given one, or what ``"auto"`` detects) shaped as the
+        launch, ``num_nodes`` x processes per node, so TP groups are priced inside a node and the
+        rest across nodes as they really are."""
+        return self._cluster().on_nodes(self.num_nodes, max(self.world_size // self.num_nodes, 1))
+
+    def _cluster(self) -> ClusterSpec:
+        """The given cluster, or for ``"auto"`` the one the job's devices make."""
+        if isinstance(self.cluster, ClusterSpec):
+            return self.cluster
+        devices = self.parallel_devices or [torch.device("cpu")]  # one kind of device per job
+        return auto_cluster(devices[0].type != "cpu", 1, 1)
 
     @override
     def _configure_launcher(self) -> None:
@@ -218,6 +228,8 @@ class NereusStrategy(ParallelStrategy):
         )
         self._process_group_backend = backend
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        # One cluster for every rank: a chip measured on each rank would price alike only by luck.
+        self.cluster = self.broadcast(self._cluster() if self.global_rank == 0 else None)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -231,6 +243,17 @@ class NereusStrategy(ParallelStrategy):
         if self.plan is not None:
             self.validate_plan(self.plan)
         self._hold(self.lightning_module)
+
+    @override
+    def connect(self, model: pl.LightningModule) -> None:
+        if model.automatic_optimization:  # Lightning would look for a loss and an optimizer of its own
+            raise NereusConfigError(
+                f"NereusStrategy: {type(model).__name__} optimizes automatically; set "
+                "self.automatic_optimization = False in its __init__ (the strategy's units hold the "
+                "optimizer state: training_step calls strategy.update and self.optimizers().step(), "
+                "and configure_optimizers may return None)"
+            )
+        super().connect(model)
 
     def _hold(self, module: pl.LightningModule) -> None:
         """Take ``module``'s role models: every model-stage's units are cut from them at the first plan."""
@@ -567,10 +590,15 @@ def _first_few(names: list[str], shown: int = 8) -> str:
 
 class _ForkLauncher(_MultiProcessingLauncher):
     """Lightning's fork/spawn launcher; rank 0's weights reach the
-    caller's module only with ``write_back``.
+    caller's module only with ``write_back``, and only rank 0 prints Lightning's tips and warnings.
     """
 
     _strategy: NereusStrategy  # (the strategy that makes it)
+
+    @override
+    def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
+        quiet_unless_rank_zero(self._strategy.node_rank * self._strategy.num_processes + process_idx)
+        super()._wrapping_function(process_idx, *args, **kwargs)
 
     @override
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
@@ -580,6 +608,20 @@ class _ForkLauncher(_MultiProcessingLauncher):
         # The full models went into the units: their empty tensors must not overwrite the caller's models.
         self._strategy.checkpoint_io.remove_checkpoint(output.weights_path)
         return output._replace(weights_path=None)
+
+
+#: Third-party packages whose warnings every rank would print alike.
+THIRD_PARTY = r"(lightning|torch|transformers)(\.|$)"
+
+
+def quiet_unless_rank_zero(rank: int) -> None:
+    """In a forked rank: Lightning's rank-zero tips and logs know this rank (it inherited rank 0's
+    number), and on ranks other than 0 third-party warnings and Lightning's per-rank start line are off,
+    so each prints once."""
+    rank_zero_only.rank = rank  # type: ignore[attr-defined]
+    if rank != 0:
+        warnings.filterwarnings("ignore", module=THIRD_PARTY)
+        logging.getLogger("lightning.fabric.utilities.distributed").setLevel(logging.WARNING)
 
 
 if "nereus" not in StrategyRegistry:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 
-from nereus_lightning.spec.errors import require, unknown_preset
+from nereus_lightning.spec.errors import NereusConfigError, require, unknown_preset
 
 GB = 1e9
 #: A CUDA/HIP kernel launch from an eager framework: ~5-10 us of host time each.
@@ -102,6 +103,124 @@ class ClusterSpec:
         )
 
 
+@dataclass(frozen=True)
+class Chip:
+    """One GPU model's vendor numbers: dense bf16 FLOP/s, HBM bandwidth and memory, and the link
+    of one GPU to its node peers in an ordinary server of that GPU (NVLink, Infinity Fabric or PCIe).
+
+    ``tokens`` must all appear in the name the device reports (upper case, split at spaces,
+    hyphens and slashes): ``("A100", "PCIE", "40GB")`` matches ``"NVIDIA A100-PCIE-40GB"``.
+    Link figures are the vendor's per-GPU totals, as the presets give them (H100: 900 GB/s).
+    """
+
+    name: str
+    tokens: tuple[str, ...]
+    peak_flops: float
+    hbm_bw: float
+    memory: float
+    link_bw: float
+
+
+#: PCIe bandwidth per lane and direction, by generation (bytes/s, after line coding).
+PCIE_LANE_BW = {3: 0.985 * GB, 4: 1.969 * GB, 5: 3.938 * GB, 6: 7.563 * GB}
+#: One NVLink link's bandwidth, both directions together (the vendors' per-GPU totals add these),
+#: by NVLink generation: NVLink 4 on an H100 is 18 links x 50 GB/s = 900 GB/s.
+NVLINK_BW = {1: 40 * GB, 2: 50 * GB, 3: 50 * GB, 4: 50 * GB, 5: 100 * GB}
+#: A link a detected GPU is priced on when it has no NVLink and NVML gives no PCIe link: PCIe 4 x16.
+FALLBACK_LINK_BW = 2 * 16 * PCIE_LANE_BW[4]
+#: One node's network bandwidth where nothing says otherwise: one 200 Gb/s NIC (the presets' figure).
+DEFAULT_NIC_BW = 25 * GB
+
+#: Known chips, matched by :func:`chip_of` (the entry with the most matching tokens wins).
+CHIPS: tuple[Chip, ...] = (
+    Chip("H100 SXM", ("H100",), 989e12, 3.35e12, 80 * GB, 900 * GB),
+    Chip("H100 PCIe", ("H100", "PCIE"), 756e12, 2.0e12, 80 * GB, 2 * 16 * PCIE_LANE_BW[5]),
+    Chip("H100 NVL", ("H100", "NVL"), 835e12, 3.9e12, 94 * GB, 600 * GB),
+    Chip("H200", ("H200",), 989e12, 4.8e12, 141 * GB, 900 * GB),
+    Chip("H200 NVL", ("H200", "NVL"), 835e12, 4.8e12, 141 * GB, 900 * GB),
+    Chip("A100 SXM 80GB", ("A100",), 312e12, 2.039e12, 80 * GB, 600 * GB),
+    Chip("A100 SXM 40GB", ("A100", "40GB"), 312e12, 1.555e12, 40 * GB, 600 * GB),
+    Chip("A100 PCIe 80GB", ("A100", "PCIE"), 312e12, 1.935e12, 80 * GB, 2 * 16 * PCIE_LANE_BW[4]),
+    Chip("A100 PCIe 40GB", ("A100", "PCIE", "40GB"), 312e12, 1.555e12, 40 * GB, 2 * 16 * PCIE_LANE_BW[4]),
+    Chip("L40S", ("L40S",), 362e12, 864e9, 48 * GB, 2 * 16 * PCIE_LANE_BW[4]),
+    Chip("L4", ("L4",), 121e12, 300e9, 24 * GB, 2 * 16 * PCIE_LANE_BW[4]),
+    Chip("B200", ("B200",), 2.25e15, 8.0e12, 180 * GB, 1800 * GB),
+    Chip("MI300X", ("MI300X",), 1307e12, 5.3e12, 192 * GB, 896 * GB),
+    Chip("MI250X", ("MI250X",), 191.5e12, 1.6e12, 64 * GB, 400 * GB),  # per GCD, as paper_cluster1
+)
+
+
+def _tokens(device_name: str) -> set[str]:
+    return set(re.split(r"[\s\-/_]+", device_name.upper()))
+
+
+def chip_of(device_name: str) -> Chip | None:
+    """The known chip a device name reports (e.g. ``"NVIDIA H100 80GB HBM3"``), None if none matches."""
+    tokens = _tokens(device_name)
+    matches = [chip for chip in CHIPS if set(chip.tokens) <= tokens]
+    return max(matches, key=lambda chip: len(chip.tokens), default=None)
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What a node's GPUs report (torch and NVML): the input of ``cluster=auto``.
+
+    The body's probe (``nereus_lightning.lightning.devices``) fills it; the measured rates are
+    set only for a chip :func:`chip_of` does not know.
+    """
+
+    name: str  # the device's name, e.g. "NVIDIA H100 80GB HBM3"
+    memory: float  # bytes per GPU
+    nvlinks: int = 0  # active NVLink links of one GPU (0: none, or not reported)
+    nvlink_version: int = 0
+    pcie_gen: int = 0  # the GPU's PCIe link (0: not reported)
+    pcie_width: int = 0
+    measured_flops: float = 0.0  # the rate of a large bf16 GEMM on this GPU
+    measured_hbm_bw: float = 0.0  # the rate of a device-to-device copy (read + write)
+
+    def link_bw(self, chip: Chip | None) -> float:
+        """One GPU's bandwidth to its node peers: its NVLinks, else its PCIe link, else the chip's."""
+        if self.nvlinks > 0:
+            per_link = NVLINK_BW.get(self.nvlink_version, NVLINK_BW[max(NVLINK_BW)])
+            return self.nvlinks * per_link
+        if self.pcie_gen in PCIE_LANE_BW and self.pcie_width > 0:
+            return 2 * self.pcie_width * PCIE_LANE_BW[self.pcie_gen]
+        return chip.link_bw if chip is not None else FALLBACK_LINK_BW
+
+
+def cluster_from_devices(facts: DeviceFacts, num_nodes: int, gpus_per_node: int) -> ClusterSpec:
+    """The cluster of ``num_nodes`` x ``gpus_per_node`` GPUs like the one ``facts`` describes.
+
+    Memory and links are the device's own; FLOP/s and HBM bandwidth come from :data:`CHIPS`, or
+    for an unknown chip from the measured rates (a GEMM reaches less than the vendor's peak, so
+    such a cluster is priced slower until calibration learns it). The network is one
+    :data:`DEFAULT_NIC_BW` NIC per node.
+    """
+    chip = chip_of(facts.name)
+    peak, hbm = (chip.peak_flops, chip.hbm_bw) if chip else (facts.measured_flops, facts.measured_hbm_bw)
+    if peak <= 0 or hbm <= 0:
+        raise NereusConfigError(
+            f"cluster=auto: {facts.name!r} is not a known chip ({', '.join(c.name for c in CHIPS)}) and "
+            f"was not measured; set cluster= one of {', '.join(sorted(CLUSTER_PRESETS))}"
+        )
+    label = facts.name if chip else f"{facts.name}, measured"
+    return ClusterSpec(
+        label, num_nodes, gpus_per_node, facts.memory, peak, hbm, facts.link_bw(chip), DEFAULT_NIC_BW
+    )
+
+
+def _node_of(chip: Chip, gpus: int = 8) -> ClusterSpec:
+    """One ordinary server of ``gpus`` ``chip`` GPUs and one :data:`DEFAULT_NIC_BW` NIC."""
+    return ClusterSpec(
+        f"{chip.name} x{gpus} node", 1, gpus, chip.memory, chip.peak_flops, chip.hbm_bw, chip.link_bw,
+        DEFAULT_NIC_BW,
+    )
+
+
+def _chip(name: str) -> Chip:
+    return next(chip for chip in CHIPS if chip.name == name)
+
+
 CLUSTER_PRESETS: dict[str, ClusterSpec] = {
     # Table 3 of the paper. Peak FLOP/s are the vendors' dense bf16 numbers per GPU (per GCD for MI250X).
     "paper_cluster1": ClusterSpec(
@@ -111,8 +230,13 @@ CLUSTER_PRESETS: dict[str, ClusterSpec] = {
         "A100-64GB x4 (HDR100)", 64, 4, 64 * GB, 312e12, 1.64e12, 600 * GB, 4 * 12.5 * GB
     ),
     "paper_cluster3": ClusterSpec("H200 x8 (HDR IB)", 8, 8, 141 * GB, 989e12, 4.8e12, 900 * GB, 25 * GB),
-    # One 8xH200 node, like the device machines here.
-    "h200x8": ClusterSpec("H200 x8 node", 1, 8, 141 * GB, 989e12, 4.8e12, 900 * GB, 25 * GB),
+    # One 8-GPU server of each chip the presets know (the device machines here are H100 and H200 nodes).
+    "h100x8": _node_of(_chip("H100 SXM")),
+    "h200x8": _node_of(_chip("H200")),
+    "a100x8": _node_of(_chip("A100 SXM 80GB")),
+    "l40sx8": _node_of(_chip("L40S")),
+    "b200x8": _node_of(_chip("B200")),
+    "mi300x8": _node_of(_chip("MI300X")),
     # A CPU "cluster" for the embedded default and tests: 4 gloo processes on one host.
     "cpu4": ClusterSpec(
         "CPU x4 (gloo)", 1, 4, 4 * GB, 50e9, 20 * GB, 5 * GB, 1 * GB, 50e-6, 100e-6, 0.01, CPU_LAUNCH_S,

@@ -168,7 +168,9 @@ class Workload:
     mini_batches: int = 1  # optimizer steps per epoch
     micro_batch_min: int = 1
     micro_batch_max: int = 16
-    reward_model: bool = True  # False: rewards come from a Python function (no reward_infer model-stage)
+    # Whether a reward model scores responses (a reward_infer model-stage); False: a Python function.
+    # True here is the paper's workflow; nereus-plan and nereus-train set it from whether one is configured.
+    reward_model: bool = True
     generation_engine: GenerationEngine = GenerationEngine()  # what the generation model-stages run on
 
     def __post_init__(self) -> None:
