@@ -114,7 +114,7 @@ def test_decoding_builds_only_nereus_dataclasses(tmp_path, cls):
     hostile = {
         "__dataclass__": {"type": cls, "fields": {"args": ["touch", str(marker)], "path": str(tmp_path)}}
     }
-    with pytest.raises(CheckpointError, match="dataclass"):
+    with pytest.raises(CheckpointError, match=r"checkpoint\.x: refers to .*; only the record types"):
         decode({"x": hostile})
     assert not marker.exists() and tmp_path.exists()
 
@@ -168,9 +168,11 @@ def copy_of(saved: Path, tmp_path: Path, name: str = "s2.ckpt") -> Path:
 
 
 def record_size(ckpt: Path, name: str) -> None:
-    """Make ``nereus_meta.json`` agree with the current size of ``name`` (as a forger would)."""
+    """Make ``nereus_meta.json`` agree with the current size and content of ``name`` (as a forger would)."""
+    from nereus_lightning.lightning.integrity import file_digest
+
     doc = json.loads((ckpt / META_FILE).read_text())
-    doc["files"][name] = (ckpt / name).stat().st_size
+    doc["files"][name] = {"size": (ckpt / name).stat().st_size, "sha256": file_digest(ckpt / name)}
     (ckpt / META_FILE).write_text(json.dumps(doc))
 
 
@@ -242,9 +244,9 @@ def test_a_truncated_shard_is_named_before_anything_loads(saved, tmp_path):
         ),
         (
             lambda c: (c / META_FILE).write_text(
-                (c / META_FILE).read_text().replace('_version": 1', '_version": 2')
+                (c / META_FILE).read_text().replace('_version": 2', '_version": 3')
             ),
-            r"nereus_meta\.json: checkpoint format version 2; this nereus-lightning reads version 1",
+            r"nereus_meta\.json: checkpoint format version 3; this nereus-lightning reads version 2",
         ),
     ],
 )

@@ -494,7 +494,8 @@ def _fit(cfg: Any, module: Any, out: str, overrides: Sequence[str], started: flo
     try:
         trainer.fit(module, ckpt_path=cfg.ckpt_path)
     except Exception as exc:  # a rank died or raised: say so and point at the last checkpoint
-        raise TrainingStopped(root_cause(exc), resume_hint(ckpt_dir)) from exc
+        cause = root_cause(exc)
+        raise TrainingStopped(cause, resume_hint(ckpt_dir, cfg.ckpt_path, cause)) from exc
     if not trainer.is_global_zero:  # under torchrun or srun every rank returns here
         return {"stopped": strategy.stopped} if strategy.stopped else {}
     summary = summarize(out)
@@ -541,21 +542,32 @@ class TrainingStopped(RuntimeError):
         self.cause, self.hint = cause, hint
 
 
+#: Errors whose message says everything (the file or key, the way out): shown without their type.
+SELF_EXPLAINING = ("CheckpointError", "NereusConfigError", "InfeasiblePlanError", "NonFiniteError")
+
+
 def root_cause(exc: BaseException) -> str:
     """``exc`` in one line: for a rank that raised, its own exception's last line (not the launcher's wrapper)."""
     text = str(exc)
     if "Traceback (most recent call last)" in text:  # torch.multiprocessing: the rank's traceback as text
         lines = [line for line in text.splitlines() if line.strip()]
         last = next((line for line in reversed(lines) if not line.startswith((" ", "\t"))), lines[-1])
-        return last.strip()
+        kind, sep, message = last.strip().partition(": ")
+        name = kind.rsplit(".", 1)[-1]
+        return message if sep and name in SELF_EXPLAINING else f"{name}{sep}{message}"
     first = text.strip().splitlines()[0] if text.strip() else ""
+    if type(exc).__name__ in SELF_EXPLAINING and first:
+        return first
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
-def resume_hint(ckpt_dir: str) -> str:
-    """The command that resumes from the newest complete checkpoint of ``ckpt_dir``, or that there is none."""
+def resume_hint(ckpt_dir: str, resumed_from: Any = None, cause: str = "") -> str:
+    """The command that resumes from this run's newest complete checkpoint (else from the one it resumed
+    from, unless that one failed), or that there is none."""
     last = latest_checkpoint(ckpt_dir) if os.path.isdir(ckpt_dir) else None
-    return f"resume with: nereus-train ckpt_path={last}" if last else "no complete checkpoint yet"
+    if last is None and resumed_from and str(resumed_from) not in cause:
+        last = str(resumed_from)
+    return f"resume with: nereus-train ckpt_path={last}" if last else "no checkpoint written yet"
 
 
 def latest_checkpoint(ckpt_dir: str) -> str | None:

@@ -96,8 +96,13 @@ def _total_completed(progress: Any) -> int | None:
 
 def check_plan_state(plan: Any, meta: Path, field: str) -> None:
     """A plan as the controller stores it: per model-stage a name, its layout and its GPUs, adding up."""
+    from nereus_lightning.control.state import plan_to_state
+    from nereus_lightning.plan.layout import Plan
+
     if plan is None:
         return
+    if isinstance(plan, Plan):  # a record (its constructor checked the layout); its GPU ids still are
+        plan = plan_to_state(plan)
     if not isinstance(plan, list):
         raise _bad(meta, field, type(plan).__name__, "a list of model-stages")
     for i, stage in enumerate(plan):

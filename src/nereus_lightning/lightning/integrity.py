@@ -114,12 +114,12 @@ def mismatch_error(directory: Path, meta_file: str, bad: Sequence[str], total: i
     if len(bad) == 1:
         return CheckpointError(
             f"{directory / bad[0]}: damaged: its content is not what {meta_file} recorded (SHA-256 differs; "
-            "changed after the save, or copied from another checkpoint): resume from another checkpoint"
+            "changed after the save, or copied from another checkpoint): use another checkpoint"
         )
     return CheckpointError(
         f"{directory / meta_file}: does not describe the files beside it: {len(bad)} of {total} files differ "
         f"from its record (first {bad[0]}); the metadata or the files come from another checkpoint or step: "
-        "resume from another checkpoint"
+        "use another checkpoint"
     )
 
 

@@ -62,10 +62,17 @@ from nereus_lightning.lightning.checkpoint import (
     read_metadata,
     remove,
     staging_path,
-    verify_files,
     write_metadata,
 )
-from nereus_lightning.lightning.integrity import FileRecord, describe, digests, own_files, share
+from nereus_lightning.lightning.integrity import (
+    FileRecord,
+    describe,
+    differing,
+    digests,
+    mismatch_error,
+    own_files,
+    share,
+)
 from nereus_lightning.lightning.emu_state import EMUStates, StageUpdate
 from nereus_lightning.lightning.launch import check_launch, launch_of
 from nereus_lightning.lightning.roles import RoleModels, RoleModule
@@ -493,11 +500,11 @@ class NereusStrategy(ParallelStrategy):
 
     def _write_hf(self, ckpt_dir: str) -> dict[str, str]:
         """Hugging Face folders of the trained models in a checkpoint being written (``hf/<model>``)."""
-        from nereus_lightning.lightning.export import TRAINED, export_hf, write_hf_metadata
+        from nereus_lightning.lightning.export import TRAINED, write_hf_into, write_hf_metadata
 
         configs = {role: config for role, config in self.units.configs.items() if role in TRAINED}
         write_hf_metadata(configs, self.roles.tokenizer, ckpt_dir)
-        return export_hf(ckpt_dir)
+        return write_hf_into(ckpt_dir)
 
     def _require_shared(self, directory: Path) -> None:
         """Refuse (on every rank) a save into ``directory`` when some rank does not see it (collective).
@@ -590,21 +597,17 @@ class NereusStrategy(ParallelStrategy):
         """Every file of ``stored`` re-hashed, a share per rank, and its step tensors checked (collective)."""
         started = time.perf_counter()
         mine = share(stored.files, self.global_rank, self.world_size)
-        problem = _failure(lambda: verify_files(stored, mine))
-        reports: list[Any] = [problem]
+        bad, problem = _attempt(lambda: differing(stored.path, stored.files, mine))
+        reports: list[Any] = [(bad, problem)]
         if _distributed_is_initialized():
             reports = [None] * self.world_size
-            dist.all_gather_object(reports, problem)
-        bad = [p for p in reports if p]
-        if len(bad) > 1:  # several ranks found files that differ: the metadata describes other files
-            first = bad[0].split(": damaged")[0]
-            raise CheckpointError(
-                f"{Path(stored.path) / META_FILE}: does not describe the files beside it: files on {len(bad)} "
-                f"ranks' shares differ from its record (first {first}); the metadata or the files come from "
-                "another checkpoint or step: resume from another checkpoint"
-            )
-        if bad:
-            raise CheckpointError(bad[0])
+            dist.all_gather_object(reports, (bad, problem))
+        problems = [p for _, p in reports if p]
+        if problems:  # a file could not be read
+            raise CheckpointError(problems[0])
+        differ = sorted(name for names, _ in reports for name in names)
+        if differ:
+            raise mismatch_error(Path(stored.path), META_FILE, differ, len(stored.files))
         self._raise_shared(_failure(lambda: check_step_tensors(stored)) if self.is_global_zero else None)
         if self.is_global_zero:
             total = sum(r.size for r in stored.files.values())
