@@ -435,10 +435,14 @@ def _named_failures(path: str | os.PathLike) -> Iterator[None]:
     try:
         yield
     except CheckpointException as exc:
-        failures = [error for error, _ in exc.failures.values()]
-        named = next((e for e in failures if isinstance(e, CheckpointError)), None)
-        message = str(named) if named is not None else f"{path}: {type(failures[0]).__name__}: {failures[0]}"
-        raise CheckpointError(message) from exc
+        failures = {rank: error for rank, (error, _) in exc.failures.items()}
+        named = next((e for e in failures.values() if isinstance(e, CheckpointError)), None)
+        if named is not None:
+            raise CheckpointError(str(named)) from exc
+        rank, error = next(
+            ((r, e) for r, e in failures.items() if isinstance(e, OSError)), next(iter(failures.items()))
+        )
+        raise CheckpointError(f"{path}: {type(error).__name__} on rank {rank}: {error}") from exc
 
 
 def nonfinite_names(tensors: Iterable[tuple[str, Tensor]]) -> list[str]:

@@ -27,7 +27,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, suppress
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -441,6 +441,8 @@ class NereusStrategy(ParallelStrategy):
         except BaseException:
             if self.is_global_zero:
                 remove(staging)  # nothing of a failed save stays on a full disk
+            with suppress(Exception):  # (the failures above are raised on every rank): no rank leaves
+                self.barrier("nereus-save-failed")  # before rank 0 has removed it
             raise
         if self.is_global_zero:
             commit(path)
