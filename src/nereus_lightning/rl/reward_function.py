@@ -172,6 +172,11 @@ def _score_in_worker(item: RewardInput) -> RewardResult:
     return score_one(_WORKER_FN, item, _WORKER_LABEL)
 
 
+def _ready(_: int) -> bool:
+    """A worker's answer once it has started and imported the reward."""
+    return _WORKER_FN is not None
+
+
 def _where(item: RewardInput) -> str:
     return f"sample {item.index} (data_source {item.data_source!r})"
 
@@ -271,6 +276,7 @@ class RewardFunction:
         ):  # spawned: workers import the function themselves, not the parent's torch state
             ctx = multiprocessing.get_context("spawn")
             self._pool = ctx.Pool(workers, initializer=_init_worker, initargs=(self.spec,))
+            self._pool.map(_ready, range(workers), chunksize=1)  # started: their start is not a sample's time
         results: dict[int, RewardResult] = {}
         progress = _Progress(len(items), self.label)
         waiting = list(enumerate(items))[::-1]
