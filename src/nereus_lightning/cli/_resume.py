@@ -51,28 +51,48 @@ def override_key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
 
+#: Keys whose values are paths: a relative one is stored relative to where the job started.
+PATH_KEYS = (
+    "data.train_files",
+    "data.val_files",
+    "data.tokenizer",
+    "trainer.rollout_data_dir",
+    "custom_reward_function.path",
+)
+
+
 def absolute_paths(overrides: Sequence[str], cwd: str) -> list[str]:
-    """``overrides`` with every value that names an existing file or folder relative to ``cwd`` made absolute."""
+    """``overrides`` with every relative path made absolute against ``cwd``: the values of path keys
+    (:data:`PATH_KEYS`, ``*.path``; lists too), and any other value naming an existing file there."""
     out = []
     for item in overrides:
         key, sep, value = item.partition("=")
-        candidate = Path(cwd) / value
-        if (
-            sep
-            and value
-            and not os.path.isabs(value)
-            and candidate.exists()
-            and ("/" in value or "." in value)
-        ):
-            item = f"{key}={candidate.resolve()}"
+        path_key = override_key(key) in PATH_KEYS or override_key(key).endswith(".path")
+        if sep and path_key and value.startswith("[") and value.endswith("]"):
+            parts = [_absolute(v.strip(), cwd) for v in value[1:-1].split(",") if v.strip()]
+            item = f"{key}=[{','.join(parts)}]"
+        elif sep and value and (path_key or ("/" in value and (Path(cwd) / value).exists())):
+            item = f"{key}={_absolute(value, cwd)}"
         out.append(item)
     return out
+
+
+def _absolute(value: str, cwd: str) -> str:
+    """``value`` against ``cwd`` when it is a relative path (a preset name without a folder stays as it is)."""
+    if os.path.isabs(value) or value in ("null", "None") or not (Path(cwd) / value).exists():
+        return value
+    return str((Path(cwd) / value).resolve())
 
 
 def job_record(cfg: Any, overrides: Sequence[str]) -> dict[str, Any]:
     """What a checkpoint stores of the job: its overrides (paths absolute), its resolved config, where it ran."""
     kept = [o for o in overrides if override_key(o) not in _NOT_STORED and not o.startswith("hydra")]
-    config = OmegaConf.to_container(cfg, resolve=True)
+    config: Any = OmegaConf.to_container(cfg, resolve=True)
+    for key, _ in IDENTITY:  # model folders as the resume composes them: absolute
+        section, _, name = key.partition(".")
+        node = config.get(section)
+        if isinstance(node, dict) and name.endswith("path") and isinstance(node.get(name), str):
+            node[name] = _absolute(node[name], os.getcwd())
     return {"overrides": absolute_paths(kept, os.getcwd()), "config": config, "cwd": os.getcwd()}
 
 

@@ -421,11 +421,14 @@ class RLModule(L.LightningModule):
         step = self.global_step
         strategy = self.nereus_strategy
         position = self.source.state_dict()
+        strategy.step_abandoned = False
         try:
             self.step_stats = self.rl_step(step, strategy)
         except StepAbandoned as exc:  # a stop signal: nothing changed yet; the stream goes back
             self.source.load_state_dict(position)
-            log.warning("step %d: %s", step, exc)
+            strategy.step_abandoned = True
+            if strategy.global_rank == 0:
+                log.warning("step %d: %s", step, exc)
             return None
         self.step_stats.update(self.run_metrics.update(self.step_stats))
         # Lightning repeats a step-level metric's last value while it is not logged again (its

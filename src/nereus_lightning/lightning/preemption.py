@@ -238,13 +238,14 @@ class Preemption(Callback):
             strategy.stopped = stopped
         if STATE.timer is not None:
             STATE.timer.cancel()
-        log.warning(
-            "%s: stopped after step %d; checkpoint %s written in %.1f s",
-            _name(signum),
-            trainer.global_step,
-            path,
-            seconds,
-        )
+        if trainer.is_global_zero:
+            log.warning(
+                "%s: stopped after step %d; checkpoint %s written in %.1f s",
+                _name(signum),
+                trainer.global_step,
+                path,
+                seconds,
+            )
         if trainer.is_global_zero and self._requeues(trainer, signum):
             requeue_slurm_job()
 

@@ -152,6 +152,8 @@ class NereusStrategy(ParallelStrategy):
         #: Why ``fit`` stopped before ``max_steps``: the signal, the step and the checkpoint written (None: it
         #: did not); carried to the launching process too.
         self.stopped: dict[str, Any] | None = None
+        #: The step in flight was dropped on a stop signal (every rank; nothing of it changed any state).
+        self.step_abandoned = False
 
     @classmethod
     def without_trainer(
