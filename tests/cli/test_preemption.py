@@ -35,7 +35,8 @@ def steps_logged(out: Path) -> int:
 
 
 def stop_after(out: Path, steps: int, signum: int, *overrides: str, cwd: Path) -> subprocess.CompletedProcess:
-    """``nereus-train`` in its own process group, sent ``signum`` once ``steps`` steps are logged (SIGINT: to the
+    """``nereus-train`` in its own process group, sent ``signum`` once ``steps`` steps are logged (SIGINT: to
+    the
     whole group, as a terminal's Ctrl-C; else to the launching process only, as ``kill`` or Kubernetes)."""
     command = [sys.executable, "-m", "nereus_lightning.cli.train", f"hydra.run.dir={out}", *overrides]
     proc = subprocess.Popen(
@@ -82,7 +83,7 @@ def test_sigterm_saves_the_last_step_and_the_printed_command_resumes(tmp_path):
 
 @pytest.fixture(scope="module")
 def user_job(tmp_path_factory) -> Path:
-    """A user's folder: a tiny Qwen2, prompts, and a reward that hangs on prompts asking for 7 ... (``HANG``)."""
+    """A user's folder: a tiny Qwen2, prompts, and a reward that hangs while ``HANG`` is set."""
     root = tmp_path_factory.mktemp("job")
     word_problem_job(root, vocab_size=300)
     (root / "reward.py").write_text(

@@ -543,7 +543,7 @@ def test_a_metadata_file_cannot_change_a_class(tmp_path, module, name):
 
 
 def dcp_metadata(size: tuple, chunk: tuple, length: int):  # noqa: ANN201
-    """DCP metadata of one fp32 tensor ``w`` of ``size``, one chunk of ``chunk`` stored in ``length`` bytes."""
+    """DCP metadata of one fp32 tensor ``w`` of ``size``: one chunk of ``chunk`` in ``length`` bytes."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
         ChunkStorageMetadata,

@@ -32,7 +32,7 @@ class Watch(pl.Callback):
 
 
 class FullDiskStrategy(NereusStrategy):
-    """Rank 1 may write no file beyond 1 kB during the save of ``step10.ckpt`` (writes fail as on a full disk)."""
+    """Rank 1 may write no file beyond 1 kB while ``step10.ckpt`` is saved (writes fail as on a full disk)."""
 
     def save_checkpoint(self, checkpoint, filepath, storage_options=None):  # noqa: ANN001, ANN201
         full = "step10" in str(filepath) and self.global_rank == 1

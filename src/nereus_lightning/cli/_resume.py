@@ -78,14 +78,14 @@ def absolute_paths(overrides: Sequence[str], cwd: str) -> list[str]:
 
 
 def _absolute(value: str, cwd: str) -> str:
-    """``value`` against ``cwd`` when it is a relative path (a preset name without a folder stays as it is)."""
+    """``value`` against ``cwd`` when it is a relative path (a preset name, no such file: as it is)."""
     if os.path.isabs(value) or value in ("null", "None") or not (Path(cwd) / value).exists():
         return value
     return str((Path(cwd) / value).resolve())
 
 
 def job_record(cfg: Any, overrides: Sequence[str]) -> dict[str, Any]:
-    """What a checkpoint stores of the job: its overrides (paths absolute), its resolved config, where it ran."""
+    """What a checkpoint stores of the job: its overrides (paths absolute), resolved config and folder."""
     kept = [o for o in overrides if override_key(o) not in _NOT_STORED and not o.startswith("hydra")]
     config: Any = OmegaConf.to_container(cfg, resolve=True)
     for key, _ in IDENTITY:  # model folders as the resume composes them: absolute
@@ -130,7 +130,7 @@ def resolve_last(cfg: DictConfig) -> str | None:
 
 
 def resumed_config(cfg: DictConfig, overrides: Sequence[str], compose: Any) -> tuple[DictConfig, list[str]]:
-    """The config of this command: for ``ckpt_path=<checkpoint>`` the job stored in it with ``overrides`` on top.
+    """The config of this command: for ``ckpt_path=<checkpoint>``, the job stored in it, ``overrides`` on top.
 
     ``compose(overrides)`` composes the train config. Returns the config and the job's overrides (what
     the next checkpoints store). Raises :class:`NereusConfigError` naming both values when the command
@@ -164,7 +164,8 @@ def check_same_job(cfg: DictConfig, stored: DictConfig, path: str) -> None:
         want, have = OmegaConf.select(stored, key), OmegaConf.select(cfg, key)
         if want != have:
             raise NereusConfigError(
-                f"{shown}: the checkpoint {path} was trained with {key}={want!r}, this command gives {have!r}; "
+                f"{shown}: the checkpoint {path} was trained with {key}={want!r}, this command gives "
+                f"{have!r}; "
                 f"drop {shown}= to resume that job, or start a new run without ckpt_path"
             )
 
@@ -186,7 +187,7 @@ def check_steps_left(cfg: DictConfig, step: int, path: str) -> None:
 
 
 class RunFolderLock:
-    """An exclusive lock on a run folder for one job's lifetime (``flock`` on ``<folder>/.nereus-train.lock``).
+    """A lock on a run folder for one job's lifetime (``flock`` on ``<folder>/.nereus-train.lock``).
 
     A second job started on a folder in use is refused at start, naming the job that holds it, instead of
     both crashing at their first save.
@@ -206,7 +207,8 @@ class RunFolderLock:
             holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "another process"
             os.close(fd)
             raise NereusConfigError(
-                f"hydra.run.dir: {self.path.parent} is in use by another nereus-train ({holder}); give this job "
+                f"hydra.run.dir: {self.path.parent} is in use by another nereus-train ({holder}); give this "
+                "job "
                 "its own run folder (hydra.run.dir=<new folder>), or wait for that one to end"
             ) from None
         os.ftruncate(fd, 0)

@@ -90,7 +90,7 @@ def convert(directory: str | Path) -> Path:
 
 
 def _upgrade(directory: Path) -> Path:
-    """Rewrite a format-1 ``nereus_meta.json`` (sizes only) with every file's SHA-256 (a current one: refused)."""
+    """Rewrite a format-1 ``nereus_meta.json`` (sizes only) with every file's SHA-256 (else: refused)."""
     meta = directory / META_FILE
     try:
         doc = json.loads(meta.read_text())

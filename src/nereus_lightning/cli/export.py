@@ -52,7 +52,7 @@ def main() -> None:
 
 
 def _fail(message: str) -> None:
-    """Print ``nereus-export: <message>`` (the traceback too with ``NEREUS_DEBUG=1``) and exit with status 2."""
+    """Print ``nereus-export: <message>`` (and the traceback with ``NEREUS_DEBUG=1``); exit with status 2."""
     if os.environ.get("NEREUS_DEBUG"):
         traceback.print_exc()
     print(f"nereus-export: {message}", file=sys.stderr)

@@ -512,7 +512,8 @@ def _fit(cfg: Any, module: Any, out: str, overrides: Sequence[str], started: flo
 
 
 def checkpoint_callback(cfg: Any, ckpt_dir: str) -> Any:
-    """The run's :class:`~nereus_lightning.lightning.NereusCheckpoint`: ``checkpoint_every``, ``max_ckpt_to_keep``."""
+    """The run's :class:`~nereus_lightning.lightning.NereusCheckpoint` (``checkpoint_every``,
+    ``max_ckpt_to_keep``)."""
     from nereus_lightning.lightning.checkpointing import NereusCheckpoint
 
     return NereusCheckpoint(
@@ -547,7 +548,7 @@ SELF_EXPLAINING = ("CheckpointError", "NereusConfigError", "InfeasiblePlanError"
 
 
 def root_cause(exc: BaseException) -> str:
-    """``exc`` in one line: for a rank that raised, its own exception's last line (not the launcher's wrapper)."""
+    """``exc`` in one line: for a rank that raised, its own exception's (not the launcher's wrapper)."""
     text = str(exc)
     if "Traceback (most recent call last)" in text:  # torch.multiprocessing: the rank's traceback as text
         lines = [line for line in text.splitlines() if line.strip()]
@@ -667,7 +668,7 @@ def _fail(message: str, exc: BaseException) -> None:
         print(f"nereus-train: {message}", file=sys.stderr)
     trace = "".join(traceback.format_exception(exc))
     for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.FileHandler):
+        if isinstance(handler, logging.FileHandler) and handler.stream is not None:
             handler.stream.write(f"nereus-train failed: {message}\n{trace}\n")
             handler.flush()
 

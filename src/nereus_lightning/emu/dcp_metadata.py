@@ -58,6 +58,7 @@ class RestrictedUnpickler(pickle._Unpickler):
     """
 
     dispatch = dict(pickle._Unpickler.dispatch)
+    stack: list[Any]  # (the pure-Python unpickler's stack)
 
     def __init__(
         self, file: BinaryIO, allow: Callable[[str, str], Any], fills: Callable[[type], bool] | None = None
@@ -82,7 +83,8 @@ class RestrictedUnpickler(pickle._Unpickler):
         cls = type(inst)
         if isinstance(inst, type) or not self._fills(cls):
             raise pickle.UnpicklingError(
-                f"it sets attributes of {_describe(inst)}; only the fields of a record it built may be set; refused"
+                f"it sets attributes of {_describe(inst)}; only the fields of a record it built may be set; "
+                "refused"
             )
         if cls in _SETSTATE_RECORDS:
             if not isinstance(state, tuple):
@@ -100,7 +102,7 @@ class RestrictedUnpickler(pickle._Unpickler):
         for key, value in state.items():
             object.__setattr__(inst, key, value)
 
-    dispatch[pickle.BUILD[0]] = load_build
+    dispatch[pickle.BUILD[0]] = load_build  # type: ignore[assignment]  # (typed for the base class)
 
 
 def _describe(value: Any) -> str:
@@ -169,7 +171,7 @@ def _size(file: Path, field: str, value: Any, ndim: int | None = None) -> torch.
 
 
 def check_metadata(metadata: Any, file: Path) -> None:
-    """Every record of ``metadata`` of its type and in bounds, each tensor's chunks inside it and backed by data.
+    """Every record of ``metadata`` of its type and in bounds; each tensor's chunks inside it, backed by data.
 
     Raises :class:`CheckpointError` naming ``file`` and the field.
     """
@@ -202,7 +204,7 @@ def check_metadata(metadata: Any, file: Path) -> None:
 
 
 def _check_tensor(file: Path, key: str, entry: TensorStorageMetadata, lengths: dict) -> None:
-    """One tensor's record: a dtype, a size, chunks inside it that cover it, each backed by its stored bytes."""
+    """One tensor's record: a dtype, a size, chunks inside it that cover it, each backed by stored bytes."""
     props = entry.properties
     if not isinstance(props, TensorProperties) or not isinstance(props.dtype, torch.dtype):
         raise _bad(file, f"{key}.properties", props, "DCP's TensorProperties with a dtype")
@@ -227,13 +229,15 @@ def _check_tensor(file: Path, key: str, entry: TensorStorageMetadata, lengths: d
         stored = lengths.get((key, tuple(offsets)), 0)
         if math.prod(sizes) * item > stored:
             raise CheckpointError(
-                f"{file}: {where} declares {math.prod(sizes) * item} bytes of {props.dtype} but its data files "
+                f"{file}: {where} declares {math.prod(sizes) * item} bytes of {props.dtype} but its data "
+                "files "
                 f"hold {stored} for it; the metadata is damaged or was edited"
             )
         covered += math.prod(sizes)
     if covered != numel:
         raise CheckpointError(
-            f"{file}: {key}: its chunks hold {covered} of its {numel} elements; the metadata is damaged or was "
+            f"{file}: {key}: its chunks hold {covered} of its {numel} elements; the metadata is damaged or "
+            "was "
             "edited"
         )
 

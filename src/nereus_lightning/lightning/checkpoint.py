@@ -207,7 +207,8 @@ def write_metadata(
     files: Mapping[str, FileRecord] | None = None,
     step_tensors: bool = True,
 ) -> None:
-    """Write ``nereus_meta.json`` (``encoded``: :func:`encode` of the checkpoint dict) last into ``directory``.
+    """Write ``nereus_meta.json`` (``encoded``: :func:`encode` of the checkpoint dict) last into
+    ``directory``.
 
     ``files``: the record of every other file in it (None: hashed here, on this process's threads).
     ``step_tensors``: each model-stage's DCP state holds :data:`STEP_KEY` (what :func:`check_step_tensors`

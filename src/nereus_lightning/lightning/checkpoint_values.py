@@ -71,7 +71,8 @@ def _check_loops(loops: Any, step: int, meta: Path) -> None:
     if manual is not None and manual + (automatic or 0) != step:
         raise CheckpointError(
             f"{meta}: checkpoint.loops.fit_loop['{_MANUAL}'].total.completed is {manual}, but "
-            f"checkpoint.global_step is {step} (Lightning resumes its step count from the first); the file is "
+            f"checkpoint.global_step is {step} (Lightning resumes its step count from the first); the file "
+            "is "
             "damaged or was edited: resume from another checkpoint"
         )
 

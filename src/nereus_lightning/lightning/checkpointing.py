@@ -58,7 +58,7 @@ class NereusCheckpoint(ModelCheckpoint):
             f"must be a whole number >= 1, got {every_n_train_steps!r}",
         )
         super().__init__(
-            dirpath=dirpath,
+            dirpath=os.fspath(dirpath),
             filename=filename,
             monitor="step",
             mode="max",
@@ -92,7 +92,8 @@ class NereusCheckpoint(ModelCheckpoint):
 
     @override
     def _remove_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
-        """Remove ``filepath`` once ``last.ckpt`` names the newest checkpoint, and only when it is a checkpoint
+        """Remove ``filepath`` once ``last.ckpt`` names the newest checkpoint, and only when it is a
+        checkpoint
         directly in this callback's folder."""
         if self._owns(filepath):
             self._doomed.append(filepath)

@@ -112,7 +112,7 @@ def export_model(stage_dir: str, folder: str, config: Any = None) -> str:
     from nereus_lightning.models.sharding import placement, tp_plan_of, tp_slices
 
     config = config if config is not None else tf.AutoConfig.from_pretrained(folder, trust_remote_code=False)
-    stored = read_dcp_metadata(stage_dir).state_dict_metadata
+    stored: Mapping[str, Any] = read_dcp_metadata(stage_dir).state_dict_metadata  # (tensors only)
     sources = _param_sources(stage_dir, stored, read_params_from_masters(stage_dir))
     with torch.device("meta"):
         shapes = {n: tuple(p.shape) for n, p in _model_of(config, torch.float32).named_parameters()}
@@ -242,7 +242,8 @@ def checked_config(file: Path) -> Any:
         raise CheckpointError(f"{file}: damaged ({type(exc).__name__}: {exc})") from exc
     if "auto_map" in values:
         raise CheckpointError(
-            f"{file}: auto_map names custom model code ({values['auto_map']!r:.120}); nereus-export runs no code "
+            f"{file}: auto_map names custom model code ({values['auto_map']!r:.120}); nereus-export runs "
+            "no code "
             "from a checkpoint: export from a checkpoint of a registered family"
         )
     family_of(values, field=str(file))

@@ -655,7 +655,8 @@ class RLModule(L.LightningModule):
         return metrics
 
     def _check_rewards(self, step: int, batch: RolloutBatch, samples: Sequence[Prompt]) -> bool:
-        """Raise (or, with ``on_nonfinite="skip"``, return True to skip the update) on a non-finite score or one
+        """Raise (or, with ``on_nonfinite="skip"``, return True to skip the update) on a non-finite score or
+        one
         beyond ``reward_max_abs``."""
         for name, values in (("reward", batch.scores), ("greedy-baseline reward", batch.baseline_scores)):
             if values is None:

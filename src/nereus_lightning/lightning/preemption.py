@@ -1,4 +1,4 @@
-"""`Preemption`: stop at a step boundary on SIGTERM, SIGINT or SLURM's warning signal, save, say how to resume.
+"""`Preemption`: on SIGTERM, SIGINT or SLURM's warning signal, save at a step boundary, say how to resume.
 
 What SLURM, Kubernetes and spot reclamation send before they kill a job (SIGTERM; SLURM's
 ``--signal=USR1@<s>`` warning), and Ctrl-C, reach some or all of the job's processes at any moment,
@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.strategies import ParallelStrategy
 from typing_extensions import override
 
 from nereus_lightning.spec.errors import require
@@ -49,12 +50,12 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
 class StepAbandoned(Exception):
-    """The step in flight is dropped (``step_in_flight="abandon"``): every rank raises it at the same point."""
+    """The step in flight is dropped (``step_in_flight="abandon"``): every rank raises it at one point."""
 
 
 @dataclass
 class _State:
-    """What this process's handler recorded: the first stop signal and when, where to forward it, the grace."""
+    """What this process's handler recorded: the first stop signal and when; where it goes; the grace."""
 
     signum: int = 0
     at: float = 0.0
@@ -69,7 +70,7 @@ STATE = _State()
 
 
 def on_signal(signum: int, frame: Any) -> None:
-    """The handler: record the first stop signal, forward it to the launcher's ranks, start the grace clock."""
+    """The handler: record the first stop signal, forward it to the launcher's ranks, start the clock."""
     if os.getpid() == STATE.launcher_pid:
         _send(STATE.forward(), signum)
     if STATE.signum:
@@ -93,7 +94,7 @@ def _name(signum: int) -> str:
 
 
 def install(signals: tuple[int, ...] = SIGNALS) -> dict[int, Any]:
-    """Make :func:`on_signal` this process's handler of ``signals`` (main thread only); the previous handlers."""
+    """Make :func:`on_signal` this process's handler of ``signals`` (main thread only); the old ones."""
     if threading.current_thread() is not threading.main_thread():
         return {}
     previous = {s: signal.getsignal(s) for s in signals}
@@ -175,9 +176,10 @@ class Preemption(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         install()  # again: Lightning's own handlers were registered after setup
-        strategy = trainer.strategy
-        if hasattr(strategy, "preemption"):
-            strategy.preemption = self
+        from nereus_lightning.lightning.strategy import NereusStrategy
+
+        if isinstance(trainer.strategy, NereusStrategy):
+            trainer.strategy.preemption = self
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -206,7 +208,7 @@ class Preemption(Callback):
         return int(flag.item())
 
     def preemption_point(self, trainer: pl.Trainer) -> None:
-        """Within a step: raise :class:`StepAbandoned` on every rank when abandoning and a rank got a signal."""
+        """Within a step: raise :class:`StepAbandoned` on every rank when abandoning and a rank got one."""
         if self.step_in_flight != "abandon":
             return
         signum = self.agreed(trainer)
@@ -233,9 +235,10 @@ class Preemption(Callback):
             "checkpoint": path,
             "save_s": seconds,
         }
-        strategy = trainer.strategy
-        if hasattr(strategy, "stopped"):
-            strategy.stopped = stopped
+        from nereus_lightning.lightning.strategy import NereusStrategy
+
+        if isinstance(trainer.strategy, NereusStrategy):
+            trainer.strategy.stopped = stopped
         if STATE.timer is not None:
             STATE.timer.cancel()
         if trainer.is_global_zero:
@@ -251,7 +254,8 @@ class Preemption(Callback):
 
     def _requeues(self, trainer: pl.Trainer, signum: int) -> bool:
         """Whether this stop requeues a SLURM job (its requeue signal, and requeue on or SLURM's auto)."""
-        env = trainer.strategy.cluster_environment
+        strategy = trainer.strategy
+        env = strategy.cluster_environment if isinstance(strategy, ParallelStrategy) else None
         if not isinstance(env, SLURMEnvironment) or signum != int(env.requeue_signal or signal.SIGUSR1):
             return False
         return self.requeue if self.requeue is not None else bool(env.auto_requeue)
@@ -283,12 +287,12 @@ def _newest_checkpoint(trainer: pl.Trainer | None) -> str | None:
     from nereus_lightning.lightning.checkpoint import latest_checkpoint
 
     callback = trainer.checkpoint_callback if trainer is not None else None
-    folder = getattr(callback, "dirpath", None)
-    return latest_checkpoint(folder) if folder and Path(folder).is_dir() else None
+    folder = callback.dirpath if isinstance(callback, ModelCheckpoint) else None
+    return latest_checkpoint(folder) if folder and Path(folder).is_dir() else None  # (a local folder)
 
 
 def requeue_slurm_job() -> None:
-    """``scontrol requeue`` this SLURM job (an array task by its array ids), as Lightning's SLURM handler does."""
+    """``scontrol requeue`` this SLURM job (an array task by its ids), as Lightning's SLURM handler does."""
     array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
     job = (
         f"{array_job}_{os.environ['SLURM_ARRAY_TASK_ID']}"

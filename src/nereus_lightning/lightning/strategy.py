@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, suppress
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import lightning.pytorch as pl
 import torch
@@ -64,6 +64,7 @@ from nereus_lightning.lightning.checkpoint import (
     staging_path,
     write_metadata,
 )
+from nereus_lightning.lightning.emu_state import EMUStates, StageUpdate
 from nereus_lightning.lightning.integrity import (
     FileRecord,
     describe,
@@ -73,7 +74,6 @@ from nereus_lightning.lightning.integrity import (
     own_files,
     share,
 )
-from nereus_lightning.lightning.emu_state import EMUStates, StageUpdate
 from nereus_lightning.lightning.launch import check_launch, launch_of
 from nereus_lightning.lightning.roles import RoleModels, RoleModule
 from nereus_lightning.lightning.stages import StageSlot, slot_of
@@ -147,7 +147,7 @@ class NereusStrategy(ParallelStrategy):
         self.plan: Plan | None = plan
         self.transitions: list[dict[str, Any]] = []
         self._units: EMUStates | None = None  # every model-stage's units (built at setup)
-        #: The run's :class:`~nereus_lightning.lightning.preemption.Preemption` callback (it registers itself).
+        #: The run's :class:`~nereus_lightning.lightning.preemption.Preemption` (it registers itself).
         self.preemption: Any = None
         #: Why ``fit`` stopped before ``max_steps``: the signal, the step and the checkpoint written (None: it
         #: did not); carried to the launching process too.
@@ -652,7 +652,7 @@ class NereusStrategy(ParallelStrategy):
         )
 
 
-#: When checkpoints hold Hugging Face folders (``NereusStrategy(export_hf=...)``, nereus-train's ``export_hf``).
+#: Which checkpoints hold Hugging Face folders (``NereusStrategy(export_hf=...)``, nereus-train's too).
 EXPORT_MODES = ("end", "every", "never")
 
 
@@ -720,7 +720,7 @@ class _ForkLauncher(_MultiProcessingLauncher):
         """Start the ranks; a stop signal this process gets meanwhile goes on to them (see ``preemption``)."""
         from nereus_lightning.lightning import preemption
 
-        callbacks = trainer.callbacks if trainer is not None else []
+        callbacks: list[Any] = cast(Any, trainer).callbacks if trainer is not None else []
         grace = next((c.grace_s for c in callbacks if isinstance(c, preemption.Preemption)), None)
         if grace is None:
             return super().launch(function, *args, trainer=trainer, **kwargs)

@@ -319,9 +319,7 @@ class RewardFunction:
         out: list[RewardResult] = []
         for n, item in enumerate(items):
             box: list[RewardResult] = []
-            thread = threading.Thread(
-                target=lambda it=item: box.append(score_one(self.fn, it, self.label)), daemon=True
-            )
+            thread = threading.Thread(target=self._score_into, args=(item, box), daemon=True)
             started = time.monotonic()
             progress.running = {item.index: (item, started)}
             thread.start()
@@ -334,6 +332,10 @@ class RewardFunction:
             out.append(box[0])
             progress.done += 1
         return out
+
+    def _score_into(self, item: RewardInput, box: list[RewardResult]) -> None:
+        """Score ``item`` into ``box`` (on a thread of :meth:`_on_threads`)."""
+        box.append(score_one(self.fn, item, self.label))
 
     def close(self) -> None:
         """Stop the worker processes, if any (killed: one may be stuck in a reward)."""
