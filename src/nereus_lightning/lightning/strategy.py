@@ -154,6 +154,7 @@ class NereusStrategy(ParallelStrategy):
         self.stopped: dict[str, Any] | None = None
         #: The step in flight was dropped on a stop signal (every rank; nothing of it changed any state).
         self.step_abandoned = False
+        self._hash_s = 0.0  # seconds the last save spent hashing its files (logged)
 
     @classmethod
     def without_trainer(
@@ -448,7 +449,12 @@ class NereusStrategy(ParallelStrategy):
             raise
         if self.is_global_zero:
             commit(path)
-            log.info("checkpoint %s written in %.2f s", path, time.perf_counter() - started)
+            log.info(
+                "checkpoint %s written in %.2f s (%.2f s of it hashing its files)",
+                path,
+                time.perf_counter() - started,
+                self._hash_s,
+            )
         self.barrier("nereus-save")
 
     def _write_staged(self, staging: Path, encoded: Any, step: int) -> None:
@@ -464,7 +470,9 @@ class NereusStrategy(ParallelStrategy):
         if self.is_global_zero and self._export_due():
             problem = _failure(lambda: self._write_hf(str(staging)))
         self._raise_shared(problem)
+        started = time.perf_counter()
         files = self._hash_shared(staging)
+        self._hash_s = time.perf_counter() - started
         if self.is_global_zero:
             problem = _failure(lambda: write_metadata(staging, encoded, STATE, files))
         self._raise_shared(problem)
