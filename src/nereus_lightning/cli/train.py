@@ -494,8 +494,8 @@ def _fit(cfg: Any, module: Any, out: str, overrides: Sequence[str], started: flo
     try:
         trainer.fit(module, ckpt_path=cfg.ckpt_path)
     except Exception as exc:  # a rank died or raised: say so and point at the last checkpoint
-        cause = root_cause(exc)
-        raise TrainingStopped(cause, resume_hint(ckpt_dir, cfg.ckpt_path, cause)) from exc
+        cause, kind = root_cause(exc)
+        raise TrainingStopped(cause, resume_hint(ckpt_dir, cfg.ckpt_path, cause), kind) from exc
     if not trainer.is_global_zero:  # under torchrun or srun every rank returns here
         return {"stopped": strategy.stopped} if strategy.stopped else {}
     summary = summarize(out)
@@ -536,30 +536,37 @@ def preemption_callback(cfg: Any) -> Any:
 
 
 class TrainingStopped(RuntimeError):
-    """A rank raised or died: its cause in one line, and the way back (the resume command, if any)."""
+    """A rank raised or died: its cause in one line, and the way back (the resume command, if any).
 
-    def __init__(self, cause: str, hint: str) -> None:
+    ``kind``: the name of the rank's exception type; bad input (:data:`INPUT_ERRORS`) exits with status 2.
+    """
+
+    def __init__(self, cause: str, hint: str, kind: str = "") -> None:
         super().__init__(f"training stopped: {cause}\n{hint}")
-        self.cause, self.hint = cause, hint
+        self.cause, self.hint, self.kind = cause, hint, kind
 
 
 #: Errors whose message says everything (the file or key, the way out): shown without their type.
 SELF_EXPLAINING = ("CheckpointError", "NereusConfigError", "InfeasiblePlanError", "NonFiniteError")
+#: Errors of bad input (a damaged checkpoint, a value): exit status 2, as for nereus-train's own checks.
+INPUT_ERRORS = ("CheckpointError", "NereusConfigError", "InfeasiblePlanError")
 
 
-def root_cause(exc: BaseException) -> str:
-    """``exc`` in one line: for a rank that raised, its own exception's (not the launcher's wrapper)."""
+def root_cause(exc: BaseException) -> tuple[str, str]:
+    """``exc`` in one line, and the name of its type: for a rank that raised, its own exception's (not the
+    launcher's wrapper)."""
     text = str(exc)
     if "Traceback (most recent call last)" in text:  # torch.multiprocessing: the rank's traceback as text
         lines = [line for line in text.splitlines() if line.strip()]
         last = next((line for line in reversed(lines) if not line.startswith((" ", "\t"))), lines[-1])
         kind, sep, message = last.strip().partition(": ")
         name = kind.rsplit(".", 1)[-1]
-        return message if sep and name in SELF_EXPLAINING else f"{name}{sep}{message}"
+        return (message if sep and name in SELF_EXPLAINING else f"{name}{sep}{message}"), name
     first = text.strip().splitlines()[0] if text.strip() else ""
-    if type(exc).__name__ in SELF_EXPLAINING and first:
-        return first
-    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    name = type(exc).__name__
+    if name in SELF_EXPLAINING and first:
+        return first, name
+    return (f"{name}: {first}" if first else name), name
 
 
 def resume_hint(ckpt_dir: str, resumed_from: Any = None, cause: str = "") -> str:
@@ -644,8 +651,11 @@ def run_command(cfg: DictConfig) -> int:
         _fail(str(exc), exc)
         return 2
     except TrainingStopped as exc:
+        if exc.kind in INPUT_ERRORS and not exc.hint.startswith("resume with"):
+            _fail(exc.cause, exc)
+            return 2
         _fail(f"{exc.cause}\n{exc.hint}", exc)
-        return 1
+        return 2 if exc.kind in INPUT_ERRORS else 1
     stopped = summary.get("stopped")
     if not stopped:
         return 0
