@@ -97,9 +97,10 @@ def _model_of(config: Any, dtype: Any) -> Any:
     return auto.from_config(config, dtype=dtype)
 
 
-def export_model(stage_dir: str, folder: str, config: Any = None) -> str:
+def export_model(stage_dir: str, folder: str, config: Any = None, config_file: str | None = None) -> str:
     """Write ``folder/model.safetensors`` from the model-stage checkpoint ``stage_dir`` (``config``: the
-    model's transformers config; None: ``folder``'s ``config.json``, for a checkpoint being written).
+    model's transformers config, read from ``config_file``; None: ``folder``'s ``config.json``, for a
+    checkpoint being written).
 
     Before any tensor is allocated, every parameter of a model of ``config`` (built on the meta device)
     must have the shape the checkpoint stores, and the stored sizes are backed by its data files
@@ -116,7 +117,8 @@ def export_model(stage_dir: str, folder: str, config: Any = None) -> str:
     sources = _param_sources(stage_dir, stored, read_params_from_masters(stage_dir))
     with torch.device("meta"):
         shapes = {n: tuple(p.shape) for n, p in _model_of(config, torch.float32).named_parameters()}
-    _check_shapes(stage_dir, folder, shapes, {n: tuple(stored[k].size) for n, k in sources.items()})
+    config_file = config_file or os.path.join(folder, "config.json")
+    _check_shapes(stage_dir, config_file, shapes, {n: tuple(stored[k].size) for n, k in sources.items()})
     params = logical_params(stage_dir)
     model = _model_of(config, next(iter(params.values())).dtype)
     own = dict(model.named_parameters())  # tied weights appear once
@@ -138,18 +140,18 @@ def export_model(stage_dir: str, folder: str, config: Any = None) -> str:
     return folder
 
 
-def _check_shapes(stage_dir: str, folder: str, want: dict[str, tuple], have: dict[str, tuple]) -> None:
+def _check_shapes(stage_dir: str, config_file: str, want: dict[str, tuple], have: dict[str, tuple]) -> None:
     """Refuse a config whose parameters are not the stored ones (names and shapes), naming the first."""
     missing, unexpected = sorted(set(want) - set(have)), sorted(set(have) - set(want))
     if missing or unexpected:
         raise NereusConfigError(
-            f"ckpt_path: {stage_dir!r} does not match the config in {folder!r} "
+            f"ckpt_path: {stage_dir!r} does not match the config {config_file!r} "
             f"(missing {missing[:4]}, unexpected {unexpected[:4]})"
         )
     for name, shape in want.items():
         if have[name] != shape:
             raise CheckpointError(
-                f"{folder}/config.json: gives {name} the shape {shape}, but {stage_dir} stores {have[name]}; "
+                f"{config_file}: gives {name} the shape {shape}, but {stage_dir} stores {have[name]}; "
                 "the config and the tensors do not belong together"
             )
 
@@ -213,17 +215,27 @@ def export_hf(ckpt_dir: str, output: str) -> dict[str, str]:
         raise NereusConfigError(f"output: {output!r} lies inside the checkpoint; give a folder outside it")
     done = {}
     for role, stage in roles.items():
-        config = checked_config(root / HF_DIR / role / "config.json")
-        partial = out / f".{role}.partial"
-        remove(partial)
-        partial.mkdir()
-        for name in COPIED:
-            if f"{HF_DIR}/{role}/{name}" in stored.files:
-                _copy_regular(root / HF_DIR / role / name, partial / name)
-        export_model(str(root / "emu" / stage), str(partial), config)
-        _replace(partial, out / role)
-        done[role] = str(out / role)
+        done[role] = _export_role(root, role, stage, stored.files, out)
     return done
+
+
+def _export_role(root: Path, role: str, stage: str, files: Mapping[str, Any], out: Path) -> str:
+    """``out/<role>``: written under a hidden name, renamed into place when complete (removed on failure)."""
+    config_file = root / HF_DIR / role / "config.json"
+    config = checked_config(config_file)
+    partial = out / f".{role}.partial"
+    remove(partial)
+    partial.mkdir()
+    try:
+        for name in COPIED:
+            if f"{HF_DIR}/{role}/{name}" in files:
+                _copy_regular(root / HF_DIR / role / name, partial / name)
+        export_model(str(root / "emu" / stage), str(partial), config, str(config_file))
+        _replace(partial, out / role)
+    except BaseException:
+        remove(partial)
+        raise
+    return str(out / role)
 
 
 def checked_config(file: Path) -> Any:
