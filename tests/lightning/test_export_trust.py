@@ -101,6 +101,7 @@ def test_a_config_whose_sizes_the_tensors_do_not_have_is_refused_before_allocati
         CheckpointError, match=r"config\.json: gives model\.layers\.0\.mlp\.\w+_proj\.weight the shape"
     ):
         export_hf(str(ckpt), str(tmp_path / "out"))
+    assert list((tmp_path / "out").iterdir()) == []  # the half-written folder went with the failure
 
 
 def test_nereus_export_fails_in_one_line(saved, tmp_path):  # noqa: F811

@@ -384,12 +384,44 @@ def save_tensors(
     state: dict[str, Any], path: str | os.PathLike, process_group: dist.ProcessGroup | None = None
 ) -> None:
     """``dcp.save`` of ``state`` into the directory ``path``, collective over ``process_group`` (None: the
-    default group); a failure raises a :class:`CheckpointError`.
+    default group); a failure raises a :class:`CheckpointError`, and so does a save whose metadata does not
+    cover every tensor with data (:func:`read_dcp_metadata`: DCP's writer threads other than the first lose
+    their errors, torch 2.13).
     """
     tensors = sum(isinstance(v, Tensor) for v in state.values())
     writer = FileSystemWriter(os.fspath(path), thread_count=max(1, min(WRITE_THREADS, tensors)))
+    _keep_writer_thread_errors()
+    seen = len(_WRITER_THREAD_ERRORS)
     with _named_failures(path):
         dcp.save(state, storage_writer=writer, process_group=process_group)
+    try:  # every rank reads the same file, so every rank raises the same error
+        read_dcp_metadata(path)
+    except CheckpointError as exc:
+        lost = _WRITER_THREAD_ERRORS[seen:]
+        cause = (
+            f"{type(lost[0]).__name__}: {lost[0]}" if lost else "a writer thread failed, e.g. on a full disk"
+        )
+        raise CheckpointError(f"{path}: not every tensor was written ({cause}): {exc}") from exc
+
+
+#: Errors of DCP's writer threads other than its first, which DCP drops (torch 2.13): kept, not printed.
+_WRITER_THREAD_ERRORS: list[BaseException] = []
+
+
+def _keep_writer_thread_errors() -> None:
+    """Route the errors of DCP's writer threads into :data:`_WRITER_THREAD_ERRORS` (once per process)."""
+    previous = threading.excepthook
+    if getattr(previous, "nereus_keeps_dcp_errors", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if args.thread is not None and "_write_files_from_queue" in args.thread.name and args.exc_value:
+            _WRITER_THREAD_ERRORS.append(args.exc_value)
+        else:
+            previous(args)
+
+    hook.nereus_keeps_dcp_errors = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 
 def load_state(emu: EMU | None, path: str | os.PathLike, weights: bool = True) -> None:
