@@ -82,7 +82,7 @@ def test_the_newest_two_are_kept_and_last_resumes_the_newest(tmp_path):
 
 
 def test_a_save_on_a_full_disk_leaves_no_partial_folder(tmp_path):
-    with pytest.raises(Exception, match=r"step10\.ckpt.*\[Errno 27\] File too large"):
+    with pytest.raises(Exception, match=r"step10\.ckpt.*(File too large|a writer thread failed)"):
         run(tmp_path, 12, [], keep=None, strategy=FullDiskStrategy)
     folder = tmp_path / "ckpt"
     assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt", "step5.ckpt"]  # no .step10.ckpt.partial

@@ -20,14 +20,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
-from typing_extensions import override
 
 from nereus_lightning.spec.errors import NereusConfigError
 
-JOB_KEY = "nereus_job"
+JOB_KEY = "nereus_job"  # (what :class:`~nereus_lightning.lightning.checkpointing.JobRecord` stores)
 LOCK_FILE = ".nereus-train.lock"
 #: Config keys that say which job a checkpoint belongs to: a resume may not change them.
 IDENTITY = (
@@ -94,19 +91,6 @@ def job_record(cfg: Any, overrides: Sequence[str]) -> dict[str, Any]:
         if isinstance(node, dict) and name.endswith("path") and isinstance(node.get(name), str):
             node[name] = _absolute(node[name], os.getcwd())
     return {"overrides": absolute_paths(kept, os.getcwd()), "config": config, "cwd": os.getcwd()}
-
-
-class JobRecord(Callback):
-    """Stores :func:`job_record` in every checkpoint (``checkpoint["nereus_job"]``)."""
-
-    def __init__(self, record: dict[str, Any]) -> None:
-        self.record = record
-
-    @override
-    def on_save_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict
-    ) -> None:
-        checkpoint[JOB_KEY] = self.record
 
 
 def stored_job(ckpt_path: str) -> tuple[dict[str, Any] | None, int]:

@@ -25,7 +25,7 @@ from typing import Any, NoReturn
 from omegaconf import DictConfig
 
 from nereus_lightning.cli._hydra import CONFIG_ROOT, compose, to_dict
-from nereus_lightning.cli._resume import JobRecord, RunFolderLock, job_record
+from nereus_lightning.cli._resume import RunFolderLock, job_record
 from nereus_lightning.console_log import current_rank
 from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
 
@@ -444,6 +444,7 @@ def _fit(cfg: Any, module: Any, out: str, overrides: Sequence[str], started: flo
 
     from nereus_lightning.control import NodeInventory, SequenceResources
     from nereus_lightning.lightning import NereusCallback, NereusStrategy
+    from nereus_lightning.lightning.checkpointing import JobRecord
     from nereus_lightning.lightning.console import print_summary
     from nereus_lightning.lightning.progress import NereusProgressBar
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from typing_extensions import override
 
 from nereus_lightning.lightning.checkpoint import META_FILE
@@ -135,6 +135,19 @@ class NereusCheckpoint(ModelCheckpoint):
         named = re.fullmatch(r"[^/\\]+\.ckpt", path.name) is not None and not path.name.startswith(".")
         ours = not path.exists() or path.is_symlink() or (path / META_FILE).is_file()
         return inside and named and ours
+
+
+class JobRecord(Callback):
+    """Stores the job's configuration (``record``) in every checkpoint, as ``checkpoint["nereus_job"]``."""
+
+    def __init__(self, record: dict[str, Any]) -> None:
+        self.record = record
+
+    @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        checkpoint["nereus_job"] = self.record
 
 
 def link_atomically(target: str | os.PathLike, link: str | os.PathLike) -> None:
