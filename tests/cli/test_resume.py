@@ -47,7 +47,8 @@ def test_ckpt_path_alone_restores_the_job_and_explicit_overrides_win(grpo_checkp
     assert cfg.trainer.max_steps == 20 and cfg.ckpt_path == grpo_checkpoint and job == JOB
     cfg, job = resume(grpo_checkpoint, tmp_path, "trainer.max_steps=30", "trainer.devices=2")
     assert cfg.trainer.max_steps == 30 and cfg.trainer.devices == 2 and cfg.algorithm.samples_per_prompt == 2
-    assert job[-2:] == ["trainer.max_steps=30", "trainer.devices=2"]  # what the next checkpoints store
+    assert job[-2:] == ["trainer.max_steps=30", "trainer.devices=2"]  # the next checkpoints store the first
+    assert "trainer.devices=2" not in job_record(cfg, job)["overrides"]  # (the launch is not stored)
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,8 @@ config of a resume rebuilt from it, and one job per run folder.
 Every checkpoint ``nereus-train`` writes holds ``nereus_job``: the job's command-line overrides (a path
 given relative to where it started made absolute) and its resolved config. ``nereus-train
 ckpt_path=<checkpoint>`` composes the stored overrides followed by the new ones (a key given again
-takes the new value), so a GRPO job on a user's data resumes as that job; a new command that names
+takes the new value; the launch, ``trainer.num_nodes`` and ``trainer.devices``, is always the new
+command's), so a GRPO job on a user's data resumes as that job; a new command that names
 another algorithm or model than the checkpoint's is refused naming both, and one with nothing left
 to train says so. ``ckpt_path=last`` resumes from the newest complete checkpoint of this run folder
 (a requeued SLURM job), or starts afresh when there is none.
@@ -36,7 +37,9 @@ IDENTITY = (
     ("reward_model.path", "reward_model.path"),
     ("reward_model.preset", "reward_model.preset"),
 )
-_NOT_STORED = ("ckpt_path", "output_dir")
+#: Overrides a checkpoint does not store: where it came from and where it goes, and the launch (a resume runs
+#: on the nodes and devices it is started on: checkpoints are layout-independent).
+_NOT_STORED = ("ckpt_path", "output_dir", "trainer.num_nodes", "trainer.devices")
 
 
 class NothingToDo(Exception):
@@ -127,7 +130,7 @@ def resumed_config(cfg: DictConfig, overrides: Sequence[str], compose: Any) -> t
             cfg.ckpt_path = None  # (``last`` with no checkpoint yet: a fresh start)
         return cfg, list(overrides)
     record, step = stored_job(path)
-    mine = [o for o in overrides if override_key(o) not in _NOT_STORED]
+    mine = [o for o in overrides if override_key(o) not in ("ckpt_path", "output_dir")]
     if record is not None:
         given = {override_key(o) for o in mine}
         merged = [o for o in record.get("overrides", []) if override_key(o) not in given] + mine
