@@ -548,7 +548,7 @@ class TrainingStopped(RuntimeError):
 
 
 #: Errors whose message says everything (the file or key, the way out): shown without their type.
-SELF_EXPLAINING = ("CheckpointError", "NereusConfigError", "InfeasiblePlanError", "NonFiniteError")
+SELF_EXPLAINING = ("CheckpointError", "NereusConfigError", "InfeasiblePlanError")
 #: Errors of bad input (a damaged checkpoint, a value): exit status 2, as for nereus-train's own checks.
 INPUT_ERRORS = ("CheckpointError", "NereusConfigError", "InfeasiblePlanError")
 
