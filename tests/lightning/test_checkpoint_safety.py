@@ -114,7 +114,7 @@ def test_decoding_builds_only_nereus_dataclasses(tmp_path, cls):
     hostile = {
         "__dataclass__": {"type": cls, "fields": {"args": ["touch", str(marker)], "path": str(tmp_path)}}
     }
-    with pytest.raises(CheckpointError, match="dataclass"):
+    with pytest.raises(CheckpointError, match=r"checkpoint\.x: refers to .*; only the record types"):
         decode({"x": hostile})
     assert not marker.exists() and tmp_path.exists()
 
@@ -168,9 +168,11 @@ def copy_of(saved: Path, tmp_path: Path, name: str = "s2.ckpt") -> Path:
 
 
 def record_size(ckpt: Path, name: str) -> None:
-    """Make ``nereus_meta.json`` agree with the current size of ``name`` (as a forger would)."""
+    """Make ``nereus_meta.json`` agree with the current size and content of ``name`` (as a forger would)."""
+    from nereus_lightning.lightning.integrity import file_digest
+
     doc = json.loads((ckpt / META_FILE).read_text())
-    doc["files"][name] = (ckpt / name).stat().st_size
+    doc["files"][name] = {"size": (ckpt / name).stat().st_size, "sha256": file_digest(ckpt / name)}
     (ckpt / META_FILE).write_text(json.dumps(doc))
 
 
@@ -242,9 +244,9 @@ def test_a_truncated_shard_is_named_before_anything_loads(saved, tmp_path):
         ),
         (
             lambda c: (c / META_FILE).write_text(
-                (c / META_FILE).read_text().replace('_version": 1', '_version": 2')
+                (c / META_FILE).read_text().replace('_version": 2', '_version": 3')
             ),
-            r"nereus_meta\.json: checkpoint format version 2; this nereus-lightning reads version 1",
+            r"nereus_meta\.json: checkpoint format version 3; this nereus-lightning reads version 2",
         ),
     ],
 )
@@ -387,3 +389,210 @@ def test_a_damaged_weights_record_is_named(tmp_path):
     (tmp_path / "actor_gen" / WEIGHTS_FROM).write_text('{"weights_from": 3}')
     with pytest.raises(CheckpointError, match=r"actor_gen/weights_from\.json: damaged"):
         _read_weights_from(str(tmp_path), plan)
+
+
+# ---- verified contents ----------------------------------------------------------------------------
+def forge(ckpt: Path) -> None:
+    """Re-record every file's size and SHA-256 in ``nereus_meta.json``, as someone rewriting it would."""
+    from nereus_lightning.lightning.integrity import file_digest
+
+    doc = json.loads((ckpt / META_FILE).read_text())
+    doc["files"] = {
+        p.relative_to(ckpt).as_posix(): {"size": p.stat().st_size, "sha256": file_digest(p)}
+        for p in sorted(ckpt.rglob("*"))
+        if p.is_file() and not p.is_symlink() and p.name != META_FILE
+    }
+    (ckpt / META_FILE).write_text(json.dumps(doc))
+
+
+def flip_64_bytes(saved: Path, ckpt: Path) -> str:
+    name = "emu/actor_train/__0_0.distcp"
+    with open(ckpt / name, "r+b") as f:
+        f.seek(100)
+        data = f.read(64)
+        f.seek(100)
+        f.write(bytes(b ^ 0xFF for b in data))
+    return rf"{name}: damaged: its content is not what nereus_meta\.json recorded"
+
+
+def shard_of_another_checkpoint(saved: Path, ckpt: Path) -> str:
+    name = "emu/critic_train/__1_0.distcp"
+    shutil.copy(saved / "s1.ckpt" / name, ckpt / name)
+    return rf"{name}: damaged: its content is not what nereus_meta\.json recorded"
+
+
+def metadata_of_another_step(saved: Path, ckpt: Path) -> str:
+    shutil.copy(saved / "s1.ckpt" / META_FILE, ckpt / META_FILE)
+    return r"s2\.ckpt/nereus_meta\.json: does not describe the files beside it: \d+ of \d+ files differ"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("damage", [flip_64_bytes, shard_of_another_checkpoint, metadata_of_another_step])
+def test_changed_contents_are_refused_before_training_naming_the_file(saved, tmp_path, damage):
+    ckpt = copy_of(saved, tmp_path)
+    assert (ckpt / "emu" / "critic_train" / "__1_0.distcp").stat().st_size == (
+        saved / "s1.ckpt" / "emu" / "critic_train" / "__1_0.distcp"
+    ).stat().st_size  # same sizes: only the contents tell them apart
+    message = damage(saved, ckpt)
+    with pytest.raises(Exception, match=message):
+        fit(str(tmp_path / "b"), devices=2, max_steps=3, ckpt_path=str(ckpt))
+    assert not fit_rows(tmp_path / "b")  # no step ran
+
+
+def fit_rows(folder: Path) -> list:
+    import csv
+
+    return [
+        r for f in folder.rglob("metrics.csv") for r in csv.DictReader(open(f)) if r.get("critic/score/mean")
+    ]
+
+
+@pytest.mark.distributed
+def test_a_metadata_file_of_another_step_with_forged_hashes_is_caught_by_the_step_in_the_tensors(
+    saved, tmp_path
+):
+    ckpt = copy_of(saved, tmp_path)
+    shutil.copy(saved / "s1.ckpt" / META_FILE, ckpt / META_FILE)
+    forge(ckpt)  # every hash now matches: only the step stored inside the tensors disagrees
+    with pytest.raises(
+        CheckpointError, match=r"emu/\w+: its tensors were saved at step 2, but .* says step 1"
+    ):
+        read_checkpoint(ckpt)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("target", ["emu/critic_train/__0_0.distcp", "hf", "emu/actor_gen"])
+def test_a_symbolic_link_anywhere_in_a_checkpoint_is_refused(saved, tmp_path, target):
+    ckpt = copy_of(saved, tmp_path)
+    remove_path(ckpt / target)
+    (ckpt / target).symlink_to(saved / "s1.ckpt" / target)
+    with pytest.raises(CheckpointError, match=rf"{target}: a symbolic link \(to .*s1\.ckpt"):
+        read_checkpoint(ckpt)
+    assert latest_checkpoint(tmp_path) is None
+
+
+def remove_path(path: Path) -> None:
+    shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda c: c.update(global_step=1e30), r"global_step: 1e\+30 is not a whole number"),
+        (lambda c: c.update(global_step="2"), r"global_step: '2' is not a whole number"),
+        (
+            lambda c: c["loops"]["fit_loop"]["epoch_loop.manual_optimization.optim_step_progress"][
+                "total"
+            ].update(completed=10**30),
+            r"optim_step_progress'\]\.total\.completed: 10{30} is not a whole number",
+        ),
+        (
+            lambda c: c["callbacks"]["NereusCallback"]["controller"]["plan"]["__dataclass__"]["fields"][
+                "assignments"
+            ]["__tuple__"][0]["__tuple__"][1]["__dataclass__"]["fields"]["gpus"].update(__tuple__=[-1, 1]),
+            r"controller\.plan\[0\]\.gpus\[0\]: -1 is not a whole number",
+        ),
+    ],
+    ids=["step_1e30", "step_text", "loop_counter", "plan_gpu"],
+)
+def test_values_no_run_could_save_are_refused_naming_the_field(saved, tmp_path, edit, message):
+    ckpt = copy_of(saved, tmp_path)
+    doc = json.loads((ckpt / META_FILE).read_text())
+    edit(doc["checkpoint"])
+    (ckpt / META_FILE).write_text(json.dumps(doc))
+    with pytest.raises(CheckpointError, match=rf"s2\.ckpt/nereus_meta\.json: checkpoint\..*{message}"):
+        read_checkpoint(ckpt)
+    assert latest_checkpoint(tmp_path) is None  # the finder skips it (it does not crash on it)
+
+
+# ---- DCP metadata: records only, sizes backed by data ---------------------------------------------
+def build_on(module: str, name: str, attribute: str) -> bytes:
+    """A pickle that pushes the class ``module.name`` and BUILDs it with ``{attribute: "x"}`` as slot state:
+    ``setattr(cls, attribute, "x")`` for the whole process under the standard unpickler."""
+    return (
+        b"\x80\x02c"
+        + f"{module}\n{name}\n".encode()
+        + b"N}X"
+        + len(attribute).to_bytes(4, "little")
+        + attribute.encode()
+        + b"X\x01\x00\x00\x00xs\x86b."
+    )
+
+
+@pytest.mark.parametrize(
+    "module, name",
+    [("torch.distributed.checkpoint.metadata", "Metadata"), ("pathlib", "PosixPath")],
+)
+def test_a_metadata_file_cannot_change_a_class(tmp_path, module, name):
+    import importlib
+
+    from nereus_lightning.emu.checkpoint import read_dcp_metadata
+
+    cls = getattr(importlib.import_module(module), name)
+    hostile = build_on(module, name, "nereus_hostile")
+    pickle.loads(hostile)  # the standard unpickler does set the attribute: the file is a real attack
+    assert cls.nereus_hostile == "x"
+    del cls.nereus_hostile
+    (tmp_path / ".metadata").write_bytes(hostile)
+    with pytest.raises(
+        CheckpointError, match=rf"damaged DCP metadata .*sets attributes of the class .*{name}"
+    ):
+        read_dcp_metadata(tmp_path)
+    assert not hasattr(cls, "nereus_hostile")
+
+
+def dcp_metadata(size: tuple, chunk: tuple, length: int):  # noqa: ANN201
+    """DCP metadata of one fp32 tensor ``w`` of ``size``: one chunk of ``chunk`` in ``length`` bytes."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    zero = torch.Size([0] * len(size))
+    entry = TensorStorageMetadata(
+        TensorProperties(dtype=torch.float32),
+        torch.Size(size),
+        [ChunkStorageMetadata(zero, torch.Size(chunk))],
+    )
+    return Metadata(
+        {"w": entry}, storage_data={MetadataIndex("w", zero, 0): _StorageInfo("__0_0.distcp", 0, length)}
+    )
+
+
+@pytest.mark.parametrize(
+    "size, chunk, length, message",
+    [
+        (
+            (1 << 30, 1 << 30),
+            (1 << 30, 1 << 30),
+            64,
+            r"w\.size: \(1073741824, 1073741824\) is not a tensor of at most",
+        ),
+        (
+            (1000, 1000),
+            (1000, 1000),
+            64,
+            r"w\.chunks\[0\] declares 4000000 bytes of torch\.float32 but its data files hold 64",
+        ),
+        ((4, 4), (4, 8), 64, r"w\.chunks\[0\]: .* is not a chunk inside the tensor's \(4, 4\)"),
+        ((8,), (4,), 64, r"w: its chunks hold 4 of its 8 elements"),
+    ],
+    ids=["absurd_size", "size_beyond_data", "chunk_outside", "chunks_short"],
+)
+def test_sizes_the_data_does_not_back_are_refused_before_anything_is_allocated(
+    tmp_path, size, chunk, length, message
+):
+    from nereus_lightning.emu.checkpoint import read_dcp_metadata
+    from nereus_lightning.lightning.export import logical_params
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(dcp_metadata(size, chunk, length)))
+    (tmp_path / "__0_0.distcp").write_bytes(b"\0" * length)
+    with pytest.raises(CheckpointError, match=rf"\.metadata: {message}"):
+        read_dcp_metadata(tmp_path)
+    with pytest.raises(CheckpointError, match=message):
+        logical_params(str(tmp_path))  # (what allocated the declared sizes before)

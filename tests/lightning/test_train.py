@@ -137,7 +137,7 @@ def test_bf16_mixed_trains_on_bf16_weights_with_fp32_masters(tmp_path):
     ref = read_dcp_metadata(ckpt / "emu" / "ref_infer").state_dict_metadata
     assert ref[f"param/{name}"].properties.dtype == torch.bfloat16 and f"master/{name}" not in ref
     gen = ckpt / "emu" / "actor_gen"
-    assert set(read_dcp_metadata(gen).state_dict_metadata) == {"counters"}
+    assert set(read_dcp_metadata(gen).state_dict_metadata) == {"counters", "global_step"}
     assert (gen / "weights_from.json").read_text() == '{"weights_from": "actor_train"}'
     # Read back from the masters, the weights are the trained bf16 weights bit for bit: those the caller's
     # module received from the units (write_back) and those of the Hugging Face export.

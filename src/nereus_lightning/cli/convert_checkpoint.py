@@ -1,8 +1,10 @@
 """``nereus-convert-checkpoint``: rewrite the pickled metadata of an older checkpoint as JSON, once.
 
 Checkpoints written before format 1 keep their metadata in ``nereus_meta.pt``, a pickle, and
-resuming refuses them (loading a pickle can run any code it carries). If you trust where such a
-checkpoint comes from, run this once per directory, then resume as usual::
+resuming refuses them (loading a pickle can run any code it carries); those of format 1 record their
+files' sizes only, not their content hashes, and resuming refuses them too (their files cannot be
+verified). If you trust where such a checkpoint comes from, run this once per directory, then resume
+as usual::
 
     nereus-convert-checkpoint outputs/<run>/checkpoints/last.ckpt
     python -m nereus_lightning.cli.convert_checkpoint outputs/<run>/checkpoints/last.ckpt
@@ -10,7 +12,7 @@ checkpoint comes from, run this once per directory, then resume as usual::
 The pickle is read by an unpickler that builds only what those files held (dicts, lists, tensors,
 Lightning's ``AttributeDict``, ``nereus_lightning`` dataclasses) and refuses any other global; the
 DCP tensor files are checked as a resume checks them and left untouched. It writes
-``nereus_meta.json`` next to ``nereus_meta.pt``.
+``nereus_meta.json`` (format 2: every file's SHA-256, as the files are now) next to them.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import argparse
 import dataclasses
 import importlib
 import io
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -57,11 +60,17 @@ def legacy_global(module: str, name: str) -> Any:
 
 
 def convert(directory: str | Path) -> Path:
-    """Write ``nereus_meta.json`` for the older checkpoint ``directory``; returns the file written."""
+    """Write a current ``nereus_meta.json`` for the older checkpoint ``directory``; returns the file written.
+
+    A pickled ``nereus_meta.pt`` (before format 1) is read by the restricted unpickler; a format-1
+    ``nereus_meta.json`` (file sizes only) is kept as it is. Either way every file's SHA-256 is recorded as it
+    is now: run it only on checkpoints you trust.
+    """
     directory = Path(directory)
+    meta = directory / META_FILE
+    if meta.is_file():
+        return _upgrade(directory)
     legacy = directory / LEGACY_META_FILE
-    if (directory / META_FILE).is_file():
-        raise CheckpointError(f"{directory}: already has {META_FILE}; nothing to convert")
     if not legacy.is_file():
         raise CheckpointError(
             f"{legacy}: missing; {directory} is not a checkpoint of an older nereus-lightning"
@@ -76,15 +85,37 @@ def convert(directory: str | Path) -> Path:
     state = checkpoint.pop("nereus_state", "full")
     for metadata in sorted(directory.rglob(DCP_METADATA)):
         read_dcp_metadata(metadata.parent)
-    write_metadata(directory, encode(dict(checkpoint)), state)
-    return directory / META_FILE
+    write_metadata(directory, encode(dict(checkpoint)), state, step_tensors=False)
+    return meta
+
+
+def _upgrade(directory: Path) -> Path:
+    """Rewrite a format-1 ``nereus_meta.json`` (sizes only) with every file's SHA-256 (else: refused)."""
+    meta = directory / META_FILE
+    try:
+        doc = json.loads(meta.read_text())
+        version, encoded, state = doc["format_version"], doc["checkpoint"], str(doc["state"])
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{meta}: damaged ({type(exc).__name__}: {exc})") from exc
+    if version != 1:
+        raise CheckpointError(f"{meta}: format version {version!r}, nothing to convert")
+    for name, size in dict(doc.get("files", {})).items():  # the files are still those it recorded
+        if not (directory / name).is_file() or (directory / name).stat().st_size != size:
+            raise CheckpointError(
+                f"{directory / name}: missing or not of its recorded {size} bytes; not converted"
+            )
+    for metadata in sorted(directory.rglob(DCP_METADATA)):
+        read_dcp_metadata(metadata.parent)
+    write_metadata(directory, encoded, state, step_tensors=False)
+    return meta
 
 
 def main(argv: list[str] | None = None) -> None:
     """The ``nereus-convert-checkpoint`` entry point."""
     parser = argparse.ArgumentParser(
         prog="nereus-convert-checkpoint",
-        description=f"Rewrite the pickled {LEGACY_META_FILE} of older Nereus checkpoints as {META_FILE}. "
+        description=f"Rewrite the pickled {LEGACY_META_FILE} (or a format-1 {META_FILE}) of older Nereus "
+        f"checkpoints as a current {META_FILE}, recording every file's SHA-256. "
         "Run it only on checkpoints from a source you trust.",
     )
     parser.add_argument(

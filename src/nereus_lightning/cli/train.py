@@ -25,6 +25,8 @@ from typing import Any, NoReturn
 from omegaconf import DictConfig
 
 from nereus_lightning.cli._hydra import CONFIG_ROOT, compose, to_dict
+from nereus_lightning.cli._resume import RunFolderLock, job_record
+from nereus_lightning.console_log import current_rank
 from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
 
 CONFIG_DIR = str(CONFIG_ROOT)
@@ -323,8 +325,6 @@ def job_launch(cfg: Any) -> Any:
 
 def _say(text: str) -> None:
     """Print on global rank 0 only (under torchrun or srun every rank runs this CLI)."""
-    from nereus_lightning.console_log import current_rank
-
     if current_rank() == 0:
         print(text)
 
@@ -356,6 +356,7 @@ def _quiet() -> None:
         ".*ModelCheckpoint with manual optimization.*",
         ".*does not have many workers.*",
         ".*Checkpoint directory.*exists.*",
+        ".*The dirpath has changed from.*",  # a resume writes into its own run folder
     ):
         warnings.filterwarnings("ignore", message=pattern)
 
@@ -383,6 +384,8 @@ def build_module(cfg: Any) -> Any:
         data=data,
         reward_function=reward,
         reward_workers=int(cfg.reward.get("num_workers", 0)) if cfg.get("reward") else 0,
+        reward_timeout_s=cfg.reward.get("timeout_s") if cfg.get("reward") else None,
+        reward_max_abs=cfg.reward.get("max_abs", 1e6) if cfg.get("reward") else 1e6,
         prompts_per_step=prompts_per_step(cfg),
         seed=int(cfg.seed),
         on_nonfinite=str(trainer.get("on_nonfinite", "raise")),
@@ -394,43 +397,37 @@ def check_config(cfg: Any) -> None:
     """The numbers and files of ``cfg``, checked before the planner, any model or any process."""
 
     from nereus_lightning.lightning.module import check_hyperparameters, precision_dtype
+    from nereus_lightning.lightning.strategy import export_mode
     from nereus_lightning.rl.data import DataConfig
 
     values = {k: v for k, v in to_dict(cfg.algorithm).items() if k != "_target_" and v is not None}
     values["prompts_per_step"] = prompts_per_step(cfg)
     values["on_nonfinite"] = cfg.trainer.get("on_nonfinite", "raise")
     values["reward_workers"] = cfg.reward.get("num_workers", 0) if cfg.get("reward") else 0
+    if cfg.get("reward"):
+        values["reward_timeout_s"] = cfg.reward.get("timeout_s")
+        values["reward_max_abs"] = cfg.reward.get("max_abs", 1e6)
     check_hyperparameters(values)
-    every = cfg.get("checkpoint_every", 10)
-    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-        raise NereusConfigError(
-            f"checkpoint_every: must be a whole number of steps >= 1, got {every!r} "
-            "(save_checkpoint=false writes none)"
-        )
+    export_mode(cfg.get("export_hf", "end"))
+    checkpoint_callback(cfg, "/")  # checkpoint_every, max_ckpt_to_keep
+    preemption_callback(cfg)
     precision_dtype(str(cfg.trainer.get("precision", "32-true")))
     if cfg.get("data"):
         DataConfig.of(to_dict(cfg.data))
 
 
-def run(cfg: Any) -> dict[str, Any]:
-    """Train as configured; returns a summary (reward first/last 10 steps, transitions, paths)."""
+def run(cfg: Any, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """Train as configured; returns a summary (reward first/last 10 steps, transitions, paths; ``stopped``
+    when a signal stopped it). ``overrides``: the job's command line, stored in its checkpoints."""
     import time
 
     started = time.perf_counter()
-    import lightning.pytorch as pl
+    from omegaconf import open_dict
 
     from nereus_lightning.console_log import propagate_to_root
 
     propagate_to_root()  # each log record once: through Hydra's handlers, not also Lightning's
     _quiet()
-    from hydra.utils import instantiate
-    from omegaconf import open_dict
-
-    from nereus_lightning.control import NodeInventory, SequenceResources
-    from nereus_lightning.lightning import NereusCallback, NereusStrategy
-    from nereus_lightning.lightning.console import print_summary
-    from nereus_lightning.lightning.progress import NereusProgressBar
-
     resolve_trainer(cfg)
     check_config(cfg)
     launch = job_launch(cfg)  # before any model: the keys must describe the job the launcher started
@@ -452,7 +449,27 @@ def run(cfg: Any) -> dict[str, Any]:
     check_feasible(cfg, world)
     module = build_module(cfg)  # every input checked here, before any rank starts
     out = str(cfg.output_dir)
-    os.makedirs(out, exist_ok=True)
+    lock = RunFolderLock(out)
+    if current_rank() == 0:
+        lock.acquire()  # one job per run folder, refused before anything of this run is written
+    try:
+        return _fit(cfg, module, out, overrides, started)
+    finally:
+        lock.release()
+
+
+def _fit(cfg: Any, module: Any, out: str, overrides: Sequence[str], started: float) -> dict[str, Any]:
+    """Build the Trainer of ``cfg`` around ``module``, fit, and summarise (rank 0)."""
+    import time
+
+    from hydra.utils import instantiate
+
+    from nereus_lightning.control import NodeInventory, SequenceResources
+    from nereus_lightning.lightning import NereusCallback, NereusStrategy
+    from nereus_lightning.lightning.checkpointing import JobRecord
+    from nereus_lightning.lightning.console import print_summary
+    from nereus_lightning.lightning.progress import NereusProgressBar
+
     counts = supply_counts(cfg)
     resources: SequenceResources | NodeInventory | None = SequenceResources(tuple(counts)) if counts else None
     if resources is None and _on_gpus(cfg):
@@ -477,22 +494,22 @@ def run(cfg: Any) -> dict[str, Any]:
 
         callback = NereusCallback(controller=PoolFollower(_algorithm_name(cfg)), plot_path=plot_path)
     ckpt_dir = os.path.join(out, "checkpoints")
-    checkpoint = pl.callbacks.ModelCheckpoint(
-        dirpath=ckpt_dir,
-        filename="step{step}",
-        every_n_train_steps=int(cfg.get("checkpoint_every", 10)),
-        save_last=True,  # checkpoints/last.ckpt: written by the ranks themselves, resumable
-        save_top_k=-1,
-        auto_insert_metric_name=False,
-    )
     loggers = [instantiate(v) for v in (cfg.logger or {}).values()]
-    callbacks = [callback, NereusProgressBar()] + ([checkpoint] if cfg.save_checkpoint else [])
+    callbacks = [
+        preemption_callback(cfg),
+        callback,
+        NereusProgressBar(),
+        JobRecord(job_record(cfg, overrides)),
+    ]
+    if cfg.save_checkpoint:
+        callbacks.append(checkpoint_callback(cfg, ckpt_dir))
     trainer_cfg = to_dict(cfg.trainer)
     for key in NEREUS_TRAINER_KEYS:
         trainer_cfg.pop(key, None)
+    strategy = NereusStrategy(cluster=job_cluster(cfg), export_hf=cfg.get("export_hf", "end"))
     trainer = instantiate(
         trainer_cfg,
-        strategy=NereusStrategy(cluster=job_cluster(cfg), export_hf=bool(cfg.get("export_hf", True))),
+        strategy=strategy,
         callbacks=callbacks,
         logger=loggers or False,
         enable_checkpointing=bool(cfg.save_checkpoint),
@@ -500,13 +517,14 @@ def run(cfg: Any) -> dict[str, Any]:
     try:
         trainer.fit(module, ckpt_path=cfg.ckpt_path)
     except Exception as exc:  # a rank died or raised: say so and point at the last checkpoint
-        last = latest_checkpoint(ckpt_dir)
-        hint = f"resume with: nereus-train ckpt_path={last}" if last else "no complete checkpoint yet"
-        raise RuntimeError(f"training stopped: {type(exc).__name__}: {exc}\n{hint}") from exc
+        cause, kind = root_cause(exc)
+        raise TrainingStopped(cause, resume_hint(ckpt_dir, cfg.ckpt_path, cause), kind) from exc
     if not trainer.is_global_zero:  # under torchrun or srun every rank returns here
-        return {}
+        return {"stopped": strategy.stopped} if strategy.stopped else {}
     summary = summarize(out)
     summary["plot"] = plot_path
+    if strategy.stopped:
+        summary["stopped"] = strategy.stopped
     last = latest_checkpoint(ckpt_dir) if cfg.save_checkpoint else None
     if last and os.path.isdir(os.path.join(last, "hf")):
         summary["hf_export"] = os.path.join(last, "hf")  # from_pretrained(<this>/actor)
@@ -514,6 +532,73 @@ def run(cfg: Any) -> dict[str, Any]:
         json.dump(summary, f, indent=2)
     print_summary(summary, out, wall_s=time.perf_counter() - started)
     return summary
+
+
+def checkpoint_callback(cfg: Any, ckpt_dir: str) -> Any:
+    """The run's :class:`~nereus_lightning.lightning.NereusCheckpoint` (``checkpoint_every``,
+    ``max_ckpt_to_keep``)."""
+    from nereus_lightning.lightning.checkpointing import NereusCheckpoint
+
+    return NereusCheckpoint(
+        ckpt_dir,
+        every_n_train_steps=cfg.get("checkpoint_every", 10),
+        max_ckpt_to_keep=cfg.get("max_ckpt_to_keep"),
+    )
+
+
+def preemption_callback(cfg: Any) -> Any:
+    """The run's :class:`~nereus_lightning.lightning.Preemption` from ``preemption.*``."""
+    from nereus_lightning.lightning.preemption import Preemption
+
+    node = cfg.get("preemption") or {}
+    return Preemption(
+        step_in_flight=str(node.get("step_in_flight", "finish")),
+        grace_s=node.get("grace_s", 30.0),
+        requeue=node.get("requeue"),
+    )
+
+
+class TrainingStopped(RuntimeError):
+    """A rank raised or died: its cause in one line, and the way back (the resume command, if any).
+
+    ``kind``: the name of the rank's exception type; bad input (:data:`INPUT_ERRORS`) exits with status 2.
+    """
+
+    def __init__(self, cause: str, hint: str, kind: str = "") -> None:
+        super().__init__(f"training stopped: {cause}\n{hint}")
+        self.cause, self.hint, self.kind = cause, hint, kind
+
+
+#: Errors whose message says everything (the file or key, the way out): shown without their type.
+SELF_EXPLAINING = ("CheckpointError", "NereusConfigError", "InfeasiblePlanError")
+#: Errors of bad input (a damaged checkpoint, a value): exit status 2, as for nereus-train's own checks.
+INPUT_ERRORS = ("CheckpointError", "NereusConfigError", "InfeasiblePlanError")
+
+
+def root_cause(exc: BaseException) -> tuple[str, str]:
+    """``exc`` in one line, and the name of its type: for a rank that raised, its own exception's (not the
+    launcher's wrapper)."""
+    text = str(exc)
+    if "Traceback (most recent call last)" in text:  # torch.multiprocessing: the rank's traceback as text
+        lines = [line for line in text.splitlines() if line.strip()]
+        last = next((line for line in reversed(lines) if not line.startswith((" ", "\t"))), lines[-1])
+        kind, sep, message = last.strip().partition(": ")
+        name = kind.rsplit(".", 1)[-1]
+        return (message if sep and name in SELF_EXPLAINING else f"{name}{sep}{message}"), name
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    name = type(exc).__name__
+    if name in SELF_EXPLAINING and first:
+        return first, name
+    return (f"{name}: {first}" if first else name), name
+
+
+def resume_hint(ckpt_dir: str, resumed_from: Any = None, cause: str = "") -> str:
+    """The command that resumes from this run's newest complete checkpoint (else from the one it resumed
+    from, unless that one failed), or that there is none."""
+    last = latest_checkpoint(ckpt_dir) if os.path.isdir(ckpt_dir) else None
+    if last is None and resumed_from and str(resumed_from) not in cause:
+        last = str(resumed_from)
+    return f"resume with: nereus-train ckpt_path={last}" if last else "no checkpoint written yet"
 
 
 def latest_checkpoint(ckpt_dir: str) -> str | None:
@@ -565,16 +650,69 @@ def main() -> None:
     for note in notes:
         _say(f"nereus-train: {note}")
 
+    status = [0]
+
     @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
     def _main(cfg: DictConfig) -> None:
-        try:
-            run(cfg)
-        except (NereusConfigError, InfeasiblePlanError) as exc:
-            print(f"nereus-train: {exc}", file=sys.stderr)
-            sys.exit(2)
+        status[0] = run_command(cfg)
 
     _main()
-    leave(0)
+    leave(status[0])
+
+
+def run_command(cfg: DictConfig) -> int:
+    """``nereus-train`` inside its Hydra app: the job (a resumed one rebuilt from its checkpoint), trained;
+    returns the exit status. A failure prints ``nereus-train: <cause>`` and the way out first; its
+    traceback goes to the run's log file only."""
+    from hydra import compose as hydra_compose
+    from hydra.core.hydra_config import HydraConfig
+
+    from nereus_lightning.cli._resume import NothingToDo, resumed_config
+    from nereus_lightning.spec.errors import CheckpointError
+
+    overrides = list(HydraConfig.get().overrides.task)
+    try:
+        cfg, overrides = resumed_config(
+            cfg, overrides, lambda o: hydra_compose(config_name="train", overrides=o)
+        )
+        summary = run(cfg, overrides)
+    except NothingToDo as exc:
+        _say(f"nereus-train: {exc}")
+        return 0
+    except (NereusConfigError, InfeasiblePlanError, CheckpointError) as exc:
+        _fail(str(exc), exc)
+        return 2
+    except TrainingStopped as exc:
+        if exc.kind in INPUT_ERRORS and not exc.hint.startswith("resume with"):
+            _fail(exc.cause, exc)
+            return 2
+        _fail(f"{exc.cause}\n{exc.hint}", exc)
+        return 2 if exc.kind in INPUT_ERRORS else 1
+    stopped = summary.get("stopped")
+    if not stopped:
+        return 0
+    import signal
+
+    _say(
+        f"nereus-train: stopped by {stopped['signal']} after step {stopped['step']}; checkpoint "
+        f"{stopped['checkpoint']}\nresume with: nereus-train ckpt_path={stopped['checkpoint']}"
+    )
+    return 128 + int(signal.Signals[stopped["signal"]])
+
+
+def _fail(message: str, exc: BaseException) -> None:
+    """Print ``nereus-train: <message>`` (rank 0; every rank under an external launcher logs it) and put the
+    traceback into the run's log file only."""
+    import logging
+    import traceback
+
+    if current_rank() == 0:
+        print(f"nereus-train: {message}", file=sys.stderr)
+    trace = "".join(traceback.format_exception(exc))
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler) and handler.stream is not None:
+            handler.stream.write(f"nereus-train failed: {message}\n{trace}\n")
+            handler.flush()
 
 
 def leave(status: int) -> NoReturn:

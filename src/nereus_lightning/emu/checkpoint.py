@@ -16,27 +16,25 @@ Loading runs no code from the checkpoint. DCP's own ``FileSystemReader.read_meta
 the ``.metadata`` file with the unrestricted ``pickle`` module (torch 2.4 to 2.13), and its planner
 loads entries stored as bytes with ``torch.load`` outside weights-only mode (``load_bytes``), so
 either can run any code a file carries. :class:`SafeReader` reads ``.metadata`` with an
-unpickler that builds DCP's own metadata records only (see :func:`dcp_global`), refuses bytes
-entries (a Nereus checkpoint holds tensors only), checks that every data file is there and long
-enough, and names the file that fails to load. Tensor data is read by DCP with
+unpickler that builds DCP's own metadata records only and sets nothing but their fields
+(:mod:`~nereus_lightning.emu.dcp_metadata`), refuses bytes entries (a Nereus checkpoint holds
+tensors only), checks every record and that every data file is there and long enough, and names
+the file that fails to load. Tensor data is read by DCP with
 ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
-import importlib
 import json
 import os
-import pickle
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,11 +42,17 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.futures import Future as TorchFuture
 
+from nereus_lightning.emu.dcp_metadata import (  # noqa: F401 (re-exported: where readers found them)
+    DCP_METADATA,
+    RestrictedUnpickler,
+    dcp_global,
+    read_dcp_metadata,
+)
 from nereus_lightning.emu.groups import member_group
 from nereus_lightning.emu.host import HostBlock
 from nereus_lightning.emu.registry import registry
@@ -58,7 +62,9 @@ from nereus_lightning.models.groups import collective_timeout
 from nereus_lightning.models.optim import MASTER_KEY, off_master
 from nereus_lightning.spec.errors import CheckpointError
 
-DCP_METADATA = ".metadata"  # the file DCP writes last, after every rank's data files
+#: In each model-stage's DCP state: the global step the checkpoint was saved at (a one-element int64
+#: tensor), which a reader compares with the step ``nereus_meta.json`` gives.
+STEP_KEY = "global_step"
 #: In a model-stage's directory: the parameters stored as their fp32 master only -> their dtype names.
 PARAMS_FROM_MASTERS = "params_from_masters.json"
 #: Threads (each its own file) writing one rank's shards from host memory: 2.15 GB/s with 16 on an H200
@@ -136,8 +142,10 @@ def save_state(model_stage: str, path: str | os.PathLike, weights: bool = True) 
     save_states([(model_stage, path, weights)])
 
 
-def save_states(saves: Sequence[tuple[str, str | os.PathLike, bool]]) -> None:
+def save_states(saves: Sequence[tuple[str, str | os.PathLike, bool]], step: int | None = None) -> None:
     """:func:`save_state` for each ``(model_stage, path, weights)`` (collective; same list on every rank).
+
+    ``step``: the global step, stored in each model-stage's state as :data:`STEP_KEY` (None: not stored).
 
     Three kinds of threads overlap the work:
 
@@ -170,6 +178,8 @@ def save_states(saves: Sequence[tuple[str, str | os.PathLike, bool]]) -> None:
     (:func:`params_off_master`, as :meth:`~nereus_lightning.lightning.NereusStrategy.save_checkpoint` does).
     """
     states = [_unit_state(next(iter(_local_emus(stage)), None), weights) for stage, _, weights in saves]
+    if step is not None:
+        states = [{**state, STEP_KEY: torch.tensor([step], dtype=torch.int64)} for state in states]
     writers = max(1, min(CONCURRENT_SAVES, len(saves)))
     groups = _write_groups()[:writers]  # created here, on every rank in the same order, before any thread
     room = threading.Semaphore(writers + 1)  # staged units alive at once
@@ -374,12 +384,44 @@ def save_tensors(
     state: dict[str, Any], path: str | os.PathLike, process_group: dist.ProcessGroup | None = None
 ) -> None:
     """``dcp.save`` of ``state`` into the directory ``path``, collective over ``process_group`` (None: the
-    default group); a failure raises a :class:`CheckpointError`.
+    default group); a failure raises a :class:`CheckpointError`, and so does a save whose metadata does not
+    cover every tensor with data (:func:`read_dcp_metadata`: DCP's writer threads other than the first lose
+    their errors, torch 2.13).
     """
     tensors = sum(isinstance(v, Tensor) for v in state.values())
     writer = FileSystemWriter(os.fspath(path), thread_count=max(1, min(WRITE_THREADS, tensors)))
+    _keep_writer_thread_errors()
+    seen = len(_WRITER_THREAD_ERRORS)
     with _named_failures(path):
         dcp.save(state, storage_writer=writer, process_group=process_group)
+    try:  # every rank reads the same file, so every rank raises the same error
+        read_dcp_metadata(path)
+    except CheckpointError as exc:
+        lost = _WRITER_THREAD_ERRORS[seen:]
+        cause = (
+            f"{type(lost[0]).__name__}: {lost[0]}" if lost else "a writer thread failed, e.g. on a full disk"
+        )
+        raise CheckpointError(f"{path}: not every tensor was written ({cause}): {exc}") from exc
+
+
+#: Errors of DCP's writer threads other than its first, which DCP drops (torch 2.13): kept, not printed.
+_WRITER_THREAD_ERRORS: list[BaseException] = []
+
+
+def _keep_writer_thread_errors() -> None:
+    """Route the errors of DCP's writer threads into :data:`_WRITER_THREAD_ERRORS` (once per process)."""
+    previous = threading.excepthook
+    if getattr(previous, "nereus_keeps_dcp_errors", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if args.thread is not None and "_write_files_from_queue" in args.thread.name and args.exc_value:
+            _WRITER_THREAD_ERRORS.append(args.exc_value)
+        else:
+            previous(args)
+
+    hook.nereus_keeps_dcp_errors = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 
 def load_state(emu: EMU | None, path: str | os.PathLike, weights: bool = True) -> None:
@@ -425,10 +467,14 @@ def _named_failures(path: str | os.PathLike) -> Iterator[None]:
     try:
         yield
     except CheckpointException as exc:
-        failures = [error for error, _ in exc.failures.values()]
-        named = next((e for e in failures if isinstance(e, CheckpointError)), None)
-        message = str(named) if named is not None else f"{path}: {type(failures[0]).__name__}: {failures[0]}"
-        raise CheckpointError(message) from exc
+        failures = {rank: error for rank, (error, _) in exc.failures.items()}
+        named = next((e for e in failures.values() if isinstance(e, CheckpointError)), None)
+        if named is not None:
+            raise CheckpointError(str(named)) from exc
+        rank, error = next(
+            ((r, e) for r, e in failures.items() if isinstance(e, OSError)), next(iter(failures.items()))
+        )
+        raise CheckpointError(f"{path}: {type(error).__name__} on rank {rank}: {error}") from exc
 
 
 def nonfinite_names(tensors: Iterable[tuple[str, Tensor]]) -> list[str]:
@@ -472,94 +518,6 @@ def params_off_master(model_stage: str) -> list[str]:
         return []
     differs = torch.stack([off_master(param, master) for _, param, master in named]).tolist()
     return [name for (name, _, _), bad in zip(named, differs, strict=True) if bad]
-
-
-# ---- reading DCP's metadata without running code from it --------------------------------------
-_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
-_DCP_GLOBALS = {
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),  # looks a layout up by name
-    ("collections", "OrderedDict"),
-    *((module, cls) for module in ("pathlib", "pathlib._local") for cls in ("PosixPath", "WindowsPath")),
-}
-
-
-class RestrictedUnpickler(pickle.Unpickler):
-    """An unpickler that resolves a global only through ``allow(module, name)`` (None: refused, nothing
-    imported).
-    """
-
-    def __init__(self, file: BinaryIO, allow: Callable[[str, str], Any]) -> None:
-        super().__init__(file)
-        self._allow = allow
-
-    def find_class(self, module: str, name: str) -> Any:
-        """The allowed global, or an ``UnpicklingError`` naming the one refused."""
-        found = self._allow(module, name)
-        if found is None:
-            raise pickle.UnpicklingError(
-                f"it refers to {module}.{name}, which this file never needs; refused"
-            )
-        return found
-
-
-def dcp_global(module: str, name: str) -> Any:
-    """The globals a DCP ``.metadata`` pickle needs: DCP's metadata dataclasses and enums, torch.Size, dtypes,
-    layouts, paths.
-    """
-    if (module, name) in _DCP_GLOBALS:
-        return getattr(importlib.import_module(module), name)
-    if module == "torch":
-        dtype = getattr(torch, name, None)
-        return dtype if isinstance(dtype, torch.dtype) else None
-    if module in _DCP_MODULES:
-        found = getattr(importlib.import_module(module), name, None)
-        if isinstance(found, type) and (dataclasses.is_dataclass(found) or issubclass(found, enum.Enum)):
-            return found
-    return None
-
-
-def read_dcp_metadata(directory: str | os.PathLike) -> Metadata:
-    """``directory``'s DCP metadata, read by :class:`RestrictedUnpickler` and checked against the data files.
-
-    Raises :class:`CheckpointError` naming the file: ``.metadata`` missing, damaged or refers to
-    anything but DCP's metadata records; an entry stored as bytes (it would be unpickled); a
-    data file that is missing, lies outside ``directory`` or is shorter than the metadata says.
-    """
-    directory = Path(directory)
-    file = directory / DCP_METADATA
-    if not file.is_file():
-        raise CheckpointError(f"{file}: missing; {directory} holds no complete DCP checkpoint")
-    try:
-        with open(file, "rb") as f:
-            metadata = RestrictedUnpickler(f, dcp_global).load()
-    except Exception as exc:
-        raise CheckpointError(f"{file}: damaged DCP metadata ({type(exc).__name__}: {exc})") from exc
-    if not isinstance(metadata, Metadata):
-        raise CheckpointError(f"{file}: holds a {type(metadata).__name__}, not DCP metadata")
-    for key, entry in metadata.state_dict_metadata.items():
-        if not isinstance(entry, TensorStorageMetadata):
-            raise CheckpointError(
-                f"{file}: entry {key!r} is stored as bytes, which DCP would unpickle; "
-                "a Nereus checkpoint holds tensors only, so it is not loaded"
-            )
-    for index, info in (metadata.storage_data or {}).items():
-        _check_data_file(file, directory, getattr(index, "fqn", index), info)
-    return metadata
-
-
-def _check_data_file(file: Path, directory: Path, key: str, info: Any) -> None:
-    name = getattr(info, "relative_path", None)
-    if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
-        raise CheckpointError(f"{file}: entry {key!r} points at {name!r}, not at a file of {directory}")
-    data = directory / name
-    if not data.is_file():
-        raise CheckpointError(f"{data}: missing (it holds {key!r})")
-    size, needed = data.stat().st_size, int(info.offset) + int(info.length)
-    if size < needed:
-        raise CheckpointError(
-            f"{data}: truncated: {size} bytes, the checkpoint's metadata needs {needed} (for {key!r})"
-        )
 
 
 class SafeReader(FileSystemReader):

@@ -152,9 +152,11 @@ class NereusCallback(pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        strategy = _strategy(trainer)
+        if strategy.step_abandoned:  # dropped on a stop signal (every rank): nothing to decide on
+            return
         stats = {k: float(v) for k, v in outputs.items()} if isinstance(outputs, Mapping) else {}
         step = trainer.global_step  # already counts the step just finished
-        strategy = _strategy(trainer)
         plan = strategy.plan
         if plan is not None:
             for name, cand in plan.items():

@@ -549,8 +549,9 @@ class EMUStates:
         self._vllm_stale = self.vllm is not None
 
     # ---- state ---------------------------------------------------------------------------
-    def save(self, path: str) -> None:
-        """Every model-stage's logical state through DCP into ``path/<model_stage>`` (collective).
+    def save(self, path: str, step: int | None = None) -> None:
+        """Every model-stage's logical state through DCP into ``path/<model_stage>`` (collective); each also
+        holds ``step`` (the global step, see :data:`~nereus_lightning.emu.checkpoint.STEP_KEY`) when given.
 
         A model-stage that holds exactly its training stage's weights (:attr:`synced` on every rank)
         is saved with its counters only and ``path/<model_stage>/weights_from.json`` names the
@@ -572,7 +573,7 @@ class EMUStates:
         # the others are written, and being consecutive they go to different writers, so that PPO's
         # two are written at once (emu.checkpoint.save_states).
         order = sorted(self.plan, key=lambda n: self.stages[n].trains)
-        save_states([(n, os.path.join(path, n), n not in weights_from) for n in order])
+        save_states([(n, os.path.join(path, n), n not in weights_from) for n in order], step)
         if not dist.is_initialized() or dist.get_rank() == 0:
             for name, train in weights_from.items():
                 with open(os.path.join(path, name, WEIGHTS_FROM), "w") as f:

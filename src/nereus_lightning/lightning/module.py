@@ -39,6 +39,7 @@ from typing_extensions import override
 import lightning as L
 from nereus_lightning.lightning import roles
 from nereus_lightning.lightning.batches import replica_backward, response_micro_batches, sequence_tokens
+from nereus_lightning.lightning.preemption import StepAbandoned
 from nereus_lightning.lightning.roles import RoleModels
 from nereus_lightning.lightning.sources import make_sources
 from nereus_lightning.lightning.stages import (
@@ -168,6 +169,14 @@ def check_hyperparameters(values: Mapping[str, Any]) -> None:
         require(
             isinstance(workers, int) and workers >= 0, "reward.num_workers", f"must be >= 0, got {workers!r}"
         )
+    for name, key in (("reward_timeout_s", "reward.timeout_s"), ("reward_max_abs", "reward.max_abs")):
+        value = values.get(name)
+        require(
+            value is None
+            or (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf),
+            key,
+            f"must be a number > 0 (or null: no bound), got {value!r}",
+        )
 
 
 class RLModule(L.LightningModule):
@@ -191,6 +200,10 @@ class RLModule(L.LightningModule):
             ``.py`` path, ``"module:function"``, ``{path, name}`` or a callable; ``None``: the
             built-in reward of each data source (GSM8K-style or boxed math).
         reward_workers: processes that score in parallel (``reward.num_workers``; 0: inline).
+        reward_timeout_s: the most seconds one sample's reward function may take (``reward.timeout_s``;
+            None: no limit); a sample over it fails the step, naming it.
+        reward_max_abs: the largest magnitude a finite reward may have (``reward.max_abs``; None: any);
+            a larger one is treated as a non-finite one (``on_nonfinite``).
         prompts_per_step, samples_per_prompt: global batch of one RL step.
         actor_lr, critic_lr: AdamW learning rates; ``None``: :func:`default_lr` (verl's 1e-6 and
             1e-5 for a model folder, 3e-3 for a preset's or config's random weights).
@@ -240,6 +253,8 @@ class RLModule(L.LightningModule):
         data: Any = None,
         reward_function: Any = None,
         reward_workers: int = 0,
+        reward_timeout_s: float | None = None,
+        reward_max_abs: float | None = 1e6,
         prompts_per_step: int = 16,
         samples_per_prompt: int = 1,
         actor_lr: float | None = None,
@@ -282,7 +297,9 @@ class RLModule(L.LightningModule):
         # The resolved rates (a subclass's own arguments would otherwise record the None it was given).
         self.hparams.update(actor_lr=actor_lr, critic_lr=critic_lr)
         self.automatic_optimization = False
-        self.sources = make_sources(task, data, reward_function, reward_workers, actor, seed)
+        self.sources = make_sources(
+            task, data, reward_function, reward_workers, actor, seed, reward_timeout_s
+        )
         self.source = self.sources.train
         self.rl_config = rl.RLConfig(
             algorithm=self.algorithm,
@@ -418,10 +435,19 @@ class RLModule(L.LightningModule):
         return torch.utils.data.DataLoader(_StepClock(), batch_size=None)
 
     @override
-    def training_step(self, batch: Tensor, batch_idx: int) -> dict[str, float]:
+    def training_step(self, batch: Tensor, batch_idx: int) -> dict[str, float] | None:
         step = self.global_step
         strategy = self.nereus_strategy
-        self.step_stats = self.rl_step(step, strategy)
+        position = self.source.state_dict()
+        strategy.step_abandoned = False
+        try:
+            self.step_stats = self.rl_step(step, strategy)
+        except StepAbandoned as exc:  # a stop signal: nothing changed yet; the stream goes back
+            self.source.load_state_dict(position)
+            strategy.step_abandoned = True
+            if strategy.global_rank == 0:
+                log.warning("step %d: %s", step, exc)
+            return None
         self.step_stats.update(self.run_metrics.update(self.step_stats))
         # Lightning repeats a step-level metric's last value while it is not logged again (its
         # results reset per epoch, and an RL run is one endless epoch): a metric this step did
@@ -555,6 +581,7 @@ class RLModule(L.LightningModule):
         )
         t_gen = time.perf_counter()
         peaks.mark("gen")
+        strategy.preemption_point()  # (a stop signal may drop the step here, before anything changes)
         results = self.score(
             strategy,
             self.source,
@@ -583,6 +610,7 @@ class RLModule(L.LightningModule):
                 [r.score for r in baseline], dtype=torch.float32, device=self.device
             )
 
+        strategy.preemption_point()
         inferred = self.infer(strategy, batch)
         batch.old_log_probs = inferred["actor_infer"]
         batch.ref_log_probs = inferred["ref_infer"]
@@ -592,6 +620,7 @@ class RLModule(L.LightningModule):
         t_infer = time.perf_counter()
         peaks.mark("infer")
         batch.scores = scores
+        strategy.preemption_point()
         skipped = self._check_rewards(step, batch, samples)
         metrics: dict[str, float] = {}
         batch, extra = rl.compute_advantages(batch, self.rl_config)
@@ -644,20 +673,25 @@ class RLModule(L.LightningModule):
         return metrics
 
     def _check_rewards(self, step: int, batch: RolloutBatch, samples: Sequence[Prompt]) -> bool:
-        """Raise (or, with ``on_nonfinite="skip"``, return True to skip the update) on a non-finite score."""
+        """Raise (or, with ``on_nonfinite="skip"``, return True to skip the update) on a non-finite score or
+        one
+        beyond ``reward_max_abs``."""
         for name, values in (("reward", batch.scores), ("greedy-baseline reward", batch.baseline_scores)):
             if values is None:
                 continue
-            bad = (~torch.isfinite(values)).nonzero().flatten().tolist()
+            bound = self.hparams.get("reward_max_abs")
+            wrong = ~torch.isfinite(values) | (values.abs() > bound if bound is not None else False)
+            bad = wrong.nonzero().flatten().tolist()
             if bad:
                 first = bad[0]
                 where = (
                     f"sample {first} (prompt {samples[first].index}, data_source "
                     f"{samples[first].data_source!r})"
                 )
+                beyond = f" or beyond reward.max_abs={bound:g}" if bound is not None else ""
                 message = (
                     f"step {step}: the {name} of {where} is {float(values[first])}"
-                    f" ({len(bad)} of {len(values)} samples non-finite)"
+                    f" ({len(bad)} of {len(values)} samples non-finite{beyond})"
                 )
                 if self.hparams.on_nonfinite == "raise":
                     raise NonFiniteError(f"{message}; fix the reward or set trainer.on_nonfinite=skip")

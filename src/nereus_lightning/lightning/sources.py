@@ -62,6 +62,7 @@ def make_sources(
     reward_workers: int,
     actor: Any,
     seed: int,
+    reward_timeout_s: float | None = None,
 ) -> JobSources:
     """The sources of a job: ``data.train_files`` with a reward function, or the built-in/hand-written
     ``task``.
@@ -100,7 +101,7 @@ def make_sources(
         else None
     )
     # One reward for both splits; the built-in one must cover the data sources of each.
-    fn: RewardFunction = reward_function(spec, train, reward_workers)
+    fn: RewardFunction = reward_function(spec, train, reward_workers, reward_timeout_s)
     if val is not None and spec is None:
         builtin_reward_covers(val)
     stream = PromptStream(train, shuffle=config.shuffle, seed=seed)

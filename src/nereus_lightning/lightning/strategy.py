@@ -28,10 +28,10 @@ import os
 import time
 import warnings
 from collections.abc import Mapping, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, suppress
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import lightning.pytorch as pl
 import torch
@@ -55,15 +55,27 @@ from typing_extensions import override
 
 from nereus_lightning.control.follower import data_parallel_plan
 from nereus_lightning.lightning.checkpoint import (
+    META_FILE,
+    StoredCheckpoint,
+    check_step_tensors,
     commit,
     encode,
-    read_checkpoint,
+    read_metadata,
     remove,
     staging_path,
     write_metadata,
 )
 from nereus_lightning.lightning.devices import auto_cluster
 from nereus_lightning.lightning.emu_state import EMUStates, StageUpdate
+from nereus_lightning.lightning.integrity import (
+    FileRecord,
+    describe,
+    differing,
+    digests,
+    mismatch_error,
+    own_files,
+    share,
+)
 from nereus_lightning.lightning.launch import check_launch, launch_of
 from nereus_lightning.lightning.roles import RoleModels, RoleModule
 from nereus_lightning.lightning.stages import StageSlot, slot_of
@@ -95,8 +107,9 @@ class NereusStrategy(ParallelStrategy):
             ``"auto"`` (the default): ``cpu4`` on CPU ranks, else the GPU this job has
             (:func:`~nereus_lightning.lightning.devices.auto_cluster`). Every rank prices on
             rank 0's.
-        export_hf: every checkpoint also holds ``hf/<model>/`` per trainable model
-            (``save_pretrained`` in safetensors plus the tokenizer), written by rank 0.
+        export_hf: which checkpoints also hold ``hf/<model>/`` per trainable model (``save_pretrained``
+            in safetensors plus the tokenizer, written by rank 0): ``"end"`` the one at the Trainer's
+            ``max_steps``, ``"every"`` (or True) each, ``"never"`` (or False) none.
         write_back: at the end of ``fit``, gather every role's trained parameters into the
             module's full models (``module.actor`` ...) on rank 0 and, when Lightning forked the
             ranks, into the caller's module. Off by default: it moves every full model through
@@ -117,7 +130,7 @@ class NereusStrategy(ParallelStrategy):
         timeout: timedelta | float = timedelta(seconds=120),
         start_method: Literal["fork", "spawn", "popen"] | None = None,
         cluster: ClusterSpec | str = "auto",
-        export_hf: bool = True,
+        export_hf: str | bool = "end",
         write_back: bool = False,
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
@@ -126,7 +139,7 @@ class NereusStrategy(ParallelStrategy):
             "strategy.start_method",
             f"{start_method!r} is not one of 'fork', 'spawn', 'popen'",
         )
-        self.export_hf = export_hf
+        self.export_hf = export_mode(export_hf)
         self.write_back = write_back
         if cluster != "auto" and isinstance(cluster, str):
             cluster = cluster_preset(cluster)  # an unknown name fails here, listing the presets
@@ -138,6 +151,14 @@ class NereusStrategy(ParallelStrategy):
         self.plan: Plan | None = plan
         self.transitions: list[dict[str, Any]] = []
         self._units: EMUStates | None = None  # every model-stage's units (built at setup)
+        #: The run's :class:`~nereus_lightning.lightning.preemption.Preemption` (it registers itself).
+        self.preemption: Any = None
+        #: Why ``fit`` stopped before ``max_steps``: the signal, the step and the checkpoint written (None: it
+        #: did not); carried to the launching process too.
+        self.stopped: dict[str, Any] | None = None
+        #: The step in flight was dropped on a stop signal (every rank; nothing of it changed any state).
+        self.step_abandoned = False
+        self._hash_s = 0.0  # seconds the last save spent hashing its files (logged)
 
     @classmethod
     def without_trainer(
@@ -337,6 +358,14 @@ class NereusStrategy(ParallelStrategy):
         """Fresh weights from each training model-stage into its model's other model-stages (collective)."""
         self.units.sync_weights()
 
+    def preemption_point(self) -> None:
+        """A safe point of the step in flight (no state changed yet): with a
+        :class:`~nereus_lightning.lightning.preemption.Preemption` callback that abandons steps, every rank
+        raises :class:`~nereus_lightning.lightning.preemption.StepAbandoned` here once a rank got a stop
+        signal (collective then; nothing otherwise)."""
+        if self.preemption is not None and self.lightning_module is not None:
+            self.preemption.preemption_point(self.lightning_module.trainer)
+
     def vllm_engine(self, model_stage: str) -> VLLMInstance:
         """This rank's vLLM engine of a generation model-stage, holding its unit's current weights."""
         return self.units.vllm_instance(model_stage)
@@ -421,8 +450,9 @@ class NereusStrategy(ParallelStrategy):
         rank holds a NaN or an infinity in its state or a training unit's bf16/fp16 parameter that
         is not its fp32 master rounded (the checkpoint stores the master only; the error names the
         model-stage, tensor and rank), or a value of the checkpoint dict cannot be stored in JSON
-        (it names the key). The directory is written under a staging name and renamed to
-        ``filepath`` once complete.
+        (it names the key). The directory is written under a staging name, every file's SHA-256 is
+        recorded (each rank hashes a share), and it is renamed to ``filepath`` once complete; a save
+        that fails on any rank (a full disk) removes its staging directory and raises on every rank.
         """
         path = Path(self.broadcast(str(filepath)))
         units = self.units
@@ -431,26 +461,85 @@ class NereusStrategy(ParallelStrategy):
         checkpoint.pop("optimizer_states", None)
         encoded = self._checked_for_save(path, checkpoint, units)
         staging = staging_path(path)
+        started = time.perf_counter()
+        try:
+            self._write_staged(staging, encoded, int(checkpoint.get("global_step", 0)))
+        except BaseException:
+            if self.is_global_zero:
+                remove(staging)  # nothing of a failed save stays on a full disk
+            with suppress(Exception):  # (the failures above are raised on every rank): no rank leaves
+                self.barrier("nereus-save-failed")  # before rank 0 has removed it
+            raise
+        if self.is_global_zero:
+            commit(path)
+            log.info(
+                "checkpoint %s written in %.2f s (%.2f s of it hashing its files)",
+                path,
+                time.perf_counter() - started,
+                self._hash_s,
+            )
+        self.barrier("nereus-save")
+
+    def _write_staged(self, staging: Path, encoded: Any, step: int) -> None:
+        """The checkpoint in ``staging``: tensors, Hugging Face folders when due, the hashed file list, the
+        metadata last (collective; a failure on any rank raises on every rank)."""
         if self.is_global_zero:
             remove(staging)  # what an interrupted save of this name left
             staging.mkdir(parents=True)
         self.barrier("nereus-save-staging")
         self._require_shared(staging)
-        units.save(str(staging / STATE))
+        self.units.save(str(staging / STATE), step=step)
+        problem = None
+        if self.is_global_zero and self._export_due():
+            problem = _failure(lambda: self._write_hf(str(staging)))
+        self._raise_shared(problem)
+        started = time.perf_counter()
+        files = self._hash_shared(staging)
+        self._hash_s = time.perf_counter() - started
         if self.is_global_zero:
-            if self.export_hf:  # inside the staging directory: part of the atomic save
-                self._write_hf(str(staging))
-            write_metadata(staging, encoded, STATE)
-            commit(path)
-        self.barrier("nereus-save")
+            problem = _failure(lambda: write_metadata(staging, encoded, STATE, files))
+        self._raise_shared(problem)
+
+    def _export_due(self) -> bool:
+        """Whether this save also writes ``hf/<model>/``: every save (``export_hf="every"``), or the run's
+        last one (``"end"``: the Trainer's ``max_steps`` reached)."""
+        if self.export_hf == "every":
+            return True
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        return (
+            self.export_hf == "end" and trainer is not None and trainer.global_step >= trainer.max_steps > 0
+        )
+
+    def _raise_shared(self, problem: str | None) -> None:
+        """Raise rank 0's ``problem`` on every rank (collective)."""
+        problem = self.broadcast(problem)
+        if problem is not None:
+            raise CheckpointError(problem)
+
+    def _hash_shared(self, staging: Path) -> dict[str, FileRecord]:
+        """The record (size, SHA-256) of every file in ``staging``; each rank hashes a share (collective)."""
+        names: list[str] = self.broadcast(own_files(staging) if self.is_global_zero else None)
+        sizes = {name: FileRecord((staging / name).stat().st_size, "") for name in names}
+        mine = share(sizes, self.global_rank, self.world_size)
+        found: dict[str, str] = {}
+        problem = _failure(lambda: found.update(digests(staging, mine)))
+        reports: list[Any] = [(found, problem)]
+        if _distributed_is_initialized():
+            reports = [None] * self.world_size
+            dist.all_gather_object(reports, (found, problem))
+        problems = [p for _, p in reports if p]
+        if problems:
+            raise CheckpointError(f"checkpoint {staging}: {problems[0]}")
+        hashes = {name: digest for part, _ in reports for name, digest in part.items()}
+        return describe(staging, names, hashes)
 
     def _write_hf(self, ckpt_dir: str) -> dict[str, str]:
         """Hugging Face folders of the trained models in a checkpoint being written (``hf/<model>``)."""
-        from nereus_lightning.lightning.export import TRAINED, export_hf, write_hf_metadata
+        from nereus_lightning.lightning.export import TRAINED, write_hf_into, write_hf_metadata
 
         configs = {role: config for role, config in self.units.configs.items() if role in TRAINED}
         write_hf_metadata(configs, self.roles.tokenizer, ckpt_dir)
-        return export_hf(ckpt_dir)
+        return write_hf_into(ckpt_dir)
 
     def _require_shared(self, directory: Path) -> None:
         """Refuse (on every rank) a save into ``directory`` when some rank does not see it (collective).
@@ -514,30 +603,57 @@ class NereusStrategy(ParallelStrategy):
     ) -> dict[str, Any]:
         """Read a directory written by :meth:`save_checkpoint`; nothing from it is unpickled.
 
-        Rank 0 reads and checks the JSON metadata, the DCP metadata and every file's size
-        (:func:`~nereus_lightning.lightning.checkpoint.read_checkpoint`); every rank raises the
-        same :class:`CheckpointError`, naming the damaged file, before any state changes.
+        Rank 0 reads and checks the JSON metadata, the DCP metadata, the values a resume uses and every
+        file's size (:func:`~nereus_lightning.lightning.checkpoint.read_metadata`); then every rank
+        re-hashes a share of the files and rank 0 compares the step inside the tensors with the metadata's.
+        Every rank raises the same :class:`CheckpointError`, naming the damaged file, before any state
+        changes.
         """
         path = Path(self.broadcast(str(checkpoint_path)))
         stored, problem = None, None
         if self.is_global_zero:
-            try:
-                stored = read_checkpoint(path)
-            except CheckpointError as exc:
-                problem = str(exc)
+            stored, problem = _attempt(lambda: read_metadata(path))
         stored, problem = self.broadcast((stored, problem))  # between this job's own ranks
         if problem is not None:
             raise CheckpointError(problem)
+        self._verify_shared(stored)
         if stored.state != STATE:
             raise CheckpointError(
                 f"ckpt_path: {path} holds {stored.state!r} state, written by the retired full-model backend; "
                 "this nereus-lightning resumes only EMU checkpoints (emu/<model_stage>/): export its models "
                 "with the nereus-lightning that wrote it and start from them"
             )
-        self.units.resume_from = str(path / STATE)  # loaded into the units when they are built
+        self.units.resume_from = str(Path(stored.path) / STATE)  # loaded into the units when they are built
         meta = stored.checkpoint
         meta["state_dict"] = {}
         return meta
+
+    def _verify_shared(self, stored: StoredCheckpoint) -> None:
+        """Every file of ``stored`` re-hashed, a share per rank, and its step tensors checked (collective)."""
+        started = time.perf_counter()
+        mine = share(stored.files, self.global_rank, self.world_size)
+        bad, problem = _attempt(lambda: differing(stored.path, stored.files, mine))
+        reports: list[Any] = [(bad, problem)]
+        if _distributed_is_initialized():
+            reports = [None] * self.world_size
+            dist.all_gather_object(reports, (bad, problem))
+        problems = [p for _, p in reports if p]
+        if problems:  # a file could not be read
+            raise CheckpointError(problems[0])
+        differ = sorted(name for names, _ in reports for name in names)
+        if differ:
+            raise mismatch_error(Path(stored.path), META_FILE, differ, len(stored.files))
+        self._raise_shared(_failure(lambda: check_step_tensors(stored)) if self.is_global_zero else None)
+        if self.is_global_zero:
+            total = sum(r.size for r in stored.files.values())
+            log.info(
+                "checkpoint %s: %d files, %.1f MB verified (SHA-256) in %.2f s on %d ranks",
+                stored.path,
+                len(stored.files),
+                total / 1e6,
+                time.perf_counter() - started,
+                self.world_size,
+            )
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -549,8 +665,14 @@ class NereusStrategy(ParallelStrategy):
 
     @override
     def remove_checkpoint(self, filepath: str | os.PathLike) -> None:
-        if self.is_global_zero:
-            remove(filepath)
+        if self.is_global_zero:  # hidden first, so no reader sees a half-removed checkpoint
+            path = Path(filepath)
+            aside = path.with_name(f".{path.name}.removing")
+            if path.exists() and not path.is_symlink():
+                remove(aside)
+                os.rename(path, aside)
+                path = aside
+            remove(path)
 
     @classmethod
     @override
@@ -559,6 +681,22 @@ class NereusStrategy(ParallelStrategy):
         strategy_registry.register(
             "nereus_spawn", cls, description="Nereus strategy, spawned ranks", start_method="spawn"
         )
+
+
+#: Which checkpoints hold Hugging Face folders (``NereusStrategy(export_hf=...)``, nereus-train's too).
+EXPORT_MODES = ("end", "every", "never")
+
+
+def export_mode(value: str | bool) -> str:
+    """``export_hf`` as one of :data:`EXPORT_MODES` (True: ``"every"``, False: ``"never"``, as before)."""
+    if isinstance(value, bool):
+        return "every" if value else "never"
+    require(
+        value in EXPORT_MODES,
+        "export_hf",
+        f"{value!r} is not one of {', '.join(map(repr, EXPORT_MODES))} (or true / false)",
+    )
+    return str(value)
 
 
 #: The CUDA allocator settings the strategy reads (the first is torch's name, the second its newer alias).
@@ -582,6 +720,19 @@ def use_expandable_segments() -> bool:
     return True
 
 
+def _attempt(action: Any) -> tuple[Any, str | None]:
+    """``action()`` and None, or None and its error as a message (that a rank reports to the others)."""
+    try:
+        return action(), None
+    except Exception as exc:  # reported on every rank by the caller
+        return None, str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+
+
+def _failure(action: Any) -> str | None:
+    """The error message of ``action()``, None when it returned."""
+    return _attempt(action)[1]
+
+
 def _first_few(names: list[str], shown: int = 8) -> str:
     """``names`` joined, the first ``shown`` of them and how many more."""
     more = f" and {len(names) - shown} more" if len(names) > shown else ""
@@ -599,6 +750,30 @@ class _ForkLauncher(_MultiProcessingLauncher):
     def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
         quiet_unless_rank_zero(self._strategy.node_rank * self._strategy.num_processes + process_idx)
         super()._wrapping_function(process_idx, *args, **kwargs)
+
+    @override
+    def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        """Start the ranks; a stop signal this process gets meanwhile goes on to them (see ``preemption``)."""
+        from nereus_lightning.lightning import preemption
+
+        callbacks: list[Any] = cast(Any, trainer).callbacks if trainer is not None else []
+        grace = next((c.grace_s for c in callbacks if isinstance(c, preemption.Preemption)), None)
+        if grace is None:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        previous = preemption.forward_to(lambda: [p.pid for p in self.procs if p.pid], grace)
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        finally:
+            preemption.restore(previous)
+
+    @override
+    def get_extra_results(self, trainer: pl.Trainer) -> dict[str, Any]:
+        return {**super().get_extra_results(trainer), "nereus_stopped": self._strategy.stopped}
+
+    @override
+    def update_main_process_results(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
+        super().update_main_process_results(trainer, extra)
+        self._strategy.stopped = extra.get("nereus_stopped")
 
     @override
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:

@@ -6,7 +6,9 @@ before any process starts. It returns a float or a dict with a ``score`` key (th
 keys become metrics). :class:`RewardFunction` scores samples without raising: a failure is kept
 with the sample's index and data source, so every rank can report the same error after the
 exchange instead of leaving its peers waiting. ``num_workers > 0`` scores in a process pool
-(each worker imports the function itself), for slow rewards such as sandboxes and judges.
+(each worker imports the function itself), for slow rewards such as sandboxes and judges;
+``timeout_s`` bounds each sample (a hung one fails the step naming it), and slow scoring logs its
+progress.
 """
 
 from __future__ import annotations
@@ -14,16 +16,20 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import logging
 import math
 import multiprocessing
 import os
 import sys
+import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from nereus_lightning.spec.errors import NereusConfigError
+
+log = logging.getLogger(__name__)
 
 ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")
 BUILTIN = "nereus_lightning.rl.verifiers:default_compute_score"
@@ -152,6 +158,8 @@ def score_one(fn: Callable[..., Any], item: RewardInput, label: str) -> RewardRe
 
 _WORKER_FN: Callable[..., Any] | None = None
 _WORKER_LABEL = ""
+#: Seconds of scoring on a rank after which (and then every as many seconds) it logs its progress.
+PROGRESS_EVERY_S = 30.0
 
 
 def _init_worker(spec: RewardSpec) -> None:
@@ -164,12 +172,67 @@ def _score_in_worker(item: RewardInput) -> RewardResult:
     return score_one(_WORKER_FN, item, _WORKER_LABEL)
 
 
-class RewardFunction:
-    """A reward function: a :class:`RewardSpec` (inline or in ``num_workers`` processes) or a callable."""
+def _ready(_: int) -> bool:
+    """A worker's answer once it has started and imported the reward."""
+    return _WORKER_FN is not None
 
-    def __init__(self, reward: RewardSpec | Callable[..., Any], num_workers: int = 0) -> None:
+
+def _where(item: RewardInput) -> str:
+    return f"sample {item.index} (data_source {item.data_source!r})"
+
+
+class _Progress:
+    """What a rank's scoring has done: samples finished, and since when each running one runs."""
+
+    def __init__(self, total: int, label: str) -> None:
+        self.total, self.label, self.done = total, label, 0
+        self.started = time.monotonic()
+        self.running: dict[int, tuple[RewardInput, float]] = {}
+        self._next = self.started + PROGRESS_EVERY_S
+
+    def report(self) -> None:
+        """Log the progress when it is due (every :data:`PROGRESS_EVERY_S` seconds of slow scoring)."""
+        now = time.monotonic()
+        if now < self._next:
+            return
+        self._next = now + PROGRESS_EVERY_S
+        slowest = min(self.running.values(), key=lambda r: r[1], default=None)
+        running = f"; {_where(slowest[0])} running for {now - slowest[1]:.0f} s" if slowest else ""
+        log.warning(
+            "reward %s: %d of %d samples scored on this rank after %.0f s%s",
+            self.label,
+            self.done,
+            self.total,
+            now - self.started,
+            running,
+        )
+
+
+def _timed_out(item: RewardInput, label: str, timeout_s: float) -> str:
+    return (
+        f"{label} did not return within reward.timeout_s={timeout_s:g} s on {_where(item)}; "
+        "fix the reward, or raise reward.timeout_s"
+    )
+
+
+class RewardFunction:
+    """A reward function: a :class:`RewardSpec` (inline or in ``num_workers`` processes) or a callable.
+
+    ``timeout_s`` bounds each sample's scoring: a sample that takes longer gets an error naming it (the
+    step fails with it), its worker process is killed (a spec scores in at least one process then; a
+    callable is left running on a daemon thread). A rank scoring for longer than :data:`PROGRESS_EVERY_S`
+    logs its progress and the sample it waits for.
+    """
+
+    def __init__(
+        self, reward: RewardSpec | Callable[..., Any], num_workers: int = 0, timeout_s: float | None = None
+    ) -> None:
         if num_workers < 0:
             raise NereusConfigError(f"reward.num_workers: must be >= 0, got {num_workers}")
+        if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+            raise NereusConfigError(
+                f"reward.timeout_s: must be > 0 seconds (or null: no limit), got {timeout_s!r}"
+            )
         if isinstance(reward, RewardSpec):
             self.spec: RewardSpec | None = reward
             self.fn = load_reward_function(reward)
@@ -185,29 +248,100 @@ class RewardFunction:
             self.label = getattr(reward, "__qualname__", type(reward).__name__)
             check_signature(reward, self.label)
         self.num_workers = num_workers
-        self._pool: ProcessPoolExecutor | None = None
+        self.timeout_s = None if timeout_s is None else float(timeout_s)
+        self._pool: Any = None
 
     def __call__(self, items: Sequence[RewardInput]) -> list[RewardResult]:
         """One result per item, in order."""
-        if self.num_workers == 0 or len(items) <= 1:
-            return [score_one(self.fn, item, self.label) for item in items]
+        if not items:
+            return []
+        if self.spec is not None and (self.num_workers or self.timeout_s is not None):
+            return self._in_processes(items)
+        if self.timeout_s is not None:
+            return self._on_threads(items)
+        progress = _Progress(len(items), self.label)
+        out = []
+        for item in items:
+            progress.running = {item.index: (item, time.monotonic())}
+            out.append(score_one(self.fn, item, self.label))
+            progress.done += 1
+            progress.report()
+        return out
+
+    def _in_processes(self, items: Sequence[RewardInput]) -> list[RewardResult]:
+        """Score in the worker processes, at most one sample per worker at a time, each within the timeout."""
+        workers = max(self.num_workers, 1)
         if (
             self._pool is None
         ):  # spawned: workers import the function themselves, not the parent's torch state
-            assert self.spec is not None  # __init__ refuses workers for a reward given as a Python object
-            self._pool = ProcessPoolExecutor(
-                self.num_workers,
-                mp_context=multiprocessing.get_context("spawn"),
-                initializer=_init_worker,
-                initargs=(self.spec,),
-            )
-        chunk = max(1, len(items) // (4 * self.num_workers))
-        return list(self._pool.map(_score_in_worker, items, chunksize=chunk))
+            ctx = multiprocessing.get_context("spawn")
+            self._pool = ctx.Pool(workers, initializer=_init_worker, initargs=(self.spec,))
+            self._pool.map(_ready, range(workers), chunksize=1)  # started: their start is not a sample's time
+        results: dict[int, RewardResult] = {}
+        progress = _Progress(len(items), self.label)
+        waiting = list(enumerate(items))[::-1]
+        running: dict[int, tuple[Any, float]] = {}
+        finished = threading.Event()
+        while waiting or running:
+            while waiting and len(running) < workers:
+                i, item = waiting.pop()
+                future = self._pool.apply_async(
+                    _score_in_worker,
+                    (item,),
+                    callback=lambda _: finished.set(),
+                    error_callback=lambda _: finished.set(),
+                )
+                running[i] = (future, time.monotonic())
+            finished.wait(1.0)
+            finished.clear()
+            for i, (future, started) in list(running.items()):
+                if future.ready():
+                    results[i] = future.get()
+                    del running[i]
+                    progress.done += 1
+                elif self.timeout_s is not None and time.monotonic() - started > self.timeout_s:
+                    return self._abandon(items, results, _timed_out(items[i], self.label, self.timeout_s))
+            progress.running = {items[i].index: (items[i], t) for i, (_, t) in running.items()}
+            progress.report()
+        return [results[i] for i in range(len(items))]
+
+    def _abandon(
+        self, items: Sequence[RewardInput], results: dict[int, RewardResult], error: str
+    ) -> list[RewardResult]:
+        """Kill the workers (one is stuck); every sample not scored gets ``error``."""
+        self.close()
+        return [results.get(i, RewardResult(math.nan, error=error)) for i in range(len(items))]
+
+    def _on_threads(self, items: Sequence[RewardInput]) -> list[RewardResult]:
+        """A callable within the timeout: each sample on a daemon thread (left behind if it never returns)."""
+        assert self.timeout_s is not None
+        progress = _Progress(len(items), self.label)
+        out: list[RewardResult] = []
+        for n, item in enumerate(items):
+            box: list[RewardResult] = []
+            thread = threading.Thread(target=self._score_into, args=(item, box), daemon=True)
+            started = time.monotonic()
+            progress.running = {item.index: (item, started)}
+            thread.start()
+            while thread.is_alive() and time.monotonic() - started <= self.timeout_s:
+                thread.join(min(1.0, self.timeout_s))
+                progress.report()
+            if not box:
+                error = _timed_out(item, self.label, self.timeout_s)
+                return out + [RewardResult(math.nan, error=error)] * (len(items) - n)
+            out.append(box[0])
+            progress.done += 1
+        return out
+
+    def _score_into(self, item: RewardInput, box: list[RewardResult]) -> None:
+        """Score ``item`` into ``box`` (on a thread of :meth:`_on_threads`)."""
+        box.append(score_one(self.fn, item, self.label))
 
     def close(self) -> None:
-        """Stop the worker pool, if any."""
+        """Stop the worker processes, if any (killed: one may be stuck in a reward)."""
         if self._pool is not None:
-            self._pool.shutdown(cancel_futures=True)
+            self._pool.terminate()
+            self._pool.join()
             self._pool = None
 
     def __getstate__(self) -> dict[str, Any]:  # a pool does not travel to spawned ranks; each builds its own

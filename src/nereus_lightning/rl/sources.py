@@ -200,10 +200,13 @@ def builtin_reward_covers(data: PromptData) -> None:
 
 
 def reward_function(
-    spec: RewardSpec | Callable[..., Any] | None, data: PromptData, num_workers: int = 0
+    spec: RewardSpec | Callable[..., Any] | None,
+    data: PromptData,
+    num_workers: int = 0,
+    timeout_s: float | None = None,
 ) -> RewardFunction:
     """The reward of ``spec`` (a spec or a callable), else the data source's built-in one (checks data)."""
     if spec is None:
         builtin_reward_covers(data)
         spec = RewardSpec()
-    return RewardFunction(spec, num_workers)
+    return RewardFunction(spec, num_workers, timeout_s)
