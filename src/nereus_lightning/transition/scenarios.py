@@ -231,11 +231,18 @@ def _case_cluster(
     slack: tuple[float, float],
 ) -> ClusterSpec:
     """An H200 cluster of ``num_gpus`` whose per-GPU memory is the resident peak of either plan
-    times a random slack (so some cases are tight)."""
+    times a random slack (so some cases are tight), all of it the allocator's (no reserved memory)."""
     peak = max(_resident_peak(current, workload, models), _resident_peak(target, workload, models))
     memory = peak / (1 - MEMORY_HEADROOM) * rng.uniform(*slack) * (1 + 1e-9)
     base = CLUSTER_PRESETS["paper_cluster3"]
-    return replace(base, num_nodes=max(1, num_gpus // gpn), gpus_per_node=gpn, gpu_memory=memory, num_gpus=0)
+    return replace(
+        base,
+        num_nodes=max(1, num_gpus // gpn),
+        gpus_per_node=gpn,
+        gpu_memory=memory,
+        num_gpus=0,
+        reserved_memory=0.0,
+    )
 
 
 def _colocate(
