@@ -578,6 +578,8 @@ class EMUStates:
             for name, train in weights_from.items():
                 with open(os.path.join(path, name, WEIGHTS_FROM), "w") as f:
                     json.dump({"weights_from": train}, f)
+        if dist.is_initialized():  # the checkpoint is whole on return, on every rank (a load may follow)
+            dist.barrier()
 
     def write_back(self, dst: int | None = None) -> None:
         """Put every role's logical parameters back into its (released) full model (collective).
