@@ -441,3 +441,20 @@ def remove(path: str | os.PathLike) -> None:
         shutil.rmtree(path)
     elif path.exists() or path.is_symlink():
         path.unlink()
+
+
+def replace_path(new: Path, dest: Path) -> None:
+    """Put ``new`` (a file, link or complete folder) at ``dest``, replacing what is there, never
+    following a link. A folder in the way is renamed aside first and removed after, so ``dest``
+    names a complete thing at every moment but one rename."""
+    if dest.is_dir() and not dest.is_symlink():
+        aside = dest.with_name(f".{dest.name}.previous")
+        remove(aside)
+        os.rename(dest, aside)
+        os.rename(new, dest)
+        remove(aside)
+    elif new.is_dir() and not new.is_symlink() and (dest.is_symlink() or dest.exists()):
+        dest.unlink()  # a folder cannot be renamed over a file or link
+        os.rename(new, dest)
+    else:
+        os.replace(new, dest)

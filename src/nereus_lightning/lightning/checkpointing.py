@@ -156,17 +156,10 @@ def link_atomically(target: str | os.PathLike, link: str | os.PathLike) -> None:
     A directory in its place (a ``last.ckpt`` copy of an older nereus-lightning) is renamed aside and
     removed after the link is in place, so ``link`` always names a complete checkpoint.
     """
-    from nereus_lightning.lightning.checkpoint import remove
+    from nereus_lightning.lightning.checkpoint import remove, replace_path
 
     link = Path(link)
     fresh = link.with_name(f".{link.name}.link")
     remove(fresh)
     os.symlink(os.path.relpath(target, link.parent), fresh)
-    if link.is_dir() and not link.is_symlink():
-        aside = link.with_name(f".{link.name}.previous")
-        remove(aside)
-        os.rename(link, aside)
-        os.replace(fresh, link)
-        remove(aside)
-    else:
-        os.replace(fresh, link)
+    replace_path(fresh, link)

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from nereus_lightning.lightning.checkpoint import remove
+from nereus_lightning.lightning.checkpoint import remove, replace_path
 from nereus_lightning.rl.tokenizer import ByteTokenizer
 from nereus_lightning.spec.errors import CheckpointError, NereusConfigError
 
@@ -231,7 +231,7 @@ def _export_role(root: Path, role: str, stage: str, files: Mapping[str, Any], ou
             if f"{HF_DIR}/{role}/{name}" in files:
                 _copy_regular(root / HF_DIR / role / name, partial / name)
         export_model(str(root / "emu" / stage), str(partial), config, str(config_file))
-        _replace(partial, out / role)
+        replace_path(partial, out / role)
     except BaseException:
         remove(partial)
         raise
@@ -272,16 +272,3 @@ def _copy_regular(source: Path, target: Path) -> None:
             shutil.copyfileobj(src, dst)
 
 
-def _replace(partial: Path, folder: Path) -> None:
-    """Rename the complete ``partial`` folder to ``folder``, replacing what was there (a link is replaced,
-    never followed)."""
-    if folder.is_dir() and not folder.is_symlink():
-        aside = folder.with_name(f".{folder.name}.previous")
-        remove(aside)
-        os.rename(folder, aside)
-        os.rename(partial, folder)
-        remove(aside)
-    else:
-        if folder.is_symlink() or folder.exists():
-            folder.unlink()
-        os.rename(partial, folder)

@@ -814,8 +814,8 @@ class RLModule(L.LightningModule):
                 return torch.cat(scores)[:, None]
             unit = strategy.stage(slot.stage)
             assert unit is not None  # the slot is active
-            budget = slot.candidate.micro_batch
-            micros = response_micro_batches(unit, part, budget, self.hparams.remove_padding)
+            micro_batch = slot.candidate.micro_batch  # the budget: this many padded rows' tokens
+            micros = response_micro_batches(unit, part, micro_batch, self.hparams.remove_padding)
             out = token_scores(unit, [m.micro for m in micros], temperature=self.hparams.temperature)
             assert out is not None  # delivered to every rank of the replica
             parts = out[0].split([m.size for m in micros])

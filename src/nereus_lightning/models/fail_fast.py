@@ -31,6 +31,7 @@ _BREAK_TAG = 0x6E657275  # a tag no other operation uses
 _watcher: threading.Thread | None = None
 _store: dist.Store | None = None  # held, so a failing rank 0 keeps serving its store
 _seen: str | None = None  # the failure the watcher read before it aborted this rank's groups
+_aborting = threading.Lock()  # the watcher and the main thread may both abort; one at a time
 
 
 class PeerFailure(RuntimeError):
@@ -45,11 +46,12 @@ def _default_store() -> dist.Store:
 
 
 def _abort() -> None:
-    """Abort every process group of this rank (idempotent)."""
-    if dist.is_initialized():
-        _break_gloo_pairs()
-        with contextlib.suppress(Exception):
-            dist.distributed_c10d._abort_process_group()
+    """Abort every process group of this rank (idempotent; the watcher and the main thread both call it)."""
+    with _aborting:
+        if dist.is_initialized():
+            _break_gloo_pairs()
+            with contextlib.suppress(Exception):
+                dist.distributed_c10d._abort_process_group()
 
 
 def _break_gloo_pairs() -> None:
@@ -63,13 +65,20 @@ def _break_gloo_pairs() -> None:
 
     world = dist.distributed_c10d._world
     for group in list(world.pg_map):
+        for peer in _gloo_peers(group):
+            with contextlib.suppress(Exception):
+                group.recv([torch.empty(0)], peer, _BREAK_TAG).wait(timedelta(milliseconds=1))
+
+
+def _gloo_peers(group: dist.ProcessGroup) -> list[int]:
+    """The other ranks of a gloo group; none for another backend or a group already destroyed."""
+    try:
         if dist.get_backend(group) != "gloo":
-            continue
+            return []
         me = dist.get_rank(group)
-        for peer in range(dist.get_world_size(group)):
-            if peer != me:
-                with contextlib.suppress(Exception):
-                    group.recv([torch.empty(0)], peer, _BREAK_TAG).wait(timedelta(milliseconds=1))
+        return [peer for peer in range(dist.get_world_size(group)) if peer != me]
+    except (ValueError, RuntimeError):  # removed from the world map by an abort that ran first
+        return []
 
 
 def _watch(store: dist.Store) -> None:

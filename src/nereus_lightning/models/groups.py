@@ -174,6 +174,11 @@ class ReplicaComm:
         return tp_ranks(self.ranks, self.layout, self.pp_rank)
 
     @property
+    def tp_collectives(self) -> dist.ProcessGroup | None:
+        """The group TP collectives run over; None at TP 1, where they are no-ops."""
+        return self.tp_group if self.layout.tp > 1 else None
+
+    @property
     def is_first_stage(self) -> bool:
         """Whether this rank holds the embedding."""
         return self.pp_rank == 0

@@ -69,13 +69,9 @@ class _VocabParallelStats(torch.autograd.Function):
         return logit_grad(logits, targets, ctx.scale, M, S, mean, g_logp, g_ent), None, None, None
 
 
-def _tp_group(model: ShardedCausalLM) -> dist.ProcessGroup | None:
-    return model.comm.tp_group if model.comm.layout.tp > 1 else None
-
-
 def _chunk(model: ShardedCausalLM, hidden: Tensor, targets: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     local = model.local_logits(hidden.unsqueeze(0))[0]
-    return _VocabParallelStats.apply(local, targets - model.vocab_start, scale, _tp_group(model))
+    return _VocabParallelStats.apply(local, targets - model.vocab_start, scale, model.comm.tp_collectives)
 
 
 def head_logprobs(

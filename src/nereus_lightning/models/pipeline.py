@@ -248,7 +248,7 @@ def _scores_like(model: ShardedCausalLM, mbs: Sequence[MicroBatch], rows: int) -
         "score positions on some micro-batches only",
     )
     like = _like(model, mbs, None, 0 if model.value_head else 1, torch.float32)
-    return like.unsqueeze(0).expand(rows, *like.shape).contiguous()
+    return like.new_empty((rows, *like.shape))
 
 
 def token_scores(

@@ -193,7 +193,7 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         """``all_reduce(x @ W_local^T) + b``."""
         out = reduce_from_tp(
-            F.linear(x, self.weight), self.comm.tp_group if self.comm.layout.tp > 1 else None
+            F.linear(x, self.weight), self.comm.tp_collectives
         )
         return out if self.bias is None else out + self.bias
 
@@ -511,14 +511,14 @@ class ShardedCausalLM(nn.Module):
         replicated and sees the full hidden state, so every TP rank computes the same values).
         """
         if not self.value_head:
-            hidden = copy_to_tp(hidden, self.comm.tp_group if self.comm.layout.tp > 1 else None)
+            hidden = copy_to_tp(hidden, self.comm.tp_collectives)
         return self.family_head(inputs_embeds=hidden).logits
 
     def full_logits(self, local: Tensor) -> Tensor:
         """All-gather local logits over TP into ``[B, S, V]`` (differentiable); a value model's as is."""
         if self.value_head:
             return local
-        group = self.comm.tp_group if self.comm.layout.tp > 1 else None
+        group = self.comm.tp_collectives
         return gather_from_tp(local, group, self.comm.tp_ranks, self.comm.tp_rank)
 
     def forward(
