@@ -36,18 +36,22 @@ def strategy_at(module, placement: dict, algorithm: str = "ppo") -> NereusStrate
 
 
 def one_update(
-    rank: int, world_size: int, placement: dict[str, tuple[int, ...]], algorithm: str = "ppo"
+    rank: int,
+    world_size: int,
+    placement: dict[str, tuple[int, ...]],
+    algorithm: str = "ppo",
+    **kwargs: object,
 ) -> dict:
     """Build the module (same seed everywhere), run one RL step under ``placement``; return params and
-    metrics.
+    metrics. ``kwargs`` go to the module (GRPO's defaults for an algorithm without a critic).
 
     Parameters are the logical ones, gathered from the EMUs onto rank 0 (other ranks return none).
     """
     torch.manual_seed(0)
     cls = PPOModule if algorithm == "ppo" else GRPOModule
-    module = cls(task=small_task(), prompts_per_step=8, seed=3)
+    module = cls(task=small_task(), prompts_per_step=8, seed=3, adv_estimator=algorithm, **kwargs)
     opt = module.configure_optimizers()
-    strategy = strategy_at(module, placement, algorithm)
+    strategy = strategy_at(module, placement, module.algorithm)
     metrics = module.rl_step(0, strategy, opt)
     params: dict[str, torch.Tensor] = {}
     roles = [("actor", "actor_train")] + ([("critic", "critic_train")] if module.critic is not None else [])

@@ -45,7 +45,7 @@ def _update_errors(rank: int, world: int) -> dict[str, float]:
     from nereus_lightning.lightning.batches import replica_backward, response_micro_batches
     from nereus_lightning.models import ShardedCausalLM
     from nereus_lightning.plan.layout import Layout
-    from nereus_lightning.rl.algorithm import RLConfig, loss_normalizer
+    from nereus_lightning.rl.algorithm import RLConfig
 
     model = tiny_model("qwen2")
     _, comm = my_replica(rank, world, Layout(2, 2), tied=False)
@@ -54,7 +54,7 @@ def _update_errors(rank: int, world: int) -> dict[str, float]:
     errors: dict[str, float] = {}
     for mode in LOSS_AGG_MODES:
         cfg = RLConfig(algorithm="grpo", loss_agg=mode, kl_loss_coef=0.1, entropy_coef=0.01)
-        normalizer, tokens = loss_normalizer(mask, mode), mask.sum()
+        normalizer, tokens = cfg.normalizer(mask), mask.sum()
         grads, losses = [], []
         for remove_padding, micro_batch in ((False, len(batch)), (True, 1)):
             unit = ShardedCausalLM.from_model(model, comm)

@@ -13,8 +13,11 @@ from nereus_lightning.rl.advantages import (
     grpo_advantages,
     masked_var,
     masked_whiten,
+    reinforce_plus_plus_advantages,
+    reinforce_plus_plus_baseline_advantages,
     remax_advantages,
     returns_to_go,
+    rloo_advantages,
     scores_to_token_rewards,
 )
 from nereus_lightning.spec.errors import NereusConfigError
@@ -122,3 +125,46 @@ def test_scores_on_last_token_and_kl_penalty():
     assert penalised.tolist() == _rows(torch.tensor([[-0.05, 1.1]]))
     assert m["actor/kl"].item() == pytest.approx(-0.25)
     assert m["actor/reward_kl_penalty_coeff"].item() == pytest.approx(0.1)
+
+
+# A batch of five samples of two prompts; responses of 2, 1, 3, 1 and 2 tokens.
+GROUPS = torch.tensor([0, 0, 0, 1, 1])
+SCORES = torch.tensor([1.0, 0.0, 2.0, 3.0, 5.0])
+MASK = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 0, 0], [1, 1, 0]])
+
+
+def test_rloo_subtracts_the_mean_of_the_other_samples():
+    # group 0: 1 - (0+2)/2 = 0; 0 - (1+2)/2 = -1.5; 2 - (1+0)/2 = 1.5. group 1: 3 - 5 = -2; 5 - 3 = 2.
+    adv, ret = rloo_advantages(SCORES, MASK, GROUPS)
+    assert _rows(adv) == [[0, 0, 0], [-1.5, 0, 0], [1.5, 1.5, 1.5], [-2, 0, 0], [2, 2, 0]]
+    assert torch.equal(adv, ret)
+    # a prompt with one sample has no other sample: its score stays
+    alone, _ = rloo_advantages(torch.tensor([4.0]), torch.ones(1, 2), [7])
+    assert _rows(alone) == [[4, 4]]
+
+
+def test_grpo_without_std_division_only_removes_the_group_mean():
+    # Dr. GRPO: group means 1 and 4 -> 0, -1, 1, -1, 1 (a std of 1 would hide the difference: use x10)
+    adv, _ = grpo_advantages(10 * SCORES, MASK, GROUPS, norm_by_std=False)
+    assert _rows(adv) == [[0, 0, 0], [-10, 0, 0], [10, 10, 10], [-10, 0, 0], [10, 10, 0]]
+
+
+def test_reinforce_plus_plus_baseline_whitens_the_centred_scores_over_the_batch_tokens():
+    # centred: 0, -1, 1, -1, 1 on 2, 1, 3, 1, 2 tokens: 9 values summing to 3, mean 1/3; squared deviations
+    # 2 x 1/9 + 2 x 16/9 + 5 x 4/9 = 6; unbiased variance 6/8 = 0.75.
+    adv, ret = reinforce_plus_plus_baseline_advantages(SCORES, MASK, GROUPS)
+    s = math.sqrt(0.75 + 1e-8)
+    lo, mid, hi = (-1 / 3) / s, (-4 / 3) / s, (2 / 3) / s
+    assert _rows(adv) == [[lo, lo, 0], [mid, 0, 0], [hi, hi, hi], [mid, 0, 0], [hi, hi, 0]]
+    assert torch.equal(adv, ret)
+
+
+def test_reinforce_plus_plus_whitens_discounted_returns_to_go():
+    # gamma 0.5: rewards [0, 0, 1] -> returns .25, .5, 1; rewards [0, -1, pad] -> -.5, -1.
+    # 5 values, mean .05; squared deviations .04 + .2025 + .9025 + .3025 + 1.1025 = 2.55; variance 2.55/4.
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, -1.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    adv, ret = reinforce_plus_plus_advantages(rewards, mask, gamma=0.5)
+    assert _rows(ret) == [[0.25, 0.5, 1.0], [-0.5, -1.0, 0.0]]
+    s = math.sqrt(2.55 / 4 + 1e-8)
+    assert _rows(adv) == [[0.2 / s, 0.45 / s, 0.95 / s], [-0.55 / s, -1.05 / s, 0.0]]

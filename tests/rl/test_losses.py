@@ -1,4 +1,4 @@
-"""PPO losses and KL estimators against values worked out by hand in the comments."""
+"""Policy losses (PPO, GSPO), loss aggregation and KL estimators against values worked out by hand."""
 
 from __future__ import annotations
 
@@ -11,9 +11,12 @@ from nereus_lightning.rl.losses import (
     agg_loss,
     entropy_from_logits,
     entropy_loss,
+    gspo_policy_loss,
     kl_loss,
     kl_penalty,
+    loss_normalizer,
     policy_loss,
+    register_policy_loss,
     token_log_probs,
     value_loss,
 )
@@ -125,3 +128,57 @@ def test_agg_loss_rejects_unknown_mode():
     # an all-masked sequence does not count in sequence means
     x = torch.tensor([[2.0, 4.0], [100.0, 100.0]])
     assert agg_loss(x, torch.tensor([[1, 1], [0, 0]]), "seq-mean-token-mean").item() == pytest.approx(3.0)
+
+
+def test_seq_mean_token_sum_norm_divides_by_sequences_times_a_constant_length():
+    # sums 6 and 4 over 2 sequences of width 3: 10 / (2 x 3); with a constant length of 5: 10 / (2 x 5)
+    x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    assert agg_loss(x, mask, "seq-mean-token-sum-norm").item() == pytest.approx(10 / 6)
+    norm = loss_normalizer(mask, "seq-mean-token-sum-norm", length=5)
+    assert agg_loss(x, mask, "seq-mean-token-sum-norm", norm).item() == pytest.approx(1.0)
+
+
+def test_gspo_uses_one_ratio_per_sequence_with_each_tokens_gradient():
+    # new log-probs ln 1.2 and 0 against old 0: the sequence's ratio is exp(ln(1.2)/2) = sqrt(1.2) on both
+    # tokens; A = 1 inside [0.8, 1.28]: loss -sqrt(1.2) (token mean), d loss / d log p_t = -sqrt(1.2) / 2.
+    new = torch.tensor([[math.log(1.2), 0.0]], requires_grad=True)
+    old, adv, mask = torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2)
+    loss, m = gspo_policy_loss(new, old, adv, mask, clip_eps=0.2, clip_eps_high=0.28)
+    loss.backward()
+    assert loss.item() == pytest.approx(-math.sqrt(1.2))
+    assert new.grad.tolist() == [[pytest.approx(-math.sqrt(1.2) / 2)] * 2]
+    assert m["actor/pg_clipfrac"].item() == 0.0
+    # the same sequence clipped at 1 + 0.05: the loss is the clipped one, and no gradient flows
+    new.grad = None
+    loss, m = gspo_policy_loss(new, old, adv, mask, clip_eps=0.2, clip_eps_high=0.05)
+    loss.backward()
+    assert loss.item() == pytest.approx(-1.05)
+    assert new.grad.abs().sum().item() == 0.0 and m["actor/pg_clipfrac"].item() == 1.0
+
+
+def test_actor_loss_applies_verls_dual_clip_by_default_and_the_chosen_policy_loss():
+    from nereus_lightning.rl.algorithm import RLConfig, actor_loss
+    from nereus_lightning.rl.batch import RolloutBatch
+
+    # one token, A = -1, ratio 5: the clipped surrogate is max(5, 1.2) = 5; dual clip caps it at 3
+    ids = torch.ones(1, 1, dtype=torch.long)
+    micro = RolloutBatch(ids, ids, ids, ids, torch.zeros(1), torch.zeros(1))
+    micro.old_log_probs, micro.advantages = torch.zeros(1, 1), -torch.ones(1, 1)
+    new, one = torch.full((1, 1), math.log(5.0)), torch.tensor(1.0)
+    assert actor_loss(new, micro, RLConfig(), one, one)[0].item() == pytest.approx(3.0)
+    assert actor_loss(new, micro, RLConfig(dual_clip=None), one, one)[0].item() == pytest.approx(5.0)
+    calls = []
+
+    def doubled(*args, **kwargs):
+        calls.append(kwargs["agg"])
+        loss, m = policy_loss(*args, **kwargs)
+        return 2 * loss, m
+
+    register_policy_loss("doubled_for_test", doubled)
+    cfg = RLConfig(policy_loss="doubled_for_test", loss_agg="seq-mean-token-sum")
+    assert actor_loss(new, micro, cfg, one, one)[0].item() == pytest.approx(6.0) and calls == [
+        "seq-mean-token-sum"
+    ]
+    with pytest.raises(NereusConfigError, match="'doubled_for_test' is registered already"):
+        register_policy_loss("doubled_for_test", lambda *a, **k: None)

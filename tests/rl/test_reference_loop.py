@@ -171,10 +171,19 @@ def test_ppo_and_remax_run_with_kl_and_report_verl_metrics(algorithm):
 
 
 def test_rl_config_rejects_bad_input():
-    with pytest.raises(NereusConfigError, match="ppo, grpo, remax"):
+    with pytest.raises(
+        NereusConfigError, match="'dpo' is not a known algorithm; choose one of ppo, grpo, rloo"
+    ):
         RLConfig(algorithm="dpo")
-    with pytest.raises(NereusConfigError, match="GRPO needs"):
-        RLConfig(algorithm="grpo", samples_per_prompt=1)
+    for name in ("grpo", "rloo"):
+        with pytest.raises(NereusConfigError, match="needs >= 2 samples per prompt, got 1"):
+            RLConfig(algorithm=name, samples_per_prompt=1)
+    with pytest.raises(NereusConfigError, match="algorithm.loss_agg_mode"):
+        RLConfig(loss_agg="sequence-mean")
+    with pytest.raises(NereusConfigError, match="algorithm.policy_loss"):
+        RLConfig(policy_loss="dpo")
+    with pytest.raises(NereusConfigError, match="algorithm.clip_ratio_c"):
+        RLConfig(dual_clip=0.5)
 
 
 def test_reference_cli_writes_a_summary(tmp_path):

@@ -212,13 +212,15 @@ def _spec_of(source: str, key: str) -> Any:
 
 def _job_models(cfg: Any) -> Any:
     from nereus_lightning.plan.planner import job_models
+    from nereus_lightning.spec.algorithms import algorithm_spec
 
     actor_source = model_source(cfg.actor)
     actor = _spec_of(actor_source, "actor.path")
     critic = _spec_of(model_source(cfg.get("critic"), actor_source), "critic.path")
     reward_source = reward_model_source(cfg)
     reward = _spec_of(reward_source, "reward_model.path") if reward_source else None
-    return job_models(actor, critic=critic if _algorithm_name(cfg) == "ppo" else None, reward=reward)
+    uses_critic = algorithm_spec(_algorithm_name(cfg)).critic
+    return job_models(actor, critic=critic if uses_critic else None, reward=reward)
 
 
 def _task_config(cfg: Any) -> Any:
@@ -288,13 +290,26 @@ def tight_gpu_memory(cfg: Any, cluster: Any) -> float | None:
 
 
 def _algorithm_name(cfg: Any) -> str:
-    target = str(cfg.algorithm._target_)
-    for name, cls in (("grpo", "GRPOModule"), ("remax", "ReMaxModule"), ("ppo", "PPOModule")):
-        if target.endswith(cls):
-            return name
-    raise NereusConfigError(
-        f"algorithm._target_: {target!r} is not one of PPOModule, GRPOModule, ReMaxModule"
-    )
+    """The registered name of the job's algorithm: ``algorithm.adv_estimator``, else its module class's."""
+    from hydra.utils import get_class
+
+    from nereus_lightning.lightning.module import RLModule
+    from nereus_lightning.rl.registry import algorithm_of
+
+    chosen = cfg.algorithm.get("adv_estimator")
+    if chosen is None:
+        target = str(cfg.algorithm._target_)
+        try:
+            cls = get_class(target)
+        except Exception as exc:
+            raise NereusConfigError(f"algorithm._target_: cannot import {target!r} ({exc})") from exc
+        if not (isinstance(cls, type) and issubclass(cls, RLModule)):
+            raise NereusConfigError(
+                f"algorithm._target_: {target!r} is not an RLModule "
+                "(e.g. nereus_lightning.lightning.GRPOModule)"
+            )
+        chosen = cls.default_algorithm
+    return algorithm_of(str(chosen)).name
 
 
 def _num_nodes(cfg: Any) -> int:

@@ -21,6 +21,8 @@ class Alias:
 
     key: str
     values: Mapping[str, str] = field(default_factory=dict)
+    #: A value outside ``values`` goes to ``other_key`` unchanged (None: it is refused).
+    other_key: str | None = None
 
 
 #: verl key -> nereus-train key.
@@ -28,11 +30,29 @@ ALIASES: dict[str, Alias] = {
     "actor_rollout_ref.model.path": Alias("actor.path"),
     "critic.model.path": Alias("critic.path"),
     "reward_model.model.path": Alias("reward_model.path"),
-    "algorithm.adv_estimator": Alias("algorithm", {"gae": "ppo", "grpo": "grpo", "remax": "remax"}),
+    "algorithm.adv_estimator": Alias(
+        "algorithm",
+        {
+            "gae": "ppo",
+            "grpo": "grpo",
+            "rloo": "rloo",
+            "reinforce_plus_plus": "reinforce_plus_plus",
+            "reinforce_plus_plus_baseline": "reinforce_plus_plus_baseline",
+            "remax": "remax",
+        },
+        other_key="algorithm.adv_estimator",  # a registered name or file.py:name of your Algorithm
+    ),
     "actor_rollout_ref.rollout.n": Alias("algorithm.samples_per_prompt"),
     "actor_rollout_ref.actor.optim.lr": Alias("algorithm.actor_lr"),
     "critic.optim.lr": Alias("algorithm.critic_lr"),
     "actor_rollout_ref.actor.clip_ratio": Alias("algorithm.clip_ratio"),
+    "actor_rollout_ref.actor.clip_ratio_low": Alias("algorithm.clip_ratio_low"),
+    "actor_rollout_ref.actor.clip_ratio_high": Alias("algorithm.clip_ratio_high"),
+    "actor_rollout_ref.actor.clip_ratio_c": Alias("algorithm.clip_ratio_c"),
+    "actor_rollout_ref.actor.policy_loss.loss_mode": Alias("algorithm.policy_loss"),
+    "actor_rollout_ref.actor.loss_agg_mode": Alias("algorithm.loss_agg_mode"),
+    "actor_rollout_ref.actor.loss_scale_factor": Alias("algorithm.loss_scale_factor"),
+    "actor_rollout_ref.actor.entropy_coeff": Alias("algorithm.entropy_coeff"),
     "critic.cliprange_value": Alias("algorithm.cliprange_value"),
     "actor_rollout_ref.actor.kl_loss_coef": Alias("algorithm.kl_loss_coef"),
     "actor_rollout_ref.actor.kl_loss_type": Alias("algorithm.kl_loss_type"),
@@ -102,7 +122,10 @@ def translate(overrides: Sequence[str]) -> tuple[list[str], list[str]]:
         if key not in ALIASES:
             raise NereusConfigError(f"{key} is verl's key: {_hint(key)} (README: verl's names)")
         alias, rest = ALIASES[key], match.group("rest") or ""
-        if alias.values and rest:
+        target = alias.key
+        if alias.values and rest and rest[1:] not in alias.values and alias.other_key is not None:
+            target = alias.other_key
+        elif alias.values and rest:
             value = rest[1:]
             if value not in alias.values:
                 raise NereusConfigError(
@@ -110,8 +133,9 @@ def translate(overrides: Sequence[str]) -> tuple[list[str], list[str]]:
                     f"(verl's {', '.join(alias.values)})"
                 )
             rest = f"={alias.values[value]}"
-        out.append(f"{match.group('prefix').lstrip('+')}{alias.key}{rest}")
-        notes.append(f"{key} is verl's name for {alias.key}")
+        out.append(f"{match.group('prefix').lstrip('+')}{target}{rest}")
+        if target != key:
+            notes.append(f"{key} is verl's name for {target}")
     return out, notes
 
 
@@ -125,6 +149,11 @@ def alias_table() -> str:
     """The README's table: verl's key and nereus-train's."""
     rows = ["| verl | nereus-train |", "| --- | --- |"]
     for key, alias in ALIASES.items():
-        values = f" ({', '.join(f'{a} -> {b}' for a, b in alias.values.items())})" if alias.values else ""
+        renamed = [f"{a} -> {b}" for a, b in alias.values.items() if a != b]
+        kept = [a for a, b in alias.values.items() if a == b]
+        parts = renamed + ([f"{', '.join(kept)} as they are"] if kept else [])
+        if alias.other_key:
+            parts.append(f"any other value: `{alias.other_key}`")
+        values = f" ({'; '.join(parts)})" if parts else ""
         rows.append(f"| `{key}` | `{alias.key}`{values} |")
     return "\n".join(rows)

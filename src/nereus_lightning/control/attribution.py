@@ -67,8 +67,9 @@ def calibrate_on_phases(
     (``estimate`` priced at its current efficiencies).
     """
     if stage_of is None:
+        from nereus_lightning.spec.algorithms import algorithm_names
         from nereus_lightning.spec.workload import workflow
 
-        stage_of = {m.name: m.stage for algo in ("ppo", "grpo", "remax") for m in workflow(algo)}
+        stage_of = {m.name: m.stage for algo in algorithm_names() for m in workflow(algo)}
     for op, (predicted, seconds) in op_times(estimate, measured, stage_of).items():
         calibration.observe(op, predicted, seconds)

@@ -1,5 +1,6 @@
-"""RL LightningModules: PPO (actor, critic, reference, function reward; GAE), GRPO (group-normalised
-advantages, no critic) and ReMax (greedy-rollout baseline).
+"""RL LightningModules: :class:`RLModule` runs any registered algorithm (``adv_estimator``: PPO's GAE, GRPO,
+RLOO, REINFORCE++, ReMax or one of yours, :mod:`nereus_lightning.rl.registry`); PPOModule, GRPOModule and
+ReMaxModule are its presets.
 
 A job's prompts and rewards come from a :class:`~nereus_lightning.rl.sources.PromptSource`: the
 user's data files and ``compute_score`` reward (``data=...``, ``reward_function=...``) or a
@@ -71,6 +72,7 @@ from nereus_lightning.rl.rollout import (
 from nereus_lightning.rl.sources import Sample
 from nereus_lightning.rl.tokenizer import pad_ids
 from nereus_lightning.rl.vllm_engine import VLLMEngine, check_vllm_model, require_vllm
+from nereus_lightning.spec.algorithms import algorithm_spec
 from nereus_lightning.spec.errors import NereusConfigError, require
 from nereus_lightning.spec.workload import GenerationEngine, Workload
 
@@ -209,8 +211,21 @@ class RLModule(L.LightningModule):
             1e-5 for a model folder, 3e-3 for a preset's or config's random weights).
         kl_coef, kl_penalty: in-reward KL penalty and its estimator (PPO, ReMax).
         kl_loss_coef, kl_loss_type: KL to the reference as a loss term and its estimator (GRPO).
+        adv_estimator: the algorithm (verl's ``algorithm.adv_estimator``): a registered name (``gae``
+            or ``ppo``, ``grpo``, ``rloo``, ``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``,
+            ``remax``) or ``file.py:name`` / ``module:name`` of an :class:`~nereus_lightning.rl.Algorithm`;
+            ``None``: the class's (``PPOModule``: ppo).
+        norm_adv_by_std_in_grpo: GRPO divides by the group's std (False: Dr. GRPO).
+        policy_loss: ``"vanilla"`` (PPO's clipped surrogate), ``"gspo"`` (sequence-level ratios) or a
+            registered one (``rl.losses.register_policy_loss``).
         clip_ratio, cliprange_value: PPO clipping.
-        gamma, lam: GAE discount and lambda.
+        clip_ratio_low, clip_ratio_high: asymmetric clipping (DAPO's clip-higher); ``None``: ``clip_ratio``.
+        clip_ratio_c: dual clip: a negative-advantage token's loss is capped at ``-A * c`` (``None``: off).
+        entropy_coeff: the entropy bonus's weight.
+        loss_agg_mode: ``"token-mean"``, ``"seq-mean-token-mean"``, ``"seq-mean-token-sum"`` or
+            ``"seq-mean-token-sum-norm"`` (Dr. GRPO; divided by ``loss_scale_factor``, default the
+            batch's response width), for every loss term, on every layout alike.
+        gamma, lam: GAE discount and lambda (``gamma`` also discounts REINFORCE++'s returns).
         temperature: sampling temperature (log-probs are of ``logits / temperature``, as verl).
         mini_batches, ppo_epochs: optimizer updates per RL step.
         grad_clip: the global gradient-norm clip.
@@ -235,8 +250,7 @@ class RLModule(L.LightningModule):
             tokens; False: padded micro-batches of the plan's micro-batch of rows.
     """
 
-    algorithm: ClassVar[str] = "ppo"
-    uses_critic: ClassVar[bool] = True
+    default_algorithm: ClassVar[str] = "ppo"  # what ``adv_estimator=None`` means
 
     if TYPE_CHECKING:  # what ``save_hyperparameters`` stores: the arguments below, read by attribute
 
@@ -263,8 +277,17 @@ class RLModule(L.LightningModule):
         kl_penalty: str = "kl",
         kl_loss_coef: float = 0.0,
         kl_loss_type: str = "low_var_kl",
+        adv_estimator: str | None = None,
+        norm_adv_by_std_in_grpo: bool = True,
+        policy_loss: str = "vanilla",
         clip_ratio: float = 0.2,
+        clip_ratio_low: float | None = None,
+        clip_ratio_high: float | None = None,
+        clip_ratio_c: float | None = 3.0,
         cliprange_value: float = 0.5,
+        entropy_coeff: float = 0.0,
+        loss_agg_mode: str = "token-mean",
+        loss_scale_factor: float | None = None,
         gamma: float = 1.0,
         lam: float = 0.95,
         temperature: float = 1.0,
@@ -287,11 +310,40 @@ class RLModule(L.LightningModule):
         if critic_lr is None:
             critic_lr = default_lr("critic", actor if critic is None else critic)
         check_hyperparameters(dict(locals()))
+        self.rl_config = rl.RLConfig(
+            algorithm=adv_estimator or self.default_algorithm,
+            prompts_per_step=prompts_per_step,
+            samples_per_prompt=samples_per_prompt,
+            actor_lr=actor_lr,
+            critic_lr=critic_lr,
+            ppo_epochs=ppo_epochs,
+            mini_batches=mini_batches,
+            policy_loss=policy_loss,
+            clip_eps=clip_ratio if clip_ratio_low is None else clip_ratio_low,
+            clip_eps_high=clip_ratio_high,
+            dual_clip=clip_ratio_c,
+            value_clip=cliprange_value,
+            kl_coef=kl_coef,
+            kl_penalty=kl_penalty,
+            kl_loss_coef=kl_loss_coef,
+            kl_loss_type=kl_loss_type,
+            entropy_coef=entropy_coeff,
+            gamma=gamma,
+            lam=lam,
+            norm_adv_by_std=norm_adv_by_std_in_grpo,
+            temperature=temperature,
+            loss_agg=loss_agg_mode,
+            loss_scale_factor=loss_scale_factor,
+            grad_clip=grad_clip,
+            seed=seed,
+        )
+        self.algorithm = self.rl_config.algorithm  # the registered name
+        self.algorithm_spec = algorithm_spec(self.algorithm)
         require(
-            reward_model is None or self.algorithm != "remax",
+            reward_model is None or not self.algorithm_spec.greedy_baseline,
             "reward_model",
-            "ReMax scores its greedy baseline with the reward function; use algorithm=ppo or grpo with a "
-            "reward model",
+            f"{self.algorithm} scores its greedy baseline with the reward function; use an algorithm "
+            "without a greedy baseline (ppo, grpo, rloo, ...) with a reward model",
         )
         self.save_hyperparameters(ignore=["task", "reward_function", "data"])
         # The resolved rates (a subclass's own arguments would otherwise record the None it was given).
@@ -301,26 +353,6 @@ class RLModule(L.LightningModule):
             task, data, reward_function, reward_workers, actor, seed, reward_timeout_s
         )
         self.source = self.sources.train
-        self.rl_config = rl.RLConfig(
-            algorithm=self.algorithm,
-            prompts_per_step=prompts_per_step,
-            samples_per_prompt=samples_per_prompt,
-            actor_lr=actor_lr,
-            critic_lr=critic_lr,
-            ppo_epochs=ppo_epochs,
-            mini_batches=mini_batches,
-            clip_eps=clip_ratio,
-            value_clip=cliprange_value,
-            kl_coef=kl_coef,
-            kl_penalty=kl_penalty,
-            kl_loss_coef=kl_loss_coef,
-            kl_loss_type=kl_loss_type,
-            gamma=gamma,
-            lam=lam,
-            temperature=temperature,
-            grad_clip=grad_clip,
-            seed=seed,
-        )
         self.tokenizer = self.sources.tokenizer
         self.actor, self.reference, self.critic, self.reward = self._build_models(
             actor, reference, critic, reward_model, seed
@@ -350,7 +382,7 @@ class RLModule(L.LightningModule):
             roles.build_value_model(
                 critic if critic is not None else actor, seed + 1, vocab, pad, key="critic.path"
             )
-            if self.uses_critic
+            if self.algorithm_spec.critic
             else None
         )
         built_reward = (
@@ -577,7 +609,7 @@ class RLModule(L.LightningModule):
         n = len(samples)
         max_new = self.source.max_response_len(step)
         prompt_ids, prompt_mask, responses, greedy, versions = self.generate(
-            strategy, samples, max_new, step, with_greedy=self.algorithm == "remax"
+            strategy, samples, max_new, step, with_greedy=self.algorithm_spec.greedy_baseline
         )
         t_gen = time.perf_counter()
         peaks.mark("gen")
@@ -841,7 +873,7 @@ class RLModule(L.LightningModule):
         for _epoch in range(hp.ppo_epochs):
             for lo, hi in minis:
                 # the global mini-batch's loss denominator and tokens (every layout and micro-batching alike)
-                normalizer = rl.loss_normalizer(mask[lo:hi], self.rl_config.loss_agg).clamp_min(1.0)
+                normalizer = self.rl_config.normalizer(mask[lo:hi])
                 total_tokens = mask[lo:hi].sum().clamp_min(1.0)
                 part: dict[str, float] = {}
                 problems: list[str] = []
@@ -971,8 +1003,7 @@ def _sum_over_ranks(values: dict[str, float], problems: list[str]) -> tuple[dict
 class PPOModule(RLModule):
     """PPO: actor, critic, reference and a reward function; GAE advantages; clipped losses."""
 
-    algorithm = "ppo"
-    uses_critic = True
+    default_algorithm = "ppo"
 
 
 class GRPOModule(RLModule):
@@ -980,17 +1011,11 @@ class GRPOModule(RLModule):
     term.
     """
 
-    algorithm = "grpo"
-    uses_critic = False
+    default_algorithm = "grpo"
 
     def __init__(
         self, *args: Any, samples_per_prompt: int = 4, kl_loss_coef: float = 0.001, **kwargs: Any
     ) -> None:
-        require(
-            samples_per_prompt >= 2,
-            "algorithm.samples_per_prompt",
-            f"GRPO needs >= 2 samples per prompt, got {samples_per_prompt}",
-        )
         kwargs.update(samples_per_prompt=samples_per_prompt, kl_loss_coef=kl_loss_coef)
         super().__init__(*args, **kwargs)
 
@@ -998,5 +1023,4 @@ class GRPOModule(RLModule):
 class ReMaxModule(RLModule):
     """ReMax: REINFORCE with the greedy response's reward as the baseline (no critic)."""
 
-    algorithm = "remax"
-    uses_critic = False
+    default_algorithm = "remax"

@@ -1,4 +1,4 @@
-"""RL algorithms (PPO, GRPO, ReMax), rollout engines, rewards and the embedded default's task.
+"""RL algorithms (a registry: PPO, GRPO, RLOO, REINFORCE++, ReMax, yours), rollout engines, rewards, tasks.
 
 Pure torch on one process; the Lightning strategy distributes the stage functions.
 """
@@ -9,12 +9,14 @@ from nereus_lightning.rl.advantages import (
     grpo_advantages,
     masked_var,
     masked_whiten,
+    reinforce_plus_plus_advantages,
+    reinforce_plus_plus_baseline_advantages,
     remax_advantages,
     returns_to_go,
+    rloo_advantages,
     scores_to_token_rewards,
 )
 from nereus_lightning.rl.algorithm import (
-    ALGORITHMS,
     RLConfig,
     RLModels,
     batch_metrics,
@@ -32,16 +34,20 @@ from nereus_lightning.rl.forward import (
     response_values,
 )
 from nereus_lightning.rl.losses import (
+    POLICY_LOSSES,
     agg_loss,
     entropy_from_logits,
     entropy_loss,
+    gspo_policy_loss,
     kl_loss,
     kl_penalty,
     masked_mean,
     policy_loss,
+    register_policy_loss,
     token_log_probs,
     value_loss,
 )
+from nereus_lightning.rl.registry import Algorithm, algorithm_of, register_algorithm
 from nereus_lightning.rl.reward import FunctionReward, ModelReward, RewardScorer, make_scorer
 from nereus_lightning.rl.rollout import (
     ForwardEngine,
@@ -55,7 +61,15 @@ from nereus_lightning.rl.tokenizer import ByteTokenizer
 from nereus_lightning.rl.vllm_engine import VLLMEngine
 
 __all__ = [
-    "ALGORITHMS",
+    "Algorithm",
+    "POLICY_LOSSES",
+    "algorithm_of",
+    "register_algorithm",
+    "register_policy_loss",
+    "rloo_advantages",
+    "reinforce_plus_plus_advantages",
+    "reinforce_plus_plus_baseline_advantages",
+    "gspo_policy_loss",
     "RLConfig",
     "RLModels",
     "batch_metrics",

@@ -1,4 +1,4 @@
-"""Advantage estimators: GAE (PPO), group-normalised scores (GRPO), greedy baseline (ReMax).
+"""Advantage estimators: GAE (PPO), GRPO, RLOO, REINFORCE++ (with and without a group baseline), ReMax.
 
 Tensors are per token, ``(batch, response_len)``, with a ``mask`` that is 1 on response tokens
 that count. Padding may sit on either side (or in between): masked positions are skipped, so a
@@ -8,6 +8,7 @@ token's "next" token is the next *valid* one.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -112,6 +113,38 @@ def _group_ids(groups: Tensor | Sequence[int], n: int, device: torch.device) -> 
     return ids
 
 
+@dataclass(frozen=True)
+class Groups:
+    """Per-sample statistics of the groups (the samples of one prompt) a batch's scores fall in."""
+
+    size: Tensor  # samples in the sample's group
+    mean: Tensor  # the group's mean score (0 for a group of one sample)
+    std: Tensor  # the group's Bessel-corrected std (1 for a group of one sample)
+
+
+def group_stats(scores: Tensor, group_ids: Tensor | Sequence[int]) -> Groups:
+    """Each sample's group size, mean and std; a group is the samples with the same ``group_ids`` entry."""
+    ids = _group_ids(group_ids, scores.shape[0], scores.device)
+    _, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+    sums = torch.zeros(counts.numel(), dtype=scores.dtype, device=scores.device).index_add_(
+        0, inverse, scores
+    )
+    counts_f = counts.to(scores.dtype)
+    means = sums / counts_f
+    sq = torch.zeros_like(means).index_add_(0, inverse, (scores - means[inverse]) ** 2)
+    stds = torch.sqrt(sq / (counts_f - 1).clamp_min(1.0))
+    singleton = counts == 1
+    means = torch.where(singleton, torch.zeros_like(means), means)
+    stds = torch.where(singleton, torch.ones_like(stds), stds)
+    return Groups(counts_f[inverse], means[inverse], stds[inverse])
+
+
+def _per_token(values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """A per-sequence advantage broadcast over its valid tokens, as ``(advantages, returns)``."""
+    advantages = values.unsqueeze(-1) * mask.to(values.dtype)
+    return advantages, advantages.clone()
+
+
 def grpo_advantages(
     scores: Tensor,
     mask: Tensor,
@@ -121,28 +154,46 @@ def grpo_advantages(
 ) -> tuple[Tensor, Tensor]:
     """GRPO: each sequence's score minus its group's mean, divided by the group's std + eps.
 
-    A group is the samples of one prompt (same ``group_ids`` entry). The std is Bessel-corrected;
-    a group of one sample gets mean 0 and std 1 (its advantage is its score). With
-    ``norm_by_std=False`` only the mean is removed (Dr. GRPO style).
+    A group of one sample gets mean 0 and std 1 (its advantage is its score). With
+    ``norm_by_std=False`` only the mean is removed (Dr. GRPO).
 
     Returns:
         ``(advantages, returns)``, both the normalised score broadcast over the valid tokens.
     """
-    ids = _group_ids(group_ids, scores.shape[0], scores.device)
-    _, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
-    num_groups = counts.numel()
-    sums = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device).index_add_(0, inverse, scores)
-    counts_f = counts.to(scores.dtype)
-    means = sums / counts_f
-    sq = torch.zeros_like(means).index_add_(0, inverse, (scores - means[inverse]) ** 2)
-    stds = torch.sqrt(sq / (counts_f - 1).clamp_min(1.0))
-    singleton = counts == 1
-    means = torch.where(singleton, torch.zeros_like(means), means)
-    stds = torch.where(singleton, torch.ones_like(stds), stds)
-    normalised = scores - means[inverse]
-    if norm_by_std:
-        normalised = normalised / (stds[inverse] + eps)
-    advantages = normalised.unsqueeze(-1) * mask.to(scores.dtype)
+    g = group_stats(scores, group_ids)
+    centred = scores - g.mean
+    return _per_token(centred / (g.std + eps) if norm_by_std else centred, mask)
+
+
+def rloo_advantages(scores: Tensor, mask: Tensor, group_ids: Tensor | Sequence[int]) -> tuple[Tensor, Tensor]:
+    """RLOO: each sequence's score minus the mean of the other samples of its prompt (leave one out).
+
+    A group of one sample keeps its score (no other sample to compare with), as verl.
+    """
+    g = group_stats(scores, group_ids)
+    n = g.size
+    others = torch.where(n > 1, (g.mean * n - scores) / (n - 1).clamp_min(1.0), torch.zeros_like(scores))
+    return _per_token(scores - others, mask)
+
+
+def reinforce_plus_plus_advantages(
+    token_rewards: Tensor, mask: Tensor, gamma: float = 1.0
+) -> tuple[Tensor, Tensor]:
+    """REINFORCE++: the discounted return-to-go of each token, whitened over the whole batch.
+
+    Returns:
+        ``(advantages, returns)``; ``returns`` is the return-to-go before whitening.
+    """
+    returns = returns_to_go(token_rewards, mask, gamma)
+    return masked_whiten(returns, mask), returns
+
+
+def reinforce_plus_plus_baseline_advantages(
+    scores: Tensor, mask: Tensor, group_ids: Tensor | Sequence[int]
+) -> tuple[Tensor, Tensor]:
+    """REINFORCE++ with a baseline: the score minus its group's mean, whitened over the batch's tokens."""
+    centred, _ = _per_token(scores - group_stats(scores, group_ids).mean, mask)
+    advantages = masked_whiten(centred, mask)
     return advantages, advantages.clone()
 
 

@@ -1,4 +1,4 @@
-"""RL stages of one step as functions over a whole :class:`RolloutBatch`: PPO, GRPO, ReMax.
+"""RL stages of one step as functions over a whole :class:`RolloutBatch`, for every registered algorithm.
 
 :func:`rollout` (generate + score), :func:`score_batch` (old / reference log-probs, values),
 :func:`compute_advantages`, :func:`update_critic`, :func:`update_actor`. The reference loop runs
@@ -17,30 +17,32 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from nereus_lightning.rl.advantages import (
-    apply_kl_penalty,
-    gae_advantages,
-    grpo_advantages,
-    remax_advantages,
-    scores_to_token_rewards,
-)
+from nereus_lightning.rl.advantages import apply_kl_penalty, scores_to_token_rewards
 from nereus_lightning.rl.batch import RolloutBatch, dp_slice
 from nereus_lightning.rl.forward import response_log_probs, response_values
-from nereus_lightning.rl.losses import entropy_loss, kl_loss, masked_mean, policy_loss, value_loss
+from nereus_lightning.rl.losses import (
+    KL_ESTIMATORS,
+    entropy_loss,
+    kl_loss,
+    loss_normalizer,
+    masked_mean,
+    policy_loss_of,
+    value_loss,
+)
+from nereus_lightning.rl.registry import algorithm_of
 from nereus_lightning.rl.reward import RewardScorer
 from nereus_lightning.rl.rollout import RolloutEngine, sample_seeds
 from nereus_lightning.rl.tasks import PromptSampler
 from nereus_lightning.rl.tokenizer import ByteTokenizer
+from nereus_lightning.spec.algorithms import algorithm_spec
 from nereus_lightning.spec.errors import require
-
-ALGORITHMS = ("ppo", "grpo", "remax")
 
 
 @dataclass(frozen=True)
 class RLConfig:
     """Knobs of one RL run (verl's names in comments where they differ)."""
 
-    algorithm: str = "grpo"
+    algorithm: str = "grpo"  # algorithm.adv_estimator: a registered name (rl.registry)
     steps: int = 100
     prompts_per_step: int = 8  # data.train_batch_size
     samples_per_prompt: int = 8  # actor_rollout_ref.rollout.n
@@ -49,26 +51,28 @@ class RLConfig:
     ppo_epochs: int = 1
     mini_batches: int = 1  # train batch / ppo_mini_batch_size
     micro_batch_size: int = 64  # ppo_micro_batch_size_per_gpu
-    clip_eps: float = 0.2  # clip_ratio
+    policy_loss: str = "vanilla"  # actor.policy_loss.loss_mode (rl.losses.POLICY_LOSSES)
+    clip_eps: float = 0.2  # clip_ratio (clip_ratio_low when that is set)
+    clip_eps_high: float | None = None  # clip_ratio_high; None: clip_eps
+    dual_clip: float | None = 3.0  # clip_ratio_c: negative-advantage tokens' loss capped at -A * c
     value_clip: float = 0.5  # cliprange_value
     kl_coef: float = 0.0  # in-reward KL penalty (algorithm.kl_ctrl.kl_coef)
     kl_penalty: str = "kl"  # its estimator (algorithm.kl_penalty)
     kl_loss_coef: float = 0.0  # KL as a loss term (actor.kl_loss_coef)
     kl_loss_type: str = "low_var_kl"  # its estimator (actor.kl_loss_type)
-    entropy_coef: float = 0.0
+    entropy_coef: float = 0.0  # actor.entropy_coeff
     gamma: float = 1.0
     lam: float = 0.95
+    norm_adv_by_std: bool = True  # algorithm.norm_adv_by_std_in_grpo (False: Dr. GRPO)
     temperature: float = 1.0
-    loss_agg: str = "token-mean"
+    loss_agg: str = "token-mean"  # actor.loss_agg_mode
+    loss_scale_factor: float | None = None  # seq-mean-token-sum-norm's length; None: the batch's width
     grad_clip: float = 1.0
     seed: int = 0
 
     def __post_init__(self) -> None:
-        require(
-            self.algorithm in ALGORITHMS,
-            "algorithm",
-            f"{self.algorithm!r} is not one of {', '.join(ALGORITHMS)}",
-        )
+        spec = algorithm_of(self.algorithm).spec
+        object.__setattr__(self, "algorithm", spec.name)  # an alias (gae) or a plug-in path: its name
         for name in (
             "steps",
             "prompts_per_step",
@@ -83,26 +87,50 @@ class RLConfig:
             "rl.mini_batches",
             "more mini-batches than samples per step",
         )
-        if self.algorithm == "grpo":
+        require(
+            self.samples_per_prompt >= spec.min_samples_per_prompt,
+            "algorithm.samples_per_prompt",
+            f"{spec.name} compares the samples of a prompt: it needs >= {spec.min_samples_per_prompt} "
+            f"samples per prompt, got {self.samples_per_prompt}",
+        )
+        self._check_losses()
+        check = algorithm_of(spec.name).check
+        if check is not None:
+            check(self)
+
+    def _check_losses(self) -> None:
+        policy_loss_of(self.policy_loss)
+        loss_normalizer(torch.ones(1, 1), self.loss_agg)  # an unknown mode fails here, naming the modes
+        for key, kind in (("kl_penalty", self.kl_penalty), ("kl_loss_type", self.kl_loss_type)):
             require(
-                self.samples_per_prompt >= 2, "rl.samples_per_prompt", "GRPO needs >= 2 samples per prompt"
+                kind in KL_ESTIMATORS,
+                f"algorithm.{key}",
+                f"{kind!r} is not one of {', '.join(KL_ESTIMATORS)}",
             )
-            require(
-                self.kl_coef == 0,
-                "algorithm.kl_coef",
-                "GRPO's advantages come from the scores, not the token rewards, so an in-reward KL "
-                "penalty would do nothing; use algorithm.kl_loss_coef (KL as a loss term)",
-            )
+        require(
+            self.dual_clip is None or self.dual_clip > 1.0,
+            "algorithm.clip_ratio_c",
+            f"must be > 1 (or null: no dual clip), got {self.dual_clip}",
+        )
+        require(
+            self.loss_scale_factor is None or self.loss_scale_factor > 0,
+            "algorithm.loss_scale_factor",
+            f"must be > 0 (or null: the batch's response width), got {self.loss_scale_factor}",
+        )
 
     @property
     def uses_critic(self) -> bool:
-        """Only PPO trains a critic."""
-        return self.algorithm == "ppo"
+        """Whether the algorithm trains a critic (GAE)."""
+        return algorithm_spec(self.algorithm).critic
 
     @property
     def uses_reference(self) -> bool:
         """A reference model is needed when any KL term is on."""
         return self.kl_coef > 0 or self.kl_loss_coef > 0
+
+    def normalizer(self, mask: Tensor) -> Tensor:
+        """The loss denominator of the global mini-batch whose response mask is ``mask``."""
+        return loss_normalizer(mask, self.loss_agg, self.loss_scale_factor).clamp_min(1.0)
 
 
 @dataclass
@@ -155,7 +183,7 @@ def rollout(
     )
     batch = RolloutBatch(out.prompt_ids, out.prompt_mask, out.response_ids, out.response_mask, index, groups)
     batch.scores = scorer(batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask)
-    if cfg.algorithm == "remax":
+    if algorithm_spec(cfg.algorithm).greedy_baseline:
         # one greedy answer per prompt present in this block (samples of a prompt are contiguous)
         starts = torch.ones_like(groups, dtype=torch.bool)
         starts[1:] = groups[1:] != groups[:-1]
@@ -180,29 +208,22 @@ def score_batch(batch: RolloutBatch, models: RLModels, cfg: RLConfig) -> Rollout
 
 
 def compute_advantages(batch: RolloutBatch, cfg: RLConfig) -> tuple[RolloutBatch, dict[str, Tensor]]:
-    """Token rewards (score on the last token, minus the in-reward KL), advantages and returns.
+    """Token rewards (score on the last token, minus the in-reward KL), then the algorithm's advantages.
 
     With reference log-probs the in-reward KL (``cfg.kl_penalty``) is measured (``actor/kl``) and,
-    when ``cfg.kl_coef > 0``, subtracted from the token rewards (PPO, ReMax).
+    when ``cfg.kl_coef > 0``, subtracted from the token rewards.
     """
     mask = batch.response_mask
     rewards = scores_to_token_rewards(batch.need("scores"), mask)
     metrics: dict[str, Tensor] = {}
-    if batch.ref_log_probs is not None and cfg.algorithm != "grpo":
+    if batch.ref_log_probs is not None:
         penalised, metrics = apply_kl_penalty(
             rewards, batch.need("old_log_probs"), batch.ref_log_probs, mask, cfg.kl_coef, cfg.kl_penalty
         )
         if cfg.kl_coef > 0:
             rewards = penalised
     batch.token_rewards = rewards
-    if cfg.algorithm == "ppo":
-        batch.advantages, batch.returns = gae_advantages(
-            rewards, batch.need("values"), mask, cfg.gamma, cfg.lam
-        )
-    elif cfg.algorithm == "grpo":
-        batch.advantages, batch.returns = grpo_advantages(batch.need("scores"), mask, batch.group_index)
-    else:
-        batch.advantages, batch.returns = remax_advantages(rewards, batch.need("baseline_scores"), mask)
+    batch.advantages, batch.returns = algorithm_of(cfg.algorithm).advantages(batch, rewards, cfg)
     return batch, metrics
 
 
@@ -227,12 +248,14 @@ def actor_loss(
         The loss and its metrics, each a contribution that sums over micro-batches and DP ranks.
     """
     mask = micro.response_mask
-    loss, m = policy_loss(
+    loss, m = policy_loss_of(cfg.policy_loss)(
         log_probs,
         micro.need("old_log_probs"),
         micro.need("advantages"),
         mask,
-        cfg.clip_eps,
+        clip_eps=cfg.clip_eps,
+        clip_eps_high=cfg.clip_eps_high,
+        dual_clip=cfg.dual_clip,
         agg=cfg.loss_agg,
         normalizer=normalizer,
     )
@@ -269,11 +292,6 @@ def critic_loss(
     return loss, m
 
 
-def loss_normalizer(mask: Tensor, agg: str) -> Tensor:
-    """The denominator of a mini-batch's losses: its valid tokens (``token-mean``) or non-empty sequences."""
-    return mask.sum() if agg == "token-mean" else (mask.sum(-1) > 0).sum()
-
-
 def _micro_batches(mini: RolloutBatch, micro_batch_size: int) -> list[RolloutBatch]:
     return mini.split(max(1, math.ceil(len(mini) / micro_batch_size))) if len(mini) else []
 
@@ -304,7 +322,7 @@ def _ppo_epochs(
     weight = 1.0 / (cfg.ppo_epochs * cfg.mini_batches)
     for _ in range(cfg.ppo_epochs):
         for mini in batch.split(cfg.mini_batches):
-            norm = loss_normalizer(mini.response_mask, cfg.loss_agg)  # over the global mini-batch
+            norm = cfg.normalizer(mini.response_mask)  # over the global mini-batch
             tokens = mini.response_mask.sum().clamp_min(1)
             optim.zero_grad(set_to_none=True)
             for micro in _micro_batches(mini.shard(dp, dp_rank), cfg.micro_batch_size):

@@ -8,6 +8,7 @@ Losses accept a ``normalizer`` (see :func:`agg_loss`) for micro-batched / data-p
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -15,8 +16,13 @@ from torch import Tensor
 
 from nereus_lightning.spec.errors import NereusConfigError, require
 
-LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
-LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+LOSS_AGG_MODES: tuple[str, ...] = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+)
 
 # verl's names, plus the k1/k2/k3 names of Schulman's note on KL approximations.
 KL_ESTIMATORS: dict[str, str] = {
@@ -41,32 +47,43 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
 def agg_loss(
     loss_mat: Tensor, mask: Tensor, mode: str = "token-mean", normalizer: float | Tensor | None = None
 ) -> Tensor:
-    """Reduce a per-token loss to a scalar.
+    """Reduce a per-token loss to a scalar (verl's ``loss_agg_mode``).
 
     ``token-mean`` averages over all valid tokens of the batch; ``seq-mean-token-mean`` averages
     each sequence over its tokens, then over sequences; ``seq-mean-token-sum`` sums each sequence,
-    then averages over sequences.
+    then averages over sequences; ``seq-mean-token-sum-norm`` (Dr. GRPO) sums each sequence and
+    divides by the number of sequences times a constant length (by default the batch's width).
 
     Args:
-        normalizer: the denominator to use instead of this batch's own count: the number of
-            valid tokens (``token-mean``) or of non-empty sequences (``seq-*``) of the whole
-            global mini-batch. With it, the losses (and gradients) of the micro-batches of all
-            DP ranks *sum* to the global mini-batch loss, whatever the DP degree and micro-batch
-            size: this is what keeps an update layout-independent.
+        normalizer: the denominator to use instead of this batch's own (:func:`loss_normalizer` of
+            the whole global mini-batch). With it, the losses (and gradients) of the micro-batches
+            of all DP ranks *sum* to the global mini-batch loss, whatever the DP degree and
+            micro-batch size: this is what keeps an update layout-independent.
     """
     mask = mask.to(loss_mat.dtype)
-    if mode == "token-mean":
-        count = mask.sum().clamp_min(1.0) if normalizer is None else normalizer
-        return (loss_mat * mask).sum() / count
-    seq_has_tokens = (mask.sum(-1) > 0).to(loss_mat.dtype)
-    num_seqs = seq_has_tokens.sum().clamp_min(1.0) if normalizer is None else normalizer
+    count = loss_normalizer(mask, mode).clamp_min(1.0) if normalizer is None else normalizer
     if mode == "seq-mean-token-mean":
-        return (masked_mean(loss_mat, mask, dim=-1) * seq_has_tokens).sum() / num_seqs
-    if mode == "seq-mean-token-sum":
-        return (loss_mat * mask).sum(-1).sum() / num_seqs
-    raise NereusConfigError(
-        f"loss_agg_mode: unknown mode {mode!r}; choose one of {', '.join(LOSS_AGG_MODES)}"
+        seq_has_tokens = (mask.sum(-1) > 0).to(loss_mat.dtype)
+        return (masked_mean(loss_mat, mask, dim=-1) * seq_has_tokens).sum() / count
+    return (loss_mat * mask).sum() / count
+
+
+def loss_normalizer(mask: Tensor, mode: str, length: float | None = None) -> Tensor:
+    """The denominator of :func:`agg_loss` over ``mask``'s batch: its valid tokens (``token-mean``), its
+    non-empty sequences (``seq-mean-*``), or those times ``length`` (``seq-mean-token-sum-norm``;
+    None: ``mask``'s width)."""
+    require(
+        mode in LOSS_AGG_MODES,
+        "algorithm.loss_agg_mode",
+        f"unknown mode {mode!r}; choose one of {', '.join(LOSS_AGG_MODES)}",
     )
+    mask = mask.float()
+    if mode == "token-mean":
+        return mask.sum()
+    sequences = (mask.sum(-1) > 0).sum().to(mask.dtype)
+    if mode == "seq-mean-token-sum-norm":
+        return sequences * (mask.shape[-1] if length is None else length)
+    return sequences
 
 
 def policy_loss(
@@ -110,6 +127,67 @@ def policy_loss(
     loss = agg_loss(loss_mat, mask, agg, normalizer)
     metrics["actor/pg_loss"] = loss.detach()
     return loss, metrics
+
+
+def gspo_policy_loss(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_eps: float = 3e-4,
+    clip_eps_high: float | None = 4e-4,
+    dual_clip: float | None = None,
+    agg: str = "token-mean",
+    normalizer: float | Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO: the clipped surrogate with one importance ratio per sequence, the geometric mean of its tokens'.
+
+    Each token carries the sequence's ratio ``exp(mean_t(log p - log p_old))`` as its value and its
+    own log-prob's gradient (``log p - sg(log p)`` added), clipped to ``[1 - clip_eps, 1 +
+    clip_eps_high]``; ``dual_clip`` does not apply. Metrics as :func:`policy_loss`.
+    """
+    del dual_clip  # a sequence-level ratio has no dual clip (as GSPO's paper and verl)
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    m = mask.to(log_probs.dtype)
+    log_ratio = log_probs - old_log_probs
+    seq_log_ratio = (log_ratio * m).sum(-1) / m.sum(-1).clamp_min(1.0)
+    token_log_ratio = log_probs - log_probs.detach() + seq_log_ratio.detach().unsqueeze(-1)
+    ratio = torch.exp(torch.clamp(token_log_ratio, max=10.0))
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high)
+    loss = agg_loss(torch.maximum(unclipped, clipped), mask, agg, normalizer)
+    return loss, {
+        "actor/pg_loss": loss.detach(),
+        "actor/pg_clipfrac": masked_mean((clipped > unclipped).to(log_probs.dtype), mask).detach(),
+        "actor/ppo_kl": masked_mean(-log_ratio, mask).detach(),
+    }
+
+
+#: ``(log_probs, old_log_probs, advantages, mask, clip_eps, clip_eps_high, dual_clip, agg, normalizer)``
+#: -> ``(loss, metrics)``; metrics include ``actor/pg_loss``, ``actor/pg_clipfrac`` and ``actor/ppo_kl``.
+PolicyLoss = Callable[..., tuple[Tensor, dict[str, Tensor]]]
+POLICY_LOSSES: dict[str, PolicyLoss] = {"vanilla": policy_loss, "gspo": gspo_policy_loss}
+
+
+def register_policy_loss(name: str, fn: PolicyLoss) -> PolicyLoss:
+    """Make ``fn`` selectable as ``algorithm.policy_loss=name`` (verl's ``register_policy_loss``)."""
+    existing = POLICY_LOSSES.get(name)
+    if existing is not None and existing is not fn:
+        same = (existing.__module__, existing.__qualname__) == (fn.__module__, fn.__qualname__)
+        require(same, "algorithm.policy_loss", f"{name!r} is registered already; choose another name")
+    POLICY_LOSSES[name] = fn
+    return fn
+
+
+def policy_loss_of(name: str) -> PolicyLoss:
+    """The policy loss registered as ``name``."""
+    require(
+        name in POLICY_LOSSES,
+        "algorithm.policy_loss",
+        f"{name!r} is not one of {', '.join(POLICY_LOSSES)} (or register one: "
+        "nereus_lightning.rl.losses.register_policy_loss)",
+    )
+    return POLICY_LOSSES[name]
 
 
 def value_loss(

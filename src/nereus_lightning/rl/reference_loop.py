@@ -1,4 +1,4 @@
-"""Single-process reference RL loop (PPO, GRPO, ReMax) on an unsharded tiny Llama and the repeat task.
+"""Single-process reference RL loop (any registered algorithm) on an unsharded tiny Llama and the repeat task.
 
 The ground truth for the distributed strategy: the stage functions of
 :mod:`nereus_lightning.rl.algorithm` applied to whole batches on one process.
@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from nereus_lightning.rl.algorithm import (
-    ALGORITHMS,
     RLConfig,
     RLModels,
     batch_metrics,
@@ -31,6 +30,7 @@ from nereus_lightning.rl.reward import RewardScorer, make_scorer
 from nereus_lightning.rl.rollout import HFGenerateEngine, RolloutEngine
 from nereus_lightning.rl.tasks import PromptSampler, RepeatTask
 from nereus_lightning.rl.tokenizer import ByteTokenizer
+from nereus_lightning.spec.algorithms import algorithm_names, algorithm_spec
 
 
 def tiny_llama_config(
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import json
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--algorithm", default="grpo", choices=ALGORITHMS)
+    parser.add_argument("--algorithm", default="grpo", choices=algorithm_names())
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--samples", type=int, default=8)
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the per-step history here")
     args = parser.parse_args(argv)
-    samples = args.samples if args.algorithm == "grpo" else max(1, args.samples)
+    samples = max(algorithm_spec(args.algorithm).min_samples_per_prompt, args.samples)
     cfg = RLConfig(
         algorithm=args.algorithm,
         steps=args.steps,

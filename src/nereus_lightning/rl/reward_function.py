@@ -13,20 +13,18 @@ progress.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
 import logging
 import math
 import multiprocessing
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from nereus_lightning.rl.plugins import import_source
 from nereus_lightning.spec.errors import NereusConfigError
 
 log = logging.getLogger(__name__)
@@ -51,28 +49,7 @@ def _import(spec: RewardSpec) -> Callable[..., Any]:
     path, name = spec.path, spec.name
     if ":" in path and not os.path.isfile(path):
         path, name = path.rsplit(":", 1)
-    if path.endswith(".py") or os.path.sep in path:
-        if not os.path.isfile(path):
-            raise NereusConfigError(f"custom_reward_function.path: {path!r} does not exist")
-        module_name = f"nereus_reward_{abs(hash(os.path.abspath(path)))}"
-        loader = importlib.util.spec_from_file_location(module_name, path)
-        if loader is None or loader.loader is None:
-            raise NereusConfigError(f"custom_reward_function.path: {path!r} is not a Python file")
-        module = importlib.util.module_from_spec(loader)
-        sys.modules[module_name] = module
-        try:
-            loader.loader.exec_module(module)
-        except Exception as exc:
-            raise NereusConfigError(
-                f"custom_reward_function.path: importing {path!r} failed: {type(exc).__name__}: {exc}"
-            ) from exc
-    else:
-        try:
-            module = importlib.import_module(path)
-        except Exception as exc:
-            raise NereusConfigError(
-                f"custom_reward_function.path: cannot import module {path!r}: {type(exc).__name__}: {exc}"
-            ) from exc
+    module = import_source(path, "custom_reward_function.path")
     fn = getattr(module, name, None)
     if not callable(fn):
         found = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))

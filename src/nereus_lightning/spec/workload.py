@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from nereus_lightning.spec.algorithms import AlgorithmSpec, algorithm_spec
 from nereus_lightning.spec.errors import require
 
-ALGORITHMS = ("ppo", "grpo", "remax")
 STAGES = ("generation", "inference", "training")
 #: Rollout engines of the generation model-stages (``algorithm.rollout_engine``).
 ENGINES = ("hf", "vllm")
@@ -110,40 +111,28 @@ def _ms(name: str, model: str, stage: str) -> ModelStage:
     return ModelStage(name, model, stage, trains=stage == "training")
 
 
-# Model-stages in one stage run concurrently (disjoint GPUs); stages run one after another and
-# may share GPUs. The order of this tuple is the tie-break order generation -> inference -> training.
-WORKFLOWS: dict[str, tuple[ModelStage, ...]] = {
-    "ppo": (
-        _ms("actor_gen", "actor", "generation"),
-        _ms("actor_infer", "actor", "inference"),
-        _ms("ref_infer", "reference", "inference"),
-        _ms("critic_infer", "critic", "inference"),
-        _ms("reward_infer", "reward", "inference"),
-        _ms("actor_train", "actor", "training"),
-        _ms("critic_train", "critic", "training"),
-    ),
-    "grpo": (
-        _ms("actor_gen", "actor", "generation"),
-        _ms("actor_infer", "actor", "inference"),
-        _ms("ref_infer", "reference", "inference"),
-        _ms("reward_infer", "reward", "inference"),
-        _ms("actor_train", "actor", "training"),
-    ),
-    "remax": (
-        _ms("actor_gen", "actor", "generation"),
-        _ms("actor_greedy_gen", "actor", "generation"),
-        _ms("actor_infer", "actor", "inference"),
-        _ms("ref_infer", "reference", "inference"),
-        _ms("reward_infer", "reward", "inference"),
-        _ms("actor_train", "actor", "training"),
-    ),
-}
-
-
 def workflow(algorithm: str) -> tuple[ModelStage, ...]:
-    """The model-stages of ``algorithm`` in tie-break order."""
-    require(algorithm in WORKFLOWS, "workload.algorithm", f"{algorithm!r} is not one of {list(WORKFLOWS)}")
-    return WORKFLOWS[algorithm]
+    """The model-stages of ``algorithm`` (a registered name or alias) in tie-break order.
+
+    Model-stages in one stage run concurrently (disjoint GPUs); stages run one after another and
+    may share GPUs. The order is the tie-break order generation -> inference -> training.
+    """
+    return _workflow(algorithm_spec(algorithm))
+
+
+@functools.cache
+def _workflow(spec: AlgorithmSpec) -> tuple[ModelStage, ...]:
+    stages = (
+        ("actor_gen", "actor", "generation", True),
+        ("actor_greedy_gen", "actor", "generation", spec.greedy_baseline),
+        ("actor_infer", "actor", "inference", True),
+        ("ref_infer", "reference", "inference", True),
+        ("critic_infer", "critic", "inference", spec.critic),
+        ("reward_infer", "reward", "inference", True),
+        ("actor_train", "actor", "training", True),
+        ("critic_train", "critic", "training", spec.critic),
+    )
+    return tuple(_ms(name, model, stage) for name, model, stage, runs in stages if runs)
 
 
 def stages_of(algorithm: str) -> dict[str, tuple[ModelStage, ...]]:
@@ -174,11 +163,7 @@ class Workload:
     generation_engine: GenerationEngine = GenerationEngine()  # what the generation model-stages run on
 
     def __post_init__(self) -> None:
-        require(
-            self.algorithm in ALGORITHMS,
-            "workload.algorithm",
-            f"{self.algorithm!r} is not one of {list(ALGORITHMS)}",
-        )
+        algorithm_spec(self.algorithm)  # an unknown name fails here, naming the known ones
         for field in (
             "prompts_per_step",
             "samples_per_prompt",
