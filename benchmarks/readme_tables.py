@@ -1,4 +1,4 @@
-"""The README's generated tables: nereus-plan's 8B plan, nereus-simulate's paper trace, verl's names.
+"""The README's generated tables: nereus-plan's 8B plan, nereus-simulate's trace, verl's names, algorithms.
 
 Each sits in the README between ``<!-- generated: NAME -->`` and ``<!-- end generated -->``.
 ``python benchmarks/readme_tables.py`` rewrites them from this version's code (a few seconds, no
@@ -81,7 +81,26 @@ def verl_table() -> str:
     return alias_table()
 
 
+def algorithms_table() -> str:
+    """The registered algorithms: their preset, what the planner prices for them, what they need."""
+    from nereus_lightning.cli._hydra import CONFIG_ROOT
+    from nereus_lightning.spec.algorithms import algorithm_names, algorithm_spec
+    from nereus_lightning.spec.workload import workflow
+
+    presets = {p.stem for p in (Path(CONFIG_ROOT) / "algorithm").glob("*.yaml")}
+    head = ["`adv_estimator`", "preset", "model-stages priced (and a reward model's)", "samples per prompt"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for name in algorithm_names():
+        spec = algorithm_spec(name)
+        names = " / ".join(f"`{n}`" for n in (name, *spec.aliases))
+        preset = f"`algorithm={name}`" if name in presets else "-"
+        stages = ", ".join(m.name for m in workflow(name) if m.model != "reward")
+        lines.append(f"| {names} | {preset} | {stages} | >= {spec.min_samples_per_prompt} |")
+    return "\n".join(lines)
+
+
 TABLES: dict[str, Callable[[], str]] = {
+    "algorithms": algorithms_table,
     "plan-8b": plan_table,
     "simulate-paper25": simulate_table,
     "verl-names": verl_table,
