@@ -34,7 +34,7 @@ class RoleModels:
     """The role models of one RL algorithm and how their training model-stages learn.
 
     Args:
-        algorithm: ``"ppo"``, ``"grpo"`` or ``"remax"``: names the model-stages
+        algorithm: a registered algorithm (:mod:`nereus_lightning.spec.algorithms`): names the model-stages
             (:func:`~nereus_lightning.spec.workload.workflow`) and which of them train.
         models: role (``actor``, ``reference``, ``critic``, ``reward``) -> its full model; a role
             that is absent or None has no model-stage state (e.g. a function reward).

@@ -107,6 +107,8 @@ class RLConfig:
                 f"algorithm.{key}",
                 f"{kind!r} is not one of {', '.join(KL_ESTIMATORS)}",
             )
+        for key, value in (("clip_ratio_low", self.clip_eps), ("clip_ratio_high", self.clip_eps_high)):
+            require(value is None or value >= 0, f"algorithm.{key}", f"must be >= 0, got {value}")
         require(
             self.dual_clip is None or self.dual_clip > 1.0,
             "algorithm.clip_ratio_c",
