@@ -341,3 +341,38 @@ def offload_run(rank: int, world_size: int, placements: list, folder: str, movin
         out["residency"].append(again.units.residency())
         out["params"] = _trained_state(again)
     return out
+
+
+def update_and_reference(
+    rank: int, world_size: int, placement: dict, algorithm: str = "ppo", **kwargs: object
+) -> dict | None:
+    """One RL step through the strategy under ``placement`` and, on rank 0, the one-process reference
+    update (:func:`~nereus_lightning.rl.algorithm.update_actor` / ``update_critic``) of the same batch
+    from the same weights; returns per model the relative difference of the two (rank 0 only)."""
+    import copy
+
+    from nereus_lightning.lightning.emu_state import ADAMW
+    from nereus_lightning.rl.algorithm import update_actor, update_critic
+
+    torch.manual_seed(0)
+    cls = PPOModule if algorithm == "ppo" else GRPOModule
+    module = cls(task=small_task(), prompts_per_step=8, seed=3, adv_estimator=algorithm, **kwargs)
+    before = {"actor": copy.deepcopy(module.actor), "critic": copy.deepcopy(module.critic)}
+    strategy = strategy_at(module, placement, module.algorithm)
+    module.rl_step(0, strategy, module.configure_optimizers())
+    batch, cfg = module.last_rollout, module.rl_config
+    out: dict = {}
+    for role, update in (("actor", update_actor), ("critic", update_critic)):
+        got = strategy.units.logical_params(f"{role}_train") if before[role] is not None else None
+        if got is None:  # not rank 0, or no such model
+            continue
+        net, lr = copy.deepcopy(before[role]), cfg.actor_lr if role == "actor" else cfg.critic_lr
+        update(net, torch.optim.AdamW(net.parameters(), lr=lr, **ADAMW), batch, cfg)
+        want = dict(net.named_parameters())
+        flat_got = torch.cat([got[n].reshape(-1) for n in sorted(got)])
+        flat_want = torch.cat([want[n].detach().reshape(-1) for n in sorted(got)])
+        out[role] = float((flat_got - flat_want).norm() / flat_want.norm())  # as the layout tests measure
+        out[f"{role}_moved"] = max(
+            float((p - want[n]).abs().max()) for n, p in before[role].named_parameters()
+        )
+    return out or None
