@@ -57,6 +57,8 @@ ALIASES: dict[str, Alias] = {
     "actor_rollout_ref.actor.kl_loss_coef": Alias("algorithm.kl_loss_coef"),
     "actor_rollout_ref.actor.kl_loss_type": Alias("algorithm.kl_loss_type"),
     "algorithm.kl_ctrl.kl_coef": Alias("algorithm.kl_coef"),
+    "reward_model.overlong_buffer.len": Alias("algorithm.overlong_buffer.len"),
+    "reward_model.overlong_buffer.penalty_factor": Alias("algorithm.overlong_buffer.penalty_factor"),
     "actor_rollout_ref.actor.ppo_epochs": Alias("algorithm.ppo_epochs"),
     "actor_rollout_ref.actor.grad_clip": Alias("algorithm.grad_clip"),
     "actor_rollout_ref.rollout.temperature": Alias("algorithm.temperature"),
@@ -89,6 +91,7 @@ HINTS: dict[str, str] = {
     "actor_rollout_ref.model.enable_gradient_checkpointing": (
         "the planner chooses recompute per model-stage (nereus-plan prints it)"
     ),
+    "reward_model.overlong_buffer.enable": "the overlong buffer is on when algorithm.overlong_buffer.len > 0",
     "reward_model.enable": "a reward model scores exactly when reward_model.path (or .preset) is set",
     "trainer.total_epochs": "nereus-train counts RL steps: trainer.max_steps",
     "trainer.logger": "choose loggers with logger=csv or logger=tensorboard",

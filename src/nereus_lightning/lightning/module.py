@@ -42,6 +42,7 @@ from nereus_lightning.lightning import roles
 from nereus_lightning.lightning.batches import replica_backward, response_micro_batches, sequence_tokens
 from nereus_lightning.lightning.preemption import StepAbandoned
 from nereus_lightning.lightning.roles import RoleModels
+from nereus_lightning.lightning.samples import Rollout
 from nereus_lightning.lightning.sources import make_sources
 from nereus_lightning.lightning.stages import (
     RowsJob,
@@ -59,6 +60,7 @@ from nereus_lightning.models.generation import ShardedGenerator
 from nereus_lightning.rl import algorithm as rl
 from nereus_lightning.rl import losses
 from nereus_lightning.rl.batch import RolloutBatch, dp_slice
+from nereus_lightning.rl.dapo import FilterGroups, OverlongBuffer, varied_groups
 from nereus_lightning.rl.data import Prompt
 from nereus_lightning.rl.reward import ModelReward
 from nereus_lightning.rl.reward_function import RewardResult
@@ -248,6 +250,12 @@ class RLModule(L.LightningModule):
         remove_padding: inference and training run packed micro-batches without padding (verl's
             ``use_remove_padding``), each holding at most the plan's micro-batch of padded rows'
             tokens; False: padded micro-batches of the plan's micro-batch of rows.
+        overlong_buffer: DAPO's overlong reward shaping (verl's ``reward_model.overlong_buffer``):
+            ``{len, penalty_factor}``; a response in the last ``len`` tokens of the budget loses up to
+            ``penalty_factor`` (``len`` 0 or ``enable: false``: off).
+        filter_groups: DAPO's dynamic sampling (verl's ``algorithm.filter_groups``): ``{enable,
+            max_num_gen_batches}``; only groups whose scores differ are trained on, generating more
+            rounds until the batch is full (groups without signal fill it after the last round).
     """
 
     default_algorithm: ClassVar[str] = "ppo"  # what ``adv_estimator=None`` means
@@ -303,6 +311,8 @@ class RLModule(L.LightningModule):
         val_greedy: bool = True,
         rollout_data_dir: str | None = None,
         remove_padding: bool = True,
+        overlong_buffer: Mapping[str, Any] | None = None,
+        filter_groups: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if actor_lr is None:
@@ -338,6 +348,14 @@ class RLModule(L.LightningModule):
             seed=seed,
         )
         self.algorithm = self.rl_config.algorithm  # the registered name
+        self.overlong_buffer = OverlongBuffer.of(overlong_buffer)
+        self.filter_groups = FilterGroups.of(filter_groups)
+        require(
+            not self.filter_groups.enable or (samples_per_prompt >= 2 and reward_model is None),
+            "algorithm.filter_groups.enable",
+            "dynamic sampling keeps the groups whose reward-function scores differ: it needs >= 2 samples "
+            "per prompt and scores from the reward function, not a reward model",
+        )
         self.algorithm_spec = algorithm_spec(self.algorithm)
         require(
             reward_model is None or not self.algorithm_spec.greedy_baseline,
@@ -597,112 +615,116 @@ class RLModule(L.LightningModule):
         ``optimizer`` defaults to the Lightning one (it counts the step; pass one to run a step
         outside a Trainer, with :meth:`NereusStrategy.without_trainer`).
         """
-        hp = self.hparams
         plan = strategy.plan
         require(plan is not None, "plan", "no plan yet; call strategy.transition(plan) before the first step")
         assert plan is not None
         peaks = StagePeaks(self.device)
-        t0 = time.perf_counter()
-        prompts = self.source.prompts(step, hp.prompts_per_step)
-        samples = [p for p in prompts for _ in range(hp.samples_per_prompt)]  # samples of a prompt adjacent
-        groups = [g for g in range(len(prompts)) for _ in range(hp.samples_per_prompt)]
-        n = len(samples)
+        times = {"start": time.perf_counter()}
         max_new = self.source.max_response_len(step)
-        prompt_ids, prompt_mask, responses, greedy, versions = self.generate(
-            strategy, samples, max_new, step, with_greedy=self.algorithm_spec.greedy_baseline
-        )
-        t_gen = time.perf_counter()
+        rollout = self.rollout(strategy, step, max_new)
+        times["gen"] = time.perf_counter()
         peaks.mark("gen")
-        strategy.preemption_point()  # (a stop signal may drop the step here, before anything changes)
-        results = self.score(
-            strategy,
-            self.source,
-            [Sample(i, p, tuple(r)) for i, (p, r) in enumerate(zip(samples, responses, strict=True))],
-        )
-        scores = torch.tensor([r.score for r in results], dtype=torch.float32, device=self.device)
-        pad = self.tokenizer.pad_token_id
-        width = max(1, max(len(r) for r in responses))
-        response_ids, response_mask = (t.to(self.device) for t in pad_ids(responses, pad, "right", width))
-        batch = RolloutBatch(
-            prompt_ids,
-            prompt_mask,
-            response_ids,
-            response_mask,
-            torch.arange(n, device=self.device),
-            torch.as_tensor(groups, device=self.device),
-            policy_version=versions,
-        )
-        if greedy is not None:
-            baseline = self.score(
-                strategy,
-                self.source,
-                [Sample(i, p, tuple(r)) for i, (p, r) in enumerate(zip(samples, greedy, strict=True))],
-            )
-            batch.baseline_scores = torch.tensor(
-                [r.score for r in baseline], dtype=torch.float32, device=self.device
-            )
-
+        batch = self._to_batch(rollout)
         strategy.preemption_point()
         inferred = self.infer(strategy, batch)
         batch.old_log_probs = inferred["actor_infer"]
         batch.ref_log_probs = inferred["ref_infer"]
         batch.values = inferred.get("critic_infer")
         if "reward_infer" in inferred:  # the reward model's value at each response's last token
-            scores = inferred["reward_infer"][:, 0]
-        t_infer = time.perf_counter()
+            batch.scores = inferred["reward_infer"][:, 0]
+        batch.scores = batch.need("scores") + self.overlong_buffer.penalty(
+            batch.response_mask.sum(-1), max_new
+        )
+        times["infer"] = time.perf_counter()
         peaks.mark("infer")
-        batch.scores = scores
         strategy.preemption_point()
-        skipped = self._check_rewards(step, batch, samples)
-        metrics: dict[str, float] = {}
+        skipped = self._check_rewards(step, batch, rollout.samples)
         batch, extra = rl.compute_advantages(batch, self.rl_config)
-        metrics.update({k: float(v) for k, v in extra.items()})
-        t_adv = time.perf_counter()
+        metrics = {k: float(v) for k, v in extra.items()}
+        times["adv"] = time.perf_counter()
         self.last_rollout = batch
         if skipped:  # no gradients anywhere: the step still counts, so max_steps is reached
             (optimizer if optimizer is not None else self._optimizer()).step()
             metrics["train/skipped_update"] = 1.0
         else:
             metrics.update(self.update(strategy, batch, optimizer, step))
-        t_upd = time.perf_counter()
+        times["update"] = time.perf_counter()
         peaks.mark("train")
         if self.hparams.rollout_data_dir and strategy.global_rank == 0:
-            self._dump_rollouts(step, samples, responses, results)
-
-        mask = response_mask.float()
-        lengths = mask.sum(-1)
-        tokens = float(batch.attention_mask.sum())
-        plens = prompt_mask.sum(-1).float()
-        metrics.update(_reward_metrics(results))
-        if versions is not None:  # the oldest weights this step's samples were generated with
-            metrics["rollout/policy_version"] = float(versions.min())
+            self._dump_rollouts(step, rollout.samples, rollout.responses, rollout.results)
         metrics.update(peaks.metrics())
         metrics.update(
-            {
-                "critic/score/mean": float(scores.nan_to_num().mean()),
-                "critic/rewards/mean": float(batch.need("token_rewards").sum(-1).nan_to_num().mean()),
-                "critic/advantages/mean": float(
-                    losses.masked_mean(batch.need("advantages").nan_to_num(), mask)
-                ),
-                "response_length/mean": float(lengths.mean()),
-                "response_length/max": float(lengths.max()),
-                "response_length/p95": float(torch.quantile(lengths, 0.95)),
-                "response_length/clip_ratio": float((lengths >= max_new).float().mean()),
-                "prompt_length/mean": float(plens.mean()),
-                "task/max_response_len": float(max_new),
-                "timing_s/gen": t_gen - t0,
-                "timing_s/infer": t_infer - t_gen,
-                "timing_s/adv": t_adv - t_infer,
-                "timing_s/update_actor": t_upd - t_adv,
-                "timing_s/step": t_upd - t0,
-                "perf/total_num_tokens": tokens,
-                # verl: tokens per second per GPU (the GPUs this step's plan used)
-                "perf/throughput": tokens
-                / max(t_upd - t0, 1e-9)
-                / max(len({g for _, c in plan.items() for g in c.gpus}), 1),
-            }
+            _step_metrics(batch, rollout, max_new, times, len({g for _, c in plan.items() for g in c.gpus}))
         )
         return metrics
+
+    def rollout(self, strategy: NereusStrategy, step: int, max_new: int) -> Rollout:
+        """The step's samples, generated and scored; with ``filter_groups`` only groups whose scores
+        differ, over as many generation rounds as it takes (at most ``max_num_gen_batches``)."""
+        hp, rule = self.hparams, self.filter_groups
+        size, want = hp.samples_per_prompt, hp.prompts_per_step
+        rounds: list[Rollout] = []
+        while True:
+            part = self._rollout_round(strategy, step, max_new, first_index=len(rounds) * want * size)
+            rounds.append(part)
+            if not rule.enable:
+                return part
+            varied = sum(sum(varied_groups([r.score for r in p.results], size)) for p in rounds)
+            if varied >= want or len(rounds) == rule.max_num_gen_batches:
+                break
+        return Rollout.of_groups(
+            rounds, size, want, [varied_groups([r.score for r in p.results], size) for p in rounds]
+        )
+
+    def _rollout_round(self, strategy: NereusStrategy, step: int, max_new: int, first_index: int) -> Rollout:
+        """One round: ``prompts_per_step`` prompts with ``samples_per_prompt`` samples each, scored."""
+        hp = self.hparams
+        prompts = self.source.prompts(step, hp.prompts_per_step)
+        samples = [p for p in prompts for _ in range(hp.samples_per_prompt)]  # samples of a prompt adjacent
+        _, _, responses, greedy, versions = self.generate(
+            strategy,
+            samples,
+            max_new,
+            step,
+            with_greedy=self.algorithm_spec.greedy_baseline,
+            first_index=first_index,
+        )
+        strategy.preemption_point()  # (a stop signal may drop the step here, before anything changes)
+
+        def scored(answers: Sequence[Sequence[int]]) -> list[RewardResult]:
+            numbered = enumerate(zip(samples, answers, strict=True))
+            return self.score(
+                strategy, self.source, [Sample(first_index + i, p, tuple(r)) for i, (p, r) in numbered]
+            )
+
+        results = scored(responses)
+        return Rollout(samples, responses, results, None if greedy is None else scored(greedy), versions)
+
+    def _to_batch(self, rollout: Rollout) -> RolloutBatch:
+        """The rollout as one batch (prompts left-padded, responses right-padded) with its rewards."""
+        pad = self.tokenizer.pad_token_id
+        prompt_ids, prompt_mask = (
+            t.to(self.device) for t in pad_ids([p.ids for p in rollout.samples], pad, "left")
+        )
+        width = max(1, max(len(r) for r in rollout.responses))
+        response_ids, response_mask = (
+            t.to(self.device) for t in pad_ids(rollout.responses, pad, "right", width)
+        )
+        size = self.hparams.samples_per_prompt
+        n = len(rollout.samples)
+        batch = RolloutBatch(
+            prompt_ids,
+            prompt_mask,
+            response_ids,
+            response_mask,
+            torch.arange(n, device=self.device),
+            torch.arange(n, device=self.device) // size,  # the samples of a prompt are adjacent
+            policy_version=rollout.versions,
+        )
+        batch.scores = rollout.scores(self.device)
+        if rollout.greedy_results is not None:
+            batch.baseline_scores = rollout.scores(self.device, greedy=True)
+        return batch
 
     def _check_rewards(self, step: int, batch: RolloutBatch, samples: Sequence[Prompt]) -> bool:
         """Raise (or, with ``on_nonfinite="skip"``, return True to skip the update) on a non-finite score or
@@ -972,6 +994,42 @@ def _mini_batches(n: int, parts: int) -> list[tuple[int, int]]:
     """``[start, stop)`` of each non-empty mini-batch of ``n`` samples cut into ``parts``."""
     blocks = (dp_slice(n, parts, i) for i in range(parts))
     return [(b.start, b.stop) for b in blocks if b.stop > b.start]
+
+
+def _step_metrics(
+    batch: RolloutBatch, rollout: Rollout, max_new: int, times: Mapping[str, float], gpus: int
+) -> dict[str, float]:
+    """The step's data, timing and throughput metrics (verl's names)."""
+    mask = batch.response_mask.float()
+    lengths = mask.sum(-1)
+    tokens = float(batch.attention_mask.sum())
+    step_s = times["update"] - times["start"]
+    metrics = _reward_metrics(rollout.results)
+    metrics.update(rollout.metrics)
+    if rollout.versions is not None:  # the oldest weights this step's samples were generated with
+        metrics["rollout/policy_version"] = float(rollout.versions.min())
+    metrics.update(
+        {
+            "critic/score/mean": float(batch.need("scores").nan_to_num().mean()),
+            "critic/rewards/mean": float(batch.need("token_rewards").sum(-1).nan_to_num().mean()),
+            "critic/advantages/mean": float(losses.masked_mean(batch.need("advantages").nan_to_num(), mask)),
+            "response_length/mean": float(lengths.mean()),
+            "response_length/max": float(lengths.max()),
+            "response_length/p95": float(torch.quantile(lengths, 0.95)),
+            "response_length/clip_ratio": float((lengths >= max_new).float().mean()),
+            "prompt_length/mean": float(batch.prompt_mask.sum(-1).float().mean()),
+            "task/max_response_len": float(max_new),
+            "timing_s/gen": times["gen"] - times["start"],
+            "timing_s/infer": times["infer"] - times["gen"],
+            "timing_s/adv": times["adv"] - times["infer"],
+            "timing_s/update_actor": times["update"] - times["adv"],
+            "timing_s/step": step_s,
+            "perf/total_num_tokens": tokens,
+            # verl: tokens per second per GPU (the GPUs this step's plan used)
+            "perf/throughput": tokens / max(step_s, 1e-9) / max(gpus, 1),
+        }
+    )
+    return metrics
 
 
 def _reward_metrics(results: Sequence[RewardResult]) -> dict[str, float]:
