@@ -165,7 +165,7 @@ def test_controller_plans_for_the_forecast_and_warns_of_memory_before_it_breaks(
         assert ctl.step(sig(step, length=length)).kind == "none"
     d = ctl.step(sig(3, length=1290))  # measured 1,290 still fits; the next step (~1,385) does not
     assert any(t.kind == "memory" for t in d.triggers) and d.urgent and d.target == B
-    assert max(seen) == pytest.approx(1385)
+    assert any(x == pytest.approx(1385) for x in seen)  # the memory check reads the next step
     # Without the forecast the same trace triggers nothing until memory actually breaks.
     backend = Recording([A, B], {A: 10.0, B: 12.0}, tran={B: 1.0})
     ctl = controller(backend, forecast_steps=0.0)
