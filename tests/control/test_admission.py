@@ -36,18 +36,18 @@ def test_reference_resets_after_rejected_replan():
     assert ctl.step(sig(3, length=1900)).kind == "keep"  # +36% of 1400
 
 
-def test_first_interval_runs_from_the_first_observation_and_updates_only_at_crossings():
+def test_horizon_is_one_step_before_any_interval_and_updates_only_at_crossings():
     backend = FakeBackend([A, B], {A: 10.0, B: 5.0}, tran={B: 1000.0})
     ctl = controller(backend, drift_signals=("response_len",))
-    ctl.step(sig(2, length=1000))  # first observation
-    d = ctl.step(sig(6, length=1400))
-    assert d.horizon == 4.0  # first crossing: the signal held from step 2 to 6
-    for s in range(7, 10):  # no crossing: the EMA must not move
+    ctl.step(sig(0, length=1000))
+    d = ctl.step(sig(1, length=1400))
+    assert d.horizon == 1.0  # first crossing: no interval seen yet
+    for s in range(2, 6):  # no crossing: the EMA must not move
         ctl.step(sig(s, length=1450))
-        assert ctl.drift["response_len"].clock.ema == 4.0
-    d = ctl.step(sig(12, length=2000))
-    assert d.horizon == pytest.approx(0.5 * 6 + 0.5 * 4)  # interval 12 - 6
-    d = ctl.step(sig(15, length=2700))
+        assert ctl.drift["response_len"].clock.ema is None
+    d = ctl.step(sig(6, length=2000))
+    assert d.horizon == 5.0  # interval 6 - 1
+    d = ctl.step(sig(9, length=2700))
     assert d.horizon == pytest.approx(0.5 * 3 + 0.5 * 5)
 
 

@@ -201,8 +201,7 @@ class Controller:
     def step(self, signals: StepSignals) -> Decision:
         """Consume one step's signals; return what the body must do before the next step."""
         self.forecast.observe(signals)
-        for clock in (self.pool.clock, self.memory_clock, *(d.clock for d in self.drift.values())):
-            clock.start(signals.step)
+        self.pool.clock.start(signals.step)
         self._calibrate(signals)
         if self.plan is None:
             decision = self._initial(signals)
@@ -247,6 +246,19 @@ class Controller:
             prompt_len=int(round(ahead["prompt_len"])),
         )
 
+    def next_step_workload(self, signals: StepSignals) -> Workload:
+        """The lengths the next step is checked for: the planning lengths, or the one-step
+        forecast where it is longer (the step a plan runs is one past the last measurement)."""
+        base = self.planning_workload(signals)
+        ahead = self.forecast.ahead(1.0)
+        if ahead is None or ahead["response_len_p95"] <= base.response_len_p95:
+            return base
+        return replace(
+            base,
+            response_len=max(base.response_len, ahead["response_len"]),
+            response_len_p95=ahead["response_len_p95"],
+        )
+
     def cluster_at(self, signals: StepSignals) -> ClusterSpec:
         """The cluster restricted to the pool of ``signals``."""
         return self.cluster.with_gpus(signals.num_gpus)
@@ -287,9 +299,10 @@ class Controller:
         if over:
             self._memory_detail = f"measured peak memory above the {cap / 1e9:.0f} GB cap on ranks {over[:8]}"
             return False
-        est = self._current_estimate(signals, self.planning_workload(signals))
-        self._memory_detail = "predicted peak memory exceeds the cap: " + "; ".join(
-            str(v) for v in getattr(est, "violations", ())
+        est = self._current_estimate(signals, self.next_step_workload(signals))
+        self._memory_detail = "predicted peak memory at the next step's forecast exceeds the cap: " + (
+            "; ".join(
+            str(v) for v in getattr(est, "violations", ()))
         )
         return bool(est.feasible)
 
@@ -360,7 +373,8 @@ class Controller:
         source = CandidateSource(self.backend, self.calibration, self.plan, self.workload.algorithm,
                                  self.workload.sequences_per_step, self.cluster_at(signals), r.workload,
                                  r.urgent, r.current_latency, safe_first=not first,
-                                 memory=self.memory_calibration, lasting=self.lasting_workload(signals, r))
+                                 memory=self.memory_calibration,
+                                 lasting=self.lasting_workload(signals, r) if r.urgent else None)
         budget = max(2, cfg.dag_budget_gpus // max(r.dag_cluster.num_gpus, 1))
         search = TargetSearch(
             r, self.backend, self._profitable, cfg.gamma, budget, self.transition_scale, first

@@ -1,11 +1,12 @@
 """Triggers: relative drift thresholds, pool changes, memory pressure, and their horizons H_x.
 
 H_x estimates how many steps remain until signal x crosses its threshold again: an exponential
-moving average of past intervals between crossings, updated at crossings only. The paper takes
-1 step before any interval has been seen; here the first interval runs from the step the signal
-was first observed (the clock's ``origin``) to its first crossing: the signal held at least that
-long, and a pool that was stable for 30 steps is not expected to change in one. A clock without
-an origin (state from older versions) keeps the paper's 1 step.
+moving average of past intervals between crossings, updated at crossings only, and 1 step before
+any interval has been seen (the paper's rule). The pool's clock is started at the first step the
+controller sees (``CrossingClock.start``): its first interval runs from there to the first pool
+change, since the supply held at least that long and a pool stable for 30 steps is not expected
+to change in one. Drift clocks keep the paper's rule: on the paper-shaped trace a first drift
+interval counted from the start admitted a deep-pipeline target that a later revocation trapped.
 """
 
 from __future__ import annotations
@@ -90,7 +91,6 @@ class DriftTrigger:
         """A trigger if ``value`` crossed the threshold (the clock records the crossing), else None."""
         if self.reference is None:
             self.reference = value
-            self.clock.start(step)
             return None
         base = max(abs(self.reference), 1e-12)
         change = (value - self.reference) / base
