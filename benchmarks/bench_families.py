@@ -64,11 +64,15 @@ def main(argv: list[str] | None = None) -> dict:
                 v = verdict(rows)
                 runs.append({"combination": combo.name, "family": family, "seed": seed, "rows": rows, **v})
                 cells = " ".join(
-                    f"{n.split('(')[0]}={r['mean_step_s']:.2f}/{r['infeasible_steps']}" for n, r in rows.items()
+                    f"{n.split('(')[0]}={r['mean_step_s']:.2f}/{r['infeasible_steps']}"
+                    for n, r in rows.items()
                 )
-                print(f"{combo.name} | {family} s{seed} | {cells} | gap {v['gap']:+.1%} "
-                      f"{'OK' if v['best'] and v['fewest_infeasible'] else 'FAIL'} ({time.perf_counter() - t:.1f} s)",
-                      flush=True)
+                ok = "OK" if v["best"] and v["fewest_infeasible"] else "FAIL"
+                print(
+                    f"{combo.name} | {family} s{seed} | {cells} | gap {v['gap']:+.1%} "
+                    f"{ok} ({time.perf_counter() - t:.1f} s)",
+                    flush=True,
+                )
     gaps = [r["gap"] for r in runs]
     summary = {
         "runs": len(runs),

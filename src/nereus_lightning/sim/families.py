@@ -46,7 +46,9 @@ class FamilyShape:
 
     def __post_init__(self) -> None:
         require(self.steps >= 12, "family.steps", f"must be >= 12, got {self.steps}")
-        require(0 < self.length[0] <= self.length[1], "family.length", f"need 0 < base <= peak: {self.length}")
+        require(
+            0 < self.length[0] <= self.length[1], "family.length", f"need 0 < base <= peak: {self.length}"
+        )
         lo, hi = self.gpus
         require(
             0 < lo <= hi and lo % self.node == 0 and hi % self.node == 0,
@@ -61,7 +63,9 @@ def _nodes(shape: FamilyShape, gpus: float) -> int:
     return max(lo, min(hi, int(gpus // shape.node) * shape.node))
 
 
-def _trace(name: str, shape: FamilyShape, means: list[float], pool: list[int], rng: random.Random) -> DriftTrace:
+def _trace(
+    name: str, shape: FamilyShape, means: list[float], pool: list[int], rng: random.Random
+) -> DriftTrace:
     lens = [round(m * math.exp(rng.gauss(0.0, shape.noise)), 1) for m in means]
     p95 = [round(x * shape.p95_ratio, 1) for x in lens]
     return DriftTrace(name, tuple(lens), tuple(p95), (shape.prompt_len,) * shape.steps, tuple(pool))
@@ -74,7 +78,9 @@ def rise_fall(shape: FamilyShape, seed: int = 0) -> DriftTrace:
     top = rng.uniform(0.35, 0.65) * (n - 1)
     end = base * rng.uniform(1.0, 1.5)
     means = [
-        base + (peak - base) * (i / top) ** 1.5 if i <= top else end + (peak - end) * ((n - 1 - i) / (n - 1 - top))
+        base + (peak - base) * (i / top) ** 1.5
+        if i <= top
+        else end + (peak - end) * ((n - 1 - i) / (n - 1 - top))
         for i in range(n)
     ]
     pool = [shape.gpus[1]] * n
@@ -164,11 +170,21 @@ class Combination:
 #: the presets have); each frame's lengths are ones the pool can hold at its smallest.
 COMBINATIONS: tuple[Combination, ...] = (
     Combination("llama3_8b", "paper_cluster2", "ppo", FamilyShape(length=(1000, 3500), gpus=(8, 32), node=4)),
-    Combination("llama3_8b", "paper_cluster3", "grpo", FamilyShape(length=(2000, 8000), gpus=(16, 64), node=8)),
-    Combination("qwen3_14b", "paper_cluster2", "grpo", FamilyShape(length=(1000, 3000), gpus=(16, 32), node=4)),
+    Combination(
+        "llama3_8b", "paper_cluster3", "grpo", FamilyShape(length=(2000, 8000), gpus=(16, 64), node=8)
+    ),
+    Combination(
+        "qwen3_14b", "paper_cluster2", "grpo", FamilyShape(length=(1000, 3000), gpus=(16, 32), node=4)
+    ),
     Combination("qwen2_0_5b", "l40sx8", "ppo", FamilyShape(length=(1000, 4000), gpus=(4, 8), node=2)),
-    Combination("qwen3_14b", "paper_cluster3", "ppo", FamilyShape(length=(2000, 6000), gpus=(16, 64), node=8)),
-    Combination("llama3_8b", "paper_cluster1", "remax", FamilyShape(length=(1000, 4000), gpus=(32, 128), node=8)),
+    Combination(
+        "qwen3_14b", "paper_cluster3", "ppo", FamilyShape(length=(2000, 6000), gpus=(16, 64), node=8)
+    ),
+    Combination(
+        "llama3_8b", "paper_cluster1", "remax", FamilyShape(length=(1000, 4000), gpus=(32, 128), node=8)
+    ),
     Combination("qwen2_0_5b", "h100x8", "grpo", FamilyShape(length=(1000, 8000), gpus=(2, 8), node=2)),
-    Combination("qwen3_32b", "paper_cluster3", "grpo", FamilyShape(length=(1000, 4000), gpus=(32, 64), node=8)),
+    Combination(
+        "qwen3_32b", "paper_cluster3", "grpo", FamilyShape(length=(1000, 4000), gpus=(32, 64), node=8)
+    ),
 )
