@@ -37,6 +37,7 @@ class Option:
     estimate: Estimate
     source: str
     notes: dict[str, Any] = field(default_factory=dict)
+    lasts: bool = True  # still feasible at the lengths forecast over the horizon
 
     @property
     def latency(self) -> float:
@@ -60,6 +61,7 @@ class CandidateSource:
         current_latency: float | None,
         safe_first: bool = True,
         memory: Any = None,
+        lasting: Workload | None = None,
     ) -> None:
         self.backend, self.calibration, self.current = backend, calibration, current
         self.memory = memory  # the memory calibration every plan is priced with
@@ -67,6 +69,8 @@ class CandidateSource:
         self.cluster, self.workload = cluster, workload
         self.urgent, self.current_latency = urgent, current_latency
         self.safe_first = safe_first
+        # The lengths forecast over the horizon: a target infeasible there does not last.
+        self.lasting = lasting
         self.seen: set[Plan] = {current}
         self.reasons: list[str] = []
 
@@ -83,7 +87,12 @@ class CandidateSource:
             return None
         if not self.urgent and self.current_latency is not None and est.step_latency >= self.current_latency:
             return None
-        return Option(plan, est, source)
+        lasts = self.lasting is None or bool(
+            self.backend.estimate(
+                plan, self.cluster, self.lasting, self.calibration, memory=self.memory
+            ).feasible
+        )
+        return Option(plan, est, source, lasts=lasts)
 
     def regular(self, signals: StepSignals, try_follow_pool: bool) -> Iterator[Option]:
         """The planner's best plan, then every fallback fastest first.

@@ -30,16 +30,16 @@ decision log with its latency, ``L_tran``, net benefit and verdict.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from functools import partial
 from typing import Any
 
 from nereus_lightning.control.attribution import PHASES, PhasedEstimate, op_times
 from nereus_lightning.control.backend import Estimate, PlanningBackend, op_totals
-from nereus_lightning.control.candidates import CandidateSource, Option
+from nereus_lightning.control.candidates import CandidateSource
 from nereus_lightning.control.decision import Decision, DecisionLog, describe_plan
 from nereus_lightning.control.forecast import LengthForecast
+from nereus_lightning.control.search import Replan, TargetSearch
 from nereus_lightning.control.signals import DRIFT_SIGNALS, StepSignals
 from nereus_lightning.control.state import plan_from_state, plan_to_state
 from nereus_lightning.control.triggers import (
@@ -47,6 +47,7 @@ from nereus_lightning.control.triggers import (
     DriftTrigger,
     PoolTrigger,
     Trigger,
+    bounded,
     smallest_horizon,
 )
 from nereus_lightning.control.variants import intact_plan
@@ -167,6 +168,7 @@ class Controller:
         log: DecisionLog | str | None = None,
         plan: Plan | None = None,
         memory_calibration: MemoryCalibration | None = None,
+        max_steps: int | None = None,
     ) -> None:
         self.backend = backend
         self.cluster = cluster
@@ -191,16 +193,21 @@ class Controller:
         self._estimates: dict[tuple, tuple[Estimate, dict[str, float]]] = {}
         self.forecast = LengthForecast(self.config.forecast_window, self.config.delta_len)
         self._used: tuple[Plan, frozenset[int]] | None = None  # (plan, its GPU ids), cached per plan
+        # The run's step limit (None: unbounded): no horizon reaches past it.
+        self.max_steps = max_steps
+        self._relaunched = False  # state restored: the next pool trigger's pool is the launch's
 
     # ----------------------------------------------------------------------------- per step
     def step(self, signals: StepSignals) -> Decision:
         """Consume one step's signals; return what the body must do before the next step."""
         self.forecast.observe(signals)
+        self.pool.clock.start(signals.step)
         self._calibrate(signals)
         if self.plan is None:
             decision = self._initial(signals)
         else:
             triggers = self._triggers(signals)
+            self._relaunched = False
             if not triggers:
                 return Decision(signals.step, "none")
             decision = self._replan(signals, triggers)
@@ -239,6 +246,19 @@ class Controller:
             prompt_len=int(round(ahead["prompt_len"])),
         )
 
+    def next_step_workload(self, signals: StepSignals) -> Workload:
+        """The lengths the next step is checked for: the planning lengths, or the one-step
+        forecast where it is longer (the step a plan runs is one past the last measurement)."""
+        base = self.planning_workload(signals)
+        ahead = self.forecast.ahead(1.0)
+        if ahead is None or ahead["response_len_p95"] <= base.response_len_p95:
+            return base
+        return replace(
+            base,
+            response_len=max(base.response_len, ahead["response_len"]),
+            response_len_p95=ahead["response_len_p95"],
+        )
+
     def cluster_at(self, signals: StepSignals) -> ClusterSpec:
         """The cluster restricted to the pool of ``signals``."""
         return self.cluster.with_gpus(signals.num_gpus)
@@ -269,7 +289,8 @@ class Controller:
         k = self.config.replan_every
         if k and step - self.last_replan_step >= k:
             triggers.append(Trigger("schedule", float(k), detail=f"every {k} steps"))
-        return triggers
+        left = None if self.max_steps is None else max(self.max_steps - step, 0)
+        return [bounded(t, left, self._relaunched) for t in triggers]
 
     def _current_fits(self, signals: StepSignals) -> bool:
         """Predicted (cost model) and measured memory of the current plan within the cap."""
@@ -278,9 +299,10 @@ class Controller:
         if over:
             self._memory_detail = f"measured peak memory above the {cap / 1e9:.0f} GB cap on ranks {over[:8]}"
             return False
-        est = self._current_estimate(signals, self.planning_workload(signals))
-        self._memory_detail = "predicted peak memory exceeds the cap: " + "; ".join(
-            str(v) for v in getattr(est, "violations", ())
+        est = self._current_estimate(signals, self.next_step_workload(signals))
+        self._memory_detail = "predicted peak memory at the next step's forecast exceeds the cap: " + (
+            "; ".join(
+            str(v) for v in getattr(est, "violations", ()))
         )
         return bool(est.feasible)
 
@@ -341,15 +363,46 @@ class Controller:
     def _replan(self, signals: StepSignals, triggers: list[Trigger]) -> Decision:
         assert self.plan is not None
         cfg = self.config
+        r, reasons = self._replan_context(signals, triggers)
+        decision = partial(  # every verdict of this step carries these
+            Decision,
+            step=signals.step, triggers=r.triggers, current=self.plan, current_latency=r.current_latency,
+            horizon=r.horizon, gamma=cfg.gamma, urgent=r.urgent, signals=signals,
+        )
+        first = cfg.selection == "first"
+        source = CandidateSource(self.backend, self.calibration, self.plan, self.workload.algorithm,
+                                 self.workload.sequences_per_step, self.cluster_at(signals), r.workload,
+                                 r.urgent, r.current_latency, safe_first=not first,
+                                 memory=self.memory_calibration,
+                                 lasting=self.lasting_workload(signals, r) if r.urgent else None)
+        budget = max(2, cfg.dag_budget_gpus // max(r.dag_cluster.num_gpus, 1))
+        search = TargetSearch(
+            r, self.backend, self._profitable, cfg.gamma, budget, self.transition_scale, first
+        )
+        search.run(source, cfg.try_follow_pool, cfg.pin_training)
+        reasons += source.reasons
+        if search.best is not None:
+            return self._admit(r, search, reasons, decision)
+        if r.urgent:
+            best = min(search.seen, key=lambda o: o.latency) if search.seen else None
+            return decision(
+                kind="restart", target=None if best is None else best.plan,
+                target_latency=None if best is None else best.latency, considered=tuple(search.considered),
+                reason="; ".join(
+                    [*reasons, "no feasible transition: checkpoint/restart"
+                     + (" into the best plan" if best else "; no plan fits the pool, wait for GPUs")]
+                ),
+            )
+        return self._keep_or_restart(r, search, decision)
+
+    def _replan_context(self, signals: StepSignals, triggers: list[Trigger]) -> tuple[Replan, list[str]]:
+        """What this replan knows: horizon, urgency, the current plan's latency, the intact units."""
+        assert self.plan is not None
         cluster, workload = self.cluster_at(signals), self.planning_workload(signals)
-        horizon = smallest_horizon(triggers)
-        urgent = any(t.urgent for t in triggers)
         pool = set(signals.gpus)
         # A transition may read state from draining GPUs (revocation notice); it starts from the
         # units that are still readable, priced on a cluster large enough to hold them.
         readable = pool | set(signals.draining)
-        intact = intact_plan(self.plan, readable)
-        dag_cluster = self.cluster.with_gpus(max(signals.num_gpus, max(readable, default=0) + 1))
         memory = self.memory_calibration
         current_est = (
             self.backend.estimate(self.plan, cluster, workload, self.calibration, memory=memory)
@@ -358,182 +411,102 @@ class Controller:
         current_latency = (
             current_est.step_latency if current_est is not None and current_est.feasible else None
         )
-        current_ok = current_latency is not None
+        urgent = any(t.urgent for t in triggers)
         reasons: list[str] = []
-        if not current_ok:
+        if current_latency is None:
             urgent = True
+            lost = current_est is None
             reasons.append(
-                "the current plan no longer fits"
-                if current_est is not None
-                else "GPUs of the current plan were lost"
+                "GPUs of the current plan were lost" if lost else "the current plan no longer fits"
             )
-        decision = partial(  # every verdict of this step carries these
-            Decision,
-            step=signals.step, triggers=tuple(triggers), current=self.plan, current_latency=current_latency,
-            horizon=horizon, gamma=cfg.gamma, urgent=urgent, signals=signals,
+        replan = Replan(
+            signals, tuple(triggers), smallest_horizon(triggers), urgent, current_latency,
+            intact_plan(self.plan, readable),
+            self.cluster.with_gpus(max(signals.num_gpus, max(readable, default=0) + 1)), workload,
         )
-        first = cfg.selection == "first"
-        source = CandidateSource(self.backend, self.calibration, self.plan, self.workload.algorithm,
-                                 self.workload.sequences_per_step, cluster, workload, urgent, current_latency,
-                                 safe_first=not first, memory=self.memory_calibration)
-        # Weight of one s/step over the horizon: the payback rule's gamma * H_x; on the urgent
-        # path (payback waived) the new plan runs at least one step whatever gamma is.
-        weight = cfg.gamma * horizon if not urgent else max(cfg.gamma * horizon, 1.0)
-        considered: list[dict[str, Any]] = []
-        seen: list[Option] = []
-        state: dict[str, Any] = {"best": None, "priced": 0, "ref": current_latency, "failed": set()}
-        budget = max(2, cfg.dag_budget_gpus // max(dag_cluster.num_gpus, 1))
+        return replan, reasons
 
-        def evaluate(opt: Option) -> bool:
-            """Price and judge one target; True when the search should stop (selection "first")."""
-            seen.append(opt)
-            lat = opt.latency
-            if state["ref"] is None:
-                state["ref"] = lat  # broken current plan: rank against the first target instead
-            d_l = math.inf if current_latency is None else current_latency - lat
-            entry = {
-                "source": opt.source,
-                "latency": round(lat, 6),
-                "dL": None if math.isinf(d_l) else round(d_l, 6),
-            }
-            considered.append(entry)
-            best: Option | None = state["best"]
-            bound = weight * (state["ref"] - lat)  # net benefit if the transition were free
-            if intact is None:
-                entry["verdict"] = "no intact replica of some model-stage: a transition cannot start"
-                return False
-            if not first and best is not None and bound <= best.notes["net"]:
-                entry["verdict"] = f"not priced: even free it cannot beat {best.source}"
-                return False
-            if not first and state["priced"] >= budget:
-                entry["verdict"] = f"not priced: {budget} transition DAGs priced already (budget)"
-                return False
-            state["priced"] += 1
-            try:
-                l_tran = (
-                    self.backend.transition_cost(intact, opt.plan, dag_cluster, workload)
-                    * self.transition_scale
+    def lasting_workload(self, signals: StepSignals, replan: Replan) -> Workload | None:
+        """The lengths a target must still fit: the forecast over the horizon, never below the
+        lengths planned for.
+
+        The forecast moves at most ``delta_len`` from the last measurement (its clamp): a
+        larger move fires a drift trigger and a replan anyway, so a target need not fit beyond
+        it. None (no check) before the forecast has two measurements.
+        """
+        ahead = self.forecast.ahead(max(1.0, replan.horizon))
+        if ahead is None:
+            return None
+        base = replan.workload
+        mean = max(base.response_len, ahead["response_len"])
+        return replace(
+            base,
+            response_len=mean,
+            response_len_p95=max(base.response_len_p95, ahead["response_len_p95"], mean),
+            prompt_len=max(base.prompt_len, int(round(ahead["prompt_len"]))),
+        )
+
+    def _admit(self, r: Replan, search: TargetSearch, reasons: list[str], decision: Any) -> Decision:
+        """The verdict when a target was admitted (on the urgent path: possibly a restart instead)."""
+        cfg = self.config
+        chosen = search.best
+        assert chosen is not None
+        entry, l_tran = chosen.notes["entry"], chosen.notes["l_tran"]
+        how = "first admitted target" if search.first else "largest net benefit gamma*H_x*dL - L_tran"
+        if not chosen.lasts:
+            how += "; no target lasts the forecast over the horizon"
+        considered = tuple(search.considered)
+        if r.urgent:
+            fastest = min(search.seen, key=lambda o: o.latency)
+            slower = chosen.latency - fastest.latency
+            if slower > 0 and cfg.admission == "payback":
+                # The reachable target is slower than the best plan, which has no safe DAG:
+                # restarting into the best plan is worth it if the restart pays back.
+                ok, why = self._profitable(
+                    slower, max(cfg.restart_s - l_tran, 0.0), self.restart_horizon(r.horizon)
                 )
-            except InfeasiblePlanError as exc:
-                entry["verdict"] = f"transition infeasible: {exc}"
-                state["failed"].add(layouts_of(opt.plan))
-                return False
-            entry["L_tran"] = round(l_tran, 6)
-            if urgent:
-                entry["verdict"] = "reachable (urgent: profitability waived)"
-            else:
-                ok, why = self._profitable(d_l, l_tran, horizon)
-                entry["verdict"] = why
-                if not ok:
-                    return False
-            net = bound - l_tran
-            entry["net_benefit"] = round(net, 6)
-            opt.notes.update(l_tran=l_tran, net=net, entry=entry)
-            if best is None or net > best.notes["net"]:
-                state["best"] = opt
-            return first
-
-        def untried_layouts_first(options: Iterator[Option]) -> Iterator[Option]:
-            # A DAG fails mostly on a layout change (a Split that does not fit next to the
-            # co-resident state): targets with the layouts of a failed one are tried last.
-            pending = list(options)
-            while pending:
-                i = next((k for k, o in enumerate(pending) if layouts_of(o.plan) not in state["failed"]), 0)
-                yield pending.pop(i)
-
-        stopped = False
-        regular = source.regular(signals, cfg.try_follow_pool)
-        for opt in regular if first else untried_layouts_first(regular):
-            if evaluate(opt):
-                stopped = True
-                break
-        # not urgent, no target: none is faster
-        best_failed = ("net" not in seen[0].notes) if seen else urgent
-        if not stopped and cfg.pin_training and not first and best_failed:
-            # The best target failed: also try the best plans that keep the training layouts
-            # (with a DAG budget of their own: they are the likely reachable ones). Pinned plans
-            # are never faster than the planner's best, so without a faster target there is none.
-            state["priced"] = 0
-            for opt in untried_layouts_first(source.pinned()):
-                evaluate(opt)
-        reasons += source.reasons
-        chosen: Option | None = state["best"]
-        how = "first admitted target" if first else "largest net benefit gamma*H_x*dL - L_tran"
-        if chosen is not None:
-            entry = chosen.notes["entry"]
-            l_tran = chosen.notes["l_tran"]
-            if urgent:
-                fastest = min(seen, key=lambda o: o.latency)
-                slower = chosen.latency - fastest.latency
-                if slower > 0 and cfg.admission == "payback":
-                    # The reachable target is slower than the best plan, which has no safe DAG:
-                    # restarting into the best plan is worth it if the restart pays back.
-                    ok, why = self._profitable(
-                        slower, max(cfg.restart_s - l_tran, 0.0), self.restart_horizon(horizon)
+                if ok:
+                    entry["verdict"] = f"reachable, but a restart into {fastest.source} {why}"
+                    return decision(
+                        kind="restart", target=fastest.plan, target_latency=fastest.latency,
+                        transition_cost=cfg.restart_s, considered=considered,
+                        reason="; ".join([*reasons, f"urgent ({_kinds(r.triggers)}): the reachable target is "
+                                          f"{slower:.2f} s/step slower; checkpoint/restart {why}"]),
                     )
-                    if ok:
-                        entry["verdict"] = f"reachable, but a restart into {fastest.source} {why}"
-                        return decision(
-                            kind="restart",
-                            target=fastest.plan,
-                            target_latency=fastest.latency,
-                            transition_cost=cfg.restart_s,
-                            considered=tuple(considered),
-                            reason="; ".join(
-                                [
-                                    *reasons,
-                                    f"urgent ({_kinds(triggers)}): the reachable target is "
-                                    f"{slower:.2f} s/step slower; checkpoint/restart {why}",
-                                ]
-                            ),
-                        )
-                entry["verdict"] = "admitted (urgent: profitability waived)"
-                d_l = None if current_latency is None else current_latency - chosen.latency
-                return decision(
-                    kind="transition", target=chosen.plan, target_latency=chosen.latency, delta_latency=d_l,
-                    transition_cost=l_tran, considered=tuple(considered),
-                    reason="; ".join([*reasons, f"urgent ({_kinds(triggers)}): {how} "
-                                      f"among feasible targets ({chosen.source})"]),
-                )
-            entry["verdict"] = "admitted: " + entry["verdict"]
-            assert current_latency is not None
+            entry["verdict"] = "admitted (urgent: profitability waived)"
+            d_l = None if r.current_latency is None else r.current_latency - chosen.latency
             return decision(
-                kind="transition",
-                target=chosen.plan,
-                target_latency=chosen.latency,
-                delta_latency=current_latency - chosen.latency,
-                transition_cost=l_tran,
-                considered=tuple(considered),
-                reason=f"{_kinds(triggers)}: {entry['verdict'].removeprefix('admitted: ')}; {how} "
-                    f"({chosen.source})",
+                kind="transition", target=chosen.plan, target_latency=chosen.latency, delta_latency=d_l,
+                transition_cost=l_tran, considered=considered,
+                reason="; ".join([*reasons, f"urgent ({_kinds(r.triggers)}): {how} "
+                                  f"among feasible targets ({chosen.source})"]),
             )
-        if urgent:
-            best = min(seen, key=lambda o: o.latency) if seen else None
-            return decision(
-                kind="restart", target=None if best is None else best.plan,
-                target_latency=None if best is None else best.latency, considered=tuple(considered),
-                reason="; ".join(
-                    [*reasons, "no feasible transition: checkpoint/restart"
-                     + (" into the best plan" if best else "; no plan fits the pool, wait for GPUs")]
-                ),
-            )
-        # No DAG transition was admitted. When the best gain had no safe DAG at all, a
-        # checkpoint/restart is one more way to reach it: admitted under the payback rule, with
-        # L_tran = the restart's cost (the any-gain baselines do not restart voluntarily).
-        blocked = [
-            (o, e)
-            for o, e in zip(seen, considered, strict=True)
-            if e["verdict"].startswith("transition infeasible")
-        ]
-        if blocked and current_latency is not None and cfg.admission == "payback":
-            opt, entry = blocked[0]
-            d_l = current_latency - opt.latency
-            ok, why = self._profitable(d_l, cfg.restart_s, self.restart_horizon(horizon))
+        entry["verdict"] = "admitted: " + entry["verdict"]
+        assert r.current_latency is not None
+        return decision(
+            kind="transition", target=chosen.plan, target_latency=chosen.latency,
+            delta_latency=r.current_latency - chosen.latency, transition_cost=l_tran, considered=considered,
+            reason=f"{_kinds(r.triggers)}: {entry['verdict'].removeprefix('admitted: ')}; {how} "
+            f"({chosen.source})",
+        )
+
+    def _keep_or_restart(self, r: Replan, search: TargetSearch, decision: Any) -> Decision:
+        """No DAG transition was admitted: restart into a target without a safe DAG, or keep."""
+        # When the best gain had no safe DAG at all, a checkpoint/restart is one more way to
+        # reach it: admitted under the payback rule, with L_tran = the restart's cost (the
+        # any-gain baselines do not restart voluntarily).
+        cfg = self.config
+        blocked = search.blocked()
+        considered = tuple(search.considered)
+        if blocked and r.current_latency is not None and cfg.admission == "payback":
+            opt, _ = blocked[0]
+            d_l = r.current_latency - opt.latency
+            ok, why = self._profitable(d_l, cfg.restart_s, self.restart_horizon(r.horizon))
             if ok:
                 return decision(
                     kind="restart", target=opt.plan, target_latency=opt.latency, delta_latency=d_l,
-                    transition_cost=cfg.restart_s, considered=tuple(considered),
-                    reason=f"{_kinds(triggers)}: no safe transition DAG; checkpoint/restart {why} "
+                    transition_cost=cfg.restart_s, considered=considered,
+                    reason=f"{_kinds(r.triggers)}: no safe transition DAG; checkpoint/restart {why} "
                     f"({opt.source})",
                 )
         top = considered[0] if considered else None
@@ -542,7 +515,7 @@ class Controller:
             if top is None
             else f"payback failed for every candidate (best: {top['verdict']})"
         )
-        return decision(kind="keep", target=None, considered=tuple(considered), reason=why)
+        return decision(kind="keep", target=None, considered=considered, reason=why)
 
     def restart_horizon(self, horizon: float) -> float:
         """The horizon a checkpoint/restart is judged over: ``max(H_x, H_pool)``.
@@ -659,6 +632,7 @@ class Controller:
         if state.get("memory_calibration") is not None:  # absent in checkpoints of older versions
             self.memory_calibration.load_state_dict(state["memory_calibration"])
         self._estimates.clear()
+        self._relaunched = True
 
     def __repr__(self) -> str:
         return f"Controller(gamma={self.config.gamma}, plan={describe_plan(self.plan)})"
@@ -683,10 +657,5 @@ def _bucket(value: float, tol: float) -> int:
     return int(math.floor(math.log(max(value, 1e-9)) / math.log1p(tol)))
 
 
-def layouts_of(plan: Plan) -> tuple:
-    """Every model-stage's TP/PP layout: what a transition DAG must Split or Merge."""
-    return tuple((name, cand.layout) for name, cand in plan.items())
-
-
-def _kinds(triggers: list[Trigger]) -> str:
+def _kinds(triggers: list[Trigger] | tuple[Trigger, ...]) -> str:
     return "+".join(t.kind for t in triggers)

@@ -2,7 +2,11 @@
 
 H_x estimates how many steps remain until signal x crosses its threshold again: an exponential
 moving average of past intervals between crossings, updated at crossings only, and 1 step before
-any interval has been seen (the paper's rule).
+any interval has been seen (the paper's rule). The pool's clock is started at the first step the
+controller sees (``CrossingClock.start``): its first interval runs from there to the first pool
+change, since the supply held at least that long and a pool stable for 30 steps is not expected
+to change in one. Drift clocks keep the paper's rule: on the paper-shaped trace a first drift
+interval counted from the start admitted a deep-pipeline target that a later revocation trapped.
 """
 
 from __future__ import annotations
@@ -39,6 +43,12 @@ class CrossingClock:
         self.alpha = alpha
         self.last_crossing: int | None = None
         self.ema: float | None = None
+        self.origin: int | None = None  # first step observed: the start of the first interval
+
+    def start(self, step: int) -> None:
+        """Note the first step the signal is observed (no-op once started or crossed)."""
+        if self.origin is None and self.last_crossing is None:
+            self.origin = step
 
     @property
     def horizon(self) -> float:
@@ -47,20 +57,24 @@ class CrossingClock:
 
     def cross(self, step: int) -> None:
         """Record a crossing at ``step``; the only place the EMA changes."""
-        if self.last_crossing is not None and step > self.last_crossing:
-            interval = float(step - self.last_crossing)
+        since = self.last_crossing if self.last_crossing is not None else self.origin
+        if since is not None and step > since:
+            interval = float(step - since)
             self.ema = interval if self.ema is None else self.alpha * interval + (1 - self.alpha) * self.ema
         self.last_crossing = step
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable state."""
-        return {"alpha": self.alpha, "last_crossing": self.last_crossing, "ema": self.ema}
+        return {
+            "alpha": self.alpha, "last_crossing": self.last_crossing, "ema": self.ema, "origin": self.origin
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
         self.alpha = float(state["alpha"])
         self.last_crossing = state["last_crossing"]
         self.ema = state["ema"]
+        self.origin = state.get("origin")  # absent in checkpoints of older versions
 
 
 class DriftTrigger:
@@ -119,6 +133,7 @@ class PoolTrigger:
         """A ``pool`` or ``revocation`` trigger if the pool changed since the reference."""
         if self.reference is None:
             self.reference = pool
+            self.clock.start(step)
             return None
         if pool == self.reference:
             return None
@@ -152,3 +167,22 @@ def smallest_horizon(triggers: list[Trigger] | tuple[Trigger, ...]) -> float:
     """With several triggers, the smallest H_x decides (the paper's rule)."""
     require(len(triggers) > 0, "triggers", "need at least one trigger to take a horizon")
     return min(t.horizon for t in triggers)
+
+
+def bounded(trigger: Trigger, steps_left: int | None, relaunched: bool = False) -> Trigger:
+    """``trigger`` with its horizon set by what is known of the remaining run.
+
+    No horizon reaches past the run's last step (``steps_left``: steps still to run, None when
+    the run has no step limit). After a relaunch the pool is the one the job was launched on
+    for the rest of the run, not a fluctuation of the supply seen before: a pool trigger's
+    horizon is then the steps left.
+    """
+    horizon, why = trigger.horizon, ""
+    if relaunched and trigger.kind in ("pool", "revocation") and steps_left is not None:
+        horizon, why = float(steps_left), f"relaunched on this pool: H = {steps_left} steps left"
+    elif steps_left is not None and horizon > steps_left:
+        horizon, why = float(max(steps_left, 1)), f"H capped at the {steps_left} steps left"
+    if not why:
+        return trigger
+    detail = f"{trigger.detail}; {why}" if trigger.detail else why
+    return Trigger(trigger.kind, horizon, trigger.urgent, detail)

@@ -63,6 +63,9 @@ def simulate(policy: Any, trace: DriftTrace, machine: TrueMachine, backend: Plan
     """
     records: list[StepRecord] = []
     name = policy.name
+    controller = getattr(policy, "controller", None)
+    if controller is not None and getattr(controller, "max_steps", 0) is None:
+        controller.max_steps = len(trace)  # the trainer's max_steps: the run ends with the trace
     plan: Plan | None = None
     last = None
     last_transition: float | None = None

@@ -1,0 +1,160 @@
+"""`TargetSearch`: one replan's walk over candidate targets (pricing, payback, the incumbent).
+
+The controller builds a :class:`Replan` (what this boundary knows), a
+:class:`~nereus_lightning.control.candidates.CandidateSource` (the targets) and runs the search;
+the verdict (transition, restart or keep) is then read off the search's incumbent and log.
+
+Targets that *last* (still feasible at the lengths forecast over the horizon, see
+``CandidateSource.lasting``) are preferred to those that do not, whatever their net benefit: a
+target that the memory check rejects a few steps later costs a second move and, until then,
+leaves the job one length step from running out of memory.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from nereus_lightning.control.backend import PlanningBackend
+from nereus_lightning.control.candidates import CandidateSource, Option
+from nereus_lightning.control.signals import StepSignals
+from nereus_lightning.control.triggers import Trigger
+from nereus_lightning.plan.layout import Plan
+from nereus_lightning.spec.cluster import ClusterSpec
+from nereus_lightning.spec.errors import InfeasiblePlanError
+from nereus_lightning.spec.workload import Workload
+
+
+@dataclass(frozen=True)
+class Replan:
+    """What one replan knows: its triggers, horizon, urgency and the current plan's standing."""
+
+    signals: StepSignals
+    triggers: tuple[Trigger, ...]
+    horizon: float
+    urgent: bool
+    current_latency: float | None  # None: the current plan is broken (lost GPUs or out of memory)
+    intact: Plan | None  # the current plan's units still readable (where a DAG starts)
+    dag_cluster: ClusterSpec
+    workload: Workload
+
+
+def layouts_of(plan: Plan) -> tuple:
+    """Every model-stage's TP/PP layout: what a transition DAG must Split or Merge."""
+    return tuple((name, cand.layout) for name, cand in plan.items())
+
+
+class TargetSearch:
+    """Prices targets of one replan and keeps the best admitted one (the incumbent).
+
+    ``profitable(dL, L_tran, H)`` is the controller's payback rule; ``scale`` its calibrated
+    transition-cost factor; ``first`` the selection "first" (stop at the first admitted target).
+    """
+
+    def __init__(
+        self,
+        replan: Replan,
+        backend: PlanningBackend,
+        profitable: Callable[[float, float, float], tuple[bool, str]],
+        gamma: float,
+        budget: int,
+        scale: float = 1.0,
+        first: bool = False,
+    ) -> None:
+        self.r, self.backend, self.profitable = replan, backend, profitable
+        self.budget, self.scale, self.first = budget, scale, first
+        # Weight of one s/step over the horizon: the payback rule's gamma * H_x; on the urgent
+        # path (payback waived) the new plan runs at least one step whatever gamma is.
+        h = gamma * replan.horizon
+        self.weight = max(h, 1.0) if replan.urgent else h
+        self.seen: list[Option] = []
+        self.considered: list[dict[str, Any]] = []
+        self.best: Option | None = None
+        self.priced = 0
+        self.ref = replan.current_latency
+        self.failed: set[tuple] = set()
+
+    def _beats(self, opt: Option, net: float) -> bool:
+        best = self.best
+        if best is None:
+            return True
+        return (opt.lasts, net) > (best.lasts, best.notes["net"])
+
+    def evaluate(self, opt: Option) -> bool:
+        """Price and judge one target; True when the search should stop (selection "first")."""
+        r = self.r
+        self.seen.append(opt)
+        lat = opt.latency
+        if self.ref is None:
+            self.ref = lat  # broken current plan: rank against the first target instead
+        d_l = math.inf if r.current_latency is None else r.current_latency - lat
+        entry: dict[str, Any] = {"source": opt.source, "latency": round(lat, 6),
+                                 "dL": None if math.isinf(d_l) else round(d_l, 6)}
+        if not opt.lasts:
+            entry["lasts"] = False  # infeasible at the lengths forecast over the horizon
+        self.considered.append(entry)
+        bound = self.weight * (self.ref - lat)  # net benefit if the transition were free
+        if r.intact is None:
+            entry["verdict"] = "no intact replica of some model-stage: a transition cannot start"
+            return False
+        if not self.first and not self._beats(opt, bound):
+            assert self.best is not None
+            entry["verdict"] = f"not priced: even free it cannot beat {self.best.source}"
+            return False
+        if not self.first and self.priced >= self.budget:
+            entry["verdict"] = f"not priced: {self.budget} transition DAGs priced already (budget)"
+            return False
+        self.priced += 1
+        try:
+            l_tran = self.backend.transition_cost(r.intact, opt.plan, r.dag_cluster, r.workload) * self.scale
+        except InfeasiblePlanError as exc:
+            entry["verdict"] = f"transition infeasible: {exc}"
+            self.failed.add(layouts_of(opt.plan))
+            return False
+        entry["L_tran"] = round(l_tran, 6)
+        if r.urgent:
+            entry["verdict"] = "reachable (urgent: profitability waived)"
+        else:
+            ok, why = self.profitable(d_l, l_tran, r.horizon)
+            entry["verdict"] = why
+            if not ok:
+                return False
+        net = bound - l_tran
+        entry["net_benefit"] = round(net, 6)
+        opt.notes.update(l_tran=l_tran, net=net, entry=entry)
+        if self._beats(opt, net):
+            self.best = opt
+        return self.first
+
+    def untried_layouts_first(self, options: Iterator[Option]) -> Iterator[Option]:
+        """``options`` with those sharing the layouts of a failed DAG last.
+
+        A DAG fails mostly on a layout change (a Split that does not fit next to the co-resident
+        state): targets with the layouts of a failed one are tried last.
+        """
+        pending = list(options)
+        while pending:
+            i = next((k for k, o in enumerate(pending) if layouts_of(o.plan) not in self.failed), 0)
+            yield pending.pop(i)
+
+    def run(self, source: CandidateSource, try_follow_pool: bool, pin_training: bool) -> None:
+        """The regular targets; then, if the best failed, the plans that keep the training layouts."""
+        regular = source.regular(self.r.signals, try_follow_pool)
+        for opt in regular if self.first else self.untried_layouts_first(regular):
+            if self.evaluate(opt):
+                return
+        best_failed = ("net" not in self.seen[0].notes) if self.seen else self.r.urgent
+        if pin_training and not self.first and best_failed:
+            # The best target failed: also try the best plans that keep the training layouts
+            # (with a DAG budget of their own: they are the likely reachable ones). Pinned plans
+            # are never faster than the planner's best, so without a faster target there is none.
+            self.priced = 0
+            for opt in self.untried_layouts_first(source.pinned()):
+                self.evaluate(opt)
+
+    def blocked(self) -> list[tuple[Option, dict[str, Any]]]:
+        """Targets whose transition DAG was infeasible, in the order they were considered."""
+        pairs = zip(self.seen, self.considered, strict=True)
+        return [(o, e) for o, e in pairs if e["verdict"].startswith("transition infeasible")]

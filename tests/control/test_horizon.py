@@ -1,0 +1,64 @@
+"""H_x from what the controller knows of the run: the pool's stability, a relaunch, the steps left."""
+
+from __future__ import annotations
+
+from nereus_lightning.control import DecisionLog
+from tests.control.fakes import FakeBackend, controller, gen_plan, sig
+
+SMALL, BIG = gen_plan(1, 2), gen_plan(1, 4)  # 2 GPUs; the same layout over 4
+
+
+def _grow_backend() -> FakeBackend:
+    # BIG saves 1 s/step and its transition costs 0.97 s: pays back in 0.97 steps.
+    return FakeBackend([SMALL, BIG], {SMALL: 10.0, BIG: 9.0}, tran={BIG: 0.97})
+
+
+def test_resume_on_more_ranks_uses_them_and_the_log_says_why(tmp_path):
+    old = controller(_grow_backend(), plan=SMALL, max_steps=20)
+    for s in range(2):
+        assert old.step(sig(s, gpus=2)).kind == "none"
+    path = tmp_path / "decisions.jsonl"
+    ctl = controller(_grow_backend(), plan=SMALL, log=DecisionLog(str(path)), max_steps=20)
+    ctl.load_state_dict(old.state_dict())
+    d = ctl.step(sig(2, gpus=4))  # relaunched on 4 ranks
+    assert d.kind == "transition" and d.target == BIG
+    assert d.horizon == 18.0  # the steps left: the launch's pool holds for the rest of the run
+    record = path.read_text()
+    assert "relaunched on this pool: H = 18 steps left" in record and "pays back in 0.97 steps" in record
+
+
+def test_a_pool_seen_for_one_step_keeps_the_paper_horizon():
+    # The same growth without a relaunch, one step after the pool was first seen: it held for
+    # one step, H = 1, and 0.97 > gamma * 1.
+    ctl = controller(_grow_backend(), plan=SMALL)
+    ctl.step(sig(0, gpus=2))
+    d = ctl.step(sig(1, gpus=4))
+    assert d.horizon == 1.0 and d.kind == "keep" and "pays back in 0.97 steps > gamma*H_x" in d.reason
+
+
+def test_a_pool_stable_for_long_grows_when_it_pays_back():
+    ctl = controller(_grow_backend(), plan=SMALL)
+    for s in range(6):
+        ctl.step(sig(s, gpus=2))
+    d = ctl.step(sig(6, gpus=4))
+    assert d.horizon == 6.0 and d.kind == "transition"  # the pool held for 6 steps
+
+
+def test_no_horizon_reaches_past_the_last_step():
+    ctl = controller(_grow_backend(), plan=SMALL, max_steps=8)
+    for s in range(7):
+        ctl.step(sig(s, gpus=2))
+    d = ctl.step(sig(7, gpus=4))  # one step left: 0.97 > 0.5 * 1
+    assert d.horizon == 1.0 and d.kind == "keep"
+    assert any("capped at the 1 steps left" in t.detail for t in d.triggers)
+
+
+def test_clock_state_round_trips_and_old_state_keeps_the_paper_rule():
+    ctl = controller(_grow_backend(), plan=SMALL)
+    ctl.step(sig(3, gpus=2))
+    state = ctl.state_dict()
+    assert state["pool"]["clock"]["origin"] == 3
+    del state["pool"]["clock"]["origin"]  # a checkpoint of an older version
+    fresh = controller(_grow_backend(), plan=SMALL)
+    fresh.load_state_dict(state)
+    assert fresh.pool.clock.origin is None and fresh.pool.clock.horizon == 1.0

@@ -1,0 +1,51 @@
+"""Drift families: seeded members with the family's shape, and the controller on one of them."""
+
+from __future__ import annotations
+
+import pytest
+
+from nereus_lightning.sim.experiment import make_setup, run_experiment
+from nereus_lightning.sim.families import COMBINATIONS, FAMILIES, FamilyShape, family_trace
+from nereus_lightning.spec.errors import NereusConfigError
+
+SHAPE = FamilyShape(steps=40, length=(1000, 4000), gpus=(8, 32), node=4)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_members_are_seeded_and_stay_in_their_frame(family):
+    a, b, c = (family_trace(family, SHAPE, seed) for seed in (1, 1, 2))
+    assert a == b and a != c
+    assert len(a) == SHAPE.steps and all(8 <= g <= 32 and g % 4 == 0 for g in a.num_gpus)
+    assert all(p >= m for m, p in zip(a.response_len, a.response_len_p95, strict=True))
+
+
+def test_family_shapes():
+    for seed in range(5):
+        cur = family_trace("curriculum", SHAPE, seed).response_len
+        assert sum(1 for x, y in zip(cur, cur[1:], strict=False) if y > 1.3 * x) >= 2  # the raises
+        grow = family_trace("pool_growth", SHAPE, seed).num_gpus
+        assert grow[0] < grow[-1] == 32 and sorted(grow) == list(grow)  # grows once, then keeps it
+        rise = family_trace("rise_fall", SHAPE, seed)
+        top = max(range(len(rise)), key=rise.response_len.__getitem__)
+        assert 0 < top < len(rise) - 1 and min(rise.num_gpus) < 32  # a peak inside; revocations
+    with pytest.raises(NereusConfigError, match="family"):
+        family_trace("sawtooth", SHAPE)
+
+
+def test_combinations_cover_models_clusters_and_algorithms():
+    assert len(COMBINATIONS) >= 8
+    assert len({c.algorithm for c in COMBINATIONS}) == 3 and len({c.cluster for c in COMBINATIONS}) >= 4
+
+
+@pytest.mark.parametrize("index", [6, 1])  # 1: the added GPUs stayed idle under H = 1
+def test_nereus_takes_the_grown_pool_into_use(index):
+    combo = COMBINATIONS[index]
+    setup = make_setup(combo.model, combo.cluster, {"algorithm": combo.algorithm})
+    trace = family_trace("pool_growth", combo.shape, 0)
+    comp = run_experiment(setup, trace, ["always", "nereus:0.5"], plot=False)["comparison"]
+    grown = trace.num_gpus.index(max(trace.num_gpus))
+    last = comp.records["nereus(gamma=0.5)"][-1]
+    assert any(r.action == "transition" for r in comp.records["nereus(gamma=0.5)"][grown:])
+    nereus = comp.summaries["nereus(gamma=0.5)"]
+    assert nereus.infeasible_steps == 0 and nereus.gap_to_oracle < 0.01, last.plan
+    assert nereus.mean_step_s <= comp.summaries["always-switch"].mean_step_s * 1.001
