@@ -114,6 +114,8 @@ def test_an_algorithm_in_one_file_trains_through_nereus_train_on_two_ranks(tmp_p
 @pytest.mark.parametrize("name", ["rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"])
 def test_each_new_preset_trains_through_nereus_train(tmp_path, name):
     job = word_problem_job(tmp_path / "job", vocab_size=300)
+    # REINFORCE++ with its usual KL in the reward, the coefficient adapted toward a target
+    adaptive = ["algorithm.kl_coef=0.1", "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.horizon=10"]
     nereus_train(
         tmp_path / "run",
         f"actor.path={job['model']}",
@@ -125,10 +127,14 @@ def test_each_new_preset_trains_through_nereus_train(tmp_path, name):
         "trainer.max_steps=2",
         "save_checkpoint=false",
         "plot=false",
+        *(adaptive if name == "reinforce_plus_plus" else []),
         cwd=tmp_path,
     )
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == 2
     with open(next((tmp_path / "run").rglob("metrics.csv"))) as f:
-        losses = [float(r["actor/pg_loss"]) for r in csv.DictReader(f) if r.get("actor/pg_loss")]
-    assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
+        rows = [r for r in csv.DictReader(f) if r.get("actor/pg_loss")]
+    assert len(rows) == 2 and all(math.isfinite(float(r["actor/pg_loss"])) for r in rows)
+    if name == "reinforce_plus_plus":  # the coefficient moved after the first step
+        coeffs = [float(r["actor/reward_kl_penalty_coeff"]) for r in rows]
+        assert coeffs[0] == pytest.approx(0.1) and coeffs[1] != pytest.approx(0.1)

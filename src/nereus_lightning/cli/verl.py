@@ -91,6 +91,7 @@ HINTS: dict[str, str] = {
     "actor_rollout_ref.model.enable_gradient_checkpointing": (
         "the planner chooses recompute per model-stage (nereus-plan prints it)"
     ),
+    "algorithm.use_kl_in_reward": "the KL is in the reward exactly when algorithm.kl_coef > 0",
     "reward_model.overlong_buffer.enable": "the overlong buffer is on when algorithm.overlong_buffer.len > 0",
     "reward_model.enable": "a reward model scores exactly when reward_model.path (or .preset) is set",
     "trainer.total_epochs": "nereus-train counts RL steps: trainer.max_steps",

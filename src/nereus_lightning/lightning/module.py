@@ -26,6 +26,7 @@ floating-point reduction order.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -62,6 +63,7 @@ from nereus_lightning.rl import losses
 from nereus_lightning.rl.batch import RolloutBatch, dp_slice
 from nereus_lightning.rl.dapo import FilterGroups, OverlongBuffer, varied_groups
 from nereus_lightning.rl.data import Prompt
+from nereus_lightning.rl.kl_control import KLController
 from nereus_lightning.rl.reward import ModelReward
 from nereus_lightning.rl.reward_function import RewardResult
 from nereus_lightning.rl.rollout import (
@@ -211,7 +213,10 @@ class RLModule(L.LightningModule):
         prompts_per_step, samples_per_prompt: global batch of one RL step.
         actor_lr, critic_lr: AdamW learning rates; ``None``: :func:`default_lr` (verl's 1e-6 and
             1e-5 for a model folder, 3e-3 for a preset's or config's random weights).
-        kl_coef, kl_penalty: in-reward KL penalty and its estimator (PPO, ReMax).
+        kl_coef, kl_penalty: in-reward KL penalty and its estimator (every algorithm; its start value
+            with an adaptive ``kl_ctrl``).
+        kl_ctrl: verl's ``algorithm.kl_ctrl``: ``{type: fixed | adaptive, target_kl, horizon}``; adaptive
+            moves the in-reward coefficient toward ``target_kl`` after every step (Ziegler et al.).
         kl_loss_coef, kl_loss_type: KL to the reference as a loss term and its estimator (GRPO).
         adv_estimator: the algorithm (verl's ``algorithm.adv_estimator``): a registered name (``gae``
             or ``ppo``, ``grpo``, ``rloo``, ``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``,
@@ -313,6 +318,7 @@ class RLModule(L.LightningModule):
         remove_padding: bool = True,
         overlong_buffer: Mapping[str, Any] | None = None,
         filter_groups: Mapping[str, Any] | None = None,
+        kl_ctrl: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if actor_lr is None:
@@ -348,6 +354,7 @@ class RLModule(L.LightningModule):
             seed=seed,
         )
         self.algorithm = self.rl_config.algorithm  # the registered name
+        self.kl_controller = KLController.of(kl_coef, kl_ctrl)
         self.overlong_buffer = OverlongBuffer.of(overlong_buffer)
         self.filter_groups = FilterGroups.of(filter_groups)
         require(
@@ -474,11 +481,14 @@ class RLModule(L.LightningModule):
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["nereus_data"] = self.source.state_dict()  # the prompt stream's position
+        checkpoint["nereus_kl_coef"] = self.kl_controller.value  # an adaptive coefficient's current value
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if "nereus_data" in checkpoint:
             self.source.load_state_dict(checkpoint["nereus_data"])
+        if "nereus_kl_coef" in checkpoint:
+            self.kl_controller.value = float(checkpoint["nereus_kl_coef"])
 
     @override
     def train_dataloader(self) -> torch.utils.data.DataLoader:
@@ -639,8 +649,11 @@ class RLModule(L.LightningModule):
         peaks.mark("infer")
         strategy.preemption_point()
         skipped = self._check_rewards(step, batch, rollout.samples)
-        batch, extra = rl.compute_advantages(batch, self.rl_config)
+        kl = self.kl_controller
+        batch, extra = rl.compute_advantages(batch, dataclasses.replace(self.rl_config, kl_coef=kl.value))
         metrics = {k: float(v) for k, v in extra.items()}
+        if "actor/reward_kl_penalty" in metrics:
+            kl.update(metrics["actor/reward_kl_penalty"], len(batch))
         times["adv"] = time.perf_counter()
         self.last_rollout = batch
         if skipped:  # no gradients anywhere: the step still counts, so max_steps is reached
