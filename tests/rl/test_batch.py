@@ -84,7 +84,7 @@ def test_the_policy_version_of_each_sample_travels_with_it():
         torch.tensor([[1, 1, 0], [1, 0, 0]]),
         policy_version=torch.tensor([3, 3]),
     )
-    assert response_rows(out) == [([4, 9], 3), ([5], 3)]
+    assert response_rows(out) == [([4, 9], 3, None), ([5], 3, None)]
     out.policy_version = None
-    assert response_rows(out) == [([4, 9], None), ([5], None)]
+    assert response_rows(out) == [([4, 9], None, None), ([5], None, None)]
     assert version_tensor([3, 3]).tolist() == [3, 3] and version_tensor([3, None]) is None

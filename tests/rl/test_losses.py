@@ -182,3 +182,28 @@ def test_actor_loss_applies_verls_dual_clip_by_default_and_the_chosen_policy_los
     ]
     with pytest.raises(NereusConfigError, match="'doubled_for_test' is registered already"):
         register_policy_loss("doubled_for_test", lambda *a, **k: None)
+
+
+def test_rollout_correction_weights_each_tokens_loss_by_the_truncated_ratio():
+    from nereus_lightning.rl.algorithm import RLConfig, actor_loss, rollout_is_weights, rollout_mismatch
+    from nereus_lightning.rl.batch import RolloutBatch
+
+    # trainer over rollout probability: 0.5, 1 and 4 on three tokens (A = 1, the policy unchanged: loss -1
+    # per token); threshold 2 truncates the last weight: loss -(0.5 + 1 + 2) / 3
+    ids, mask = torch.ones(1, 3, dtype=torch.long), torch.ones(1, 3)
+    micro = RolloutBatch(ids[:, :1], ids[:, :1], ids, mask.long(), torch.zeros(1), torch.zeros(1))
+    micro.old_log_probs, micro.advantages = torch.zeros(1, 3), torch.ones(1, 3)
+    micro.rollout_log_probs = torch.tensor([[math.log(2.0), 0.0, math.log(0.25)]])
+    assert rollout_is_weights(micro, 2.0).tolist() == [[pytest.approx(0.5), 1.0, 2.0]]
+    assert rollout_is_weights(micro, None) is None
+    norm = torch.tensor(3.0)
+    corrected = actor_loss(micro.old_log_probs, micro, RLConfig(rollout_is_threshold=2.0), norm, norm)[0]
+    assert corrected.item() == pytest.approx(-(0.5 + 1 + 2) / 3)
+    plain = actor_loss(micro.old_log_probs, micro, RLConfig(), norm, norm)[0]
+    assert plain.item() == pytest.approx(-1.0)  # no threshold: the uncorrected loss
+    m = rollout_mismatch(micro, 2.0)
+    assert m["mismatch/rollout_is_max"] == pytest.approx(4.0)
+    assert m["mismatch/rollout_is_ratio_fraction_high"] == pytest.approx(1 / 3)
+    assert m["mismatch/mismatch_kl"] == pytest.approx((math.log(2.0) + math.log(0.25)) / 3)
+    with pytest.raises(NereusConfigError, match="algorithm.rollout_is_threshold"):
+        RLConfig(rollout_is_threshold=0.0)

@@ -270,5 +270,3 @@ def _copy_regular(source: Path, target: Path) -> None:
         out = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         with os.fdopen(out, "wb") as dst:
             shutil.copyfileobj(src, dst)
-
-

@@ -43,7 +43,7 @@ from nereus_lightning.lightning import roles
 from nereus_lightning.lightning.batches import replica_backward, response_micro_batches, sequence_tokens
 from nereus_lightning.lightning.preemption import StepAbandoned
 from nereus_lightning.lightning.roles import RoleModels
-from nereus_lightning.lightning.samples import Rollout
+from nereus_lightning.lightning.samples import Generated, Rollout
 from nereus_lightning.lightning.sources import make_sources
 from nereus_lightning.lightning.stages import (
     RowsJob,
@@ -215,6 +215,10 @@ class RLModule(L.LightningModule):
             1e-5 for a model folder, 3e-3 for a preset's or config's random weights).
         kl_coef, kl_penalty: in-reward KL penalty and its estimator (every algorithm; its start value
             with an adaptive ``kl_ctrl``).
+        rollout_is_threshold: with ``rollout_engine="vllm"``, truncated importance sampling of the
+            rollout/training mismatch (verl's TIS): each token's policy loss is weighted by
+            ``min(exp(old_log_prob - vllm_log_prob), threshold)``; ``None``: off. The mismatch metrics
+            (``mismatch/*``, ``training/rollout_probs_diff_*``) are logged either way.
         kl_ctrl: verl's ``algorithm.kl_ctrl``: ``{type: fixed | adaptive, target_kl, horizon}``; adaptive
             moves the in-reward coefficient toward ``target_kl`` after every step (Ziegler et al.).
         kl_loss_coef, kl_loss_type: KL to the reference as a loss term and its estimator (GRPO).
@@ -319,6 +323,7 @@ class RLModule(L.LightningModule):
         overlong_buffer: Mapping[str, Any] | None = None,
         filter_groups: Mapping[str, Any] | None = None,
         kl_ctrl: Mapping[str, Any] | None = None,
+        rollout_is_threshold: float | None = None,
     ) -> None:
         super().__init__()
         if actor_lr is None:
@@ -350,6 +355,7 @@ class RLModule(L.LightningModule):
             temperature=temperature,
             loss_agg=loss_agg_mode,
             loss_scale_factor=loss_scale_factor,
+            rollout_is_threshold=rollout_is_threshold,
             grad_clip=grad_clip,
             seed=seed,
         )
@@ -557,20 +563,19 @@ class RLModule(L.LightningModule):
         greedy: bool = False,
         with_greedy: bool = False,
         first_index: int = 0,
-    ) -> tuple[Tensor, Tensor, list[list[int]], list[list[int]] | None, Tensor | None]:
+    ) -> Generated:
         """Responses of the actor's generation model-stage(s) for ``prompts`` (one sample each).
 
-        Returns the left-padded prompts, their mask, each sample's response ids (up to and with
-        eos), with ``with_greedy`` (ReMax's baseline) each sample's greedy response, and each
-        sample's policy version where the engine records it. Sample ``i`` draws from the seed of
-        ``(seed, step, first_index + i)``.
+        Each sample's response ids (up to and with eos), with ``with_greedy`` (ReMax's baseline) each
+        sample's greedy response, each sample's policy version and token log-probs where the engine
+        reports them. Sample ``i`` draws from the seed of ``(seed, step, first_index + i)``.
         """
         hp = self.hparams
         pad = self.tokenizer.pad_token_id
         # Prompts left-padded to the global width: a sample's inputs do not depend on its replica.
         prompt_ids, prompt_mask = (t.to(self.device) for t in pad_ids([p.ids for p in prompts], pad, "left"))
 
-        def gen(slot: StageSlot, greedy: bool) -> list[tuple[list[int], int | None]]:
+        def gen(slot: StageSlot, greedy: bool) -> list[tuple[list[int], int | None, list[float] | None]]:
             rows = slice(slot.start, slot.stop)
             indices = [first_index + i for i in slot.indices]
             with strategy.in_use(slot.stage):
@@ -589,13 +594,13 @@ class RLModule(L.LightningModule):
             jobs["actor_greedy_gen"] = partial(gen, greedy=True)
         assert strategy.plan is not None
         generated = run_stages(strategy.plan, jobs, strategy.global_rank, len(prompts))
-        greedy_rows = generated.get("actor_greedy_gen")
-        return (
-            prompt_ids,
-            prompt_mask,
-            [ids for ids, _ in generated["actor_gen"]],
-            None if greedy_rows is None else [ids for ids, _ in greedy_rows],
-            version_tensor([v for _, v in generated["actor_gen"]], self.device),
+        rows, greedy_rows = generated["actor_gen"], generated.get("actor_greedy_gen")
+        log_probs = [lp for _, _, lp in rows]
+        return Generated(
+            [ids for ids, _, _ in rows],
+            None if greedy_rows is None else [ids for ids, _, _ in greedy_rows],
+            version_tensor([v for _, v, _ in rows], self.device),
+            None if any(lp is None for lp in log_probs) else [lp or [] for lp in log_probs],
         )
 
     def score(self, strategy: NereusStrategy, source: Any, samples: Sequence[Sample]) -> list[RewardResult]:
@@ -652,6 +657,8 @@ class RLModule(L.LightningModule):
         kl = self.kl_controller
         batch, extra = rl.compute_advantages(batch, dataclasses.replace(self.rl_config, kl_coef=kl.value))
         metrics = {k: float(v) for k, v in extra.items()}
+        if batch.rollout_log_probs is not None:
+            metrics.update(rl.rollout_mismatch(batch, self.rl_config.rollout_is_threshold))
         if "actor/reward_kl_penalty" in metrics:
             kl.update(metrics["actor/reward_kl_penalty"], len(batch))
         times["adv"] = time.perf_counter()
@@ -694,7 +701,7 @@ class RLModule(L.LightningModule):
         hp = self.hparams
         prompts = self.source.prompts(step, hp.prompts_per_step)
         samples = [p for p in prompts for _ in range(hp.samples_per_prompt)]  # samples of a prompt adjacent
-        _, _, responses, greedy, versions = self.generate(
+        out = self.generate(
             strategy,
             samples,
             max_new,
@@ -710,8 +717,8 @@ class RLModule(L.LightningModule):
                 strategy, self.source, [Sample(first_index + i, p, tuple(r)) for i, (p, r) in numbered]
             )
 
-        results = scored(responses)
-        return Rollout(samples, responses, results, None if greedy is None else scored(greedy), versions)
+        greedy = None if out.greedy is None else scored(out.greedy)
+        return Rollout(samples, out.responses, scored(out.responses), greedy, out.versions, out.log_probs)
 
     def _to_batch(self, rollout: Rollout) -> RolloutBatch:
         """The rollout as one batch (prompts left-padded, responses right-padded) with its rewards."""
@@ -735,6 +742,12 @@ class RLModule(L.LightningModule):
             policy_version=rollout.versions,
         )
         batch.scores = rollout.scores(self.device)
+        if rollout.log_probs is not None:  # the rollout engine's own (vLLM): the mismatch correction's input
+            rows = [torch.tensor(lp, dtype=torch.float32) for lp in rollout.log_probs]
+            padded = torch.zeros(response_ids.shape, dtype=torch.float32)
+            for i, row in enumerate(rows):
+                padded[i, : len(row)] = row
+            batch.rollout_log_probs = padded.to(self.device)
         if rollout.greedy_results is not None:
             batch.baseline_scores = rollout.scores(self.device, greedy=True)
         return batch
@@ -809,9 +822,9 @@ class RLModule(L.LightningModule):
         scores: list[float] = []
         for lo in range(0, len(prompts), chunk):
             part = prompts[lo : lo + chunk]
-            _, _, responses, _, _ = self.generate(
+            responses = self.generate(
                 strategy, part, val.max_response_length, VALIDATION_STEP, greedy=hp.val_greedy, first_index=lo
-            )
+            ).responses
             results = self.score(
                 strategy,
                 val,

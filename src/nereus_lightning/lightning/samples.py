@@ -12,6 +12,16 @@ from nereus_lightning.rl.data import Prompt
 from nereus_lightning.rl.reward_function import RewardResult
 
 
+@dataclass(frozen=True)
+class Generated:
+    """What the generation model-stages return: per sample its response, and what the engine reports."""
+
+    responses: list[list[int]]
+    greedy: list[list[int]] | None  # the greedy baseline's responses (ReMax)
+    versions: Tensor | None  # the policy version that generated each sample
+    log_probs: list[list[float]] | None  # the engine's log-prob of each response token (vLLM)
+
+
 @dataclass
 class Rollout:
     """Per sample (the samples of a prompt adjacent): its prompt, response, reward and policy version."""
@@ -21,6 +31,7 @@ class Rollout:
     results: list[RewardResult]
     greedy_results: list[RewardResult] | None = None  # the greedy baseline's rewards (ReMax)
     versions: Tensor | None = None
+    log_probs: list[list[float]] | None = None  # the rollout engine's token log-probs (vLLM)
     metrics: dict[str, float] = field(default_factory=dict)
 
     def scores(self, device: torch.device, greedy: bool = False) -> Tensor:
@@ -40,6 +51,7 @@ class Rollout:
             [self.results[i] for i in rows],
             None if self.greedy_results is None else [self.greedy_results[i] for i in rows],
             None if self.versions is None else self.versions[list(rows)],
+            None if self.log_probs is None else [self.log_probs[i] for i in rows],
         )
 
     @staticmethod
@@ -47,12 +59,14 @@ class Rollout:
         """The parts' samples one after another."""
         versions = [p.versions for p in parts]
         greedy = [p.greedy_results for p in parts]
+        log_probs = [p.log_probs for p in parts]
         return Rollout(
             [s for p in parts for s in p.samples],
             [r for p in parts for r in p.responses],
             [r for p in parts for r in p.results],
             None if any(g is None for g in greedy) else [r for g in greedy for r in g or ()],
             None if any(v is None for v in versions) else torch.cat([v for v in versions if v is not None]),
+            None if any(lp is None for lp in log_probs) else [r for lp in log_probs for r in lp or ()],
         )
 
     @staticmethod

@@ -67,6 +67,7 @@ class RLConfig:
     temperature: float = 1.0
     loss_agg: str = "token-mean"  # actor.loss_agg_mode
     loss_scale_factor: float | None = None  # seq-mean-token-sum-norm's length; None: the batch's width
+    rollout_is_threshold: float | None = None  # truncated IS of the rollout engine's mismatch; None: off
     grad_clip: float = 1.0
     seed: int = 0
 
@@ -113,6 +114,11 @@ class RLConfig:
             self.dual_clip is None or self.dual_clip > 1.0,
             "algorithm.clip_ratio_c",
             f"must be > 1 (or null: no dual clip), got {self.dual_clip}",
+        )
+        require(
+            self.rollout_is_threshold is None or self.rollout_is_threshold > 0,
+            "algorithm.rollout_is_threshold",
+            f"must be > 0 (or null: no correction), got {self.rollout_is_threshold}",
         )
         require(
             self.loss_scale_factor is None or self.loss_scale_factor > 0,
@@ -250,6 +256,7 @@ def actor_loss(
         The loss and its metrics, each a contribution that sums over micro-batches and DP ranks.
     """
     mask = micro.response_mask
+    weights = rollout_is_weights(micro, cfg.rollout_is_threshold)
     loss, m = policy_loss_of(cfg.policy_loss)(
         log_probs,
         micro.need("old_log_probs"),
@@ -260,6 +267,7 @@ def actor_loss(
         dual_clip=cfg.dual_clip,
         agg=cfg.loss_agg,
         normalizer=normalizer,
+        **({} if weights is None else {"weights": weights}),
     )
     require(
         entropy is not None or cfg.entropy_coef == 0,
@@ -280,6 +288,38 @@ def actor_loss(
     for name in ("actor/pg_clipfrac", "actor/ppo_kl"):
         m[name] = m[name] * share
     return loss, m
+
+
+def rollout_is_weights(batch: RolloutBatch, threshold: float | None) -> Tensor | None:
+    """Truncated importance weights of the rollout engine's mismatch (verl's TIS):
+    ``min(exp(old - rollout), threshold)`` per token, or None without a threshold or rollout log-probs."""
+    if threshold is None or batch.rollout_log_probs is None:
+        return None
+    log_ratio = (batch.need("old_log_probs") - batch.rollout_log_probs).clamp(-20.0, 20.0)
+    return torch.exp(log_ratio).clamp(max=threshold).detach()
+
+
+def rollout_mismatch(batch: RolloutBatch, threshold: float | None) -> dict[str, float]:
+    """How far the rollout engine's token log-probs are from the trainer's old_log_probs (verl's names)."""
+    mask = batch.response_mask.float()
+    old, rollout = batch.need("old_log_probs"), batch.need("rollout_log_probs")
+    log_ratio = (old - rollout).clamp(-20.0, 20.0)  # training over rollout, per token
+    ratio = torch.exp(log_ratio)
+    diff = (torch.exp(old) - torch.exp(rollout)).abs()
+    valid = mask.bool()
+    metrics = {
+        "training/rollout_probs_diff_mean": float(masked_mean(diff, mask)),
+        "training/rollout_probs_diff_max": float(diff[valid].max()) if valid.any() else 0.0,
+        "mismatch/mismatch_kl": float(masked_mean(-log_ratio, mask)),  # k1 of KL(rollout || training)
+        "mismatch/mismatch_k3_kl": float(masked_mean(ratio - log_ratio - 1.0, mask)),
+        "mismatch/rollout_is_mean": float(masked_mean(ratio, mask)),
+        "mismatch/rollout_is_max": float(ratio[valid].max()) if valid.any() else 1.0,
+    }
+    if threshold is not None:
+        metrics["mismatch/rollout_is_ratio_fraction_high"] = float(
+            masked_mean((ratio > threshold).float(), mask)
+        )
+    return metrics
 
 
 def critic_loss(

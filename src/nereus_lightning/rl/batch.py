@@ -69,6 +69,7 @@ class RolloutBatch(RolloutOutput):
     group_index: Tensor
     old_log_probs: Tensor | None = None
     ref_log_probs: Tensor | None = None
+    rollout_log_probs: Tensor | None = None  # the rollout engine's own (vLLM), for the mismatch correction
     values: Tensor | None = None
     scores: Tensor | None = None
     baseline_scores: Tensor | None = None

@@ -96,8 +96,9 @@ def policy_loss(
     dual_clip: float | None = None,
     agg: str = "token-mean",
     normalizer: float | Tensor | None = None,
+    weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO clipped surrogate loss.
+    """PPO clipped surrogate loss; ``weights`` (per token, no gradient) scale it (the rollout correction).
 
     ``ratio = exp(log_probs - old_log_probs)``; per token the loss is
     ``max(-A * ratio, -A * clamp(ratio, 1 - clip_eps, 1 + clip_eps_high))``. With ``dual_clip = c``
@@ -124,6 +125,8 @@ def policy_loss(
         lower = (advantages < 0) & (capped < loss_mat)
         loss_mat = torch.where(advantages < 0, capped, loss_mat)
         metrics["actor/pg_clipfrac_lower"] = masked_mean(lower.to(log_probs.dtype), mask).detach()
+    if weights is not None:
+        loss_mat = loss_mat * weights
     loss = agg_loss(loss_mat, mask, agg, normalizer)
     metrics["actor/pg_loss"] = loss.detach()
     return loss, metrics
@@ -139,6 +142,7 @@ def gspo_policy_loss(
     dual_clip: float | None = None,
     agg: str = "token-mean",
     normalizer: float | Tensor | None = None,
+    weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO: the clipped surrogate with one importance ratio per sequence, the geometric mean of its tokens'.
 
@@ -155,7 +159,8 @@ def gspo_policy_loss(
     ratio = torch.exp(torch.clamp(token_log_ratio, max=10.0))
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high)
-    loss = agg_loss(torch.maximum(unclipped, clipped), mask, agg, normalizer)
+    loss_mat = torch.maximum(unclipped, clipped)
+    loss = agg_loss(loss_mat if weights is None else loss_mat * weights, mask, agg, normalizer)
     return loss, {
         "actor/pg_loss": loss.detach(),
         "actor/pg_clipfrac": masked_mean((clipped > unclipped).to(log_probs.dtype), mask).detach(),
@@ -165,6 +170,7 @@ def gspo_policy_loss(
 
 #: ``(log_probs, old_log_probs, advantages, mask, clip_eps, clip_eps_high, dual_clip, agg, normalizer)``
 #: -> ``(loss, metrics)``; metrics include ``actor/pg_loss``, ``actor/pg_clipfrac`` and ``actor/ppo_kl``.
+#: With the rollout correction on it is also given ``weights=`` (per token, to scale the loss by).
 PolicyLoss = Callable[..., tuple[Tensor, dict[str, Tensor]]]
 POLICY_LOSSES: dict[str, PolicyLoss] = {"vanilla": policy_loss, "gspo": gspo_policy_loss}
 

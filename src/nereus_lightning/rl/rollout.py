@@ -64,11 +64,15 @@ class RolloutEngine(Protocol):
         ...
 
 
-def response_rows(out: RolloutOutput) -> list[tuple[list[int], int | None]]:
-    """Each row's response ids (up to and with its eos) and the policy version that generated it (or None)."""
+def response_rows(out: RolloutOutput) -> list[tuple[list[int], int | None, list[float] | None]]:
+    """Each row's response ids (up to and with its eos), the policy version that generated it (or None), and
+    the engine's log-prob of each of its tokens where the engine reports them (vLLM; else None)."""
     lengths = out.response_mask.sum(-1).tolist()
     versions = [None] * len(lengths) if out.policy_version is None else out.policy_version.tolist()
-    return [(ids[:k], v) for ids, k, v in zip(out.response_ids.tolist(), lengths, versions, strict=True)]
+    engine_log_probs = getattr(out, "log_probs", None)
+    scored = [None] * len(lengths) if engine_log_probs is None else engine_log_probs.tolist()
+    rows = zip(out.response_ids.tolist(), lengths, versions, scored, strict=True)
+    return [(ids[:k], v, None if lp is None else lp[:k]) for ids, k, v, lp in rows]
 
 
 def version_tensor(versions: Sequence[int | None], device: torch.device | str = "cpu") -> Tensor | None:
