@@ -22,10 +22,16 @@ RESULTS = Path(__file__).parent / "results" / "families.json"
 #: name -> (model_type, config overrides). GQA unless the family's defaults are MHA.
 SWEEP: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("llama", {"num_attention_heads": 8, "num_key_value_heads": 4}),
-    "llama-tied": ("llama", {"num_attention_heads": 8, "num_key_value_heads": 4, "tie_word_embeddings": True}),
+    "llama-tied": (
+        "llama",
+        {"num_attention_heads": 8, "num_key_value_heads": 4, "tie_word_embeddings": True},
+    ),
     "llama-mha-bias": ("llama", {"attention_bias": True, "mlp_bias": True}),
     "mistral": ("mistral", {"num_attention_heads": 8, "num_key_value_heads": 4}),
-    "mistral-sliding": ("mistral", {"num_attention_heads": 8, "num_key_value_heads": 4, "sliding_window": 64}),
+    "mistral-sliding": (
+        "mistral",
+        {"num_attention_heads": 8, "num_key_value_heads": 4, "sliding_window": 64},
+    ),
     "qwen2": ("qwen2", {"num_attention_heads": 8, "num_key_value_heads": 4}),
     "qwen3": ("qwen3", {"num_attention_heads": 8, "num_key_value_heads": 4}),
     "phi3": ("phi3", {"num_attention_heads": 8, "num_key_value_heads": 4}),
@@ -95,13 +101,24 @@ def run(names: list[str]) -> dict[str, Any]:
                 verdict = check_family(config_of(model_type, overrides), pool)
                 entry = verdict.to_json()
             except Exception as exc:  # noqa: BLE001 - a config that cannot even be shrunk is refused
-                entry = {"model_type": model_type, "layouts": {"tiny": {"exact": False, "max_error": 0.0,
-                         "reason": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}}}
+                entry = {
+                    "model_type": model_type,
+                    "layouts": {
+                        "tiny": {
+                            "exact": False,
+                            "max_error": 0.0,
+                            "reason": f"{type(exc).__name__}: {exc}".splitlines()[0][:300],
+                        }
+                    },
+                }
             entry["seconds"] = round(time.perf_counter() - start, 1)
             entry["registered"] = model_type in FAMILIES
             results[name] = entry
             bad = [f"{k}: {v['reason']}" for k, v in entry["layouts"].items() if not v["exact"]]
-            print(f"{name:18s} {entry['seconds']:6.1f}s  {'EXACT' if not bad else 'REFUSED ' + bad[0]}", flush=True)
+            print(
+                f"{name:18s} {entry['seconds']:6.1f}s  {'EXACT' if not bad else 'REFUSED ' + bad[0]}",
+                flush=True,
+            )
             if bad:  # a rank that failed alone may have broken the process group: start afresh
                 pool.close()
                 pool = WorkerPool(4)

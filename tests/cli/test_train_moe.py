@@ -1,4 +1,7 @@
-"""The first mixtures of experts train through nereus-train on 2 ranks from a user's folder (tokenizer trained here)."""
+"""The first mixtures of experts train through nereus-train on 2 ranks from a user's folder.
+
+The folder holds a tiny model and a tokenizer trained here, as a user's checkpoint would.
+"""
 
 from __future__ import annotations
 

@@ -93,12 +93,20 @@ def test_a_mixture_of_experts_is_priced_by_its_total_and_active_parameters() -> 
     # Compute is priced by the experts a token uses, memory by all of them.
     assert layer_matmul_params(spec) < spec.layer_params / 3
     qwen = ModelSpec.from_hf_config(
-        {**LLAMA, "model_type": "qwen3_moe", "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 32}
+        {
+            **LLAMA,
+            "model_type": "qwen3_moe",
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "moe_intermediate_size": 32,
+        }
     )
     assert qwen.qk_norm and qwen.expert_intermediate == 32 and qwen.experts_per_token == 8
 
 
-def test_a_verdict_admits_a_family_and_a_failed_one_refuses_it_naming_the_layout(monkeypatch, tmp_path) -> None:
+def test_a_verdict_admits_a_family_and_a_failed_one_refuses_it_naming_the_layout(
+    monkeypatch, tmp_path
+) -> None:
     from nereus_lightning.spec.admission import LayoutVerdict, Verdict, save_verdict, transformers_version
 
     monkeypatch.setenv("NEREUS_FAMILY_CACHE", str(tmp_path))
@@ -109,7 +117,9 @@ def test_a_verdict_admits_a_family_and_a_failed_one_refuses_it_naming_the_layout
     save_verdict(Verdict("olmo", transformers_version(), exact))
     assert family_of(olmo).admitted == "proof" and ModelSpec.from_hf_config(olmo).num_layers == 2
     assert set(family_of(olmo).layouts) == {"tp1pp1", "tp2pp1", "tp1pp2", "tp2pp2"}
-    save_verdict(Verdict("olmo", transformers_version(), {"tp2pp2": LayoutVerdict(False, 0.3, "logits differ")}))
+    save_verdict(
+        Verdict("olmo", transformers_version(), {"tp2pp2": LayoutVerdict(False, 0.3, "logits differ")})
+    )
     with pytest.raises(NereusConfigError, match="self-check .* failed at tp2pp2: logits differ"):
         family_of(olmo)
     # Another transformers version has no verdict: it is checked again.

@@ -64,15 +64,23 @@ def admission_errors(config: Any, world: int) -> dict[str, float]:
     from nereus_lightning.models.admission import admit
     from nereus_lightning.spec.admission import cache_file
 
-    require(world == 4, "world_size", f"admitting a new family checks TP2 x PP2 and Split/Merge: needs 4, got {world}")
+    require(
+        world == 4,
+        "world_size",
+        f"admitting a new family checks TP2 x PP2 and Split/Merge: needs 4, got {world}",
+    )
     verdict = admit(config, world_size=world)
     assert verdict is not None  # unregistered
-    print(f"{verdict.model_type}: not in the registry; admission by proof ({verdict.seconds:.1f} s, "
-          f"verdict cached in {cache_file()})")
+    print(
+        f"{verdict.model_type}: not in the registry; admission by proof ({verdict.seconds:.1f} s, "
+        f"verdict cached in {cache_file()})"
+    )
     for layout, v in verdict.layouts.items():
         if not v.exact:
             print(f"{layout}: {v.reason}")
-    return {f"{layout}/worst": (v.max_error if v.exact else float("inf")) for layout, v in verdict.layouts.items()}
+    return {
+        f"{layout}/worst": (v.max_error if v.exact else float("inf")) for layout, v in verdict.layouts.items()
+    }
 
 
 def render(errors: dict[str, float], tolerance: float) -> bool:

@@ -185,7 +185,8 @@ def _grad_error(model: torch.nn.Module, sharded: ShardedCausalLM, config: Any, i
     scale = max(float(g.abs().max()) for g in expected.values())
     worst_err = 0.0
     for name, want in expected.items():
-        have = got[name] if got[name] is not None else torch.zeros_like(want)
+        grad = got[name]
+        have = grad if grad is not None else torch.zeros_like(want)
         floor = max(float(want.abs().max()), 1e-3 * scale, 1e-30)
         worst_err = max(worst_err, float((have.double() - want.double()).abs().max()) / floor)
     return worst_err

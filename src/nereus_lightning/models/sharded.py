@@ -208,9 +208,7 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         """``all_reduce(x @ W_local^T) + b``."""
-        out = reduce_from_tp(
-            F.linear(x, self.weight), self.comm.tp_collectives
-        )
+        out = reduce_from_tp(F.linear(x, self.weight), self.comm.tp_collectives)
         return out if self.bias is None else out + self.bias
 
 
@@ -515,7 +513,7 @@ class ShardedCausalLM(nn.Module):
     def _position_embeddings(self, hidden: Tensor, position_ids: Tensor) -> Any:
         """The family's rotary embedding; per attention kind where its RoPE differs by layer type (Gemma3)."""
         rotary = self.model.rotary_emb
-        if not _rotary_per_layer_type(type(rotary)):
+        if not _rotary_per_layer_type(type(rotary)):  # type: ignore[arg-type]  # classes hash (see __init__)
             return rotary(hidden, position_ids)
         kinds = {self.local_config.layer_types[i] for i in self.layer_ids}
         return {kind: rotary(hidden, position_ids, kind) for kind in sorted(kinds)}
@@ -592,7 +590,7 @@ def attention_kinds(config: Any) -> tuple[str, ...]:
 
 
 @functools.cache
-def _rotary_per_layer_type(rotary_cls: type) -> bool:
+def _rotary_per_layer_type(rotary_cls: type[nn.Module]) -> bool:
     """Whether a family's rotary embedding is computed per layer type (its forward takes ``layer_type``)."""
     import inspect
 

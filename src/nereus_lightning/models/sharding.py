@@ -129,7 +129,9 @@ def cut_parts(plan: Mapping[str, Style]) -> tuple[bool, bool]:
     """Whether ``plan`` cuts the blocks' attention (by heads) and their MLP (by intermediate columns)."""
     attention = mlp = False
     for key, style in plan.items():
-        cuts = isinstance(style, Fused) or (isinstance(style, str) and style.startswith(("colwise", "rowwise")))
+        cuts = isinstance(style, Fused) or (
+            isinstance(style, str) and style.startswith(("colwise", "rowwise"))
+        )
         if not cuts or not key.startswith("model.layers."):
             continue
         if ".self_attn." in key or ".attn." in key or ".attention." in key:
@@ -140,7 +142,7 @@ def cut_parts(plan: Mapping[str, Style]) -> tuple[bool, bool]:
 
 
 def _whole_regions(plan: dict[str, Style]) -> dict[str, Style]:
-    """Replace the entries of a block module with a gathered (unfused) projection by one :data:`WHOLE` entry."""
+    """Replace the entries of a block module holding a gathered unfused projection by one :data:`WHOLE`."""
     whole = {
         k.rpartition(".")[0]
         for k, v in plan.items()

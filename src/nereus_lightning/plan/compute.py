@@ -12,7 +12,9 @@ from nereus_lightning.spec.model import ModelSpec
 
 def layer_matmul_params(model: ModelSpec) -> int:
     """Weights of one block that one token multiplies by (QKV, output; gate, up, down of its experts)."""
-    return model.hidden * (model.q_dim + 2 * model.kv_dim) + model.q_dim * model.hidden + model.mlp_active_params
+    return (
+        model.hidden * (model.q_dim + 2 * model.kv_dim) + model.q_dim * model.hidden + model.mlp_active_params
+    )
 
 
 def gemm_flops_per_token(model: ModelSpec, layers: int, lm_head: bool) -> float:

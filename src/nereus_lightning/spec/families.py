@@ -21,7 +21,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from nereus_lightning.spec.admission import CHECKED_LAYOUTS, cached_verdict, on_trial_now, transformers_version
+from nereus_lightning.spec.admission import (
+    CHECKED_LAYOUTS,
+    cached_verdict,
+    on_trial_now,
+    transformers_version,
+)
 from nereus_lightning.spec.errors import NereusConfigError
 
 #: A fused projection ``[q | k | v]`` (rows along the output dim), cut by key/value-head group.

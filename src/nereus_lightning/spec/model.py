@@ -53,7 +53,8 @@ class ModelSpec:
                 0 < self.experts_per_token <= self.num_experts and self.expert_intermediate > 0,
                 "model.experts_per_token",
                 f"a mixture of {self.num_experts} experts needs 0 < experts_per_token <= num_experts "
-                f"(got {self.experts_per_token}) and expert_intermediate > 0 (got {self.expert_intermediate})",
+                f"(got {self.experts_per_token}) and expert_intermediate > 0 "
+                f"(got {self.expert_intermediate})",
             )
         require(self.dtype in DTYPE_BYTES, "model.dtype", f"{self.dtype!r} not in {sorted(DTYPE_BYTES)}")
         if self.head_dim == 0:
