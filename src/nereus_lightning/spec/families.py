@@ -133,8 +133,8 @@ def _admitted(config: Any, model_type: str, field: str) -> Family:
     version = transformers_version()
     verdict = cached_verdict(model_type, version)
     way_out = (
-        f"run `nereus-check-model model.config=<its config.json>` (or start the job: it checks a new "
-        f"family once on {len(CHECKED_LAYOUTS)} layouts, TP1/2 x PP1/2, and caches the verdict)"
+        f"run `nereus-check-model model.config=<its folder or config.json>` once: it checks the family "
+        f"on {len(CHECKED_LAYOUTS)} layouts, TP1/2 x PP1/2, and caches the verdict"
     )
     if verdict is None:
         raise refusal(
