@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Self-check verdicts (admission by proof) go to a fresh cache: never the user's, never shared by runs.
+os.environ["NEREUS_FAMILY_CACHE"] = tempfile.mkdtemp(prefix="nereus-families-")
 os.environ.setdefault("MPLBACKEND", "Agg")
 
 _POOLS: dict[int, object] = {}

@@ -8,11 +8,13 @@ GQA model of its own transformers config class (``models.selfcheck``, the same c
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 import torch
 import transformers as tf
 
+from nereus_lightning.models.admission import admit
 from nereus_lightning.models.selfcheck import (
     chain_errors,
     layout_errors,
@@ -21,6 +23,7 @@ from nereus_lightning.models.selfcheck import (
     worst,
 )
 from nereus_lightning.models.sharding import fused_style, placement, tp_plan_of, tp_slices
+from nereus_lightning.spec.admission import cached_verdict
 from nereus_lightning.spec.errors import NereusConfigError
 from nereus_lightning.spec.families import FAMILIES, QKV, family_of
 
@@ -72,9 +75,9 @@ def test_a_fused_projection_is_cut_by_whole_head_groups() -> None:
     assert sorted(rows(1, 0)) == list(range(128))
 
 
-def _olmo2():
+def _cohere():
     return tf.AutoConfig.for_model(
-        "olmo2",
+        "cohere",
         hidden_size=32,
         num_attention_heads=4,
         num_hidden_layers=2,
@@ -83,25 +86,36 @@ def _olmo2():
     )
 
 
-def _mixtral():
+def _stablelm():
     return tf.AutoConfig.for_model(
-        "mixtral",
+        "stablelm",
         hidden_size=32,
         num_attention_heads=4,
-        num_key_value_heads=4,
         num_hidden_layers=2,
         intermediate_size=64,
         vocab_size=64,
-        num_local_experts=2,
     )
 
 
-UNSUPPORTED = {"olmo2": (_olmo2, "not in the registry"), "mixtral": (_mixtral, "mixture-of-experts")}
+# cohere: never checked (no verdict). stablelm: its check fails at TP 2 (its attention is built from
+# hidden_size, not from heads, so a TP shard does not fit): the refusal names the layout and the cause.
+UNSUPPORTED = {
+    "cohere": (_cohere, "has no self-check verdict"),
+    "stablelm": (_stablelm, "self-check (transformers"),
+}
+
+
+def test_a_family_whose_proof_fails_is_refused_with_the_layout_and_the_difference(dist4) -> None:
+    verdict = admit(_stablelm(), pool=dist4)
+    assert verdict is not None and set(verdict.exact_layouts) == {"tp1pp1", "tp1pp2"}
+    layout, why = verdict.failure
+    assert layout == "tp2pp1" and "shard shapes" in why.reason
+    with pytest.raises(NereusConfigError, match=r"failed at tp2pp1: NereusConfigError: shards: shard shapes"):
+        family_of(_stablelm())
 
 
 @pytest.mark.parametrize("name", sorted(UNSUPPORTED))
-def test_every_entry_point_refuses_an_unsupported_family(name: str, tmp_path) -> None:
-    from nereus_lightning.cli.check_model import check_config, check_from_config
+def test_every_entry_point_refuses_an_unsupported_family(name: str, tmp_path, dist4) -> None:
     from nereus_lightning.cli.plan import plan_config, plan_from_config
     from nereus_lightning.emu import StateSchema, create_unit, registry
     from nereus_lightning.lightning.roles import build_causal_lm, build_value_model
@@ -111,6 +125,8 @@ def test_every_entry_point_refuses_an_unsupported_family(name: str, tmp_path) ->
 
     make, why = UNSUPPORTED[name]
     config = make()
+    if name == "stablelm" and cached_verdict(name) is None:
+        admit(config, pool=dist4)
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -122,7 +138,6 @@ def test_every_entry_point_refuses_an_unsupported_family(name: str, tmp_path) ->
         "nereus-plan model=hf": lambda: plan_from_config(
             plan_config(["model=hf", f"model.config={tmp_path}"])
         ),
-        "nereus-check-model": lambda: check_from_config(check_config([f"model.config={tmp_path}"])),
         "shard_state": lambda: shard_state(model, config, Layout(1, 1), 0, 0),
         "ShardedCausalLM": lambda: ShardedCausalLM(config, ReplicaComm.single(), {}),
         "ShardedCausalLM.from_model": lambda: ShardedCausalLM.from_model(model, ReplicaComm.single()),
@@ -142,11 +157,42 @@ def test_every_entry_point_refuses_an_unsupported_family(name: str, tmp_path) ->
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
+# A representative subset of the sweep (benchmarks/family_sweep.py): attention kept whole because
+# its norms span all heads (olmo2); mixed sliding/full layers with their own RoPE, per-head q/k norms
+# and an embedding scale (gemma3_text); a fused gate_up projection and sandwich norms (glm4); an
+# unregistered mixture of experts with attention sinks (gpt_oss).
+ADMITTED = ("olmo2", "gemma3_text", "glm4", "gpt_oss")
+
+
+@pytest.mark.parametrize("model_type", ADMITTED)
+def test_an_unregistered_family_is_admitted_by_proof_once(dist4, model_type: str, monkeypatch) -> None:
+    from nereus_lightning.models import admission
+    from nereus_lightning.models.sharded import validate_layout
+    from nereus_lightning.plan.layout import Layout
+
+    config = tf.AutoConfig.for_model(model_type)
+    with pytest.raises(NereusConfigError, match="has no self-check verdict"):
+        family_of(config)
+    start = time.perf_counter()
+    verdict = admission.admit(config, pool=dist4)
+    assert time.perf_counter() - start < 60
+    assert verdict is not None and verdict.failure is None, verdict
+    assert set(verdict.exact_layouts) == {"tp1pp1", "tp2pp1", "tp1pp2", "tp2pp2", "split_merge"}
+    family = family_of(config)
+    assert family.admitted == "proof" and "tp2pp2" in family.layouts
+    validate_layout(config, Layout(2, 2))
+    with pytest.raises(NereusConfigError, match="beyond what the self-check verified"):
+        validate_layout(config, Layout(4, 1))
+    # Cached: a second admission does not run the check again.
+    monkeypatch.setattr(admission, "check_family", lambda *a, **k: pytest.fail("checked twice"))
+    assert admission.admit(config, pool=dist4) == cached_verdict(model_type)
+
+
 @pytest.mark.parametrize(
     ("model_type", "module", "style"),
     [
         ("llama", "layers.*.mlp.gate_proj", "packed_colwise"),  # a style the body does not implement
-        ("llama", "layers.*.self_attn.q_proj", "colwise_gather_output"),  # gathered, but q_proj is not fused
+        ("llama", "layers.*.self_attn.kv_a_proj_with_mqa", "mla_kv_a_proj"),  # multi-head latent attention
         ("phi3", "layers.*.mlp.gate_up_proj", "sequence_parallel"),
     ],
 )

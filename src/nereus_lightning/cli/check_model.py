@@ -4,9 +4,13 @@ Example::
 
     nereus-check-model model=hf model.config=/path/to/config.json
 
-Refuses a family outside the registry (``spec.families``) with the reason; otherwise runs
-:func:`nereus_lightning.models.selfcheck.check_model` and prints the max error per layout and
-check. Exit status 0 when every error is within ``tolerance``, 1 when one is not, 2 on bad input.
+A registered family (``spec.families``) runs :func:`nereus_lightning.models.selfcheck.check_model`
+and prints the max error per layout and check. Any other family is put to the proof
+(:func:`nereus_lightning.models.admission.admit`): logits, log-probs and gradients at TP1/2 x
+PP1/2 and the unit state through Split/Merge; its verdict is cached per model type, transformers
+version and layout, and admits it to every entry point (``spec.families.family_of``) when exact.
+Refuses, before any process starts, a config whose TP styles or architecture the body cannot build.
+Exit status 0 when every error is within ``tolerance``, 1 when one is not, 2 on bad input.
 """
 
 from __future__ import annotations
@@ -42,13 +46,41 @@ def load_config(path: str) -> Any:
 def check_from_config(cfg: DictConfig) -> dict[str, float]:
     """Run the self-check a composed config describes; returns the max error per ``layout/check``."""
     from nereus_lightning.models.selfcheck import check_model
-    from nereus_lightning.spec.families import family_of
+    from nereus_lightning.spec.admission import on_trial
+    from nereus_lightning.spec.families import FAMILIES, family_of
 
     world = int(cfg.world_size)
     require(world in (1, 2, 4), "world_size", f"must be 1, 2 or 4, got {world}")
     config = load_config(str(cfg.model.config))
-    family_of(config)  # refused before any process starts
-    return check_model(config, world)
+    with on_trial(config.model_type):
+        family_of(config)  # TP styles and architecture refused before any process starts
+    if config.model_type in FAMILIES:
+        return check_model(config, world)
+    return admission_errors(config, world)
+
+
+def admission_errors(config: Any, world: int) -> dict[str, float]:
+    """Admit an unregistered family by proof (cached); the worst error per layout, printed with any reason."""
+    from nereus_lightning.models.admission import admit
+    from nereus_lightning.spec.admission import cache_file
+
+    require(
+        world == 4,
+        "world_size",
+        f"admitting a new family checks TP2 x PP2 and Split/Merge: needs 4, got {world}",
+    )
+    verdict = admit(config, world_size=world)
+    assert verdict is not None  # unregistered
+    print(
+        f"{verdict.model_type}: not in the registry; admission by proof ({verdict.seconds:.1f} s, "
+        f"verdict cached in {cache_file()})"
+    )
+    for layout, v in verdict.layouts.items():
+        if not v.exact:
+            print(f"{layout}: {v.reason}")
+    return {
+        f"{layout}/worst": (v.max_error if v.exact else float("inf")) for layout, v in verdict.layouts.items()
+    }
 
 
 def render(errors: dict[str, float], tolerance: float) -> bool:

@@ -46,7 +46,11 @@ class ShardedGenerator(PreTrainedModel, GenerationMixin):
 
     def __init__(self, unit: ShardedCausalLM) -> None:
         # A copy: PreTrainedModel may adjust its config (attention backend, generation defaults).
-        super().__init__(copy.deepcopy(unit.config))
+        config = copy.deepcopy(unit.config)
+        if getattr(config, "_experts_implementation_internal", None) is not None:
+            # The unit's experts compute; this wrapper has none, so it must not ask for a kernel for them.
+            config._experts_implementation_internal = None
+        super().__init__(config)
         self.unit = unit
         self.config.use_cache = supports_kv_cache()
 

@@ -21,6 +21,7 @@ from nereus_lightning.models.groups import ReplicaComm, replica_groups
 from nereus_lightning.models.pipeline import forward_logits, split_micro_batches, token_logprobs
 from nereus_lightning.models.sharded import ShardedCausalLM, is_tied, validate_layout
 from nereus_lightning.plan.layout import Layout
+from nereus_lightning.spec.admission import on_trial
 from nereus_lightning.spec.errors import NereusConfigError
 from nereus_lightning.spec.families import family_of
 
@@ -45,7 +46,8 @@ def tiny_config_of(config: Any) -> Any:
     head dim 16 (kept when the RoPE parameters list per-dimension factors), a 256-token vocabulary,
     a sliding window of 6 tokens where the original has one.
     """
-    family_of(config)
+    with on_trial(config.model_type):
+        family_of(config)
     data = copy.deepcopy(config.to_dict())
     heads = int(data["num_attention_heads"])
     gqa = int(data.get("num_key_value_heads") or heads) < heads
@@ -63,7 +65,11 @@ def tiny_config_of(config: Any) -> Any:
         dtype="float32",
     )
     if data.get("layer_types"):
-        data["layer_types"] = data["layer_types"][:LAYERS]
+        types = list(data["layer_types"][:LAYERS])
+        missing = [t for t in dict.fromkeys(data["layer_types"]) if t not in types]
+        types[LAYERS - len(missing[: LAYERS - 1]) :] = missing[: LAYERS - 1]  # mixed kinds stay mixed
+        data["layer_types"] = types
+    _shrink_experts(data)
     if data.get("sliding_window"):
         data["sliding_window"] = 6
     for offset, key in enumerate(("pad_token_id", "bos_token_id", "eos_token_id")):
@@ -72,6 +78,23 @@ def tiny_config_of(config: Any) -> Any:
     tiny = type(config).from_dict(data)
     tiny._attn_implementation = "eager"
     return tiny
+
+
+def _shrink_experts(data: dict[str, Any]) -> None:
+    """A mixture of experts becomes 4 experts of width 32, 2 per token (a shared expert 32 wide)."""
+    from nereus_lightning.spec.families import EXPERT_KEYS, TOP_K_KEYS
+
+    if not any(data.get(k) for k in EXPERT_KEYS):
+        return
+    for key in EXPERT_KEYS:
+        if data.get(key):
+            data[key] = 4
+    for key in TOP_K_KEYS:
+        if data.get(key):
+            data[key] = min(2, int(data[key]))
+    for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+        if data.get(key):
+            data[key] = 32
 
 
 def value_config_of(config: Any) -> Any:
@@ -137,41 +160,119 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max() / b.double().abs().max())
 
 
+def _grad_error(model: torch.nn.Module, sharded: ShardedCausalLM, config: Any, ids: torch.Tensor) -> float:
+    """Relative error of one training step's gradients (after the TP/tied sums) against the full model's.
+
+    Per tensor, relative to that tensor's largest reference entry (floored at 1e-3 of the largest
+    overall, so a tensor whose gradient is all but zero is not judged by rounding noise).
+    """
+    from nereus_lightning.models.pipeline import MicroBatch, train_step
+    from nereus_lightning.models.sharded import shard_state
+
+    adv = torch.randn(ids.shape[0], ids.shape[1] - 1, generator=torch.Generator().manual_seed(7))
+
+    def loss(outputs: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        return -(outputs * mb.extras["adv"]).mean()
+
+    model.zero_grad()
+    ref_lp = torch.log_softmax(model(ids).logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+    loss(ref_lp, MicroBatch(ids, extras={"adv": adv})).backward()
+    ref = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()}
+    comm = sharded.comm
+    expected = shard_state(ref, config, comm.layout, comm.pp_rank, comm.tp_rank)
+    train_step(sharded, split_micro_batches(ids, 2, adv=adv), loss)
+    got = {n: p.grad for n, p in sharded.named_parameters()}
+    scale = max(float(g.abs().max()) for g in expected.values())
+    worst_err = 0.0
+    for name, want in expected.items():
+        grad = got[name]
+        have = grad if grad is not None else torch.zeros_like(want)
+        floor = max(float(want.abs().max()), 1e-3 * scale, 1e-30)
+        worst_err = max(worst_err, float((have.double() - want.double()).abs().max()) / floor)
+    return worst_err
+
+
+def _one_layout(
+    rank: int, world: int, model: torch.nn.Module, config: Any, layout: Layout, grads: bool
+) -> dict[str, float]:
+    """One layout's errors: logits (a value model's values), log-probs and, with ``grads``, gradients."""
+    from nereus_lightning.models.sharded import has_value_head
+
+    index, comm = _replica(rank, world, layout, is_tied(config))
+    sharded = ShardedCausalLM.from_model(model, comm)
+    ids = _batch(config, index)
+    with torch.no_grad():
+        ref = model(ids).logits
+    errors: dict[str, float] = {}
+    out = forward_logits(sharded, split_micro_batches(ids, 2), where="all")
+    assert out is not None  # where="all": every rank gets them
+    value = has_value_head(config)
+    errors["values" if value else "logits"] = _rel_err(out, ref)
+    if not value:
+        ref_lp = torch.log_softmax(ref.double(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+        lp = token_logprobs(sharded, split_micro_batches(ids, 2), where="all")
+        assert lp is not None
+        errors["logprobs"] = float((lp.double() - ref_lp).abs().max())
+        if grads:  # every replica the same batch: the DP average is that batch's gradient
+            errors["grads"] = _grad_error(model, sharded, config, _batch(config, 0))
+    return errors
+
+
 def layout_errors(
-    rank: int, world: int, config: Any, layouts: Sequence[tuple[int, int]] = LAYOUTS, seed: int = 0
+    rank: int,
+    world: int,
+    config: Any,
+    layouts: Sequence[tuple[int, int]] = LAYOUTS,
+    seed: int = 0,
+    grads: bool = False,
 ) -> dict[str, float]:
     """On every rank, per layout of ``layouts`` that fits: the sharded model's errors against the full one.
 
     The relative error of the logits (a value model's values) and, for a causal LM, the absolute
-    error of the token log-probs.
+    error of the token log-probs and, with ``grads``, the relative error of one step's gradients.
     """
-    from nereus_lightning.models.sharded import has_value_head
+    with on_trial(config.model_type):
+        model = tiny_model_of(config, seed)
+        errors: dict[str, float] = {}
+        for layout in layouts_of(config, world, layouts):
+            name = f"tp{layout.tp}pp{layout.pp}"
+            for key, err in _one_layout(rank, world, model, config, layout, grads).items():
+                errors[f"{name}/{key}"] = err
+        return errors
 
-    model = tiny_model_of(config, seed)
-    value = has_value_head(config)
-    errors: dict[str, float] = {}
-    for layout in layouts_of(config, world, layouts):
-        index, comm = _replica(rank, world, layout, is_tied(config))
-        sharded = ShardedCausalLM.from_model(model, comm)
-        ids = _batch(config, index)
-        with torch.no_grad():
-            ref = model(ids).logits
-        name = f"tp{layout.tp}pp{layout.pp}"
-        out = forward_logits(sharded, split_micro_batches(ids, 2), where="all")
-        assert out is not None  # where="all": every rank gets them
-        errors[f"{name}/{'values' if value else 'logits'}"] = _rel_err(out, ref)
-        if not value:
-            ref_lp = torch.log_softmax(ref.double(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
-            lp = token_logprobs(sharded, split_micro_batches(ids, 2), where="all")
-            assert lp is not None
-            errors[f"{name}/logprobs"] = float((lp.double() - ref_lp).abs().max())
-    return errors
+
+def layout_outcomes(
+    rank: int, world: int, config: Any, layouts: Sequence[tuple[int, int]] = LAYOUTS
+) -> dict[str, dict[str, float] | str]:
+    """As :func:`layout_errors` with gradients, but a layout that raises gives its error message instead.
+
+    The admission check uses it: a family the generic path cannot represent fails where it breaks
+    (its build or forward raises on every rank alike), and the layouts before it keep their verdicts.
+    """
+    with on_trial(config.model_type):
+        model = tiny_model_of(config)
+        out: dict[str, dict[str, float] | str] = {}
+        for tp, pp in layouts:
+            layout, name = Layout(tp, pp), f"tp{tp}pp{pp}"
+            try:
+                if world % layout.size:
+                    raise NereusConfigError(f"{world} ranks do not hold {layout}")
+                validate_layout(config, layout)
+                out[name] = _one_layout(rank, world, model, config, layout, grads=True)
+            except Exception as exc:  # noqa: BLE001 - any failure refuses the layout, with its reason
+                out[name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        return out
 
 
 def chain_errors(rank: int, world: int, config: Any, seed: int = 0) -> dict[str, float]:
     """On 4 ranks: an EMU at (TP2, PP2) split to (TP1, PP2) x2, then (TP1, PP1) x4, merged to (TP2, PP1) x2
     and (TP2, PP2). Per step: the number of gathered tensors that differ from the start (rank 0; 0
     elsewhere) and the relative error of the logits of the replicas built on the moved shards."""
+    with on_trial(config.model_type):
+        return _chain_errors(rank, world, config, seed)
+
+
+def _chain_errors(rank: int, world: int, config: Any, seed: int) -> dict[str, float]:
     from nereus_lightning.emu import Unit, create_unit, execute, gather_logical_state, merge, registry, split
     from nereus_lightning.emu.executor import communicating_rank_sets
     from nereus_lightning.emu.groups import prepare_member_groups
@@ -240,7 +341,7 @@ def check_model(config: Any, world_size: int = 4) -> dict[str, float]:
     from nereus_lightning.testing import WorkerPool
 
     tiny = tiny_config_of(config)
-    with WorkerPool(world_size) as pool:
+    with WorkerPool(world_size) as pool:  # its ranks put the family on trial themselves
         out = worst(pool.run(layout_errors, tiny))
         out.update(
             {f"value/{k}": v for k, v in worst(pool.run(layout_errors, value_config_of(tiny))).items()}

@@ -41,6 +41,7 @@ from nereus_lightning.models.packing import Documents, packed_attention_for, pac
 from nereus_lightning.models.sharding import (
     Fused,
     Style,
+    cut_parts,
     layer_range,
     placement,
     pp_stages,
@@ -51,7 +52,7 @@ from nereus_lightning.models.sharding import (
 from nereus_lightning.models.tp_ops import copy_to_tp, gather_from_tp, reduce_from_tp
 from nereus_lightning.plan.layout import Layout
 from nereus_lightning.spec.errors import NereusConfigError, require
-from nereus_lightning.spec.families import refusal
+from nereus_lightning.spec.families import family_of, refusal
 from nereus_lightning.spec.model import ModelSpec
 
 
@@ -61,6 +62,16 @@ def validate_layout(config: Any, layout: Layout) -> None:
     A layout with more pipeline stages than layers is refused as well.
     """
     spec = ModelSpec.from_hf_config(config)  # asks the family registry
+    family = family_of(config)
+    if family.layouts:  # admitted by proof: only the TP and PP degrees its self-check verified
+        tps = {int(n[2 : n.index("pp")]) for n in family.layouts if n.startswith("tp")}
+        pps = {int(n[n.index("pp") + 2 :]) for n in family.layouts if n.startswith("tp")}
+        require(
+            layout.tp in tps and layout.pp in pps,
+            "layout",
+            f"{layout} is beyond what the self-check verified for {family.model_type} "
+            f"({', '.join(sorted(family.layouts))}); plan within them",
+        )
     spec.validate_tp(layout.tp)
     spec.validate_pp(layout.pp)
     for field, size in (("intermediate_size", spec.intermediate), ("vocab_size", spec.vocab)):
@@ -85,19 +96,24 @@ def is_tied(config: Any) -> bool:
     return bool(getattr(config, "tie_word_embeddings", False)) and not has_value_head(config)
 
 
-def local_config(config: Any, tp: int) -> Any:
+def local_config(config: Any, tp: int, plan: Mapping[str, Style] | None = None) -> Any:
     """A copy of ``config`` describing one TP shard: heads, KV heads, intermediate and vocabulary over ``tp``.
 
-    Its ``pad_token_id`` is None (the padding row lives on one vocabulary shard only; the embedding
-    is told its local padding row).
+    Heads are divided only where ``plan`` (default: the config's own) cuts attention, and the
+    intermediate size only where it cuts the MLP: a part the plan leaves uncut (a mixture's experts,
+    OLMo2's attention whose norms span all heads) is built whole on every TP rank. Its
+    ``pad_token_id`` is None (the padding row lives on one vocabulary shard only; the embedding is
+    told its local padding row).
     """
+    attention, mlp = cut_parts(tp_plan_of(config) if plan is None else plan)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    heads_tp, mlp_tp = (tp if attention else 1), (tp if mlp else 1)
     local = copy.deepcopy(config)
-    local.num_attention_heads = config.num_attention_heads // tp
+    local.num_attention_heads = config.num_attention_heads // heads_tp
     local.num_key_value_heads = (
         getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    ) // tp
-    local.intermediate_size = config.intermediate_size // tp
+    ) // heads_tp
+    local.intermediate_size = config.intermediate_size // mlp_tp
     local.vocab_size = config.vocab_size // tp
     local.head_dim = head_dim
     local.pad_token_id = None
@@ -192,9 +208,7 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         """``all_reduce(x @ W_local^T) + b``."""
-        out = reduce_from_tp(
-            F.linear(x, self.weight), self.comm.tp_collectives
-        )
+        out = reduce_from_tp(F.linear(x, self.weight), self.comm.tp_collectives)
         return out if self.bias is None else out + self.bias
 
 
@@ -229,10 +243,10 @@ class _Given(nn.Module):
     """Stands in for the decoder inside the family's head forward: returns the hidden states it is given."""
 
     def forward(self, *args: Any, inputs_embeds: Tensor, **kwargs: Any) -> Any:
-        """The given ``inputs_embeds`` as the decoder's last hidden state."""
-        from transformers.modeling_outputs import BaseModelOutputWithPast
+        """The given ``inputs_embeds`` as the decoder's last hidden state (no router logits: no aux loss)."""
+        from transformers.modeling_outputs import MoeModelOutputWithPast
 
-        return BaseModelOutputWithPast(last_hidden_state=inputs_embeds)
+        return MoeModelOutputWithPast(last_hidden_state=inputs_embeds)
 
 
 def _as_param(t: Tensor) -> nn.Parameter:
@@ -274,7 +288,7 @@ class ShardedCausalLM(nn.Module):
         self.recompute = False  # activation recompute in training forwards (see :meth:`stage`)
         plan = tp_plan_of(config)
         tied = is_tied(config)
-        family = family_model(local_config(config, layout.tp), self.value_head)
+        family = family_model(local_config(config, layout.tp, plan), self.value_head)
         self.local_config = family.config
         stage = {
             n: tuple(p.shape)
@@ -459,7 +473,7 @@ class ShardedCausalLM(nn.Module):
             if (why := packing_refusal(self.local_config)) is not None:
                 raise NereusConfigError(f"documents: {self.config.model_type} cannot run packed: {why}")
             masks = dict.fromkeys(attention_kinds(self.local_config))
-        position_embeddings = self.model.rotary_emb(hidden, position_ids)
+        position_embeddings = self._position_embeddings(hidden, position_ids)
         with_cache: dict[str, Any] = {}
         if cache is not None:
             name = self._cache_argument
@@ -479,7 +493,11 @@ class ShardedCausalLM(nn.Module):
             kwargs = dict(
                 attention_mask=self._layer_mask(masks, i),
                 position_ids=position_ids,
-                position_embeddings=position_embeddings,
+                position_embeddings=(
+                    position_embeddings[self.local_config.layer_types[i]]
+                    if isinstance(position_embeddings, dict)
+                    else position_embeddings
+                ),
                 **with_cache,
             )
             if recompute:
@@ -491,6 +509,14 @@ class ShardedCausalLM(nn.Module):
         if self.comm.is_last_stage:
             hidden = self.model.norm(hidden)
         return hidden
+
+    def _position_embeddings(self, hidden: Tensor, position_ids: Tensor) -> Any:
+        """The family's rotary embedding; per attention kind where its RoPE differs by layer type (Gemma3)."""
+        rotary = self.model.rotary_emb
+        if not _rotary_per_layer_type(type(rotary)):  # type: ignore[arg-type]  # classes hash (see __init__)
+            return rotary(hidden, position_ids)
+        kinds = {self.local_config.layer_types[i] for i in self.layer_ids}
+        return {kind: rotary(hidden, position_ids, kind) for kind in sorted(kinds)}
 
     def _layer(self, layer: nn.Module, hidden: Tensor, packed: bool, **kwargs: Any) -> Tensor:
         """One decoder layer; a packed row's attention stays within each sequence (also when recomputed)."""
@@ -512,7 +538,9 @@ class ShardedCausalLM(nn.Module):
         """
         if not self.value_head:
             hidden = copy_to_tp(hidden, self.comm.tp_collectives)
-        return self.family_head(inputs_embeds=hidden).logits
+        # A mixture of experts' head would add its router loss; the RL losses are the caller's.
+        no_aux = {"output_router_logits": False} if hasattr(self.config, "output_router_logits") else {}
+        return self.family_head(inputs_embeds=hidden, **no_aux).logits
 
     def full_logits(self, local: Tensor) -> Tensor:
         """All-gather local logits over TP into ``[B, S, V]`` (differentiable); a value model's as is."""
@@ -559,6 +587,14 @@ def attention_kinds(config: Any) -> tuple[str, ...]:
         not types and getattr(config, "sliding_window", None) is not None
     )
     return ("full_attention", "sliding_attention") if sliding else ("full_attention",)
+
+
+@functools.cache
+def _rotary_per_layer_type(rotary_cls: type[nn.Module]) -> bool:
+    """Whether a family's rotary embedding is computed per layer type (its forward takes ``layer_type``)."""
+    import inspect
+
+    return "layer_type" in inspect.signature(rotary_cls.forward).parameters
 
 
 @functools.cache

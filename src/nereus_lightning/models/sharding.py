@@ -44,6 +44,11 @@ DEFAULT_TP_PLAN: dict[str, str] = {
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
+#: The style of a module kept whole on every TP rank (its parameters replicated, built from the full
+#: config): the parent of a projection whose output the family needs whole (``colwise_gather_output``
+#: on an unfused projection, e.g. OLMo2's attention, whose q/k norms span all heads).
+WHOLE = "whole"
+
 
 @dataclass(frozen=True)
 class Fused:
@@ -115,7 +120,39 @@ def tp_plan_of(config: object | None) -> dict[str, Style]:
         plan.update({f"model.{k}": v for k, v in base.items()})
     for pattern, kind in family.fused:
         plan[f"model.{pattern}"] = fused_style(kind, config)
-    return plan
+    # Shared experts are kept whole, as the routed ones: their width is not the config's intermediate size.
+    plan = {k: v for k, v in plan.items() if "shared_expert" not in k}
+    return _whole_regions(plan)
+
+
+def cut_parts(plan: Mapping[str, Style]) -> tuple[bool, bool]:
+    """Whether ``plan`` cuts the blocks' attention (by heads) and their MLP (by intermediate columns)."""
+    attention = mlp = False
+    for key, style in plan.items():
+        cuts = isinstance(style, Fused) or (
+            isinstance(style, str) and style.startswith(("colwise", "rowwise"))
+        )
+        if not cuts or not key.startswith("model.layers."):
+            continue
+        if ".self_attn." in key or ".attn." in key or ".attention." in key:
+            attention = True
+        else:
+            mlp = True
+    return attention, mlp
+
+
+def _whole_regions(plan: dict[str, Style]) -> dict[str, Style]:
+    """Replace the entries of a block module holding a gathered unfused projection by one :data:`WHOLE`."""
+    whole = {
+        k.rpartition(".")[0]
+        for k, v in plan.items()
+        if v == "colwise_gather_output" and k.startswith("model.layers.")
+    }
+    if not whole:
+        return plan
+    out: dict[str, Style] = dict.fromkeys(sorted(whole), WHOLE)
+    out.update({k: v for k, v in plan.items() if not any(k.startswith(f"{w}.") for w in whole)})
+    return out
 
 
 def style_of(module_name: str, plan: Mapping[str, Style]) -> Style | None:
@@ -129,7 +166,8 @@ def style_of(module_name: str, plan: Mapping[str, Style]) -> Style | None:
 def placement(name: str, plan: Mapping[str, Style] = DEFAULT_TP_PLAN) -> Placement:
     """The placement of parameter ``name`` (a global name such as ``model.layers.3.mlp.up_proj.weight``)."""
     module, _, leaf = name.rpartition(".")
-    style = style_of(module, plan) or ""
+    # A plan may name a parameter itself (attention sinks: one per head) as well as modules.
+    style = style_of(name, plan) or style_of(module, plan) or ""
     fused = style if isinstance(style, Fused) else None
     kind = "" if isinstance(style, Fused) else style
     if fused is not None or kind.startswith("colwise") or kind == "embedding_rowwise":

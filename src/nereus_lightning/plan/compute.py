@@ -11,11 +11,9 @@ from nereus_lightning.spec.model import ModelSpec
 
 
 def layer_matmul_params(model: ModelSpec) -> int:
-    """Weights of one block that take part in GEMMs (QKV, output, gate, up, down projections)."""
+    """Weights of one block that one token multiplies by (QKV, output; gate, up, down of its experts)."""
     return (
-        model.hidden * (model.q_dim + 2 * model.kv_dim)
-        + model.q_dim * model.hidden
-        + 3 * model.hidden * model.intermediate
+        model.hidden * (model.q_dim + 2 * model.kv_dim) + model.q_dim * model.hidden + model.mlp_active_params
     )
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from nereus_lightning.spec.errors import NereusConfigError, require, unknown_preset
-from nereus_lightning.spec.families import family_of
+from nereus_lightning.spec.families import EXPERT_KEYS, TOP_K_KEYS, family_of
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 
@@ -30,6 +30,12 @@ class ModelSpec:
     qk_norm: bool = False
     dtype: str = "bfloat16"
     max_position: int = 131072
+    # Mixture of experts (0: a dense MLP): experts per layer, experts each token uses, one expert's
+    # MLP width, and the width of an always-used shared expert.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
+    shared_intermediate: int = 0
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "hidden", "num_heads", "num_kv_heads", "vocab", "intermediate"):
@@ -42,6 +48,14 @@ class ModelSpec:
             "model.num_kv_heads",
             f"{self.num_kv_heads} does not divide num_heads={self.num_heads}",
         )
+        if self.num_experts:
+            require(
+                0 < self.experts_per_token <= self.num_experts and self.expert_intermediate > 0,
+                "model.experts_per_token",
+                f"a mixture of {self.num_experts} experts needs 0 < experts_per_token <= num_experts "
+                f"(got {self.experts_per_token}) and expert_intermediate > 0 "
+                f"(got {self.expert_intermediate})",
+            )
         require(self.dtype in DTYPE_BYTES, "model.dtype", f"{self.dtype!r} not in {sorted(DTYPE_BYTES)}")
         if self.head_dim == 0:
             require(
@@ -74,8 +88,28 @@ class ModelSpec:
             attn += self.q_dim + 2 * self.kv_dim
         if self.qk_norm:
             attn += 2 * self.head_dim
-        mlp = 3 * self.hidden * self.intermediate
-        return attn + mlp + 2 * self.hidden
+        return attn + self.mlp_params + 2 * self.hidden
+
+    @property
+    def mlp_params(self) -> int:
+        """Parameters of one block's MLP: every expert and the router for a mixture of experts."""
+        if not self.num_experts:
+            return 3 * self.hidden * self.intermediate
+        experts = self.num_experts * 3 * self.hidden * self.expert_intermediate
+        return experts + self.num_experts * self.hidden + 3 * self.hidden * self.shared_intermediate
+
+    @property
+    def mlp_active_params(self) -> int:
+        """Parameters of one block's MLP that one token multiplies by (its routed experts only)."""
+        if not self.num_experts:
+            return self.mlp_params
+        experts = self.experts_per_token * 3 * self.hidden * self.expert_intermediate
+        return experts + self.num_experts * self.hidden + 3 * self.hidden * self.shared_intermediate
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token's forward pass uses (all of them for a dense model)."""
+        return self.num_params - self.num_layers * (self.mlp_params - self.mlp_active_params)
 
     @property
     def embedding_params(self) -> int:
@@ -156,12 +190,30 @@ class ModelSpec:
                 qk_norm=family.qk_norm,
                 dtype=_dtype_name(config.get("torch_dtype") or config.get("dtype") or "bfloat16"),
                 max_position=int(config.get("max_position_embeddings", 131072)),
+                **_experts_of(config),
             )
         except KeyError as exc:
             raise NereusConfigError(
                 f"model.config: missing key {exc.args[0]!r} in the transformers config"
             ) from exc
         return spec
+
+
+def _experts_of(config: dict[str, Any]) -> dict[str, int]:
+    """The mixture-of-experts fields of a transformers config dict (none for a dense model)."""
+    experts = next((int(config[k]) for k in EXPERT_KEYS if config.get(k)), 0)
+    if not experts:
+        return {}
+    width = int(config.get("moe_intermediate_size") or config["intermediate_size"])
+    shared = config.get("shared_expert_intermediate_size") or 0
+    if not shared and config.get("n_shared_experts"):
+        shared = int(config["n_shared_experts"]) * width
+    return {
+        "num_experts": experts,
+        "experts_per_token": next((int(config[k]) for k in TOP_K_KEYS if config.get(k)), 0),
+        "expert_intermediate": width,
+        "shared_intermediate": int(shared),
+    }
 
 
 def _dtype_name(value: Any) -> str:
