@@ -196,6 +196,41 @@ def reward_model_source(cfg: Any) -> Any:
     return model_source(cfg.get("reward_model"))
 
 
+def admit_families(cfg: Any) -> None:
+    """Prove each model folder's family exact before the job starts, if it is outside the registry.
+
+    Once per model type and transformers version (``models.admission``: the self-check on 4 CPU
+    processes, cached); a failed proof is refused where the model is first read, naming the layout
+    and the difference. Under torchrun or SLURM the ranks start together: run ``nereus-check-model``
+    once on each node instead (the refusal says so).
+    """
+    from nereus_lightning.spec.families import FAMILIES
+
+    for key in ("actor", "critic", "reference", "reward_model"):
+        source = model_source(cfg.get(key))
+        if not (isinstance(source, str) and os.path.isdir(source)):
+            continue
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(source)
+        if str(config.model_type) in FAMILIES:
+            continue
+        from nereus_lightning.models.admission import admit
+
+        _say(
+            f"nereus-train: {key}.path: model type {config.model_type} is outside the registry: proving it "
+            "exact at TP1/2 x PP1/2 and through Split/Merge on 4 CPU processes (once per version)"
+        )
+        verdict = admit(config)
+        if verdict is not None:
+            failed = verdict.failure
+            _say(
+                f"nereus-train: {config.model_type}: "
+                + ("exact, admitted" if failed is None else f"refused at {failed[0]}: {failed[1].reason}")
+                + f" ({verdict.seconds:.0f} s)"
+            )
+
+
 def _spec_of(source: str, key: str) -> Any:
     import os
 
@@ -446,6 +481,8 @@ def run(cfg: Any, overrides: Sequence[str] = ()) -> dict[str, Any]:
     resolve_trainer(cfg)
     check_config(cfg)
     launch = job_launch(cfg)  # before any model: the keys must describe the job the launcher started
+    if launch.launcher == "Lightning" and "LOCAL_RANK" not in os.environ:  # this process starts the ranks
+        admit_families(cfg)
     world = _world_size(cfg)
     if gpu_memory_setting(cfg) == "auto":  # resolve once, here, for every rank
         with open_dict(cfg):
