@@ -23,7 +23,7 @@ pytestmark = [*VLLM, pytest.mark.distributed]
 STEPS = 5
 
 
-def _train(job, out, monkeypatch, plans):
+def _train(job, out, monkeypatch, plans, extra=()):
     from nereus_lightning.cli.train import run
     from nereus_lightning.lightning import callback
     from tests.vllm.helpers import CHECKS, ScriptedPlans
@@ -46,6 +46,7 @@ def _train(job, out, monkeypatch, plans):
         "trainer.devices=2",
         f"trainer.max_steps={STEPS}",
         "save_checkpoint=false",
+        *extra,
     ]
     summary = run(train_config(overrides))
     records = [json.loads(line) for path in sorted(glob.glob(str(checks / "*.jsonl"))) for line in open(path)]
@@ -92,3 +93,19 @@ def test_transition_from_tp1_dp2_to_tp2_dp1_keeps_generating_with_the_synced_wei
     assert summary["transitions"] == 2 and summary["transition_steps"] == [1, 2]
     _check(records, rows, [1, 1, 2, 2, 2])
     assert [r["step"] for r in records].count(0) == 1  # one engine at step 0, on rank 1
+
+
+def test_the_rollout_correction_weights_the_loss_and_reports_the_mismatch(job, tmp_path, monkeypatch):
+    import math
+
+    from tests.vllm.helpers import plan_2ranks
+
+    extra = ["algorithm.rollout_is_threshold=2.0"]
+    summary, records, rows = _train(job, tmp_path, monkeypatch, [plan_2ranks(1)], extra)
+    _check(records, rows, [1] * STEPS)
+    for row in rows:
+        kl, weight = float(row["mismatch/mismatch_kl"]), float(row["mismatch/rollout_is_mean"])
+        # the engine samples from the trained weights: vLLM's and the trainer's log-probs nearly agree
+        assert math.isfinite(kl) and abs(kl) < 1e-2 and abs(weight - 1.0) < 1e-2, row
+        assert 0.0 <= float(row["mismatch/rollout_is_ratio_fraction_high"]) <= 1.0
+        assert float(row["training/rollout_probs_diff_max"]) < 0.1
