@@ -87,7 +87,7 @@ def config_of(model_type: str, overrides: dict[str, Any]) -> Any:
 
 def run(names: list[str]) -> dict[str, Any]:
     """Check ``names`` on one reused 4-rank pool (renewed after a failure); their verdicts and times."""
-    from nereus_lightning.models.admission import check_family
+    from nereus_lightning.proof.admission import check_family
     from nereus_lightning.spec.families import FAMILIES
     from nereus_lightning.testing import WorkerPool
 

@@ -73,7 +73,7 @@ def prompts(batch: int, width: int, vocab: int) -> tuple[torch.Tensor, torch.Ten
 
     Row i is padded by 8 * (i % 8) tokens, at most half the width.
     """
-    from nereus_lightning.rl.rollout import sample_seeds
+    from nereus_lightning.engines.base import sample_seeds
 
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab, (batch, width), generator=gen)
@@ -113,9 +113,9 @@ def peak_gib() -> float:
 def engines(unit, mode: str) -> tuple[Any, Any]:  # noqa: ANN001
     """The eager and the static engine (``mode``: static or compiled) over ``unit``, both without an
     eos (fixed-length responses)."""
-    from nereus_lightning.models.decode import StaticDecodeEngine
+    from nereus_lightning.engines.hf import HFGenerateEngine
+    from nereus_lightning.engines.static import StaticDecodeEngine
     from nereus_lightning.models.generation import ShardedGenerator
-    from nereus_lightning.rl.rollout import HFGenerateEngine
 
     fast = StaticDecodeEngine(unit, None, 0, compiled=mode == "compiled")
     return HFGenerateEngine(ShardedGenerator(unit), None, 0), fast

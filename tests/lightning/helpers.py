@@ -66,8 +66,9 @@ def rollout_and_scores(rank: int, world_size: int, placement: dict) -> dict:
     (``HFGenerateEngine`` over the full actor, seeds of the global sample indices, ``rl.forward``)."""
     import copy
 
+    from nereus_lightning.engines.base import sample_seeds
+    from nereus_lightning.engines.hf import HFGenerateEngine
     from nereus_lightning.rl.forward import response_log_probs, response_values
-    from nereus_lightning.rl.rollout import HFGenerateEngine, sample_seeds
 
     torch.manual_seed(0)
     module = PPOModule(task=small_task(), prompts_per_step=8, seed=3)

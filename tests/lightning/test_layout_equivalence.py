@@ -100,7 +100,7 @@ def test_critic_free_updates_are_layout_independent(dist4, case):
 
 def test_rollouts_and_scores_are_the_rl_reference_paths_under_tp_and_pp(dist4):
     # actor_gen dp2 x TP2 (transformers generate over ShardedGenerator), actor_infer PP2,
-    # critic_infer TP2 x PP2: the same tokens and scores as the unsharded rl.rollout / rl.forward.
+    # critic_infer TP2 x PP2: the same tokens and scores as the unsharded engines.hf / rl.forward.
     for rank, out in enumerate(dist4.run(rollout_and_scores, LAYOUT_C)):
         assert out["same_responses"], (
             f"rank {rank}: responses differ from HFGenerateEngine over the full actor"

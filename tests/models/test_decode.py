@@ -1,4 +1,4 @@
-"""The static-cache decode (``models.decode``) samples the eager path's tokens from the eager path's logits.
+"""The static-cache decode (``engines.static``) samples the eager path's tokens from the eager path's logits.
 
 The eager path is :class:`HFGenerateEngine` over a :class:`ShardedGenerator` (transformers ``generate``
 with a dynamic cache). On the CPU both run without graphs (gloo, TP and PP replicas); on CUDA the
@@ -11,14 +11,15 @@ import pytest
 import torch
 import transformers as tf
 
+from nereus_lightning.engines.base import SeededGumbel, make_picker, sample_seeds
+from nereus_lightning.engines.hf import HFGenerateEngine
+from nereus_lightning.engines.static import StaticDecodeEngine, seeded_scores
 from nereus_lightning.models import ReplicaComm, ShardedCausalLM, decode
-from nereus_lightning.models.decode import StaticDecodeEngine, seeded_scores
 from nereus_lightning.models.generation import ShardedGenerator
-from nereus_lightning.models.selfcheck import tiny_config_of, tiny_model_of, value_config_of
 from nereus_lightning.plan.layout import Layout
-from nereus_lightning.rl.rollout import HFGenerateEngine, _make_picker, _SeededGumbel, sample_seeds
 from nereus_lightning.spec.errors import NereusConfigError
 from nereus_lightning.spec.families import FAMILIES
+from nereus_lightning.testing.shrink import tiny_config_of, tiny_model_of, value_config_of
 from nereus_lightning.testing.tiny import my_replica, tiny_model
 
 EOS = 255
@@ -127,9 +128,9 @@ def test_the_draw_at_a_tensor_step_is_the_eager_draw() -> None:
     # The captured step reads its step from a tensor; its noise must be bitwise the eager one's.
     seeds = sample_seeds(3, 7, range(5))
     logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(0))
-    static = _make_picker(5, 0, 8, True, 0.7, 40, 0.9, seeds)
+    static = make_picker(5, 0, 8, True, 0.7, 40, 0.9, seeds)
     for step in range(6):
-        eager = _SeededGumbel(seeds, 4, 8, 0.7, 40, 0.9)(torch.zeros(5, 4 + step, dtype=torch.long), logits)
+        eager = SeededGumbel(seeds, 4, 8, 0.7, 40, 0.9)(torch.zeros(5, 4 + step, dtype=torch.long), logits)
         step_seeds = torch.tensor(seeds)
         assert torch.equal(seeded_scores(static, logits, step_seeds, torch.tensor(step)), eager), step
 

@@ -1,7 +1,7 @@
 """Every registered family computes exactly the unsharded model's function; everything else is refused.
 
 Parametrised over ``spec.families.FAMILIES``: a new entry is tested by construction, on a tiny
-GQA model of its own transformers config class (``models.selfcheck``, the same checks
+GQA model of its own transformers config class (``proof.selfcheck``, the same checks
 ``nereus-check-model`` runs).
 """
 
@@ -14,18 +14,13 @@ import pytest
 import torch
 import transformers as tf
 
-from nereus_lightning.models.admission import admit
-from nereus_lightning.models.selfcheck import (
-    chain_errors,
-    layout_errors,
-    tiny_config_of,
-    value_config_of,
-    worst,
-)
 from nereus_lightning.models.sharding import fused_style, placement, tp_plan_of, tp_slices
+from nereus_lightning.proof.admission import admit
+from nereus_lightning.proof.selfcheck import chain_errors, layout_errors, worst
 from nereus_lightning.spec.admission import cached_verdict
 from nereus_lightning.spec.errors import NereusConfigError
 from nereus_lightning.spec.families import FAMILIES, QKV, family_of
+from nereus_lightning.testing.shrink import tiny_config_of, value_config_of
 
 REQUIRED = ((1, 1), (2, 1), (1, 2), (2, 2))
 TOL = 1e-5
@@ -166,9 +161,9 @@ ADMITTED = ("olmo2", "gemma3_text", "glm4", "gpt_oss")
 
 @pytest.mark.parametrize("model_type", ADMITTED)
 def test_an_unregistered_family_is_admitted_by_proof_once(dist4, model_type: str, monkeypatch) -> None:
-    from nereus_lightning.models import admission
     from nereus_lightning.models.sharded import validate_layout
     from nereus_lightning.plan.layout import Layout
+    from nereus_lightning.proof import admission
 
     config = tf.AutoConfig.for_model(model_type)
     with pytest.raises(NereusConfigError, match="has no self-check verdict"):

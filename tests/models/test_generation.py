@@ -7,11 +7,12 @@ import functools
 import pytest
 import torch
 
+from nereus_lightning.engines.base import sample_seeds
+from nereus_lightning.engines.hf import HFGenerateEngine
 from nereus_lightning.models import ReplicaComm, ShardedCausalLM
 from nereus_lightning.models.generation import ShardedGenerator
 from nereus_lightning.plan.layout import Layout
 from nereus_lightning.rl.forward import response_log_probs
-from nereus_lightning.rl.rollout import HFGenerateEngine, sample_seeds
 from nereus_lightning.testing.tiny import my_replica, tiny_model
 
 EOS = 255

@@ -57,7 +57,7 @@ def test_decode_time_at_length_is_within_half_of_the_measured_anchors():
 
 def test_the_body_constants_the_brain_mirrors():
     """``spec.workload.STATIC_PROMPT_BUCKET`` and ``plan.memory``'s chunk rows are the body's."""
-    decode = pytest.importorskip("nereus_lightning.models.decode")
+    decode = pytest.importorskip("nereus_lightning.engines.static")
     assert decode.PROMPT_BUCKET == STATIC_PROMPT_BUCKET
     try:
         from nereus_lightning.models import logprobs

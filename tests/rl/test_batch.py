@@ -69,7 +69,7 @@ def test_rows_must_agree():
 
 
 def test_the_policy_version_of_each_sample_travels_with_it():
-    from nereus_lightning.rl.rollout import RolloutOutput, response_rows, version_tensor
+    from nereus_lightning.engines.base import RolloutOutput, response_rows, version_tensor
 
     a, b = _batch([5, 1]), _batch([0, 3])
     a.policy_version, b.policy_version = torch.tensor([7, 7]), torch.tensor([6, 6])

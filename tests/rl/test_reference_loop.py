@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from nereus_lightning.engines.hf import HFGenerateEngine
 from nereus_lightning.rl.algorithm import (
     RLConfig,
     compute_advantages,
@@ -22,7 +23,6 @@ from nereus_lightning.rl.algorithm import (
 from nereus_lightning.rl.batch import RolloutBatch
 from nereus_lightning.rl.reference_loop import build_models, run_reference, tiny_llama_config
 from nereus_lightning.rl.reward import make_scorer
-from nereus_lightning.rl.rollout import HFGenerateEngine
 from nereus_lightning.rl.tasks import PromptSampler, RepeatTask
 from nereus_lightning.rl.tokenizer import ByteTokenizer
 from nereus_lightning.spec.errors import NereusConfigError

@@ -10,16 +10,12 @@ import math
 import pytest
 import torch
 
-from nereus_lightning.rl.forward import position_ids_from_mask, response_log_probs, response_values
+from nereus_lightning.engines.base import RolloutEngine, SeededGumbel, response_mask_from_ids, sample_seeds
+from nereus_lightning.engines.hf import HFGenerateEngine
+from nereus_lightning.models.pipeline import position_ids_from_mask
+from nereus_lightning.rl.forward import response_log_probs, response_values
 from nereus_lightning.rl.reference_loop import tiny_llama_config
 from nereus_lightning.rl.reward import FunctionReward, ModelReward, make_scorer
-from nereus_lightning.rl.rollout import (
-    HFGenerateEngine,
-    RolloutEngine,
-    _SeededGumbel,
-    response_mask_from_ids,
-    sample_seeds,
-)
 from nereus_lightning.rl.tasks import repeat_reward
 from nereus_lightning.rl.tokenizer import ByteTokenizer
 from nereus_lightning.spec.errors import NereusConfigError
@@ -89,14 +85,14 @@ def test_sampling_depends_on_the_sample_seed_not_the_batch():
 
 def test_seeded_gumbel_samples_the_softmax():
     # two tokens with probabilities .7 / .3 (temperature 2 on logits 2 ln .7, 2 ln .3): 4000 seeds
-    proc = _SeededGumbel(
+    proc = SeededGumbel(
         list(range(4000)), prompt_len=1, max_new_tokens=1, temperature=2.0, top_k=0, top_p=1.0
     )
     logits = torch.tensor([2 * math.log(0.7), 2 * math.log(0.3)]).expand(4000, 2)
     picks = proc(torch.zeros(4000, 1, dtype=torch.long), logits).argmax(-1).float()
     assert abs((1 - picks.mean()).item() - 0.7) < 0.03  # 4 sigma
     # top_p = .5 keeps only the most likely token
-    proc = _SeededGumbel(list(range(50)), 1, 1, 1.0, 0, 0.5)
+    proc = SeededGumbel(list(range(50)), 1, 1, 1.0, 0, 0.5)
     assert proc(torch.zeros(50, 1, dtype=torch.long), logits[:50]).argmax(-1).eq(0).all()
 
 
@@ -112,7 +108,7 @@ def test_engine_rejects_bad_input():
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm installed")
 def test_vllm_engine_says_how_to_install():
-    from nereus_lightning.rl.vllm_engine import build_engine
+    from nereus_lightning.engines.vllm_engine import build_engine
 
     with pytest.raises(NereusConfigError, match=r"nereus-lightning\[vllm\]"):
         build_engine(tiny_llama_config(), [[0]])
@@ -169,7 +165,7 @@ def test_values_and_reward_scorers():
 
 
 def test_forward_engine_matches_hf_generate():
-    from nereus_lightning.rl.rollout import ForwardEngine
+    from nereus_lightning.engines.hf import ForwardEngine
 
     def logits_of(model):
         def logits(input_ids, attention_mask, position_ids):
@@ -190,7 +186,7 @@ def test_forward_engine_matches_hf_generate():
 def test_checkpoint_generation_defaults_do_not_leak_into_sampling():
     from transformers import GenerationConfig
 
-    from nereus_lightning.rl.rollout import ForwardEngine
+    from nereus_lightning.engines.hf import ForwardEngine
 
     model = copy.deepcopy(_actor())
     with torch.no_grad():
@@ -214,7 +210,7 @@ def test_checkpoint_generation_defaults_do_not_leak_into_sampling():
 
 
 def test_forward_engine_stops_rows_at_eos_and_pads_after():
-    from nereus_lightning.rl.rollout import ForwardEngine
+    from nereus_lightning.engines.hf import ForwardEngine
 
     def logits(input_ids, attention_mask, position_ids):
         out = torch.zeros(*input_ids.shape, TOK.vocab_size)

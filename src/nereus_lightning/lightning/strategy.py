@@ -54,6 +54,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from nereus_lightning.control.follower import data_parallel_plan
+from nereus_lightning.engines.vllm_engine import VLLMInstance
 from nereus_lightning.lightning.checkpoint import (
     META_FILE,
     StoredCheckpoint,
@@ -81,7 +82,6 @@ from nereus_lightning.lightning.roles import RoleModels, RoleModule
 from nereus_lightning.lightning.stages import StageSlot, slot_of
 from nereus_lightning.models import ShardedCausalLM
 from nereus_lightning.plan.layout import Plan
-from nereus_lightning.rl.vllm_engine import VLLMInstance
 from nereus_lightning.spec.cluster import ClusterSpec, cluster_preset
 from nereus_lightning.spec.errors import CheckpointError, NereusConfigError, require
 

@@ -2,12 +2,12 @@
 
 Only the families of the registry (``spec.families``) are built; every entry point refuses the
 rest. Value models (critic, reward model: token classification with one label) are cut the same way,
-their ``score`` head replicated over TP on the last stage. :func:`check_model` (``nereus-check-model``)
-checks a family against the unsharded transformers model; :func:`fail_together` makes an exception
-on one rank stop every rank promptly (the pipeline functions run under it). transformers ``generate`` over a
-sharded replica: :class:`nereus_lightning.models.generation.ShardedGenerator` (that module
-imports transformers; this package does not); the fast engine with a static KV cache and CUDA-graph
-decode steps: :class:`nereus_lightning.models.decode.StaticDecodeEngine`.
+their ``score`` head replicated over TP on the last stage (:mod:`nereus_lightning.proof` checks a family
+against the unsharded transformers model). :func:`fail_together` makes an exception on one rank stop
+every rank promptly (the pipeline functions run under it). transformers ``generate`` over a sharded
+replica: :class:`nereus_lightning.models.generation.ShardedGenerator` (that module imports
+transformers; this package does not). The rollout engines over these shards live in
+:mod:`nereus_lightning.engines`.
 """
 
 from nereus_lightning.models.fail_fast import PeerFailure, fail_together
@@ -23,7 +23,6 @@ from nereus_lightning.models.pipeline import (
     token_scores,
     train_step,
 )
-from nereus_lightning.models.selfcheck import check_model
 from nereus_lightning.models.sharded import ShardedCausalLM, local_config, shard_state, validate_layout
 from nereus_lightning.models.sharding import (
     Fused,
@@ -46,7 +45,6 @@ __all__ = [
     "ReplicaComm",
     "ShardedCausalLM",
     "bind_adamw",
-    "check_model",
     "clip_grad_norm_",
     "fail_together",
     "forward_logits",

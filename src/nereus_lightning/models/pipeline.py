@@ -97,12 +97,20 @@ def _hidden_buffer(model: ShardedCausalLM, mb: MicroBatch) -> Tensor:
     return torch.empty(b, s, model.config.hidden_size, dtype=weight.dtype, device=weight.device)
 
 
-def _recv(buffer: Tensor, src: int) -> Tensor:
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """Positions counted over valid tokens only (0 on padding), as transformers ``generate`` does."""
+    positions = attention_mask.long().cumsum(-1) - 1
+    return positions.masked_fill(attention_mask == 0, 0)
+
+
+def recv_activation(buffer: Tensor, src: int) -> Tensor:
+    """Receive a stage's activations from rank ``src`` into ``buffer``."""
     dist.recv(buffer, src=src)
     return buffer
 
 
-def _send(t: Tensor, dst: int) -> None:
+def send_activation(t: Tensor, dst: int) -> None:
+    """Send activations to the next stage's rank ``dst``."""
     dist.send(t.detach().contiguous(), dst=dst)
 
 
@@ -129,12 +137,16 @@ def pipeline_forward(
     outs: list[Tensor] = []
     with torch.no_grad(), fail_together():
         for mb in micro_batches:
-            hidden = None if comm.is_first_stage else _recv(_hidden_buffer(model, mb), comm.prev_rank)  # type: ignore[arg-type]
+            hidden = (
+                None
+                if comm.is_first_stage
+                else recv_activation(_hidden_buffer(model, mb), comm.prev_rank)  # type: ignore[arg-type]
+            )
             out = _stage(model, mb, hidden, cache)
             if comm.is_last_stage:
                 outs.append(head(out, mb))
             else:
-                _send(out, comm.next_rank)  # type: ignore[arg-type]
+                send_activation(out, comm.next_rank)  # type: ignore[arg-type]
     return outs if comm.is_last_stage else None
 
 
@@ -148,9 +160,9 @@ def _deliver(model: ShardedCausalLM, value: Tensor | None, like: Tensor, where: 
         first = comm.ranks[0]
         if source != first:
             if comm.rank == source:
-                _send(value, first)  # type: ignore[arg-type]
+                send_activation(value, first)  # type: ignore[arg-type]
             elif comm.rank == first:
-                value = _recv(torch.empty_like(like), source)
+                value = recv_activation(torch.empty_like(like), source)
         return value if comm.rank == first else None
     buffer = value.contiguous() if comm.rank == source else torch.empty_like(like)  # type: ignore[union-attr]
     if comm.layout.size > 1:
@@ -300,9 +312,9 @@ def _exchange(
         for work in dist.batch_isend_irecv(ops):
             work.wait()
     elif send is not None:
-        _send(*send)
+        send_activation(*send)
     elif recv is not None:
-        _recv(*recv)
+        recv_activation(*recv)
     return None if recv is None else recv[0]
 
 

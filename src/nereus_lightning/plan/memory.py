@@ -4,7 +4,7 @@ Every term is a small function of the model's numbers, so each can be checked by
 are bytes on the most-loaded GPU of a pipeline stage; TP divides everything it shards (we
 assume sequence parallelism, so norm and residual activations are divided by TP as well).
 
-The terms follow what the body holds (``models``, ``rl``, the static decoder ``models.decode``):
+The terms follow what the body holds (``models``, ``rl``, the static decoder ``engines.static``):
 
 - log-probs and entropy run the LM head over chunks of at most :func:`logit_chunk_rows` token
   rows (recomputed in backward), so no stage holds full-vocabulary logits of all its tokens;

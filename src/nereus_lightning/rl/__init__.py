@@ -1,4 +1,4 @@
-"""RL algorithms (a registry: PPO, GRPO, RLOO, REINFORCE++, ReMax, yours), rollout engines, rewards, tasks.
+"""RL algorithms (a registry: PPO, GRPO, RLOO, REINFORCE++, ReMax, yours), losses, rewards and tasks.
 
 Pure torch on one process; the Lightning strategy distributes the stage functions.
 """
@@ -28,7 +28,6 @@ from nereus_lightning.rl.algorithm import (
 )
 from nereus_lightning.rl.batch import RolloutBatch, dp_slice
 from nereus_lightning.rl.forward import (
-    position_ids_from_mask,
     response_log_probs,
     response_span,
     response_values,
@@ -49,16 +48,8 @@ from nereus_lightning.rl.losses import (
 )
 from nereus_lightning.rl.registry import Algorithm, algorithm_of, register_algorithm
 from nereus_lightning.rl.reward import FunctionReward, ModelReward, RewardScorer, make_scorer
-from nereus_lightning.rl.rollout import (
-    ForwardEngine,
-    HFGenerateEngine,
-    RolloutEngine,
-    RolloutOutput,
-    sample_seeds,
-)
 from nereus_lightning.rl.tasks import PromptSampler, RepeatTask, TaskPrompt, repeat_reward
 from nereus_lightning.rl.tokenizer import ByteTokenizer
-from nereus_lightning.rl.vllm_engine import VLLMEngine
 
 __all__ = [
     "Algorithm",
@@ -79,18 +70,13 @@ __all__ = [
     "update_actor",
     "update_critic",
     "ByteTokenizer",
-    "ForwardEngine",
     "FunctionReward",
-    "HFGenerateEngine",
     "ModelReward",
     "PromptSampler",
     "RepeatTask",
     "RewardScorer",
     "RolloutBatch",
-    "RolloutEngine",
-    "RolloutOutput",
     "TaskPrompt",
-    "VLLMEngine",
     "agg_loss",
     "apply_kl_penalty",
     "dp_slice",
@@ -105,14 +91,12 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "policy_loss",
-    "position_ids_from_mask",
     "remax_advantages",
     "repeat_reward",
     "response_log_probs",
     "response_span",
     "response_values",
     "returns_to_go",
-    "sample_seeds",
     "scores_to_token_rewards",
     "token_log_probs",
     "value_loss",

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from nereus_lightning.engines.base import RolloutEngine, sample_seeds
 from nereus_lightning.rl.advantages import apply_kl_penalty, scores_to_token_rewards
 from nereus_lightning.rl.batch import RolloutBatch, dp_slice
 from nereus_lightning.rl.forward import response_log_probs, response_values
@@ -31,7 +32,6 @@ from nereus_lightning.rl.losses import (
 )
 from nereus_lightning.rl.registry import algorithm_of
 from nereus_lightning.rl.reward import RewardScorer
-from nereus_lightning.rl.rollout import RolloutEngine, sample_seeds
 from nereus_lightning.rl.tasks import PromptSampler
 from nereus_lightning.rl.tokenizer import ByteTokenizer
 from nereus_lightning.spec.algorithms import algorithm_spec

@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import Tensor
 
-from nereus_lightning.rl.rollout import RolloutOutput
+from nereus_lightning.engines.base import RolloutOutput
 from nereus_lightning.spec.errors import require
 
 

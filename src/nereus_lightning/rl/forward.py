@@ -10,13 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from nereus_lightning.models.pipeline import position_ids_from_mask
 from nereus_lightning.rl.losses import entropy_from_logits, token_log_probs
-
-
-def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
-    """Positions counted over valid tokens only (0 on padding), as transformers ``generate`` does."""
-    positions = attention_mask.long().cumsum(-1) - 1
-    return positions.masked_fill(attention_mask == 0, 0)
 
 
 def response_span(prompt_width: int, response_width: int) -> slice:

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from nereus_lightning.engines.base import RolloutEngine
+from nereus_lightning.engines.hf import HFGenerateEngine
 from nereus_lightning.rl.algorithm import (
     RLConfig,
     RLModels,
@@ -27,7 +29,6 @@ from nereus_lightning.rl.algorithm import (
     update_critic,
 )
 from nereus_lightning.rl.reward import RewardScorer, make_scorer
-from nereus_lightning.rl.rollout import HFGenerateEngine, RolloutEngine
 from nereus_lightning.rl.tasks import PromptSampler, RepeatTask
 from nereus_lightning.rl.tokenizer import ByteTokenizer
 from nereus_lightning.spec.algorithms import algorithm_names, algorithm_spec

@@ -13,8 +13,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
+from nereus_lightning.models.pipeline import position_ids_from_mask
 from nereus_lightning.rl.advantages import last_token_index
-from nereus_lightning.rl.forward import position_ids_from_mask
 from nereus_lightning.spec.errors import NereusConfigError
 
 RewardFn = Callable[[Sequence[str], Sequence[str]], Sequence[float]]

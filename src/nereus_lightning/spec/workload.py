@@ -17,7 +17,7 @@ ENGINES = ("hf", "vllm")
 #: vLLM's KV-cache block on CUDA, in tokens (what the planner prices when vLLM chooses the block size).
 CUDA_BLOCK_SIZE = 16
 #: The built-in static decoder's prompt region is a multiple of this many cache slots (the body's
-#: ``models.decode.PROMPT_BUCKET``, mirrored: the brain imports no body module; a test pins them equal).
+#: ``engines.static.PROMPT_BUCKET``, mirrored: the brain imports no body module; a test pins them equal).
 STATIC_PROMPT_BUCKET = 64
 
 

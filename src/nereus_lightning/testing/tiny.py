@@ -3,7 +3,7 @@
 :func:`tiny_config` names the test models (and takes any other transformers ``model_type`` at
 the same tiny shape); any config field can be overridden, e.g. the EMU tests' smaller shape
 (:data:`SMALL`) or a model folder's vocabulary. :func:`tiny_model` gives the model with seeded
-random weights through :func:`~nereus_lightning.models.selfcheck.tiny_model_of`, the same draw
+random weights through :func:`~nereus_lightning.proof.selfcheck.tiny_model_of`, the same draw
 ``nereus-check-model`` uses (every 1-D tensor gets noise, so a mistake in a replicated tensor
 shows).
 """
@@ -82,7 +82,7 @@ def tiny_config(kind: str, **fields: Any) -> Any:
 
 def tiny_model(kind: str, seed: int = 0, **fields: Any) -> torch.nn.Module:
     """The model of ``tiny_config(kind, **fields)`` with weights drawn from ``seed`` (eval mode, fp32)."""
-    from nereus_lightning.models.selfcheck import tiny_model_of
+    from nereus_lightning.testing.shrink import tiny_model_of
 
     return tiny_model_of(tiny_config(kind, **fields), seed)
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from nereus_lightning.models.selfcheck import chain_errors, layout_outcomes, tiny_config_of, worst
+from nereus_lightning.proof.selfcheck import chain_errors, layout_outcomes, worst
 from nereus_lightning.spec.admission import (
     LayoutVerdict,
     Verdict,
@@ -26,6 +26,7 @@ from nereus_lightning.spec.admission import (
     transformers_version,
 )
 from nereus_lightning.spec.families import FAMILIES
+from nereus_lightning.testing.shrink import tiny_config_of
 
 #: The layouts a proof covers, and the tolerances of its checks.
 REQUIRED = ((1, 1), (2, 1), (1, 2), (2, 2))

@@ -1,4 +1,4 @@
-"""Rollout engines: the interface and the default over transformers ``generate`` (vLLM: :mod:`.vllm_engine`).
+"""The rollout-engine interface and what every engine shares: the output, per-sample seeded sampling, eos.
 
 Sampling is seeded per sample, not per batch: row ``i`` draws its tokens from its own Gumbel
 noise, seeded by ``sample_seeds[i]`` (derive them from the global sample index with
@@ -10,9 +10,9 @@ batch, so a rollout is the same under any DP partition of the prompts (up to flo
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -89,7 +89,7 @@ def sample_seeds(seed: int, step: int, indices: Sequence[int] | Tensor) -> list[
     return [random.Random(f"nereus-sample:{seed}:{step}:{int(i)}").getrandbits(63) for i in indices]
 
 
-_GOLDEN = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 as a signed 64-bit integer
+GOLDEN = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 as a signed 64-bit integer
 _MIX1 = -0x40A7B892E31B1A47  # 0xBF58476D1CE4E5B9
 _MIX2 = -0x6B2FB644ECCEEE15  # 0x94D049BB133111EB
 
@@ -110,9 +110,9 @@ def gumbel_noise(seeds: Tensor, step: int, vocab: int) -> Tensor:
         z = (z ^ ((z >> 27) & 0x1FFFFFFFFF)) * _MIX2
         return z ^ ((z >> 31) & 0x1FFFFFFFF)
 
-    row = mix(seeds.to(torch.int64) + torch.full_like(seeds, step + 1, dtype=torch.int64) * _GOLDEN)
+    row = mix(seeds.to(torch.int64) + torch.full_like(seeds, step + 1, dtype=torch.int64) * GOLDEN)
     tokens = torch.arange(vocab, dtype=torch.int64, device=seeds.device)
-    z = mix(row.unsqueeze(-1) + (tokens + 1) * _GOLDEN)
+    z = mix(row.unsqueeze(-1) + (tokens + 1) * GOLDEN)
     u = (((z >> 40) & 0xFFFFFF).to(torch.float32) + 0.5) / 16777216.0  # 24 bits in (0, 1)
     return -torch.log(-torch.log(u))
 
@@ -126,7 +126,7 @@ def response_mask_from_ids(response_ids: Tensor, eos_token_id: int | None) -> Te
     return (eos_before == 0).long()
 
 
-class _SeededGumbel:
+class SeededGumbel:
     """A logits processor that turns greedy decoding into per-row seeded sampling."""
 
     def __init__(
@@ -162,86 +162,6 @@ class _SeededGumbel:
         return scores + gumbel_noise(self._seeds, step, scores.shape[-1])
 
 
-class HFGenerateEngine:
-    """The default engine: any module with transformers' ``generate``.
-
-    An unsharded actor, or one rank of a TP/PP-sharded replica through
-    :class:`~nereus_lightning.models.generation.ShardedGenerator` (every rank of the replica
-    calls :meth:`generate` with the same prompts and gets the same responses).
-
-    Args:
-        model: a transformers causal LM (or a wrapper exposing its ``generate``).
-        eos_token_id: id that ends a response; None: responses run to ``max_new_tokens`` (verl's
-            ``ignore_eos``, for benchmarks with a fixed response length).
-        pad_token_id: id written after a response's end.
-    """
-
-    def __init__(self, model: Any, eos_token_id: int | None, pad_token_id: int) -> None:
-        if not hasattr(model, "generate"):
-            raise NereusConfigError(
-                f"rollout.engine: {type(model).__name__} has no transformers-style generate()"
-            )
-        self.model = model
-        self.eos_token_id = eos_token_id
-        self.pad_token_id = pad_token_id
-
-    @torch.no_grad()
-    def generate(
-        self,
-        prompt_ids: Tensor,
-        attention_mask: Tensor,
-        max_new_tokens: int,
-        do_sample: bool = True,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        sample_seeds: Sequence[int] | Tensor | None = None,
-    ) -> RolloutOutput:
-        """See :class:`RolloutEngine`; sampling needs one seed per row (``sample_seeds``)."""
-        from transformers import GenerationConfig, LogitsProcessorList
-
-        batch, prompt_len = prompt_ids.shape
-        pick = _make_picker(
-            batch, prompt_len, max_new_tokens, do_sample, temperature, top_k, top_p, sample_seeds
-        )
-        processors = LogitsProcessorList([pick] if pick is not None else [])
-        # Every field that shapes the distribution is set, so that the model's own generation_config
-        # (e.g. a checkpoint's repetition_penalty or do_sample) cannot fill it in.
-        config = GenerationConfig(
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=0,
-            do_sample=False,  # sampling happens in the seeded processor; the argmax picks its draw
-            num_beams=1,
-            repetition_penalty=1.0,
-            no_repeat_ngram_size=0,
-            suppress_tokens=[],
-            begin_suppress_tokens=[],
-            eos_token_id=self.eos_token_id,
-            pad_token_id=self.pad_token_id,
-        )
-        was_training = getattr(self.model, "training", False)
-        if was_training:
-            self.model.eval()
-        try:
-            out = self.model.generate(
-                input_ids=prompt_ids,
-                attention_mask=attention_mask,
-                generation_config=config,
-                logits_processor=processors,
-            )
-        finally:
-            if was_training:
-                self.model.train()
-        return _finish(
-            prompt_ids,
-            attention_mask,
-            out[:, prompt_len:],
-            max_new_tokens,
-            self.eos_token_id,
-            self.pad_token_id,
-        )
-
-
 def check_sampling(
     batch: int,
     max_new_tokens: int,
@@ -259,13 +179,13 @@ def check_sampling(
     require(0.0 < top_p <= 1.0, "rollout.top_p", f"must be in (0, 1], got {top_p}")
     require(top_k >= 0, "rollout.top_k", f"must be >= 0 (0 = off), got {top_k}")
     if seeds is None:
-        raise NereusConfigError("sample_seeds: sampling needs one seed per row; see rl.rollout.sample_seeds")
+        raise NereusConfigError("sample_seeds: sampling needs one seed per row (engines.base.sample_seeds)")
     seeds = seeds.tolist() if isinstance(seeds, Tensor) else list(seeds)
     require(len(seeds) == batch, "sample_seeds", f"{len(seeds)} seeds for {batch} prompts")
     return seeds
 
 
-def _make_picker(
+def make_picker(
     batch: int,
     prompt_len: int,
     max_new_tokens: int,
@@ -274,15 +194,15 @@ def _make_picker(
     top_k: int,
     top_p: float,
     seeds: Sequence[int] | Tensor | None,
-) -> _SeededGumbel | None:
+) -> SeededGumbel | None:
     """The seeded processor, or None for greedy decoding (arguments checked by :func:`check_sampling`)."""
     checked = check_sampling(batch, max_new_tokens, do_sample, temperature, top_k, top_p, seeds)
     if checked is None:
         return None
-    return _SeededGumbel(checked, prompt_len, max_new_tokens, temperature, top_k, top_p)
+    return SeededGumbel(checked, prompt_len, max_new_tokens, temperature, top_k, top_p)
 
 
-def _finish(
+def finish_rollout(
     prompt_ids: Tensor, prompt_mask: Tensor, response: Tensor, max_new_tokens: int, eos: int | None, pad: int
 ) -> RolloutOutput:
     """Pad responses to ``max_new_tokens``, mask everything after the first eos."""
@@ -291,59 +211,3 @@ def _finish(
         response = torch.cat([response, fill], dim=-1)
     mask = response_mask_from_ids(response, eos)
     return RolloutOutput(prompt_ids, prompt_mask, response.masked_fill(mask == 0, pad), mask)
-
-
-class ForwardEngine:
-    """Decoding over any logits function, without a KV cache.
-
-    ``forward(input_ids, attention_mask, position_ids) -> logits (B, T, V)`` is any callable
-    (sharded actors use :class:`HFGenerateEngine` over a
-    :class:`~nereus_lightning.models.generation.ShardedGenerator` instead, with a KV cache);
-    each new token re-runs the whole (short) sequence. It samples exactly as
-    :class:`HFGenerateEngine` (same seeded Gumbel draw), so both give the same responses.
-    """
-
-    def __init__(
-        self, forward: Callable[[Tensor, Tensor, Tensor], Tensor], eos_token_id: int | None, pad_token_id: int
-    ) -> None:
-        self.forward = forward
-        self.eos_token_id = eos_token_id
-        self.pad_token_id = pad_token_id
-
-    @torch.no_grad()
-    def generate(
-        self,
-        prompt_ids: Tensor,
-        attention_mask: Tensor,
-        max_new_tokens: int,
-        do_sample: bool = True,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        sample_seeds: Sequence[int] | Tensor | None = None,
-    ) -> RolloutOutput:
-        """See :class:`RolloutEngine`."""
-        batch, prompt_len = prompt_ids.shape
-        pick = _make_picker(
-            batch, prompt_len, max_new_tokens, do_sample, temperature, top_k, top_p, sample_seeds
-        )
-        ids, mask = prompt_ids, attention_mask
-        done = torch.zeros(batch, dtype=torch.bool, device=prompt_ids.device)
-        for _ in range(max_new_tokens):
-            positions = mask.long().cumsum(-1) - 1
-            logits = self.forward(ids, mask, positions.masked_fill(mask == 0, 0))[:, -1]
-            nxt = logits.argmax(-1) if pick is None else pick(ids, logits).argmax(-1)
-            nxt = torch.where(done, torch.full_like(nxt, self.pad_token_id), nxt)
-            ids = torch.cat([ids, nxt.unsqueeze(-1)], dim=-1)
-            mask = torch.cat([mask, (~done).long().unsqueeze(-1)], dim=-1)
-            done = done | (nxt == self.eos_token_id)
-            if bool(done.all()):
-                break
-        return _finish(
-            prompt_ids,
-            attention_mask,
-            ids[:, prompt_len:],
-            max_new_tokens,
-            self.eos_token_id,
-            self.pad_token_id,
-        )

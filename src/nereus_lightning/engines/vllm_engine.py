@@ -23,7 +23,7 @@ memory, KV cache dropped) so that training has the GPU, and wakes for the next w
 generation; vLLM's sleep mode runs on CUDA only, so elsewhere the engine stays as it is.
 
 Sampling is vLLM's, seeded per request by the per-sample seeds of
-:func:`~nereus_lightning.rl.rollout.sample_seeds` (a response does not depend on the DP layout);
+:func:`~nereus_lightning.engines.base.sample_seeds` (a response does not depend on the DP layout);
 the log-prob of every sampled token comes back with ``logprobs_mode="processed_logprobs"``
 (``log_softmax(logits / temperature)``, what :mod:`nereus_lightning.rl.forward` scores).
 """
@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from nereus_lightning.rl.rollout import RolloutOutput, _finish, check_sampling
+from nereus_lightning.engines.base import RolloutOutput, check_sampling, finish_rollout
 from nereus_lightning.spec.errors import NereusConfigError, require
 from nereus_lightning.spec.workload import GenerationEngine
 
@@ -552,7 +552,7 @@ class VLLMInstance:
 
 
 class VLLMEngine:
-    """A :class:`~nereus_lightning.rl.rollout.RolloutEngine` over this rank's :class:`VLLMInstance`.
+    """A :class:`~nereus_lightning.engines.base.RolloutEngine` over this rank's :class:`VLLMInstance`.
 
     Every rank of the generation replica calls :meth:`generate` with the same prompts and gets the
     same responses (vLLM's SPMD mode). Each response also carries its sampled tokens' log-probs and
@@ -581,7 +581,7 @@ class VLLMEngine:
         top_p: float = 1.0,
         sample_seeds: Sequence[int] | Tensor | None = None,
     ) -> VLLMRollout:
-        """See :class:`~nereus_lightning.rl.rollout.RolloutEngine`; sampling needs one seed per row."""
+        """See :class:`~nereus_lightning.engines.base.RolloutEngine`; sampling needs one seed per row."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -619,7 +619,7 @@ class VLLMEngine:
                 [step[token].logprob for step, token in zip(sample.logprobs, ids, strict=True)]
             )
         device = prompt_ids.device
-        done = _finish(
+        done = finish_rollout(
             prompt_ids,
             attention_mask,
             response.to(device),

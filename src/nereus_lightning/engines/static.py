@@ -1,8 +1,8 @@
 """Fast decoding over one rank of a sharded replica: a static KV cache, and the decode step as a CUDA graph.
 
-:class:`StaticDecodeEngine` is a :class:`~nereus_lightning.rl.rollout.RolloutEngine` over a
+:class:`StaticDecodeEngine` is a :class:`~nereus_lightning.engines.base.RolloutEngine` over a
 :class:`~nereus_lightning.models.ShardedCausalLM`. It samples exactly as
-:class:`~nereus_lightning.rl.rollout.HFGenerateEngine` over a
+:class:`~nereus_lightning.engines.hf.HFGenerateEngine` over a
 :class:`~nereus_lightning.models.generation.ShardedGenerator` (the eager reference, and the path
 on the CPU): the same per-row seeded Gumbel draw, greedy without sampling, eos ends a row and
 pad follows it, left-padded prompts whose positions skip the padding.
@@ -55,11 +55,10 @@ from torch import Tensor
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from nereus_lightning.engines.base import GOLDEN, RolloutOutput, SeededGumbel, finish_rollout, make_picker
 from nereus_lightning.models.fail_fast import fail_together
-from nereus_lightning.models.pipeline import _recv, _send
+from nereus_lightning.models.pipeline import position_ids_from_mask, recv_activation, send_activation
 from nereus_lightning.models.sharded import ShardedCausalLM, attention_kinds
-from nereus_lightning.rl.forward import position_ids_from_mask
-from nereus_lightning.rl.rollout import _GOLDEN, RolloutOutput, _finish, _make_picker, _SeededGumbel
 from nereus_lightning.spec.errors import NereusConfigError, require
 
 #: The prompt region of the cache is a multiple of this many slots (batches of similar widths share a
@@ -117,14 +116,14 @@ def additive_masks(config: Any, valid: Tensor, query_slots: Tensor, dtype: torch
     return masks
 
 
-def seeded_scores(pick: _SeededGumbel, logits: Tensor, seeds: Tensor, step: Tensor) -> Tensor:
+def seeded_scores(pick: SeededGumbel, logits: Tensor, seeds: Tensor, step: Tensor) -> Tensor:
     """``pick``'s scores of ``logits`` ``[B, V]`` at decoding step ``step`` (0-d, so a graph can replay it).
 
     The draw of (seed, step) is the draw of (seed + step * golden, step 0): ``gumbel_noise`` mixes
     ``seed + (step + 1) * golden`` (modulo 2^64), so shifting the seeds moves the step (a test pins this).
     ``pick`` is built for prompts of width 0, so the ``[B, 0]`` ids it is given read as step 0.
     """
-    pick._seeds = seeds + step * _GOLDEN
+    pick._seeds = seeds + step * GOLDEN
     return pick(logits.new_empty((logits.shape[0], 0), dtype=torch.long), logits)
 
 
@@ -232,7 +231,7 @@ class StaticDecoder:
     """
 
     @torch.no_grad()
-    def __init__(self, unit: ShardedCausalLM, shape: DecodeShape, pick: _SeededGumbel | None) -> None:
+    def __init__(self, unit: ShardedCausalLM, shape: DecodeShape, pick: SeededGumbel | None) -> None:
         weight = next(unit.parameters())
         device, b = weight.device, shape.batch
         self.shape, self.pick, self.dtype = shape, pick, weight.dtype
@@ -284,14 +283,14 @@ class StaticDecoder:
         masks = additive_masks(unit.local_config, self.valid[:, : shape.prompt_slots], slots, self.dtype)
         hidden = None
         if comm.prev_rank is not None:  # not the first stage
-            hidden = _recv(
+            hidden = recv_activation(
                 self.hidden_in.new_empty(shape.batch, width, self.hidden_in.shape[-1]), comm.prev_rank
             )
         hidden = unit.stage(prompt_ids, hidden, masks, position_ids_from_mask(prompt_mask), self.kv)
         if comm.next_rank is None:  # the last stage
             self._pick_token(unit, hidden[:, -1:])
         else:
-            _send(hidden, comm.next_rank)
+            send_activation(hidden, comm.next_rank)
         self._share_token(unit)
         self._record(unit)
 
@@ -300,10 +299,10 @@ class StaticDecoder:
         """Decode one token: the previous one through the stages, then pick, share and record the next."""
         comm = unit.comm
         if comm.prev_rank is not None:  # not the first stage
-            _recv(self.hidden_in, comm.prev_rank)
+            recv_activation(self.hidden_in, comm.prev_rank)
         self._forward(unit)
         if comm.next_rank is not None:  # not the last stage
-            _send(self.hidden_out, comm.next_rank)
+            send_activation(self.hidden_out, comm.next_rank)
         self._share_token(unit)
         self._record(unit)
 
@@ -402,7 +401,7 @@ def decode_path(mode: str, unit: ShardedCausalLM) -> str:
 _DECODERS: weakref.WeakKeyDictionary[ShardedCausalLM, StaticDecoder] = weakref.WeakKeyDictionary()
 
 
-def decoder_for(unit: ShardedCausalLM, shape: DecodeShape, pick: _SeededGumbel | None) -> StaticDecoder:
+def decoder_for(unit: ShardedCausalLM, shape: DecodeShape, pick: SeededGumbel | None) -> StaticDecoder:
     """The unit's decoder for ``shape``, rebuilt when the shape changed or the unit's tensors moved."""
     held = _DECODERS.get(unit)
     if held is None or held.shape != shape or held.fingerprint != _fingerprint(unit):
@@ -420,7 +419,7 @@ class StaticDecodeEngine:
     """A rollout engine over one rank of a sharded replica: static KV cache, CUDA-graph decode steps.
 
     Every rank of the replica calls :meth:`generate` with the same prompts and gets the same
-    responses, as with :class:`~nereus_lightning.rl.rollout.HFGenerateEngine` over a
+    responses, as with :class:`~nereus_lightning.engines.hf.HFGenerateEngine` over a
     :class:`~nereus_lightning.models.generation.ShardedGenerator`, whose tokens it samples.
 
     Args:
@@ -453,14 +452,14 @@ class StaticDecodeEngine:
         top_p: float = 1.0,
         sample_seeds: Sequence[int] | Tensor | None = None,
     ) -> RolloutOutput:
-        """See :class:`~nereus_lightning.rl.rollout.RolloutEngine`; sampling needs ``sample_seeds``."""
+        """See :class:`~nereus_lightning.engines.base.RolloutEngine`; sampling needs ``sample_seeds``."""
         batch, width = prompt_ids.shape
         require(
             bool(attention_mask[:, -1].all()),
             "attention_mask",
             "prompts must be left-padded: the last column must hold a token in every row",
         )
-        pick = _make_picker(batch, 0, max_new_tokens, do_sample, temperature, top_k, top_p, sample_seeds)
+        pick = make_picker(batch, 0, max_new_tokens, do_sample, temperature, top_k, top_p, sample_seeds)
         shape = DecodeShape(
             batch,
             PROMPT_BUCKET * math.ceil(width / PROMPT_BUCKET),
@@ -484,6 +483,6 @@ class StaticDecodeEngine:
                     break
                 decoder.step(self.unit)
             response = decoder.response.to(prompt_ids.device, copy=True)
-        return _finish(
+        return finish_rollout(
             prompt_ids, attention_mask, response, max_new_tokens, self.eos_token_id, self.pad_token_id
         )
