@@ -207,10 +207,11 @@ class Controller:
             decision = self._initial(signals)
         else:
             triggers = self._triggers(signals)
+            relaunch = self._relaunch(signals, triggers) if self._relaunched else None
             self._relaunched = False
-            if not triggers:
+            if relaunch is None and not triggers:
                 return Decision(signals.step, "none")
-            decision = self._replan(signals, triggers)
+            decision = relaunch or self._replan(signals, triggers)
             self._reset_references(signals)
         if decision.changes_plan:
             self.plan = decision.target
@@ -358,6 +359,43 @@ class Controller:
             signals.step, "restart" if suspended else "initial",
             "a plan fits again: restart from the checkpoint" if suspended else "first plan for this job",
             target=plan, target_latency=est.step_latency, gamma=self.config.gamma, signals=signals,
+        )
+
+    def _relaunch(self, signals: StepSignals, triggers: list[Trigger]) -> Decision | None:
+        """The first decision after a relaunch: the planner's best plan for the launch's pool.
+
+        The body rebuilds every unit from the layout-independent checkpoint (Lightning restores
+        it before the first step), so reaching any plan costs the same load: no transition is
+        run, L_tran = 0, and a faster plan pays back at once over the steps left. None (the
+        regular replan decides) when no plan fits the pool, none is faster than the restored
+        one, or gamma = 0.
+        """
+        assert self.plan is not None
+        cluster, workload = self.cluster_at(signals), self.planning_workload(signals)
+        memory = self.memory_calibration
+        try:
+            best, est = self.backend.plan(cluster, workload, self.calibration, memory=memory)[0]
+        except InfeasiblePlanError:
+            return None
+        current = None
+        if intact_plan(self.plan, set(signals.gpus)) == self.plan:
+            own = self.backend.estimate(self.plan, cluster, workload, self.calibration, memory=memory)
+            current = own.step_latency if own.feasible else None
+        left = None if self.max_steps is None else max(self.max_steps - signals.step, 1)
+        horizon = float(left) if left is not None else smallest_horizon(triggers) if triggers else 1.0
+        d_l = math.inf if current is None else current - est.step_latency
+        ok, why = self._profitable(d_l, 0.0, horizon)
+        if best == self.plan or not ok:
+            return None
+        span = f"the {left} steps left" if left is not None else "H_x"
+        return Decision(
+            signals.step, "transition", triggers=tuple(triggers), current=self.plan, current_latency=current,
+            target=best, target_latency=est.step_latency, delta_latency=None if current is None else d_l,
+            transition_cost=0.0, horizon=horizon, gamma=self.config.gamma, signals=signals,
+            considered=({"source": "planner best", "latency": est.step_latency, "L_tran": 0.0,
+                         "verdict": f"admitted: {why}"},),
+            reason=f"relaunched on {signals.num_gpus} GPUs: the checkpoint loads into any plan, so "
+            f"the planner's best costs no transition (L_tran = 0) and {why} ({span})",
         )
 
     def _replan(self, signals: StepSignals, triggers: list[Trigger]) -> Decision:
