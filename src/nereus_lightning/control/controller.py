@@ -501,7 +501,7 @@ class Controller:
                 # The reachable target is slower than the best plan, which has no safe DAG:
                 # restarting into the best plan is worth it if the restart pays back.
                 ok, why = self._profitable(
-                    slower, max(cfg.restart_s - l_tran, 0.0), self.restart_horizon(r.horizon)
+                    slower, max(cfg.restart_s - l_tran, 0.0), self.restart_horizon(r.horizon, r.signals.step)
                 )
                 if ok:
                     entry["verdict"] = f"reachable, but a restart into {fastest.source} {why}"
@@ -539,7 +539,7 @@ class Controller:
         if blocked and r.current_latency is not None and cfg.admission == "payback":
             opt, _ = blocked[0]
             d_l = r.current_latency - opt.latency
-            ok, why = self._profitable(d_l, cfg.restart_s, self.restart_horizon(r.horizon))
+            ok, why = self._profitable(d_l, cfg.restart_s, self.restart_horizon(r.horizon, r.signals.step))
             if ok:
                 return decision(
                     kind="restart", target=opt.plan, target_latency=opt.latency, delta_latency=d_l,
@@ -555,8 +555,9 @@ class Controller:
         )
         return decision(kind="keep", target=None, considered=considered, reason=why)
 
-    def restart_horizon(self, horizon: float) -> float:
-        """The horizon a checkpoint/restart is judged over: ``max(H_x, H_pool)``.
+    def restart_horizon(self, horizon: float, step: int | None = None) -> float:
+        """The horizon a checkpoint/restart is judged over: ``max(H_x, H_pool)``, never past the
+        run's last step (the steps left after ``step``, as every trigger's horizon).
 
         A restart is considered only when the better plan has no safe transition DAG from the
         current one (the current layouts are a trap: e.g. a deep pipeline whose Split does not
@@ -565,7 +566,10 @@ class Controller:
         can open a safe path), not just until the firing signal's next crossing: the pool's
         crossing clock bounds it from below when it is longer.
         """
-        return max(horizon, self.pool.clock.horizon)
+        longest = max(horizon, self.pool.clock.horizon)
+        if self.max_steps is None or step is None:
+            return longest
+        return min(longest, float(max(self.max_steps - step, 1)))
 
     def _profitable(self, d_l: float, l_tran: float, horizon: float) -> tuple[bool, str]:
         cfg = self.config
