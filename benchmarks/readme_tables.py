@@ -1,19 +1,30 @@
-"""The README's generated tables: nereus-plan's 8B plan, nereus-simulate's trace, verl's names, algorithms.
+"""The README's generated tables: nereus-plan's 8B plan, nereus-simulate's trace, verl's names, algorithms,
+and the simulated gamma sweep, ablation, held-out variants and drift families.
 
 Each sits in the README between ``<!-- generated: NAME -->`` and ``<!-- end generated -->``.
 ``python benchmarks/readme_tables.py`` rewrites them from this version's code (a few seconds, no
 GPU); ``--check`` only says which are stale (exit 1), as ``tests/packaging/test_readme.py`` does.
+The simulated sweeps take minutes, so their tables are rendered from the JSON their benchmark
+writes (``bench_controller.py``: gamma sweep and ablation; ``bench_variants.py``;
+``bench_families.py``), and the test checks that the JSON's Nereus run on the paper trace is the
+one this version's ``nereus-simulate`` gives.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import json
+import math
 import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmark scripts beside this one
+RESULTS = Path(__file__).resolve().parent / "results"
+NEREUS = "nereus(gamma=0.5)"
 REGION = re.compile(r"(<!-- generated: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- end generated -->)", re.S)
 
 #: The README's nereus-plan example, at two response lengths.
@@ -45,13 +56,38 @@ def plan_table() -> str:
     return "\n".join(lines)
 
 
-def simulate_table() -> str:
-    """``nereus-simulate``'s default comparison (the paper's 25-step trace) and what it says."""
+@functools.cache
+def paper_summaries() -> dict:
+    """``nereus-simulate``'s default comparison (the paper's 25-step trace): summaries by policy."""
     from nereus_lightning.cli._hydra import CONFIG_ROOT, compose
     from nereus_lightning.cli.simulate import simulate_from_config
 
     cfg = compose(CONFIG_ROOT, "simulate", ["output_dir=null", "plot=false"])
-    summaries = simulate_from_config(cfg)["comparison"].summaries
+    return dict(simulate_from_config(cfg)["comparison"].summaries)
+
+
+def stale_results() -> list[str]:
+    """The result files whose Nereus runs this version no longer reproduces.
+
+    Checked on the cheapest run each file holds: the paper trace (``controller.json``, against
+    :func:`paper_summaries`) and the first held-out variant (``variants.json``, re-run).
+    """
+    import bench_variants
+
+    stale = []
+    paper = next(r for r in _results("controller.json")["paper25"]["table"] if r["policy"] == NEREUS)
+    if not math.isclose(paper["mean_step_s"], paper_summaries()[NEREUS].mean_step_s, rel_tol=1e-9):
+        stale.append("controller.json")
+    first = _results("variants.json")["runs"][0]
+    fresh = bench_variants.run_variant(first["supply"], first["start_tick"], first["seed"])[NEREUS]
+    if not math.isclose(first["rows"][NEREUS]["mean_step_s"], fresh["mean_step_s"], rel_tol=1e-9):
+        stale.append("variants.json")
+    return stale
+
+
+def simulate_table() -> str:
+    """``nereus-simulate``'s default comparison (the paper's 25-step trace) and what it says."""
+    summaries = paper_summaries()
     head = ["policy", "mean s/step", "transitions", "restarts", "time in transitions", "gap to oracle"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for name, s in summaries.items():
@@ -99,11 +135,101 @@ def algorithms_table() -> str:
     return "\n".join(lines)
 
 
+def _results(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text())
+
+
+def _gap(row: dict) -> str:
+    return "-" if row.get("gap_to_oracle") is None else f"{row['gap_to_oracle']:+.1%}"
+
+
+def _table(head: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    return lines + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def gamma_table() -> str:
+    """Nereus(gamma) on the paper trace (``benchmarks/results/controller.json``), the best gamma in bold."""
+    paper = _results("controller.json")["paper25"]
+    rows = []
+    for r in paper["gamma_sweep"]:
+        row = [f"{r['gamma']:g}", f"{r['mean_step_s']:.2f}", str(r["transitions"]), str(r["restarts"]),
+               f"{r['transition_share']:.1%}", _gap(r)]
+        if r["gamma"] == paper["best_gamma"]:
+            row[:2] = [f"**{row[0]}**", f"**{row[1]}**"]
+        rows.append(row)
+    head = ["gamma", "mean s/step", "transitions", "restarts", "time in transitions", "gap to oracle"]
+    return "\n".join(_table(head, rows))
+
+
+def ablation_table() -> str:
+    """Nereus(0.5) with one lever of its target choice changed (``controller.json``'s ablation)."""
+    paper = _results("controller.json")["paper25"]
+    nereus = next(r for r in paper["table"] if r["policy"] == NEREUS)
+    rows = [
+        [r["policy"], f"{r['mean_step_s']:.2f}", str(r["transitions"]), str(r["restarts"]),
+         str(r["infeasible_steps"]), _gap(r)]
+        for r in [nereus, *paper["ablation"]]
+    ]
+    return "\n".join(_table(["variant", "mean s/step", "transitions", "restarts", "infeasible steps",
+                              "gap to oracle"], rows))
+
+
+def _best(rows: dict) -> str:
+    """The non-oracle policy with the lowest mean step (Nereus on a tie)."""
+    others = {n: r for n, r in rows.items() if n != "oracle"}
+    low = min(r["mean_step_s"] for r in others.values())
+    return NEREUS if others[NEREUS]["mean_step_s"] <= low * (1 + 1e-9) else min(
+        others, key=lambda n: others[n]["mean_step_s"])
+
+
+def variants_table() -> str:
+    """The paper shape on other supply stretches and machines (``benchmarks/results/variants.json``)."""
+    runs = _results("variants.json")["runs"]
+    names = ["static", "always-switch", "every-3-steps", NEREUS, "oracle"]
+    rows = []
+    for run in runs:
+        best = _best(run["rows"])
+        means = {n: f"{run['rows'][n]['mean_step_s']:.2f}" for n in names}
+        cells = [f"**{means[n]}**" if n == best else means[n] for n in names]
+        rows.append([run["supply"], str(run["start_tick"]), str(run["seed"]), *cells,
+                     str(run["rows"][NEREUS]["infeasible_steps"])])
+    head = ["spot trace", "start tick", "seed", "static", "always-switch", "every-3", "Nereus", "oracle",
+            "Nereus infeasible steps"]
+    wins = sum(_best(run["rows"]) == NEREUS for run in runs)
+    gaps = [run["rows"][NEREUS]["gap_to_oracle"] for run in runs]
+    return "\n".join([*_table(head, rows), "", f"Nereus is the lowest non-oracle policy in {wins} of "
+                      f"{len(runs)} variants, {sum(gaps) / len(gaps):+.1%} from the oracle on average."])
+
+
+def families_table() -> str:
+    """Per model x cluster x algorithm and drift family (``benchmarks/results/families.json``)."""
+    data = _results("families.json")
+    rows = []
+    for run in data["runs"]:
+        r, best = run["rows"], _best(run["rows"])
+        fewest = min(x["infeasible_steps"] for n, x in r.items() if n != "oracle")
+        rows.append([run["combination"], run["family"], best.replace(NEREUS, "**Nereus**"),
+                     f"{r[NEREUS]['mean_step_s']:.2f}", _gap(r[NEREUS]),
+                     f"{r[NEREUS]['infeasible_steps']} ({fewest})"])
+    head = ["model, algorithm, cluster, pool", "family", "best non-oracle", "Nereus s/step",
+            "Nereus gap to oracle", "Nereus infeasible steps (fewest of any)"]
+    s = data["summary"]
+    return "\n".join([*_table(head, rows), "", f"Nereus is the best non-oracle policy in {s['nereus_best']} "
+                      f"of {s['runs']} runs, has no more infeasible steps than any other policy in "
+                      f"{s['nereus_fewest_infeasible']}, and is {s['mean_gap_to_oracle']:+.2%} from the "
+                      "oracle on average."])
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "algorithms": algorithms_table,
     "plan-8b": plan_table,
     "simulate-paper25": simulate_table,
     "verl-names": verl_table,
+    "gamma-sweep": gamma_table,
+    "ablation": ablation_table,
+    "variants": variants_table,
+    "families": families_table,
 }
 
 
@@ -130,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     fresh = render(text)
     stale = [name for name, body in regions(text).items() if regions(fresh)[name] != body]
     if args.check:
+        stale += stale_results()
         print("stale: " + ", ".join(stale) if stale else "every table is current")
         return 1 if stale else 0
     README.write_text(fresh)

@@ -23,8 +23,37 @@ def test_resume_on_more_ranks_uses_them_and_the_log_says_why(tmp_path):
     d = ctl.step(sig(2, gpus=4))  # relaunched on 4 ranks
     assert d.kind == "transition" and d.target == BIG
     assert d.horizon == 18.0  # the steps left: the launch's pool holds for the rest of the run
+    assert d.transition_cost == 0.0  # the checkpoint loads straight into BIG: nothing to pay back
     record = path.read_text()
-    assert "relaunched on this pool: H = 18 steps left" in record and "pays back in 0.97 steps" in record
+    assert "relaunched on this pool: H = 18 steps left" in record
+    assert "L_tran = 0" in record and "pays back in 0.00 steps <= gamma*H_x = 0.5*18.00" in record
+
+
+def _relaunched(backend: FakeBackend, gpus: int, **cfg) -> tuple:  # noqa: ANN003
+    old = controller(backend, plan=SMALL, **cfg)
+    old.step(sig(0, gpus=2))
+    ctl = controller(backend, plan=SMALL, **cfg)
+    ctl.load_state_dict(old.state_dict())
+    return ctl, ctl.step(sig(1, gpus=gpus))
+
+
+def test_a_relaunch_moves_even_where_a_transition_would_not_pay_back():
+    # BIG's DAG would cost 50 s (50 steps > gamma * 3 steps left), but a relaunch runs no DAG.
+    backend = FakeBackend([SMALL, BIG], {SMALL: 10.0, BIG: 9.0}, tran={BIG: 50.0})
+    ctl, d = _relaunched(backend, 4, max_steps=4)
+    assert d.kind == "transition" and d.target == BIG and d.horizon == 3.0
+    assert ctl.plan == BIG and ctl.step(sig(2, gpus=4)).kind == "none"  # an ordinary step after it
+    # Without the relaunch the same growth is kept: the DAG does not pay back in 3 steps.
+    ctl = controller(backend, plan=SMALL, max_steps=4)
+    ctl.step(sig(0, gpus=2))
+    assert ctl.step(sig(1, gpus=4)).kind == "keep"
+
+
+def test_a_relaunch_keeps_a_plan_that_is_still_the_best_and_gamma_0_moves_nothing():
+    backend = FakeBackend([SMALL, BIG], {SMALL: 9.0, BIG: 10.0})
+    assert _relaunched(backend, 4, max_steps=10)[1].kind == "keep"  # the pool trigger's replan
+    backend = FakeBackend([SMALL, BIG], {SMALL: 10.0, BIG: 9.0})
+    assert _relaunched(backend, 4, max_steps=10, gamma=0.0)[1].kind == "keep"
 
 
 def test_a_pool_seen_for_one_step_keeps_the_paper_horizon():

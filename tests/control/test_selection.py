@@ -190,6 +190,17 @@ def test_restart_horizon_uses_the_pool_clock_when_it_is_longer():
     assert outcomes == {1.0: "transition", 80.0: "restart"}
 
 
+def test_no_restart_is_judged_past_the_last_step():
+    # The same choice with the pool clock at 80 steps, but 20 steps left: 10 * 0.5 * 20 < 300.
+    relief = gen_plan(1, 4, recompute=True)
+    latency = {A: 10.0, B: 5.0, relief: 15.0}
+    backend = FakeBackend([B], latency, tran={B: None, relief: 0.0}, feasible={A: False})
+    ctl = controller(backend, restart_s=300.0, max_steps=20)
+    ctl.pool.clock.ema, ctl.pool.clock.last_crossing = 80.0, None
+    assert ctl.restart_horizon(1.0, 0) == 20.0 and ctl.restart_horizon(1.0) == 80.0
+    assert ctl.step(sig(0)).kind == "transition"
+
+
 def test_urgent_choice_weighs_latency_against_transition_cost():
     # Lost GPUs: B is fast but its DAG is slow, C a bit slower and cheap; w = max(0.5 * 1, 1) = 1.
     backend = FakeBackend([B, C], {A: 10.0, B: 5.0, C: 5.5}, tran={B: 30.0, C: 1.0})

@@ -56,12 +56,26 @@ def test_there_are_python_blocks_to_run():
     assert len(PYTHON) >= 2 and all("trainer.fit(" in code for code in PYTHON)
 
 
-def test_the_generated_tables_are_this_versions():
-    """``python benchmarks/readme_tables.py`` rewrites them (nereus-plan, nereus-simulate, verl's names)."""
+@pytest.fixture(scope="module")
+def tables():  # noqa: ANN201
+    """``benchmarks/readme_tables.py`` as a module (its paper-trace run is shared by both tests)."""
     spec = importlib.util.spec_from_file_location("readme_tables", ROOT / "benchmarks" / "readme_tables.py")
-    tables = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tables)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_generated_tables_are_this_versions(tables):
+    """``python benchmarks/readme_tables.py`` rewrites them (nereus-plan, nereus-simulate, verl's names,
+    the simulated sweeps from their JSON)."""
     current = tables.regions(README)
     assert set(current) == set(tables.TABLES)
     stale = [name for name, body in current.items() if body != tables.TABLES[name]() + "\n"]
     assert not stale, f"stale README tables {stale}: run python benchmarks/readme_tables.py"
+
+
+def test_the_results_the_simulated_tables_come_from_are_this_versions(tables):
+    """The gamma sweep, ablation and variants tables are rendered from JSON (their sweeps take
+    minutes); the Nereus runs they hold must be the ones this version's code gives."""
+    stale = tables.stale_results()
+    assert not stale, f"stale {stale}: re-run benchmarks/bench_controller.py / bench_variants.py"

@@ -207,10 +207,11 @@ class Controller:
             decision = self._initial(signals)
         else:
             triggers = self._triggers(signals)
+            relaunch = self._relaunch(signals, triggers) if self._relaunched else None
             self._relaunched = False
-            if not triggers:
+            if relaunch is None and not triggers:
                 return Decision(signals.step, "none")
-            decision = self._replan(signals, triggers)
+            decision = relaunch or self._replan(signals, triggers)
             self._reset_references(signals)
         if decision.changes_plan:
             self.plan = decision.target
@@ -360,6 +361,43 @@ class Controller:
             target=plan, target_latency=est.step_latency, gamma=self.config.gamma, signals=signals,
         )
 
+    def _relaunch(self, signals: StepSignals, triggers: list[Trigger]) -> Decision | None:
+        """The first decision after a relaunch: the planner's best plan for the launch's pool.
+
+        The body rebuilds every unit from the layout-independent checkpoint (Lightning restores
+        it before the first step), so reaching any plan costs the same load: no transition is
+        run, L_tran = 0, and a faster plan pays back at once over the steps left. None (the
+        regular replan decides) when no plan fits the pool, none is faster than the restored
+        one, or gamma = 0.
+        """
+        assert self.plan is not None
+        cluster, workload = self.cluster_at(signals), self.planning_workload(signals)
+        memory = self.memory_calibration
+        try:
+            best, est = self.backend.plan(cluster, workload, self.calibration, memory=memory)[0]
+        except InfeasiblePlanError:
+            return None
+        current = None
+        if intact_plan(self.plan, set(signals.gpus)) == self.plan:
+            own = self.backend.estimate(self.plan, cluster, workload, self.calibration, memory=memory)
+            current = own.step_latency if own.feasible else None
+        left = None if self.max_steps is None else max(self.max_steps - signals.step, 1)
+        horizon = float(left) if left is not None else smallest_horizon(triggers) if triggers else 1.0
+        d_l = math.inf if current is None else current - est.step_latency
+        ok, why = self._profitable(d_l, 0.0, horizon)
+        if best == self.plan or not ok:
+            return None
+        span = f"the {left} steps left" if left is not None else "H_x"
+        return Decision(
+            signals.step, "transition", triggers=tuple(triggers), current=self.plan, current_latency=current,
+            target=best, target_latency=est.step_latency, delta_latency=None if current is None else d_l,
+            transition_cost=0.0, horizon=horizon, gamma=self.config.gamma, signals=signals,
+            considered=({"source": "planner best", "latency": est.step_latency, "L_tran": 0.0,
+                         "verdict": f"admitted: {why}"},),
+            reason=f"relaunched on {signals.num_gpus} GPUs: the checkpoint loads into any plan, so "
+            f"the planner's best costs no transition (L_tran = 0) and {why} ({span})",
+        )
+
     def _replan(self, signals: StepSignals, triggers: list[Trigger]) -> Decision:
         assert self.plan is not None
         cfg = self.config
@@ -463,7 +501,7 @@ class Controller:
                 # The reachable target is slower than the best plan, which has no safe DAG:
                 # restarting into the best plan is worth it if the restart pays back.
                 ok, why = self._profitable(
-                    slower, max(cfg.restart_s - l_tran, 0.0), self.restart_horizon(r.horizon)
+                    slower, max(cfg.restart_s - l_tran, 0.0), self.restart_horizon(r.horizon, r.signals.step)
                 )
                 if ok:
                     entry["verdict"] = f"reachable, but a restart into {fastest.source} {why}"
@@ -501,7 +539,7 @@ class Controller:
         if blocked and r.current_latency is not None and cfg.admission == "payback":
             opt, _ = blocked[0]
             d_l = r.current_latency - opt.latency
-            ok, why = self._profitable(d_l, cfg.restart_s, self.restart_horizon(r.horizon))
+            ok, why = self._profitable(d_l, cfg.restart_s, self.restart_horizon(r.horizon, r.signals.step))
             if ok:
                 return decision(
                     kind="restart", target=opt.plan, target_latency=opt.latency, delta_latency=d_l,
@@ -517,8 +555,9 @@ class Controller:
         )
         return decision(kind="keep", target=None, considered=considered, reason=why)
 
-    def restart_horizon(self, horizon: float) -> float:
-        """The horizon a checkpoint/restart is judged over: ``max(H_x, H_pool)``.
+    def restart_horizon(self, horizon: float, step: int | None = None) -> float:
+        """The horizon a checkpoint/restart is judged over: ``max(H_x, H_pool)``, never past the
+        run's last step (the steps left after ``step``, as every trigger's horizon).
 
         A restart is considered only when the better plan has no safe transition DAG from the
         current one (the current layouts are a trap: e.g. a deep pipeline whose Split does not
@@ -527,7 +566,10 @@ class Controller:
         can open a safe path), not just until the firing signal's next crossing: the pool's
         crossing clock bounds it from below when it is longer.
         """
-        return max(horizon, self.pool.clock.horizon)
+        longest = max(horizon, self.pool.clock.horizon)
+        if self.max_steps is None or step is None:
+            return longest
+        return min(longest, float(max(self.max_steps - step, 1)))
 
     def _profitable(self, d_l: float, l_tran: float, horizon: float) -> tuple[bool, str]:
         cfg = self.config
