@@ -58,7 +58,10 @@ def test_family_facts_feed_the_model_spec() -> None:
         ({"base_model_tp_plan": {"layers.*.mlp.up_proj": "packed_colwise"}}, "TP style 'packed_colwise'"),
     ],
 )
-def test_refusals_name_the_family_the_cause_and_the_supported_ones(changes: dict, cause: str) -> None:
+def test_refusals_name_the_family_the_cause_and_the_supported_ones(
+    changes: dict, cause: str, tmp_path, monkeypatch
+) -> None:
+    monkeypatch.setenv("NEREUS_FAMILY_CACHE", str(tmp_path))  # no verdict, whatever other tests proved
     config = {**LLAMA, **changes}
     for call in (lambda: family_of(config), lambda: ModelSpec.from_hf_config(config)):
         with pytest.raises(NereusConfigError) as info:

@@ -133,7 +133,7 @@ class NereusCallback(pl.Callback):
             self.resources.attach(exchange, trainer.node_rank, trainer.local_rank, trainer.num_devices)
         if trainer.is_global_zero:
             self.controller = self._build_controller(trainer, pl_module)
-            if trainer.max_steps > 0 and hasattr(self.controller, "max_steps"):
+            if trainer.max_steps > 0 and isinstance(self.controller, Controller):
                 self.controller.max_steps = trainer.max_steps  # what bounds the horizon H_x
             if self._restored is not None:
                 self.controller.load_state_dict(self._restored)
