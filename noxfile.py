@@ -48,9 +48,10 @@ def vllm(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """Ruff over sources, tests and benchmarks; mypy over src/ (settings in pyproject's ``[tool.mypy]``)."""
+    """Ruff (lint and format) over sources, tests and benchmarks; mypy over src/ (pyproject's [tool.mypy])."""
     _install(session)  # mypy reads the types of torch, transformers and lightning from the venv
     session.run("ruff", "check", "src", "tests", "benchmarks", "noxfile.py")
+    session.run("ruff", "format", "--check", "src", "tests", "benchmarks", "noxfile.py")
     session.run("mypy")
 
 

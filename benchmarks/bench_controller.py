@@ -124,20 +124,35 @@ def policy_table(
     if nereus and others:
         runner_up = min(others, key=lambda r: r["mean_step_s"])
         margin = runner_up["mean_step_s"] - nereus["mean_step_s"]
-        out["nereus_margin"] = {"runner_up": runner_up["policy"], "s_per_step": margin,
-                                "relative": margin / runner_up["mean_step_s"]}
-        print(f"Nereus vs the best non-oracle policy ({runner_up['policy']}): {margin:+.2f} s/step "
-              f"({margin / runner_up['mean_step_s']:+.2%})")
+        out["nereus_margin"] = {
+            "runner_up": runner_up["policy"],
+            "s_per_step": margin,
+            "relative": margin / runner_up["mean_step_s"],
+        }
+        print(
+            f"Nereus vs the best non-oracle policy ({runner_up['policy']}): {margin:+.2f} s/step "
+            f"({margin / runner_up['mean_step_s']:+.2%})"
+        )
     if gammas:
-        print("gamma sweep:", ", ".join(f"{r['gamma']:g}: {r['mean_step_s']:.2f} s ({r['transitions']})"
-                                         for r in res["gamma_sweep"]), "| best", res["best_gamma"])
+        print(
+            "gamma sweep:",
+            ", ".join(
+                f"{r['gamma']:g}: {r['mean_step_s']:.2f} s ({r['transitions']})" for r in res["gamma_sweep"]
+            ),
+            "| best",
+            res["best_gamma"],
+        )
     if ablation:
         oracle = res["comparison"].records["oracle"]
-        out["ablation"] = [asdict(summarise(run_variant(setup, trace, name, changes, out_dir), oracle))
-                           for name, changes in ABLATIONS.items()]
+        out["ablation"] = [
+            asdict(summarise(run_variant(setup, trace, name, changes, out_dir), oracle))
+            for name, changes in ABLATIONS.items()
+        ]
         for r in out["ablation"]:
-            print(f"  {r['policy']}: {r['mean_step_s']:.2f} s/step, {r['transitions']} transitions, "
-                  f"{r['restarts']} restarts")
+            print(
+                f"  {r['policy']}: {r['mean_step_s']:.2f} s/step, {r['transitions']} transitions, "
+                f"{r['restarts']} restarts"
+            )
     return out
 
 
@@ -155,8 +170,14 @@ def run_variant(setup, trace, name: str, changes: dict, out_dir: str | None = No
         slug = "".join(ch if ch.isalnum() else "_" for ch in name)
         log = DecisionLog(f"{out_dir}/decisions_{slug}.jsonl")
         Path(log.path).unlink(missing_ok=True)
-    ctl = Controller(setup.backend, setup.cluster, setup.workload, ControllerConfig(**changes),
-                     calibration=Calibration(), log=log)
+    ctl = Controller(
+        setup.backend,
+        setup.cluster,
+        setup.workload,
+        ControllerConfig(**changes),
+        calibration=Calibration(),
+        log=log,
+    )
     return simulate(
         ControllerPolicy(name, ctl), trace, setup.machine, setup.backend, setup.cluster, setup.workload
     )
@@ -191,8 +212,10 @@ def main(argv: list[str] | None = None) -> dict:
         f"| replan at 1,024 GPUs (drift) | {times['drift'] * 1e3:.1f} ms "
         f"| {times['drift_cpu'] * 1e3:.1f} ms | < 200 ms |"
     )
-    print(f"| replan at 1,024 GPUs (revocation, urgent) | {times['revocation'] * 1e3:.1f} ms "
-          f"| {times['revocation_cpu'] * 1e3:.1f} ms | < 200 ms |")
+    print(
+        f"| replan at 1,024 GPUs (revocation, urgent) | {times['revocation'] * 1e3:.1f} ms "
+        f"| {times['revocation_cpu'] * 1e3:.1f} ms | < 200 ms |"
+    )
     print(f"| Controller.step without a trigger | - | {times['no_trigger'] * 1e3:.3f} ms | < 1 ms |")
     paper = {"model": "llama3_8b", "cluster": "paper_cluster2", "workload": {"algorithm": "ppo"}}
     if not args.skip_paper:

@@ -68,8 +68,13 @@ def make_folder(shape: str, root: Path) -> Path:
         [f"Question {i}: what is {i} plus {i + 1}? Answer: {2 * i + 1}." for i in range(400)]
     )
     config = tf.Qwen2Config(
-        vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=4096, **SHAPES[shape],
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+        **SHAPES[shape],
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
     )
     torch.manual_seed(0)
     tf.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
@@ -131,9 +136,15 @@ def planned(folder: Path, new_tokens: int):  # noqa: ANN201
     cluster = cluster_preset("h200x8").with_gpus(1)
     if torch.cuda.is_available():
         cluster = dataclasses.replace(cluster, gpu_memory=gpu_bytes())
-    workload = Workload(algorithm="grpo", prompts_per_step=PROMPTS, samples_per_prompt=SAMPLES,
-                        prompt_len=prompt_tokens(folder), response_len=float(new_tokens),
-                        response_len_p95=float(new_tokens), reward_model=False)
+    workload = Workload(
+        algorithm="grpo",
+        prompts_per_step=PROMPTS,
+        samples_per_prompt=SAMPLES,
+        prompt_len=prompt_tokens(folder),
+        response_len=float(new_tokens),
+        response_len_p95=float(new_tokens),
+        reward_model=False,
+    )
     return plan_job(models, cluster, workload).plan, models, cluster, workload
 
 
@@ -162,10 +173,12 @@ def with_slots(plan, micro_batch: int | None, recompute: bool | None):  # noqa: 
     kinds = {m.name: m.stage for m in workflow("grpo")}
     changes = {"micro_batch": micro_batch, "recompute": recompute}
     changes = {k: v for k, v in changes.items() if v is not None}
-    return Plan.of({
-        name: dataclasses.replace(c, **changes) if kinds[name] != "generation" else c
-        for name, c in plan.assignments
-    })
+    return Plan.of(
+        {
+            name: dataclasses.replace(c, **changes) if kinds[name] != "generation" else c
+            for name, c in plan.assignments
+        }
+    )
 
 
 def keep_plan(plan):  # noqa: ANN001, ANN201
@@ -266,21 +279,44 @@ def run_trl(folder: Path, steps: int, new_tokens: int, out: Path) -> dict:
         def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
             torch.cuda.synchronize()
             step = time.perf_counter() - self.start
-            records.append({"step_s": step, "gen_s": self.gen, "infer_train_s": step - self.gen,
-                            "peak_gib": torch.cuda.max_memory_allocated() / 2**30})
+            records.append(
+                {
+                    "step_s": step,
+                    "gen_s": self.gen,
+                    "infer_train_s": step - self.gen,
+                    "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+                }
+            )
 
     timer = Timer()
     config = GRPOConfig(
-        output_dir=str(out / "trl"), per_device_train_batch_size=PROMPTS * SAMPLES, num_generations=SAMPLES,
-        max_completion_length=new_tokens, temperature=1.0, beta=0.001, learning_rate=1e-6, bf16=True,
-        gradient_accumulation_steps=1, num_iterations=1, max_steps=steps, logging_steps=1, report_to=[],
-        save_strategy="no", generation_kwargs={"min_new_tokens": new_tokens},
+        output_dir=str(out / "trl"),
+        per_device_train_batch_size=PROMPTS * SAMPLES,
+        num_generations=SAMPLES,
+        max_completion_length=new_tokens,
+        temperature=1.0,
+        beta=0.001,
+        learning_rate=1e-6,
+        bf16=True,
+        gradient_accumulation_steps=1,
+        num_iterations=1,
+        max_steps=steps,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        generation_kwargs={"min_new_tokens": new_tokens},
         model_init_kwargs={"dtype": torch.bfloat16},
     )
     tokenizer = AutoTokenizer.from_pretrained(folder)
     dataset = Dataset.from_list([{"prompt": p} for p in prompts()] * steps)
-    trainer = GRPOTrainer(model=str(folder), reward_funcs=trl_reward, args=config, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[timer])
+    trainer = GRPOTrainer(
+        model=str(folder),
+        reward_funcs=trl_reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[timer],
+    )
     generate = trainer.model.generate
 
     def timed_generate(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
@@ -327,13 +363,13 @@ def _slots(run: dict) -> str:
 
 
 def _median_steps(run: dict) -> dict[str, float]:
-    steps = run["steps"][run["warmup"]:]
+    steps = run["steps"][run["warmup"] :]
     return {k: statistics.median(s[k] for s in steps) for k in steps[0] if not isinstance(steps[0][k], dict)}
 
 
 def _stage_peaks(run: dict) -> str:
     """Measured peak GiB per stage (gen/infer/train; the step's for TRL) and, for nereus, the prediction."""
-    steps = run["steps"][run["warmup"]:]
+    steps = run["steps"][run["warmup"] :]
     if run["system"] != "nereus":
         return f"{max(s['peak_gib'] for s in steps):.1f}"
     measured = {k: max(s["peak_gib_by_stage"][k] for s in steps) for k in ("gen", "infer", "train")}
@@ -360,8 +396,8 @@ def report(paths: list[Path]) -> str:
         other = trl.get((run["shape"], run["new_tokens"]))
         if run["system"] == "nereus" and other is not None:
             base = _median_steps(other)
-            peak = max(s["peak_gib"] for s in run["steps"][run["warmup"]:])
-            trl_peak = max(s["peak_gib"] for s in other["steps"][other["warmup"]:])
+            peak = max(s["peak_gib"] for s in run["steps"][run["warmup"] :])
+            trl_peak = max(s["peak_gib"] for s in other["steps"][other["warmup"] :])
             allowed = trl_peak + 12 * run["params"] / 2**30
             versus = f"{base['step_s'] / med['step_s']:.1f}x faster; peak {peak:.1f} vs {allowed:.1f} allowed"
         rows.append(
@@ -411,7 +447,7 @@ def main(argv: list[str] | None = None) -> None:
         result = run_nereus(folder, args.steps, args.new_tokens, run_dir, plan, cluster)
         result["planner_choice"] = chosen
         result["predicted_peak_gib"] = predicted_peaks(plan, models, cluster, workload)
-        result["cost_model"] = cost_model(plan, models, cluster, workload, result["steps"][args.warmup:])
+        result["cost_model"] = cost_model(plan, models, cluster, workload, result["steps"][args.warmup :])
         print(json.dumps(result["cost_model"], indent=1))
     else:
         gpu_bytes()

@@ -42,16 +42,26 @@ def make_job(root: Path) -> tuple[Path, Path, Path]:
     texts = [f"Question {i}: what is {i} plus {i + 1}? Answer: {2 * i + 1}." for i in range(200)]
     tokenizer = train_tokenizer(texts)
     config = tf.Qwen2Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
     )
     torch.manual_seed(0)
     tf.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     data = root / "prompts.parquet"
-    rows = [{"prompt": f"Question {i}: what is {i} plus {i + 1}?", "data_source": "bench", "ground_truth": ""}
-            for i in range(16)]
+    rows = [
+        {"prompt": f"Question {i}: what is {i} plus {i + 1}?", "data_source": "bench", "ground_truth": ""}
+        for i in range(16)
+    ]
     pq.write_table(pa.Table.from_pylist(rows), data)
     reward = root / "reward.py"
     reward.write_text(REWARD)
@@ -87,11 +97,21 @@ def main(argv: list[str] | None = None) -> int:
             [sys.executable, "-c", "import lightning, transformers, nereus_lightning.cli.train"], root
         )
         train = [
-            "nereus-train", "trainer.devices=1", "algorithm=grpo", "algorithm.prompts_per_step=4",
-            "algorithm.samples_per_prompt=4", "algorithm.ignore_eos=true", f"actor.path={folder}",
-            f"data.train_files={data}", f"data.max_response_length={args.response_len}",
-            f"custom_reward_function.path={reward}", f"cluster_gpu_memory={int(args.budget)}",
-            f"trainer.max_steps={args.steps}", "save_checkpoint=false", "export_hf=false", "plot=false",
+            "nereus-train",
+            "trainer.devices=1",
+            "algorithm=grpo",
+            "algorithm.prompts_per_step=4",
+            "algorithm.samples_per_prompt=4",
+            "algorithm.ignore_eos=true",
+            f"actor.path={folder}",
+            f"data.train_files={data}",
+            f"data.max_response_length={args.response_len}",
+            f"custom_reward_function.path={reward}",
+            f"cluster_gpu_memory={int(args.budget)}",
+            f"trainer.max_steps={args.steps}",
+            "save_checkpoint=false",
+            "export_hf=false",
+            "plot=false",
             f"hydra.run.dir={root / 'run'}",
         ]
         peak, rc, seconds = peak_rss_gib(train, root)

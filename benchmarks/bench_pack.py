@@ -56,17 +56,19 @@ def hf_parameter_shapes(model: ModelSpec) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (model.vocab, h)}
     for i in range(model.num_layers):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (inter, h),
-            p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-        })
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, q),
+                p + "mlp.gate_proj.weight": (inter, h),
+                p + "mlp.up_proj.weight": (inter, h),
+                p + "mlp.down_proj.weight": (h, inter),
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+            }
+        )
     shapes["model.norm.weight"] = (h,)
     if not model.tie_embeddings:
         shapes["lm_head.weight"] = (model.vocab, h)
@@ -141,8 +143,12 @@ def _time_transition(shapes, transition, dtype, device, ceiling, loaded, variant
     nbytes = sum(v.numel() * v.element_size() for v in sources)
     buffer = pack_reference(sources)
     row = {
-        "transition": f"{old_tp}->{new_tp}", "old_rank": old_rank, "new_rank": new_rank,
-        "tensors": len(sources), "bytes": nbytes, "buffer_bytes": buffer.numel(),
+        "transition": f"{old_tp}->{new_tp}",
+        "old_rank": old_rank,
+        "new_rank": new_rank,
+        "tensors": len(sources),
+        "bytes": nbytes,
+        "buffer_bytes": buffer.numel(),
     }
     timings = {
         "pack": lambda: pack(sources, buffer),
@@ -231,8 +237,10 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _print_table(result: dict) -> None:
-    print(f"pack/unpack on {result['device']} ({result['model']}, {result['tensors_in_model']} tensors, "
-          f"{result['model_bytes'] / 2**30:.2f} GiB {result['dtype']}); backend: {result['backend']}")
+    print(
+        f"pack/unpack on {result['device']} ({result['model']}, {result['tensors_in_model']} tensors, "
+        f"{result['model_bytes'] / 2**30:.2f} GiB {result['dtype']}); backend: {result['backend']}"
+    )
     print(f"copy ceiling (read+write): {result['copy_ceiling_GBps']} GB/s")
     head = (
         f"{'TP':>6} {'tensors':>7} {'GiB':>6} | "
@@ -250,8 +258,10 @@ def _print_table(result: dict) -> None:
             f"{r['unpack_loop_ms']:>8.3f} "
             f"{r['unpack_speedup_vs_loop']:>6.2f} | {r['round_trip_exact']}"
         )
-    extra = sorted({k[: -len("_GBps")] for r in result["rows"] for k in r if k.endswith("_GBps")} -
-                   {"pack", "pack_loop", "unpack", "unpack_loop"})
+    extra = sorted(
+        {k[: -len("_GBps")] for r in result["rows"] for k in r if k.endswith("_GBps")}
+        - {"pack", "pack_loop", "unpack", "unpack_loop"}
+    )
     for name in extra:
         print(
             f"  {name:>32}: "

@@ -139,8 +139,11 @@ def write(tensors: dict[str, torch.Tensor], directory: str, threads: int, crc: b
     torch.cuda.synchronize()
     start = time.perf_counter()
     dcp.save(tensors, storage_writer=FileSystemWriter(directory, thread_count=threads), no_dist=True)
-    report(f"dcp {label}, {threads} threads, crc32 {'on' if crc else 'off'}", gigabytes(tensors),
-           time.perf_counter() - start)
+    report(
+        f"dcp {label}, {threads} threads, crc32 {'on' if crc else 'off'}",
+        gigabytes(tensors),
+        time.perf_counter() - start,
+    )
     torch.serialization.set_crc32_options(True)
 
 

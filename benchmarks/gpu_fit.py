@@ -122,9 +122,7 @@ def main() -> None:
     parser.add_argument(
         "--trainer", default="gpu", help="the trainer config group: gpu, or cpu4 for a check here"
     )
-    parser.add_argument(
-        "--phases", action="store_true", help="time the end-of-fit phases (PHASES)"
-    )
+    parser.add_argument("--phases", action="store_true", help="time the end-of-fit phases (PHASES)")
     parser.add_argument("overrides", nargs="*", help="more nereus-train overrides, e.g. export_hf=false")
     args = parser.parse_args()
     base = [time.time()]  # the end of the last step, once known (--phases times exit from it)
@@ -151,12 +149,21 @@ def main() -> None:
     NereusCallback.on_train_batch_end = on_train_batch_end
     samples = 4 if args.algorithm == "grpo" else 1
     overrides = [
-        f"trainer={args.trainer}", "trainer.devices=1", "trainer.precision=bf16-mixed",
-        f"algorithm={args.algorithm}", f"algorithm.samples_per_prompt={samples}",
-        "algorithm.prompts_per_step=16", f"trainer.max_steps={args.steps}",
-        f"actor.path={job['model']}", f"data.train_files={job['train']}",
-        f"custom_reward_function.path={job['reward']}", f"data.max_response_length={args.response}",
-        "algorithm.ignore_eos=true", f"output_dir={out}", "plot=false", "checkpoint_every=0",
+        f"trainer={args.trainer}",
+        "trainer.devices=1",
+        "trainer.precision=bf16-mixed",
+        f"algorithm={args.algorithm}",
+        f"algorithm.samples_per_prompt={samples}",
+        "algorithm.prompts_per_step=16",
+        f"trainer.max_steps={args.steps}",
+        f"actor.path={job['model']}",
+        f"data.train_files={job['train']}",
+        f"custom_reward_function.path={job['reward']}",
+        f"data.max_response_length={args.response}",
+        "algorithm.ignore_eos=true",
+        f"output_dir={out}",
+        "plot=false",
+        "checkpoint_every=0",
         *args.overrides,
     ]
     with initialize_config_dir(config_dir=str(CONFIG_ROOT), version_base="1.3"):
@@ -178,9 +185,12 @@ def main() -> None:
     per_step = {k: [float(r[k]) for r in rows if r.get(k)] for k in keys}
     first = json.loads(open(out / "decisions.jsonl").readline())
     result = {
-        "algorithm": args.algorithm, "overrides": args.overrides, "steps": summary.get("steps"),
+        "algorithm": args.algorithm,
+        "overrides": args.overrides,
+        "steps": summary.get("steps"),
         "fit_s": done - start,
-        "last_step_to_fit_end_s": done - last_end, "plan": first.get("target_plan"),
+        "last_step_to_fit_end_s": done - last_end,
+        "plan": first.get("target_plan"),
         "median": {k: sorted(v)[len(v) // 2] for k, v in per_step.items() if v},
         "max": {k: max(v) for k, v in per_step.items() if v and k.startswith("perf/")},
         "last_step_end": last_end,

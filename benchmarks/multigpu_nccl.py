@@ -188,9 +188,7 @@ def _logits_error(stage: str, config: Any, model: Any, dev: torch.device) -> flo
     if mine is not None:
         ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(5)).to(dev)
         emu = registry().local(stage, mine)
-        sharded = ShardedCausalLM(
-            config, ReplicaComm.of(mine.gpus, mine.layout, rank, tied=tied), emu.params
-        )
+        sharded = ShardedCausalLM(config, ReplicaComm.of(mine.gpus, mine.layout, rank, tied=tied), emu.params)
         with torch.no_grad():
             err = rel_err(forward_logits(sharded, ids, where="all"), model(ids).logits)
     return max(gathered(err))

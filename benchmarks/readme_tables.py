@@ -153,8 +153,14 @@ def gamma_table() -> str:
     paper = _results("controller.json")["paper25"]
     rows = []
     for r in paper["gamma_sweep"]:
-        row = [f"{r['gamma']:g}", f"{r['mean_step_s']:.2f}", str(r["transitions"]), str(r["restarts"]),
-               f"{r['transition_share']:.1%}", _gap(r)]
+        row = [
+            f"{r['gamma']:g}",
+            f"{r['mean_step_s']:.2f}",
+            str(r["transitions"]),
+            str(r["restarts"]),
+            f"{r['transition_share']:.1%}",
+            _gap(r),
+        ]
         if r["gamma"] == paper["best_gamma"]:
             row[:2] = [f"**{row[0]}**", f"**{row[1]}**"]
         rows.append(row)
@@ -167,20 +173,32 @@ def ablation_table() -> str:
     paper = _results("controller.json")["paper25"]
     nereus = next(r for r in paper["table"] if r["policy"] == NEREUS)
     rows = [
-        [r["policy"], f"{r['mean_step_s']:.2f}", str(r["transitions"]), str(r["restarts"]),
-         str(r["infeasible_steps"]), _gap(r)]
+        [
+            r["policy"],
+            f"{r['mean_step_s']:.2f}",
+            str(r["transitions"]),
+            str(r["restarts"]),
+            str(r["infeasible_steps"]),
+            _gap(r),
+        ]
         for r in [nereus, *paper["ablation"]]
     ]
-    return "\n".join(_table(["variant", "mean s/step", "transitions", "restarts", "infeasible steps",
-                              "gap to oracle"], rows))
+    return "\n".join(
+        _table(
+            ["variant", "mean s/step", "transitions", "restarts", "infeasible steps", "gap to oracle"], rows
+        )
+    )
 
 
 def _best(rows: dict) -> str:
     """The non-oracle policy with the lowest mean step (Nereus on a tie)."""
     others = {n: r for n, r in rows.items() if n != "oracle"}
     low = min(r["mean_step_s"] for r in others.values())
-    return NEREUS if others[NEREUS]["mean_step_s"] <= low * (1 + 1e-9) else min(
-        others, key=lambda n: others[n]["mean_step_s"])
+    return (
+        NEREUS
+        if others[NEREUS]["mean_step_s"] <= low * (1 + 1e-9)
+        else min(others, key=lambda n: others[n]["mean_step_s"])
+    )
 
 
 def variants_table() -> str:
@@ -192,14 +210,36 @@ def variants_table() -> str:
         best = _best(run["rows"])
         means = {n: f"{run['rows'][n]['mean_step_s']:.2f}" for n in names}
         cells = [f"**{means[n]}**" if n == best else means[n] for n in names]
-        rows.append([run["supply"], str(run["start_tick"]), str(run["seed"]), *cells,
-                     str(run["rows"][NEREUS]["infeasible_steps"])])
-    head = ["spot trace", "start tick", "seed", "static", "always-switch", "every-3", "Nereus", "oracle",
-            "Nereus infeasible steps"]
+        rows.append(
+            [
+                run["supply"],
+                str(run["start_tick"]),
+                str(run["seed"]),
+                *cells,
+                str(run["rows"][NEREUS]["infeasible_steps"]),
+            ]
+        )
+    head = [
+        "spot trace",
+        "start tick",
+        "seed",
+        "static",
+        "always-switch",
+        "every-3",
+        "Nereus",
+        "oracle",
+        "Nereus infeasible steps",
+    ]
     wins = sum(_best(run["rows"]) == NEREUS for run in runs)
     gaps = [run["rows"][NEREUS]["gap_to_oracle"] for run in runs]
-    return "\n".join([*_table(head, rows), "", f"Nereus is the lowest non-oracle policy in {wins} of "
-                      f"{len(runs)} variants, {sum(gaps) / len(gaps):+.1%} from the oracle on average."])
+    return "\n".join(
+        [
+            *_table(head, rows),
+            "",
+            f"Nereus is the lowest non-oracle policy in {wins} of "
+            f"{len(runs)} variants, {sum(gaps) / len(gaps):+.1%} from the oracle on average.",
+        ]
+    )
 
 
 def families_table() -> str:
@@ -209,16 +249,35 @@ def families_table() -> str:
     for run in data["runs"]:
         r, best = run["rows"], _best(run["rows"])
         fewest = min(x["infeasible_steps"] for n, x in r.items() if n != "oracle")
-        rows.append([run["combination"], run["family"], best.replace(NEREUS, "**Nereus**"),
-                     f"{r[NEREUS]['mean_step_s']:.2f}", _gap(r[NEREUS]),
-                     f"{r[NEREUS]['infeasible_steps']} ({fewest})"])
-    head = ["model, algorithm, cluster, pool", "family", "best non-oracle", "Nereus s/step",
-            "Nereus gap to oracle", "Nereus infeasible steps (fewest of any)"]
+        rows.append(
+            [
+                run["combination"],
+                run["family"],
+                best.replace(NEREUS, "**Nereus**"),
+                f"{r[NEREUS]['mean_step_s']:.2f}",
+                _gap(r[NEREUS]),
+                f"{r[NEREUS]['infeasible_steps']} ({fewest})",
+            ]
+        )
+    head = [
+        "model, algorithm, cluster, pool",
+        "family",
+        "best non-oracle",
+        "Nereus s/step",
+        "Nereus gap to oracle",
+        "Nereus infeasible steps (fewest of any)",
+    ]
     s = data["summary"]
-    return "\n".join([*_table(head, rows), "", f"Nereus is the best non-oracle policy in {s['nereus_best']} "
-                      f"of {s['runs']} runs, has no more infeasible steps than any other policy in "
-                      f"{s['nereus_fewest_infeasible']}, and is {s['mean_gap_to_oracle']:+.2%} from the "
-                      "oracle on average."])
+    return "\n".join(
+        [
+            *_table(head, rows),
+            "",
+            f"Nereus is the best non-oracle policy in {s['nereus_best']} "
+            f"of {s['runs']} runs, has no more infeasible steps than any other policy in "
+            f"{s['nereus_fewest_infeasible']}, and is {s['mean_gap_to_oracle']:+.2%} from the "
+            "oracle on average.",
+        ]
+    )
 
 
 TABLES: dict[str, Callable[[], str]] = {

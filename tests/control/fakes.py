@@ -76,7 +76,13 @@ def controller(
     cfg.setdefault("try_follow_pool", False)
     max_steps = cfg.pop("max_steps", None)
     return Controller(
-        backend, CLUSTER, Workload(), ControllerConfig(**cfg), calibration=calibration, log=log, plan=plan,
+        backend,
+        CLUSTER,
+        Workload(),
+        ControllerConfig(**cfg),
+        calibration=calibration,
+        log=log,
+        plan=plan,
         max_steps=max_steps,
     )
 

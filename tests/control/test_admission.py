@@ -63,8 +63,11 @@ def test_smallest_horizon_wins():
     horizons = {t.kind: t.horizon for t in d.triggers}
     assert horizons["drift:response_len"] == 10.0 and horizons["drift:response_len_p95"] == 6.0
     assert d.horizon == 6.0 and d.kind == "transition"
-    ctl2 = controller(FakeBackend([A, B], {A: 10.0, B: 5.0}, tran={B: 15.0}), gamma=1.0,
-                      drift_signals=("response_len", "response_len_p95"))
+    ctl2 = controller(
+        FakeBackend([A, B], {A: 10.0, B: 5.0}, tran={B: 15.0}),
+        gamma=1.0,
+        drift_signals=("response_len", "response_len_p95"),
+    )
     ctl2.step(sig(0, length=1000, p95=1100))
     ctl2.drift["response_len_p95"].clock.ema, ctl2.drift["response_len_p95"].clock.last_crossing = 1.0, 9
     d = ctl2.step(sig(10, length=1500, p95=1650))

@@ -26,8 +26,9 @@ def test_net_benefit_prefers_a_cheaper_slightly_slower_target():
     assert nets == {"planner best": 1.0, "planner alternative 1": 4.0}
     assert "net benefit" in d.reason
     # The baselines' "first" selection admits the first target that pays back: B.
-    first = controller(FakeBackend([A, B, C], {A: 10.0, B: 5.0, C: 5.5}, tran={B: 4.0, C: 0.5}), gamma=1.0,
-                       selection="first")
+    first = controller(
+        FakeBackend([A, B, C], {A: 10.0, B: 5.0, C: 5.5}, tran={B: 4.0, C: 0.5}), gamma=1.0, selection="first"
+    )
     first.step(sig(0))
     assert first.step(sig(1, length=2000)).target == B
 
@@ -98,8 +99,9 @@ def train_plan(tp: int, pp: int, dp: int, micro_batch: int = 1) -> Plan:
 def test_pinned_training_layouts_are_tried_only_when_the_best_target_fails():
     # (The pinned plan differs from "best with the current layouts kept" in its micro-batch.)
     cur, best, pinned = train_plan(1, 4, 1), train_plan(4, 1, 2), train_plan(1, 4, 2, micro_batch=2)
-    backend = PinningBackend([best], {cur: 20.0, best: 8.0, pinned: 10.0}, tran={best: None, pinned: 1.0},
-                             pinned_plans=[pinned])
+    backend = PinningBackend(
+        [best], {cur: 20.0, best: 8.0, pinned: 10.0}, tran={best: None, pinned: 1.0}, pinned_plans=[pinned]
+    )
     ctl = controller(backend, plan=cur)
     ctl.step(sig(0))
     d = ctl.step(sig(1, length=2000))  # best has no safe DAG: the pinned plan is reachable
@@ -112,8 +114,9 @@ def test_pinned_training_layouts_are_tried_only_when_the_best_target_fails():
     ctl.step(sig(0))
     assert ctl.step(sig(1, length=2000)).target == best and backend.pinned_calls == []
     # Switched off: the best target fails and nothing else is tried.
-    backend = PinningBackend([best], {cur: 20.0, best: 8.0, pinned: 10.0}, tran={best: None, pinned: 1.0},
-                             pinned_plans=[pinned])
+    backend = PinningBackend(
+        [best], {cur: 20.0, best: 8.0, pinned: 10.0}, tran={best: None, pinned: 1.0}, pinned_plans=[pinned]
+    )
     ctl = controller(backend, plan=cur, pin_training=False)
     ctl.step(sig(0))
     assert ctl.step(sig(1, length=2000)).kind == "keep" and backend.pinned_calls == []

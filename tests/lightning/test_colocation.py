@@ -47,6 +47,7 @@ def _first_plan(out) -> Plan:
 @pytest.mark.parametrize("algorithm", ["ppo", "grpo", "remax"])
 def test_small_pools_train_through_the_planner(tmp_path, algorithm, devices):
     from nereus_lightning.cli.train import run
+
     cfg = train_config(
         [
             f"algorithm={algorithm}",

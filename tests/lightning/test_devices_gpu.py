@@ -28,7 +28,9 @@ def test_the_measurement_reaches_a_known_chips_table_numbers():
         pytest.skip(f"{torch.cuda.get_device_name(0)} is not in the chip table")
     device = torch.device("cuda", 0)
     flops, hbm = gemm_rate(device), copy_rate(device)
-    print(f"{chip.name}: GEMM {flops / 1e12:.0f} TFLOP/s of {chip.peak_flops / 1e12:.0f}, "
-          f"copy {hbm / 1e9:.0f} GB/s of {chip.hbm_bw / 1e9:.0f}")
+    print(
+        f"{chip.name}: GEMM {flops / 1e12:.0f} TFLOP/s of {chip.peak_flops / 1e12:.0f}, "
+        f"copy {hbm / 1e9:.0f} GB/s of {chip.hbm_bw / 1e9:.0f}"
+    )
     assert 0.3 * chip.peak_flops < flops < 1.05 * chip.peak_flops
     assert 0.3 * chip.hbm_bw < hbm < 1.05 * chip.hbm_bw

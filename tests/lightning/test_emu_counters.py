@@ -100,7 +100,9 @@ def test_a_checkpoint_stores_weights_that_a_training_stage_holds_once(dist4, tmp
     out = dist4.run(saved_stages, str(tmp_path), dtype)[0]
     weights_from, keys = out["synced"]
     assert weights_from == {
-        "actor_gen": "actor_train", "actor_infer": "actor_train", "critic_infer": "critic_train"
+        "actor_gen": "actor_train",
+        "actor_infer": "actor_train",
+        "critic_infer": "critic_train",
     }
     # A training stage stores its AdamW state; bf16 weights as their fp32 masters only (each is its master
     # rounded), fp32 weights as they are.

@@ -29,7 +29,12 @@ pytestmark = pytest.mark.distributed  # nereus-train starts 4 gloo ranks
 def _run(*args: str | Path, cwd: Path) -> str:
     env = {k: v for k, v in launch_env().items() if k != "PYTHONPATH"}  # nothing of this checkout
     done = subprocess.run(
-        [str(a) for a in args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [str(a) for a in args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         timeout=300,
     )
     assert done.returncode == 0, done.stdout[-3000:]
@@ -65,15 +70,37 @@ def venv(tmp_path_factory) -> Path:
 
 
 def test_the_installed_commands_run_from_another_folder(venv, tmp_path):
-    where = _run(venv / "bin" / "python", "-c", "import nereus_lightning; print(nereus_lightning.__file__)",
-                 cwd=tmp_path)
+    where = _run(
+        venv / "bin" / "python",
+        "-c",
+        "import nereus_lightning; print(nereus_lightning.__file__)",
+        cwd=tmp_path,
+    )
     assert where.startswith(str(venv))  # the installed package, not this checkout
-    plan = _run(venv / "bin" / "nereus-plan", "model=llama3_8b", "cluster=h200x8", "cluster.num_gpus=8",
-                "workload.algorithm=grpo", cwd=tmp_path)
+    plan = _run(
+        venv / "bin" / "nereus-plan",
+        "model=llama3_8b",
+        "cluster=h200x8",
+        "cluster.num_gpus=8",
+        "workload.algorithm=grpo",
+        cwd=tmp_path,
+    )
     assert "actor_train" in plan and "reward_infer" not in plan
-    simulate = _run(venv / "bin" / "nereus-simulate", "trace.steps=3", "policies=[static]", "plot=false",
-                    "hydra.run.dir=sim", cwd=tmp_path)
+    simulate = _run(
+        venv / "bin" / "nereus-simulate",
+        "trace.steps=3",
+        "policies=[static]",
+        "plot=false",
+        "hydra.run.dir=sim",
+        cwd=tmp_path,
+    )
     assert "static" in simulate and (tmp_path / "sim" / "summary.md").is_file()
-    train = _run(venv / "bin" / "nereus-train", "trainer.max_steps=2", "save_checkpoint=false", "plot=false",
-                 "hydra.run.dir=train", cwd=tmp_path)
+    train = _run(
+        venv / "bin" / "nereus-train",
+        "trainer.max_steps=2",
+        "save_checkpoint=false",
+        "plot=false",
+        "hydra.run.dir=train",
+        cwd=tmp_path,
+    )
     assert "run summary" in train and (tmp_path / "train" / "summary.json").is_file()

@@ -134,8 +134,13 @@ def test_measured_memory_factor_makes_a_plan_infeasible_and_the_planner_leaner()
     qwen = model_preset("qwen2_0_5b")
     cluster = replace(cluster_preset("h200x8"), gpu_memory=80e9).with_gpus(1)
     workload = Workload(
-        "grpo", prompts_per_step=16, samples_per_prompt=4, prompt_len=90, response_len=2048,
-        response_len_p95=2048, reward_model=False,
+        "grpo",
+        prompts_per_step=16,
+        samples_per_prompt=4,
+        prompt_len=90,
+        response_len=2048,
+        response_len_p95=2048,
+        reward_model=False,
     )
     models = job_models(qwen)
     ran = plan_job(models, cluster, workload)

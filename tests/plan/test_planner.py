@@ -153,9 +153,7 @@ def _brute_force(models, cluster, workload, calibration) -> float:
         total = min(
             stage_best(
                 [
-                    side_by_side(b, rho)
-                    if len(b) > 1
-                    else best_at([c for c in raw[b[0]] if c[3] <= rho])
+                    side_by_side(b, rho) if len(b) > 1 else best_at([c for c in raw[b[0]] if c[3] <= rho])
                     for b in blocks
                 ]
             )

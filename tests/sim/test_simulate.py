@@ -28,8 +28,13 @@ def tiny_run(tmp_path_factory):
         ticks_per_step=3,
         supply="us-west-2c_v100_1",
     )
-    res = run_experiment(setup, trace, ["static", "always", "every_k:2", "nereus:0.5"], out_dir=str(out),
-                         gammas=[0.0, 0.5, 2.0])
+    res = run_experiment(
+        setup,
+        trace,
+        ["static", "always", "every_k:2", "nereus:0.5"],
+        out_dir=str(out),
+        gammas=[0.0, 0.5, 2.0],
+    )
     return out, trace, res
 
 
@@ -110,8 +115,14 @@ def test_calibration_learns_the_true_machine():
 
     setup = make_setup("tiny_llama", "cpu4", {"prompts_per_step": 32, "prompt_len": 32}, noise=0.02)
     trace = build_trace(6, (40, 60), prompt_len=32, min_gpus=4, max_gpus=4)
-    policy = make_policy(PolicySpec("nereus", gamma=0.5), setup.backend, setup.cluster, setup.workload,
-                         setup.machine.truth, Calibration)
+    policy = make_policy(
+        PolicySpec("nereus", gamma=0.5),
+        setup.backend,
+        setup.cluster,
+        setup.workload,
+        setup.machine.truth,
+        Calibration,
+    )
     simulate(policy, trace, setup.machine, setup.backend, setup.cluster, setup.workload)
     cal = policy.controller.calibration
     learned = [c for c in OP_CLASSES if cal.observations(c) > 0]

@@ -69,11 +69,21 @@ def test_an_unknown_chip_without_a_measurement_names_the_way_out():
 
 
 def test_every_chip_preset_is_one_eight_gpu_node():
-    for name, chip in {"h100x8": "H100", "a100x8": "A100", "h200x8": "H200", "l40sx8": "L40S",
-                       "b200x8": "B200", "mi300x8": "MI300X"}.items():
+    for name, chip in {
+        "h100x8": "H100",
+        "a100x8": "A100",
+        "h200x8": "H200",
+        "l40sx8": "L40S",
+        "b200x8": "B200",
+        "mi300x8": "MI300X",
+    }.items():
         preset = CLUSTER_PRESETS[name]
         assert (preset.num_nodes, preset.gpus_per_node) == (1, 8) and preset.name.startswith(chip)
     h200 = CLUSTER_PRESETS["h200x8"]  # unchanged by the table it is now built from
     assert (h200.name, h200.gpu_memory, h200.peak_flops, h200.hbm_bw, h200.intra_bw) == (
-        "H200 x8 node", 141 * GB, 989e12, 4.8e12, 900 * GB
+        "H200 x8 node",
+        141 * GB,
+        989e12,
+        4.8e12,
+        900 * GB,
     )

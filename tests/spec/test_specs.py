@@ -22,8 +22,14 @@ def test_llama3_8b_param_count_matches_published_8_03b():
 def test_from_hf_config_dict_roundtrip():
     from transformers import LlamaConfig
 
-    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=96, vocab_size=128)
+    cfg = LlamaConfig(
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        vocab_size=128,
+    )
     spec = ModelSpec.from_hf_config(cfg, name="t")
     assert (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.intermediate) == (3, 2, 16, 96)
     assert ModelSpec.from_hf_config(cfg.to_dict(), name="t") == spec

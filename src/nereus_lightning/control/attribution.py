@@ -24,6 +24,7 @@ class PhasedEstimate(Protocol):
     @property
     def breakdown(self) -> Mapping[str, Mapping[str, float]]: ...
 
+
 #: A job's stage-timing names (``timing_s/<name>``) -> the workflow stages they measure.
 PHASES = {"gen": "generation", "infer": "inference", "update_actor": "training"}
 

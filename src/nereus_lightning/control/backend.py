@@ -93,8 +93,13 @@ class PlannerBackend:
         from nereus_lightning.plan.planner import plan_job
 
         result = plan_job(
-            self.models, cluster, workload, calibration=calibration, alternatives=self.alternatives,
-            pool_key=self.pool_key, memory=memory,
+            self.models,
+            cluster,
+            workload,
+            calibration=calibration,
+            alternatives=self.alternatives,
+            pool_key=self.pool_key,
+            memory=memory,
         )
         options = [(result.plan, result.estimate), *result.alternatives]
         return sorted(options, key=lambda pe: pe[1].step_latency)

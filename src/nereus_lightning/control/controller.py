@@ -302,8 +302,7 @@ class Controller:
             return False
         est = self._current_estimate(signals, self.next_step_workload(signals))
         self._memory_detail = "predicted peak memory at the next step's forecast exceeds the cap: " + (
-            "; ".join(
-            str(v) for v in getattr(est, "violations", ()))
+            "; ".join(str(v) for v in getattr(est, "violations", ()))
         )
         return bool(est.feasible)
 
@@ -356,9 +355,13 @@ class Controller:
         plan, est = options[0]
         self._reset_references(signals)
         return Decision(
-            signals.step, "restart" if suspended else "initial",
+            signals.step,
+            "restart" if suspended else "initial",
             "a plan fits again: restart from the checkpoint" if suspended else "first plan for this job",
-            target=plan, target_latency=est.step_latency, gamma=self.config.gamma, signals=signals,
+            target=plan,
+            target_latency=est.step_latency,
+            gamma=self.config.gamma,
+            signals=signals,
         )
 
     def _relaunch(self, signals: StepSignals, triggers: list[Trigger]) -> Decision | None:
@@ -389,11 +392,26 @@ class Controller:
             return None
         span = f"the {left} steps left" if left is not None else "H_x"
         return Decision(
-            signals.step, "transition", triggers=tuple(triggers), current=self.plan, current_latency=current,
-            target=best, target_latency=est.step_latency, delta_latency=None if current is None else d_l,
-            transition_cost=0.0, horizon=horizon, gamma=self.config.gamma, signals=signals,
-            considered=({"source": "planner best", "latency": est.step_latency, "L_tran": 0.0,
-                         "verdict": f"admitted: {why}"},),
+            signals.step,
+            "transition",
+            triggers=tuple(triggers),
+            current=self.plan,
+            current_latency=current,
+            target=best,
+            target_latency=est.step_latency,
+            delta_latency=None if current is None else d_l,
+            transition_cost=0.0,
+            horizon=horizon,
+            gamma=self.config.gamma,
+            signals=signals,
+            considered=(
+                {
+                    "source": "planner best",
+                    "latency": est.step_latency,
+                    "L_tran": 0.0,
+                    "verdict": f"admitted: {why}",
+                },
+            ),
             reason=f"relaunched on {signals.num_gpus} GPUs: the checkpoint loads into any plan, so "
             f"the planner's best costs no transition (L_tran = 0) and {why} ({span})",
         )
@@ -404,15 +422,30 @@ class Controller:
         r, reasons = self._replan_context(signals, triggers)
         decision = partial(  # every verdict of this step carries these
             Decision,
-            step=signals.step, triggers=r.triggers, current=self.plan, current_latency=r.current_latency,
-            horizon=r.horizon, gamma=cfg.gamma, urgent=r.urgent, signals=signals,
+            step=signals.step,
+            triggers=r.triggers,
+            current=self.plan,
+            current_latency=r.current_latency,
+            horizon=r.horizon,
+            gamma=cfg.gamma,
+            urgent=r.urgent,
+            signals=signals,
         )
         first = cfg.selection == "first"
-        source = CandidateSource(self.backend, self.calibration, self.plan, self.workload.algorithm,
-                                 self.workload.sequences_per_step, self.cluster_at(signals), r.workload,
-                                 r.urgent, r.current_latency, safe_first=not first,
-                                 memory=self.memory_calibration,
-                                 lasting=self.lasting_workload(signals, r) if r.urgent else None)
+        source = CandidateSource(
+            self.backend,
+            self.calibration,
+            self.plan,
+            self.workload.algorithm,
+            self.workload.sequences_per_step,
+            self.cluster_at(signals),
+            r.workload,
+            r.urgent,
+            r.current_latency,
+            safe_first=not first,
+            memory=self.memory_calibration,
+            lasting=self.lasting_workload(signals, r) if r.urgent else None,
+        )
         budget = max(2, cfg.dag_budget_gpus // max(r.dag_cluster.num_gpus, 1))
         search = TargetSearch(
             r, self.backend, self._profitable, cfg.gamma, budget, self.transition_scale, first
@@ -424,11 +457,16 @@ class Controller:
         if r.urgent:
             best = min(search.seen, key=lambda o: o.latency) if search.seen else None
             return decision(
-                kind="restart", target=None if best is None else best.plan,
-                target_latency=None if best is None else best.latency, considered=tuple(search.considered),
+                kind="restart",
+                target=None if best is None else best.plan,
+                target_latency=None if best is None else best.latency,
+                considered=tuple(search.considered),
                 reason="; ".join(
-                    [*reasons, "no feasible transition: checkpoint/restart"
-                     + (" into the best plan" if best else "; no plan fits the pool, wait for GPUs")]
+                    [
+                        *reasons,
+                        "no feasible transition: checkpoint/restart"
+                        + (" into the best plan" if best else "; no plan fits the pool, wait for GPUs"),
+                    ]
                 ),
             )
         return self._keep_or_restart(r, search, decision)
@@ -444,7 +482,8 @@ class Controller:
         memory = self.memory_calibration
         current_est = (
             self.backend.estimate(self.plan, cluster, workload, self.calibration, memory=memory)
-            if intact_plan(self.plan, pool) == self.plan else None
+            if intact_plan(self.plan, pool) == self.plan
+            else None
         )
         current_latency = (
             current_est.step_latency if current_est is not None and current_est.feasible else None
@@ -458,9 +497,14 @@ class Controller:
                 "GPUs of the current plan were lost" if lost else "the current plan no longer fits"
             )
         replan = Replan(
-            signals, tuple(triggers), smallest_horizon(triggers), urgent, current_latency,
+            signals,
+            tuple(triggers),
+            smallest_horizon(triggers),
+            urgent,
+            current_latency,
             intact_plan(self.plan, readable),
-            self.cluster.with_gpus(max(signals.num_gpus, max(readable, default=0) + 1)), workload,
+            self.cluster.with_gpus(max(signals.num_gpus, max(readable, default=0) + 1)),
+            workload,
         )
         return replan, reasons
 
@@ -506,24 +550,44 @@ class Controller:
                 if ok:
                     entry["verdict"] = f"reachable, but a restart into {fastest.source} {why}"
                     return decision(
-                        kind="restart", target=fastest.plan, target_latency=fastest.latency,
-                        transition_cost=cfg.restart_s, considered=considered,
-                        reason="; ".join([*reasons, f"urgent ({_kinds(r.triggers)}): the reachable target is "
-                                          f"{slower:.2f} s/step slower; checkpoint/restart {why}"]),
+                        kind="restart",
+                        target=fastest.plan,
+                        target_latency=fastest.latency,
+                        transition_cost=cfg.restart_s,
+                        considered=considered,
+                        reason="; ".join(
+                            [
+                                *reasons,
+                                f"urgent ({_kinds(r.triggers)}): the reachable target is "
+                                f"{slower:.2f} s/step slower; checkpoint/restart {why}",
+                            ]
+                        ),
                     )
             entry["verdict"] = "admitted (urgent: profitability waived)"
             d_l = None if r.current_latency is None else r.current_latency - chosen.latency
             return decision(
-                kind="transition", target=chosen.plan, target_latency=chosen.latency, delta_latency=d_l,
-                transition_cost=l_tran, considered=considered,
-                reason="; ".join([*reasons, f"urgent ({_kinds(r.triggers)}): {how} "
-                                  f"among feasible targets ({chosen.source})"]),
+                kind="transition",
+                target=chosen.plan,
+                target_latency=chosen.latency,
+                delta_latency=d_l,
+                transition_cost=l_tran,
+                considered=considered,
+                reason="; ".join(
+                    [
+                        *reasons,
+                        f"urgent ({_kinds(r.triggers)}): {how} among feasible targets ({chosen.source})",
+                    ]
+                ),
             )
         entry["verdict"] = "admitted: " + entry["verdict"]
         assert r.current_latency is not None
         return decision(
-            kind="transition", target=chosen.plan, target_latency=chosen.latency,
-            delta_latency=r.current_latency - chosen.latency, transition_cost=l_tran, considered=considered,
+            kind="transition",
+            target=chosen.plan,
+            target_latency=chosen.latency,
+            delta_latency=r.current_latency - chosen.latency,
+            transition_cost=l_tran,
+            considered=considered,
             reason=f"{_kinds(r.triggers)}: {entry['verdict'].removeprefix('admitted: ')}; {how} "
             f"({chosen.source})",
         )
@@ -542,8 +606,12 @@ class Controller:
             ok, why = self._profitable(d_l, cfg.restart_s, self.restart_horizon(r.horizon, r.signals.step))
             if ok:
                 return decision(
-                    kind="restart", target=opt.plan, target_latency=opt.latency, delta_latency=d_l,
-                    transition_cost=cfg.restart_s, considered=considered,
+                    kind="restart",
+                    target=opt.plan,
+                    target_latency=opt.latency,
+                    delta_latency=d_l,
+                    transition_cost=cfg.restart_s,
+                    considered=considered,
                     reason=f"{_kinds(r.triggers)}: no safe transition DAG; checkpoint/restart {why} "
                     f"({opt.source})",
                 )

@@ -90,8 +90,11 @@ class TargetSearch:
         if self.ref is None:
             self.ref = lat  # broken current plan: rank against the first target instead
         d_l = math.inf if r.current_latency is None else r.current_latency - lat
-        entry: dict[str, Any] = {"source": opt.source, "latency": round(lat, 6),
-                                 "dL": None if math.isinf(d_l) else round(d_l, 6)}
+        entry: dict[str, Any] = {
+            "source": opt.source,
+            "latency": round(lat, 6),
+            "dL": None if math.isinf(d_l) else round(d_l, 6),
+        }
         if not opt.lasts:
             entry["lasts"] = False  # infeasible at the lengths forecast over the horizon
         self.considered.append(entry)

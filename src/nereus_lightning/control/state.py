@@ -12,8 +12,15 @@ def plan_to_state(plan: Plan | None) -> list[dict[str, Any]] | None:
     if plan is None:
         return None
     return [
-        {"name": n, "tp": c.layout.tp, "pp": c.layout.pp, "dp": c.dp, "gpus": list(c.gpus),
-         "micro_batch": c.micro_batch, "recompute": c.recompute}
+        {
+            "name": n,
+            "tp": c.layout.tp,
+            "pp": c.layout.pp,
+            "dp": c.dp,
+            "gpus": list(c.gpus),
+            "micro_batch": c.micro_batch,
+            "recompute": c.recompute,
+        }
         for n, c in plan.items()
     ]
 

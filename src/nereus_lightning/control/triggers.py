@@ -66,7 +66,10 @@ class CrossingClock:
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable state."""
         return {
-            "alpha": self.alpha, "last_crossing": self.last_crossing, "ema": self.ema, "origin": self.origin
+            "alpha": self.alpha,
+            "last_crossing": self.last_crossing,
+            "ema": self.ema,
+            "origin": self.origin,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -138,9 +138,7 @@ def pipeline_forward(
     with torch.no_grad(), fail_together():
         for mb in micro_batches:
             hidden = (
-                None
-                if comm.is_first_stage
-                else recv_activation(_hidden_buffer(model, mb), comm.prev_rank)  # type: ignore[arg-type]
+                None if comm.is_first_stage else recv_activation(_hidden_buffer(model, mb), comm.prev_rank)  # type: ignore[arg-type]
             )
             out = _stage(model, mb, hidden, cache)
             if comm.is_last_stage:

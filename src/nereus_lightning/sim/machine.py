@@ -70,8 +70,13 @@ class TrueMachine:
     """
 
     def __init__(
-        self, backend: PlanningBackend, truth: Any, noise: float = 0.03, transition_factor: float = 1.25,
-        restart_s: float = 300.0, seed: int = 0,
+        self,
+        backend: PlanningBackend,
+        truth: Any,
+        noise: float = 0.03,
+        transition_factor: float = 1.25,
+        restart_s: float = 300.0,
+        seed: int = 0,
     ) -> None:
         require(noise >= 0, "machine.noise", f"must be >= 0, got {noise}")
         require(

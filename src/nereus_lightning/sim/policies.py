@@ -185,8 +185,11 @@ class PolicySpec:
         if self.label:
             return self.label
         return {
-            "static": "static", "always": "always-switch", "every_k": f"every-{self.k}-steps",
-            "nereus": "nereus" if self.gamma is None else f"nereus(gamma={self.gamma:g})", "oracle": "oracle",
+            "static": "static",
+            "always": "always-switch",
+            "every_k": f"every-{self.k}-steps",
+            "nereus": "nereus" if self.gamma is None else f"nereus(gamma={self.gamma:g})",
+            "oracle": "oracle",
         }[self.kind]
 
     @classmethod
@@ -250,8 +253,14 @@ def make_policy(
         )
     else:
         cfg = base if spec.gamma is None else _with(base, gamma=spec.gamma)
-    ctl = Controller(backend, cluster, workload, cfg, calibration=calibration_factory(),
-                     log=DecisionLog(log) if log else None)
+    ctl = Controller(
+        backend,
+        cluster,
+        workload,
+        cfg,
+        calibration=calibration_factory(),
+        log=DecisionLog(log) if log else None,
+    )
     return ControllerPolicy(spec.name, ctl)
 
 

@@ -52,8 +52,15 @@ class Summary:
     total_s: float
 
 
-def simulate(policy: Any, trace: DriftTrace, machine: TrueMachine, backend: PlanningBackend,
-             cluster: ClusterSpec, workload: Workload, notice: bool = True) -> list[StepRecord]:
+def simulate(
+    policy: Any,
+    trace: DriftTrace,
+    machine: TrueMachine,
+    backend: PlanningBackend,
+    cluster: ClusterSpec,
+    workload: Workload,
+    notice: bool = True,
+) -> list[StepRecord]:
     """Run ``policy`` over every step of ``trace``.
 
     At the boundary before step ``s`` the policy sees the pool of step ``s`` and the lengths and
@@ -116,8 +123,11 @@ def simulate(policy: Any, trace: DriftTrace, machine: TrueMachine, backend: Plan
             step_s = last.latency
         else:
             step_s, last = math.nan, None
-        records.append(StepRecord(name, s, pool, trace.response_len[s], step_s, transition_s, action, ok,
-                                  describe_plan(plan)))
+        records.append(
+            StepRecord(
+                name, s, pool, trace.response_len[s], step_s, transition_s, action, ok, describe_plan(plan)
+            )
+        )
     return records
 
 
@@ -151,8 +161,11 @@ def summarise(records: Sequence[StepRecord], oracle: Sequence[StepRecord] | None
     total = sum(finite) + tran
     gap = None
     if oracle is not None:
-        gaps = [(r.step_s + r.transition_s) / o.step_s - 1 for r, o in zip(records, oracle, strict=False)
-                if math.isfinite(r.step_s) and o.step_s > 0]
+        gaps = [
+            (r.step_s + r.transition_s) / o.step_s - 1
+            for r, o in zip(records, oracle, strict=False)
+            if math.isfinite(r.step_s) and o.step_s > 0
+        ]
         gap = sum(gaps) / len(gaps) if gaps else None
     return Summary(
         policy=records[0].policy,

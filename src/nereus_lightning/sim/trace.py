@@ -78,8 +78,12 @@ class DriftTrace:
     def signals(self, step: int, **measured) -> StepSignals:
         """The monitor signals of ``step`` (measured timings/memory passed through)."""
         return StepSignals(
-            step, self.response_len[step], self.response_len_p95[step], self.prompt_len[step],
-            tuple(range(self.num_gpus[step])), **measured,
+            step,
+            self.response_len[step],
+            self.response_len_p95[step],
+            self.prompt_len[step],
+            tuple(range(self.num_gpus[step])),
+            **measured,
         )
 
     def to_json(self) -> dict:
@@ -95,8 +99,13 @@ class DriftTrace:
     @classmethod
     def from_json(cls, raw: dict) -> DriftTrace:
         """Inverse of :meth:`to_json`."""
-        return cls(raw["name"], tuple(raw["response_len"]), tuple(raw["response_len_p95"]),
-                   tuple(raw["prompt_len"]), tuple(int(g) for g in raw["num_gpus"]))
+        return cls(
+            raw["name"],
+            tuple(raw["response_len"]),
+            tuple(raw["response_len_p95"]),
+            tuple(raw["prompt_len"]),
+            tuple(int(g) for g in raw["num_gpus"]),
+        )
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> DriftTrace:
@@ -173,7 +182,15 @@ def paper_trace(supply: str = "us-east-2b_v100_1", start_tick: int = 0, **kwargs
 
 def long_trace(supply: str = "us-east-2b_v100_1", steps: int = 1000, **kwargs) -> DriftTrace:
     """The paper's long run: mean 500 -> 8,000 tokens over 1,000 steps, supply scaled to 64 ... 1,024 GPUs."""
-    args: dict[str, Any] = dict(steps=steps, mean=(500.0, 8000.0), min_gpus=64, max_gpus=1024, granularity=8,
-                ticks_per_step=0.2, supply=supply, name=f"{supply} 64-1024 GPUs, {steps} steps")
+    args: dict[str, Any] = dict(
+        steps=steps,
+        mean=(500.0, 8000.0),
+        min_gpus=64,
+        max_gpus=1024,
+        granularity=8,
+        ticks_per_step=0.2,
+        supply=supply,
+        name=f"{supply} 64-1024 GPUs, {steps} steps",
+    )
     args.update(kwargs)
     return build_trace(**args)

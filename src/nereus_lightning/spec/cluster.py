@@ -212,7 +212,13 @@ def cluster_from_devices(facts: DeviceFacts, num_nodes: int, gpus_per_node: int)
 def _node_of(chip: Chip, gpus: int = 8) -> ClusterSpec:
     """One ordinary server of ``gpus`` ``chip`` GPUs and one :data:`DEFAULT_NIC_BW` NIC."""
     return ClusterSpec(
-        f"{chip.name} x{gpus} node", 1, gpus, chip.memory, chip.peak_flops, chip.hbm_bw, chip.link_bw,
+        f"{chip.name} x{gpus} node",
+        1,
+        gpus,
+        chip.memory,
+        chip.peak_flops,
+        chip.hbm_bw,
+        chip.link_bw,
         DEFAULT_NIC_BW,
     )
 
@@ -239,7 +245,18 @@ CLUSTER_PRESETS: dict[str, ClusterSpec] = {
     "mi300x8": _node_of(_chip("MI300X")),
     # A CPU "cluster" for the embedded default and tests: 4 gloo processes on one host.
     "cpu4": ClusterSpec(
-        "CPU x4 (gloo)", 1, 4, 4 * GB, 50e9, 20 * GB, 5 * GB, 1 * GB, 50e-6, 100e-6, 0.01, CPU_LAUNCH_S,
+        "CPU x4 (gloo)",
+        1,
+        4,
+        4 * GB,
+        50e9,
+        20 * GB,
+        5 * GB,
+        1 * GB,
+        50e-6,
+        100e-6,
+        0.01,
+        CPU_LAUNCH_S,
         reserved_memory=0.0,
     ),
 }
