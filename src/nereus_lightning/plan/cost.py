@@ -378,7 +378,7 @@ def _offload(work: StageWork, layout: Layout) -> Ideal:
 
 def _optimizer_step(work: StageWork, layout: Layout, dp: int, links: Links, cluster: ClusterSpec) -> Ideal:
     """Per optimizer step: DP gradient all-reduce (weight dtype) and the HBM-bound AdamW update."""
-    params = memory.max_stage_params(work.model, layout.pp) / layout.tp
+    params = max(memory.rank_params(work.model, layout, r) for r in {0, layout.pp - 1})
     step: Ideal = {"optimizer": params * ADAMW_BYTES_PER_PARAM / cluster.hbm_bw}
     _add(
         step,

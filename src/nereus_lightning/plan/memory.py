@@ -82,6 +82,13 @@ def stage_params(model: ModelSpec, pp: int, pp_rank: int) -> int:
     return params
 
 
+def rank_params(model: ModelSpec, layout: Layout, pp_rank: int) -> float:
+    """Parameters one GPU of pipeline stage ``pp_rank`` holds: its TP shard of the stage, plus the parts
+    every TP rank keeps whole (a mixture of experts' MLP: experts, router, shared expert)."""
+    whole = stage_layers(model, layout.pp, pp_rank) * model.tp_whole_layer_params
+    return (stage_params(model, layout.pp, pp_rank) - whole) / layout.tp + whole
+
+
 @lru_cache(maxsize=256)
 def optimizer_bytes_per_param(model: ModelSpec) -> int:
     """AdamW state per parameter: fp32 moments, plus fp32 master weights for bf16/fp16 weights.
@@ -95,7 +102,7 @@ def optimizer_bytes_per_param(model: ModelSpec) -> int:
 def rank_state_bytes(model: ModelSpec, trains: bool, layout: Layout, pp_rank: int) -> float:
     """Resident state on one GPU of pipeline stage ``pp_rank``: weights (+ grads and AdamW when training)."""
     per_param = model.dtype_bytes * (2 if trains else 1) + (optimizer_bytes_per_param(model) if trains else 0)
-    return stage_params(model, layout.pp, pp_rank) / layout.tp * per_param
+    return rank_params(model, layout, pp_rank) * per_param
 
 
 def boundary_state_bytes(model: ModelSpec, trains: bool, layout: Layout) -> float:
@@ -237,7 +244,7 @@ def training_peak_bytes(
     passes = training_activation_bytes(model, layers, tokens, in_flight, layout.tp, recompute)
     if lm_head and pp_rank == layout.pp - 1:
         passes += chunked_logits_bytes(model, tokens, layout.tp)
-    step = optimizer_step_bytes(model, stage_params(model, layout.pp, pp_rank) / layout.tp)
+    step = optimizer_step_bytes(model, rank_params(model, layout, pp_rank))
     return rank_state_bytes(model, True, layout, pp_rank) + max(passes, step)
 
 

@@ -107,6 +107,12 @@ class ModelSpec:
         return experts + self.num_experts * self.hidden + 3 * self.hidden * self.shared_intermediate
 
     @property
+    def tp_whole_layer_params(self) -> int:
+        """Parameters of one block every TP rank holds whole: a mixture of experts' MLP (the body keeps
+        experts, router and shared expert unsplit under TP); none for a dense model."""
+        return self.mlp_params if self.num_experts else 0
+
+    @property
     def active_params(self) -> int:
         """Parameters one token's forward pass uses (all of them for a dense model)."""
         return self.num_params - self.num_layers * (self.mlp_params - self.mlp_active_params)
