@@ -5,7 +5,7 @@ a batch of left-padded prompts (16 prompts x 4 samples = 64 rows), every respons
 long (no eos: ``ignore_eos``). Both engines sample with the same per-row seeds:
 
 - eager: ``HFGenerateEngine`` over ``ShardedGenerator`` (transformers ``generate``, dynamic cache);
-- static: ``models.decode.StaticDecodeEngine`` (static KV cache, prefill eager, decode steps replayed
+- static: ``engines.static.StaticDecodeEngine`` (static KV cache, prefill eager, decode steps replayed
   as CUDA graphs; ``--mode compiled``, the default: the stage's forward compiled by torch.compile
   before capture). Its first call builds the decoder (compile, cache and graph capture); later calls
   reuse it.
@@ -123,7 +123,7 @@ def engines(unit, mode: str) -> tuple[Any, Any]:  # noqa: ANN001
 
 def speed(unit, args: argparse.Namespace) -> dict[str, Any]:  # noqa: ANN001
     """Timings of both engines and the bf16 token agreement."""
-    from nereus_lightning.models import decode
+    from nereus_lightning.engines import static as decode
 
     vocab = unit.config.vocab_size
     ids, mask, seeds = prompts(args.batch, args.prompt_len, vocab)
@@ -169,7 +169,7 @@ def profile_steps(unit, args: argparse.Namespace) -> None:  # noqa: ANN001
     """Print where ``args.profile`` static decode steps spend their GPU time (torch.profiler, top kernels)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from nereus_lightning.models import decode
+    from nereus_lightning.engines import static as decode
 
     ids, mask, seeds = prompts(args.batch, args.prompt_len, unit.config.vocab_size)
     decoder = decode._DECODERS[unit]
@@ -201,7 +201,7 @@ def first_divergence(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def fp32_check(shape: str, args: argparse.Namespace) -> dict[str, Any]:
     """Largest decode-step logit difference between the two paths in fp32, and token agreement."""
-    from nereus_lightning.models import decode
+    from nereus_lightning.engines import static as decode
 
     unit = build_unit(shape, torch.float32)
     vocab = unit.config.vocab_size

@@ -11,10 +11,11 @@ import pytest
 import torch
 import transformers as tf
 
+from nereus_lightning.engines import static as decode
 from nereus_lightning.engines.base import SeededGumbel, make_picker, sample_seeds
 from nereus_lightning.engines.hf import HFGenerateEngine
 from nereus_lightning.engines.static import StaticDecodeEngine, seeded_scores
-from nereus_lightning.models import ReplicaComm, ShardedCausalLM, decode
+from nereus_lightning.models import ReplicaComm, ShardedCausalLM
 from nereus_lightning.models.generation import ShardedGenerator
 from nereus_lightning.plan.layout import Layout
 from nereus_lightning.spec.errors import NereusConfigError
