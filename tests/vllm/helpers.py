@@ -97,7 +97,7 @@ class CheckedGRPOModule(GRPOModule):
         out = super().generate(strategy, prompts, max_new, step, greedy, with_greedy, first_index)
         folder = os.environ.get(CHECKS)
         if folder and record is not None:
-            record["batch_versions"] = None if out[4] is None else sorted(set(out[4].tolist()))
+            record["batch_versions"] = None if out.versions is None else sorted(set(out.versions.tolist()))
             with open(os.path.join(folder, f"rank{strategy.global_rank}.jsonl"), "a") as f:
                 f.write(json.dumps({"step": step, **record}) + "\n")
         return out
