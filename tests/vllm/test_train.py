@@ -109,3 +109,19 @@ def test_the_rollout_correction_weights_the_loss_and_reports_the_mismatch(job, t
         assert math.isfinite(kl) and abs(kl) < 1e-2 and abs(weight - 1.0) < 1e-2, row
         assert 0.0 <= float(row["mismatch/rollout_is_ratio_fraction_high"]) <= 1.0
         assert float(row["training/rollout_probs_diff_max"]) < 0.1
+
+
+def test_an_infinite_threshold_reproduces_the_uncorrected_update(job, tmp_path, monkeypatch):
+    """vLLM samples from the trained weights, so the untruncated weights are 1 to fp32 rounding."""
+    from tests.vllm.helpers import plan_2ranks
+
+    runs = []
+    for name, extra in (("plain", []), ("inf", ["algorithm.rollout_is_threshold=inf"])):
+        (tmp_path / name).mkdir()
+        runs.append(_train(job, tmp_path / name, monkeypatch, [plan_2ranks(1)], extra)[2])
+    plain, corrected = runs
+    assert "mismatch/rollout_is_ratio_fraction_high" in corrected[0]
+    for a, b in zip(plain, corrected, strict=True):
+        for key in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean"):
+            x, y = float(a[key]), float(b[key])
+            assert abs(x - y) <= 1e-5 * max(1.0, abs(x)), (key, x, y)
