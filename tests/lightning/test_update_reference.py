@@ -1,4 +1,5 @@
-"""The strategy's update is the one-process reference loop's: the same batch, the same weights, one update."""
+"""The strategy's update is the one-process reference loop's: the same batch, the same weights, one update,
+for every algorithm, on one rank and on four (DP, TP and PP): so an update does not depend on the layout."""
 
 from __future__ import annotations
 
@@ -31,10 +32,19 @@ SHARDED = {  # four ranks: DP, TP and PP mixed; training at TP2 x PP2 and DP2 x 
     "actor_train": ((2, 2), (3, 2, 1, 0)),
     "critic_train": ((1, 2), (0, 1, 2, 3)),
 }
-CASES = {
+CASES = {  # each algorithm, and between them every policy loss, loss aggregation and KL placement
     "ppo": {},
-    "grpo": {"loss_agg_mode": "seq-mean-token-mean"},
+    "grpo": {"loss_agg_mode": "seq-mean-token-mean", "norm_adv_by_std_in_grpo": False},
     "remax": {"kl_coef": 0.05, "loss_agg_mode": "seq-mean-token-sum-norm"},
+    "rloo": {
+        "policy_loss": "gspo",
+        "clip_ratio_low": 0.2,
+        "clip_ratio_high": 0.28,
+        "loss_agg_mode": "seq-mean-token-sum-norm",
+        "entropy_coeff": 0.01,
+    },
+    "reinforce_plus_plus": {"kl_coef": 0.05, "loss_agg_mode": "seq-mean-token-sum", "clip_ratio_c": None},
+    "reinforce_plus_plus_baseline": {"loss_agg_mode": "seq-mean-token-mean"},
 }
 
 

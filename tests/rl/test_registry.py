@@ -110,31 +110,47 @@ def test_an_algorithm_in_one_file_trains_through_nereus_train_on_two_ranks(tmp_p
     assert len(rows) == 2  # the plug-in's own loss ran at both steps
 
 
+REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return float(str(ground_truth) in solution_str) + 0.1 * (len(solution_str) % 3)
+"""
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"])
-def test_each_new_preset_trains_through_nereus_train(tmp_path, name):
+@pytest.mark.parametrize("devices", [1, 4])
+@pytest.mark.parametrize(
+    "name", ["ppo", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"]
+)
+def test_every_algorithm_trains_five_steps_on_a_users_job(tmp_path, name, devices):
     job = word_problem_job(tmp_path / "job", vocab_size=300)
+    reward = tmp_path / "reward.py"
+    reward.write_text(REWARD)
     # REINFORCE++ with its usual KL in the reward, the coefficient adapted toward a target
     adaptive = ["algorithm.kl_coef=0.1", "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.horizon=10"]
     nereus_train(
         tmp_path / "run",
         f"actor.path={job['model']}",
         f"data.train_files={job['train']}",
+        f"custom_reward_function.path={reward}",
         f"algorithm={name}",
         "algorithm.prompts_per_step=2",
-        "data.max_response_length=6",
-        "trainer.devices=2",
-        "trainer.max_steps=2",
+        "algorithm.samples_per_prompt=2",
+        "data.max_response_length=4",
+        f"trainer.devices={devices}",
+        "trainer.max_steps=5",
         "save_checkpoint=false",
         "plot=false",
         *(adaptive if name == "reinforce_plus_plus" else []),
         cwd=tmp_path,
     )
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["steps"] == 2
+    assert summary["steps"] == 5
     with open(next((tmp_path / "run").rglob("metrics.csv"))) as f:
         rows = [r for r in csv.DictReader(f) if r.get("actor/pg_loss")]
-    assert len(rows) == 2 and all(math.isfinite(float(r["actor/pg_loss"])) for r in rows)
+    assert len(rows) == 5 and all(math.isfinite(float(r["actor/pg_loss"])) for r in rows)
+    assert ("critic/vf_loss" in rows[0] and rows[0]["critic/vf_loss"] != "") == (
+        name == "ppo"
+    )  # critic: GAE only
     if name == "reinforce_plus_plus":  # the coefficient moved after the first step
         coeffs = [float(r["actor/reward_kl_penalty_coeff"]) for r in rows]
         assert coeffs[0] == pytest.approx(0.1) and coeffs[1] != pytest.approx(0.1)
