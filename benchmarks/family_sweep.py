@@ -1,9 +1,9 @@
 """Sweep the exactness self-check over transformers' decoder families; write their verdicts.
 
 Each family (or variant: GQA, tied, sliding-window) is checked from a config of its own
-transformers config class, shrunk to a tiny random model (``models.selfcheck.tiny_config_of``),
+transformers config class, shrunk to a tiny random model (``testing.shrink.tiny_config_of``),
 on 4 gloo ranks at TP1/2 x PP1/2 plus the unit state through Split/Merge
-(``models.admission.check_family``). The verdicts go to ``benchmarks/results/model_families.json``, which
+(``proof.admission.check_family``). The verdicts go to ``benchmarks/results/model_families.json``, which
 ``benchmarks/family_table.py`` renders into the README's family table.
 
     PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/family_sweep.py [model_type ...]

@@ -199,7 +199,7 @@ def reward_model_source(cfg: Any) -> Any:
 def admit_families(cfg: Any) -> None:
     """Prove each model folder's family exact before the job starts, if it is outside the registry.
 
-    Once per model type and transformers version (``models.admission``: the self-check on 4 CPU
+    Once per model type and transformers version (``proof.admission``: the self-check on 4 CPU
     processes, cached); a failed proof is refused where the model is first read, naming the layout
     and the difference. Under torchrun or SLURM the ranks start together: run ``nereus-check-model``
     once on each node instead (the refusal says so).

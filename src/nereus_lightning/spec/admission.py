@@ -1,7 +1,7 @@
 """Verdicts of the exactness self-check, cached per model type, transformers version and layout.
 
 A model type outside the registry (``spec.families.FAMILIES``) is admitted by proof: the body's
-self-check (``models.admission``) runs a tiny random model of its config class at every layout the
+self-check (``proof.admission``) runs a tiny random model of its config class at every layout the
 plan may use and records here, per layout, whether the sharded model matched the unsharded one
 (and the difference when it did not). The brain only reads these records (pure JSON, no torch):
 :func:`~nereus_lightning.spec.families.family_of` admits a model type with an exact verdict and

@@ -7,7 +7,7 @@ test (``tests/models/test_families.py`` checks every entry against the unsharded
 model); the registry keeps what is known to need special handling (fused projections, experts).
 
 Any other ``model_type`` is admitted by proof: the body's exactness self-check
-(``models.admission``) runs a tiny random model of its config class at every layout a plan may use
+(``proof.admission``) runs a tiny random model of its config class at every layout a plan may use
 and caches its verdict (``spec.admission``); :func:`family_of` then admits it as a generic family
 whose facts are read from its config. :func:`family_of` refuses everything else (no verdict yet, a
 failed verdict with its layout and difference, an unimplemented TP style, an architecture other
