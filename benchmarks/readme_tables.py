@@ -6,7 +6,7 @@ Each sits in the README between ``<!-- generated: NAME -->`` and ``<!-- end gene
 GPU); ``--check`` only says which are stale (exit 1), as ``tests/packaging/test_readme.py`` does.
 The simulated sweeps take minutes, so their tables are rendered from the JSON their benchmark
 writes (``bench_controller.py``: gamma sweep and ablation; ``bench_variants.py``;
-``bench_families.py``), and the test checks that the JSON's Nereus run on the paper trace is the
+``bench_drift_families.py``), and the test checks that the JSON's Nereus run on the paper trace is the
 one this version's ``nereus-simulate`` gives.
 """
 
@@ -243,8 +243,8 @@ def variants_table() -> str:
 
 
 def families_table() -> str:
-    """Per model x cluster x algorithm and drift family (``benchmarks/results/families.json``)."""
-    data = _results("families.json")
+    """Per model x cluster x algorithm and drift family (``benchmarks/results/drift_families.json``)."""
+    data = _results("drift_families.json")
     rows = []
     for run in data["runs"]:
         r, best = run["rows"], _best(run["rows"])

@@ -12,7 +12,7 @@ from tests.helpers import nereus_train
 @pytest.mark.distributed
 def test_nereus_train_admits_an_unregistered_family_by_proof_then_trains(tmp_path, monkeypatch):
     from nereus_lightning.rl.wordproblems import make_rows, write_parquet
-    from nereus_lightning.spec.admission import cached_verdict
+    from nereus_lightning.spec.verdicts import cached_verdict
     from nereus_lightning.testing.folders import tiny_model_folder
 
     monkeypatch.setenv("NEREUS_FAMILY_CACHE", str(tmp_path / "cache"))  # no verdict yet

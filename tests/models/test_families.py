@@ -17,9 +17,9 @@ import transformers as tf
 from nereus_lightning.models.sharding import fused_style, placement, tp_plan_of, tp_slices
 from nereus_lightning.proof.admission import admit
 from nereus_lightning.proof.selfcheck import chain_errors, layout_errors, worst
-from nereus_lightning.spec.admission import cached_verdict
 from nereus_lightning.spec.errors import NereusConfigError
 from nereus_lightning.spec.families import FAMILIES, QKV, family_of
+from nereus_lightning.spec.verdicts import cached_verdict
 from nereus_lightning.testing.shrink import tiny_config_of, value_config_of
 
 REQUIRED = ((1, 1), (2, 1), (1, 2), (2, 2))

@@ -110,7 +110,7 @@ def test_a_mixture_of_experts_is_priced_by_its_total_and_active_parameters() -> 
 def test_a_verdict_admits_a_family_and_a_failed_one_refuses_it_naming_the_layout(
     monkeypatch, tmp_path
 ) -> None:
-    from nereus_lightning.spec.admission import LayoutVerdict, Verdict, save_verdict, transformers_version
+    from nereus_lightning.spec.verdicts import LayoutVerdict, Verdict, save_verdict, transformers_version
 
     monkeypatch.setenv("NEREUS_FAMILY_CACHE", str(tmp_path))
     olmo = {**LLAMA, "model_type": "olmo"}

@@ -46,8 +46,8 @@ def load_config(path: str) -> Any:
 def check_from_config(cfg: DictConfig) -> dict[str, float]:
     """Run the self-check a composed config describes; returns the max error per ``layout/check``."""
     from nereus_lightning.proof.selfcheck import check_model
-    from nereus_lightning.spec.admission import on_trial
     from nereus_lightning.spec.families import FAMILIES, family_of
+    from nereus_lightning.spec.verdicts import on_trial
 
     world = int(cfg.world_size)
     require(world in (1, 2, 4), "world_size", f"must be 1, 2 or 4, got {world}")
@@ -62,7 +62,7 @@ def check_from_config(cfg: DictConfig) -> dict[str, float]:
 def admission_errors(config: Any, world: int) -> dict[str, float]:
     """Admit an unregistered family by proof (cached); the worst error per layout, printed with any reason."""
     from nereus_lightning.proof.admission import admit
-    from nereus_lightning.spec.admission import cache_file
+    from nereus_lightning.spec.verdicts import cache_file
 
     require(
         world == 4,

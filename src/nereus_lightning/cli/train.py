@@ -329,7 +329,7 @@ def _algorithm_name(cfg: Any) -> str:
     from hydra.utils import get_class
 
     from nereus_lightning.lightning.module import RLModule
-    from nereus_lightning.rl.registry import algorithm_of
+    from nereus_lightning.rl.estimators import algorithm_of
 
     chosen = cfg.algorithm.get("adv_estimator")
     if chosen is None:

@@ -1,5 +1,5 @@
 """RL LightningModules: :class:`RLModule` runs any registered algorithm (``adv_estimator``: PPO's GAE, GRPO,
-RLOO, REINFORCE++, ReMax or one of yours, :mod:`nereus_lightning.rl.registry`); PPOModule, GRPOModule and
+RLOO, REINFORCE++, ReMax or one of yours, :mod:`nereus_lightning.rl.estimators`); PPOModule, GRPOModule and
 ReMaxModule are its presets.
 
 A job's prompts and rewards come from a :class:`~nereus_lightning.rl.sources.PromptSource`: the

@@ -4,7 +4,7 @@
 TP1/2 x PP1/2 (logits and token log-probs within 1e-5 of the unsharded transformers model, one
 training step's gradients within 1e-5 relative) and, on 4 ranks, the unit state through
 Split/Merge (bit for bit). :func:`admit` does so only for an unregistered model type with no
-verdict for the installed transformers, and records the verdict (``spec.admission``), which
+verdict for the installed transformers, and records the verdict (``spec.verdicts``), which
 ``spec.families.family_of`` then reads: exact everywhere admits, anything else refuses with the
 layout and the difference.
 """
@@ -17,7 +17,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from nereus_lightning.proof.selfcheck import chain_errors, layout_outcomes, worst
-from nereus_lightning.spec.admission import (
+from nereus_lightning.spec.families import FAMILIES
+from nereus_lightning.spec.verdicts import (
     LayoutVerdict,
     Verdict,
     cached_verdict,
@@ -25,7 +26,6 @@ from nereus_lightning.spec.admission import (
     save_verdict,
     transformers_version,
 )
-from nereus_lightning.spec.families import FAMILIES
 from nereus_lightning.testing.shrink import tiny_config_of
 
 #: The layouts a proof covers, and the tolerances of its checks.

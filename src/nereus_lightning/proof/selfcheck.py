@@ -20,8 +20,8 @@ from nereus_lightning.models.groups import ReplicaComm, replica_groups
 from nereus_lightning.models.pipeline import forward_logits, split_micro_batches, token_logprobs
 from nereus_lightning.models.sharded import ShardedCausalLM, is_tied, validate_layout
 from nereus_lightning.plan.layout import Layout
-from nereus_lightning.spec.admission import on_trial
 from nereus_lightning.spec.errors import NereusConfigError
+from nereus_lightning.spec.verdicts import on_trial
 from nereus_lightning.testing.shrink import tiny_config_of, tiny_model_of, value_config_of
 
 BATCH, SEQ = 4, 12

@@ -27,6 +27,7 @@ from nereus_lightning.rl.algorithm import (
     update_critic,
 )
 from nereus_lightning.rl.batch import RolloutBatch, dp_slice
+from nereus_lightning.rl.estimators import Algorithm, algorithm_of, register_algorithm
 from nereus_lightning.rl.forward import (
     response_log_probs,
     response_span,
@@ -46,7 +47,6 @@ from nereus_lightning.rl.losses import (
     token_log_probs,
     value_loss,
 )
-from nereus_lightning.rl.registry import Algorithm, algorithm_of, register_algorithm
 from nereus_lightning.rl.reward import FunctionReward, ModelReward, RewardScorer, make_scorer
 from nereus_lightning.rl.tasks import PromptSampler, RepeatTask, TaskPrompt, repeat_reward
 from nereus_lightning.rl.tokenizer import ByteTokenizer

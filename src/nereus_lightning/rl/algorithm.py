@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from nereus_lightning.engines.base import RolloutEngine, sample_seeds
 from nereus_lightning.rl.advantages import apply_kl_penalty, scores_to_token_rewards
 from nereus_lightning.rl.batch import RolloutBatch, dp_slice
+from nereus_lightning.rl.estimators import algorithm_of
 from nereus_lightning.rl.forward import response_log_probs, response_values
 from nereus_lightning.rl.losses import (
     KL_ESTIMATORS,
@@ -30,7 +31,6 @@ from nereus_lightning.rl.losses import (
     policy_loss_of,
     value_loss,
 )
-from nereus_lightning.rl.registry import algorithm_of
 from nereus_lightning.rl.reward import RewardScorer
 from nereus_lightning.rl.tasks import PromptSampler
 from nereus_lightning.rl.tokenizer import ByteTokenizer
@@ -42,7 +42,7 @@ from nereus_lightning.spec.errors import require
 class RLConfig:
     """Knobs of one RL run (verl's names in comments where they differ)."""
 
-    algorithm: str = "grpo"  # algorithm.adv_estimator: a registered name (rl.registry)
+    algorithm: str = "grpo"  # algorithm.adv_estimator: a registered name (rl.estimators)
     steps: int = 100
     prompts_per_step: int = 8  # data.train_batch_size
     samples_per_prompt: int = 8  # actor_rollout_ref.rollout.n

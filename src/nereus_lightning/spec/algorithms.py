@@ -1,6 +1,6 @@
 """The RL algorithms the planner knows: each one's name and which model-stages its step runs.
 
-An algorithm's computation lives in the body (:mod:`nereus_lightning.rl.registry`), which registers
+An algorithm's computation lives in the body (:mod:`nereus_lightning.rl.estimators`), which registers
 its :class:`AlgorithmSpec` here; the brain reads only the spec, so it prices exactly the
 model-stages the algorithm runs: a critic only for GAE, a greedy rollout only for ReMax.
 """
@@ -86,7 +86,7 @@ def algorithm_spec(name: str, key: str = "workload.algorithm") -> AlgorithmSpec:
     return _SPECS[_NAMES[name]]
 
 
-# The built-in algorithms (their computation: nereus_lightning.rl.registry).
+# The built-in algorithms (their computation: nereus_lightning.rl.estimators).
 for _spec in (
     AlgorithmSpec("ppo", critic=True, aliases=("gae",)),
     AlgorithmSpec("grpo", min_samples_per_prompt=2),

@@ -8,7 +8,7 @@ model); the registry keeps what is known to need special handling (fused project
 
 Any other ``model_type`` is admitted by proof: the body's exactness self-check
 (``proof.admission``) runs a tiny random model of its config class at every layout a plan may use
-and caches its verdict (``spec.admission``); :func:`family_of` then admits it as a generic family
+and caches its verdict (``spec.verdicts``); :func:`family_of` then admits it as a generic family
 whose facts are read from its config. :func:`family_of` refuses everything else (no verdict yet, a
 failed verdict with its layout and difference, an unimplemented TP style, an architecture other
 than a causal LM or a token-classification value model), naming the family, the cause and the way out.
@@ -21,13 +21,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from nereus_lightning.spec.admission import (
+from nereus_lightning.spec.errors import NereusConfigError
+from nereus_lightning.spec.verdicts import (
     CHECKED_LAYOUTS,
     cached_verdict,
     on_trial_now,
     transformers_version,
 )
-from nereus_lightning.spec.errors import NereusConfigError
 
 #: A fused projection ``[q | k | v]`` (rows along the output dim), cut by key/value-head group.
 QKV = "qkv"

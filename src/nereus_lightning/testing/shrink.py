@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from nereus_lightning.spec.admission import on_trial
 from nereus_lightning.spec.families import family_of
+from nereus_lightning.spec.verdicts import on_trial
 
 VOCAB = 256
 LAYERS = 4

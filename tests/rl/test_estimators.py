@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from nereus_lightning.rl.algorithm import RLConfig
-from nereus_lightning.rl.registry import Algorithm, algorithm_of, register_algorithm
+from nereus_lightning.rl.estimators import Algorithm, algorithm_of, register_algorithm
 from nereus_lightning.spec.algorithms import AlgorithmSpec, algorithm_names
 from nereus_lightning.spec.errors import NereusConfigError
 from nereus_lightning.spec.workload import Workload, workflow

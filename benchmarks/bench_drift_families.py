@@ -1,11 +1,11 @@
-"""Policies on the drift families of ``sim.families`` over eight model x cluster x algorithm combinations.
+"""Policies on the drift families (``sim.drift_families``) over 8 model x cluster x algorithm combinations.
 
 For every combination and family (one seeded member each, ``--seeds`` more): the policy table
 (static, always-switch, every-3-steps, Nereus(0.5), oracle): mean s/step, infeasible steps and
 the gap to the oracle; then per combination whether Nereus is the best non-oracle policy with no
-more infeasible steps than any other. Writes ``benchmarks/results/families.json``.
+more infeasible steps than any other. Writes ``benchmarks/results/drift_families.json``.
 
-Usage: ``python benchmarks/bench_families.py [--seeds N] [--combos i,j] [--families a,b]``.
+Usage: ``python benchmarks/bench_drift_families.py [--seeds N] [--combos i,j] [--families a,b]``.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import json
 import time
 from pathlib import Path
 
+from nereus_lightning.sim.drift_families import COMBINATIONS, FAMILIES, Combination, family_trace
 from nereus_lightning.sim.experiment import make_setup, run_experiment
-from nereus_lightning.sim.families import COMBINATIONS, FAMILIES, Combination, family_trace
 
 RESULTS = Path(__file__).resolve().parent / "results"
 POLICIES = ("static", "always", "every_k:3", "nereus:0.5")
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seeds", type=int, default=1)
     parser.add_argument("--combos", default="", help="comma-separated indices into COMBINATIONS")
     parser.add_argument("--families", default="", help="comma-separated family names")
-    parser.add_argument("--out", default=str(RESULTS / "families.json"))
+    parser.add_argument("--out", default=str(RESULTS / "drift_families.json"))
     args = parser.parse_args(argv)
     combos = [COMBINATIONS[int(i)] for i in args.combos.split(",")] if args.combos else list(COMBINATIONS)
     families = args.families.split(",") if args.families else list(FAMILIES)

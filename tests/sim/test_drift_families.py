@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from nereus_lightning.sim.drift_families import COMBINATIONS, FAMILIES, FamilyShape, family_trace
 from nereus_lightning.sim.experiment import make_setup, run_experiment
-from nereus_lightning.sim.families import COMBINATIONS, FAMILIES, FamilyShape, family_trace
 from nereus_lightning.spec.errors import NereusConfigError
 
 SHAPE = FamilyShape(steps=40, length=(1000, 4000), gpus=(8, 32), node=4)
