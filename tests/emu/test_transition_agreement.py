@@ -18,7 +18,7 @@ from dataclasses import replace
 import pytest
 
 from nereus_lightning.emu import Merge, Split, StateSchema, Unit, merge, reshard_plan, split, unit_holdings
-from nereus_lightning.emu.plan import element_count
+from nereus_lightning.emu.transfer_plan import element_count
 from nereus_lightning.plan.layout import Layout
 from nereus_lightning.plan.units import common_layout, split_units
 from nereus_lightning.spec.errors import NereusConfigError

@@ -36,11 +36,11 @@ from nereus_lightning.emu.ops import (
     split,
     validate_op,
 )
-from nereus_lightning.emu.plan import Move, TransferPlan, plan_transfer, reshard_plan, unit_holdings
 from nereus_lightning.emu.primitives import TransferReport, create_unit, execute
 from nereus_lightning.emu.registry import Registry, registry
 from nereus_lightning.emu.schema import OPTIM_KEYS, StateSchema
 from nereus_lightning.emu.transfer import default_device
+from nereus_lightning.emu.transfer_plan import Move, TransferPlan, plan_transfer, reshard_plan, unit_holdings
 from nereus_lightning.emu.unit import EMU, Counters
 from nereus_lightning.plan.units import Position, Primitive, Unit, position_of
 

@@ -56,11 +56,11 @@ import torch.distributed as dist
 
 from nereus_lightning.emu.groups import prepare_member_groups
 from nereus_lightning.emu.ops import Destroy, Extend, Merge, Op, Split, from_node, ranked
-from nereus_lightning.emu.plan import reshard_plan
 from nereus_lightning.emu.primitives import Started, TransferReport
 from nereus_lightning.emu.primitives import start as start_op
 from nereus_lightning.emu.registry import Registry, registry
 from nereus_lightning.emu.transfer import InFlight, default_device, start_broadcast
+from nereus_lightning.emu.transfer_plan import reshard_plan
 from nereus_lightning.emu.unit import EMU, Counters
 from nereus_lightning.plan.units import Primitive
 from nereus_lightning.spec.errors import NereusConfigError, require

@@ -20,14 +20,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from nereus_lightning.emu.plan import (
+from nereus_lightning.emu.schema import StateSchema
+from nereus_lightning.emu.transfer_plan import (
     element_count,
     merged_holdings,
     position_holdings,
     reshard_plan,
     unit_holdings,
 )
-from nereus_lightning.emu.schema import StateSchema
 from nereus_lightning.plan.layout import Layout
 from nereus_lightning.plan.units import Primitive, Unit, merged_gpus, split_units
 from nereus_lightning.spec.errors import require

@@ -20,7 +20,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from nereus_lightning.emu.ops import Destroy, Extend, Merge, Op, Split, validate_op
-from nereus_lightning.emu.plan import reshard_plan, unit_holdings
 from nereus_lightning.emu.registry import registry
 from nereus_lightning.emu.schema import StateSchema
 from nereus_lightning.emu.transfer import (
@@ -31,6 +30,7 @@ from nereus_lightning.emu.transfer import (
     start_broadcast,
     start_plan,
 )
+from nereus_lightning.emu.transfer_plan import reshard_plan, unit_holdings
 from nereus_lightning.emu.unit import EMU, Counters
 from nereus_lightning.plan.layout import Layout
 from nereus_lightning.plan.units import Primitive, Unit

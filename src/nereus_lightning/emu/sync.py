@@ -1,6 +1,6 @@
 """Copying state between unit sets of one model's schema: weight sync between model-stages, and re-layout.
 
-Both run the transfer plan of :mod:`nereus_lightning.emu.plan` (each missing slice from one
+Both run the transfer plan of :mod:`nereus_lightning.emu.transfer_plan` (each missing slice from one
 holder, one packed buffer per peer pair) through :func:`nereus_lightning.emu.transfer.run_plan`;
 a rank that holds a source and a target shard copies their overlap locally first.
 
@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 
 from nereus_lightning.emu.groups import prepare_member_groups
-from nereus_lightning.emu.plan import Interval, merged_holdings, plan_transfer, unit_holdings
 from nereus_lightning.emu.registry import registry
 from nereus_lightning.emu.schema import StateSchema
 from nereus_lightning.emu.transfer import StateDict, Traffic, default_device, run_plan, slice_of
+from nereus_lightning.emu.transfer_plan import Interval, merged_holdings, plan_transfer, unit_holdings
 from nereus_lightning.emu.unit import EMU, Counters
 from nereus_lightning.plan.units import Unit
 from nereus_lightning.spec.errors import require

@@ -217,7 +217,7 @@ def gather_pieces(
 ) -> tuple[tuple[int, Piece], ...]:
     """:func:`gather_pattern` without the bytes: (source index, piece), for a model of
     ``num_layers`` blocks (``tied``: LM head tied to the embedding). It depends on nothing else,
-    so the body executes these very pieces (``emu.plan.reshard_plan``)."""
+    so the body executes these very pieces (``emu.transfer_plan.reshard_plan``)."""
     p0, t0 = divmod(dst_index, have.tp)
     w = stage_content(num_layers, tied, want.pp, want_pp)
     den = have.tp * want.tp // gcd(have.tp, want.tp)

@@ -2,7 +2,7 @@
 
 :func:`split_pieces` and :func:`merge_pieces` are THE transfer plan of those primitives: the
 brain prices them (:func:`split_pattern`, :func:`merge_pattern` add the bytes of
-``transition.pieces`` and the buffers) and the body executes them (``emu.plan.reshard_plan``
+``transition.pieces`` and the buffers) and the body executes them (``emu.transfer_plan.reshard_plan``
 turns each piece into tensor slices). Pure position arithmetic, cached per layout pair and
 tiling; placing a pattern on a unit's GPUs gives the exact transfers of one primitive call.
 The unit geometry itself (which positions form each sub-unit, ``T_sub``) is ``plan.units``.
