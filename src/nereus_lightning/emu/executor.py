@@ -164,13 +164,13 @@ class ExecutionReport:
 def calibration_observations(dag: TransitionDAG, report: ExecutionReport) -> list[tuple[str, float, float]]:
     """``(name, predicted_s, measured_s)`` per node that moved bytes, for ``Calibration.observe``.
 
-    ``predicted_s`` is the node's span in the brain's schedule (``transition.cost.schedule``:
+    ``predicted_s`` is the node's span in the brain's schedule (``transition.critical_path.schedule``:
     start to finish, link sharing included), ``measured_s`` its measured seconds in ``report``
     (reduced: the slowest member). ``name`` is ``transition/<op>/<link>``, the link class being
     ``inter`` if any transfer crosses machines, else ``intra`` (``local`` if every copy stays on
     its GPU), so a calibration can learn each link class's efficiency apart.
     """
-    from nereus_lightning.transition.cost import schedule
+    from nereus_lightning.transition.critical_path import schedule
 
     plan = schedule(dag)
     gpn = dag.context.cluster.gpus_per_node

@@ -24,7 +24,7 @@ one, and alike calls of one model-stage that end up waiting for the same nodes s
 from nereus_lightning.plan.units import common_layout
 from nereus_lightning.transition.baseline import BaselineOutcome, per_component_baseline
 from nereus_lightning.transition.build import build_transition, clear_cache
-from nereus_lightning.transition.cost import Schedule, schedule, transition_cost
+from nereus_lightning.transition.critical_path import Schedule, schedule, transition_cost
 from nereus_lightning.transition.dag import MemEffect, Node, Primitive, TransitionDAG, Unit
 from nereus_lightning.transition.pieces import Piece, Transfer, piece_bytes
 from nereus_lightning.transition.validate import ValidationReport, validate

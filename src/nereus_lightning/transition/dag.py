@@ -7,7 +7,7 @@ several independent replicas of its model-stage (its *lanes*, :meth:`Node.lanes`
 concurrently too. ``sources`` are the units the primitive reads (and, except for
 Extend, consumes); ``targets`` the units it creates. A unit is a layout and its GPUs in
 ``Candidate`` order (index ``pp_rank * tp + tp_rank``). The transfers of a node are exactly what
-it sends; they price the node (``transition.cost``) and the executor checks its bytes against them.
+it sends; they price the node (``transition.critical_path``) and the executor checks its bytes against them.
 
 A node holds its units as :class:`Units` (one layout, each unit as its GPU tuple) and its memory
 effects as :class:`Memory` (columns): the brain works on GPU tuples and makes no object per unit;
@@ -398,7 +398,7 @@ class TransitionDAG:
     @cached_property
     def cost(self) -> float:
         """``L_tran`` in seconds on the context's cluster."""
-        from nereus_lightning.transition.cost import transition_cost
+        from nereus_lightning.transition.critical_path import transition_cost
 
         return transition_cost(self, self.context.cluster)
 
