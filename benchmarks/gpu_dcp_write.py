@@ -5,7 +5,7 @@ one line each: the disk's own write rate (threads writing raw bytes, fsync'd); s
 host memory (allocate, copy from the device, free) in pinned and in pageable memory; ``dcp.save``
 (no process group) from the device and from the staged copies, by thread count and with torch's zip
 CRC32 on and off; DCP's own ``DefaultStager`` and a :class:`~nereus_lightning.emu.host.HostBlock`
-(what ``emu.checkpoint`` stages resident units with), each with a write from it; and, in child
+(what ``emu.dcp_state`` stages resident units with), each with a write from it; and, in child
 processes, the pinned staging with ``PYTORCH_CUDA_ALLOC_CONF`` pinning through ``cudaHostRegister``
 from several threads, and the cost at process exit of holding pinned memory (a HostBlock's too).
 
@@ -113,7 +113,7 @@ def stage_with_dcp(tensors: dict[str, torch.Tensor], directory: str) -> None:
 
 
 def stage_with_block(tensors: dict[str, torch.Tensor], directory: str) -> None:
-    """What ``emu.checkpoint`` stages with: one HostBlock (pages touched, one cudaHostRegister), a write
+    """What ``emu.dcp_state`` stages with: one HostBlock (pages touched, one cudaHostRegister), a write
     from it, its release.
     """
     from nereus_lightning.emu.host import HostBlock

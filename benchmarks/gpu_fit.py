@@ -53,9 +53,9 @@ PHASES = (
     "nereus_lightning.lightning.strategy.NereusStrategy.on_train_end",
     "nereus_lightning.lightning.strategy.NereusStrategy.teardown",
     "nereus_lightning.lightning.emu_state.EMUStates.save",
-    "nereus_lightning.emu.checkpoint.save_tensors",
-    "nereus_lightning.emu.checkpoint._stage",  # one unit into page-locked host memory
-    "nereus_lightning.emu.checkpoint._Staged.free",  # its release and unmapping once written
+    "nereus_lightning.emu.dcp_state.save_tensors",
+    "nereus_lightning.emu.dcp_state._stage",  # one unit into page-locked host memory
+    "nereus_lightning.emu.dcp_state._Staged.free",  # its release and unmapping once written
     "nereus_lightning.lightning.console.print_summary",
     "nereus_lightning.cli.train.summarize",
     "lightning.pytorch.callbacks.ModelCheckpoint.on_train_epoch_end",

@@ -1,4 +1,4 @@
-"""Checkpoint saves of several model-stages at once (``emu.checkpoint.save_states``): two DCP saves in flight
+"""Checkpoint saves of several model-stages at once (``emu.dcp_state.save_states``): two DCP saves in flight
 on every rank, each over its own process group; staged host memory bounded and freed as each write ends.
 """
 
@@ -66,7 +66,7 @@ def two_training_units_saved_at_once(rank: int, world: int, path: str) -> dict:
     """
     import torch.distributed as dist
 
-    from nereus_lightning.emu import checkpoint
+    from nereus_lightning.emu import dcp_state
 
     _units(0, {
         "ref_infer": (Layout(1, 1), (3,)),
@@ -74,7 +74,7 @@ def two_training_units_saved_at_once(rank: int, world: int, path: str) -> dict:
         "critic_train": (Layout(1, 1), (2,)),
     }, COUNTERS)  # fmt: skip
     saved = {stage: gather_logical_state(stage, dst=0) for stage in ("ref_infer", *TRAINING)}
-    real, both, ran = checkpoint.save_tensors, threading.Barrier(2, timeout=60), {}
+    real, both, ran = dcp_state.save_tensors, threading.Barrier(2, timeout=60), {}
 
     def save_at_once(state: dict, where: str, process_group=None) -> None:  # noqa: ANN001
         stage = os.path.basename(where)
@@ -83,12 +83,12 @@ def two_training_units_saved_at_once(rank: int, world: int, path: str) -> dict:
             both.wait()  # breaks (and the save fails) unless the other training unit's save has begun too
         real(state, where, process_group=process_group)
 
-    checkpoint.save_tensors = save_at_once  # what the writers call
+    dcp_state.save_tensors = save_at_once  # what the writers call
     try:
         # As EMUStates.save orders them: training units last (consecutive saves go to different writers).
-        checkpoint.save_states([(s, os.path.join(path, s), True) for s in ("ref_infer", *TRAINING)])
+        dcp_state.save_states([(s, os.path.join(path, s), True) for s in ("ref_infer", *TRAINING)])
     finally:
-        checkpoint.save_tensors = real
+        dcp_state.save_tensors = real
     out: dict = {
         "threads": {s: name for s, (name, _) in ran.items()},
         "own_groups": [g is not None and g is not dist.group.WORLD for _, g in ran.values()],
@@ -100,7 +100,7 @@ def two_training_units_saved_at_once(rank: int, world: int, path: str) -> dict:
         "critic_train": (Layout(1, 1), (1,)),
     }, Counters())  # fmt: skip
     for stage, emu in mine.items():
-        checkpoint.load_state(emu, os.path.join(path, stage))
+        dcp_state.load_state(emu, os.path.join(path, stage))
     resumed = {stage: gather_logical_state(stage, dst=0) for stage in mine}
     if rank == 0:
         out["differences"] = {s: saved[s].differences(resumed[s]) for s in resumed}
@@ -136,7 +136,7 @@ def staged_memory(rank: int, world: int, path: str, failing: str | None) -> dict
     returns, the threads that unmapped them, what was written, the error, and whether each model-stage
     loads back bit for bit.
     """
-    from nereus_lightning.emu import checkpoint
+    from nereus_lightning.emu import dcp_state
     from nereus_lightning.emu.host import HostBlock
 
     registry().clear()
@@ -154,20 +154,20 @@ def staged_memory(rank: int, world: int, path: str, failing: str | None) -> dict
             unmapped_on.append(threading.current_thread().name)
 
     def on_host(state: dict) -> tuple:
-        """``checkpoint._on_host`` for CPU tensors: every tensor copied into one HostBlock."""
+        """``dcp_state._on_host`` for CPU tensors: every tensor copied into one HostBlock."""
         keys = [k for k, v in state.items() if isinstance(v, torch.Tensor)]
-        block = HostBlock([checkpoint._local(state[k]) for k in keys], pin=False)
+        block = HostBlock([dcp_state._local(state[k]) for k in keys], pin=False)
         staged = dict(state)
         for key, host in zip(keys, block.tensors, strict=True):
-            host.copy_(checkpoint._local(state[key]))
-            staged[key] = checkpoint._with_local(state[key], host)
+            host.copy_(dcp_state._local(state[key]))
+            staged[key] = dcp_state._with_local(state[key], host)
         weakref.finalize(block._mapping, unmapped)  # runs where the mapping goes
         with lock:
             mapped[0] += 1
             most[0] = max(most[0], mapped[0])
         return staged, block
 
-    real_on_host, real_save = checkpoint._on_host, checkpoint.save_tensors
+    real_on_host, real_save = dcp_state._on_host, dcp_state.save_tensors
 
     def slow_save(state: dict, where: str, process_group=None) -> None:  # noqa: ANN001
         time.sleep(0.5)
@@ -175,15 +175,15 @@ def staged_memory(rank: int, world: int, path: str, failing: str | None) -> dict
             raise CheckpointError(f"{where}: disk full")
         real_save(state, where, process_group=process_group)
 
-    checkpoint._on_host, checkpoint.save_tensors = on_host, slow_save
+    dcp_state._on_host, dcp_state.save_tensors = on_host, slow_save
     out: dict = {"error": None}
     try:
-        checkpoint.save_states([(s, os.path.join(path, s), s not in WITHOUT_WEIGHTS) for s in STAGES])
+        dcp_state.save_states([(s, os.path.join(path, s), s not in WITHOUT_WEIGHTS) for s in STAGES])
     except CheckpointError as exc:
         out["error"] = str(exc)
         del exc
     finally:
-        checkpoint._on_host, checkpoint.save_tensors = real_on_host, real_save
+        dcp_state._on_host, dcp_state.save_tensors = real_on_host, real_save
     out["mapped_on_return"] = mapped[0]
     gc.collect()  # a failed save's staged state lives in its traceback until the error is gone
     out.update(most=most[0], mapped=mapped[0], unmapped_on=sorted(set(unmapped_on)))
@@ -196,7 +196,7 @@ def staged_memory(rank: int, world: int, path: str, failing: str | None) -> dict
         again = EMU.empty(stage, registry().schema(stage), unit, rank, trains=stage.endswith("_train"))
         for _, _, t in again.tensors():
             t.fill_(-7.0)  # so that a shard DCP did not fill cannot pass by chance
-        checkpoint.load_state(again, os.path.join(path, stage), weights=weights)
+        dcp_state.load_state(again, os.path.join(path, stage), weights=weights)
         theirs = {(n, k): t for n, k, t in again.tensors()}
         same = not weights or all(torch.equal(t, theirs[(n, k)]) for n, k, t in ours.tensors())
         out["same"][stage] = same and again.counters == ours.counters
@@ -205,7 +205,7 @@ def staged_memory(rank: int, world: int, path: str, failing: str | None) -> dict
 
 @pytest.mark.distributed
 def test_staged_memory_is_bounded_and_unmapped_by_the_freeing_thread_as_each_write_ends(dist4, tmp_path):
-    from nereus_lightning.emu.checkpoint import CONCURRENT_SAVES
+    from nereus_lightning.emu.dcp_state import CONCURRENT_SAVES
 
     for rank, out in enumerate(dist4.run(staged_memory, str(tmp_path), None)):
         assert out["error"] is None, rank

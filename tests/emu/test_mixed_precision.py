@@ -165,7 +165,7 @@ def dcp_bf16(rank: int, world: int, path: str) -> dict:
     and as checkpoints before issue 14 were (``old``: every parameter too), Split, then each loaded into the
     new layout: per checkpoint the shards that differ; on rank 0 what each holds.
     """
-    from nereus_lightning.emu.checkpoint import (
+    from nereus_lightning.emu.dcp_state import (
         PARAMS_FROM_MASTERS,
         dcp_state_dict,
         load_state,

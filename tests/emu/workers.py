@@ -251,7 +251,7 @@ def dcp_oracle(rank: int, world: int, path: str):
     shard.
     """
     from nereus_lightning.emu import EMU
-    from nereus_lightning.emu.checkpoint import load_state, save_state
+    from nereus_lightning.emu.dcp_state import load_state, save_state
 
     stage = "actor_train"
     reg = registry()

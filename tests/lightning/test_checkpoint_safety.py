@@ -259,7 +259,7 @@ def test_damaged_metadata_names_the_file(saved, tmp_path, damage, message):
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP's note on one-process use
 def test_a_corrupt_shard_of_the_right_size_names_the_file(tmp_path):
-    from nereus_lightning.emu.checkpoint import load_tensors, save_tensors
+    from nereus_lightning.emu.dcp_state import load_tensors, save_tensors
 
     save_tensors({"w": torch.arange(64, dtype=torch.float32)}, tmp_path / "c")
     shard = max((tmp_path / "c").glob("*.distcp"), key=lambda f: f.stat().st_size)  # the one with data
@@ -290,7 +290,7 @@ def test_an_older_checkpoint_converts_and_resumes(saved, tmp_path):
 # ---- atomic and finite saves ----------------------------------------------------------------------
 @pytest.mark.distributed
 def test_a_crash_mid_save_leaves_the_previous_last_ckpt_whole(tmp_path, monkeypatch):
-    import nereus_lightning.emu.checkpoint as emu_checkpoint
+    import nereus_lightning.emu.dcp_state as emu_checkpoint
 
     real, stages_saved = emu_checkpoint.save_tensors, []
 
@@ -351,7 +351,7 @@ def test_a_checkpoint_that_would_not_give_the_state_back_is_refused_on_every_ran
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP's note on one-process use
 def test_weights_stored_as_masters_read_back_rounded_and_a_missing_one_is_named(tmp_path):
-    from nereus_lightning.emu.checkpoint import PARAMS_FROM_MASTERS, save_tensors
+    from nereus_lightning.emu.dcp_state import PARAMS_FROM_MASTERS, save_tensors
     from nereus_lightning.lightning.export import logical_params
 
     norm, master = torch.rand(8), torch.randn(4, 8)
@@ -527,7 +527,7 @@ def build_on(module: str, name: str, attribute: str) -> bytes:
 def test_a_metadata_file_cannot_change_a_class(tmp_path, module, name):
     import importlib
 
-    from nereus_lightning.emu.checkpoint import read_dcp_metadata
+    from nereus_lightning.emu.dcp_state import read_dcp_metadata
 
     cls = getattr(importlib.import_module(module), name)
     hostile = build_on(module, name, "nereus_hostile")
@@ -587,7 +587,7 @@ def dcp_metadata(size: tuple, chunk: tuple, length: int):  # noqa: ANN201
 def test_sizes_the_data_does_not_back_are_refused_before_anything_is_allocated(
     tmp_path, size, chunk, length, message
 ):
-    from nereus_lightning.emu.checkpoint import read_dcp_metadata
+    from nereus_lightning.emu.dcp_state import read_dcp_metadata
     from nereus_lightning.lightning.export import logical_params
 
     (tmp_path / ".metadata").write_bytes(pickle.dumps(dcp_metadata(size, chunk, length)))

@@ -53,7 +53,7 @@ def saved_stages(rank: int, world_size: int, folder: str, dtype: torch.dtype) ->
     import os
 
     from nereus_lightning import emu
-    from nereus_lightning.emu.checkpoint import read_dcp_metadata
+    from nereus_lightning.emu.dcp_state import read_dcp_metadata
     from nereus_lightning.lightning import NereusStrategy, PPOModule
 
     def module_in_dtype() -> PPOModule:

@@ -115,7 +115,7 @@ def test_bf16_mixed_trains_on_bf16_weights_with_fp32_masters(tmp_path):
 
     from safetensors.torch import load_file
 
-    from nereus_lightning.emu.checkpoint import read_dcp_metadata
+    from nereus_lightning.emu.dcp_state import read_dcp_metadata
     from nereus_lightning.lightning import GRPOModule
     from nereus_lightning.lightning.export import logical_params
     from tests.lightning.helpers import small_task

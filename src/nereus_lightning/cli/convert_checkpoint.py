@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from nereus_lightning.emu.checkpoint import DCP_METADATA, RestrictedUnpickler, read_dcp_metadata
+from nereus_lightning.emu.dcp_state import DCP_METADATA, RestrictedUnpickler, read_dcp_metadata
 from nereus_lightning.lightning.checkpoint import LEGACY_META_FILE, META_FILE, encode, write_metadata
 from nereus_lightning.spec.errors import CheckpointError
 

@@ -141,7 +141,7 @@ class EMU:
                     dtype = schema.key_dtype(name, key)
                     state[key] = src.detach().to(device=device, dtype=dtype, copy=True).contiguous()
                 if MASTER_KEY in state and given is not None and MASTER_KEY in given:
-                    # Checkpoints store the master only (emu.checkpoint.params_from_masters).
+                    # Checkpoints store the master only (emu.dcp_state.params_from_masters).
                     require(
                         not bool(off_master(params[name], state[MASTER_KEY])),
                         "full_optim",

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from nereus_lightning.emu.checkpoint import DCP_METADATA, STEP_KEY, load_tensors, read_dcp_metadata
+from nereus_lightning.emu.dcp_state import DCP_METADATA, STEP_KEY, load_tensors, read_dcp_metadata
 from nereus_lightning.lightning.integrity import (
     HASH,
     FileRecord,
@@ -267,7 +267,7 @@ def read_metadata(directory: str | os.PathLike) -> StoredCheckpoint:
     ``nereus_meta.pt``, or a format-1 checkpoint without content hashes, is refused with the command that
     converts it), damaged JSON, another format version, a symbolic link anywhere in the directory, a file
     missing or of another size than recorded, DCP metadata that is damaged or refers to anything but DCP's
-    records (:func:`~nereus_lightning.emu.checkpoint.read_dcp_metadata`), or a value no run could have
+    records (:func:`~nereus_lightning.emu.dcp_state.read_dcp_metadata`), or a value no run could have
     saved (:func:`~nereus_lightning.lightning.checkpoint_values.check_values`, naming the field).
     """
     from nereus_lightning.lightning.checkpoint_values import check_values

@@ -95,7 +95,7 @@ def _require_masters_held(directory: str, model_stage: str) -> None:
     """Refuse (every rank alike) a model-stage directory that stores parameters as their fp32 masters only
     where this job's units hold them otherwise (another ``trainer.precision``): no master would fill them.
     """
-    from nereus_lightning.emu.checkpoint import (
+    from nereus_lightning.emu.dcp_state import (
         PARAMS_FROM_MASTERS,
         params_from_masters,
         read_params_from_masters,
@@ -252,7 +252,7 @@ class EMUStates:
 
     def _load(self, plan: Plan, path: str) -> None:
         """Fill the new units from the checkpoint directory ``path`` (``<checkpoint>/emu``; collective)."""
-        from nereus_lightning.emu.checkpoint import load_state
+        from nereus_lightning.emu.dcp_state import load_state
 
         weights_from = _read_weights_from(path, plan)
         sources = self._sources(plan)
@@ -551,14 +551,14 @@ class EMUStates:
     # ---- state ---------------------------------------------------------------------------
     def save(self, path: str, step: int | None = None) -> None:
         """Every model-stage's logical state through DCP into ``path/<model_stage>`` (collective); each also
-        holds ``step`` (the global step, see :data:`~nereus_lightning.emu.checkpoint.STEP_KEY`) when given.
+        holds ``step`` (the global step, see :data:`~nereus_lightning.emu.dcp_state.STEP_KEY`) when given.
 
         A model-stage that holds exactly its training stage's weights (:attr:`synced` on every rank)
         is saved with its counters only and ``path/<model_stage>/weights_from.json`` names the
         training stage; loading syncs it from there (``actor_gen`` and ``actor_infer`` of a 0.5B
         actor are 2 GB of the checkpoint's 9 GB).
         """
-        from nereus_lightning.emu.checkpoint import save_states
+        from nereus_lightning.emu.dcp_state import save_states
 
         assert self.plan is not None
         views: list[Any] = [sorted(self.synced)]  # per rank (filled by the gather)
@@ -571,7 +571,7 @@ class EMUStates:
         # Each unit from where it is: an idle one from its pinned host memory, a resident one staged
         # in page-locked host memory first. Training units (resident) go last: they are staged while
         # the others are written, and being consecutive they go to different writers, so that PPO's
-        # two are written at once (emu.checkpoint.save_states).
+        # two are written at once (emu.dcp_state.save_states).
         order = sorted(self.plan, key=lambda n: self.stages[n].trains)
         save_states([(n, os.path.join(path, n), n not in weights_from) for n in order], step)
         if not dist.is_initialized() or dist.get_rank() == 0:

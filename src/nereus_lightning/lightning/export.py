@@ -40,12 +40,12 @@ def logical_params(stage_dir: str) -> dict[str, Any]:
     """Every parameter of a model-stage checkpoint, full size, read on this process alone (no unpickling).
 
     A training stage stores its bf16/fp16 parameters as their fp32 masters only
-    (:data:`~nereus_lightning.emu.checkpoint.PARAMS_FROM_MASTERS` names them and their dtype): each
+    (:data:`~nereus_lightning.emu.dcp_state.PARAMS_FROM_MASTERS` names them and their dtype): each
     is its master rounded to that dtype, as the optimizer step rounds it.
     """
     import torch
 
-    from nereus_lightning.emu.checkpoint import load_tensors, read_dcp_metadata, read_params_from_masters
+    from nereus_lightning.emu.dcp_state import load_tensors, read_dcp_metadata, read_params_from_masters
 
     stored: Mapping[str, Any] = read_dcp_metadata(stage_dir).state_dict_metadata  # (tensors only)
     dtypes = read_params_from_masters(stage_dir)
@@ -68,7 +68,7 @@ def _param_sources(stage_dir: str, stored: Mapping[str, Any], dtypes: Mapping[st
     A :class:`CheckpointError` names the file and key of a parameter that has neither, or whose
     dtype no file gives.
     """
-    from nereus_lightning.emu.checkpoint import DCP_METADATA, PARAMS_FROM_MASTERS
+    from nereus_lightning.emu.dcp_state import DCP_METADATA, PARAMS_FROM_MASTERS
 
     metadata, record = os.path.join(stage_dir, DCP_METADATA), os.path.join(stage_dir, PARAMS_FROM_MASTERS)
     sources: dict[str, str] = {}
@@ -109,7 +109,7 @@ def export_model(stage_dir: str, folder: str, config: Any = None, config_file: s
     import torch
     import transformers as tf
 
-    from nereus_lightning.emu.checkpoint import read_dcp_metadata, read_params_from_masters
+    from nereus_lightning.emu.dcp_state import read_dcp_metadata, read_params_from_masters
     from nereus_lightning.models.sharding import placement, tp_plan_of, tp_slices
 
     config = config if config is not None else tf.AutoConfig.from_pretrained(folder, trust_remote_code=False)

@@ -563,7 +563,7 @@ class NereusStrategy(ParallelStrategy):
         """Rank 0's JSON encoding of ``checkpoint`` once every rank found its state finite and its bf16/fp16
         training parameters their masters rounded (collective).
         """
-        from nereus_lightning.emu.checkpoint import nonfinite_tensors, params_off_master
+        from nereus_lightning.emu.dcp_state import nonfinite_tensors, params_off_master
 
         encoded, problem = None, None
         if self.is_global_zero:
