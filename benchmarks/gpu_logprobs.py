@@ -1,4 +1,4 @@
-"""Triton log-prob kernels (``kernels/logprobs.py``) on one GPU: checked against the reference, then timed.
+"""Triton log-prob kernels (``kernels/softmax_stats``) on one GPU: checked against the reference, then timed.
 
 Checks (fresh random inputs each, outputs poisoned with NaN before every launch): bf16 and fp32
 logits, n in {1, 777, 4096} rows, V in {151936, 75968, 32000} (Qwen2's vocabulary at TP1 / TP2,
@@ -216,7 +216,7 @@ def _copy_ceiling(like: torch.Tensor) -> float:
 
 def run_timing(sweep: bool, n: int = 4096, V: int = 151936) -> dict[str, Any]:
     """Time reference vs Triton (forward, backward) on bf16 [n, V] logits; print a table."""
-    from nereus_lightning.kernels import _logprobs_triton as tk
+    from nereus_lightning.kernels import _softmax_stats_triton as tk
     from nereus_lightning.kernels import (
         combine_stats,
         logit_grad,
@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("needs triton")
         return 2
-    from nereus_lightning.kernels import _logprobs_triton as tk
+    from nereus_lightning.kernels import _softmax_stats_triton as tk
 
     where = "CPU (Triton interpreter)" if args.smoke else torch.cuda.get_device_name()
     print(f"{where}; torch {torch.__version__}; triton {triton.__version__}")

@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from nereus_lightning.kernels import _logprobs_triton as triton_kernels
+from nereus_lightning.kernels import _softmax_stats_triton as triton_kernels
 from nereus_lightning.kernels import combine_stats, logit_grad_reference, row_stats_reference
 from tests.kernels.logprobs_cases import random_logits, random_targets, rel_norm
 

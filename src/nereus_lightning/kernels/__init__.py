@@ -2,7 +2,8 @@
 one flat buffer, and per-row log-softmax statistics (and their gradient) of vocabulary-sharded logits."""
 
 from nereus_lightning.kernels._ext import kernel_status
-from nereus_lightning.kernels.logprobs import (
+from nereus_lightning.kernels.pack import byte_offsets, pack, pack_reference, unpack, unpack_reference
+from nereus_lightning.kernels.softmax_stats import (
     combine_stats,
     finish_stats,
     logit_grad,
@@ -11,7 +12,6 @@ from nereus_lightning.kernels.logprobs import (
     row_stats,
     row_stats_reference,
 )
-from nereus_lightning.kernels.pack import byte_offsets, pack, pack_reference, unpack, unpack_reference
 
 __all__ = [
     "byte_offsets",

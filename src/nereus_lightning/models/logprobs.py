@@ -5,7 +5,7 @@ The LM head (the family's own, with its scaling and soft-capping) runs over chun
 again in backward, where the chunk is recomputed (activation checkpointing of the head). Under TP
 each rank holds a vocabulary slice: per-row statistics (max, sum of exp, ...) are combined with
 one max and one sum all-reduce, so no rank gathers logits. The per-row work is
-:mod:`nereus_lightning.kernels.logprobs` (a fused kernel on GPUs, the torch reference elsewhere).
+:mod:`nereus_lightning.kernels.softmax_stats` (a fused kernel on GPUs, the torch reference elsewhere).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import Tensor
 
-from nereus_lightning.kernels.logprobs import (
+from nereus_lightning.kernels.softmax_stats import (
     combine_stats,
     finish_stats,
     logit_grad,

@@ -8,7 +8,7 @@ log p(target), the entropy, and the global max M, sum S and mean ``sum_v p_v x_v
 without another reduction. No fp32 copy of the whole vocabulary is ever needed.
 
 The torch versions (:func:`row_stats_reference`, :func:`logit_grad_reference`) are the contract on
-every device; on CUDA tensors, where triton imports, Triton kernels (``_logprobs_triton``) run
+every device; on CUDA tensors, where triton imports, Triton kernels (``_softmax_stats_triton``) run
 instead and match the reference to fp32 rounding (not bit for bit: the sums are ordered
 differently, and the forward rescales partial sums as its running max moves).
 ``NEREUS_LOGPROB_KERNELS=0`` forces the reference.
@@ -46,9 +46,9 @@ def _kernels() -> ModuleType | None:
                 log.info("Triton log-prob kernels off (NEREUS_LOGPROB_KERNELS=0); using the torch reference")
             else:
                 try:
-                    from nereus_lightning.kernels import _logprobs_triton
+                    from nereus_lightning.kernels import _softmax_stats_triton
 
-                    _triton = _logprobs_triton
+                    _triton = _softmax_stats_triton
                 except ImportError as exc:  # triton is optional: not a dependency
                     log.info("Triton log-prob kernels off (%s); using the torch reference", exc)
         return _triton

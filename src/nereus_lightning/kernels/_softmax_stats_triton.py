@@ -1,4 +1,4 @@
-"""Triton kernels for :mod:`nereus_lightning.kernels.logprobs` (imported only where triton is).
+"""Triton kernels for :mod:`nereus_lightning.kernels.softmax_stats` (imported only where triton is).
 
 One program per row loops over the row's vocabulary slice in blocks of ``BLOCK_V``: the forward
 reads each logit once and writes four floats per row; the backward reads each logit once and
