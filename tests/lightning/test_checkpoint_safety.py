@@ -352,7 +352,7 @@ def test_a_checkpoint_that_would_not_give_the_state_back_is_refused_on_every_ran
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP's note on one-process use
 def test_weights_stored_as_masters_read_back_rounded_and_a_missing_one_is_named(tmp_path):
     from nereus_lightning.emu.dcp_state import PARAMS_FROM_MASTERS, save_tensors
-    from nereus_lightning.lightning.export import logical_params
+    from nereus_lightning.lightning.hf_export import logical_params
 
     norm, master = torch.rand(8), torch.randn(4, 8)
     stage = tmp_path / "actor_train"
@@ -588,7 +588,7 @@ def test_sizes_the_data_does_not_back_are_refused_before_anything_is_allocated(
     tmp_path, size, chunk, length, message
 ):
     from nereus_lightning.emu.dcp_state import read_dcp_metadata
-    from nereus_lightning.lightning.export import logical_params
+    from nereus_lightning.lightning.hf_export import logical_params
 
     (tmp_path / ".metadata").write_bytes(pickle.dumps(dcp_metadata(size, chunk, length)))
     (tmp_path / "__0_0.distcp").write_bytes(b"\0" * length)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nereus_lightning.lightning.emu_state import EMUStates
-from nereus_lightning.lightning.export import logical_params
+from nereus_lightning.lightning.hf_export import logical_params
 from tests.lightning.helpers import fit, small_task
 
 pytestmark = pytest.mark.distributed

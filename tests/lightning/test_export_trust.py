@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from nereus_lightning.lightning.export import export_hf
+from nereus_lightning.lightning.hf_export import export_hf
 from nereus_lightning.spec.errors import CheckpointError, NereusConfigError
 from tests.helpers import launch_env
 from tests.lightning.test_checkpoint_safety import copy_of, forge, saved  # noqa: F401 (the fixture)

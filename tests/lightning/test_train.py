@@ -117,7 +117,7 @@ def test_bf16_mixed_trains_on_bf16_weights_with_fp32_masters(tmp_path):
 
     from nereus_lightning.emu.dcp_state import read_dcp_metadata
     from nereus_lightning.lightning import GRPOModule
-    from nereus_lightning.lightning.export import logical_params
+    from nereus_lightning.lightning.hf_export import logical_params
     from tests.lightning.helpers import small_task
 
     module = GRPOModule(task=small_task(), seed=3, samples_per_prompt=2, prompts_per_step=4)

@@ -152,7 +152,7 @@ def test_exported_models_reload_equal_to_the_logical_state(job, tmp_path, monkey
         for name, p in logical.items():  # ... and the export (read back from DCP) equals it bit for bit
             assert torch.equal(reloaded[name], p.detach()), (role, name)
     # nereus-export does the same for an existing checkpoint, into another folder.
-    from nereus_lightning.lightning.export import export_hf
+    from nereus_lightning.lightning.hf_export import export_hf
 
     out = export_hf(str(tmp_path / "ckpt" / "s2.ckpt"), str(tmp_path / "exported"))
     assert set(out) == {"actor", "critic"}
@@ -186,7 +186,7 @@ def test_nan_reward_stops_the_run_and_every_checkpoint_stays_finite(job, tmp_pat
     import torch
 
     from nereus_lightning.cli.train import run
-    from nereus_lightning.lightning.export import logical_params
+    from nereus_lightning.lightning.hf_export import logical_params
 
     counter = tmp_path / "counter.txt"
     monkeypatch.setenv("NEREUS_TEST_COUNTER", str(counter))

@@ -2,7 +2,7 @@
 
 nereus-export ckpt_path=outputs/<run>/checkpoints/last.ckpt output=exported
 
-It trusts nothing in the checkpoint (see :func:`~nereus_lightning.lightning.export.export_hf`): every file
+It trusts nothing in the checkpoint (see :func:`~nereus_lightning.lightning.hf_export.export_hf`): every file
 is verified against its recorded SHA-256 first, no symbolic link is followed out of it, a config of an
 unregistered family or with custom code is refused before transformers reads it, and nothing is written
 outside ``output``. Any failure is one line, ``nereus-export: <what and the way out>`` (exit status 2);
@@ -22,7 +22,7 @@ from nereus_lightning.spec.errors import CheckpointError, NereusConfigError
 
 def export(ckpt_path: str, output: Any) -> dict[str, str]:
     """The folders written for ``nereus-export ckpt_path=... output=...`` (``output`` required)."""
-    from nereus_lightning.lightning.export import export_hf
+    from nereus_lightning.lightning.hf_export import export_hf
 
     if not output:
         raise NereusConfigError(

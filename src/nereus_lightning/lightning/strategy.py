@@ -535,7 +535,7 @@ class NereusStrategy(ParallelStrategy):
 
     def _write_hf(self, ckpt_dir: str) -> dict[str, str]:
         """Hugging Face folders of the trained models in a checkpoint being written (``hf/<model>``)."""
-        from nereus_lightning.lightning.export import TRAINED, write_hf_into, write_hf_metadata
+        from nereus_lightning.lightning.hf_export import TRAINED, write_hf_into, write_hf_metadata
 
         configs = {role: config for role, config in self.units.configs.items() if role in TRAINED}
         write_hf_metadata(configs, self.roles.tokenizer, ckpt_dir)
