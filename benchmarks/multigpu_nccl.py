@@ -294,7 +294,7 @@ def ppo_plans(world: int):
 def ppo_run(checks: Checks, dev: torch.device, steps: int, tol: float) -> dict[str, Any]:
     """Three RL steps under changing plans beside a reference that keeps P0."""
     from nereus_lightning.lightning import NereusStrategy, PPOModule
-    from nereus_lightning.lightning.tasks import RepeatTask
+    from nereus_lightning.rl.tasks import DenseRepeatTask
 
     world = dist.get_world_size()
     p0, p1, p2 = ppo_plans(world)
@@ -306,7 +306,7 @@ def ppo_run(checks: Checks, dev: torch.device, steps: int, tol: float) -> dict[s
     def run(plans) -> tuple[list[dict[str, float]], Any, float]:  # noqa: ANN001
         torch.manual_seed(0)
         module = PPOModule(
-            task=RepeatTask(start_len=3, max_len=6, grow_every=2, seed=0), prompts_per_step=8, seed=3
+            task=DenseRepeatTask(start_len=3, max_len=6, grow_every=2, seed=0), prompts_per_step=8, seed=3
         )
         module.to(dev)
         opt = module.configure_optimizers()

@@ -8,15 +8,15 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from nereus_lightning.lightning import GRPOModule, NereusStrategy, PPOModule
-from nereus_lightning.lightning.tasks import RepeatTask
 from nereus_lightning.plan.layout import Plan
+from nereus_lightning.rl.tasks import DenseRepeatTask
 from nereus_lightning.spec.workload import workflow
 from tests.helpers import cand
 
 
-def small_task(seed: int = 0) -> RepeatTask:
+def small_task(seed: int = 0) -> DenseRepeatTask:
     """A short task so that steps are fast."""
-    return RepeatTask(start_len=3, max_len=6, grow_every=2, seed=seed)
+    return DenseRepeatTask(start_len=3, max_len=6, grow_every=2, seed=seed)
 
 
 def plan_of(algorithm: str, placement: dict) -> Plan:

@@ -83,9 +83,9 @@ def test_a_finite_absurd_reward_is_refused_like_a_nan_one():
 
     from nereus_lightning.lightning import GRPOModule
     from nereus_lightning.lightning.module import NonFiniteError
-    from nereus_lightning.lightning.tasks import RepeatTask
+    from nereus_lightning.rl.tasks import DenseRepeatTask
 
-    module = GRPOModule(task=RepeatTask(), prompts_per_step=2, samples_per_prompt=2, reward_max_abs=1e6)
+    module = GRPOModule(task=DenseRepeatTask(), prompts_per_step=2, samples_per_prompt=2, reward_max_abs=1e6)
     batch = SimpleNamespace(scores=torch.tensor([0.5, 1e30, 0.0, 1.0]), baseline_scores=None)
     samples = [SimpleNamespace(index=i // 2, data_source="repeat") for i in range(4)]
     with pytest.raises(NonFiniteError, match=r"sample 1 .* is 1\.0+\d*e\+30 .*beyond reward\.max_abs=1e\+06"):

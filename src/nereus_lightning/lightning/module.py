@@ -45,10 +45,10 @@ from nereus_lightning.engines.static import DECODE_MODES, StaticDecodeEngine, de
 from nereus_lightning.engines.vllm_engine import VLLMEngine, check_vllm_model, require_vllm
 from nereus_lightning.lightning import roles
 from nereus_lightning.lightning.batches import replica_backward, response_micro_batches, sequence_tokens
+from nereus_lightning.lightning.job_sources import make_sources
 from nereus_lightning.lightning.preemption import StepAbandoned
 from nereus_lightning.lightning.roles import RoleModels
 from nereus_lightning.lightning.samples import Generated, Rollout
-from nereus_lightning.lightning.sources import make_sources
 from nereus_lightning.lightning.stages import (
     RowsJob,
     StageSlot,

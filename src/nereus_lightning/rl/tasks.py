@@ -7,9 +7,10 @@ A curriculum raises ``count`` once the policy masters the current one and the ge
 follows it, so responses grow as the policy learns (the embedded default's sequence-length
 drift).
 
+:class:`RepeatTask` (text prompts, :class:`PromptSampler`) is the one-process reference loop's.
 :class:`DenseRepeatTask` is the token-level variant the Lightning modules and ``nereus-train``
-train on (``TASKS["repeat"]``): prompts by RL step, a dense per-token credit a randomly
-initialised tiny model climbs within a few dozen steps.
+train on (``TASKS["repeat"]``, built by name with :func:`make_task`): prompts by RL step, a dense
+per-token credit a randomly initialised tiny model climbs within a few dozen steps.
 """
 
 from __future__ import annotations
@@ -233,3 +234,12 @@ class DenseRepeatTask:
 
 # Tasks by name, as the Lightning modules and `nereus-train` ``task=...`` look them up.
 TASKS: dict[str, Any] = {"repeat": DenseRepeatTask}
+
+
+def make_task(task: Any, seed: int = 0) -> Any:
+    """A task object from a name (:data:`TASKS`) or pass-through for objects already built."""
+    if not isinstance(task, str):
+        return task
+    if task not in TASKS:
+        raise NereusConfigError(f"task: unknown task {task!r}; choose one of {', '.join(sorted(TASKS))}")
+    return TASKS[task](seed=seed)

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from nereus_lightning.lightning.roles import is_model_folder, load_tokenizer
-from nereus_lightning.lightning.tasks import TASKS, make_task
 from nereus_lightning.rl.data import DataConfig, PromptData, PromptStream
 from nereus_lightning.rl.reward_function import RewardFunction, RewardSpec
 from nereus_lightning.rl.sources import (
@@ -23,6 +22,7 @@ from nereus_lightning.rl.sources import (
     builtin_reward_covers,
     reward_function,
 )
+from nereus_lightning.rl.tasks import TASKS, make_task
 from nereus_lightning.spec.errors import NereusConfigError, require
 
 
