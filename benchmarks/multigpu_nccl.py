@@ -485,8 +485,8 @@ def timed_dag(dag: Any, dev: torch.device) -> tuple[float, Any]:
 def transition_timing(checks: Checks, dev: torch.device, quick: bool, repeats: int) -> dict[str, Any]:
     """Extend, Merge, Split ``repeats`` times from a fresh random state; measured vs ``L_tran``."""
     from nereus_lightning.emu import gather_logical_state, registry
-    from nereus_lightning.emu.groups import prepare_member_groups
     from nereus_lightning.lightning.emu_state import _dag_rank_sets  # the executor's rank sets per node
+    from nereus_lightning.models.groups import prepare_groups
     from nereus_lightning.spec import CLUSTER_PRESETS, Workload
     from nereus_lightning.spec.errors import InfeasiblePlanError
     from nereus_lightning.transition import build_transition
@@ -521,7 +521,7 @@ def transition_timing(checks: Checks, dev: torch.device, quick: bool, repeats: i
         held = random_units(start, spec, dev)
         if repeat == 0:
             first = {name: gather_logical_state(name, dst=0) for name in stages} if small else {}
-            prepare_member_groups([r for dag in dags.values() for r in _dag_rank_sets(dag)])
+            prepare_groups([r for dag in dags.values() for r in _dag_rank_sets(dag)])
         for key, dag in dags.items():
             seconds, reports[key] = timed_dag(dag, dev)
             samples[key].append(seconds)
@@ -645,9 +645,9 @@ def main(argv: list[str] | None = None) -> dict:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(result, indent=2, default=str))
 
-    # Order matters on gloo: a member-only group (emu.member_group, use_local_synchronization) hangs
-    # once the ranks are members of unequal numbers of world-made groups (models.replica_groups of
-    # replicas that do not cover the world symmetrically; see emu.groups.prepare_member_groups).
+    # Order matters on gloo: a member-only group (models.groups.member_group) hangs once the ranks
+    # are members of unequal numbers of world-made groups (models.replica_groups of replicas that
+    # do not cover the world symmetrically; see the models.groups module docstring).
     # The timing prepares its groups; the state chain's are symmetric; both run before the rest.
     parts = {
         "timing": lambda: result.__setitem__(

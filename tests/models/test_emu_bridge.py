@@ -21,7 +21,8 @@ def _loss(lp: torch.Tensor, mb) -> torch.Tensor:
 
 
 def _emu_step(rank: int, world: int) -> dict[str, float]:
-    from nereus_lightning.emu import EMU, StateSchema, Unit, member_group
+    from nereus_lightning.emu import EMU, StateSchema, Unit
+    from nereus_lightning.models.groups import member_group
 
     model = tiny_model("gqa_tied")
     layout = Layout(2, 2)

@@ -21,7 +21,6 @@ overlap, on disjoint ranks and on a shared one). On a member rank,
 
 from nereus_lightning.emu.check import LogicalState, StateMismatchError, gather_logical_state
 from nereus_lightning.emu.executor import ExecutionReport, execute_dag
-from nereus_lightning.emu.groups import member_group
 from nereus_lightning.emu.ops import (
     Destroy,
     Extend,
@@ -73,7 +72,6 @@ __all__ = [
     "extend",
     "from_node",
     "gather_logical_state",
-    "member_group",
     "merge",
     "plan_transfer",
     "position_of",

@@ -53,12 +53,11 @@ from nereus_lightning.emu.dcp_metadata import (  # noqa: F401 (re-exported: wher
     dcp_global,
     read_dcp_metadata,
 )
-from nereus_lightning.emu.groups import member_group
 from nereus_lightning.emu.host import HostBlock
 from nereus_lightning.emu.registry import registry
 from nereus_lightning.emu.schema import StateSchema
 from nereus_lightning.emu.unit import EMU, Counters
-from nereus_lightning.models.groups import collective_timeout
+from nereus_lightning.models.groups import collective_timeout, member_group
 from nereus_lightning.models.optim import MASTER_KEY, off_master
 from nereus_lightning.spec.errors import CheckpointError
 

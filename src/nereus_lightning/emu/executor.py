@@ -54,7 +54,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeGuard
 import torch
 import torch.distributed as dist
 
-from nereus_lightning.emu.groups import prepare_member_groups
 from nereus_lightning.emu.ops import Destroy, Extend, Merge, Op, Split, from_node, ranked
 from nereus_lightning.emu.primitives import Started, TransferReport
 from nereus_lightning.emu.primitives import start as start_op
@@ -62,6 +61,7 @@ from nereus_lightning.emu.registry import Registry, registry
 from nereus_lightning.emu.transfer import InFlight, default_device, start_broadcast
 from nereus_lightning.emu.transfer_plan import reshard_plan
 from nereus_lightning.emu.unit import EMU, Counters
+from nereus_lightning.models.groups import prepare_groups
 from nereus_lightning.plan.units import Primitive
 from nereus_lightning.spec.errors import NereusConfigError, require
 
@@ -231,7 +231,7 @@ def execute_dag(
     _dry_run([(node.id, op) for node, ops in zip(dag.nodes, lane_ops, strict=True) for op in ops], colocate)
     # Member groups are named by how many groups each process made before, so create every group
     # the walk will use now, world-collectively and in the same order on every rank.
-    prepare_member_groups(communicating_rank_sets([op for ops in lane_ops for op in ops]))
+    prepare_groups(communicating_rank_sets([op for ops in lane_ops for op in ops]))
     device = torch.device(device) if device is not None else default_device()
     mine = gpu_of.get(me)
     records: list[NodeRecord | None] = [None] * len(dag.nodes)

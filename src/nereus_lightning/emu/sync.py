@@ -23,12 +23,12 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from nereus_lightning.emu.groups import prepare_member_groups
 from nereus_lightning.emu.registry import registry
 from nereus_lightning.emu.schema import StateSchema
 from nereus_lightning.emu.transfer import StateDict, Traffic, default_device, run_plan, slice_of
 from nereus_lightning.emu.transfer_plan import Interval, merged_holdings, plan_transfer, unit_holdings
 from nereus_lightning.emu.unit import EMU, Counters
+from nereus_lightning.models.groups import prepare_groups
 from nereus_lightning.plan.units import Unit
 from nereus_lightning.spec.errors import require
 
@@ -68,7 +68,7 @@ def copy_between(
             if trains:
                 new[(name, "step")].copy_(old[(name, "step")])
         plan = plan_transfer(schema, held, needed, trains)
-        prepare_member_groups([plan.ranks()])  # every rank computes the same plan
+        prepare_groups([plan.ranks()])  # every rank computes the same plan
         return run_plan(schema, plan, trains, old, old_iv, new, new_iv, device or default_device())
 
 

@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from nereus_lightning.emu.groups import member_group
 from nereus_lightning.emu.schema import StateSchema
 from nereus_lightning.emu.transfer_plan import Interval, Move, TransferPlan
 from nereus_lightning.kernels.pack import byte_offsets, pack, unpack
+from nereus_lightning.models.groups import member_group
 
 StateDict = dict[tuple[str, str], Tensor]  # (name, key) -> tensor; key "param" or an optimizer key
 

@@ -240,10 +240,12 @@ def replica_worlds(replicas: Sequence[Sequence[int]], world_size: int) -> list[l
 def _build_groups(replicas: Sequence[Sequence[int]]) -> None:
     """vLLM's process groups with each replica a world of its own (collective over the trainer's world).
 
-    vLLM creates its groups with plain ``new_group`` calls, which every rank of the trainer's
-    world enters, so every rank builds every group here; with PP 1 a replica is vLLM's world and
-    its TP group, and the other parallel dimensions (DP, PP, context parallelism) are single ranks
-    (dense models only: the model registry refuses experts, so there is no expert-parallel group).
+    vLLM creates its groups with plain ``new_group`` calls: the world-collective rule of
+    :mod:`nereus_lightning.models.groups`, so every rank builds every group here, in the same order.
+    They stay out of that registry because vLLM holds and destroys them (:func:`_drop_groups`).
+    With PP 1 a replica is vLLM's world and its TP group, and the other parallel dimensions (DP,
+    PP, context parallelism) are single ranks (dense models only: the model registry refuses
+    experts, so there is no expert-parallel group).
     vLLM's worker then finds its groups set up and uses them (:func:`_replica_world`).
     """
     from vllm.distributed import parallel_state as ps

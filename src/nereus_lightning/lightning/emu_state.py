@@ -51,13 +51,12 @@ import torch.distributed as dist
 from torch import nn
 
 from nereus_lightning import emu
-from nereus_lightning.emu.groups import prepare_member_groups
 from nereus_lightning.emu.sync import relayout, sync_params
 from nereus_lightning.emu.unit import Counters
 from nereus_lightning.engines.vllm_engine import VLLMInstance, build_engine, check_replicas, check_vocabulary
 from nereus_lightning.lightning.roles import RoleModels
 from nereus_lightning.models import ReplicaComm, ShardedCausalLM, bind_adamw, clip_grad_norm_, replica_groups
-from nereus_lightning.models.groups import dp_ranks
+from nereus_lightning.models.groups import dp_ranks, prepare_groups
 from nereus_lightning.models.sharded import is_tied
 from nereus_lightning.plan.layout import Candidate, Plan
 from nereus_lightning.spec.cluster import ClusterSpec
@@ -266,7 +265,7 @@ class EMUStates:
         for name in plan:
             if name not in weights_from:
                 _require_masters_held(os.path.join(path, name), name)
-        prepare_member_groups(_tp_rank_sets(plan))
+        prepare_groups(_tp_rank_sets(plan))
         for name in plan:
             load_state(self._local(name), os.path.join(path, name), weights=name not in weights_from)
         for name, source in weights_from.items():
@@ -309,7 +308,7 @@ class EMUStates:
             reason = str(exc)
         info: dict[str, Any] = {"mode": "relayout", "reason": reason}
         if dag is not None:
-            prepare_member_groups(_dag_rank_sets(dag))
+            prepare_groups(_dag_rank_sets(dag))
             report = emu.execute_dag(dag)
             self.last_report = report.reduce()
             counts = dag.counts()
@@ -567,7 +566,7 @@ class EMUStates:
             dist.all_gather_object(views, sorted(self.synced))
         everywhere = set.intersection(*(set(v) for v in views))
         weights_from = {n: train for n, train in self._sources().items() if n in everywhere}
-        prepare_member_groups(_tp_rank_sets(self.plan))
+        prepare_groups(_tp_rank_sets(self.plan))
         # Each unit from where it is: an idle one from its pinned host memory, a resident one staged
         # in page-locked host memory first. Training units (resident) go last: they are staged while
         # the others are written, and being consecutive they go to different writers, so that PPO's

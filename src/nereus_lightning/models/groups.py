@@ -1,11 +1,27 @@
-"""Process groups of sharded replicas, created deterministically and cached by rank tuple.
+"""The process-group registry: every group this package creates, one per rank set, cached by rank tuple.
 
-``torch.distributed.new_group`` is collective over the whole world: every rank must call it for
-every group, in the same order, even ranks that are not members. :func:`group_for` therefore
-must be called by ALL ranks with the same arguments in the same order (on a cache miss it
-creates the group; on a hit it returns the cached one without communicating).
-:func:`replica_groups` creates every group a set of replicas needs in one fixed order, so calling
-it on all ranks first makes later :func:`group_for` / :meth:`ReplicaComm.of` calls pure lookups.
+A rank set has one group on a rank (:data:`_GROUPS`, keyed by the sorted rank tuple), made on a cache
+miss by one of two creation paths; the rule of each is stated here once:
+
+- **World-collective** (:func:`group_for`, :func:`prepare_groups`, :func:`replica_groups`): a plain
+  ``new_group``, which every rank of the world must enter for every group, in the same order, members
+  or not (torch names the group by a world-wide counter). Use it where all ranks run the same code in
+  step: building replicas, or before a schedule whose rank sets every rank computes alike. The keys
+  the world has created (:data:`_BY_WORLD`) are the same on every rank, so every rank agrees on a miss.
+- **Member-only** (:func:`member_group`): ``new_group(use_local_synchronization=True)``, entered by the
+  members alone, because a rank outside may be busy with another model-stage. torch names such a group
+  by its ranks AND the number of groups the calling process already holds, so members whose earlier
+  groups differ disagree on the name and wait for each other forever: a caller that knows its rank
+  sets beforehand creates them world-collectively with :func:`prepare_groups`, and the member-only
+  path is only the fallback for groups no one prepared.
+
+Either path hands out the group already held for a rank set (members that share one keep using it);
+the world-collective path still enters ``new_group`` for a key the world has not created, so that
+ranks holding a member-only group of that key stay in step with the ranks that do not.
+
+Groups this registry does not hold, because their owner destroys them, are created world-collectively
+too: vLLM's (:mod:`nereus_lightning.engines.vllm_engine` builds them on every rank before an engine
+starts) and the checkpoint writer's gloo groups over the whole world.
 
 A replica's ranks are given in ``Candidate`` order: pp-major then tp, i.e. replica rank index
 ``pp_rank * tp + tp_rank``.
@@ -24,6 +40,9 @@ from nereus_lightning.plan.layout import Layout
 from nereus_lightning.spec.errors import require
 
 _GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+"""Every group this rank holds (a non-member's placeholder included), by sorted rank tuple."""
+_BY_WORLD: set[tuple[int, ...]] = set()
+"""The keys the whole world has created in step: the same set on every rank."""
 
 
 def collective_timeout() -> timedelta | None:
@@ -36,18 +55,48 @@ def collective_timeout() -> timedelta | None:
     return timedelta(seconds=float(value)) if value else None
 
 
-def group_for(ranks: Sequence[int]) -> dist.ProcessGroup:
-    """The process group of ``ranks`` (any order; cached by the sorted tuple).
-
-    Collective over the world on a cache miss: all ranks must call it in the same order.
-    """
+def _key(ranks: Sequence[int]) -> tuple[int, ...]:
+    """The registry key of ``ranks``: sorted, distinct and not empty."""
     key = tuple(sorted(ranks))
     require(len(key) > 0 and len(set(key)) == len(key), "ranks", f"need distinct ranks, got {tuple(ranks)}")
-    group = _GROUPS.get(key)
-    if group is None:
+    return key
+
+
+def group_for(ranks: Sequence[int]) -> dist.ProcessGroup:
+    """The process group of ``ranks`` (any order), created world-collectively on a miss.
+
+    ALL ranks must call it with the same arguments in the same order (see the module docstring).
+    """
+    key = _key(ranks)
+    if key not in _BY_WORLD:
         group = dist.new_group(list(key), timeout=collective_timeout())
-        _GROUPS[key] = group
-    return group
+        _BY_WORLD.add(key)
+        _GROUPS.setdefault(key, group)  # members that already share a member-only group keep it
+    return _GROUPS[key]
+
+
+def member_group(ranks: Sequence[int]) -> dist.ProcessGroup:
+    """The process group of ``ranks`` (any order), created by the members only on a miss.
+
+    Every member must call it (same ranks) before any member uses the group; non-members never call.
+    """
+    key = _key(ranks)
+    me = dist.get_rank()
+    require(me in key, "ranks", f"rank {me} asked for the group of {key} without being a member")
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(list(key), use_local_synchronization=True, timeout=collective_timeout())
+    return _GROUPS[key]
+
+
+def prepare_groups(rank_sets: Sequence[Sequence[int]]) -> None:
+    """Create world-collectively (ALL ranks, same ``rank_sets``) the groups of ``rank_sets`` of 2+ ranks.
+
+    For a schedule whose primitives then ask :func:`member_group`, which only looks them up.
+    """
+    for ranks in rank_sets:
+        key = tuple(sorted(set(ranks)))
+        if len(key) > 1:  # a one-rank primitive communicates with no one
+            group_for(key)
 
 
 def cached_groups() -> tuple[tuple[int, ...], ...]:
@@ -118,9 +167,9 @@ class ReplicaComm:
         """This rank's view of replica ``ranks`` (Candidate order) of ``layout``.
 
         Groups come from ``group_factory`` (default :func:`group_for`: create them first on all
-        ranks with :func:`replica_groups`). A member-only factory such as
-        ``emu.groups.member_group`` also works when every rank of every replica (and of the DP
-        group) calls ``of`` together: groups are asked for in the fixed order tied, DP, TP, replica.
+        ranks with :func:`replica_groups`). :func:`member_group` also works when every rank of
+        every replica (and of the DP group) calls ``of`` together: groups are asked for in the
+        fixed order tied, DP, TP, replica.
         """
         ranks = tuple(ranks)
         rank = dist.get_rank() if rank is None else rank

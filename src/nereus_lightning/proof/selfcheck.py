@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from nereus_lightning.models.groups import ReplicaComm, replica_groups
+from nereus_lightning.models.groups import ReplicaComm, prepare_groups, replica_groups
 from nereus_lightning.models.pipeline import forward_logits, split_micro_batches, token_logprobs
 from nereus_lightning.models.sharded import ShardedCausalLM, is_tied, validate_layout
 from nereus_lightning.plan.layout import Layout
@@ -177,7 +177,6 @@ def chain_errors(rank: int, world: int, config: Any, seed: int = 0) -> dict[str,
 def _chain_errors(rank: int, world: int, config: Any, seed: int) -> dict[str, float]:
     from nereus_lightning.emu import Unit, create_unit, execute, gather_logical_state, merge, registry, split
     from nereus_lightning.emu.executor import communicating_rank_sets
-    from nereus_lightning.emu.groups import prepare_member_groups
 
     stage = "selfcheck"
     model = tiny_model_of(config, seed)
@@ -205,7 +204,7 @@ def _chain_errors(rank: int, world: int, config: Any, seed: int) -> dict[str, fl
         )
 
     def run(op: Any) -> Any:
-        prepare_member_groups(communicating_rank_sets([op]))  # members agree on their groups' names
+        prepare_groups(communicating_rank_sets([op]))  # members agree on their groups' names
         execute(op)
         return op
 
