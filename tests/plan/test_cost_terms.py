@@ -311,3 +311,28 @@ def test_optimizer_bytes_match_what_the_emu_holds():
     assert optimizer_bytes_per_param(model_preset("tiny_llama")) == 8
     # bf16 weights: fp32 master (4) + fp32 moments (8).
     assert optimizer_bytes_per_param(model_preset("llama3_8b")) == 12
+
+
+def test_dynamic_samplings_generation_rounds_multiply_the_generation_time_only():
+    c = _cluster()
+    links = canonical_links(Layout(1, 1), 1, c)
+    one, two = (_work("generation", rounds=r) for r in (1.0, 2.5))
+    t1, t2 = (ideal_time(w, Layout(1, 1), 1, 4, False, links, c) for w in (one, two))
+    # every round decodes again; the idle units' offload happens once a step
+    assert set(t1) == set(t2) and t2["generation.offload"] == pytest.approx(t1["generation.offload"])
+    assert all(t2[k] == pytest.approx(2.5 * v) for k, v in t1.items() if k != "generation.offload")
+    assert rank_peak_memory(one, Layout(1, 1), 1, 4, False) == rank_peak_memory(
+        two, Layout(1, 1), 1, 4, False
+    )
+    # The workload's rounds reach the generation model-stages, not the others.
+    from nereus_lightning.plan.cost import stage_work
+    from nereus_lightning.plan.planner import job_models
+    from nereus_lightning.spec import NereusConfigError, Workload
+
+    workload = Workload(
+        "grpo", prompts_per_step=8, samples_per_prompt=4, generation_rounds=2.0, reward_model=False
+    )
+    rounds = {ms.name: stage_work(ms, job_models(L8), workload).rounds for ms in workload.stages}
+    assert rounds == {name: (2.0 if name == "actor_gen" else 1.0) for name in rounds}
+    with pytest.raises(NereusConfigError, match="workload.generation_rounds"):
+        Workload("grpo", generation_rounds=0.5)

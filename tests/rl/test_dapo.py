@@ -100,3 +100,11 @@ def test_experiment_dapo_filters_groups_whose_rewards_are_equal(tmp_path):
     assert all(1 <= float(r["train/num_gen_batches"]) <= 3 for r in rows)
     assert any(float(r["train/num_gen_batches"]) > 1 for r in rows)  # a further round was generated
     assert sum(float(r["train/num_filtered_groups"]) for r in rows) > 0
+
+
+def test_the_planner_is_told_the_rounds_recent_steps_took():
+    from nereus_lightning.rl.dapo import expected_rounds
+
+    assert expected_rounds([]) == 1.0
+    assert expected_rounds([1.0, 3.0]) == 2.0
+    assert expected_rounds([9.0] * 5 + [1.0, 2.0], window=2) == 1.5  # the recent window only

@@ -64,7 +64,7 @@ from nereus_lightning.models.generation import ShardedGenerator
 from nereus_lightning.rl import algorithm as rl
 from nereus_lightning.rl import losses
 from nereus_lightning.rl.batch import RolloutBatch, dp_slice
-from nereus_lightning.rl.dapo import FilterGroups, OverlongBuffer, varied_groups
+from nereus_lightning.rl.dapo import FilterGroups, OverlongBuffer, expected_rounds, varied_groups
 from nereus_lightning.rl.data import Prompt
 from nereus_lightning.rl.kl_control import KLController
 from nereus_lightning.rl.reward import ModelReward
@@ -358,6 +358,7 @@ class RLModule(L.LightningModule):
         self.kl_controller = KLController.of(kl_coef, kl_ctrl)
         self.overlong_buffer = OverlongBuffer.of(overlong_buffer)
         self.filter_groups = FilterGroups.of(filter_groups)
+        self.rounds_seen: list[float] = []  # generation rounds per step, which the planner prices
         require(
             not self.filter_groups.enable or (samples_per_prompt >= 2 and reward_model is None),
             "algorithm.filter_groups.enable",
@@ -453,6 +454,7 @@ class RLModule(L.LightningModule):
             ppo_epochs=hp.ppo_epochs,
             reward_model=self.reward is not None,
             generation_engine=self.generation_engine,
+            generation_rounds=expected_rounds(self.rounds_seen),
         )
 
     # ---- Lightning hooks -------------------------------------------------------------------
@@ -632,6 +634,7 @@ class RLModule(L.LightningModule):
         times = {"start": time.perf_counter()}
         max_new = self.source.max_response_len(step)
         rollout = self.rollout(strategy, step, max_new)
+        self.rounds_seen.append(rollout.metrics.get("train/num_gen_batches", 1.0))
         times["gen"] = time.perf_counter()
         peaks.mark("gen")
         batch = self._to_batch(rollout)

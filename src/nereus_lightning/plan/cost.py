@@ -77,6 +77,7 @@ class StageWork:
     micro_batch_max: int = 16
     engine: GenerationEngine = memory.BUILTIN_ENGINE  # generation: the rollout engine that holds its memory
     gpu_memory: float = 0.0  # generation: bytes per GPU (what an engine reserving a share takes it of)
+    rounds: float = 1.0  # generation: rounds per step (dynamic sampling generates the batch again)
     trains: bool = field(init=False, compare=False, repr=False)  # holds gradients and optimizer state
 
     def __post_init__(self) -> None:
@@ -152,6 +153,7 @@ def stage_work(
         workload.micro_batch_max,
         engine,
         gpu_memory if engine.reserves else 0.0,
+        workload.generation_rounds if ms.stage == "generation" else 1.0,
     )
 
 
@@ -403,9 +405,9 @@ def ideal_time(
     total: Ideal = {}
     if work.kind == "generation":
         full, rest = divmod(per_replica, micro_batch)
-        _add(total, _wave(work, layout, micro_batch, links, cluster), full)
+        _add(total, _wave(work, layout, micro_batch, links, cluster), full * work.rounds)
         if rest:
-            _add(total, _wave(work, layout, rest, links, cluster))
+            _add(total, _wave(work, layout, rest, links, cluster), work.rounds)
     else:
         slots = -(-per_replica // micro_batch) + layout.pp - 1
         if work.trains:

@@ -95,3 +95,9 @@ def varied_groups(scores: Sequence[float], group_size: int) -> list[bool]:
     """Per group of ``group_size`` adjacent samples: whether its scores are not all equal."""
     groups = [scores[i : i + group_size] for i in range(0, len(scores), group_size)]
     return [max(g) > min(g) for g in groups]
+
+
+def expected_rounds(seen: Sequence[float], window: int = 10) -> float:
+    """Generation rounds a step is expected to take: the mean of the last ``window`` seen (1 before any)."""
+    recent = list(seen)[-window:]
+    return max(1.0, sum(recent) / len(recent)) if recent else 1.0

@@ -161,9 +161,17 @@ class Workload:
     # True here is the paper's workflow; nereus-plan and nereus-train set it from whether one is configured.
     reward_model: bool = True
     generation_engine: GenerationEngine = GenerationEngine()  # what the generation model-stages run on
+    # Generation rounds per step: more than 1 under dynamic sampling (DAPO's filter_groups), which
+    # generates the batch again until enough groups carry signal; the trainer reports the mean it sees.
+    generation_rounds: float = 1.0
 
     def __post_init__(self) -> None:
         algorithm_spec(self.algorithm)  # an unknown name fails here, naming the known ones
+        require(
+            self.generation_rounds >= 1,
+            "workload.generation_rounds",
+            f"must be >= 1, got {self.generation_rounds}",
+        )
         for field in (
             "prompts_per_step",
             "samples_per_prompt",
