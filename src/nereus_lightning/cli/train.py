@@ -204,19 +204,18 @@ def admit_families(cfg: Any) -> None:
     and the difference. Under torchrun or SLURM the ranks start together: run ``nereus-check-model``
     once on each node instead (the refusal says so).
     """
+    from transformers import AutoConfig
+
+    from nereus_lightning.proof.admission import admit
     from nereus_lightning.spec.families import FAMILIES
 
     for key in ("actor", "critic", "reference", "reward_model"):
         source = model_source(cfg.get(key))
         if not (isinstance(source, str) and os.path.isdir(source)):
             continue
-        from transformers import AutoConfig
-
         config = AutoConfig.from_pretrained(source)
         if str(config.model_type) in FAMILIES:
             continue
-        from nereus_lightning.proof.admission import admit
-
         _say(
             f"nereus-train: {key}.path: model type {config.model_type} is outside the registry: proving it "
             "exact at TP1/2 x PP1/2 and through Split/Merge on 4 CPU processes (once per version)"

@@ -180,6 +180,39 @@ def check_hyperparameters(values: Mapping[str, Any]) -> None:
         )
 
 
+def rl_config_of(args: Mapping[str, Any], algorithm: str) -> rl.RLConfig:
+    """The RL step's knobs from the module's arguments (verl's names) for the registered ``algorithm``."""
+    low = args["clip_ratio_low"]
+    return rl.RLConfig(
+        algorithm=algorithm,
+        prompts_per_step=args["prompts_per_step"],
+        samples_per_prompt=args["samples_per_prompt"],
+        actor_lr=args["actor_lr"],
+        critic_lr=args["critic_lr"],
+        ppo_epochs=args["ppo_epochs"],
+        mini_batches=args["mini_batches"],
+        policy_loss=args["policy_loss"],
+        clip_eps=args["clip_ratio"] if low is None else low,
+        clip_eps_high=args["clip_ratio_high"],
+        dual_clip=args["clip_ratio_c"],
+        value_clip=args["cliprange_value"],
+        kl_coef=args["kl_coef"],
+        kl_penalty=args["kl_penalty"],
+        kl_loss_coef=args["kl_loss_coef"],
+        kl_loss_type=args["kl_loss_type"],
+        entropy_coef=args["entropy_coeff"],
+        gamma=args["gamma"],
+        lam=args["lam"],
+        norm_adv_by_std=args["norm_adv_by_std_in_grpo"],
+        temperature=args["temperature"],
+        loss_agg=args["loss_agg_mode"],
+        loss_scale_factor=args["loss_scale_factor"],
+        rollout_is_threshold=args["rollout_is_threshold"],
+        grad_clip=args["grad_clip"],
+        seed=args["seed"],
+    )
+
+
 class RLModule(L.LightningModule):
     """Shared machinery of the RL algorithms; subclasses set ``algorithm`` and whether a critic trains.
 
@@ -326,34 +359,7 @@ class RLModule(L.LightningModule):
         if critic_lr is None:
             critic_lr = default_lr("critic", actor if critic is None else critic)
         check_hyperparameters(dict(locals()))
-        self.rl_config = rl.RLConfig(
-            algorithm=adv_estimator or self.default_algorithm,
-            prompts_per_step=prompts_per_step,
-            samples_per_prompt=samples_per_prompt,
-            actor_lr=actor_lr,
-            critic_lr=critic_lr,
-            ppo_epochs=ppo_epochs,
-            mini_batches=mini_batches,
-            policy_loss=policy_loss,
-            clip_eps=clip_ratio if clip_ratio_low is None else clip_ratio_low,
-            clip_eps_high=clip_ratio_high,
-            dual_clip=clip_ratio_c,
-            value_clip=cliprange_value,
-            kl_coef=kl_coef,
-            kl_penalty=kl_penalty,
-            kl_loss_coef=kl_loss_coef,
-            kl_loss_type=kl_loss_type,
-            entropy_coef=entropy_coeff,
-            gamma=gamma,
-            lam=lam,
-            norm_adv_by_std=norm_adv_by_std_in_grpo,
-            temperature=temperature,
-            loss_agg=loss_agg_mode,
-            loss_scale_factor=loss_scale_factor,
-            rollout_is_threshold=rollout_is_threshold,
-            grad_clip=grad_clip,
-            seed=seed,
-        )
+        self.rl_config = rl_config_of(locals(), adv_estimator or self.default_algorithm)
         self.algorithm = self.rl_config.algorithm  # the registered name
         self.kl_controller = KLController.of(kl_coef, kl_ctrl)
         self.overlong_buffer = OverlongBuffer.of(overlong_buffer)
@@ -682,17 +688,15 @@ class RLModule(L.LightningModule):
         hp, rule = self.hparams, self.filter_groups
         size, want = hp.samples_per_prompt, hp.prompts_per_step
         rounds: list[Rollout] = []
+        varied: list[list[bool]] = []  # per round, per group: whether its scores differ
         while True:
             part = self._rollout_round(strategy, step, max_new, first_index=len(rounds) * want * size)
-            rounds.append(part)
             if not rule.enable:
                 return part
-            varied = sum(sum(varied_groups([r.score for r in p.results], size)) for p in rounds)
-            if varied >= want or len(rounds) == rule.max_num_gen_batches:
-                break
-        return Rollout.of_groups(
-            rounds, size, want, [varied_groups([r.score for r in p.results], size) for p in rounds]
-        )
+            rounds.append(part)
+            varied.append(varied_groups(rule.signal(part.results), size))
+            if sum(map(sum, varied)) >= want or len(rounds) == rule.max_num_gen_batches:
+                return Rollout.of_groups(rounds, size, want, varied)
 
     def _rollout_round(self, strategy: NereusStrategy, step: int, max_new: int, first_index: int) -> Rollout:
         """One round: ``prompts_per_step`` prompts with ``samples_per_prompt`` samples each, scored."""

@@ -24,6 +24,7 @@ from nereus_lightning.rl.estimators import algorithm_of
 from nereus_lightning.rl.forward import response_log_probs, response_values
 from nereus_lightning.rl.losses import (
     KL_ESTIMATORS,
+    check_loss_agg,
     entropy_loss,
     kl_loss,
     loss_normalizer,
@@ -72,7 +73,8 @@ class RLConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        spec = algorithm_of(self.algorithm).spec
+        algorithm = algorithm_of(self.algorithm)
+        spec = algorithm.spec
         object.__setattr__(self, "algorithm", spec.name)  # an alias (gae) or a plug-in path: its name
         for name in (
             "steps",
@@ -95,13 +97,12 @@ class RLConfig:
             f"samples per prompt, got {self.samples_per_prompt}",
         )
         self._check_losses()
-        check = algorithm_of(spec.name).check
-        if check is not None:
-            check(self)
+        if algorithm.check is not None:
+            algorithm.check(self)
 
     def _check_losses(self) -> None:
         policy_loss_of(self.policy_loss)
-        loss_normalizer(torch.ones(1, 1), self.loss_agg)  # an unknown mode fails here, naming the modes
+        check_loss_agg(self.loss_agg)
         for key, kind in (("kl_penalty", self.kl_penalty), ("kl_loss_type", self.kl_loss_type)):
             require(
                 kind in KL_ESTIMATORS,

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from nereus_lightning.rl.reward_function import RewardResult
 from nereus_lightning.spec.errors import require
 
 
@@ -62,10 +63,15 @@ class OverlongBuffer:
 
 @dataclass(frozen=True)
 class FilterGroups:
-    """Dynamic sampling: keep groups whose scores differ, in at most ``max_num_gen_batches`` rounds."""
+    """Dynamic sampling: keep groups whose scores differ, in at most ``max_num_gen_batches`` rounds.
+
+    ``metric``: what must differ within a group: ``score`` (the reward), or a value the reward function
+    returns beside it (verl's ``acc``).
+    """
 
     enable: bool = False
     max_num_gen_batches: int = 10
+    metric: str = "score"
 
     @classmethod
     def of(cls, values: Mapping[str, Any] | None) -> FilterGroups:
@@ -75,20 +81,33 @@ class FilterGroups:
         require(
             not unknown,
             "algorithm.filter_groups",
-            f"unknown keys {sorted(unknown)}: use enable, max_num_gen_batches",
+            f"unknown keys {sorted(unknown)}: use enable, max_num_gen_batches, metric",
         )
-        require(
-            values.get("metric", "score") in ("score", "acc"),
-            "algorithm.filter_groups.metric",
-            "groups are filtered on the reward function's score ('score' or verl's 'acc')",
+        rule = cls(
+            bool(values.get("enable", False)),
+            int(values.get("max_num_gen_batches", 10)),
+            str(values.get("metric") or "score"),
         )
-        rule = cls(bool(values.get("enable", False)), int(values.get("max_num_gen_batches", 10)))
         require(
             rule.max_num_gen_batches >= 1,
             "algorithm.filter_groups.max_num_gen_batches",
             f"must be >= 1, got {rule.max_num_gen_batches}",
         )
         return rule
+
+    def signal(self, results: Sequence[RewardResult]) -> list[float]:
+        """Each sample's value of ``metric``; refuses a reward function that does not return it."""
+        if self.metric == "score":
+            return [r.score for r in results]
+        missing = next((r for r in results if self.metric not in r.metrics), None)
+        require(
+            missing is None,
+            "algorithm.filter_groups.metric",
+            f"the reward function returned no {self.metric!r} (it returned "
+            f"{sorted(missing.metrics) if missing else []} beside the score); return it in its dict, or use "
+            "metric=score",
+        )
+        return [r.metrics[self.metric] for r in results]
 
 
 def varied_groups(scores: Sequence[float], group_size: int) -> list[bool]:

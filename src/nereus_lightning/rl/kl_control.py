@@ -33,8 +33,12 @@ class KLController:
         require(
             not unknown, "algorithm.kl_ctrl", f"unknown keys {sorted(unknown)}: use type, target_kl, horizon"
         )
-        ctrl = cls(float(kl_coef), str(values.get("type", "fixed")), float(values.get("target_kl", 0.1)))
-        ctrl.horizon = int(values.get("horizon", 10000))
+        ctrl = cls(
+            float(kl_coef),
+            str(values.get("type", "fixed")),
+            float(values.get("target_kl", 0.1)),
+            int(values.get("horizon", 10000)),
+        )
         require(
             ctrl.type in KL_CTRL_TYPES,
             "algorithm.kl_ctrl.type",

@@ -68,15 +68,20 @@ def agg_loss(
     return (loss_mat * mask).sum() / count
 
 
-def loss_normalizer(mask: Tensor, mode: str, length: float | None = None) -> Tensor:
-    """The denominator of :func:`agg_loss` over ``mask``'s batch: its valid tokens (``token-mean``), its
-    non-empty sequences (``seq-mean-*``), or those times ``length`` (``seq-mean-token-sum-norm``;
-    None: ``mask``'s width)."""
+def check_loss_agg(mode: str) -> None:
+    """Refuse a loss aggregation mode that does not exist, naming the ones that do."""
     require(
         mode in LOSS_AGG_MODES,
         "algorithm.loss_agg_mode",
         f"unknown mode {mode!r}; choose one of {', '.join(LOSS_AGG_MODES)}",
     )
+
+
+def loss_normalizer(mask: Tensor, mode: str, length: float | None = None) -> Tensor:
+    """The denominator of :func:`agg_loss` over ``mask``'s batch: its valid tokens (``token-mean``), its
+    non-empty sequences (``seq-mean-*``), or those times ``length`` (``seq-mean-token-sum-norm``;
+    None: ``mask``'s width)."""
+    check_loss_agg(mode)
     mask = mask.float()
     if mode == "token-mean":
         return mask.sum()
