@@ -4,7 +4,7 @@ Qwen2 shapes with random weights (``0.5b``, ``1.5b``), bf16, the same 16 prompts
 response exactly ``--new-tokens`` long (eos ignored), one optimizer step per RL step, a KL-to-reference
 loss on both sides. Each system runs in its own process (``--system``); ``--report`` collects the
 JSON files into a table. Medians of the steps after ``--warmup``. nereus runs the plan its planner
-picks for this job on the ``h200x8`` preset sized to one GPU (every model-stage colocated) and
+picks for this job on the GPU as ``cluster=auto`` describes it (every model-stage colocated) and
 prints the planner's predicted seconds per stage for it, before calibration and after a
 calibration fitted on its first three measured steps. ``--micro-batch``/``--recompute`` override
 the plan's inference and training micro-batch and recompute (the sweep ``gpu_e2e.sh`` runs to set
@@ -123,19 +123,20 @@ def prompt_tokens(folder: Path) -> float:
 
 
 def planned(folder: Path, new_tokens: int):  # noqa: ANN201
-    """(plan, models, cluster, workload): the planner's plan for this job on this GPU (``h200x8``'s
-    rates, this GPU's memory)."""
+    """(plan, models, cluster, workload): the planner's plan for this job on this GPU, the cluster
+    ``cluster=auto`` builds from it (``GPU_GIB`` caps its memory); on the CPU the ``h200x8`` preset."""
     import dataclasses
 
     import torch
 
+    from nereus_lightning.lightning.devices import auto_cluster
     from nereus_lightning.plan.planner import job_models, plan_job
     from nereus_lightning.spec import ModelSpec, Workload, cluster_preset
 
     models = job_models(ModelSpec.from_hf_config(folder))
     cluster = cluster_preset("h200x8").with_gpus(1)
     if torch.cuda.is_available():
-        cluster = dataclasses.replace(cluster, gpu_memory=gpu_bytes())
+        cluster = dataclasses.replace(auto_cluster(True, 1, 1), gpu_memory=gpu_bytes())
     workload = Workload(
         algorithm="grpo",
         prompts_per_step=PROMPTS,

@@ -21,6 +21,7 @@ from nereus_lightning.plan.cost import (
 )
 from nereus_lightning.plan.memory import memory_cap
 from nereus_lightning.plan.overlap import colocated
+from nereus_lightning.plan.planner import STEP_TOLERANCE
 from nereus_lightning.spec import (
     ClusterSpec,
     GenerationEngine,
@@ -225,8 +226,10 @@ def _random_instance(rng: random.Random):
 
 
 def test_planner_matches_brute_force_on_random_instances():
+    """The plan is within STEP_TOLERANCE of the brute-force fastest step (its slots made lean), and
+    planned with no tolerance it is the fastest."""
     rng = random.Random(20260)
-    compared = infeasible = shared = 0
+    compared = infeasible = shared = leaner = 0
     for _ in range(220):
         models, cluster, workload, calibration = _random_instance(rng)
         expected = _brute_force(models, cluster, workload, calibration)
@@ -237,13 +240,22 @@ def test_planner_matches_brute_force_on_random_instances():
             infeasible += 1
             continue
         assert result.estimate.feasible, result.estimate.violations
-        assert result.estimate.step_latency == pytest.approx(expected, rel=1e-9), (cluster, workload)
-        for _plan, est in result.alternatives:
-            assert est.feasible and est.step_latency >= result.estimate.step_latency * (1 - 1e-12)
+        limit = expected * (1 + STEP_TOLERANCE) * (1 + 1e-9)
+        assert expected * (1 - 1e-9) <= result.estimate.step_latency <= limit, (cluster, workload)
+        if result.estimate.step_latency > expected * (1 + 1e-9):
+            leaner += 1
+            fastest = plan_job(models, cluster, workload, calibration, step_tolerance=0.0).estimate
+            assert fastest.step_latency == pytest.approx(expected, rel=1e-9), (cluster, workload)
+            lean = result.estimate
+            assert max(lean.peak_memory.values()) <= max(fastest.peak_memory.values())
+            assert sum(lean.stage_memory.values()) < sum(fastest.stage_memory.values())
+        for _plan, est in result.alternatives:  # next-best plans, each lean: within 5% of the best's speed
+            assert est.feasible and est.step_latency >= expected * (1 - 1e-9)
         compared += 1
         shared += bool(colocated(result.plan, {ms.name: ms.stage for ms in workload.stages}))
-    # Colocation makes every instance of these small models feasible; both kinds of plan win often.
-    assert compared + infeasible == 220 and compared >= 150
+    # Colocation makes every instance of these small models feasible; both kinds of plan win often;
+    # some plans are leaner and slower than the fastest.
+    assert compared + infeasible == 220 and compared >= 150 and leaner >= 10
     assert 20 <= shared <= compared - 20
 
 
@@ -433,9 +445,9 @@ def test_paper_drift_fact_llama8b_on_16_a100s():
         cand = result.plan["actor_train"]
         chosen[resp] = (cand.dp, cand.layout.tp, cand.layout.pp, cand.recompute)
         assert result.estimate.feasible
-    # Our model: 4-way TP is the fastest training layout at 2K; at 4K the planner moves away from
-    # (4,2,2) (which would need recompute) as the paper does.
-    assert chosen[2048][:3] == (4, 4, 1)
+    # Our model: 4-way TP trains at 2K (the leanest fast plan pipelines it in two); at 4K the planner
+    # moves away from (4,2,2) (which would need recompute) as the paper does.
+    assert chosen[2048][1] == 4
     assert chosen[4096][:3] != (4, 2, 2)
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from nereus_lightning.plan.layout import Plan
+from nereus_lightning.plan.planner import STEP_TOLERANCE
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.workload import Workload
 
@@ -48,7 +49,7 @@ class PlanningBackend(Protocol):
     def plan(
         self, cluster: ClusterSpec, workload: Workload, calibration: Any, memory: Any = None
     ) -> list[tuple[Plan, Estimate]]:
-        """The best plan and its next-best alternatives, fastest first (raises InfeasiblePlanError)."""
+        """The best plan and its next-best alternatives, best first (raises InfeasiblePlanError)."""
         ...
 
     def estimate(
@@ -63,7 +64,11 @@ class PlanningBackend(Protocol):
 
 
 class PlannerBackend:
-    """The real planner (``plan.planner``) and transition DAG (``transition``) for fixed models."""
+    """The real planner (``plan.planner``) and transition DAG (``transition``) for fixed models.
+
+    ``step_tolerance`` is the planner's lean rule (``plan_job``): the simulator compares policies on
+    speed alone and plans with 0 (the fastest plan).
+    """
 
     def __init__(
         self,
@@ -71,9 +76,11 @@ class PlannerBackend:
         alternatives: int = 4,
         transition: Callable[[Plan, Plan, ClusterSpec, Workload], float] | None = None,
         pool_key: str = "cluster.num_gpus",
+        step_tolerance: float = STEP_TOLERANCE,
     ) -> None:
         self.models = models
         self.alternatives = alternatives
+        self.step_tolerance = step_tolerance
         self.pool_key = pool_key  # the config key an infeasibility message tells the user to raise
         self._transition = transition
 
@@ -89,7 +96,8 @@ class PlannerBackend:
     def plan(
         self, cluster: ClusterSpec, workload: Workload, calibration: Any, memory: Any = None
     ) -> list[tuple[Plan, Estimate]]:
-        """``plan_job`` best plan first, then its alternatives, sorted by predicted latency."""
+        """``plan_job``'s best plan, then its alternatives (each made lean: a leaner plan may be slower
+        than an alternative that follows it)."""
         from nereus_lightning.plan.planner import plan_job
 
         result = plan_job(
@@ -100,9 +108,9 @@ class PlannerBackend:
             alternatives=self.alternatives,
             pool_key=self.pool_key,
             memory=memory,
+            step_tolerance=self.step_tolerance,
         )
-        options = [(result.plan, result.estimate), *result.alternatives]
-        return sorted(options, key=lambda pe: pe[1].step_latency)
+        return [(result.plan, result.estimate), *result.alternatives]
 
     def estimate(
         self, plan: Plan, cluster: ClusterSpec, workload: Workload, calibration: Any, memory: Any = None
@@ -141,6 +149,6 @@ class PlannerBackend:
             pinned=layouts,
             pool_key=self.pool_key,
             memory=memory,
+            step_tolerance=self.step_tolerance,
         )
-        options = [(result.plan, result.estimate), *result.alternatives]
-        return sorted(options, key=lambda pe: pe[1].step_latency)
+        return [(result.plan, result.estimate), *result.alternatives]

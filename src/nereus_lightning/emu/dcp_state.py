@@ -89,7 +89,7 @@ def params_from_masters(schema: StateSchema, trains: bool) -> dict[str, str]:
     """The parameters a checkpoint of a unit stores as their fp32 master only -> their dtype names.
 
     Those of a training unit that have a master (bf16/fp16): each is its master rounded, because
-    :class:`~nereus_lightning.models.optim.MixedPrecisionAdamW` copies every master into its parameter
+    :class:`~nereus_lightning.models.optim.BoundedAdamW` copies every master into its parameter
     after a step and a fresh unit's master is the parameter upcast (``EMU.from_model`` refuses a given
     master that rounds to another value). Storing them too would write 2 more bytes per parameter
     (1 GB of a 0.5B training unit's 7 GB).

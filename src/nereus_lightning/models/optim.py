@@ -74,13 +74,32 @@ def off_master(param: Tensor, master: Tensor) -> Tensor:
     return torch.ne(param.view(torch.uint8), master.to(param.dtype).view(torch.uint8)).any()
 
 
-class MixedPrecisionAdamW(torch.optim.AdamW):
-    """``torch.optim.AdamW`` whose low-precision parameters are stepped through fp32 master copies.
+#: Elements of one piece of an AdamW step: the step's fp32 temporaries (the gradients upcast, torch's
+#: ``sqrt(exp_avg_sq)``) exist for one piece at a time, so they stay bounded whatever the model's size
+#: (``plan.memory.STEP_PIECE_ELEMENTS`` mirrors it; a test pins them equal).
+STEP_PIECE_ELEMENTS = 2**26
+
+
+def _pieces(tensors: tuple[Tensor, ...], limit: int) -> list[tuple[Tensor, ...]]:
+    """Flat views of ``tensors`` (same shape) cut into pieces of at most ``limit`` elements, in order.
+
+    A non-contiguous tensor has no flat view; it stays one piece.
+    """
+    if tensors[0].numel() <= limit or not all(t.is_contiguous() for t in tensors):
+        return [tensors]
+    flat = [t.view(-1) for t in tensors]
+    return [tuple(f[i : i + limit] for f in flat) for i in range(0, flat[0].numel(), limit)]
+
+
+class BoundedAdamW(torch.optim.AdamW):
+    """``torch.optim.AdamW`` stepped in pieces of bounded size, low-precision parameters through fp32 masters.
 
     ``param_groups`` hold the model's own parameters (so ``zero_grad``, clipping and schedulers act
-    on them); ``state[p]`` holds fp32 ``exp_avg``, ``exp_avg_sq``, ``master`` and ``step``. A step
-    runs torch's AdamW arithmetic on the masters with the gradients upcast to fp32, then copies
-    each master into its parameter in place (same storage). fp32 parameters step as in AdamW.
+    on them); ``state[p]`` holds ``exp_avg``, ``exp_avg_sq``, ``step`` and, for a bf16/fp16 ``p``, an
+    fp32 ``master`` (moments fp32 too). A step runs torch's AdamW arithmetic over pieces of at most
+    :data:`STEP_PIECE_ELEMENTS` elements (flat views of the state, so the updates land in place), each
+    piece's gradient upcast to fp32 only while it steps; then it copies each master into its
+    parameter (same storage). AdamW is elementwise, so the pieces change no value.
     """
 
     @override
@@ -92,7 +111,7 @@ class MixedPrecisionAdamW(torch.optim.AdamW):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            lows, weights, grads, avgs, sqs, steps = [], [], [], [], [], []
+            lows, steps, pieces = [], [], []
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -103,37 +122,60 @@ class MixedPrecisionAdamW(torch.optim.AdamW):
                 master = state.get(MASTER_KEY)
                 if master is not None:
                     lows.append((p, master))
-                weights.append(p if master is None else master)
-                grads.append(p.grad if master is None else p.grad.to(master.dtype))
-                avgs.append(state["exp_avg"])
-                sqs.append(state["exp_avg_sq"])
                 steps.append(state["step"])
-            if not weights:
-                continue
-            beta1, beta2 = group["betas"]
-            adam_update(
-                weights,
-                grads,
-                avgs,
-                sqs,
-                [],
-                steps,
-                foreach=group["foreach"],
-                capturable=group["capturable"],
-                differentiable=group["differentiable"],
-                fused=group["fused"],
-                decoupled_weight_decay=True,
-                amsgrad=False,
-                beta1=beta1,
-                beta2=beta2,
-                lr=group["lr"],
-                weight_decay=group["weight_decay"],
-                eps=group["eps"],
-                maximize=group["maximize"],
-            )
+                weight = p if master is None else master
+                tensors = (weight, p.grad, state["exp_avg"], state["exp_avg_sq"])
+                pieces += [(*piece, state["step"]) for piece in _pieces(tensors, STEP_PIECE_ELEMENTS)]
+            for bucket in _buckets(pieces, STEP_PIECE_ELEMENTS):
+                _adamw(group, bucket)
+            if steps:
+                torch._foreach_add_(steps, 1)
             for p, master in lows:
                 p.copy_(master)
         return loss
+
+
+def _buckets(pieces: list[tuple[Tensor, ...]], limit: int) -> list[list[tuple[Tensor, ...]]]:
+    """Consecutive pieces grouped so that each group holds at most ``limit`` elements (or one piece)."""
+    out: list[list[tuple[Tensor, ...]]] = []
+    size = limit
+    for piece in pieces:
+        if size + piece[0].numel() > limit:
+            out.append([])
+            size = 0
+        out[-1].append(piece)
+        size += piece[0].numel()
+    return out
+
+
+def _adamw(group: Mapping[str, Any], bucket: list[tuple[Tensor, ...]]) -> None:
+    """torch's AdamW arithmetic on one bucket of (weight, grad, exp_avg, exp_avg_sq, step) pieces.
+
+    torch increments the step tensors it is given; it gets copies (a parameter cut in several pieces
+    counts one step), and :meth:`BoundedAdamW.step` advances the real ones once.
+    """
+    weights, grads, avgs, sqs, steps = (list(column) for column in zip(*bucket, strict=True))
+    beta1, beta2 = group["betas"]
+    adam_update(
+        weights,
+        [g if g.dtype == w.dtype else g.to(w.dtype) for w, g in zip(weights, grads, strict=True)],
+        avgs,
+        sqs,
+        [],
+        [s.clone() for s in steps],
+        foreach=group["foreach"],
+        capturable=group["capturable"],
+        differentiable=group["differentiable"],
+        fused=group["fused"],
+        decoupled_weight_decay=True,
+        amsgrad=False,
+        beta1=beta1,
+        beta2=beta2,
+        lr=group["lr"],
+        weight_decay=group["weight_decay"],
+        eps=group["eps"],
+        maximize=group["maximize"],
+    )
 
 
 def bind_adamw(
@@ -146,22 +188,15 @@ def bind_adamw(
     ``state`` maps global parameter names to their :func:`adamw_keys` tensors (an EMU's ZeRO-0
     optimizer shards; zeros and step 0 behave as a fresh AdamW): ``exp_avg``, ``exp_avg_sq``,
     ``step``, and for bf16/fp16 parameters fp32 moments and an fp32 ``master``. The optimizer
-    updates them in place, so the owner sees every step; None gives a fresh AdamW. With any
-    bf16/fp16 parameter the result is a :class:`MixedPrecisionAdamW` (the update runs on the fp32
-    master, then is copied into the parameter); otherwise a plain ``torch.optim.AdamW``.
-    ``hyper`` are AdamW's keyword arguments (lr, betas, eps, weight_decay).
+    updates them in place, so the owner sees every step; None gives a fresh AdamW. It is a
+    :class:`BoundedAdamW` (a bf16/fp16 parameter's update runs on its fp32 master, then is copied
+    into the parameter; the step's temporaries stay bounded). ``hyper`` are AdamW's keyword
+    arguments (lr, betas, eps, weight_decay).
     """
     named = dict(model.named_parameters())
     mixed = any(needs_master(p.dtype) for p in named.values())
-    if mixed:
-        require(
-            not hyper.get("amsgrad"), "amsgrad", "mixed-precision AdamW does not keep amsgrad state; drop it"
-        )
-        require(
-            not hyper.get("fused"), "fused", "mixed-precision AdamW steps the fp32 masters; drop fused=True"
-        )
-    cls = MixedPrecisionAdamW if mixed else torch.optim.AdamW
-    opt = cls(list(named.values()), **hyper)  # type: ignore[arg-type]
+    require(not hyper.get("amsgrad"), "amsgrad", "nereus' AdamW does not keep amsgrad state; drop it")
+    opt = BoundedAdamW(list(named.values()), **hyper)  # type: ignore[arg-type]
     if state is None:
         return opt
     require(

@@ -12,7 +12,8 @@ The terms follow what the body holds (``models``, ``rl``, the static decoder ``e
   tokens, and attention runs per sequence (flash / SDPA, no T x T scores);
 - training keeps what a transformers decoder layer with SDPA saves for backward
   (:func:`activation_bytes_per_token_layer`), or with recompute only each block's input plus one
-  block's activations; the optimizer step adds its fp32 temporaries (:func:`optimizer_step_bytes`);
+  block's activations; the optimizer step adds the fp32 temporaries of one piece
+  (:func:`optimizer_step_bytes`);
 - the static decoder preallocates the KV cache of the whole rollout for its whole batch
   (``GenerationEngine.cache_tokens``) and computes ``[batch, V / tp]`` logits per step.
 
@@ -50,6 +51,9 @@ LOGIT_CHUNK_ELEMENTS = 2**26
 #: fp32 copies of a chunk's logits alive beside the chunk itself (the upcast logits and their
 #: log-softmax / gradient): a chunk element costs ``dtype_bytes + 4 * LOGIT_FP32_COPIES`` bytes.
 LOGIT_FP32_COPIES = 2
+#: Elements of one piece of an AdamW step (``models.optim.STEP_PIECE_ELEMENTS``, mirrored; a test pins
+#: them equal): the step's fp32 temporaries are those of one piece.
+STEP_PIECE_ELEMENTS = 2**26
 
 
 @lru_cache(maxsize=256)
@@ -203,11 +207,13 @@ def kv_cache_bytes(model: ModelSpec, tokens: float, layers: int, tp: int) -> flo
 def optimizer_step_bytes(model: ModelSpec, params: float) -> float:
     """Temporaries of one AdamW step over ``params`` parameters (activations are freed by then).
 
-    Below fp32 the step upcasts every gradient to fp32 (``models.optim.MixedPrecisionAdamW``);
-    torch's foreach AdamW then builds ``sqrt(exp_avg_sq)`` for all parameters at once (fp32).
+    The step runs over pieces of at most :data:`STEP_PIECE_ELEMENTS` elements
+    (``models.optim.BoundedAdamW``); below fp32 a piece's gradients are upcast to fp32, and torch's
+    foreach AdamW builds ``sqrt(exp_avg_sq)`` of the piece (fp32). Clipping's norm reads the same
+    pieces.
     """
     upcast = 4 if model.dtype_bytes < 4 else 0
-    return params * (upcast + 4)
+    return min(params, STEP_PIECE_ELEMENTS) * (upcast + 4)
 
 
 def training_activation_bytes(

@@ -258,6 +258,19 @@ class CandidateTable:
                     out.append((gpus, lat, peak, res, layout, dp, mb, rc))
         return out
 
+    def next_leaner(self, option: Option) -> Option | None:
+        """The choice of ``option``'s layout and dp that comes after it: leaner and slower (None: none,
+        or a generation option, whose batch is whatever fits)."""
+        for gpus, layout, dp, res, choices in self.rows:
+            if (layout, dp) != (option.layout, option.dp):
+                continue
+            at = [(mb, rc) for _, _, mb, rc in choices].index((option.micro_batch, option.recompute))
+            if at + 1 == len(choices):
+                return None
+            lat, peak, mb, rc = choices[at + 1]
+            return Option(gpus, lat, layout, dp, mb, rc, peak, res)
+        return None
+
     def resident_levels(self) -> list[float]:
         """Distinct per-GPU resident state of this table's candidates (training only), ascending."""
         return sorted({row[3] for row in self.rows})

@@ -32,7 +32,12 @@
    side: a group's state is the sum of its members' (a level ``rho`` may be such a sum), and each
    member's peak must fit next to the other members' states; the group's points come from every
    combination of its members' state levels (exact).
-5. Assign GPU ids: in the training stage by decreasing GPU count, elsewhere by decreasing
+5. Lean: the plan's micro-batches and recompute are made leaner while its step stays within 5% of
+   the fastest (``STEP_TOLERANCE``, ``lean_slots``): the model-stage with the largest peak per GPU
+   takes its next leaner choice on the same layout and GPUs, until that would pass the 5%.
+   Predictions are not exact to a few percent, and the memory left free is headroom for responses
+   that grow, for the allocator's fragmentation and for the model-stages a transition brings.
+6. Assign GPU ids: in the training stage by decreasing GPU count, elsewhere by decreasing
    replica size, each group from the lowest free id (a group's members all from its first id).
    With power-of-two sizes and nodes this keeps every replica aligned (TP groups inside nodes)
    and every training candidate that fits in a node inside one node, which is exactly how step 1
@@ -74,6 +79,9 @@ from nereus_lightning.spec.model import ModelSpec
 from nereus_lightning.spec.workload import STAGES, Workload
 
 ROLES = ("actor", "critic", "reference", "reward")
+#: A plan whose step is within this fraction of the fastest plan's counts as fast; the planner
+#: returns the one that fits the smallest memory per GPU among them (step 5 of the module docstring).
+STEP_TOLERANCE = 0.05
 
 
 def job_models(
@@ -215,8 +223,13 @@ def plan_job(
     pinned: Mapping[str, Layout] | None = None,
     pool_key: str = "cluster.num_gpus",
     memory: MemoryCalibration | None = None,
+    step_tolerance: float = STEP_TOLERANCE,
 ) -> PlanResult:
-    """The fastest feasible plan for ``workload`` on ``cluster`` and up to ``alternatives`` next-best plans.
+    """The fastest feasible plan for ``workload`` on ``cluster``, made lean, and up to ``alternatives``
+    next-best plans.
+
+    Lean: its micro-batches and recompute are made leaner while its step stays within
+    ``step_tolerance`` of the fastest (:func:`lean_slots`; 0 keeps the fastest).
 
     ``memory`` holds the measured memory factor of each stage: a stage's predicted peaks times its
     factor must fit the cap.
@@ -273,17 +286,78 @@ def plan_job(
     combos = sorted(itertools.product(*per_stage), key=total)[: alternatives + 1 - len(leaner)]
     for level in leaner:
         combos.append(tuple(search.solve(stage, level)[0] for stage in search.stages))
-    results: list[tuple[Plan, PlanEstimate]] = []
+
+    def placed(combo: tuple[Pick, ...]) -> tuple[Plan, PlanEstimate]:
+        groups = {block: grp for pick in combo for block, grp in pick.items()}
+        plan = assign_gpus(groups, search.stage_of, order)
+        return plan, estimate_plan(plan, models, cluster, workload, calibration, memory)
+
+    fast: list[tuple[tuple[Pick, ...], Plan, PlanEstimate]] = []
     for combo in combos:
-        plan = assign_gpus(
-            {block: grp for pick in combo for block, grp in pick.items()}, search.stage_of, order
-        )
-        if all(plan != seen for seen, _ in results):
-            results.append((plan, estimate_plan(plan, models, cluster, workload, calibration, memory)))
+        plan, est = placed(combo)
+        if all(plan != seen for _, seen, _ in fast):
+            fast.append((combo, plan, est))
     # On power-of-two nodes the concrete estimate equals the search's objective; elsewhere a
-    # placement can cost more than its shape promised, so order by the concrete estimate.
-    results.sort(key=lambda r: (not r[1].feasible, r[1].step_latency))
+    # placement can cost more than its shape promised, so order by the concrete estimate. Then
+    # each plan is made lean (step 5), keeping that order.
+    fast.sort(key=lambda r: (not r[2].feasible, r[2].step_latency))
+    results: list[tuple[Plan, PlanEstimate]] = []
+    for combo, plan, est in fast:
+        lean = lean_slots(combo, search.tables, step_tolerance)
+        plan, est = (plan, est) if lean == combo else placed(lean)
+        if all(plan != seen for seen, _ in results):
+            results.append((plan, est))
     return PlanResult(results[0][0], results[0][1], tuple(results[1:]))
+
+
+def lean_slots(
+    combo: tuple[Pick, ...], tables: Mapping[str, CandidateTable], tolerance: float
+) -> tuple[Pick, ...]:
+    """``combo`` (one pick per stage) with leaner micro-batch / recompute choices while its step stays
+    within ``tolerance`` of its own (step 5): in rounds, every member at the largest per-GPU peak takes
+    the next leaner choice of its layout and dp, until a round cannot (the round is then undone).
+
+    Layouts, DP degrees and so GPU counts and resident states stay as they are.
+    """
+    picks = [dict(pick) for pick in combo]
+    limit = _step(picks) * (1 + tolerance)
+    while True:
+        rho = max((g.resident for p in picks for g in p.values()), default=0.0)
+        peaks = {
+            (i, block, k): _member_peak(grp, k, rho)
+            for i, pick in enumerate(picks)
+            for block, grp in pick.items()
+            for k in range(len(grp.members))
+        }
+        top = max(peaks.values())
+        trial = [dict(pick) for pick in picks]
+        for (i, block, k), peak in peaks.items():
+            if peak < top:
+                continue
+            grp = trial[i][block]
+            name, option = grp.members[k]
+            leaner = tables[name].next_leaner(option)
+            if leaner is None:
+                return tuple(picks)
+            members = grp.members[:k] + ((name, leaner),) + grp.members[k + 1 :]
+            latency = grp.latency - option.latency + leaner.latency
+            trial[i][block] = replace(grp, members=members, latency=latency)
+        if _step(trial) > limit:
+            return tuple(picks)
+        picks = trial
+
+
+def _step(picks: list[Pick]) -> float:
+    return sum(max(grp.latency for grp in pick.values()) for pick in picks)
+
+
+def _member_peak(grp: Group, k: int, rho: float) -> float:
+    """Member ``k``'s peak per GPU as the cap bounds it: a training member's next to its group's other
+    states, any other one's next to the plan's training state ``rho``."""
+    option = grp.members[k][1]
+    if option.resident:
+        return option.peak_memory + grp.resident - option.resident
+    return option.peak_memory + rho
 
 
 class _Search:

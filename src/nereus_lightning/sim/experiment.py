@@ -55,7 +55,9 @@ def make_setup(
         work = Workload(**dict(workload or {}))
     else:
         work = workload
-    backend = PlannerBackend(job_models(spec), alternatives=alternatives)
+    # Policies are compared on speed: the machine knows every plan's true memory, so no plan needs
+    # the real planner's headroom (its lean rule).
+    backend = PlannerBackend(job_models(spec), alternatives=alternatives, step_tolerance=0.0)
     truth = Calibration({**TRUE_EFFICIENCY, **dict(efficiency or {})})
     machine = TrueMachine(
         backend, truth, noise=noise, transition_factor=transition_factor, restart_s=restart_s, seed=seed
