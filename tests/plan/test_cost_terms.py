@@ -22,6 +22,7 @@ from nereus_lightning.plan.comm import (
 from nereus_lightning.plan.cost import (
     HOST_BW,
     KERNELS_PER_LAYER,
+    RECOMPUTE_LAUNCH_PASSES,
     StageWork,
     decode_context,
     generation_batch,
@@ -274,7 +275,7 @@ def test_training_slot_counts_tp_allreduces_per_block():
     c = _cluster(gpn=4)
     w = _work("training", role="critic", sequences=64)  # no LM head
     lay = Layout(2, 1)
-    for rc, passes in ((False, 3), (True, 4)):
+    for rc, passes, launched in ((False, 3, 3), (True, 4, RECOMPUTE_LAUNCH_PASSES)):
         slot = slot_affine(w, lay, rc, canonical_links(lay, 1, c), c).at(1)
         tokens = 100 + 200  # prompt + mean response
         one = allreduce_time(tokens * 4096 * 2, 2, GroupLink(), c)
@@ -286,7 +287,7 @@ def test_training_slot_counts_tp_allreduces_per_block():
             / 2
             / 100e12
         )
-        launches = passes * 32 * KERNELS_PER_LAYER * c.launch_s  # forward, backward (x2), recompute
+        launches = launched * 32 * KERNELS_PER_LAYER * c.launch_s  # forward, backward (x2), recompute
         assert slot["gemm"] == pytest.approx(gemm + launches)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -355,16 +356,16 @@ def test_70b_training_on_two_gpus_names_the_binding_constraint():
 
 
 def test_training_states_that_do_not_fit_side_by_side_name_the_stage_and_the_pool_key():
-    """PPO-8B on 3 H200s: actor and critic training each fit on 2 GPUs (66 GB of state per GPU),
-    but not together on shared GPUs (132 GB > the 126.9 GB cap) nor on disjoint ones (4 GPUs)."""
+    """PPO-8B on 3 125 GB GPUs: actor and critic training each fit on 2 GPUs (64 GB of state per GPU
+    with gradients), but not together on shared GPUs (one's 64 GB beside the other's 56 GB of
+    weights and AdamW state > the 111 GB cap) nor on disjoint ones (4 GPUs)."""
+    gpus = replace(cluster_preset("h200x8"), gpu_memory=125e9).with_gpus(3)
     with pytest.raises(
         InfeasiblePlanError, match="training stage: .*side by side.*raise cluster.num_gpus to 4"
     ):
-        plan_job(job_models(L8), cluster_preset("h200x8").with_gpus(3), Workload())
+        plan_job(job_models(L8), gpus, Workload())
     with pytest.raises(InfeasiblePlanError, match="raise trainer.devices to 4"):
-        plan_job(
-            job_models(L8), cluster_preset("h200x8").with_gpus(3), Workload(), pool_key="trainer.devices"
-        )
+        plan_job(job_models(L8), gpus, Workload(), pool_key="trainer.devices")
     with pytest.raises(InfeasiblePlanError, match="raise trainer.devices to at least 2"):
         plan_job(
             job_models(L8), cluster_preset("h200x8").with_gpus(1), Workload(), pool_key="trainer.devices"
@@ -452,7 +453,7 @@ def test_paper_drift_fact_llama8b_on_16_a100s():
 
 
 def test_generation_and_inference_run_next_to_resident_training_state():
-    from nereus_lightning.plan.memory import state_bytes_per_gpu
+    from nereus_lightning.plan.memory import boundary_state_bytes
 
     models, cluster = job_models(L8), cluster_preset("h200x8")
     workload = Workload(algorithm="grpo", response_len=512)
@@ -466,7 +467,7 @@ def test_generation_and_inference_run_next_to_resident_training_state():
         }
     )
     est = estimate_plan(plan, models, cluster, workload)
-    state = state_bytes_per_gpu(L8, True, Layout(4, 1))  # 16 bytes/param over TP4
+    state = boundary_state_bytes(L8, True, Layout(4, 1))  # 14 bytes/param over TP4 (no gradients)
     works = {ms.name: stage_work(ms, models, workload) for ms in workload.stages}
     own_infer = max(rank_peak_memory(works["actor_infer"], Layout(1, 1), 1, 2, False))
     own_ref = max(rank_peak_memory(works["ref_infer"], Layout(1, 1), 1, 2, False))
@@ -477,7 +478,7 @@ def test_generation_and_inference_run_next_to_resident_training_state():
     ppo = Workload(response_len=4096)
     result = plan_job(models, cluster_preset("paper_cluster2").with_gpus(16), ppo)
     assert result.estimate.feasible
-    rho = max(state_bytes_per_gpu(L8, True, c.layout) for n, c in result.plan.items() if n.endswith("_train"))
+    rho = max(boundary_state_bytes(L8, True, c.layout) for n, c in result.plan.items() if n.endswith("_train"))
     for ms in ppo.stages:
         if not ms.trains:
             cand = result.plan[ms.name]
@@ -488,8 +489,8 @@ def test_generation_and_inference_run_next_to_resident_training_state():
 
 
 def test_resident_training_state_can_be_the_binding_constraint():
-    """The 8B actor trains on 4 GPUs only (32.1 GB of state per GPU, 49.3 GB at its optimizer step);
-    a vLLM engine's 0.5 share of a 60 GB GPU does not fit beside that state under the 54 GB cap."""
+    """The 8B actor trains on 4 GPUs only (28.1 GB of weights and AdamW state per GPU between its
+    passes); a vLLM engine's 0.5 share of a 60 GB GPU does not fit beside that state under the 54 GB cap."""
     cluster = ClusterSpec("tight", 1, 4, 60e9, 312e12, 1.6e12, 300e9, 25e9)
     workload = Workload(
         algorithm="grpo",
@@ -498,7 +499,7 @@ def test_resident_training_state_can_be_the_binding_constraint():
         generation_engine=GenerationEngine("vllm", gpu_memory_utilization=0.5),
     )
     with pytest.raises(
-        InfeasiblePlanError, match="next to 32.1 GB of resident training state per GPU, actor_gen"
+        InfeasiblePlanError, match="next to 28.1 GB of resident training state per GPU, actor_gen"
     ):
         plan_job(job_models(L8), cluster, workload)
 

@@ -266,6 +266,13 @@ def _comm_part(
     return op_class(collective, link.inter), times * (2 * one - two), times * (two - one)
 
 
+#: Forward-like passes of host work and launches a micro-batch trained with activation recompute
+#: pays: the recomputed forward runs under autograd's saved-tensor hooks, which cost about as much
+#: again as the forward itself (H100, 0.5B at 256 tokens: training per micro-batch 2x with recompute,
+#: ``benchmarks/results/gpu_e2e.md``); its FLOPs are one forward more (``compute.training_multiplier``).
+RECOMPUTE_LAUNCH_PASSES = 6
+
+
 @lru_cache(maxsize=1 << 14)
 def slot_affine(
     work: StageWork, layout: Layout, recompute: bool, links: Links, cluster: ClusterSpec
@@ -284,10 +291,10 @@ def slot_affine(
         / cluster.peak_flops
     )
     act = tokens * model.hidden * model.dtype_bytes
-    passes = (
-        (4 if recompute else 3) if work.trains else 1
-    )  # forward-like passes (backward = 2), 2 all-reduces per block and one set of launches each
-    parts = [("gemm", passes * _launch_time(layers, cluster), gemm), ("attention", 0.0, attn)]
+    # Forward-like passes (backward = 2), 2 all-reduces per block and one set of launches each.
+    passes = (4 if recompute else 3) if work.trains else 1
+    launches = (RECOMPUTE_LAUNCH_PASSES if recompute else 3) if work.trains else 1
+    parts = [("gemm", launches * _launch_time(layers, cluster), gemm), ("attention", 0.0, attn)]
     if tp > 1:
         parts.append(
             _comm_part(

@@ -10,7 +10,7 @@ from nereus_lightning.plan.calibration import Calibration, MemoryCalibration
 from nereus_lightning.plan.comm import links_of
 from nereus_lightning.plan.cost import StageWork, ideal_time, rank_peak_memory, replica_sequences, stage_work
 from nereus_lightning.plan.layout import Candidate, Plan
-from nereus_lightning.plan.memory import memory_cap, rank_state_bytes
+from nereus_lightning.plan.memory import memory_cap, resident_rank_bytes
 from nereus_lightning.plan.overlap import groups_by_stage
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.errors import NereusConfigError
@@ -117,7 +117,7 @@ def estimate_plan(
     for ms in stages:
         if ms.trains and replica_sequences(stage_work(ms, models, workload), plan[ms.name].dp) is not None:
             cand, model = plan[ms.name], models[ms.model]
-            per_rank = [rank_state_bytes(model, True, cand.layout, p) for p in range(cand.layout.pp)]
+            per_rank = [resident_rank_bytes(model, cand.layout, p) for p in range(cand.layout.pp)]
             own[ms.name] = _per_gpu(per_rank, cand)
             for g, value in zip(cand.gpus, own[ms.name], strict=True):
                 resident[g] = resident.get(g, 0.0) + value

@@ -109,14 +109,24 @@ def rank_state_bytes(model: ModelSpec, trains: bool, layout: Layout, pp_rank: in
     return rank_params(model, layout, pp_rank) * per_param
 
 
-def boundary_state_bytes(model: ModelSpec, trains: bool, layout: Layout) -> float:
-    """State a model-stage keeps on its most-loaded GPU at a safe boundary (between RL steps).
+def resident_rank_bytes(model: ModelSpec, layout: Layout, pp_rank: int) -> float:
+    """Training state one GPU of pipeline stage ``pp_rank`` keeps outside its own training pass: weights
+    and AdamW state (the gradients exist from the backward to the optimizer step, then are dropped)."""
+    return rank_params(model, layout, pp_rank) * (model.dtype_bytes + optimizer_bytes_per_param(model))
 
-    Training state stays resident all step; generation and inference weights are loaded from
-    host memory when their stage starts and dropped after (``cost._offload`` prices that), so they
-    hold no GPU memory between steps. The planner and the transition DAG both use this rule.
+
+def boundary_state_bytes(model: ModelSpec, trains: bool, layout: Layout) -> float:
+    """State a model-stage keeps on its most-loaded GPU at a safe boundary (between RL steps), and what
+    the other stages run next to.
+
+    Training state stays resident all step, less its gradients (:func:`resident_rank_bytes`);
+    generation and inference weights are loaded from host memory when their stage starts and
+    dropped after (``cost._offload`` prices that), so they hold no GPU memory between steps. The
+    planner and the transition DAG both use this rule.
     """
-    return state_bytes_per_gpu(model, True, layout) if trains else 0.0
+    if not trains:
+        return 0.0
+    return max(resident_rank_bytes(model, layout, r) for r in {0, layout.pp - 1})
 
 
 def state_bytes_per_gpu(model: ModelSpec, trains: bool, layout: Layout) -> float:

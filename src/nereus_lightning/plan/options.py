@@ -34,7 +34,7 @@ from nereus_lightning.plan.cost import (
     wave_peak,
 )
 from nereus_lightning.plan.layout import Layout
-from nereus_lightning.plan.memory import state_bytes_per_gpu
+from nereus_lightning.plan.memory import boundary_state_bytes
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.model import ModelSpec
 
@@ -162,7 +162,7 @@ class CandidateTable:
                     )
                 continue
             pp = layout.pp
-            resident = state_bytes_per_gpu(work.model, True, layout) if trains else 0.0
+            resident = boundary_state_bytes(work.model, trains, layout)
             slots = {
                 rc: sc.affine(slot_affine(work, layout, rc, one, cluster))[:2]
                 for rc in ((False, True) if trains else (False,))
