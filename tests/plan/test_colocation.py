@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from nereus_lightning.plan import Candidate, Layout, Plan, estimate_plan, job_models, plan_job
-from nereus_lightning.plan.memory import boundary_state_bytes, memory_cap, state_bytes_per_gpu
+from nereus_lightning.plan.memory import boundary_state_bytes
 from nereus_lightning.plan.overlap import (
     colocated,
     concurrent,
