@@ -485,7 +485,9 @@ def timed_dag(dag: Any, dev: torch.device) -> tuple[float, Any]:
 def transition_timing(checks: Checks, dev: torch.device, quick: bool, repeats: int) -> dict[str, Any]:
     """Extend, Merge, Split ``repeats`` times from a fresh random state; measured vs ``L_tran``."""
     from nereus_lightning.emu import gather_logical_state, registry
-    from nereus_lightning.lightning.emu_state import _dag_rank_sets  # the executor's rank sets per node
+    from nereus_lightning.lightning.transition_runner import (
+        dag_rank_sets,
+    )  # the executor's rank sets per node
     from nereus_lightning.models.groups import prepare_groups
     from nereus_lightning.spec import CLUSTER_PRESETS, Workload
     from nereus_lightning.spec.errors import InfeasiblePlanError
@@ -521,7 +523,7 @@ def transition_timing(checks: Checks, dev: torch.device, quick: bool, repeats: i
         held = random_units(start, spec, dev)
         if repeat == 0:
             first = {name: gather_logical_state(name, dst=0) for name in stages} if small else {}
-            prepare_groups([r for dag in dags.values() for r in _dag_rank_sets(dag)])
+            prepare_groups([r for dag in dags.values() for r in dag_rank_sets(dag)])
         for key, dag in dags.items():
             seconds, reports[key] = timed_dag(dag, dev)
             samples[key].append(seconds)

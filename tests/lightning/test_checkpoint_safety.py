@@ -379,16 +379,16 @@ def test_weights_stored_as_masters_read_back_rounded_and_a_missing_one_is_named(
 
 
 def test_a_damaged_weights_record_is_named(tmp_path):
-    from nereus_lightning.lightning.emu_state import WEIGHTS_FROM, _read_weights_from
+    from nereus_lightning.lightning.unit_checkpoints import WEIGHTS_FROM, read_weights_from
     from nereus_lightning.plan.layout import Candidate, Layout, Plan
 
     plan = Plan.of({n: Candidate(Layout(1, 1), 1, (0,)) for n in ("actor_gen", "actor_train")})
     (tmp_path / "actor_gen").mkdir()
     (tmp_path / "actor_gen" / WEIGHTS_FROM).write_text('{"weights_from": "actor_train"}')
-    assert _read_weights_from(str(tmp_path), plan) == {"actor_gen": "actor_train"}
+    assert read_weights_from(str(tmp_path), plan) == {"actor_gen": "actor_train"}
     (tmp_path / "actor_gen" / WEIGHTS_FROM).write_text('{"weights_from": 3}')
     with pytest.raises(CheckpointError, match=r"actor_gen/weights_from\.json: damaged"):
-        _read_weights_from(str(tmp_path), plan)
+        read_weights_from(str(tmp_path), plan)
 
 
 # ---- verified contents ----------------------------------------------------------------------------

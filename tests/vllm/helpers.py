@@ -65,7 +65,7 @@ def engine_matches_training(module: Any, strategy: Any) -> dict[str, Any] | None
         return None
     engine = module.rollout_engine(
         strategy, "actor_gen"
-    ).instance  # pushes the unit's shards when a sync made them newer
+    )  # pushes the unit's shards when a sync made them newer
     back = engine.read_weights()
     schema, tp = unit.schema, unit.unit.layout.tp
     tp_rank = unit.unit.gpus.index(unit.rank)

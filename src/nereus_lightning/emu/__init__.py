@@ -40,7 +40,7 @@ from nereus_lightning.emu.registry import Registry, registry
 from nereus_lightning.emu.schema import OPTIM_KEYS, StateSchema
 from nereus_lightning.emu.transfer import default_device
 from nereus_lightning.emu.transfer_plan import Move, TransferPlan, plan_transfer, reshard_plan, unit_holdings
-from nereus_lightning.emu.unit import EMU, Counters
+from nereus_lightning.emu.unit import EMU, Counters, replica_units
 from nereus_lightning.plan.units import Position, Primitive, Unit, position_of
 
 __all__ = [
@@ -77,6 +77,7 @@ __all__ = [
     "position_of",
     "reshard_plan",
     "registry",
+    "replica_units",
     "split",
     "unit_holdings",
     "validate_op",

@@ -71,6 +71,10 @@ class Registry:
             raise NereusConfigError(f"unit: this rank holds no part of {model_stage!r} unit {unit}")
         return emu
 
+    def mine(self, model_stage: str) -> EMU | None:
+        """This rank's EMU of ``model_stage`` (None: this rank holds no part of it)."""
+        return next((e for e in self.units.get(model_stage, {}).values() if e is not None), None)
+
     def require_live(self, model_stage: str, units: Iterable[Unit]) -> None:
         """Reject units that are not live units of ``model_stage``."""
         live = self.units.get(model_stage, {})

@@ -28,7 +28,7 @@ from nereus_lightning.emu.host import HostBlock
 from nereus_lightning.emu.schema import StateSchema
 from nereus_lightning.models.optim import MASTER_KEY, off_master
 from nereus_lightning.models.sharding import tp_slices
-from nereus_lightning.plan.layout import Layout
+from nereus_lightning.plan.layout import Candidate, Layout
 from nereus_lightning.plan.units import Position, Unit
 from nereus_lightning.spec.errors import require
 
@@ -281,3 +281,8 @@ class EMU:
             f"EMU({self.model_stage!r}, {self.unit}, rank={self.rank}, {len(self.params)} tensors, "
             f"{self.nbytes()} B)"
         )
+
+
+def replica_units(cand: Candidate) -> list[Unit]:
+    """The units of a model-stage's candidate: one per replica, in replica order."""
+    return [Unit(cand.layout, tuple(cand.replica_gpus(r))) for r in range(cand.dp)]

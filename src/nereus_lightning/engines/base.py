@@ -1,4 +1,8 @@
-"""The rollout-engine interface and what every engine shares: the output, per-sample seeded sampling, eos.
+"""The rollout-engine interfaces and what every engine shares: the output, per-sample seeded sampling, eos.
+
+:class:`RolloutEngine` generates; :class:`StageEngine` is one the strategy holds for a generation
+model-stage across steps (weights loaded with their version, sleep, wake, close), built by its
+:class:`EngineKind` (:mod:`nereus_lightning.engines.registry`).
 
 Sampling is seeded per sample, not per batch: row ``i`` draws its tokens from its own Gumbel
 noise, seeded by ``sample_seeds[i]`` (derive them from the global sample index with
@@ -10,14 +14,15 @@ batch, so a rollout is the same under any DP partition of the prompts (up to flo
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
 from nereus_lightning.spec.errors import NereusConfigError, require
+from nereus_lightning.spec.workload import GenerationEngine
 
 
 @dataclass
@@ -61,6 +66,117 @@ class RolloutEngine(Protocol):
         sample_seeds: Sequence[int] | Tensor | None = None,
     ) -> RolloutOutput:
         """Responses (``max_new_tokens`` wide, padded) and their masks; greedy when ``do_sample`` is False."""
+        ...
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """How a generation model-stage's responses end and are padded, and the built-in engine's decode loop.
+
+    ``eos_token_id`` None: responses run to ``max_new_tokens`` (``ignore_eos``); ``decode``: one of
+    :data:`~nereus_lightning.engines.static.DECODE_MODES`.
+    """
+
+    eos_token_id: int | None
+    pad_token_id: int
+    decode: str = "auto"
+
+
+@dataclass(frozen=True)
+class GenerationSite:
+    """Where a generation model-stage's rollout engine runs under a plan, and what it runs.
+
+    ``replicas``: each replica's ranks (TP order); ``unit``: this rank's compute module of the
+    model-stage (None off its ranks, or before the units exist).
+    """
+
+    model_stage: str
+    replicas: tuple[tuple[int, ...], ...]
+    tp: int
+    pp: int
+    config: Any  # the model's transformers config
+    dtype: torch.dtype | None = None  # the generation unit's parameter dtype (None before the units exist)
+    unit: Any = None
+
+
+@dataclass(frozen=True)
+class UnitShards:
+    """This rank's shards of a generation unit as an engine takes them (global names, TP shards).
+
+    ``shapes`` and ``placements`` (:mod:`nereus_lightning.models.sharding`) say how each full
+    parameter is cut; ``policy_version`` is the unit's, which the engine records.
+    """
+
+    params: Mapping[str, Tensor]
+    shapes: Mapping[str, Sequence[int]]
+    placements: Mapping[str, Any]
+    tp_rank: int
+    policy_version: int
+
+
+@runtime_checkable
+class StageEngine(RolloutEngine, Protocol):
+    """The rollout engine of a generation model-stage on this rank, held by the strategy across steps.
+
+    Its kind (:class:`EngineKind`) builds it for a plan's generation layout. It decodes either
+    on the generation unit's own tensors (:attr:`on_unit`: the unit is on its device while it
+    generates) or on weights of its own, which :meth:`load` replaces with the unit's shards.
+    """
+
+    #: Whether it decodes on the unit's own tensors (else on weights it took with :meth:`load`).
+    on_unit: bool
+
+    @property
+    def policy_version(self) -> int | None:
+        """The unit's policy version of the weights it decodes with (None: not known here)."""
+        ...
+
+    def load(self, shards: UnitShards) -> None:
+        """Take the generation unit's current weights, this rank's shards, and their policy version."""
+        ...
+
+    def sleep(self) -> None:
+        """Free the device memory it holds between generations (the next use brings it back)."""
+        ...
+
+    def wake(self) -> None:
+        """Bring back what :meth:`sleep` freed."""
+        ...
+
+    def close(self) -> None:
+        """Release everything it holds (it is not used again)."""
+        ...
+
+
+class EngineKind(Protocol):
+    """One kind of rollout engine (``algorithm.rollout_engine``), as the registry holds it."""
+
+    def require_installed(self, key: str) -> None:
+        """Refuse, when the job is configured, a kind whose library is missing (naming ``key``)."""
+        ...
+
+    def check_model(self, config: Any, key: str) -> None:
+        """Refuse, before any process starts, a model (transformers config) this kind cannot run."""
+        ...
+
+    def check_sites(self, sites: Sequence[GenerationSite]) -> None:
+        """Refuse, before anything moves, a plan's generation layout this kind cannot take."""
+        ...
+
+    def place(
+        self,
+        sites: Sequence[GenerationSite],
+        previous: Sequence[GenerationSite],
+        held: Mapping[str, StageEngine],
+        decoding: Decoding,
+        settings: GenerationEngine,
+    ) -> dict[str, StageEngine]:
+        """This rank's engine of each generation model-stage at ``sites`` (collective over the world).
+
+        ``held``: this rank's engines placed for ``previous`` (the sites of the last plan, empty at
+        first; the same on every rank); one that still serves its site is kept, the others are
+        closed. A model-stage this rank does not run has no engine.
+        """
         ...
 
 

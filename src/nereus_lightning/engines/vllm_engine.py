@@ -44,7 +44,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from nereus_lightning.engines.base import RolloutOutput, check_sampling, finish_rollout
+from nereus_lightning.engines.base import (
+    Decoding,
+    GenerationSite,
+    RolloutOutput,
+    StageEngine,
+    UnitShards,
+    check_sampling,
+    finish_rollout,
+)
 from nereus_lightning.spec.errors import NereusConfigError, require
 from nereus_lightning.spec.workload import GenerationEngine
 
@@ -554,11 +562,12 @@ class VLLMInstance:
 
 
 class VLLMEngine:
-    """A :class:`~nereus_lightning.engines.base.RolloutEngine` over this rank's :class:`VLLMInstance`.
+    """A :class:`~nereus_lightning.engines.base.StageEngine` over this rank's :class:`VLLMInstance`.
 
     Every rank of the generation replica calls :meth:`generate` with the same prompts and gets the
     same responses (vLLM's SPMD mode). Each response also carries its sampled tokens' log-probs and
-    the policy version of the weights (:class:`VLLMRollout`).
+    the policy version of the weights (:class:`VLLMRollout`). The engine decodes on weights of its
+    own: :meth:`load` puts the generation unit's shards into them.
 
     Args:
         instance: this rank's engine, holding the generation unit's current weights.
@@ -566,10 +575,39 @@ class VLLMEngine:
         pad_token_id: id written after a response's end.
     """
 
+    on_unit = False
+
     def __init__(self, instance: VLLMInstance, eos_token_id: int | None, pad_token_id: int) -> None:
         self.instance = instance
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
+
+    @property
+    def policy_version(self) -> int | None:
+        """The generation unit's policy version of the engine's weights (None before the first load)."""
+        return self.instance.policy_version
+
+    def load(self, shards: UnitShards) -> None:
+        """This rank's TP shards into the engine, in place (see :meth:`VLLMInstance.load`)."""
+        self.instance.load(
+            shards.params, shards.shapes, shards.placements, shards.tp_rank, shards.policy_version
+        )
+
+    def sleep(self) -> None:
+        """See :meth:`VLLMInstance.sleep`."""
+        self.instance.sleep()
+
+    def wake(self) -> None:
+        """See :meth:`VLLMInstance.wake`."""
+        self.instance.wake()
+
+    def read_weights(self) -> dict[str, Tensor]:
+        """See :meth:`VLLMInstance.read_weights`."""
+        return self.instance.read_weights()
+
+    def close(self) -> None:
+        """See :meth:`VLLMInstance.close`."""
+        self.instance.close()
 
     @torch.no_grad()
     def generate(
@@ -640,10 +678,71 @@ class VLLMEngine:
         )
 
 
+def _describe(site: GenerationSite) -> str:
+    return f"TP{site.tp}xPP{site.pp} on {list(site.replicas)}"
+
+
+def _layout(sites: Sequence[GenerationSite]) -> set[tuple[tuple[tuple[int, ...], ...], int, int]]:
+    return {(s.replicas, s.tp, s.pp) for s in sites}
+
+
+class VLLMEngines:
+    """The ``vllm`` kind: one engine per process, serving every generation model-stage of the plan.
+
+    vLLM's process groups are global to a process, so the plan's generation model-stages must
+    share one layout; the engine is rebuilt (collectively) only when that layout changes.
+    """
+
+    def require_installed(self, key: str) -> None:
+        """See :func:`require_vllm`."""
+        require_vllm(key)
+
+    def check_model(self, config: Any, key: str) -> None:
+        """See :func:`check_vllm_model`."""
+        check_vllm_model(config, key)
+
+    def check_sites(self, sites: Sequence[GenerationSite]) -> None:
+        """One layout for every generation model-stage, which vLLM's engines can take."""
+        if len(_layout(sites)) != 1:
+            raise NereusConfigError(
+                f"algorithm.rollout_engine=vllm: one vLLM layout per process, but the plan gives "
+                f"{[s.model_stage for s in sites]} {sorted(_describe(s) for s in sites)}; "
+                "use rollout_engine=hf for this plan"
+            )
+        site = sites[0]
+        check_replicas(site.replicas, site.pp, f"plan.{site.model_stage}")
+        check_vocabulary(int(site.config.vocab_size), site.tp, f"plan.{site.model_stage} (actor vocab_size)")
+
+    def place(
+        self,
+        sites: Sequence[GenerationSite],
+        previous: Sequence[GenerationSite],
+        held: Mapping[str, StageEngine],
+        decoding: Decoding,
+        settings: GenerationEngine,
+    ) -> dict[str, StageEngine]:
+        """The held engine while the layout is the one it serves, else a new one (:func:`build_engine`)."""
+        self.check_sites(sites)
+        engine = next(iter(held.values()), None)
+        if _layout(sites) != _layout(previous):  # the same on every rank: the rebuild is collective
+            if engine is not None:
+                engine.close()
+            site = sites[0]
+            assert site.dtype is not None  # placed once the units exist
+            instance = build_engine(site.config, site.replicas, site.dtype, settings)
+            engine = (
+                None
+                if instance is None
+                else VLLMEngine(instance, decoding.eos_token_id, decoding.pad_token_id)
+            )
+        return {} if engine is None else {s.model_stage: engine for s in sites}
+
+
 __all__ = [
     "ENVIRONMENT",
     "INSTALL",
     "VLLMEngine",
+    "VLLMEngines",
     "VLLMInstance",
     "VLLMRollout",
     "WorkerExtension",

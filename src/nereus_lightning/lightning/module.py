@@ -39,10 +39,9 @@ from torch import Tensor
 from typing_extensions import override
 
 import lightning as L
-from nereus_lightning.engines.base import RolloutEngine, response_rows, sample_seeds, version_tensor
-from nereus_lightning.engines.hf import HFGenerateEngine
-from nereus_lightning.engines.static import DECODE_MODES, StaticDecodeEngine, decode_path
-from nereus_lightning.engines.vllm_engine import VLLMEngine, check_vllm_model, require_vllm
+from nereus_lightning.engines.base import Decoding, RolloutEngine, response_rows, sample_seeds, version_tensor
+from nereus_lightning.engines.registry import ENGINES, engine_kind
+from nereus_lightning.engines.static import DECODE_MODES
 from nereus_lightning.lightning import roles
 from nereus_lightning.lightning.batches import replica_backward, response_micro_batches, sequence_tokens
 from nereus_lightning.lightning.job_sources import make_sources
@@ -150,7 +149,7 @@ def check_hyperparameters(values: Mapping[str, Any]) -> None:
                 v = values[name]
                 require(isinstance(v, (int, float)) and ok(v), f"algorithm.{name}", f"{rule}, got {v!r}")
     choices = (
-        ("rollout_engine", "algorithm.rollout_engine", ("hf", "vllm")),
+        ("rollout_engine", "algorithm.rollout_engine", tuple(ENGINES)),
         ("on_nonfinite", "trainer.on_nonfinite", ON_NONFINITE),
         ("decode", "algorithm.decode", DECODE_MODES),
     )
@@ -161,9 +160,8 @@ def check_hyperparameters(values: Mapping[str, Any]) -> None:
                 key,
                 f"{values[name]!r} is not one of {', '.join(map(repr, allowed))}",
             )
-    if values.get("rollout_engine") == "vllm":
-        require_vllm("algorithm.rollout_engine")
     if "rollout_engine" in values:
+        engine_kind(values["rollout_engine"]).require_installed("algorithm.rollout_engine")
         GenerationEngine.of(values["rollout_engine"], values.get("vllm"))
     if "reward_workers" in values:
         workers = values["reward_workers"]
@@ -391,8 +389,7 @@ class RLModule(L.LightningModule):
             actor, reference, critic, reward_model, seed
         )
         self.generation_engine = GenerationEngine.of(rollout_engine, vllm)
-        if rollout_engine == "vllm":
-            check_vllm_model(self.actor.config, "actor")
+        engine_kind(rollout_engine).check_model(self.actor.config, "actor")
         self.step_stats: dict[str, float] = {}
         self._logged_keys: set[str] = set()
         self.last_rollout: RolloutBatch | None = None  # the last step's batch, every sample (for inspection)
@@ -445,6 +442,9 @@ class RLModule(L.LightningModule):
             {"actor": hp.actor_lr, "critic": hp.critic_lr},
             hp.rollout_engine,
             self.tokenizer,
+            Decoding(
+                None if hp.ignore_eos else self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, hp.decode
+            ),
         )
 
     def workload(self, step: int = 0) -> Workload:
@@ -850,16 +850,8 @@ class RLModule(L.LightningModule):
         return ShardedGenerator(unit)
 
     def rollout_engine(self, strategy: NereusStrategy, model_stage: str) -> RolloutEngine:
-        """The rollout engine of a generation model-stage (``rollout_engine``: ``"hf"`` or ``"vllm"``)."""
-        tok = self.tokenizer
-        eos = None if self.hparams.ignore_eos else tok.eos_token_id
-        if self.hparams.rollout_engine == "vllm":
-            return VLLMEngine(strategy.vllm_engine(model_stage), eos, tok.pad_token_id)
-        unit = strategy.stage(model_stage)
-        if unit is not None and (path := decode_path(self.hparams.decode, unit)) != "eager":
-            # its decoder is cached per unit
-            return StaticDecodeEngine(unit, eos, tok.pad_token_id, compiled=path == "compiled")
-        return HFGenerateEngine(self.stage_model(strategy, model_stage), eos, tok.pad_token_id)
+        """The rollout engine of a generation model-stage (the strategy's, of kind ``rollout_engine``)."""
+        return strategy.rollout_engine(model_stage)
 
     def infer(self, strategy: NereusStrategy, batch: RolloutBatch) -> dict[str, Tensor]:
         """The inference model-stages over the batch, each rank running those it holds units of (so

@@ -21,12 +21,12 @@ from typing import Any, Protocol, TypeGuard, runtime_checkable
 import torch
 from torch import nn
 
+from nereus_lightning.engines.base import Decoding
+from nereus_lightning.engines.registry import ENGINES
 from nereus_lightning.spec.errors import NereusConfigError
 from nereus_lightning.spec.families import family_of
 from nereus_lightning.spec.model import MODEL_PRESETS, ModelSpec
 from nereus_lightning.spec.workload import Workload, workflow
-
-ROLLOUT_ENGINES = ("hf", "vllm")
 
 
 @dataclass(frozen=True)
@@ -39,9 +39,12 @@ class RoleModels:
         models: role (``actor``, ``reference``, ``critic``, ``reward``) -> its full model; a role
             that is absent or None has no model-stage state (e.g. a function reward).
         learning_rates: trainable role -> the AdamW learning rate of its training model-stage.
-        rollout_engine: ``"hf"`` (generation on the units' modules) or ``"vllm"`` (vLLM engines
-            fed from the generation units).
+        rollout_engine: the generation model-stages' engine kind, a name of
+            :data:`~nereus_lightning.engines.registry.ENGINES` (``"hf"``: generation on the units'
+            modules; ``"vllm"``: vLLM engines fed from the generation units).
         tokenizer: saved beside each trained model in the checkpoint's ``hf/<model>/`` folder.
+        decoding: how generated responses end and are padded, for the strategy's rollout engines
+            (None: the module generates without them).
     """
 
     algorithm: str
@@ -49,6 +52,7 @@ class RoleModels:
     learning_rates: Mapping[str, float] = field(default_factory=dict)
     rollout_engine: str = "hf"
     tokenizer: Any = None
+    decoding: Decoding | None = None
 
     def __post_init__(self) -> None:
         workflow(self.algorithm)  # an unknown algorithm fails here, naming the known ones
@@ -56,8 +60,8 @@ class RoleModels:
         unknown = sorted(set(self.present()) - roles)
         if unknown:
             raise ValueError(f"role models {unknown} are not roles of {self.algorithm!r} ({sorted(roles)})")
-        if self.rollout_engine not in ROLLOUT_ENGINES:
-            raise ValueError(f"rollout_engine {self.rollout_engine!r} is not one of {ROLLOUT_ENGINES}")
+        if self.rollout_engine not in ENGINES:
+            raise ValueError(f"rollout_engine {self.rollout_engine!r} is not one of {list(ENGINES)}")
 
     def present(self) -> dict[str, nn.Module]:
         """The roles that have a model."""

@@ -9,6 +9,7 @@ admitted plan (``transition``, at the safe boundary before the next step), syncs
 offloads idle units and checkpoints them. The module holds the algorithm and computes through
 the strategy's small interface: :meth:`~NereusStrategy.slot` (its rows of the global batch),
 :meth:`~NereusStrategy.stage` (this rank's compute module of a model-stage),
+:meth:`~NereusStrategy.rollout_engine` (the rollout engine of a generation model-stage),
 :meth:`~NereusStrategy.in_use`, :meth:`~NereusStrategy.update` (the optimizer step) and
 :meth:`~NereusStrategy.sync_weights`. Ranks outside the GPU pool stay alive as processes but get
 no work from the plan.
@@ -54,7 +55,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from nereus_lightning.control.follower import data_parallel_plan
-from nereus_lightning.engines.vllm_engine import VLLMInstance
+from nereus_lightning.engines.base import StageEngine
 from nereus_lightning.lightning.checkpoint import (
     META_FILE,
     StoredCheckpoint,
@@ -366,9 +367,10 @@ class NereusStrategy(ParallelStrategy):
         if self.preemption is not None and self.lightning_module is not None:
             self.preemption.preemption_point(self.lightning_module.trainer)
 
-    def vllm_engine(self, model_stage: str) -> VLLMInstance:
-        """This rank's vLLM engine of a generation model-stage, holding its unit's current weights."""
-        return self.units.vllm_instance(model_stage)
+    def rollout_engine(self, model_stage: str) -> StageEngine:
+        """This rank's rollout engine of a generation model-stage (the kind ``algorithm.rollout_engine``
+        names), holding its unit's current weights; use it inside :meth:`in_use`."""
+        return self.units.rollout_engine(model_stage)
 
     # ---- collectives Lightning needs ----------------------------------------------------
     @override

@@ -12,8 +12,19 @@ from nereus_lightning.spec.algorithms import AlgorithmSpec, algorithm_spec
 from nereus_lightning.spec.errors import require
 
 STAGES = ("generation", "inference", "training")
-#: Rollout engines of the generation model-stages (``algorithm.rollout_engine``).
-ENGINES = ("hf", "vllm")
+
+
+@dataclass(frozen=True)
+class EngineMemory:
+    """How a rollout engine holds GPU memory, as the planner prices it (see :class:`GenerationEngine`)."""
+
+    reserves: bool  # a fixed share of each GPU it runs on, whatever its batch
+    paged: bool  # a paged KV cache (a decode step reads each sequence's running context)
+
+
+#: Rollout engines of the generation model-stages (``algorithm.rollout_engine``), by name; the body's
+#: engines are those of :mod:`nereus_lightning.engines.registry` (a test pins the names equal).
+ENGINES = {"hf": EngineMemory(reserves=False, paged=False), "vllm": EngineMemory(reserves=True, paged=True)}
 #: vLLM's KV-cache block on CUDA, in tokens (what the planner prices when vLLM chooses the block size).
 CUDA_BLOCK_SIZE = 16
 #: The built-in static decoder's prompt region is a multiple of this many cache slots (the body's
@@ -85,13 +96,13 @@ class GenerationEngine:
     @property
     def reserves(self) -> bool:
         """Whether the engine takes a fixed share of each GPU (vLLM) rather than what its batch needs."""
-        return self.kind == "vllm"
+        return ENGINES[self.kind].reserves
 
     @property
     def paged(self) -> bool:
         """Whether the KV cache is paged (vLLM): a decode step reads each sequence's running context,
         not a cache preallocated for the whole rollout."""
-        return self.kind == "vllm"
+        return ENGINES[self.kind].paged
 
     def cache_tokens(self, prompt_len: float, new_tokens: float) -> float:
         """KV-cache slots one sequence of ``prompt_len`` + ``new_tokens`` tokens holds.

@@ -1,0 +1,56 @@
+"""The optimizer step of a training model-stage on this rank: replica gradients summed, clipped, stepped."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from nereus_lightning.models import ShardedCausalLM, clip_grad_norm_
+
+
+@dataclass(frozen=True)
+class StageUpdate:
+    """What one optimizer step of a training model-stage found (see :func:`step_stage`)."""
+
+    norm: float | None  # the global gradient norm; None on a rank outside the model-stage
+    problem: str | None = None  # the first non-finite gradient when ``norm`` is not finite (nothing stepped)
+
+
+def step_stage(module: ShardedCausalLM, optimizer: torch.optim.Optimizer, max_norm: float) -> StageUpdate:
+    """Sum ``module``'s gradients over its replicas, clip them to ``max_norm`` and step ``optimizer``.
+
+    Every rank of the model-stage calls it (absent gradients count as zeros). When the global
+    gradient norm is not finite nothing is stepped and the update names the first parameter here
+    whose gradient is not finite. The gradients are dropped either way.
+    """
+    params = list(module.parameters())
+    grads: list[torch.Tensor] = []  # per parameter its gradient (clipped and reduced in place)
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grads.append(p.grad)
+    dp_group = module.comm.dp_group
+    if dp_group is not None:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=dp_group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+    norm = float(clip_grad_norm_(module, max_norm))
+    problem = None
+    if math.isfinite(norm):
+        optimizer.step()
+    else:
+        named = zip(module.named_parameters(), grads, strict=True)
+        names = [n for (n, _), g in named if not bool(torch.isfinite(g).all())]
+        problem = f"first non-finite gradient here: {names[0]}" if names else "non-finite on another rank"
+    for p in params:
+        p.grad = None
+    return StageUpdate(norm, problem)
+
+
+__all__ = ["StageUpdate", "step_stage"]
