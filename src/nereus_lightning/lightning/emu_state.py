@@ -59,6 +59,7 @@ from nereus_lightning.models import ReplicaComm, ShardedCausalLM, bind_adamw, cl
 from nereus_lightning.models.groups import dp_ranks, prepare_groups
 from nereus_lightning.models.sharded import is_tied
 from nereus_lightning.plan.layout import Candidate, Plan
+from nereus_lightning.rl.update import ADAMW
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.errors import CheckpointError, InfeasiblePlanError, NereusConfigError
 from nereus_lightning.spec.workload import Workload, workflow
@@ -66,8 +67,6 @@ from nereus_lightning.spec.workload import Workload, workflow
 #: In a checkpoint's ``emu/<model_stage>/`` saved without weights: the training stage that holds them.
 WEIGHTS_FROM = "weights_from.json"
 log = logging.getLogger(__name__)
-
-ADAMW: dict[str, float | tuple[float, float]] = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
 
 
 def _read_weights_from(path: str, plan: Plan) -> dict[str, str]:

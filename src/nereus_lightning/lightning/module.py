@@ -44,7 +44,7 @@ from nereus_lightning.engines.hf import HFGenerateEngine
 from nereus_lightning.engines.static import DECODE_MODES, StaticDecodeEngine, decode_path
 from nereus_lightning.engines.vllm_engine import VLLMEngine, check_vllm_model, require_vllm
 from nereus_lightning.lightning import roles
-from nereus_lightning.lightning.batches import replica_backward, response_micro_batches, sequence_tokens
+from nereus_lightning.lightning.batches import StageTrainee, response_micro_batches, sequence_tokens
 from nereus_lightning.lightning.job_sources import make_sources
 from nereus_lightning.lightning.preemption import StepAbandoned
 from nereus_lightning.lightning.roles import RoleModels
@@ -71,6 +71,7 @@ from nereus_lightning.rl.reward import ModelReward
 from nereus_lightning.rl.reward_function import RewardResult
 from nereus_lightning.rl.sources import Sample
 from nereus_lightning.rl.tokenizer import pad_ids
+from nereus_lightning.rl.update import ADAMW, ON_NONFINITE, NonFiniteError, run_updates
 from nereus_lightning.spec.algorithms import algorithm_spec
 from nereus_lightning.spec.errors import NereusConfigError, require
 from nereus_lightning.spec.workload import GenerationEngine, Workload
@@ -80,10 +81,6 @@ if TYPE_CHECKING:
     from lightning.pytorch.core.optimizer import LightningOptimizer
 
 log = logging.getLogger(__name__)
-
-
-class NonFiniteError(RuntimeError):
-    """A reward, loss or gradient norm is NaN or infinite; the message names the step and where."""
 
 
 class _StepClock(torch.utils.data.IterableDataset):
@@ -96,7 +93,6 @@ class _StepClock(torch.utils.data.IterableDataset):
             i += 1
 
 
-ON_NONFINITE = ("raise", "skip")
 PRECISIONS = {
     "32-true": torch.float32,
     "32": torch.float32,
@@ -479,7 +475,7 @@ class RLModule(L.LightningModule):
         groups = [{"params": list(self.actor.parameters()), "lr": self.hparams.actor_lr}]
         if self.critic is not None:
             groups.append({"params": list(self.critic.parameters()), "lr": self.hparams.critic_lr})
-        return torch.optim.AdamW(groups, betas=(0.9, 0.95), weight_decay=0.0, eps=1e-8)
+        return torch.optim.AdamW(groups, **ADAMW)
 
     def _optimizer(self) -> LightningOptimizer:
         """Lightning's wrapper of the one optimizer :meth:`configure_optimizers` makes."""
@@ -907,90 +903,31 @@ class RLModule(L.LightningModule):
     def update(
         self, strategy: NereusStrategy, batch: RolloutBatch, optimizer: Any = None, step: int = 0
     ) -> dict[str, float]:
-        """Actor (and critic) updates on this rank's slice; gradients summed over all replicas.
+        """Actor (and critic) updates through :func:`~nereus_lightning.rl.update.run_updates`, each training
+        model-stage on this rank's replica rows (:class:`~.batches.StageTrainee`); gradients summed over
+        all replicas, the training stages' fresh weights synced into the other model-stages after each
+        update.
 
         A non-finite gradient norm stops that model-stage's update before its optimizer step:
         the step fails on every rank (``on_nonfinite="raise"``) or the update is skipped.
         """
-        hp = self.hparams
-        plan = strategy.plan
-        assert plan is not None
-        opt = optimizer if optimizer is not None else self._optimizer()
-        mask = batch.response_mask.float()
-        minis = _mini_batches(len(batch), hp.mini_batches)
-        sums: dict[str, float] = {}
-        updates = skipped = 0
-        for _epoch in range(hp.ppo_epochs):
-            for lo, hi in minis:
-                # the global mini-batch's loss denominator and tokens (every layout and micro-batching alike)
-                normalizer = self.rl_config.normalizer(mask[lo:hi])
-                total_tokens = mask[lo:hi].sum().clamp_min(1.0)
-                part: dict[str, float] = {}
-                problems: list[str] = []
-                lengths = sequence_tokens(batch.select(slice(lo, hi)))
-                for stage in strategy.training_stages():
-                    slot = strategy.slot(stage, hi - lo, lengths)
-                    if not slot.active or slot.stop <= slot.start:
-                        continue
-                    rows = slice(lo + slot.start, lo + slot.stop)
-                    args = (normalizer, total_tokens, slot.candidate.micro_batch)
-                    m, reporter = self._train_slice(strategy, stage, batch.select(rows), *args)
-                    if reporter:
-                        for k, val in m.items():
-                            part[k] = part.get(k, 0.0) + float(val)
-                # Each training stage steps its own EMU-bound AdamW (grads summed over its replicas).
-                for stage in strategy.training_stages():
-                    # samples consumed: counted once, in the first epoch over the batch
-                    done = strategy.update(stage, hp.grad_clip, samples=(hi - lo) if _epoch == 0 else 0)
-                    if done.problem is not None:
-                        problems.append(
-                            f"step {step}: {stage}'s gradient norm is {done.norm} ({done.problem})"
-                        )
-                    elif done.norm is not None and strategy.global_rank == plan[stage].gpus[0]:
-                        part[f"{role_of(stage, self.algorithm)}/grad_norm"] = done.norm
-                if _epoch == hp.ppo_epochs - 1 and (lo, hi) == minis[-1]:
-                    opt.step()  # no gradients there: counts one Lightning step per RL step
-                updates += 1
-                totals, problems = _sum_over_ranks(part, problems)
-                if problems:
-                    if hp.on_nonfinite == "raise":
-                        raise NonFiniteError(
-                            f"{problems[0]}; set trainer.on_nonfinite=skip to skip such updates"
-                        )
-                    if strategy.global_rank == 0:
-                        log.warning("%s: update skipped (trainer.on_nonfinite=skip)", problems[0])
-                    skipped += 1
-                for k, total in totals.items():
-                    sums[k] = sums.get(k, 0.0) + total
-                strategy.sync_weights()  # actor_train -> actor_gen / actor_infer, critic likewise
-        out = {k: v / updates for k, v in sums.items()}
-        out["train/skipped_update"] = skipped / updates  # the share of this step's updates a guard skipped
-        return out
-
-    def _train_slice(
-        self,
-        strategy: NereusStrategy,
-        stage: str,
-        part: RolloutBatch,
-        normalizer: Tensor,
-        tokens: Tensor,
-        micro_batch: int,
-    ) -> tuple[dict[str, Tensor], bool]:
-        """Backward of one replica's slice into its unit's gradients (:func:`~.batches.replica_backward`);
-        returns (metrics, whether this rank reports them)."""
-        unit = strategy.stage(stage)
-        assert unit is not None  # the slot is active: this rank holds a unit
-        metrics = replica_backward(
-            unit,
-            part,
-            micro_batch,
+        trainees = [
+            StageTrainee(
+                strategy, stage, role_of(stage, self.algorithm), self.rl_config, self.hparams.remove_padding
+            )
+            for stage in strategy.training_stages()
+        ]
+        out = run_updates(
+            batch,
             self.rl_config,
-            normalizer,
-            tokens,
-            actor=stage == "actor_train",
-            remove_padding=self.hparams.remove_padding,
+            trainees,
+            gather=_sum_over_ranks,
+            after_update=strategy.sync_weights,  # actor_train -> actor_gen / actor_infer, critic likewise
+            on_nonfinite=self.hparams.on_nonfinite,
+            step=step,
         )
-        return metrics, unit.comm.is_last_stage and unit.comm.tp_rank == 0
+        (optimizer if optimizer is not None else self._optimizer()).step()  # counts one Lightning step
+        return out
 
 
 class StagePeaks:
@@ -1016,12 +953,6 @@ class StagePeaks:
         out = {f"perf/max_memory_allocated_gb/{k}": v / 2**30 for k, v in self.stages.items()}
         out["perf/max_memory_allocated_gb"] = max(self.stages.values()) / 2**30
         return out
-
-
-def _mini_batches(n: int, parts: int) -> list[tuple[int, int]]:
-    """``[start, stop)`` of each non-empty mini-batch of ``n`` samples cut into ``parts``."""
-    blocks = (dp_slice(n, parts, i) for i in range(parts))
-    return [(b.start, b.stop) for b in blocks if b.stop > b.start]
 
 
 def _step_metrics(

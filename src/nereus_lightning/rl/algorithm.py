@@ -35,6 +35,7 @@ from nereus_lightning.rl.losses import (
 from nereus_lightning.rl.reward import RewardScorer
 from nereus_lightning.rl.tasks import PromptSampler
 from nereus_lightning.rl.tokenizer import ByteTokenizer
+from nereus_lightning.rl.update import Stepped, run_updates
 from nereus_lightning.spec.algorithms import algorithm_spec
 from nereus_lightning.spec.errors import require
 
@@ -335,49 +336,57 @@ def critic_loss(
     return loss, m
 
 
-def _micro_batches(mini: RolloutBatch, micro_batch_size: int) -> list[RolloutBatch]:
-    return mini.split(max(1, math.ceil(len(mini) / micro_batch_size))) if len(mini) else []
-
-
 GradHook = Callable[[nn.Module], None]
 ClipHook = Callable[[nn.Module, float], Tensor]
+MicroLoss = Callable[[RolloutBatch, Tensor, Tensor], tuple[Tensor, dict[str, Tensor]]]
+
+
+@dataclass(frozen=True)
+class PlainTrainee:
+    """A plain (unsharded) model as :func:`~nereus_lightning.rl.update.run_updates` trains it: this DP
+    rank's block of each mini-batch in micro-batches of ``cfg.micro_batch_size`` rows, each micro-batch's
+    loss from ``micro_loss``; gradients summed over DP by ``sync_grads``, clipped by ``clip_grads``."""
+
+    role: str
+    module: nn.Module
+    optim: torch.optim.Optimizer
+    micro_loss: MicroLoss
+    micro_batch_size: int
+    dp: int = 1
+    dp_rank: int = 0
+    sync_grads: GradHook | None = None
+    clip_grads: ClipHook | None = None
+
+    def backward(self, mini: RolloutBatch, normalizer: Tensor, tokens: Tensor) -> dict[str, Tensor]:
+        """Backward of this DP rank's block of ``mini``, micro-batch by micro-batch."""
+        self.module.train()
+        self.optim.zero_grad(set_to_none=True)
+        mine = mini.shard(self.dp, self.dp_rank)
+        micros = mine.split(max(1, math.ceil(len(mine) / self.micro_batch_size))) if len(mine) else []
+        metrics: dict[str, Tensor] = {}
+        for micro in micros:
+            loss, m = self.micro_loss(micro, normalizer, tokens)
+            loss.backward()
+            for k, v in m.items():
+                metrics[k] = metrics[k] + v.detach() if k in metrics else v.detach()
+        return metrics
+
+    def step(self, max_norm: float, samples: int) -> Stepped:
+        """Sum gradients over DP, clip and step; a non-finite norm steps nothing."""
+        del samples  # a plain model keeps no sample counter
+        if self.sync_grads is not None:
+            self.sync_grads(self.module)
+        clip = self.clip_grads or _clip
+        norm = float(clip(self.module, max_norm))
+        if not math.isfinite(norm):
+            self.optim.zero_grad(set_to_none=True)
+            return Stepped(norm, f"{self.role}'s gradient norm is {norm}")
+        self.optim.step()
+        return Stepped(norm)
 
 
 def _clip(module: nn.Module, max_norm: float) -> Tensor:
     return torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm)
-
-
-def _ppo_epochs(
-    module: nn.Module,
-    optim: torch.optim.Optimizer,
-    batch: RolloutBatch,
-    cfg: RLConfig,
-    dp: int,
-    dp_rank: int,
-    micro_loss: Callable[[RolloutBatch, Tensor, Tensor], tuple[Tensor, dict[str, Tensor]]],
-    sync_grads: GradHook | None,
-    clip_grads: ClipHook | None,
-    prefix: str,
-) -> dict[str, Tensor]:
-    """The update skeleton shared by actor and critic (see :func:`update_actor`)."""
-    module.train()
-    sums: dict[str, Tensor] = {}
-    weight = 1.0 / (cfg.ppo_epochs * cfg.mini_batches)
-    for _ in range(cfg.ppo_epochs):
-        for mini in batch.split(cfg.mini_batches):
-            norm = cfg.normalizer(mini.response_mask)  # over the global mini-batch
-            tokens = mini.response_mask.sum().clamp_min(1)
-            optim.zero_grad(set_to_none=True)
-            for micro in _micro_batches(mini.shard(dp, dp_rank), cfg.micro_batch_size):
-                loss, metrics = micro_loss(micro, norm, tokens)
-                loss.backward()
-                _accumulate(sums, metrics, weight)
-            if sync_grads is not None:
-                sync_grads(module)
-            grad_norm = (clip_grads or _clip)(module, cfg.grad_clip)
-            optim.step()
-            _accumulate(sums, {f"{prefix}/grad_norm": grad_norm}, weight)
-    return sums
 
 
 def update_actor(
@@ -389,8 +398,9 @@ def update_actor(
     dp_rank: int = 0,
     sync_grads: GradHook | None = None,
     clip_grads: ClipHook | None = None,
-) -> dict[str, Tensor]:
-    """PPO epochs over mini-batches of the clipped policy loss (+ KL loss, - entropy bonus).
+) -> dict[str, float]:
+    """PPO epochs over mini-batches of the clipped policy loss (+ KL loss, - entropy bonus) of a plain
+    model, through :func:`~nereus_lightning.rl.update.run_updates`.
 
     Args:
         batch: the step's *global* batch, sorted by sample index (every rank holds it; it is only
@@ -413,8 +423,11 @@ def update_actor(
         log_probs, entropy = response_log_probs(actor, *ids, temperature=cfg.temperature, with_entropy=True)
         return actor_loss(log_probs, micro, cfg, norm, tokens, entropy)
 
-    metrics = _ppo_epochs(actor, optim, batch, cfg, dp, dp_rank, micro_loss, sync_grads, clip_grads, "actor")
-    metrics["actor/lr"] = torch.tensor(float(optim.param_groups[0]["lr"]))
+    trainee = PlainTrainee(
+        "actor", actor, optim, micro_loss, cfg.micro_batch_size, dp, dp_rank, sync_grads, clip_grads
+    )
+    metrics = run_updates(batch, cfg, [trainee])
+    metrics["actor/lr"] = float(optim.param_groups[0]["lr"])
     return metrics
 
 
@@ -427,20 +440,17 @@ def update_critic(
     dp_rank: int = 0,
     sync_grads: GradHook | None = None,
     clip_grads: ClipHook | None = None,
-) -> dict[str, Tensor]:
+) -> dict[str, float]:
     """PPO epochs over mini-batches of the clipped value loss; arguments as :func:`update_actor`."""
 
     def micro_loss(micro: RolloutBatch, norm: Tensor, tokens: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         ids = (micro.prompt_ids, micro.prompt_mask, micro.response_ids, micro.response_mask)
         return critic_loss(response_values(critic, *ids), micro, cfg, norm, tokens)
 
-    return _ppo_epochs(critic, optim, batch, cfg, dp, dp_rank, micro_loss, sync_grads, clip_grads, "critic")
-
-
-def _accumulate(into: dict[str, Tensor], metrics: dict[str, Tensor], weight: float) -> None:
-    for name, value in metrics.items():
-        value = value.detach().float() * weight
-        into[name] = into[name] + value if name in into else value
+    trainee = PlainTrainee(
+        "critic", critic, optim, micro_loss, cfg.micro_batch_size, dp, dp_rank, sync_grads, clip_grads
+    )
+    return run_updates(batch, cfg, [trainee])
 
 
 def batch_metrics(batch: RolloutBatch, max_new_tokens: int) -> dict[str, Tensor]:
