@@ -91,7 +91,7 @@ def replica_backward(
     """Backward of one replica's rows of a mini-batch into its unit's gradients; returns the loss metrics.
 
     The losses are :func:`~nereus_lightning.rl.algorithm.actor_loss` (``actor``) or ``critic_loss``
-    divided by the global mini-batch's ``normalizer`` (its tokens or sequences, by ``cfg.loss_agg``),
+    divided by the global mini-batch's ``normalizer`` (its tokens or sequences, by ``cfg.loss_agg_mode``),
     so they sum over micro-batches and replicas to the mini-batch's loss whatever the layout and
     micro-batching. Runs :func:`~nereus_lightning.models.train_step` (1F1B over the pipeline) over
     :func:`response_micro_batches`. The metrics are contributions that sum over replicas.
@@ -104,7 +104,7 @@ def replica_backward(
         micro = of[id(mb)]
         if actor:
             log_probs, entropy = (micro.responses(o) for o in out)
-            entropy = entropy if cfg.entropy_coef else entropy.detach()  # reported; no gradient
+            entropy = entropy if cfg.entropy_coeff else entropy.detach()  # reported; no gradient
             loss, m = actor_loss(log_probs, micro.rows, cfg, normalizer, tokens, entropy)
         else:
             loss, m = critic_loss(micro.responses(out), micro.rows, cfg, normalizer, tokens)

@@ -27,6 +27,7 @@ floating-point reduction order.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import math
 import time
@@ -177,36 +178,26 @@ def check_hyperparameters(values: Mapping[str, Any]) -> None:
 
 
 def rl_config_of(args: Mapping[str, Any], algorithm: str) -> rl.RLConfig:
-    """The RL step's knobs from the module's arguments (verl's names) for the registered ``algorithm``."""
-    low = args["clip_ratio_low"]
-    return rl.RLConfig(
-        algorithm=algorithm,
-        prompts_per_step=args["prompts_per_step"],
-        samples_per_prompt=args["samples_per_prompt"],
-        actor_lr=args["actor_lr"],
-        critic_lr=args["critic_lr"],
-        ppo_epochs=args["ppo_epochs"],
-        mini_batches=args["mini_batches"],
-        policy_loss=args["policy_loss"],
-        clip_eps=args["clip_ratio"] if low is None else low,
-        clip_eps_high=args["clip_ratio_high"],
-        dual_clip=args["clip_ratio_c"],
-        value_clip=args["cliprange_value"],
-        kl_coef=args["kl_coef"],
-        kl_penalty=args["kl_penalty"],
-        kl_loss_coef=args["kl_loss_coef"],
-        kl_loss_type=args["kl_loss_type"],
-        entropy_coef=args["entropy_coeff"],
-        gamma=args["gamma"],
-        lam=args["lam"],
-        norm_adv_by_std=args["norm_adv_by_std_in_grpo"],
-        temperature=args["temperature"],
-        loss_agg=args["loss_agg_mode"],
-        loss_scale_factor=args["loss_scale_factor"],
-        rollout_is_threshold=args["rollout_is_threshold"],
-        grad_clip=args["grad_clip"],
-        seed=args["seed"],
-    )
+    """The RL step's knobs for the registered ``algorithm``: the module's arguments of
+    :class:`~nereus_lightning.rl.algorithm.RLConfig`'s names (verl's), unset learning rates
+    :func:`default_lr`'s for the role's model (``actor``, ``critic``)."""
+    knobs = {f.name: args[f.name] for f in dataclasses.fields(rl.RLConfig) if f.name in args}
+    critic = args["actor"] if args.get("critic") is None else args["critic"]
+    for role, source in (("actor", args["actor"]), ("critic", critic)):
+        if knobs.get(f"{role}_lr") is None:
+            knobs[f"{role}_lr"] = default_lr(role, source)
+    return rl.RLConfig(**{**knobs, "algorithm": algorithm})
+
+
+def init_defaults(cls: type) -> dict[str, Any]:
+    """The defaults of the ``__init__`` arguments of ``cls`` and its bases, a subclass's winning."""
+    out: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        if "__init__" in vars(klass):
+            for p in inspect.signature(vars(klass)["__init__"]).parameters.values():
+                if p.default is not inspect.Parameter.empty:
+                    out[p.name] = p.default
+    return out
 
 
 class RLModule(L.LightningModule):
@@ -350,12 +341,9 @@ class RLModule(L.LightningModule):
         rollout_is_threshold: float | None = None,
     ) -> None:
         super().__init__()
-        if actor_lr is None:
-            actor_lr = default_lr("actor", actor)
-        if critic_lr is None:
-            critic_lr = default_lr("critic", actor if critic is None else critic)
-        check_hyperparameters(dict(locals()))
-        self.rl_config = rl_config_of(locals(), adv_estimator or self.default_algorithm)
+        args = dict(locals())
+        check_hyperparameters({k: v for k, v in args.items() if v is not None or not k.endswith("_lr")})
+        self.rl_config = rl_config_of(args, adv_estimator or self.default_algorithm)
         self.algorithm = self.rl_config.algorithm  # the registered name
         self.kl_controller = KLController.of(kl_coef, kl_ctrl)
         self.overlong_buffer = OverlongBuffer.of(overlong_buffer)
@@ -376,7 +364,7 @@ class RLModule(L.LightningModule):
         )
         self.save_hyperparameters(ignore=["task", "reward_function", "data"])
         # The resolved rates (a subclass's own arguments would otherwise record the None it was given).
-        self.hparams.update(actor_lr=actor_lr, critic_lr=critic_lr)
+        self.hparams.update(actor_lr=self.rl_config.actor_lr, critic_lr=self.rl_config.critic_lr)
         self.automatic_optimization = False
         self.sources = make_sources(
             task, data, reward_function, reward_workers, actor, seed, reward_timeout_s
@@ -395,6 +383,13 @@ class RLModule(L.LightningModule):
         from nereus_lightning.lightning.metrics import RunMetrics
 
         self.run_metrics = RunMetrics()
+
+    @classmethod
+    def rl_config_for(cls, args: Mapping[str, Any]) -> rl.RLConfig:
+        """The RL config a module of this class builds from ``args`` (its arguments by name; those missing
+        take the class's defaults), without building one: what ``nereus-train`` checks and prices first."""
+        full = {**init_defaults(cls), **args}
+        return rl_config_of(full, full.get("adv_estimator") or cls.default_algorithm)
 
     def _build_models(self, actor: Any, reference: Any, critic: Any, reward_model: Any, seed: int) -> tuple:
         """Actor, reference, critic and reward model, each checked against the tokenizer."""
@@ -434,29 +429,23 @@ class RLModule(L.LightningModule):
     def role_models(self) -> RoleModels:
         """The role models the strategy cuts into model-stage units (their tensors go there at the first
         plan)."""
-        hp = self.hparams
+        cfg = self.rl_config
         return RoleModels(
             self.algorithm,
             {"actor": self.actor, "reference": self.reference, "critic": self.critic, "reward": self.reward},
-            {"actor": hp.actor_lr, "critic": hp.critic_lr},
-            hp.rollout_engine,
+            {"actor": cfg.actor_lr, "critic": cfg.critic_lr},
+            self.hparams.rollout_engine,
             self.tokenizer,
         )
 
     def workload(self, step: int = 0) -> Workload:
         """The RL step's shape at ``step`` (batch and expected lengths), as the planner prices it."""
-        hp = self.hparams
-        return Workload(
-            algorithm=self.algorithm,
-            prompts_per_step=hp.prompts_per_step,
-            samples_per_prompt=hp.samples_per_prompt,
-            prompt_len=self.source.mean_prompt_len(),
-            response_len=float(self.source.max_response_len(step)),
-            mini_batches=hp.mini_batches,
-            ppo_epochs=hp.ppo_epochs,
-            reward_model=self.reward is not None,
-            generation_engine=self.generation_engine,
-            generation_rounds=expected_rounds(self.rounds_seen),
+        return self.rl_config.workload(
+            self.source.mean_prompt_len(),
+            float(self.source.max_response_len(step)),
+            self.reward is not None,
+            self.generation_engine,
+            expected_rounds(self.rounds_seen),
         )
 
     # ---- Lightning hooks -------------------------------------------------------------------
@@ -472,9 +461,9 @@ class RLModule(L.LightningModule):
 
     @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        groups = [{"params": list(self.actor.parameters()), "lr": self.hparams.actor_lr}]
+        groups = [{"params": list(self.actor.parameters()), "lr": self.rl_config.actor_lr}]
         if self.critic is not None:
-            groups.append({"params": list(self.critic.parameters()), "lr": self.hparams.critic_lr})
+            groups.append({"params": list(self.critic.parameters()), "lr": self.rl_config.critic_lr})
         return torch.optim.AdamW(groups, **ADAMW)
 
     def _optimizer(self) -> LightningOptimizer:
@@ -569,7 +558,7 @@ class RLModule(L.LightningModule):
         sample's greedy response, each sample's policy version and token log-probs where the engine
         reports them. Sample ``i`` draws from the seed of ``(seed, step, first_index + i)``.
         """
-        hp = self.hparams
+        cfg = self.rl_config
         pad = self.tokenizer.pad_token_id
         # Prompts left-padded to the global width: a sample's inputs do not depend on its replica.
         prompt_ids, prompt_mask = (t.to(self.device) for t in pad_ids([p.ids for p in prompts], pad, "left"))
@@ -583,8 +572,8 @@ class RLModule(L.LightningModule):
                     prompt_mask[rows],
                     max_new,
                     do_sample=not greedy,
-                    temperature=hp.temperature,
-                    sample_seeds=None if greedy else sample_seeds(hp.seed, step, indices),
+                    temperature=cfg.temperature,
+                    sample_seeds=None if greedy else sample_seeds(cfg.seed, step, indices),
                 )
             return response_rows(out)
 
@@ -681,8 +670,8 @@ class RLModule(L.LightningModule):
     def rollout(self, strategy: NereusStrategy, step: int, max_new: int) -> Rollout:
         """The step's samples, generated and scored; with ``filter_groups`` only groups whose scores
         differ, over as many generation rounds as it takes (at most ``max_num_gen_batches``)."""
-        hp, rule = self.hparams, self.filter_groups
-        size, want = hp.samples_per_prompt, hp.prompts_per_step
+        cfg, rule = self.rl_config, self.filter_groups
+        size, want = cfg.samples_per_prompt, cfg.prompts_per_step
         rounds: list[Rollout] = []
         varied: list[list[bool]] = []  # per round, per group: whether its scores differ
         while True:
@@ -696,9 +685,9 @@ class RLModule(L.LightningModule):
 
     def _rollout_round(self, strategy: NereusStrategy, step: int, max_new: int, first_index: int) -> Rollout:
         """One round: ``prompts_per_step`` prompts with ``samples_per_prompt`` samples each, scored."""
-        hp = self.hparams
-        prompts = self.source.prompts(step, hp.prompts_per_step)
-        samples = [p for p in prompts for _ in range(hp.samples_per_prompt)]  # samples of a prompt adjacent
+        cfg = self.rl_config
+        prompts = self.source.prompts(step, cfg.prompts_per_step)
+        samples = [p for p in prompts for _ in range(cfg.samples_per_prompt)]  # samples of a prompt adjacent
         out = self.generate(
             strategy,
             samples,
@@ -728,7 +717,7 @@ class RLModule(L.LightningModule):
         response_ids, response_mask = (
             t.to(self.device) for t in pad_ids(rollout.responses, pad, "right", width)
         )
-        size = self.hparams.samples_per_prompt
+        size = self.rl_config.samples_per_prompt
         n = len(rollout.samples)
         batch = RolloutBatch(
             prompt_ids,
@@ -814,14 +803,18 @@ class RLModule(L.LightningModule):
         """The validation set's mean reward, overall and per data source (``val/<source>/reward/mean``)."""
         val = self.sources.val
         assert val is not None and self.sources.val_data is not None
-        hp = self.hparams
         prompts = list(self.sources.val_data.prompts)
-        chunk = hp.prompts_per_step * hp.samples_per_prompt
+        chunk = self.rl_config.prompts_per_step * self.rl_config.samples_per_prompt
         scores: list[float] = []
         for lo in range(0, len(prompts), chunk):
             part = prompts[lo : lo + chunk]
             responses = self.generate(
-                strategy, part, val.max_response_length, VALIDATION_STEP, greedy=hp.val_greedy, first_index=lo
+                strategy,
+                part,
+                val.max_response_length,
+                VALIDATION_STEP,
+                greedy=self.hparams.val_greedy,
+                first_index=lo,
             ).responses
             results = self.score(
                 strategy,
@@ -894,7 +887,7 @@ class RLModule(L.LightningModule):
             assert unit is not None  # the slot is active
             micro_batch = slot.candidate.micro_batch  # the budget: this many padded rows' tokens
             micros = response_micro_batches(unit, part, micro_batch, self.hparams.remove_padding)
-            out = token_scores(unit, [m.micro for m in micros], temperature=self.hparams.temperature)
+            out = token_scores(unit, [m.micro for m in micros], temperature=self.rl_config.temperature)
             assert out is not None  # delivered to every rank of the replica
             parts = out[0].split([m.size for m in micros])
             return torch.cat([m.responses(o) for m, o in zip(micros, parts, strict=True)])

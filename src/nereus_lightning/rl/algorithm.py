@@ -38,11 +38,13 @@ from nereus_lightning.rl.tokenizer import ByteTokenizer
 from nereus_lightning.rl.update import Stepped, run_updates
 from nereus_lightning.spec.algorithms import algorithm_spec
 from nereus_lightning.spec.errors import require
+from nereus_lightning.spec.workload import GenerationEngine, Workload
 
 
 @dataclass(frozen=True)
 class RLConfig:
-    """Knobs of one RL run (verl's names in comments where they differ)."""
+    """Knobs of one RL run, by verl's key names (the last part of verl's key; where verl has none, its
+    key in a comment); :class:`~nereus_lightning.lightning.module.RLModule` takes the same names."""
 
     algorithm: str = "grpo"  # algorithm.adv_estimator: a registered name (rl.estimators)
     steps: int = 100
@@ -54,20 +56,21 @@ class RLConfig:
     mini_batches: int = 1  # train batch / ppo_mini_batch_size
     micro_batch_size: int = 64  # ppo_micro_batch_size_per_gpu
     policy_loss: str = "vanilla"  # actor.policy_loss.loss_mode (rl.losses.POLICY_LOSSES)
-    clip_eps: float = 0.2  # clip_ratio (clip_ratio_low when that is set)
-    clip_eps_high: float | None = None  # clip_ratio_high; None: clip_eps
-    dual_clip: float | None = 3.0  # clip_ratio_c: negative-advantage tokens' loss capped at -A * c
-    value_clip: float = 0.5  # cliprange_value
+    clip_ratio: float = 0.2
+    clip_ratio_low: float | None = None  # None: clip_ratio
+    clip_ratio_high: float | None = None  # None: clip_ratio
+    clip_ratio_c: float | None = 3.0  # dual clip: negative-advantage tokens' loss capped at -A * c
+    cliprange_value: float = 0.5
     kl_coef: float = 0.0  # in-reward KL penalty (algorithm.kl_ctrl.kl_coef)
     kl_penalty: str = "kl"  # its estimator (algorithm.kl_penalty)
     kl_loss_coef: float = 0.0  # KL as a loss term (actor.kl_loss_coef)
     kl_loss_type: str = "low_var_kl"  # its estimator (actor.kl_loss_type)
-    entropy_coef: float = 0.0  # actor.entropy_coeff
+    entropy_coeff: float = 0.0
     gamma: float = 1.0
     lam: float = 0.95
-    norm_adv_by_std: bool = True  # algorithm.norm_adv_by_std_in_grpo (False: Dr. GRPO)
+    norm_adv_by_std_in_grpo: bool = True  # False: Dr. GRPO
     temperature: float = 1.0
-    loss_agg: str = "token-mean"  # actor.loss_agg_mode
+    loss_agg_mode: str = "token-mean"
     loss_scale_factor: float | None = None  # seq-mean-token-sum-norm's length; None: the batch's width
     rollout_is_threshold: float | None = None  # truncated IS of the rollout engine's mismatch; None: off
     grad_clip: float = 1.0
@@ -103,19 +106,20 @@ class RLConfig:
 
     def _check_losses(self) -> None:
         policy_loss_of(self.policy_loss)
-        check_loss_agg(self.loss_agg)
+        check_loss_agg(self.loss_agg_mode)
         for key, kind in (("kl_penalty", self.kl_penalty), ("kl_loss_type", self.kl_loss_type)):
             require(
                 kind in KL_ESTIMATORS,
                 f"algorithm.{key}",
                 f"{kind!r} is not one of {', '.join(KL_ESTIMATORS)}",
             )
-        for key, value in (("clip_ratio_low", self.clip_eps), ("clip_ratio_high", self.clip_eps_high)):
+        for key in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
+            value = getattr(self, key)
             require(value is None or value >= 0, f"algorithm.{key}", f"must be >= 0, got {value}")
         require(
-            self.dual_clip is None or self.dual_clip > 1.0,
+            self.clip_ratio_c is None or self.clip_ratio_c > 1.0,
             "algorithm.clip_ratio_c",
-            f"must be > 1 (or null: no dual clip), got {self.dual_clip}",
+            f"must be > 1 (or null: no dual clip), got {self.clip_ratio_c}",
         )
         require(
             self.rollout_is_threshold is None or self.rollout_is_threshold > 0,
@@ -140,7 +144,37 @@ class RLConfig:
 
     def normalizer(self, mask: Tensor) -> Tensor:
         """The loss denominator of the global mini-batch whose response mask is ``mask``."""
-        return loss_normalizer(mask, self.loss_agg, self.loss_scale_factor).clamp_min(1.0)
+        return loss_normalizer(mask, self.loss_agg_mode, self.loss_scale_factor).clamp_min(1.0)
+
+    def workload(
+        self,
+        prompt_len: float,
+        response_len: float,
+        reward_model: bool,
+        engine: GenerationEngine,
+        generation_rounds: float = 1.0,
+    ) -> Workload:
+        """This config's RL step as the planner prices it, at these mean lengths (tokens), with or
+        without a reward model, generating on ``engine`` in ``generation_rounds`` rounds."""
+        return Workload(
+            algorithm=self.algorithm,
+            prompts_per_step=self.prompts_per_step,
+            samples_per_prompt=self.samples_per_prompt,
+            prompt_len=prompt_len,
+            response_len=response_len,
+            mini_batches=self.mini_batches,
+            ppo_epochs=self.ppo_epochs,
+            reward_model=reward_model,
+            generation_engine=engine,
+            generation_rounds=generation_rounds,
+        )
+
+    @property
+    def clip_range(self) -> tuple[float, float]:
+        """The policy ratio's clip range below and above 1: ``clip_ratio_low`` and ``clip_ratio_high``,
+        each ``clip_ratio`` when unset."""
+        low, high = self.clip_ratio_low, self.clip_ratio_high
+        return (self.clip_ratio if low is None else low, self.clip_ratio if high is None else high)
 
 
 @dataclass
@@ -252,7 +286,7 @@ def actor_loss(
         normalizer: the global mini-batch's token (or sequence) count the losses are divided by.
         tokens: its token count (turns per-micro token means into shares that sum over micro-batches
             and ranks).
-        entropy: per-token entropy (reported as ``actor/entropy``); needed when ``cfg.entropy_coef > 0``.
+        entropy: per-token entropy (reported as ``actor/entropy``); needed when ``cfg.entropy_coeff > 0``.
 
     Returns:
         The loss and its metrics, each a contribution that sums over micro-batches and DP ranks.
@@ -264,25 +298,25 @@ def actor_loss(
         micro.need("old_log_probs"),
         micro.need("advantages"),
         mask,
-        clip_eps=cfg.clip_eps,
-        clip_eps_high=cfg.clip_eps_high,
-        dual_clip=cfg.dual_clip,
-        agg=cfg.loss_agg,
+        clip_eps=cfg.clip_range[0],
+        clip_eps_high=cfg.clip_range[1],
+        dual_clip=cfg.clip_ratio_c,
+        agg=cfg.loss_agg_mode,
         normalizer=normalizer,
         **({} if weights is None else {"weights": weights}),
     )
     require(
-        entropy is not None or cfg.entropy_coef == 0,
-        "rl.entropy_coef",
+        entropy is not None or cfg.entropy_coeff == 0,
+        "algorithm.entropy_coeff",
         "an entropy bonus needs the per-token entropy",
     )
     if entropy is not None:
-        ent, em = entropy_loss(entropy, mask, cfg.loss_agg, normalizer)
+        ent, em = entropy_loss(entropy, mask, cfg.loss_agg_mode, normalizer)
         m.update(em)
-        loss = loss - cfg.entropy_coef * ent
+        loss = loss - cfg.entropy_coeff * ent
     if cfg.kl_loss_coef > 0:
         kl, km = kl_loss(
-            log_probs, micro.need("ref_log_probs"), mask, cfg.kl_loss_type, cfg.loss_agg, normalizer
+            log_probs, micro.need("ref_log_probs"), mask, cfg.kl_loss_type, cfg.loss_agg_mode, normalizer
         )
         loss = loss + cfg.kl_loss_coef * kl
         m.update(km)
@@ -330,7 +364,13 @@ def critic_loss(
     """The critic's clipped value loss on one micro-batch; arguments and metrics as :func:`actor_loss`."""
     mask = micro.response_mask
     loss, m = value_loss(
-        values, micro.need("values"), micro.need("returns"), mask, cfg.value_clip, cfg.loss_agg, normalizer
+        values,
+        micro.need("values"),
+        micro.need("returns"),
+        mask,
+        cfg.cliprange_value,
+        cfg.loss_agg_mode,
+        normalizer,
     )
     m["critic/vf_clipfrac"] = m["critic/vf_clipfrac"] * mask.sum() / tokens
     return loss, m
