@@ -343,7 +343,7 @@ class RLModule(L.LightningModule):
         super().__init__()
         args = dict(locals())
         check_hyperparameters({k: v for k, v in args.items() if v is not None or not k.endswith("_lr")})
-        self.rl_config = rl_config_of(args, adv_estimator or self.default_algorithm)
+        self.rl_config = self.rl_config_for(args)
         self.algorithm = self.rl_config.algorithm  # the registered name
         self.kl_controller = KLController.of(kl_coef, kl_ctrl)
         self.overlong_buffer = OverlongBuffer.of(overlong_buffer)
