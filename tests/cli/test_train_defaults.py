@@ -72,3 +72,18 @@ def test_the_modules_record_the_rates_they_train_at(job):
     ppo = PPOModule(actor=job["model"], data=data, critic_lr=2e-5)
     assert (ppo.hparams.actor_lr, ppo.hparams.critic_lr) == (1e-6, 2e-5)
     assert [g["lr"] for g in ppo.configure_optimizers().param_groups] == [1e-6, 2e-5]
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
+def test_nereus_train_prices_the_workload_its_module_plans_with(algorithm):
+    """The fail-fast check and the memory search price the RL step the module will run: one builder."""
+    from nereus_lightning.cli.train import _workload, build_module, response_budget
+
+    cfg = train_config(
+        [f"algorithm={algorithm}", "algorithm.mini_batches=2", "algorithm.ppo_epochs=3", "output_dir=/tmp/x"]
+    )
+    module = build_module(cfg)
+    priced = _workload(cfg, response_budget(cfg, 0))
+    assert priced == module.workload(0)
+    assert (priced.mini_batches, priced.ppo_epochs) == (2, 3)
+    assert priced.samples_per_prompt == module.rl_config.samples_per_prompt

@@ -352,8 +352,8 @@ def update_and_reference(
     from the same weights; returns per model the relative difference of the two (rank 0 only)."""
     import copy
 
-    from nereus_lightning.lightning.emu_state import ADAMW
     from nereus_lightning.rl.algorithm import update_actor, update_critic
+    from nereus_lightning.rl.update import ADAMW
 
     torch.manual_seed(0)
     cls = PPOModule if algorithm == "ppo" else GRPOModule

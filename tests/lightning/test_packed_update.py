@@ -53,7 +53,7 @@ def _update_errors(rank: int, world: int) -> dict[str, float]:
     mask = batch.response_mask.float()
     errors: dict[str, float] = {}
     for mode in LOSS_AGG_MODES:
-        cfg = RLConfig(algorithm="grpo", loss_agg=mode, kl_loss_coef=0.1, entropy_coef=0.01)
+        cfg = RLConfig(algorithm="grpo", loss_agg_mode=mode, kl_loss_coef=0.1, entropy_coeff=0.01)
         normalizer, tokens = cfg.normalizer(mask), mask.sum()
         grads, losses = [], []
         for remove_padding, micro_batch in ((False, len(batch)), (True, 1)):

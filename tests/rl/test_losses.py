@@ -167,7 +167,7 @@ def test_actor_loss_applies_verls_dual_clip_by_default_and_the_chosen_policy_los
     micro.old_log_probs, micro.advantages = torch.zeros(1, 1), -torch.ones(1, 1)
     new, one = torch.full((1, 1), math.log(5.0)), torch.tensor(1.0)
     assert actor_loss(new, micro, RLConfig(), one, one)[0].item() == pytest.approx(3.0)
-    assert actor_loss(new, micro, RLConfig(dual_clip=None), one, one)[0].item() == pytest.approx(5.0)
+    assert actor_loss(new, micro, RLConfig(clip_ratio_c=None), one, one)[0].item() == pytest.approx(5.0)
     calls = []
 
     def doubled(*args, **kwargs):
@@ -176,7 +176,7 @@ def test_actor_loss_applies_verls_dual_clip_by_default_and_the_chosen_policy_los
         return 2 * loss, m
 
     register_policy_loss("doubled_for_test", doubled)
-    cfg = RLConfig(policy_loss="doubled_for_test", loss_agg="seq-mean-token-sum")
+    cfg = RLConfig(policy_loss="doubled_for_test", loss_agg_mode="seq-mean-token-sum")
     assert actor_loss(new, micro, cfg, one, one)[0].item() == pytest.approx(6.0) and calls == [
         "seq-mean-token-sum"
     ]

@@ -106,8 +106,8 @@ def test_updates_do_not_depend_on_dp_degree_or_micro_batch_size(agg):
         mini_batches=2,
         ppo_epochs=2,
         kl_loss_coef=0.1,
-        entropy_coef=0.01,
-        loss_agg=agg,
+        entropy_coeff=0.01,
+        loss_agg_mode=agg,
         seed=2,
     )
     models = build_models(cfg, tiny_llama_config(**SMALL))
@@ -179,11 +179,11 @@ def test_rl_config_rejects_bad_input():
         with pytest.raises(NereusConfigError, match="needs >= 2 samples per prompt, got 1"):
             RLConfig(algorithm=name, samples_per_prompt=1)
     with pytest.raises(NereusConfigError, match="algorithm.loss_agg_mode"):
-        RLConfig(loss_agg="sequence-mean")
+        RLConfig(loss_agg_mode="sequence-mean")
     with pytest.raises(NereusConfigError, match="algorithm.policy_loss"):
         RLConfig(policy_loss="dpo")
     with pytest.raises(NereusConfigError, match="algorithm.clip_ratio_c"):
-        RLConfig(dual_clip=0.5)
+        RLConfig(clip_ratio_c=0.5)
 
 
 def test_reference_cli_writes_a_summary(tmp_path):

@@ -19,8 +19,8 @@ import json
 import os
 import sys
 import threading
-from collections.abc import Sequence
-from typing import Any, NoReturn
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from omegaconf import DictConfig
 
@@ -28,6 +28,19 @@ from nereus_lightning.cli._hydra import CONFIG_ROOT, compose, to_dict
 from nereus_lightning.cli._resume import RunFolderLock, job_record
 from nereus_lightning.console_log import current_rank
 from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
+
+if TYPE_CHECKING:
+    from nereus_lightning.control.follower import PlanController
+    from nereus_lightning.lightning.checkpointing import NereusCheckpoint
+    from nereus_lightning.lightning.launch import Launch
+    from nereus_lightning.lightning.module import RLModule
+    from nereus_lightning.lightning.preemption import Preemption
+    from nereus_lightning.lightning.roles import RoleModule
+    from nereus_lightning.plan.layout import Plan
+    from nereus_lightning.rl.algorithm import RLConfig
+    from nereus_lightning.spec.cluster import ClusterSpec
+    from nereus_lightning.spec.model import ModelSpec
+    from nereus_lightning.spec.workload import Workload
 
 CONFIG_DIR = str(CONFIG_ROOT)
 
@@ -77,12 +90,12 @@ def _folder_on_cuda(cfg: DictConfig) -> bool:
 NEREUS_TRAINER_KEYS = ("on_nonfinite", "rollout_data_dir")
 
 
-def uses_data(cfg: Any) -> bool:
+def uses_data(cfg: DictConfig) -> bool:
     """Whether the job trains on prompt files (``data.train_files``) rather than the built-in task."""
     return cfg.get("data") is not None and cfg.data.get("train_files") is not None
 
 
-def check_feasible(cfg: Any, world_size: int) -> None:
+def check_feasible(cfg: DictConfig, world_size: int) -> None:
     """Fail fast, before any model is built: the planner must find a plan for the first pool."""
     from nereus_lightning.plan.planner import plan_job
 
@@ -93,7 +106,7 @@ def check_feasible(cfg: Any, world_size: int) -> None:
     plan_job(_job_models(cfg), cluster, _workload(cfg, response_budget(cfg, 0)), pool_key="trainer.devices")
 
 
-def supply_counts(cfg: Any) -> list[int] | None:
+def supply_counts(cfg: DictConfig) -> list[int] | None:
     """The GPU supply per step: ``resources.counts``, else the built-in task's ``supply`` (None: all)."""
     counts = cfg.resources.get("counts") if cfg.get("resources") else None
     if counts is None and not uses_data(cfg):
@@ -101,7 +114,7 @@ def supply_counts(cfg: Any) -> list[int] | None:
     return [int(c) for c in counts] if counts else None
 
 
-def response_budget(cfg: Any, step: int) -> float:
+def response_budget(cfg: DictConfig, step: int) -> float:
     """Generation budget at ``step``: ``data.max_response_length``, or the built-in task's growing one."""
     if uses_data(cfg):
         return float(cfg.data.max_response_length)
@@ -110,7 +123,7 @@ def response_budget(cfg: Any, step: int) -> float:
     return float(min(int(task.max_len), grown) + 3)
 
 
-def job_cluster(cfg: Any) -> Any:
+def job_cluster(cfg: DictConfig) -> ClusterSpec:
     """The job's cluster (:func:`job_cluster_preset`) with its per-GPU memory override (``"auto"``: below)."""
     from dataclasses import replace
 
@@ -121,7 +134,7 @@ def job_cluster(cfg: Any) -> Any:
     return replace(cluster, gpu_memory=float(memory)) if memory else cluster
 
 
-def gpu_memory_setting(cfg: Any) -> Any:
+def gpu_memory_setting(cfg: DictConfig) -> float | str | None:
     """``cluster_gpu_memory``, else the built-in task's ``gpu_memory`` (None: the preset's)."""
     memory = cfg.get("cluster_gpu_memory")
     if memory is None and not uses_data(cfg):
@@ -129,7 +142,7 @@ def gpu_memory_setting(cfg: Any) -> Any:
     return memory
 
 
-def job_cluster_preset(cfg: Any) -> Any:
+def job_cluster_preset(cfg: DictConfig) -> ClusterSpec:
     """The cluster ``cfg.cluster`` names (memory, FLOP/s, links), or for ``auto`` the one the job's
     devices make (:func:`~nereus_lightning.lightning.devices.auto_cluster`), shaped as the launch:
     ``trainer.num_nodes`` x GPUs per node (checked against the launcher by :func:`job_launch`)."""
@@ -142,12 +155,12 @@ def job_cluster_preset(cfg: Any) -> Any:
     return cluster_preset(str(cfg.cluster)).on_nodes(*shape)
 
 
-def _on_gpus(cfg: Any) -> bool:
+def _on_gpus(cfg: DictConfig) -> bool:
     """Whether the job's ranks are GPUs (``trainer.accelerator``, resolved by :func:`resolve_trainer`)."""
     return str(cfg.trainer.get("accelerator", "cpu")) in ("gpu", "cuda")
 
 
-def _prompt_len(cfg: Any) -> float:
+def _prompt_len(cfg: DictConfig) -> float:
     if uses_data(cfg):
         return float(cfg.data.max_prompt_length)  # an upper bound: the data is not read yet
     from hydra.utils import instantiate
@@ -157,30 +170,25 @@ def _prompt_len(cfg: Any) -> float:
     return TaskSource(instantiate(_task_config(cfg), seed=int(cfg.seed))).mean_prompt_len()
 
 
-def _workload(cfg: Any, length: float) -> Any:
-    from nereus_lightning.spec import GenerationEngine, Workload
+def _workload(cfg: DictConfig, length: float) -> Workload:
+    """The job's RL step as the module will price it, at a response budget of ``length`` tokens."""
+    from nereus_lightning.spec import GenerationEngine
 
-    return Workload(
-        algorithm=_algorithm_name(cfg),
-        prompts_per_step=prompts_per_step(cfg),
-        samples_per_prompt=int(cfg.algorithm.get("samples_per_prompt", 1)),
-        prompt_len=_prompt_len(cfg),
-        response_len=float(length),
-        response_len_p95=float(length),
-        reward_model=reward_model_source(cfg) is not None,
-        generation_engine=GenerationEngine.of(
-            str(cfg.algorithm.get("rollout_engine", "hf")), to_dict(cfg.algorithm.get("vllm"))
-        ),
+    engine = GenerationEngine.of(
+        str(cfg.algorithm.get("rollout_engine", "hf")), to_dict(cfg.algorithm.get("vllm"))
+    )
+    return rl_config(cfg).workload(
+        _prompt_len(cfg), float(length), reward_model_source(cfg) is not None, engine
     )
 
 
-def prompts_per_step(cfg: Any) -> int:
+def prompts_per_step(cfg: DictConfig) -> int:
     """``data.train_batch_size`` (verl's name) when set, else ``algorithm.prompts_per_step``."""
     size = cfg.data.get("train_batch_size") if cfg.get("data") else None
     return int(size if size is not None else cfg.algorithm.prompts_per_step)
 
 
-def model_source(node: Any, default: Any = None) -> Any:
+def model_source(node: DictConfig | None, default: str | None = None) -> str | None:
     """A role's model: its ``path`` (a folder), else its ``preset``, else ``default``."""
     if node is None:
         return default
@@ -191,12 +199,12 @@ def model_source(node: Any, default: Any = None) -> Any:
     return default
 
 
-def reward_model_source(cfg: Any) -> Any:
+def reward_model_source(cfg: DictConfig) -> str | None:
     """The reward model (``reward_model.path`` / ``.preset``), None for a reward function."""
     return model_source(cfg.get("reward_model"))
 
 
-def admit_families(cfg: Any) -> None:
+def admit_families(cfg: DictConfig) -> None:
     """Prove each model folder's family exact before the job starts, if it is outside the registry.
 
     Once per model type and transformers version (``proof.admission``: the self-check on 4 CPU
@@ -230,11 +238,11 @@ def admit_families(cfg: Any) -> None:
             )
 
 
-def _spec_of(source: str, key: str) -> Any:
-    import os
-
+def _spec_of(source: str | None, key: str) -> ModelSpec:
     from nereus_lightning.spec import ModelSpec, model_preset
 
+    if source is None:
+        raise NereusConfigError(f"{key}: no model (give a folder saved with save_pretrained, or a preset)")
     if os.path.sep in source or os.path.isdir(source):
         if not os.path.isdir(source):
             raise NereusConfigError(
@@ -244,7 +252,7 @@ def _spec_of(source: str, key: str) -> Any:
     return model_preset(source)
 
 
-def _job_models(cfg: Any) -> Any:
+def _job_models(cfg: DictConfig) -> dict[str, ModelSpec]:
     from nereus_lightning.plan.planner import job_models
     from nereus_lightning.spec.algorithms import algorithm_spec
 
@@ -257,7 +265,7 @@ def _job_models(cfg: Any) -> Any:
     return job_models(actor, critic=critic if uses_critic else None, reward=reward)
 
 
-def _task_config(cfg: Any) -> Any:
+def _task_config(cfg: DictConfig) -> DictConfig:
     """The task node without the drift keys the CLI reads itself (``supply``, ``gpu_memory``)."""
     from omegaconf import OmegaConf
 
@@ -267,7 +275,7 @@ def _task_config(cfg: Any) -> Any:
     return OmegaConf.create(node)
 
 
-def _threshold(ok: Any, lo: float, hi: float) -> float | None:
+def _threshold(ok: Callable[[float], bool], lo: float, hi: float) -> float | None:
     """The smallest memory in [lo, hi] for which ``ok(memory)`` holds (bisection to 1 kB), None if none."""
     if not ok(hi):
         return None
@@ -277,7 +285,7 @@ def _threshold(ok: Any, lo: float, hi: float) -> float | None:
     return hi
 
 
-def tight_gpu_memory(cfg: Any, cluster: Any) -> float | None:
+def tight_gpu_memory(cfg: DictConfig, cluster: ClusterSpec) -> float | None:
     """Per-GPU memory that makes the run's drift matter, found with the planner itself.
 
     Just too small for the longest responses' state under one-rank layouts (the planner must
@@ -301,7 +309,7 @@ def tight_gpu_memory(cfg: Any, cluster: Any) -> float | None:
     fewest = min(counts) if counts[0] else full
     low_steps = [i for i, c in enumerate(counts) if c == fewest] or [0]
 
-    def plan(memory: float, length: float, gpus: int) -> Any:
+    def plan(memory: float, length: float, gpus: int) -> Plan | None:
         try:
             return plan_job(
                 models, replace(cluster, gpu_memory=memory).with_gpus(gpus), _workload(cfg, length)
@@ -323,42 +331,55 @@ def tight_gpu_memory(cfg: Any, cluster: Any) -> float | None:
     return (floor + end) / 2 if end - floor > 2e3 else None
 
 
-def _algorithm_name(cfg: Any) -> str:
-    """The registered name of the job's algorithm: ``algorithm.adv_estimator``, else its module class's."""
+def module_class(cfg: DictConfig) -> type[RLModule]:
+    """The RL module class ``algorithm._target_`` names."""
     from hydra.utils import get_class
 
     from nereus_lightning.lightning.module import RLModule
-    from nereus_lightning.rl.estimators import algorithm_of
 
-    chosen = cfg.algorithm.get("adv_estimator")
-    if chosen is None:
-        target = str(cfg.algorithm._target_)
-        try:
-            cls = get_class(target)
-        except Exception as exc:
-            raise NereusConfigError(f"algorithm._target_: cannot import {target!r} ({exc})") from exc
-        if not (isinstance(cls, type) and issubclass(cls, RLModule)):
-            raise NereusConfigError(
-                f"algorithm._target_: {target!r} is not an RLModule "
-                "(e.g. nereus_lightning.lightning.GRPOModule)"
-            )
-        chosen = cls.default_algorithm
-    return algorithm_of(str(chosen)).name
+    target = str(cfg.algorithm._target_)
+    try:
+        cls = get_class(target)
+    except Exception as exc:
+        raise NereusConfigError(f"algorithm._target_: cannot import {target!r} ({exc})") from exc
+    if not (isinstance(cls, type) and issubclass(cls, RLModule)):
+        raise NereusConfigError(
+            f"algorithm._target_: {target!r} is not an RLModule (e.g. nereus_lightning.lightning.GRPOModule)"
+        )
+    return cls
 
 
-def _num_nodes(cfg: Any) -> int:
+def rl_config(cfg: DictConfig) -> RLConfig:
+    """The job's RL config as its module will build it (:meth:`RLModule.rl_config_for`), before any model
+    exists."""
+    values = {k: v for k, v in to_dict(cfg.algorithm).items() if k != "_target_"}
+    values.update(
+        actor=model_source(cfg.actor),
+        critic=model_source(cfg.get("critic")),
+        prompts_per_step=prompts_per_step(cfg),
+        seed=int(cfg.seed),
+    )
+    return module_class(cfg).rl_config_for(values)
+
+
+def _algorithm_name(cfg: DictConfig) -> str:
+    """The registered name of the job's algorithm: ``algorithm.adv_estimator``, else its module class's."""
+    return rl_config(cfg).algorithm
+
+
+def _num_nodes(cfg: DictConfig) -> int:
     nodes = cfg.trainer.get("num_nodes", 1)
     if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1:
         raise NereusConfigError(f"trainer.num_nodes: must be a whole number >= 1, got {nodes!r}")
     return nodes
 
 
-def _world_size(cfg: Any) -> int:
+def _world_size(cfg: DictConfig) -> int:
     """The job's ranks: ``trainer.num_nodes`` x ``trainer.devices`` per node."""
     return _num_nodes(cfg) * _devices_per_node(cfg)
 
 
-def job_launch(cfg: Any) -> Any:
+def job_launch(cfg: DictConfig) -> Launch:
     """The launch this process is part of, checked against ``trainer.num_nodes`` x ``trainer.devices``.
 
     Raises:
@@ -378,7 +399,7 @@ def _say(text: str) -> None:
         print(text)
 
 
-def _devices_per_node(cfg: Any) -> int:
+def _devices_per_node(cfg: DictConfig) -> int:
     devices = cfg.trainer.get("devices", 1)
     if isinstance(devices, int) and devices > 0:
         return devices
@@ -410,7 +431,7 @@ def _quiet() -> None:
         warnings.filterwarnings("ignore", message=pattern)
 
 
-def build_module(cfg: Any) -> Any:
+def build_module(cfg: DictConfig) -> RLModule:
     """The RL module of ``cfg``: models, data, reward and hyper-parameters, all checked (no process yet)."""
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
@@ -442,7 +463,7 @@ def build_module(cfg: Any) -> Any:
     )
 
 
-def check_config(cfg: Any) -> None:
+def check_config(cfg: DictConfig) -> None:
     """The numbers and files of ``cfg``, checked before the planner, any model or any process."""
 
     from nereus_lightning.lightning.module import check_hyperparameters, precision_dtype
@@ -465,7 +486,7 @@ def check_config(cfg: Any) -> None:
         DataConfig.of(to_dict(cfg.data))
 
 
-def run(cfg: Any, overrides: Sequence[str] = ()) -> dict[str, Any]:
+def run(cfg: DictConfig, overrides: Sequence[str] = ()) -> dict[str, Any]:
     """Train as configured; returns a summary (reward first/last 10 steps, transitions, paths; ``stopped``
     when a signal stopped it). ``overrides``: the job's command line, stored in its checkpoints."""
     import time
@@ -509,7 +530,9 @@ def run(cfg: Any, overrides: Sequence[str] = ()) -> dict[str, Any]:
         lock.release()
 
 
-def _fit(cfg: Any, module: Any, out: str, overrides: Sequence[str], started: float) -> dict[str, Any]:
+def _fit(
+    cfg: DictConfig, module: RLModule, out: str, overrides: Sequence[str], started: float
+) -> dict[str, Any]:
     """Build the Trainer of ``cfg`` around ``module``, fit, and summarise (rank 0)."""
     import time
 
@@ -526,7 +549,7 @@ def _fit(cfg: Any, module: Any, out: str, overrides: Sequence[str], started: flo
     if resources is None and _on_gpus(cfg):
         resources = NodeInventory()  # every node's usable GPUs (NVML), gathered through rank 0
 
-    def controller(pl_module: Any, world_size: int) -> Any:
+    def controller(pl_module: RoleModule, world_size: int) -> PlanController:
         from nereus_lightning.lightning.callback import default_controller
 
         return default_controller(
@@ -585,7 +608,7 @@ def _fit(cfg: Any, module: Any, out: str, overrides: Sequence[str], started: flo
     return summary
 
 
-def checkpoint_callback(cfg: Any, ckpt_dir: str) -> Any:
+def checkpoint_callback(cfg: DictConfig, ckpt_dir: str) -> NereusCheckpoint:
     """The run's :class:`~nereus_lightning.lightning.NereusCheckpoint` (``checkpoint_every``,
     ``max_ckpt_to_keep``)."""
     from nereus_lightning.lightning.checkpointing import NereusCheckpoint
@@ -597,7 +620,7 @@ def checkpoint_callback(cfg: Any, ckpt_dir: str) -> Any:
     )
 
 
-def preemption_callback(cfg: Any) -> Any:
+def preemption_callback(cfg: DictConfig) -> Preemption:
     """The run's :class:`~nereus_lightning.lightning.Preemption` from ``preemption.*``."""
     from nereus_lightning.lightning.preemption import Preemption
 
@@ -643,7 +666,7 @@ def root_cause(exc: BaseException) -> tuple[str, str]:
     return (f"{name}: {first}" if first else name), name
 
 
-def resume_hint(ckpt_dir: str, resumed_from: Any = None, cause: str = "") -> str:
+def resume_hint(ckpt_dir: str, resumed_from: str | None = None, cause: str = "") -> str:
     """The command that resumes from this run's newest complete checkpoint (else from the one it resumed
     from, unless that one failed), or that there is none."""
     last = latest_checkpoint(ckpt_dir) if os.path.isdir(ckpt_dir) else None

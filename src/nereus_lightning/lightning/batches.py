@@ -11,7 +11,7 @@ exactly runs padded micro-batches of whole rows instead.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
@@ -22,6 +22,10 @@ from nereus_lightning.models.sharded import ShardedCausalLM
 from nereus_lightning.rl.algorithm import RLConfig, actor_loss, critic_loss
 from nereus_lightning.rl.batch import RolloutBatch
 from nereus_lightning.rl.forward import response_span
+from nereus_lightning.rl.update import Stepped
+
+if TYPE_CHECKING:
+    from nereus_lightning.lightning.strategy import NereusStrategy
 
 
 @dataclass(frozen=True)
@@ -87,7 +91,7 @@ def replica_backward(
     """Backward of one replica's rows of a mini-batch into its unit's gradients; returns the loss metrics.
 
     The losses are :func:`~nereus_lightning.rl.algorithm.actor_loss` (``actor``) or ``critic_loss``
-    divided by the global mini-batch's ``normalizer`` (its tokens or sequences, by ``cfg.loss_agg``),
+    divided by the global mini-batch's ``normalizer`` (its tokens or sequences, by ``cfg.loss_agg_mode``),
     so they sum over micro-batches and replicas to the mini-batch's loss whatever the layout and
     micro-batching. Runs :func:`~nereus_lightning.models.train_step` (1F1B over the pipeline) over
     :func:`response_micro_batches`. The metrics are contributions that sum over replicas.
@@ -100,7 +104,7 @@ def replica_backward(
         micro = of[id(mb)]
         if actor:
             log_probs, entropy = (micro.responses(o) for o in out)
-            entropy = entropy if cfg.entropy_coef else entropy.detach()  # reported; no gradient
+            entropy = entropy if cfg.entropy_coeff else entropy.detach()  # reported; no gradient
             loss, m = actor_loss(log_probs, micro.rows, cfg, normalizer, tokens, entropy)
         else:
             loss, m = critic_loss(micro.responses(out), micro.rows, cfg, normalizer, tokens)
@@ -112,3 +116,39 @@ def replica_backward(
 
     train_step(unit, [m.micro for m in micros], loss_of, temperature=cfg.temperature, with_entropy=actor)
     return metrics
+
+
+@dataclass(frozen=True)
+class StageTrainee:
+    """A training model-stage as :func:`~nereus_lightning.rl.update.run_updates` trains it on this rank:
+    its replica's rows of each mini-batch (balanced by tokens, :meth:`NereusStrategy.slot`) through
+    :func:`replica_backward`, then the strategy's optimizer step (gradients summed over the replicas,
+    clipped over the shards, the EMU-bound AdamW)."""
+
+    strategy: NereusStrategy
+    stage: str
+    role: str
+    cfg: RLConfig
+    remove_padding: bool = True
+
+    def backward(self, mini: RolloutBatch, normalizer: Tensor, tokens: Tensor) -> dict[str, Tensor]:
+        """Backward of this replica's rows of ``mini``; the metrics where this rank reports its replica's."""
+        slot = self.strategy.slot(self.stage, len(mini), sequence_tokens(mini))
+        if not slot.active or slot.stop <= slot.start:
+            return {}
+        unit = self.strategy.stage(self.stage)
+        assert unit is not None  # the slot is active: this rank holds a unit
+        part = mini.select(slice(slot.start, slot.stop))
+        args = (slot.candidate.micro_batch, self.cfg, normalizer, tokens, self.role == "actor")
+        metrics = replica_backward(unit, part, *args, remove_padding=self.remove_padding)
+        return metrics if unit.comm.is_last_stage and unit.comm.tp_rank == 0 else {}
+
+    def step(self, max_norm: float, samples: int) -> Stepped:
+        """The strategy's optimizer step (collective over the model-stage's ranks); its first rank reports
+        the norm."""
+        done = self.strategy.update(self.stage, max_norm, samples=samples)
+        if done.problem is not None:
+            return Stepped(done.norm, f"{self.stage}'s gradient norm is {done.norm} ({done.problem})")
+        assert self.strategy.plan is not None
+        reports = self.strategy.global_rank == self.strategy.plan[self.stage].gpus[0]
+        return Stepped(done.norm if reports else None)

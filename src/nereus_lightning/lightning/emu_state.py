@@ -50,10 +50,9 @@ from nereus_lightning.models import ReplicaComm, ShardedCausalLM, bind_adamw, re
 from nereus_lightning.models.groups import dp_ranks
 from nereus_lightning.models.sharded import is_tied
 from nereus_lightning.plan.layout import Plan
+from nereus_lightning.rl.update import ADAMW
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.workload import Workload, workflow
-
-ADAMW: dict[str, float | tuple[float, float]] = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
 
 
 def release(model: nn.Module) -> None:
@@ -300,4 +299,4 @@ class EMUStates:
         return None if state is None else state.params
 
 
-__all__ = ["ADAMW", "EMUStates", "StageUpdate", "release"]
+__all__ = ["EMUStates", "StageUpdate", "release"]

@@ -27,6 +27,7 @@ floating-point reduction order.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import math
 import time
@@ -43,7 +44,7 @@ from nereus_lightning.engines.base import Decoding, RolloutEngine, response_rows
 from nereus_lightning.engines.registry import ENGINES, engine_kind
 from nereus_lightning.engines.static import DECODE_MODES
 from nereus_lightning.lightning import roles
-from nereus_lightning.lightning.batches import replica_backward, response_micro_batches, sequence_tokens
+from nereus_lightning.lightning.batches import StageTrainee, response_micro_batches, sequence_tokens
 from nereus_lightning.lightning.job_sources import make_sources
 from nereus_lightning.lightning.preemption import StepAbandoned
 from nereus_lightning.lightning.roles import RoleModels
@@ -70,6 +71,7 @@ from nereus_lightning.rl.reward import ModelReward
 from nereus_lightning.rl.reward_function import RewardResult
 from nereus_lightning.rl.sources import Sample
 from nereus_lightning.rl.tokenizer import pad_ids
+from nereus_lightning.rl.update import ADAMW, ON_NONFINITE, NonFiniteError, run_updates
 from nereus_lightning.spec.algorithms import algorithm_spec
 from nereus_lightning.spec.errors import NereusConfigError, require
 from nereus_lightning.spec.workload import GenerationEngine, Workload
@@ -79,10 +81,6 @@ if TYPE_CHECKING:
     from lightning.pytorch.core.optimizer import LightningOptimizer
 
 log = logging.getLogger(__name__)
-
-
-class NonFiniteError(RuntimeError):
-    """A reward, loss or gradient norm is NaN or infinite; the message names the step and where."""
 
 
 class _StepClock(torch.utils.data.IterableDataset):
@@ -95,7 +93,6 @@ class _StepClock(torch.utils.data.IterableDataset):
             i += 1
 
 
-ON_NONFINITE = ("raise", "skip")
 PRECISIONS = {
     "32-true": torch.float32,
     "32": torch.float32,
@@ -179,36 +176,26 @@ def check_hyperparameters(values: Mapping[str, Any]) -> None:
 
 
 def rl_config_of(args: Mapping[str, Any], algorithm: str) -> rl.RLConfig:
-    """The RL step's knobs from the module's arguments (verl's names) for the registered ``algorithm``."""
-    low = args["clip_ratio_low"]
-    return rl.RLConfig(
-        algorithm=algorithm,
-        prompts_per_step=args["prompts_per_step"],
-        samples_per_prompt=args["samples_per_prompt"],
-        actor_lr=args["actor_lr"],
-        critic_lr=args["critic_lr"],
-        ppo_epochs=args["ppo_epochs"],
-        mini_batches=args["mini_batches"],
-        policy_loss=args["policy_loss"],
-        clip_eps=args["clip_ratio"] if low is None else low,
-        clip_eps_high=args["clip_ratio_high"],
-        dual_clip=args["clip_ratio_c"],
-        value_clip=args["cliprange_value"],
-        kl_coef=args["kl_coef"],
-        kl_penalty=args["kl_penalty"],
-        kl_loss_coef=args["kl_loss_coef"],
-        kl_loss_type=args["kl_loss_type"],
-        entropy_coef=args["entropy_coeff"],
-        gamma=args["gamma"],
-        lam=args["lam"],
-        norm_adv_by_std=args["norm_adv_by_std_in_grpo"],
-        temperature=args["temperature"],
-        loss_agg=args["loss_agg_mode"],
-        loss_scale_factor=args["loss_scale_factor"],
-        rollout_is_threshold=args["rollout_is_threshold"],
-        grad_clip=args["grad_clip"],
-        seed=args["seed"],
-    )
+    """The RL step's knobs for the registered ``algorithm``: the module's arguments of
+    :class:`~nereus_lightning.rl.algorithm.RLConfig`'s names (verl's), unset learning rates
+    :func:`default_lr`'s for the role's model (``actor``, ``critic``)."""
+    knobs = {f.name: args[f.name] for f in dataclasses.fields(rl.RLConfig) if f.name in args}
+    critic = args["actor"] if args.get("critic") is None else args["critic"]
+    for role, source in (("actor", args["actor"]), ("critic", critic)):
+        if knobs.get(f"{role}_lr") is None:
+            knobs[f"{role}_lr"] = default_lr(role, source)
+    return rl.RLConfig(**{**knobs, "algorithm": algorithm})
+
+
+def init_defaults(cls: type) -> dict[str, Any]:
+    """The defaults of the ``__init__`` arguments of ``cls`` and its bases, a subclass's winning."""
+    out: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        if "__init__" in vars(klass):
+            for p in inspect.signature(vars(klass)["__init__"]).parameters.values():
+                if p.default is not inspect.Parameter.empty:
+                    out[p.name] = p.default
+    return out
 
 
 class RLModule(L.LightningModule):
@@ -352,12 +339,9 @@ class RLModule(L.LightningModule):
         rollout_is_threshold: float | None = None,
     ) -> None:
         super().__init__()
-        if actor_lr is None:
-            actor_lr = default_lr("actor", actor)
-        if critic_lr is None:
-            critic_lr = default_lr("critic", actor if critic is None else critic)
-        check_hyperparameters(dict(locals()))
-        self.rl_config = rl_config_of(locals(), adv_estimator or self.default_algorithm)
+        args = dict(locals())
+        check_hyperparameters({k: v for k, v in args.items() if v is not None or not k.endswith("_lr")})
+        self.rl_config = self.rl_config_for(args)
         self.algorithm = self.rl_config.algorithm  # the registered name
         self.kl_controller = KLController.of(kl_coef, kl_ctrl)
         self.overlong_buffer = OverlongBuffer.of(overlong_buffer)
@@ -378,7 +362,7 @@ class RLModule(L.LightningModule):
         )
         self.save_hyperparameters(ignore=["task", "reward_function", "data"])
         # The resolved rates (a subclass's own arguments would otherwise record the None it was given).
-        self.hparams.update(actor_lr=actor_lr, critic_lr=critic_lr)
+        self.hparams.update(actor_lr=self.rl_config.actor_lr, critic_lr=self.rl_config.critic_lr)
         self.automatic_optimization = False
         self.sources = make_sources(
             task, data, reward_function, reward_workers, actor, seed, reward_timeout_s
@@ -396,6 +380,13 @@ class RLModule(L.LightningModule):
         from nereus_lightning.lightning.metrics import RunMetrics
 
         self.run_metrics = RunMetrics()
+
+    @classmethod
+    def rl_config_for(cls, args: Mapping[str, Any]) -> rl.RLConfig:
+        """The RL config a module of this class builds from ``args`` (its arguments by name; those missing
+        take the class's defaults), without building one: what ``nereus-train`` checks and prices first."""
+        full = {**init_defaults(cls), **args}
+        return rl_config_of(full, full.get("adv_estimator") or cls.default_algorithm)
 
     def _build_models(self, actor: Any, reference: Any, critic: Any, reward_model: Any, seed: int) -> tuple:
         """Actor, reference, critic and reward model, each checked against the tokenizer."""
@@ -435,11 +426,11 @@ class RLModule(L.LightningModule):
     def role_models(self) -> RoleModels:
         """The role models the strategy cuts into model-stage units (their tensors go there at the first
         plan)."""
-        hp = self.hparams
+        cfg, hp = self.rl_config, self.hparams
         return RoleModels(
             self.algorithm,
             {"actor": self.actor, "reference": self.reference, "critic": self.critic, "reward": self.reward},
-            {"actor": hp.actor_lr, "critic": hp.critic_lr},
+            {"actor": cfg.actor_lr, "critic": cfg.critic_lr},
             hp.rollout_engine,
             self.tokenizer,
             Decoding(
@@ -449,18 +440,12 @@ class RLModule(L.LightningModule):
 
     def workload(self, step: int = 0) -> Workload:
         """The RL step's shape at ``step`` (batch and expected lengths), as the planner prices it."""
-        hp = self.hparams
-        return Workload(
-            algorithm=self.algorithm,
-            prompts_per_step=hp.prompts_per_step,
-            samples_per_prompt=hp.samples_per_prompt,
-            prompt_len=self.source.mean_prompt_len(),
-            response_len=float(self.source.max_response_len(step)),
-            mini_batches=hp.mini_batches,
-            ppo_epochs=hp.ppo_epochs,
-            reward_model=self.reward is not None,
-            generation_engine=self.generation_engine,
-            generation_rounds=expected_rounds(self.rounds_seen),
+        return self.rl_config.workload(
+            self.source.mean_prompt_len(),
+            float(self.source.max_response_len(step)),
+            self.reward is not None,
+            self.generation_engine,
+            expected_rounds(self.rounds_seen),
         )
 
     # ---- Lightning hooks -------------------------------------------------------------------
@@ -476,10 +461,10 @@ class RLModule(L.LightningModule):
 
     @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        groups = [{"params": list(self.actor.parameters()), "lr": self.hparams.actor_lr}]
+        groups = [{"params": list(self.actor.parameters()), "lr": self.rl_config.actor_lr}]
         if self.critic is not None:
-            groups.append({"params": list(self.critic.parameters()), "lr": self.hparams.critic_lr})
-        return torch.optim.AdamW(groups, betas=(0.9, 0.95), weight_decay=0.0, eps=1e-8)
+            groups.append({"params": list(self.critic.parameters()), "lr": self.rl_config.critic_lr})
+        return torch.optim.AdamW(groups, **ADAMW)
 
     def _optimizer(self) -> LightningOptimizer:
         """Lightning's wrapper of the one optimizer :meth:`configure_optimizers` makes."""
@@ -573,7 +558,7 @@ class RLModule(L.LightningModule):
         sample's greedy response, each sample's policy version and token log-probs where the engine
         reports them. Sample ``i`` draws from the seed of ``(seed, step, first_index + i)``.
         """
-        hp = self.hparams
+        cfg = self.rl_config
         pad = self.tokenizer.pad_token_id
         # Prompts left-padded to the global width: a sample's inputs do not depend on its replica.
         prompt_ids, prompt_mask = (t.to(self.device) for t in pad_ids([p.ids for p in prompts], pad, "left"))
@@ -587,8 +572,8 @@ class RLModule(L.LightningModule):
                     prompt_mask[rows],
                     max_new,
                     do_sample=not greedy,
-                    temperature=hp.temperature,
-                    sample_seeds=None if greedy else sample_seeds(hp.seed, step, indices),
+                    temperature=cfg.temperature,
+                    sample_seeds=None if greedy else sample_seeds(cfg.seed, step, indices),
                 )
             return response_rows(out)
 
@@ -685,8 +670,8 @@ class RLModule(L.LightningModule):
     def rollout(self, strategy: NereusStrategy, step: int, max_new: int) -> Rollout:
         """The step's samples, generated and scored; with ``filter_groups`` only groups whose scores
         differ, over as many generation rounds as it takes (at most ``max_num_gen_batches``)."""
-        hp, rule = self.hparams, self.filter_groups
-        size, want = hp.samples_per_prompt, hp.prompts_per_step
+        cfg, rule = self.rl_config, self.filter_groups
+        size, want = cfg.samples_per_prompt, cfg.prompts_per_step
         rounds: list[Rollout] = []
         varied: list[list[bool]] = []  # per round, per group: whether its scores differ
         while True:
@@ -700,9 +685,9 @@ class RLModule(L.LightningModule):
 
     def _rollout_round(self, strategy: NereusStrategy, step: int, max_new: int, first_index: int) -> Rollout:
         """One round: ``prompts_per_step`` prompts with ``samples_per_prompt`` samples each, scored."""
-        hp = self.hparams
-        prompts = self.source.prompts(step, hp.prompts_per_step)
-        samples = [p for p in prompts for _ in range(hp.samples_per_prompt)]  # samples of a prompt adjacent
+        cfg = self.rl_config
+        prompts = self.source.prompts(step, cfg.prompts_per_step)
+        samples = [p for p in prompts for _ in range(cfg.samples_per_prompt)]  # samples of a prompt adjacent
         out = self.generate(
             strategy,
             samples,
@@ -732,7 +717,7 @@ class RLModule(L.LightningModule):
         response_ids, response_mask = (
             t.to(self.device) for t in pad_ids(rollout.responses, pad, "right", width)
         )
-        size = self.hparams.samples_per_prompt
+        size = self.rl_config.samples_per_prompt
         n = len(rollout.samples)
         batch = RolloutBatch(
             prompt_ids,
@@ -818,14 +803,18 @@ class RLModule(L.LightningModule):
         """The validation set's mean reward, overall and per data source (``val/<source>/reward/mean``)."""
         val = self.sources.val
         assert val is not None and self.sources.val_data is not None
-        hp = self.hparams
         prompts = list(self.sources.val_data.prompts)
-        chunk = hp.prompts_per_step * hp.samples_per_prompt
+        chunk = self.rl_config.prompts_per_step * self.rl_config.samples_per_prompt
         scores: list[float] = []
         for lo in range(0, len(prompts), chunk):
             part = prompts[lo : lo + chunk]
             responses = self.generate(
-                strategy, part, val.max_response_length, VALIDATION_STEP, greedy=hp.val_greedy, first_index=lo
+                strategy,
+                part,
+                val.max_response_length,
+                VALIDATION_STEP,
+                greedy=self.hparams.val_greedy,
+                first_index=lo,
             ).responses
             results = self.score(
                 strategy,
@@ -890,7 +879,7 @@ class RLModule(L.LightningModule):
             assert unit is not None  # the slot is active
             micro_batch = slot.candidate.micro_batch  # the budget: this many padded rows' tokens
             micros = response_micro_batches(unit, part, micro_batch, self.hparams.remove_padding)
-            out = token_scores(unit, [m.micro for m in micros], temperature=self.hparams.temperature)
+            out = token_scores(unit, [m.micro for m in micros], temperature=self.rl_config.temperature)
             assert out is not None  # delivered to every rank of the replica
             parts = out[0].split([m.size for m in micros])
             return torch.cat([m.responses(o) for m, o in zip(micros, parts, strict=True)])
@@ -899,90 +888,31 @@ class RLModule(L.LightningModule):
     def update(
         self, strategy: NereusStrategy, batch: RolloutBatch, optimizer: Any = None, step: int = 0
     ) -> dict[str, float]:
-        """Actor (and critic) updates on this rank's slice; gradients summed over all replicas.
+        """Actor (and critic) updates through :func:`~nereus_lightning.rl.update.run_updates`, each training
+        model-stage on this rank's replica rows (:class:`~.batches.StageTrainee`); gradients summed over
+        all replicas, the training stages' fresh weights synced into the other model-stages after each
+        update.
 
         A non-finite gradient norm stops that model-stage's update before its optimizer step:
         the step fails on every rank (``on_nonfinite="raise"``) or the update is skipped.
         """
-        hp = self.hparams
-        plan = strategy.plan
-        assert plan is not None
-        opt = optimizer if optimizer is not None else self._optimizer()
-        mask = batch.response_mask.float()
-        minis = _mini_batches(len(batch), hp.mini_batches)
-        sums: dict[str, float] = {}
-        updates = skipped = 0
-        for _epoch in range(hp.ppo_epochs):
-            for lo, hi in minis:
-                # the global mini-batch's loss denominator and tokens (every layout and micro-batching alike)
-                normalizer = self.rl_config.normalizer(mask[lo:hi])
-                total_tokens = mask[lo:hi].sum().clamp_min(1.0)
-                part: dict[str, float] = {}
-                problems: list[str] = []
-                lengths = sequence_tokens(batch.select(slice(lo, hi)))
-                for stage in strategy.training_stages():
-                    slot = strategy.slot(stage, hi - lo, lengths)
-                    if not slot.active or slot.stop <= slot.start:
-                        continue
-                    rows = slice(lo + slot.start, lo + slot.stop)
-                    args = (normalizer, total_tokens, slot.candidate.micro_batch)
-                    m, reporter = self._train_slice(strategy, stage, batch.select(rows), *args)
-                    if reporter:
-                        for k, val in m.items():
-                            part[k] = part.get(k, 0.0) + float(val)
-                # Each training stage steps its own EMU-bound AdamW (grads summed over its replicas).
-                for stage in strategy.training_stages():
-                    # samples consumed: counted once, in the first epoch over the batch
-                    done = strategy.update(stage, hp.grad_clip, samples=(hi - lo) if _epoch == 0 else 0)
-                    if done.problem is not None:
-                        problems.append(
-                            f"step {step}: {stage}'s gradient norm is {done.norm} ({done.problem})"
-                        )
-                    elif done.norm is not None and strategy.global_rank == plan[stage].gpus[0]:
-                        part[f"{role_of(stage, self.algorithm)}/grad_norm"] = done.norm
-                if _epoch == hp.ppo_epochs - 1 and (lo, hi) == minis[-1]:
-                    opt.step()  # no gradients there: counts one Lightning step per RL step
-                updates += 1
-                totals, problems = _sum_over_ranks(part, problems)
-                if problems:
-                    if hp.on_nonfinite == "raise":
-                        raise NonFiniteError(
-                            f"{problems[0]}; set trainer.on_nonfinite=skip to skip such updates"
-                        )
-                    if strategy.global_rank == 0:
-                        log.warning("%s: update skipped (trainer.on_nonfinite=skip)", problems[0])
-                    skipped += 1
-                for k, total in totals.items():
-                    sums[k] = sums.get(k, 0.0) + total
-                strategy.sync_weights()  # actor_train -> actor_gen / actor_infer, critic likewise
-        out = {k: v / updates for k, v in sums.items()}
-        out["train/skipped_update"] = skipped / updates  # the share of this step's updates a guard skipped
-        return out
-
-    def _train_slice(
-        self,
-        strategy: NereusStrategy,
-        stage: str,
-        part: RolloutBatch,
-        normalizer: Tensor,
-        tokens: Tensor,
-        micro_batch: int,
-    ) -> tuple[dict[str, Tensor], bool]:
-        """Backward of one replica's slice into its unit's gradients (:func:`~.batches.replica_backward`);
-        returns (metrics, whether this rank reports them)."""
-        unit = strategy.stage(stage)
-        assert unit is not None  # the slot is active: this rank holds a unit
-        metrics = replica_backward(
-            unit,
-            part,
-            micro_batch,
+        trainees = [
+            StageTrainee(
+                strategy, stage, role_of(stage, self.algorithm), self.rl_config, self.hparams.remove_padding
+            )
+            for stage in strategy.training_stages()
+        ]
+        out = run_updates(
+            batch,
             self.rl_config,
-            normalizer,
-            tokens,
-            actor=stage == "actor_train",
-            remove_padding=self.hparams.remove_padding,
+            trainees,
+            gather=_sum_over_ranks,
+            after_update=strategy.sync_weights,  # actor_train -> actor_gen / actor_infer, critic likewise
+            on_nonfinite=self.hparams.on_nonfinite,
+            step=step,
         )
-        return metrics, unit.comm.is_last_stage and unit.comm.tp_rank == 0
+        (optimizer if optimizer is not None else self._optimizer()).step()  # counts one Lightning step
+        return out
 
 
 class StagePeaks:
@@ -1008,12 +938,6 @@ class StagePeaks:
         out = {f"perf/max_memory_allocated_gb/{k}": v / 2**30 for k, v in self.stages.items()}
         out["perf/max_memory_allocated_gb"] = max(self.stages.values()) / 2**30
         return out
-
-
-def _mini_batches(n: int, parts: int) -> list[tuple[int, int]]:
-    """``[start, stop)`` of each non-empty mini-batch of ``n`` samples cut into ``parts``."""
-    blocks = (dp_slice(n, parts, i) for i in range(parts))
-    return [(b.start, b.stop) for b in blocks if b.stop > b.start]
 
 
 def _step_metrics(

@@ -35,13 +35,16 @@ from nereus_lightning.rl.losses import (
 from nereus_lightning.rl.reward import RewardScorer
 from nereus_lightning.rl.tasks import PromptSampler
 from nereus_lightning.rl.tokenizer import ByteTokenizer
+from nereus_lightning.rl.update import Stepped, run_updates
 from nereus_lightning.spec.algorithms import algorithm_spec
 from nereus_lightning.spec.errors import require
+from nereus_lightning.spec.workload import GenerationEngine, Workload
 
 
 @dataclass(frozen=True)
 class RLConfig:
-    """Knobs of one RL run (verl's names in comments where they differ)."""
+    """Knobs of one RL run, by verl's key names (the last part of verl's key; where verl has none, its
+    key in a comment); :class:`~nereus_lightning.lightning.module.RLModule` takes the same names."""
 
     algorithm: str = "grpo"  # algorithm.adv_estimator: a registered name (rl.estimators)
     steps: int = 100
@@ -53,20 +56,21 @@ class RLConfig:
     mini_batches: int = 1  # train batch / ppo_mini_batch_size
     micro_batch_size: int = 64  # ppo_micro_batch_size_per_gpu
     policy_loss: str = "vanilla"  # actor.policy_loss.loss_mode (rl.losses.POLICY_LOSSES)
-    clip_eps: float = 0.2  # clip_ratio (clip_ratio_low when that is set)
-    clip_eps_high: float | None = None  # clip_ratio_high; None: clip_eps
-    dual_clip: float | None = 3.0  # clip_ratio_c: negative-advantage tokens' loss capped at -A * c
-    value_clip: float = 0.5  # cliprange_value
+    clip_ratio: float = 0.2
+    clip_ratio_low: float | None = None  # None: clip_ratio
+    clip_ratio_high: float | None = None  # None: clip_ratio
+    clip_ratio_c: float | None = 3.0  # dual clip: negative-advantage tokens' loss capped at -A * c
+    cliprange_value: float = 0.5
     kl_coef: float = 0.0  # in-reward KL penalty (algorithm.kl_ctrl.kl_coef)
     kl_penalty: str = "kl"  # its estimator (algorithm.kl_penalty)
     kl_loss_coef: float = 0.0  # KL as a loss term (actor.kl_loss_coef)
     kl_loss_type: str = "low_var_kl"  # its estimator (actor.kl_loss_type)
-    entropy_coef: float = 0.0  # actor.entropy_coeff
+    entropy_coeff: float = 0.0
     gamma: float = 1.0
     lam: float = 0.95
-    norm_adv_by_std: bool = True  # algorithm.norm_adv_by_std_in_grpo (False: Dr. GRPO)
+    norm_adv_by_std_in_grpo: bool = True  # False: Dr. GRPO
     temperature: float = 1.0
-    loss_agg: str = "token-mean"  # actor.loss_agg_mode
+    loss_agg_mode: str = "token-mean"
     loss_scale_factor: float | None = None  # seq-mean-token-sum-norm's length; None: the batch's width
     rollout_is_threshold: float | None = None  # truncated IS of the rollout engine's mismatch; None: off
     grad_clip: float = 1.0
@@ -102,19 +106,20 @@ class RLConfig:
 
     def _check_losses(self) -> None:
         policy_loss_of(self.policy_loss)
-        check_loss_agg(self.loss_agg)
+        check_loss_agg(self.loss_agg_mode)
         for key, kind in (("kl_penalty", self.kl_penalty), ("kl_loss_type", self.kl_loss_type)):
             require(
                 kind in KL_ESTIMATORS,
                 f"algorithm.{key}",
                 f"{kind!r} is not one of {', '.join(KL_ESTIMATORS)}",
             )
-        for key, value in (("clip_ratio_low", self.clip_eps), ("clip_ratio_high", self.clip_eps_high)):
+        for key in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
+            value = getattr(self, key)
             require(value is None or value >= 0, f"algorithm.{key}", f"must be >= 0, got {value}")
         require(
-            self.dual_clip is None or self.dual_clip > 1.0,
+            self.clip_ratio_c is None or self.clip_ratio_c > 1.0,
             "algorithm.clip_ratio_c",
-            f"must be > 1 (or null: no dual clip), got {self.dual_clip}",
+            f"must be > 1 (or null: no dual clip), got {self.clip_ratio_c}",
         )
         require(
             self.rollout_is_threshold is None or self.rollout_is_threshold > 0,
@@ -139,7 +144,37 @@ class RLConfig:
 
     def normalizer(self, mask: Tensor) -> Tensor:
         """The loss denominator of the global mini-batch whose response mask is ``mask``."""
-        return loss_normalizer(mask, self.loss_agg, self.loss_scale_factor).clamp_min(1.0)
+        return loss_normalizer(mask, self.loss_agg_mode, self.loss_scale_factor).clamp_min(1.0)
+
+    def workload(
+        self,
+        prompt_len: float,
+        response_len: float,
+        reward_model: bool,
+        engine: GenerationEngine,
+        generation_rounds: float = 1.0,
+    ) -> Workload:
+        """This config's RL step as the planner prices it, at these mean lengths (tokens), with or
+        without a reward model, generating on ``engine`` in ``generation_rounds`` rounds."""
+        return Workload(
+            algorithm=self.algorithm,
+            prompts_per_step=self.prompts_per_step,
+            samples_per_prompt=self.samples_per_prompt,
+            prompt_len=prompt_len,
+            response_len=response_len,
+            mini_batches=self.mini_batches,
+            ppo_epochs=self.ppo_epochs,
+            reward_model=reward_model,
+            generation_engine=engine,
+            generation_rounds=generation_rounds,
+        )
+
+    @property
+    def clip_range(self) -> tuple[float, float]:
+        """The policy ratio's clip range below and above 1: ``clip_ratio_low`` and ``clip_ratio_high``,
+        each ``clip_ratio`` when unset."""
+        low, high = self.clip_ratio_low, self.clip_ratio_high
+        return (self.clip_ratio if low is None else low, self.clip_ratio if high is None else high)
 
 
 @dataclass
@@ -251,7 +286,7 @@ def actor_loss(
         normalizer: the global mini-batch's token (or sequence) count the losses are divided by.
         tokens: its token count (turns per-micro token means into shares that sum over micro-batches
             and ranks).
-        entropy: per-token entropy (reported as ``actor/entropy``); needed when ``cfg.entropy_coef > 0``.
+        entropy: per-token entropy (reported as ``actor/entropy``); needed when ``cfg.entropy_coeff > 0``.
 
     Returns:
         The loss and its metrics, each a contribution that sums over micro-batches and DP ranks.
@@ -263,25 +298,25 @@ def actor_loss(
         micro.need("old_log_probs"),
         micro.need("advantages"),
         mask,
-        clip_eps=cfg.clip_eps,
-        clip_eps_high=cfg.clip_eps_high,
-        dual_clip=cfg.dual_clip,
-        agg=cfg.loss_agg,
+        clip_eps=cfg.clip_range[0],
+        clip_eps_high=cfg.clip_range[1],
+        dual_clip=cfg.clip_ratio_c,
+        agg=cfg.loss_agg_mode,
         normalizer=normalizer,
         **({} if weights is None else {"weights": weights}),
     )
     require(
-        entropy is not None or cfg.entropy_coef == 0,
-        "rl.entropy_coef",
+        entropy is not None or cfg.entropy_coeff == 0,
+        "algorithm.entropy_coeff",
         "an entropy bonus needs the per-token entropy",
     )
     if entropy is not None:
-        ent, em = entropy_loss(entropy, mask, cfg.loss_agg, normalizer)
+        ent, em = entropy_loss(entropy, mask, cfg.loss_agg_mode, normalizer)
         m.update(em)
-        loss = loss - cfg.entropy_coef * ent
+        loss = loss - cfg.entropy_coeff * ent
     if cfg.kl_loss_coef > 0:
         kl, km = kl_loss(
-            log_probs, micro.need("ref_log_probs"), mask, cfg.kl_loss_type, cfg.loss_agg, normalizer
+            log_probs, micro.need("ref_log_probs"), mask, cfg.kl_loss_type, cfg.loss_agg_mode, normalizer
         )
         loss = loss + cfg.kl_loss_coef * kl
         m.update(km)
@@ -329,55 +364,69 @@ def critic_loss(
     """The critic's clipped value loss on one micro-batch; arguments and metrics as :func:`actor_loss`."""
     mask = micro.response_mask
     loss, m = value_loss(
-        values, micro.need("values"), micro.need("returns"), mask, cfg.value_clip, cfg.loss_agg, normalizer
+        values,
+        micro.need("values"),
+        micro.need("returns"),
+        mask,
+        cfg.cliprange_value,
+        cfg.loss_agg_mode,
+        normalizer,
     )
     m["critic/vf_clipfrac"] = m["critic/vf_clipfrac"] * mask.sum() / tokens
     return loss, m
 
 
-def _micro_batches(mini: RolloutBatch, micro_batch_size: int) -> list[RolloutBatch]:
-    return mini.split(max(1, math.ceil(len(mini) / micro_batch_size))) if len(mini) else []
-
-
 GradHook = Callable[[nn.Module], None]
 ClipHook = Callable[[nn.Module, float], Tensor]
+MicroLoss = Callable[[RolloutBatch, Tensor, Tensor], tuple[Tensor, dict[str, Tensor]]]
+
+
+@dataclass(frozen=True)
+class PlainTrainee:
+    """A plain (unsharded) model as :func:`~nereus_lightning.rl.update.run_updates` trains it: this DP
+    rank's block of each mini-batch in micro-batches of ``cfg.micro_batch_size`` rows, each micro-batch's
+    loss from ``micro_loss``; gradients summed over DP by ``sync_grads``, clipped by ``clip_grads``."""
+
+    role: str
+    module: nn.Module
+    optim: torch.optim.Optimizer
+    micro_loss: MicroLoss
+    micro_batch_size: int
+    dp: int = 1
+    dp_rank: int = 0
+    sync_grads: GradHook | None = None
+    clip_grads: ClipHook | None = None
+
+    def backward(self, mini: RolloutBatch, normalizer: Tensor, tokens: Tensor) -> dict[str, Tensor]:
+        """Backward of this DP rank's block of ``mini``, micro-batch by micro-batch."""
+        self.module.train()
+        self.optim.zero_grad(set_to_none=True)
+        mine = mini.shard(self.dp, self.dp_rank)
+        micros = mine.split(max(1, math.ceil(len(mine) / self.micro_batch_size))) if len(mine) else []
+        metrics: dict[str, Tensor] = {}
+        for micro in micros:
+            loss, m = self.micro_loss(micro, normalizer, tokens)
+            loss.backward()
+            for k, v in m.items():
+                metrics[k] = metrics[k] + v.detach() if k in metrics else v.detach()
+        return metrics
+
+    def step(self, max_norm: float, samples: int) -> Stepped:
+        """Sum gradients over DP, clip and step; a non-finite norm steps nothing."""
+        del samples  # a plain model keeps no sample counter
+        if self.sync_grads is not None:
+            self.sync_grads(self.module)
+        clip = self.clip_grads or _clip
+        norm = float(clip(self.module, max_norm))
+        if not math.isfinite(norm):
+            self.optim.zero_grad(set_to_none=True)
+            return Stepped(norm, f"{self.role}'s gradient norm is {norm}")
+        self.optim.step()
+        return Stepped(norm)
 
 
 def _clip(module: nn.Module, max_norm: float) -> Tensor:
     return torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm)
-
-
-def _ppo_epochs(
-    module: nn.Module,
-    optim: torch.optim.Optimizer,
-    batch: RolloutBatch,
-    cfg: RLConfig,
-    dp: int,
-    dp_rank: int,
-    micro_loss: Callable[[RolloutBatch, Tensor, Tensor], tuple[Tensor, dict[str, Tensor]]],
-    sync_grads: GradHook | None,
-    clip_grads: ClipHook | None,
-    prefix: str,
-) -> dict[str, Tensor]:
-    """The update skeleton shared by actor and critic (see :func:`update_actor`)."""
-    module.train()
-    sums: dict[str, Tensor] = {}
-    weight = 1.0 / (cfg.ppo_epochs * cfg.mini_batches)
-    for _ in range(cfg.ppo_epochs):
-        for mini in batch.split(cfg.mini_batches):
-            norm = cfg.normalizer(mini.response_mask)  # over the global mini-batch
-            tokens = mini.response_mask.sum().clamp_min(1)
-            optim.zero_grad(set_to_none=True)
-            for micro in _micro_batches(mini.shard(dp, dp_rank), cfg.micro_batch_size):
-                loss, metrics = micro_loss(micro, norm, tokens)
-                loss.backward()
-                _accumulate(sums, metrics, weight)
-            if sync_grads is not None:
-                sync_grads(module)
-            grad_norm = (clip_grads or _clip)(module, cfg.grad_clip)
-            optim.step()
-            _accumulate(sums, {f"{prefix}/grad_norm": grad_norm}, weight)
-    return sums
 
 
 def update_actor(
@@ -389,8 +438,9 @@ def update_actor(
     dp_rank: int = 0,
     sync_grads: GradHook | None = None,
     clip_grads: ClipHook | None = None,
-) -> dict[str, Tensor]:
-    """PPO epochs over mini-batches of the clipped policy loss (+ KL loss, - entropy bonus).
+) -> dict[str, float]:
+    """PPO epochs over mini-batches of the clipped policy loss (+ KL loss, - entropy bonus) of a plain
+    model, through :func:`~nereus_lightning.rl.update.run_updates`.
 
     Args:
         batch: the step's *global* batch, sorted by sample index (every rank holds it; it is only
@@ -413,8 +463,11 @@ def update_actor(
         log_probs, entropy = response_log_probs(actor, *ids, temperature=cfg.temperature, with_entropy=True)
         return actor_loss(log_probs, micro, cfg, norm, tokens, entropy)
 
-    metrics = _ppo_epochs(actor, optim, batch, cfg, dp, dp_rank, micro_loss, sync_grads, clip_grads, "actor")
-    metrics["actor/lr"] = torch.tensor(float(optim.param_groups[0]["lr"]))
+    trainee = PlainTrainee(
+        "actor", actor, optim, micro_loss, cfg.micro_batch_size, dp, dp_rank, sync_grads, clip_grads
+    )
+    metrics = run_updates(batch, cfg, [trainee])
+    metrics["actor/lr"] = float(optim.param_groups[0]["lr"])
     return metrics
 
 
@@ -427,20 +480,17 @@ def update_critic(
     dp_rank: int = 0,
     sync_grads: GradHook | None = None,
     clip_grads: ClipHook | None = None,
-) -> dict[str, Tensor]:
+) -> dict[str, float]:
     """PPO epochs over mini-batches of the clipped value loss; arguments as :func:`update_actor`."""
 
     def micro_loss(micro: RolloutBatch, norm: Tensor, tokens: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         ids = (micro.prompt_ids, micro.prompt_mask, micro.response_ids, micro.response_mask)
         return critic_loss(response_values(critic, *ids), micro, cfg, norm, tokens)
 
-    return _ppo_epochs(critic, optim, batch, cfg, dp, dp_rank, micro_loss, sync_grads, clip_grads, "critic")
-
-
-def _accumulate(into: dict[str, Tensor], metrics: dict[str, Tensor], weight: float) -> None:
-    for name, value in metrics.items():
-        value = value.detach().float() * weight
-        into[name] = into[name] + value if name in into else value
+    trainee = PlainTrainee(
+        "critic", critic, optim, micro_loss, cfg.micro_batch_size, dp, dp_rank, sync_grads, clip_grads
+    )
+    return run_updates(batch, cfg, [trainee])
 
 
 def batch_metrics(batch: RolloutBatch, max_new_tokens: int) -> dict[str, Tensor]:

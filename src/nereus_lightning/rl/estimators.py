@@ -102,7 +102,7 @@ def _gae(batch: RolloutBatch, rewards: Tensor, cfg: RLConfig) -> tuple[Tensor, T
 def _grpo(batch: RolloutBatch, rewards: Tensor, cfg: RLConfig) -> tuple[Tensor, Tensor]:
     scores = _outcome(batch, rewards)
     return adv.grpo_advantages(
-        scores, batch.response_mask, batch.group_index, norm_by_std=cfg.norm_adv_by_std
+        scores, batch.response_mask, batch.group_index, norm_by_std=cfg.norm_adv_by_std_in_grpo
     )
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from nereus_lightning.engines.base import RolloutEngine
 from nereus_lightning.engines.hf import HFGenerateEngine
@@ -31,6 +31,7 @@ from nereus_lightning.rl.algorithm import (
 from nereus_lightning.rl.reward import RewardScorer, make_scorer
 from nereus_lightning.rl.tasks import PromptSampler, RepeatTask
 from nereus_lightning.rl.tokenizer import ByteTokenizer
+from nereus_lightning.rl.update import ADAMW
 from nereus_lightning.spec.algorithms import algorithm_names, algorithm_spec
 
 
@@ -68,7 +69,7 @@ def build_models(cfg: RLConfig, model_config: Any | None = None) -> RLModels:
     model_config = model_config or tiny_llama_config()
     torch.manual_seed(cfg.seed)
     actor = LlamaForCausalLM(model_config)
-    models = RLModels(actor, torch.optim.AdamW(actor.parameters(), lr=cfg.actor_lr, weight_decay=0.0))
+    models = RLModels(actor, torch.optim.AdamW(actor.parameters(), lr=cfg.actor_lr, **ADAMW))
     if cfg.uses_reference:
         models.reference = copy.deepcopy(actor).eval().requires_grad_(False)
     if cfg.uses_critic:
@@ -76,9 +77,7 @@ def build_models(cfg: RLConfig, model_config: Any | None = None) -> RLModels:
         critic_config.num_labels = 1
         critic_config.classifier_dropout = 0.0  # the head's default dropout would make values random
         models.critic = LlamaForTokenClassification(critic_config)
-        models.critic_optim = torch.optim.AdamW(
-            models.critic.parameters(), lr=cfg.critic_lr, weight_decay=0.0
-        )
+        models.critic_optim = torch.optim.AdamW(models.critic.parameters(), lr=cfg.critic_lr, **ADAMW)
     return models
 
 
@@ -152,7 +151,8 @@ def train_step(
     t = time.perf_counter()
     batch = score_batch(batch, models, cfg)
     timing["timing_s/old_log_prob"] = time.perf_counter() - t
-    batch, metrics = compute_advantages(batch, cfg)
+    batch, adv_metrics = compute_advantages(batch, cfg)
+    metrics: dict[str, Tensor | float] = dict(adv_metrics)
     if models.critic is not None:
         assert models.critic_optim is not None  # build_models gives the critic its optimizer
         t = time.perf_counter()
