@@ -169,3 +169,13 @@ def test_token_budget_slices() -> None:
     assert token_budget_slices([3, 4, 5, 9, 1, 1], 8) == [slice(0, 2), slice(2, 3), slice(3, 4), slice(4, 6)]
     assert token_budget_slices([], 8) == []
     assert token_budget_slices([20], 8) == [slice(0, 1)]  # longer than the budget: alone
+
+
+def test_the_varlen_bounds_are_copied_to_the_device_once_per_packed_row():
+    from nereus_lightning.models.packing import Documents, _device_bounds
+
+    docs = Documents((0, 7, 7, 30, 40))
+    first = _device_bounds(docs.bounds, torch.device("cpu"))
+    assert first.dtype == torch.int32 and first.tolist() == [0, 7, 7, 30, 40]
+    assert _device_bounds(Documents((0, 7, 7, 30, 40)).bounds, torch.device("cpu")) is first  # every layer
+    assert _device_bounds((0, 5), torch.device("cpu")) is not first

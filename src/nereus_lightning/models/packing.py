@@ -16,7 +16,7 @@ import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, lru_cache
 from typing import Any
 
 import torch
@@ -205,7 +205,7 @@ def _varlen(
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, D]
     if groups > 1:  # the kernel's own GQA is not in every torch version that has it
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    bounds = torch.tensor(documents.bounds, dtype=torch.int32, device=query.device)
+    bounds = _device_bounds(documents.bounds, query.device)
     longest = max((b - a for a, b in documents.spans()), default=0)
     left = -1 if window is None else window - 1  # transformers: i - window < j <= i
     out: Tensor = varlen_attn(  # type: ignore[assignment]  # a tensor without return_aux
@@ -220,6 +220,13 @@ def _varlen(
         window_size=(left, 0),
     )
     return out.unsqueeze(0)
+
+
+@lru_cache(maxsize=64)
+def _device_bounds(bounds: tuple[int, ...], device: torch.device) -> Tensor:
+    """The kernel's ``cu_seqlens`` on ``device``, copied once per packed row: a host-to-device copy per
+    layer would wait for the GPU at every layer (and again in a recomputed forward)."""
+    return torch.tensor(bounds, dtype=torch.int32, device=device)
 
 
 @cache
