@@ -91,7 +91,9 @@ class CandidateSource:
             return None
         if self.lasting is None:
             return Option(plan, est, source)
-        at_lasting = self.backend.estimate(plan, self.cluster, self.lasting, self.calibration, memory=self.memory)
+        at_lasting = self.backend.estimate(
+            plan, self.cluster, self.lasting, self.calibration, memory=self.memory
+        )
         return Option(plan, est, source, lasts=bool(at_lasting.feasible), at_lasting=at_lasting)
 
     def relieved(self, options: list[Option | None]) -> list[Option | None]:
