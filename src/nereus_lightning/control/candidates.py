@@ -5,7 +5,8 @@ and drops infeasible ones; outside the urgent path it also drops targets that ar
 than the current plan. :meth:`CandidateSource.regular` yields the planner's best plan first (so an
 admitted best target costs no extra pricing), then every fallback fastest first;
 :meth:`CandidateSource.pinned` yields the planner's best plans that keep the current training
-layouts (asked for only when the best target failed: one more planner call).
+layouts (asked for only when the best target failed: one more planner call). Both also yield each
+target that does not last with its over-cap model-stages relieved (:meth:`CandidateSource.relieved`).
 """
 
 from __future__ import annotations
@@ -113,8 +114,9 @@ class CandidateSource:
         Fallbacks: the planner's alternatives; each planner plan placed near the current GPUs
         (no swap deadlocks) and with the current layouts kept where they fit (Extend/Destroy
         only), slightly slower targets with cheaper transitions; the current layouts with DP
-        re-fitted to the pool; and on the urgent path the intact units alone and smaller
-        micro-batches / recomputation.
+        re-fitted to the pool; on the urgent path the intact units alone and the current plan
+        relieved (smaller micro-batches / recomputation where it runs out of memory); and every
+        target that does not last, relieved (:meth:`relieved`).
         """
         try:
             planned = self.backend.plan(self.cluster, self.workload, self.calibration, memory=self.memory)
