@@ -195,24 +195,31 @@ def keep_plan(plan):  # noqa: ANN001, ANN201
     return KeepPlan()
 
 
-def profiled(update, steps: int, path: Path):  # noqa: ANN001, ANN201
-    """``update`` that runs its ``steps``-th call under ``torch.profiler``, tables written to ``path``."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
+def on_last_call(update, steps: int, measure):  # noqa: ANN001, ANN201
+    """``update`` whose ``steps``-th call runs through ``measure(call)``, its other calls as they are."""
     calls = 0
 
     def run(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         nonlocal calls
         calls += 1
-        if calls < steps:
-            return update(*args, **kwargs)
+        call = partial(update, *args, **kwargs)
+        return call() if calls < steps else measure(call)
+
+    return run
+
+
+def profile_tables(path: Path):  # noqa: ANN201
+    """A ``measure`` for :func:`on_last_call`: the call under ``torch.profiler``, its tables in ``path``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    def measure(call):  # noqa: ANN001, ANN202
         cuda = torch.cuda.is_available()
         sync = torch.cuda.synchronize if cuda else lambda: None
         sync()
         start = time.perf_counter()
         with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
-            out = update(*args, **kwargs)
+            out = call()
             sync()
         wall = time.perf_counter() - start
         events = prof.key_averages()
@@ -226,7 +233,7 @@ def profiled(update, steps: int, path: Path):  # noqa: ANN001, ANN201
         )
         return out
 
-    return run
+    return measure
 
 
 PROFILE_COUNTED = (
@@ -240,10 +247,10 @@ PROFILE_COUNTED = (
 
 
 def run_nereus(  # noqa: ANN001
-    folder: Path, steps: int, new_tokens: int, out: Path, plan, cluster, profile: Path | None = None
+    folder: Path, steps: int, new_tokens: int, out: Path, plan, cluster, measure=None
 ) -> dict:
-    """nereus GRPO on GPU 0 under ``plan``: bf16 weights with fp32 masters; with ``profile``, the last
-    step's training stage under ``torch.profiler`` (tables in that file)."""
+    """nereus GRPO on GPU 0 under ``plan``: bf16 weights with fp32 masters; with ``measure``, the last
+    step's training stage runs through it (:func:`on_last_call`)."""
     import csv
 
     import lightning.pytorch as pl
@@ -268,8 +275,8 @@ def run_nereus(  # noqa: ANN001
         kl_loss_coef=0.001,
         ignore_eos=True,
     )
-    if profile is not None:
-        module.update = profiled(module.update, steps, profile)
+    if measure is not None:
+        module.update = on_last_call(module.update, steps, measure)
     trainer = pl.Trainer(
         accelerator="gpu" if torch.cuda.is_available() else "cpu",
         devices=1,
@@ -495,8 +502,9 @@ def main(argv: list[str] | None = None) -> None:
         chosen = {n: {"micro_batch": c.micro_batch, "recompute": c.recompute} for n, c in plan.assignments}
         recompute = None if args.recompute is None else bool(args.recompute)
         plan = with_slots(plan, args.micro_batch, recompute)
-        profile = Path(args.out) / f"profile_{args.shape}_n{args.new_tokens}.txt" if args.profile else None
-        result = run_nereus(folder, args.steps, args.new_tokens, run_dir, plan, cluster, profile)
+        profile = Path(args.out) / f"profile_{args.shape}_n{args.new_tokens}.txt"
+        measure = profile_tables(profile) if args.profile else None
+        result = run_nereus(folder, args.steps, args.new_tokens, run_dir, plan, cluster, measure)
         result["planner_choice"] = chosen
         result["predicted_peak_gib"] = predicted_peaks(plan, models, cluster, workload)
         result["cost_model"] = cost_model(plan, models, cluster, workload, result["steps"][args.warmup :])

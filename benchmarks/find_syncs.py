@@ -51,26 +51,22 @@ class SyncFinder(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def profiled(update, steps: int, path: Path):  # noqa: ANN001, ANN201
-    """``update`` whose ``steps``-th call runs under :class:`SyncFinder`; the counts go beside ``path``."""
-    calls = 0
+def sync_counts(path: Path):  # noqa: ANN201
+    """A ``measure`` for ``bench_gpu_e2e.on_last_call``: the call under :class:`SyncFinder`, its counts
+    written beside ``path``."""
 
-    def run(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        nonlocal calls
-        calls += 1
-        if calls < steps:
-            return update(*args, **kwargs)
+    def measure(call):  # noqa: ANN001, ANN202
         finder = SyncFinder()
         with finder:
-            out = update(*args, **kwargs)
+            out = call()
         counts = finder.stacks.most_common(60)
         lines = [f"{n} {op} " + " <- ".join(reversed(stack)) for (op, stack), n in counts]
         path.with_suffix(".syncs.txt").write_text("\n".join(lines) + "\n")
         return out
 
-    return run
+    return measure
 
 
 if __name__ == "__main__":
-    bench_gpu_e2e.profiled = profiled
+    bench_gpu_e2e.profile_tables = sync_counts
     bench_gpu_e2e.main([*sys.argv[1:], "--profile"])
