@@ -109,3 +109,36 @@ def test_offloaded_units_are_in_pinned_host_memory_and_the_peak_is_lower():
     assert offloaded["params"].keys() == resident["params"].keys()
     for name, value in resident["params"].items():
         assert torch.allclose(offloaded["params"][name], value, atol=1e-6, rtol=0), name
+
+
+def test_an_offload_copies_back_exactly_what_was_written_since_the_onload():
+    """An unwritten unit goes back to its host copies without a copy; a write by a torch op or by the
+    fused unpack kernel (through pointers) is copied back."""
+    from nereus_lightning.emu import EMU
+    from nereus_lightning.emu.schema import StateSchema
+    from nereus_lightning.kernels.pack import pack, unpack
+    from nereus_lightning.plan.layout import Layout
+    from nereus_lightning.plan.units import Unit
+    from tests.emu.workers import tiny
+
+    config, model, _ = tiny("llama")
+    schema, unit = StateSchema.of(config, model), Unit(Layout(1, 1), (0,))
+    emu = EMU.from_model("actor_gen", schema, model, unit, 0, trains=False, device="cuda:0")
+    emu.offload()
+    host = {n: t.clone() for n, _, t in emu.tensors()}
+    name, first = next((n, t) for n, _, t in emu.tensors())
+    emu.onload()
+    first.data.add_(1.0)  # a write torch does not count (through .data): seen only if the offload copies
+    emu.offload()
+    assert all(torch.equal(t, host[n]) for n, _, t in emu.tensors())  # no copy ran
+    emu.onload()
+    with torch.no_grad():
+        first.add_(1.0)
+    emu.offload()
+    assert first.device.type == "cpu" and torch.equal(first, host[name] + 1.0)
+    emu.onload()
+    views = [t for _, _, t in emu.tensors()]
+    fresh = [torch.randn_like(v) for v in views]
+    unpack(pack(fresh), views)
+    emu.offload()
+    assert all(torch.equal(v, f.cpu()) for v, f in zip(views, fresh, strict=True))

@@ -53,6 +53,7 @@ def copy_between(
     needed = merged_holdings(*(unit_holdings(schema, u.layout, u.gpus) for u in targets))
     old_iv: Mapping[str, Interval] = held.get(me, {})
     new_iv: Mapping[str, Interval] = needed.get(me, {})
+    to_host = False  # a GPU -> host copy in flight (into an offloaded unit)
     with torch.no_grad():
         for name, want in new_iv.items():
             have = old_iv.get(name)
@@ -64,9 +65,13 @@ def copy_between(
                     dst = slice_of(schema, name, new[(name, key)], want, lo, hi)
                     src = slice_of(schema, name, old[(name, key)], have, lo, hi)
                     if dst.data_ptr() != src.data_ptr():
-                        dst.copy_(src)
+                        leaving = dst.device.type == "cpu" and src.is_cuda
+                        dst.copy_(src, non_blocking=leaving)  # one wait below, not one per tensor
+                        to_host |= leaving
             if trains:
                 new[(name, "step")].copy_(old[(name, "step")])
+        if to_host:
+            torch.cuda.synchronize()  # the host copies are complete before anything reads them
         plan = plan_transfer(schema, held, needed, trains)
         prepare_groups([plan.ranks()])  # every rank computes the same plan
         return run_plan(schema, plan, trains, old, old_iv, new, new_iv, device or default_device())

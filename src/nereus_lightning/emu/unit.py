@@ -17,6 +17,7 @@ On the CPU host and device are one: only the flag changes.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import astuple, dataclass, fields
 from typing import Any
@@ -88,6 +89,8 @@ class EMU:
         self.resident = True  # the tensors are on their compute device (see offload / onload)
         self._home: torch.device | None = None  # the compute device while offloaded from a GPU
         self._host: HostBlock | None = None  # page-locked host copies, kept for the next offload
+        # the tensors onload brought back, with their versions: the host holds their values until one changes
+        self._host_matches: list[tuple[weakref.ref[Tensor], int]] | None = None
 
     # -- construction -------------------------------------------------------------------------------------
 
@@ -234,23 +237,40 @@ class EMU:
 
         GPU tensors are copied into one page-locked :class:`~nereus_lightning.emu.host.HostBlock`
         (made on the first offload, reused after) and then point at it, so their device memory is
-        freed once nothing else holds it.
+        freed once nothing else holds it. Tensors unwritten since :meth:`onload` (the same objects at
+        the same versions: every in-place write bumps a tensor's version) are not copied: the host
+        block still holds their values (a generation or inference unit between weight syncs).
         """
         if not self.resident:
             return
         on_gpu = [t for _, _, t in self.tensors() if t.device.type != "cpu"]
         if on_gpu:
+            unchanged = self._unchanged(on_gpu)
             if self._host is None or not self._host.holds(on_gpu):
                 self._release_host()
                 self._host = HostBlock(on_gpu, pin=on_gpu[0].device.type == "cuda")
-            for tensor, host in zip(on_gpu, self._host.tensors, strict=True):
-                host.copy_(tensor, non_blocking=self._host.pinned)
+                unchanged = False
+            if not unchanged:
+                for tensor, host in zip(on_gpu, self._host.tensors, strict=True):
+                    host.copy_(tensor, non_blocking=self._host.pinned)
             self._home = on_gpu[0].device
             if self._host.pinned:
-                torch.cuda.synchronize(self._home)  # copied before anyone reads the host copies
+                torch.cuda.synchronize(self._home)  # copied (both ways) before anyone touches the host copies
             for tensor, host in zip(on_gpu, self._host.tensors, strict=True):
                 tensor.data = host
+        self._host_matches = None
         self.resident = False
+
+    def _unchanged(self, tensors: list[Tensor]) -> bool:
+        """Whether ``tensors`` are the ones :meth:`onload` brought back, none written since."""
+        seen = self._host_matches
+        return (
+            seen is not None
+            and len(seen) == len(tensors)
+            and all(
+                ref() is t and version == t._version for (ref, version), t in zip(seen, tensors, strict=True)
+            )
+        )
 
     def onload(self) -> None:
         """Bring this rank's tensors back to their compute device in place (no collectives); a no-op when
@@ -259,9 +279,11 @@ class EMU:
         if self.resident:
             return
         if self._home is not None:
-            for _, _, tensor in self.tensors():
+            tensors = [t for _, _, t in self.tensors()]
+            for tensor in tensors:
                 # From pinned memory, ordered on the current stream before any kernel that reads it.
                 tensor.data = tensor.data.to(self._home, non_blocking=True)
+            self._host_matches = [(weakref.ref(t), t._version) for t in tensors]
         self.resident = True
 
     def free(self) -> None:
@@ -275,6 +297,7 @@ class EMU:
         if self._host is not None:
             self._host.release()
         self._host = None
+        self._host_matches = None
 
     def __repr__(self) -> str:
         return (

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch.autograd.graph import increment_version
 
 from nereus_lightning.kernels import _ext
 
@@ -93,6 +94,8 @@ def unpack(buffer: torch.Tensor, views: Sequence[torch.Tensor]) -> None:
     _check_buffer(buffer, total)
     if buffer.is_cuda:
         if _ext.copy_views(views, buffer, pack=False):
+            for view in views:  # the kernel writes through pointers: count the writes as torch's copy_ does
+                increment_version(view)
             return
     else:
         _ext.note_reference_use()
