@@ -66,11 +66,11 @@ class FakeUnit:
     rank = 5
     params = {"w": torch.zeros(2, 2)}
 
-    def onload(self) -> None:
+    def onload(self, fill: bool = True) -> None:
         self.resident = True
         self.moves.append("onload")
 
-    def offload(self) -> None:
+    def offload(self, keep: bool = True) -> None:
         self.resident = False
         self.moves.append("offload")
 
@@ -106,6 +106,7 @@ class OwnWeights:
 class OneEngineKind:
     def __init__(self, engine: OwnWeights) -> None:
         self.engine = engine
+        self.on_unit = engine.on_unit
         self.placed: list[list[str]] = []
 
     def require_installed(self, key: str) -> None: ...

@@ -206,7 +206,6 @@ EMU_P2 = {
 
 def emu_transitions(rank: int, world_size: int) -> dict:
     """Steps under P1, P2, P1: each plan change runs a transition DAG; logical state kept bit for bit."""
-    from nereus_lightning import emu
 
     torch.manual_seed(0)
     module = PPOModule(task=small_task(), prompts_per_step=4, seed=3)
@@ -217,13 +216,13 @@ def emu_transitions(rank: int, world_size: int) -> dict:
     for step, plan in enumerate(plans):
         before = None
         if step:
-            before = {n: emu.gather_logical_state(n, dst=0) for n in strategy.units.plan}
+            before = {n: strategy.units.logical_state(n) for n in strategy.units.plan}
         strategy.transition(plan)
         if step:
             info = dict(strategy.units.last_transition)
             info.pop("observations", None)
             out["transitions"].append(info)
-            after = {n: emu.gather_logical_state(n, dst=0) for n in strategy.units.plan}
+            after = {n: strategy.units.logical_state(n) for n in strategy.units.plan}
             if rank == 0:
                 out["diffs"].append({n: before[n].differences(after[n]) for n in before})
         metrics = module.rl_step(step, strategy, opt)
@@ -270,15 +269,17 @@ def _poisoning(move):  # noqa: ANN001, ANN202
     storage and the old one filled with NaN.
     """
 
-    def moved(self) -> None:  # noqa: ANN001
+    def moved(self, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
         was = self.resident
-        move(self)
+        move(self, *args, **kwargs)
         if self.resident != was:
-            for _, _, tensor in self.tensors():
+            for _, _, tensor in self._all():
                 old = tensor.data
                 tensor.data = old.clone()
                 if old.is_floating_point():
                     old.fill_(float("nan"))
+                    if self.stale:  # offloaded without its values: none may be read before a refill
+                        tensor.data.fill_(float("nan"))
 
     return moved
 
@@ -290,6 +291,8 @@ def storage_moves():  # noqa: ANN201
     Each move gives every tensor of the unit fresh storage and poisons the old one with NaN, as a
     real host/device move leaves the old place invalid: whatever still reads the old storage (a
     module parameter that is not the EMU's tensor, a weight sync into a stale copy) computes NaN.
+    A unit offloaded without its values (``keep=False``) is NaN on the host too, and an unfilled
+    onload (``fill=False``) brings that NaN back: only a refill makes it right.
     """
     from nereus_lightning.emu import EMU
 

@@ -12,7 +12,6 @@ pytestmark = pytest.mark.distributed
 
 def counters_after_steps(rank: int, world_size: int) -> dict:
     """Two PPO steps under P1, a transition to P2, one more step: every unit's counters on rank 0."""
-    from nereus_lightning import emu
     from nereus_lightning.lightning import NereusStrategy, PPOModule
 
     module = PPOModule(task=small_task(), prompts_per_step=4, seed=3)
@@ -26,7 +25,7 @@ def counters_after_steps(rank: int, world_size: int) -> dict:
             out["moved"] = strategy.units.last_transition.get("mode")
         module.rl_step(step, strategy, opt)
     for name in strategy.units.plan:
-        state = emu.gather_logical_state(name, dst=0)  # raises if ranks of one stage disagree
+        state = strategy.units.logical_state(name)  # raises if ranks of one stage disagree
         if state is not None:
             out[name] = state.counters
     return out
@@ -52,7 +51,6 @@ def saved_stages(rank: int, world_size: int, folder: str, dtype: torch.dtype) ->
     import json
     import os
 
-    from nereus_lightning import emu
     from nereus_lightning.emu.dcp_state import read_dcp_metadata
     from nereus_lightning.lightning import NereusStrategy, PPOModule
 
@@ -75,7 +73,7 @@ def saved_stages(rank: int, world_size: int, folder: str, dtype: torch.dtype) ->
             strategy.update("actor_train")  # the module's own update without strategy.sync_weights()
         path = os.path.join(folder, name)
         strategy.units.save(path)
-        saved[name] = {stage: emu.gather_logical_state(stage, dst=0) for stage in strategy.units.plan}
+        saved[name] = {stage: strategy.units.logical_state(stage) for stage in strategy.units.plan}
         if rank == 0:
             weights_from, keys = {}, {}
             for stage in strategy.units.plan:
@@ -89,7 +87,7 @@ def saved_stages(rank: int, world_size: int, folder: str, dtype: torch.dtype) ->
         again = NereusStrategy.without_trainer(module_in_dtype())
         again.units.resume_from = os.path.join(folder, name)
         again.transition(plan_of("ppo", EMU_P2))  # every training stage in another layout
-        resumed = {stage: emu.gather_logical_state(stage, dst=0) for stage in again.units.plan}
+        resumed = {stage: again.units.logical_state(stage) for stage in again.units.plan}
         if rank == 0:
             out[f"{name} resumed"] = {s: saved[name][s].differences(state) for s, state in resumed.items()}
     return out

@@ -26,7 +26,13 @@ import torch.distributed as dist
 from nereus_lightning.emu.registry import registry
 from nereus_lightning.emu.schema import StateSchema
 from nereus_lightning.emu.transfer import StateDict, Traffic, default_device, run_plan, slice_of
-from nereus_lightning.emu.transfer_plan import Interval, merged_holdings, plan_transfer, unit_holdings
+from nereus_lightning.emu.transfer_plan import (
+    Holdings,
+    Interval,
+    merged_holdings,
+    plan_transfer,
+    unit_holdings,
+)
 from nereus_lightning.emu.unit import EMU, Counters
 from nereus_lightning.models.groups import prepare_groups
 from nereus_lightning.plan.units import Unit
@@ -49,32 +55,43 @@ def copy_between(
     ``"param"`` and, with ``trains``, the AdamW keys (``schema.state_keys``). Returns this rank's traffic.
     """
     me = dist.get_rank()
-    held = merged_holdings(*(unit_holdings(schema, u.layout, u.gpus) for u in sources))
-    needed = merged_holdings(*(unit_holdings(schema, u.layout, u.gpus) for u in targets))
+    held, needed = _holdings(schema, sources), _holdings(schema, targets)
     old_iv: Mapping[str, Interval] = held.get(me, {})
     new_iv: Mapping[str, Interval] = needed.get(me, {})
-    to_host = False  # a GPU -> host copy in flight (into an offloaded unit)
     with torch.no_grad():
-        for name, want in new_iv.items():
-            have = old_iv.get(name)
-            if have is None:
-                continue
-            lo, hi = max(want[0], have[0]), min(want[1], have[1])
-            if lo < hi:
-                for key in schema.shaped_keys(name, trains):  # with AdamW's (+ master below fp32)
-                    dst = slice_of(schema, name, new[(name, key)], want, lo, hi)
-                    src = slice_of(schema, name, old[(name, key)], have, lo, hi)
-                    if dst.data_ptr() != src.data_ptr():
-                        leaving = dst.device.type == "cpu" and src.is_cuda
-                        dst.copy_(src, non_blocking=leaving)  # one wait below, not one per tensor
-                        to_host |= leaving
-            if trains:
-                new[(name, "step")].copy_(old[(name, "step")])
-        if to_host:
-            torch.cuda.synchronize()  # the host copies are complete before anything reads them
+        _copy_overlaps(schema, old, old_iv, new, new_iv, trains)
         plan = plan_transfer(schema, held, needed, trains)
         prepare_groups([plan.ranks()])  # every rank computes the same plan
         return run_plan(schema, plan, trains, old, old_iv, new, new_iv, device or default_device())
+
+
+def _copy_overlaps(
+    schema: StateSchema,
+    old: StateDict,
+    old_iv: Mapping[str, Interval],
+    new: StateDict,
+    new_iv: Mapping[str, Interval],
+    trains: bool,
+) -> None:
+    """Copy the overlap of this rank's source and target shards locally (GPU -> host: one wait)."""
+    to_host = False  # a GPU -> host copy in flight (into an offloaded unit)
+    for name, want in new_iv.items():
+        have = old_iv.get(name)
+        if have is None:
+            continue
+        lo, hi = max(want[0], have[0]), min(want[1], have[1])
+        if lo < hi:
+            for key in schema.shaped_keys(name, trains):  # with AdamW's (+ master below fp32)
+                dst = slice_of(schema, name, new[(name, key)], want, lo, hi)
+                src = slice_of(schema, name, old[(name, key)], have, lo, hi)
+                if dst.data_ptr() != src.data_ptr():
+                    leaving = dst.device.type == "cpu" and src.is_cuda
+                    dst.copy_(src, non_blocking=leaving)  # one wait below, not one per tensor
+                    to_host |= leaving
+        if trains:
+            new[(name, "step")].copy_(old[(name, "step")])
+    if to_host:
+        torch.cuda.synchronize()  # the host copies are complete before anything reads them
 
 
 def _state_of(emu: EMU | None, with_optim: bool) -> StateDict:
@@ -87,8 +104,8 @@ def _local(model_stage: str) -> EMU | None:
     return next((e for e in registry().units.get(model_stage, {}).values() if e is not None), None)
 
 
-def sync_params(source_stage: str, target_stage: str, device: torch.device | None = None) -> Traffic:
-    """Copy ``source_stage``'s parameters into ``target_stage``'s live units in place (same model schema)."""
+def _sync_units(source_stage: str, target_stage: str) -> tuple[StateSchema, list[Unit], list[Unit]]:
+    """The schema and the live units of a weight sync ``source_stage`` -> ``target_stage``, checked."""
     reg = registry()
     schema = reg.schema(source_stage)
     require(
@@ -105,8 +122,42 @@ def sync_params(source_stage: str, target_stage: str, device: torch.device | Non
     )
     sources, targets = reg.live(source_stage), reg.live(target_stage)
     require(bool(sources), "source_stage", f"{source_stage!r} has no live unit")
+    return schema, list(sources), list(targets)
+
+
+def _holdings(schema: StateSchema, units: Sequence[Unit]) -> Holdings:
+    return merged_holdings(*(unit_holdings(schema, u.layout, u.gpus) for u in units))
+
+
+def sync_params(source_stage: str, target_stage: str, device: torch.device | None = None) -> Traffic:
+    """Copy ``source_stage``'s parameters into ``target_stage``'s live units in place (same model schema)."""
+    schema, sources, targets = _sync_units(source_stage, target_stage)
     old, new = _state_of(_local(source_stage), False), _state_of(_local(target_stage), False)
     return copy_between(schema, sources, targets, old, new, trains=False, device=device)
+
+
+def syncs_locally(source_stage: str, target_stage: str) -> bool:
+    """Whether every rank holds, of ``source_stage``, all of ``target_stage``'s parameters it holds: the
+    weight sync then moves nothing between ranks (the same answer on every rank)."""
+    schema, sources, targets = _sync_units(source_stage, target_stage)
+    return not plan_transfer(schema, _holdings(schema, sources), _holdings(schema, targets), False).moves
+
+
+def refill(source_stage: str, target_stage: str) -> None:
+    """This rank's ``target_stage`` parameters copied from its ``source_stage`` shards, locally: the weight
+    sync where :func:`syncs_locally` (no collectives)."""
+    schema, sources, targets = _sync_units(source_stage, target_stage)
+    me = dist.get_rank()
+    old, new = _state_of(_local(source_stage), False), _state_of(_local(target_stage), False)
+    with torch.no_grad():
+        _copy_overlaps(
+            schema,
+            old,
+            _holdings(schema, sources).get(me, {}),
+            new,
+            _holdings(schema, targets).get(me, {}),
+            False,
+        )
 
 
 def relayout(

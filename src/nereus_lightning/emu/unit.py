@@ -12,7 +12,10 @@ tensors (same storage), so an optimizer step on the module updates the EMU.
 :meth:`EMU.offload` moves a rank's tensors to host memory (pinned, when they were on a GPU) and
 :meth:`EMU.onload` brings them back, each tensor object kept (``tensor.data`` is swapped), so a
 module whose parameters ARE these tensors follows; :attr:`EMU.resident` says where they are.
-On the CPU host and device are one: only the flag changes.
+On the CPU host and device are one: only the flag changes. A unit whose owner refills it at every
+onload (a copy of a training stage's weights) goes to the host without its values
+(``offload(keep=False)``): it is :attr:`EMU.stale` there, and comes back unfilled
+(``onload(fill=False)``) for the owner to write.
 """
 
 from __future__ import annotations
@@ -91,6 +94,7 @@ class EMU:
         self._host: HostBlock | None = None  # page-locked host copies, kept for the next offload
         # the tensors onload brought back, with their versions: the host holds their values until one changes
         self._host_matches: list[tuple[weakref.ref[Tensor], int]] | None = None
+        self.stale = False  # offloaded without its values: :meth:`tensors` refuses until a refill
 
     # -- construction -------------------------------------------------------------------------------------
 
@@ -205,6 +209,14 @@ class EMU:
         """Every state tensor as ``(name, key, tensor)``, key ``"param"`` or an optimizer key, in schema
         order.
         """
+        if self.stale:
+            raise RuntimeError(
+                f"{self.model_stage}: this unit went to the host without its values (its owner refills it "
+                "from its training stage at each onload); read it after onload(fill=False) and a refill"
+            )
+        yield from self._all()
+
+    def _all(self) -> Iterator[tuple[str, str, Tensor]]:
         for name in self.schema.names:
             if name not in self.params:
                 continue
@@ -220,7 +232,7 @@ class EMU:
 
     def nbytes(self) -> int:
         """Bytes of every state tensor on this rank."""
-        return sum(t.numel() * t.element_size() for _, _, t in self.tensors())
+        return sum(t.numel() * t.element_size() for _, _, t in self._all())
 
     def generator(self, dp_rank: int, stream: int = 0) -> torch.Generator:
         """A generator derived from the seed, the sample position and ``dp_rank`` (same on every rank of the
@@ -232,7 +244,7 @@ class EMU:
 
     # -- residency ---------------------------------------------------------------------------------------
 
-    def offload(self) -> None:
+    def offload(self, keep: bool = True) -> None:
         """Move this rank's tensors to host memory in place (no collectives); a no-op when already there.
 
         GPU tensors are copied into one page-locked :class:`~nereus_lightning.emu.host.HostBlock`
@@ -240,16 +252,17 @@ class EMU:
         freed once nothing else holds it. Tensors unwritten since :meth:`onload` (the same objects at
         the same versions: every in-place write bumps a tensor's version) are not copied: the host
         block still holds their values (a generation or inference unit between weight syncs).
+        ``keep=False`` copies nothing: the unit is :attr:`stale` until ``onload(fill=False)``.
         """
         if not self.resident:
             return
-        on_gpu = [t for _, _, t in self.tensors() if t.device.type != "cpu"]
+        on_gpu = [t for _, _, t in self._all() if t.device.type != "cpu"]
         if on_gpu:
-            unchanged = self._unchanged(on_gpu)
+            unchanged = not keep or self._unchanged(on_gpu)
             if self._host is None or not self._host.holds(on_gpu):
                 self._release_host()
                 self._host = HostBlock(on_gpu, pin=on_gpu[0].device.type == "cuda")
-                unchanged = False
+                unchanged = not keep
             if not unchanged:
                 for tensor, host in zip(on_gpu, self._host.tensors, strict=True):
                     host.copy_(tensor, non_blocking=self._host.pinned)
@@ -259,6 +272,7 @@ class EMU:
             for tensor, host in zip(on_gpu, self._host.tensors, strict=True):
                 tensor.data = host
         self._host_matches = None
+        self.stale = not keep
         self.resident = False
 
     def _unchanged(self, tensors: list[Tensor]) -> bool:
@@ -272,18 +286,25 @@ class EMU:
             )
         )
 
-    def onload(self) -> None:
+    def onload(self, fill: bool = True) -> None:
         """Bring this rank's tensors back to their compute device in place (no collectives); a no-op when
-        resident.
+        resident. ``fill=False`` allocates them unfilled: the caller writes every tensor (a refill).
         """
         if self.resident:
             return
+        if fill and self.stale:
+            raise RuntimeError(
+                f"{self.model_stage} went to the host without its values: onload(fill=False), then refill"
+            )
+        self.stale = False
         if self._home is not None:
-            tensors = [t for _, _, t in self.tensors()]
+            tensors = [t for _, _, t in self._all()]
             for tensor in tensors:
-                # From pinned memory, ordered on the current stream before any kernel that reads it.
-                tensor.data = tensor.data.to(self._home, non_blocking=True)
-            self._host_matches = [(weakref.ref(t), t._version) for t in tensors]
+                if fill:  # from pinned memory, ordered on the current stream before any kernel that reads it
+                    tensor.data = tensor.data.to(self._home, non_blocking=True)
+                else:
+                    tensor.data = torch.empty_like(tensor.data, device=self._home)
+            self._host_matches = [(weakref.ref(t), t._version) for t in tensors] if fill else None
         self.resident = True
 
     def free(self) -> None:

@@ -151,6 +151,9 @@ class StageEngine(RolloutEngine, Protocol):
 class EngineKind(Protocol):
     """One kind of rollout engine (``algorithm.rollout_engine``), as the registry holds it."""
 
+    #: Whether its engines decode on the generation unit's own tensors (:attr:`StageEngine.on_unit`).
+    on_unit: bool
+
     def require_installed(self, key: str) -> None:
         """Refuse, when the job is configured, a kind whose library is missing (naming ``key``)."""
         ...

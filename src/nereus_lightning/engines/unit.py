@@ -84,6 +84,8 @@ class UnitEngine:
 class UnitEngines:
     """The built-in kind: one :class:`UnitEngine` per generation model-stage, on its unit's ranks."""
 
+    on_unit = True
+
     def require_installed(self, key: str) -> None:
         """Always installed (transformers)."""
 

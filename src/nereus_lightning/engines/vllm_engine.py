@@ -693,6 +693,8 @@ class VLLMEngines:
     share one layout; the engine is rebuilt (collectively) only when that layout changes.
     """
 
+    on_unit = False
+
     def require_installed(self, key: str) -> None:
         """See :func:`require_vllm`."""
         require_vllm(key)

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from nereus_lightning import emu
-from nereus_lightning.emu.sync import sync_params
+from nereus_lightning.emu.sync import sync_params, syncs_locally
 from nereus_lightning.emu.unit import Counters
 from nereus_lightning.engines.base import GenerationSite, StageEngine
 from nereus_lightning.engines.registry import engine_kind
@@ -111,6 +111,7 @@ class EMUStates:
         if self.plan == target:
             return False
         self.engines.check(self._generation_sites(target))  # refused before anything moves
+        self.residency_of.settle()  # the transition reads every unit
         if self.plan is None:
             self._create(target)
         else:
@@ -267,10 +268,18 @@ class EMUStates:
 
     def sync_weights(self) -> None:
         """Copy each training stage's fresh parameters into the other model-stages of its model
-        (collective); a rollout engine with weights of its own takes them at its next use."""
+        (collective); a rollout engine with weights of its own takes them at its next use.
+
+        A model-stage whose sync moves nothing between ranks follows its training stage instead
+        (:meth:`~nereus_lightning.lightning.residency.Residency.follow`): its unit is refilled from the
+        training stage's shards on the device at each use, not written to its host copies now.
+        """
         assert self.plan is not None
         for name, train in self._sources().items():
-            sync_params(train, name)
+            if self.residency_of.can_follow(name) and syncs_locally(train, name):
+                self.residency_of.follow(name, train)
+            else:
+                sync_params(train, name)
             # a new policy version in this model-stage (one sync per update)
             self._advance(name, Counters(policy_version=1, stage_version=1))
             self.synced.add(name)
@@ -282,6 +291,7 @@ class EMUStates:
         its training stage's weights (:attr:`synced` on every rank) with its counters only.
         """
         assert self.plan is not None
+        self.residency_of.settle()
         save_units(path, self.plan, self.stages, self.synced, self._sources(), step)
 
     def write_back(self, dst: int | None = None) -> None:
@@ -291,11 +301,17 @@ class EMUStates:
         Lightning's launcher hands rank 0's module weights to the caller.
         """
         assert self.plan is not None
+        self.residency_of.settle()
         write_back(self.plan, self.stages, self.roles.present(), dst)
+
+    def logical_state(self, model_stage: str) -> emu.LogicalState | None:
+        """The full state of ``model_stage`` on rank 0 (None elsewhere; collective)."""
+        self.residency_of.settle()
+        return emu.gather_logical_state(model_stage, dst=0)
 
     def logical_params(self, model_stage: str) -> dict[str, torch.Tensor] | None:
         """The full parameters of ``model_stage`` on rank 0 (None elsewhere; collective)."""
-        state = emu.gather_logical_state(model_stage, dst=0)
+        state = self.logical_state(model_stage)
         return None if state is None else state.params
 
 

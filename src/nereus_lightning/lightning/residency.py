@@ -7,6 +7,10 @@ in turn. Its EMU tensors are its module's parameters (the same objects), so
 :meth:`~nereus_lightning.emu.EMU.offload` / ``onload`` move both. A generation model-stage's
 rollout engine sleeps (frees its device memory) before its unit goes to the host; one that
 decodes on weights of its own leaves the unit on the host while it generates.
+
+A unit that *follows* its training stage (:meth:`Residency.follow`: the weight sync is local to
+every rank) is refilled from the training stage's shards on its device at each use and goes to
+the host without its values: a weight sync then moves nothing over the host link.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 
 from nereus_lightning import emu
+from nereus_lightning.emu.sync import refill
 from nereus_lightning.lightning.rollout_engines import RolloutEngines
 from nereus_lightning.spec.workload import ModelStage
 
@@ -30,6 +35,33 @@ class Residency:
     def __init__(self, stages: Mapping[str, ModelStage], engines: RolloutEngines) -> None:
         self.stages = stages
         self.engines = engines
+        self.following: dict[str, str] = {}  # model-stage -> the training stage it is refilled from
+
+    def can_follow(self, model_stage: str) -> bool:
+        """Whether ``model_stage`` may follow its training stage: not a generation stage whose engine
+        decodes on weights of its own, taken from the unit's host copies (the same on every rank)."""
+        generates = self.stages[model_stage].stage == "generation" and self.engines.decoding is not None
+        return not generates or self.engines.kind.on_unit
+
+    def follow(self, model_stage: str, source: str) -> None:
+        """``model_stage`` holds ``source``'s current parameters from now on: copied in from this rank's
+        ``source`` shards at each onload (now, if on its device) instead of a weight sync."""
+        self.following[model_stage] = source
+        unit = emu.registry().mine(model_stage)
+        if unit is not None and unit.resident:
+            refill(source, model_stage)
+        elif unit is not None:
+            unit.stale = True  # its host copies hold the weights before this sync
+
+    def settle(self) -> None:
+        """Every following unit back to plain residency, its host copies filled (before anything reads
+        units other than through :meth:`in_use`: transitions, checkpoints, gathers)."""
+        for name in self.following:
+            unit = emu.registry().mine(name)
+            if unit is not None and not unit.resident:
+                self._onload(name)
+                unit.offload()
+        self.following = {}
 
     @contextmanager
     def in_use(self, model_stage: str) -> Iterator[None]:
@@ -44,7 +76,7 @@ class Residency:
             return
         engine = self.engines.get(model_stage)
         if engine is None or engine.on_unit:
-            unit.onload()
+            self._onload(model_stage)
         try:
             yield
         finally:
@@ -62,7 +94,17 @@ class Residency:
         engine = self.engines.get(model_stage)
         if engine is not None:
             engine.sleep()
-        unit.offload()
+        unit.offload(keep=model_stage not in self.following)
+
+    def _onload(self, model_stage: str) -> None:
+        """This rank's unit of ``model_stage`` on its device, refilled from its source if it follows one."""
+        unit = emu.registry().mine(model_stage)
+        if unit is None or unit.resident:
+            return
+        source = self.following.get(model_stage)
+        unit.onload(fill=source is None)
+        if source is not None:
+            refill(source, model_stage)
 
     def offload_idle(self, names: Iterable[str]) -> None:
         """Every non-training unit of ``names`` on this rank to the host (between their uses)."""
@@ -72,9 +114,7 @@ class Residency:
     def onload(self, names: Iterable[str]) -> None:
         """Every unit of ``names`` on this rank back on its device (before transfers on device tensors)."""
         for name in names:
-            unit = emu.registry().mine(name)
-            if unit is not None:
-                unit.onload()
+            self._onload(name)
 
 
 __all__ = ["Residency"]
