@@ -318,7 +318,8 @@ def offload_run(rank: int, world_size: int, placements: list, folder: str, movin
     step of a module resumed from it; with ``moving``, under :func:`storage_moves`.
 
     Returns rank 0's logical parameters of every model-stage at the end, this rank's unit
-    residency after every step, and every step's mean score.
+    residency after every step, every step's mean score, and before the save the model-stages that
+    follow their training stage (and whether this rank's units of them are stale on the host).
     """
     plans = [plan_of("ppo", p) for p in placements]
 
@@ -335,6 +336,9 @@ def offload_run(rank: int, world_size: int, placements: list, folder: str, movin
             strategy.transition(plan)
             out["scores"].append(module.rl_step(step, strategy, opt)["critic/score/mean"])
             out["residency"].append(strategy.units.residency())
+        following = strategy.units.residency_of.following
+        out["following"] = dict(following)
+        out["stale"] = {n: unit.stale for n in following if (unit := strategy.units._local(n)) is not None}
         strategy.units.save(folder)
         out["after_save"] = strategy.units.residency()
         resumed, again = fresh()

@@ -41,10 +41,28 @@ def test_moving_idle_units_keeps_training_results(dist4, tmp_path_factory, name)
     assert {k.split(".", 1)[0] for k in moved["params"]} >= {"actor_gen", "actor_train", "ref_infer"}
     for key, value in still["params"].items():
         assert torch.allclose(moved["params"][key], value, atol=1e-6, rtol=0), key
-    # The generation unit holds the trained weights (weight sync wrote into its host copy).
+    # The generation unit holds the trained weights (a weight sync or, following, a refill).
     for key, value in moved["params"].items():
         if key.startswith("actor_gen."):
             assert torch.equal(value, moved["params"]["actor_train." + key.split(".", 1)[1]]), key
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["transition", "colocated"])
+def test_a_weight_sync_within_every_rank_is_a_refill_at_the_next_use(dist4, tmp_path_factory, name):
+    """Colocated, every rank holds the training shards its generation and inference units need: those
+    follow their training stage (refilled on the device at each use, nothing written to the host at the
+    sync); across ranks (the transition's placements) the sync copies as before."""
+    for out in _run(dist4, tmp_path_factory, name, True):
+        if name == "colocated":
+            assert out["following"] == {
+                "actor_gen": "actor_train",
+                "actor_infer": "actor_train",
+                "critic_infer": "critic_train",
+            }
+            assert out["stale"] == dict.fromkeys(out["following"], True)  # offloaded without their values
+        else:
+            assert out["following"] == {} and out["stale"] == {}
 
 
 @pytest.mark.distributed

@@ -27,7 +27,7 @@ def _steps_worker(port: int, offload: bool, queue, steps: int = 2) -> None:  # n
     from tests.lightning.helpers import small_task
 
     if not offload:
-        EMU.offload = lambda self: None  # every unit stays on the GPU all step
+        EMU.offload = lambda self, keep=True: None  # every unit stays on the GPU all step
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     dist.init_process_group(
@@ -43,6 +43,11 @@ def _steps_worker(port: int, offload: bool, queue, steps: int = 2) -> None:  # n
         for step in range(steps):
             metrics = module.rl_step(step, strategy, opt)
         held = strategy.units
+        params = {  # (settles the units that follow their training stage: their host copies filled)
+            f"{s}.{n}": p.detach().cpu().clone()
+            for s in sorted(TRAINS)
+            for n, p in held.logical_params(s).items()
+        }
         units = {stage: held._local(stage) for stage in held.plan}
         modules = {stage: held.stage(stage) for stage in held.plan}
         torch.cuda.synchronize()
@@ -53,11 +58,7 @@ def _steps_worker(port: int, offload: bool, queue, steps: int = 2) -> None:  # n
                 "devices": {s: {t.device.type for _, _, t in u.tensors()} for s, u in units.items()},
                 "pinned": {s: all(t.is_pinned() for _, _, t in u.tensors()) for s, u in units.items()},
                 "module_devices": {s: {p.device.type for p in m.parameters()} for s, m in modules.items()},
-                "params": {
-                    f"{s}.{n}": p.detach().cpu().clone()
-                    for s in sorted(TRAINS)
-                    for n, p in held.logical_params(s).items()
-                },
+                "params": params,
             }
         )
     finally:
