@@ -66,7 +66,7 @@ class FakeUnit:
     rank = 5
     params = {"w": torch.zeros(2, 2)}
 
-    def onload(self, fill: bool = True) -> None:
+    def onload(self) -> None:
         self.resident = True
         self.moves.append("onload")
 

@@ -291,8 +291,8 @@ def storage_moves():  # noqa: ANN201
     Each move gives every tensor of the unit fresh storage and poisons the old one with NaN, as a
     real host/device move leaves the old place invalid: whatever still reads the old storage (a
     module parameter that is not the EMU's tensor, a weight sync into a stale copy) computes NaN.
-    A unit offloaded without its values (``keep=False``) is NaN on the host too, and an unfilled
-    onload (``fill=False``) brings that NaN back: only a refill makes it right.
+    A unit offloaded without its values (``keep=False``) is NaN on the host too: only its refill makes
+    it right.
     """
     from nereus_lightning.emu import EMU
 

@@ -43,11 +43,6 @@ def _steps_worker(port: int, offload: bool, queue, steps: int = 2) -> None:  # n
         for step in range(steps):
             metrics = module.rl_step(step, strategy, opt)
         held = strategy.units
-        params = {  # (settles the units that follow their training stage: their host copies filled)
-            f"{s}.{n}": p.detach().cpu().clone()
-            for s in sorted(TRAINS)
-            for n, p in held.logical_params(s).items()
-        }
         units = {stage: held._local(stage) for stage in held.plan}
         modules = {stage: held.stage(stage) for stage in held.plan}
         torch.cuda.synchronize()
@@ -58,7 +53,11 @@ def _steps_worker(port: int, offload: bool, queue, steps: int = 2) -> None:  # n
                 "devices": {s: {t.device.type for _, _, t in u.tensors()} for s, u in units.items()},
                 "pinned": {s: all(t.is_pinned() for _, _, t in u.tensors()) for s, u in units.items()},
                 "module_devices": {s: {p.device.type for p in m.parameters()} for s, m in modules.items()},
-                "params": params,
+                "params": {
+                    f"{s}.{n}": p.detach().cpu().clone()
+                    for s in sorted(TRAINS)
+                    for n, p in held.logical_params(s).items()
+                },
             }
         )
     finally:

@@ -14,14 +14,14 @@ tensors (same storage), so an optimizer step on the module updates the EMU.
 module whose parameters ARE these tensors follows; :attr:`EMU.resident` says where they are.
 On the CPU host and device are one: only the flag changes. A unit whose owner refills it at every
 onload (a copy of a training stage's weights) goes to the host without its values
-(``offload(keep=False)``): it is :attr:`EMU.stale` there, and comes back unfilled
-(``onload(fill=False)``) for the owner to write.
+(``offload(keep=False)``): it is :attr:`EMU.stale` there, and :meth:`EMU.onload` has its
+:attr:`EMU.refill` write it on the device; any other read refills its host copies first.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import astuple, dataclass, fields
 from typing import Any
 
@@ -94,7 +94,8 @@ class EMU:
         self._host: HostBlock | None = None  # page-locked host copies, kept for the next offload
         # the tensors onload brought back, with their versions: the host holds their values until one changes
         self._host_matches: list[tuple[weakref.ref[Tensor], int]] | None = None
-        self.stale = False  # offloaded without its values: :meth:`tensors` refuses until a refill
+        self.stale = False  # offloaded without its values (see :meth:`fill_host`)
+        self.refill: Callable[[], None] | None = None  # writes every tensor on the device (see onload)
 
     # -- construction -------------------------------------------------------------------------------------
 
@@ -210,11 +211,13 @@ class EMU:
         order.
         """
         if self.stale:
-            raise RuntimeError(
-                f"{self.model_stage}: this unit went to the host without its values (its owner refills it "
-                "from its training stage at each onload); read it after onload(fill=False) and a refill"
-            )
+            self.fill_host()
         yield from self._all()
+
+    def fill_host(self) -> None:
+        """Write a stale unit's host copies again: onload (refilled), offload (no collectives)."""
+        self.onload()
+        self.offload()
 
     def _all(self) -> Iterator[tuple[str, str, Tensor]]:
         for name in self.schema.names:
@@ -252,7 +255,7 @@ class EMU:
         freed once nothing else holds it. Tensors unwritten since :meth:`onload` (the same objects at
         the same versions: every in-place write bumps a tensor's version) are not copied: the host
         block still holds their values (a generation or inference unit between weight syncs).
-        ``keep=False`` copies nothing: the unit is :attr:`stale` until ``onload(fill=False)``.
+        ``keep=False`` copies nothing: the unit is :attr:`stale` (its :attr:`refill` writes it at onload).
         """
         if not self.resident:
             return
@@ -286,26 +289,27 @@ class EMU:
             )
         )
 
-    def onload(self, fill: bool = True) -> None:
+    def onload(self) -> None:
         """Bring this rank's tensors back to their compute device in place (no collectives); a no-op when
-        resident. ``fill=False`` allocates them unfilled: the caller writes every tensor (a refill).
+        resident. A :attr:`stale` unit is not loaded from the host: its :attr:`refill` writes it there.
         """
         if self.resident:
             return
-        if fill and self.stale:
-            raise RuntimeError(
-                f"{self.model_stage} went to the host without its values: onload(fill=False), then refill"
-            )
-        self.stale = False
+        stale, self.stale = self.stale, False
+        if stale and self.refill is None:
+            raise RuntimeError(f"{self.model_stage} went to the host without its values and has no refill")
         if self._home is not None:
             tensors = [t for _, _, t in self._all()]
             for tensor in tensors:
-                if fill:  # from pinned memory, ordered on the current stream before any kernel that reads it
-                    tensor.data = tensor.data.to(self._home, non_blocking=True)
-                else:
+                if stale:
                     tensor.data = torch.empty_like(tensor.data, device=self._home)
-            self._host_matches = [(weakref.ref(t), t._version) for t in tensors] if fill else None
+                else:  # from pinned memory, ordered on the current stream before any kernel that reads it
+                    tensor.data = tensor.data.to(self._home, non_blocking=True)
+            self._host_matches = None if stale else [(weakref.ref(t), t._version) for t in tensors]
         self.resident = True
+        if stale:
+            assert self.refill is not None
+            self.refill()
 
     def free(self) -> None:
         """Drop every tensor this rank holds for the unit (no collectives)."""

@@ -162,6 +162,11 @@ class EMUStates:
             if not self.stages[n].trains and self.stages[n].model in trains
         }
 
+    def holding_state(self) -> list[str]:
+        """The model-stages whose units hold state of their own: not those that follow their training
+        stage (see :meth:`sync_weights`)."""
+        return [n for n in self.plan or () if n not in self.residency_of.following]
+
     def _local(self, name: str) -> emu.EMU | None:
         return emu.registry().mine(name)
 
@@ -291,7 +296,6 @@ class EMUStates:
         its training stage's weights (:attr:`synced` on every rank) with its counters only.
         """
         assert self.plan is not None
-        self.residency_of.settle()
         save_units(path, self.plan, self.stages, self.synced, self._sources(), step)
 
     def write_back(self, dst: int | None = None) -> None:
@@ -301,12 +305,10 @@ class EMUStates:
         Lightning's launcher hands rank 0's module weights to the caller.
         """
         assert self.plan is not None
-        self.residency_of.settle()
         write_back(self.plan, self.stages, self.roles.present(), dst)
 
     def logical_state(self, model_stage: str) -> emu.LogicalState | None:
         """The full state of ``model_stage`` on rank 0 (None elsewhere; collective)."""
-        self.residency_of.settle()
         return emu.gather_logical_state(model_stage, dst=0)
 
     def logical_params(self, model_stage: str) -> dict[str, torch.Tensor] | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from functools import partial
 
 from nereus_lightning import emu
 from nereus_lightning.emu.sync import refill
@@ -48,19 +49,23 @@ class Residency:
         ``source`` shards at each onload (now, if on its device) instead of a weight sync."""
         self.following[model_stage] = source
         unit = emu.registry().mine(model_stage)
-        if unit is not None and unit.resident:
-            refill(source, model_stage)
-        elif unit is not None:
+        if unit is None:
+            return
+        unit.refill = partial(refill, source, model_stage)
+        if unit.resident:
+            unit.refill()
+        else:
             unit.stale = True  # its host copies hold the weights before this sync
 
     def settle(self) -> None:
-        """Every following unit back to plain residency, its host copies filled (before anything reads
-        units other than through :meth:`in_use`: transitions, checkpoints, gathers)."""
+        """Every following unit back to plain residency, its host copies filled (before a transition,
+        which changes the units they follow)."""
         for name in self.following:
             unit = emu.registry().mine(name)
-            if unit is not None and not unit.resident:
-                self._onload(name)
-                unit.offload()
+            if unit is not None:
+                if unit.stale:
+                    unit.fill_host()
+                unit.refill = None
         self.following = {}
 
     @contextmanager
@@ -76,7 +81,7 @@ class Residency:
             return
         engine = self.engines.get(model_stage)
         if engine is None or engine.on_unit:
-            self._onload(model_stage)
+            unit.onload()  # a following unit is refilled on its device
         try:
             yield
         finally:
@@ -96,16 +101,6 @@ class Residency:
             engine.sleep()
         unit.offload(keep=model_stage not in self.following)
 
-    def _onload(self, model_stage: str) -> None:
-        """This rank's unit of ``model_stage`` on its device, refilled from its source if it follows one."""
-        unit = emu.registry().mine(model_stage)
-        if unit is None or unit.resident:
-            return
-        source = self.following.get(model_stage)
-        unit.onload(fill=source is None)
-        if source is not None:
-            refill(source, model_stage)
-
     def offload_idle(self, names: Iterable[str]) -> None:
         """Every non-training unit of ``names`` on this rank to the host (between their uses)."""
         for name in names:
@@ -114,7 +109,9 @@ class Residency:
     def onload(self, names: Iterable[str]) -> None:
         """Every unit of ``names`` on this rank back on its device (before transfers on device tensors)."""
         for name in names:
-            self._onload(name)
+            unit = emu.registry().mine(name)
+            if unit is not None:
+                unit.onload()
 
 
 __all__ = ["Residency"]

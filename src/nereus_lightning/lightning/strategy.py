@@ -573,7 +573,7 @@ class NereusStrategy(ParallelStrategy):
                 encoded = encode(checkpoint)
             except CheckpointError as exc:
                 problem = str(exc)
-        stages = list(units.plan or ())
+        stages = units.holding_state()
         bad = [f"{name}/{t}" for name in stages for t in nonfinite_tensors(name)]
         off = [f"{name}/{t}" for name in stages for t in params_off_master(name)]
         mine = (self.global_rank, bad, off, problem)
