@@ -36,19 +36,20 @@ def test_reference_resets_after_rejected_replan():
     assert ctl.step(sig(3, length=1900)).kind == "keep"  # +36% of 1400
 
 
-def test_horizon_is_one_step_before_any_interval_and_updates_only_at_crossings():
+def test_horizon_counts_the_first_interval_from_the_first_step_and_updates_only_at_crossings():
     backend = FakeBackend([A, B], {A: 10.0, B: 5.0}, tran={B: 1000.0})
     ctl = controller(backend, drift_signals=("response_len",))
     ctl.step(sig(0, length=1000))
-    d = ctl.step(sig(1, length=1400))
-    assert d.horizon == 1.0  # first crossing: no interval seen yet
-    for s in range(2, 6):  # no crossing: the EMA must not move
+    ctl.step(sig(1, length=1050))
+    d = ctl.step(sig(2, length=1400))
+    assert d.horizon == 2.0  # first crossing: the length held since step 0
+    for s in range(3, 7):  # no crossing: the EMA must not move
         ctl.step(sig(s, length=1450))
-        assert ctl.drift["response_len"].clock.ema is None
-    d = ctl.step(sig(6, length=2000))
-    assert d.horizon == 5.0  # interval 6 - 1
-    d = ctl.step(sig(9, length=2700))
-    assert d.horizon == pytest.approx(0.5 * 3 + 0.5 * 5)
+        assert ctl.drift["response_len"].clock.ema == 2.0
+    d = ctl.step(sig(7, length=2000))
+    assert d.horizon == pytest.approx(0.5 * 5 + 0.5 * 2)  # interval 7 - 2
+    d = ctl.step(sig(10, length=2700))
+    assert d.horizon == pytest.approx(0.5 * 3 + 0.5 * 3.5)
 
 
 def test_smallest_horizon_wins():

@@ -145,8 +145,12 @@ def test_length_forecast_extrapolates_the_trend_and_clamps():
     f.observe(sig(2, length=1200))
     ahead = f.ahead(1)
     assert ahead["response_len"] == pytest.approx(1300) and ahead["response_len_p95"] == pytest.approx(1430)
-    f.observe(sig(3, length=3000))  # a jump: the fitted slope is clamped to +30% of the last value
-    assert f.ahead(1)["response_len"] <= 3000 * 1.3 + 1e-9
+    f.observe(sig(3, length=3000))  # a jump: the trend stays the steady one before it ...
+    assert f.ahead(1)["response_len"] == pytest.approx(3100)
+    assert f.next_step()["response_len"] == pytest.approx(3900)  # ... the next step's check: +30% at most
+    f.observe(sig(4, length=2950))  # a level shift, not a trend: nothing is extrapolated onward
+    assert f.ahead(9)["response_len"] == pytest.approx(2950)
+    assert f.next_step()["response_len"] == pytest.approx(2950)
     g = LengthForecast()
     g.load_state_dict(f.state_dict())
     assert g.ahead(1) == f.ahead(1)
@@ -166,9 +170,9 @@ def test_controller_plans_for_the_forecast_and_warns_of_memory_before_it_breaks(
     ctl = controller(backend, forecast_steps=1.0)
     for step, length in enumerate((1000, 1100, 1200)):
         assert ctl.step(sig(step, length=length)).kind == "none"
-    d = ctl.step(sig(3, length=1290))  # measured 1,290 still fits; the next step (~1,385) does not
+    d = ctl.step(sig(3, length=1290))  # measured 1,290 still fits; the next step (~1,380) does not
     assert any(t.kind == "memory" for t in d.triggers) and d.urgent and d.target == B
-    assert any(x == pytest.approx(1385) for x in seen)  # the memory check reads the next step
+    assert any(x == pytest.approx(1380) for x in seen)  # the memory check reads the next step
     # Planning for the measured lengths, the memory check still reads the next step's forecast:
     # the violation is caught before the step runs, not after it broke.
     backend = Recording([A, B], {A: 10.0, B: 12.0}, tran={B: 1.0})
@@ -286,3 +290,19 @@ def test_a_target_that_does_not_last_is_also_tried_relieved():
     assert d.urgent and d.kind == "transition" and d.target == b_rc
     verdicts = {c["source"]: c.get("lasts", True) for c in d.considered}
     assert verdicts["planner best"] is False and verdicts["planner best, relieved"] is True
+
+
+def test_outside_the_urgent_path_a_target_over_the_cap_at_the_next_step_is_not_taken():
+    def last_decision(cap: float):  # noqa: ANN202
+        class Capped(FakeBackend):
+            def estimate(self, plan, cluster, workload, calibration, memory=None):
+                est = super().estimate(plan, cluster, workload, calibration)
+                est.feasible = plan != B or workload.response_len < cap  # B runs out from cap tokens
+                return est
+
+        ctl = controller(Capped([A, B], {A: 10.0, B: 5.0}, tran={B: 0.1}))
+        return [ctl.step(sig(s, length=n)) for s, n in enumerate((1000, 1100, 1440))][-1]
+
+    d = last_decision(1500.0)  # a drift replan; the next step is checked at 1,440 + 340 tokens
+    assert d.kind == "keep" and "over the memory cap at the next step's forecast" in str(d.considered)
+    assert last_decision(1800.0).kind == "transition"

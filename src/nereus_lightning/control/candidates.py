@@ -72,8 +72,9 @@ class CandidateSource:
         self.cluster, self.workload = cluster, workload
         self.urgent, self.current_latency = urgent, current_latency
         self.safe_first = safe_first
-        # The lengths forecast over the horizon: a target infeasible there does not last.
-        self.lasting = lasting
+        # The lengths forecast over the horizon (outside the urgent path: the next step's): a
+        # target infeasible there does not last. No second pricing where they are the planned ones.
+        self.lasting = None if lasting == workload else lasting
         self.seen: set[Plan] = {current}
         self.reasons: list[str] = []
 

@@ -46,6 +46,7 @@ from nereus_lightning.control.triggers import (
     CrossingClock,
     DriftTrigger,
     PoolTrigger,
+    Recheck,
     Trigger,
     bounded,
     smallest_horizon,
@@ -184,6 +185,7 @@ class Controller:
         }
         self.pool = PoolTrigger(self.config.ema_alpha)
         self.memory_clock = CrossingClock(self.config.ema_alpha)
+        self.recheck = Recheck()
         self.transition_scale = 1.0
         self.last_replan_step: int | None = None
         self.decisions = 0
@@ -201,7 +203,8 @@ class Controller:
     def step(self, signals: StepSignals) -> Decision:
         """Consume one step's signals; return what the body must do before the next step."""
         self.forecast.observe(signals)
-        self.pool.clock.start(signals.step)
+        for clock in (self.pool.clock, *(d.clock for d in self.drift.values())):
+            clock.start(signals.step)
         self._calibrate(signals)
         if self.plan is None:
             decision = self._initial(signals)
@@ -212,7 +215,12 @@ class Controller:
             if relaunch is None and not triggers:
                 return Decision(signals.step, "none")
             decision = relaunch or self._replan(signals, triggers)
-            self._reset_references(signals)
+            if relaunch is not None or any(t.kind != "recheck" for t in triggers):
+                self._reset_references(signals)  # a recheck is no crossing: references stay
+                self.recheck.settle(signals.step)
+            self.recheck.refuse(
+                signals.step, None if relaunch else refused_payback(decision), self.config.gamma
+            )
         if decision.changes_plan:
             self.plan = decision.target
             self._estimates.clear()
@@ -248,10 +256,11 @@ class Controller:
         )
 
     def next_step_workload(self, signals: StepSignals) -> Workload:
-        """The lengths the next step is checked for: the planning lengths, or the one-step
-        forecast where it is longer (the step a plan runs is one past the last measurement)."""
+        """The lengths the next step is checked for: the planning lengths, or the next step's
+        forecast on the safe side (``LengthForecast.next_step``) where it is longer (the step a
+        plan runs is one past the last measurement)."""
         base = self.planning_workload(signals)
-        ahead = self.forecast.ahead(1.0)
+        ahead = self.forecast.next_step()
         if ahead is None or ahead["response_len_p95"] <= base.response_len_p95:
             return base
         return replace(
@@ -290,6 +299,9 @@ class Controller:
         k = self.config.replan_every
         if k and step - self.last_replan_step >= k:
             triggers.append(Trigger("schedule", float(k), detail=f"every {k} steps"))
+        recheck = self.recheck.check(step)
+        if recheck is not None:
+            triggers.append(recheck)
         left = None if self.max_steps is None else max(self.max_steps - step, 0)
         return [bounded(t, left, self._relaunched) for t in triggers]
 
@@ -444,7 +456,7 @@ class Controller:
             r.current_latency,
             safe_first=not first,
             memory=self.memory_calibration,
-            lasting=self.lasting_workload(signals, r) if r.urgent else None,
+            lasting=self.lasting_workload(signals, r) if r.urgent else self.next_step_workload(signals),
         )
         budget = max(2, cfg.dag_budget_gpus // max(r.dag_cluster.num_gpus, 1))
         search = TargetSearch(
@@ -716,6 +728,7 @@ class Controller:
             "drift": {n: d.state_dict() for n, d in self.drift.items()},
             "pool": self.pool.state_dict(),
             "memory_clock": self.memory_clock.state_dict(),
+            "recheck": self.recheck.state_dict(),
             "forecast": self.forecast.state_dict(),
             "transition_scale": self.transition_scale,
             "last_replan_step": self.last_replan_step,
@@ -732,6 +745,8 @@ class Controller:
                 self.drift[name].load_state_dict(sub)
         self.pool.load_state_dict(state["pool"])
         self.memory_clock.load_state_dict(state["memory_clock"])
+        if state.get("recheck") is not None:  # absent in checkpoints of older versions
+            self.recheck.load_state_dict(state["recheck"])
         if state.get("forecast") is not None:  # absent in checkpoints of older versions
             self.forecast.load_state_dict(state["forecast"])
         self.transition_scale = float(state["transition_scale"])
@@ -756,6 +771,20 @@ def workload_at(workload: Workload, signals: StepSignals) -> Workload:
         response_len_p95=float(signals.response_len_p95),
         prompt_len=int(round(signals.prompt_len)),
     )
+
+
+def refused_payback(decision: Decision) -> float | None:
+    """The payback in steps (``L_tran / dL``) of the fastest-paying target that ``decision`` left
+    out, against the plan that runs next; None when no priced target is faster than it."""
+    runs = decision.target_latency if decision.kind == "transition" else decision.current_latency
+    if decision.kind not in ("transition", "keep") or runs is None:
+        return None
+    paybacks = [
+        c["L_tran"] / (runs - c["latency"])
+        for c in decision.considered
+        if "L_tran" in c and c["latency"] < runs
+    ]
+    return min(paybacks, default=None)
 
 
 def _efficiencies(calibration: Any) -> dict[str, float]:

@@ -7,7 +7,9 @@ the verdict (transition, restart or keep) is then read off the search's incumben
 Targets that *last* (still feasible at the lengths forecast over the horizon, see
 ``CandidateSource.lasting``) are preferred to those that do not, whatever their net benefit: a
 target that the memory check rejects a few steps later costs a second move and, until then,
-leaves the job one length step from running out of memory.
+leaves the job one length step from running out of memory. Outside the urgent path the lengths
+are those of the next step's memory check, and a target over the cap there is not taken: the
+memory trigger would move away from it at the next boundary.
 """
 
 from __future__ import annotations
@@ -98,6 +100,9 @@ class TargetSearch:
         if not opt.lasts:
             entry["lasts"] = False  # infeasible at the lengths forecast over the horizon
         self.considered.append(entry)
+        if not opt.lasts and not r.urgent:
+            entry["verdict"] = "over the memory cap at the next step's forecast: the memory trigger would undo it"
+            return False
         bound = self.weight * (self.ref - lat)  # net benefit if the transition were free
         if r.intact is None:
             entry["verdict"] = "no intact replica of some model-stage: a transition cannot start"

@@ -11,6 +11,7 @@ interval counted from the start admitted a deep-pipeline target that a later rev
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,6 +165,57 @@ class PoolTrigger:
         """Restore :meth:`state_dict` output."""
         self.reference = None if state["reference"] is None else tuple(state["reference"])
         self.clock.load_state_dict(state["clock"])
+
+
+class Recheck:
+    """A faster target left out by a replan, looked at again once the conditions have lasted.
+
+    A replan judges payback over H_x, an estimate of how long its conditions (pool, lengths)
+    last; when they outlast it, a target refused for a short horizon (or passed over for a cheaper
+    move) keeps costing its dL every step with no trigger to reconsider it. The conditions
+    settle at every triggered replan; a refusal whose best target pays back in ``p`` steps is due
+    again once they have held ``p`` steps: by then the gain given up has cost as much as the move.
+    The ``recheck`` trigger carries ``age / gamma`` as its horizon, so the payback rule admits
+    exactly such a move (``L_tran / dL <= age``): a refusal then costs at most twice the move
+    it refused, whatever the conditions do next (the ski-rental bound).
+    """
+
+    def __init__(self) -> None:
+        self.settled: int | None = None  # step of the last triggered replan
+        self.due: int | None = None
+        self.gamma = 1.0  # the payback rule's, at the refusal
+
+    def settle(self, step: int) -> None:
+        """A triggered replan at ``step``: new conditions, nothing refused yet."""
+        self.settled, self.due = step, None
+
+    def refuse(self, step: int, payback: float | None, gamma: float) -> None:
+        """The replan at ``step`` left out a target paying back in ``payback`` steps (None: none)."""
+        if payback is None or gamma <= 0 or self.settled is None or not math.isfinite(payback):
+            self.due = None
+            return
+        self.gamma = gamma
+        self.due = max(step + 1, self.settled + math.ceil(payback - 1e-9))
+
+    def check(self, step: int) -> Trigger | None:
+        """The ``recheck`` trigger when a refusal is due at ``step``, else None."""
+        if self.due is None or self.settled is None or step < self.due:
+            return None
+        self.due = None
+        age = step - self.settled
+        return Trigger(
+            "recheck",
+            age / self.gamma,
+            detail=f"a refused gain given up for {age} steps since the last trigger: H = {age}/gamma",
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable state."""
+        return {"settled": self.settled, "due": self.due, "gamma": self.gamma}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output."""
+        self.settled, self.due, self.gamma = state["settled"], state["due"], float(state["gamma"])
 
 
 def smallest_horizon(triggers: list[Trigger] | tuple[Trigger, ...]) -> float:
