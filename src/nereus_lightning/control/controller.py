@@ -5,7 +5,9 @@ One instance runs on the head rank. Feed it the monitor's `StepSignals` at every
 paper (section 4 of "Nereus: Adaptive Parallelism for LLM Post-Training"):
 
 * triggers: a pool change, a predicted or measured memory violation, or a drifting signal that
-  moved more than ``delta`` (relative) from its reference; references reset after every replan;
+  moved more than ``delta`` (relative) from its reference; references reset after every
+  triggered replan; a faster target refused there is rechecked once the gain given up has cost
+  as much as its transition (``triggers.Recheck``);
 * admission: the target must be feasible (the cost model's memory check with its headroom, and a
   safe transition DAG); then it must pay back: ``dL > 0 and L_tran / dL <= gamma * H_x`` with
   H_x the smallest horizon of the firing triggers; if the best target fails, slower candidates

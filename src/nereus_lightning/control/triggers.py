@@ -2,11 +2,12 @@
 
 H_x estimates how many steps remain until signal x crosses its threshold again: an exponential
 moving average of past intervals between crossings, updated at crossings only, and 1 step before
-any interval has been seen (the paper's rule). The pool's clock is started at the first step the
-controller sees (``CrossingClock.start``): its first interval runs from there to the first pool
-change, since the supply held at least that long and a pool stable for 30 steps is not expected
-to change in one. Drift clocks keep the paper's rule: on the paper-shaped trace a first drift
-interval counted from the start admitted a deep-pipeline target that a later revocation trapped.
+any interval has been seen (the paper's rule). Every clock is started at the first step the
+controller sees (``CrossingClock.start``): its first interval runs from there to the first
+crossing, since the signal held at least that long (a pool stable for 30 steps is not expected to
+change in one; a length that took 13 steps to move 30% is not expected to move again in one).
+A gain refused under a horizon that the conditions then outlast is looked at again
+(:class:`Recheck`).
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ URGENT_KINDS = ("revocation", "memory")
 
 @dataclass(frozen=True)
 class Trigger:
-    """One reason to replan: ``kind`` is ``drift:<signal>``, ``pool``, ``revocation``, ``memory`` or
-    ``schedule``.
+    """One reason to replan: ``kind`` is ``drift:<signal>``, ``pool``, ``revocation``, ``memory``,
+    ``schedule`` or ``recheck``.
     """
 
     kind: str
