@@ -101,7 +101,9 @@ class TargetSearch:
             entry["lasts"] = False  # infeasible at the lengths forecast over the horizon
         self.considered.append(entry)
         if not opt.lasts and not r.urgent:
-            entry["verdict"] = "over the memory cap at the next step's forecast: the memory trigger would undo it"
+            entry["verdict"] = (
+                "over the memory cap at the next step's forecast: the memory trigger would undo it"
+            )
             return False
         bound = self.weight * (self.ref - lat)  # net benefit if the transition were free
         if r.intact is None:
