@@ -7,6 +7,7 @@ import json
 import pytest
 
 from nereus_lightning.control import DecisionLog
+from nereus_lightning.control.triggers import Trigger, smallest_horizon
 from tests.control.fakes import FakeBackend, controller, gen_plan, sig
 
 A, B, C = gen_plan(1, 4), gen_plan(2, 4), gen_plan(4, 2)
@@ -215,3 +216,11 @@ def test_urgent_restart_when_the_reachable_target_is_much_slower():
         assert d.urgent and d.kind == expected, (h_ema, d.reason)
         # restart: 300 s / 35 s per step = 8.6 steps <= 0.5 * H only when H is large
         assert d.target == (B if expected == "restart" else relief)
+
+
+def test_a_due_recheck_keeps_its_horizon_beside_a_crossing():
+    assert smallest_horizon([Trigger("pool", 3.0), Trigger("drift:response_len", 2.0)]) == 2.0
+    # The refused gain has paid for the move already: a drift crossing at the same step does not
+    # shrink the recheck's horizon, and a longer crossing horizon is kept.
+    assert smallest_horizon([Trigger("drift:response_len", 2.0), Trigger("recheck", 6.0)]) == 6.0
+    assert smallest_horizon([Trigger("recheck", 1.0), Trigger("pool", 3.0)]) == 3.0

@@ -220,9 +220,13 @@ class Recheck:
 
 
 def smallest_horizon(triggers: list[Trigger] | tuple[Trigger, ...]) -> float:
-    """With several triggers, the smallest H_x decides (the paper's rule)."""
+    """With several triggers, the smallest H_x decides (the paper's rule), except that a due
+    ``recheck`` keeps its own when longer: the gain given up has paid for the move already,
+    whatever the other signals do next."""
     require(len(triggers) > 0, "triggers", "need at least one trigger to take a horizon")
-    return min(t.horizon for t in triggers)
+    crossings = [t.horizon for t in triggers if t.kind != "recheck"]
+    smallest = min(crossings) if crossings else 0.0
+    return max([smallest, *(t.horizon for t in triggers if t.kind == "recheck")])
 
 
 def bounded(trigger: Trigger, steps_left: int | None, relaunched: bool = False) -> Trigger:
