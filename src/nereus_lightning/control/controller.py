@@ -39,7 +39,7 @@ from typing import Any
 
 from nereus_lightning.control.attribution import PHASES, PhasedEstimate, op_times
 from nereus_lightning.control.backend import Estimate, PlanningBackend, op_totals
-from nereus_lightning.control.candidates import CandidateSource
+from nereus_lightning.control.candidates import CandidateSource, Surprise
 from nereus_lightning.control.decision import Decision, DecisionLog, describe_plan
 from nereus_lightning.control.forecast import LengthForecast
 from nereus_lightning.control.search import Replan, TargetSearch
@@ -201,6 +201,7 @@ class Controller:
         # The run's step limit (None: unbounded): no horizon reaches past it.
         self.max_steps = max_steps
         self._relaunched = False  # state restored: the next pool trigger's pool is the launch's
+        self._headroom_checked: tuple[Plan, float] | None = None  # (plan, jump) last checked for headroom
 
     # ----------------------------------------------------------------------------- per step
     def step(self, signals: StepSignals) -> Decision:
@@ -218,8 +219,8 @@ class Controller:
             if relaunch is None and not triggers:
                 return Decision(signals.step, "none")
             decision = relaunch or self._replan(signals, triggers)
-            if relaunch is not None or any(t.kind != "recheck" for t in triggers):
-                self._reset_references(signals)  # a recheck is no crossing: references stay
+            if relaunch is not None or any(t.kind not in ("recheck", "headroom") for t in triggers):
+                self._reset_references(signals)  # neither is a crossing: references stay
                 self.recheck.settle(signals.step)
             self.recheck.refuse(
                 signals.step, None if relaunch else refused_payback(decision), self.config.gamma
@@ -272,6 +273,22 @@ class Controller:
             response_len_p95=ahead["response_len_p95"],
         )
 
+    def surprise(self, signals: StepSignals) -> Surprise | None:
+        """The length jumps no forecast announced so far (``LengthForecast.surprise``) as a
+        :class:`~nereus_lightning.control.candidates.Surprise`: the next step's lengths times the
+        largest of them, and how often they came; None while there was none."""
+        seen = self.forecast.surprise()
+        if seen is None:
+            return None
+        rate, ratio = seen
+        base = self.next_step_workload(signals)
+        jump = replace(
+            base,
+            response_len=base.response_len * ratio,
+            response_len_p95=base.response_len_p95 * ratio,
+        )
+        return Surprise(jump, rate)
+
     def cluster_at(self, signals: StepSignals) -> ClusterSpec:
         """The cluster restricted to the pool of ``signals``."""
         return self.cluster.with_gpus(signals.num_gpus)
@@ -297,6 +314,9 @@ class Controller:
             triggers.append(
                 Trigger("memory", self.memory_clock.horizon, urgent=True, detail=self._memory_detail)
             )
+        headroom = self._headroom_trigger(signals)
+        if headroom is not None:
+            triggers.append(headroom)
         if self.last_replan_step is None:
             self.last_replan_step = step  # a plan handed in counts as planned now
         k = self.config.replan_every
@@ -320,6 +340,30 @@ class Controller:
             "; ".join(str(v) for v in getattr(est, "violations", ()))
         )
         return bool(est.feasible)
+
+    def _headroom_trigger(self, signals: StepSignals) -> Trigger | None:
+        """A replan when the run has shown unannounced length jumps and the current plan would run
+        out of memory at one as large as the largest: its priced risk (``Surprise.risk``) is then
+        weighed against the plans that hold it. Checked once per plan and jump size; its horizon
+        is the drift triggers' (the headroom is worth as much as the plan runs)."""
+        seen = self.forecast.surprise()
+        if seen is None or self.plan is None or not self.config.drift_triggers:
+            return None
+        key = (self.plan, seen[1])
+        if self._headroom_checked == key:
+            return None
+        self._headroom_checked = key
+        surprise = self.surprise(signals)
+        assert surprise is not None
+        if self._current_estimate(signals, surprise.workload).feasible:
+            return None
+        horizon = min((d.clock.horizon for d in self.drift.values()), default=1.0)
+        return Trigger(
+            "headroom",
+            horizon,
+            detail=f"the current plan runs out of memory at a length jump like the largest unannounced "
+            f"one (x{seen[1]:.2f}, {seen[0]:.0%} of steps)",
+        )
 
     def _current_estimate(self, signals: StepSignals, workload: Workload | None = None) -> Estimate:
         """The current plan's estimate at ``workload`` (default: the measured lengths), re-priced
@@ -456,10 +500,11 @@ class Controller:
             self.cluster_at(signals),
             r.workload,
             r.urgent,
-            r.current_latency,
+            r.current_expected,
             safe_first=not first,
             memory=self.memory_calibration,
             lasting=self.lasting_workload(signals, r) if r.urgent else self.next_step_workload(signals),
+            surprise=self.surprise(signals),
         )
         budget = max(2, cfg.dag_budget_gpus // max(r.dag_cluster.num_gpus, 1))
         search = TargetSearch(
@@ -511,6 +556,18 @@ class Controller:
             reasons.append(
                 "GPUs of the current plan were lost" if lost else "the current plan no longer fits"
             )
+        risk = 0.0
+        surprise = self.surprise(signals)
+        if current_latency is not None and surprise is not None:
+            at_jump = self.backend.estimate(
+                self.plan, cluster, surprise.workload, self.calibration, memory=memory
+            )
+            risk = surprise.risk(at_jump, current_latency)
+            if risk > 0:
+                reasons.append(
+                    f"the current plan runs out of memory at a length jump like the largest unannounced "
+                    f"one: priced at {risk:.2f} s/step"
+                )
         replan = Replan(
             signals,
             tuple(triggers),
@@ -520,6 +577,7 @@ class Controller:
             intact_plan(self.plan, readable),
             self.cluster.with_gpus(max(signals.num_gpus, max(readable, default=0) + 1)),
             workload,
+            risk,
         )
         return replan, reasons
 
@@ -604,7 +662,7 @@ class Controller:
             transition_cost=l_tran,
             considered=considered,
             reason=f"{_kinds(r.triggers)}: {entry['verdict'].removeprefix('admitted: ')}; {how} "
-            f"({chosen.source})",
+            f"({chosen.source}){_headroom_note(r.current_risk, chosen.risk)}",
         )
 
     def _keep_or_restart(self, r: Replan, search: TargetSearch, decision: Any) -> Decision:
@@ -788,6 +846,16 @@ def refused_payback(decision: Decision) -> float | None:
         if "L_tran" in c and c["latency"] < runs
     ]
     return min(paybacks, default=None)
+
+
+def _headroom_note(current_risk: float, target_risk: float) -> str:
+    """What moving does to the priced risk of running out of memory at a length jump (if any)."""
+    if current_risk <= target_risk:
+        return ""
+    return (
+        f"; expected step times include the risk of running out of memory at a length jump "
+        f"({current_risk:.2f} s/step for the current plan, {target_risk:.2f} for the target)"
+    )
 
 
 def _efficiencies(calibration: Any) -> dict[str, float]:

@@ -12,6 +12,12 @@ drift is followed, but a level shift (a curriculum raising the length cap, one n
 not extrapolated onward, which a line fitted through both levels would do. The extrapolated
 change is also clamped to ``clamp`` (relative); the drift triggers keep reading the measured
 values, so the paper's trigger rules are unchanged.
+
+No trend sees a jump coming (a curriculum raising the length cap at a step nobody announced).
+The forecast keeps score of its own misses: every step whose p95 length came in more than
+``clamp`` above the next-step forecast made for it is a *surprise*, and :meth:`LengthForecast.surprise`
+reports how often they came and the largest one, so the controller can price the risk of the
+next one (``control.candidates.Surprise``).
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from typing import Any
 
 from nereus_lightning.control.signals import DRIFT_SIGNALS, StepSignals
 from nereus_lightning.spec.errors import require
+
+_P95 = DRIFT_SIGNALS.index("response_len_p95")
 
 
 class LengthForecast:
@@ -37,13 +45,29 @@ class LengthForecast:
         self.window = window
         self.clamp = clamp
         self.history: deque[tuple[int, tuple[float, ...]]] = deque(maxlen=window)
+        self.scored = 0  # steps whose p95 was compared with the forecast made for it
+        self.surprises: list[float] = []  # measured / forecast p95 of the steps that beat it by > clamp
 
     def observe(self, signals: StepSignals) -> None:
-        """Record one step's measured lengths (a repeated step index replaces the older entry)."""
+        """Record one step's measured lengths (a repeated step index replaces the older entry) and
+        score the next-step forecast that was made for it."""
         values = tuple(signals.value(n) for n in DRIFT_SIGNALS)
         if self.history and self.history[-1][0] >= signals.step:
             self.history.pop()
+        elif self.history:
+            expected = (self.next_step() or {}).get("response_len_p95", self.history[-1][1][_P95])
+            self.scored += 1
+            if expected > 0 and signals.response_len_p95 > expected * (1 + self.clamp):
+                self.surprises.append(signals.response_len_p95 / expected)
         self.history.append((signals.step, values))
+
+    def surprise(self) -> tuple[float, float] | None:
+        """``(rate, ratio)``: the share of scored steps that came in above the forecast by more than
+        ``clamp`` (a jump the trend did not announce), and the largest measured / forecast p95
+        among them; None while there was none."""
+        if not self.surprises:
+            return None
+        return len(self.surprises) / self.scored, max(self.surprises)
 
     def ahead(self, steps: float = 1.0) -> dict[str, float] | None:
         """The lengths ``steps`` steps after the last observation along the minmod trend; None
@@ -86,6 +110,8 @@ class LengthForecast:
             "window": self.window,
             "clamp": self.clamp,
             "history": [[s, list(v)] for s, v in self.history],
+            "scored": self.scored,
+            "surprises": list(self.surprises),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -94,6 +120,8 @@ class LengthForecast:
         self.history = deque(
             ((int(s), tuple(float(x) for x in v)) for s, v in state["history"]), maxlen=self.window
         )
+        self.scored = int(state.get("scored", 0))  # absent in checkpoints of older versions
+        self.surprises = [float(x) for x in state.get("surprises", ())]
 
 
 def _minmod(slopes: list[float]) -> float:

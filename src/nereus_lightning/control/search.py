@@ -10,6 +10,10 @@ target that the memory check rejects a few steps later costs a second move and, 
 leaves the job one length step from running out of memory. Outside the urgent path the lengths
 are those of the next step's memory check, and a target over the cap there is not taken: the
 memory trigger would move away from it at the next boundary.
+
+Targets are compared on their expected step time (``Option.expected``: the latency plus the
+priced risk of running out of memory at a length jump), and so is the current plan
+(``Replan.current_risk``): the gain of moving to headroom is the risk it removes.
 """
 
 from __future__ import annotations
@@ -41,6 +45,12 @@ class Replan:
     intact: Plan | None  # the current plan's units still readable (where a DAG starts)
     dag_cluster: ClusterSpec
     workload: Workload
+    current_risk: float = 0.0  # the current plan's priced risk of running out of memory at a jump
+
+    @property
+    def current_expected(self) -> float | None:
+        """The current plan's expected step time (None: broken)."""
+        return None if self.current_latency is None else self.current_latency + self.current_risk
 
 
 def layouts_of(plan: Plan) -> tuple:
@@ -75,7 +85,7 @@ class TargetSearch:
         self.considered: list[dict[str, Any]] = []
         self.best: Option | None = None
         self.priced = 0
-        self.ref = replan.current_latency
+        self.ref = replan.current_expected
         self.failed: set[tuple] = set()
 
     def _beats(self, opt: Option, net: float) -> bool:
@@ -88,15 +98,18 @@ class TargetSearch:
         """Price and judge one target; True when the search should stop (selection "first")."""
         r = self.r
         self.seen.append(opt)
-        lat = opt.latency
+        lat = opt.expected
         if self.ref is None:
             self.ref = lat  # broken current plan: rank against the first target instead
-        d_l = math.inf if r.current_latency is None else r.current_latency - lat
+        current = r.current_expected
+        d_l = math.inf if current is None else current - lat
         entry: dict[str, Any] = {
             "source": opt.source,
-            "latency": round(lat, 6),
+            "latency": round(opt.latency, 6),
             "dL": None if math.isinf(d_l) else round(d_l, 6),
         }
+        if opt.risk > 0:
+            entry["oom_risk_s"] = round(opt.risk, 6)  # does not hold a length jump: priced
         if not opt.lasts:
             entry["lasts"] = False  # infeasible at the lengths forecast over the horizon
         self.considered.append(entry)
