@@ -201,7 +201,7 @@ class Controller:
         # The run's step limit (None: unbounded): no horizon reaches past it.
         self.max_steps = max_steps
         self._relaunched = False  # state restored: the next pool trigger's pool is the launch's
-        self._headroom_checked: tuple[Plan, float] | None = None  # (plan, jump) last checked for headroom
+        self._headroom_checked: tuple[Plan, bool] | None = None  # (plan, whether it held a jump)
 
     # ----------------------------------------------------------------------------- per step
     def step(self, signals: StepSignals) -> Decision:
@@ -344,25 +344,24 @@ class Controller:
     def _headroom_trigger(self, signals: StepSignals) -> Trigger | None:
         """A replan when the run has shown unannounced length jumps and the current plan would run
         out of memory at one as large as the largest: its priced risk (``Surprise.risk``) is then
-        weighed against the plans that hold it. Checked once per plan and jump size; its horizon
-        is the drift triggers' (the headroom is worth as much as the plan runs)."""
-        seen = self.forecast.surprise()
-        if seen is None or self.plan is None or not self.config.drift_triggers:
-            return None
-        key = (self.plan, seen[1])
-        if self._headroom_checked == key:
-            return None
-        self._headroom_checked = key
+        weighed against the plans that hold it. It fires when a plan is first seen not to hold it
+        (as the lengths grow, a plan chosen for its headroom may lose it, and with it the reason
+        it was chosen); its horizon is the drift triggers' (the headroom is worth as much as the
+        plan runs)."""
         surprise = self.surprise(signals)
-        assert surprise is not None
-        if self._current_estimate(signals, surprise.workload).feasible:
+        if surprise is None or self.plan is None or not self.config.drift_triggers:
             return None
+        holds = bool(self._current_estimate(signals, surprise.workload).feasible)
+        seen, self._headroom_checked = self._headroom_checked, (self.plan, holds)
+        if holds or seen == (self.plan, False):
+            return None
+        rate, ratio = self.forecast.surprise() or (0.0, 0.0)
         horizon = min((d.clock.horizon for d in self.drift.values()), default=1.0)
         return Trigger(
             "headroom",
             horizon,
             detail=f"the current plan runs out of memory at a length jump like the largest unannounced "
-            f"one (x{seen[1]:.2f}, {seen[0]:.0%} of steps)",
+            f"one (x{ratio:.2f}, {rate:.0%} of steps)",
         )
 
     def _current_estimate(self, signals: StepSignals, workload: Workload | None = None) -> Estimate:
