@@ -346,8 +346,8 @@ class Controller:
         out of memory at one as large as the largest: its priced risk (``Surprise.risk``) is then
         weighed against the plans that hold it. It fires when a plan is first seen not to hold it
         (as the lengths grow, a plan chosen for its headroom may lose it, and with it the reason
-        it was chosen); its horizon is the drift triggers' (the headroom is worth as much as the
-        plan runs)."""
+        it was chosen); its horizon is the p95 length's drift clock (the headroom is worth as much
+        as the plan runs, until the next crossing of the length the jumps are measured on)."""
         surprise = self.surprise(signals)
         if surprise is None or self.plan is None or not self.config.drift_triggers:
             return None
@@ -356,7 +356,8 @@ class Controller:
         if holds or seen == (self.plan, False):
             return None
         rate, ratio = self.forecast.surprise() or (0.0, 0.0)
-        horizon = min((d.clock.horizon for d in self.drift.values()), default=1.0)
+        p95 = self.drift.get("response_len_p95")  # the signal the jumps are measured on
+        horizon = p95.clock.horizon if p95 is not None else 1.0
         return Trigger(
             "headroom",
             horizon,
