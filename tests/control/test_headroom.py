@@ -26,9 +26,9 @@ def test_the_forecast_scores_its_misses():
     for step, length in enumerate((1000, 1100, 1200, 1300)):  # a steady rise: forecast, no surprise
         f.observe(sig(step, length=length))
     assert f.surprise() is None and f.scored == 3
-    f.observe(sig(4, length=2800))  # forecast 1,400 (p95 1,540): measured twice that
+    f.observe(sig(4, length=2800))  # forecast 1,400: measured twice that, a rise of 2,800 / 1,300
     rate, ratio = f.surprise()
-    assert rate == pytest.approx(1 / 4) and ratio == pytest.approx(2.0)
+    assert rate == pytest.approx(1 / 4) and ratio == pytest.approx(2800 / 1300)
     f.observe(sig(4, length=2800))  # a repeated step is not scored twice
     assert f.scored == 4
     g = LengthForecast()
@@ -46,7 +46,8 @@ def run(relief_latency: float) -> list:
 
 def test_a_plan_that_would_not_hold_a_jump_like_the_one_seen_moves_to_headroom():
     # After the jump (1 in 4 steps, x2), A fits the next step (2,200 p95, forecast 2,860) but not
-    # another x2: its risk is 1/4 of its 10 s step; A with recomputation holds it for 0.5 s/step.
+    # another x2 (4,400): its risk is 1/4 of its 10 s step; A with recomputation holds it for
+    # 0.5 s/step more.
     decisions = run(relief_latency=10.5)
     assert [d.kind for d in decisions[:4]] == ["none"] * 4
     d = decisions[4]

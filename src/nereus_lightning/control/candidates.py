@@ -9,7 +9,7 @@ layouts (asked for only when the best target failed: one more planner call). Bot
 target that does not last with its over-cap model-stages relieved (:meth:`CandidateSource.relieved`).
 
 Once the run has shown length jumps that no forecast announced (:class:`Surprise`), every target
-is also judged at the next step's lengths times the largest such jump: one that runs out of memory
+is also judged at the lengths planned for times the largest such jump: one that runs out of memory
 there is charged the expected cost of that (:attr:`Option.risk`), and its relieved variants, which
 hold the jump, compete with it on expected step time (:attr:`Option.expected`).
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from nereus_lightning.control.backend import Estimate, PlanningBackend
@@ -31,6 +31,7 @@ from nereus_lightning.control.variants import (
     relief_variants,
 )
 from nereus_lightning.plan.layout import Plan
+from nereus_lightning.plan.memory import MEMORY_HEADROOM
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.errors import InfeasiblePlanError
 from nereus_lightning.spec.workload import Workload, workflow
@@ -40,7 +41,7 @@ from nereus_lightning.spec.workload import Workload, workflow
 class Surprise:
     """The length jumps no forecast announced, as seen so far in the run (``LengthForecast.surprise``).
 
-    ``workload``: the next step's lengths times the largest such jump; ``rate``: the share of
+    ``workload``: the lengths planned for times the largest such jump; ``rate``: the share of
     steps that brought one.
     """
 
@@ -124,7 +125,7 @@ class CandidateSource:
             return None
         opt = Option(plan, est, source)
         if self.surprise is not None:
-            opt.at_jump = self.estimate(plan, self.surprise.workload)
+            opt.at_jump = self.at_jump(plan, self.surprise)
             opt.risk = self.surprise.risk(opt.at_jump, est.step_latency)
         if not self.urgent and self.current_latency is not None and opt.expected >= self.current_latency:
             return None
@@ -136,6 +137,10 @@ class CandidateSource:
     def estimate(self, plan: Plan, workload: Workload) -> Estimate:
         """``plan`` priced at ``workload`` on this replan's pool."""
         return self.backend.estimate(plan, self.cluster, workload, self.calibration, memory=self.memory)
+
+    def at_jump(self, plan: Plan, surprise: Surprise) -> Estimate:
+        """``plan`` priced at a length jump, against the whole GPU memory (``full_memory``)."""
+        return jump_estimate(self.backend, plan, self.cluster, surprise, self.calibration, self.memory)
 
     def relieved(self, options: list[Option | None]) -> list[Option | None]:
         """Each of ``options`` that does not last or does not hold a length jump, with the
@@ -149,18 +154,44 @@ class CandidateSource:
             for v in relief_variants(o.plan, short_of(o))
         ]
 
-    def jump_relief(self) -> list[Option | None]:
-        """The current plan relieved where it does not hold a length jump (its layouts kept: the
-        cheapest move to headroom); empty without a surprise or where it holds it."""
+    def for_jumps(self) -> list[Option | None]:
+        """Targets that hold a length jump (empty without a surprise): the current plan relieved
+        where it does not (its layouts kept: the cheapest move to headroom), and the planner's
+        best plans for the jump's lengths (placed near the current GPUs too), all priced at the
+        lengths planned for."""
         if self.surprise is None:
             return []
-        at_jump = self.estimate(self.current, self.surprise.workload)
-        if at_jump.feasible:
-            return []
-        return [
-            self.price(v, "current plan relieved for a length jump")
-            for v in relief_variants(self.current, over_cap(at_jump, self.current))
-        ]
+        out: list[Option | None] = []
+        at_jump = self.at_jump(self.current, self.surprise)
+        if not at_jump.feasible:
+            out += [
+                self.price(v, "current plan relieved for a length jump")
+                for v in relief_variants(self.current, over_cap(at_jump, self.current))
+            ]
+        try:
+            planned = self.backend.plan(
+                self.cluster, self.surprise.workload, self.calibration, memory=self.memory
+            )
+        except InfeasiblePlanError:
+            return out
+        # Priced at the lengths planned for (their estimates are the jump's).
+        return out + self.near_and_kept([(p, None) for p, _ in planned], "planner for a length jump:")
+
+    def near_and_kept(
+        self, planned: list[tuple[Plan, Estimate | None]], label: str, skip_best: bool = False
+    ) -> list[Option | None]:
+        """Each planner plan (``skip_best``: but the first, priced already), placed near the
+        current GPUs (no swap deadlocks) and with the current layouts kept where they fit
+        (Extend/Destroy only): slightly slower targets with cheaper transitions."""
+        out: list[Option | None] = []
+        for i, (plan, est) in enumerate(planned):
+            source = f"{label} best" if i == 0 else f"{label} alternative {i}"
+            if i > 0 or not skip_best:
+                out.append(self.price(plan, source, est))
+            near = place_near(plan, self.current, self.algorithm)
+            out.append(self.price(near, f"{source}, placed near the current GPUs"))
+            out.append(self.price(keep_layouts(near, self.current), f"{source}, current layouts kept"))
+        return out
 
     def regular(self, signals: StepSignals, try_follow_pool: bool) -> Iterator[Option]:
         """The planner's best plan, then every fallback fastest first.
@@ -180,14 +211,7 @@ class CandidateSource:
         best = self.price(planned[0][0], "planner best", planned[0][1]) if planned else None
         if best is not None:
             yield best
-        rest: list[Option | None] = []
-        for i, (plan, est) in enumerate(planned):
-            source = "planner best" if i == 0 else f"planner alternative {i}"
-            if i > 0:
-                rest.append(self.price(plan, source, est))
-            near = place_near(plan, self.current, self.algorithm)
-            rest.append(self.price(near, f"{source}, placed near the current GPUs"))
-            rest.append(self.price(keep_layouts(near, self.current), f"{source}, current layouts kept"))
+        rest = self.near_and_kept(planned, "planner", skip_best=True)
         refit = None
         if try_follow_pool:
             refit = follow_pool(self.current, self.algorithm, signals.num_gpus, self.sequences_per_step)
@@ -209,7 +233,7 @@ class CandidateSource:
                     self.price(v, "smaller micro-batches / recomputation")
                     for v in relief_variants(base, over_cap(est, base))
                 ]
-        rest += self.jump_relief()
+        rest += self.for_jumps()
         rest += self.relieved([best, *rest])
         yield from self._safe_first(o for o in rest if o is not None)
 
@@ -262,6 +286,27 @@ class CandidateSource:
 def layout_changes(plan: Plan, current: Plan) -> int:
     """How many model-stages of ``plan`` run another TP/PP layout than in ``current`` (Split/Merge needed)."""
     return sum(1 for name, cand in plan.items() if name not in current or current[name].layout != cand.layout)
+
+
+def jump_estimate(
+    backend: PlanningBackend,
+    plan: Plan,
+    cluster: ClusterSpec,
+    surprise: Surprise,
+    calibration: Any,
+    memory: Any,
+) -> Estimate:
+    """``plan`` on ``cluster`` at the lengths of a length jump (``surprise``), its memory judged
+    against the whole GPU memory: the planner's headroom absorbs prediction errors at the lengths
+    planned for, and the jump is already the worst one seen."""
+    return backend.estimate(plan, full_memory(cluster), surprise.workload, calibration, memory=memory)
+
+
+def full_memory(cluster: ClusterSpec) -> ClusterSpec:
+    """``cluster`` as the cost model must see it to tell a real out-of-memory: its memory cap the
+    whole GPU memory. The planner keeps a headroom below it (``plan.memory.MEMORY_HEADROOM``); a
+    step runs out of memory only when it needs more than the GPU has."""
+    return replace(cluster, gpu_memory=cluster.gpu_memory / (1 - MEMORY_HEADROOM))
 
 
 def short_of(opt: Option) -> set[str]:

@@ -39,7 +39,7 @@ from typing import Any
 
 from nereus_lightning.control.attribution import PHASES, PhasedEstimate, op_times
 from nereus_lightning.control.backend import Estimate, PlanningBackend, op_totals
-from nereus_lightning.control.candidates import CandidateSource, Surprise
+from nereus_lightning.control.candidates import CandidateSource, Surprise, jump_estimate
 from nereus_lightning.control.decision import Decision, DecisionLog, describe_plan
 from nereus_lightning.control.forecast import LengthForecast
 from nereus_lightning.control.search import Replan, TargetSearch
@@ -275,13 +275,13 @@ class Controller:
 
     def surprise(self, signals: StepSignals) -> Surprise | None:
         """The length jumps no forecast announced so far (``LengthForecast.surprise``) as a
-        :class:`~nereus_lightning.control.candidates.Surprise`: the next step's lengths times the
+        :class:`~nereus_lightning.control.candidates.Surprise`: the lengths planned for times the
         largest of them, and how often they came; None while there was none."""
         seen = self.forecast.surprise()
         if seen is None:
             return None
         rate, ratio = seen
-        base = self.next_step_workload(signals)
+        base = self.planning_workload(signals)
         jump = replace(
             base,
             response_len=base.response_len * ratio,
@@ -351,7 +351,15 @@ class Controller:
         surprise = self.surprise(signals)
         if surprise is None or self.plan is None or not self.config.drift_triggers:
             return None
-        holds = bool(self._current_estimate(signals, surprise.workload).feasible)
+        at_jump = jump_estimate(
+            self.backend,
+            self.plan,
+            self.cluster_at(signals),
+            surprise,
+            self.calibration,
+            self.memory_calibration,
+        )
+        holds = bool(at_jump.feasible)
         seen, self._headroom_checked = self._headroom_checked, (self.plan, holds)
         if holds or seen == (self.plan, False):
             return None
@@ -559,9 +567,7 @@ class Controller:
         risk = 0.0
         surprise = self.surprise(signals)
         if current_latency is not None and surprise is not None:
-            at_jump = self.backend.estimate(
-                self.plan, cluster, surprise.workload, self.calibration, memory=memory
-            )
+            at_jump = jump_estimate(self.backend, self.plan, cluster, surprise, self.calibration, memory)
             risk = surprise.risk(at_jump, current_latency)
             if risk > 0:
                 reasons.append(

@@ -16,8 +16,8 @@ values, so the paper's trigger rules are unchanged.
 No trend sees a jump coming (a curriculum raising the length cap at a step nobody announced).
 The forecast keeps score of its own misses: every step whose p95 length came in more than
 ``clamp`` above the next-step forecast made for it is a *surprise*, and :meth:`LengthForecast.surprise`
-reports how often they came and the largest one, so the controller can price the risk of the
-next one (``control.candidates.Surprise``).
+reports how often they came and the largest step-to-step rise among them, so the controller can
+price the risk of the next one (``control.candidates.Surprise``).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class LengthForecast:
         self.clamp = clamp
         self.history: deque[tuple[int, tuple[float, ...]]] = deque(maxlen=window)
         self.scored = 0  # steps whose p95 was compared with the forecast made for it
-        self.surprises: list[float] = []  # measured / forecast p95 of the steps that beat it by > clamp
+        self.surprises: list[float] = []  # p95 over the step before's, where it beat the forecast by > clamp
 
     def observe(self, signals: StepSignals) -> None:
         """Record one step's measured lengths (a repeated step index replaces the older entry) and
@@ -55,16 +55,17 @@ class LengthForecast:
         if self.history and self.history[-1][0] >= signals.step:
             self.history.pop()
         elif self.history:
-            expected = (self.next_step() or {}).get("response_len_p95", self.history[-1][1][_P95])
+            last = self.history[-1][1][_P95]
+            expected = (self.next_step() or {}).get("response_len_p95", last)
             self.scored += 1
-            if expected > 0 and signals.response_len_p95 > expected * (1 + self.clamp):
-                self.surprises.append(signals.response_len_p95 / expected)
+            if last > 0 and signals.response_len_p95 > expected * (1 + self.clamp):
+                self.surprises.append(signals.response_len_p95 / last)
         self.history.append((signals.step, values))
 
     def surprise(self) -> tuple[float, float] | None:
         """``(rate, ratio)``: the share of scored steps that came in above the forecast by more than
-        ``clamp`` (a jump the trend did not announce), and the largest measured / forecast p95
-        among them; None while there was none."""
+        ``clamp`` (a jump the trend did not announce), and the largest rise of the p95 length over
+        the step before among them; None while there was none."""
         if not self.surprises:
             return None
         return len(self.surprises) / self.scored, max(self.surprises)
