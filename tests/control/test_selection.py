@@ -270,10 +270,9 @@ def test_variants_keep_colocated_groups_together():
     assert colocated(moved, stage_of) == (("actor_infer", "ref_infer"),)
 
 
-def test_a_target_that_does_not_last_is_also_tried_relieved():
-    # The current plan A runs out of memory at the next step's length; the planner's best B fits
-    # now but not at the forecast; B with recomputation (a little slower) lasts, and beats the
-    # current plan relieved (A with recomputation, slower still).
+def _last_of_a_rise(relieved_latency: float):  # noqa: ANN202
+    """The current plan A runs out of memory at the next step's length; the planner's best B (5 s)
+    fits now but not at the forecast; B with recomputation lasts. The urgent decision."""
     a_rc, b_rc = gen_plan(1, 4, recompute=True), gen_plan(2, 4, recompute=True)
 
     class Growing(FakeBackend):
@@ -282,14 +281,28 @@ def test_a_target_that_does_not_last_is_also_tried_relieved():
             est.feasible = est.feasible and (plan.items()[0][1].recompute or workload.response_len < 1350)
             return est
 
-    backend = Growing([B], {A: 10.0, B: 5.0, a_rc: 20.0, b_rc: 6.0}, tran={B: 1.0, b_rc: 1.0, a_rc: 0.0})
-    ctl = controller(backend)
+    latency = {A: 10.0, B: 5.0, a_rc: 20.0, b_rc: relieved_latency}
+    ctl = controller(Growing([B], latency, tran={B: 1.0, b_rc: 1.0, a_rc: 0.0}))
     for step, length in enumerate((1000, 1100, 1200)):
         assert ctl.step(sig(step, length=length)).kind == "none"
-    d = ctl.step(sig(3, length=1290))
+    return ctl.step(sig(3, length=1290)), b_rc
+
+
+def test_a_target_that_does_not_last_is_also_tried_relieved():
+    # B relieved, a little slower, lasts: it beats B (whose 5 s/step gain counts for one step, and
+    # which pays for two moves) and the current plan relieved (A with recomputation, slower still).
+    d, b_rc = _last_of_a_rise(5.5)
     assert d.urgent and d.kind == "transition" and d.target == b_rc
     verdicts = {c["source"]: c.get("lasts", True) for c in d.considered}
     assert verdicts["planner best"] is False and verdicts["planner best, relieved"] is True
+
+
+def test_a_target_that_does_not_last_is_priced_not_ruled_out():
+    # B relieved at 9 s/step lasts, but gains 1 s/step where B gains 5 s for its one step: B
+    # (net 5 - 2 x 1 s of moves = 3 s) beats it (1 - 1 = 0 s), and says it does not last.
+    d, _ = _last_of_a_rise(9.0)
+    assert d.urgent and d.kind == "transition" and d.target == B
+    assert "does not last the forecast over the horizon (priced" in d.reason
 
 
 def test_outside_the_urgent_path_a_target_over_the_cap_at_the_next_step_is_not_taken():

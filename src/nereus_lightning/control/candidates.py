@@ -17,7 +17,7 @@ hold the jump, compete with it on expected step time (:attr:`Option.expected`).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -178,7 +178,7 @@ class CandidateSource:
         return out + self.near_and_kept([(p, None) for p, _ in planned], "planner for a length jump:")
 
     def near_and_kept(
-        self, planned: list[tuple[Plan, Estimate | None]], label: str, skip_best: bool = False
+        self, planned: Sequence[tuple[Plan, Estimate | None]], label: str, skip_best: bool = False
     ) -> list[Option | None]:
         """Each planner plan (``skip_best``: but the first, priced already), placed near the
         current GPUs (no swap deadlocks) and with the current layouts kept where they fit

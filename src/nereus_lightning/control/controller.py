@@ -615,7 +615,9 @@ class Controller:
         entry, l_tran = chosen.notes["entry"], chosen.notes["l_tran"]
         how = "first admitted target" if search.first else "largest net benefit gamma*H_x*dL - L_tran"
         if not chosen.lasts:
-            how += "; no target lasts the forecast over the horizon"
+            how += (
+                "; it does not last the forecast over the horizon (priced: its gain for one step, two moves)"
+            )
         considered = tuple(search.considered)
         if r.urgent:
             fastest = min(search.seen, key=lambda o: o.latency)
