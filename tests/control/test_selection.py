@@ -5,12 +5,14 @@ from __future__ import annotations
 import pytest
 
 from nereus_lightning.control import ControllerConfig, LengthForecast
-from nereus_lightning.control.candidates import layout_changes
+from nereus_lightning.control.candidates import Option, layout_changes
+from nereus_lightning.control.search import Replan, TargetSearch
+from nereus_lightning.control.triggers import Trigger
 from nereus_lightning.plan import job_models, plan_job
 from nereus_lightning.plan.layout import Candidate, Layout, Plan
 from nereus_lightning.spec import CLUSTER_PRESETS, MODEL_PRESETS, Workload
 from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
-from tests.control.fakes import CLUSTER, FakeBackend, controller, gen_plan, sig
+from tests.control.fakes import CLUSTER, FakeBackend, FakeEstimate, controller, gen_plan, sig
 
 A, B, C, D = gen_plan(1, 4), gen_plan(2, 4), gen_plan(4, 2), gen_plan(8, 1)
 
@@ -298,11 +300,24 @@ def test_a_target_that_does_not_last_is_also_tried_relieved():
 
 
 def test_a_target_that_does_not_last_is_priced_not_ruled_out():
-    # B relieved at 9 s/step lasts, but gains 1 s/step where B gains 5 s for its one step: B
-    # (net 5 - 2 x 1 s of moves = 3 s) beats it (1 - 1 = 0 s), and says it does not last.
-    d, _ = _last_of_a_rise(9.0)
-    assert d.urgent and d.kind == "transition" and d.target == B
-    assert "does not last the forecast over the horizon (priced" in d.reason
+    # Urgent, H = 4 (weight gamma * H = 2) from a 10 s/step plan, 1 s per move. A lasting target
+    # earns 2 x its gain; one that does not last earns its gain once and pays for two moves; one
+    # that does not even fit the next step also loses that step.
+    def chosen(lasting_latency: float) -> str:
+        backend = FakeBackend([], {}, tran={B: 1.0, C: 1.0, D: 1.0})
+        r = Replan(sig(5), (Trigger("memory", 4.0, urgent=True),), 4.0, True, 10.0, A, CLUSTER, Workload())
+        search = TargetSearch(r, backend, controller(backend)._profitable, gamma=0.5, budget=10)
+        for opt in (
+            Option(B, FakeEstimate(5.0), "breaks within the horizon", lasts=False),  # net 5 - 2 = 3
+            Option(C, FakeEstimate(3.0), "breaks at the next step", lasts=False, runs_next=False),  # 7-2-3
+            Option(D, FakeEstimate(lasting_latency), "lasts"),  # 2 x (10 - latency) - 1
+        ):
+            search.evaluate(opt)
+        assert search.best is not None
+        return search.best.source
+
+    assert chosen(9.0) == "breaks within the horizon"
+    assert chosen(7.5) == "lasts"
 
 
 def test_outside_the_urgent_path_a_target_over_the_cap_at_the_next_step_is_not_taken():

@@ -64,6 +64,7 @@ class Option:
     source: str
     notes: dict[str, Any] = field(default_factory=dict)
     lasts: bool = True  # still feasible at the lengths forecast over the horizon
+    runs_next: bool = True  # feasible at the next step's lengths (the memory check's)
     at_lasting: Estimate | None = None  # its estimate at those lengths (None: not checked)
     risk: float = 0.0  # expected s/step lost to running out of memory at a length jump (Surprise)
     at_jump: Estimate | None = None  # its estimate at the jump's lengths (None: not checked)
@@ -97,6 +98,7 @@ class CandidateSource:
         memory: Any = None,
         lasting: Workload | None = None,
         surprise: Surprise | None = None,
+        next_step: Workload | None = None,
     ) -> None:
         self.backend, self.calibration, self.current = backend, calibration, current
         self.memory = memory  # the memory calibration every plan is priced with
@@ -109,6 +111,9 @@ class CandidateSource:
         # The lengths forecast over the horizon (outside the urgent path: the next step's): a
         # target infeasible there does not last. No second pricing where they are the planned ones.
         self.lasting = None if lasting == workload else lasting
+        # The next step's lengths (never above the lasting ones): where a target that does not
+        # last is checked again, for whether it runs one step at all (None: not checked).
+        self.next_step = next_step
         self.seen: set[Plan] = {current}
         self.reasons: list[str] = []
 
@@ -132,7 +137,19 @@ class CandidateSource:
         if self.lasting is not None:
             opt.at_lasting = self.estimate(plan, self.lasting)
             opt.lasts = bool(opt.at_lasting.feasible)
+            opt.runs_next = opt.lasts or self.runs_next(plan)
         return opt
+
+    def runs_next(self, plan: Plan) -> bool:
+        """Whether ``plan`` (feasible at the planned lengths) runs the next step without running
+        out of memory: at the next step's lengths, against the whole GPU memory (``full_memory``:
+        the planner's headroom is for prediction errors, not part of what runs out)."""
+        if self.next_step is None or self.next_step == self.workload:
+            return True
+        est = self.backend.estimate(
+            plan, full_memory(self.cluster), self.next_step, self.calibration, memory=self.memory
+        )
+        return bool(est.feasible)
 
     def estimate(self, plan: Plan, workload: Workload) -> Estimate:
         """``plan`` priced at ``workload`` on this replan's pool."""

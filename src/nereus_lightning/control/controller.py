@@ -512,6 +512,7 @@ class Controller:
             safe_first=not first,
             memory=self.memory_calibration,
             lasting=self.lasting_workload(signals, r) if r.urgent else self.next_step_workload(signals),
+            next_step=self.next_step_workload(signals),
             surprise=self.surprise(signals),
         )
         budget = max(2, cfg.dag_budget_gpus // max(r.dag_cluster.num_gpus, 1))
@@ -589,7 +590,7 @@ class Controller:
 
     def lasting_workload(self, signals: StepSignals, replan: Replan) -> Workload | None:
         """The lengths a target must still fit: the forecast over the horizon, never below the
-        lengths planned for.
+        lengths planned for nor the next step's memory check (``next_step_workload``).
 
         The forecast moves at most ``delta_len`` from the last measurement (its clamp): a
         larger move fires a drift trigger and a replan anyway, so a target need not fit beyond
@@ -598,7 +599,7 @@ class Controller:
         ahead = self.forecast.ahead(max(1.0, replan.horizon))
         if ahead is None:
             return None
-        base = replan.workload
+        base = self.next_step_workload(replan.signals)
         mean = max(base.response_len, ahead["response_len"])
         return replace(
             base,

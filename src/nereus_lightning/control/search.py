@@ -95,12 +95,14 @@ class TargetSearch:
         against the reference latency. A target that does not last earns its gain for one step
         (the memory trigger moves away from it before it breaks; what runs after that is not
         known to beat the current plan) and pays for two moves (the one away costs about as much
-        as the one in)."""
+        as the one in); one that does not even fit the next step also loses that step (it runs
+        out of memory)."""
         assert self.ref is not None  # set by evaluate before any target is judged
         gain = self.ref - opt.expected
         if opt.lasts:
             return self.weight * gain - l_tran
-        return min(self.weight, 1.0) * gain - 2 * l_tran
+        lost = 0.0 if opt.runs_next else opt.latency
+        return min(self.weight, 1.0) * gain - 2 * l_tran - lost
 
     def evaluate(self, opt: Option) -> bool:
         """Price and judge one target; True when the search should stop (selection "first")."""
