@@ -16,6 +16,10 @@ paper (section 4 of "Nereus: Adaptive Parallelism for LLM Post-Training"):
 * urgent path (revocation, memory pressure that breaks the current plan): profitability is
   waived, smaller micro-batches and recomputation are considered, and checkpoint/restart is the
   last resort;
+* headroom for unannounced length jumps: once the length forecast has been surprised
+  (``LengthForecast.surprise``), plans are compared on expected step time, their latency plus
+  the priced risk of running out of memory at a jump like the largest seen
+  (``candidates.Surprise``); a ``headroom`` trigger fires when the current plan stops holding one;
 * calibration: measured op-class times correct the time model (``calibration``), and measured
   per-stage peak memory the memory model (``memory_calibration``, a
   :class:`~nereus_lightning.plan.calibration.MemoryCalibration`): every plan, the current one
