@@ -17,7 +17,7 @@ hold the jump, compete with it on expected step time (:attr:`Option.expected`).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -171,44 +171,19 @@ class CandidateSource:
             for v in relief_variants(o.plan, short_of(o))
         ]
 
-    def for_jumps(self) -> list[Option | None]:
-        """Targets that hold a length jump (empty without a surprise): the current plan relieved
-        where it does not (its layouts kept: the cheapest move to headroom), and the planner's
-        best plans for the jump's lengths (placed near the current GPUs too), all priced at the
-        lengths planned for."""
+    def jump_relief(self) -> list[Option | None]:
+        """The current plan relieved where it does not hold a length jump (its layouts kept: the
+        cheapest move to headroom); empty without a surprise or where it holds it. (The other
+        targets that do not hold it are relieved in :meth:`relieved`.)"""
         if self.surprise is None:
             return []
-        out: list[Option | None] = []
         at_jump = self.at_jump(self.current, self.surprise)
-        if not at_jump.feasible:
-            out += [
-                self.price(v, "current plan relieved for a length jump")
-                for v in relief_variants(self.current, over_cap(at_jump, self.current))
-            ]
-        try:
-            planned = self.backend.plan(
-                self.cluster, self.surprise.workload, self.calibration, memory=self.memory
-            )
-        except InfeasiblePlanError:
-            return out
-        # Priced at the lengths planned for (their estimates are the jump's).
-        return out + self.near_and_kept([(p, None) for p, _ in planned], "planner for a length jump:")
-
-    def near_and_kept(
-        self, planned: Sequence[tuple[Plan, Estimate | None]], label: str, skip_best: bool = False
-    ) -> list[Option | None]:
-        """Each planner plan (``skip_best``: but the first, priced already), placed near the
-        current GPUs (no swap deadlocks) and with the current layouts kept where they fit
-        (Extend/Destroy only): slightly slower targets with cheaper transitions."""
-        out: list[Option | None] = []
-        for i, (plan, est) in enumerate(planned):
-            source = f"{label} best" if i == 0 else f"{label} alternative {i}"
-            if i > 0 or not skip_best:
-                out.append(self.price(plan, source, est))
-            near = place_near(plan, self.current, self.algorithm)
-            out.append(self.price(near, f"{source}, placed near the current GPUs"))
-            out.append(self.price(keep_layouts(near, self.current), f"{source}, current layouts kept"))
-        return out
+        if at_jump.feasible:
+            return []
+        return [
+            self.price(v, "current plan relieved for a length jump")
+            for v in relief_variants(self.current, over_cap(at_jump, self.current))
+        ]
 
     def regular(self, signals: StepSignals, try_follow_pool: bool) -> Iterator[Option]:
         """The planner's best plan, then every fallback fastest first.
@@ -228,7 +203,14 @@ class CandidateSource:
         best = self.price(planned[0][0], "planner best", planned[0][1]) if planned else None
         if best is not None:
             yield best
-        rest = self.near_and_kept(planned, "planner", skip_best=True)
+        rest: list[Option | None] = []
+        for i, (plan, est) in enumerate(planned):
+            source = "planner best" if i == 0 else f"planner alternative {i}"
+            if i > 0:
+                rest.append(self.price(plan, source, est))
+            near = place_near(plan, self.current, self.algorithm)
+            rest.append(self.price(near, f"{source}, placed near the current GPUs"))
+            rest.append(self.price(keep_layouts(near, self.current), f"{source}, current layouts kept"))
         refit = None
         if try_follow_pool:
             refit = follow_pool(self.current, self.algorithm, signals.num_gpus, self.sequences_per_step)
@@ -250,7 +232,7 @@ class CandidateSource:
                     self.price(v, "smaller micro-batches / recomputation")
                     for v in relief_variants(base, over_cap(est, base))
                 ]
-        rest += self.for_jumps()
+        rest += self.jump_relief()
         rest += self.relieved([best, *rest])
         yield from self._safe_first(o for o in rest if o is not None)
 
