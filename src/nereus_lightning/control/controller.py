@@ -43,7 +43,7 @@ from typing import Any
 
 from nereus_lightning.control.attribution import PHASES, PhasedEstimate, op_times
 from nereus_lightning.control.backend import Estimate, PlanningBackend, op_totals
-from nereus_lightning.control.candidates import CandidateSource, Surprise, jump_estimate
+from nereus_lightning.control.candidates import CandidateSource, Surprise, full_memory, jump_estimate
 from nereus_lightning.control.decision import Decision, DecisionLog, describe_plan
 from nereus_lightning.control.forecast import LengthForecast
 from nereus_lightning.control.search import Replan, TargetSearch
@@ -355,15 +355,7 @@ class Controller:
         surprise = self.surprise(signals)
         if surprise is None or self.plan is None or not self.config.drift_triggers:
             return None
-        at_jump = jump_estimate(
-            self.backend,
-            self.plan,
-            self.cluster_at(signals),
-            surprise,
-            self.calibration,
-            self.memory_calibration,
-        )
-        holds = bool(at_jump.feasible)
+        holds = bool(self._cached_estimate(signals, surprise.workload, whole_memory=True)[0].feasible)
         seen, self._headroom_checked = self._headroom_checked, (self.plan, holds)
         if holds or seen == (self.plan, False):
             return None
@@ -388,13 +380,16 @@ class Controller:
         """
         return self._cached_estimate(signals, workload or self.workload_at(signals))[0]
 
-    def _cached_estimate(self, signals: StepSignals, workload: Workload) -> tuple[Estimate, dict[str, float]]:
+    def _cached_estimate(
+        self, signals: StepSignals, workload: Workload, whole_memory: bool = False
+    ) -> tuple[Estimate, dict[str, float]]:
         tol = self.config.memory_check_tolerance
         key = (
             signals.num_gpus,
             _bucket(workload.response_len, tol),
             _bucket(workload.response_len_p95, tol),
             _bucket(workload.prompt_len + 1, tol),
+            whole_memory,  # judged against the whole GPU memory (``full_memory``), not the cap
         )
         hit = self._estimates.get(key)
         if hit is None:
@@ -402,6 +397,8 @@ class Controller:
             if len(self._estimates) >= 4:
                 self._estimates.clear()
             cluster, memory = self.cluster_at(signals), self.memory_calibration
+            if whole_memory:
+                cluster = full_memory(cluster)
             est = self.backend.estimate(self.plan, cluster, workload, self.calibration, memory=memory)
             hit = self._estimates[key] = (est, _efficiencies(self.calibration))
         return hit
