@@ -156,8 +156,12 @@ class CandidateSource:
         return self.backend.estimate(plan, self.cluster, workload, self.calibration, memory=self.memory)
 
     def at_jump(self, plan: Plan, surprise: Surprise) -> Estimate:
-        """``plan`` priced at a length jump, against the whole GPU memory (``full_memory``)."""
-        return jump_estimate(self.backend, plan, self.cluster, surprise, self.calibration, self.memory)
+        """``plan`` priced at a length jump, its memory against the whole GPU memory
+        (``full_memory``): the planner's headroom absorbs prediction errors at the lengths planned
+        for, and the jump is already the worst one seen."""
+        return self.backend.estimate(
+            plan, full_memory(self.cluster), surprise.workload, self.calibration, memory=self.memory
+        )
 
     def relieved(self, options: list[Option | None]) -> list[Option | None]:
         """Each of ``options`` that does not last or does not hold a length jump, with the
@@ -285,20 +289,6 @@ class CandidateSource:
 def layout_changes(plan: Plan, current: Plan) -> int:
     """How many model-stages of ``plan`` run another TP/PP layout than in ``current`` (Split/Merge needed)."""
     return sum(1 for name, cand in plan.items() if name not in current or current[name].layout != cand.layout)
-
-
-def jump_estimate(
-    backend: PlanningBackend,
-    plan: Plan,
-    cluster: ClusterSpec,
-    surprise: Surprise,
-    calibration: Any,
-    memory: Any,
-) -> Estimate:
-    """``plan`` on ``cluster`` at the lengths of a length jump (``surprise``), its memory judged
-    against the whole GPU memory: the planner's headroom absorbs prediction errors at the lengths
-    planned for, and the jump is already the worst one seen."""
-    return backend.estimate(plan, full_memory(cluster), surprise.workload, calibration, memory=memory)
 
 
 def full_memory(cluster: ClusterSpec) -> ClusterSpec:

@@ -43,7 +43,7 @@ from typing import Any
 
 from nereus_lightning.control.attribution import PHASES, PhasedEstimate, op_times
 from nereus_lightning.control.backend import Estimate, PlanningBackend, op_totals
-from nereus_lightning.control.candidates import CandidateSource, Surprise, full_memory, jump_estimate
+from nereus_lightning.control.candidates import CandidateSource, Surprise, full_memory
 from nereus_lightning.control.decision import Decision, DecisionLog, describe_plan
 from nereus_lightning.control.forecast import LengthForecast
 from nereus_lightning.control.search import Replan, TargetSearch
@@ -569,7 +569,7 @@ class Controller:
         risk = 0.0
         surprise = self.surprise(signals)
         if current_latency is not None and surprise is not None:
-            at_jump = jump_estimate(self.backend, self.plan, cluster, surprise, self.calibration, memory)
+            at_jump = self._cached_estimate(signals, surprise.workload, whole_memory=True)[0]
             risk = surprise.risk(at_jump, current_latency)
             if risk > 0:
                 reasons.append(
