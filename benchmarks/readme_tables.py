@@ -253,6 +253,7 @@ def families_table() -> str:
             [
                 run["combination"],
                 run["family"],
+                str(run["seed"]),
                 best.replace(NEREUS, "**Nereus**"),
                 f"{r[NEREUS]['mean_step_s']:.2f}",
                 _gap(r[NEREUS]),
@@ -262,6 +263,7 @@ def families_table() -> str:
     head = [
         "model, algorithm, cluster, pool",
         "family",
+        "seed",
         "best non-oracle",
         "Nereus s/step",
         "Nereus gap to oracle",
