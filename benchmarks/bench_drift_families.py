@@ -2,8 +2,10 @@
 
 For every combination and family (one seeded member each, ``--seeds`` more): the policy table
 (static, always-switch, every-3-steps, Nereus(0.5), oracle): mean s/step, infeasible steps and
-the gap to the oracle; then per combination whether Nereus is the best non-oracle policy with no
-more infeasible steps than any other. Writes ``benchmarks/results/drift_families.json``.
+the gap to the oracle, and per run whether Nereus is the best non-oracle policy with no more
+infeasible steps than any other; then the same verdict per combination, on each policy's mean
+s/step and total infeasible steps over all its families and seeds. Writes
+``benchmarks/results/drift_families.json``.
 
 Usage: ``python benchmarks/bench_drift_families.py [--seeds N] [--combos i,j] [--families a,b]``.
 """
@@ -45,6 +47,37 @@ def verdict(rows: dict) -> dict:
     }
 
 
+def combination_verdicts(runs: list[dict]) -> list[dict]:
+    """Per combination, over all its families and seeds: each policy's mean s/step and total
+    infeasible steps, and whether Nereus is the best non-oracle policy with the fewest infeasible."""
+    out = []
+    for name in dict.fromkeys(r["combination"] for r in runs):
+        mine = [r for r in runs if r["combination"] == name]
+        policies = {
+            p: {
+                "mean_step_s": sum(r["rows"][p]["mean_step_s"] for r in mine) / len(mine),
+                "infeasible_steps": sum(r["rows"][p]["infeasible_steps"] for r in mine),
+            }
+            for p in mine[0]["rows"]
+        }
+        nereus = policies[NEREUS]
+        others = {p: v for p, v in policies.items() if p not in ("oracle", NEREUS)}
+        runner = min(others, key=lambda p: others[p]["mean_step_s"])
+        out.append(
+            {
+                "combination": name,
+                "runs": len(mine),
+                "policies": policies,
+                "best": nereus["mean_step_s"] <= others[runner]["mean_step_s"] * (1 + 1e-9),
+                "runner_up": runner,
+                "margin": others[runner]["mean_step_s"] - nereus["mean_step_s"],
+                "fewest_infeasible": nereus["infeasible_steps"]
+                <= min(v["infeasible_steps"] for v in others.values()),
+            }
+        )
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Run the grid; print one line per run and a summary; write the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -74,15 +107,27 @@ def main(argv: list[str] | None = None) -> dict:
                     flush=True,
                 )
     gaps = [r["gap"] for r in runs]
+    combinations = combination_verdicts(runs)
+    for c in combinations:
+        cells = " ".join(
+            f"{n.split('(')[0]}={v['mean_step_s']:.2f}/{v['infeasible_steps']}"
+            for n, v in c["policies"].items()
+        )
+        ok = "OK" if c["best"] and c["fewest_infeasible"] else "FAIL"
+        print(f"{c['combination']} | {c['runs']} runs | {cells} | {ok}", flush=True)
     summary = {
         "runs": len(runs),
         "nereus_best": sum(r["best"] for r in runs),
         "nereus_fewest_infeasible": sum(r["fewest_infeasible"] for r in runs),
         "mean_gap_to_oracle": sum(gaps) / len(gaps),
+        "combinations": len(combinations),
+        "combinations_nereus_best": sum(c["best"] for c in combinations),
+        "combinations_nereus_fewest_infeasible": sum(c["fewest_infeasible"] for c in combinations),
     }
     print(json.dumps(summary))
     Path(args.out).parent.mkdir(exist_ok=True)
-    Path(args.out).write_text(json.dumps({"summary": summary, "runs": runs}, indent=1))
+    result = {"summary": summary, "combinations": combinations, "runs": runs}
+    Path(args.out).write_text(json.dumps(result, indent=1))
     return summary
 
 

@@ -253,6 +253,7 @@ def families_table() -> str:
             [
                 run["combination"],
                 run["family"],
+                str(run["seed"]),
                 best.replace(NEREUS, "**Nereus**"),
                 f"{r[NEREUS]['mean_step_s']:.2f}",
                 _gap(r[NEREUS]),
@@ -262,6 +263,7 @@ def families_table() -> str:
     head = [
         "model, algorithm, cluster, pool",
         "family",
+        "seed",
         "best non-oracle",
         "Nereus s/step",
         "Nereus gap to oracle",
@@ -276,8 +278,32 @@ def families_table() -> str:
             f"of {s['runs']} runs, has no more infeasible steps than any other policy in "
             f"{s['nereus_fewest_infeasible']}, and is {s['mean_gap_to_oracle']:+.2%} from the "
             "oracle on average.",
+            "",
+            *_combinations_table(data["combinations"]),
+            "",
+            f"Per combination (mean s/step and infeasible steps over all its runs), Nereus is the "
+            f"best non-oracle policy in {s['combinations_nereus_best']} of {s['combinations']} and "
+            f"has no more infeasible steps than any other in {s['combinations_nereus_fewest_infeasible']}.",
         ]
     )
+
+
+def _combinations_table(combinations: list[dict]) -> list[str]:
+    """Per combination: every policy's mean s/step / infeasible steps over its runs, the best in bold."""
+    names = list(combinations[0]["policies"])
+    rows = []
+    for c in combinations:
+        p = c["policies"]
+        best = _best(p)
+        cells = [f"{p[n]['mean_step_s']:.2f} / {p[n]['infeasible_steps']}" for n in names]
+        rows.append(
+            [
+                c["combination"],
+                str(c["runs"]),
+                *(f"**{x}**" if n == best else x for n, x in zip(names, cells, strict=True)),
+            ]
+        )
+    return _table(["model, algorithm, cluster, pool", "runs", *names], rows)
 
 
 TABLES: dict[str, Callable[[], str]] = {

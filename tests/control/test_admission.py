@@ -7,6 +7,7 @@ import json
 import pytest
 
 from nereus_lightning.control import DecisionLog
+from nereus_lightning.control.triggers import Trigger, smallest_horizon
 from tests.control.fakes import FakeBackend, controller, gen_plan, sig
 
 A, B, C = gen_plan(1, 4), gen_plan(2, 4), gen_plan(4, 2)
@@ -36,19 +37,20 @@ def test_reference_resets_after_rejected_replan():
     assert ctl.step(sig(3, length=1900)).kind == "keep"  # +36% of 1400
 
 
-def test_horizon_is_one_step_before_any_interval_and_updates_only_at_crossings():
+def test_horizon_counts_the_first_interval_from_the_first_step_and_updates_only_at_crossings():
     backend = FakeBackend([A, B], {A: 10.0, B: 5.0}, tran={B: 1000.0})
     ctl = controller(backend, drift_signals=("response_len",))
     ctl.step(sig(0, length=1000))
-    d = ctl.step(sig(1, length=1400))
-    assert d.horizon == 1.0  # first crossing: no interval seen yet
-    for s in range(2, 6):  # no crossing: the EMA must not move
+    ctl.step(sig(1, length=1050))
+    d = ctl.step(sig(2, length=1400))
+    assert d.horizon == 2.0  # first crossing: the length held since step 0
+    for s in range(3, 7):  # no crossing: the EMA must not move
         ctl.step(sig(s, length=1450))
-        assert ctl.drift["response_len"].clock.ema is None
-    d = ctl.step(sig(6, length=2000))
-    assert d.horizon == 5.0  # interval 6 - 1
-    d = ctl.step(sig(9, length=2700))
-    assert d.horizon == pytest.approx(0.5 * 3 + 0.5 * 5)
+        assert ctl.drift["response_len"].clock.ema == 2.0
+    d = ctl.step(sig(7, length=2000))
+    assert d.horizon == pytest.approx(0.5 * 5 + 0.5 * 2)  # interval 7 - 2
+    d = ctl.step(sig(10, length=2700))
+    assert d.horizon == pytest.approx(0.5 * 3 + 0.5 * 3.5)
 
 
 def test_smallest_horizon_wins():
@@ -214,3 +216,11 @@ def test_urgent_restart_when_the_reachable_target_is_much_slower():
         assert d.urgent and d.kind == expected, (h_ema, d.reason)
         # restart: 300 s / 35 s per step = 8.6 steps <= 0.5 * H only when H is large
         assert d.target == (B if expected == "restart" else relief)
+
+
+def test_a_due_recheck_keeps_its_horizon_beside_a_crossing():
+    assert smallest_horizon([Trigger("pool", 3.0), Trigger("drift:response_len", 2.0)]) == 2.0
+    # The refused gain has paid for the move already: a drift crossing at the same step does not
+    # shrink the recheck's horizon, and a longer crossing horizon is kept.
+    assert smallest_horizon([Trigger("drift:response_len", 2.0), Trigger("recheck", 6.0)]) == 6.0
+    assert smallest_horizon([Trigger("recheck", 1.0), Trigger("pool", 3.0)]) == 3.0

@@ -91,3 +91,38 @@ def test_clock_state_round_trips_and_old_state_keeps_the_paper_rule():
     fresh = controller(_grow_backend(), plan=SMALL)
     fresh.load_state_dict(state)
     assert fresh.pool.clock.origin is None and fresh.pool.clock.horizon == 1.0
+
+
+def test_a_refused_growth_is_taken_once_the_gain_given_up_has_paid_for_it(tmp_path):
+    # BIG pays back in 3 steps (3 s for 1 s/step): refused under the pool's first horizon
+    # (1 step), rechecked once the pool has held 3 steps (3 s of gain given up), then taken.
+    backend = FakeBackend([SMALL, BIG], {SMALL: 10.0, BIG: 9.0}, tran={BIG: 3.0})
+    path = tmp_path / "decisions.jsonl"
+    ctl = controller(backend, plan=SMALL, log=DecisionLog(str(path)))
+    ctl.step(sig(0, gpus=2))
+    assert ctl.step(sig(1, gpus=4)).kind == "keep"
+    assert [ctl.step(sig(s, gpus=4)).kind for s in (2, 3)] == ["none", "none"]
+    d = ctl.step(sig(4, gpus=4))
+    assert d.kind == "transition" and d.target == BIG
+    assert [t.kind for t in d.triggers] == ["recheck"] and d.horizon == 6.0  # 3 steps / gamma
+    assert "a refused gain given up for 3 steps" in path.read_text()
+    assert ctl.pool.reference == tuple(range(4)) and ctl.step(sig(5, gpus=4)).kind == "none"
+
+
+def test_a_recheck_that_still_does_not_pay_waits_longer_and_a_trigger_clears_it():
+    backend = FakeBackend([SMALL, BIG], {SMALL: 10.0, BIG: 9.0}, tran={BIG: 3.0})
+    ctl = controller(backend, plan=SMALL)
+    ctl.step(sig(0, gpus=2))
+    ctl.step(sig(1, gpus=4))  # refused: due at step 4
+    backend.tran[BIG] = 5.0  # dearer by then: pays back in 5 steps
+    assert ctl.step(sig(4, gpus=4)).kind == "keep" and ctl.recheck.due == 6
+    assert ctl.step(sig(6, gpus=4)).kind == "transition"
+    ctl = controller(backend, plan=SMALL)
+    ctl.step(sig(0, gpus=2))
+    ctl.step(sig(1, gpus=4))
+    backend.latency[SMALL] = 8.0  # the lengths moved: SMALL is now the faster plan
+    assert ctl.step(sig(2, length=2000, gpus=4)).kind == "keep" and ctl.recheck.due is None
+    state = ctl.state_dict()
+    fresh = controller(backend, plan=SMALL)
+    fresh.load_state_dict(state)
+    assert fresh.recheck.state_dict() == ctl.recheck.state_dict()

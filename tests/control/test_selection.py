@@ -5,12 +5,14 @@ from __future__ import annotations
 import pytest
 
 from nereus_lightning.control import ControllerConfig, LengthForecast
-from nereus_lightning.control.candidates import layout_changes
+from nereus_lightning.control.candidates import Option, layout_changes
+from nereus_lightning.control.search import Replan, TargetSearch
+from nereus_lightning.control.triggers import Trigger
 from nereus_lightning.plan import job_models, plan_job
 from nereus_lightning.plan.layout import Candidate, Layout, Plan
 from nereus_lightning.spec import CLUSTER_PRESETS, MODEL_PRESETS, Workload
 from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
-from tests.control.fakes import CLUSTER, FakeBackend, controller, gen_plan, sig
+from tests.control.fakes import CLUSTER, FakeBackend, FakeEstimate, controller, gen_plan, sig
 
 A, B, C, D = gen_plan(1, 4), gen_plan(2, 4), gen_plan(4, 2), gen_plan(8, 1)
 
@@ -145,8 +147,12 @@ def test_length_forecast_extrapolates_the_trend_and_clamps():
     f.observe(sig(2, length=1200))
     ahead = f.ahead(1)
     assert ahead["response_len"] == pytest.approx(1300) and ahead["response_len_p95"] == pytest.approx(1430)
-    f.observe(sig(3, length=3000))  # a jump: the fitted slope is clamped to +30% of the last value
-    assert f.ahead(1)["response_len"] <= 3000 * 1.3 + 1e-9
+    f.observe(sig(3, length=3000))  # a jump: the trend stays the steady one before it ...
+    assert f.ahead(1)["response_len"] == pytest.approx(3100)
+    assert f.next_step()["response_len"] == pytest.approx(3900)  # ... the next step's check: +30% at most
+    f.observe(sig(4, length=2950))  # a level shift, not a trend: nothing is extrapolated onward
+    assert f.ahead(9)["response_len"] == pytest.approx(2950)
+    assert f.next_step()["response_len"] == pytest.approx(2950)
     g = LengthForecast()
     g.load_state_dict(f.state_dict())
     assert g.ahead(1) == f.ahead(1)
@@ -166,9 +172,9 @@ def test_controller_plans_for_the_forecast_and_warns_of_memory_before_it_breaks(
     ctl = controller(backend, forecast_steps=1.0)
     for step, length in enumerate((1000, 1100, 1200)):
         assert ctl.step(sig(step, length=length)).kind == "none"
-    d = ctl.step(sig(3, length=1290))  # measured 1,290 still fits; the next step (~1,385) does not
+    d = ctl.step(sig(3, length=1290))  # measured 1,290 still fits; the next step (~1,380) does not
     assert any(t.kind == "memory" for t in d.triggers) and d.urgent and d.target == B
-    assert any(x == pytest.approx(1385) for x in seen)  # the memory check reads the next step
+    assert any(x == pytest.approx(1380) for x in seen)  # the memory check reads the next step
     # Planning for the measured lengths, the memory check still reads the next step's forecast:
     # the violation is caught before the step runs, not after it broke.
     backend = Recording([A, B], {A: 10.0, B: 12.0}, tran={B: 1.0})
@@ -266,10 +272,9 @@ def test_variants_keep_colocated_groups_together():
     assert colocated(moved, stage_of) == (("actor_infer", "ref_infer"),)
 
 
-def test_a_target_that_does_not_last_is_also_tried_relieved():
-    # The current plan A runs out of memory at the next step's length; the planner's best B fits
-    # now but not at the forecast; B with recomputation (a little slower) lasts, and beats the
-    # current plan relieved (A with recomputation, slower still).
+def _last_of_a_rise(relieved_latency: float):  # noqa: ANN202
+    """The current plan A runs out of memory at the next step's length; the planner's best B (5 s)
+    fits now but not at the forecast; B with recomputation lasts. The urgent decision."""
     a_rc, b_rc = gen_plan(1, 4, recompute=True), gen_plan(2, 4, recompute=True)
 
     class Growing(FakeBackend):
@@ -278,11 +283,54 @@ def test_a_target_that_does_not_last_is_also_tried_relieved():
             est.feasible = est.feasible and (plan.items()[0][1].recompute or workload.response_len < 1350)
             return est
 
-    backend = Growing([B], {A: 10.0, B: 5.0, a_rc: 20.0, b_rc: 6.0}, tran={B: 1.0, b_rc: 1.0, a_rc: 0.0})
-    ctl = controller(backend)
+    latency = {A: 10.0, B: 5.0, a_rc: 20.0, b_rc: relieved_latency}
+    ctl = controller(Growing([B], latency, tran={B: 1.0, b_rc: 1.0, a_rc: 0.0}))
     for step, length in enumerate((1000, 1100, 1200)):
         assert ctl.step(sig(step, length=length)).kind == "none"
-    d = ctl.step(sig(3, length=1290))
+    return ctl.step(sig(3, length=1290)), b_rc
+
+
+def test_a_target_that_does_not_last_is_also_tried_relieved():
+    # B relieved, a little slower, lasts: it beats B (whose 5 s/step gain counts for one step, and
+    # which pays for two moves) and the current plan relieved (A with recomputation, slower still).
+    d, b_rc = _last_of_a_rise(5.5)
     assert d.urgent and d.kind == "transition" and d.target == b_rc
     verdicts = {c["source"]: c.get("lasts", True) for c in d.considered}
     assert verdicts["planner best"] is False and verdicts["planner best, relieved"] is True
+
+
+def test_a_target_that_does_not_last_is_priced_not_ruled_out():
+    # Urgent, H = 4 (weight gamma * H = 2) from a 10 s/step plan, 1 s per move. A lasting target
+    # earns 2 x its gain; one that does not last earns its gain once and pays for two moves; one
+    # that does not even fit the next step also loses that step.
+    def chosen(lasting_latency: float) -> str:
+        backend = FakeBackend([], {}, tran={B: 1.0, C: 1.0, D: 1.0})
+        r = Replan(sig(5), (Trigger("memory", 4.0, urgent=True),), 4.0, True, 10.0, A, CLUSTER, Workload())
+        search = TargetSearch(r, backend, controller(backend)._profitable, gamma=0.5, budget=10)
+        for opt in (
+            Option(B, FakeEstimate(5.0), "breaks within the horizon", lasts=False),  # net 5 - 2 = 3
+            Option(C, FakeEstimate(3.0), "breaks at the next step", lasts=False, runs_next=False),  # 7-2-3
+            Option(D, FakeEstimate(lasting_latency), "lasts"),  # 2 x (10 - latency) - 1
+        ):
+            search.evaluate(opt)
+        assert search.best is not None
+        return search.best.source
+
+    assert chosen(9.0) == "breaks within the horizon"
+    assert chosen(7.5) == "lasts"
+
+
+def test_outside_the_urgent_path_a_target_over_the_cap_at_the_next_step_is_not_taken():
+    def last_decision(cap: float):  # noqa: ANN202
+        class Capped(FakeBackend):
+            def estimate(self, plan, cluster, workload, calibration, memory=None):
+                est = super().estimate(plan, cluster, workload, calibration)
+                est.feasible = plan != B or workload.response_len < cap  # B runs out from cap tokens
+                return est
+
+        ctl = controller(Capped([A, B], {A: 10.0, B: 5.0}, tran={B: 0.1}))
+        return [ctl.step(sig(s, length=n)) for s, n in enumerate((1000, 1100, 1440))][-1]
+
+    d = last_decision(1500.0)  # a drift replan; the next step is checked at 1,440 + 340 tokens
+    assert d.kind == "keep" and "over the memory cap at the next step's forecast" in str(d.considered)
+    assert last_decision(1800.0).kind == "transition"

@@ -7,13 +7,18 @@ admitted best target costs no extra pricing), then every fallback fastest first;
 :meth:`CandidateSource.pinned` yields the planner's best plans that keep the current training
 layouts (asked for only when the best target failed: one more planner call). Both also yield each
 target that does not last with its over-cap model-stages relieved (:meth:`CandidateSource.relieved`).
+
+Once the run has shown length jumps that no forecast announced (:class:`Surprise`), every target
+is also judged at the lengths planned for times the largest such jump: one that runs out of memory
+there is charged the expected cost of that (:attr:`Option.risk`), and its relieved variants, which
+hold the jump, compete with it on expected step time (:attr:`Option.expected`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from nereus_lightning.control.backend import Estimate, PlanningBackend
@@ -26,9 +31,28 @@ from nereus_lightning.control.variants import (
     relief_variants,
 )
 from nereus_lightning.plan.layout import Plan
+from nereus_lightning.plan.memory import MEMORY_HEADROOM
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.errors import InfeasiblePlanError
 from nereus_lightning.spec.workload import Workload, workflow
+
+
+@dataclass(frozen=True)
+class Surprise:
+    """The length jumps no forecast announced, as seen so far in the run (``LengthForecast.surprise``).
+
+    ``workload``: the lengths planned for times the largest such jump; ``rate``: the share of
+    steps that brought one.
+    """
+
+    workload: Workload
+    rate: float
+
+    def risk(self, at_jump: Estimate, latency: float) -> float:
+        """Expected seconds per step that running out of memory at a jump adds to a plan: none
+        where the plan holds the jump (``at_jump`` feasible), else ``rate`` times the step it
+        loses (the step is run again after the urgent replan)."""
+        return 0.0 if at_jump.feasible else self.rate * latency
 
 
 @dataclass
@@ -40,12 +64,20 @@ class Option:
     source: str
     notes: dict[str, Any] = field(default_factory=dict)
     lasts: bool = True  # still feasible at the lengths forecast over the horizon
+    runs_next: bool = True  # feasible at the next step's lengths (the memory check's)
     at_lasting: Estimate | None = None  # its estimate at those lengths (None: not checked)
+    risk: float = 0.0  # expected s/step lost to running out of memory at a length jump (Surprise)
+    at_jump: Estimate | None = None  # its estimate at the jump's lengths (None: not checked)
 
     @property
     def latency(self) -> float:
         """Predicted step latency of the target."""
         return self.estimate.step_latency
+
+    @property
+    def expected(self) -> float:
+        """Expected step time: the latency plus the priced risk of running out of memory."""
+        return self.latency + self.risk
 
 
 class CandidateSource:
@@ -65,15 +97,23 @@ class CandidateSource:
         safe_first: bool = True,
         memory: Any = None,
         lasting: Workload | None = None,
+        surprise: Surprise | None = None,
+        next_step: Workload | None = None,
     ) -> None:
         self.backend, self.calibration, self.current = backend, calibration, current
         self.memory = memory  # the memory calibration every plan is priced with
         self.algorithm, self.sequences_per_step = algorithm, sequences_per_step
         self.cluster, self.workload = cluster, workload
+        # current_latency: the current plan's expected step time (``Option.expected``'s terms)
         self.urgent, self.current_latency = urgent, current_latency
         self.safe_first = safe_first
-        # The lengths forecast over the horizon: a target infeasible there does not last.
-        self.lasting = lasting
+        self.surprise = surprise
+        # The lengths forecast over the horizon (outside the urgent path: the next step's): a
+        # target infeasible there does not last. No second pricing where they are the planned ones.
+        self.lasting = None if lasting == workload else lasting
+        # The next step's lengths (never above the lasting ones): where a target that does not
+        # last is checked again, for whether it runs one step at all (None: not checked).
+        self.next_step = next_step
         self.seen: set[Plan] = {current}
         self.reasons: list[str] = []
 
@@ -88,24 +128,65 @@ class CandidateSource:
             )
         if not est.feasible:
             return None
-        if not self.urgent and self.current_latency is not None and est.step_latency >= self.current_latency:
+        opt = Option(plan, est, source)
+        if self.surprise is not None:
+            opt.at_jump = self.at_jump(plan, self.surprise)
+            opt.risk = self.surprise.risk(opt.at_jump, est.step_latency)
+        if not self.urgent and self.current_latency is not None and opt.expected >= self.current_latency:
             return None
-        if self.lasting is None:
-            return Option(plan, est, source)
-        at_lasting = self.backend.estimate(
-            plan, self.cluster, self.lasting, self.calibration, memory=self.memory
+        if self.lasting is not None:
+            opt.at_lasting = self.estimate(plan, self.lasting)
+            opt.lasts = bool(opt.at_lasting.feasible)
+            opt.runs_next = opt.lasts or self.runs_next(plan)
+        return opt
+
+    def runs_next(self, plan: Plan) -> bool:
+        """Whether ``plan`` (feasible at the planned lengths) runs the next step without running
+        out of memory: at the next step's lengths, against the whole GPU memory (``full_memory``:
+        the planner's headroom is for prediction errors, not part of what runs out)."""
+        if self.next_step is None or self.next_step == self.workload:
+            return True
+        est = self.backend.estimate(
+            plan, full_memory(self.cluster), self.next_step, self.calibration, memory=self.memory
         )
-        return Option(plan, est, source, lasts=bool(at_lasting.feasible), at_lasting=at_lasting)
+        return bool(est.feasible)
+
+    def estimate(self, plan: Plan, workload: Workload) -> Estimate:
+        """``plan`` priced at ``workload`` on this replan's pool."""
+        return self.backend.estimate(plan, self.cluster, workload, self.calibration, memory=self.memory)
+
+    def at_jump(self, plan: Plan, surprise: Surprise) -> Estimate:
+        """``plan`` priced at a length jump, its memory against the whole GPU memory
+        (``full_memory``): the planner's headroom absorbs prediction errors at the lengths planned
+        for, and the jump is already the worst one seen."""
+        return self.backend.estimate(
+            plan, full_memory(self.cluster), surprise.workload, self.calibration, memory=self.memory
+        )
 
     def relieved(self, options: list[Option | None]) -> list[Option | None]:
-        """Each of ``options`` that does not last, with the model-stages that pass the cap at the
-        lengths forecast over the horizon relieved (``relief_variants``): a little slower, and it
-        lasts (the layouts, and so the transition, stay the same)."""
+        """Each of ``options`` that does not last or does not hold a length jump, with the
+        model-stages that pass the cap at the lengths forecast over the horizon (or at the jump)
+        relieved (``relief_variants``): a little slower, and it lasts (the layouts, and so the
+        transition, stay the same)."""
         return [
             self.price(v, f"{o.source}, relieved")
             for o in options
-            if o is not None and o.at_lasting is not None and not o.lasts
-            for v in relief_variants(o.plan, over_cap(o.at_lasting, o.plan))
+            if o is not None
+            for v in relief_variants(o.plan, short_of(o))
+        ]
+
+    def jump_relief(self) -> list[Option | None]:
+        """The current plan relieved where it does not hold a length jump (its layouts kept: the
+        cheapest move to headroom); empty without a surprise or where it holds it. (The other
+        targets that do not hold it are relieved in :meth:`relieved`.)"""
+        if self.surprise is None:
+            return []
+        at_jump = self.at_jump(self.current, self.surprise)
+        if at_jump.feasible:
+            return []
+        return [
+            self.price(v, "current plan relieved for a length jump")
+            for v in relief_variants(self.current, over_cap(at_jump, self.current))
         ]
 
     def regular(self, signals: StepSignals, try_follow_pool: bool) -> Iterator[Option]:
@@ -155,6 +236,7 @@ class CandidateSource:
                     self.price(v, "smaller micro-batches / recomputation")
                     for v in relief_variants(base, over_cap(est, base))
                 ]
+        rest += self.jump_relief()
         rest += self.relieved([best, *rest])
         yield from self._safe_first(o for o in rest if o is not None)
 
@@ -164,11 +246,11 @@ class CandidateSource:
         early gives the net-benefit search a strong incumbent (pruning the rest) and keeps a
         reachable target inside the DAG budget when the layout changes all fail. With
         ``safe_first`` off (selection "first"), plain latency order."""
-        ranked = sorted(options, key=lambda o: o.latency)
+        ranked = sorted(options, key=lambda o: o.expected)
         if not ranked or not self.safe_first:
             yield from ranked
             return
-        safe = min(ranked, key=lambda o: (layout_changes(o.plan, self.current), o.latency))
+        safe = min(ranked, key=lambda o: (layout_changes(o.plan, self.current), o.expected))
         yield safe
         yield from (o for o in ranked if o is not safe)
 
@@ -207,6 +289,24 @@ class CandidateSource:
 def layout_changes(plan: Plan, current: Plan) -> int:
     """How many model-stages of ``plan`` run another TP/PP layout than in ``current`` (Split/Merge needed)."""
     return sum(1 for name, cand in plan.items() if name not in current or current[name].layout != cand.layout)
+
+
+def full_memory(cluster: ClusterSpec) -> ClusterSpec:
+    """``cluster`` as the cost model must see it to tell a real out-of-memory: its memory cap the
+    whole GPU memory. The planner keeps a headroom below it (``plan.memory.MEMORY_HEADROOM``); a
+    step runs out of memory only when it needs more than the GPU has."""
+    return replace(cluster, gpu_memory=cluster.gpu_memory / (1 - MEMORY_HEADROOM))
+
+
+def short_of(opt: Option) -> set[str]:
+    """The model-stages of ``opt`` that pass the cap at the lengths forecast over the horizon (if
+    it does not last) or at a length jump (if it does not hold one); empty where it does both."""
+    out: set[str] = set()
+    if opt.at_lasting is not None and not opt.lasts:
+        out |= over_cap(opt.at_lasting, opt.plan)
+    if opt.at_jump is not None and not opt.at_jump.feasible:
+        out |= over_cap(opt.at_jump, opt.plan)
+    return out
 
 
 def over_cap(est: Estimate, plan: Plan) -> set[str]:

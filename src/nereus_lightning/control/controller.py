@@ -5,14 +5,21 @@ One instance runs on the head rank. Feed it the monitor's `StepSignals` at every
 paper (section 4 of "Nereus: Adaptive Parallelism for LLM Post-Training"):
 
 * triggers: a pool change, a predicted or measured memory violation, or a drifting signal that
-  moved more than ``delta`` (relative) from its reference; references reset after every replan;
+  moved more than ``delta`` (relative) from its reference; references reset after every
+  triggered replan; a faster target refused there is rechecked once the gain given up has cost
+  as much as its transition (``triggers.Recheck``);
 * admission: the target must be feasible (the cost model's memory check with its headroom, and a
   safe transition DAG); then it must pay back: ``dL > 0 and L_tran / dL <= gamma * H_x`` with
-  H_x the smallest horizon of the firing triggers; if the best target fails, slower candidates
-  with cheaper transitions are tried before the current plan is kept;
+  H_x the smallest horizon of the firing triggers (a due recheck keeps its own); if the best
+  target fails, slower candidates with cheaper transitions are tried before the current plan is
+  kept;
 * urgent path (revocation, memory pressure that breaks the current plan): profitability is
   waived, smaller micro-batches and recomputation are considered, and checkpoint/restart is the
   last resort;
+* headroom for unannounced length jumps: once the length forecast has been surprised
+  (``LengthForecast.surprise``), plans are compared on expected step time, their latency plus
+  the priced risk of running out of memory at a jump like the largest seen
+  (``candidates.Surprise``); a ``headroom`` trigger fires when the current plan stops holding one;
 * calibration: measured op-class times correct the time model (``calibration``), and measured
   per-stage peak memory the memory model (``memory_calibration``, a
   :class:`~nereus_lightning.plan.calibration.MemoryCalibration`): every plan, the current one
@@ -36,7 +43,7 @@ from typing import Any
 
 from nereus_lightning.control.attribution import PHASES, PhasedEstimate, op_times
 from nereus_lightning.control.backend import Estimate, PlanningBackend, op_totals
-from nereus_lightning.control.candidates import CandidateSource
+from nereus_lightning.control.candidates import CandidateSource, Surprise, full_memory
 from nereus_lightning.control.decision import Decision, DecisionLog, describe_plan
 from nereus_lightning.control.forecast import LengthForecast
 from nereus_lightning.control.search import Replan, TargetSearch
@@ -46,6 +53,7 @@ from nereus_lightning.control.triggers import (
     CrossingClock,
     DriftTrigger,
     PoolTrigger,
+    Recheck,
     Trigger,
     bounded,
     smallest_horizon,
@@ -184,6 +192,7 @@ class Controller:
         }
         self.pool = PoolTrigger(self.config.ema_alpha)
         self.memory_clock = CrossingClock(self.config.ema_alpha)
+        self.recheck = Recheck()
         self.transition_scale = 1.0
         self.last_replan_step: int | None = None
         self.decisions = 0
@@ -196,12 +205,14 @@ class Controller:
         # The run's step limit (None: unbounded): no horizon reaches past it.
         self.max_steps = max_steps
         self._relaunched = False  # state restored: the next pool trigger's pool is the launch's
+        self._headroom_checked: tuple[Plan, bool] | None = None  # (plan, whether it held a jump)
 
     # ----------------------------------------------------------------------------- per step
     def step(self, signals: StepSignals) -> Decision:
         """Consume one step's signals; return what the body must do before the next step."""
         self.forecast.observe(signals)
-        self.pool.clock.start(signals.step)
+        for clock in (self.pool.clock, *(d.clock for d in self.drift.values())):
+            clock.start(signals.step)
         self._calibrate(signals)
         if self.plan is None:
             decision = self._initial(signals)
@@ -212,7 +223,12 @@ class Controller:
             if relaunch is None and not triggers:
                 return Decision(signals.step, "none")
             decision = relaunch or self._replan(signals, triggers)
-            self._reset_references(signals)
+            if relaunch is not None or any(t.kind not in ("recheck", "headroom") for t in triggers):
+                self._reset_references(signals)  # neither is a crossing: references stay
+                self.recheck.settle(signals.step)
+            self.recheck.refuse(
+                signals.step, None if relaunch else refused_payback(decision), self.config.gamma
+            )
         if decision.changes_plan:
             self.plan = decision.target
             self._estimates.clear()
@@ -248,10 +264,11 @@ class Controller:
         )
 
     def next_step_workload(self, signals: StepSignals) -> Workload:
-        """The lengths the next step is checked for: the planning lengths, or the one-step
-        forecast where it is longer (the step a plan runs is one past the last measurement)."""
+        """The lengths the next step is checked for: the planning lengths, or the next step's
+        forecast on the safe side (``LengthForecast.next_step``) where it is longer (the step a
+        plan runs is one past the last measurement)."""
         base = self.planning_workload(signals)
-        ahead = self.forecast.ahead(1.0)
+        ahead = self.forecast.next_step()
         if ahead is None or ahead["response_len_p95"] <= base.response_len_p95:
             return base
         return replace(
@@ -259,6 +276,22 @@ class Controller:
             response_len=max(base.response_len, ahead["response_len"]),
             response_len_p95=ahead["response_len_p95"],
         )
+
+    def surprise(self, signals: StepSignals) -> Surprise | None:
+        """The length jumps no forecast announced so far (``LengthForecast.surprise``) as a
+        :class:`~nereus_lightning.control.candidates.Surprise`: the lengths planned for times the
+        largest of them, and how often they came; None while there was none."""
+        seen = self.forecast.surprise()
+        if seen is None:
+            return None
+        rate, ratio = seen
+        base = self.planning_workload(signals)
+        jump = replace(
+            base,
+            response_len=base.response_len * ratio,
+            response_len_p95=base.response_len_p95 * ratio,
+        )
+        return Surprise(jump, rate)
 
     def cluster_at(self, signals: StepSignals) -> ClusterSpec:
         """The cluster restricted to the pool of ``signals``."""
@@ -285,11 +318,17 @@ class Controller:
             triggers.append(
                 Trigger("memory", self.memory_clock.horizon, urgent=True, detail=self._memory_detail)
             )
+        headroom = self._headroom_trigger(signals)
+        if headroom is not None:
+            triggers.append(headroom)
         if self.last_replan_step is None:
             self.last_replan_step = step  # a plan handed in counts as planned now
         k = self.config.replan_every
         if k and step - self.last_replan_step >= k:
             triggers.append(Trigger("schedule", float(k), detail=f"every {k} steps"))
+        recheck = self.recheck.check(step)
+        if recheck is not None:
+            triggers.append(recheck)
         left = None if self.max_steps is None else max(self.max_steps - step, 0)
         return [bounded(t, left, self._relaunched) for t in triggers]
 
@@ -306,6 +345,30 @@ class Controller:
         )
         return bool(est.feasible)
 
+    def _headroom_trigger(self, signals: StepSignals) -> Trigger | None:
+        """A replan when the run has shown unannounced length jumps and the current plan would run
+        out of memory at one as large as the largest: its priced risk (``Surprise.risk``) is then
+        weighed against the plans that hold it. It fires when a plan is first seen not to hold it
+        (as the lengths grow, a plan chosen for its headroom may lose it, and with it the reason
+        it was chosen); its horizon is the p95 length's drift clock (the headroom is worth as much
+        as the plan runs, until the next crossing of the length the jumps are measured on)."""
+        surprise = self.surprise(signals)
+        if surprise is None or self.plan is None or not self.config.drift_triggers:
+            return None
+        holds = bool(self._cached_estimate(signals, surprise.workload, whole_memory=True)[0].feasible)
+        seen, self._headroom_checked = self._headroom_checked, (self.plan, holds)
+        if holds or seen == (self.plan, False):
+            return None
+        rate, ratio = self.forecast.surprise() or (0.0, 0.0)
+        p95 = self.drift.get("response_len_p95")  # the signal the jumps are measured on
+        horizon = p95.clock.horizon if p95 is not None else 1.0
+        return Trigger(
+            "headroom",
+            horizon,
+            detail=f"the current plan runs out of memory at a length jump like the largest unannounced "
+            f"one (x{ratio:.2f}, {rate:.0%} of steps)",
+        )
+
     def _current_estimate(self, signals: StepSignals, workload: Workload | None = None) -> Estimate:
         """The current plan's estimate at ``workload`` (default: the measured lengths), re-priced
         only when the pool or a length moved by more than the tolerance.
@@ -317,13 +380,16 @@ class Controller:
         """
         return self._cached_estimate(signals, workload or self.workload_at(signals))[0]
 
-    def _cached_estimate(self, signals: StepSignals, workload: Workload) -> tuple[Estimate, dict[str, float]]:
+    def _cached_estimate(
+        self, signals: StepSignals, workload: Workload, whole_memory: bool = False
+    ) -> tuple[Estimate, dict[str, float]]:
         tol = self.config.memory_check_tolerance
         key = (
             signals.num_gpus,
             _bucket(workload.response_len, tol),
             _bucket(workload.response_len_p95, tol),
             _bucket(workload.prompt_len + 1, tol),
+            whole_memory,  # judged against the whole GPU memory (``full_memory``), not the cap
         )
         hit = self._estimates.get(key)
         if hit is None:
@@ -331,6 +397,8 @@ class Controller:
             if len(self._estimates) >= 4:
                 self._estimates.clear()
             cluster, memory = self.cluster_at(signals), self.memory_calibration
+            if whole_memory:
+                cluster = full_memory(cluster)
             est = self.backend.estimate(self.plan, cluster, workload, self.calibration, memory=memory)
             hit = self._estimates[key] = (est, _efficiencies(self.calibration))
         return hit
@@ -441,10 +509,12 @@ class Controller:
             self.cluster_at(signals),
             r.workload,
             r.urgent,
-            r.current_latency,
+            r.current_expected,
             safe_first=not first,
             memory=self.memory_calibration,
-            lasting=self.lasting_workload(signals, r) if r.urgent else None,
+            lasting=self.lasting_workload(signals, r) if r.urgent else self.next_step_workload(signals),
+            next_step=self.next_step_workload(signals),
+            surprise=self.surprise(signals),
         )
         budget = max(2, cfg.dag_budget_gpus // max(r.dag_cluster.num_gpus, 1))
         search = TargetSearch(
@@ -496,6 +566,16 @@ class Controller:
             reasons.append(
                 "GPUs of the current plan were lost" if lost else "the current plan no longer fits"
             )
+        risk = 0.0
+        surprise = self.surprise(signals)
+        if current_latency is not None and surprise is not None:
+            at_jump = self._cached_estimate(signals, surprise.workload, whole_memory=True)[0]
+            risk = surprise.risk(at_jump, current_latency)
+            if risk > 0:
+                reasons.append(
+                    f"the current plan runs out of memory at a length jump like the largest unannounced "
+                    f"one: priced at {risk:.2f} s/step"
+                )
         replan = Replan(
             signals,
             tuple(triggers),
@@ -505,12 +585,13 @@ class Controller:
             intact_plan(self.plan, readable),
             self.cluster.with_gpus(max(signals.num_gpus, max(readable, default=0) + 1)),
             workload,
+            risk,
         )
         return replan, reasons
 
     def lasting_workload(self, signals: StepSignals, replan: Replan) -> Workload | None:
         """The lengths a target must still fit: the forecast over the horizon, never below the
-        lengths planned for.
+        lengths planned for nor the next step's memory check (``next_step_workload``).
 
         The forecast moves at most ``delta_len`` from the last measurement (its clamp): a
         larger move fires a drift trigger and a replan anyway, so a target need not fit beyond
@@ -519,7 +600,7 @@ class Controller:
         ahead = self.forecast.ahead(max(1.0, replan.horizon))
         if ahead is None:
             return None
-        base = replan.workload
+        base = self.next_step_workload(replan.signals)
         mean = max(base.response_len, ahead["response_len"])
         return replace(
             base,
@@ -536,7 +617,9 @@ class Controller:
         entry, l_tran = chosen.notes["entry"], chosen.notes["l_tran"]
         how = "first admitted target" if search.first else "largest net benefit gamma*H_x*dL - L_tran"
         if not chosen.lasts:
-            how += "; no target lasts the forecast over the horizon"
+            how += (
+                "; it does not last the forecast over the horizon (priced: its gain for one step, two moves)"
+            )
         considered = tuple(search.considered)
         if r.urgent:
             fastest = min(search.seen, key=lambda o: o.latency)
@@ -589,7 +672,7 @@ class Controller:
             transition_cost=l_tran,
             considered=considered,
             reason=f"{_kinds(r.triggers)}: {entry['verdict'].removeprefix('admitted: ')}; {how} "
-            f"({chosen.source})",
+            f"({chosen.source}){_headroom_note(r.current_risk, chosen.risk)}",
         )
 
     def _keep_or_restart(self, r: Replan, search: TargetSearch, decision: Any) -> Decision:
@@ -716,6 +799,7 @@ class Controller:
             "drift": {n: d.state_dict() for n, d in self.drift.items()},
             "pool": self.pool.state_dict(),
             "memory_clock": self.memory_clock.state_dict(),
+            "recheck": self.recheck.state_dict(),
             "forecast": self.forecast.state_dict(),
             "transition_scale": self.transition_scale,
             "last_replan_step": self.last_replan_step,
@@ -732,6 +816,8 @@ class Controller:
                 self.drift[name].load_state_dict(sub)
         self.pool.load_state_dict(state["pool"])
         self.memory_clock.load_state_dict(state["memory_clock"])
+        if state.get("recheck") is not None:  # absent in checkpoints of older versions
+            self.recheck.load_state_dict(state["recheck"])
         if state.get("forecast") is not None:  # absent in checkpoints of older versions
             self.forecast.load_state_dict(state["forecast"])
         self.transition_scale = float(state["transition_scale"])
@@ -755,6 +841,30 @@ def workload_at(workload: Workload, signals: StepSignals) -> Workload:
         response_len=float(signals.response_len),
         response_len_p95=float(signals.response_len_p95),
         prompt_len=int(round(signals.prompt_len)),
+    )
+
+
+def refused_payback(decision: Decision) -> float | None:
+    """The payback in steps (``L_tran / dL``) of the fastest-paying target that ``decision`` left
+    out, against the plan that runs next; None when no priced target is faster than it."""
+    runs = decision.target_latency if decision.kind == "transition" else decision.current_latency
+    if decision.kind not in ("transition", "keep") or runs is None:
+        return None
+    paybacks = [
+        c["L_tran"] / (runs - c["latency"])
+        for c in decision.considered
+        if "L_tran" in c and c["latency"] < runs
+    ]
+    return min(paybacks, default=None)
+
+
+def _headroom_note(current_risk: float, target_risk: float) -> str:
+    """What moving does to the priced risk of running out of memory at a length jump (if any)."""
+    if current_risk <= target_risk:
+        return ""
+    return (
+        f"; expected step times include the risk of running out of memory at a length jump "
+        f"({current_risk:.2f} s/step for the current plan, {target_risk:.2f} for the target)"
     )
 
 

@@ -4,10 +4,15 @@ The controller builds a :class:`Replan` (what this boundary knows), a
 :class:`~nereus_lightning.control.candidates.CandidateSource` (the targets) and runs the search;
 the verdict (transition, restart or keep) is then read off the search's incumbent and log.
 
-Targets that *last* (still feasible at the lengths forecast over the horizon, see
-``CandidateSource.lasting``) are preferred to those that do not, whatever their net benefit: a
-target that the memory check rejects a few steps later costs a second move and, until then,
-leaves the job one length step from running out of memory.
+Targets that do not *last* (infeasible at the lengths forecast over the horizon, see
+``CandidateSource.lasting``) are priced for it: the memory check rejects them a few steps later,
+so their gain counts for one step only and they pay for a second move (``TargetSearch._net``).
+Outside the urgent path the lengths are those of the next step's memory check, and a target over
+the cap there is not taken: the memory trigger would move away from it at the next boundary.
+
+Targets are compared on their expected step time (``Option.expected``: the latency plus the
+priced risk of running out of memory at a length jump), and so is the current plan
+(``Replan.current_risk``): the gain of moving to headroom is the risk it removes.
 """
 
 from __future__ import annotations
@@ -39,6 +44,12 @@ class Replan:
     intact: Plan | None  # the current plan's units still readable (where a DAG starts)
     dag_cluster: ClusterSpec
     workload: Workload
+    current_risk: float = 0.0  # the current plan's priced risk of running out of memory at a jump
+
+    @property
+    def current_expected(self) -> float | None:
+        """The current plan's expected step time (None: broken)."""
+        return None if self.current_latency is None else self.current_latency + self.current_risk
 
 
 def layouts_of(plan: Plan) -> tuple:
@@ -73,36 +84,55 @@ class TargetSearch:
         self.considered: list[dict[str, Any]] = []
         self.best: Option | None = None
         self.priced = 0
-        self.ref = replan.current_latency
+        self.ref = replan.current_expected
         self.failed: set[tuple] = set()
 
-    def _beats(self, opt: Option, net: float) -> bool:
-        best = self.best
-        if best is None:
-            return True
-        return (opt.lasts, net) > (best.lasts, best.notes["net"])
+    def _beats(self, net: float) -> bool:
+        return self.best is None or net > self.best.notes["net"]
+
+    def _net(self, opt: Option, l_tran: float) -> float:
+        """Net benefit of moving to ``opt`` at transition cost ``l_tran``: ``weight * dL - L_tran``
+        against the reference latency. A target that does not last earns its gain for one step
+        (the memory trigger moves away from it before it breaks; what runs after that is not
+        known to beat the current plan) and pays for two moves (the one away costs about as much
+        as the one in); one that does not even fit the next step also loses that step (it runs
+        out of memory)."""
+        assert self.ref is not None  # set by evaluate before any target is judged
+        gain = self.ref - opt.expected
+        if opt.lasts:
+            return self.weight * gain - l_tran
+        lost = 0.0 if opt.runs_next else opt.latency
+        return min(self.weight, 1.0) * gain - 2 * l_tran - lost
 
     def evaluate(self, opt: Option) -> bool:
         """Price and judge one target; True when the search should stop (selection "first")."""
         r = self.r
         self.seen.append(opt)
-        lat = opt.latency
+        lat = opt.expected
         if self.ref is None:
             self.ref = lat  # broken current plan: rank against the first target instead
-        d_l = math.inf if r.current_latency is None else r.current_latency - lat
+        current = r.current_expected
+        d_l = math.inf if current is None else current - lat
         entry: dict[str, Any] = {
             "source": opt.source,
-            "latency": round(lat, 6),
+            "latency": round(opt.latency, 6),
             "dL": None if math.isinf(d_l) else round(d_l, 6),
         }
+        if opt.risk > 0:
+            entry["oom_risk_s"] = round(opt.risk, 6)  # does not hold a length jump: priced
         if not opt.lasts:
             entry["lasts"] = False  # infeasible at the lengths forecast over the horizon
         self.considered.append(entry)
-        bound = self.weight * (self.ref - lat)  # net benefit if the transition were free
+        if not opt.lasts and not r.urgent:
+            entry["verdict"] = (
+                "over the memory cap at the next step's forecast: the memory trigger would undo it"
+            )
+            return False
+        bound = self._net(opt, 0.0)  # net benefit if the transition were free
         if r.intact is None:
             entry["verdict"] = "no intact replica of some model-stage: a transition cannot start"
             return False
-        if not self.first and not self._beats(opt, bound):
+        if not self.first and not self._beats(bound):
             assert self.best is not None
             entry["verdict"] = f"not priced: even free it cannot beat {self.best.source}"
             return False
@@ -124,10 +154,10 @@ class TargetSearch:
             entry["verdict"] = why
             if not ok:
                 return False
-        net = bound - l_tran
+        net = self._net(opt, l_tran)
         entry["net_benefit"] = round(net, 6)
         opt.notes.update(l_tran=l_tran, net=net, entry=entry)
-        if self._beats(opt, net):
+        if self._beats(net):
             self.best = opt
         return self.first
 

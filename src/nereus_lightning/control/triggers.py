@@ -2,15 +2,17 @@
 
 H_x estimates how many steps remain until signal x crosses its threshold again: an exponential
 moving average of past intervals between crossings, updated at crossings only, and 1 step before
-any interval has been seen (the paper's rule). The pool's clock is started at the first step the
-controller sees (``CrossingClock.start``): its first interval runs from there to the first pool
-change, since the supply held at least that long and a pool stable for 30 steps is not expected
-to change in one. Drift clocks keep the paper's rule: on the paper-shaped trace a first drift
-interval counted from the start admitted a deep-pipeline target that a later revocation trapped.
+any interval has been seen (the paper's rule). Every clock is started at the first step the
+controller sees (``CrossingClock.start``): its first interval runs from there to the first
+crossing, since the signal held at least that long (a pool stable for 30 steps is not expected to
+change in one; a length that took 13 steps to move 30% is not expected to move again in one).
+A gain refused under a horizon that the conditions then outlast is looked at again
+(:class:`Recheck`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,8 +23,8 @@ URGENT_KINDS = ("revocation", "memory")
 
 @dataclass(frozen=True)
 class Trigger:
-    """One reason to replan: ``kind`` is ``drift:<signal>``, ``pool``, ``revocation``, ``memory`` or
-    ``schedule``.
+    """One reason to replan: ``kind`` is ``drift:<signal>``, ``pool``, ``revocation``, ``memory``,
+    ``schedule`` or ``recheck``.
     """
 
     kind: str
@@ -166,10 +168,65 @@ class PoolTrigger:
         self.clock.load_state_dict(state["clock"])
 
 
+class Recheck:
+    """A faster target left out by a replan, looked at again once the conditions have lasted.
+
+    A replan judges payback over H_x, an estimate of how long its conditions (pool, lengths)
+    last; when they outlast it, a target refused for a short horizon (or passed over for a cheaper
+    move) keeps costing its dL every step with no trigger to reconsider it. The conditions
+    settle at every triggered replan; a refusal whose best target pays back in ``p`` steps is due
+    again once they have held ``p`` steps: by then the gain given up has cost as much as the move.
+    The ``recheck`` trigger carries ``age / gamma`` as its horizon, so the payback rule admits
+    exactly such a move (``L_tran / dL <= age``): a refusal then costs at most twice the move
+    it refused, whatever the conditions do next (the ski-rental bound).
+    """
+
+    def __init__(self) -> None:
+        self.settled: int | None = None  # step of the last triggered replan
+        self.due: int | None = None
+        self.gamma = 1.0  # the payback rule's, at the refusal
+
+    def settle(self, step: int) -> None:
+        """A triggered replan at ``step``: new conditions, nothing refused yet."""
+        self.settled, self.due = step, None
+
+    def refuse(self, step: int, payback: float | None, gamma: float) -> None:
+        """The replan at ``step`` left out a target paying back in ``payback`` steps (None: none)."""
+        if payback is None or gamma <= 0 or self.settled is None or not math.isfinite(payback):
+            self.due = None
+            return
+        self.gamma = gamma
+        self.due = max(step + 1, self.settled + math.ceil(payback - 1e-9))
+
+    def check(self, step: int) -> Trigger | None:
+        """The ``recheck`` trigger when a refusal is due at ``step``, else None."""
+        if self.due is None or self.settled is None or step < self.due:
+            return None
+        self.due = None
+        age = step - self.settled
+        return Trigger(
+            "recheck",
+            age / self.gamma,
+            detail=f"a refused gain given up for {age} steps since the last trigger: H = {age}/gamma",
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable state."""
+        return {"settled": self.settled, "due": self.due, "gamma": self.gamma}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output."""
+        self.settled, self.due, self.gamma = state["settled"], state["due"], float(state["gamma"])
+
+
 def smallest_horizon(triggers: list[Trigger] | tuple[Trigger, ...]) -> float:
-    """With several triggers, the smallest H_x decides (the paper's rule)."""
+    """With several triggers, the smallest H_x decides (the paper's rule), except that a due
+    ``recheck`` keeps its own when longer: the gain given up has paid for the move already,
+    whatever the other signals do next."""
     require(len(triggers) > 0, "triggers", "need at least one trigger to take a horizon")
-    return min(t.horizon for t in triggers)
+    crossings = [t.horizon for t in triggers if t.kind != "recheck"]
+    smallest = min(crossings) if crossings else 0.0
+    return max([smallest, *(t.horizon for t in triggers if t.kind == "recheck")])
 
 
 def bounded(trigger: Trigger, steps_left: int | None, relaunched: bool = False) -> Trigger:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from nereus_lightning.control.backend import PlanningBackend, op_totals
+from nereus_lightning.control.candidates import full_memory
 from nereus_lightning.plan.layout import Plan
-from nereus_lightning.plan.memory import MEMORY_HEADROOM
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.errors import require
 from nereus_lightning.spec.workload import Workload
@@ -46,15 +46,6 @@ class StepOutcome:
     feasible: bool
     op_time: dict[str, float]
     stage_time: dict[str, float]
-
-
-def physical(cluster: ClusterSpec) -> ClusterSpec:
-    """The cluster as the cost model must see it to test a real OOM: its memory cap = the GPU memory.
-
-    The planner keeps a headroom below the GPU memory (``plan.memory.MEMORY_HEADROOM``); on the
-    true machine a plan runs until it needs more than the GPU has.
-    """
-    return replace(cluster, gpu_memory=cluster.gpu_memory / (1 - MEMORY_HEADROOM))
 
 
 class TrueMachine:
@@ -103,7 +94,7 @@ class TrueMachine:
         key = (plan, cluster.num_gpus, workload)
         est = self._cache.get(key)
         if est is None:
-            est = self.backend.estimate(plan, physical(cluster), workload, self.truth)
+            est = self.backend.estimate(plan, full_memory(cluster), workload, self.truth)
             if len(self._cache) > 4096:
                 self._cache.clear()
             self._cache[key] = est

@@ -1,0 +1,65 @@
+"""Headroom for length jumps no forecast announced: the forecast's surprises, their priced risk."""
+
+from __future__ import annotations
+
+import pytest
+
+from nereus_lightning.control import LengthForecast
+from tests.control.fakes import FakeBackend, controller, gen_plan, sig
+
+A = gen_plan(1, 4)  # runs out of memory above HOLDS[A] p95 tokens
+A_RC = gen_plan(1, 4, recompute=True)  # a little slower, holds four times as much
+HOLDS = {A: 3000.0, A_RC: 12000.0}
+
+
+class Capped(FakeBackend):
+    """Each plan fits up to its ``HOLDS`` p95 length."""
+
+    def estimate(self, plan, cluster, workload, calibration, memory=None):
+        est = super().estimate(plan, cluster, workload, calibration)
+        est.feasible = est.feasible and workload.response_len_p95 <= HOLDS.get(plan, 0.0)
+        return est
+
+
+def test_the_forecast_scores_its_misses():
+    f = LengthForecast(window=3, clamp=0.3)
+    for step, length in enumerate((1000, 1100, 1200, 1300)):  # a steady rise: forecast, no surprise
+        f.observe(sig(step, length=length))
+    assert f.surprise() is None and f.scored == 3
+    f.observe(sig(4, length=2800))  # forecast 1,400: measured twice that, a rise of 2,800 / 1,300
+    rate, ratio = f.surprise()
+    assert rate == pytest.approx(1 / 4) and ratio == pytest.approx(2800 / 1300)
+    f.observe(sig(4, length=2800))  # a repeated step is not scored twice
+    assert f.scored == 4
+    g = LengthForecast()
+    g.load_state_dict(f.state_dict())
+    assert g.surprise() == f.surprise()
+
+
+def run(relief_latency: float) -> list:
+    """Flat lengths, a jump to twice the length at step 4, flat again: the decisions."""
+    backend = Capped([A], {A: 10.0, A_RC: relief_latency}, tran={A_RC: 0.5})
+    ctl = controller(backend)
+    lengths = (1000, 1000, 1000, 1000, 2000, 2000, 2000)
+    return [ctl.step(sig(step, length=n)) for step, n in enumerate(lengths)]
+
+
+def test_a_plan_that_would_not_hold_a_jump_like_the_one_seen_moves_to_headroom():
+    # After the jump (1 in 4 steps, x2), A fits the next step (2,200 p95, forecast 2,860) but not
+    # another x2 (4,400): its risk is 1/4 of its 10 s step; A with recomputation holds it for
+    # 0.5 s/step more.
+    decisions = run(relief_latency=10.5)
+    assert [d.kind for d in decisions[:4]] == ["none"] * 4
+    d = decisions[4]
+    assert d.kind == "transition" and d.target == A_RC
+    assert "headroom" in [t.kind for t in d.triggers] and not d.urgent
+    assert "risk of running out of memory at a length jump" in d.reason
+    assert all(x.kind == "none" for x in decisions[5:])  # A_RC holds it: no further trigger
+
+
+def test_headroom_is_bought_only_where_it_costs_less_than_the_risk():
+    # The relief removes a risk of 2.5 s/step: bought at 2 s/step more, not at 3.
+    assert run(relief_latency=12.0)[4].target == A_RC
+    decisions = run(relief_latency=13.0)
+    assert decisions[4].kind == "keep" and "headroom" in [t.kind for t in decisions[4].triggers]
+    assert all(x.kind == "none" for x in decisions[5:])  # refused for this plan: not asked again
