@@ -10,30 +10,46 @@ from nereus_lightning.spec.errors import require
 
 @dataclass(frozen=True, order=True)
 class Layout:
-    """The shape of one replica (an EMU): ``tp`` x ``pp`` ranks."""
+    """The shape of one replica (an EMU): ``shard`` x ``tp`` x ``pp`` ranks.
+
+    ``shard`` is the ZeRO sharding degree inside the replica: its shard ranks are data-parallel with
+    each other and together hold one copy of the training state, cut in dim-0 row blocks; ``zero``
+    is the ZeRO stage (1: optimizer state sharded; 2: + gradients; 3: + parameters), 0 iff
+    ``shard == 1``.
+    """
 
     tp: int = 1
     pp: int = 1
+    shard: int = 1
+    zero: int = 0
 
     def __post_init__(self) -> None:
         require(self.tp >= 1, "layout.tp", f"must be >= 1, got {self.tp}")
         require(self.pp >= 1, "layout.pp", f"must be >= 1, got {self.pp}")
+        require(self.shard >= 1, "layout.shard", f"must be >= 1, got {self.shard}")
+        require(self.zero in (0, 1, 2, 3), "layout.zero", f"must be 0, 1, 2 or 3, got {self.zero}")
+        require(
+            (self.zero == 0) == (self.shard == 1),
+            "layout.zero",
+            f"zero={self.zero} with shard={self.shard}: a sharded layout needs a ZeRO stage and only it",
+        )
 
     @property
     def size(self) -> int:
         """Ranks per replica."""
-        return self.tp * self.pp
+        return self.shard * self.tp * self.pp
 
     def __str__(self) -> str:
-        return f"TP{self.tp}xPP{self.pp}"
+        base = f"TP{self.tp}xPP{self.pp}"
+        return base if self.shard == 1 else f"Z{self.zero}S{self.shard}x{base}"
 
 
 @dataclass(frozen=True)
 class Candidate:
     """One model-stage's choice: ``dp`` replicas of ``layout`` on ``gpus``.
 
-    ``gpus`` lists global GPU ids replica-major, then pipeline stage, then TP rank (TP varies
-    fastest, so a TP group sits on neighbouring GPUs, inside a node when it fits).
+    ``gpus`` lists global GPU ids replica-major, then shard rank, then pipeline stage, then TP rank
+    (TP varies fastest, so a TP group sits on neighbouring GPUs, inside a node when it fits).
     """
 
     layout: Layout
@@ -62,9 +78,11 @@ class Candidate:
         size = self.layout.size
         return self.gpus[replica * size : (replica + 1) * size]
 
-    def gpu_at(self, replica: int, pp_rank: int, tp_rank: int) -> int:
-        """The GPU holding position (pp_rank, tp_rank) of replica ``replica``."""
-        return self.gpus[replica * self.layout.size + pp_rank * self.layout.tp + tp_rank]
+    def gpu_at(self, replica: int, pp_rank: int, tp_rank: int, shard_rank: int = 0) -> int:
+        """The GPU holding position (shard_rank, pp_rank, tp_rank) of replica ``replica``."""
+        layout = self.layout
+        inner = (shard_rank * layout.pp + pp_rank) * layout.tp + tp_rank
+        return self.gpus[replica * layout.size + inner]
 
     def describe(self) -> str:
         """A short human-readable form, e.g. ``dp4 TP2xPP1 mb2``."""
