@@ -44,7 +44,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.futures import Future as TorchFuture
 
 from nereus_lightning.emu.dcp_metadata import (  # noqa: F401 (re-exported: where readers found them)
@@ -59,6 +59,7 @@ from nereus_lightning.emu.schema import StateSchema
 from nereus_lightning.emu.unit import EMU, Counters
 from nereus_lightning.models.groups import collective_timeout, member_group
 from nereus_lightning.models.optim import MASTER_KEY, off_master
+from nereus_lightning.models.zero import ZeroShards
 from nereus_lightning.spec.errors import CheckpointError
 
 #: In each model-stage's DCP state: the global step the checkpoint was saved at (a one-element int64
@@ -552,3 +553,40 @@ def _by_file(items: list[Any], storage_data: dict[Any, Any]) -> dict[str, list[A
     for item in items:
         groups.setdefault(storage_data[item.storage_index].relative_path, []).append(item)
     return groups
+
+
+def zero_state_dict(shards: ZeroShards, mesh_ranks: Tensor) -> dict[str, Tensor]:
+    """A sharded replica's state on this rank, keyed as :func:`dcp_state_dict` keys an EMU's.
+
+    Each row block is a DTensor on the ``(tp, shard)`` mesh ``mesh_ranks`` of this pipeline stage
+    (``mesh_ranks[t][s]``: the rank at TP rank ``t`` of shard rank ``s``), ``[Shard(tp_dim), Shard(0)]``:
+    the TP cut, then FSDP2's row blocks of it. DCP records each with its global offsets, so a
+    checkpoint written at one shard degree loads at any other, or unsharded, by logical name. Below
+    ZeRO-3 the parameters are whole on every shard rank (``Replicate()`` over the shard dim). The
+    values share storage with the replica's tensors, so :func:`dcp.load` fills them in place.
+    """
+    module, group = shards.module, shards.shards
+    schema = StateSchema.of(module.config)
+    tp_group = member_group(mesh_ranks[:, group.shard_rank].tolist())
+    device = next(iter(shards.blocks.values())).device
+    mesh = DeviceMesh.from_group(
+        [tp_group, group.group], device.type, mesh=mesh_ranks, mesh_dim_names=("tp", "shard")
+    )
+    out: dict[str, Tensor] = {}
+    for name, block in shards.blocks.items():
+        shape = torch.Size(schema.shape_of[name])
+        dim = schema.placements[name].tp_dim
+        tp = Shard(dim) if dim is not None else Replicate()
+        if group.zero == 3:
+            out[f"param/{name}"] = _on_mesh(block.detach(), mesh, (tp, Shard(0)), shape)
+        else:
+            out[f"param/{name}"] = _on_mesh(shards.named[name].detach(), mesh, (tp, Replicate()), shape)
+        for key, tensor in shards.optimizer.state[block].items():
+            out[f"{key}/{name}"] = tensor if key == "step" else _on_mesh(tensor, mesh, (tp, Shard(0)), shape)
+    return out
+
+
+def _on_mesh(local: Tensor, mesh: DeviceMesh, placements: tuple[Any, ...], shape: torch.Size) -> DTensor:
+    """``local`` as its part of a DTensor of global ``shape`` (contiguous) placed by ``placements``."""
+    stride = _contiguous_stride(tuple(shape))
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
