@@ -8,7 +8,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from nereus_lightning.lightning import GRPOModule, NereusStrategy, PPOModule
-from nereus_lightning.plan.layout import Plan
+from nereus_lightning.plan.layout import Candidate, Plan
 from nereus_lightning.rl.tasks import DenseRepeatTask
 from nereus_lightning.spec.workload import workflow
 from tests.helpers import cand
@@ -20,11 +20,15 @@ def small_task(seed: int = 0) -> DenseRepeatTask:
 
 
 def plan_of(algorithm: str, placement: dict) -> Plan:
-    """Per model-stage: GPUs (Layout(1,1) replicas) or ``((tp, pp), gpus)``; all ranks, dp4 by default."""
+    """Per model-stage: GPUs (Layout(1,1) replicas), ``((tp, pp), gpus)`` or a Candidate; all ranks, dp4 by
+    default."""
     out = {}
     for m in workflow(algorithm):
         spec = placement.get(m.name, (0, 1, 2, 3))
-        out[m.name] = cand(*spec[0], spec[1]) if isinstance(spec[0], tuple) else cand(1, 1, spec)
+        if isinstance(spec, Candidate):
+            out[m.name] = spec
+        else:
+            out[m.name] = cand(*spec[0], spec[1]) if isinstance(spec[0], tuple) else cand(1, 1, spec)
     return Plan.of(out)
 
 

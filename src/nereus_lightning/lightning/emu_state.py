@@ -28,6 +28,7 @@ The concerns live in their own modules, which this class composes:
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import astuple
 from typing import Any
@@ -44,12 +45,14 @@ from nereus_lightning.lightning.residency import Residency
 from nereus_lightning.lightning.roles import RoleModels
 from nereus_lightning.lightning.rollout_engines import RolloutEngines
 from nereus_lightning.lightning.stage_step import StageUpdate, step_stage
+from nereus_lightning.lightning.stages import computing
 from nereus_lightning.lightning.transition_runner import run_transition
 from nereus_lightning.lightning.unit_checkpoints import load_units, save_units, write_back
 from nereus_lightning.models import ReplicaComm, ShardedCausalLM, bind_adamw, replica_groups
-from nereus_lightning.models.groups import dp_ranks
+from nereus_lightning.models.groups import dp_ranks, group_for, shard_ranks, zero_groups
+from nereus_lightning.models.zero import ShardGroup, ZeroShards, cut_rows
 from nereus_lightning.models.sharded import is_tied
-from nereus_lightning.plan.layout import Plan
+from nereus_lightning.plan.layout import Layout, Plan
 from nereus_lightning.rl.update import ADAMW
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.workload import Workload, workflow
@@ -70,6 +73,30 @@ def _frozen(tensor: torch.Tensor) -> nn.Parameter:
     return tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=False)
 
 
+def _optimizer(
+    module: ShardedCausalLM,
+    optim_state: Mapping[str, Mapping[str, torch.Tensor]],
+    layout: Layout,
+    unit: Sequence[int],
+    lr: float,
+) -> torch.optim.Optimizer | ZeroShards:
+    """The optimizer stepping ``module``'s EMU state: an AdamW bound to it, or for a sharded ``layout``
+    (the replica on ``unit``) a ZeroShards on this shard rank's row blocks of it (views: each step
+    updates the EMU's rows in place)."""
+    if layout.shard == 1:
+        return bind_adamw(module, optim_state, lr=lr, **ADAMW)
+    peers = shard_ranks(unit, layout, unit.index(module.comm.rank))
+    shards = ShardGroup(layout.zero, peers, module.comm.rank, group_for(peers))
+    blocks = {
+        n: {k: t if k == "step" else cut_rows(t, shards.shard, shards.shard_rank) for k, t in entry.items()}
+        for n, entry in optim_state.items()
+    }
+    params = None
+    if layout.zero == 3:  # views of the EMU's parameters: the gather after a step fills the other rows
+        params = {n: cut_rows(p.detach(), shards.shard, shards.shard_rank) for n, p in module.named_parameters()}
+    return ZeroShards(module, shards, params, blocks, lr=lr, **ADAMW)
+
+
 class EMUStates:
     """This job's model-stage state in EMUs, and this rank's compute modules and rollout engines on them.
 
@@ -88,7 +115,7 @@ class EMUStates:
         self.configs = roles.configs()  # role -> transformers config (kept when the models are released)
         self.plan: Plan | None = None  # the plan of the live units (model-stages with a model only)
         self.units: dict[str, ShardedCausalLM] = {}
-        self.optimizers: dict[str, torch.optim.Optimizer] = {}
+        self.optimizers: dict[str, torch.optim.Optimizer | ZeroShards] = {}
         self.resume_from: str | None = None  # a checkpoint directory to load when the units are built
         # Model-stages holding exactly the weights of their model's training stage (built from the same
         # model, or synced since its last update): checkpoints store them once, in the training stage.
@@ -115,6 +142,7 @@ class EMUStates:
             self._create(target)
         else:
             self.residency_of.onload(self.plan)  # the transfers read and write device tensors
+            self._whole_state()
             run = run_transition(self.plan, target, self.roles.specs(), self.cluster, self.workload)
             self.last_transition = run.record
             self.last_report = run.report if run.report is not None else self.last_report
@@ -185,7 +213,12 @@ class EMUStates:
         return out
 
     def _build_modules(self, rank: int) -> None:
-        """This rank's ShardedCausalLM per model-stage on its EMU's tensors (collective: group creation)."""
+        """This rank's ShardedCausalLM per model-stage on its EMU's tensors (collective: group creation).
+
+        A sharded replica's shard ranks compute as replicas of their own (:func:`computing`); its
+        training stage steps through a :class:`~nereus_lightning.models.zero.ZeroShards` on row blocks
+        of the EMU's tensors.
+        """
         self.units, self.optimizers = {}, {}
         reg = emu.registry()
         assert self.plan is not None
@@ -193,17 +226,23 @@ class EMUStates:
             ms = self.stages[name]
             config = self.configs[ms.model]
             tied = is_tied(config)
-            replicas = [cand.replica_gpus(r) for r in range(cand.dp)]
-            replica_groups(replicas, cand.layout, tied)  # every rank, same order
+            compute = computing(cand)
+            replicas = [compute.replica_gpus(r) for r in range(compute.dp)]
+            units = [cand.replica_gpus(r) for r in range(cand.dp)]
+            replica_groups(replicas, compute.layout, tied)  # every rank, same order
+            zero_groups(units, cand.layout)
             if rank not in cand.gpus:
                 continue
             index = cand.gpus.index(rank)
-            replica = replicas[index // cand.layout.size]
-            position = index % cand.layout.size
+            unit = units[index // cand.layout.size]
             comm = ReplicaComm.of(
-                replica, cand.layout, rank, tied=tied, dp_ranks=dp_ranks(replicas, position)
+                replicas[index // compute.layout.size],
+                compute.layout,
+                rank,
+                tied=tied,
+                dp_ranks=dp_ranks(units, index % cand.layout.size),
             )
-            state = reg.local(name, emu.Unit(cand.layout, tuple(replica)))
+            state = reg.local(name, emu.Unit(cand.layout, tuple(unit)))
             if not ms.trains:
                 # The module's parameters are the EMU's tensors themselves, so offload/onload move both.
                 state.params = {n: _frozen(t) for n, t in state.params.items()}
@@ -211,8 +250,16 @@ class EMUStates:
             module.recompute = cand.recompute  # as the planner priced the stage's activations
             if ms.trains:
                 lr = self.roles.learning_rates.get(ms.model, 1e-3)
-                self.optimizers[name] = bind_adamw(module, state.optim_state, lr=lr, **ADAMW)
+                self.optimizers[name] = _optimizer(module, state.optim_state, cand.layout, unit, lr)
             self.units[name] = module
+
+    def _whole_state(self) -> None:
+        """Each sharded training unit's AdamW state whole on every shard rank of it (each steps its own rows
+        only), for the readers of whole EMU tensors: transitions, checkpoints, checks."""
+        for name, optimizer in self.optimizers.items():
+            unit = self._local(name)
+            if isinstance(optimizer, ZeroShards) and unit is not None:
+                optimizer.fill(unit.optim_state)
 
     # ---- residency and generation ----------------------------------------------------------
     def in_use(self, model_stage: str) -> AbstractContextManager[None]:
@@ -252,7 +299,10 @@ class EMUStates:
         module = self.units.get(model_stage)
         if module is None:
             return StageUpdate(None)
-        result = step_stage(module, self.optimizers[model_stage], max_norm)
+        optimizer = self.optimizers[model_stage]
+        result = step_stage(module, optimizer, max_norm)
+        if isinstance(optimizer, ZeroShards):
+            optimizer.gather()  # ZeRO-3: the module (the EMU's parameters) whole again for its readers
         if result.problem is None:
             step = Counters(optimizer_step=1, update_count=1, policy_version=1, sample_position=samples)
             self._advance(model_stage, step)
@@ -282,6 +332,7 @@ class EMUStates:
         its training stage's weights (:attr:`synced` on every rank) with its counters only.
         """
         assert self.plan is not None
+        self._whole_state()
         save_units(path, self.plan, self.stages, self.synced, self._sources(), step)
 
     def write_back(self, dst: int | None = None) -> None:
@@ -295,6 +346,7 @@ class EMUStates:
 
     def logical_params(self, model_stage: str) -> dict[str, torch.Tensor] | None:
         """The full parameters of ``model_stage`` on rank 0 (None elsewhere; collective)."""
+        self._whole_state()
         state = emu.gather_logical_state(model_stage, dst=0)
         return None if state is None else state.params
 

@@ -183,6 +183,19 @@ class ZeroShards:
         for p in self.named.values():
             p.untyped_storage().resize_(0)
 
+    def fill(self, optim_state: Mapping[str, Mapping[str, Tensor]]) -> None:
+        """Write every shard rank's rows of the AdamW state into ``optim_state``'s full tensors (by global
+        name and key; collective over the shard group), so each shard rank holds all of it, as an unsharded
+        replica does, for readers that take whole tensors (checkpoints, transfers, checks)."""
+        pairs = [
+            (self.optimizer.state[block][key].detach(), optim_state[n][key])
+            for n, block in self.blocks.items()
+            for key in optim_state[n]
+            if key != "step"
+        ]
+        for blocks, full in _by_dtype(pairs):
+            all_gather_rows(blocks, full, self.shards)
+
     def step(self, max_norm: float, dp_group: dist.ProcessGroup | None) -> tuple[float, str | None]:
         """Reduce this rank's gradients into its row blocks (summed over the shard group and, through
         ``dp_group``, the replicas), clip them to ``max_norm`` by the replica's global norm and step the

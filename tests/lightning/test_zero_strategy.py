@@ -1,0 +1,47 @@
+"""One PPO update through the strategy with sharded training stages (1 replica of shard 2 x TP2, ZeRO-1/2/3)
+equals the same job at ZeRO-0 (DP2 x TP2) on the same four gloo ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nereus_lightning.plan.layout import Candidate, Layout
+from tests.lightning.helpers import one_update
+
+pytestmark = pytest.mark.distributed
+
+GPUS = (0, 1, 2, 3)
+
+
+def _placement(zero: int) -> dict:
+    """Both training stages at ZeRO-``zero`` (ZeRO-0: DP2 x TP2); every other stage dp4."""
+    if zero == 0:
+        train: object = ((2, 1), GPUS)
+    else:
+        train = Candidate(Layout(2, 1, shard=2, zero=zero), 1, GPUS)
+    return {"actor_train": train, "critic_train": train}
+
+
+_RUNS: dict[int, list] = {}
+
+
+def _run(pool, zero: int) -> list:  # noqa: ANN001
+    if zero not in _RUNS:  # the ZeRO-0 run is shared by the three comparisons
+        _RUNS[zero] = pool.run(one_update, _placement(zero))
+    return _RUNS[zero]
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_a_sharded_ppo_update_through_the_strategy_is_zero0s(dist4, zero: int) -> None:
+    ref, got = _run(dist4, 0)[0], _run(dist4, zero)[0]
+    for model in ("actor", "critic"):
+        names = [n for n in ref["params"] if n.startswith(model + ".")]
+        assert names and sorted(names) == sorted(n for n in got["params"] if n.startswith(model + "."))
+        pa = torch.cat([ref["params"][n].reshape(-1) for n in names])
+        pb = torch.cat([got["params"][n].reshape(-1) for n in names])
+        rel = float((pa - pb).norm() / pa.norm())
+        assert rel < 1e-5, (zero, model, rel)
+    for key in ("actor/pg_loss", "critic/vf_loss", "actor/grad_norm", "critic/grad_norm"):
+        a, b = ref["metrics"][key], got["metrics"][key]
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (zero, key, a, b)
