@@ -50,8 +50,8 @@ from nereus_lightning.lightning.transition_runner import run_transition
 from nereus_lightning.lightning.unit_checkpoints import load_units, save_units, write_back
 from nereus_lightning.models import ReplicaComm, ShardedCausalLM, bind_adamw, replica_groups
 from nereus_lightning.models.groups import dp_ranks, group_for, shard_ranks, zero_groups
-from nereus_lightning.models.zero import ShardGroup, ZeroShards, cut_rows
 from nereus_lightning.models.sharded import is_tied
+from nereus_lightning.models.zero import ShardGroup, ZeroShards, cut_rows
 from nereus_lightning.plan.layout import Layout, Plan
 from nereus_lightning.rl.update import ADAMW
 from nereus_lightning.spec.cluster import ClusterSpec
@@ -93,7 +93,9 @@ def _optimizer(
     }
     params = None
     if layout.zero == 3:  # views of the EMU's parameters: the gather after a step fills the other rows
-        params = {n: cut_rows(p.detach(), shards.shard, shards.shard_rank) for n, p in module.named_parameters()}
+        params = {
+            n: cut_rows(p.detach(), shards.shard, shards.shard_rank) for n, p in module.named_parameters()
+        }
     return ZeroShards(module, shards, params, blocks, lr=lr, **ADAMW)
 
 
