@@ -1,5 +1,6 @@
 """One PPO update through the strategy with sharded training stages (1 replica of shard 2 x TP2, ZeRO-1/2/3)
-equals the same job at ZeRO-0 (DP2 x TP2) on the same four gloo ranks."""
+equals the same job at ZeRO-0 (DP2 x TP2) on the same four gloo ranks, and the weight sync after it gives
+the inference and generation stages exactly the trained weights."""
 
 from __future__ import annotations
 
@@ -23,12 +24,24 @@ def _placement(zero: int) -> dict:
     return {"actor_train": train, "critic_train": train}
 
 
+def _update_and_synced(rank: int, world_size: int, placement: dict) -> dict:
+    """:func:`one_update`, and the logical parameters its weight sync left in the non-training stages."""
+    from nereus_lightning import emu
+
+    out = one_update(rank, world_size, placement)
+    for stage in SYNCED:
+        state = emu.gather_logical_state(stage, dst=0)
+        out[stage] = None if state is None else state.params
+    return out
+
+
+SYNCED = {"actor_gen": "actor", "actor_infer": "actor", "critic_infer": "critic"}
 _RUNS: dict[int, list] = {}
 
 
 def _run(pool, zero: int) -> list:  # noqa: ANN001
     if zero not in _RUNS:  # the ZeRO-0 run is shared by the three comparisons
-        _RUNS[zero] = pool.run(one_update, _placement(zero))
+        _RUNS[zero] = pool.run(_update_and_synced, _placement(zero))
     return _RUNS[zero]
 
 
@@ -45,3 +58,7 @@ def test_a_sharded_ppo_update_through_the_strategy_is_zero0s(dist4, zero: int) -
     for key in ("actor/pg_loss", "critic/vf_loss", "actor/grad_norm", "critic/grad_norm"):
         a, b = ref["metrics"][key], got["metrics"][key]
         assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (zero, key, a, b)
+    for stage, model in SYNCED.items():
+        assert got[stage], (zero, stage)
+        for n, p in got[stage].items():
+            assert torch.equal(p, got["params"][f"{model}.{n}"]), (zero, stage, n)
