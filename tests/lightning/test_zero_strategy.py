@@ -62,3 +62,18 @@ def test_a_sharded_ppo_update_through_the_strategy_is_zero0s(dist4, zero: int) -
         assert got[stage], (zero, stage)
         for n, p in got[stage].items():
             assert torch.equal(p, got["params"][f"{model}.{n}"]), (zero, stage, n)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_sharded_stages_save_and_resume_as_zero0_does(dist4, tmp_path, zero: int) -> None:
+    from tests.lightning.helpers import offload_run
+
+    runs = {}
+    for z in (0, zero):  # a step at ZeRO-z, a save, a fresh module resumed from it at ZeRO-z, a step
+        runs[z] = dist4.run(offload_run, [_placement(z)], str(tmp_path / f"z{z}"), False)[0]
+    ref, got = runs[0], runs[zero]
+    assert got["scores"] == pytest.approx(ref["scores"], rel=1e-5, abs=1e-6)
+    assert ref["params"].keys() == got["params"].keys() and ref["params"]
+    for n, p in ref["params"].items():
+        rel = float((p - got["params"][n]).norm() / p.norm())
+        assert rel < 1e-5, (zero, n, rel)

@@ -109,7 +109,9 @@ def dcp_state_dict(emu: EMU) -> dict[str, Tensor]:
     layout, pos = emu.layout, emu.position
     mesh = None
     if layout.tp > 1:
-        tp_ranks = tuple(emu.unit.gpu_at(pos.pp_rank, t) for t in range(layout.tp))
+        inner = layout.pp * layout.tp  # a sharded unit's shard ranks each hold a whole (pp, tp) piece
+        first = emu.unit.gpus.index(emu.rank) // inner * inner + pos.pp_rank * layout.tp
+        tp_ranks = emu.unit.gpus[first : first + layout.tp]
         mesh = DeviceMesh.from_group(member_group(tp_ranks), emu.device.type)
     out: dict[str, Tensor] = {}
     for name, key, tensor in emu.tensors():
