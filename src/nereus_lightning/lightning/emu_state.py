@@ -8,7 +8,10 @@ Each model-stage with a model (actor, critic, reference, reward roles) is a set 
 :func:`nereus_lightning.emu.registry` (one per replica, sharded by the stage's TP x PP layout).
 This rank's compute module for a stage is a :class:`~nereus_lightning.models.ShardedCausalLM`
 built on its EMU's very tensors; a training stage's AdamW is bound to the EMU's optimizer tensors
-(:func:`~nereus_lightning.models.bind_adamw`), so an optimizer step updates the EMU in place. No
+(:func:`~nereus_lightning.models.bind_adamw`), so an optimizer step updates the EMU in place; a
+sharded replica's (``Layout.shard > 1``) shard ranks each step their own row blocks of it through a
+:class:`~nereus_lightning.models.zero.ZeroShards`, and fill the rest in before anything reads the EMU
+whole (transitions, saves, checks). No
 rank keeps a full model beyond what its units hold: the module's full transformers models are
 released (emptied) once the units exist. After each update the fresh weights go from every
 training stage to the other model-stages of its model (:func:`nereus_lightning.emu.sync.sync_params`).
