@@ -45,9 +45,8 @@ def _run(pool, zero: int) -> list:  # noqa: ANN001
     return _RUNS[zero]
 
 
-@pytest.mark.parametrize("zero", [1, 2, 3])
-def test_a_sharded_ppo_update_through_the_strategy_is_zero0s(dist4, zero: int) -> None:
-    ref, got = _run(dist4, 0)[0], _run(dist4, zero)[0]
+def _assert_same(ref: dict, got: dict, zero: int) -> None:
+    """Both models' logical parameters within 1e-5 (relative norm) and the losses and norms alike."""
     for model in ("actor", "critic"):
         names = [n for n in ref["params"] if n.startswith(model + ".")]
         assert names and sorted(names) == sorted(n for n in got["params"] if n.startswith(model + "."))
@@ -58,6 +57,12 @@ def test_a_sharded_ppo_update_through_the_strategy_is_zero0s(dist4, zero: int) -
     for key in ("actor/pg_loss", "critic/vf_loss", "actor/grad_norm", "critic/grad_norm"):
         a, b = ref["metrics"][key], got["metrics"][key]
         assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (zero, key, a, b)
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_a_sharded_ppo_update_through_the_strategy_is_zero0s(dist4, zero: int) -> None:
+    ref, got = _run(dist4, 0)[0], _run(dist4, zero)[0]
+    _assert_same(ref, got, zero)
     for stage, model in SYNCED.items():
         assert got[stage], (zero, stage)
         for n, p in got[stage].items():
@@ -77,3 +82,18 @@ def test_sharded_stages_save_and_resume_as_zero0_does(dist4, tmp_path, zero: int
     for n, p in ref["params"].items():
         rel = float((p - got["params"][n]).norm() / p.norm())
         assert rel < 1e-5, (zero, n, rel)
+
+
+SHAPES = {  # a ZeRO-0 placement, and the (tp, pp, replicas) of its sharded twin (shard 2) on the same GPUs
+    "pp2": (((1, 2), GPUS), (1, 2, 1)),  # shard 2 x PP2 against DP2 x PP2
+    "dp2": (GPUS, (1, 1, 2)),  # two replicas of shard 2 against DP4
+}
+
+
+@pytest.mark.parametrize(("shape", "zero"), [("pp2", 3), ("dp2", 1), ("dp2", 3)])
+def test_sharded_pipelines_and_sharded_replicas_update_as_zero0(dist4, shape: str, zero: int) -> None:
+    plain, (tp, pp, dp) = SHAPES[shape]
+    sharded = Candidate(Layout(tp, pp, shard=2, zero=zero), dp, GPUS)
+    ref = dist4.run(one_update, {"actor_train": plain, "critic_train": plain})[0]
+    got = dist4.run(one_update, {"actor_train": sharded, "critic_train": sharded})[0]
+    _assert_same(ref, got, zero)
