@@ -437,7 +437,8 @@ def ideal_time(
     per_replica = replica_sequences(work, dp * layout.shard)
     if per_replica is None:
         raise NereusConfigError(
-            f"{work.name}: dp={dp} x shard={layout.shard} cannot split {work.sequences} sequences ({work.kind})"
+            f"{work.name}: dp={dp} x shard={layout.shard} cannot split {work.sequences} sequences "
+            f"({work.kind})"
         )
     total: Ideal = {}
     if work.kind == "generation":

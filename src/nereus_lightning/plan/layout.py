@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 from nereus_lightning.spec.errors import require
 
-
 #: ZeRO stages: what a shard group cuts into row blocks (each stage adds to the one before).
 ZERO_STAGES = {1: "optimizer state", 2: "+ gradients", 3: "+ parameters"}
 
@@ -41,7 +40,8 @@ class Layout:
         require(
             (self.zero == 0) == (self.shard == 1),
             "layout.zero",
-            f"zero={self.zero} with shard={self.shard}: a ZeRO stage needs shard > 1, and shard > 1 a ZeRO stage",
+            f"zero={self.zero} with shard={self.shard}: a ZeRO stage needs shard > 1, and shard > 1 a ZeRO "
+            "stage",
         )
 
     @property

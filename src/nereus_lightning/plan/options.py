@@ -258,7 +258,8 @@ class CandidateTable:
                             )
                         # = peak_memory(work, layout, dp, mb, rc), its terms shared by the ZeRO variants
                         peak = max(
-                            state + max(p + gathered, temp) for (state, gathered, temp), p in zip(terms, run)
+                            state + max(p + gathered, temp)
+                            for (state, gathered, temp), p in zip(terms, run, strict=True)
                         )
                         if peak <= cap:
                             lat = repeats * (
