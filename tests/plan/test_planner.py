@@ -23,6 +23,7 @@ from nereus_lightning.plan.cost import (
 from nereus_lightning.plan.memory import memory_cap
 from nereus_lightning.plan.overlap import colocated
 from nereus_lightning.plan.planner import STEP_TOLERANCE
+from nereus_lightning.plan.options import shard_options
 from nereus_lightning.spec import (
     ClusterSpec,
     GenerationEngine,
@@ -76,15 +77,19 @@ def _brute_force(models, cluster, workload, calibration) -> float:
                     if share is None or (not work.trains and share in shares):
                         continue
                     shares.add(share)
-                    links = canonical_links(lay, dp, cluster)
-                    for mb in micro_batch_options(work, lay, share, memory):
-                        for rc in (False, True) if work.trains else (False,):
-                            own = max(rank_peak_memory(work, lay, dp, mb, rc))
-                            if own > memory:
-                                continue
-                            lat = latency(ideal_time(work, lay, dp, mb, rc, links, cluster), calibration)
-                            res = max(memory_rank_state(work.model, lay)) if work.trains else 0.0
-                            out.append((dp * lay.size, lat, own, res))
+                    # Training: dp data-parallel ranks, as replicas of each ZeRO variant of the layout.
+                    zeros = shard_options(lay, dp, cluster.gpus_per_node) if work.trains else [lay]
+                    for z in zeros:
+                        reps = dp // z.shard
+                        links = canonical_links(z, reps, cluster)
+                        for mb in micro_batch_options(work, lay, share, memory):
+                            for rc in (False, True) if work.trains else (False,):
+                                own = max(rank_peak_memory(work, z, reps, mb, rc))
+                                if own > memory:
+                                    continue
+                                lat = latency(ideal_time(work, z, reps, mb, rc, links, cluster), calibration)
+                                res = max(memory_rank_state(work.model, z)) if work.trains else 0.0
+                                out.append((dp * lay.size, lat, own, res))
         return out
 
     def running_best(points) -> list[tuple[int, float]]:
@@ -177,9 +182,10 @@ def _brute_force(models, cluster, workload, calibration) -> float:
 
 
 def memory_rank_state(model, layout):
-    from nereus_lightning.plan.memory import rank_state_bytes
+    """The training state a GPU keeps between its passes (what other stages run next to)."""
+    from nereus_lightning.plan.memory import resident_rank_bytes
 
-    return [rank_state_bytes(model, True, layout, p) for p in range(layout.pp)]
+    return [resident_rank_bytes(model, layout, p) for p in range(layout.pp)]
 
 
 def _random_instance(rng: random.Random):

@@ -54,6 +54,9 @@ def _stage_rows(plan: Plan, est: PlanEstimate, algorithm: str) -> list[dict[str,
                 "dp": cand.dp,
                 "tp": cand.layout.tp,
                 "pp": cand.layout.pp,
+                # ZeRO: the stage (0: unsharded) and the shard degree inside each replica.
+                "zero": cand.layout.zero,
+                "shard": cand.layout.shard,
                 "num_gpus": cand.num_gpus,
                 "gpus": list(cand.gpus),
                 "micro_batch": cand.micro_batch,
@@ -172,6 +175,7 @@ def render(result: dict[str, Any]) -> None:
         "dp",
         "tp",
         "pp",
+        "ZeRO",
         "GPUs",
         "micro-batch",
         "recompute",
@@ -203,6 +207,7 @@ def render(result: dict[str, Any]) -> None:
             str(row["dp"]),
             str(row["tp"]),
             str(row["pp"]),
+            f"Z{row['zero']}x{row['shard']}" if row["shard"] > 1 else "-",
             span,
             str(row["micro_batch"]),
             "yes" if row["recompute"] else "no",
@@ -218,7 +223,11 @@ def render(result: dict[str, Any]) -> None:
     phases = ", ".join(f"{k} {v:.2f} s" for k, v in result["phase_latency_s"].items())
     console.print(f"step latency: [bold]{result['step_latency_s']:.2f} s[/bold] ({phases})")
     for i, alt in enumerate(result["alternatives"], 1):
-        layout = ", ".join(f"{r['model_stage']} ({r['dp']},{r['tp']},{r['pp']})" for r in alt["model_stages"])
+        layout = ", ".join(
+            f"{r['model_stage']} ({r['dp']},{r['tp']},{r['pp']}"
+            + (f",Z{r['zero']}x{r['shard']})" if r["shard"] > 1 else ")")
+            for r in alt["model_stages"]
+        )
         console.print(f"alternative {i}: {alt['step_latency_s']:.2f} s: {layout}")
 
 

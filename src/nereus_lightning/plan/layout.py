@@ -7,15 +7,20 @@ from dataclasses import dataclass
 
 from nereus_lightning.spec.errors import require
 
+#: ZeRO stages: what a shard group cuts into row blocks (each stage adds to the one before).
+ZERO_STAGES = {1: "optimizer state", 2: "+ gradients", 3: "+ parameters"}
+
 
 @dataclass(frozen=True, order=True)
 class Layout:
-    """The shape of one replica (an EMU): ``shard`` x ``tp`` x ``pp`` ranks.
+    """The shape of one replica (an EMU): ``shard`` x ``tp`` x ``pp`` ranks, every parallel dimension
+    of a model-stage but the replica count (torchtitan's ``ParallelDims`` without ``dp``).
 
-    ``shard`` is the ZeRO sharding degree inside the replica: its shard ranks are data-parallel with
-    each other and together hold one copy of the training state, cut in dim-0 row blocks; ``zero``
-    is the ZeRO stage (1: optimizer state sharded; 2: + gradients; 3: + parameters), 0 iff
-    ``shard == 1``.
+    ``shard`` is the ZeRO degree inside the replica: its ``shard`` groups of ``tp * pp`` ranks are
+    data-parallel with each other (each runs its own micro-batches of the replica's share) and
+    together hold one copy of the training state, every tensor of a ``(pp, tp)`` position cut into
+    ``shard`` dim-0 row blocks (FSDP2's layout). ``zero`` is the ZeRO stage (:data:`ZERO_STAGES`),
+    0 exactly when nothing is sharded.
     """
 
     tp: int = 1
@@ -27,11 +32,16 @@ class Layout:
         require(self.tp >= 1, "layout.tp", f"must be >= 1, got {self.tp}")
         require(self.pp >= 1, "layout.pp", f"must be >= 1, got {self.pp}")
         require(self.shard >= 1, "layout.shard", f"must be >= 1, got {self.shard}")
-        require(self.zero in (0, 1, 2, 3), "layout.zero", f"must be 0, 1, 2 or 3, got {self.zero}")
+        require(
+            self.zero in (0, *ZERO_STAGES),
+            "layout.zero",
+            f"must be 0 or one of {list(ZERO_STAGES)}, got {self.zero}",
+        )
         require(
             (self.zero == 0) == (self.shard == 1),
             "layout.zero",
-            f"zero={self.zero} with shard={self.shard}: a sharded layout needs a ZeRO stage and only it",
+            f"zero={self.zero} with shard={self.shard}: a ZeRO stage needs shard > 1, and shard > 1 a ZeRO "
+            "stage",
         )
 
     @property
@@ -39,9 +49,14 @@ class Layout:
         """Ranks per replica."""
         return self.shard * self.tp * self.pp
 
+    @property
+    def model_size(self) -> int:
+        """Ranks of one shard group's model cut (``tp * pp``): a replica is ``shard`` of them."""
+        return self.tp * self.pp
+
     def __str__(self) -> str:
-        base = f"TP{self.tp}xPP{self.pp}"
-        return base if self.shard == 1 else f"Z{self.zero}S{self.shard}x{base}"
+        zero = f"Z{self.zero}x{self.shard} " if self.shard > 1 else ""
+        return f"{zero}TP{self.tp}xPP{self.pp}"
 
 
 @dataclass(frozen=True)
@@ -50,6 +65,7 @@ class Candidate:
 
     ``gpus`` lists global GPU ids replica-major, then shard rank, then pipeline stage, then TP rank
     (TP varies fastest, so a TP group sits on neighbouring GPUs, inside a node when it fits).
+    Only training model-stages may shard (``layout.shard > 1``).
     """
 
     layout: Layout
@@ -73,19 +89,23 @@ class Candidate:
         """GPUs this model-stage occupies."""
         return len(self.gpus)
 
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that run micro-batches of their own: every shard rank of every replica."""
+        return self.dp * self.layout.shard
+
     def replica_gpus(self, replica: int) -> tuple[int, ...]:
-        """The GPUs of replica ``replica`` (pp-major, tp-minor)."""
+        """The GPUs of replica ``replica`` (shard-major, then pp, tp-minor)."""
         size = self.layout.size
         return self.gpus[replica * size : (replica + 1) * size]
 
     def gpu_at(self, replica: int, pp_rank: int, tp_rank: int, shard_rank: int = 0) -> int:
         """The GPU holding position (shard_rank, pp_rank, tp_rank) of replica ``replica``."""
-        layout = self.layout
-        inner = (shard_rank * layout.pp + pp_rank) * layout.tp + tp_rank
-        return self.gpus[replica * layout.size + inner]
+        lay = self.layout
+        return self.gpus[replica * lay.size + (shard_rank * lay.pp + pp_rank) * lay.tp + tp_rank]
 
     def describe(self) -> str:
-        """A short human-readable form, e.g. ``dp4 TP2xPP1 mb2``."""
+        """A short human-readable form, e.g. ``dp4 TP2xPP1 mb2`` or ``dp1 Z2x4 TP2xPP1 mb2``."""
         rc = " rc" if self.recompute else ""
         return f"dp{self.dp} {self.layout} mb{self.micro_batch}{rc}"
 

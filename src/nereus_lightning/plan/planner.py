@@ -70,6 +70,7 @@ from nereus_lightning.plan.options import (  # noqa: F401  (re-exported for call
     frontier,
     frontier_of_rows,
     layouts_for,
+    shard_options,
     stage_options,
 )
 from nereus_lightning.plan.overlap import partitions
@@ -615,11 +616,23 @@ class _Search:
 
 def _least_memory(work: StageWork, layout: Layout) -> float:
     """Peak bytes of one replica of ``layout`` at its leanest: smallest micro-batch, recompute on."""
-    share = replica_sequences(work, 1) or 1
+    if replica_sequences(work, layout.shard) is None:
+        return float("inf")
+    share = replica_sequences(work, layout.shard) or 1
     if work.kind == "generation":
         return peak_memory(work, layout, 1, 1, False)
     options = micro_batch_options(work, layout, share, float("inf"))
     return peak_memory(work, layout, 1, options[0], work.trains) if options else float("inf")
+
+
+def _replica_layouts(work: StageWork, gpus: int, gpus_per_node: int) -> list[Layout]:
+    """Every layout one replica of ``work`` may take on at most ``gpus`` GPUs (a training one sharded
+    over all of them too, as far as its mini-batch splits)."""
+    out = []
+    for lay in layouts_for(work.model, gpus):
+        width = min(gpus // lay.size, work.mini_batch_size if work.trains else 1)
+        out += shard_options(lay, 1 << (width.bit_length() - 1), gpus_per_node) if work.trains else [lay]
+    return out
 
 
 def diagnose_memory(
@@ -635,12 +648,13 @@ def diagnose_memory(
 
     ``factor`` is the stage's measured memory factor: the cost model's peaks times it must fit.
     """
-    inside = [(factor * _least_memory(work, lay), lay) for lay in layouts_for(work.model, budget)]
+    gpn = cluster.gpus_per_node
+    inside = [(factor * _least_memory(work, lay), lay) for lay in _replica_layouts(work, budget, gpn)]
     best = min(inside, key=lambda x: x[0], default=None)
     fits = next(
         (
             lay
-            for lay in sorted(layouts_for(work.model, 1 << 20), key=lambda lay: lay.size)
+            for lay in sorted(_replica_layouts(work, 1 << 20, gpn), key=lambda lay: lay.size)
             if factor * _least_memory(work, lay) <= cap
         ),
         None,
