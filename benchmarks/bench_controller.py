@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from dataclasses import asdict
@@ -118,6 +119,9 @@ def policy_table(
     )
     print(res["text"])
     out = {k: v for k, v in res.items() if k not in ("comparison", "text")}
+    for key in ("plot", "gamma_plot"):  # recorded relative to the repository, not this machine's paths
+        if key in out:
+            out[key] = os.path.relpath(out[key], RESULTS.parent.parent)
     rows = {r["policy"]: r for r in out["table"]}
     nereus = rows.get("nereus(gamma=0.5)")
     others = [r for name, r in rows.items() if name not in ("oracle", "nereus(gamma=0.5)")]

@@ -114,9 +114,21 @@ def test_follow_pool_keeps_layouts_and_fills_the_pool():
     train = set(grown["actor_train"].gpus) | set(grown["critic_train"].gpus)
     assert len(train) == 16 and max(train) == 15  # disjoint, inside the pool
     assert follow_pool(plan, "ppo", 3, batch=256) is None  # four inference replicas need 4 GPUs
-    variants = relief_variants(plan)
+    variants = relief_variants(plan, set(plan))
     # micro-batch 1 cannot halve
     assert all(c.recompute for _, c in variants[0].items()) and len(variants) == 1
+
+
+def test_relief_touches_only_the_named_model_stages():
+    plan = _ppo_plan().replace("actor_gen", Candidate(Layout(2, 1), 4, tuple(range(8)), 32))
+    plan = plan.replace("critic_train", Candidate(Layout(2, 1), 2, tuple(range(4, 8)), 4))
+    recompute, halved, both = relief_variants(plan, {"critic_train"})
+    for variant in (recompute, halved, both):
+        assert all(variant[n] == plan[n] for n in plan if n != "critic_train")
+    assert recompute["critic_train"].recompute and recompute["critic_train"].micro_batch == 4
+    assert not halved["critic_train"].recompute and halved["critic_train"].micro_batch == 2
+    assert both["critic_train"].recompute and both["critic_train"].micro_batch == 2
+    assert relief_variants(plan, set()) == []
 
 
 def test_place_near_and_keep_layouts():

@@ -264,3 +264,25 @@ def test_variants_keep_colocated_groups_together():
     assert moved["reward_infer"].gpus == (0,) and moved["actor_infer"].gpus == (1, 2)
     assert moved["ref_infer"].gpus == (1,)
     assert colocated(moved, stage_of) == (("actor_infer", "ref_infer"),)
+
+
+def test_a_target_that_does_not_last_is_also_tried_relieved():
+    # The current plan A runs out of memory at the next step's length; the planner's best B fits
+    # now but not at the forecast; B with recomputation (a little slower) lasts, and beats the
+    # current plan relieved (A with recomputation, slower still).
+    a_rc, b_rc = gen_plan(1, 4, recompute=True), gen_plan(2, 4, recompute=True)
+
+    class Growing(FakeBackend):
+        def estimate(self, plan, cluster, workload, calibration, memory=None):
+            est = super().estimate(plan, cluster, workload, calibration)
+            est.feasible = est.feasible and (plan.items()[0][1].recompute or workload.response_len < 1350)
+            return est
+
+    backend = Growing([B], {A: 10.0, B: 5.0, a_rc: 20.0, b_rc: 6.0}, tran={B: 1.0, b_rc: 1.0, a_rc: 0.0})
+    ctl = controller(backend)
+    for step, length in enumerate((1000, 1100, 1200)):
+        assert ctl.step(sig(step, length=length)).kind == "none"
+    d = ctl.step(sig(3, length=1290))
+    assert d.urgent and d.kind == "transition" and d.target == b_rc
+    verdicts = {c["source"]: c.get("lasts", True) for c in d.considered}
+    assert verdicts["planner best"] is False and verdicts["planner best, relieved"] is True

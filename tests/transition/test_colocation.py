@@ -77,8 +77,9 @@ def test_a_pair_colocated_in_one_plan_needs_no_ordering() -> None:
 
 
 def test_colocated_training_states_must_fit_together() -> None:
-    """Two 8B training states (128 GB each on one GPU at TP1) cannot share GPUs of 141 GB."""
-    big = plan(actor_train=cand(2, 1, (0, 1)), critic_train=cand(2, 1, (0, 1)))
+    """Two 8B training states (112 GB of weights and AdamW state each on one GPU at TP1) cannot share a
+    GPU of 141 GB."""
+    big = plan(actor_train=cand(1, 1, (0,)), critic_train=cand(1, 1, (0,)))
     with pytest.raises(InfeasiblePlanError, match="does not fit on GPU 0.*actor_train, critic_train"):
         build_transition(big, big, MODELS, CLUSTER, PPO)
 

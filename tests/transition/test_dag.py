@@ -142,7 +142,7 @@ def test_bad_plans_are_rejected_with_the_field() -> None:
     with pytest.raises(NereusConfigError, match="no ModelSpec for role 'reward'"):
         p = plan(reward_infer=cand(1, 1, (0,)))
         build_transition(p, p, {"actor": MODELS["actor"]}, CLUSTER, PPO)
-    big = plan(actor_train=cand(1, 1, (0,)))  # 8B x 16 bytes = 128 GB > 127 GB cap
+    big = plan(actor_train=cand(1, 1, (0,)), critic_train=cand(1, 1, (0,)))  # 2 x 8B x 14 B > 127 GB cap
     with pytest.raises(InfeasiblePlanError, match="does not fit on GPU 0"):
         build_transition(big, big, MODELS, CLUSTER, PPO)
 

@@ -5,11 +5,13 @@ and drops infeasible ones; outside the urgent path it also drops targets that ar
 than the current plan. :meth:`CandidateSource.regular` yields the planner's best plan first (so an
 admitted best target costs no extra pricing), then every fallback fastest first;
 :meth:`CandidateSource.pinned` yields the planner's best plans that keep the current training
-layouts (asked for only when the best target failed: one more planner call).
+layouts (asked for only when the best target failed: one more planner call). Both also yield each
+target that does not last with its over-cap model-stages relieved (:meth:`CandidateSource.relieved`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +40,7 @@ class Option:
     source: str
     notes: dict[str, Any] = field(default_factory=dict)
     lasts: bool = True  # still feasible at the lengths forecast over the horizon
+    at_lasting: Estimate | None = None  # its estimate at those lengths (None: not checked)
 
     @property
     def latency(self) -> float:
@@ -87,12 +90,23 @@ class CandidateSource:
             return None
         if not self.urgent and self.current_latency is not None and est.step_latency >= self.current_latency:
             return None
-        lasts = self.lasting is None or bool(
-            self.backend.estimate(
-                plan, self.cluster, self.lasting, self.calibration, memory=self.memory
-            ).feasible
+        if self.lasting is None:
+            return Option(plan, est, source)
+        at_lasting = self.backend.estimate(
+            plan, self.cluster, self.lasting, self.calibration, memory=self.memory
         )
-        return Option(plan, est, source, lasts=lasts)
+        return Option(plan, est, source, lasts=bool(at_lasting.feasible), at_lasting=at_lasting)
+
+    def relieved(self, options: list[Option | None]) -> list[Option | None]:
+        """Each of ``options`` that does not last, with the model-stages that pass the cap at the
+        lengths forecast over the horizon relieved (``relief_variants``): a little slower, and it
+        lasts (the layouts, and so the transition, stay the same)."""
+        return [
+            self.price(v, f"{o.source}, relieved")
+            for o in options
+            if o is not None and o.at_lasting is not None and not o.lasts
+            for v in relief_variants(o.plan, over_cap(o.at_lasting, o.plan))
+        ]
 
     def regular(self, signals: StepSignals, try_follow_pool: bool) -> Iterator[Option]:
         """The planner's best plan, then every fallback fastest first.
@@ -100,18 +114,18 @@ class CandidateSource:
         Fallbacks: the planner's alternatives; each planner plan placed near the current GPUs
         (no swap deadlocks) and with the current layouts kept where they fit (Extend/Destroy
         only), slightly slower targets with cheaper transitions; the current layouts with DP
-        re-fitted to the pool; and on the urgent path the intact units alone and smaller
-        micro-batches / recomputation.
+        re-fitted to the pool; on the urgent path the intact units alone and the current plan
+        relieved (smaller micro-batches / recomputation where it runs out of memory); and every
+        target that does not last, relieved (:meth:`relieved`).
         """
         try:
             planned = self.backend.plan(self.cluster, self.workload, self.calibration, memory=self.memory)
         except InfeasiblePlanError as exc:
             self.reasons.append(f"planner: {exc}")
             planned = []
-        if planned:
-            best = self.price(planned[0][0], "planner best", planned[0][1])
-            if best is not None:
-                yield best
+        best = self.price(planned[0][0], "planner best", planned[0][1]) if planned else None
+        if best is not None:
+            yield best
         rest: list[Option | None] = []
         for i, (plan, est) in enumerate(planned):
             source = "planner best" if i == 0 else f"planner alternative {i}"
@@ -134,9 +148,14 @@ class CandidateSource:
                 rest.append(self.price(survivors, "intact units only (replicas on lost GPUs dropped)"))
             base = refit if refit is not None else self.current
             if intact_plan(base, set(signals.gpus)) == base:
+                est = self.backend.estimate(
+                    base, self.cluster, self.lasting or self.workload, self.calibration, memory=self.memory
+                )
                 rest += [
-                    self.price(v, "smaller micro-batches / recomputation") for v in relief_variants(base)
+                    self.price(v, "smaller micro-batches / recomputation")
+                    for v in relief_variants(base, over_cap(est, base))
                 ]
+        rest += self.relieved([best, *rest])
         yield from self._safe_first(o for o in rest if o is not None)
 
     def _safe_first(self, options: Iterator[Option]) -> Iterator[Option]:
@@ -181,9 +200,19 @@ class CandidateSource:
                     place_near(plan, self.current, self.algorithm), f"{source}, placed near the current GPUs"
                 )
             )
+        found += self.relieved(found)
         yield from self._safe_first(o for o in found if o is not None)
 
 
 def layout_changes(plan: Plan, current: Plan) -> int:
     """How many model-stages of ``plan`` run another TP/PP layout than in ``current`` (Split/Merge needed)."""
     return sum(1 for name, cand in plan.items() if name not in current or current[name].layout != cand.layout)
+
+
+def over_cap(est: Estimate, plan: Plan) -> set[str]:
+    """The model-stages whose peak in ``est`` passes the memory cap; every model-stage of ``plan``
+    where it names none (a measured overflow the model did not predict, or an estimate without
+    per-stage memory)."""
+    cap = getattr(est, "memory_cap", math.inf)
+    over = {n for n, peak in (getattr(est, "stage_memory", None) or {}).items() if peak > cap}
+    return over or set(plan)

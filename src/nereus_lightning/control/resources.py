@@ -92,12 +92,6 @@ class TraceResources:
         if self.max_count == 0:
             object.__setattr__(self, "max_count", max(max(self.counts), 1))
 
-    @classmethod
-    def from_file(cls, path: str | os.PathLike, min_gpus: int, max_gpus: int, **kwargs) -> TraceResources:
-        """Build from a trace JSON file (see :func:`load_spot_trace`)."""
-        counts, _ = load_spot_trace(path)
-        return cls(counts, min_gpus, max_gpus, **kwargs)
-
     def tick(self, step: int) -> int:
         """The trace tick that step ``step`` reads."""
         return (self.start_tick + int(math.floor(step * self.ticks_per_step))) % len(self.counts)

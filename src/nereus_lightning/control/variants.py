@@ -6,6 +6,7 @@ the planner's best target fails, and the memory relief the urgent path considers
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import replace
 
 from nereus_lightning.plan.layout import Candidate, Plan
@@ -13,17 +14,30 @@ from nereus_lightning.plan.overlap import groups_by_stage
 from nereus_lightning.spec.workload import ModelStage, workflow
 
 
-def relief_variants(plan: Plan) -> list[Plan]:
-    """``plan`` with activation recomputation on, with halved micro-batches, and with both."""
-    out: list[Plan] = []
-    recompute = Plan(tuple((n, replace(c, recompute=True)) for n, c in plan.items()))
-    halved = Plan(tuple((n, replace(c, micro_batch=max(1, c.micro_batch // 2))) for n, c in plan.items()))
-    both = Plan(
-        tuple(
-            (n, replace(c, recompute=True, micro_batch=max(1, c.micro_batch // 2))) for n, c in plan.items()
+def relief_variants(plan: Plan, stages: Collection[str]) -> list[Plan]:
+    """``plan`` with the model-stages ``stages`` relieved: activation recomputation on, halved
+    micro-batches, and both. The other model-stages stay as they are: relief costs time (halved
+    generation micro-batches double the decode steps) and buys nothing where memory fits."""
+
+    def relieved(recompute: bool, halve: bool) -> Plan:
+        return Plan(
+            tuple(
+                (
+                    n,
+                    replace(
+                        c,
+                        recompute=c.recompute or recompute,
+                        micro_batch=max(1, c.micro_batch // 2) if halve else c.micro_batch,
+                    )
+                    if n in stages
+                    else c,
+                )
+                for n, c in plan.items()
+            )
         )
-    )
-    for variant in (recompute, halved, both):
+
+    out: list[Plan] = []
+    for variant in (relieved(True, False), relieved(False, True), relieved(True, True)):
         if variant != plan and variant not in out:
             out.append(variant)
     return out

@@ -106,16 +106,6 @@ class ExecutionReport:
     records: tuple[NodeRecord, ...]
     seconds: float  # wall seconds of the whole walk (reduced: max over ranks)
 
-    @property
-    def max_in_flight(self) -> int:
-        """The most nodes this rank (reduced: any rank) had in flight at once."""
-        return max((r.in_flight for r in self.records), default=0)
-
-    @property
-    def max_running(self) -> int:
-        """The most nodes this rank (reduced: any rank) had issued whose collectives had not completed yet."""
-        return max((r.running for r in self.records), default=0)
-
     def node_observations(self, fastest: bool = False) -> list[NodeObservation]:
         """(node_id, op, predicted_bytes, measured_bytes, seconds) per node; ``fastest`` takes the
         min-over-members time.

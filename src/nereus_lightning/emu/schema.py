@@ -15,7 +15,7 @@ from functools import cached_property
 from typing import Any
 
 from nereus_lightning.models.optim import ADAMW_KEYS, adamw_dtype, adamw_keys, shaped_adamw_keys
-from nereus_lightning.models.sharding import Placement, Style, layer_range, placement, pp_stages, tp_plan_of
+from nereus_lightning.models.sharding import Placement, Style, placement, pp_stages, tp_plan_of
 from nereus_lightning.plan.layout import Layout
 from nereus_lightning.spec.errors import require
 from nereus_lightning.spec.families import family_of
@@ -213,7 +213,3 @@ class StateSchema:
         if dim is not None:
             shape[dim] //= layout.tp
         return tuple(shape)
-
-    def layers_of(self, layout: Layout, pp_rank: int) -> range:
-        """The transformer blocks of stage ``pp_rank``."""
-        return layer_range(self.num_layers, layout.pp, pp_rank)

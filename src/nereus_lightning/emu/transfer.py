@@ -10,7 +10,7 @@ Each transfer can be *started* (``start_plan``, ``start_broadcast``): its collec
 asynchronously on the member group (on NCCL each group has its own stream) and an
 :class:`InFlight` is returned that holds the packed send buffers and the receive buffers until
 :meth:`InFlight.wait` has seen every collective complete and unpacked what arrived. The blocking
-``run_plan`` / ``broadcast_views`` are ``start_*(...).wait()``.
+``run_plan`` is ``start_plan(...).wait()``.
 """
 
 from __future__ import annotations
@@ -195,15 +195,9 @@ def start_plan(
     return flight
 
 
-def broadcast_views(views: list[Tensor], src: int, ranks: tuple[int, ...], device: torch.device) -> Traffic:
-    """Broadcast ``views`` from ``src`` to the other ``ranks`` as one packed buffer (receivers get them
-    filled).
-    """
-    return start_broadcast(views, src, ranks, device).wait()
-
-
 def start_broadcast(views: list[Tensor], src: int, ranks: tuple[int, ...], device: torch.device) -> InFlight:
-    """:func:`broadcast_views` issued asynchronously on the ranks' member group, not waited for."""
+    """Broadcast ``views`` from ``src`` to the other ``ranks`` as one packed buffer on the ranks' member group
+    (receivers get them filled), issued asynchronously, not waited for."""
     me = dist.get_rank()
     flight = InFlight()
     traffic = flight.traffic

@@ -155,13 +155,6 @@ def run_stages(
     return {stage: _assemble([p.get(stage) for p in parts], num_samples, stage) for stage in jobs}
 
 
-def run_partitioned(
-    plan: Plan, stage: str, rank: int, num_samples: int, fn: Callable[[StageSlot], Sequence[T]]
-) -> list[T]:
-    """Run ``fn`` on this rank's slot of ``stage`` (if any) and return all samples' results on every rank."""
-    return run_stages(plan, {stage: fn}, rank, num_samples)[stage]
-
-
 @dataclass(frozen=True)
 class RowsJob:
     """One model-stage of :func:`run_stages_rows`: ``fn(slot)`` returns this replica's rows ``[b, width]``."""
@@ -212,23 +205,6 @@ def run_stages_rows(
         out[job.stage] = buffer[:, offset : offset + job.width]
         offset += cols
     return out
-
-
-def run_partitioned_rows(
-    plan: Plan,
-    stage: str,
-    rank: int,
-    num_samples: int,
-    width: int,
-    device: torch.device,
-    fn: Callable[[StageSlot], torch.Tensor],
-) -> torch.Tensor:
-    """Like :func:`run_partitioned` for per-sample tensor rows: ``fn`` returns ``[b, width]``; every rank gets
-    ``[n, width]``.
-
-    One model-stage of :func:`run_stages_rows`.
-    """
-    return run_stages_rows(plan, [RowsJob(stage, width, fn)], rank, num_samples, device)[stage]
 
 
 def micro_slices(rows: int, micro_batch: int) -> list[slice]:

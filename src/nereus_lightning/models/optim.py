@@ -250,8 +250,9 @@ def grad_norm(model: ShardedCausalLM) -> Tensor:
     params = list(model.parameters())
     total = torch.zeros((), dtype=torch.float32, device=params[0].device)
     for param, counted in zip(params, counted_once(model), strict=True):
-        if counted and param.grad is not None:
-            total += param.grad.float().pow(2).sum()
+        if counted and param.grad is not None:  # in pieces: one piece's fp32 copy at a time, as the step
+            for (piece,) in _pieces((param.grad,), STEP_PIECE_ELEMENTS):
+                total += piece.float().pow(2).sum()
     if model.comm.layout.size > 1:
         dist.all_reduce(total, group=model.comm.replica_group)
     return total.sqrt()

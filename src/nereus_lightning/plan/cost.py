@@ -55,9 +55,8 @@ ADAMW_BYTES_PER_PARAM = 32
 #: Kernels one transformer layer launches per forward-like pass in an eager framework (norms,
 #: QKV / output / MLP GEMMs, rotary, attention, activation, residual adds: ~10-20). With
 #: ``ClusterSpec.launch_s`` this is the fixed host cost of a pass, paid whatever its batch.
-#: A decode step replayed as a CUDA graph (inductor-fused) pays about as much on the GPU: the
-#: 24-layer 0.5B shape decodes a batch of 64 in 3.4-4.5 ms a step where its HBM floor is 0.25 ms
-#: (reference/gpu-facts.md); 24 x 16 x 10 us = 3.84 ms.
+#: A decode step replayed as a CUDA graph (inductor-fused) pays about as much on the GPU (the
+#: measured decode steps are in the README's "One GPU" section).
 KERNELS_PER_LAYER = 16
 Ideal = dict[str, float]
 
@@ -273,8 +272,8 @@ def _comm_part(
 
 #: Forward-like passes of host work and launches a micro-batch trained with activation recompute
 #: pays: the recomputed forward runs under autograd's saved-tensor hooks, which cost about as much
-#: again as the forward itself (H100, 0.5B at 256 tokens: training per micro-batch 2x with recompute,
-#: ``benchmarks/results/gpu_e2e.md``); its FLOPs are one forward more (``compute.training_multiplier``).
+#: again as the forward itself (measured: the README's "Long responses"); its FLOPs are one forward
+#: more (``compute.training_multiplier``).
 RECOMPUTE_LAUNCH_PASSES = 6
 
 

@@ -49,7 +49,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from nereus_lightning.plan.calibration import Calibration, MemoryCalibration
@@ -75,13 +75,13 @@ from nereus_lightning.plan.options import (  # noqa: F401  (re-exported for call
 )
 from nereus_lightning.plan.overlap import partitions
 from nereus_lightning.spec.cluster import ClusterSpec
-from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
+from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError, require
 from nereus_lightning.spec.model import ModelSpec
 from nereus_lightning.spec.workload import STAGES, Workload
 
 ROLES = ("actor", "critic", "reference", "reward")
-#: A plan whose step is within this fraction of the fastest plan's counts as fast; the planner
-#: returns the one that fits the smallest memory per GPU among them (step 5 of the module docstring).
+#: How much slower than the fastest plan's step the planner lets a plan become to need less memory
+#: per GPU (step 5 of the module docstring, :func:`lean_slots`).
 STEP_TOLERANCE = 0.05
 
 
@@ -230,7 +230,7 @@ def plan_job(
     next-best plans.
 
     Lean: its micro-batches and recompute are made leaner while its step stays within
-    ``step_tolerance`` of the fastest (:func:`lean_slots`; 0 keeps the fastest).
+    ``step_tolerance`` of the fastest (:func:`lean_slots`; 0: leaner only as fast).
 
     ``memory`` holds the measured memory factor of each stage: a stage's predicted peaks times its
     factor must fit the cap.
@@ -245,6 +245,7 @@ def plan_job(
         InfeasiblePlanError: a model-stage fits no candidate, or a stage's model-stages cannot
             share the pool; the message names the model-stage, its memory and the GPUs it needs.
     """
+    require(step_tolerance >= 0, "plan_job.step_tolerance", f"must be >= 0, got {step_tolerance}")
     stages = workload.stages
     works = {ms.name: stage_work(ms, models, workload, cluster.gpu_memory) for ms in stages}
     cap, budget = memory_cap(cluster), cluster.num_gpus
@@ -280,11 +281,8 @@ def plan_job(
     leaner = search.leaner_levels(rho, alternatives // 2)
     per_stage = [search.solve(stage, rho, alternatives + 1 - len(leaner)) for stage in search.stages]
 
-    def total(combo: tuple[Pick, ...]) -> float:
-        return sum(max(grp.latency for grp in pick.values()) for pick in combo)
-
     order = [ms.name for ms in stages]
-    combos = sorted(itertools.product(*per_stage), key=total)[: alternatives + 1 - len(leaner)]
+    combos = sorted(itertools.product(*per_stage), key=_step)[: alternatives + 1 - len(leaner)]
     for level in leaner:
         combos.append(tuple(search.solve(stage, level)[0] for stage in search.stages))
 
@@ -348,7 +346,8 @@ def lean_slots(
         picks = trial
 
 
-def _step(picks: list[Pick]) -> float:
+def _step(picks: Sequence[Pick]) -> float:
+    """The step latency of one pick per stage: stages in turn, each as slow as its slowest group."""
     return sum(max(grp.latency for grp in pick.values()) for pick in picks)
 
 

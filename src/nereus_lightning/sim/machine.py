@@ -26,7 +26,7 @@ TRUE_EFFICIENCY: dict[str, float] = {
     "gemm": 0.72,
     "attention": 0.55,
     "decode": 0.62,
-    "launch": 0.86,  # a decode step's fixed cost: 3.84 ms priced, 4.45 ms measured (reference/gpu-facts.md)
+    "launch": 0.86,  # a decode step's fixed cost, priced against measured (README "One GPU")
     "optimizer": 0.62,
     "offload": 0.8,
     "allreduce_intra": 0.78,
