@@ -31,9 +31,32 @@ def test_large_random_cases(seed: int, kind: str) -> None:
     check_case(seed, kind, 1024)
 
 
-def check_case(seed: int, kind: str, num_gpus: int) -> None:
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), kind=st.sampled_from(OVERLAP_KINDS), num_gpus=st.sampled_from(SIZES))
+def test_sharded_training_stages_keep_the_dag_acyclic_and_safe_or_infeasible(
+    seed: int, kind: str, num_gpus: int
+) -> None:
+    check_case(seed, kind, num_gpus, sharded=True)
+
+
+def test_sharded_cases_are_drawn_and_some_are_feasible() -> None:
+    """The sharded generator gives sharded layouts on either side, and some of its cases move."""
+    shards, feasible = set(), 0
+    for seed in range(40):
+        case = random_case(random.Random(seed), OVERLAP_KINDS[seed % 3], 64, sharded=True)
+        shards |= {(c.layout.shard, c.layout.zero) for p in (case.current, case.target) for _, c in p.items()}
+        try:
+            build_transition(*case.args())
+        except InfeasiblePlanError:
+            continue
+        feasible += 1
+    assert {s for s, _ in shards} == {1, 2, 4} and {z for _, z in shards} == {0, 1, 2, 3}
+    assert feasible >= 10
+
+
+def check_case(seed: int, kind: str, num_gpus: int, sharded: bool = False) -> None:
     """The global DAG of a random case is acyclic and its replay valid, or infeasible with a reason."""
-    case = random_case(random.Random(seed), kind, num_gpus)
+    case = random_case(random.Random(seed), kind, num_gpus, sharded=sharded)
     assert kind in case.overlaps
     check_transition(case, seed)
 

@@ -48,7 +48,6 @@ from nereus_lightning.lightning.residency import Residency
 from nereus_lightning.lightning.roles import RoleModels
 from nereus_lightning.lightning.rollout_engines import RolloutEngines
 from nereus_lightning.lightning.stage_step import StageUpdate, step_stage
-from nereus_lightning.lightning.stages import computing
 from nereus_lightning.lightning.transition_runner import run_transition
 from nereus_lightning.lightning.unit_checkpoints import load_units, save_units, write_back
 from nereus_lightning.models import ReplicaComm, ShardedCausalLM, bind_adamw, replica_groups
@@ -220,7 +219,7 @@ class EMUStates:
     def _build_modules(self, rank: int) -> None:
         """This rank's ShardedCausalLM per model-stage on its EMU's tensors (collective: group creation).
 
-        A sharded replica's shard ranks compute as replicas of their own (:func:`computing`); its
+        A sharded replica's shard ranks compute as replicas of their own (:meth:`~nereus_lightning.plan.layout.Candidate.shard_groups`); its
         training stage steps through a :class:`~nereus_lightning.models.zero.ZeroShards` on row blocks
         of the EMU's tensors.
         """
@@ -231,7 +230,7 @@ class EMUStates:
             ms = self.stages[name]
             config = self.configs[ms.model]
             tied = is_tied(config)
-            compute = computing(cand)
+            compute = cand.shard_groups()
             replicas = [compute.replica_gpus(r) for r in range(compute.dp)]
             units = [cand.replica_gpus(r) for r in range(cand.dp)]
             replica_groups(replicas, compute.layout, tied)  # every rank, same order

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from nereus_lightning.plan.layout import Candidate, Layout, Plan
+from nereus_lightning.plan.layout import Candidate, Plan
 from nereus_lightning.rl.batch import balanced_slice, dp_slice
 from nereus_lightning.spec.errors import NereusConfigError, require
 from nereus_lightning.spec.workload import workflow
@@ -65,17 +65,6 @@ class StageSlot:
         return range(self.start, self.stop)
 
 
-def computing(cand: Candidate) -> Candidate:
-    """The ZeRO-0 candidate that ``cand`` computes as: a sharded replica's shard ranks each run their own
-    rows through a whole (tp, pp) model, so ``dp`` replicas of ``Layout(tp, pp, shard)`` compute as
-    ``dp * shard`` replicas of ``Layout(tp, pp)`` on the same GPU list; ``cand`` itself when unsharded."""
-    layout = cand.layout
-    if layout.shard == 1:
-        return cand
-    inner = Layout(layout.tp, layout.pp)
-    return Candidate(inner, cand.dp * layout.shard, cand.gpus, cand.micro_batch, cand.recompute)
-
-
 def slot_of(
     plan: Plan, stage: str, rank: int, num_samples: int, tokens: Sequence[int] | None = None
 ) -> StageSlot:
@@ -83,9 +72,9 @@ def slot_of(
 
     With ``tokens`` (each sample's), replicas get contiguous blocks of near-equal tokens
     (:func:`~nereus_lightning.rl.batch.balanced_slice`); else of near-equal sample counts. Each shard
-    rank of a sharded replica is a replica here (:func:`computing`), with its own rows.
+    rank of a sharded replica is a replica here (:meth:`Candidate.shard_groups`), with its own rows.
     """
-    cand = computing(plan[stage])
+    cand = plan[stage].shard_groups()
     if rank not in cand.gpus:
         return StageSlot(stage, cand, None, None)
     index = cand.gpus.index(rank)

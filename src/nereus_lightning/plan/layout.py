@@ -104,6 +104,17 @@ class Candidate:
         lay = self.layout
         return self.gpus[replica * lay.size + (shard_rank * lay.pp + pp_rank) * lay.tp + tp_rank]
 
+    def shard_groups(self) -> Candidate:
+        """The ZeRO-0 candidate of this one's shard groups: ``dp * shard`` replicas of ``Layout(tp, pp)`` on
+        the same GPUs; itself when unsharded. Each shard rank computes as such a replica (its own rows
+        through a whole ``(tp, pp)`` model), and holds such a replica's state while its state is whole
+        (a transition's transfers read and write whole ``(tp, pp)`` pieces)."""
+        layout = self.layout
+        if layout.shard == 1:
+            return self
+        inner = Layout(layout.tp, layout.pp)
+        return Candidate(inner, self.dp * layout.shard, self.gpus, self.micro_batch, self.recompute)
+
     def describe(self) -> str:
         """A short human-readable form, e.g. ``dp4 TP2xPP1 mb2`` or ``dp1 Z2x4 TP2xPP1 mb2``."""
         rc = " rc" if self.recompute else ""
@@ -140,6 +151,10 @@ class Plan:
     def as_dict(self) -> dict[str, Candidate]:
         """A plain dict copy."""
         return dict(self.assignments)
+
+    def shard_groups(self) -> Plan:
+        """Every candidate as its shard groups (:meth:`Candidate.shard_groups`)."""
+        return Plan(tuple((n, c.shard_groups()) for n, c in self.assignments))
 
     def replace(self, model_stage: str, candidate: Candidate) -> Plan:
         """A copy with one model-stage's candidate replaced."""

@@ -29,6 +29,13 @@ run alike in the replay), one by one where that is unclear; a model-stage on a t
 one (memory is admitted per call). The DAG's nodes are made once, in the replay's order, where
 alike calls of one model-stage that wait for exactly the same nodes become one batched node.
 Built DAGs are immutable and cached (:func:`clear_cache` empties the cache).
+
+A sharded model-stage (``Layout.shard > 1``) moves as its shard groups
+(:meth:`~nereus_lightning.plan.layout.Plan.shard_groups`): ``shard`` ZeRO-0 replicas of
+``Layout(tp, pp)`` per replica, each holding its whole ``(tp, pp)`` pieces, which is how the body
+holds the state while it transfers it (its row blocks gathered first). So a shard-degree change is
+a data-parallel change of those replicas, priced and validated at the whole pieces' memory: a
+transition whose whole state does not fit is reported infeasible.
 """
 
 from __future__ import annotations
@@ -139,6 +146,7 @@ def _context(
     current: Plan, target: Plan, models: Mapping[str, ModelSpec], cluster: ClusterSpec, workload: Workload
 ) -> TransitionContext:
     """:func:`make_context`."""
+    current, target = current.shard_groups(), target.shard_groups()
     stages = {ms.name: ms for ms in workload.stages}
     for label, plan in (("current", current), ("target", target)):
         for name in plan:
