@@ -9,9 +9,9 @@ Each model-stage with a model (actor, critic, reference, reward roles) is a set 
 This rank's compute module for a stage is a :class:`~nereus_lightning.models.ShardedCausalLM`
 built on its EMU's very tensors; a training stage's AdamW is bound to the EMU's optimizer tensors
 (:func:`~nereus_lightning.models.bind_adamw`), so an optimizer step updates the EMU in place; a
-sharded replica's (``Layout.shard > 1``) shard ranks each step their own row blocks of it through a
-:class:`~nereus_lightning.models.zero.ZeroShards`, and fill the rest in before anything reads the EMU
-whole (transitions, saves, checks). No
+sharded replica's (``Layout.shard > 1``) shard ranks each hold and step only their own row blocks of it
+through a :class:`~nereus_lightning.models.zero.ZeroShards`, gathered whole only while something reads
+the EMU whole (transitions, saves, the weight sync: :mod:`~nereus_lightning.lightning.zero_units`). No
 rank keeps a full model beyond what its units hold: the module's full transformers models are
 released (emptied) once the units exist. After each update the fresh weights go from every
 training stage to the other model-stages of its model (:func:`nereus_lightning.emu.sync.sync_params`).
@@ -31,7 +31,6 @@ The concerns live in their own modules, which this class composes:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import astuple
 from typing import Any
@@ -48,13 +47,20 @@ from nereus_lightning.lightning.residency import Residency
 from nereus_lightning.lightning.roles import RoleModels
 from nereus_lightning.lightning.rollout_engines import RolloutEngines
 from nereus_lightning.lightning.stage_step import StageUpdate, step_stage
-from nereus_lightning.lightning.transition_runner import run_transition
+from nereus_lightning.lightning.transition_runner import TransitionRun, run_transition
 from nereus_lightning.lightning.unit_checkpoints import load_units, save_units, write_back
+from nereus_lightning.lightning.zero_units import (
+    as_shard_groups,
+    at_rest,
+    made_whole,
+    sharded_optimizer,
+    whole,
+)
 from nereus_lightning.models import ReplicaComm, ShardedCausalLM, bind_adamw, replica_groups
-from nereus_lightning.models.groups import dp_ranks, group_for, shard_ranks, zero_groups
+from nereus_lightning.models.groups import dp_ranks, zero_groups
 from nereus_lightning.models.sharded import is_tied
-from nereus_lightning.models.zero import ShardGroup, ZeroShards, cut_rows
-from nereus_lightning.plan.layout import Layout, Plan
+from nereus_lightning.models.zero import ZeroShards
+from nereus_lightning.plan.layout import Plan
 from nereus_lightning.rl.update import ADAMW
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.workload import Workload, workflow
@@ -73,32 +79,6 @@ def release(model: nn.Module) -> None:
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:
     """``tensor`` as a parameter that takes no gradient (the same object when it already is one)."""
     return tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=False)
-
-
-def _optimizer(
-    module: ShardedCausalLM,
-    optim_state: Mapping[str, Mapping[str, torch.Tensor]],
-    layout: Layout,
-    unit: Sequence[int],
-    lr: float,
-) -> torch.optim.Optimizer | ZeroShards:
-    """The optimizer stepping ``module``'s EMU state: an AdamW bound to it, or for a sharded ``layout``
-    (the replica on ``unit``) a ZeroShards on this shard rank's row blocks of it (views: each step
-    updates the EMU's rows in place)."""
-    if layout.shard == 1:
-        return bind_adamw(module, optim_state, lr=lr, **ADAMW)
-    peers = shard_ranks(unit, layout, unit.index(module.comm.rank))
-    shards = ShardGroup(layout.zero, peers, module.comm.rank, group_for(peers))
-    blocks = {
-        n: {k: t if k == "step" else cut_rows(t, shards.shard, shards.shard_rank) for k, t in entry.items()}
-        for n, entry in optim_state.items()
-    }
-    params = None
-    if layout.zero == 3:  # views of the EMU's parameters: the gather after a step fills the other rows
-        params = {
-            n: cut_rows(p.detach(), shards.shard, shards.shard_rank) for n, p in module.named_parameters()
-        }
-    return ZeroShards(module, shards, params, blocks, lr=lr, **ADAMW)
 
 
 class EMUStates:
@@ -146,8 +126,7 @@ class EMUStates:
             self._create(target)
         else:
             self.residency_of.onload(self.plan)  # the transfers read and write device tensors
-            self._whole_state()
-            run = run_transition(self.plan, target, self.roles.specs(), self.cluster, self.workload)
+            run = self._transition(target)
             self.last_transition = run.record
             self.last_report = run.report if run.report is not None else self.last_report
             if not run.moved:
@@ -158,6 +137,22 @@ class EMUStates:
         self.residency_of.offload_idle(target)
         self.engines.place(self._generation_sites(target, built=True))
         return True
+
+    def _transition(self, target: Plan) -> TransitionRun:
+        """Run the brain's transition to ``target`` on whole state: sharded units move as their shard groups
+        (:mod:`~nereus_lightning.lightning.zero_units`), their rows gathered first; the units stay whole
+        for :meth:`_build_modules` to cut, or are cut back to their rows when nothing moved."""
+        assert self.plan is not None
+        units = made_whole(self.optimizers)
+        as_shard_groups(self.plan, grouped=True)
+        run = run_transition(
+            self.plan.shard_groups(), target.shard_groups(), self.roles.specs(), self.cluster, self.workload
+        )
+        as_shard_groups(target if run.moved else self.plan, grouped=False)
+        if not run.moved:
+            for zero, state in units:
+                at_rest(zero, state)
+        return run
 
     def _create(self, plan: Plan) -> None:
         """First units of every model-stage from the full models (or a checkpoint), then release the full
@@ -219,9 +214,10 @@ class EMUStates:
     def _build_modules(self, rank: int) -> None:
         """This rank's ShardedCausalLM per model-stage on its EMU's tensors (collective: group creation).
 
-        A sharded replica's shard ranks compute as replicas of their own (:meth:`~nereus_lightning.plan.layout.Candidate.shard_groups`); its
-        training stage steps through a :class:`~nereus_lightning.models.zero.ZeroShards` on row blocks
-        of the EMU's tensors.
+        A sharded replica's shard ranks compute as replicas of their own
+        (:meth:`~nereus_lightning.plan.layout.Candidate.shard_groups`); its training stage steps through a
+        :class:`~nereus_lightning.models.zero.ZeroShards` on its row blocks, which the EMU then holds
+        (:mod:`~nereus_lightning.lightning.zero_units`).
         """
         self.units, self.optimizers = {}, {}
         reg = emu.registry()
@@ -254,16 +250,12 @@ class EMUStates:
             module.recompute = cand.recompute  # as the planner priced the stage's activations
             if ms.trains:
                 lr = self.roles.learning_rates.get(ms.model, 1e-3)
-                self.optimizers[name] = _optimizer(module, state.optim_state, cand.layout, unit, lr)
+                self.optimizers[name] = (
+                    bind_adamw(module, state.optim_state, lr=lr, **ADAMW)
+                    if cand.layout.shard == 1
+                    else sharded_optimizer(module, state, cand.layout, unit, lr)
+                )
             self.units[name] = module
-
-    def _whole_state(self) -> None:
-        """Each sharded training unit's AdamW state whole on every shard rank of it (each steps its own rows
-        only), for the readers of whole EMU tensors: transitions, checkpoints, checks."""
-        for name, optimizer in self.optimizers.items():
-            unit = self._local(name)
-            if isinstance(optimizer, ZeroShards) and unit is not None:
-                optimizer.fill(unit.optim_state)
 
     # ---- residency and generation ----------------------------------------------------------
     def in_use(self, model_stage: str) -> AbstractContextManager[None]:
@@ -283,6 +275,15 @@ class EMUStates:
     # ---- compute -------------------------------------------------------------------------
     def stage(self, model_stage: str) -> ShardedCausalLM | None:
         """This rank's compute module of ``model_stage`` (None: not a member)."""
+        return self.units.get(model_stage)
+
+    def trainable(self, model_stage: str) -> ShardedCausalLM | None:
+        """This rank's compute module of training stage ``model_stage`` ready for a training pass (None:
+        not a member): a ZeRO-3 replica's parameters gathered from its shard group (collective over it:
+        every member calls it, with rows to train or not), released again by :meth:`update`."""
+        optimizer = self.optimizers.get(model_stage)
+        if isinstance(optimizer, ZeroShards):
+            optimizer.gather()
         return self.units.get(model_stage)
 
     def training_stages(self) -> list[str]:
@@ -305,8 +306,6 @@ class EMUStates:
             return StageUpdate(None)
         optimizer = self.optimizers[model_stage]
         result = step_stage(module, optimizer, max_norm)
-        if isinstance(optimizer, ZeroShards):
-            optimizer.gather()  # ZeRO-3: the module (the EMU's parameters) whole again for its readers
         if result.problem is None:
             step = Counters(optimizer_step=1, update_count=1, policy_version=1, sample_position=samples)
             self._advance(model_stage, step)
@@ -323,11 +322,14 @@ class EMUStates:
         """Copy each training stage's fresh parameters into the other model-stages of its model
         (collective); a rollout engine with weights of its own takes them at its next use."""
         assert self.plan is not None
-        for name, train in self._sources().items():
-            sync_params(train, name)
-            # a new policy version in this model-stage (one sync per update)
-            self._advance(name, Counters(policy_version=1, stage_version=1))
-            self.synced.add(name)
+        sources = self._sources()
+        trains = {n: o for n, o in self.optimizers.items() if n in sources.values()}
+        with whole(trains, optim=False):
+            for name, train in sources.items():
+                sync_params(train, name)
+                # a new policy version in this model-stage (one sync per update)
+                self._advance(name, Counters(policy_version=1, stage_version=1))
+                self.synced.add(name)
 
     # ---- state ---------------------------------------------------------------------------
     def save(self, path: str, step: int | None = None) -> None:
@@ -336,8 +338,8 @@ class EMUStates:
         its training stage's weights (:attr:`synced` on every rank) with its counters only.
         """
         assert self.plan is not None
-        self._whole_state()
-        save_units(path, self.plan, self.stages, self.synced, self._sources(), step)
+        with whole(self.optimizers):
+            save_units(path, self.plan, self.stages, self.synced, self._sources(), step)
 
     def write_back(self, dst: int | None = None) -> None:
         """Put every role's logical parameters back into its (released) full model (collective).
@@ -346,12 +348,13 @@ class EMUStates:
         Lightning's launcher hands rank 0's module weights to the caller.
         """
         assert self.plan is not None
-        write_back(self.plan, self.stages, self.roles.present(), dst)
+        with whole(self.optimizers):
+            write_back(self.plan, self.stages, self.roles.present(), dst)
 
     def logical_params(self, model_stage: str) -> dict[str, torch.Tensor] | None:
         """The full parameters of ``model_stage`` on rank 0 (None elsewhere; collective)."""
-        self._whole_state()
-        state = emu.gather_logical_state(model_stage, dst=0)
+        with whole(self.optimizers):
+            state = emu.gather_logical_state(model_stage, dst=0)
         return None if state is None else state.params
 
 

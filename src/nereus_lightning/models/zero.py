@@ -163,12 +163,15 @@ class ZeroShards:
         self.blocks = {n: nn.Parameter(blocks[n], requires_grad=False) for n in self.named}
         self.optimizer = bind_adamw(self.blocks, optim_state, **hyper)
         self.counted = dict(zip(self.named, counted_once(module), strict=True))
+        self.whole = True  # the module's parameters hold the blocks' current values (always below ZeRO-3)
 
     def gather(self) -> None:
         """ZeRO-3: give the module's parameters their full values from every shard rank's blocks (collective
-        over the shard group); a no-op below ZeRO-3, whose parameters are always whole."""
-        if self.shards.zero < 3:
+        over the shard group); a no-op below ZeRO-3, whose parameters are always whole, and while they
+        are whole already (every shard rank sees the same gathers and releases)."""
+        if self.whole:
             return
+        self.whole = True
         for p in self.named.values():
             p.untyped_storage().resize_(p.numel() * p.element_size())
         pairs = [(self.blocks[n].detach(), p.detach()) for n, p in self.named.items()]
@@ -180,26 +183,32 @@ class ZeroShards:
         next :meth:`gather`; a no-op below ZeRO-3."""
         if self.shards.zero < 3:
             return
+        self.whole = False
         for p in self.named.values():
             p.untyped_storage().resize_(0)
 
-    def fill(self, optim_state: Mapping[str, Mapping[str, Tensor]]) -> None:
-        """Write every shard rank's rows of the AdamW state into ``optim_state``'s full tensors (by global
-        name and key; collective over the shard group), so each shard rank holds all of it, as an unsharded
-        replica does, for readers that take whole tensors (checkpoints, transfers, checks)."""
-        pairs = [
-            (self.optimizer.state[block][key].detach(), optim_state[n][key])
-            for n, block in self.blocks.items()
-            for key in optim_state[n]
-            if key != "step"
-        ]
+    def whole_state(self) -> dict[str, dict[str, Tensor]]:
+        """The AdamW state whole, as an unsharded replica holds it (by global name and key; collective over
+        the shard group): new tensors of every shard rank's rows, the 0-d ``step`` shared. For readers of
+        whole tensors (checkpoints, transfers); the row blocks stay what the optimizer steps."""
+        out: dict[str, dict[str, Tensor]] = {}
+        pairs = []
+        for n, block in self.blocks.items():
+            shape = self.named[n].shape
+            entry = out.setdefault(n, {})
+            for key, rows in self.optimizer.state[block].items():
+                entry[key] = rows if key == "step" else rows.new_empty(shape)
+                if key != "step":
+                    pairs.append((rows.detach(), entry[key]))
         for blocks, full in _by_dtype(pairs):
             all_gather_rows(blocks, full, self.shards)
+        return out
 
     def step(self, max_norm: float, dp_group: dist.ProcessGroup | None) -> tuple[float, str | None]:
         """Reduce this rank's gradients into its row blocks (summed over the shard group and, through
         ``dp_group``, the replicas), clip them to ``max_norm`` by the replica's global norm and step the
-        blocks; then all-gather the parameters (below ZeRO-3). Collective over the model-stage's ranks.
+        blocks; then all-gather the parameters (below ZeRO-3; at ZeRO-3 the stale full parameters are
+        released until the next :meth:`gather`). Collective over the model-stage's ranks.
 
         Returns the norm before clipping and, when it is not finite (nothing stepped), the first
         parameter here whose gradient is not. The module's gradients are dropped either way.
@@ -221,6 +230,7 @@ class ZeroShards:
             problem = f"first non-finite gradient here: {names[0]}" if names else "non-finite on another rank"
         for block in self.blocks.values():
             block.grad = None
+        self.release()
         return norm, problem
 
     def _reduce_grads(self, dp_group: dist.ProcessGroup | None) -> dict[str, Tensor]:
