@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -44,10 +45,12 @@ def one_update(
     world_size: int,
     placement: dict[str, tuple[int, ...]],
     algorithm: str = "ppo",
+    after: Callable[[NereusStrategy], None] | None = None,
     **kwargs: object,
 ) -> dict:
     """Build the module (same seed everywhere), run one RL step under ``placement``; return params and
-    metrics. ``kwargs`` go to the module (GRPO's defaults for an algorithm without a critic).
+    metrics. ``after`` sees the strategy right after the step; ``kwargs`` go to the module (GRPO's
+    defaults for an algorithm without a critic).
 
     Parameters are the logical ones, gathered from the EMUs onto rank 0 (other ranks return none).
     """
@@ -57,6 +60,8 @@ def one_update(
     opt = module.configure_optimizers()
     strategy = strategy_at(module, placement, module.algorithm)
     metrics = module.rl_step(0, strategy, opt)
+    if after is not None:
+        after(strategy)
     params: dict[str, torch.Tensor] = {}
     roles = [("actor", "actor_train")] + ([("critic", "critic_train")] if module.critic is not None else [])
     for role, stage in roles:
