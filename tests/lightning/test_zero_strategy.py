@@ -45,8 +45,9 @@ def _run(pool, zero: int) -> list:  # noqa: ANN001
     return _RUNS[zero]
 
 
-def _assert_same(ref: dict, got: dict, zero: int) -> None:
-    """Both models' logical parameters within 1e-5 (relative norm) and the losses and norms alike."""
+def _assert_same(ref: dict, got: dict, zero: object) -> None:
+    """Both models' logical parameters within 1e-5 (relative norm) and the losses and norms alike
+    (``zero`` names the case in a failure)."""
     for model in ("actor", "critic"):
         names = [n for n in ref["params"] if n.startswith(model + ".")]
         assert names and sorted(names) == sorted(n for n in got["params"] if n.startswith(model + "."))
@@ -97,3 +98,52 @@ def test_sharded_pipelines_and_sharded_replicas_update_as_zero0(dist4, shape: st
     ref = dist4.run(one_update, {"actor_train": plain, "critic_train": plain})[0]
     got = dist4.run(one_update, {"actor_train": sharded, "critic_train": sharded})[0]
     _assert_same(ref, got, zero)
+
+
+def _steps_through(rank: int, world_size: int, placements: list) -> dict:
+    """One RL step under each of ``placements`` in turn (the strategy's transition between them), from the
+    same seed; each step's metrics and each transition's mode."""
+    from nereus_lightning.lightning import PPOModule
+    from tests.lightning.helpers import plan_of, small_task, strategy_at
+
+    torch.manual_seed(0)
+    module = PPOModule(task=small_task(), prompts_per_step=8, seed=3)
+    opt = module.configure_optimizers()
+    strategy = strategy_at(module, placements[0])
+    out: dict = {"metrics": [], "modes": []}
+    for step, placement in enumerate(placements):
+        if step:
+            strategy.transition(plan_of("ppo", placement))
+            out["modes"].append(strategy.units.last_transition.get("mode"))
+        out["metrics"].append(module.rl_step(step, strategy, opt))
+    out["params"] = {}
+    for role in ("actor", "critic"):
+        full = strategy.units.logical_params(f"{role}_train") or {}
+        out["params"].update({f"{role}.{n}": p.detach().clone() for n, p in full.items()})
+    return out
+
+
+def _trained(layout: Layout) -> dict:
+    train = Candidate(layout, 4 // layout.size, GPUS)
+    return {"actor_train": train, "critic_train": train}
+
+
+CHANGES = {  # shard degree changes mid-run: (from, to)
+    "shard2-to-shard4": (Layout(2, 1, shard=2, zero=2), Layout(1, 1, shard=4, zero=2)),
+    "unsharded-to-shard2": (Layout(2, 1), Layout(2, 1, shard=2, zero=3)),
+    "shard4-to-unsharded": (Layout(1, 1, shard=4, zero=1), Layout(1, 1)),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_shard_degree_change_mid_run_trains_on_as_a_run_started_there(dist4, change: str) -> None:
+    start, there = (_trained(layout) for layout in CHANGES[change])
+    moved = dist4.run(_steps_through, [start, there])[0]
+    ref = dist4.run(_steps_through, [there, there])[0]
+    assert moved["modes"] == ["dag"], (change, moved["modes"])
+    _assert_same({**ref, "metrics": ref["metrics"][1]}, {**moved, "metrics": moved["metrics"][1]}, change)
+    keys = ("actor/pg_loss", "critic/vf_loss", "actor/grad_norm", "critic/grad_norm", "critic/score/mean")
+    for step in range(2):
+        for key in keys:
+            a, b = ref["metrics"][step][key], moved["metrics"][step][key]
+            assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (change, step, key, a, b)
