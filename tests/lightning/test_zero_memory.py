@@ -10,7 +10,6 @@ ZeRO-0 is the planner's (:func:`~nereus_lightning.plan.memory.resident_rank_byte
 from __future__ import annotations
 
 import pytest
-import torch
 
 from nereus_lightning.plan.layout import Candidate, Layout
 from tests.lightning.helpers import one_update
@@ -38,7 +37,6 @@ def _held(rank: int, world_size: int, zero: int) -> dict:
     from nereus_lightning.models.zero import ZeroShards
     from nereus_lightning.plan.memory import resident_rank_bytes
     from nereus_lightning.spec.model import ModelSpec
-    from tests.lightning.helpers import strategy_at
 
     train: object = ((2, 1), GPUS) if zero == 0 else Candidate(Layout(2, 1, shard=2, zero=zero), 1, GPUS)
     placement = {"actor_train": train, "critic_train": train}
