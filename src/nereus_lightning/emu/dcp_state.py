@@ -59,7 +59,7 @@ from nereus_lightning.emu.schema import StateSchema
 from nereus_lightning.emu.unit import EMU, Counters
 from nereus_lightning.models.groups import collective_timeout, member_group
 from nereus_lightning.models.optim import MASTER_KEY, off_master
-from nereus_lightning.models.zero import ZeroShards
+from nereus_lightning.models.zero import ZeroShards, cut_rows
 from nereus_lightning.spec.errors import CheckpointError
 
 #: In each model-stage's DCP state: the global step the checkpoint was saved at (a one-element int64
@@ -102,10 +102,14 @@ def params_from_masters(schema: StateSchema, trains: bool) -> dict[str, str]:
 
 def dcp_state_dict(emu: EMU) -> dict[str, Tensor]:
     """Every tensor of this rank's shards keyed ``"<key>/<global name>"``: DTensors for TP-cut tensors,
-    plain tensors otherwise (a checkpoint holds all but :func:`params_from_masters`).
+    plain tensors otherwise (a checkpoint holds all but :func:`params_from_masters`). A sharded replica
+    at rest (row blocks: :attr:`EMU.row_keys`) gives DTensors on its ``(tp, shard)`` mesh
+    (:func:`_row_state`).
 
     The values share storage with the EMU, so :func:`dcp.load` fills the EMU in place.
     """
+    if emu.row_keys:
+        return _row_state(emu)
     layout, pos = emu.layout, emu.position
     mesh = None
     if layout.tp > 1:
@@ -126,6 +130,33 @@ def dcp_state_dict(emu: EMU) -> dict[str, Tensor]:
                 shape=torch.Size(shape),
                 stride=_contiguous_stride(shape),
             )
+        out[f"{key}/{name}"] = tensor
+    out["counters"] = emu.counters.as_tensor(emu.device)
+    return out
+
+
+def _row_state(emu: EMU) -> dict[str, Tensor]:
+    """:func:`dcp_state_dict` of a sharded replica holding row blocks: each tensor a DTensor on the
+    ``(tp, shard)`` mesh of its pipeline stage, ``[Shard(tp_dim) or Replicate(), Shard(0)]`` for a row
+    block (the TP cut, then FSDP2's row blocks of it), ``Replicate()`` over the shard dim for a tensor
+    every shard rank holds whole (the parameters below ZeRO-3). DCP records the global offsets, so the
+    checkpoint loads at any layout by logical name, and nothing is gathered to write it."""
+    layout, pos = emu.layout, emu.position
+    at = [
+        [emu.unit.gpus[(s * layout.pp + pos.pp_rank) * layout.tp + t] for s in range(layout.shard)]
+        for t in range(layout.tp)
+    ]
+    groups = [member_group([row[emu.shard_rank] for row in at]), member_group(at[pos.tp_rank])]
+    mesh = DeviceMesh.from_group(
+        groups, emu.device.type, mesh=torch.tensor(at), mesh_dim_names=("tp", "shard")
+    )
+    out: dict[str, Tensor] = {}
+    for name, key, tensor in emu.tensors():
+        dim = emu.schema.placements[name].tp_dim
+        if key != "step":
+            tp = Shard(dim) if dim is not None else Replicate()
+            rows = Shard(0) if key in emu.row_keys else Replicate()
+            tensor = _on_mesh(tensor, mesh, (tp, rows), torch.Size(emu.schema.shape_of[name]))
         out[f"{key}/{name}"] = tensor
     out["counters"] = emu.counters.as_tensor(emu.device)
     return out
@@ -511,7 +542,7 @@ def params_off_master(model_stage: str) -> list[str]:
     would not give one of these back: something changed it outside the optimizer step.
     """
     named = [
-        (name, emu.params[name], emu.optim_state[name][MASTER_KEY])
+        (name, _rows_of(emu, emu.params[name]), emu.optim_state[name][MASTER_KEY])
         for emu in _local_emus(model_stage)
         for name in params_from_masters(emu.schema, emu.trains)
         if name in emu.params
@@ -520,6 +551,14 @@ def params_off_master(model_stage: str) -> list[str]:
         return []
     differs = torch.stack([off_master(param, master) for _, param, master in named]).tolist()
     return [name for (name, _, _), bad in zip(named, differs, strict=True) if bad]
+
+
+def _rows_of(emu: EMU, param: Tensor) -> Tensor:
+    """``param`` as the AdamW state holds it: this shard rank's row block where the state is row blocks
+    and the parameter whole (at rest below ZeRO-3), else itself."""
+    if MASTER_KEY in emu.row_keys and "param" not in emu.row_keys:
+        return cut_rows(param, emu.layout.shard, emu.shard_rank)
+    return param
 
 
 class SafeReader(FileSystemReader):

@@ -335,11 +335,11 @@ class EMUStates:
     def save(self, path: str, step: int | None = None) -> None:
         """Every model-stage's logical state into ``path/<model_stage>`` (collective; see
         :func:`~nereus_lightning.lightning.unit_checkpoints.save_units`): a model-stage holding exactly
-        its training stage's weights (:attr:`synced` on every rank) with its counters only.
+        its training stage's weights (:attr:`synced` on every rank) with its counters only; a sharded
+        one as the row blocks it holds (nothing gathered).
         """
         assert self.plan is not None
-        with whole(self.optimizers):
-            save_units(path, self.plan, self.stages, self.synced, self._sources(), step)
+        save_units(path, self.plan, self.stages, self.synced, self._sources(), step)
 
     def write_back(self, dst: int | None = None) -> None:
         """Put every role's logical parameters back into its (released) full model (collective).

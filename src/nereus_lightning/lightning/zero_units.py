@@ -5,9 +5,9 @@ its ZeRO stage shards (:data:`~nereus_lightning.plan.layout.ZERO_STAGES`): from 
 state, at ZeRO-3 the parameters too, which the compute module gathers for a training pass and
 releases after the step. These are the tensors its
 :class:`~nereus_lightning.models.zero.ZeroShards` steps, so ``plan.memory`` prices what the rank
-holds. Readers of whole ``(tp, pp)`` pieces (checkpoints, transitions, the weight sync, the logical
-state) run inside :func:`whole`, which gathers the rows into whole tensors for the block and cuts the
-EMU back to its rows after it. A transition moves a sharded stage as its shard groups (ZeRO-0
+holds, and checkpoints save the rows as they are (``emu.dcp_state``). Readers of whole ``(tp, pp)``
+pieces (transitions, the weight sync, the logical state) run inside :func:`whole`, which gathers the
+rows into whole tensors for the block and cuts the EMU back to its rows after it. A transition moves a sharded stage as its shard groups (ZeRO-0
 replicas of ``Layout(tp, pp)``, :meth:`~nereus_lightning.plan.layout.Plan.shard_groups`, as the
 brain prices it): :func:`as_shard_groups` renames the registry's units for it and back.
 """
@@ -54,10 +54,12 @@ def sharded_optimizer(
 
 
 def at_rest(zero: ZeroShards, state: emu.EMU) -> None:
-    """The EMU ``state`` holding only ``zero``'s row blocks (the optimizer's own tensors) and, at ZeRO-3,
-    the module's full parameters released."""
+    """The EMU ``state`` holding only ``zero``'s row blocks (the optimizer's own tensors; named in its
+    ``row_keys``) and, at ZeRO-3, the module's full parameters released."""
     state.optim_state = {n: zero.optimizer.state[block] for n, block in zero.blocks.items()}
+    state.row_keys = frozenset(k for entry in state.optim_state.values() for k in entry if k != "step")
     if zero.shards.zero == 3:
+        state.row_keys |= {"param"}
         state.params = dict(zero.blocks)
         zero.release()
 
@@ -75,8 +77,10 @@ def made_whole(
             zero.gather()
             if zero.shards.zero == 3:
                 state.params = dict(zero.named)
+                state.row_keys -= {"param"}
             if optim:
                 state.optim_state = zero.whole_state()
+                state.row_keys = frozenset()
             out.append((zero, state))
     return out
 
