@@ -153,7 +153,9 @@ class Plan:
         return dict(self.assignments)
 
     def shard_groups(self) -> Plan:
-        """Every candidate as its shard groups (:meth:`Candidate.shard_groups`)."""
+        """Every candidate as its shard groups (:meth:`Candidate.shard_groups`); itself when unsharded."""
+        if all(c.layout.shard == 1 for _, c in self.assignments):
+            return self
         return Plan(tuple((n, c.shard_groups()) for n, c in self.assignments))
 
     def replace(self, model_stage: str, candidate: Candidate) -> Plan:
