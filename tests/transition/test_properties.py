@@ -67,6 +67,8 @@ def check_transition(case: TransitionCase, seed: int) -> None:
         dag = build_transition(*case.args())
     except InfeasiblePlanError as err:
         assert "stuck:" in str(err) and " onto [" in str(err)
+        sharded = any(c.layout.shard > 1 for p in (case.current, case.target) for _, c in p.items())
+        assert ("ZeRO-sharded model-stages move as their shard groups" in str(err)) == sharded
         return
     assert all(0 <= d < n.id for n in dag.nodes for d in n.deps), "not in topological order (or cyclic)"
     report = validate(dag, random_orders=1, seed=seed)

@@ -95,9 +95,23 @@ def build_transition(
     Raises:
         NereusConfigError: the plans or ``models`` do not match the workload.
         InfeasiblePlanError: no safe order exists (the message names the stuck acquisition),
-            or a plan does not fit in GPU memory.
+            or a plan does not fit in GPU memory (with its state whole, for a sharded model-stage: the
+            message names their layouts).
     """
-    return _cached_build(current, target, tuple(sorted(models.items())), cluster, workload)
+    try:
+        return _cached_build(current, target, tuple(sorted(models.items())), cluster, workload)
+    except InfeasiblePlanError as err:
+        sharded = [
+            f"{name} {cand.layout} -> {target[name].layout}"
+            for name, cand in current.items()
+            if max(cand.layout.shard, target[name].layout.shard) > 1
+        ]
+        if not sharded:
+            raise
+        raise InfeasiblePlanError(
+            f"{err}. ZeRO-sharded model-stages move as their shard groups, each holding its state whole "
+            f"while it moves (re-cutting row blocks in place is not built): {'; '.join(sharded)}"
+        ) from err
 
 
 def clear_cache() -> None:
