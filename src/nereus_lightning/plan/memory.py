@@ -132,18 +132,15 @@ def resident_rank_bytes(model: ModelSpec, layout: Layout, pp_rank: int) -> float
 
 
 def gathered_bytes(model: ModelSpec, layout: Layout, pp_rank: int) -> float:
-    """Unsharded tensors a ZeRO-2/3 rank holds for a moment while it trains: one block's gradients
-    before their reduce-scatter (ZeRO >= 2), and at ZeRO-3 the all-gathered weights of the block that
-    runs and of the next one (prefetched). The largest block of the stage counts: a decoder layer,
-    or the embedding / LM head."""
-    if layout.zero < 2:
-        return 0.0
-    block = _layer_params(model) / layout.tp
-    if pp_rank == 0:
-        block = max(block, model.embedding_params / layout.tp)
-    if pp_rank == layout.pp - 1:
-        block = max(block, model.lm_head_params / layout.tp)
-    return block * model.dtype_bytes * (3 if layout.zero >= 3 else 1)
+    """Whole tensors a ZeRO-2/3 rank holds beyond its row blocks while it trains, as the body runs it
+    (``models.zero``): the backward leaves the whole ``(tp, pp)`` gradients, reduce-scattered into row
+    blocks only at the optimizer step (ZeRO >= 2), and a ZeRO-3 replica gathers its whole parameters
+    next to their row blocks for the pass (released after the step). So during the pass a ZeRO-2 rank
+    holds what a ZeRO-1 rank does, a ZeRO-3 rank that and its parameters' row blocks; the row blocks
+    save memory between passes (:func:`resident_rank_bytes`)."""
+    params = rank_params(model, layout, pp_rank)
+    whole_grads = (1 - 1 / layout.shard) if layout.zero >= 2 else 0.0
+    return params * model.dtype_bytes * (whole_grads + (layout.zero >= 3))
 
 
 def boundary_state_bytes(model: ModelSpec, trains: bool, layout: Layout) -> float:
