@@ -3,11 +3,11 @@
 A sharded replica's EMU (``Layout.shard > 1``) holds at rest only its shard rank's row blocks of what
 its ZeRO stage shards (:data:`~nereus_lightning.plan.layout.ZERO_STAGES`): from ZeRO-1 the AdamW
 state, at ZeRO-3 the parameters too, which the compute module gathers for a training pass and
-releases after the step. These are the tensors its
-:class:`~nereus_lightning.models.zero.ZeroShards` steps, so ``plan.memory`` prices what the rank
-holds, and checkpoints save the rows as they are (``emu.dcp_state``). Readers of whole ``(tp, pp)``
-pieces (transitions, the weight sync, the logical state) run inside :func:`whole`, which gathers the
-rows into whole tensors for the block and cuts the EMU back to its rows after it. A transition moves a sharded stage as its shard groups (ZeRO-0
+releases after the step. These are the tensors its :class:`~nereus_lightning.models.zero.ZeroShards`
+steps, so ``plan.memory`` prices what the rank holds, and checkpoints save the rows as they are
+(``emu.dcp_state``). Readers of whole ``(tp, pp)`` pieces (transitions, the weight sync, the logical
+state) run inside :func:`whole`, which gathers the rows into whole tensors for the block and cuts
+the EMU back to its rows after it. A transition moves a sharded stage as its shard groups (ZeRO-0
 replicas of ``Layout(tp, pp)``, :meth:`~nereus_lightning.plan.layout.Plan.shard_groups`, as the
 brain prices it): :func:`as_shard_groups` renames the registry's units for it and back.
 """

@@ -190,7 +190,7 @@ class ZeroShards:
     def whole_state(self) -> dict[str, dict[str, Tensor]]:
         """The AdamW state whole, as an unsharded replica holds it (by global name and key; collective over
         the shard group): new tensors of every shard rank's rows, the 0-d ``step`` shared. For readers of
-        whole tensors (checkpoints, transfers); the row blocks stay what the optimizer steps."""
+        whole tensors (transfers, the logical state); the row blocks stay what the optimizer steps."""
         out: dict[str, dict[str, Tensor]] = {}
         pairs = []
         for n, block in self.blocks.items():
