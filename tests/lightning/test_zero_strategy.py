@@ -100,21 +100,34 @@ def test_sharded_pipelines_and_sharded_replicas_update_as_zero0(dist4, shape: st
     _assert_same(ref, got, zero)
 
 
-def _steps_through(rank: int, world_size: int, placements: list) -> dict:
+def _steps_through(rank: int, world_size: int, placements: list, infeasible: bool = False) -> dict:
     """One RL step under each of ``placements`` in turn (the strategy's transition between them), from the
-    same seed; each step's metrics and each transition's mode."""
+    same seed; each step's metrics, each transition's mode and what the actor's unit then is and holds as
+    row blocks. With ``infeasible`` the brain finds no transition (nothing moves)."""
+    from nereus_lightning import emu, transition
     from nereus_lightning.lightning import PPOModule
+    from nereus_lightning.spec.errors import InfeasiblePlanError
     from tests.lightning.helpers import plan_of, small_task, strategy_at
+
+    def no_order(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise InfeasiblePlanError("test: no safe order")
 
     torch.manual_seed(0)
     module = PPOModule(task=small_task(), prompts_per_step=8, seed=3)
     opt = module.configure_optimizers()
     strategy = strategy_at(module, placements[0])
-    out: dict = {"metrics": [], "modes": []}
+    out: dict = {"metrics": [], "modes": [], "units": []}
+    build = transition.build_transition
     for step, placement in enumerate(placements):
         if step:
-            strategy.transition(plan_of("ppo", placement))
+            transition.build_transition = no_order if infeasible else build
+            try:
+                strategy.transition(plan_of("ppo", placement))
+            finally:
+                transition.build_transition = build
             out["modes"].append(strategy.units.last_transition.get("mode"))
+            unit = emu.registry().mine("actor_train")
+            out["units"].append((str(unit.unit), sorted(unit.row_keys)))
         out["metrics"].append(module.rl_step(step, strategy, opt))
     out["params"] = {}
     for role in ("actor", "critic"):
@@ -147,3 +160,20 @@ def test_a_shard_degree_change_mid_run_trains_on_as_a_run_started_there(dist4, c
         for key in keys:
             a, b = ref["metrics"][step][key], moved["metrics"][step][key]
             assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (change, step, key, a, b)
+
+
+def test_a_sharded_stage_the_brain_cannot_move_stays_and_steps_on(dist4) -> None:
+    """The transition gathers the rows and renames the units for the brain; when nothing moves, the units
+    are the replica's again, hold their rows, and train on as if no transition had been tried."""
+    start, other = _trained(Layout(2, 1, shard=2, zero=3)), _trained(Layout(1, 1, shard=4, zero=3))
+    kept = dist4.run(_steps_through, [start, other], True)
+    ref = dist4.run(_steps_through, [start, start])[0]
+    for rank, out in enumerate(kept):
+        assert out["modes"] == ["kept"], (rank, out["modes"])
+        ((unit, rows),) = out["units"]
+        assert unit.startswith("Z3x2 TP2xPP1@") and rows == ["exp_avg", "exp_avg_sq", "param"], (
+            rank,
+            unit,
+            rows,
+        )
+    _assert_same({**ref, "metrics": ref["metrics"][1]}, {**kept[0], "metrics": kept[0]["metrics"][1]}, "kept")
