@@ -11,7 +11,8 @@ built on its EMU's very tensors; a training stage's AdamW is bound to the EMU's 
 (:func:`~nereus_lightning.models.bind_adamw`), so an optimizer step updates the EMU in place; a
 sharded replica's (``Layout.shard > 1``) shard ranks each hold and step only their own row blocks of it
 through a :class:`~nereus_lightning.models.zero.ZeroShards`, gathered whole only while something reads
-the EMU whole (transitions, saves, the weight sync: :mod:`~nereus_lightning.lightning.zero_units`). No
+the EMU whole (transitions, the weight sync, the logical state; checkpoints save the rows:
+:mod:`~nereus_lightning.lightning.zero_units`). No
 rank keeps a full model beyond what its units hold: the module's full transformers models are
 released (emptied) once the units exist. After each update the fresh weights go from every
 training stage to the other model-stages of its model (:func:`nereus_lightning.emu.sync.sync_params`).
