@@ -177,3 +177,18 @@ def test_a_sharded_stage_the_brain_cannot_move_stays_and_steps_on(dist4) -> None
             rows,
         )
     _assert_same({**ref, "metrics": ref["metrics"][1]}, {**kept[0], "metrics": kept[0]["metrics"][1]}, "kept")
+
+
+def test_a_sharded_stage_that_stays_keeps_its_rows_while_another_moves(dist4) -> None:
+    """A transition of the generation stage alone leaves the sharded training stages in their rows (their
+    modules and optimizers kept), and the job trains on as if nothing had moved."""
+    start = _trained(Layout(2, 1, shard=2, zero=3))
+    moved = dist4.run(_steps_through, [start, {**start, "actor_gen": ((2, 1), GPUS)}])
+    ref = dist4.run(_steps_through, [start, start])[0]
+    for rank, out in enumerate(moved):
+        assert out["modes"] == ["dag"], (rank, out["modes"])
+        ((unit, rows),) = out["units"]
+        assert unit.startswith("Z3x2 TP2xPP1@") and rows == ["exp_avg", "exp_avg_sq", "param"], (rank, unit)
+    _assert_same(
+        {**ref, "metrics": ref["metrics"][1]}, {**moved[0], "metrics": moved[0]["metrics"][1]}, "gen"
+    )

@@ -67,7 +67,10 @@ def check_transition(case: TransitionCase, seed: int) -> None:
         dag = build_transition(*case.args())
     except InfeasiblePlanError as err:
         assert "stuck:" in str(err) and " onto [" in str(err)
-        sharded = any(c.layout.shard > 1 for p in (case.current, case.target) for _, c in p.items())
+        sharded = any(
+            c != case.target[n] and max(c.layout.shard, case.target[n].layout.shard) > 1
+            for n, c in case.current.items()
+        )
         assert ("ZeRO-sharded model-stages move as their shard groups" in str(err)) == sharded
         return
     assert all(0 <= d < n.id for n in dag.nodes for d in n.deps), "not in topological order (or cyclic)"
@@ -123,3 +126,25 @@ def test_one_model_stage_on_shuffled_gpus_is_always_safe(
     assert report.valid, report.problems
     moved = sum(n.bytes for n in dag.nodes)
     assert moved >= 0 and all(t.bytes > 0 for n in dag.nodes for t in n.transfers)
+
+
+def test_a_sharded_stage_that_stays_keeps_its_rows_while_others_move() -> None:
+    """Only a sharded model-stage that changes moves whole: one that stays holds its row blocks (and their
+    memory) while the others move, so a cluster too small for its whole state still moves them."""
+    from nereus_lightning.plan.layout import Candidate, Layout
+    from nereus_lightning.plan.memory import boundary_state_bytes
+    from tests.transition.helpers import with_memory
+
+    gpus = tuple(range(8))
+    train = Candidate(Layout(1, 1, shard=8, zero=3), 1, gpus)
+    rows, whole = (boundary_state_bytes(MODELS["actor"], True, lay) for lay in (train.layout, Layout(1, 1)))
+    cluster = with_memory(whole / 1e9 * 0.9)  # the actor's whole training state does not fit one GPU
+    current = plan(actor_gen=cand(2, 1, gpus), actor_train=train)
+    target = plan(actor_gen=cand(4, 1, gpus), actor_train=train)
+    dag = build_transition(current, target, MODELS, cluster, PPO)
+    assert validate(dag).valid and dag.nodes
+    assert {n.model_stage for n in dag.nodes} == {"actor_gen"}
+    assert dag.context.current_memory[:8] == pytest.approx([rows] * 8)
+    with pytest.raises(InfeasiblePlanError, match="actor_train Z3x8 TP1xPP1 -> Z3x4 TP1xPP1"):
+        moved = plan(actor_gen=cand(4, 1, gpus), actor_train=Candidate(Layout(1, 1, 4, 3), 2, gpus))
+        build_transition(current, moved, MODELS, cluster, PPO)

@@ -61,7 +61,7 @@ from nereus_lightning.models import ReplicaComm, ShardedCausalLM, bind_adamw, re
 from nereus_lightning.models.groups import dp_ranks, zero_groups
 from nereus_lightning.models.sharded import is_tied
 from nereus_lightning.models.zero import ZeroShards
-from nereus_lightning.plan.layout import Plan
+from nereus_lightning.plan.layout import Plan, moving_shard_groups
 from nereus_lightning.rl.update import ADAMW
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.workload import Workload, workflow
@@ -133,23 +133,25 @@ class EMUStates:
             if not run.moved:
                 self.residency_of.offload_idle(self.plan)
                 return False  # infeasible per the brain: the current plan stays
+        staying = {n for n, c in (self.plan or {}).items() if c == target[n] and c.layout.shard > 1}
         self.plan = target
-        self._build_modules(rank)
+        self._build_modules(rank, staying)
         self.residency_of.offload_idle(target)
         self.engines.place(self._generation_sites(target, built=True))
         return True
 
     def _transition(self, target: Plan) -> TransitionRun:
-        """Run the brain's transition to ``target`` on whole state: sharded units move as their shard groups
-        (:mod:`~nereus_lightning.lightning.zero_units`), their rows gathered first; the units stay whole
-        for :meth:`_build_modules` to cut, or are cut back to their rows when nothing moved."""
+        """Run the brain's transition to ``target``: sharded units that change move whole as their shard
+        groups (:func:`~nereus_lightning.plan.layout.moving_shard_groups`), their rows gathered first,
+        and stay whole for :meth:`_build_modules` to cut, or are cut back to their rows when nothing
+        moved; sharded units that stay keep their rows, modules and optimizers."""
         assert self.plan is not None
-        units = made_whole(self.optimizers)
-        as_shard_groups(self.plan, grouped=True)
-        run = run_transition(
-            self.plan.shard_groups(), target.shard_groups(), self.roles.specs(), self.cluster, self.workload
-        )
-        as_shard_groups(target if run.moved else self.plan, grouped=False)
+        current, moved_to = moving_shard_groups(self.plan, target)
+        moving = [n for n in self.plan if (current[n], moved_to[n]) != (self.plan[n], target[n])]
+        units = made_whole({n: self.optimizers[n] for n in moving if n in self.optimizers})
+        as_shard_groups(Plan.of({n: self.plan[n] for n in moving}), grouped=True)
+        run = run_transition(current, moved_to, self.roles.specs(), self.cluster, self.workload)
+        as_shard_groups(Plan.of({n: (target if run.moved else self.plan)[n] for n in moving}), grouped=False)
         if not run.moved:
             for zero, state in units:
                 at_rest(zero, state)
@@ -212,14 +214,16 @@ class EMUStates:
             )
         return out
 
-    def _build_modules(self, rank: int) -> None:
+    def _build_modules(self, rank: int, staying: set[str] | frozenset[str] = frozenset()) -> None:
         """This rank's ShardedCausalLM per model-stage on its EMU's tensors (collective: group creation).
 
         A sharded replica's shard ranks compute as replicas of their own
         (:meth:`~nereus_lightning.plan.layout.Candidate.shard_groups`); its training stage steps through a
         :class:`~nereus_lightning.models.zero.ZeroShards` on its row blocks, which the EMU then holds
-        (:mod:`~nereus_lightning.lightning.zero_units`).
+        (:mod:`~nereus_lightning.lightning.zero_units`). The sharded model-stages ``staying`` (their units
+        unchanged, holding their rows) keep their modules and optimizers.
         """
+        kept = {n: (self.units[n], self.optimizers[n]) for n in staying if n in self.units}
         self.units, self.optimizers = {}, {}
         reg = emu.registry()
         assert self.plan is not None
@@ -233,6 +237,9 @@ class EMUStates:
             replica_groups(replicas, compute.layout, tied)  # every rank, same order
             zero_groups(units, cand.layout)
             if rank not in cand.gpus:
+                continue
+            if name in kept:
+                self.units[name], self.optimizers[name] = kept[name]
                 continue
             index = cand.gpus.index(rank)
             unit = units[index // cand.layout.size]

@@ -7,9 +7,9 @@ releases after the step. These are the tensors its :class:`~nereus_lightning.mod
 steps, so ``plan.memory`` prices what the rank holds, and checkpoints save the rows as they are
 (``emu.dcp_state``). Readers of whole ``(tp, pp)`` pieces (transitions, the weight sync, the logical
 state) run inside :func:`whole`, which gathers the rows into whole tensors for the block and cuts
-the EMU back to its rows after it. A transition moves a sharded stage as its shard groups (ZeRO-0
-replicas of ``Layout(tp, pp)``, :meth:`~nereus_lightning.plan.layout.Plan.shard_groups`, as the
-brain prices it): :func:`as_shard_groups` renames the registry's units for it and back.
+the EMU back to its rows after it. A transition moves a sharded stage that changes as its shard
+groups (ZeRO-0 replicas of ``Layout(tp, pp)``, :func:`~nereus_lightning.plan.layout.moving_shard_groups`,
+as the brain prices it): :func:`as_shard_groups` renames the registry's units for it and back.
 """
 
 from __future__ import annotations

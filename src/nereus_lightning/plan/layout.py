@@ -152,12 +152,22 @@ class Plan:
         """A plain dict copy."""
         return dict(self.assignments)
 
-    def shard_groups(self) -> Plan:
-        """Every candidate as its shard groups (:meth:`Candidate.shard_groups`); itself when unsharded."""
-        if all(c.layout.shard == 1 for _, c in self.assignments):
-            return self
-        return Plan(tuple((n, c.shard_groups()) for n, c in self.assignments))
-
     def replace(self, model_stage: str, candidate: Candidate) -> Plan:
         """A copy with one model-stage's candidate replaced."""
         return Plan(tuple((n, candidate if n == model_stage else c) for n, c in self.assignments))
+
+
+def moving_shard_groups(current: Plan, target: Plan) -> tuple[Plan, Plan]:
+    """``current`` and ``target`` (the same model-stages) with each ZeRO-sharded model-stage whose candidate
+    changes as its shard groups (:meth:`Candidate.shard_groups`), as a transition moves it: each shard
+    group holding its state whole. A model-stage that stays keeps its candidate, and its row blocks."""
+    moving = {
+        n for n, c in current.items() if c != target[n] and max(c.layout.shard, target[n].layout.shard) > 1
+    }
+    if not moving:
+        return current, target
+
+    def grouped(plan: Plan) -> Plan:
+        return Plan(tuple((n, c.shard_groups() if n in moving else c) for n, c in plan.items()))
+
+    return grouped(current), grouped(target)

@@ -30,12 +30,13 @@ one (memory is admitted per call). The DAG's nodes are made once, in the replay'
 alike calls of one model-stage that wait for exactly the same nodes become one batched node.
 Built DAGs are immutable and cached (:func:`clear_cache` empties the cache).
 
-A sharded model-stage (``Layout.shard > 1``) moves as its shard groups
-(:meth:`~nereus_lightning.plan.layout.Plan.shard_groups`): ``shard`` ZeRO-0 replicas of
+A sharded model-stage (``Layout.shard > 1``) that changes moves as its shard groups
+(:func:`~nereus_lightning.plan.layout.moving_shard_groups`): ``shard`` ZeRO-0 replicas of
 ``Layout(tp, pp)`` per replica, each holding its whole ``(tp, pp)`` pieces, which is how the body
 holds the state while it transfers it (its row blocks gathered first). So a shard-degree change is
 a data-parallel change of those replicas, priced and validated at the whole pieces' memory: a
-transition whose whole state does not fit is reported infeasible.
+transition whose whole state does not fit is reported infeasible. A sharded model-stage that stays
+keeps its row blocks (and their memory) throughout.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from itertools import chain
 
 import numpy as np
 
-from nereus_lightning.plan.layout import Layout, Plan
+from nereus_lightning.plan.layout import Layout, Plan, moving_shard_groups
 from nereus_lightning.plan.memory import boundary_state_bytes, memory_cap
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
@@ -104,7 +105,7 @@ def build_transition(
         sharded = [
             f"{name} {cand.layout} -> {target[name].layout}"
             for name, cand in current.items()
-            if max(cand.layout.shard, target[name].layout.shard) > 1
+            if cand != target[name] and max(cand.layout.shard, target[name].layout.shard) > 1
         ]
         if not sharded:
             raise
@@ -160,7 +161,6 @@ def _context(
     current: Plan, target: Plan, models: Mapping[str, ModelSpec], cluster: ClusterSpec, workload: Workload
 ) -> TransitionContext:
     """:func:`make_context`."""
-    current, target = current.shard_groups(), target.shard_groups()
     stages = {ms.name: ms for ms in workload.stages}
     for label, plan in (("current", current), ("target", target)):
         for name in plan:
@@ -181,6 +181,7 @@ def _context(
             raise NereusConfigError(
                 f"models: no ModelSpec for role {role!r} (needed by {name}); pass models[{role!r}]"
             )
+    current, target = moving_shard_groups(current, target)
     unit_memory: dict[tuple[str, Layout], float] = {}
     for name, cand in current.items():
         ms = stages[name]

@@ -26,7 +26,7 @@ import random
 from collections import defaultdict
 from dataclasses import dataclass, replace
 
-from nereus_lightning.plan.layout import Candidate, Layout, Plan
+from nereus_lightning.plan.layout import Candidate, Layout, Plan, moving_shard_groups
 from nereus_lightning.plan.memory import MEMORY_HEADROOM, state_bytes_per_gpu
 from nereus_lightning.spec.cluster import CLUSTER_PRESETS, ClusterSpec
 from nereus_lightning.spec.model import MODEL_PRESETS, ModelSpec
@@ -199,8 +199,6 @@ def _moved_target(
 
 
 def _resident_peak(plan: Plan, workload: Workload, models: dict[str, ModelSpec]) -> float:
-    """The most state bytes on one GPU, sharded state whole (as a transition moves it)."""
-    plan = plan.shard_groups()
     stages = {ms.name: ms for ms in workload.stages}
     mem: dict[int, float] = defaultdict(float)
     for name, c in plan.items():
@@ -255,7 +253,8 @@ def _case_cluster(
 ) -> ClusterSpec:
     """An H200 cluster of ``num_gpus`` whose per-GPU memory is the resident peak of either plan
     times a random slack (so some cases are tight), all of it the allocator's (no reserved memory)."""
-    peak = max(_resident_peak(current, workload, models), _resident_peak(target, workload, models))
+    moving = moving_shard_groups(current, target)  # sharded state moves whole (transition.build)
+    peak = max(_resident_peak(plan, workload, models) for plan in moving)
     memory = peak / (1 - MEMORY_HEADROOM) * rng.uniform(*slack) * (1 + 1e-9)
     base = CLUSTER_PRESETS["paper_cluster3"]
     return replace(
