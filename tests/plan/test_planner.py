@@ -21,9 +21,9 @@ from nereus_lightning.plan.cost import (
     stage_work,
 )
 from nereus_lightning.plan.memory import memory_cap
+from nereus_lightning.plan.options import shard_options
 from nereus_lightning.plan.overlap import colocated
 from nereus_lightning.plan.planner import STEP_TOLERANCE
-from nereus_lightning.plan.options import shard_options
 from nereus_lightning.spec import (
     ClusterSpec,
     GenerationEngine,

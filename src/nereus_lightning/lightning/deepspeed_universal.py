@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -113,7 +114,9 @@ def _tensor_of(file: Path, value: Any) -> Tensor:
     """The full fp32 tensor of one universal state file (``{"param": tensor, ...}``)."""
     tensor = value.get("param") if isinstance(value, dict) else None
     if not isinstance(tensor, Tensor):
-        raise CheckpointError(f"{file}: holds no 'param' tensor (a universal state file holds {{'param': ...}})")
+        raise CheckpointError(
+            f"{file}: holds no 'param' tensor (a universal state file holds {{'param': ...}})"
+        )
     return tensor.detach().to(torch.float32)
 
 
@@ -123,17 +126,21 @@ def config_shapes(config: Any) -> dict[str, tuple[int, ...]]:
         return {n: tuple(p.shape) for n, p in model_of(config, torch.float32).named_parameters()}
 
 
-def check_names(source: str, have: Mapping[str, tuple[int, ...]], want: Mapping[str, tuple[int, ...]]) -> None:
+def check_names(
+    source: str, have: Mapping[str, tuple[int, ...]], want: Mapping[str, tuple[int, ...]]
+) -> None:
     """Refuse ``source``'s parameters (``have``) unless they are the model's (``want``): same names, same
     shapes; the error names the differences."""
     missing, unexpected = sorted(set(want) - set(have)), sorted(set(have) - set(want))
-    wrong = [f"{n} {have[n]} (the model: {want[n]})" for n in sorted(set(have) & set(want)) if have[n] != want[n]]
+    wrong = [
+        f"{n} {have[n]} (the model: {want[n]})" for n in sorted(set(have) & set(want)) if have[n] != want[n]
+    ]
     if missing or unexpected or wrong:
         raise CheckpointError(
             f"{source}: its parameters are not those of the model config: missing {missing[:6]}, "
             f"unexpected {unexpected[:6]}, other shapes {wrong[:6]} ({len(missing)}, {len(unexpected)} and "
-            f"{len(wrong)} in all); a module wrapping the transformers model in another (a prefix) or another "
-            "config does not map by name"
+            f"{len(wrong)} in all); a module wrapping the transformers model in another (a prefix) or "
+            "another config does not map by name"
         )
 
 
@@ -161,7 +168,9 @@ def import_universal(
     """
     folder = universal_folder(source)
     state = read_universal(folder)
-    check_names(str(folder / ZERO_DIR), {n: tuple(s["fp32"].shape) for n, s in state.items()}, config_shapes(config))
+    check_names(
+        str(folder / ZERO_DIR), {n: tuple(s["fp32"].shape) for n, s in state.items()}, config_shapes(config)
+    )
     order = _nereus_order(config)
     weight_key = MASTER_KEY if needs_master(dtype) else "param"
     out: dict[str, Tensor] = {}
@@ -179,8 +188,14 @@ def import_universal(
     output.mkdir(parents=True)
     if needs_master(dtype):
         dtype_name = str(dtype).removeprefix("torch.")
-        (output / PARAMS_FROM_MASTERS).write_text(json.dumps({"params_from_masters": dict.fromkeys(state, dtype_name)}))
-    save_tensors(out, output)
+        (output / PARAMS_FROM_MASTERS).write_text(
+            json.dumps({"params_from_masters": dict.fromkeys(state, dtype_name)})
+        )
+    with (
+        warnings.catch_warnings()
+    ):  # DCP warns that it "assumes the intent is to save in a single process": it is
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
+        save_tensors(out, output)
     return output
 
 
@@ -194,8 +209,8 @@ def read_stage(stage_dir: str | os.PathLike) -> dict[str, dict[str, Tensor]]:
     missing = [n for n in params if f"exp_avg/{n}" not in stored or f"step/{n}" not in stored]
     if missing:
         raise CheckpointError(
-            f"{os.path.join(stage_dir, DCP_METADATA)}: holds no AdamW state for {missing[:6]}; only a training "
-            "model-stage (e.g. emu/actor_train) has the optimizer state a DeepSpeed checkpoint needs"
+            f"{os.path.join(stage_dir, DCP_METADATA)}: holds no AdamW state for {missing[:6]}; only a "
+            "training model-stage (e.g. emu/actor_train) has the optimizer state a DeepSpeed checkpoint needs"
         )
     box = {k: torch.empty(tuple(stored[k].size), dtype=stored[k].properties.dtype) for k in keys}
     load_tensors(box, stage_dir, alone=True)
