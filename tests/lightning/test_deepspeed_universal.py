@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.lightning.test_checkpoint_safety import saved  # noqa: F401 (the fixture: a PPO run's checkpoints)
+
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "deepspeed"
 EXPECTED = json.loads((FIXTURE / "expected.json").read_text())
 TOLERANCE = 1e-5
@@ -206,10 +208,10 @@ def test_export_reads_back_as_the_state_it_came_from(imported: Path, tmp_path: P
 
 
 def test_import_refuses_other_names_and_shapes(tmp_path: Path) -> None:
+    import transformers as tf
+
     from nereus_lightning.lightning.deepspeed_universal import import_universal
     from nereus_lightning.spec.errors import CheckpointError
-
-    import transformers as tf
 
     values = json.loads((FIXTURE / "config.json").read_text())
     values.pop("layer_types")
@@ -273,3 +275,31 @@ def test_deepspeed_resumes_the_export_with_its_own_losses(imported: Path, tmp_pa
     got = json.loads(done.stdout.strip().splitlines()[-1])
     for key in ("loss_at_resume", "loss_after_next_step"):
         assert abs(got[key] - EXPECTED[key]) <= TOLERANCE, (got, EXPECTED)
+
+
+@pytest.mark.distributed
+def test_a_trained_nereus_checkpoint_goes_out_and_back(saved, tmp_path: Path, capsys) -> None:  # noqa: F811
+    """A PPO run's checkpoint: to-deepspeed (verified, the config from ``hf/actor``) holds the actor's
+    state, and from-deepspeed gives it back."""
+    from nereus_lightning.cli.convert_checkpoint import main
+    from nereus_lightning.lightning.deepspeed_universal import read_stage, read_universal
+
+    stage = saved / "s2.ckpt" / "emu" / "actor_train"
+    config = saved / "s2.ckpt" / "hf" / "actor"
+    back = tmp_path / "back" / "actor_train"
+    for argv in (
+        ["to-deepspeed", str(saved / "s2.ckpt"), "--output", str(tmp_path / "ds")],
+        ["from-deepspeed", str(tmp_path / "ds"), "--config", str(config), "--output", str(back)],
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 0, capsys.readouterr().err
+    original, exported, again = read_stage(stage), read_universal(tmp_path / "ds"), read_stage(back)
+    assert original.keys() == exported.keys() == again.keys()
+    assert float(next(iter(original.values()))["step"]) == 2
+    for name, entry in original.items():
+        for key, tensor in entry.items():
+            assert torch.equal(exported[name][key], tensor) and torch.equal(again[name][key], tensor), (
+                name,
+                key,
+            )
