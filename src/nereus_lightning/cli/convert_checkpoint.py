@@ -205,9 +205,10 @@ def to_deepspeed(
             f"{source}: not a nereus checkpoint: expected {source / META_FILE} (a checkpoint directory) or "
             f"{source / DCP_METADATA} (one model-stage folder of one, e.g. <checkpoint>/emu/actor_train)"
         )
-    if config is None and default_config is None:
+    chosen = config if config is not None else default_config
+    if chosen is None:
         raise CheckpointError(f"{source}: a model-stage folder alone; give the model's --config")
-    return export_universal(stage_dir, output, _config_of(config or default_config), tag)
+    return export_universal(stage_dir, output, _config_of(chosen), tag)
 
 
 def _deepspeed(args: argparse.Namespace) -> str:
