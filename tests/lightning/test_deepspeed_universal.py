@@ -303,3 +303,52 @@ def test_a_trained_nereus_checkpoint_goes_out_and_back(saved, tmp_path: Path, ca
                 name,
                 key,
             )
+
+
+def _universal_of(model, root: Path) -> None:  # noqa: ANN001
+    """A universal checkpoint of ``model`` as ``ds_to_universal`` lays it out (moments: seeded noise)."""
+    folder = root / "step3"
+    generator = torch.Generator().manual_seed(3)
+    for name, param in model.named_parameters():
+        (folder / "zero" / name).mkdir(parents=True)
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            value = param.detach() if key == "fp32" else torch.rand(param.shape, generator=generator)
+            torch.save({"param": value, "cat_dim": 0}, folder / "zero" / name / f"{key}.pt")
+        torch.save(torch.tensor(3.0), folder / "zero" / name / "step.pt")
+    (root / "latest_universal").write_text("step3")
+
+
+#: Phi-3's default token ids (32000) lie outside the tiny vocabulary.
+NO_IDS = {"pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
+
+
+def test_a_fused_family_maps_rows_both_ways(tmp_path: Path) -> None:
+    """Phi-3 holds q|k|v and gate|up in one weight each: imported, a nereus unit computes the transformers
+    model's logits; bf16 imports the weights as masters; exported, the files are the model's again."""
+    from nereus_lightning.emu.dcp_state import read_params_from_masters
+    from nereus_lightning.lightning.deepspeed_universal import (
+        export_universal,
+        import_universal,
+        read_universal,
+    )
+    from nereus_lightning.lightning.hf_export import logical_params
+    from nereus_lightning.models import ReplicaComm, ShardedCausalLM
+    from nereus_lightning.testing.tiny import tiny_config, tiny_model
+
+    fields = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, **NO_IDS}
+    config, model = tiny_config("phi3", **fields), tiny_model("phi3", **fields)
+    _universal_of(model, tmp_path / "ds")
+    stage = import_universal(tmp_path / "ds", tmp_path / "actor_train", config)
+    module = ShardedCausalLM(config, ReplicaComm.single(), logical_params(str(stage)))
+    ids = torch.randint(0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(module(ids), model(ids).logits, atol=1e-5)
+    low = import_universal(tmp_path / "ds", tmp_path / "bf16", config, torch.bfloat16)
+    assert set(read_params_from_masters(low).values()) == {torch.bfloat16}
+    assert all(p.dtype == torch.bfloat16 for p in logical_params(str(low)).values())
+    export_universal(low, tmp_path / "back", config)
+    back, original = read_universal(tmp_path / "back"), read_universal(tmp_path / "ds")
+    assert back.keys() == original.keys() and any(".qkv_proj." in n for n in back)
+    for name, entry in original.items():
+        for key, tensor in entry.items():
+            assert torch.equal(back[name][key], tensor), (name, key)
