@@ -195,8 +195,62 @@ def keep_plan(plan):  # noqa: ANN001, ANN201
     return KeepPlan()
 
 
-def run_nereus(folder: Path, steps: int, new_tokens: int, out: Path, plan, cluster) -> dict:  # noqa: ANN001
-    """nereus GRPO on GPU 0 under ``plan``: bf16 weights with fp32 masters."""
+def on_last_call(update, steps: int, measure):  # noqa: ANN001, ANN201
+    """``update`` whose ``steps``-th call runs through ``measure(call)``, its other calls as they are."""
+    calls = 0
+
+    def run(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        nonlocal calls
+        calls += 1
+        call = partial(update, *args, **kwargs)
+        return call() if calls < steps else measure(call)
+
+    return run
+
+
+def profile_tables(path: Path):  # noqa: ANN201
+    """A ``measure`` for :func:`on_last_call`: the call under ``torch.profiler``, its tables in ``path``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    def measure(call):  # noqa: ANN001, ANN202
+        cuda = torch.cuda.is_available()
+        sync = torch.cuda.synchronize if cuda else lambda: None
+        sync()
+        start = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+            out = call()
+            sync()
+        wall = time.perf_counter() - start
+        events = prof.key_averages()
+        device = sum(e.self_device_time_total for e in events) / 1e6
+        counts = {e.key: e.count for e in events if e.key in PROFILE_COUNTED}
+        path.write_text(
+            f"training stage: {wall:.3f} s wall, {device:.3f} s of device time; calls {counts}\n\n"
+            + events.table(sort_by="self_cpu_time_total", row_limit=40)
+            + "\n\n"
+            + events.table(sort_by="self_device_time_total", row_limit=30)
+        )
+        return out
+
+    return measure
+
+
+PROFILE_COUNTED = (
+    "cudaStreamSynchronize",
+    "cudaMemcpyAsync",
+    "cudaLaunchKernel",
+    "aten::_local_scalar_dense",
+    "aten::nonzero",
+    "cudaDeviceSynchronize",
+)
+
+
+def run_nereus(  # noqa: ANN001
+    folder: Path, steps: int, new_tokens: int, out: Path, plan, cluster, measure=None
+) -> dict:
+    """nereus GRPO on GPU 0 under ``plan``: bf16 weights with fp32 masters; with ``measure``, the last
+    step's training stage runs through it (:func:`on_last_call`)."""
     import csv
 
     import lightning.pytorch as pl
@@ -221,6 +275,8 @@ def run_nereus(folder: Path, steps: int, new_tokens: int, out: Path, plan, clust
         kl_loss_coef=0.001,
         ignore_eos=True,
     )
+    if measure is not None:
+        module.update = on_last_call(module.update, steps, measure)
     trainer = pl.Trainer(
         accelerator="gpu" if torch.cuda.is_available() else "cpu",
         devices=1,
@@ -423,6 +479,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--micro-batch", type=int, help="override the plan's inference/training micro-batch")
     parser.add_argument("--recompute", type=int, choices=(0, 1), help="override recompute (0/1)")
     parser.add_argument("--tag", default="", help="suffix of the result file (e.g. mb4)")
+    parser.add_argument("--profile", action="store_true", help="profile the last step's training stage")
     args = parser.parse_args(argv if argv is not None else sys.argv[1:])
     if args.report is not None:
         print(report([Path(p) for p in args.report]))
@@ -445,7 +502,9 @@ def main(argv: list[str] | None = None) -> None:
         chosen = {n: {"micro_batch": c.micro_batch, "recompute": c.recompute} for n, c in plan.assignments}
         recompute = None if args.recompute is None else bool(args.recompute)
         plan = with_slots(plan, args.micro_batch, recompute)
-        result = run_nereus(folder, args.steps, args.new_tokens, run_dir, plan, cluster)
+        profile = Path(args.out) / f"profile_{args.shape}_n{args.new_tokens}.txt"
+        measure = profile_tables(profile) if args.profile else None
+        result = run_nereus(folder, args.steps, args.new_tokens, run_dir, plan, cluster, measure)
         result["planner_choice"] = chosen
         result["predicted_peak_gib"] = predicted_peaks(plan, models, cluster, workload)
         result["cost_model"] = cost_model(plan, models, cluster, workload, result["steps"][args.warmup :])

@@ -207,3 +207,30 @@ def test_rollout_correction_weights_each_tokens_loss_by_the_truncated_ratio():
     assert m["mismatch/mismatch_kl"] == pytest.approx((math.log(2.0) + math.log(0.25)) / 3)
     with pytest.raises(NereusConfigError, match="algorithm.rollout_is_threshold"):
         RLConfig(rollout_is_threshold=0.0)
+
+
+def test_an_infinite_threshold_is_the_uncorrected_update_where_the_engines_agree():
+    """Untruncated weights are exp(old - rollout): exactly 1 where the two engines' log-probs agree, so the
+    loss and its gradient are the uncorrected ones bit for bit; where they differ, the weights do."""
+    from nereus_lightning.rl.algorithm import RLConfig, actor_loss
+    from nereus_lightning.rl.batch import RolloutBatch
+
+    torch.manual_seed(3)
+    ids, mask = torch.ones(2, 5, dtype=torch.long), torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    micro = RolloutBatch(ids[:, :1], ids[:, :1], ids, mask, torch.zeros(2), torch.zeros(2))
+    micro.old_log_probs, micro.advantages = -torch.rand(2, 5), torch.randn(2, 5)
+    norm = mask.sum().float()
+
+    def loss_and_grad(rollout: torch.Tensor, threshold: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+        micro.rollout_log_probs = rollout
+        new = micro.old_log_probs + 0.1 * torch.randn(2, 5, generator=torch.Generator().manual_seed(0))
+        new = new.requires_grad_()
+        loss = actor_loss(new, micro, RLConfig(rollout_is_threshold=threshold), norm, norm)[0]
+        loss.backward()
+        return loss.detach(), new.grad
+
+    agreeing = micro.old_log_probs.clone()
+    plain, corrected = loss_and_grad(agreeing, None), loss_and_grad(agreeing, math.inf)
+    assert torch.equal(plain[0], corrected[0]) and torch.equal(plain[1], corrected[1])
+    differing = agreeing + 0.05
+    assert not torch.equal(loss_and_grad(differing, math.inf)[0], plain[0])

@@ -164,7 +164,9 @@ def _adamw(group: Mapping[str, Any], bucket: list[tuple[Tensor, ...]]) -> None:
         [],
         [s.clone() for s in steps],
         foreach=group["foreach"],
-        capturable=group["capturable"],
+        # step tensors live beside their parameter; off the CPU, torch reads them on the device
+        # (capturable) instead of one host sync per tensor
+        capturable=group["capturable"] or steps[0].device.type != "cpu",
         differentiable=group["differentiable"],
         fused=group["fused"],
         decoupled_weight_decay=True,
