@@ -338,8 +338,14 @@ class CandidateTable:
 
 def undominated(rows: list[tuple]) -> list[tuple]:
     """Rows ``(gpus, layout, dp, resident, choices)`` of one GPU count without those another row beats:
-    as much resident state or more, and for each of its choices one at most as slow and as large
-    (on a tie the earlier row stays)."""
+    the same resident state, and for each of its choices one at most as slow and as large (on a tie
+    the earlier row stays).
+
+    Only a row of the same state stands in for another: the planner also asks for the candidates of
+    exactly one state level (colocated training model-stages, :meth:`CandidateTable.rows_within`'s
+    ``least``), and there a leaner row of another level is absent. On its own level a row can be a
+    GPU count's :func:`leanest_within` choice, and a faster one than the choice on the leaner row's
+    level, whose tolerance may pick a slower, leaner candidate."""
     kept: list[tuple] = []
     for row in rows:
         if any(_beats(other, row) for other in kept):
@@ -350,9 +356,9 @@ def undominated(rows: list[tuple]) -> list[tuple]:
 
 
 def _beats(a: tuple, b: tuple) -> bool:
-    """Whether row ``a`` keeps at most ``b``'s state and has, for each choice of ``b``, one at most as slow
-    and as large (``a``'s choices are fastest first, each leaner than the ones before)."""
-    if a[3] > b[3]:
+    """Whether row ``a`` keeps ``b``'s state and has, for each choice of ``b``, one at most as slow and as
+    large (``a``'s choices are fastest first, each leaner than the ones before)."""
+    if a[3] != b[3]:
         return False
     lats = [c[0] for c in a[4]]
     for lat, peak, _, _ in b[4]:

@@ -396,6 +396,7 @@ class _Search:
                 shared[key] = CandidateTable(work, cluster, calibration, budget, self.cap(name))
             self.tables[name] = shared[key]
         self._fronts: dict[tuple, list[Option]] = {}
+        self._fastest: dict[tuple, float] = {}
         self._groups: dict[tuple, list[Group]] = {}
         self._solved: dict[tuple, list[Pick]] = {}
 
@@ -419,6 +420,20 @@ class _Search:
                 rows = [row for row in rows if row[4] == layout]
             self._fronts[key] = frontier_of_rows(rows)
         return self._fronts[key]
+
+    def fastest(self, name: str, resident: float, least: float = -math.inf) -> float:
+        """The latency of the fastest candidate of ``name`` (a training model-stage) keeping ``least`` to
+        ``resident`` bytes of state, under the cap (inf: none).
+
+        A bound on what ``name`` takes from any narrower band of state (:meth:`fronts` of a band picks
+        per GPU count with :func:`~options.leanest_within`, which on a narrower band can be faster).
+        """
+        key = (name, resident, least)
+        if key not in self._fastest:
+            layout = self.pinned.get(name)
+            rows = self.tables[name].rows_within(self.cap(name), resident, least)
+            self._fastest[key] = min((r[1] for r in rows if layout in (None, r[4])), default=math.inf)
+        return self._fastest[key]
 
     def _member_front(self, name: str, rho: float) -> list[Option]:
         """``name``'s frontier at training-state level ``rho``, on GPUs of its own."""
@@ -459,17 +474,12 @@ class _Search:
         A combination takes each member's candidates of exactly its level (one keeping less is
         in the combination of its own level, where the others have more room). Points at least
         as slow as ``limit`` are left out (the caller has a selection that fast), and so is every
-        combination whose members, each with the whole cap, cannot beat it.
+        combination whose members, each at its level's fastest candidate, cannot beat it.
         """
         points: list[Group] = []
-        fastest = {
-            (n, s): (front[-1].latency if (front := self.fronts(n, self.cap(n), s)) else math.inf)
-            for n in block
-            for s in self._levels(n)
-        }
         for states in itertools.product(*(self._levels(n) for n in block)):
             total = sum(states)
-            if total > rho or sum(fastest[n, s] for n, s in zip(block, states, strict=True)) >= limit:
+            if total > rho or sum(self.fastest(n, s, s) for n, s in zip(block, states, strict=True)) >= limit:
                 continue
             fronts = [
                 self.fronts(n, self.cap(n) - (total - s), s, s) for n, s in zip(block, states, strict=True)
@@ -479,7 +489,10 @@ class _Search:
         return frontier(points)
 
     def _bound(self, block: tuple[str, ...], rho: float) -> float:
-        """A lower bound on ``block``'s latency: each member alone with the whole pool."""
+        """A lower bound on ``block``'s latency: each member alone with the whole pool (colocated
+        training model-stages: each member's fastest candidate, as each picks within its own level)."""
+        if len(block) > 1 and self.stage_of[block[0]] == "training":
+            return sum(self.fastest(n, rho) for n in block)
         fronts = [self._member_front(n, rho) for n in block]
         return sum(f[-1].latency for f in fronts) if all(fronts) else math.inf
 
