@@ -21,7 +21,7 @@ from nereus_lightning.plan.cost import (
     stage_work,
 )
 from nereus_lightning.plan.memory import memory_cap
-from nereus_lightning.plan.options import shard_options
+from nereus_lightning.plan.options import shard_options, undominated
 from nereus_lightning.plan.overlap import colocated
 from nereus_lightning.plan.planner import STEP_TOLERANCE
 from nereus_lightning.spec import (
@@ -264,6 +264,15 @@ def test_planner_matches_brute_force_on_random_instances():
     # some plans are leaner and slower than the fastest.
     assert compared + infeasible == 220 and compared >= 150 and leaner >= 10
     assert 20 <= shared <= compared - 20
+
+
+def test_only_a_row_of_the_same_resident_state_stands_in_for_another():
+    """Colocated training model-stages pick within exactly their state levels, so a row is pruned
+    only by one of its own level (a faster, leaner ZeRO-1 row does not replace the unsharded one)."""
+    zero1 = (2, Layout(1, 1, 2, 1), 1, 5.0, [(0.99, 9.0, 1, False)])
+    unsharded = (2, Layout(1, 1), 2, 9.0, [(1.0, 15.0, 1, False)])
+    zero2 = (2, Layout(1, 1, 2, 2), 1, 5.0, [(1.0, 9.5, 1, False)])
+    assert undominated([unsharded, zero1, zero2]) == [unsharded, zero1]
 
 
 # ---------------------------------------------------------------- physics
