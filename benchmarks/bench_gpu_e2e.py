@@ -465,8 +465,9 @@ def report(paths: list[Path]) -> str:
     return "\n".join(rows)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Run one system and shape (``--system``), or print the table of earlier runs (``--report``)."""
+def main(argv: list[str] | None = None, profiler=profile_tables) -> None:  # noqa: ANN001
+    """Run one system and shape (``--system``), or print the table of earlier runs (``--report``);
+    ``--profile`` runs the last training stage through ``profiler(path)``'s measure."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--system", choices=("nereus", "trl"))
     parser.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
@@ -503,7 +504,7 @@ def main(argv: list[str] | None = None) -> None:
         recompute = None if args.recompute is None else bool(args.recompute)
         plan = with_slots(plan, args.micro_batch, recompute)
         profile = Path(args.out) / f"profile_{args.shape}_n{args.new_tokens}.txt"
-        measure = profile_tables(profile) if args.profile else None
+        measure = profiler(profile) if args.profile else None
         result = run_nereus(folder, args.steps, args.new_tokens, run_dir, plan, cluster, measure)
         result["planner_choice"] = chosen
         result["predicted_peak_gib"] = predicted_peaks(plan, models, cluster, workload)

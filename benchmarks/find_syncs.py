@@ -68,5 +68,4 @@ def sync_counts(path: Path):  # noqa: ANN201
 
 
 if __name__ == "__main__":
-    bench_gpu_e2e.profile_tables = sync_counts
-    bench_gpu_e2e.main([*sys.argv[1:], "--profile"])
+    bench_gpu_e2e.main([*sys.argv[1:], "--profile"], profiler=sync_counts)
