@@ -63,12 +63,16 @@ def _brute_force(models, cluster, workload, calibration) -> float:
     works = {ms.name: stage_work(ms, models, workload) for ms in workload.stages}
 
     def candidates(work, memory):
-        m, out = work.model, []
+        """A ZeRO variant runs only the (micro-batch, recompute) its unsharded layout fits at that dp (any
+        where it fits none); the variants of a layout that fits unsharded at no dp are offered only
+        when no other candidate fits (a transition moves their state whole)."""
+        m, out, unmovable = work.model, [], []
         for tp in _pow2_upto(G):
             if m.num_heads % tp or m.num_kv_heads % tp:
                 continue
             for pp in _pow2_upto(min(m.num_layers, G // tp)):
                 lay = Layout(tp, pp)
+                mine, fits = [], False
                 shares = set()
                 for dp in range(1, G // lay.size + 1):
                     if work.trains and dp & (dp - 1):
@@ -79,6 +83,7 @@ def _brute_force(models, cluster, workload, calibration) -> float:
                     shares.add(share)
                     # Training: dp data-parallel ranks, as replicas of each ZeRO variant of the layout.
                     zeros = shard_options(lay, dp, cluster.gpus_per_node) if work.trains else [lay]
+                    unsharded = set()
                     for z in zeros:
                         reps = dp // z.shard
                         links = canonical_links(z, reps, cluster)
@@ -87,10 +92,16 @@ def _brute_force(models, cluster, workload, calibration) -> float:
                                 own = max(rank_peak_memory(work, z, reps, mb, rc))
                                 if own > memory:
                                     continue
+                                if z.shard == 1:
+                                    unsharded.add((mb, rc))
+                                elif unsharded and (mb, rc) not in unsharded:
+                                    continue
                                 lat = latency(ideal_time(work, z, reps, mb, rc, links, cluster), calibration)
                                 res = max(memory_rank_state(work.model, z)) if work.trains else 0.0
-                                out.append((dp * lay.size, lat, own, res))
-        return out
+                                mine.append((dp * lay.size, lat, own, res))
+                    fits = fits or bool(unsharded)
+                (out if fits else unmovable).extend(mine)
+        return out or unmovable
 
     def running_best(points) -> list[tuple[int, float]]:
         """(g, fastest latency with at most g GPUs) for g = 1..G."""

@@ -133,7 +133,7 @@ class EMUStates:
             if not run.moved:
                 self.residency_of.offload_idle(self.plan)
                 return False  # infeasible per the brain: the current plan stays
-        staying = {n for n, c in (self.plan or {}).items() if c == target[n] and c.layout.shard > 1}
+        staying = {n for n, c in (self.plan or {}).items() if c.same_units(target[n]) and c.layout.shard > 1}
         self.plan = target
         self._build_modules(rank, staying)
         self.residency_of.offload_idle(target)
@@ -240,6 +240,7 @@ class EMUStates:
                 continue
             if name in kept:
                 self.units[name], self.optimizers[name] = kept[name]
+                self.units[name].recompute = cand.recompute
                 continue
             index = cand.gpus.index(rank)
             unit = units[index // cand.layout.size]

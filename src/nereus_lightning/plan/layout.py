@@ -104,6 +104,11 @@ class Candidate:
         lay = self.layout
         return self.gpus[replica * lay.size + (shard_rank * lay.pp + pp_rank) * lay.tp + tp_rank]
 
+    def same_units(self, other: Candidate) -> bool:
+        """Whether ``other`` holds the same units (the same layout on the same GPUs): a change of the
+        micro-batch or recompute alone moves no state."""
+        return (self.layout, self.gpus) == (other.layout, other.gpus)
+
     def shard_groups(self) -> Candidate:
         """The ZeRO-0 candidate of this one's shard groups: ``dp * shard`` replicas of ``Layout(tp, pp)`` on
         the same GPUs; itself when unsharded. Each shard rank computes as such a replica (its own rows
@@ -158,11 +163,14 @@ class Plan:
 
 
 def moving_shard_groups(current: Plan, target: Plan) -> tuple[Plan, Plan]:
-    """``current`` and ``target`` (the same model-stages) with each ZeRO-sharded model-stage whose candidate
-    changes as its shard groups (:meth:`Candidate.shard_groups`), as a transition moves it: each shard
-    group holding its state whole. A model-stage that stays keeps its candidate, and its row blocks."""
+    """``current`` and ``target`` (the same model-stages) with each ZeRO-sharded model-stage whose units
+    change as its shard groups (:meth:`Candidate.shard_groups`), as a transition moves it: each shard
+    group holding its state whole. A model-stage that keeps its units (:meth:`Candidate.same_units`, its
+    micro-batch or recompute may change) keeps its candidate, and its row blocks."""
     moving = {
-        n for n, c in current.items() if c != target[n] and max(c.layout.shard, target[n].layout.shard) > 1
+        n
+        for n, c in current.items()
+        if not c.same_units(target[n]) and max(c.layout.shard, target[n].layout.shard) > 1
     }
     if not moving:
         return current, target

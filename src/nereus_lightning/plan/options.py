@@ -169,6 +169,7 @@ class CandidateTable:
         # resident bytes, [(latency, peak, micro_batch, recompute)] fastest first)
         self.waves: list[tuple] = []
         self.rows: list[tuple] = []
+        unmovable: list[tuple] = []  # training rows a transition cannot move (_training_rows)
         trains = work.trains
         mb_cache: dict[int, tuple[int, ...]] = {}
         for layout in layouts_for(work.model, max_gpus):
@@ -182,7 +183,7 @@ class CandidateTable:
                     )
                 continue
             if trains:
-                self._training_rows(work, layout, sc, dps, mb_cache)
+                self._training_rows(work, layout, sc, dps, mb_cache, unmovable)
                 continue
             pp = layout.pp
             fixed, per_seq = sc.affine(slot_affine(work, layout, False, one, cluster))[:2]
@@ -211,6 +212,7 @@ class CandidateTable:
                 if choices:
                     choices.reverse()
                     self.rows.append((dp * layout.size, layout, dp, 0.0, choices))
+        self.rows = self.rows or unmovable
         # By resident state, so that a band of it is one slice (the planner asks for one level often).
         self.rows.sort(key=lambda row: row[3])
         self.residents = [row[3] for row in self.rows]
@@ -222,21 +224,31 @@ class CandidateTable:
         sc: _Scalars,
         widths: list[int],
         mb_cache: dict[int, tuple[int, ...]],
+        unmovable: list[tuple],
     ) -> None:
         """The rows of a training model-stage cut as ``base`` (TP x PP), for every data-parallel width
-        and every ZeRO variant of it (:func:`shard_options`)."""
+        and every ZeRO variant of it (:func:`shard_options`).
+
+        A ZeRO variant takes only the micro-batch and recompute choices that ``base`` itself fits at
+        that width (all where ``base`` fits none): the state it frees is headroom, so its peak is below
+        the unsharded one's. A transition moves a sharded stage as its shard groups, each holding its
+        state whole (``transition.build``), so where ``base`` fits at no width its ZeRO variants go to
+        ``unmovable``, which the table offers only when nothing else fits."""
         cluster, cap, pp = self.cluster, self.cap, base.pp
         repeats = work.epochs * work.mini_batches
         one = canonical_links(base, 1, cluster)
         slots = {rc: sc.affine(slot_affine(work, base, rc, one, cluster))[:2] for rc in (False, True)}
         model, ends = work.model, ((0, pp - 1) if pp > 1 else (0,))
         passes: dict[tuple, tuple[float, ...]] = {}  # (mb, rc, in flight) -> per end rank (ZeRO-free)
-        variants: list[tuple] = []
+        rows: list[tuple] = []
+        movable = False  # base fits at some width
         for width in widths:
+            variants: list[tuple] = []
             share = work.mini_batch_size // width
             mbs = mb_cache.get(share)
             if mbs is None:
                 mbs = mb_cache[share] = micro_batch_options(work, base, share, cap)
+            unsharded: set[tuple[int, bool]] = set()  # the (mb, rc) the base layout fits at this width
             for layout in shard_options(base, width, cluster.gpus_per_node):
                 dp = width // layout.shard
                 terms = [training_state_terms(model, layout, r) for r in ends]
@@ -261,7 +273,9 @@ class CandidateTable:
                             state + max(p + gathered, temp)
                             for (state, gathered, temp), p in zip(terms, run, strict=True)
                         )
-                        if peak <= cap:
+                        if layout.shard == 1 and peak <= cap:
+                            unsharded.add((mb, rc))
+                        if peak <= cap and (layout.shard == 1 or not unsharded or (mb, rc) in unsharded):
                             lat = repeats * (
                                 (count + pp - 1) * (fixed + per_seq * mb) + count * gather + step
                             )
@@ -276,8 +290,9 @@ class CandidateTable:
                 if choices:
                     resident = boundary_state_bytes(work.model, True, layout)
                     variants.append((width * base.size, layout, dp, resident, choices))
-            self.rows += undominated(variants)
-            variants.clear()
+            rows += undominated(variants)
+            movable = movable or bool(unsharded)
+        (self.rows if movable else unmovable).extend(rows)
 
     def options(self, memory: float | None = None, resident: float = math.inf) -> list[Option]:
         """The choices per (layout, dp) whose peak fits ``memory`` (default: the cap) and whose

@@ -105,7 +105,7 @@ def build_transition(
         sharded = [
             f"{name} {cand.layout} -> {target[name].layout}"
             for name, cand in current.items()
-            if cand != target[name] and max(cand.layout.shard, target[name].layout.shard) > 1
+            if not cand.same_units(target[name]) and max(cand.layout.shard, target[name].layout.shard) > 1
         ]
         if not sharded:
             raise
