@@ -131,3 +131,34 @@ def test_a_reward_model_is_priced_only_when_one_is_asked_for():
         _stages(*job, "model.reward=qwen3_14b", "workload.reward_model=false")
     with pytest.raises(NereusConfigError, match="workload.reward_model: must be true, false or null"):
         _stages(*job, "workload.reward_model=maybe")
+
+
+def test_an_unsharded_training_stage_shows_its_fastest_sharded_alternative(capsys):
+    """The issue's 8B GRPO on 16 x 64 GB: TP4 unsharded is chosen; the table names no ZeRO for it and the
+    line after it gives the fastest ZeRO-sharded candidate on as many GPUs, its time and why it is not
+    offered (TP2 fits unsharded nowhere; transitions move sharded state whole)."""
+    result = plan_from_config(
+        plan_config(
+            [
+                "model=llama3_8b",
+                "cluster=paper_cluster2",
+                "cluster.num_gpus=16",
+                "workload.algorithm=grpo",
+                "workload.response_len=4096",
+            ]
+        )
+    )
+    train = next(r for r in result["model_stages"] if r["model_stage"] == "actor_train")
+    alt = result["sharded_alternatives"]["actor_train"]
+    assert train["shard"] == 1 and alt["shard"] > 1 and alt["zero"] >= 1 and not alt["offered"]
+    assert alt["num_gpus"] == train["num_gpus"] and alt["peak_memory_bytes"] <= result["memory_cap_bytes"]
+    render(result)
+    text = " ".join(capsys.readouterr().out.split())
+    zero = f"Z{alt['zero']}x{alt['shard']} TP{alt['tp']}xPP{alt['pp']}"
+    assert (
+        f"actor_train sharded instead: fastest ZeRO-sharded candidate on 16 GPUs is dp{alt['dp']} {zero}"
+        in text
+    )
+    assert (
+        f"{alt['latency_s']:.2f} s" in text and f"(chosen: {train['latency_s']:.2f} s); not offered" in text
+    )

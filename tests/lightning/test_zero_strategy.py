@@ -116,7 +116,7 @@ def _steps_through(rank: int, world_size: int, placements: list, infeasible: boo
     module = PPOModule(task=small_task(), prompts_per_step=8, seed=3)
     opt = module.configure_optimizers()
     strategy = strategy_at(module, placements[0])
-    out: dict = {"metrics": [], "modes": [], "units": []}
+    out: dict = {"metrics": [], "modes": [], "units": [], "recompute": []}
     build = transition.build_transition
     for step, placement in enumerate(placements):
         if step:
@@ -128,6 +128,7 @@ def _steps_through(rank: int, world_size: int, placements: list, infeasible: boo
             out["modes"].append(strategy.units.last_transition.get("mode"))
             unit = emu.registry().mine("actor_train")
             out["units"].append((str(unit.unit), sorted(unit.row_keys)))
+            out["recompute"].append(strategy.units.units["actor_train"].recompute)
         out["metrics"].append(module.rl_step(step, strategy, opt))
     out["params"] = {}
     for role in ("actor", "critic"):
@@ -192,3 +193,18 @@ def test_a_sharded_stage_that_stays_keeps_its_rows_while_another_moves(dist4) ->
     _assert_same(
         {**ref, "metrics": ref["metrics"][1]}, {**moved[0], "metrics": moved[0]["metrics"][1]}, "gen"
     )
+
+
+def test_a_sharded_stage_whose_micro_batch_alone_changes_keeps_its_rows(dist4) -> None:
+    """A new micro-batch and recompute move no state: the sharded training stages keep their rows, modules
+    and optimizers (the module recomputes as the new plan says), and train on as a run started there."""
+    layout = Layout(2, 1, shard=2, zero=3)
+    start = _trained(layout)
+    there = {name: Candidate(layout, 1, GPUS, micro_batch=2, recompute=True) for name in start}
+    moved = dist4.run(_steps_through, [start, there])
+    ref = dist4.run(_steps_through, [there, there])[0]
+    for rank, out in enumerate(moved):
+        ((unit, rows),) = out["units"]
+        assert unit.startswith("Z3x2 TP2xPP1@") and rows == ["exp_avg", "exp_avg_sq", "param"], (rank, unit)
+        assert out["recompute"] == [True], (rank, out["recompute"])
+    _assert_same({**ref, "metrics": ref["metrics"][1]}, {**moved[0], "metrics": moved[0]["metrics"][1]}, "mb")

@@ -21,7 +21,7 @@ from nereus_lightning.plan.cost import (
     stage_work,
 )
 from nereus_lightning.plan.memory import memory_cap
-from nereus_lightning.plan.options import shard_options, undominated
+from nereus_lightning.plan.options import CandidateTable, fastest_sharded, shard_options, undominated
 from nereus_lightning.plan.overlap import colocated
 from nereus_lightning.plan.planner import STEP_TOLERANCE
 from nereus_lightning.spec import (
@@ -284,6 +284,57 @@ def test_only_a_row_of_the_same_resident_state_stands_in_for_another():
     unsharded = (2, Layout(1, 1), 2, 9.0, [(1.0, 15.0, 1, False)])
     zero2 = (2, Layout(1, 1, 2, 2), 1, 5.0, [(1.0, 9.5, 1, False)])
     assert undominated([unsharded, zero1, zero2]) == [unsharded, zero1]
+
+
+def _training_table(model: ModelSpec, cluster: ClusterSpec, workload: Workload, gpus: int, cap: float):
+    ms = next(ms for ms in workload.stages if ms.name == "actor_train")
+    work = stage_work(ms, job_models(model), workload, cluster.gpu_memory)
+    return work, CandidateTable(work, cluster, None, gpus, cap)
+
+
+@pytest.mark.parametrize("model", ["qwen2_0_5b", "llama3_8b"])
+def test_a_zero_variant_runs_only_what_its_unsharded_layout_fits(model):
+    """The state a ZeRO variant frees is headroom: each of its choices is one its unsharded layout fits
+    at that width, so its peak is below the unsharded one's."""
+    cluster = cluster_preset("h100x8").with_gpus(8)
+    work, table = _training_table(
+        model_preset(model), cluster, Workload(algorithm="grpo", response_len=1024), 8, memory_cap(cluster)
+    )
+    sharded = [row for row in table.rows if row[1].shard > 1]
+    assert sharded
+    for count, layout, dp, _, choices in sharded:
+        base = Layout(layout.tp, layout.pp)
+        for _, peak, mb, rc in choices:
+            unsharded = max(rank_peak_memory(work, base, count // base.size, mb, rc))
+            assert peak < unsharded <= table.cap, (layout, dp, mb, rc)
+
+
+def test_zero_variants_of_a_layout_that_fits_unsharded_nowhere_only_where_nothing_else_fits():
+    """A transition moves a sharded stage's state whole: variants of a layout too big unsharded are kept
+    apart (the issue's 8B GRPO on 16 x 64 GB: TP2 unsharded fits nowhere, TP4 does), and offered when no
+    unsharded layout fits at all (a one-head, one-layer model: TP1 x PP1 only)."""
+    cluster = cluster_preset("paper_cluster2").with_gpus(16)
+    _, table = _training_table(
+        L8, cluster, Workload(algorithm="grpo", response_len=4096), 16, memory_cap(cluster)
+    )
+    assert {row[1] for row in table.unmovable} >= {Layout(2, 1, 2, 1), Layout(2, 1, 2, 3)}
+    assert all(
+        row[1].shard == 1 or Layout(row[1].tp, row[1].pp) in {r[1] for r in table.rows} for row in table.rows
+    )
+    option, offered = fastest_sharded(table, 16)
+    assert option.layout == Layout(2, 1, 2, 1) and not offered
+
+    one = ModelSpec("one", 1, 64, 1, 1, 1000, 128)
+    small = Workload(algorithm="grpo", response_len=256, prompt_len=64, prompts_per_step=8)
+    h100 = cluster_preset("h100x8").with_gpus(2)
+    caps = {}
+    for cap in (k * 1e5 for k in range(40, 100)):  # 4 ... 10 MB
+        _, table = _training_table(one, h100, small, 2, cap)
+        caps[cap] = {row[1].shard for row in table.rows}, table.unmovable
+    fallback = [cap for cap, (shards, _) in caps.items() if shards == {2}]
+    assert fallback, caps  # between the sharded and the unsharded leanest peaks
+    assert all(not unmovable for _, unmovable in caps.values())
+    assert all(1 in shards for cap, (shards, _) in caps.items() if cap > max(fallback))
 
 
 # ---------------------------------------------------------------- physics

@@ -129,8 +129,11 @@ def test_one_model_stage_on_shuffled_gpus_is_always_safe(
 
 
 def test_a_sharded_stage_that_stays_keeps_its_rows_while_others_move() -> None:
-    """Only a sharded model-stage that changes moves whole: one that stays holds its row blocks (and their
-    memory) while the others move, so a cluster too small for its whole state still moves them."""
+    """Only a sharded model-stage whose units change moves whole: one that stays, or changes only its
+    micro-batch or recompute, holds its row blocks (and their memory) while the others move, so a cluster
+    too small for its whole state still moves them."""
+    from dataclasses import replace
+
     from nereus_lightning.plan.layout import Candidate, Layout
     from nereus_lightning.plan.memory import boundary_state_bytes
     from tests.transition.helpers import with_memory
@@ -145,6 +148,9 @@ def test_a_sharded_stage_that_stays_keeps_its_rows_while_others_move() -> None:
     assert validate(dag).valid and dag.nodes
     assert {n.model_stage for n in dag.nodes} == {"actor_gen"}
     assert dag.context.current_memory[:8] == pytest.approx([rows] * 8)
+    relaxed = plan(actor_gen=cand(4, 1, gpus), actor_train=replace(train, micro_batch=4, recompute=True))
+    dag = build_transition(current, relaxed, MODELS, cluster, PPO)
+    assert validate(dag).valid and {n.model_stage for n in dag.nodes} == {"actor_gen"}
     with pytest.raises(InfeasiblePlanError, match="actor_train Z3x8 TP1xPP1 -> Z3x4 TP1xPP1"):
         moved = plan(actor_gen=cand(4, 1, gpus), actor_train=Candidate(Layout(1, 1, 4, 3), 2, gpus))
         build_transition(current, moved, MODELS, cluster, PPO)

@@ -25,7 +25,7 @@ from nereus_lightning.plan.calibration import Calibration
 from nereus_lightning.plan.estimate import PlanEstimate
 from nereus_lightning.plan.layout import Plan
 from nereus_lightning.plan.overlap import colocated, describe_groups
-from nereus_lightning.plan.planner import plan_job
+from nereus_lightning.plan.planner import plan_job, sharded_alternatives
 from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
 from nereus_lightning.spec.workload import GenerationEngine, workflow
 
@@ -149,6 +149,24 @@ def plan_from_config(cfg: DictConfig) -> dict[str, Any]:
         "memory_cap_bytes": result.estimate.memory_cap,
         **_plan_dict(result.plan, result.estimate, algorithm),
         "alternatives": [_plan_dict(p, e, algorithm) for p, e in result.alternatives],
+        "sharded_alternatives": {
+            name: {
+                "dp": opt.dp,
+                "tp": opt.layout.tp,
+                "pp": opt.layout.pp,
+                "zero": opt.layout.zero,
+                "shard": opt.layout.shard,
+                "num_gpus": opt.gpus,
+                "micro_batch": opt.micro_batch,
+                "recompute": opt.recompute,
+                "latency_s": opt.latency,
+                "peak_memory_bytes": opt.peak_memory,
+                "offered": offered,
+            }
+            for name, (opt, offered) in sharded_alternatives(
+                models, cluster, workload, result.plan, calibration
+            ).items()
+        },
     }
     target = cfg.output.get("json")
     if target:
@@ -229,6 +247,27 @@ def render(result: dict[str, Any]) -> None:
             for r in alt["model_stages"]
         )
         console.print(f"alternative {i}: {alt['step_latency_s']:.2f} s: {layout}")
+    chosen = {row["model_stage"]: row for row in result["model_stages"]}
+    for name, alt in result["sharded_alternatives"].items():
+        console.print(_sharded_line(name, alt, chosen[name]))
+
+
+def _sharded_line(name: str, alt: dict[str, Any], chosen: dict[str, Any]) -> str:
+    """What the fastest ZeRO-sharded candidate of an unsharded training model-stage would do."""
+    rc = " rc" if alt["recompute"] else ""
+    line = (
+        f"{name} sharded instead: fastest ZeRO-sharded candidate on {alt['num_gpus']} GPUs is dp{alt['dp']} "
+        f"Z{alt['zero']}x{alt['shard']} TP{alt['tp']}xPP{alt['pp']} mb{alt['micro_batch']}{rc}: "
+        f"{alt['latency_s']:.2f} s, {alt['peak_memory_bytes'] / GB:.1f} GB "
+        f"(chosen: {chosen['latency_s']:.2f} s)"
+    )
+    if not alt["offered"]:
+        line += (
+            f"; not offered: TP{alt['tp']}xPP{alt['pp']} fits unsharded nowhere, and a transition moves a "
+            "sharded stage's state whole (row blocks are not re-cut in place), so only where nothing else "
+            "fits"
+        )
+    return line
 
 
 @hydra.main(config_path=str(PLAN_CONFIGS), config_name="plan", version_base=None)

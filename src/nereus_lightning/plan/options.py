@@ -169,7 +169,8 @@ class CandidateTable:
         # resident bytes, [(latency, peak, micro_batch, recompute)] fastest first)
         self.waves: list[tuple] = []
         self.rows: list[tuple] = []
-        unmovable: list[tuple] = []  # training rows a transition cannot move (_training_rows)
+        # Training rows offered only when no other fits (:meth:`_training_rows`); empty once they are.
+        self.unmovable: list[tuple] = []
         trains = work.trains
         mb_cache: dict[int, tuple[int, ...]] = {}
         for layout in layouts_for(work.model, max_gpus):
@@ -183,7 +184,7 @@ class CandidateTable:
                     )
                 continue
             if trains:
-                self._training_rows(work, layout, sc, dps, mb_cache, unmovable)
+                self._training_rows(work, layout, sc, dps, mb_cache)
                 continue
             pp = layout.pp
             fixed, per_seq = sc.affine(slot_affine(work, layout, False, one, cluster))[:2]
@@ -212,7 +213,8 @@ class CandidateTable:
                 if choices:
                     choices.reverse()
                     self.rows.append((dp * layout.size, layout, dp, 0.0, choices))
-        self.rows = self.rows or unmovable
+        if not self.rows:
+            self.rows, self.unmovable = self.unmovable, []
         # By resident state, so that a band of it is one slice (the planner asks for one level often).
         self.rows.sort(key=lambda row: row[3])
         self.residents = [row[3] for row in self.rows]
@@ -224,7 +226,6 @@ class CandidateTable:
         sc: _Scalars,
         widths: list[int],
         mb_cache: dict[int, tuple[int, ...]],
-        unmovable: list[tuple],
     ) -> None:
         """The rows of a training model-stage cut as ``base`` (TP x PP), for every data-parallel width
         and every ZeRO variant of it (:func:`shard_options`).
@@ -233,7 +234,7 @@ class CandidateTable:
         that width (all where ``base`` fits none): the state it frees is headroom, so its peak is below
         the unsharded one's. A transition moves a sharded stage as its shard groups, each holding its
         state whole (``transition.build``), so where ``base`` fits at no width its ZeRO variants go to
-        ``unmovable``, which the table offers only when nothing else fits."""
+        :attr:`unmovable`, which the table offers only when nothing else fits."""
         cluster, cap, pp = self.cluster, self.cap, base.pp
         repeats = work.epochs * work.mini_batches
         one = canonical_links(base, 1, cluster)
@@ -292,7 +293,7 @@ class CandidateTable:
                     variants.append((width * base.size, layout, dp, resident, choices))
             rows += undominated(variants)
             movable = movable or bool(unsharded)
-        (self.rows if movable else unmovable).extend(rows)
+        (self.rows if movable else self.unmovable).extend(rows)
 
     def options(self, memory: float | None = None, resident: float = math.inf) -> list[Option]:
         """The choices per (layout, dp) whose peak fits ``memory`` (default: the cap) and whose
@@ -349,6 +350,18 @@ class CandidateTable:
     def resident_levels(self) -> list[float]:
         """Distinct per-GPU resident state of this table's candidates (training only), ascending."""
         return sorted({row[3] for row in self.rows})
+
+
+def fastest_sharded(table: CandidateTable, gpus: int) -> tuple[Option, bool] | None:
+    """The fastest ZeRO-sharded candidate of ``table`` (a training model-stage's) on ``gpus`` GPUs under its
+    cap, and whether the table offers it (False: one of :attr:`CandidateTable.unmovable`); None: none."""
+    best: tuple[Option, bool] | None = None
+    for offered, rows in ((True, table.rows), (False, table.unmovable)):
+        for count, layout, dp, res, choices in rows:
+            lat, peak, mb, rc = choices[0]
+            if count == gpus and layout.shard > 1 and (best is None or lat < best[0].latency):
+                best = (Option(count, lat, layout, dp, mb, rc, peak, res), offered)
+    return best
 
 
 def undominated(rows: list[tuple]) -> list[tuple]:

@@ -67,6 +67,7 @@ from nereus_lightning.plan.options import (  # noqa: F401  (re-exported for call
     CandidateTable,
     Option,
     dp_options,
+    fastest_sharded,
     frontier,
     frontier_of_rows,
     layouts_for,
@@ -307,6 +308,27 @@ def plan_job(
         if all(plan != seen for seen, _ in results):
             results.append((plan, est))
     return PlanResult(results[0][0], results[0][1], tuple(results[1:]))
+
+
+def sharded_alternatives(
+    models: Mapping[str, ModelSpec],
+    cluster: ClusterSpec,
+    workload: Workload,
+    plan: Plan,
+    calibration: Calibration | None = None,
+) -> dict[str, tuple[Option, bool]]:
+    """Each training model-stage ``plan`` runs unsharded -> its fastest ZeRO-sharded candidate on as many
+    GPUs (alone under the cap), and whether the planner offers it (:func:`~options.fastest_sharded`)."""
+    cap, out = memory_cap(cluster), {}
+    for ms in workload.stages:
+        cand = plan[ms.name]
+        if ms.stage != "training" or cand.layout.shard > 1:
+            continue
+        work = stage_work(ms, models, workload, cluster.gpu_memory)
+        found = fastest_sharded(CandidateTable(work, cluster, calibration, cand.num_gpus, cap), cand.num_gpus)
+        if found is not None:
+            out[ms.name] = found
+    return out
 
 
 def lean_slots(
