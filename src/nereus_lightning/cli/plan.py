@@ -253,10 +253,10 @@ def render(result: dict[str, Any]) -> None:
 
 
 def _sharded_line(name: str, alt: dict[str, Any], chosen: dict[str, Any]) -> str:
-    """What the fastest ZeRO-sharded candidate of an unsharded training model-stage would do."""
+    """What the fastest ZeRO-sharded candidate of a training model-stage would do (the plan has another)."""
     rc = " rc" if alt["recompute"] else ""
     line = (
-        f"{name} sharded instead: fastest ZeRO-sharded candidate on {alt['num_gpus']} GPUs is dp{alt['dp']} "
+        f"{name}: fastest ZeRO-sharded candidate on {alt['num_gpus']} GPUs is dp{alt['dp']} "
         f"Z{alt['zero']}x{alt['shard']} TP{alt['tp']}xPP{alt['pp']} mb{alt['micro_batch']}{rc}: "
         f"{alt['latency_s']:.2f} s, {alt['peak_memory_bytes'] / GB:.1f} GB "
         f"(chosen: {chosen['latency_s']:.2f} s)"

@@ -90,6 +90,8 @@ def shard_options(layout: Layout, width: int, gpus_per_node: int) -> list[Layout
     out = [layout]
     if in_node > 1:
         out += [Layout(tp, pp, in_node, zero) for zero in (1, 2, 3)]
+    if width > in_node:
+        out += [Layout(tp, pp, width, zero) for zero in (1, 2)]
     return out
 
 

@@ -317,16 +317,17 @@ def sharded_alternatives(
     plan: Plan,
     calibration: Calibration | None = None,
 ) -> dict[str, tuple[Option, bool]]:
-    """Each training model-stage ``plan`` runs unsharded -> its fastest ZeRO-sharded candidate on as many
-    GPUs (alone under the cap), and whether the planner offers it (:func:`~options.fastest_sharded`)."""
+    """Each training model-stage of ``plan`` -> its fastest ZeRO-sharded candidate on as many GPUs (alone
+    under the cap) and whether the planner offers it (:func:`~options.fastest_sharded`), where that is
+    another layout than the plan's."""
     cap, out = memory_cap(cluster), {}
     for ms in workload.stages:
         cand = plan[ms.name]
-        if ms.stage != "training" or cand.layout.shard > 1:
+        if ms.stage != "training":
             continue
         work = stage_work(ms, models, workload, cluster.gpu_memory)
         found = fastest_sharded(CandidateTable(work, cluster, calibration, cand.num_gpus, cap), cand.num_gpus)
-        if found is not None:
+        if found is not None and (found[0].layout, found[0].dp) != (cand.layout, cand.dp):
             out[ms.name] = found
     return out
 
