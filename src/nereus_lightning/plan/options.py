@@ -77,8 +77,9 @@ def layouts_for(model: ModelSpec, max_gpus: int) -> list[Layout]:
 
 def shard_options(layout: Layout, width: int, gpus_per_node: int) -> list[Layout]:
     """``layout`` (TP x PP) unsharded and its ZeRO variants for ``width`` (a power of two) data-parallel
-    ranks: ZeRO-1, 2 and 3 at the largest shard degree whose replica fits in a node, and ZeRO-1 and 2
-    sharded over all ``width`` ranks when that is more.
+    ranks: ZeRO-1, 2 and 3 at the largest shard degree whose replica fits in a node. A degree across
+    nodes is priced (``comm``) but not enumerated: each width would add its own level of resident state
+    to the planner's search.
 
     A smaller degree moves the same bytes as the node's (a reduce-scatter and an all-gather in the
     group, the rest across replicas) with more state per GPU and more of the AdamW step; a degree
@@ -90,8 +91,6 @@ def shard_options(layout: Layout, width: int, gpus_per_node: int) -> list[Layout
     out = [layout]
     if in_node > 1:
         out += [Layout(tp, pp, in_node, zero) for zero in (1, 2, 3)]
-    if width > in_node:
-        out += [Layout(tp, pp, width, zero) for zero in (1, 2)]
     return out
 
 
