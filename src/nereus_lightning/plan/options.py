@@ -8,6 +8,10 @@ One rule chooses among a model-stage's candidates on as many GPUs (:func:`leanes
 one with the smallest peak memory among those within :data:`LATENCY_TOLERANCE` of the fastest.
 Predictions are not that exact, and the leaner candidate leaves headroom for drift and room for
 the other model-stages on its GPUs.
+
+A training layout's ZeRO variants (:func:`shard_options`) keep the unsharded layout's micro-batches
+and recompute, their freed memory left as headroom; a layout too big unsharded shards only where
+nothing else fits, as transitions move sharded state whole (:meth:`CandidateTable._training_rows`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The planner (Eq. 1): fastest plan under the memory cap and the stage-wise GPU budgets.
 
 1. Per model-stage, enumerate candidates (power-of-two TP dividing the heads, power-of-two PP,
-   DP from the GPUs left, micro-batch options, recompute for training) and price each with
-   the cost model, placed as the planner will place it (``comm.canonical_links``); see
+   DP from the GPUs left, micro-batch options, recompute and ZeRO variants for training) and price
+   each with the cost model, placed as the planner will place it (``comm.canonical_links``); see
    ``options.py``.
 2. Drop the ones over the memory cap (each stage's predicted peaks times its measured memory
    factor, ``calibration.MemoryCalibration``: the cap divided by it), choose per GPU count the
