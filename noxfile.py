@@ -47,6 +47,16 @@ def vllm(session: nox.Session) -> None:
 
 
 @nox.session
+def deepspeed(session: nox.Session) -> None:
+    """The DeepSpeed tests (marked ``deepspeed``) on the CPU, in a venv of their own with DeepSpeed (no ops
+    built)."""
+    _install(session)
+    session.install("deepspeed>=0.19,<0.20", env={"DS_BUILD_OPS": "0"})
+    env = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "DS_BUILD_OPS": "0"}
+    session.run("pytest", "-m", "deepspeed", *(session.posargs or ["-q", "tests"]), env=env)
+
+
+@nox.session
 def lint(session: nox.Session) -> None:
     """Ruff (lint and format) over sources, tests and benchmarks; mypy over src/ (pyproject's [tool.mypy])."""
     _install(session)  # mypy reads the types of torch, transformers and lightning from the venv

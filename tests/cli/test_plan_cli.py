@@ -131,3 +131,35 @@ def test_a_reward_model_is_priced_only_when_one_is_asked_for():
         _stages(*job, "model.reward=qwen3_14b", "workload.reward_model=false")
     with pytest.raises(NereusConfigError, match="workload.reward_model: must be true, false or null"):
         _stages(*job, "workload.reward_model=maybe")
+
+
+def _plan_8b(*overrides: str) -> dict:
+    return plan_from_config(plan_config(["model=llama3_8b", "cluster=paper_cluster2", *overrides]))
+
+
+@pytest.mark.parametrize("gpus, faster", [(16, False), (4, True)])
+def test_an_unsharded_training_stage_shows_its_fastest_sharded_alternative(capsys, gpus: int, faster: bool):
+    """The issue's 8B GRPO on 16 x 64 GB (4K responses) and on 4 GPUs (1K): TP4 unsharded is chosen; the line
+    after the table gives the fastest ZeRO-sharded candidate on as many GPUs (TP2 ZeRO-1, slower on 16 GPUs,
+    faster on 4), its time and why it is not offered (TP2 fits unsharded nowhere; transitions move sharded
+    state whole)."""
+    length = 4096 if gpus == 16 else 1024
+    result = _plan_8b(
+        f"cluster.num_gpus={gpus}", "workload.algorithm=grpo", f"workload.response_len={length}"
+    )
+    train = next(r for r in result["model_stages"] if r["model_stage"] == "actor_train")
+    alt = result["sharded_alternatives"]["actor_train"]
+    assert (train["tp"], train["shard"]) == (4, 1) and (alt["tp"], alt["zero"], alt["offered"]) == (
+        2,
+        1,
+        False,
+    )
+    assert (alt["latency_s"] < train["latency_s"]) == faster and alt["num_gpus"] == train["num_gpus"] == gpus
+    assert alt["peak_memory_bytes"] <= result["memory_cap_bytes"]
+    render(result)
+    text = " ".join(capsys.readouterr().out.split())
+    zero = f"Z{alt['zero']}x{alt['shard']} TP{alt['tp']}xPP{alt['pp']}"
+    assert f"actor_train: fastest ZeRO-sharded candidate on {gpus} GPUs is dp{alt['dp']} {zero}" in text
+    assert (
+        f"{alt['latency_s']:.2f} s" in text and f"(chosen: {train['latency_s']:.2f} s); not offered" in text
+    )

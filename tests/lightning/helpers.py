@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 
 import torch
 
 from nereus_lightning.lightning import GRPOModule, NereusStrategy, PPOModule
-from nereus_lightning.plan.layout import Plan
+from nereus_lightning.plan.layout import Candidate, Plan
 from nereus_lightning.rl.tasks import DenseRepeatTask
 from nereus_lightning.spec.workload import workflow
 from tests.helpers import cand
@@ -20,11 +21,15 @@ def small_task(seed: int = 0) -> DenseRepeatTask:
 
 
 def plan_of(algorithm: str, placement: dict) -> Plan:
-    """Per model-stage: GPUs (Layout(1,1) replicas) or ``((tp, pp), gpus)``; all ranks, dp4 by default."""
+    """Per model-stage: GPUs (Layout(1,1) replicas), ``((tp, pp), gpus)`` or a Candidate; all ranks, dp4 by
+    default."""
     out = {}
     for m in workflow(algorithm):
         spec = placement.get(m.name, (0, 1, 2, 3))
-        out[m.name] = cand(*spec[0], spec[1]) if isinstance(spec[0], tuple) else cand(1, 1, spec)
+        if isinstance(spec, Candidate):
+            out[m.name] = spec
+        else:
+            out[m.name] = cand(*spec[0], spec[1]) if isinstance(spec[0], tuple) else cand(1, 1, spec)
     return Plan.of(out)
 
 
@@ -40,10 +45,12 @@ def one_update(
     world_size: int,
     placement: dict[str, tuple[int, ...]],
     algorithm: str = "ppo",
+    after: Callable[[NereusStrategy], None] | None = None,
     **kwargs: object,
 ) -> dict:
     """Build the module (same seed everywhere), run one RL step under ``placement``; return params and
-    metrics. ``kwargs`` go to the module (GRPO's defaults for an algorithm without a critic).
+    metrics. ``after`` sees the strategy right after the step; ``kwargs`` go to the module (GRPO's
+    defaults for an algorithm without a critic).
 
     Parameters are the logical ones, gathered from the EMUs onto rank 0 (other ranks return none).
     """
@@ -53,6 +60,8 @@ def one_update(
     opt = module.configure_optimizers()
     strategy = strategy_at(module, placement, module.algorithm)
     metrics = module.rl_step(0, strategy, opt)
+    if after is not None:
+        after(strategy)
     params: dict[str, torch.Tensor] = {}
     roles = [("actor", "actor_train")] + ([("critic", "critic_train")] if module.critic is not None else [])
     for role, stage in roles:

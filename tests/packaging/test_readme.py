@@ -24,7 +24,7 @@ def test_the_readme_starts_with_the_two_commands_then_the_install():
     assert README.startswith("# nereus-lightning\n\n```bash\n") and first_lang == second_lang == "bash"
     assert [line.split("   #")[0] for line in first.splitlines()] == [
         "python3 -m pip install -q nox && python3 -m nox -s train",
-        "python3 -m pip install -q nox && python3 -m nox -s lint tests vllm",
+        "python3 -m pip install -q nox && python3 -m nox -s lint tests vllm deepspeed",
     ]
     assert [line.split("    #")[0].rstrip() for line in second.splitlines()] == [
         "python3 -m pip install .",

@@ -21,6 +21,7 @@ from nereus_lightning.plan.cost import (
     stage_work,
 )
 from nereus_lightning.plan.memory import memory_cap
+from nereus_lightning.plan.options import CandidateTable, fastest_sharded, shard_options, undominated
 from nereus_lightning.plan.overlap import colocated
 from nereus_lightning.plan.planner import STEP_TOLERANCE
 from nereus_lightning.spec import (
@@ -62,12 +63,16 @@ def _brute_force(models, cluster, workload, calibration) -> float:
     works = {ms.name: stage_work(ms, models, workload) for ms in workload.stages}
 
     def candidates(work, memory):
-        m, out = work.model, []
+        """A ZeRO variant runs only the (micro-batch, recompute) its unsharded layout fits at that dp (any
+        where it fits none); the variants of a layout that fits unsharded at no dp are offered only
+        when no other candidate fits (a transition moves their state whole)."""
+        m, out, unmovable = work.model, [], []
         for tp in _pow2_upto(G):
             if m.num_heads % tp or m.num_kv_heads % tp:
                 continue
             for pp in _pow2_upto(min(m.num_layers, G // tp)):
                 lay = Layout(tp, pp)
+                mine, fits = [], False
                 shares = set()
                 for dp in range(1, G // lay.size + 1):
                     if work.trains and dp & (dp - 1):
@@ -76,16 +81,27 @@ def _brute_force(models, cluster, workload, calibration) -> float:
                     if share is None or (not work.trains and share in shares):
                         continue
                     shares.add(share)
-                    links = canonical_links(lay, dp, cluster)
-                    for mb in micro_batch_options(work, lay, share, memory):
-                        for rc in (False, True) if work.trains else (False,):
-                            own = max(rank_peak_memory(work, lay, dp, mb, rc))
-                            if own > memory:
-                                continue
-                            lat = latency(ideal_time(work, lay, dp, mb, rc, links, cluster), calibration)
-                            res = max(memory_rank_state(work.model, lay)) if work.trains else 0.0
-                            out.append((dp * lay.size, lat, own, res))
-        return out
+                    # Training: dp data-parallel ranks, as replicas of each ZeRO variant of the layout.
+                    zeros = shard_options(lay, dp, cluster.gpus_per_node) if work.trains else [lay]
+                    unsharded = set()
+                    for z in zeros:
+                        reps = dp // z.shard
+                        links = canonical_links(z, reps, cluster)
+                        for mb in micro_batch_options(work, lay, share, memory):
+                            for rc in (False, True) if work.trains else (False,):
+                                own = max(rank_peak_memory(work, z, reps, mb, rc))
+                                if own > memory:
+                                    continue
+                                if z.shard == 1:
+                                    unsharded.add((mb, rc))
+                                elif unsharded and (mb, rc) not in unsharded:
+                                    continue
+                                lat = latency(ideal_time(work, z, reps, mb, rc, links, cluster), calibration)
+                                res = max(memory_rank_state(work.model, z)) if work.trains else 0.0
+                                mine.append((dp * lay.size, lat, own, res))
+                    fits = fits or bool(unsharded)
+                (out if fits else unmovable).extend(mine)
+        return out or unmovable
 
     def running_best(points) -> list[tuple[int, float]]:
         """(g, fastest latency with at most g GPUs) for g = 1..G."""
@@ -177,9 +193,10 @@ def _brute_force(models, cluster, workload, calibration) -> float:
 
 
 def memory_rank_state(model, layout):
-    from nereus_lightning.plan.memory import rank_state_bytes
+    """The training state a GPU keeps between its passes (what other stages run next to)."""
+    from nereus_lightning.plan.memory import resident_rank_bytes
 
-    return [rank_state_bytes(model, True, layout, p) for p in range(layout.pp)]
+    return [resident_rank_bytes(model, layout, p) for p in range(layout.pp)]
 
 
 def _random_instance(rng: random.Random):
@@ -258,6 +275,66 @@ def test_planner_matches_brute_force_on_random_instances():
     # some plans are leaner and slower than the fastest.
     assert compared + infeasible == 220 and compared >= 150 and leaner >= 10
     assert 20 <= shared <= compared - 20
+
+
+def test_only_a_row_of_the_same_resident_state_stands_in_for_another():
+    """Colocated training model-stages pick within exactly their state levels, so a row is pruned
+    only by one of its own level (a faster, leaner ZeRO-1 row does not replace the unsharded one)."""
+    zero1 = (2, Layout(1, 1, 2, 1), 1, 5.0, [(0.99, 9.0, 1, False)])
+    unsharded = (2, Layout(1, 1), 2, 9.0, [(1.0, 15.0, 1, False)])
+    zero2 = (2, Layout(1, 1, 2, 2), 1, 5.0, [(1.0, 9.5, 1, False)])
+    assert undominated([unsharded, zero1, zero2]) == [unsharded, zero1]
+
+
+def _training_table(model: ModelSpec, cluster: ClusterSpec, workload: Workload, gpus: int, cap: float):
+    ms = next(ms for ms in workload.stages if ms.name == "actor_train")
+    work = stage_work(ms, job_models(model), workload, cluster.gpu_memory)
+    return work, CandidateTable(work, cluster, None, gpus, cap)
+
+
+@pytest.mark.parametrize("model", ["qwen2_0_5b", "llama3_8b"])
+def test_a_zero_variant_runs_only_what_its_unsharded_layout_fits(model):
+    """The state a ZeRO variant frees is headroom: each of its choices is one its unsharded layout fits
+    at that width, so its peak is below the unsharded one's."""
+    cluster = cluster_preset("h100x8").with_gpus(8)
+    work, table = _training_table(
+        model_preset(model), cluster, Workload(algorithm="grpo", response_len=1024), 8, memory_cap(cluster)
+    )
+    sharded = [row for row in table.rows if row[1].shard > 1]
+    assert sharded
+    for count, layout, dp, _, choices in sharded:
+        base = Layout(layout.tp, layout.pp)
+        for _, peak, mb, rc in choices:
+            unsharded = max(rank_peak_memory(work, base, count // base.size, mb, rc))
+            assert peak < unsharded <= table.cap, (layout, dp, mb, rc)
+
+
+def test_zero_variants_of_a_layout_that_fits_unsharded_nowhere_only_where_nothing_else_fits():
+    """A transition moves a sharded stage's state whole: variants of a layout too big unsharded are kept
+    apart (the issue's 8B GRPO on 16 x 64 GB: TP2 unsharded fits nowhere, TP4 does), and offered when no
+    unsharded layout fits at all (a one-head, one-layer model: TP1 x PP1 only)."""
+    cluster = cluster_preset("paper_cluster2").with_gpus(16)
+    _, table = _training_table(
+        L8, cluster, Workload(algorithm="grpo", response_len=4096), 16, memory_cap(cluster)
+    )
+    assert {row[1] for row in table.unmovable} >= {Layout(2, 1, 2, 1), Layout(2, 1, 2, 3)}
+    assert all(
+        row[1].shard == 1 or Layout(row[1].tp, row[1].pp) in {r[1] for r in table.rows} for row in table.rows
+    )
+    option, offered = fastest_sharded(table, 16)
+    assert option.layout == Layout(2, 1, 2, 1) and not offered
+
+    one = ModelSpec("one", 1, 64, 1, 1, 1000, 128)
+    small = Workload(algorithm="grpo", response_len=256, prompt_len=64, prompts_per_step=8)
+    h100 = cluster_preset("h100x8").with_gpus(2)
+    caps = {}
+    for cap in (k * 1e5 for k in range(40, 100)):  # 4 ... 10 MB
+        _, table = _training_table(one, h100, small, 2, cap)
+        caps[cap] = {row[1].shard for row in table.rows}, table.unmovable
+    fallback = [cap for cap, (shards, _) in caps.items() if shards == {2}]
+    assert fallback, caps  # between the sharded and the unsharded leanest peaks
+    assert all(not unmovable for _, unmovable in caps.values())
+    assert all(1 in shards for cap, (shards, _) in caps.items() if cap > max(fallback))
 
 
 # ---------------------------------------------------------------- physics

@@ -142,7 +142,12 @@ def _short(text: str) -> str:
 
 
 def _plan_record(p: Plan) -> list:
-    return [[name, c.layout.tp, c.layout.pp, list(c.gpus)] for name, c in p.items()]
+    """Each candidate's TP, PP and GPUs (and, when sharded, its shard degree and ZeRO stage)."""
+    return [
+        [name, c.layout.tp, c.layout.pp, list(c.gpus)]
+        + ([c.layout.shard, c.layout.zero] if c.layout.shard > 1 else [])
+        for name, c in p.items()
+    ]
 
 
 def input_digest(args: Args) -> str:

@@ -31,9 +31,32 @@ def test_large_random_cases(seed: int, kind: str) -> None:
     check_case(seed, kind, 1024)
 
 
-def check_case(seed: int, kind: str, num_gpus: int) -> None:
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), kind=st.sampled_from(OVERLAP_KINDS), num_gpus=st.sampled_from(SIZES))
+def test_sharded_training_stages_keep_the_dag_acyclic_and_safe_or_infeasible(
+    seed: int, kind: str, num_gpus: int
+) -> None:
+    check_case(seed, kind, num_gpus, sharded=True)
+
+
+def test_sharded_cases_are_drawn_and_some_are_feasible() -> None:
+    """The sharded generator gives sharded layouts on either side, and some of its cases move."""
+    shards, feasible = set(), 0
+    for seed in range(40):
+        case = random_case(random.Random(seed), OVERLAP_KINDS[seed % 3], 64, sharded=True)
+        shards |= {(c.layout.shard, c.layout.zero) for p in (case.current, case.target) for _, c in p.items()}
+        try:
+            build_transition(*case.args())
+        except InfeasiblePlanError:
+            continue
+        feasible += 1
+    assert {s for s, _ in shards} == {1, 2, 4} and {z for _, z in shards} == {0, 1, 2, 3}
+    assert feasible >= 10
+
+
+def check_case(seed: int, kind: str, num_gpus: int, sharded: bool = False) -> None:
     """The global DAG of a random case is acyclic and its replay valid, or infeasible with a reason."""
-    case = random_case(random.Random(seed), kind, num_gpus)
+    case = random_case(random.Random(seed), kind, num_gpus, sharded=sharded)
     assert kind in case.overlaps
     check_transition(case, seed)
 
@@ -44,6 +67,11 @@ def check_transition(case: TransitionCase, seed: int) -> None:
         dag = build_transition(*case.args())
     except InfeasiblePlanError as err:
         assert "stuck:" in str(err) and " onto [" in str(err)
+        sharded = any(
+            c != case.target[n] and max(c.layout.shard, case.target[n].layout.shard) > 1
+            for n, c in case.current.items()
+        )
+        assert ("ZeRO-sharded model-stages move as their shard groups" in str(err)) == sharded
         return
     assert all(0 <= d < n.id for n in dag.nodes for d in n.deps), "not in topological order (or cyclic)"
     report = validate(dag, random_orders=1, seed=seed)
@@ -98,3 +126,31 @@ def test_one_model_stage_on_shuffled_gpus_is_always_safe(
     assert report.valid, report.problems
     moved = sum(n.bytes for n in dag.nodes)
     assert moved >= 0 and all(t.bytes > 0 for n in dag.nodes for t in n.transfers)
+
+
+def test_a_sharded_stage_that_stays_keeps_its_rows_while_others_move() -> None:
+    """Only a sharded model-stage whose units change moves whole: one that stays, or changes only its
+    micro-batch or recompute, holds its row blocks (and their memory) while the others move, so a cluster
+    too small for its whole state still moves them."""
+    from dataclasses import replace
+
+    from nereus_lightning.plan.layout import Candidate, Layout
+    from nereus_lightning.plan.memory import boundary_state_bytes
+    from tests.transition.helpers import with_memory
+
+    gpus = tuple(range(8))
+    train = Candidate(Layout(1, 1, shard=8, zero=3), 1, gpus)
+    rows, whole = (boundary_state_bytes(MODELS["actor"], True, lay) for lay in (train.layout, Layout(1, 1)))
+    cluster = with_memory(whole / 1e9 * 0.9)  # the actor's whole training state does not fit one GPU
+    current = plan(actor_gen=cand(2, 1, gpus), actor_train=train)
+    target = plan(actor_gen=cand(4, 1, gpus), actor_train=train)
+    dag = build_transition(current, target, MODELS, cluster, PPO)
+    assert validate(dag).valid and dag.nodes
+    assert {n.model_stage for n in dag.nodes} == {"actor_gen"}
+    assert dag.context.current_memory[:8] == pytest.approx([rows] * 8)
+    relaxed = plan(actor_gen=cand(4, 1, gpus), actor_train=replace(train, micro_batch=4, recompute=True))
+    dag = build_transition(current, relaxed, MODELS, cluster, PPO)
+    assert validate(dag).valid and {n.model_stage for n in dag.nodes} == {"actor_gen"}
+    with pytest.raises(InfeasiblePlanError, match="actor_train Z3x8 TP1xPP1 -> Z3x4 TP1xPP1"):
+        moved = plan(actor_gen=cand(4, 1, gpus), actor_train=Candidate(Layout(1, 1, 4, 3), 2, gpus))
+        build_transition(current, moved, MODELS, cluster, PPO)

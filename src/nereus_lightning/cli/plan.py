@@ -25,7 +25,7 @@ from nereus_lightning.plan.calibration import Calibration
 from nereus_lightning.plan.estimate import PlanEstimate
 from nereus_lightning.plan.layout import Plan
 from nereus_lightning.plan.overlap import colocated, describe_groups
-from nereus_lightning.plan.planner import plan_job
+from nereus_lightning.plan.planner import plan_job, sharded_alternatives
 from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
 from nereus_lightning.spec.workload import GenerationEngine, workflow
 
@@ -54,6 +54,9 @@ def _stage_rows(plan: Plan, est: PlanEstimate, algorithm: str) -> list[dict[str,
                 "dp": cand.dp,
                 "tp": cand.layout.tp,
                 "pp": cand.layout.pp,
+                # ZeRO: the stage (0: unsharded) and the shard degree inside each replica.
+                "zero": cand.layout.zero,
+                "shard": cand.layout.shard,
                 "num_gpus": cand.num_gpus,
                 "gpus": list(cand.gpus),
                 "micro_batch": cand.micro_batch,
@@ -146,6 +149,24 @@ def plan_from_config(cfg: DictConfig) -> dict[str, Any]:
         "memory_cap_bytes": result.estimate.memory_cap,
         **_plan_dict(result.plan, result.estimate, algorithm),
         "alternatives": [_plan_dict(p, e, algorithm) for p, e in result.alternatives],
+        "sharded_alternatives": {
+            name: {
+                "dp": opt.dp,
+                "tp": opt.layout.tp,
+                "pp": opt.layout.pp,
+                "zero": opt.layout.zero,
+                "shard": opt.layout.shard,
+                "num_gpus": opt.gpus,
+                "micro_batch": opt.micro_batch,
+                "recompute": opt.recompute,
+                "latency_s": opt.latency,
+                "peak_memory_bytes": opt.peak_memory,
+                "offered": offered,
+            }
+            for name, (opt, offered) in sharded_alternatives(
+                models, cluster, workload, result.plan, calibration
+            ).items()
+        },
     }
     target = cfg.output.get("json")
     if target:
@@ -172,6 +193,7 @@ def render(result: dict[str, Any]) -> None:
         "dp",
         "tp",
         "pp",
+        "ZeRO",
         "GPUs",
         "micro-batch",
         "recompute",
@@ -203,6 +225,7 @@ def render(result: dict[str, Any]) -> None:
             str(row["dp"]),
             str(row["tp"]),
             str(row["pp"]),
+            f"Z{row['zero']}x{row['shard']}" if row["shard"] > 1 else "-",
             span,
             str(row["micro_batch"]),
             "yes" if row["recompute"] else "no",
@@ -218,8 +241,33 @@ def render(result: dict[str, Any]) -> None:
     phases = ", ".join(f"{k} {v:.2f} s" for k, v in result["phase_latency_s"].items())
     console.print(f"step latency: [bold]{result['step_latency_s']:.2f} s[/bold] ({phases})")
     for i, alt in enumerate(result["alternatives"], 1):
-        layout = ", ".join(f"{r['model_stage']} ({r['dp']},{r['tp']},{r['pp']})" for r in alt["model_stages"])
+        layout = ", ".join(
+            f"{r['model_stage']} ({r['dp']},{r['tp']},{r['pp']}"
+            + (f",Z{r['zero']}x{r['shard']})" if r["shard"] > 1 else ")")
+            for r in alt["model_stages"]
+        )
         console.print(f"alternative {i}: {alt['step_latency_s']:.2f} s: {layout}")
+    chosen = {row["model_stage"]: row for row in result["model_stages"]}
+    for name, alt in result["sharded_alternatives"].items():
+        console.print(_sharded_line(name, alt, chosen[name]))
+
+
+def _sharded_line(name: str, alt: dict[str, Any], chosen: dict[str, Any]) -> str:
+    """What the fastest ZeRO-sharded candidate of a training model-stage would do (the plan has another)."""
+    rc = " rc" if alt["recompute"] else ""
+    line = (
+        f"{name}: fastest ZeRO-sharded candidate on {alt['num_gpus']} GPUs is dp{alt['dp']} "
+        f"Z{alt['zero']}x{alt['shard']} TP{alt['tp']}xPP{alt['pp']} mb{alt['micro_batch']}{rc}: "
+        f"{alt['latency_s']:.2f} s, {alt['peak_memory_bytes'] / GB:.1f} GB "
+        f"(chosen: {chosen['latency_s']:.2f} s)"
+    )
+    if not alt["offered"]:
+        line += (
+            f"; not offered: TP{alt['tp']}xPP{alt['pp']} fits unsharded nowhere, and a transition moves a "
+            "sharded stage's state whole (row blocks are not re-cut in place), so only where nothing else "
+            "fits"
+        )
+    return line
 
 
 @hydra.main(config_path=str(PLAN_CONFIGS), config_name="plan", version_base=None)

@@ -44,7 +44,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.futures import Future as TorchFuture
 
 from nereus_lightning.emu.dcp_metadata import (  # noqa: F401 (re-exported: where readers found them)
@@ -59,6 +59,7 @@ from nereus_lightning.emu.schema import StateSchema
 from nereus_lightning.emu.unit import EMU, Counters
 from nereus_lightning.models.groups import collective_timeout, member_group
 from nereus_lightning.models.optim import MASTER_KEY, off_master
+from nereus_lightning.models.zero import ZeroShards, cut_rows
 from nereus_lightning.spec.errors import CheckpointError
 
 #: In each model-stage's DCP state: the global step the checkpoint was saved at (a one-element int64
@@ -101,14 +102,20 @@ def params_from_masters(schema: StateSchema, trains: bool) -> dict[str, str]:
 
 def dcp_state_dict(emu: EMU) -> dict[str, Tensor]:
     """Every tensor of this rank's shards keyed ``"<key>/<global name>"``: DTensors for TP-cut tensors,
-    plain tensors otherwise (a checkpoint holds all but :func:`params_from_masters`).
+    plain tensors otherwise (a checkpoint holds all but :func:`params_from_masters`). A sharded replica
+    at rest (row blocks: :attr:`EMU.row_keys`) gives DTensors on its ``(tp, shard)`` mesh
+    (:func:`_row_state`).
 
     The values share storage with the EMU, so :func:`dcp.load` fills the EMU in place.
     """
+    if emu.row_keys:
+        return _row_state(emu)
     layout, pos = emu.layout, emu.position
     mesh = None
     if layout.tp > 1:
-        tp_ranks = tuple(emu.unit.gpu_at(pos.pp_rank, t) for t in range(layout.tp))
+        inner = layout.pp * layout.tp  # a sharded unit's shard ranks each hold a whole (pp, tp) piece
+        first = emu.unit.gpus.index(emu.rank) // inner * inner + pos.pp_rank * layout.tp
+        tp_ranks = emu.unit.gpus[first : first + layout.tp]
         mesh = DeviceMesh.from_group(member_group(tp_ranks), emu.device.type)
     out: dict[str, Tensor] = {}
     for name, key, tensor in emu.tensors():
@@ -123,6 +130,33 @@ def dcp_state_dict(emu: EMU) -> dict[str, Tensor]:
                 shape=torch.Size(shape),
                 stride=_contiguous_stride(shape),
             )
+        out[f"{key}/{name}"] = tensor
+    out["counters"] = emu.counters.as_tensor(emu.device)
+    return out
+
+
+def _row_state(emu: EMU) -> dict[str, Tensor]:
+    """:func:`dcp_state_dict` of a sharded replica holding row blocks: each tensor a DTensor on the
+    ``(tp, shard)`` mesh of its pipeline stage, ``[Shard(tp_dim) or Replicate(), Shard(0)]`` for a row
+    block (the TP cut, then FSDP2's row blocks of it), ``Replicate()`` over the shard dim for a tensor
+    every shard rank holds whole (the parameters below ZeRO-3). DCP records the global offsets, so the
+    checkpoint loads at any layout by logical name, and nothing is gathered to write it."""
+    layout, pos = emu.layout, emu.position
+    at = [
+        [emu.unit.gpus[(s * layout.pp + pos.pp_rank) * layout.tp + t] for s in range(layout.shard)]
+        for t in range(layout.tp)
+    ]
+    groups = [member_group([row[emu.shard_rank] for row in at]), member_group(at[pos.tp_rank])]
+    mesh = DeviceMesh.from_group(
+        groups, emu.device.type, mesh=torch.tensor(at), mesh_dim_names=("tp", "shard")
+    )
+    out: dict[str, Tensor] = {}
+    for name, key, tensor in emu.tensors():
+        dim = emu.schema.placements[name].tp_dim
+        if key != "step":
+            tp = Shard(dim) if dim is not None else Replicate()
+            rows = Shard(0) if key in emu.row_keys else Replicate()
+            tensor = _on_mesh(tensor, mesh, (tp, rows), torch.Size(emu.schema.shape_of[name]))
         out[f"{key}/{name}"] = tensor
     out["counters"] = emu.counters.as_tensor(emu.device)
     return out
@@ -508,7 +542,7 @@ def params_off_master(model_stage: str) -> list[str]:
     would not give one of these back: something changed it outside the optimizer step.
     """
     named = [
-        (name, emu.params[name], emu.optim_state[name][MASTER_KEY])
+        (name, _rows_of(emu, emu.params[name]), emu.optim_state[name][MASTER_KEY])
         for emu in _local_emus(model_stage)
         for name in params_from_masters(emu.schema, emu.trains)
         if name in emu.params
@@ -517,6 +551,14 @@ def params_off_master(model_stage: str) -> list[str]:
         return []
     differs = torch.stack([off_master(param, master) for _, param, master in named]).tolist()
     return [name for (name, _, _), bad in zip(named, differs, strict=True) if bad]
+
+
+def _rows_of(emu: EMU, param: Tensor) -> Tensor:
+    """``param`` as the AdamW state holds it: this shard rank's row block where the state is row blocks
+    and the parameter whole (at rest below ZeRO-3), else itself."""
+    if MASTER_KEY in emu.row_keys and "param" not in emu.row_keys:
+        return cut_rows(param, emu.layout.shard, emu.shard_rank)
+    return param
 
 
 class SafeReader(FileSystemReader):
@@ -552,3 +594,40 @@ def _by_file(items: list[Any], storage_data: dict[Any, Any]) -> dict[str, list[A
     for item in items:
         groups.setdefault(storage_data[item.storage_index].relative_path, []).append(item)
     return groups
+
+
+def zero_state_dict(shards: ZeroShards, mesh_ranks: Tensor) -> dict[str, Tensor]:
+    """A sharded replica's state on this rank, keyed as :func:`dcp_state_dict` keys an EMU's.
+
+    Each row block is a DTensor on the ``(tp, shard)`` mesh ``mesh_ranks`` of this pipeline stage
+    (``mesh_ranks[t][s]``: the rank at TP rank ``t`` of shard rank ``s``), ``[Shard(tp_dim), Shard(0)]``:
+    the TP cut, then FSDP2's row blocks of it. DCP records each with its global offsets, so a
+    checkpoint written at one shard degree loads at any other, or unsharded, by logical name. Below
+    ZeRO-3 the parameters are whole on every shard rank (``Replicate()`` over the shard dim). The
+    values share storage with the replica's tensors, so :func:`dcp.load` fills them in place.
+    """
+    module, group = shards.module, shards.shards
+    schema = StateSchema.of(module.config)
+    tp_group = member_group(mesh_ranks[:, group.shard_rank].tolist())
+    device = next(iter(shards.blocks.values())).device
+    mesh = DeviceMesh.from_group(
+        [tp_group, group.group], device.type, mesh=mesh_ranks, mesh_dim_names=("tp", "shard")
+    )
+    out: dict[str, Tensor] = {}
+    for name, block in shards.blocks.items():
+        shape = torch.Size(schema.shape_of[name])
+        dim = schema.placements[name].tp_dim
+        tp = Shard(dim) if dim is not None else Replicate()
+        if group.zero == 3:
+            out[f"param/{name}"] = _on_mesh(block.detach(), mesh, (tp, Shard(0)), shape)
+        else:
+            out[f"param/{name}"] = _on_mesh(shards.named[name].detach(), mesh, (tp, Replicate()), shape)
+        for key, tensor in shards.optimizer.state[block].items():
+            out[f"{key}/{name}"] = tensor if key == "step" else _on_mesh(tensor, mesh, (tp, Shard(0)), shape)
+    return out
+
+
+def _on_mesh(local: Tensor, mesh: DeviceMesh, placements: tuple[Any, ...], shape: torch.Size) -> DTensor:
+    """``local`` as its part of a DTensor of global ``shape`` (contiguous) placed by ``placements``."""
+    stride = _contiguous_stride(tuple(shape))
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)

@@ -24,9 +24,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from nereus_lightning.emu.schema import StateSchema
-from nereus_lightning.emu.transfer_plan import Interval, Move, TransferPlan
+from nereus_lightning.emu.transfer_plan import Interval, Move, TransferPlan, row_moves
 from nereus_lightning.kernels.pack import byte_offsets, pack, unpack
 from nereus_lightning.models.groups import member_group
+from nereus_lightning.models.zero import row_block
 
 StateDict = dict[tuple[str, str], Tensor]  # (name, key) -> tensor; key "param" or an optimizer key
 
@@ -216,3 +217,67 @@ def start_broadcast(views: list[Tensor], src: int, ranks: tuple[int, ...], devic
         traffic.received_bytes = total
         traffic.payload_received = payload
     return flight
+
+
+def recut_rows(
+    blocks: Mapping[str, Tensor],
+    shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+    old: tuple[int, ...],
+    new: tuple[int, ...],
+    device: torch.device,
+) -> tuple[dict[str, Tensor], Traffic]:
+    """This rank's row blocks after a sharded unit's shard order changes from ``old`` to ``new`` (ranks in
+    shard order), and what it sent and received.
+
+    ``blocks``: this rank's blocks under ``old`` by key (empty off ``old``); ``shapes``: each key's
+    full shape and dtype. The rows a rank holds in both cuts stay; the rest move as
+    :func:`~nereus_lightning.emu.transfer_plan.row_moves` lists them, one packed buffer per peer in
+    one P2P batch among the ranks that move something (each of them calls this).
+    """
+    me = dist.get_rank()
+    rows = {key: shape[0] for key, (shape, _) in shapes.items()}
+    out = {}
+    if me in new:
+        for key, (shape, dtype) in shapes.items():
+            lo, hi = row_block(shape[0], len(new), new.index(me))
+            out[key] = torch.empty((hi - lo, *shape[1:]), dtype=dtype, device=device)
+            if me in old:
+                have = row_block(shape[0], len(old), old.index(me))
+                a, b = max(lo, have[0]), min(hi, have[1])
+                if a < b:
+                    out[key][a - lo : b - lo].copy_(blocks[key][a - have[0] : b - have[0]])
+    moves = row_moves(rows, old, new)
+    traffic = Traffic()
+    pairs: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
+    for m in moves:
+        pairs.setdefault((m.src, m.dst), []).append((m.key, m.lo, m.hi))
+    ranks = sorted({r for pair in pairs for r in pair})
+    if me not in ranks:
+        return out, traffic
+    group = member_group(ranks)
+    ops, inbox, keep = [], [], []
+    for (src, dst), slices in pairs.items():
+        if me not in (src, dst):
+            continue
+        cut, held = (old, blocks) if src == me else (new, out)
+        base = {key: row_block(rows[key], len(cut), cut.index(me))[0] for key, _, _ in slices}
+        views = [held[key][lo - base[key] : hi - base[key]] for key, lo, hi in slices]
+        if src == me:
+            buffer = pack(views)
+            keep.append(buffer)
+            ops.append(dist.P2POp(dist.isend, buffer, dst, group))
+            traffic.sent_bytes += buffer.numel()
+            traffic.payload_sent += _nbytes(views)
+            traffic.buffers_sent += 1
+            traffic.peers.add(dst)
+        else:
+            buffer = torch.empty(byte_offsets(views)[1], dtype=torch.uint8, device=device)
+            ops.append(dist.P2POp(dist.irecv, buffer, src, group))
+            inbox.append((buffer, views))
+            traffic.received_bytes += buffer.numel()
+            traffic.payload_received += _nbytes(views)
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    for buffer, views in inbox:
+        unpack(buffer, views)
+    return out, traffic

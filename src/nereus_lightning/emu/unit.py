@@ -89,6 +89,9 @@ class EMU:
         self.optim_state = optim_state if optim_state is not None else {}
         self.counters = counters or Counters()
         self.trains = bool(self.optim_state) if trains is None else trains
+        # A sharded replica's EMU at rest: the keys ("param" or an optimizer key) of which it holds its
+        # shard rank's dim-0 row blocks instead of whole (pp, tp) pieces (what its ZeRO stage shards).
+        self.row_keys: frozenset[str] = frozenset()
         self.resident = True  # the tensors are on their compute device (see offload / onload)
         self._home: torch.device | None = None  # the compute device while offloaded from a GPU
         self._host: HostBlock | None = None  # page-locked host copies, kept for the next offload
@@ -205,6 +208,11 @@ class EMU:
     def device(self) -> torch.device:
         """The device of the shards."""
         return next(iter(self.params.values())).device if self.params else torch.device("cpu")
+
+    @property
+    def shard_rank(self) -> int:
+        """This rank's shard rank in its unit (0 when unsharded)."""
+        return self.unit.gpus.index(self.rank) // self.layout.model_size
 
     def tensors(self) -> Iterator[tuple[str, str, Tensor]]:
         """Every state tensor as ``(name, key, tensor)``, key ``"param"`` or an optimizer key, in schema

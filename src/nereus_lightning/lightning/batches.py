@@ -134,9 +134,9 @@ class StageTrainee:
     def backward(self, mini: RolloutBatch, normalizer: Tensor, tokens: Tensor) -> dict[str, Tensor]:
         """Backward of this replica's rows of ``mini``; the metrics where this rank reports its replica's."""
         slot = self.strategy.slot(self.stage, len(mini), sequence_tokens(mini))
+        unit = self.strategy.trainable(self.stage)  # (collective over a ZeRO-3 shard group)
         if not slot.active or slot.stop <= slot.start:
             return {}
-        unit = self.strategy.stage(self.stage)
         assert unit is not None  # the slot is active: this rank holds a unit
         part = mini.select(slice(slot.start, slot.stop))
         args = (slot.candidate.micro_batch, self.cfg, normalizer, tokens, self.role == "actor")

@@ -8,7 +8,11 @@ Each model-stage with a model (actor, critic, reference, reward roles) is a set 
 :func:`nereus_lightning.emu.registry` (one per replica, sharded by the stage's TP x PP layout).
 This rank's compute module for a stage is a :class:`~nereus_lightning.models.ShardedCausalLM`
 built on its EMU's very tensors; a training stage's AdamW is bound to the EMU's optimizer tensors
-(:func:`~nereus_lightning.models.bind_adamw`), so an optimizer step updates the EMU in place. No
+(:func:`~nereus_lightning.models.bind_adamw`), so an optimizer step updates the EMU in place; a
+sharded replica's (``Layout.shard > 1``) shard ranks each hold and step only their own row blocks of it
+through a :class:`~nereus_lightning.models.zero.ZeroShards`, gathered whole only while something reads
+the EMU whole (transitions, the weight sync, the logical state; checkpoints save the rows:
+:mod:`~nereus_lightning.lightning.zero_units`). No
 rank keeps a full model beyond what its units hold: the module's full transformers models are
 released (emptied) once the units exist. After each update the fresh weights go from every
 training stage to the other model-stages of its model (:func:`nereus_lightning.emu.sync.sync_params`).
@@ -44,12 +48,20 @@ from nereus_lightning.lightning.residency import Residency
 from nereus_lightning.lightning.roles import RoleModels
 from nereus_lightning.lightning.rollout_engines import RolloutEngines
 from nereus_lightning.lightning.stage_step import StageUpdate, step_stage
-from nereus_lightning.lightning.transition_runner import run_transition
+from nereus_lightning.lightning.transition_runner import TransitionRun, run_transition
 from nereus_lightning.lightning.unit_checkpoints import load_units, save_units, write_back
+from nereus_lightning.lightning.zero_units import (
+    as_shard_groups,
+    at_rest,
+    made_whole,
+    sharded_optimizer,
+    whole,
+)
 from nereus_lightning.models import ReplicaComm, ShardedCausalLM, bind_adamw, replica_groups
-from nereus_lightning.models.groups import dp_ranks
+from nereus_lightning.models.groups import dp_ranks, zero_groups
 from nereus_lightning.models.sharded import is_tied
-from nereus_lightning.plan.layout import Plan
+from nereus_lightning.models.zero import ZeroShards
+from nereus_lightning.plan.layout import Plan, moving_shard_groups
 from nereus_lightning.rl.update import ADAMW
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.workload import Workload, workflow
@@ -88,7 +100,7 @@ class EMUStates:
         self.configs = roles.configs()  # role -> transformers config (kept when the models are released)
         self.plan: Plan | None = None  # the plan of the live units (model-stages with a model only)
         self.units: dict[str, ShardedCausalLM] = {}
-        self.optimizers: dict[str, torch.optim.Optimizer] = {}
+        self.optimizers: dict[str, torch.optim.Optimizer | ZeroShards] = {}
         self.resume_from: str | None = None  # a checkpoint directory to load when the units are built
         # Model-stages holding exactly the weights of their model's training stage (built from the same
         # model, or synced since its last update): checkpoints store them once, in the training stage.
@@ -116,17 +128,35 @@ class EMUStates:
             self._create(target)
         else:
             self.residency_of.onload(self.plan)  # the transfers read and write device tensors
-            run = run_transition(self.plan, target, self.roles.specs(), self.cluster, self.workload)
+            run = self._transition(target)
             self.last_transition = run.record
             self.last_report = run.report if run.report is not None else self.last_report
             if not run.moved:
                 self.residency_of.offload_idle(self.plan)
                 return False  # infeasible per the brain: the current plan stays
+        staying = {n for n, c in (self.plan or {}).items() if c.same_units(target[n]) and c.layout.shard > 1}
         self.plan = target
-        self._build_modules(rank)
+        self._build_modules(rank, staying)
         self.residency_of.offload_idle(target)
         self.engines.place(self._generation_sites(target, built=True))
         return True
+
+    def _transition(self, target: Plan) -> TransitionRun:
+        """Run the brain's transition to ``target``: sharded units that change move whole as their shard
+        groups (:func:`~nereus_lightning.plan.layout.moving_shard_groups`), their rows gathered first,
+        and stay whole for :meth:`_build_modules` to cut, or are cut back to their rows when nothing
+        moved; sharded units that stay keep their rows, modules and optimizers."""
+        assert self.plan is not None
+        current, moved_to = moving_shard_groups(self.plan, target)
+        moving = [n for n in self.plan if (current[n], moved_to[n]) != (self.plan[n], target[n])]
+        units = made_whole({n: self.optimizers[n] for n in moving if n in self.optimizers})
+        as_shard_groups(Plan.of({n: self.plan[n] for n in moving}), grouped=True)
+        run = run_transition(current, moved_to, self.roles.specs(), self.cluster, self.workload)
+        as_shard_groups(Plan.of({n: (target if run.moved else self.plan)[n] for n in moving}), grouped=False)
+        if not run.moved:
+            for zero, state in units:
+                at_rest(zero, state)
+        return run
 
     def _create(self, plan: Plan) -> None:
         """First units of every model-stage from the full models (or a checkpoint), then release the full
@@ -190,8 +220,16 @@ class EMUStates:
             )
         return out
 
-    def _build_modules(self, rank: int) -> None:
-        """This rank's ShardedCausalLM per model-stage on its EMU's tensors (collective: group creation)."""
+    def _build_modules(self, rank: int, staying: set[str] | frozenset[str] = frozenset()) -> None:
+        """This rank's ShardedCausalLM per model-stage on its EMU's tensors (collective: group creation).
+
+        A sharded replica's shard ranks compute as replicas of their own
+        (:meth:`~nereus_lightning.plan.layout.Candidate.shard_groups`); its training stage steps through a
+        :class:`~nereus_lightning.models.zero.ZeroShards` on its row blocks, which the EMU then holds
+        (:mod:`~nereus_lightning.lightning.zero_units`). The sharded model-stages ``staying`` (their units
+        unchanged, holding their rows) keep their modules and optimizers.
+        """
+        kept = {n: (self.units[n], self.optimizers[n]) for n in staying if n in self.units}
         self.units, self.optimizers = {}, {}
         reg = emu.registry()
         assert self.plan is not None
@@ -199,17 +237,27 @@ class EMUStates:
             ms = self.stages[name]
             config = self.configs[ms.model]
             tied = is_tied(config)
-            replicas = [cand.replica_gpus(r) for r in range(cand.dp)]
-            replica_groups(replicas, cand.layout, tied)  # every rank, same order
+            compute = cand.shard_groups()
+            replicas = [compute.replica_gpus(r) for r in range(compute.dp)]
+            units = [cand.replica_gpus(r) for r in range(cand.dp)]
+            replica_groups(replicas, compute.layout, tied)  # every rank, same order
+            zero_groups(units, cand.layout)
             if rank not in cand.gpus:
                 continue
+            if name in kept:
+                self.units[name], self.optimizers[name] = kept[name]
+                self.units[name].recompute = cand.recompute
+                continue
             index = cand.gpus.index(rank)
-            replica = replicas[index // cand.layout.size]
-            position = index % cand.layout.size
+            unit = units[index // cand.layout.size]
             comm = ReplicaComm.of(
-                replica, cand.layout, rank, tied=tied, dp_ranks=dp_ranks(replicas, position)
+                replicas[index // compute.layout.size],
+                compute.layout,
+                rank,
+                tied=tied,
+                dp_ranks=dp_ranks(units, index % cand.layout.size),
             )
-            state = reg.local(name, emu.Unit(cand.layout, tuple(replica)))
+            state = reg.local(name, emu.Unit(cand.layout, tuple(unit)))
             if not ms.trains:
                 # The module's parameters are the EMU's tensors themselves, so offload/onload move both.
                 state.params = {n: _frozen(t) for n, t in state.params.items()}
@@ -217,7 +265,11 @@ class EMUStates:
             module.recompute = cand.recompute  # as the planner priced the stage's activations
             if ms.trains:
                 lr = self.roles.learning_rates.get(ms.model, 1e-3)
-                self.optimizers[name] = bind_adamw(module, state.optim_state, lr=lr, **ADAMW)
+                self.optimizers[name] = (
+                    bind_adamw(module, state.optim_state, lr=lr, **ADAMW)
+                    if cand.layout.shard == 1
+                    else sharded_optimizer(module, state, cand.layout, unit, lr)
+                )
             self.units[name] = module
 
     # ---- residency and generation ----------------------------------------------------------
@@ -240,6 +292,15 @@ class EMUStates:
         """This rank's compute module of ``model_stage`` (None: not a member)."""
         return self.units.get(model_stage)
 
+    def trainable(self, model_stage: str) -> ShardedCausalLM | None:
+        """This rank's compute module of training stage ``model_stage`` ready for a training pass (None:
+        not a member): a ZeRO-3 replica's parameters gathered from its shard group (collective over it:
+        every member calls it, with rows to train or not), released again by :meth:`update`."""
+        optimizer = self.optimizers.get(model_stage)
+        if isinstance(optimizer, ZeroShards):
+            optimizer.gather()
+        return self.units.get(model_stage)
+
     def training_stages(self) -> list[str]:
         """The training model-stages with live units, in workflow order."""
         return [n for n in (self.plan or {}) if self.stages[n].trains]
@@ -258,7 +319,8 @@ class EMUStates:
         module = self.units.get(model_stage)
         if module is None:
             return StageUpdate(None)
-        result = step_stage(module, self.optimizers[model_stage], max_norm)
+        optimizer = self.optimizers[model_stage]
+        result = step_stage(module, optimizer, max_norm)
         if result.problem is None:
             step = Counters(optimizer_step=1, update_count=1, policy_version=1, sample_position=samples)
             self._advance(model_stage, step)
@@ -280,20 +342,29 @@ class EMUStates:
         training stage's shards on the device at each use, not written to its host copies now.
         """
         assert self.plan is not None
-        for name, train in self._sources().items():
-            if self.residency_of.can_follow(name) and syncs_locally(train, name):
-                self.residency_of.follow(name, train)
-            else:
-                sync_params(train, name)
-            # a new policy version in this model-stage (one sync per update)
-            self._advance(name, Counters(policy_version=1, stage_version=1))
-            self.synced.add(name)
+        sources = self._sources()
+        follows = {  # a sharded training stage holds its rows at rest: its syncs gather them (below)
+            n
+            for n, train in sources.items()
+            if self.plan[train].layout.shard == 1 and self.residency_of.can_follow(n) and syncs_locally(train, n)
+        }
+        trains = {n: o for n, o in self.optimizers.items() if n in sources.values()}
+        with whole(trains, optim=False):
+            for name, train in sources.items():
+                if name in follows:
+                    self.residency_of.follow(name, train)
+                else:
+                    sync_params(train, name)
+                # a new policy version in this model-stage (one sync per update)
+                self._advance(name, Counters(policy_version=1, stage_version=1))
+                self.synced.add(name)
 
     # ---- state ---------------------------------------------------------------------------
     def save(self, path: str, step: int | None = None) -> None:
         """Every model-stage's logical state into ``path/<model_stage>`` (collective; see
         :func:`~nereus_lightning.lightning.unit_checkpoints.save_units`): a model-stage holding exactly
-        its training stage's weights (:attr:`synced` on every rank) with its counters only.
+        its training stage's weights (:attr:`synced` on every rank) with its counters only; a sharded
+        one as the row blocks it holds (nothing gathered).
         """
         assert self.plan is not None
         save_units(path, self.plan, self.stages, self.synced, self._sources(), step)
@@ -305,11 +376,13 @@ class EMUStates:
         Lightning's launcher hands rank 0's module weights to the caller.
         """
         assert self.plan is not None
-        write_back(self.plan, self.stages, self.roles.present(), dst)
+        with whole(self.optimizers):
+            write_back(self.plan, self.stages, self.roles.present(), dst)
 
     def logical_state(self, model_stage: str) -> emu.LogicalState | None:
         """The full state of ``model_stage`` on rank 0 (None elsewhere; collective)."""
-        return emu.gather_logical_state(model_stage, dst=0)
+        with whole(self.optimizers):
+            return emu.gather_logical_state(model_stage, dst=0)
 
     def logical_params(self, model_stage: str) -> dict[str, torch.Tensor] | None:
         """The full parameters of ``model_stage`` on rank 0 (None elsewhere; collective)."""

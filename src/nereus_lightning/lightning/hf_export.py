@@ -89,7 +89,7 @@ def _param_sources(stage_dir: str, stored: Mapping[str, Any], dtypes: Mapping[st
     return sources
 
 
-def _model_of(config: Any, dtype: Any) -> Any:
+def model_of(config: Any, dtype: Any) -> Any:
     import transformers as tf
 
     value_model = any(a.endswith("ForTokenClassification") for a in (config.architectures or ()))
@@ -116,11 +116,11 @@ def export_model(stage_dir: str, folder: str, config: Any = None, config_file: s
     stored: Mapping[str, Any] = read_dcp_metadata(stage_dir).state_dict_metadata  # (tensors only)
     sources = _param_sources(stage_dir, stored, read_params_from_masters(stage_dir))
     with torch.device("meta"):
-        shapes = {n: tuple(p.shape) for n, p in _model_of(config, torch.float32).named_parameters()}
+        shapes = {n: tuple(p.shape) for n, p in model_of(config, torch.float32).named_parameters()}
     config_file = config_file or os.path.join(folder, "config.json")
     _check_shapes(stage_dir, config_file, shapes, {n: tuple(stored[k].size) for n, k in sources.items()})
     params = logical_params(stage_dir)
-    model = _model_of(config, next(iter(params.values())).dtype)
+    model = model_of(config, next(iter(params.values())).dtype)
     own = dict(model.named_parameters())  # tied weights appear once
     plan = tp_plan_of(config)
     with torch.no_grad():

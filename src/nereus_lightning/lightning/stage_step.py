@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from nereus_lightning.models import ShardedCausalLM, clip_grad_norm_
+from nereus_lightning.models.zero import ZeroShards
 
 
 @dataclass(frozen=True)
@@ -19,13 +20,19 @@ class StageUpdate:
     problem: str | None = None  # the first non-finite gradient when ``norm`` is not finite (nothing stepped)
 
 
-def step_stage(module: ShardedCausalLM, optimizer: torch.optim.Optimizer, max_norm: float) -> StageUpdate:
+def step_stage(
+    module: ShardedCausalLM, optimizer: torch.optim.Optimizer | ZeroShards, max_norm: float
+) -> StageUpdate:
     """Sum ``module``'s gradients over its replicas, clip them to ``max_norm`` and step ``optimizer``.
 
     Every rank of the model-stage calls it (absent gradients count as zeros). When the global
     gradient norm is not finite nothing is stepped and the update names the first parameter here
-    whose gradient is not finite. The gradients are dropped either way.
+    whose gradient is not finite. The gradients are dropped either way. A sharded replica's
+    :class:`~nereus_lightning.models.zero.ZeroShards` sums them over its shard group as well, into
+    its row blocks, and steps those.
     """
+    if isinstance(optimizer, ZeroShards):
+        return StageUpdate(*optimizer.step(max_norm, module.comm.dp_group))
     params = list(module.parameters())
     grads: list[torch.Tensor] = []  # per parameter its gradient (clipped and reduced in place)
     for p in params:

@@ -45,7 +45,7 @@ class StageSlot:
     stage: str
     candidate: Candidate
     replica: int | None
-    position: int | None  # index inside the replica (pp_rank * tp + tp_rank)
+    position: int | None  # index inside the (compute) replica (pp_rank * tp + tp_rank)
     start: int = 0
     stop: int = 0
 
@@ -71,9 +71,10 @@ def slot_of(
     """This rank's slot in ``stage`` of ``plan`` for a batch of ``num_samples`` samples.
 
     With ``tokens`` (each sample's), replicas get contiguous blocks of near-equal tokens
-    (:func:`~nereus_lightning.rl.batch.balanced_slice`); else of near-equal sample counts.
+    (:func:`~nereus_lightning.rl.batch.balanced_slice`); else of near-equal sample counts. Each shard
+    rank of a sharded replica is a replica here (:meth:`Candidate.shard_groups`), with its own rows.
     """
-    cand = plan[stage]
+    cand = plan[stage].shard_groups()
     if rank not in cand.gpus:
         return StageSlot(stage, cand, None, None)
     index = cand.gpus.index(rank)

@@ -339,6 +339,12 @@ class NereusStrategy(ParallelStrategy):
         """This rank's compute module of ``model_stage`` (its unit's very tensors), None when not a member."""
         return self.units.stage(model_stage)
 
+    def trainable(self, model_stage: str) -> ShardedCausalLM | None:
+        """This rank's compute module of training stage ``model_stage`` ready for a training pass, None when
+        not a member (collective over a ZeRO-3 replica's shard group, which gathers its parameters: every
+        member calls it before its backward, rows or not)."""
+        return self.units.trainable(model_stage)
+
     def in_use(self, model_stage: str) -> AbstractContextManager[None]:
         """This rank's unit of ``model_stage`` on its device for the block (idle units wait on the host)."""
         return self.units.in_use(model_stage)

@@ -100,10 +100,10 @@ def run_transition(
 
 
 def _relayout(current: Plan, target: Plan) -> int:
-    """Relayout every model-stage whose candidate changed; the bytes received over all ranks."""
+    """Relayout every model-stage whose units changed; the bytes received over all ranks."""
     moved = 0
     for name in target:
-        if current[name] != target[name]:
+        if not current[name].same_units(target[name]):
             traffic, _ = relayout(name, emu.replica_units(target[name]))
             moved += traffic.payload_received
     box = torch.tensor([moved], dtype=torch.int64)

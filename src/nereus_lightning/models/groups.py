@@ -142,6 +142,27 @@ def replica_groups(replicas: Sequence[Sequence[int]], layout: Layout, tied: bool
             group_for(dp_ranks(replicas, index))
 
 
+def shard_ranks(replica: Sequence[int], layout: Layout, index: int) -> tuple[int, ...]:
+    """The shard group of index ``index`` of a sharded ``replica`` (Candidate order): the ranks at its
+    (pp, tp) position in each shard rank, in shard-rank order."""
+    inner = layout.pp * layout.tp
+    return tuple(replica[s * inner + index % inner] for s in range(layout.shard))
+
+
+def zero_groups(replicas: Sequence[Sequence[int]], layout: Layout) -> None:
+    """Create (collectively, on ALL ranks, same order) the groups a sharded model-stage's step uses: each
+    replica's shard groups, then one DP group per replica index when there are several replicas; none
+    when ``layout`` is unsharded (:func:`replica_groups` made its DP groups)."""
+    if layout.shard == 1:
+        return
+    for replica in replicas:
+        for index in range(layout.pp * layout.tp):
+            group_for(shard_ranks(replica, layout, index))
+    if len(replicas) > 1:
+        for index in range(layout.size):
+            group_for(dp_ranks(replicas, index))
+
+
 @dataclass(frozen=True)
 class ReplicaComm:
     """What one rank of a replica needs to communicate: its position, groups and pipeline peers."""

@@ -181,11 +181,12 @@ def _adamw(group: Mapping[str, Any], bucket: list[tuple[Tensor, ...]]) -> None:
 
 
 def bind_adamw(
-    model: nn.Module,
+    model: nn.Module | Mapping[str, nn.Parameter],
     state: Mapping[str, Mapping[str, Tensor]] | None = None,
     **hyper: float | tuple[float, float],
 ) -> torch.optim.AdamW:
-    """A ``torch.optim.AdamW`` over ``model``'s parameters whose state IS ``state``'s tensors.
+    """A ``torch.optim.AdamW`` over ``model``'s parameters (or the named parameters given) whose state IS
+    ``state``'s tensors.
 
     ``state`` maps global parameter names to their :func:`adamw_keys` tensors (an EMU's ZeRO-0
     optimizer shards; zeros and step 0 behave as a fresh AdamW): ``exp_avg``, ``exp_avg_sq``,
@@ -195,7 +196,7 @@ def bind_adamw(
     into the parameter; the step's temporaries stay bounded). ``hyper`` are AdamW's keyword
     arguments (lr, betas, eps, weight_decay).
     """
-    named = dict(model.named_parameters())
+    named = dict(model.named_parameters()) if isinstance(model, nn.Module) else dict(model)
     mixed = any(needs_master(p.dtype) for p in named.values())
     require(not hyper.get("amsgrad"), "amsgrad", "nereus' AdamW does not keep amsgrad state; drop it")
     opt = BoundedAdamW(list(named.values()), **hyper)  # type: ignore[arg-type]
@@ -232,8 +233,9 @@ def bind_adamw(
     return opt
 
 
-def _counted_once(model: ShardedCausalLM) -> list[bool]:
-    """Which local gradients count toward the replica's norm (replicated tensors once per replica)."""
+def counted_once(model: ShardedCausalLM) -> list[bool]:
+    """Per parameter of ``model``, whether its local gradient counts toward the replica's norm (replicated
+    tensors once per replica)."""
     comm, plan = model.comm, tp_plan_of(model.config)
     tied_copy = is_tied(model.config) and comm.layout.pp > 1 and not comm.is_first_stage
     counted = []
@@ -249,7 +251,7 @@ def grad_norm(model: ShardedCausalLM) -> Tensor:
     """The L2 norm of the whole replica's gradient (every logical parameter once), on every replica rank."""
     params = list(model.parameters())
     total = torch.zeros((), dtype=torch.float32, device=params[0].device)
-    for param, counted in zip(params, _counted_once(model), strict=True):
+    for param, counted in zip(params, counted_once(model), strict=True):
         if counted and param.grad is not None:  # in pieces: one piece's fp32 copy at a time, as the step
             for (piece,) in _pieces((param.grad,), STEP_PIECE_ELEMENTS):
                 total += piece.float().pow(2).sum()

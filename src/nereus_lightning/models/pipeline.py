@@ -28,7 +28,7 @@ from nereus_lightning.models.fail_fast import fail_together
 from nereus_lightning.models.logprobs import head_logprobs
 from nereus_lightning.models.optim import clip_grad_norm_
 from nereus_lightning.models.packing import Documents, Packed
-from nereus_lightning.models.sharded import ShardedCausalLM, _all_reduce_flat
+from nereus_lightning.models.sharded import ShardedCausalLM, all_reduce_flat
 from nereus_lightning.spec.errors import require
 
 Where = Literal["all", "first", "last"]
@@ -409,7 +409,7 @@ def _one_step(
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        _all_reduce_flat([p.grad for p in params], comm.dp_group, average=True)  # type: ignore[misc]
+        all_reduce_flat([p.grad for p in params], comm.dp_group, average=True)  # type: ignore[misc]
     if max_grad_norm is not None:
         clip_grad_norm_(model, max_grad_norm)
     if optimizer is not None:

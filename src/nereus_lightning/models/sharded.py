@@ -572,12 +572,12 @@ class ShardedCausalLM(nn.Module):
         if self.comm.layout.tp > 1:
             assert self.comm.tp_group is not None  # only a single-rank replica has none
             grads = [g for n in self.tp_partial if (g := named[n].grad) is not None]
-            _all_reduce_flat(grads, self.comm.tp_group)
+            all_reduce_flat(grads, self.comm.tp_group)
         if self.comm.tied_group is not None:
             weight = self.model.embed_tokens.weight
             if weight.grad is None:
                 weight.grad = torch.zeros_like(weight)
-            _all_reduce_flat([weight.grad], self.comm.tied_group)
+            all_reduce_flat([weight.grad], self.comm.tied_group)
 
 
 def attention_kinds(config: Any) -> tuple[str, ...]:
@@ -643,7 +643,7 @@ def _tp_partial(name: str, plan: Mapping[str, Style], regions: tuple[str, ...]) 
     return any(name.startswith(f"{region}.") for region in regions)
 
 
-def _all_reduce_flat(tensors: list[Tensor], group: dist.ProcessGroup, average: bool = False) -> None:
+def all_reduce_flat(tensors: list[Tensor], group: dist.ProcessGroup, average: bool = False) -> None:
     """All-reduce ``tensors`` in place through one flat buffer per dtype."""
     by_dtype: dict[torch.dtype, list[Tensor]] = {}
     for t in tensors:

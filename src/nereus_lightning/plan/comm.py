@@ -25,11 +25,13 @@ class GroupLink:
 
 @dataclass(frozen=True)
 class Links:
-    """Links of the TP groups, the worst PP boundary, and the DP (gradient) groups of a candidate."""
+    """Links of the TP groups, the worst PP boundary, the DP (gradient) groups across replicas and
+    the shard groups inside a replica (ZeRO's reduce-scatters and all-gathers) of a candidate."""
 
     tp: GroupLink = GroupLink()
     pp: GroupLink = GroupLink()
     dp: GroupLink = GroupLink()
+    shard: GroupLink = GroupLink()
 
 
 def _group_link(groups: Sequence[Sequence[int]], gpn: int) -> GroupLink:
@@ -46,7 +48,7 @@ def _group_link(groups: Sequence[Sequence[int]], gpn: int) -> GroupLink:
 
 
 def links_of(gpus: Sequence[int], layout: Layout, dp: int, cluster: ClusterSpec) -> Links:
-    """The links a candidate with these concrete ``gpus`` (replica, pp, tp order) uses."""
+    """The links a candidate with these concrete ``gpus`` (replica, shard, pp, tp order) uses."""
     tp, pp, size, gpn = layout.tp, layout.pp, layout.size, cluster.gpus_per_node
     first = gpus[0] if len(gpus) else 0
     aligned = gpn % size == 0 if size <= gpn else size % gpn == 0
@@ -54,15 +56,24 @@ def links_of(gpus: Sequence[int], layout: Layout, dp: int, cluster: ClusterSpec)
         return _aligned_range_links(first, len(gpus), layout, cluster)
     tp_groups = [gpus[b : b + tp] for b in range(0, len(gpus), tp)]
     pp_link = GroupLink()
-    for r in range(dp):
+    cut = layout.model_size
+    for c in range(dp * layout.shard):  # every shard group's model cut
         for p in range(pp - 1):
             # The tp point-to-point pairs of one boundary send at once.
-            pairs = [(gpus[r * size + p * tp + i], gpus[r * size + (p + 1) * tp + i]) for i in range(tp)]
+            pairs = [(gpus[c * cut + p * tp + i], gpus[c * cut + (p + 1) * tp + i]) for i in range(tp)]
             link = _group_link(pairs, gpn)
             if link.inter and link.share > pp_link.share:
                 pp_link = link
     dp_groups = [[gpus[r * size + j] for r in range(dp)] for j in range(size)] if dp > 1 else []
-    return Links(_group_link(tp_groups, gpn), pp_link, _group_link(dp_groups, gpn))
+    shard_groups = [
+        [gpus[r * size + s * cut + j] for s in range(layout.shard)] for r in range(dp) for j in range(cut)
+    ]
+    return Links(
+        _group_link(tp_groups, gpn),
+        pp_link,
+        _group_link(dp_groups, gpn),
+        _group_link(shard_groups, gpn) if layout.shard > 1 else GroupLink(),
+    )
 
 
 @lru_cache(maxsize=1 << 14)
@@ -79,7 +90,7 @@ def canonical_links(layout: Layout, dp: int, cluster: ClusterSpec) -> Links:
     size = layout.size
     aligned = gpn % size == 0 if size <= gpn else size % gpn == 0
     if dp > 1 and total > gpn and aligned:
-        return Links(one.tp, one.pp, GroupLink(True, gpn))
+        return Links(one.tp, one.pp, GroupLink(True, gpn), one.shard)
     if dp > 1 and total > gpn:
         return links_of(range(total), layout, dp, cluster)
     return one
@@ -93,11 +104,11 @@ def _aligned_range_links(first: int, count: int, layout: Layout, cluster: Cluste
     gpn = cluster.gpus_per_node
     last = first + count - 1
     if first // gpn == last // gpn:
-        return Links(one.tp, one.pp, GroupLink())
+        return Links(one.tp, one.pp, GroupLink(), one.shard)
     head = (first // gpn + 1) * gpn - first
     tail = last - (last // gpn) * gpn + 1
     share = max(head, tail, gpn if last // gpn - first // gpn >= 2 else 0)
-    return Links(one.tp, one.pp, GroupLink(True, share))
+    return Links(one.tp, one.pp, GroupLink(True, share), one.shard)
 
 
 def link_bandwidth(link: GroupLink, cluster: ClusterSpec) -> tuple[float, float]:

@@ -13,7 +13,10 @@ is as slow as its slowest replica, which gets ``ceil(sequences / dp)`` sequences
   but at decode sizes every kernel still takes about a launch's time on the GPU.
 - Inference = forward passes of ``micro_batch`` sequences through a pipeline.
 - Training = 1F1B pipeline, ``(a + pp - 1)`` micro-batch slots per optimizer step, then the DP
-  gradient all-reduce and the AdamW update, for every mini-batch and PPO epoch.
+  gradient all-reduce and the AdamW update, for every mini-batch and PPO epoch. A ZeRO-sharded
+  replica (``Layout.shard``) runs ``a`` micro-batches on each shard rank; its collectives in the
+  shard group come per step (ZeRO-1/2: reduce-scatter and all-gather) or per micro-batch (ZeRO-2's
+  gradient reduce-scatter; ZeRO-3's all-gathers of the weights), :func:`_optimizer_step`.
 - Each operation is priced per stage kind (``training.gemm``, ``inference.gemm``...): a training
   step's GEMMs run at another efficiency than a forward-only pass's, and each measured stage
   calibrates its own classes only.
@@ -38,7 +41,7 @@ from functools import lru_cache
 
 from nereus_lightning.plan import compute, memory
 from nereus_lightning.plan.calibration import Calibration, op_class, qualified
-from nereus_lightning.plan.comm import GroupLink, Links, allreduce_time, p2p_time
+from nereus_lightning.plan.comm import GroupLink, Links, allgather_time, allreduce_time, p2p_time
 from nereus_lightning.plan.layout import Layout
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.errors import NereusConfigError, require
@@ -157,10 +160,12 @@ def stage_work(
 
 
 def replica_sequences(work: StageWork, dp: int) -> int | None:
-    """Sequences of the busiest replica, or None when ``dp`` cannot split the batch.
+    """Sequences of the busiest of ``dp`` data-parallel ranks, or None when ``dp`` cannot split the batch.
 
-    Training keeps the global batch fixed (``dp * b * a`` = mini-batch size), so ``dp`` must
-    divide the mini-batch; generation and inference only need one sequence per replica.
+    The data-parallel ranks are the replicas, times the shard degree of a sharded training layout
+    (each shard rank runs micro-batches of its own). Training keeps the global batch fixed
+    (``dp * b * a`` = mini-batch size), so ``dp`` must divide the mini-batch; generation and
+    inference only need one sequence per replica.
     """
     if work.trains:
         return work.mini_batch_size // dp if work.mini_batch_size % dp == 0 else None
@@ -384,15 +389,38 @@ def _offload(work: StageWork, layout: Layout) -> Ideal:
     return {"offload": 2 * memory.state_bytes_per_gpu(work.model, False, layout) / HOST_BW}
 
 
+def _stage_params(work: StageWork, layout: Layout) -> float:
+    """Parameters of one GPU of the largest pipeline stage (its TP cut, before any ZeRO sharding)."""
+    return max(memory.rank_params(work.model, layout, r) for r in {0, layout.pp - 1})
+
+
 def _optimizer_step(work: StageWork, layout: Layout, dp: int, links: Links, cluster: ClusterSpec) -> Ideal:
-    """Per optimizer step: DP gradient all-reduce (weight dtype) and the HBM-bound AdamW update."""
-    params = max(memory.rank_params(work.model, layout, r) for r in {0, layout.pp - 1})
-    step: Ideal = {"optimizer": params * ADAMW_BYTES_PER_PARAM / cluster.hbm_bw}
-    _add(
-        step,
-        _comm("allreduce", links.dp, allreduce_time(params * work.model.dtype_bytes, dp, links.dp, cluster)),
-    )
+    """Per optimizer step: the gradient sync, the HBM-bound AdamW update of the rank's share of the
+    state, and (ZeRO-1/2) the all-gather of the updated weights in the shard group.
+
+    Unsharded, the gradients are all-reduced over the ``dp`` replicas. Sharded (HSDP), ZeRO-1
+    reduce-scatters them in the shard group here (ZeRO-2/3 did so per micro-batch,
+    :func:`_shard_micro_batch`), and each row block is all-reduced over the replicas.
+    """
+    params, nbytes, d = _stage_params(work, layout), work.model.dtype_bytes, layout.shard
+    grads = params * nbytes
+    step: Ideal = {"optimizer": params / d * ADAMW_BYTES_PER_PARAM / cluster.hbm_bw}
+    _add(step, _comm("allreduce", links.dp, allreduce_time(grads / d, dp, links.dp, cluster)))
+    if layout.zero in (1, 2):
+        gathers = 2 if layout.zero == 1 else 1  # ZeRO-1's reduce-scatter, then the weights' all-gather
+        _add(step, _comm("allgather", links.shard, gathers * allgather_time(grads, d, links.shard, cluster)))
     return step
+
+
+def _shard_micro_batch(work: StageWork, layout: Layout, links: Links, cluster: ClusterSpec) -> Ideal:
+    """Per micro-batch of a ZeRO-2/3 rank: the reduce-scatter of its gradients in the shard group, and
+    at ZeRO-3 the all-gathers of the weights for the forward and again for the backward."""
+    if layout.zero < 2:
+        return {}
+    per = allgather_time(
+        _stage_params(work, layout) * work.model.dtype_bytes, layout.shard, links.shard, cluster
+    )
+    return _comm("allgather", links.shard, per * (3 if layout.zero == 3 else 1))
 
 
 def ideal_time(
@@ -405,9 +433,12 @@ def ideal_time(
     cluster: ClusterSpec,
 ) -> Ideal:
     """Ideal seconds per operation class (``<kind>.<operation>``) of one RL step of ``work``."""
-    per_replica = replica_sequences(work, dp)
+    per_replica = replica_sequences(work, dp * layout.shard)
     if per_replica is None:
-        raise NereusConfigError(f"{work.name}: dp={dp} cannot split {work.sequences} sequences ({work.kind})")
+        raise NereusConfigError(
+            f"{work.name}: dp={dp} x shard={layout.shard} cannot split {work.sequences} sequences "
+            f"({work.kind})"
+        )
     total: Ideal = {}
     if work.kind == "generation":
         full, rest = divmod(per_replica, micro_batch)
@@ -415,11 +446,13 @@ def ideal_time(
         if rest:
             _add(total, _wave(work, layout, rest, links, cluster), work.rounds)
     else:
-        slots = -(-per_replica // micro_batch) + layout.pp - 1
+        count = -(-per_replica // micro_batch)
+        slots = count + layout.pp - 1
         if work.trains:
             step = dict(_slot(work, layout, micro_batch, recompute, links, cluster))
             for name in step:
                 step[name] *= slots
+            _add(step, _shard_micro_batch(work, layout, links, cluster), count)
             _add(step, _optimizer_step(work, layout, dp, links, cluster))
             _add(total, step, work.epochs * work.mini_batches)
         else:
@@ -438,7 +471,7 @@ def rank_peak_memory(
     work: StageWork, layout: Layout, dp: int, micro_batch: int, recompute: bool
 ) -> tuple[float, ...]:
     """Peak bytes on one GPU of each pipeline stage (index = pp rank)."""
-    per_replica = replica_sequences(work, dp) or 1
+    per_replica = replica_sequences(work, dp * layout.shard) or 1
     if work.kind == "generation":
         return tuple(
             max(b, work.reserved) for b in _rank_memory(work, layout, min(micro_batch, per_replica), False, 0)
@@ -485,7 +518,7 @@ def peak_memory(work: StageWork, layout: Layout, dp: int, micro_batch: int, reco
     The first stage holds the most layers, the embedding and the most in-flight micro-batches;
     the last holds the LM head and the logits; middle stages hold no more than the first.
     """
-    share = replica_sequences(work, dp) or 1
+    share = replica_sequences(work, dp * layout.shard) or 1
     ends = (0, layout.pp - 1) if layout.pp > 1 else (0,)
     if work.kind == "generation":
         return max(work.reserved, *_rank_memory(work, layout, min(micro_batch, share), False, 0, ends))

@@ -60,9 +60,9 @@ class PlanEstimate:
 
 
 def _per_gpu(ranks: list[float] | tuple[float, ...], cand: Candidate) -> list[float]:
-    """Per-pipeline-rank values spread over the candidate's GPUs (replica, pp, tp order)."""
+    """Per-pipeline-rank values spread over the candidate's GPUs (replica, shard, pp, tp order)."""
     tp = cand.layout.tp
-    return [ranks[p] for _ in range(cand.dp) for p in range(cand.layout.pp) for _ in range(tp)]
+    return [ranks[p] for _ in range(cand.data_parallel) for p in range(cand.layout.pp) for _ in range(tp)]
 
 
 @lru_cache(maxsize=64)  # one plan_job's plans share most candidates; per-GPU lists can be long
@@ -115,7 +115,10 @@ def estimate_plan(
     resident: dict[int, float] = {}
     own: dict[str, list[float]] = {}
     for ms in stages:
-        if ms.trains and replica_sequences(stage_work(ms, models, workload), plan[ms.name].dp) is not None:
+        if (
+            ms.trains
+            and replica_sequences(stage_work(ms, models, workload), plan[ms.name].data_parallel) is not None
+        ):
             cand, model = plan[ms.name], models[ms.model]
             per_rank = [resident_rank_bytes(model, cand.layout, p) for p in range(cand.layout.pp)]
             own[ms.name] = _per_gpu(per_rank, cand)
@@ -125,11 +128,19 @@ def estimate_plan(
         work, cand = stage_work(ms, models, workload, cluster.gpu_memory), plan[ms.name]
         work.model.validate_tp(cand.layout.tp)
         work.model.validate_pp(cand.layout.pp)
+        if cand.layout.shard > 1 and not work.trains:
+            raise NereusConfigError(
+                f"plan.{ms.name}.layout.shard: {cand.layout.shard}, but only training model-stages shard "
+                "their state (ZeRO)"
+            )
         outside = [g for g in cand.gpus if not 0 <= g < cluster.num_gpus]
         if outside:
             violations.append(f"{ms.name}: GPUs {outside} are outside the pool of {cluster.num_gpus}")
-        if replica_sequences(work, cand.dp) is None:
-            violations.append(f"{ms.name}: dp={cand.dp} cannot split the batch of {work.sequences} sequences")
+        if replica_sequences(work, cand.data_parallel) is None:
+            violations.append(
+                f"{ms.name}: dp={cand.dp} x shard={cand.layout.shard} cannot split the batch of "
+                f"{work.sequences} sequences"
+            )
             stage_latency[ms.name] = float("inf")
             continue
         ideal, per_gpu = _candidate_cost(work, cand, cluster)

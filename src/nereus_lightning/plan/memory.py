@@ -103,16 +103,44 @@ def optimizer_bytes_per_param(model: ModelSpec) -> int:
     return ADAM_MOMENT_BYTES_PER_PARAM + master
 
 
+def _sharded(layout: Layout, stage: int) -> int:
+    """The divisor of a state term that ZeRO stage ``stage`` and above cut into row blocks."""
+    return layout.shard if layout.zero >= stage else 1
+
+
 def rank_state_bytes(model: ModelSpec, trains: bool, layout: Layout, pp_rank: int) -> float:
-    """Resident state on one GPU of pipeline stage ``pp_rank``: weights (+ grads and AdamW when training)."""
-    per_param = model.dtype_bytes * (2 if trains else 1) + (optimizer_bytes_per_param(model) if trains else 0)
-    return rank_params(model, layout, pp_rank) * per_param
+    """State on one GPU of pipeline stage ``pp_rank`` while it trains: weights (+ grads and AdamW when
+    training), each divided by the shard degree from its ZeRO stage on (AdamW from 1, gradients from
+    2, weights from 3)."""
+    params = rank_params(model, layout, pp_rank)
+    if not trains:
+        return params * model.dtype_bytes
+    return params * (
+        model.dtype_bytes / _sharded(layout, 3)
+        + model.dtype_bytes / _sharded(layout, 2)
+        + optimizer_bytes_per_param(model) / _sharded(layout, 1)
+    )
 
 
 def resident_rank_bytes(model: ModelSpec, layout: Layout, pp_rank: int) -> float:
     """Training state one GPU of pipeline stage ``pp_rank`` keeps outside its own training pass: weights
-    and AdamW state (the gradients exist from the backward to the optimizer step, then are dropped)."""
-    return rank_params(model, layout, pp_rank) * (model.dtype_bytes + optimizer_bytes_per_param(model))
+    and AdamW state, as its ZeRO stage shards them (the gradients exist from the backward to the
+    optimizer step, then are dropped)."""
+    return rank_params(model, layout, pp_rank) * (
+        model.dtype_bytes / _sharded(layout, 3) + optimizer_bytes_per_param(model) / _sharded(layout, 1)
+    )
+
+
+def gathered_bytes(model: ModelSpec, layout: Layout, pp_rank: int) -> float:
+    """Whole tensors a ZeRO-2/3 rank holds beyond its row blocks while it trains, as the body runs it
+    (``models.zero``): the backward leaves the whole ``(tp, pp)`` gradients, reduce-scattered into row
+    blocks only at the optimizer step (ZeRO >= 2), and a ZeRO-3 replica gathers its whole parameters
+    next to their row blocks for the pass (released after the step). So during the pass a ZeRO-2 rank
+    holds what a ZeRO-1 rank does, a ZeRO-3 rank that and its parameters' row blocks; the row blocks
+    save memory between passes (:func:`resident_rank_bytes`)."""
+    params = rank_params(model, layout, pp_rank)
+    whole_grads = (1 - 1 / layout.shard) if layout.zero >= 2 else 0.0
+    return params * model.dtype_bytes * (whole_grads + (layout.zero >= 3))
 
 
 def boundary_state_bytes(model: ModelSpec, trains: bool, layout: Layout) -> float:
@@ -238,6 +266,40 @@ def training_activation_bytes(
     return in_flight * tokens * layers * activation_bytes_per_token_layer(model) / tp
 
 
+def training_pass_bytes(
+    model: ModelSpec,
+    layout: Layout,
+    pp_rank: int,
+    micro_batch: int,
+    seq_len: float,
+    micro_batches: int,
+    recompute: bool,
+    lm_head: bool,
+) -> float:
+    """Activations (and the last stage's LM-head chunk) one GPU of pipeline stage ``pp_rank`` holds
+    while training (1F1B schedule): stage ``p`` of ``pp`` keeps ``min(pp - p, micro_batches)``
+    micro-batches in flight, each packed to ``micro_batch * seq_len`` tokens. ZeRO does not change it."""
+    tokens = micro_batch * seq_len
+    in_flight = min(layout.pp - pp_rank, micro_batches)
+    layers = stage_layers(model, layout.pp, pp_rank)
+    passes = training_activation_bytes(model, layers, tokens, in_flight, layout.tp, recompute)
+    if lm_head and pp_rank == layout.pp - 1:
+        passes += chunked_logits_bytes(model, tokens, layout.tp)
+    return passes
+
+
+def training_state_terms(model: ModelSpec, layout: Layout, pp_rank: int) -> tuple[float, float, float]:
+    """(state, unsharded blocks, optimizer-step temporaries) of one GPU of pipeline stage ``pp_rank``
+    while training: :func:`rank_state_bytes`, :func:`gathered_bytes` and the AdamW step over the
+    rank's share of the state (:func:`optimizer_step_bytes`)."""
+    params = rank_params(model, layout, pp_rank)
+    return (
+        rank_state_bytes(model, True, layout, pp_rank),
+        gathered_bytes(model, layout, pp_rank),
+        optimizer_step_bytes(model, params / _sharded(layout, 1)),
+    )
+
+
 def training_peak_bytes(
     model: ModelSpec,
     layout: Layout,
@@ -248,20 +310,14 @@ def training_peak_bytes(
     recompute: bool,
     lm_head: bool,
 ) -> float:
-    """Peak bytes on one GPU of pipeline stage ``pp_rank`` while training (1F1B schedule).
-
-    Stage ``p`` of ``pp`` keeps ``min(pp - p, micro_batches)`` micro-batches in flight, each packed
-    to ``micro_batch * seq_len`` tokens; the last stage adds one LM-head chunk. The optimizer
-    step's temporaries come after the activations are freed: the peak is the larger of the two.
-    """
-    tokens = micro_batch * seq_len
-    in_flight = min(layout.pp - pp_rank, micro_batches)
-    layers = stage_layers(model, layout.pp, pp_rank)
-    passes = training_activation_bytes(model, layers, tokens, in_flight, layout.tp, recompute)
-    if lm_head and pp_rank == layout.pp - 1:
-        passes += chunked_logits_bytes(model, tokens, layout.tp)
-    step = optimizer_step_bytes(model, rank_params(model, layout, pp_rank))
-    return rank_state_bytes(model, True, layout, pp_rank) + max(passes, step)
+    """Peak bytes on one GPU of pipeline stage ``pp_rank`` while training: its state, then the larger
+    of the pass (:func:`training_pass_bytes`, with ZeRO-2/3's unsharded blocks) and the optimizer
+    step's temporaries, which come after the activations are freed (:func:`training_state_terms`)."""
+    passes = training_pass_bytes(
+        model, layout, pp_rank, micro_batch, seq_len, micro_batches, recompute, lm_head
+    )
+    state, gathered, step = training_state_terms(model, layout, pp_rank)
+    return state + max(passes + gathered, step)
 
 
 def inference_peak_bytes(

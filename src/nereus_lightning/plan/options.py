@@ -8,10 +8,15 @@ One rule chooses among a model-stage's candidates on as many GPUs (:func:`leanes
 one with the smallest peak memory among those within :data:`LATENCY_TOLERANCE` of the fastest.
 Predictions are not that exact, and the leaner candidate leaves headroom for drift and room for
 the other model-stages on its GPUs.
+
+A training layout's ZeRO variants (:func:`shard_options`) keep the unsharded layout's micro-batches
+and recompute, their freed memory left as headroom; a layout too big unsharded shards only where
+nothing else fits, as transitions move sharded state whole (:meth:`CandidateTable._training_rows`).
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from collections.abc import Iterable, Mapping
@@ -25,6 +30,7 @@ from nereus_lightning.plan.cost import (
     StageWork,
     _offload,
     _optimizer_step,
+    _shard_micro_batch,
     generation_batch,
     micro_batch_options,
     peak_memory,
@@ -34,7 +40,7 @@ from nereus_lightning.plan.cost import (
     wave_peak,
 )
 from nereus_lightning.plan.layout import Layout
-from nereus_lightning.plan.memory import boundary_state_bytes
+from nereus_lightning.plan.memory import boundary_state_bytes, training_pass_bytes, training_state_terms
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.model import ModelSpec
 
@@ -70,6 +76,25 @@ def layouts_for(model: ModelSpec, max_gpus: int) -> list[Layout]:
             out.append(Layout(tp, pp))
             pp *= 2
         tp *= 2
+    return out
+
+
+def shard_options(layout: Layout, width: int, gpus_per_node: int) -> list[Layout]:
+    """``layout`` (TP x PP) unsharded and its ZeRO variants for ``width`` (a power of two) data-parallel
+    ranks: ZeRO-1, 2 and 3 at the largest shard degree whose replica fits in a node. A degree across
+    nodes is priced (``comm``) but not enumerated: each width would add its own level of resident state
+    to the planner's search.
+
+    A smaller degree moves the same bytes as the node's (a reduce-scatter and an all-gather in the
+    group, the rest across replicas) with more state per GPU and more of the AdamW step; a degree
+    between the node's and ``width`` only trades the time and memory of those two; ZeRO-3's
+    all-gathers per micro-batch stay inside the node.
+    """
+    tp, pp = layout.tp, layout.pp
+    in_node = min(width, 1 << (max(gpus_per_node // layout.size, 1).bit_length() - 1))
+    out = [layout]
+    if in_node > 1:
+        out += [Layout(tp, pp, in_node, zero) for zero in (1, 2, 3)]
     return out
 
 
@@ -149,7 +174,9 @@ class CandidateTable:
         # resident bytes, [(latency, peak, micro_batch, recompute)] fastest first)
         self.waves: list[tuple] = []
         self.rows: list[tuple] = []
-        trains, repeats = work.trains, work.epochs * work.mini_batches
+        # Training rows offered only when no other fits (:meth:`_training_rows`); empty once they are.
+        self.unmovable: list[tuple] = []
+        trains = work.trains
         mb_cache: dict[int, tuple[int, ...]] = {}
         for layout in layouts_for(work.model, max_gpus):
             one = canonical_links(layout, 1, cluster)
@@ -161,55 +188,104 @@ class CandidateTable:
                         (layout, sc.affine(wave_affine(work, layout, one, cluster)), offload, dps)
                     )
                 continue
+            if trains:
+                self._training_rows(work, layout, sc, dps, mb_cache)
+                continue
             pp = layout.pp
-            resident = boundary_state_bytes(work.model, trains, layout)
-            slots = {
-                rc: sc.affine(slot_affine(work, layout, rc, one, cluster))[:2]
-                for rc in ((False, True) if trains else (False,))
-            }
-            memo: dict[object, float] = {}
-            per_mb: dict[tuple[int, ...], list[tuple[int, float, float]]] = {}  # inference: mbs -> priced
-            size = layout.size
+            fixed, per_seq = sc.affine(slot_affine(work, layout, False, one, cluster))[:2]
+            per_mb: dict[tuple[int, ...], list[tuple[int, float, float]]] = {}  # mbs -> priced
             for dp in dps:
-                share = work.mini_batch_size // dp if trains else -(-work.sequences // dp)
+                share = -(-work.sequences // dp)
                 mbs = mb_cache.get(share)
                 if mbs is None:
                     mbs = mb_cache[share] = micro_batch_options(work, layout, share, cap)
+                # Inference memory grows with the micro-batch: one pass keeps the lean choices.
+                priced = per_mb.get(mbs)
+                if priced is None:
+                    priced = per_mb[mbs] = []
+                    for mb in mbs:
+                        peak = peak_memory(work, layout, dp, mb, False)
+                        if peak > cap:
+                            break
+                        priced.append((mb, peak, fixed + per_seq * mb))
                 choices = []
-                if trains:
-                    links = canonical_links(layout, dp, cluster)
-                    step = sc.scalar(_optimizer_step(work, layout, dp, links, cluster))
-                    for rc, (fixed, per_seq) in slots.items():
-                        for mb in mbs:
-                            count = -(-share // mb)
-                            key = (mb, rc, count if count < pp else pp)
-                            peak = memo.get(key)
-                            if peak is None:
-                                peak = memo[key] = peak_memory(work, layout, dp, mb, rc)
-                            if peak <= cap:
-                                lat = repeats * ((count + pp - 1) * (fixed + per_seq * mb) + step)
-                                choices.append((lat + offload, peak, mb, rc))
-                else:
-                    # Inference memory grows with the micro-batch: one pass keeps the lean choices.
-                    priced = per_mb.get(mbs)
-                    if priced is None:
-                        fixed, per_seq = slots[False]
-                        priced = per_mb[mbs] = []
-                        for mb in mbs:
-                            peak = peak_memory(work, layout, dp, mb, False)
-                            if peak > cap:
-                                break
-                            priced.append((mb, peak, fixed + per_seq * mb))
-                    fastest, bubble = math.inf, pp - 1
-                    for mb, peak, slot in priced:
-                        lat = (-(-share // mb) + bubble) * slot + offload
-                        if lat < fastest:
-                            fastest = lat
-                            choices.append((lat, peak, mb, False))
-                    if choices:
-                        choices.reverse()
-                        self.rows.append((dp * size, layout, dp, resident, choices))
-                    continue
+                fastest, bubble = math.inf, pp - 1
+                for mb, peak, slot in priced:
+                    lat = (-(-share // mb) + bubble) * slot + offload
+                    if lat < fastest:
+                        fastest = lat
+                        choices.append((lat, peak, mb, False))
+                if choices:
+                    choices.reverse()
+                    self.rows.append((dp * layout.size, layout, dp, 0.0, choices))
+        if not self.rows:
+            self.rows, self.unmovable = self.unmovable, []
+        # By resident state, so that a band of it is one slice (the planner asks for one level often).
+        self.rows.sort(key=lambda row: row[3])
+        self.residents = [row[3] for row in self.rows]
+
+    def _training_rows(
+        self,
+        work: StageWork,
+        base: Layout,
+        sc: _Scalars,
+        widths: list[int],
+        mb_cache: dict[int, tuple[int, ...]],
+    ) -> None:
+        """The rows of a training model-stage cut as ``base`` (TP x PP), for every data-parallel width
+        and every ZeRO variant of it (:func:`shard_options`).
+
+        A ZeRO variant takes only the micro-batch and recompute choices that ``base`` itself fits at
+        that width (all where ``base`` fits none): the state it frees is headroom, so its peak is below
+        the unsharded one's. A transition moves a sharded stage as its shard groups, each holding its
+        state whole (``transition.build``), so where ``base`` fits at no width its ZeRO variants go to
+        :attr:`unmovable`, which the table offers only when nothing else fits."""
+        cluster, cap, pp = self.cluster, self.cap, base.pp
+        repeats = work.epochs * work.mini_batches
+        one = canonical_links(base, 1, cluster)
+        slots = {rc: sc.affine(slot_affine(work, base, rc, one, cluster))[:2] for rc in (False, True)}
+        model, ends = work.model, ((0, pp - 1) if pp > 1 else (0,))
+        passes: dict[tuple, tuple[float, ...]] = {}  # (mb, rc, in flight) -> per end rank (ZeRO-free)
+        rows: list[tuple] = []
+        movable = False  # base fits at some width
+        for width in widths:
+            variants: list[tuple] = []
+            share = work.mini_batch_size // width
+            mbs = mb_cache.get(share)
+            if mbs is None:
+                mbs = mb_cache[share] = micro_batch_options(work, base, share, cap)
+            unsharded: set[tuple[int, bool]] = set()  # the (mb, rc) the base layout fits at this width
+            for layout in shard_options(base, width, cluster.gpus_per_node):
+                dp = width // layout.shard
+                terms = [training_state_terms(model, layout, r) for r in ends]
+                links = canonical_links(layout, dp, cluster)
+                step = sc.scalar(_optimizer_step(work, layout, dp, links, cluster))
+                gather = sc.scalar(_shard_micro_batch(work, layout, links, cluster))
+                choices = []
+                for rc, (fixed, per_seq) in slots.items():
+                    for mb in mbs:
+                        count = -(-share // mb)
+                        key = (mb, rc, count if count < pp else pp)
+                        run = passes.get(key)
+                        if run is None:
+                            run = passes[key] = tuple(
+                                training_pass_bytes(
+                                    model, base, r, mb, work.max_len, key[2], rc, work.lm_head
+                                )
+                                for r in ends
+                            )
+                        # = peak_memory(work, layout, dp, mb, rc), its terms shared by the ZeRO variants
+                        peak = max(
+                            state + max(p + gathered, temp)
+                            for (state, gathered, temp), p in zip(terms, run, strict=True)
+                        )
+                        if layout.shard == 1 and peak <= cap:
+                            unsharded.add((mb, rc))
+                        if peak <= cap and (layout.shard == 1 or not unsharded or (mb, rc) in unsharded):
+                            lat = repeats * (
+                                (count + pp - 1) * (fixed + per_seq * mb) + count * gather + step
+                            )
+                            choices.append((lat, peak, mb, rc))
                 if len(choices) > 1:
                     choices.sort()
                     lean = [choices[0]]  # only choices leaner than every faster one can ever be picked
@@ -218,7 +294,11 @@ class CandidateTable:
                             lean.append(choice)
                     choices = lean
                 if choices:
-                    self.rows.append((dp * size, layout, dp, resident, choices))
+                    resident = boundary_state_bytes(work.model, True, layout)
+                    variants.append((width * base.size, layout, dp, resident, choices))
+            rows += undominated(variants)
+            movable = movable or bool(unsharded)
+        (self.rows if movable else self.unmovable).extend(rows)
 
     def options(self, memory: float | None = None, resident: float = math.inf) -> list[Option]:
         """The choices per (layout, dp) whose peak fits ``memory`` (default: the cap) and whose
@@ -245,9 +325,10 @@ class CandidateTable:
                 full, rest = divmod(share, batch)
                 lat = offload + full * _at(coef, batch) + (_at(coef, rest) if rest else 0.0)
                 out.append((dp * size, lat, wave_peak(work, layout, batch), 0.0, layout, dp, batch, False))
-        for gpus, layout, dp, res, choices in self.rows:
-            if res > resident or res < least:
-                continue
+        lo = bisect.bisect_left(self.residents, least)
+        for gpus, layout, dp, res, choices in self.rows[
+            lo : bisect.bisect_right(self.residents, resident, lo)
+        ]:
             limit = math.inf  # the tolerance over the fastest choice that fits
             for lat, peak, mb, rc in choices:  # fastest first, each leaner than the ones before
                 if lat > limit:
@@ -274,6 +355,50 @@ class CandidateTable:
     def resident_levels(self) -> list[float]:
         """Distinct per-GPU resident state of this table's candidates (training only), ascending."""
         return sorted({row[3] for row in self.rows})
+
+
+def fastest_sharded(table: CandidateTable, gpus: int) -> tuple[Option, bool] | None:
+    """The fastest ZeRO-sharded candidate of ``table`` (a training model-stage's) on ``gpus`` GPUs under its
+    cap, and whether the table offers it (False: one of :attr:`CandidateTable.unmovable`); None: none."""
+    best: tuple[Option, bool] | None = None
+    for offered, rows in ((True, table.rows), (False, table.unmovable)):
+        for count, layout, dp, res, choices in rows:
+            lat, peak, mb, rc = choices[0]
+            if count == gpus and layout.shard > 1 and (best is None or lat < best[0].latency):
+                best = (Option(count, lat, layout, dp, mb, rc, peak, res), offered)
+    return best
+
+
+def undominated(rows: list[tuple]) -> list[tuple]:
+    """Rows ``(gpus, layout, dp, resident, choices)`` of one GPU count without those another row beats:
+    the same resident state, and for each of its choices one at most as slow and as large (on a tie
+    the earlier row stays).
+
+    Only a row of the same state stands in for another: the planner also asks for the candidates of
+    exactly one state level (colocated training model-stages, :meth:`CandidateTable.rows_within`'s
+    ``least``), and there a leaner row of another level is absent. On its own level a row can be a
+    GPU count's :func:`leanest_within` choice, and a faster one than the choice on the leaner row's
+    level, whose tolerance may pick a slower, leaner candidate."""
+    kept: list[tuple] = []
+    for row in rows:
+        if any(_beats(other, row) for other in kept):
+            continue
+        kept = [other for other in kept if not _beats(row, other)]
+        kept.append(row)
+    return kept
+
+
+def _beats(a: tuple, b: tuple) -> bool:
+    """Whether row ``a`` keeps ``b``'s state and has, for each choice of ``b``, one at most as slow and as
+    large (``a``'s choices are fastest first, each leaner than the ones before)."""
+    if a[3] != b[3]:
+        return False
+    lats = [c[0] for c in a[4]]
+    for lat, peak, _, _ in b[4]:
+        at = bisect.bisect_right(lats, lat) - 1  # the leanest of a's choices at most this slow
+        if at < 0 or a[4][at][1] > peak:
+            return False
+    return True
 
 
 class _Point(Protocol):

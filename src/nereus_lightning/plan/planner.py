@@ -1,8 +1,8 @@
 """The planner (Eq. 1): fastest plan under the memory cap and the stage-wise GPU budgets.
 
 1. Per model-stage, enumerate candidates (power-of-two TP dividing the heads, power-of-two PP,
-   DP from the GPUs left, micro-batch options, recompute for training) and price each with
-   the cost model, placed as the planner will place it (``comm.canonical_links``); see
+   DP from the GPUs left, micro-batch options, recompute and ZeRO variants for training) and price
+   each with the cost model, placed as the planner will place it (``comm.canonical_links``); see
    ``options.py``.
 2. Drop the ones over the memory cap (each stage's predicted peaks times its measured memory
    factor, ``calibration.MemoryCalibration``: the cap divided by it), choose per GPU count the
@@ -67,9 +67,11 @@ from nereus_lightning.plan.options import (  # noqa: F401  (re-exported for call
     CandidateTable,
     Option,
     dp_options,
+    fastest_sharded,
     frontier,
     frontier_of_rows,
     layouts_for,
+    shard_options,
     stage_options,
 )
 from nereus_lightning.plan.overlap import partitions
@@ -308,6 +310,28 @@ def plan_job(
     return PlanResult(results[0][0], results[0][1], tuple(results[1:]))
 
 
+def sharded_alternatives(
+    models: Mapping[str, ModelSpec],
+    cluster: ClusterSpec,
+    workload: Workload,
+    plan: Plan,
+    calibration: Calibration | None = None,
+) -> dict[str, tuple[Option, bool]]:
+    """Each training model-stage of ``plan`` -> its fastest ZeRO-sharded candidate on as many GPUs (alone
+    under the cap) and whether the planner offers it (:func:`~options.fastest_sharded`), where that is
+    another layout than the plan's."""
+    cap, out = memory_cap(cluster), {}
+    for ms in workload.stages:
+        cand = plan[ms.name]
+        if ms.stage != "training":
+            continue
+        work = stage_work(ms, models, workload, cluster.gpu_memory)
+        found = fastest_sharded(CandidateTable(work, cluster, calibration, cand.num_gpus, cap), cand.num_gpus)
+        if found is not None and (found[0].layout, found[0].dp) != (cand.layout, cand.dp):
+            out[ms.name] = found
+    return out
+
+
 def lean_slots(
     combo: tuple[Pick, ...], tables: Mapping[str, CandidateTable], tolerance: float
 ) -> tuple[Pick, ...]:
@@ -395,6 +419,7 @@ class _Search:
                 shared[key] = CandidateTable(work, cluster, calibration, budget, self.cap(name))
             self.tables[name] = shared[key]
         self._fronts: dict[tuple, list[Option]] = {}
+        self._fastest: dict[tuple, float] = {}
         self._groups: dict[tuple, list[Group]] = {}
         self._solved: dict[tuple, list[Pick]] = {}
 
@@ -418,6 +443,20 @@ class _Search:
                 rows = [row for row in rows if row[4] == layout]
             self._fronts[key] = frontier_of_rows(rows)
         return self._fronts[key]
+
+    def fastest(self, name: str, resident: float, least: float = -math.inf) -> float:
+        """The latency of the fastest candidate of ``name`` (a training model-stage) keeping ``least`` to
+        ``resident`` bytes of state, under the cap (inf: none).
+
+        A bound on what ``name`` takes from any narrower band of state (:meth:`fronts` of a band picks
+        per GPU count with :func:`~options.leanest_within`, which on a narrower band can be faster).
+        """
+        key = (name, resident, least)
+        if key not in self._fastest:
+            layout = self.pinned.get(name)
+            rows = self.tables[name].rows_within(self.cap(name), resident, least)
+            self._fastest[key] = min((r[1] for r in rows if layout in (None, r[4])), default=math.inf)
+        return self._fastest[key]
 
     def _member_front(self, name: str, rho: float) -> list[Option]:
         """``name``'s frontier at training-state level ``rho``, on GPUs of its own."""
@@ -458,17 +497,12 @@ class _Search:
         A combination takes each member's candidates of exactly its level (one keeping less is
         in the combination of its own level, where the others have more room). Points at least
         as slow as ``limit`` are left out (the caller has a selection that fast), and so is every
-        combination whose members, each with the whole cap, cannot beat it.
+        combination whose members, each at its level's fastest candidate, cannot beat it.
         """
         points: list[Group] = []
-        fastest = {
-            (n, s): (front[-1].latency if (front := self.fronts(n, self.cap(n), s)) else math.inf)
-            for n in block
-            for s in self._levels(n)
-        }
         for states in itertools.product(*(self._levels(n) for n in block)):
             total = sum(states)
-            if total > rho or sum(fastest[n, s] for n, s in zip(block, states, strict=True)) >= limit:
+            if total > rho or sum(self.fastest(n, s, s) for n, s in zip(block, states, strict=True)) >= limit:
                 continue
             fronts = [
                 self.fronts(n, self.cap(n) - (total - s), s, s) for n, s in zip(block, states, strict=True)
@@ -478,7 +512,10 @@ class _Search:
         return frontier(points)
 
     def _bound(self, block: tuple[str, ...], rho: float) -> float:
-        """A lower bound on ``block``'s latency: each member alone with the whole pool."""
+        """A lower bound on ``block``'s latency: each member alone with the whole pool (colocated
+        training model-stages: each member's fastest candidate, as each picks within its own level)."""
+        if len(block) > 1 and self.stage_of[block[0]] == "training":
+            return sum(self.fastest(n, rho) for n in block)
         fronts = [self._member_front(n, rho) for n in block]
         return sum(f[-1].latency for f in fronts) if all(fronts) else math.inf
 
@@ -614,11 +651,23 @@ class _Search:
 
 def _least_memory(work: StageWork, layout: Layout) -> float:
     """Peak bytes of one replica of ``layout`` at its leanest: smallest micro-batch, recompute on."""
-    share = replica_sequences(work, 1) or 1
+    if replica_sequences(work, layout.shard) is None:
+        return float("inf")
+    share = replica_sequences(work, layout.shard) or 1
     if work.kind == "generation":
         return peak_memory(work, layout, 1, 1, False)
     options = micro_batch_options(work, layout, share, float("inf"))
     return peak_memory(work, layout, 1, options[0], work.trains) if options else float("inf")
+
+
+def _replica_layouts(work: StageWork, gpus: int, gpus_per_node: int) -> list[Layout]:
+    """Every layout one replica of ``work`` may take on at most ``gpus`` GPUs (a training one sharded
+    over all of them too, as far as its mini-batch splits)."""
+    out = []
+    for lay in layouts_for(work.model, gpus):
+        width = min(gpus // lay.size, work.mini_batch_size if work.trains else 1)
+        out += shard_options(lay, 1 << (width.bit_length() - 1), gpus_per_node) if work.trains else [lay]
+    return out
 
 
 def diagnose_memory(
@@ -634,12 +683,13 @@ def diagnose_memory(
 
     ``factor`` is the stage's measured memory factor: the cost model's peaks times it must fit.
     """
-    inside = [(factor * _least_memory(work, lay), lay) for lay in layouts_for(work.model, budget)]
+    gpn = cluster.gpus_per_node
+    inside = [(factor * _least_memory(work, lay), lay) for lay in _replica_layouts(work, budget, gpn)]
     best = min(inside, key=lambda x: x[0], default=None)
     fits = next(
         (
             lay
-            for lay in sorted(layouts_for(work.model, 1 << 20), key=lambda lay: lay.size)
+            for lay in sorted(_replica_layouts(work, 1 << 20, gpn), key=lambda lay: lay.size)
             if factor * _least_memory(work, lay) <= cap
         ),
         None,

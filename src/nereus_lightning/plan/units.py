@@ -49,7 +49,7 @@ class Position:
 
 def position_of(layout: Layout, index: int) -> Position:
     """The position of index ``index`` of a unit (``pp_rank * tp + tp_rank``, as in ``Candidate``)."""
-    pp_rank, tp_rank = divmod(index, layout.tp)
+    pp_rank, tp_rank = divmod(index % (layout.pp * layout.tp), layout.tp)  # every shard rank alike
     return Position(pp_rank, tp_rank)
 
 

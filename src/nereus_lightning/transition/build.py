@@ -29,6 +29,14 @@ run alike in the replay), one by one where that is unclear; a model-stage on a t
 one (memory is admitted per call). The DAG's nodes are made once, in the replay's order, where
 alike calls of one model-stage that wait for exactly the same nodes become one batched node.
 Built DAGs are immutable and cached (:func:`clear_cache` empties the cache).
+
+A sharded model-stage (``Layout.shard > 1``) that changes moves as its shard groups
+(:func:`~nereus_lightning.plan.layout.moving_shard_groups`): ``shard`` ZeRO-0 replicas of
+``Layout(tp, pp)`` per replica, each holding its whole ``(tp, pp)`` pieces, which is how the body
+holds the state while it transfers it (its row blocks gathered first). So a shard-degree change is
+a data-parallel change of those replicas, priced and validated at the whole pieces' memory: a
+transition whose whole state does not fit is reported infeasible. A sharded model-stage that stays
+keeps its row blocks (and their memory) throughout.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ from itertools import chain
 
 import numpy as np
 
-from nereus_lightning.plan.layout import Layout, Plan
+from nereus_lightning.plan.layout import Layout, Plan, moving_shard_groups
 from nereus_lightning.plan.memory import boundary_state_bytes, memory_cap
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
@@ -88,9 +96,23 @@ def build_transition(
     Raises:
         NereusConfigError: the plans or ``models`` do not match the workload.
         InfeasiblePlanError: no safe order exists (the message names the stuck acquisition),
-            or a plan does not fit in GPU memory.
+            or a plan does not fit in GPU memory (with its state whole, for a sharded model-stage: the
+            message names their layouts).
     """
-    return _cached_build(current, target, tuple(sorted(models.items())), cluster, workload)
+    try:
+        return _cached_build(current, target, tuple(sorted(models.items())), cluster, workload)
+    except InfeasiblePlanError as err:
+        sharded = [
+            f"{name} {cand.layout} -> {target[name].layout}"
+            for name, cand in current.items()
+            if not cand.same_units(target[name]) and max(cand.layout.shard, target[name].layout.shard) > 1
+        ]
+        if not sharded:
+            raise
+        raise InfeasiblePlanError(
+            f"{err}. ZeRO-sharded model-stages move as their shard groups, each holding its state whole "
+            f"while it moves (re-cutting row blocks in place is not built): {'; '.join(sharded)}"
+        ) from err
 
 
 def clear_cache() -> None:
@@ -159,6 +181,7 @@ def _context(
             raise NereusConfigError(
                 f"models: no ModelSpec for role {role!r} (needed by {name}); pass models[{role!r}]"
             )
+    current, target = moving_shard_groups(current, target)
     unit_memory: dict[tuple[str, Layout], float] = {}
     for name, cand in current.items():
         ms = stages[name]

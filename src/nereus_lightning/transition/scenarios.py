@@ -15,6 +15,9 @@ that co-residency during the transition is sometimes what decides.
 :func:`random_colocated_case` adds *colocation*: in the current plan, the target or both, some
 model-stages of one stage share one run of blocks (they run in turn there, ``plan.overlap``),
 and the target is drawn independently of the current plan, so every kind of overlap mixes with it.
+
+With ``sharded``, :func:`random_case` gives training model-stages ZeRO-sharded replicas too
+(:func:`shard_training`): shard groups of the drawn replicas, at a random degree and ZeRO stage.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import random
 from collections import defaultdict
 from dataclasses import dataclass, replace
 
-from nereus_lightning.plan.layout import Candidate, Layout, Plan
+from nereus_lightning.plan.layout import Candidate, Layout, Plan, moving_shard_groups
 from nereus_lightning.plan.memory import MEMORY_HEADROOM, state_bytes_per_gpu
 from nereus_lightning.spec.cluster import CLUSTER_PRESETS, ClusterSpec
 from nereus_lightning.spec.model import MODEL_PRESETS, ModelSpec
@@ -134,6 +137,20 @@ def random_plan(
     return Plan.of({ms.name: chosen[ms.name] for ms in workload.stages})
 
 
+def shard_training(rng: random.Random, plan: Plan, workload: Workload) -> Plan:
+    """``plan`` with each training model-stage's replicas grouped, at random, into ZeRO-sharded replicas
+    of a degree dividing their number (each drawn replica one shard group, the GPUs unchanged)."""
+    stages = {ms.name: ms for ms in workload.stages}
+    out = {}
+    for name, c in plan.items():
+        shard = rng.choice([d for d in (1, 2, 4) if c.dp % d == 0]) if stages[name].trains else 1
+        if shard > 1:
+            layout = Layout(c.layout.tp, c.layout.pp, shard, rng.choice((1, 2, 3)))
+            c = Candidate(layout, c.dp // shard, c.gpus, c.micro_batch, c.recompute)
+        out[name] = c
+    return Plan.of(out)
+
+
 def _blocks(c: Candidate, block: int) -> set[int]:
     return {g // block for g in c.gpus}
 
@@ -200,8 +217,10 @@ def random_case(
     models: dict[str, ModelSpec] | None = None,
     workload: Workload | None = None,
     slack: tuple[float, float] = (1.0, 1.6),
+    sharded: bool = False,
 ) -> TransitionCase:
-    """A random PPO transition on ``num_gpus`` GPUs whose moves include overlap ``kind``."""
+    """A random PPO transition on ``num_gpus`` GPUs whose moves include overlap ``kind`` (``sharded``:
+    with ZeRO-sharded training model-stages, :func:`shard_training`)."""
     if kind not in OVERLAP_KINDS:
         raise ValueError(f"kind {kind!r} is not one of {OVERLAP_KINDS}")
     models = models or default_models()
@@ -214,6 +233,8 @@ def random_case(
             break
     else:  # pragma: no cover - the generator always finds one quickly
         raise RuntimeError(f"no {kind} case found on {num_gpus} GPUs")
+    if sharded:
+        current, target = shard_training(rng, current, workload), shard_training(rng, target, workload)
     cluster = _case_cluster(rng, current, target, workload, models, num_gpus, gpn, slack)
     return TransitionCase(
         current, target, models, cluster, workload, kind, overlaps_of(current, target, workload)
@@ -232,7 +253,8 @@ def _case_cluster(
 ) -> ClusterSpec:
     """An H200 cluster of ``num_gpus`` whose per-GPU memory is the resident peak of either plan
     times a random slack (so some cases are tight), all of it the allocator's (no reserved memory)."""
-    peak = max(_resident_peak(current, workload, models), _resident_peak(target, workload, models))
+    moving = moving_shard_groups(current, target)  # sharded state moves whole (transition.build)
+    peak = max(_resident_peak(plan, workload, models) for plan in moving)
     memory = peak / (1 - MEMORY_HEADROOM) * rng.uniform(*slack) * (1 + 1e-9)
     base = CLUSTER_PRESETS["paper_cluster3"]
     return replace(

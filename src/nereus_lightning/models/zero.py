@@ -1,0 +1,267 @@
+"""ZeRO inside a replica: a shard group of data-parallel ranks holding one copy of the training state.
+
+A replica of ``Layout(tp, pp, shard, zero)`` has ``shard`` ranks at each (pp, tp) position (its
+*shard group*). Each runs its own micro-batches through a full (pp, tp) shard of the model (a
+:class:`~nereus_lightning.models.sharded.ShardedCausalLM`), and holds dim-0 row blocks of that
+shard's state, cut as FSDP2 cuts (:func:`row_block`), so AdamW state follows its parameter:
+
+- ZeRO-1: the AdamW state (moments, fp32 master) as row blocks; gradients all-reduced over the shard
+  group, each rank steps its rows, then the parameters are all-gathered back.
+- ZeRO-2: as ZeRO-1, but the gradients are reduce-scattered, so a rank keeps only its rows' sum.
+- ZeRO-3: the parameters too: the module's tensors are filled by an all-gather before use
+  (:meth:`ZeroShards.gather`) and released after (:meth:`ZeroShards.release`).
+
+Every collective packs all tensors of one dtype into one flat buffer of ``shard`` equal segments
+(each block padded to ``ceil(rows / shard)`` rows), so one reduce-scatter or all-gather moves them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from nereus_lightning.models.optim import bind_adamw, counted_once
+from nereus_lightning.models.sharded import ShardedCausalLM, all_reduce_flat
+from nereus_lightning.spec.errors import require
+
+
+def row_block(rows: int, shard: int, shard_rank: int) -> tuple[int, int]:
+    """The rows ``[lo, hi)`` of a ``rows``-row tensor that ``shard_rank`` holds: FSDP2's cut, ``ceil(rows /
+    shard)`` rows each, the last ranks' blocks short or empty."""
+    size = -(-rows // shard)
+    lo = min(shard_rank * size, rows)
+    return lo, min(lo + size, rows)
+
+
+def cut_rows(tensor: Tensor, shard: int, shard_rank: int) -> Tensor:
+    """``shard_rank``'s row block of ``tensor`` (a view)."""
+    lo, hi = row_block(tensor.shape[0], shard, shard_rank)
+    return tensor[lo:hi]
+
+
+@dataclass(frozen=True)
+class ShardGroup:
+    """This rank's shard group: the ranks at its (pp, tp) position in each shard rank of its replica.
+
+    ``ranks`` are in shard-rank order; ``group`` is their process group.
+    """
+
+    zero: int
+    ranks: tuple[int, ...]
+    rank: int
+    group: dist.ProcessGroup
+
+    def __post_init__(self) -> None:
+        require(self.zero in (1, 2, 3), "layout.zero", f"a shard group needs ZeRO 1, 2 or 3, got {self.zero}")
+        require(self.rank in self.ranks, "rank", f"rank {self.rank} is not in shard group {self.ranks}")
+
+    @property
+    def shard(self) -> int:
+        """The sharding degree."""
+        return len(self.ranks)
+
+    @property
+    def shard_rank(self) -> int:
+        """This rank's index in the group."""
+        return self.ranks.index(self.rank)
+
+
+def _padded(tensor: Tensor, shard: int) -> Tensor:
+    """``tensor`` as ``[shard, ceil(rows / shard) * row]``: row block ``s`` (zero-padded) in row ``s``."""
+    rows = tensor.shape[0]
+    flat = tensor.reshape(rows, -1)
+    extra = -(-rows // shard) * shard - rows
+    if extra:
+        flat = torch.cat([flat, flat.new_zeros(extra, flat.shape[1])])
+    return flat.reshape(shard, -1)
+
+
+def _segment_sizes(full: Sequence[Tensor], shard: int) -> list[int]:
+    return [-(-t.shape[0] // shard) * (t.numel() // max(t.shape[0], 1)) for t in full]
+
+
+def reduce_scatter_rows(full: Sequence[Tensor], blocks: Sequence[Tensor], shards: ShardGroup) -> None:
+    """Sum the full tensors ``full`` (one dtype) over the shard group into this rank's row ``blocks``."""
+    if not full:
+        return
+    packed = torch.cat([_padded(t, shards.shard) for t in full], dim=1).reshape(-1)
+    out = packed.new_empty(packed.numel() // shards.shard)
+    dist.reduce_scatter_tensor(out, packed, group=shards.group)
+    offset = 0
+    for block, size in zip(blocks, _segment_sizes(full, shards.shard), strict=True):
+        block.copy_(out[offset : offset + block.numel()].view_as(block))
+        offset += size
+
+
+def all_gather_rows(blocks: Sequence[Tensor], full: Sequence[Tensor], shards: ShardGroup) -> None:
+    """Fill the full tensors ``full`` (one dtype) from every shard rank's row ``blocks``."""
+    if not full:
+        return
+    sizes = _segment_sizes(full, shards.shard)
+    mine = full[0].new_zeros(sum(sizes))
+    offset = 0
+    for block, size in zip(blocks, sizes, strict=True):
+        mine[offset : offset + block.numel()].copy_(block.reshape(-1))
+        offset += size
+    out = mine.new_empty(mine.numel() * shards.shard)
+    dist.all_gather_into_tensor(out, mine, group=shards.group)
+    table = out.view(shards.shard, -1)
+    offset = 0
+    for tensor, size in zip(full, sizes, strict=True):
+        rows = table[:, offset : offset + size].reshape(-1, *tensor.shape[1:])
+        tensor.copy_(rows[: tensor.shape[0]])
+        offset += size
+
+
+def _by_dtype(pairs: Sequence[tuple[Tensor, Tensor]]) -> list[tuple[list[Tensor], list[Tensor]]]:
+    groups: dict[torch.dtype, tuple[list[Tensor], list[Tensor]]] = {}
+    for a, b in pairs:
+        group = groups.setdefault(a.dtype, ([], []))
+        group[0].append(a)
+        group[1].append(b)
+    return list(groups.values())
+
+
+class ZeroShards:
+    """One rank's ZeRO state of a sharded replica: its row blocks, and the AdamW stepping them.
+
+    Args:
+        module: this rank's compute module; its parameters are the full (pp, tp) shard, which at
+            ZeRO-3 :meth:`gather` fills before use.
+        shards: the rank's shard group.
+        param_blocks: at ZeRO-3 the parameters' row blocks by global name (the unit's own tensors);
+            None below ZeRO-3, where a block is a view of the module's parameter.
+        optim_state: the row blocks' AdamW state by global name (``models.optim.adamw_keys``; the
+            unit's own tensors, stepped in place); None starts a fresh AdamW.
+        hyper: AdamW's keyword arguments.
+    """
+
+    def __init__(
+        self,
+        module: ShardedCausalLM,
+        shards: ShardGroup,
+        param_blocks: Mapping[str, Tensor] | None = None,
+        optim_state: Mapping[str, Mapping[str, Tensor]] | None = None,
+        **hyper: float | tuple[float, float],
+    ) -> None:
+        require(
+            (param_blocks is not None) == (shards.zero == 3),
+            "param_blocks",
+            f"ZeRO-{shards.zero} {'needs' if shards.zero == 3 else 'takes no'} parameter row blocks",
+        )
+        self.module, self.shards = module, shards
+        self.named = dict(module.named_parameters())
+        if param_blocks is None:
+            blocks = {n: cut_rows(p.detach(), shards.shard, shards.shard_rank) for n, p in self.named.items()}
+        else:
+            blocks = dict(param_blocks)
+        self.blocks = {n: nn.Parameter(blocks[n], requires_grad=False) for n in self.named}
+        self.optimizer = bind_adamw(self.blocks, optim_state, **hyper)
+        self.counted = dict(zip(self.named, counted_once(module), strict=True))
+        self.whole = True  # the module's parameters hold the blocks' current values (always below ZeRO-3)
+
+    def gather(self) -> None:
+        """ZeRO-3: give the module's parameters their full values from every shard rank's blocks (collective
+        over the shard group); a no-op below ZeRO-3, whose parameters are always whole, and while they
+        are whole already (every shard rank sees the same gathers and releases)."""
+        if self.whole:
+            return
+        self.whole = True
+        for p in self.named.values():
+            p.untyped_storage().resize_(p.numel() * p.element_size())
+        pairs = [(self.blocks[n].detach(), p.detach()) for n, p in self.named.items()]
+        for blocks, full in _by_dtype(pairs):
+            all_gather_rows(blocks, full, self.shards)
+
+    def release(self) -> None:
+        """ZeRO-3: free the module's full parameters (their shapes stay, their storage goes) until the
+        next :meth:`gather`; a no-op below ZeRO-3."""
+        if self.shards.zero < 3:
+            return
+        self.whole = False
+        for p in self.named.values():
+            p.untyped_storage().resize_(0)
+
+    def whole_state(self) -> dict[str, dict[str, Tensor]]:
+        """The AdamW state whole, as an unsharded replica holds it (by global name and key; collective over
+        the shard group): new tensors of every shard rank's rows, the 0-d ``step`` shared. For readers of
+        whole tensors (transfers, the logical state); the row blocks stay what the optimizer steps."""
+        out: dict[str, dict[str, Tensor]] = {}
+        pairs = []
+        for n, block in self.blocks.items():
+            shape = self.named[n].shape
+            entry = out.setdefault(n, {})
+            for key, rows in self.optimizer.state[block].items():
+                entry[key] = rows if key == "step" else rows.new_empty(shape)
+                if key != "step":
+                    pairs.append((rows.detach(), entry[key]))
+        for blocks, full in _by_dtype(pairs):
+            all_gather_rows(blocks, full, self.shards)
+        return out
+
+    def step(self, max_norm: float, dp_group: dist.ProcessGroup | None) -> tuple[float, str | None]:
+        """Reduce this rank's gradients into its row blocks (summed over the shard group and, through
+        ``dp_group``, the replicas), clip them to ``max_norm`` by the replica's global norm and step the
+        blocks; then all-gather the parameters (below ZeRO-3; at ZeRO-3 the stale full parameters are
+        released until the next :meth:`gather`). Collective over the model-stage's ranks.
+
+        Returns the norm before clipping and, when it is not finite (nothing stepped), the first
+        parameter here whose gradient is not. The module's gradients are dropped either way.
+        """
+        grads = self._reduce_grads(dp_group)
+        norm = self._norm(grads)
+        problem = None
+        if math.isfinite(norm):
+            scale = min(max_norm / (norm + 1e-6), 1.0)
+            for n, block in self.blocks.items():
+                block.grad = grads[n].mul_(scale)
+            self.optimizer.step()
+            if self.shards.zero < 3:
+                pairs = [(self.blocks[n].detach(), p.detach()) for n, p in self.named.items()]
+                for blocks, full in _by_dtype(pairs):
+                    all_gather_rows(blocks, full, self.shards)
+        else:
+            names = [n for n, g in grads.items() if not bool(torch.isfinite(g).all())]
+            problem = f"first non-finite gradient here: {names[0]}" if names else "non-finite on another rank"
+        for block in self.blocks.values():
+            block.grad = None
+        self.release()
+        return norm, problem
+
+    def _reduce_grads(self, dp_group: dist.ProcessGroup | None) -> dict[str, Tensor]:
+        """This rank's row blocks of the gradients summed over every data-parallel rank; the module's
+        full gradients dropped."""
+        blocks = {n: torch.empty_like(b) for n, b in self.blocks.items()}
+        pairs = [
+            (p.grad if p.grad is not None else torch.zeros_like(p), blocks[n]) for n, p in self.named.items()
+        ]
+        if self.shards.zero == 1:  # the whole gradient on every rank, then each takes its rows
+            for fulls, _ in _by_dtype(pairs):
+                all_reduce_flat(fulls, self.shards.group)
+            for grad, block in pairs:
+                block.copy_(cut_rows(grad, self.shards.shard, self.shards.shard_rank))
+        else:
+            for fulls, parts in _by_dtype(pairs):
+                reduce_scatter_rows(fulls, parts, self.shards)
+        for p in self.named.values():
+            p.grad = None
+        if dp_group is not None:
+            all_reduce_flat(list(blocks.values()), dp_group)
+        return blocks
+
+    def _norm(self, grads: Mapping[str, Tensor]) -> float:
+        """The replica's global norm of the row blocks ``grads`` (every logical element once)."""
+        device = next(iter(self.blocks.values())).device
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for n, grad in grads.items():
+            if self.counted[n]:
+                total += grad.float().pow(2).sum()
+        dist.all_reduce(total, group=self.shards.group)
+        if self.module.comm.layout.size > 1:
+            dist.all_reduce(total, group=self.module.comm.replica_group)
+        return float(total.sqrt())
