@@ -343,10 +343,10 @@ class EMUStates:
         """
         assert self.plan is not None
         sources = self._sources()
-        follows = {  # a sharded training stage holds its rows at rest: its syncs gather them (below)
-            n
-            for n, train in sources.items()
-            if self.plan[train].layout.shard == 1 and self.residency_of.can_follow(n) and syncs_locally(train, n)
+        # A sharded training stage holds its rows at rest: its syncs gather them (below), none follows it.
+        whole_source = {n for n, train in sources.items() if self.plan[train].layout.shard == 1}
+        follows = {
+            n for n in whole_source if self.residency_of.can_follow(n) and syncs_locally(sources[n], n)
         }
         trains = {n: o for n, o in self.optimizers.items() if n in sources.values()}
         with whole(trains, optim=False):
