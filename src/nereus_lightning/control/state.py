@@ -16,6 +16,8 @@ def plan_to_state(plan: Plan | None) -> list[dict[str, Any]] | None:
             "name": n,
             "tp": c.layout.tp,
             "pp": c.layout.pp,
+            "shard": c.layout.shard,
+            "zero": c.layout.zero,
             "dp": c.dp,
             "gpus": list(c.gpus),
             "micro_batch": c.micro_batch,
@@ -34,7 +36,12 @@ def plan_from_state(state: list[dict[str, Any]] | None) -> Plan | None:
             (
                 s["name"],
                 Candidate(
-                    Layout(s["tp"], s["pp"]), s["dp"], tuple(s["gpus"]), s["micro_batch"], s["recompute"]
+                    # checkpoints from before ZeRO hold no shard / zero: unsharded
+                    Layout(s["tp"], s["pp"], s.get("shard", 1), s.get("zero", 0)),
+                    s["dp"],
+                    tuple(s["gpus"]),
+                    s["micro_batch"],
+                    s["recompute"],
                 ),
             )
             for s in state

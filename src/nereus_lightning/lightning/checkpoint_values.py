@@ -98,7 +98,7 @@ def _total_completed(progress: Any) -> int | None:
 def check_plan_state(plan: Any, meta: Path, field: str) -> None:
     """A plan as the controller stores it: per model-stage a name, its layout and its GPUs, adding up."""
     from nereus_lightning.control.state import plan_to_state
-    from nereus_lightning.plan.layout import Plan
+    from nereus_lightning.plan.layout import ZERO_STAGES, Plan
 
     if plan is None:
         return
@@ -114,14 +114,20 @@ def check_plan_state(plan: Any, meta: Path, field: str) -> None:
             count(meta, f"{where}.{key}", stage.get(key), 1, MAX_GPUS)
             for key in ("tp", "pp", "dp", "micro_batch")
         )
+        shard = count(meta, f"{where}.shard", stage.get("shard", 1), 1, MAX_GPUS)  # 1 before ZeRO
+        count(meta, f"{where}.zero", stage.get("zero", 0), 0, max(ZERO_STAGES))
         gpus = stage.get("gpus")
         if not isinstance(gpus, list):
             raise _bad(meta, f"{where}.gpus", gpus, "a list of GPU ids")
         for j, gpu in enumerate(gpus):
             count(meta, f"{where}.gpus[{j}]", gpu, 0, MAX_GPUS - 1)
-        if len(gpus) != dp * tp * pp or len(set(gpus)) != len(gpus):
+        size = dp * shard * tp * pp
+        if len(gpus) != size or len(set(gpus)) != len(gpus):
             raise _bad(
-                meta, f"{where}.gpus", gpus, f"{dp * tp * pp} distinct GPU ids (dp {dp} x tp {tp} x pp {pp})"
+                meta,
+                f"{where}.gpus",
+                gpus,
+                f"{size} distinct GPU ids (dp {dp} x shard {shard} x tp {tp} x pp {pp})",
             )
         if not isinstance(stage.get("recompute", False), bool):
             raise _bad(meta, f"{where}.recompute", stage.get("recompute"), "true or false")
