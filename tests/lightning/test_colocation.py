@@ -36,7 +36,11 @@ def _first_plan(out) -> Plan:
     return Plan.of(
         {
             name: Candidate(
-                Layout(c["tp"], c["pp"]), c["dp"], _gpus(c["gpus"]), c["micro_batch"], c["recompute"]
+                Layout(c["tp"], c["pp"], c["shard"], c["zero"]),
+                c["dp"],
+                _gpus(c["gpus"]),
+                c["micro_batch"],
+                c["recompute"],
             )
             for name, c in target.items()
         }

@@ -70,7 +70,8 @@ def _finite(x: float | None) -> float | None:
 
 
 def plan_to_json(plan: Plan | None) -> dict[str, Any] | None:
-    """A compact JSON form of a plan: per model-stage dp/tp/pp/micro-batch/recompute and GPU ranges."""
+    """A compact JSON form of a plan: per model-stage dp/tp/pp/ZeRO shard and stage/micro-batch/recompute
+    and GPU ranges."""
     if plan is None:
         return None
     return {
@@ -78,6 +79,8 @@ def plan_to_json(plan: Plan | None) -> dict[str, Any] | None:
             "dp": c.dp,
             "tp": c.layout.tp,
             "pp": c.layout.pp,
+            "shard": c.layout.shard,
+            "zero": c.layout.zero,
             "micro_batch": c.micro_batch,
             "recompute": c.recompute,
             "gpus": gpu_ranges(c.gpus),

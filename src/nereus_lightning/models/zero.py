@@ -29,6 +29,10 @@ from nereus_lightning.models.optim import bind_adamw, counted_once
 from nereus_lightning.models.sharded import ShardedCausalLM, all_reduce_flat
 from nereus_lightning.spec.errors import require
 
+# torch 2.13 renamed the flat collectives (the old names warn there); earlier torch has the old ones only.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def row_block(rows: int, shard: int, shard_rank: int) -> tuple[int, int]:
     """The rows ``[lo, hi)`` of a ``rows``-row tensor that ``shard_rank`` holds: FSDP2's cut, ``ceil(rows /
@@ -91,7 +95,7 @@ def reduce_scatter_rows(full: Sequence[Tensor], blocks: Sequence[Tensor], shards
         return
     packed = torch.cat([_padded(t, shards.shard) for t in full], dim=1).reshape(-1)
     out = packed.new_empty(packed.numel() // shards.shard)
-    dist.reduce_scatter_tensor(out, packed, group=shards.group)
+    _reduce_scatter(out, packed, group=shards.group)
     offset = 0
     for block, size in zip(blocks, _segment_sizes(full, shards.shard), strict=True):
         block.copy_(out[offset : offset + block.numel()].view_as(block))
@@ -109,7 +113,7 @@ def all_gather_rows(blocks: Sequence[Tensor], full: Sequence[Tensor], shards: Sh
         mine[offset : offset + block.numel()].copy_(block.reshape(-1))
         offset += size
     out = mine.new_empty(mine.numel() * shards.shard)
-    dist.all_gather_into_tensor(out, mine, group=shards.group)
+    _all_gather(out, mine, group=shards.group)
     table = out.view(shards.shard, -1)
     offset = 0
     for tensor, size in zip(full, sizes, strict=True):
