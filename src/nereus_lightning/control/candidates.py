@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from nereus_lightning.control.backend import Estimate, PlanningBackend
@@ -31,7 +31,7 @@ from nereus_lightning.control.variants import (
     relief_variants,
 )
 from nereus_lightning.plan.layout import Plan
-from nereus_lightning.plan.memory import MEMORY_HEADROOM
+from nereus_lightning.plan.memory import full_memory
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.errors import InfeasiblePlanError
 from nereus_lightning.spec.workload import Workload, workflow
@@ -289,13 +289,6 @@ class CandidateSource:
 def layout_changes(plan: Plan, current: Plan) -> int:
     """How many model-stages of ``plan`` run another TP/PP layout than in ``current`` (Split/Merge needed)."""
     return sum(1 for name, cand in plan.items() if name not in current or current[name].layout != cand.layout)
-
-
-def full_memory(cluster: ClusterSpec) -> ClusterSpec:
-    """``cluster`` as the cost model must see it to tell a real out-of-memory: its memory cap the
-    whole GPU memory. The planner keeps a headroom below it (``plan.memory.MEMORY_HEADROOM``); a
-    step runs out of memory only when it needs more than the GPU has."""
-    return replace(cluster, gpu_memory=cluster.gpu_memory / (1 - MEMORY_HEADROOM))
 
 
 def short_of(opt: Option) -> set[str]:

@@ -43,13 +43,14 @@ from typing import Any
 
 from nereus_lightning.control.attribution import PHASES, PhasedEstimate, op_times
 from nereus_lightning.control.backend import Estimate, PlanningBackend, op_totals
-from nereus_lightning.control.candidates import CandidateSource, Surprise, full_memory
+from nereus_lightning.control.candidates import CandidateSource, Surprise
 from nereus_lightning.control.decision import Decision, DecisionLog, describe_plan
 from nereus_lightning.control.forecast import LengthForecast
 from nereus_lightning.control.search import Replan, TargetSearch
 from nereus_lightning.control.signals import DRIFT_SIGNALS, StepSignals
 from nereus_lightning.control.state import plan_from_state, plan_to_state
 from nereus_lightning.control.triggers import (
+    NON_CROSSING_KINDS,
     CrossingClock,
     DriftTrigger,
     PoolTrigger,
@@ -61,6 +62,7 @@ from nereus_lightning.control.triggers import (
 from nereus_lightning.control.variants import intact_plan
 from nereus_lightning.plan.calibration import MemoryCalibration
 from nereus_lightning.plan.layout import Plan
+from nereus_lightning.plan.memory import full_memory
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.errors import InfeasiblePlanError, require
 from nereus_lightning.spec.workload import Workload
@@ -223,7 +225,7 @@ class Controller:
             if relaunch is None and not triggers:
                 return Decision(signals.step, "none")
             decision = relaunch or self._replan(signals, triggers)
-            if relaunch is not None or any(t.kind not in ("recheck", "headroom") for t in triggers):
+            if relaunch is not None or any(t.kind not in NON_CROSSING_KINDS for t in triggers):
                 self._reset_references(signals)  # neither is a crossing: references stay
                 self.recheck.settle(signals.step)
             self.recheck.refuse(

@@ -19,6 +19,8 @@ from typing import Any
 from nereus_lightning.spec.errors import require
 
 URGENT_KINDS = ("revocation", "memory")
+#: Trigger kinds that are no crossing of a drift threshold: they leave the drift references where they are.
+NON_CROSSING_KINDS = ("recheck", "headroom")
 
 
 @dataclass(frozen=True)

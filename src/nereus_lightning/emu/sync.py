@@ -8,6 +8,7 @@ a rank that holds a source and a target shard copies their overlap locally first
   live units, in place (B's tensors keep their identity, so modules built on them stay valid):
   the weight synchronisation actor_train -> actor_gen / actor_infer after an update. B does not
   train (its parameters would part from its optimizer state).
+  :func:`local_refill` gives the same sync as a copy on each rank alone where it crosses no ranks.
 * :func:`relayout` moves a model-stage's whole state (parameters, AdamW state, counters) from its
   live units onto new units of any layouts and ranks, then makes those the live units: the
   per-model-stage fallback for plans the transition brain does not model (e.g. model-stages of
@@ -18,7 +19,7 @@ Call both on EVERY rank with the same arguments (ranks outside every unit only u
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -136,28 +137,23 @@ def sync_params(source_stage: str, target_stage: str, device: torch.device | Non
     return copy_between(schema, sources, targets, old, new, trains=False, device=device)
 
 
-def syncs_locally(source_stage: str, target_stage: str) -> bool:
-    """Whether every rank holds, of ``source_stage``, all of ``target_stage``'s parameters it holds: the
-    weight sync then moves nothing between ranks (the same answer on every rank)."""
+def local_refill(source_stage: str, target_stage: str) -> Callable[[], None] | None:
+    """The weight sync ``source_stage`` -> ``target_stage`` as a copy on this rank alone, where it moves
+    nothing between ranks (every rank holds the source shards its target shards need; the same answer
+    on every rank), else None. The copy finds the units at call time: it refills the target's tensors."""
     schema, sources, targets = _sync_units(source_stage, target_stage)
-    return not plan_transfer(schema, _holdings(schema, sources), _holdings(schema, targets), False).moves
-
-
-def refill(source_stage: str, target_stage: str) -> None:
-    """This rank's ``target_stage`` parameters copied from its ``source_stage`` shards, locally: the weight
-    sync where :func:`syncs_locally` (no collectives)."""
-    schema, sources, targets = _sync_units(source_stage, target_stage)
+    held, needed = _holdings(schema, sources), _holdings(schema, targets)
+    if plan_transfer(schema, held, needed, False).moves:
+        return None
     me = dist.get_rank()
-    old, new = _state_of(_local(source_stage), False), _state_of(_local(target_stage), False)
-    with torch.no_grad():
-        _copy_overlaps(
-            schema,
-            old,
-            _holdings(schema, sources).get(me, {}),
-            new,
-            _holdings(schema, targets).get(me, {}),
-            False,
-        )
+    old_iv, new_iv = held.get(me, {}), needed.get(me, {})
+
+    def refill() -> None:
+        old, new = _state_of(_local(source_stage), False), _state_of(_local(target_stage), False)
+        with torch.no_grad():
+            _copy_overlaps(schema, old, old_iv, new, new_iv, False)
+
+    return refill
 
 
 def relayout(

@@ -166,6 +166,9 @@ def import_universal(
     fp32 master only (``params_from_masters.json``), as a nereus training unit saves it. The step stored
     with the tensors (and the counters' optimizer step) is the parameters' AdamW step.
     """
+    output = Path(output)
+    if output.exists():  # before the whole checkpoint is read
+        raise CheckpointError(f"{output}: exists; name a new folder for the nereus model-stage checkpoint")
     folder = universal_folder(source)
     state = read_universal(folder)
     check_names(
@@ -182,9 +185,6 @@ def import_universal(
     step = int(max(float(e["step"]) for e in state.values()))
     out["counters"] = Counters(optimizer_step=step, update_count=step).as_tensor()
     out[STEP_KEY] = torch.tensor([step], dtype=torch.int64)
-    output = Path(output)
-    if output.exists():
-        raise CheckpointError(f"{output}: exists; name a new folder for the nereus model-stage checkpoint")
     output.mkdir(parents=True)
     if needs_master(dtype):
         dtype_name = str(dtype).removeprefix("torch.")

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from nereus_lightning import emu
-from nereus_lightning.emu.sync import sync_params, syncs_locally
+from nereus_lightning.emu.sync import local_refill, sync_params
 from nereus_lightning.emu.unit import Counters
 from nereus_lightning.engines.base import GenerationSite, StageEngine
 from nereus_lightning.engines.registry import engine_kind
@@ -319,8 +319,7 @@ class EMUStates:
         module = self.units.get(model_stage)
         if module is None:
             return StageUpdate(None)
-        optimizer = self.optimizers[model_stage]
-        result = step_stage(module, optimizer, max_norm)
+        result = step_stage(module, self.optimizers[model_stage], max_norm)
         if result.problem is None:
             step = Counters(optimizer_step=1, update_count=1, policy_version=1, sample_position=samples)
             self._advance(model_stage, step)
@@ -343,16 +342,18 @@ class EMUStates:
         """
         assert self.plan is not None
         sources = self._sources()
-        # A sharded training stage holds its rows at rest: its syncs gather them (below), none follows it.
-        whole_source = {n for n, train in sources.items() if self.plan[train].layout.shard == 1}
-        follows = {
-            n for n in whole_source if self.residency_of.can_follow(n) and syncs_locally(sources[n], n)
+        # A sharded training stage holds its rows at rest: none follows it, its syncs gather them (below).
+        refills = {
+            n: local_refill(train, n)
+            for n, train in sources.items()
+            if self.plan[train].layout.shard == 1 and self.residency_of.can_follow(n)
         }
         trains = {n: o for n, o in self.optimizers.items() if n in sources.values()}
         with whole(trains, optim=False):
             for name, train in sources.items():
-                if name in follows:
-                    self.residency_of.follow(name, train)
+                refill = refills.get(name)
+                if refill is not None:
+                    self.residency_of.follow(name, train, refill)
                 else:
                     sync_params(train, name)
                 # a new policy version in this model-stage (one sync per update)

@@ -15,12 +15,10 @@ the host without its values: a weight sync then moves nothing over the host link
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from functools import partial
 
 from nereus_lightning import emu
-from nereus_lightning.emu.sync import refill
 from nereus_lightning.lightning.rollout_engines import RolloutEngines
 from nereus_lightning.spec.workload import ModelStage
 
@@ -44,14 +42,15 @@ class Residency:
         generates = self.stages[model_stage].stage == "generation" and self.engines.decoding is not None
         return not generates or self.engines.kind.on_unit
 
-    def follow(self, model_stage: str, source: str) -> None:
-        """``model_stage`` holds ``source``'s current parameters from now on: copied in from this rank's
-        ``source`` shards at each onload (now, if on its device) instead of a weight sync."""
+    def follow(self, model_stage: str, source: str, refill: Callable[[], None]) -> None:
+        """``model_stage`` holds ``source``'s current parameters from now on: ``refill`` (the weight sync
+        as a local copy, :func:`~nereus_lightning.emu.sync.local_refill`) writes them at each onload
+        (now, if on its device) instead of a weight sync."""
         self.following[model_stage] = source
         unit = emu.registry().mine(model_stage)
         if unit is None:
             return
-        unit.refill = partial(refill, source, model_stage)
+        unit.refill = refill
         if unit.resident:
             unit.refill()
         else:

@@ -6,9 +6,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from nereus_lightning.models import ShardedCausalLM, clip_grad_norm_
+from nereus_lightning.models.sharded import all_reduce_flat
 from nereus_lightning.models.zero import ZeroShards
 
 
@@ -39,14 +39,8 @@ def step_stage(
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         grads.append(p.grad)
-    dp_group = module.comm.dp_group
-    if dp_group is not None:
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=dp_group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+    if module.comm.dp_group is not None:
+        all_reduce_flat(grads, module.comm.dp_group)
     norm = float(clip_grad_norm_(module, max_norm))
     problem = None
     if math.isfinite(norm):

@@ -26,6 +26,7 @@ KV cache in whole blocks (:func:`generation_budget`).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from functools import lru_cache
 
 from nereus_lightning.plan.compute import kv_bytes_per_token_layer, stage_layers
@@ -71,6 +72,13 @@ def memory_cap(cluster: ClusterSpec) -> float:
     holds outside the allocator (``ClusterSpec.reserved_memory``). Every peak here is allocator bytes
     (what ``torch.cuda.max_memory_allocated`` measures)."""
     return cluster.gpu_memory * (1 - MEMORY_HEADROOM) - cluster.reserved_memory
+
+
+def full_memory(cluster: ClusterSpec) -> ClusterSpec:
+    """``cluster`` as the cost model must see it to tell a real out-of-memory: its memory cap the
+    whole GPU memory. The planner keeps a headroom below it (:data:`MEMORY_HEADROOM`); a
+    step runs out of memory only when it needs more than the GPU has."""
+    return replace(cluster, gpu_memory=cluster.gpu_memory / (1 - MEMORY_HEADROOM))
 
 
 @lru_cache(maxsize=1 << 13)
@@ -316,7 +324,13 @@ def training_peak_bytes(
     passes = training_pass_bytes(
         model, layout, pp_rank, micro_batch, seq_len, micro_batches, recompute, lm_head
     )
-    state, gathered, step = training_state_terms(model, layout, pp_rank)
+    return training_peak_of(training_state_terms(model, layout, pp_rank), passes)
+
+
+def training_peak_of(terms: tuple[float, float, float], passes: float) -> float:
+    """The training peak from :func:`training_state_terms` and the pass's bytes: the state, then the
+    larger of the pass with the unsharded blocks and the optimizer step's temporaries."""
+    state, gathered, step = terms
     return state + max(passes + gathered, step)
 
 

@@ -40,7 +40,12 @@ from nereus_lightning.plan.cost import (
     wave_peak,
 )
 from nereus_lightning.plan.layout import Layout
-from nereus_lightning.plan.memory import boundary_state_bytes, training_pass_bytes, training_state_terms
+from nereus_lightning.plan.memory import (
+    boundary_state_bytes,
+    training_pass_bytes,
+    training_peak_of,
+    training_state_terms,
+)
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.model import ModelSpec
 
@@ -275,10 +280,7 @@ class CandidateTable:
                                 for r in ends
                             )
                         # = peak_memory(work, layout, dp, mb, rc), its terms shared by the ZeRO variants
-                        peak = max(
-                            state + max(p + gathered, temp)
-                            for (state, gathered, temp), p in zip(terms, run, strict=True)
-                        )
+                        peak = max(training_peak_of(t, p) for t, p in zip(terms, run, strict=True))
                         if layout.shard == 1 and peak <= cap:
                             unsharded.add((mb, rc))
                         if peak <= cap and (layout.shard == 1 or not unsharded or (mb, rc) in unsharded):

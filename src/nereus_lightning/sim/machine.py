@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from nereus_lightning.control.backend import PlanningBackend, op_totals
-from nereus_lightning.control.candidates import full_memory
 from nereus_lightning.plan.layout import Plan
+from nereus_lightning.plan.memory import full_memory
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.errors import require
 from nereus_lightning.spec.workload import Workload
