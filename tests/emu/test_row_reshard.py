@@ -6,17 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nereus_lightning.emu.transfer_plan import grown_order, row_moves, shrunk_order
+from nereus_lightning.plan.rows import grown_order, shrunk_order
 
 pytestmark = pytest.mark.distributed
-
-
-def test_growing_keeps_each_old_block_inside_its_new_one() -> None:
-    assert grown_order((5, 7), (1, 2)) == (5, 1, 7, 2)
-    assert shrunk_order((5, 1, 7, 2), 2) == (5, 7)
-    moves = row_moves({"w": 8}, (5, 7), (5, 1, 7, 2))
-    # rank 5 keeps rows 0-2 (its new block), rank 7 rows 4-6; rows 2-4 and 6-8 move to the new ranks
-    assert sorted((m.src, m.dst, m.lo, m.hi) for m in moves) == [(5, 1, 2, 4), (7, 2, 6, 8)]
 
 
 def _state() -> dict[str, torch.Tensor]:

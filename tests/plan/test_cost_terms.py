@@ -271,6 +271,26 @@ def test_optimizer_step_is_dp_allreduce_plus_adamw_traffic():
     assert step["allreduce_inter"] == pytest.approx(2 * 3 / 4 * params * 2 / (10e9 / 4) + 6 * 10e-6)
 
 
+def test_a_sharded_step_sums_its_gradients_and_gathers_its_weights_once_whatever_its_micro_batches():
+    """As ``models.zero.ZeroShards`` runs a step: the whole gradients summed once in the shard group
+    (ZeRO-1 all-reduces them, ZeRO-2/3 reduce-scatter them), the weights all-gathered once (ZeRO-3
+    before the pass, which holds them whole), nothing per micro-batch."""
+    c = _cluster(gpn=4)
+    w = _work("training", sequences=64)
+    grads = L8.num_params * L8.dtype_bytes  # TP1 x PP1: the whole model on each shard rank
+    gather = allgather_time(grads, 4, GroupLink(), c)
+    for zero in (1, 2, 3):
+        lay = Layout(1, 1, 4, zero)
+        links = canonical_links(lay, 1, c)
+        assert links.shard == GroupLink()  # one node
+        for mb in (1, 2, 4, 16):
+            ideal = ideal_time(w, lay, 1, mb, False, links, c)
+            assert ideal["training.allgather_intra"] == pytest.approx(gather * (1 if zero == 1 else 2))
+            assert ideal.get("training.allreduce_intra", 0.0) == pytest.approx(
+                allreduce_time(grads, 4, GroupLink(), c) if zero == 1 else 0.0
+            )
+
+
 def test_training_slot_counts_tp_allreduces_per_block():
     c = _cluster(gpn=4)
     w = _work("training", role="critic", sequences=64)  # no LM head

@@ -24,10 +24,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from nereus_lightning.emu.schema import StateSchema
-from nereus_lightning.emu.transfer_plan import Interval, Move, TransferPlan, row_moves
+from nereus_lightning.emu.transfer_plan import Interval, Move, TransferPlan
 from nereus_lightning.kernels.pack import byte_offsets, pack, unpack
 from nereus_lightning.models.groups import member_group
-from nereus_lightning.models.zero import row_block
+from nereus_lightning.plan.rows import row_block, row_moves
 
 StateDict = dict[tuple[str, str], Tensor]  # (name, key) -> tensor; key "param" or an optimizer key
 
@@ -231,7 +231,7 @@ def recut_rows(
 
     ``blocks``: this rank's blocks under ``old`` by key (empty off ``old``); ``shapes``: each key's
     full shape and dtype. The rows a rank holds in both cuts stay; the rest move as
-    :func:`~nereus_lightning.emu.transfer_plan.row_moves` lists them, one packed buffer per peer in
+    :func:`~nereus_lightning.plan.rows.row_moves` lists them, one packed buffer per peer in
     one P2P batch among the ranks that move something (each of them calls this).
     """
     me = dist.get_rank()

@@ -11,7 +11,8 @@ already holds and receives exactly the rest.
 * Copies between arbitrary unit sets (weight sync, re-layout: ``emu.sync``, which the brain does
   not price) use :func:`plan_transfer`: each missing segment from one holder, the least-loaded
   one so far (ties: the nearest rank, then the lowest), which spreads an all-gather evenly.
-* A sharded unit's shard degree changes by re-cutting its dim-0 row blocks (:func:`row_moves`).
+* A sharded unit's shard degree changes by re-cutting its dim-0 row blocks: ``plan.rows.row_moves``
+  (the brain's list, executed by ``emu.transfer.recut_rows``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from nereus_lightning.emu.schema import StateSchema
-from nereus_lightning.models.zero import row_block
 from nereus_lightning.plan.layout import Layout
 from nereus_lightning.plan.units import Primitive, position_of
 from nereus_lightning.spec.errors import require
@@ -253,53 +253,3 @@ def _source(
             spans.append((src, lo, hi))
     # The 0-d AdamW step travels once per (name, dst), with the first span.
     return [Move(src, dst, name, lo, hi, with_step and i == 0) for i, (src, lo, hi) in enumerate(spans)]
-
-
-# -- re-cutting the row blocks of a sharded unit (its shard degree changes) ----------------------------
-
-
-@dataclass(frozen=True)
-class RowMove:
-    """Rows ``[lo, hi)`` of the row-cut tensor ``key`` sent from ``src`` to ``dst``."""
-
-    src: int
-    dst: int
-    key: str
-    lo: int
-    hi: int
-
-
-def row_moves(rows: dict[str, int], old: tuple[int, ...], new: tuple[int, ...]) -> tuple[RowMove, ...]:
-    """The moves that re-cut row blocks held by ranks ``old`` (shard order) into the blocks of ``new``.
-
-    ``rows`` gives each row-cut tensor's row count. A rank keeps the rows it holds in both cuts;
-    every other row of a new block comes from the old rank that holds it. Growing ``d -> d'`` with
-    :func:`grown_order` moves ``(d' - d) / d'`` of the state, the least any order can.
-    """
-    moves = []
-    for key, n in rows.items():
-        for j, dst in enumerate(new):
-            want = row_block(n, len(new), j)
-            for i, src in enumerate(old):
-                have = row_block(n, len(old), i)
-                lo, hi = max(want[0], have[0]), min(want[1], have[1])
-                if lo < hi and src != dst:
-                    moves.append(RowMove(src, dst, key, lo, hi))
-    return tuple(moves)
-
-
-def grown_order(old: tuple[int, ...], added: tuple[int, ...]) -> tuple[int, ...]:
-    """The shard order of a unit grown from ``old`` by ``added`` ranks that keeps the most in place: with
-    ``k = d' / d``, old rank ``i`` at position ``i * k`` (its new block lies inside its old one)."""
-    d, total = len(old), len(old) + len(added)
-    require(total % d == 0, "shard", f"growing shard {d} -> {total}: the new degree must be a multiple")
-    k, spare = total // d, iter(added)
-    return tuple(rank for r in old for rank in (r, *(next(spare) for _ in range(k - 1))))
-
-
-def shrunk_order(order: tuple[int, ...], shard: int) -> tuple[int, ...]:
-    """The ranks that stay when a unit of shard order ``order`` shrinks to ``shard``: every ``k``-th
-    (``k = d / shard``), each holding ``1 / k`` of its new block already (the inverse of
-    :func:`grown_order`)."""
-    require(len(order) % shard == 0, "shard", f"shrinking shard {len(order)} -> {shard}: need a divisor")
-    return order[:: len(order) // shard]

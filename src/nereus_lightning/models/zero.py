@@ -3,7 +3,8 @@
 A replica of ``Layout(tp, pp, shard, zero)`` has ``shard`` ranks at each (pp, tp) position (its
 *shard group*). Each runs its own micro-batches through a full (pp, tp) shard of the model (a
 :class:`~nereus_lightning.models.sharded.ShardedCausalLM`), and holds dim-0 row blocks of that
-shard's state, cut as FSDP2 cuts (:func:`row_block`), so AdamW state follows its parameter:
+shard's state, cut as FSDP2 cuts (:func:`~nereus_lightning.plan.rows.row_block`), so AdamW state
+follows its parameter:
 
 - ZeRO-1: the AdamW state (moments, fp32 master) as row blocks; gradients all-reduced over the shard
   group, each rank steps its rows, then the parameters are all-gathered back.
@@ -27,19 +28,12 @@ from torch import Tensor, nn
 
 from nereus_lightning.models.optim import bind_adamw, counted_once
 from nereus_lightning.models.sharded import ShardedCausalLM, all_reduce_flat
+from nereus_lightning.plan.rows import row_block
 from nereus_lightning.spec.errors import require
 
 # torch 2.13 renamed the flat collectives (the old names warn there); earlier torch has the old ones only.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def row_block(rows: int, shard: int, shard_rank: int) -> tuple[int, int]:
-    """The rows ``[lo, hi)`` of a ``rows``-row tensor that ``shard_rank`` holds: FSDP2's cut, ``ceil(rows /
-    shard)`` rows each, the last ranks' blocks short or empty."""
-    size = -(-rows // shard)
-    lo = min(shard_rank * size, rows)
-    return lo, min(lo + size, rows)
 
 
 def cut_rows(tensor: Tensor, shard: int, shard_rank: int) -> Tensor:

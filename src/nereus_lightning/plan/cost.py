@@ -15,8 +15,11 @@ is as slow as its slowest replica, which gets ``ceil(sequences / dp)`` sequences
 - Training = 1F1B pipeline, ``(a + pp - 1)`` micro-batch slots per optimizer step, then the DP
   gradient all-reduce and the AdamW update, for every mini-batch and PPO epoch. A ZeRO-sharded
   replica (``Layout.shard``) runs ``a`` micro-batches on each shard rank; its collectives in the
-  shard group come per step (ZeRO-1/2: reduce-scatter and all-gather) or per micro-batch (ZeRO-2's
-  gradient reduce-scatter; ZeRO-3's all-gathers of the weights), :func:`_optimizer_step`.
+  shard group come once per optimizer step at every ZeRO stage, as the body runs them
+  (``models.zero.ZeroShards``): the whole gradients the micro-batches accumulated are summed once
+  (ZeRO-1: an all-reduce; ZeRO-2/3: a reduce-scatter into row blocks) and the weights all-gathered
+  once (ZeRO-1/2 after the update; ZeRO-3 before the next pass, which holds them whole throughout:
+  ``memory.gathered_bytes``), :func:`_optimizer_step`.
 - Each operation is priced per stage kind (``training.gemm``, ``inference.gemm``...): a training
   step's GEMMs run at another efficiency than a forward-only pass's, and each measured stage
   calibrates its own classes only.
@@ -396,31 +399,26 @@ def _stage_params(work: StageWork, layout: Layout) -> float:
 
 def _optimizer_step(work: StageWork, layout: Layout, dp: int, links: Links, cluster: ClusterSpec) -> Ideal:
     """Per optimizer step: the gradient sync, the HBM-bound AdamW update of the rank's share of the
-    state, and (ZeRO-1/2) the all-gather of the updated weights in the shard group.
+    state, and (sharded) the all-gather of the weights in the shard group.
 
-    Unsharded, the gradients are all-reduced over the ``dp`` replicas. Sharded (HSDP), ZeRO-1
-    reduce-scatters them in the shard group here (ZeRO-2/3 did so per micro-batch,
-    :func:`_shard_micro_batch`), and each row block is all-reduced over the replicas.
+    Unsharded, the gradients are all-reduced over the ``dp`` replicas. Sharded (HSDP), the whole
+    gradients the step's micro-batches accumulated are summed in the shard group once (ZeRO-1
+    all-reduces them, ZeRO-2/3 reduce-scatter them into row blocks), each row block is all-reduced
+    over the replicas, and the weights are all-gathered once: ZeRO-1/2 after the update, ZeRO-3
+    before the next step's pass (``models.zero.ZeroShards.step`` and ``gather``).
     """
     params, nbytes, d = _stage_params(work, layout), work.model.dtype_bytes, layout.shard
     grads = params * nbytes
     step: Ideal = {"optimizer": params / d * ADAMW_BYTES_PER_PARAM / cluster.hbm_bw}
     _add(step, _comm("allreduce", links.dp, allreduce_time(grads / d, dp, links.dp, cluster)))
-    if layout.zero in (1, 2):
-        gathers = 2 if layout.zero == 1 else 1  # ZeRO-1's reduce-scatter, then the weights' all-gather
-        _add(step, _comm("allgather", links.shard, gathers * allgather_time(grads, d, links.shard, cluster)))
+    if layout.zero:
+        gather = allgather_time(grads, d, links.shard, cluster)  # = a reduce-scatter of the same bytes
+        if layout.zero == 1:
+            _add(step, _comm("allreduce", links.shard, allreduce_time(grads, d, links.shard, cluster)))
+        else:
+            _add(step, _comm("allgather", links.shard, gather))
+        _add(step, _comm("allgather", links.shard, gather))
     return step
-
-
-def _shard_micro_batch(work: StageWork, layout: Layout, links: Links, cluster: ClusterSpec) -> Ideal:
-    """Per micro-batch of a ZeRO-2/3 rank: the reduce-scatter of its gradients in the shard group, and
-    at ZeRO-3 the all-gathers of the weights for the forward and again for the backward."""
-    if layout.zero < 2:
-        return {}
-    per = allgather_time(
-        _stage_params(work, layout) * work.model.dtype_bytes, layout.shard, links.shard, cluster
-    )
-    return _comm("allgather", links.shard, per * (3 if layout.zero == 3 else 1))
 
 
 def ideal_time(
@@ -452,7 +450,6 @@ def ideal_time(
             step = dict(_slot(work, layout, micro_batch, recompute, links, cluster))
             for name in step:
                 step[name] *= slots
-            _add(step, _shard_micro_batch(work, layout, links, cluster), count)
             _add(step, _optimizer_step(work, layout, dp, links, cluster))
             _add(total, step, work.epochs * work.mini_batches)
         else:

@@ -30,7 +30,6 @@ from nereus_lightning.plan.cost import (
     StageWork,
     _offload,
     _optimizer_step,
-    _shard_micro_batch,
     generation_batch,
     micro_batch_options,
     peak_memory,
@@ -92,8 +91,8 @@ def shard_options(layout: Layout, width: int, gpus_per_node: int) -> list[Layout
 
     A smaller degree moves the same bytes as the node's (a reduce-scatter and an all-gather in the
     group, the rest across replicas) with more state per GPU and more of the AdamW step; a degree
-    between the node's and ``width`` only trades the time and memory of those two; ZeRO-3's
-    all-gathers per micro-batch stay inside the node.
+    between the node's and ``width`` only trades the time and memory of those two; the shard group's
+    collectives (once per optimizer step, ``cost._optimizer_step``) stay inside the node.
     """
     tp, pp = layout.tp, layout.pp
     in_node = min(width, 1 << (max(gpus_per_node // layout.size, 1).bit_length() - 1))
@@ -265,7 +264,6 @@ class CandidateTable:
                 terms = [training_state_terms(model, layout, r) for r in ends]
                 links = canonical_links(layout, dp, cluster)
                 step = sc.scalar(_optimizer_step(work, layout, dp, links, cluster))
-                gather = sc.scalar(_shard_micro_batch(work, layout, links, cluster))
                 choices = []
                 for rc, (fixed, per_seq) in slots.items():
                     for mb in mbs:
@@ -284,9 +282,7 @@ class CandidateTable:
                         if layout.shard == 1 and peak <= cap:
                             unsharded.add((mb, rc))
                         if peak <= cap and (layout.shard == 1 or not unsharded or (mb, rc) in unsharded):
-                            lat = repeats * (
-                                (count + pp - 1) * (fixed + per_seq * mb) + count * gather + step
-                            )
+                            lat = repeats * ((count + pp - 1) * (fixed + per_seq * mb) + step)
                             choices.append((lat, peak, mb, rc))
                 if len(choices) > 1:
                     choices.sort()

@@ -1,0 +1,69 @@
+"""Row blocks of a ZeRO-sharded unit: FSDP2's cut and the moves that re-cut it to another degree.
+
+A shard group of ``d`` ranks holds every row-cut tensor as ``d`` dim-0 row blocks
+(:func:`row_block`). When the degree changes, :func:`row_moves` lists which rows go from which
+rank to which; the body executes that list (``emu.transfer.recut_rows``) and the brain may price
+it, so both read one list. Plain integers, no tensors (the brain imports it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from nereus_lightning.spec.errors import require
+
+
+def row_block(rows: int, shard: int, shard_rank: int) -> tuple[int, int]:
+    """The rows ``[lo, hi)`` of a ``rows``-row tensor that ``shard_rank`` holds: FSDP2's cut, ``ceil(rows /
+    shard)`` rows each, the last ranks' blocks short or empty."""
+    size = -(-rows // shard)
+    lo = min(shard_rank * size, rows)
+    return lo, min(lo + size, rows)
+
+
+@dataclass(frozen=True)
+class RowMove:
+    """Rows ``[lo, hi)`` of the row-cut tensor ``key`` sent from ``src`` to ``dst``."""
+
+    src: int
+    dst: int
+    key: str
+    lo: int
+    hi: int
+
+
+def row_moves(rows: Mapping[str, int], old: tuple[int, ...], new: tuple[int, ...]) -> tuple[RowMove, ...]:
+    """The moves that re-cut row blocks held by ranks ``old`` (shard order) into the blocks of ``new``.
+
+    ``rows`` gives each row-cut tensor's row count. A rank keeps the rows it holds in both cuts;
+    every other row of a new block comes from the old rank that holds it. Growing ``d -> d'`` with
+    :func:`grown_order` moves ``(d' - d) / d'`` of the state, the least any order can.
+    """
+    moves = []
+    for key, n in rows.items():
+        for j, dst in enumerate(new):
+            want = row_block(n, len(new), j)
+            for i, src in enumerate(old):
+                have = row_block(n, len(old), i)
+                lo, hi = max(want[0], have[0]), min(want[1], have[1])
+                if lo < hi and src != dst:
+                    moves.append(RowMove(src, dst, key, lo, hi))
+    return tuple(moves)
+
+
+def grown_order(old: tuple[int, ...], added: tuple[int, ...]) -> tuple[int, ...]:
+    """The shard order of a unit grown from ``old`` by ``added`` ranks that keeps the most in place: with
+    ``k = d' / d``, old rank ``i`` at position ``i * k`` (its new block lies inside its old one)."""
+    d, total = len(old), len(old) + len(added)
+    require(total % d == 0, "shard", f"growing shard {d} -> {total}: the new degree must be a multiple")
+    k, spare = total // d, iter(added)
+    return tuple(rank for r in old for rank in (r, *(next(spare) for _ in range(k - 1))))
+
+
+def shrunk_order(order: tuple[int, ...], shard: int) -> tuple[int, ...]:
+    """The ranks that stay when a unit of shard order ``order`` shrinks to ``shard``: every ``k``-th
+    (``k = d / shard``), each holding ``1 / k`` of its new block already (the inverse of
+    :func:`grown_order`)."""
+    require(len(order) % shard == 0, "shard", f"shrinking shard {len(order)} -> {shard}: need a divisor")
+    return order[:: len(order) // shard]
