@@ -113,6 +113,20 @@ def test_optimizer_step_temporaries():
     assert short - state == memory.optimizer_step_bytes(L8, L8.num_params) < 0.1 * state
 
 
+def test_gradient_collectives_hold_one_flat_bucket():
+    bucket = memory.FLAT_BUCKET_BYTES
+    # An all-reduce holds one bucket; a reduce-scatter or all-gather its 1 / shard side as well.
+    assert memory.collective_bytes(L8, Layout(1, 1), L8.num_params) == bucket
+    assert memory.collective_bytes(L8, Layout(1, 1, shard=4, zero=2), L8.num_params) == 1.25 * bucket
+    assert memory.collective_bytes(L8, Layout(1, 1), 1000) == 2000  # fewer gradients than a bucket
+    # ZeRO-2 on 4 ranks: the whole gradients, their fresh row blocks (bf16, a quarter) and the buffers.
+    lay = Layout(1, 1, shard=4, zero=2)
+    grads = 2 * L8.num_params
+    assert memory.step_phase_bytes(L8, lay, 0) == 0.75 * grads + 0.25 * grads + 1.25 * bucket
+    # ZeRO-0: one bucket or the AdamW step's temporaries, whichever is larger (here the step's).
+    assert memory.step_phase_bytes(L8, Layout(1, 1), 0) == max(bucket, 8 * memory.STEP_PIECE_ELEMENTS)
+
+
 def test_static_decoder_cache_is_the_whole_rollout():
     # The prompt region rounded up to 64 slots, then every new token but the last.
     hf = memory.BUILTIN_ENGINE

@@ -53,13 +53,15 @@ def test_decode_time_at_length_is_within_half_of_the_measured_anchors():
 
 
 def test_the_body_constants_the_brain_mirrors():
-    """``STATIC_PROMPT_BUCKET``, ``plan.memory``'s chunk rows and AdamW step pieces are the body's."""
+    """``STATIC_PROMPT_BUCKET``, ``plan.memory``'s chunk rows, AdamW step pieces and collective buckets are
+    the body's."""
     from nereus_lightning.engines import static as decode
-    from nereus_lightning.models import logprobs, optim
+    from nereus_lightning.models import logprobs, optim, sharded
 
     assert decode.PROMPT_BUCKET == STATIC_PROMPT_BUCKET
     assert logprobs.LOGIT_CHUNK_ELEMENTS == mem.LOGIT_CHUNK_ELEMENTS
     assert optim.STEP_PIECE_ELEMENTS == mem.STEP_PIECE_ELEMENTS
+    assert sharded.FLAT_BUCKET_BYTES == mem.FLAT_BUCKET_BYTES
     for model in (QWEN, model_preset("llama3_8b")):
         for tp in (1, 2, 4):
             assert mem.logit_chunk_rows(model, tp) == logprobs.chunk_rows(math.ceil(model.vocab / tp))

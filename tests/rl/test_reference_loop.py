@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from nereus_lightning.engines.hf import HFGenerateEngine
+from nereus_lightning.rl import algorithm
 from nereus_lightning.rl.algorithm import (
     RLConfig,
     compute_advantages,
@@ -25,6 +26,7 @@ from nereus_lightning.rl.reference_loop import build_models, run_reference, tiny
 from nereus_lightning.rl.reward import make_scorer
 from nereus_lightning.rl.tasks import PromptSampler, RepeatTask
 from nereus_lightning.rl.tokenizer import ByteTokenizer
+from nereus_lightning.rl.update import run_updates
 from nereus_lightning.spec.errors import NereusConfigError
 
 SMALL = dict(hidden=32, layers=1, heads=2, kv_heads=2, intermediate=64)
@@ -122,6 +124,50 @@ def test_updates_do_not_depend_on_dp_degree_or_micro_batch_size(agg):
         for params in _update(models, batch, c, dp):
             for a, b in zip(reference, params, strict=True):  # relative to the tensor's norm (fp32 order)
                 assert (a - b).norm() <= 1e-5 * a.norm(), (dp, micro)
+
+
+class _Watched:
+    """A trainee that records, at each backward, whether ``other``'s parameters hold gradients."""
+
+    def __init__(self, trainee, other):
+        self.trainee, self.other, self.other_has_grads = trainee, other, []
+
+    @property
+    def role(self):
+        return self.trainee.role
+
+    def backward(self, mini, normalizer, tokens):
+        self.other_has_grads.append(any(p.grad is not None for p in self.other.parameters()))
+        return self.trainee.backward(mini, normalizer, tokens)
+
+    def step(self, max_norm, samples):
+        return self.trainee.step(max_norm, samples)
+
+
+def test_each_trainee_steps_and_drops_its_gradients_before_the_next_ones_backward(monkeypatch):
+    cfg = RLConfig(
+        algorithm="ppo", prompts_per_step=4, samples_per_prompt=2, mini_batches=2, ppo_epochs=2, seed=3
+    )
+    models = build_models(cfg, tiny_llama_config(**SMALL))
+    batch = _one_batch(cfg, models)
+    alone = copy.deepcopy(models)  # each model updated by itself
+    update_actor(alone.actor, alone.actor_optim, batch, cfg)
+    update_critic(alone.critic, alone.critic_optim, batch, cfg)
+
+    trainees = []
+    monkeypatch.setattr(algorithm, "run_updates", lambda b, c, ts, **kw: trainees.extend(ts) or {})
+    update_actor(models.actor, models.actor_optim, batch, cfg)
+    update_critic(models.critic, models.critic_optim, batch, cfg)
+    monkeypatch.undo()
+    actor, critic = _Watched(trainees[0], models.critic), _Watched(trainees[1], models.actor)
+    metrics = run_updates(batch, cfg, [actor, critic])
+
+    assert critic.other_has_grads == [False] * 4  # 2 epochs x 2 mini-batches: the actor's were dropped
+    assert actor.other_has_grads == [False] * 4
+    assert {"actor/grad_norm", "critic/grad_norm", "actor/pg_loss", "critic/vf_loss"} <= set(metrics)
+    together = [*models.actor.parameters(), *models.critic.parameters()]
+    for a, b in zip([*alone.actor.parameters(), *alone.critic.parameters()], together, strict=True):
+        assert torch.equal(a, b)  # independent models: the interleaved update changes no value
 
 
 @pytest.mark.parametrize("algorithm", ["ppo", "remax"])

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -694,17 +694,45 @@ def _tp_partial(name: str, plan: Mapping[str, Style], regions: tuple[str, ...]) 
     return any(name.startswith(f"{region}.") for region in regions)
 
 
+#: Bytes of one flat buffer of the flat collectives (:func:`all_reduce_flat`, ``models.zero``): they move
+#: their tensors in consecutive buckets of at most this size, so their transient memory is bounded
+#: whatever the model's size (``plan.memory.FLAT_BUCKET_BYTES`` mirrors it; a test pins them equal).
+FLAT_BUCKET_BYTES = 256 * 2**20
+
+
+def flat_buckets(sizes: Sequence[int], limit: int) -> list[list[tuple[int, int, int]]]:
+    """The concatenation of tensors of ``sizes`` elements cut into consecutive buckets of at most ``limit``
+    elements: each bucket a list of pieces ``(tensor index, start, stop)``, a tensor cut where a bucket
+    ends. Sizes alone decide the cut, so ranks holding the same shapes form the same buckets."""
+    buckets: list[list[tuple[int, int, int]]] = [[]]
+    room = limit
+    for index, size in enumerate(sizes):
+        start = 0
+        while start < size:
+            if room == 0:
+                buckets.append([])
+                room = limit
+            stop = min(size, start + room)
+            buckets[-1].append((index, start, stop))
+            room -= stop - start
+            start = stop
+    return [bucket for bucket in buckets if bucket]
+
+
 def all_reduce_flat(tensors: list[Tensor], group: dist.ProcessGroup, average: bool = False) -> None:
-    """All-reduce ``tensors`` in place through one flat buffer per dtype."""
+    """All-reduce the contiguous ``tensors`` in place through flat buffers of at most
+    :data:`FLAT_BUCKET_BYTES` (one dtype each)."""
     by_dtype: dict[torch.dtype, list[Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
     for ts in by_dtype.values():
-        flat = torch.cat([t.reshape(-1) for t in ts])
-        dist.all_reduce(flat, group=group)
-        if average:
-            flat /= dist.get_world_size(group)
-        offset = 0
-        for t in ts:
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
+        flats = [t.view(-1) for t in ts]
+        for bucket in flat_buckets([f.numel() for f in flats], FLAT_BUCKET_BYTES // ts[0].element_size()):
+            flat = torch.cat([flats[i][lo:hi] for i, lo, hi in bucket])
+            dist.all_reduce(flat, group=group)
+            if average:
+                flat /= dist.get_world_size(group)
+            offset = 0
+            for i, lo, hi in bucket:
+                flats[i][lo:hi].copy_(flat[offset : offset + hi - lo])
+                offset += hi - lo

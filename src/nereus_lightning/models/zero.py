@@ -12,8 +12,9 @@ follows its parameter:
 - ZeRO-3: the parameters too: the module's tensors are filled by an all-gather before use
   (:meth:`ZeroShards.gather`) and released after (:meth:`ZeroShards.release`).
 
-Every collective packs all tensors of one dtype into one flat buffer of ``shard`` equal segments
-(each block padded to ``ceil(rows / shard)`` rows), so one reduce-scatter or all-gather moves them.
+Every collective packs the tensors of one dtype into flat tables of ``shard`` equal segments (each
+block padded to ``ceil(rows / shard)`` rows), cut along the segments into buckets of bounded bytes
+(``sharded.FLAT_BUCKET_BYTES``), so a few reduce-scatters or all-gathers move them in bounded memory.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from nereus_lightning.models.optim import bind_adamw, counted_once
-from nereus_lightning.models.sharded import ShardedCausalLM, all_reduce_flat
+from nereus_lightning.models.sharded import FLAT_BUCKET_BYTES, ShardedCausalLM, all_reduce_flat, flat_buckets
 from nereus_lightning.plan.rows import row_block
 from nereus_lightning.spec.errors import require
 
@@ -69,51 +70,73 @@ class ShardGroup:
         return self.ranks.index(self.rank)
 
 
-def _padded(tensor: Tensor, shard: int) -> Tensor:
-    """``tensor`` as ``[shard, ceil(rows / shard) * row]``: row block ``s`` (zero-padded) in row ``s``."""
-    rows = tensor.shape[0]
-    flat = tensor.reshape(rows, -1)
-    extra = -(-rows // shard) * shard - rows
-    if extra:
-        flat = torch.cat([flat, flat.new_zeros(extra, flat.shape[1])])
-    return flat.reshape(shard, -1)
-
-
 def _segment_sizes(full: Sequence[Tensor], shard: int) -> list[int]:
     return [-(-t.shape[0] // shard) * (t.numel() // max(t.shape[0], 1)) for t in full]
 
 
+def _table_buckets(full: Sequence[Tensor], shard: int) -> tuple[list[int], list[list[tuple[int, int, int]]]]:
+    """Each tensor's segment size and the buckets of segment columns (``sharded.flat_buckets``) whose
+    ``[shard, columns]`` table holds at most :data:`~nereus_lightning.models.sharded.FLAT_BUCKET_BYTES`."""
+    sizes = _segment_sizes(full, shard)
+    columns = max(1, FLAT_BUCKET_BYTES // (full[0].element_size() * shard))
+    return sizes, flat_buckets(sizes, columns)
+
+
+def _padded_columns(flat: Tensor, size: int, lo: int, hi: int) -> tuple[Tensor, Tensor]:
+    """Columns ``[lo, hi)`` of ``flat`` (a tensor's elements) seen as its ``[shard, size]`` padded table
+    (row ``s``: row block ``s``, zero-padded): the rows of whole blocks as a ``[whole, hi - lo]`` view, and
+    the one short block's columns that hold elements (empty when none)."""
+    whole = flat.numel() // size
+    short = flat[whole * size + lo : whole * size + hi]
+    return flat[: whole * size].view(whole, size)[:, lo:hi], short
+
+
 def reduce_scatter_rows(full: Sequence[Tensor], blocks: Sequence[Tensor], shards: ShardGroup) -> None:
-    """Sum the full tensors ``full`` (one dtype) over the shard group into this rank's row ``blocks``."""
+    """Sum the contiguous full tensors ``full`` (one dtype) over the shard group into this rank's row
+    ``blocks``, through ``[shard, columns]`` tables of at most ``FLAT_BUCKET_BYTES``."""
     if not full:
         return
-    packed = torch.cat([_padded(t, shards.shard) for t in full], dim=1).reshape(-1)
-    out = packed.new_empty(packed.numel() // shards.shard)
-    _reduce_scatter(out, packed, group=shards.group)
-    offset = 0
-    for block, size in zip(blocks, _segment_sizes(full, shards.shard), strict=True):
-        block.copy_(out[offset : offset + block.numel()].view_as(block))
-        offset += size
+    sizes, buckets = _table_buckets(full, shards.shard)
+    for bucket in buckets:
+        table = full[0].new_zeros(shards.shard, sum(hi - lo for _, lo, hi in bucket))
+        offset = 0
+        for i, lo, hi in bucket:
+            rows, short = _padded_columns(full[i].view(-1), sizes[i], lo, hi)
+            table[: len(rows), offset : offset + hi - lo].copy_(rows)
+            if len(rows) < shards.shard:
+                table[len(rows), offset : offset + len(short)].copy_(short)
+            offset += hi - lo
+        out = table.new_empty(table.shape[1])
+        _reduce_scatter(out, table.view(-1), group=shards.group)
+        offset = 0
+        for i, lo, hi in bucket:
+            block = blocks[i].view(-1)[lo:hi]  # the segment's columns past the block are padding
+            block.copy_(out[offset : offset + len(block)])
+            offset += hi - lo
 
 
 def all_gather_rows(blocks: Sequence[Tensor], full: Sequence[Tensor], shards: ShardGroup) -> None:
-    """Fill the full tensors ``full`` (one dtype) from every shard rank's row ``blocks``."""
+    """Fill the contiguous full tensors ``full`` (one dtype) from every shard rank's row ``blocks``, through
+    ``[shard, columns]`` tables of at most ``FLAT_BUCKET_BYTES``."""
     if not full:
         return
-    sizes = _segment_sizes(full, shards.shard)
-    mine = full[0].new_zeros(sum(sizes))
-    offset = 0
-    for block, size in zip(blocks, sizes, strict=True):
-        mine[offset : offset + block.numel()].copy_(block.reshape(-1))
-        offset += size
-    out = mine.new_empty(mine.numel() * shards.shard)
-    _all_gather(out, mine, group=shards.group)
-    table = out.view(shards.shard, -1)
-    offset = 0
-    for tensor, size in zip(full, sizes, strict=True):
-        rows = table[:, offset : offset + size].reshape(-1, *tensor.shape[1:])
-        tensor.copy_(rows[: tensor.shape[0]])
-        offset += size
+    sizes, buckets = _table_buckets(full, shards.shard)
+    for bucket in buckets:
+        mine = full[0].new_zeros(sum(hi - lo for _, lo, hi in bucket))
+        offset = 0
+        for i, lo, hi in bucket:
+            block = blocks[i].reshape(-1)[lo:hi]
+            mine[offset : offset + len(block)].copy_(block)
+            offset += hi - lo
+        table = mine.new_empty(shards.shard, len(mine))
+        _all_gather(table.view(-1), mine, group=shards.group)
+        offset = 0
+        for i, lo, hi in bucket:
+            rows, short = _padded_columns(full[i].view(-1), sizes[i], lo, hi)
+            rows.copy_(table[: len(rows), offset : offset + hi - lo])
+            if len(rows) < shards.shard:
+                short.copy_(table[len(rows), offset : offset + len(short)])
+            offset += hi - lo
 
 
 def _by_dtype(pairs: Sequence[tuple[Tensor, Tensor]]) -> list[tuple[list[Tensor], list[Tensor]]]:

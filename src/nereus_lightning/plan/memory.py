@@ -13,7 +13,7 @@ The terms follow what the body holds (``models``, ``rl``, the static decoder ``e
 - training keeps what a transformers decoder layer with SDPA saves for backward
   (:func:`activation_bytes_per_token_layer`), or with recompute only each block's input plus one
   block's activations; the optimizer step adds the fp32 temporaries of one piece
-  (:func:`optimizer_step_bytes`);
+  (:func:`optimizer_step_bytes`), the gradient collectives one flat bucket (:func:`collective_bytes`);
 - the static decoder preallocates the KV cache of the whole rollout for its whole batch
   (``GenerationEngine.cache_tokens``) and computes ``[batch, V / tp]`` logits per step.
 
@@ -55,6 +55,9 @@ LOGIT_FP32_COPIES = 2
 #: Elements of one piece of an AdamW step (``models.optim.STEP_PIECE_ELEMENTS``, mirrored; a test pins
 #: them equal): the step's fp32 temporaries are those of one piece.
 STEP_PIECE_ELEMENTS = 2**26
+#: Bytes of one flat buffer of the gradient collectives (``models.sharded.FLAT_BUCKET_BYTES``, mirrored; a
+#: test pins them equal): they move the gradients and ZeRO's row blocks in buckets of this size.
+FLAT_BUCKET_BYTES = 256 * 2**20
 
 
 @lru_cache(maxsize=256)
@@ -296,15 +299,37 @@ def training_pass_bytes(
     return passes
 
 
-def training_state_terms(model: ModelSpec, layout: Layout, pp_rank: int) -> tuple[float, float, float]:
-    """(state, unsharded blocks, optimizer-step temporaries) of one GPU of pipeline stage ``pp_rank``
-    while training: :func:`rank_state_bytes`, :func:`gathered_bytes` and the AdamW step over the
-    rank's share of the state (:func:`optimizer_step_bytes`)."""
+def collective_bytes(model: ModelSpec, layout: Layout, params: float) -> float:
+    """Flat buffers alive in a collective over the gradients or row blocks of ``params`` parameters: one
+    bucket of at most :data:`FLAT_BUCKET_BYTES` (``models.sharded.all_reduce_flat``), and beside it under
+    ZeRO the reduce-scatter's or all-gather's ``1 / shard`` side (``models.zero``)."""
+    bucket = min(params * model.dtype_bytes, FLAT_BUCKET_BYTES)
+    return bucket * (1 + 1 / layout.shard) if layout.zero else bucket
+
+
+def step_phase_bytes(model: ModelSpec, layout: Layout, pp_rank: int) -> float:
+    """Bytes beyond :func:`rank_state_bytes` one GPU of pipeline stage ``pp_rank`` holds from the end of its
+    backward to the end of its optimizer step (activations freed), the larger of two moments:
+
+    - the gradient collectives: the unsharded blocks (:func:`gathered_bytes`), under ZeRO the gradients'
+      fresh row blocks beside the whole gradients, and the collective's buffers (:func:`collective_bytes`);
+    - the AdamW step over the rank's share (:func:`optimizer_step_bytes`), next to a ZeRO-3 replica's
+      whole parameters (released after the step).
+    """
     params = rank_params(model, layout, pp_rank)
+    grad_blocks = params * model.dtype_bytes / layout.shard if layout.zero else 0.0
+    reduce = gathered_bytes(model, layout, pp_rank) + grad_blocks + collective_bytes(model, layout, params)
+    whole_params = params * model.dtype_bytes if layout.zero >= 3 else 0.0
+    return max(reduce, whole_params + optimizer_step_bytes(model, params / _sharded(layout, 1)))
+
+
+def training_state_terms(model: ModelSpec, layout: Layout, pp_rank: int) -> tuple[float, float, float]:
+    """(state, unsharded blocks, optimizer-step phase) of one GPU of pipeline stage ``pp_rank`` while
+    training: :func:`rank_state_bytes`, :func:`gathered_bytes` and :func:`step_phase_bytes`."""
     return (
         rank_state_bytes(model, True, layout, pp_rank),
         gathered_bytes(model, layout, pp_rank),
-        optimizer_step_bytes(model, params / _sharded(layout, 1)),
+        step_phase_bytes(model, layout, pp_rank),
     )
 
 
@@ -319,8 +344,8 @@ def training_peak_bytes(
     lm_head: bool,
 ) -> float:
     """Peak bytes on one GPU of pipeline stage ``pp_rank`` while training: its state, then the larger
-    of the pass (:func:`training_pass_bytes`, with ZeRO-2/3's unsharded blocks) and the optimizer
-    step's temporaries, which come after the activations are freed (:func:`training_state_terms`)."""
+    of the pass (:func:`training_pass_bytes`, with ZeRO-2/3's unsharded blocks) and the optimizer step's
+    phase, which comes after the activations are freed (:func:`training_state_terms`)."""
     passes = training_pass_bytes(
         model, layout, pp_rank, micro_batch, seq_len, micro_batches, recompute, lm_head
     )
@@ -329,7 +354,7 @@ def training_peak_bytes(
 
 def training_peak_of(terms: tuple[float, float, float], passes: float) -> float:
     """The training peak from :func:`training_state_terms` and the pass's bytes: the state, then the
-    larger of the pass with the unsharded blocks and the optimizer step's temporaries."""
+    larger of the pass with the unsharded blocks and the optimizer step's phase."""
     state, gathered, step = terms
     return state + max(passes + gathered, step)
 

@@ -412,17 +412,18 @@ class PlainTrainee:
         return metrics
 
     def step(self, max_norm: float, samples: int) -> Stepped:
-        """Sum gradients over DP, clip and step; a non-finite norm steps nothing."""
+        """Sum gradients over DP, clip and step; a non-finite norm steps nothing. The gradients are dropped
+        either way."""
         del samples  # a plain model keeps no sample counter
         if self.sync_grads is not None:
             self.sync_grads(self.module)
         clip = self.clip_grads or _clip
         norm = float(clip(self.module, max_norm))
-        if not math.isfinite(norm):
-            self.optim.zero_grad(set_to_none=True)
-            return Stepped(norm, f"{self.role}'s gradient norm is {norm}")
-        self.optim.step()
-        return Stepped(norm)
+        finite = math.isfinite(norm)
+        if finite:
+            self.optim.step()
+        self.optim.zero_grad(set_to_none=True)
+        return Stepped(norm) if finite else Stepped(norm, f"{self.role}'s gradient norm is {norm}")
 
 
 def _clip(module: nn.Module, max_norm: float) -> Tensor:

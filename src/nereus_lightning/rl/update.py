@@ -137,16 +137,20 @@ def run_updates(
 def _update(
     mini: RolloutBatch, cfg: RLConfig, trainees: Sequence[Trainee], samples: int
 ) -> tuple[dict[str, float], list[str]]:
-    """One update over the global mini-batch ``mini``: every trainee's backward, then every one's step."""
+    """One update over the global mini-batch ``mini``: each trainee's backward, then its step.
+
+    The trainees are independent models, so each steps (and drops its gradients) before the next one's
+    backward: co-located training model-stages never hold two trainees' gradients at once. Every rank
+    runs the trainees in the same order, so each group's collectives come in the same order on its ranks.
+    """
     mask = mini.response_mask.float()
     normalizer = cfg.normalizer(mask)  # the global mini-batch's: every layout and micro-batching alike
     tokens = mask.sum().clamp_min(1.0)
     part: dict[str, float] = {}
+    problems: list[str] = []
     for trainee in trainees:
         for k, v in trainee.backward(mini, normalizer, tokens).items():
             part[k] = part.get(k, 0.0) + float(v)
-    problems: list[str] = []
-    for trainee in trainees:
         done = trainee.step(cfg.grad_clip, samples)
         if done.problem is not None:
             problems.append(done.problem)
