@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from math import gcd
 
 from nereus_lightning.spec.errors import require
 
@@ -67,3 +68,19 @@ def shrunk_order(order: tuple[int, ...], shard: int) -> tuple[int, ...]:
     :func:`grown_order`)."""
     require(len(order) % shard == 0, "shard", f"shrinking shard {len(order)} -> {shard}: need a divisor")
     return order[:: len(order) // shard]
+
+
+def unit_rows(old: int, new: int) -> int:
+    """The row count on which a re-cut between degrees ``old`` and ``new`` is priced: ``lcm(old, new)``,
+    the fewest rows that both cut evenly (a tensor whose row count it divides moves that fraction)."""
+    return old * new // gcd(old, new)
+
+
+def first_sources(old: tuple[int, ...], new: tuple[int, ...]) -> dict[int, int]:
+    """Per rank of ``new`` not in ``old``: the rank of ``old`` whose block holds the first row of its new
+    block (on :func:`unit_rows` rows), which sends it whatever a shard rank holds whole."""
+    out: dict[int, int] = {}
+    for move in row_moves({"": unit_rows(len(old), len(new))}, old, new):
+        if move.dst not in old:
+            out.setdefault(move.dst, move.src)
+    return out
