@@ -19,7 +19,7 @@ from nereus_lightning.emu.schema import StateSchema
 from nereus_lightning.emu.transfer import Traffic, add_traffic, recut_rows, start_broadcast
 from nereus_lightning.emu.unit import EMU, Counters
 from nereus_lightning.plan.layout import Layout
-from nereus_lightning.plan.rows import first_sources
+from nereus_lightning.plan.rows import first_sources, row_moves
 from nereus_lightning.plan.units import Unit
 from nereus_lightning.spec.errors import require
 
@@ -44,16 +44,7 @@ def recut(
     i = (old.gpus.index(me) if me in old.gpus else new.gpus.index(me)) % m
     before, after = old.gpus[i::m], new.gpus[i::m]
     inner = Layout(a.tp, a.pp)
-    names = schema.stage_names(inner, i // a.tp)
-    keys = {n: (("param",) if a.zero == 3 else ()) + schema.shaped_optim_keys(n) for n in names}
-    shapes = {
-        f"{n}/{k}": (
-            schema.shard_shape(n, inner),
-            schema.dtype_of(n) if k == "param" else schema.key_dtype(n, k),
-        )
-        for n in names
-        for k in keys[n]
-    }
+    names, keys, shapes = _row_cut(schema, a, i)
     blocks = {f"{n}/{k}": state.tensor(n, k) for n in names for k in keys[n]} if state is not None else {}
     rows, traffic = recut_rows(blocks, shapes, before, after, device)
     whole, counters, sent = _whole(
@@ -103,3 +94,39 @@ def _whole(
     views = [whole[n][k] for k in (("param", "step") if with_params else ("step",)) for n in names]
     traffic = start_broadcast([*views, counters], src, (src, *receivers), device).wait()
     return whole, Counters.from_tensor(counters), traffic
+
+
+def _row_cut(
+    schema: StateSchema, layout: Layout, index: int
+) -> tuple[tuple[str, ...], dict[str, tuple[str, ...]], dict[str, tuple[tuple[int, ...], torch.dtype]]]:
+    """At position ``index`` of a sharded ``layout``: the tensor names, the keys each cuts into row blocks
+    (its AdamW moments; at ZeRO-3 its parameter too) and each ``name/key``'s whole shape and dtype."""
+    inner = Layout(layout.tp, layout.pp)
+    names = schema.stage_names(inner, index // layout.tp)
+    keys = {n: (("param",) if layout.zero == 3 else ()) + schema.shaped_optim_keys(n) for n in names}
+    shapes = {
+        f"{n}/{k}": (
+            schema.shard_shape(n, inner),
+            schema.dtype_of(n) if k == "param" else schema.key_dtype(n, k),
+        )
+        for n in names
+        for k in keys[n]
+    }
+    return names, keys, shapes
+
+
+def recut_rank_sets(schema: StateSchema, old: Unit, new: Unit) -> list[tuple[int, ...]]:
+    """Every rank set whose group :func:`recut` uses (the same list on every rank): per position, the ranks
+    that move rows, and each first source with the new ranks it sends to."""
+    a, m = old.layout, old.layout.model_size
+    out: list[tuple[int, ...]] = []
+    for i in range(m):
+        before, after = old.gpus[i::m], new.gpus[i::m]
+        _, _, shapes = _row_cut(schema, a, i)
+        moves = row_moves({key: shape[0] for key, (shape, _) in shapes.items()}, before, after)
+        out.append(tuple(sorted({r for move in moves for r in (move.src, move.dst)})))
+        sources = first_sources(before, after)
+        out += [
+            (src, *sorted(r for r, s in sources.items() if s == src)) for src in sorted(set(sources.values()))
+        ]
+    return out

@@ -12,7 +12,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from math import gcd
 
+from nereus_lightning.plan.layout import Candidate, Plan
 from nereus_lightning.spec.errors import require
+from nereus_lightning.spec.model import ModelSpec
 
 
 def row_block(rows: int, shard: int, shard_rank: int) -> tuple[int, int]:
@@ -84,3 +86,37 @@ def first_sources(old: tuple[int, ...], new: tuple[int, ...]) -> dict[int, int]:
         if move.dst not in old:
             out.setdefault(move.dst, move.src)
     return out
+
+
+def shard_rows(model: ModelSpec, tp: int) -> frozenset[int]:
+    """The row counts of the tensors a shard rank cuts into row blocks, at TP degree ``tp``: those of the
+    TP-split tensors (the vocabulary, the attention projections, the MLP) and of the ones whose rows TP
+    leaves whole (the hidden size, a head's q/k norm)."""
+    hd = model.head_dim or model.hidden // model.num_heads
+    split = [model.vocab, model.num_heads * hd, model.num_kv_heads * hd, model.intermediate]
+    if model.num_experts:
+        split += [model.expert_intermediate, model.shared_intermediate]
+    whole = [model.hidden, model.num_experts] + ([hd] if model.qk_norm else [])
+    return frozenset([n // tp for n in split if n] + [n for n in whole if n])
+
+
+def recut_in_place(model: ModelSpec, current: Candidate, target: Candidate) -> bool:
+    """Whether ``target`` is ``current`` with another shard degree alone, re-cut in place: the same
+    replicas, model cut and ZeRO stage, each replica on a superset of its GPUs (growing) or a subset
+    (shrinking), and ``lcm(d, d')`` (:func:`unit_rows`) dividing every row count (:func:`shard_rows`),
+    so that the row moves are priced exactly. Otherwise the shard groups move whole."""
+    a, b = current.layout, target.layout
+    if (a.tp, a.pp, a.zero, current.dp) != (b.tp, b.pp, b.zero, target.dp) or a.shard == b.shard:
+        return False
+    for r in range(current.dp):
+        old, new = set(current.replica_gpus(r)), set(target.replica_gpus(r))
+        if not (old < new or new < old):
+            return False
+    lcm = unit_rows(a.shard, b.shard)
+    return all(n % lcm == 0 for n in shard_rows(model, a.tp))
+
+
+def recut_stages(current: Plan, target: Plan, model_of: Mapping[str, ModelSpec]) -> frozenset[str]:
+    """The model-stages of ``current`` re-cut in place to ``target`` (:func:`recut_in_place`; ``model_of``:
+    each model-stage's ModelSpec)."""
+    return frozenset(n for n, c in current.items() if recut_in_place(model_of[n], c, target[n]))

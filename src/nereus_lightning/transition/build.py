@@ -51,6 +51,7 @@ import numpy as np
 
 from nereus_lightning.plan.layout import Layout, Plan, moving_shard_groups
 from nereus_lightning.plan.memory import boundary_state_bytes, memory_cap
+from nereus_lightning.plan.rows import recut_stages
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
 from nereus_lightning.spec.model import ModelSpec
@@ -102,16 +103,18 @@ def build_transition(
     try:
         return _cached_build(current, target, tuple(sorted(models.items())), cluster, workload)
     except InfeasiblePlanError as err:
+        whole, _ = moving_shard_groups(current, target, _recut(current, target, models, workload))
         sharded = [
             f"{name} {cand.layout} -> {target[name].layout}"
             for name, cand in current.items()
-            if not cand.same_units(target[name]) and max(cand.layout.shard, target[name].layout.shard) > 1
+            if whole[name] is not cand
         ]
         if not sharded:
             raise
         raise InfeasiblePlanError(
             f"{err}. ZeRO-sharded model-stages move as their shard groups, each holding its state whole "
-            f"while it moves (re-cutting row blocks in place is not built): {'; '.join(sharded)}"
+            f"while it moves (their row blocks are re-cut in place only where the shard degree alone "
+            f"changes): {'; '.join(sharded)}"
         ) from err
 
 
@@ -181,7 +184,7 @@ def _context(
             raise NereusConfigError(
                 f"models: no ModelSpec for role {role!r} (needed by {name}); pass models[{role!r}]"
             )
-    current, target = moving_shard_groups(current, target)
+    current, target = moving_shard_groups(current, target, _recut(current, target, models, workload))
     unit_memory: dict[tuple[str, Layout], float] = {}
     for name, cand in current.items():
         ms = stages[name]
@@ -192,6 +195,15 @@ def _context(
     resident = _check_plan("current", current, ctx)
     _check_plan("target", target, ctx, per_gpu=False)
     return replace(ctx, current_memory=tuple(resident.tolist()))
+
+
+def _recut(
+    current: Plan, target: Plan, models: Mapping[str, ModelSpec], workload: Workload
+) -> frozenset[str]:
+    """The model-stages re-cut to another shard degree in place
+    (:func:`~nereus_lightning.plan.rows.recut_stages`)."""
+    role = {ms.name: ms.model for ms in workload.stages}
+    return recut_stages(current, target, {n: models[role[n]] for n in current})
 
 
 def resident_memory(plan: Plan, ctx: TransitionContext) -> np.ndarray:
@@ -302,9 +314,10 @@ def _left_by(
 
 
 def _leaves_some(x: StepLanes) -> bool:
-    """Whether a lane of ``x`` may leave a GPU: a Destroy, or a Split making fewer GPUs' worth of
-    units than it reads (its units lie on its source's GPUs)."""
-    if x.op is Primitive.SPLIT:
+    """Whether a lane of ``x`` may leave a GPU: a Destroy, or a Split or Merge making fewer GPUs' worth
+    of units than it reads (a Split's units lie on its source's GPUs; a Merge to a smaller shard degree
+    keeps some of them)."""
+    if x.op is Primitive.SPLIT or x.op is Primitive.MERGE:
         return len(x.targets) * x.targets.layout.size < len(x.sources) * x.sources.layout.size
     return x.op is Primitive.DESTROY and bool(x.ids)
 
@@ -380,8 +393,9 @@ class _PeerWaits:
     """Per model-stage whose target holds GPUs its peers hold now (*contested* GPUs): per peer, the
     contested GPUs it still holds, and the releases of contested GPUs so far (node, GPUs).
 
-    Extend acquires GPUs of its own target only and peers are disjoint in the target, so a peer
-    holds such a GPU until it releases it, once (more than one peer holds it only where those
+    An acquisition (an Extend, or a Split to a larger shard degree: :func:`acquired_gpus`) takes GPUs of
+    its own target only and peers are disjoint in the target, so a peer holds such a GPU until it
+    releases it, once (more than one peer holds it only where those
     peers are colocated now)."""
 
     def __init__(self, ctx: TransitionContext, contested: Mapping[str, set[int]]) -> None:
@@ -389,7 +403,7 @@ class _PeerWaits:
         self.still: dict[str, dict[str, set[int]]] = {}  # waiter -> peer -> contested GPUs it holds
         self.gone: dict[str, list[tuple[int, set[int]]]] = {}  # waiter -> (node, contested GPUs it left)
         self.watchers: dict[str, list[str]] = {}  # peer -> the model-stages waiting for its GPUs
-        self.onto: dict[int, tuple[int, ...]] = {}  # per Extend asked about: the GPUs it acquires
+        self.onto: dict[int, tuple[int, ...]] = {}  # per node asked about: the GPUs it acquires
         for name, gpus in contested.items():
             self.still[name], self.gone[name] = {}, []
             for other in ctx.peers[name]:
@@ -399,15 +413,15 @@ class _PeerWaits:
                     self.still[name][other] = theirs
 
     def _onto(self, i: int, n: LocalNode) -> tuple[int, ...]:
-        """The GPUs Extend ``n`` (node ``i``) acquires (found once: a blocked node is asked again)."""
+        """The GPUs node ``n`` (node ``i``) acquires (found once: a blocked node is asked again)."""
         gpus = self.onto.get(i)
         if gpus is None:
-            gpus = self.onto[i] = acquired_gpus(n.op, n.target_gpus())
+            gpus = self.onto[i] = acquired_gpus(n.op, n.source_gpus(), n.target_gpus())
         return gpus
 
     def blocked(self, i: int, n: LocalNode) -> str | None:
-        """Why Extend ``n`` (node ``i``) must wait (a peer still holds one of its GPUs), or None."""
-        still = self.still.get(n.model_stage) if n.op is Primitive.EXTEND else None
+        """Why ``n`` (node ``i``) must wait (a peer still holds one of the GPUs it acquires), or None."""
+        still = self.still.get(n.model_stage) if n.op is not Primitive.DESTROY else None
         if not still:
             return None
         gpus = self._onto(i, n)
@@ -419,8 +433,8 @@ class _PeerWaits:
         return None
 
     def relied_on(self, i: int, n: LocalNode) -> int:
-        """The releases (mask) of the contested GPUs Extend ``n`` (node ``i``) acquires."""
-        gone = self.gone.get(n.model_stage) if n.op is Primitive.EXTEND else None
+        """The releases (mask) of the contested GPUs ``n`` (node ``i``) acquires."""
+        gone = self.gone.get(n.model_stage) if n.op is not Primitive.DESTROY else None
         mask = 0
         if gone:
             gpus = self._onto(i, n)
@@ -430,7 +444,7 @@ class _PeerWaits:
         return mask
 
     def release(self, n: LocalNode, index: int) -> None:
-        """Note the contested GPUs node ``index`` (a Destroy or Split) leaves."""
+        """Note the contested GPUs node ``index`` (a Destroy, Split or Merge) leaves."""
         waiters = self.watchers.get(n.model_stage)
         if not waiters:
             return
@@ -513,7 +527,7 @@ def _order_with_resource_edges(
                 stuck.append((i, why))
                 continue
             relied = peers.relied_on(i, n)
-            if n.op is Primitive.DESTROY or n.op is Primitive.SPLIT:
+            if n.op is not Primitive.EXTEND:
                 peers.release(n, i)
             if careful[i]:
                 relied |= memory.admit(n, i)

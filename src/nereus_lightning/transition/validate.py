@@ -209,7 +209,8 @@ def _ancestors(dag: TransitionDAG) -> list[int]:
 
 
 def _any_order_gpus(dag: TransitionDAG) -> list[str]:
-    """Check 2: every Extend onto a GPU a peer leaves comes after every node by which it leaves."""
+    """Check 2: every node acquiring a GPU a peer leaves (an Extend, a re-cut to a larger shard degree)
+    comes after every node by which it leaves."""
     peers = dag.context.peers
     leaving: dict[str, list[tuple[int, set[int]]]] = {}  # model-stage -> (node id, the GPUs it leaves)
     for n in dag.nodes:
@@ -219,9 +220,9 @@ def _any_order_gpus(dag: TransitionDAG) -> list[str]:
     anc = _ancestors(dag) if leaving else []
     out = []
     for n in dag.nodes:
-        if n.op is not Primitive.EXTEND or not leaving:
+        onto = n.acquired_gpus if leaving and n.op is not Primitive.DESTROY else ()
+        if not onto:
             continue
-        onto = n.acquired_gpus
         for other in peers[n.model_stage]:
             for i, left in leaving.get(other, ()):
                 if not anc[n.id] >> i & 1 and not left.isdisjoint(onto):
