@@ -254,10 +254,12 @@ def destroy(model_stage: str, source: Unit) -> Destroy:
 def validate_op(op: Op) -> None:
     """Check an op built directly (e.g. from a DAG node): degrees, rank partitions, disjointness."""
     if isinstance(op, Recut):
-        a, b = op.source.layout, op.target.layout
+        was, now = op.source.layout, op.target.layout
         old, new = set(op.source.gpus), set(op.target.gpus)
         require(
-            (a.tp, a.pp, a.zero) == (b.tp, b.pp, b.zero) and a.zero > 0 and (old < new or new < old),
+            (was.tp, was.pp, was.zero) == (now.tp, now.pp, now.zero)
+            and was.zero > 0
+            and (old < new or new < old),
             "recut",
             f"{op.source} -> {op.target} is not a re-cut of the shard degree onto a superset or subset",
         )
