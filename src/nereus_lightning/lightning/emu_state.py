@@ -144,10 +144,12 @@ class EMUStates:
         return True
 
     def _transition(self, target: Plan) -> TransitionRun:
-        """Run the brain's transition to ``target``: sharded units that change move whole as their shard
-        groups (:func:`~nereus_lightning.plan.layout.moving_shard_groups`), their rows gathered first,
-        and stay whole for :meth:`_build_modules` to cut, or are cut back to their rows when nothing
-        moved; sharded units that stay keep their rows, modules and optimizers."""
+        """Run the brain's transition to ``target``: sharded units whose shard degree alone changes are
+        re-cut in their rows (:func:`~nereus_lightning.plan.rows.recut_stages`; ``emu.recut``); other
+        sharded units that change move whole as their shard groups
+        (:func:`~nereus_lightning.plan.layout.moving_shard_groups`), their rows gathered first, and stay
+        whole for :meth:`_build_modules` to cut, or are cut back to their rows when nothing moved;
+        sharded units that stay keep their rows, modules and optimizers."""
         assert self.plan is not None
         specs = self.roles.specs()
         model_of = {n: specs[self.stages[n].model] for n in self.plan}

@@ -9,7 +9,9 @@ steps, so ``plan.memory`` prices what the rank holds, and checkpoints save the r
 state) run inside :func:`whole`, which gathers the rows into whole tensors for the block and cuts
 the EMU back to its rows after it. A transition moves a sharded stage that changes as its shard
 groups (ZeRO-0 replicas of ``Layout(tp, pp)``, :func:`~nereus_lightning.plan.layout.moving_shard_groups`,
-as the brain prices it): :func:`as_shard_groups` renames the registry's units for it and back.
+as the brain prices it): :func:`as_shard_groups` renames the registry's units for it and back. One whose
+shard degree alone changes is re-cut in its rows instead (``emu.recut``), and :func:`sharded_optimizer`
+steps the rows it then holds.
 """
 
 from __future__ import annotations

@@ -30,13 +30,17 @@ one (memory is admitted per call). The DAG's nodes are made once, in the replay'
 alike calls of one model-stage that wait for exactly the same nodes become one batched node.
 Built DAGs are immutable and cached (:func:`clear_cache` empties the cache).
 
-A sharded model-stage (``Layout.shard > 1``) that changes moves as its shard groups
-(:func:`~nereus_lightning.plan.layout.moving_shard_groups`): ``shard`` ZeRO-0 replicas of
-``Layout(tp, pp)`` per replica, each holding its whole ``(tp, pp)`` pieces, which is how the body
-holds the state while it transfers it (its row blocks gathered first). So a shard-degree change is
-a data-parallel change of those replicas, priced and validated at the whole pieces' memory: a
-transition whose whole state does not fit is reported infeasible. A sharded model-stage that stays
-keeps its row blocks (and their memory) throughout.
+A sharded model-stage (``Layout.shard > 1``) whose shard degree alone changes, each replica onto a
+superset or a subset of its GPUs (:func:`~nereus_lightning.plan.rows.recut_in_place`), is re-cut in
+place: one Split (a larger degree; it acquires the GPUs it adds) or Merge (a smaller one; it releases
+the GPUs it drops) per replica, priced by the row moves the body executes
+(:func:`~nereus_lightning.transition.pieces.recut_transfers`). Any other sharded model-stage that
+changes moves as its shard groups (:func:`~nereus_lightning.plan.layout.moving_shard_groups`):
+``shard`` ZeRO-0 replicas of ``Layout(tp, pp)`` per replica, each holding its whole ``(tp, pp)``
+pieces, which is how the body holds the state while it transfers it (its row blocks gathered
+first), priced and validated at the whole pieces' memory: a transition whose whole state does not
+fit is reported infeasible. A sharded model-stage that stays keeps its row blocks (and their memory)
+throughout.
 """
 
 from __future__ import annotations
@@ -97,8 +101,8 @@ def build_transition(
     Raises:
         NereusConfigError: the plans or ``models`` do not match the workload.
         InfeasiblePlanError: no safe order exists (the message names the stuck acquisition),
-            or a plan does not fit in GPU memory (with its state whole, for a sharded model-stage: the
-            message names their layouts).
+            or a plan does not fit in GPU memory (with its state whole, for a sharded model-stage that
+            moves as its shard groups: the message names their layouts).
     """
     try:
         return _cached_build(current, target, tuple(sorted(models.items())), cluster, workload)
