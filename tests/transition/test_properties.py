@@ -72,8 +72,8 @@ def check_transition(case: TransitionCase, seed: int) -> None:
         current, target, models, _, workload = case.args()
         role = {ms.name: ms.model for ms in workload.stages}
         recut = recut_stages(current, target, {n: models[role[n]] for n in current})
-        whole, _ = moving_shard_groups(current, target, recut)  # those whose shard groups move whole
-        sharded = any(whole[n] is not c for n, c in current.items())
+        was, now = moving_shard_groups(current, target, recut)  # a stage that moves as its shard groups
+        sharded = any(was[n] is not c or now[n] is not target[n] for n, c in current.items())
         assert ("ZeRO-sharded model-stages move as their shard groups" in str(err)) == sharded
         return
     assert all(0 <= d < n.id for n in dag.nodes for d in n.deps), "not in topological order (or cyclic)"

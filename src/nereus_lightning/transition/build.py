@@ -67,8 +67,10 @@ from nereus_lightning.transition.dag import (
     TransitionContext,
     TransitionDAG,
     acquired_gpus,
+    acquires_some,
     memory_growth,
     released_gpus,
+    releases_some,
 )
 from nereus_lightning.transition.lanes import (
     LocalNode,
@@ -107,11 +109,13 @@ def build_transition(
     try:
         return _cached_build(current, target, tuple(sorted(models.items())), cluster, workload)
     except InfeasiblePlanError as err:
-        whole, _ = moving_shard_groups(current, target, _recut(current, target, models, workload))
+        recut = _recut(current, target, models, workload)
         sharded = [
             f"{name} {cand.layout} -> {target[name].layout}"
             for name, cand in current.items()
-            if whole[name] is not cand
+            if not cand.same_units(target[name])
+            and max(cand.layout.shard, target[name].layout.shard) > 1
+            and name not in recut
         ]
         if not sharded:
             raise
@@ -318,12 +322,8 @@ def _left_by(
 
 
 def _leaves_some(x: StepLanes) -> bool:
-    """Whether a lane of ``x`` may leave a GPU: a Destroy, or a Split or Merge making fewer GPUs' worth
-    of units than it reads (a Split's units lie on its source's GPUs; a Merge to a smaller shard degree
-    keeps some of them)."""
-    if x.op is Primitive.SPLIT or x.op is Primitive.MERGE:
-        return len(x.targets) * x.targets.layout.size < len(x.sources) * x.sources.layout.size
-    return x.op is Primitive.DESTROY and bool(x.ids)
+    """Whether a lane of ``x`` may leave a GPU (:func:`~nereus_lightning.transition.dag.releases_some`)."""
+    return releases_some(x.op, x.sources, x.targets)
 
 
 def _wait_keys(
@@ -420,15 +420,21 @@ class _PeerWaits:
         """The GPUs node ``n`` (node ``i``) acquires (found once: a blocked node is asked again)."""
         gpus = self.onto.get(i)
         if gpus is None:
-            gpus = self.onto[i] = acquired_gpus(n.op, n.source_gpus(), n.target_gpus())
+            if n.op is Primitive.EXTEND:
+                gpus = tuple(n.target_gpus())
+            elif acquires_some(n.op, n.lanes.sources, n.lanes.targets):
+                gpus = acquired_gpus(n.op, n.source_gpus(), n.target_gpus())
+            else:
+                gpus = ()
+            self.onto[i] = gpus
         return gpus
 
     def blocked(self, i: int, n: LocalNode) -> str | None:
         """Why ``n`` (node ``i``) must wait (a peer still holds one of the GPUs it acquires), or None."""
         still = self.still.get(n.model_stage) if n.op is not Primitive.DESTROY else None
-        if not still:
+        gpus = self._onto(i, n) if still else ()
+        if not gpus:
             return None
-        gpus = self._onto(i, n)
         for other in self.ctx.peers[n.model_stage]:  # the first peer (plan order) holding one
             theirs = still.get(other)
             if theirs and not theirs.isdisjoint(gpus):
@@ -531,7 +537,7 @@ def _order_with_resource_edges(
                 stuck.append((i, why))
                 continue
             relied = peers.relied_on(i, n)
-            if n.op is not Primitive.EXTEND:
+            if _leaves_some(n.lanes):
                 peers.release(n, i)
             if careful[i]:
                 relied |= memory.admit(n, i)

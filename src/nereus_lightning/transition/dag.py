@@ -165,10 +165,11 @@ class Memory(Sequence[MemEffect]):
             return self
         n = len(self.gpus) // width
         if ks[-1] - ks[0] + 1 == len(ks):  # consecutive lanes (ks ascend): views, read-only already
-            at: slice | np.ndarray = slice(ks[0] * n, (ks[-1] + 1) * n)
+            lo, hi = ks[0] * n, (ks[-1] + 1) * n
             part = object.__new__(Memory)
-            for field in self.__slots__:
-                object.__setattr__(part, field, getattr(self, field)[at])
+            object.__setattr__(part, "gpus", self.gpus[lo:hi])
+            object.__setattr__(part, "net", self.net[lo:hi])
+            object.__setattr__(part, "transient", self.transient[lo:hi])
             return part
         at = (np.asarray(ks)[:, None] * n + np.arange(n)).ravel()
         return Memory(self.gpus[at], self.net[at], self.transient[at])  # copies: made read-only
@@ -188,7 +189,9 @@ class Memory(Sequence[MemEffect]):
 def _column(values: float | Iterable[float], size: int, what: str) -> np.ndarray:
     """``values`` as a read-only float column of ``size`` (one number: repeated)."""
     if isinstance(values, (int, float)):
-        return _frozen(np.full(size, float(values)))
+        column = np.full(size, float(values))
+        column.flags.writeable = False
+        return column
     column = values if isinstance(values, np.ndarray) else np.fromiter(values, dtype=np.float64)
     if len(column) != size:
         raise ValueError(f"{len(column)} {what} sizes for {size} GPUs")
@@ -254,6 +257,27 @@ def acquired_gpus(op: Primitive, sources: Iterable[int], targets: Iterable[int])
         return ()
     had = set(sources)
     return tuple(g for g in targets if g not in had)
+
+
+def acquires_some(op: Primitive, sources: Units, targets: Units) -> bool:
+    """Whether a call of ``op`` reading ``sources`` and making ``targets`` (of one or more alike lanes)
+    may newly place state on a GPU (:func:`acquired_gpus`): an Extend, or a Split or Merge whose
+    targets span more GPUs than its sources (a re-cut to a larger shard degree)."""
+    if op is Primitive.EXTEND:
+        return True
+    grows = len(targets) * targets.layout.size > len(sources) * sources.layout.size
+    return op is not Primitive.DESTROY and grows
+
+
+def releases_some(op: Primitive, sources: Units, targets: Units) -> bool:
+    """Whether a call of ``op`` reading ``sources`` and making ``targets`` (of one or more alike lanes)
+    may leave a GPU (:func:`released_gpus`): a Destroy of something, or a Split or Merge whose targets
+    span fewer GPUs than its sources (a Split's units lie on its source's GPUs; a re-cut to a smaller
+    shard degree keeps some of them)."""
+    if op is Primitive.DESTROY:
+        return len(sources) > 0
+    shrinks = len(targets) * targets.layout.size < len(sources) * sources.layout.size
+    return op is not Primitive.EXTEND and shrinks
 
 
 def released_gpus(op: Primitive, sources: Iterable[int], targets: Iterable[int]) -> tuple[int, ...]:
@@ -323,11 +347,15 @@ class Node(NamedTuple):
     @property
     def acquired_gpus(self) -> tuple[int, ...]:
         """GPUs this node newly places state of its model-stage on (:func:`acquired_gpus`)."""
+        if not acquires_some(self.op, self.sources, self.targets):
+            return ()
         return acquired_gpus(self.op, self.sources.all_gpus(), self.targets.all_gpus())
 
     @property
     def released_gpus(self) -> tuple[int, ...]:
         """GPUs whose unit of this model-stage the node drops (:func:`released_gpus`)."""
+        if not releases_some(self.op, self.sources, self.targets):
+            return ()
         return released_gpus(self.op, self.sources.all_gpus(), self.targets.all_gpus())
 
     @property

@@ -17,7 +17,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from enum import IntEnum
 from typing import Any, NamedTuple
 
-from nereus_lightning.transition.dag import Memory, Node, Primitive, Units, acquired_gpus
+from nereus_lightning.transition.dag import Memory, Node, Primitive, Units, acquired_gpus, acquires_some
 from nereus_lightning.transition.pieces import Transfer
 
 
@@ -134,10 +134,12 @@ def waiting_lanes(steps: Sequence[StepLanes], contested: set[int]) -> dict[int, 
     with the contested GPUs it lands on."""
     waiting: dict[int, tuple[int, ...]] = {}
     for x in sorted(steps, key=lambda x: x.step):
-        if x.op is not Primitive.DESTROY:
+        if acquires_some(x.op, x.sources, x.targets):
             n = len(x.ids)
             for k, lane in enumerate(x.ids):
-                onto = acquired_gpus(x.op, x.sources.gpus_of((k,), n), x.targets.gpus_of((k,), n))
+                onto = x.targets.gpus_of((k,), n)
+                if x.op is not Primitive.EXTEND:  # a re-cut to a larger shard degree
+                    onto = list(acquired_gpus(x.op, x.sources.gpus_of((k,), n), onto))
                 if not contested.isdisjoint(onto):
                     waiting[lane] = tuple(sorted(contested.intersection(onto)))
         if waiting:  # (none before the first Extend onto a contested GPU)

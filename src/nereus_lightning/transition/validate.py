@@ -29,7 +29,16 @@ import numpy as np
 
 from nereus_lightning.plan.layout import Candidate, Layout
 from nereus_lightning.plan.memory import memory_cap
-from nereus_lightning.transition.dag import Effects, Gpus, Node, Primitive, TransitionDAG, Unit, gpu_chunks
+from nereus_lightning.transition.dag import (
+    Effects,
+    Gpus,
+    Node,
+    Primitive,
+    TransitionDAG,
+    Unit,
+    acquires_some,
+    gpu_chunks,
+)
 
 GB = 1e9
 
@@ -220,7 +229,7 @@ def _any_order_gpus(dag: TransitionDAG) -> list[str]:
     anc = _ancestors(dag) if leaving else []
     out = []
     for n in dag.nodes:
-        onto = n.acquired_gpus if leaving and n.op is not Primitive.DESTROY else ()
+        onto = n.acquired_gpus if leaving and acquires_some(n.op, n.sources, n.targets) else ()
         if not onto:
             continue
         for other in peers[n.model_stage]:
