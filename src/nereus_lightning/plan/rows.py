@@ -2,8 +2,9 @@
 
 A shard group of ``d`` ranks holds every row-cut tensor as ``d`` dim-0 row blocks
 (:func:`row_block`). When the degree changes, :func:`row_moves` lists which rows go from which
-rank to which; the body executes that list (``emu.transfer.recut_rows``) and the brain may price
-it, so both read one list. Plain integers, no tensors (the brain imports it).
+rank to which; the body executes that list (``emu.transfer.recut_rows``) and the brain prices
+it, so both read one list; :func:`recut_in_place` says when a plan change is such a re-cut. Plain
+integers, no tensors (the brain imports it).
 """
 
 from __future__ import annotations

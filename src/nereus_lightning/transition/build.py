@@ -433,7 +433,7 @@ class _PeerWaits:
         """Why ``n`` (node ``i``) must wait (a peer still holds one of the GPUs it acquires), or None."""
         still = self.still.get(n.model_stage) if n.op is not Primitive.DESTROY else None
         gpus = self._onto(i, n) if still else ()
-        if not gpus:
+        if not still or not gpus:
             return None
         for other in self.ctx.peers[n.model_stage]:  # the first peer (plan order) holding one
             theirs = still.get(other)

@@ -21,6 +21,9 @@ The planner runs in phases, each a function below:
 5. emit the lanes, step by step (``lanes.Step``): Splits (and the Destroys of unused pieces),
    Destroys of unused units, Extends, Destroys of used sources, Merges.
 
+A sharded model-stage whose shard degree alone changes (``plan.rows.recut_in_place``) skips all of
+this: its local DAG is one re-cut per replica (:func:`_recut`).
+
 A unit is handled as its GPU tuple here (its layout is the phase's: current, T_sub or target),
 and the phases work on whole columns of them (every unit's pieces in one list, unit-major), so
 that a layout change that treats every replica alike costs a few passes over those lists.
