@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nereus_lightning.plan.rows import grown_order, row_block, row_moves, shrunk_order
+from nereus_lightning.plan.rows import first_sources, grown_order, row_block, row_moves, shrunk_order
 
 
 def test_growing_keeps_each_old_block_inside_its_new_one() -> None:
@@ -35,3 +35,9 @@ def test_a_re_cut_fills_every_new_block_once_moving_the_least(d: int, grown: int
             assert covered == list(range(lo, hi)), (a, b, dst, got)
         if rows % grown == 0:
             assert sum(m.hi - m.lo for m in moves) == rows * (grown - d) // grown
+
+
+def test_each_new_rank_takes_what_is_held_whole_from_the_old_rank_of_its_first_row() -> None:
+    assert first_sources((5, 7), (5, 1, 7, 2)) == {1: 5, 2: 7}
+    assert first_sources((5, 1, 7, 2), (5, 7)) == {}  # shrinking: every rank of the new cut held the unit
+    assert first_sources((0, 1), (0, 4, 5, 1, 6, 7)) == {4: 0, 5: 0, 6: 1, 7: 1}

@@ -54,9 +54,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeGuard
 import torch
 import torch.distributed as dist
 
-from nereus_lightning.emu.ops import Destroy, Extend, Merge, Op, Split, from_node, ranked
+from nereus_lightning.emu.ops import Destroy, Extend, Merge, Op, Recut, Split, from_node, ranked
 from nereus_lightning.emu.primitives import Started, TransferReport
 from nereus_lightning.emu.primitives import start as start_op
+from nereus_lightning.emu.recut import recut_rank_sets
 from nereus_lightning.emu.registry import Registry, registry
 from nereus_lightning.emu.transfer import InFlight, default_device, start_broadcast
 from nereus_lightning.emu.transfer_plan import reshard_plan
@@ -266,6 +267,8 @@ def communicating_rank_sets(ops: Sequence[Op]) -> list[tuple[int, ...]]:
         if isinstance(op, Extend):
             for i, sender in enumerate(op.source.gpus):
                 out.append((sender, *(u.gpus[i] for u in op.targets if u.gpus[i] != sender)))
+        elif isinstance(op, Recut):
+            out += recut_rank_sets(reg.schema(op.model_stage), op.source, op.target)
         elif isinstance(op, (Split, Merge)):
             name = op.model_stage
             out.append(reshard_plan(op, reg.schema(name), reg.trains[name]).ranks())

@@ -12,6 +12,8 @@ geometry are the brain's (``plan.units``); a unit's ``gpus`` are the ranks that 
   re-ranking of it onto the same ranks in another order.
 - :class:`Extend`: one unit -> the same unit plus copies on disjoint rank tuples (same positions).
 - :class:`Destroy`: drop one unit.
+- :class:`Recut`: a sharded unit's row blocks re-cut to another shard degree in place (a Split to a
+  larger degree on more ranks, a Merge to a smaller one on fewer; ``emu.recut``).
 """
 
 from __future__ import annotations
@@ -100,7 +102,32 @@ class Destroy:
         return ()
 
 
-Op = Split | Merge | Extend | Destroy
+@dataclass(frozen=True)
+class Recut:
+    """Re-cut the sharded ``source`` to ``target``: the same model cut and ZeRO stage, another shard
+    degree, each replica on a superset of the source's ranks (a Split of the rows) or a subset (a Merge)."""
+
+    model_stage: str
+    source: Unit
+    target: Unit
+
+    @property
+    def kind(self) -> Primitive:
+        """A Split to a larger shard degree, a Merge to a smaller one."""
+        return Primitive.SPLIT if self.target.layout.shard > self.source.layout.shard else Primitive.MERGE
+
+    @property
+    def sources(self) -> tuple[Unit, ...]:
+        """The unit consumed."""
+        return (self.source,)
+
+    @property
+    def targets(self) -> tuple[Unit, ...]:
+        """The unit produced."""
+        return (self.target,)
+
+
+Op = Split | Merge | Extend | Destroy | Recut
 
 
 def _factor(big: int, small: int, field: str) -> int:
@@ -226,7 +253,17 @@ def destroy(model_stage: str, source: Unit) -> Destroy:
 
 def validate_op(op: Op) -> None:
     """Check an op built directly (e.g. from a DAG node): degrees, rank partitions, disjointness."""
-    if isinstance(op, Split):
+    if isinstance(op, Recut):
+        was, now = op.source.layout, op.target.layout
+        old, new = set(op.source.gpus), set(op.target.gpus)
+        require(
+            (was.tp, was.pp, was.zero) == (now.tp, now.pp, now.zero)
+            and was.zero > 0
+            and (old < new or new < old),
+            "recut",
+            f"{op.source} -> {op.target} is not a re-cut of the shard degree onto a superset or subset",
+        )
+    elif isinstance(op, Split):
         require(bool(op.targets), "split.targets", "need units of one layout")
         small = op.targets[0].layout
         require(all(u.layout == small for u in op.targets), "split.targets", "need units of one layout")
@@ -276,7 +313,9 @@ def from_node(node: Node, rank_of: Mapping[int, int] | None = None) -> Op:
     )
     sources, targets = ranked(node.sources, rank_of), ranked(node.targets, rank_of)
     op: Op
-    if node.op is Primitive.SPLIT:
+    if node.op is not Primitive.DESTROY and sources[0].layout.shard != targets[0].layout.shard:
+        op = Recut(node.model_stage, sources[0], targets[0])
+    elif node.op is Primitive.SPLIT:
         op = Split(node.model_stage, sources[0], targets)
     elif node.op is Primitive.MERGE:
         op = Merge(node.model_stage, sources, targets[0])

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from nereus_lightning.emu.ops import Destroy, Extend, Merge, Op, Split, validate_op
+from nereus_lightning.emu.ops import Destroy, Extend, Merge, Op, Recut, Split, validate_op
+from nereus_lightning.emu.recut import recut
 from nereus_lightning.emu.registry import registry
 from nereus_lightning.emu.schema import StateSchema
 from nereus_lightning.emu.transfer import (
@@ -170,6 +171,8 @@ def start(
             freed = _destroy(op)
         elif isinstance(op, Extend):
             flight = _extend(op, schema, trains, device)
+        elif isinstance(op, Recut):
+            flight, freed = _recut(op, schema, device)
         else:
             flight, freed = _reshard(op, schema, trains, device)
     else:
@@ -231,6 +234,20 @@ def _extend(op: Extend, schema: StateSchema, trains: bool, device: torch.device)
         local = {target: emu}
     _record(op, local)
     return flight
+
+
+def _recut(op: Recut, schema: StateSchema, device: torch.device) -> tuple[InFlight, int]:
+    """``emu.recut`` (synchronous: its flight has nothing left to wait for)."""
+    reg = registry()
+    old = reg.local(op.model_stage, op.source) if dist.get_rank() in op.source.gpus else None
+    new, traffic = recut(op.model_stage, schema, old, op.source, op.target, device)
+    freed = 0
+    if old is not None:
+        kept = {id(t) for _, _, t in new.tensors()} if new is not None else set()
+        freed = sum(t.numel() * t.element_size() for _, _, t in old.tensors() if id(t) not in kept)
+        old.free()
+    _record(op, {op.target: new} if new is not None else {})
+    return InFlight(traffic), freed
 
 
 def _reshard(

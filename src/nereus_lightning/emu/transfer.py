@@ -100,7 +100,7 @@ class InFlight:
         self._keep += other._keep
         self._inbox += other._inbox
         self._then += other._then
-        _add_traffic(self.traffic, other.traffic)
+        add_traffic(self.traffic, other.traffic)
         other.works, other._keep, other._inbox, other._then, other._done = [], [], [], [], True
         return self
 
@@ -130,7 +130,8 @@ class InFlight:
         return self.traffic
 
 
-def _add_traffic(total: Traffic, part: Traffic) -> None:
+def add_traffic(total: Traffic, part: Traffic) -> None:
+    """Add ``part`` into ``total``."""
     total.sent_bytes += part.sent_bytes
     total.received_bytes += part.received_bytes
     total.payload_sent += part.payload_sent

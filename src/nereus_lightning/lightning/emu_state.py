@@ -54,6 +54,7 @@ from nereus_lightning.lightning.zero_units import (
     as_shard_groups,
     at_rest,
     made_whole,
+    module_params,
     sharded_optimizer,
     whole,
 )
@@ -62,6 +63,7 @@ from nereus_lightning.models.groups import dp_ranks, zero_groups
 from nereus_lightning.models.sharded import is_tied
 from nereus_lightning.models.zero import ZeroShards
 from nereus_lightning.plan.layout import Plan, moving_shard_groups
+from nereus_lightning.plan.rows import recut_stages
 from nereus_lightning.rl.update import ADAMW
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.workload import Workload, workflow
@@ -142,12 +144,16 @@ class EMUStates:
         return True
 
     def _transition(self, target: Plan) -> TransitionRun:
-        """Run the brain's transition to ``target``: sharded units that change move whole as their shard
-        groups (:func:`~nereus_lightning.plan.layout.moving_shard_groups`), their rows gathered first,
-        and stay whole for :meth:`_build_modules` to cut, or are cut back to their rows when nothing
-        moved; sharded units that stay keep their rows, modules and optimizers."""
+        """Run the brain's transition to ``target``: sharded units whose shard degree alone changes are
+        re-cut in their rows (:func:`~nereus_lightning.plan.rows.recut_stages`; ``emu.recut``); other
+        sharded units that change move whole as their shard groups
+        (:func:`~nereus_lightning.plan.layout.moving_shard_groups`), their rows gathered first, and stay
+        whole for :meth:`_build_modules` to cut, or are cut back to their rows when nothing moved;
+        sharded units that stay keep their rows, modules and optimizers."""
         assert self.plan is not None
-        current, moved_to = moving_shard_groups(self.plan, target)
+        specs = self.roles.specs()
+        model_of = {n: specs[self.stages[n].model] for n in self.plan}
+        current, moved_to = moving_shard_groups(self.plan, target, recut_stages(self.plan, target, model_of))
         moving = [n for n in self.plan if (current[n], moved_to[n]) != (self.plan[n], target[n])]
         units = made_whole({n: self.optimizers[n] for n in moving if n in self.optimizers})
         as_shard_groups(Plan.of({n: self.plan[n] for n in moving}), grouped=True)
@@ -261,7 +267,7 @@ class EMUStates:
             if not ms.trains:
                 # The module's parameters are the EMU's tensors themselves, so offload/onload move both.
                 state.params = {n: _frozen(t) for n, t in state.params.items()}
-            module = ShardedCausalLM(config, comm, state.params)
+            module = ShardedCausalLM(config, comm, module_params(state))
             module.recompute = cand.recompute  # as the planner priced the stage's activations
             module.layers = self.roles.layers
             if ms.trains:

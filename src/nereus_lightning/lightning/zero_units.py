@@ -9,7 +9,9 @@ steps, so ``plan.memory`` prices what the rank holds, and checkpoints save the r
 state) run inside :func:`whole`, which gathers the rows into whole tensors for the block and cuts
 the EMU back to its rows after it. A transition moves a sharded stage that changes as its shard
 groups (ZeRO-0 replicas of ``Layout(tp, pp)``, :func:`~nereus_lightning.plan.layout.moving_shard_groups`,
-as the brain prices it): :func:`as_shard_groups` renames the registry's units for it and back.
+as the brain prices it): :func:`as_shard_groups` renames the registry's units for it and back. One whose
+shard degree alone changes is re-cut in its rows instead (``emu.recut``), and :func:`sharded_optimizer`
+steps the rows it then holds.
 """
 
 from __future__ import annotations
@@ -28,13 +30,32 @@ from nereus_lightning.plan.units import Unit
 from nereus_lightning.rl.update import ADAMW
 
 
+def module_params(state: emu.EMU) -> dict[str, torch.Tensor]:
+    """The tensors a compute module of the EMU ``state`` is built on: its parameters, or where it holds
+    their row blocks (ZeRO-3 after a re-cut) whole-shaped ones that :func:`sharded_optimizer` releases
+    until the module gathers them."""
+    if "param" not in state.row_keys:
+        return state.params
+    inner = Layout(state.unit.layout.tp, state.unit.layout.pp)
+    return {
+        n: torch.empty(state.schema.shard_shape(n, inner), dtype=t.dtype, device=t.device)
+        for n, t in state.params.items()
+    }
+
+
 def sharded_optimizer(
     module: ShardedCausalLM, state: emu.EMU, layout: Layout, unit: Sequence[int], lr: float
 ) -> ZeroShards:
-    """A ZeroShards stepping this shard rank's row blocks of the whole EMU ``state`` (the replica on
-    ``unit``), and the EMU cut to those rows (:func:`at_rest`): the whole tensors go."""
+    """A ZeroShards stepping this shard rank's row blocks of the EMU ``state`` (the replica on ``unit``),
+    and the EMU holding only those rows (:func:`at_rest`): cut from its whole tensors, which go, or the
+    rows it holds already (re-cut to this shard degree in place, ``emu.recut``)."""
     peers = shard_ranks(unit, layout, unit.index(module.comm.rank))
     shards = ShardGroup(layout.zero, peers, module.comm.rank, group_for(peers))
+    if state.row_keys:
+        rows = dict(state.params) if layout.zero == 3 else None
+        zero = ZeroShards(module, shards, rows, state.optim_state, lr=lr, **ADAMW)
+        at_rest(zero, state)
+        return zero
     blocks = {
         n: {
             k: t if k == "step" else cut_rows(t, shards.shard, shards.shard_rank).clone()

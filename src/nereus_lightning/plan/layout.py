@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 
 from nereus_lightning.spec.errors import require
@@ -162,15 +162,17 @@ class Plan:
         return Plan(tuple((n, candidate if n == model_stage else c) for n, c in self.assignments))
 
 
-def moving_shard_groups(current: Plan, target: Plan) -> tuple[Plan, Plan]:
+def moving_shard_groups(current: Plan, target: Plan, recut: Collection[str]) -> tuple[Plan, Plan]:
     """``current`` and ``target`` (the same model-stages) with each ZeRO-sharded model-stage whose units
     change as its shard groups (:meth:`Candidate.shard_groups`), as a transition moves it: each shard
     group holding its state whole. A model-stage that keeps its units (:meth:`Candidate.same_units`, its
-    micro-batch or recompute may change) keeps its candidate, and its row blocks."""
+    micro-batch or recompute may change) keeps its candidate, and its row blocks; so does one in
+    ``recut``, whose row blocks are re-cut to another shard degree in place
+    (:func:`~nereus_lightning.plan.rows.recut_in_place`)."""
     moving = {
         n
         for n, c in current.items()
-        if not c.same_units(target[n]) and max(c.layout.shard, target[n].layout.shard) > 1
+        if not c.same_units(target[n]) and max(c.layout.shard, target[n].layout.shard) > 1 and n not in recut
     }
     if not moving:
         return current, target

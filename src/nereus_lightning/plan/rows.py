@@ -2,16 +2,20 @@
 
 A shard group of ``d`` ranks holds every row-cut tensor as ``d`` dim-0 row blocks
 (:func:`row_block`). When the degree changes, :func:`row_moves` lists which rows go from which
-rank to which; the body executes that list (``emu.transfer.recut_rows``) and the brain may price
-it, so both read one list. Plain integers, no tensors (the brain imports it).
+rank to which; the body executes that list (``emu.transfer.recut_rows``) and the brain prices
+it, so both read one list; :func:`recut_in_place` says when a plan change is such a re-cut. Plain
+integers, no tensors (the brain imports it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from math import gcd
 
+from nereus_lightning.plan.layout import Candidate, Plan
 from nereus_lightning.spec.errors import require
+from nereus_lightning.spec.model import ModelSpec
 
 
 def row_block(rows: int, shard: int, shard_rank: int) -> tuple[int, int]:
@@ -67,3 +71,53 @@ def shrunk_order(order: tuple[int, ...], shard: int) -> tuple[int, ...]:
     :func:`grown_order`)."""
     require(len(order) % shard == 0, "shard", f"shrinking shard {len(order)} -> {shard}: need a divisor")
     return order[:: len(order) // shard]
+
+
+def unit_rows(old: int, new: int) -> int:
+    """The row count on which a re-cut between degrees ``old`` and ``new`` is priced: ``lcm(old, new)``,
+    the fewest rows that both cut evenly (a tensor whose row count it divides moves that fraction)."""
+    return old * new // gcd(old, new)
+
+
+def first_sources(old: tuple[int, ...], new: tuple[int, ...]) -> dict[int, int]:
+    """Per rank of ``new`` not in ``old``: the rank of ``old`` whose block holds the first row of its new
+    block (on :func:`unit_rows` rows), which sends it whatever a shard rank holds whole."""
+    out: dict[int, int] = {}
+    for move in row_moves({"": unit_rows(len(old), len(new))}, old, new):
+        if move.dst not in old:
+            out.setdefault(move.dst, move.src)
+    return out
+
+
+def shard_rows(model: ModelSpec, tp: int) -> frozenset[int]:
+    """The row counts of the tensors a shard rank cuts into row blocks, at TP degree ``tp``: those of the
+    TP-split tensors (the vocabulary, the attention projections, the MLP) and of the ones whose rows TP
+    leaves whole (the hidden size, a head's q/k norm)."""
+    hd = model.head_dim or model.hidden // model.num_heads
+    split = [model.vocab, model.num_heads * hd, model.num_kv_heads * hd, model.intermediate]
+    if model.num_experts:
+        split += [model.expert_intermediate, model.shared_intermediate]
+    whole = [model.hidden, model.num_experts] + ([hd] if model.qk_norm else [])
+    return frozenset([n // tp for n in split if n] + [n for n in whole if n])
+
+
+def recut_in_place(model: ModelSpec, current: Candidate, target: Candidate) -> bool:
+    """Whether ``target`` is ``current`` with another shard degree alone, re-cut in place: the same
+    replicas, model cut and ZeRO stage, each replica on a superset of its GPUs (growing) or a subset
+    (shrinking), and ``lcm(d, d')`` (:func:`unit_rows`) dividing every row count (:func:`shard_rows`),
+    so that the row moves are priced exactly. Otherwise the shard groups move whole."""
+    a, b = current.layout, target.layout
+    if (a.tp, a.pp, a.zero, current.dp) != (b.tp, b.pp, b.zero, target.dp) or a.shard == b.shard:
+        return False
+    for r in range(current.dp):
+        old, new = set(current.replica_gpus(r)), set(target.replica_gpus(r))
+        if not (old < new or new < old):
+            return False
+    lcm = unit_rows(a.shard, b.shard)
+    return all(n % lcm == 0 for n in shard_rows(model, a.tp))
+
+
+def recut_stages(current: Plan, target: Plan, model_of: Mapping[str, ModelSpec]) -> frozenset[str]:
+    """The model-stages of ``current`` re-cut in place to ``target`` (:func:`recut_in_place`; ``model_of``:
+    each model-stage's ModelSpec)."""
+    return frozenset(n for n, c in current.items() if recut_in_place(model_of[n], c, target[n]))

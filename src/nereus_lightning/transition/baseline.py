@@ -18,7 +18,7 @@ from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.model import ModelSpec
 from nereus_lightning.spec.workload import Workload
 from nereus_lightning.transition.build import make_context, union_of_local_dags
-from nereus_lightning.transition.dag import Primitive, TransitionDAG
+from nereus_lightning.transition.dag import TransitionDAG
 from nereus_lightning.transition.validate import ValidationReport, validate
 
 
@@ -71,9 +71,7 @@ def _blocking_deadlocks(dag: TransitionDAG) -> bool:
         for name, q in queues.items():
             while pos[name] < len(q):
                 n = q[pos[name]]
-                if n.op is Primitive.EXTEND and any(
-                    c and o in peers[name] for g in n.acquired_gpus for o, c in held[g].items()
-                ):
+                if any(c and o in peers[name] for g in n.acquired_gpus for o, c in held[g].items()):
                     break
                 if any(mem[g] + max(net, 0.0) + tr > cap * (1 + 1e-9) for g, net, tr in n.mem):
                     break

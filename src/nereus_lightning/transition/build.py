@@ -30,13 +30,17 @@ one (memory is admitted per call). The DAG's nodes are made once, in the replay'
 alike calls of one model-stage that wait for exactly the same nodes become one batched node.
 Built DAGs are immutable and cached (:func:`clear_cache` empties the cache).
 
-A sharded model-stage (``Layout.shard > 1``) that changes moves as its shard groups
-(:func:`~nereus_lightning.plan.layout.moving_shard_groups`): ``shard`` ZeRO-0 replicas of
-``Layout(tp, pp)`` per replica, each holding its whole ``(tp, pp)`` pieces, which is how the body
-holds the state while it transfers it (its row blocks gathered first). So a shard-degree change is
-a data-parallel change of those replicas, priced and validated at the whole pieces' memory: a
-transition whose whole state does not fit is reported infeasible. A sharded model-stage that stays
-keeps its row blocks (and their memory) throughout.
+A sharded model-stage (``Layout.shard > 1``) whose shard degree alone changes, each replica onto a
+superset or a subset of its GPUs (:func:`~nereus_lightning.plan.rows.recut_in_place`), is re-cut in
+place: one Split (a larger degree; it acquires the GPUs it adds) or Merge (a smaller one; it releases
+the GPUs it drops) per replica, priced by the row moves the body executes
+(:func:`~nereus_lightning.transition.pieces.recut_transfers`). Any other sharded model-stage that
+changes moves as its shard groups (:func:`~nereus_lightning.plan.layout.moving_shard_groups`):
+``shard`` ZeRO-0 replicas of ``Layout(tp, pp)`` per replica, each holding its whole ``(tp, pp)``
+pieces, which is how the body holds the state while it transfers it (its row blocks gathered
+first), priced and validated at the whole pieces' memory: a transition whose whole state does not
+fit is reported infeasible. A sharded model-stage that stays keeps its row blocks (and their memory)
+throughout.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ import numpy as np
 
 from nereus_lightning.plan.layout import Layout, Plan, moving_shard_groups
 from nereus_lightning.plan.memory import boundary_state_bytes, memory_cap
+from nereus_lightning.plan.rows import recut_stages
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
 from nereus_lightning.spec.model import ModelSpec
@@ -62,8 +67,10 @@ from nereus_lightning.transition.dag import (
     TransitionContext,
     TransitionDAG,
     acquired_gpus,
+    acquires_some,
     memory_growth,
     released_gpus,
+    releases_some,
 )
 from nereus_lightning.transition.lanes import (
     LocalNode,
@@ -96,22 +103,26 @@ def build_transition(
     Raises:
         NereusConfigError: the plans or ``models`` do not match the workload.
         InfeasiblePlanError: no safe order exists (the message names the stuck acquisition),
-            or a plan does not fit in GPU memory (with its state whole, for a sharded model-stage: the
-            message names their layouts).
+            or a plan does not fit in GPU memory (with its state whole, for a sharded model-stage that
+            moves as its shard groups: the message names their layouts).
     """
     try:
         return _cached_build(current, target, tuple(sorted(models.items())), cluster, workload)
     except InfeasiblePlanError as err:
+        recut = _recut(current, target, models, workload)
         sharded = [
             f"{name} {cand.layout} -> {target[name].layout}"
             for name, cand in current.items()
-            if not cand.same_units(target[name]) and max(cand.layout.shard, target[name].layout.shard) > 1
+            if not cand.same_units(target[name])
+            and max(cand.layout.shard, target[name].layout.shard) > 1
+            and name not in recut
         ]
         if not sharded:
             raise
         raise InfeasiblePlanError(
             f"{err}. ZeRO-sharded model-stages move as their shard groups, each holding its state whole "
-            f"while it moves (re-cutting row blocks in place is not built): {'; '.join(sharded)}"
+            f"while it moves (their row blocks are re-cut in place only where the shard degree alone "
+            f"changes): {'; '.join(sharded)}"
         ) from err
 
 
@@ -181,7 +192,7 @@ def _context(
             raise NereusConfigError(
                 f"models: no ModelSpec for role {role!r} (needed by {name}); pass models[{role!r}]"
             )
-    current, target = moving_shard_groups(current, target)
+    current, target = moving_shard_groups(current, target, _recut(current, target, models, workload))
     unit_memory: dict[tuple[str, Layout], float] = {}
     for name, cand in current.items():
         ms = stages[name]
@@ -192,6 +203,15 @@ def _context(
     resident = _check_plan("current", current, ctx)
     _check_plan("target", target, ctx, per_gpu=False)
     return replace(ctx, current_memory=tuple(resident.tolist()))
+
+
+def _recut(
+    current: Plan, target: Plan, models: Mapping[str, ModelSpec], workload: Workload
+) -> frozenset[str]:
+    """The model-stages re-cut to another shard degree in place
+    (:func:`~nereus_lightning.plan.rows.recut_stages`)."""
+    role = {ms.name: ms.model for ms in workload.stages}
+    return recut_stages(current, target, {n: models[role[n]] for n in current})
 
 
 def resident_memory(plan: Plan, ctx: TransitionContext) -> np.ndarray:
@@ -302,11 +322,8 @@ def _left_by(
 
 
 def _leaves_some(x: StepLanes) -> bool:
-    """Whether a lane of ``x`` may leave a GPU: a Destroy, or a Split making fewer GPUs' worth of
-    units than it reads (its units lie on its source's GPUs)."""
-    if x.op is Primitive.SPLIT:
-        return len(x.targets) * x.targets.layout.size < len(x.sources) * x.sources.layout.size
-    return x.op is Primitive.DESTROY and bool(x.ids)
+    """Whether a lane of ``x`` may leave a GPU (:func:`~nereus_lightning.transition.dag.releases_some`)."""
+    return releases_some(x.op, x.sources, x.targets)
 
 
 def _wait_keys(
@@ -380,8 +397,9 @@ class _PeerWaits:
     """Per model-stage whose target holds GPUs its peers hold now (*contested* GPUs): per peer, the
     contested GPUs it still holds, and the releases of contested GPUs so far (node, GPUs).
 
-    Extend acquires GPUs of its own target only and peers are disjoint in the target, so a peer
-    holds such a GPU until it releases it, once (more than one peer holds it only where those
+    An acquisition (an Extend, or a Split to a larger shard degree: :func:`acquired_gpus`) takes GPUs of
+    its own target only and peers are disjoint in the target, so a peer holds such a GPU until it
+    releases it, once (more than one peer holds it only where those
     peers are colocated now)."""
 
     def __init__(self, ctx: TransitionContext, contested: Mapping[str, set[int]]) -> None:
@@ -389,7 +407,7 @@ class _PeerWaits:
         self.still: dict[str, dict[str, set[int]]] = {}  # waiter -> peer -> contested GPUs it holds
         self.gone: dict[str, list[tuple[int, set[int]]]] = {}  # waiter -> (node, contested GPUs it left)
         self.watchers: dict[str, list[str]] = {}  # peer -> the model-stages waiting for its GPUs
-        self.onto: dict[int, tuple[int, ...]] = {}  # per Extend asked about: the GPUs it acquires
+        self.onto: dict[int, tuple[int, ...]] = {}  # per node asked about: the GPUs it acquires
         for name, gpus in contested.items():
             self.still[name], self.gone[name] = {}, []
             for other in ctx.peers[name]:
@@ -399,18 +417,24 @@ class _PeerWaits:
                     self.still[name][other] = theirs
 
     def _onto(self, i: int, n: LocalNode) -> tuple[int, ...]:
-        """The GPUs Extend ``n`` (node ``i``) acquires (found once: a blocked node is asked again)."""
+        """The GPUs node ``n`` (node ``i``) acquires (found once: a blocked node is asked again)."""
         gpus = self.onto.get(i)
         if gpus is None:
-            gpus = self.onto[i] = acquired_gpus(n.op, n.target_gpus())
+            if n.op is Primitive.EXTEND:
+                gpus = tuple(n.target_gpus())
+            elif acquires_some(n.op, n.lanes.sources, n.lanes.targets):
+                gpus = acquired_gpus(n.op, n.source_gpus(), n.target_gpus())
+            else:
+                gpus = ()
+            self.onto[i] = gpus
         return gpus
 
     def blocked(self, i: int, n: LocalNode) -> str | None:
-        """Why Extend ``n`` (node ``i``) must wait (a peer still holds one of its GPUs), or None."""
-        still = self.still.get(n.model_stage) if n.op is Primitive.EXTEND else None
-        if not still:
+        """Why ``n`` (node ``i``) must wait (a peer still holds one of the GPUs it acquires), or None."""
+        still = self.still.get(n.model_stage) if n.op is not Primitive.DESTROY else None
+        gpus = self._onto(i, n) if still else ()
+        if not still or not gpus:
             return None
-        gpus = self._onto(i, n)
         for other in self.ctx.peers[n.model_stage]:  # the first peer (plan order) holding one
             theirs = still.get(other)
             if theirs and not theirs.isdisjoint(gpus):
@@ -419,8 +443,8 @@ class _PeerWaits:
         return None
 
     def relied_on(self, i: int, n: LocalNode) -> int:
-        """The releases (mask) of the contested GPUs Extend ``n`` (node ``i``) acquires."""
-        gone = self.gone.get(n.model_stage) if n.op is Primitive.EXTEND else None
+        """The releases (mask) of the contested GPUs ``n`` (node ``i``) acquires."""
+        gone = self.gone.get(n.model_stage) if n.op is not Primitive.DESTROY else None
         mask = 0
         if gone:
             gpus = self._onto(i, n)
@@ -430,7 +454,7 @@ class _PeerWaits:
         return mask
 
     def release(self, n: LocalNode, index: int) -> None:
-        """Note the contested GPUs node ``index`` (a Destroy or Split) leaves."""
+        """Note the contested GPUs node ``index`` (a Destroy, Split or Merge) leaves."""
         waiters = self.watchers.get(n.model_stage)
         if not waiters:
             return
@@ -513,7 +537,7 @@ def _order_with_resource_edges(
                 stuck.append((i, why))
                 continue
             relied = peers.relied_on(i, n)
-            if n.op is Primitive.DESTROY or n.op is Primitive.SPLIT:
+            if _leaves_some(n.lanes):
                 peers.release(n, i)
             if careful[i]:
                 relied |= memory.admit(n, i)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from itertools import chain, repeat
+from itertools import chain
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar, overload
 
 import numpy as np
@@ -114,39 +114,31 @@ MemEffect = tuple[int, float, float]
 
 class Memory(Sequence[MemEffect]):
     """A node's memory effects as columns (numpy arrays): on each of ``gpus`` (in order) it leaves
-    ``net`` bytes allocated once it ends (negative: freed) and holds ``transient[i]`` buffer bytes
-    while it runs.
+    ``net[i]`` bytes allocated once it ends (negative: freed) and holds ``transient[i]`` buffer bytes
+    while it runs. A ``net`` given as one number holds on every GPU (a primitive whose units are alike
+    on all their GPUs); a re-cut of the shard degree gives one per GPU (its old and new GPUs differ).
 
     Immutable (read-only arrays); items are ``(gpu, net, transient)`` triples (:data:`MemEffect`).
     """
 
     __slots__ = ("gpus", "net", "transient")
 
-    def __init__(self, gpus: Iterable[int], net: float, transient: Iterable[float] | None = None) -> None:
+    def __init__(
+        self, gpus: Iterable[int], net: float | Iterable[float], transient: Iterable[float] | None = None
+    ) -> None:
         ids = _frozen(np.fromiter(gpus, dtype=np.int64) if not isinstance(gpus, np.ndarray) else gpus)
-        if transient is None:
-            buffers = _frozen(np.zeros(len(ids)))
-        elif isinstance(transient, np.ndarray):
-            buffers = _frozen(transient.astype(np.float64, copy=False))
-        else:
-            buffers = _frozen(np.fromiter(transient, dtype=np.float64))
-        if len(buffers) != len(ids):
-            raise ValueError(f"{len(buffers)} transient sizes for {len(ids)} GPUs")
         object.__setattr__(self, "gpus", ids)
-        object.__setattr__(self, "net", float(net))
-        object.__setattr__(self, "transient", buffers)
+        object.__setattr__(self, "net", _column(net, len(ids), "net"))
+        object.__setattr__(
+            self, "transient", _column(0.0 if transient is None else transient, len(ids), "transient")
+        )
 
     gpus: np.ndarray
-    net: float
+    net: np.ndarray
     transient: np.ndarray
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"Memory is immutable (tried to set {name})")
-
-    @property
-    def growth(self) -> float:
-        """Bytes the node may add on each of its GPUs beyond its buffers: ``net`` if it allocates."""
-        return self.net if self.net > 0 else 0.0
 
     def __len__(self) -> int:
         return len(self.gpus)
@@ -157,11 +149,11 @@ class Memory(Sequence[MemEffect]):
     def __getitem__(self, index: slice) -> Memory: ...
     def __getitem__(self, index: int | slice) -> MemEffect | Memory:
         if isinstance(index, slice):
-            return Memory(self.gpus[index], self.net, self.transient[index])
-        return (int(self.gpus[index]), self.net, float(self.transient[index]))
+            return Memory(self.gpus[index], self.net[index], self.transient[index])
+        return (int(self.gpus[index]), float(self.net[index]), float(self.transient[index]))
 
     def __iter__(self) -> Iterator[MemEffect]:
-        return zip(self.gpus.tolist(), repeat(self.net), self.transient.tolist())
+        return zip(self.gpus.tolist(), self.net.tolist(), self.transient.tolist(), strict=True)
 
     def lane(self, k: int, width: int) -> Memory:
         """The effects of lane ``k`` of ``width`` alike lanes."""
@@ -173,25 +165,38 @@ class Memory(Sequence[MemEffect]):
             return self
         n = len(self.gpus) // width
         if ks[-1] - ks[0] + 1 == len(ks):  # consecutive lanes (ks ascend): views, read-only already
+            lo, hi = ks[0] * n, (ks[-1] + 1) * n
             part = object.__new__(Memory)
-            object.__setattr__(part, "gpus", self.gpus[ks[0] * n : (ks[-1] + 1) * n])
-            object.__setattr__(part, "net", self.net)
-            object.__setattr__(part, "transient", self.transient[ks[0] * n : (ks[-1] + 1) * n])
+            object.__setattr__(part, "gpus", self.gpus[lo:hi])
+            object.__setattr__(part, "net", self.net[lo:hi])
+            object.__setattr__(part, "transient", self.transient[lo:hi])
             return part
         at = (np.asarray(ks)[:, None] * n + np.arange(n)).ravel()
-        return Memory(self.gpus[at], self.net, self.transient[at])  # copies: made read-only
+        return Memory(self.gpus[at], self.net[at], self.transient[at])  # copies: made read-only
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Memory):
             return NotImplemented
-        same = np.array_equal(self.gpus, other.gpus) and np.array_equal(self.transient, other.transient)
-        return bool(same) and (not len(self.gpus) or self.net == other.net)
+        return all(np.array_equal(getattr(self, f), getattr(other, f)) for f in self.__slots__)
 
     def __hash__(self) -> int:
-        return hash((self.gpus.tobytes(), self.net))
+        return hash((self.gpus.tobytes(), self.net.tobytes()))
 
     def __repr__(self) -> str:
-        return f"Memory({self.gpus.tolist()}, net={self.net}, transient={self.transient.tolist()})"
+        return f"Memory({self.gpus.tolist()}, net={self.net.tolist()}, transient={self.transient.tolist()})"
+
+
+def _column(values: float | Iterable[float], size: int, what: str) -> np.ndarray:
+    """``values`` as a read-only float column of ``size`` (one number: repeated)."""
+    if isinstance(values, (int, float)):
+        column = np.empty(size)  # (empty + fill: np.full's Python wrapper costs twice as much)
+        column.fill(values)
+        column.flags.writeable = False
+        return column
+    column = values if isinstance(values, np.ndarray) else np.fromiter(values, dtype=np.float64)
+    if len(column) != size:
+        raise ValueError(f"{len(column)} {what} sizes for {size} GPUs")
+    return _frozen(column.astype(np.float64, copy=False))
 
 
 def _frozen(array: np.ndarray) -> np.ndarray:
@@ -220,7 +225,7 @@ class Effects(NamedTuple):
         return cls(
             np.repeat(np.arange(len(mems)), counts),
             np.concatenate([m.gpus for m in mems]),
-            np.repeat([m.net for m in mems], counts),
+            np.concatenate([m.net for m in mems]),
             np.concatenate([m.transient for m in mems]),
         )
 
@@ -243,21 +248,49 @@ def no_transfers() -> tuple[Transfer, ...]:
     return ()
 
 
-def acquired_gpus(op: Primitive, targets: Iterable[int]) -> tuple[int, ...]:
-    """GPUs a call of ``op`` creating units on ``targets`` (their GPUs) newly places state on:
-    Extend's targets."""
-    return tuple(targets) if op is Primitive.EXTEND else ()
+def acquired_gpus(op: Primitive, sources: Iterable[int], targets: Iterable[int]) -> tuple[int, ...]:
+    """GPUs a call of ``op`` reading units on ``sources`` and creating units on ``targets`` (their GPUs)
+    newly places state on: Extend's targets, and those of a Split's or Merge's targets no source holds
+    (a re-cut to a larger shard degree)."""
+    if op is Primitive.EXTEND:
+        return tuple(targets)
+    if op is Primitive.DESTROY:
+        return ()
+    had = set(sources)
+    return tuple(g for g in targets if g not in had)
+
+
+def acquires_some(op: Primitive, sources: Units, targets: Units) -> bool:
+    """Whether a call of ``op`` reading ``sources`` and making ``targets`` (of one or more alike lanes)
+    may newly place state on a GPU (:func:`acquired_gpus`): an Extend, or a Split or Merge whose
+    targets span more GPUs than its sources (a re-cut to a larger shard degree)."""
+    if op is Primitive.EXTEND:
+        return True
+    grows = len(targets) * targets.layout.size > len(sources) * sources.layout.size
+    return op is not Primitive.DESTROY and grows
+
+
+def releases_some(op: Primitive, sources: Units, targets: Units) -> bool:
+    """Whether a call of ``op`` reading ``sources`` and making ``targets`` (of one or more alike lanes)
+    may leave a GPU (:func:`released_gpus`): a Destroy of something, or a Split or Merge whose targets
+    span fewer GPUs than its sources (a Split's units lie on its source's GPUs; a re-cut to a smaller
+    shard degree keeps some of them)."""
+    if op is Primitive.DESTROY:
+        return len(sources) > 0
+    shrinks = len(targets) * targets.layout.size < len(sources) * sources.layout.size
+    return op is not Primitive.EXTEND and shrinks
 
 
 def released_gpus(op: Primitive, sources: Iterable[int], targets: Iterable[int]) -> tuple[int, ...]:
     """GPUs a call of ``op`` reading units on ``sources`` and creating units on ``targets`` (their
-    GPUs) leaves: Destroy's, and those of Split's source that no target keeps."""
+    GPUs) leaves: Destroy's, and those of a Split's or Merge's sources that no target keeps (a Split to
+    units on fewer GPUs; a re-cut to a smaller shard degree)."""
     if op is Primitive.DESTROY:
         return tuple(sources)
-    if op is Primitive.SPLIT:
-        keep = set(targets)
-        return tuple(g for g in sources if g not in keep)
-    return ()
+    if op is Primitive.EXTEND:
+        return ()
+    keep = set(targets)
+    return tuple(g for g in sources if g not in keep)
 
 
 class Node(NamedTuple):
@@ -314,12 +347,16 @@ class Node(NamedTuple):
 
     @property
     def acquired_gpus(self) -> tuple[int, ...]:
-        """GPUs this node newly places state of its model-stage on (Extend's targets)."""
-        return acquired_gpus(self.op, self.targets.all_gpus())
+        """GPUs this node newly places state of its model-stage on (:func:`acquired_gpus`)."""
+        if not acquires_some(self.op, self.sources, self.targets):
+            return ()
+        return acquired_gpus(self.op, self.sources.all_gpus(), self.targets.all_gpus())
 
     @property
     def released_gpus(self) -> tuple[int, ...]:
-        """GPUs whose unit of this model-stage the node drops (Destroy; Split's GPUs it does not keep)."""
+        """GPUs whose unit of this model-stage the node drops (:func:`released_gpus`)."""
+        if not releases_some(self.op, self.sources, self.targets):
+            return ()
         return released_gpus(self.op, self.sources.all_gpus(), self.targets.all_gpus())
 
     @property

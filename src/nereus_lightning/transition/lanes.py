@@ -17,7 +17,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from enum import IntEnum
 from typing import Any, NamedTuple
 
-from nereus_lightning.transition.dag import Memory, Node, Primitive, Units
+from nereus_lightning.transition.dag import Memory, Node, Primitive, Units, acquired_gpus, acquires_some
 from nereus_lightning.transition.pieces import Transfer
 
 
@@ -129,14 +129,17 @@ class LocalNode(NamedTuple):
 
 
 def waiting_lanes(steps: Sequence[StepLanes], contested: set[int]) -> dict[int, tuple[int, ...]]:
-    """The lanes a same-stage peer can make wait: the Extends onto a ``contested`` GPU (one a peer
-    holds now) and every lane after one of them; each with the contested GPUs it lands on."""
+    """The lanes a same-stage peer can make wait: those acquiring a ``contested`` GPU (one a peer holds
+    now; :func:`~nereus_lightning.transition.dag.acquired_gpus`) and every lane after one of them; each
+    with the contested GPUs it lands on."""
     waiting: dict[int, tuple[int, ...]] = {}
     for x in sorted(steps, key=lambda x: x.step):
-        if x.op is Primitive.EXTEND:
+        if acquires_some(x.op, x.sources, x.targets):
             n = len(x.ids)
             for k, lane in enumerate(x.ids):
                 onto = x.targets.gpus_of((k,), n)
+                if x.op is not Primitive.EXTEND:  # a re-cut to a larger shard degree
+                    onto = list(acquired_gpus(x.op, x.sources.gpus_of((k,), n), onto))
                 if not contested.isdisjoint(onto):
                     waiting[lane] = tuple(sorted(contested.intersection(onto)))
         if waiting:  # (none before the first Extend onto a contested GPU)

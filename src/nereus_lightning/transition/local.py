@@ -21,6 +21,9 @@ The planner runs in phases, each a function below:
 5. emit the lanes, step by step (``lanes.Step``): Splits (and the Destroys of unused pieces),
    Destroys of unused units, Extends, Destroys of used sources, Merges.
 
+A sharded model-stage whose shard degree alone changes (``plan.rows.recut_in_place``) skips all of
+this: its local DAG is one re-cut per replica (:func:`_recut`).
+
 A unit is handled as its GPU tuple here (its layout is the phase's: current, T_sub or target),
 and the phases work on whole columns of them (every unit's pieces in one list, unit-major), so
 that a layout change that treats every replica alike costs a few passes over those lists.
@@ -38,6 +41,7 @@ from typing import NamedTuple
 import numpy as np
 
 from nereus_lightning.plan.layout import Candidate, Layout
+from nereus_lightning.plan.rows import recut_in_place
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.transition.dag import Memory, Node, Primitive, Units, gpu_chunks, no_transfers
 from nereus_lightning.transition.lanes import (
@@ -49,7 +53,7 @@ from nereus_lightning.transition.lanes import (
     numbered,
     one_per_lane,
 )
-from nereus_lightning.transition.pieces import Geometry, extend_transfers
+from nereus_lightning.transition.pieces import Geometry, extend_transfers, recut_transfers
 from nereus_lightning.transition.tsub import (
     Pattern,
     all_subs,
@@ -97,6 +101,8 @@ def local_lanes(
     a, b = current.layout, target.layout
     if a == b and current.gpus == target.gpus:
         return []
+    if recut_in_place(geo.model, current, target):
+        return [_recut(geo, memory_of(a), memory_of(b), current, target)]
     s = common_layout(a, b)
     cur_units, tgt_units = gpu_chunks(current.gpus, a.size), gpu_chunks(target.gpus, b.size)
     strided = all_subs(b, s, len(tgt_units))(target.gpus)  # every target unit's strided slots
@@ -128,6 +134,32 @@ def local_lanes(
     steps += _destroys(_lanes_after(steps, len(dropped)), drop_sources_step(last), s, dropped, deps, mem.s)
     steps += _merges(_next_lane(steps), merge_step(last), geo, s, b, tgt_units, slots, made_by, readers, mem)
     return steps
+
+
+def _recut(geo: Geometry, mem_a: float, mem_b: float, current: Candidate, target: Candidate) -> StepLanes:
+    """Every replica re-cut to the target's shard degree in place, one lane each: a Split to a larger
+    degree (it acquires the GPUs it adds), a Merge to a smaller one (it releases the GPUs it drops).
+    A GPU in both cuts ends holding ``mem_b`` and holds its new rows beside its old ones while they
+    move; a GPU added receives ``mem_b``, one dropped frees ``mem_a``."""
+    a, b = current.layout, target.layout
+    grows = b.shard > a.shard
+    olds = gpu_chunks(current.gpus, a.size)
+    news = gpu_chunks(target.gpus, b.size)
+    touched = news if grows else olds  # every GPU of the re-cut, per replica
+    kept = set(current.gpus).intersection(target.gpus)
+    net = [mem_b - mem_a if g in kept else (mem_b if grows else -mem_a) for g in chain.from_iterable(touched)]
+    buffers = [min(mem_a, mem_b) if g in kept else 0.0 for g in chain.from_iterable(touched)]
+    return StepLanes(
+        Step.SPLIT,  # the only step of this local DAG
+        Primitive.SPLIT if grows else Primitive.MERGE,
+        range(len(olds)),
+        Units(a, olds),
+        Units(b, news),
+        [()] * len(olds),
+        Memory(chain.from_iterable(touched), net, buffers),
+        recut_transfers,
+        tuple((geo, a, b, old, new) for old, new in zip(olds, news, strict=True)),
+    )
 
 
 def _next_lane(steps: list[StepLanes]) -> int:

@@ -34,6 +34,8 @@ from typing import NamedTuple
 
 from nereus_lightning.plan.layout import Layout
 from nereus_lightning.plan.memory import optimizer_bytes_per_param
+from nereus_lightning.plan.rows import first_sources, row_moves, unit_rows
+from nereus_lightning.spec.errors import require
 from nereus_lightning.spec.model import ModelSpec
 
 
@@ -249,3 +251,35 @@ def gather_pieces(
                 piece = Piece(lo, hi, embed, lm_head, final_norm, replicated and hi > lo, f_lo, f_hi, den)
                 out.append((p * have.tp + t, piece))
     return tuple(out)
+
+
+def recut_transfers(
+    geo: Geometry, old: Layout, new: Layout, src: tuple[int, ...], dst: tuple[int, ...]
+) -> list[Transfer]:
+    """A sharded unit on ``src`` (``old``) re-cut to ``new`` on ``dst``: the same model cut, another shard
+    degree. At each ``(pp, tp)`` position the row blocks move as :func:`~nereus_lightning.plan.rows.row_moves`
+    lists them (what ``emu.recut`` sends), priced on ``lcm(d, d')`` unit rows (exact when that divides
+    every tensor's row count); at ZeRO-1/2 a GPU new to the unit also receives the position's whole
+    parameters from the old GPU whose block holds its first row.
+    """
+    require(
+        (old.tp, old.pp, old.zero) == (new.tp, new.pp, new.zero) and old.shard != new.shard,
+        "recut",
+        f"{old} -> {new} is not a change of the shard degree alone",
+    )
+    model, m = geo.model, old.model_size
+    rows = unit_rows(old.shard, new.shard)
+    param_bytes = model.dtype_bytes
+    cut_bpp = geo.bytes_per_param - (0 if old.zero == 3 else param_bytes)
+    out = []
+    for i in range(m):
+        piece = full_piece(model, old, i // old.tp, i % old.tp)
+        params = shard_bytes(geo, old, i // old.tp) // geo.bytes_per_param
+        before, after = src[i::m], dst[i::m]
+        for move in row_moves({"": rows}, before, after):
+            out.append(Transfer(move.src, move.dst, params * cut_bpp * (move.hi - move.lo) // rows, piece))
+        if old.zero < 3:
+            out += [
+                Transfer(s, g, params * param_bytes, piece) for g, s in first_sources(before, after).items()
+            ]
+    return out

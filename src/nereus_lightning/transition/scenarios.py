@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 
 from nereus_lightning.plan.layout import Candidate, Layout, Plan, moving_shard_groups
 from nereus_lightning.plan.memory import MEMORY_HEADROOM, state_bytes_per_gpu
+from nereus_lightning.plan.rows import recut_stages
 from nereus_lightning.spec.cluster import CLUSTER_PRESETS, ClusterSpec
 from nereus_lightning.spec.model import MODEL_PRESETS, ModelSpec
 from nereus_lightning.spec.workload import ModelStage, Workload
@@ -253,7 +254,9 @@ def _case_cluster(
 ) -> ClusterSpec:
     """An H200 cluster of ``num_gpus`` whose per-GPU memory is the resident peak of either plan
     times a random slack (so some cases are tight), all of it the allocator's (no reserved memory)."""
-    moving = moving_shard_groups(current, target)  # sharded state moves whole (transition.build)
+    stages = {ms.name: ms.model for ms in workload.stages}
+    recut = recut_stages(current, target, {n: models[stages[n]] for n in current})
+    moving = moving_shard_groups(current, target, recut)  # as transition.build moves sharded state
     peak = max(_resident_peak(plan, workload, models) for plan in moving)
     memory = peak / (1 - MEMORY_HEADROOM) * rng.uniform(*slack) * (1 + 1e-9)
     base = CLUSTER_PRESETS["paper_cluster3"]

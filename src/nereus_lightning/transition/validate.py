@@ -29,7 +29,16 @@ import numpy as np
 
 from nereus_lightning.plan.layout import Candidate, Layout
 from nereus_lightning.plan.memory import memory_cap
-from nereus_lightning.transition.dag import Effects, Gpus, Node, Primitive, TransitionDAG, Unit, gpu_chunks
+from nereus_lightning.transition.dag import (
+    Effects,
+    Gpus,
+    Node,
+    Primitive,
+    TransitionDAG,
+    Unit,
+    acquires_some,
+    gpu_chunks,
+)
 
 GB = 1e9
 
@@ -209,7 +218,8 @@ def _ancestors(dag: TransitionDAG) -> list[int]:
 
 
 def _any_order_gpus(dag: TransitionDAG) -> list[str]:
-    """Check 2: every Extend onto a GPU a peer leaves comes after every node by which it leaves."""
+    """Check 2: every node acquiring a GPU a peer leaves (an Extend, a re-cut to a larger shard degree)
+    comes after every node by which it leaves."""
     peers = dag.context.peers
     leaving: dict[str, list[tuple[int, set[int]]]] = {}  # model-stage -> (node id, the GPUs it leaves)
     for n in dag.nodes:
@@ -219,9 +229,9 @@ def _any_order_gpus(dag: TransitionDAG) -> list[str]:
     anc = _ancestors(dag) if leaving else []
     out = []
     for n in dag.nodes:
-        if n.op is not Primitive.EXTEND or not leaving:
+        onto = n.acquired_gpus if leaving and acquires_some(n.op, n.sources, n.targets) else ()
+        if not onto:
             continue
-        onto = n.acquired_gpus
         for other in peers[n.model_stage]:
             for i, left in leaving.get(other, ()):
                 if not anc[n.id] >> i & 1 and not left.isdisjoint(onto):
