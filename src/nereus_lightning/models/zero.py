@@ -58,6 +58,14 @@ class ShardGroup:
     def __post_init__(self) -> None:
         require(self.zero in (1, 2, 3), "layout.zero", f"a shard group needs ZeRO 1, 2 or 3, got {self.zero}")
         require(self.rank in self.ranks, "rank", f"rank {self.rank} is not in shard group {self.ranks}")
+        # A process group numbers its ranks in ascending order, and its reduce-scatter and all-gather
+        # place row blocks by that number: shard ranks in another order would hold other rows.
+        require(
+            list(self.ranks) == sorted(self.ranks),
+            "plan",
+            f"shard group {self.ranks} is not in ascending rank order, which its collectives need; "
+            "re-plan with the shard group's GPUs in ascending order",
+        )
 
     @property
     def shard(self) -> int:
