@@ -29,6 +29,10 @@ context, NCCL, cuBLAS, which the peaks no longer include). Every case's input (i
 field; the random and hand-made cases' synthetic clusters have no reserved memory (their memory is
 sized from the plans' peaks), so their DAGs are identical. The 7 timed benchmark DAGs that changed
 run on the presets' 1 GiB less: infeasibility messages that quote the cap, as many feasible as before.
+
+Regenerated 2026-12-06 (12 of 467 changed, all of them cases whose input plans changed: the timed
+grow and drift scenarios, whose planner now prices ZeRO's shard-group collectives once per step;
+the other 455 DAGs, baselines and messages identical, with the shard-degree re-cut in the build).
 """
 
 from __future__ import annotations
