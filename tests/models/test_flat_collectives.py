@@ -92,3 +92,38 @@ def test_bucketed_collectives_equal_one_collective_per_tensor_within_the_bucket(
         # sum and average of 90 elements a dtype, 16 fp32 or 32 bf16 a bucket: 6 + 3 buckets each
         assert out["reduces"] == 2 * (6 + 3)
         assert len(out["sizes"]) - out["reduces"] == 2 * 7  # 25 table columns of 4: 7 buckets each way
+
+
+def _out_of_order(rank: int, world: int) -> dict:
+    """Reduce-scatter and all-gather in a shard group listed against rank order (3, 1, 0, 2)."""
+    import torch.distributed as dist
+
+    from nereus_lightning.models import zero
+
+    order = (3, 1, 0, 2)[:world]
+    shards = zero.ShardGroup(3, order, rank, dist.group.WORLD)
+    full = _tensors(rank, torch.float32)
+    whole = [t.clone() for t in full]
+    for t in whole:
+        dist.all_reduce(t)
+    blocks = [torch.empty_like(zero.cut_rows(t, world, shards.shard_rank)) for t in full]
+    gathered = [torch.full_like(t, float("nan")) for t in full]
+    zero.reduce_scatter_rows(full, blocks, shards)
+    zero.all_gather_rows(blocks, gathered, shards)
+    return {
+        "shard_rank": shards.shard_rank,
+        "rows": all(
+            torch.equal(b, zero.cut_rows(t, world, shards.shard_rank))
+            for b, t in zip(blocks, whole, strict=True)
+        ),
+        "gathered": all(torch.equal(g, t) for g, t in zip(gathered, whole, strict=True)),
+    }
+
+
+def test_a_shard_group_in_any_order_holds_its_shard_ranks_rows(dist4):
+    """A shard rank's block is the rows of its place in the shard group, not of its global rank's."""
+    outs = dist4.run(_out_of_order)
+    assert [out["shard_rank"] for out in outs] == [2, 1, 3, 0]
+    for rank, out in enumerate(outs):
+        assert out["rows"], f"rank {rank}: its row blocks are not its shard rank's rows"
+        assert out["gathered"], f"rank {rank}: the gathered tensors differ"

@@ -13,12 +13,14 @@ follows its parameter:
   (:meth:`ZeroShards.gather`) and released after (:meth:`ZeroShards.release`).
 
 Every collective packs the tensors of one dtype into flat tables of ``shard`` equal segments (each
-block padded to ``ceil(rows / shard)`` rows), cut along the segments into buckets of bounded bytes
+block padded to ``ceil(rows / shard)`` rows; shard rank ``s``'s at its process-group rank,
+:attr:`ShardGroup.table_rows`), cut along the segments into buckets of bounded bytes
 (``sharded.FLAT_BUCKET_BYTES``), so a few reduce-scatters or all-gathers move them in bounded memory.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -58,14 +60,6 @@ class ShardGroup:
     def __post_init__(self) -> None:
         require(self.zero in (1, 2, 3), "layout.zero", f"a shard group needs ZeRO 1, 2 or 3, got {self.zero}")
         require(self.rank in self.ranks, "rank", f"rank {self.rank} is not in shard group {self.ranks}")
-        # A process group numbers its ranks in ascending order, and its reduce-scatter and all-gather
-        # place row blocks by that number: shard ranks in another order would hold other rows.
-        require(
-            list(self.ranks) == sorted(self.ranks),
-            "plan",
-            f"shard group {self.ranks} is not in ascending rank order, which its collectives need; "
-            "re-plan with the shard group's GPUs in ascending order",
-        )
 
     @property
     def shard(self) -> int:
@@ -76,6 +70,12 @@ class ShardGroup:
     def shard_rank(self) -> int:
         """This rank's index in the group."""
         return self.ranks.index(self.rank)
+
+    @functools.cached_property
+    def table_rows(self) -> tuple[int, ...]:
+        """Each shard rank's row in a collective's ``[shard, columns]`` table: its rank in the process
+        group, which numbers its members by global rank, whatever the shard order."""
+        return tuple(dist.get_group_rank(self.group, r) for r in self.ranks)
 
 
 def _segment_sizes(full: Sequence[Tensor], shard: int) -> list[int]:
@@ -105,14 +105,16 @@ def reduce_scatter_rows(full: Sequence[Tensor], blocks: Sequence[Tensor], shards
     if not full:
         return
     sizes, buckets = _table_buckets(full, shards.shard)
+    at = shards.table_rows
+    where = torch.tensor(at, device=full[0].device)
     for bucket in buckets:
         table = full[0].new_zeros(shards.shard, sum(hi - lo for _, lo, hi in bucket))
         offset = 0
         for i, lo, hi in bucket:
             rows, short = _padded_columns(full[i].view(-1), sizes[i], lo, hi)
-            table[: len(rows), offset : offset + hi - lo].copy_(rows)
+            table[where[: len(rows)], offset : offset + hi - lo] = rows
             if len(rows) < shards.shard:
-                table[len(rows), offset : offset + len(short)].copy_(short)
+                table[at[len(rows)], offset : offset + len(short)] = short
             offset += hi - lo
         out = table.new_empty(table.shape[1])
         _reduce_scatter(out, table.view(-1), group=shards.group)
@@ -129,6 +131,8 @@ def all_gather_rows(blocks: Sequence[Tensor], full: Sequence[Tensor], shards: Sh
     if not full:
         return
     sizes, buckets = _table_buckets(full, shards.shard)
+    at = shards.table_rows
+    where = torch.tensor(at, device=full[0].device)
     for bucket in buckets:
         mine = full[0].new_zeros(sum(hi - lo for _, lo, hi in bucket))
         offset = 0
@@ -141,9 +145,9 @@ def all_gather_rows(blocks: Sequence[Tensor], full: Sequence[Tensor], shards: Sh
         offset = 0
         for i, lo, hi in bucket:
             rows, short = _padded_columns(full[i].view(-1), sizes[i], lo, hi)
-            rows.copy_(table[: len(rows), offset : offset + hi - lo])
+            rows.copy_(table[where[: len(rows)], offset : offset + hi - lo])
             if len(rows) < shards.shard:
-                short.copy_(table[len(rows), offset : offset + len(short)])
+                short.copy_(table[at[len(rows)], offset : offset + len(short)])
             offset += hi - lo
 
 
