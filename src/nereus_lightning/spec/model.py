@@ -49,7 +49,7 @@ class ModelSpec:
         require(
             self.num_labels >= 0 and not (self.num_labels and self.tie_embeddings),
             "model.num_labels",
-            f"must be >= 0 and a value model has no tied head, got {self.num_labels} (tied: {self.tie_embeddings})",
+            f"must be >= 0 (and 0 with a tied head), got {self.num_labels} (tied: {self.tie_embeddings})",
         )
         require(self.head_dim >= 0, "model.head_dim", f"must be >= 0, got {self.head_dim}")
         require(
