@@ -3,10 +3,9 @@
 For each model shape the tests use (causal LMs and critics; and a wide one that admits TP 16 and
 PP 16), each pair of layouts ``a -> b`` goes through ``T_sub``: Split ``a -> s``, Merge ``s -> b``
 (canonical, reversed and shuffled rank orders; a shuffled Split too; a one-unit re-ranking when
-``a == b``). Every
-(source, target) rank pair of the body's plan (``emu.reshard_plan``) moves exactly the bytes the
-brain prices for it (``transition.tsub`` patterns placed on the units' GPUs), and every target rank
-ends up with exactly its new shards: what it kept plus what it received, each part once.
+``a == b``). Every (source, target) rank pair of the body's plan (``emu.reshard_plan``) moves exactly
+the bytes the brain prices for it (``transition.tsub`` patterns placed on the units' GPUs), and every
+target rank ends up with exactly its new shards: what it kept plus what it received, each part once.
 """
 
 from __future__ import annotations
