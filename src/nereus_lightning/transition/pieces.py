@@ -48,8 +48,8 @@ class Piece(NamedTuple):
     ``embed`` means the embedding matrix (on a tied model's last stage: its LM-head copy);
     ``lm_head`` the untied LM-head weight (a value model has none); ``final_norm`` the last stage's
     TP-replicated tensors (the final norm, a value model's head) and ``layer_norms`` those of the listed
-    blocks. TP-split tensors are included for the
-    fraction ``[tp_lo / tp_den, tp_hi / tp_den)`` of their split dimension.
+    blocks. TP-split tensors are included for the fraction ``[tp_lo / tp_den, tp_hi / tp_den)`` of their
+    split dimension.
     """
 
     layer_lo: int
