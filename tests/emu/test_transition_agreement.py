@@ -1,11 +1,11 @@
 """The body executes the brain's Split/Merge plan, byte for byte, for every layout pair up to TP x PP = 16.
 
-For each model shape the tests use (and a wide one that admits TP 16 and PP 16), each pair of
-layouts ``a -> b`` goes through ``T_sub``: Split ``a -> s``, Merge ``s -> b`` (canonical, reversed
-and shuffled rank orders; a shuffled Split too; a one-unit re-ranking when ``a == b``). Every
-(source, target) rank pair of the body's plan (``emu.reshard_plan``) moves exactly the bytes the
-brain prices for it (``transition.tsub`` patterns placed on the units' GPUs), and every target rank
-ends up with exactly its new shards: what it kept plus what it received, each part once.
+For each model shape the tests use (causal LMs and critics; and a wide one that admits TP 16 and
+PP 16), each pair of layouts ``a -> b`` goes through ``T_sub``: Split ``a -> s``, Merge ``s -> b``
+(canonical, reversed and shuffled rank orders; a shuffled Split too; a one-unit re-ranking when
+``a == b``). Every (source, target) rank pair of the body's plan (``emu.reshard_plan``) moves exactly
+the bytes the brain prices for it (``transition.tsub`` patterns placed on the units' GPUs), and every
+target rank ends up with exactly its new shards: what it kept plus what it received, each part once.
 """
 
 from __future__ import annotations
@@ -37,6 +37,13 @@ def _llama(**kw):
     return LlamaConfig(**{**common, **kw})
 
 
+def _critic(kind: str):
+    """The value model of ``tiny_config(kind)`` (as ``lightning.roles.build_value_model`` makes a critic)."""
+    config = tiny_config(kind, num_labels=1, tie_word_embeddings=False)
+    config.architectures = [type(config).__name__.removesuffix("Config") + "ForTokenClassification"]
+    return config
+
+
 SHAPES = {  # name: (config, parameter dtype)
     **{kind: (tiny_config(kind), "float32") for kind in ("llama", "qwen2", "gqa_tied", "qwen3", "mistral")},
     "llama_6_layers": (_llama(num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=6), "float32"),
@@ -45,6 +52,9 @@ SHAPES = {  # name: (config, parameter dtype)
         "float32",
     ),
     "gqa_tied_bf16": (tiny_config("gqa_tied"), "bfloat16"),
+    # critics: the value head (TP-replicated, on the last stage) in place of the LM head
+    "qwen2_critic": (_critic("qwen2"), "float32"),
+    "qwen3_critic_bf16": (_critic("qwen3"), "bfloat16"),
     "wide_tied_17_layers": (  # TP 16 and PP 16 (uneven stages)
         _llama(
             hidden_size=64,

@@ -81,12 +81,12 @@ def test_a_shard_degree_change_through_the_strategy_recuts_the_rows_exactly_as_p
     for i, op in enumerate(("split", "merge")):
         nodes = first["nodes"][i]
         assert sorted((o, s) for o, s, _, _ in nodes) == [(op, s) for s in TRAIN], nodes
-        # The actor's bytes as priced (the brain's geometry has no value head: the critic's head prices
-        # as an LM head in every primitive); the two ranks new to the unit each also get a 4-byte AdamW
-        # step per tensor and 48 B of counters (unpriced, as for an Extend).
-        (_, stage, priced, received) = next(node for node in nodes if node[1] == "actor_train")
-        unpriced = 2 * (4 * first["tensors"][stage] + 48) if op == "split" else 0
-        assert priced > 0 and received == priced + unpriced, (zero, op, priced, received)
+        # Each stage's bytes as priced (the critic's value head as the body holds it); the two ranks new
+        # to the unit each also get a 4-byte AdamW step per tensor and 48 B of counters (unpriced, as for
+        # an Extend).
+        for _, stage, priced, received in nodes:
+            unpriced = 2 * (4 * first["tensors"][stage] + 48) if op == "split" else 0
+            assert priced > 0 and received == priced + unpriced, (zero, op, stage, priced, received)
     rows = ["exp_avg", "exp_avg_sq"] + (["param"] if zero == 3 else [])
     for rank, out in enumerate(per_rank):
         grown_unit, back_unit = out["units"]

@@ -51,3 +51,16 @@ def test_invalid_numbers_name_the_field():
         model_preset("llama3_8b").validate_tp(3)
     with pytest.raises(NereusConfigError, match="cluster.num_gpus"):
         ClusterSpec("x", 1, 4, 1e9, 1e12, 1e12, 1e11, 1e10, num_gpus=8)
+
+
+@pytest.mark.parametrize("preset", ["tiny_qwen2", "tiny_gqa"])  # untied and tied causal LMs
+def test_a_value_model_spec_counts_the_body_s_critic_parameters(preset: str):
+    from nereus_lightning.lightning.roles import build_causal_lm, build_value_model
+
+    lm = model_preset(preset)
+    critic = build_value_model(lm, seed=0)
+    spec = ModelSpec.from_hf_config(critic.config, name=lm.name)
+    assert spec == lm.as_value_model()
+    assert (spec.num_labels, spec.tie_embeddings, spec.lm_head_params) == (1, False, 0)
+    assert spec.num_params == sum(p.numel() for p in critic.parameters())
+    assert ModelSpec.from_hf_config(build_causal_lm(lm, seed=0).config, name=lm.name).num_labels == 0

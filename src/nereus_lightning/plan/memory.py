@@ -86,21 +86,24 @@ def full_memory(cluster: ClusterSpec) -> ClusterSpec:
 
 @lru_cache(maxsize=1 << 13)
 def stage_params(model: ModelSpec, pp: int, pp_rank: int) -> int:
-    """Parameters held by pipeline stage ``pp_rank`` (embedding first, final norm and LM head last)."""
+    """Parameters held by pipeline stage ``pp_rank`` (embedding first, final norm and LM or value head
+    last)."""
     params = stage_layers(model, pp, pp_rank) * _layer_params(model)
     if pp_rank == 0:
         params += model.embedding_params
     if pp_rank == pp - 1:
-        params += model.hidden + (
-            model.lm_head_params if not model.tie_embeddings or pp == 1 else model.embedding_params
-        )
+        params += model.hidden + model.value_head_params
+        params += model.lm_head_params if not model.tie_embeddings or pp == 1 else model.embedding_params
     return params
 
 
 def rank_params(model: ModelSpec, layout: Layout, pp_rank: int) -> float:
     """Parameters one GPU of pipeline stage ``pp_rank`` holds: its TP shard of the stage, plus the parts
-    every TP rank keeps whole (a mixture of experts' MLP: experts, router, shared expert)."""
+    every TP rank keeps whole (a mixture of experts' MLP: experts, router, shared expert; a value
+    model's head)."""
     whole = stage_layers(model, layout.pp, pp_rank) * model.tp_whole_layer_params
+    if pp_rank == layout.pp - 1:
+        whole += model.value_head_params
     return (stage_params(model, layout.pp, pp_rank) - whole) / layout.tp + whole
 
 

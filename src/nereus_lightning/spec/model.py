@@ -36,12 +36,21 @@ class ModelSpec:
     experts_per_token: int = 0
     expert_intermediate: int = 0
     shared_intermediate: int = 0
+    # A value model (critic, reward model: ``*ForTokenClassification``, as ``models.sharded.has_value_head``
+    # tells): the outputs of its ``score`` head (weight and bias), which replaces the LM head and which
+    # every TP rank of the last stage holds whole (``models.sharding``); 0: a causal LM.
+    num_labels: int = 0
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "hidden", "num_heads", "num_kv_heads", "vocab", "intermediate"):
             require(
                 getattr(self, field) > 0, f"model.{field}", f"must be positive, got {getattr(self, field)}"
             )
+        require(
+            self.num_labels >= 0 and not (self.num_labels and self.tie_embeddings),
+            "model.num_labels",
+            f"must be >= 0 (and 0 with a tied head), got {self.num_labels} (tied: {self.tie_embeddings})",
+        )
         require(self.head_dim >= 0, "model.head_dim", f"must be >= 0, got {self.head_dim}")
         require(
             self.num_heads % self.num_kv_heads == 0,
@@ -124,13 +133,19 @@ class ModelSpec:
 
     @property
     def lm_head_params(self) -> int:
-        """LM head parameters; zero when tied to the embedding."""
-        return 0 if self.tie_embeddings else self.vocab * self.hidden
+        """LM head parameters; zero when tied to the embedding, and for a value model (it has none)."""
+        return 0 if self.tie_embeddings or self.num_labels else self.vocab * self.hidden
+
+    @property
+    def value_head_params(self) -> int:
+        """A value model's ``score`` head parameters (weight and bias); zero for a causal LM."""
+        return self.num_labels * (self.hidden + 1)
 
     @property
     def num_params(self) -> int:
         """Total parameter count."""
-        return self.num_layers * self.layer_params + self.embedding_params + self.lm_head_params + self.hidden
+        heads = self.lm_head_params + self.value_head_params
+        return self.num_layers * self.layer_params + self.embedding_params + heads + self.hidden
 
     def kv_bytes_per_token(self) -> int:
         """KV-cache bytes for one token across all layers (K and V)."""
@@ -161,6 +176,11 @@ class ModelSpec:
         """A copy under another name."""
         return replace(self, name=name)
 
+    def as_value_model(self, num_labels: int = 1) -> ModelSpec:
+        """The value model of this architecture (``lightning.roles.build_value_model``): a ``score`` head
+        of ``num_labels`` outputs in place of the LM head, none tied."""
+        return replace(self, tie_embeddings=False, num_labels=num_labels)
+
     @classmethod
     def from_hf_config(cls, config: Any, name: str | None = None) -> ModelSpec:
         """Build from a transformers config object, a dict, or a path to a ``config.json`` (or its folder).
@@ -181,6 +201,7 @@ class ModelSpec:
             config = config.to_dict()
         try:
             heads = int(config["num_attention_heads"])
+            labels = _value_head_of(config)
             hidden = int(config["hidden_size"])
             spec = cls(
                 name=name or str(config.get("_name_or_path") or config.get("model_type", "model")),
@@ -191,11 +212,12 @@ class ModelSpec:
                 vocab=int(config["vocab_size"]),
                 intermediate=int(config["intermediate_size"]),
                 head_dim=int(config.get("head_dim") or hidden // heads),
-                tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+                tie_embeddings=bool(config.get("tie_word_embeddings", False)) and not labels,
                 qkv_bias=bool(config.get("attention_bias", False)) or family.qkv_bias,
                 qk_norm=family.qk_norm,
                 dtype=_dtype_name(config.get("torch_dtype") or config.get("dtype") or "bfloat16"),
                 max_position=int(config.get("max_position_embeddings", 131072)),
+                num_labels=labels,
                 **_experts_of(config),
             )
         except KeyError as exc:
@@ -203,6 +225,15 @@ class ModelSpec:
                 f"model.config: missing key {exc.args[0]!r} in the transformers config"
             ) from exc
         return spec
+
+
+def _value_head_of(config: dict[str, Any]) -> int:
+    """``num_labels`` of a value model's config (its architecture ``*ForTokenClassification``, the test of
+    ``models.sharded.has_value_head``); 0 for a causal LM."""
+    if not any(a.endswith("ForTokenClassification") for a in config.get("architectures") or ()):
+        return 0
+    # A config dict carries its labels as ``id2label``; transformers' default is two.
+    return int(config.get("num_labels") or len(config.get("id2label") or ()) or 2)
 
 
 def _experts_of(config: dict[str, Any]) -> dict[str, int]:

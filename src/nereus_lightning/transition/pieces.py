@@ -8,20 +8,23 @@ position ``(pp_rank, tp_rank)`` holds
 * the blocks ``layer_range(num_layers, pp, pp_rank)`` (earlier stages take the remainder,
   as ``plan.compute.stage_layers`` and ``models.sharding.layer_range``),
 * the input embedding on stage 0, the final norm and the LM head on the last stage (a tied LM
-  head is a copy of the embedding and lives on the last stage too when ``pp > 1``),
+  head is a copy of the embedding and lives on the last stage too when ``pp > 1``; a value
+  model's ``score`` head replaces the LM head, ``ModelSpec.num_labels``),
 * of every TP-split tensor the contiguous fraction ``[tp_rank / tp, (tp_rank + 1) / tp)``,
-  and every TP-replicated tensor (the two block norms, Qwen3's q/k norms, the final norm) whole.
+  and every TP-replicated tensor (the two block norms, Qwen3's q/k norms, the final norm, a value
+  head) whole.
 
 A :class:`Piece` names a part of that state; :func:`piece_bytes` is THE byte formula, used both
 to price a transition and (by the executor) to check what it sent::
 
     bytes = bpp * ( (layer_hi - layer_lo) * (split(layer) * f + (replicated(layer) if layer_norms))
                     + embed * split(embedding) * f + lm_head * split(lm_head) * f
-                    + final_norm * hidden )
+                    + final_norm * (hidden + value_head) )
 
 with ``f = (tp_hi - tp_lo) / tp_den`` (integer division of the product, exact whenever TP divides
 the tensor, which ``ModelSpec.validate_tp`` and ``models.sharding.tp_slices`` require),
 ``replicated(layer) = 2 * hidden (+ 2 * head_dim with q/k norms)``,
+``value_head = ModelSpec.value_head_params`` (travelling with the final norm, as the body sends it),
 ``split(layer) = layer_params - replicated(layer)`` and
 ``bpp = dtype_bytes (+ optimizer_bytes_per_param(model) when the model-stage trains)``.
 """
@@ -43,9 +46,10 @@ class Piece(NamedTuple):
     """A part of one model-stage's state: blocks, top-level tensors and a TP fraction.
 
     ``embed`` means the embedding matrix (on a tied model's last stage: its LM-head copy);
-    ``lm_head`` the untied LM-head weight; ``final_norm`` and ``layer_norms`` the TP-replicated
-    tensors of the final norm and of the listed blocks. TP-split tensors are included for the
-    fraction ``[tp_lo / tp_den, tp_hi / tp_den)`` of their split dimension.
+    ``lm_head`` the untied LM-head weight (a value model has none); ``final_norm`` the last stage's
+    TP-replicated tensors (the final norm, a value model's head) and ``layer_norms`` those of the listed
+    blocks. TP-split tensors are included for the fraction ``[tp_lo / tp_den, tp_hi / tp_den)`` of their
+    split dimension.
     """
 
     layer_lo: int
@@ -91,6 +95,7 @@ class Geometry(NamedTuple):
     layer_replicated: int
     embedding: int
     lm_head: int
+    value_head: int
 
 
 @lru_cache(maxsize=256)
@@ -98,9 +103,9 @@ def geometry(model: ModelSpec, trains: bool) -> Geometry:
     """The state geometry of ``model`` for an inference (``trains=False``) or training model-stage."""
     replicated = 2 * model.hidden + (2 * model.head_dim if model.qk_norm else 0)
     bpp = model.dtype_bytes + (optimizer_bytes_per_param(model) if trains else 0)
-    return Geometry(
-        model, bpp, model.layer_params - replicated, replicated, model.embedding_params, model.lm_head_params
-    )
+    split = model.layer_params - replicated
+    heads = (model.lm_head_params, model.value_head_params)
+    return Geometry(model, bpp, split, replicated, model.embedding_params, *heads)
 
 
 def piece_bytes(geo: Geometry, p: Piece) -> int:
@@ -114,7 +119,7 @@ def piece_bytes(geo: Geometry, p: Piece) -> int:
     if p.lm_head:
         params += geo.lm_head * num // den
     if p.final_norm:
-        params += geo.model.hidden
+        params += geo.model.hidden + geo.value_head
     return params * geo.bytes_per_param
 
 
@@ -259,7 +264,8 @@ def recut_transfers(
     """A sharded unit on ``src`` (``old``) re-cut to ``new`` on ``dst``: the same model cut, another shard
     degree. At each ``(pp, tp)`` position the row blocks move as :func:`~nereus_lightning.plan.rows.row_moves`
     lists them (what ``emu.recut`` sends), priced on ``lcm(d, d')`` unit rows (exact when that divides
-    every tensor's row count); at ZeRO-1/2 a GPU new to the unit also receives the position's whole
+    every tensor's row count) but for a value head, priced on its own ``num_labels`` rows (of ``hidden + 1``
+    parameters: weight and bias); at ZeRO-1/2 a GPU new to the unit also receives the position's whole
     parameters from the old GPU whose block holds its first row.
     """
     require(
@@ -275,9 +281,12 @@ def recut_transfers(
     for i in range(m):
         piece = full_piece(model, old, i // old.tp, i % old.tp)
         params = shard_bytes(geo, old, i // old.tp) // geo.bytes_per_param
+        head = geo.value_head if piece.final_norm else 0
+        row_bytes = {"": (params - head) * cut_bpp, "value_head": (model.hidden + 1) * cut_bpp}
         before, after = src[i::m], dst[i::m]
-        for move in row_moves({"": rows}, before, after):
-            out.append(Transfer(move.src, move.dst, params * cut_bpp * (move.hi - move.lo) // rows, piece))
+        for move in row_moves({"": rows} | ({"value_head": model.num_labels} if head else {}), before, after):
+            unit = rows if move.key == "" else 1
+            out.append(Transfer(move.src, move.dst, row_bytes[move.key] * (move.hi - move.lo) // unit, piece))
         if old.zero < 3:
             out += [
                 Transfer(s, g, params * param_bytes, piece) for g, s in first_sources(before, after).items()
