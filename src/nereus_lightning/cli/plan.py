@@ -263,9 +263,9 @@ def _sharded_line(name: str, alt: dict[str, Any], chosen: dict[str, Any]) -> str
     )
     if not alt["offered"]:
         line += (
-            f"; not offered: TP{alt['tp']}xPP{alt['pp']} fits unsharded nowhere, and a transition moves a "
-            "sharded stage's state whole (row blocks are not re-cut in place), so only where nothing else "
-            "fits"
+            f"; not offered: TP{alt['tp']}xPP{alt['pp']} fits unsharded nowhere, and a transition to another "
+            "layout moves a sharded stage's state whole (only a change of its shard degree re-cuts it in "
+            "place), so only where nothing else fits"
         )
     return line
 
