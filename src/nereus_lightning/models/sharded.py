@@ -53,7 +53,7 @@ from nereus_lightning.models.tp_ops import copy_to_tp, gather_from_tp, reduce_fr
 from nereus_lightning.plan.layout import Layout
 from nereus_lightning.spec.errors import NereusConfigError, require
 from nereus_lightning.spec.families import family_of, refusal
-from nereus_lightning.spec.model import ModelSpec
+from nereus_lightning.spec.model import ModelSpec, names_value_model
 
 
 def validate_layout(config: Any, layout: Layout) -> None:
@@ -88,7 +88,7 @@ def has_value_head(config: Any) -> bool:
     The critic and the reward model are such models with ``num_labels == 1``, as in verl; their
     config names a ``*ForTokenClassification`` architecture.
     """
-    return any(a.endswith("ForTokenClassification") for a in getattr(config, "architectures", None) or ())
+    return names_value_model(getattr(config, "architectures", None))
 
 
 def is_tied(config: Any) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -227,10 +228,15 @@ class ModelSpec:
         return spec
 
 
+def names_value_model(architectures: Iterable[str] | None) -> bool:
+    """Whether a config's ``architectures`` name a value model: token classification, whose ``score``
+    head replaces ``lm_head`` (the critic and the reward model, as in verl)."""
+    return any(a.endswith("ForTokenClassification") for a in architectures or ())
+
+
 def _value_head_of(config: dict[str, Any]) -> int:
-    """``num_labels`` of a value model's config (its architecture ``*ForTokenClassification``, the test of
-    ``models.sharded.has_value_head``); 0 for a causal LM."""
-    if not any(a.endswith("ForTokenClassification") for a in config.get("architectures") or ()):
+    """``num_labels`` of a value model's config (:func:`names_value_model`); 0 for a causal LM."""
+    if not names_value_model(config.get("architectures")):
         return 0
     # A config dict carries its labels as ``id2label``; transformers' default is two.
     return int(config.get("num_labels") or len(config.get("id2label") or ()) or 2)
