@@ -157,7 +157,7 @@ class EMUStates:
         moving = [n for n in self.plan if (current[n], moved_to[n]) != (self.plan[n], target[n])]
         units = made_whole({n: self.optimizers[n] for n in moving if n in self.optimizers})
         as_shard_groups(Plan.of({n: self.plan[n] for n in moving}), grouped=True)
-        run = run_transition(current, moved_to, self.roles.specs(), self.cluster, self.workload)
+        run = run_transition(current, moved_to, specs, self.cluster, self.workload)
         as_shard_groups(Plan.of({n: (target if run.moved else self.plan)[n] for n in moving}), grouped=False)
         if not run.moved:
             for zero, state in units:
