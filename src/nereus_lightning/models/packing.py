@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import cache, lru_cache
 from typing import Any
@@ -33,6 +34,10 @@ PACKED_ATTENTION = "nereus_packed_sdpa"
 _PACKABLE = ("sdpa", "eager")
 #: Attention arguments the packed attention cannot honour: a family that passes one is refused.
 _UNSUPPORTED = ("softcap", "s_aux", "sinks", "position_bias")
+#: The packed row the running layer call attends within (:func:`packed_attention_for`). It travels
+#: beside the layer's arguments, not among them: a compiled layer would guard on its host ints and
+#: compile again for every micro-batch.
+_DOCUMENTS: ContextVar[Documents | None] = ContextVar("nereus_documents", default=None)
 
 
 @dataclass(frozen=True)
@@ -147,6 +152,7 @@ def _window_mask(n: int, window: int, device: torch.device) -> Tensor:
     return (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
 
 
+@torch.compiler.disable
 def packed_attention(
     module: torch.nn.Module,
     query: Tensor,
@@ -156,18 +162,22 @@ def packed_attention(
     dropout: float = 0.0,
     scaling: float | None = None,
     sliding_window: int | None = None,
-    nereus_documents: Documents | None = None,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
-    """Softmax attention of ``[1, heads, T, D]`` tensors within each packed sequence (sdpa per sequence)."""
+    """Softmax attention of ``[1, heads, T, D]`` tensors within each packed sequence (sdpa per sequence).
+
+    Opaque to torch.compile: a compiled layer runs it eagerly, between its compiled pieces, since
+    its sequence bounds are host data that change with every micro-batch.
+    """
+    documents = _DOCUMENTS.get()
     unsupported = [k for k in _UNSUPPORTED if kwargs.get(k) is not None]
-    if unsupported or nereus_documents is None:
+    if unsupported or documents is None:
         what = f"attention arguments {unsupported}" if unsupported else "no packed documents"
         raise NereusConfigError(f"packed attention: {what}; this family must run padded micro-batches")
     window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
     if dropout == 0.0 and query.is_cuda and _varlen_works(query.device, query.dtype):
-        return _varlen(query, key, value, nereus_documents, scaling, window), None
-    return _per_sequence(query, key, value, nereus_documents, dropout, scaling, window), None
+        return _varlen(query, key, value, documents, scaling, window), None
+    return _per_sequence(query, key, value, documents, dropout, scaling, window), None
 
 
 def _per_sequence(
@@ -283,12 +293,15 @@ def _registered() -> None:
 
 
 @contextmanager
-def packed_attention_for(local_config: Any) -> Iterator[None]:
-    """The unit's attention layers on :func:`packed_attention` for the block (one layer call)."""
+def packed_attention_for(local_config: Any, documents: Documents) -> Iterator[None]:
+    """The unit's attention layers on :func:`packed_attention` within ``documents`` for the block
+    (one layer call)."""
     _registered()
     kept = local_config._attn_implementation
     local_config._attn_implementation = PACKED_ATTENTION
+    token = _DOCUMENTS.set(documents)
     try:
         yield
     finally:
+        _DOCUMENTS.reset(token)
         local_config._attn_implementation = kept

@@ -286,6 +286,7 @@ class ShardedCausalLM(nn.Module):
         self.layer_ids = layer_range(config.num_hidden_layers, layout.pp, comm.pp_rank)
         self.value_head = has_value_head(config)
         self.recompute = False  # activation recompute in training forwards (see :meth:`stage`)
+        self.layers = "auto"  # how packed layer calls run (:data:`LAYER_MODES`, :meth:`_layer`)
         plan = tp_plan_of(config)
         tied = is_tied(config)
         family = family_model(local_config(config, layout.tp, plan), self.value_head)
@@ -486,8 +487,6 @@ class ShardedCausalLM(nn.Module):
         # Activation recompute (the plan's ``Candidate.recompute``): each layer keeps only its input
         # and runs again in the backward pass; TP collectives inside rerun in the same order on every rank.
         recompute = self.recompute and cache is None and torch.is_grad_enabled()
-        if documents is not None:
-            with_cache["nereus_documents"] = documents
         for i in self.layer_ids:
             layer = self.model.layers[str(i)]
             kwargs = dict(
@@ -502,10 +501,10 @@ class ShardedCausalLM(nn.Module):
             )
             if recompute:
                 hidden = torch.utils.checkpoint.checkpoint(
-                    self._layer, layer, hidden, documents is not None, use_reentrant=False, **kwargs
+                    self._layer, layer, hidden, documents, use_reentrant=False, **kwargs
                 )
             else:
-                hidden = self._layer(layer, hidden, documents is not None, **kwargs)
+                hidden = self._layer(layer, hidden, documents, **kwargs)
         if self.comm.is_last_stage:
             hidden = self.model.norm(hidden)
         return hidden
@@ -518,12 +517,22 @@ class ShardedCausalLM(nn.Module):
         kinds = {self.local_config.layer_types[i] for i in self.layer_ids}
         return {kind: rotary(hidden, position_ids, kind) for kind in sorted(kinds)}
 
-    def _layer(self, layer: nn.Module, hidden: Tensor, packed: bool, **kwargs: Any) -> Tensor:
-        """One decoder layer; a packed row's attention stays within each sequence (also when recomputed)."""
-        if not packed:
+    def _layer(self, layer: nn.Module, hidden: Tensor, documents: Documents | None, **kwargs: Any) -> Tensor:
+        """One decoder layer; a packed row's attention stays within each sequence (also when recomputed).
+
+        A packed row on CUDA runs the layer through torch.compile (:attr:`layers`): inductor fuses its
+        norms, rotary embedding, activation and residual adds, which are most of an eager layer's
+        kernel launches. Attention and TP collectives run eagerly between the compiled pieces.
+        """
+        if documents is None:
             return layer(hidden, **kwargs)
-        with packed_attention_for(self.local_config):
-            return layer(hidden, **kwargs)
+        run = compiled_layer() if self._compiles(hidden) else _call_layer
+        with packed_attention_for(self.local_config, documents):
+            return run(layer, hidden, **kwargs)
+
+    def _compiles(self, hidden: Tensor) -> bool:
+        """Whether :meth:`_layer` compiles packed layer calls on ``hidden``'s device (:data:`LAYER_MODES`)."""
+        return self.layers == "compiled" or (self.layers == "auto" and hidden.is_cuda)
 
     @property
     def out_features(self) -> int:
@@ -578,6 +587,22 @@ class ShardedCausalLM(nn.Module):
             if weight.grad is None:
                 weight.grad = torch.zeros_like(weight)
             all_reduce_flat([weight.grad], self.comm.tied_group)
+
+
+#: How a packed forward's decoder layers run (``algorithm.layers``): ``"compiled"`` through
+#: torch.compile, ``"eager"`` as written, ``"auto"`` compiled on CUDA and eager elsewhere.
+LAYER_MODES = ("auto", "eager", "compiled")
+
+
+def _call_layer(layer: nn.Module, hidden: Tensor, **kwargs: Any) -> Tensor:
+    return layer(hidden, **kwargs)  # type: ignore[no-any-return]
+
+
+@functools.cache
+def compiled_layer() -> Any:
+    """:func:`_call_layer` through ``torch.compile`` (one wrapper: every layer of one structure shares
+    its graphs; the token count becomes dynamic at the second length it sees)."""
+    return torch.compile(_call_layer)
 
 
 def attention_kinds(config: Any) -> tuple[str, ...]:
