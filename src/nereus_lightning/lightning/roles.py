@@ -47,7 +47,8 @@ class RoleModels:
         decoding: how generated responses end and are padded, for the strategy's rollout engines
             (None: the module generates without them).
         layers: how the units' packed passes run their decoder layers
-            (:data:`~nereus_lightning.models.sharded.LAYER_MODES`; ``"auto"``: compiled on GPUs).
+            (:data:`~nereus_lightning.models.sharded.LAYER_MODES`; ``"auto"``: compiled where the varlen
+            attention kernel runs).
     """
 
     algorithm: str

@@ -37,7 +37,7 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from nereus_lightning.models.groups import ReplicaComm
-from nereus_lightning.models.packing import Documents, packed_attention_for, packing_refusal
+from nereus_lightning.models.packing import Documents, packed_attention_for, packing_refusal, varlen_of
 from nereus_lightning.models.sharding import (
     Fused,
     Style,
@@ -286,7 +286,7 @@ class ShardedCausalLM(nn.Module):
         self.layer_ids = layer_range(config.num_hidden_layers, layout.pp, comm.pp_rank)
         self.value_head = has_value_head(config)
         self.recompute = False  # activation recompute in training forwards (see :meth:`stage`)
-        self.layers = "auto"  # how packed layer calls run (:data:`LAYER_MODES`, :meth:`_layer`)
+        self.layers = "auto"  # how packed forwards run their layers (:data:`LAYER_MODES`, :meth:`stage`)
         plan = tp_plan_of(config)
         tied = is_tied(config)
         family = family_model(local_config(config, layout.tp, plan), self.value_head)
@@ -487,6 +487,42 @@ class ShardedCausalLM(nn.Module):
         # Activation recompute (the plan's ``Candidate.recompute``): each layer keeps only its input
         # and runs again in the backward pass; TP collectives inside rerun in the same order on every rank.
         recompute = self.recompute and cache is None and torch.is_grad_enabled()
+        args = (hidden, masks, position_ids, position_embeddings, recompute)
+        if documents is None:
+            hidden = self._layers(*args, with_cache, scoped=False)
+        elif (varlen := varlen_of(documents, hidden.device, hidden.dtype)) is not None and self._compiles(
+            recompute
+        ):
+            with packed_attention_for(self.local_config):
+                hidden = compiled_layers()(self, *args, {"nereus_varlen": varlen}, scoped=False)
+        else:
+            packed = {"nereus_documents": documents, "nereus_varlen": varlen}
+            hidden = self._layers(*args, packed, scoped=True)
+        if self.comm.is_last_stage:
+            hidden = self.model.norm(hidden)
+        return hidden
+
+    def _compiles(self, recompute: bool) -> bool:
+        """Whether a packed forward on the varlen kernel runs :func:`compiled_layers`.
+
+        Not under activation recompute: a checkpoint traced by torch.compile refuses layers with side
+        effects (transformers' hub kernels set a context variable), and falling back inside it would
+        recompute other tensors than the forward saved.
+        """
+        return self.layers == "auto" and not recompute
+
+    def _layers(
+        self,
+        hidden: Tensor,
+        masks: dict[str, Any],
+        position_ids: Tensor,
+        position_embeddings: Any,
+        recompute: bool,
+        extra: dict[str, Any],
+        scoped: bool,
+    ) -> Tensor:
+        """This stage's decoder layers on ``hidden``; ``extra`` goes to every layer (a cache, or the
+        packed row's attention arguments), each on :func:`packed_attention_for` where ``scoped``."""
         for i in self.layer_ids:
             layer = self.model.layers[str(i)]
             kwargs = dict(
@@ -497,16 +533,14 @@ class ShardedCausalLM(nn.Module):
                     if isinstance(position_embeddings, dict)
                     else position_embeddings
                 ),
-                **with_cache,
+                **extra,
             )
             if recompute:
                 hidden = torch.utils.checkpoint.checkpoint(
-                    self._layer, layer, hidden, documents, use_reentrant=False, **kwargs
+                    self._layer, layer, hidden, scoped, use_reentrant=False, **kwargs
                 )
             else:
-                hidden = self._layer(layer, hidden, documents, **kwargs)
-        if self.comm.is_last_stage:
-            hidden = self.model.norm(hidden)
+                hidden = self._layer(layer, hidden, scoped, **kwargs)
         return hidden
 
     def _position_embeddings(self, hidden: Tensor, position_ids: Tensor) -> Any:
@@ -517,22 +551,12 @@ class ShardedCausalLM(nn.Module):
         kinds = {self.local_config.layer_types[i] for i in self.layer_ids}
         return {kind: rotary(hidden, position_ids, kind) for kind in sorted(kinds)}
 
-    def _layer(self, layer: nn.Module, hidden: Tensor, documents: Documents | None, **kwargs: Any) -> Tensor:
-        """One decoder layer; a packed row's attention stays within each sequence (also when recomputed).
-
-        A packed row on CUDA runs the layer through torch.compile (:attr:`layers`): inductor fuses its
-        norms, rotary embedding, activation and residual adds, which are most of an eager layer's
-        kernel launches. Attention and TP collectives run eagerly between the compiled pieces.
-        """
-        if documents is None:
+    def _layer(self, layer: nn.Module, hidden: Tensor, scoped: bool, **kwargs: Any) -> Tensor:
+        """One decoder layer, on the packed attention where ``scoped`` (also when recomputed)."""
+        if not scoped:
             return layer(hidden, **kwargs)
-        run = compiled_layer() if self._compiles(hidden) else _call_layer
-        with packed_attention_for(self.local_config, documents):
-            return run(layer, hidden, **kwargs)
-
-    def _compiles(self, hidden: Tensor) -> bool:
-        """Whether :meth:`_layer` compiles packed layer calls on ``hidden``'s device (:data:`LAYER_MODES`)."""
-        return self.layers == "compiled" or (self.layers == "auto" and hidden.is_cuda)
+        with packed_attention_for(self.local_config):
+            return layer(hidden, **kwargs)
 
     @property
     def out_features(self) -> int:
@@ -589,20 +613,22 @@ class ShardedCausalLM(nn.Module):
             all_reduce_flat([weight.grad], self.comm.tied_group)
 
 
-#: How a packed forward's decoder layers run (``algorithm.layers``): ``"compiled"`` through
-#: torch.compile, ``"eager"`` as written, ``"auto"`` compiled on CUDA and eager elsewhere.
-LAYER_MODES = ("auto", "eager", "compiled")
-
-
-def _call_layer(layer: nn.Module, hidden: Tensor, **kwargs: Any) -> Tensor:
-    return layer(hidden, **kwargs)  # type: ignore[no-any-return]
+#: How a packed forward runs its decoder layers (``algorithm.layers``): ``"auto"`` through
+#: torch.compile where the varlen attention kernel runs (a CUDA GPU), as written elsewhere; ``"eager"``
+#: as written everywhere.
+LAYER_MODES = ("auto", "eager")
 
 
 @functools.cache
-def compiled_layer() -> Any:
-    """:func:`_call_layer` through ``torch.compile`` (one wrapper: every layer of one structure shares
-    its graphs; the token count becomes dynamic at the second length it sees)."""
-    return torch.compile(_call_layer)
+def compiled_layers() -> Any:
+    """:meth:`ShardedCausalLM._layers` through ``torch.compile``, the token count dynamic from the start
+    (one wrapper: every unit of one structure shares its graphs).
+
+    Inductor fuses each layer's norms, rotary embedding, activation and residual adds, and the whole
+    stage is one graph call per micro-batch: an eager layer launches about sixty kernels per pass,
+    which bounds a small model's training by the host. TP collectives break the graph and run eagerly.
+    """
+    return torch.compile(ShardedCausalLM._layers, dynamic=True)
 
 
 def attention_kinds(config: Any) -> tuple[str, ...]:
