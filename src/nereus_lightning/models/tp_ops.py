@@ -81,11 +81,11 @@ def reduce_from_tp(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
 
 
 @torch.compiler.disable
-def _apply(fn: type[torch.autograd.Function], x: Tensor, *args: object) -> Tensor:
+def _apply(fn: type[torch.autograd.Function], x: Tensor, group: dist.ProcessGroup, *args: object) -> Tensor:
     """``fn.apply`` outside any compiled graph; the identity for a group of one rank."""
-    if _size(args[0]) == 1:  # type: ignore[arg-type]  # the group comes first
+    if _size(group) == 1:
         return x
-    return fn.apply(x, *args)  # type: ignore[no-any-return]
+    return fn.apply(x, group, *args)
 
 
 def group_order(group: dist.ProcessGroup, ranks: Sequence[int]) -> tuple[int, ...]:
