@@ -494,7 +494,7 @@ class ShardedCausalLM(nn.Module):
             recompute
         ):
             with packed_attention_for(self.local_config):
-                hidden = compiled_layers()(self, *args, {"nereus_varlen": varlen}, scoped=False)
+                hidden = self._compiled_layers(*args, {"nereus_varlen": varlen})
         else:
             packed = {"nereus_documents": documents, "nereus_varlen": varlen}
             hidden = self._layers(*args, packed, scoped=True)
@@ -510,6 +510,18 @@ class ShardedCausalLM(nn.Module):
         recompute other tensors than the forward saved.
         """
         return self.layers == "auto" and not recompute
+
+    def _compiled_layers(self, *args: Any) -> Tensor:
+        """:meth:`_layers` through :func:`compiled_layers`; a compiler failure names the way out."""
+        from torch._dynamo.exc import BackendCompilerFailed
+
+        try:
+            return compiled_layers()(self, *args, scoped=False)
+        except BackendCompilerFailed as exc:  # e.g. no C compiler or Triton for inductor
+            raise NereusConfigError(
+                "algorithm.layers: torch.compile could not compile the decoder layers "
+                f"({exc.inner_exception!r}); set algorithm.layers=eager to run them as written"
+            ) from exc
 
     def _layers(
         self,
