@@ -43,18 +43,18 @@ def _masked_varlen(query, key, value, varlen, scaling, window):  # noqa: ANN001,
 @contextmanager
 def _varlen_everywhere(backend: str | None = None) -> Iterator[None]:
     """Packed forwards take the compiled path on any device and dtype, on the stand-in kernel."""
-    kept = sharded_module.varlen_of, packing_module._varlen, sharded_module.compiled_layers
+    kept = sharded_module.varlen_of, packing_module._varlen, sharded_module.compiled_layer
     sharded_module.varlen_of = lambda docs, device, dtype: packing_module.varlen_args(docs, device)
     packing_module._varlen = _masked_varlen
     if backend is not None:
-        sharded_module.compiled_layers = functools.cache(
-            lambda: torch.compile(ShardedCausalLM._layers, dynamic=True, backend=backend)
+        sharded_module.compiled_layer = functools.cache(
+            lambda: torch.compile(ShardedCausalLM._layer, dynamic=True, backend=backend)
         )
     torch._dynamo.reset()
     try:
         yield
     finally:
-        sharded_module.varlen_of, packing_module._varlen, sharded_module.compiled_layers = kept
+        sharded_module.varlen_of, packing_module._varlen, sharded_module.compiled_layer = kept
         torch._dynamo.reset()
 
 

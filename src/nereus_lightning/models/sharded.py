@@ -503,7 +503,7 @@ class ShardedCausalLM(nn.Module):
         return hidden
 
     def _compiles(self, recompute: bool) -> bool:
-        """Whether a packed forward on the varlen kernel runs :func:`compiled_layers`.
+        """Whether a packed forward on the varlen kernel runs its layers through :func:`compiled_layer`.
 
         Not under activation recompute: a checkpoint traced by torch.compile refuses layers with side
         effects (transformers' hub kernels set a context variable), and falling back inside it would
@@ -512,11 +512,11 @@ class ShardedCausalLM(nn.Module):
         return self.layers == "auto" and not recompute
 
     def _compiled_layers(self, *args: Any) -> Tensor:
-        """:meth:`_layers` through :func:`compiled_layers`; a compiler failure names the way out."""
+        """:meth:`_layers`, each layer through :func:`compiled_layer`; a compiler failure names the way out."""
         from torch._dynamo.exc import BackendCompilerFailed
 
         try:
-            return compiled_layers()(self, *args, scoped=False)
+            return self._layers(*args, scoped=False, compiled=True)
         except BackendCompilerFailed as exc:  # e.g. no C compiler or Triton for inductor
             raise NereusConfigError(
                 "algorithm.layers: torch.compile could not compile the decoder layers "
@@ -532,9 +532,12 @@ class ShardedCausalLM(nn.Module):
         recompute: bool,
         extra: dict[str, Any],
         scoped: bool,
+        compiled: bool = False,
     ) -> Tensor:
         """This stage's decoder layers on ``hidden``; ``extra`` goes to every layer (a cache, or the
-        packed row's attention arguments), each on :func:`packed_attention_for` where ``scoped``."""
+        packed row's attention arguments), each on :func:`packed_attention_for` where ``scoped`` and
+        through :func:`compiled_layer` where ``compiled``."""
+        run = compiled_layer() if compiled else ShardedCausalLM._layer
         for i in self.layer_ids:
             layer = self.model.layers[str(i)]
             kwargs = dict(
@@ -552,7 +555,7 @@ class ShardedCausalLM(nn.Module):
                     self._layer, layer, hidden, scoped, use_reentrant=False, **kwargs
                 )
             else:
-                hidden = self._layer(layer, hidden, scoped, **kwargs)
+                hidden = run(self, layer, hidden, scoped, **kwargs)
         return hidden
 
     def _position_embeddings(self, hidden: Tensor, position_ids: Tensor) -> Any:
@@ -632,15 +635,16 @@ LAYER_MODES = ("auto", "eager")
 
 
 @functools.cache
-def compiled_layers() -> Any:
-    """:meth:`ShardedCausalLM._layers` through ``torch.compile``, the token count dynamic from the start
-    (one wrapper: every unit of one structure shares its graphs).
+def compiled_layer() -> Any:
+    """:meth:`ShardedCausalLM._layer` through ``torch.compile``, the token count dynamic from the start.
 
-    Inductor fuses each layer's norms, rotary embedding, activation and residual adds, and the whole
-    stage is one graph call per micro-batch: an eager layer launches about sixty kernels per pass,
-    which bounds a small model's training by the host. TP collectives break the graph and run eagerly.
+    One wrapper for every layer: the layers of a family share its code and take their parameters as
+    graph inputs, so one compile serves them all (a stage compiles in seconds, not once per layer or
+    as one graph of the whole stack). Inductor fuses each layer's norms, rotary embedding, activation
+    and residual adds: an eager layer launches about sixty kernels per pass, which bounds a small
+    model's training by the host. TP collectives break the graph and run eagerly.
     """
-    return torch.compile(ShardedCausalLM._layers, dynamic=True)
+    return torch.compile(ShardedCausalLM._layer, dynamic=True)
 
 
 def attention_kinds(config: Any) -> tuple[str, ...]:
