@@ -1,6 +1,6 @@
-# Compiled decoder layers (algorithm.layers=auto) against the layers as written (eager), and TRL, in one
+# Compiled decoder layers (algorithm.layers=compiled) against the layers as written (eager), and TRL, in one
 # call at 256 tokens: the GPU test of the compiled path first, then per shape in SHAPES (default
-# "0.5b") nereus auto, nereus eager and, with TRL=1, TRL. Logs go to files: inductor's compile
+# "0.5b") nereus compiled, nereus eager and, with TRL=1, TRL. Logs go to files: inductor's compile
 # workers outlive a timed-out run and would hold a pipe open.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1
@@ -16,8 +16,8 @@ b() {
     echo "$name rc=$? $(( $(date +%s) - s ))s: $(tail -c 300 "$OUT/$name.log" | tail -1)"
 }
 for shape in ${SHAPES:-0.5b}; do
-    b "${T_AUTO:-150}" "auto_$shape" --system nereus --shape "$shape" --new-tokens 256
-    b "${T_EAGER:-80}" "eager_$shape" --system nereus --shape "$shape" --new-tokens 256 --layers eager --tag eager
+    b "${T_AUTO:-150}" "compiled_$shape" --system nereus --shape "$shape" --new-tokens 256 --layers compiled --tag compiled
+    b "${T_EAGER:-80}" "eager_$shape" --system nereus --shape "$shape" --new-tokens 256 --layers eager
     [ "${TRL:-0}" = 1 ] && b "${T_TRL:-100}" "trl_$shape" --system trl --shape "$shape" --new-tokens 256
 done
 ls "$OUT"

@@ -1,11 +1,11 @@
-"""Packed forwards through the compiled decoder layers (``algorithm.layers=auto``) equal eager ones.
+"""Packed forwards through the compiled decoder layers (``algorithm.layers=compiled``) equal eager ones.
 
-The stage's layers compile as one graph around the varlen attention (TP collectives break it and run
-eagerly); log-probs and gradients equal the eager layers' (fp32), with activation recompute too, and
-a micro-batch of a new length compiles nothing (the token count and the longest sequence are dynamic).
-The varlen kernel is CUDA's and bf16's: the fp32 tests give the compiled stage a traceable stand-in
-(sdpa under the packed row's block-diagonal causal mask) on any device; on a GPU one more test runs
-the real kernel in bf16.
+Each layer runs through one compiled function around the varlen attention (TP collectives break it
+and run eagerly); log-probs and gradients equal the eager layers' (fp32), with activation recompute
+too; one compile serves every layer of the stage, and a micro-batch of a new length compiles nothing
+(the token count and the longest sequence are dynamic). The varlen kernel is CUDA's and bf16's: the
+fp32 tests give the compiled layers a traceable stand-in (sdpa under the packed row's block-diagonal
+causal mask) on any device; on a GPU one more test runs the real kernel in bf16.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def test_compiled_layers_equal_eager_and_compile_once() -> None:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = tiny_model("qwen2").to(device)
-    runs = {mode: ShardedCausalLM.from_model(model, ReplicaComm.single()) for mode in ("eager", "auto")}
+    runs = {mode: ShardedCausalLM.from_model(model, ReplicaComm.single()) for mode in ("eager", "compiled")}
     for mode, sharded in runs.items():
         sharded.layers = mode
     with _varlen_everywhere():
@@ -94,7 +94,7 @@ def test_compiled_layers_equal_eager_and_compile_once() -> None:
                 for mode, sharded in runs.items():
                     sharded.recompute = recompute
                     out[mode] = _pass(sharded, lengths, i)
-                (ref_loss, ref_grads), (loss, grads) = out["eager"], out["auto"]
+                (ref_loss, ref_grads), (loss, grads) = out["eager"], out["compiled"]
                 assert rel_err(loss, ref_loss) <= 1e-6, (recompute, lengths)
                 assert grads.keys() == ref_grads.keys() and len(grads) > 0
                 for name, grad in grads.items():
@@ -112,13 +112,13 @@ def test_compiled_layers_on_the_varlen_kernel_match_eager_in_bf16() -> None:
     from torch._dynamo.utils import counters
 
     model = tiny_model("qwen2").to("cuda", torch.bfloat16)
-    runs = {mode: ShardedCausalLM.from_model(model, ReplicaComm.single()) for mode in ("eager", "auto")}
+    runs = {mode: ShardedCausalLM.from_model(model, ReplicaComm.single()) for mode in ("eager", "compiled")}
     for mode, sharded in runs.items():
         sharded.layers = mode
     torch._dynamo.reset()
     counters.clear()
     for i, lengths in enumerate(LENGTHS):
-        (ref_loss, ref_grads), (loss, grads) = (_pass(runs[m], lengths, i) for m in ("eager", "auto"))
+        (ref_loss, ref_grads), (loss, grads) = (_pass(runs[m], lengths, i) for m in ("eager", "compiled"))
         assert rel_err(loss, ref_loss) <= 1e-2, lengths
         for name, grad in grads.items():
             assert rel_err(grad, ref_grads[name]) <= 5e-2, (lengths, name)
@@ -130,8 +130,9 @@ def test_eager_layers_or_no_varlen_kernel_run_as_written() -> None:
     from torch._dynamo.utils import counters
 
     sharded = ShardedCausalLM.from_model(tiny_model("qwen2"), ReplicaComm.single())
-    assert sharded.layers == "auto"
+    assert sharded.layers == "eager"  # the default
     counters.clear()
+    sharded.layers = "compiled"
     _pass(sharded, LENGTHS[0], 0)  # on the CPU: no varlen kernel, so nothing compiles
     with _varlen_everywhere():
         sharded.layers = "eager"
@@ -153,7 +154,7 @@ def _tp_errors(rank: int, world: int) -> dict[str, float]:
     with _varlen_everywhere(backend="aot_eager"):
         counters.clear()
         out = {}
-        for mode in ("eager", "auto"):
+        for mode in ("eager", "compiled"):
             sharded = ShardedCausalLM.from_model(model, comm)
             sharded.layers = mode
             packed = _batch(LENGTHS[1], 11)
@@ -168,7 +169,7 @@ def _tp_errors(rank: int, world: int) -> dict[str, float]:
             result.float().square().mean().backward()
             grads = {n: p.grad for n, p in sharded.named_parameters() if p.grad is not None}
             out[mode] = (result.detach(), grads)
-        (ref, ref_grads), (got, grads) = out["eager"], out["auto"]
+        (ref, ref_grads), (got, grads) = out["eager"], out["compiled"]
         errors["output"] = rel_err(got, ref)
         errors["grads"] = max(rel_err(g, ref_grads[n]) for n, g in grads.items())
         errors["compiled_frames"] = counters["frames"]["ok"]

@@ -47,8 +47,8 @@ class RoleModels:
         decoding: how generated responses end and are padded, for the strategy's rollout engines
             (None: the module generates without them).
         layers: how the units' packed passes run their decoder layers
-            (:data:`~nereus_lightning.models.sharded.LAYER_MODES`; ``"auto"``: compiled where the varlen
-            attention kernel runs).
+            (:data:`~nereus_lightning.models.sharded.LAYER_MODES`; ``"compiled"``: through torch.compile
+            where the varlen attention kernel runs).
     """
 
     algorithm: str
@@ -57,7 +57,7 @@ class RoleModels:
     rollout_engine: str = "hf"
     tokenizer: Any = None
     decoding: Decoding | None = None
-    layers: str = "auto"
+    layers: str = "eager"
 
     def __post_init__(self) -> None:
         workflow(self.algorithm)  # an unknown algorithm fails here, naming the known ones

@@ -286,7 +286,7 @@ class ShardedCausalLM(nn.Module):
         self.layer_ids = layer_range(config.num_hidden_layers, layout.pp, comm.pp_rank)
         self.value_head = has_value_head(config)
         self.recompute = False  # activation recompute in training forwards (see :meth:`stage`)
-        self.layers = "auto"  # how packed forwards run their layers (:data:`LAYER_MODES`, :meth:`stage`)
+        self.layers = "eager"  # how packed forwards run their layers (:data:`LAYER_MODES`, :meth:`stage`)
         plan = tp_plan_of(config)
         tied = is_tied(config)
         family = family_model(local_config(config, layout.tp, plan), self.value_head)
@@ -509,10 +509,10 @@ class ShardedCausalLM(nn.Module):
         effects (transformers' hub kernels set a context variable), and falling back inside it would
         recompute other tensors than the forward saved.
         """
-        return self.layers == "auto" and not recompute
+        return self.layers == "compiled" and not recompute
 
     def _compiled_layers(self, *args: Any) -> Tensor:
-        """:meth:`_layers`, each layer through :func:`compiled_layer`; a compiler failure names the way out."""
+        """:meth:`_layers` through :func:`compiled_layer`; a compiler failure names the way out."""
         from torch._dynamo.exc import BackendCompilerFailed
 
         try:
@@ -531,6 +531,7 @@ class ShardedCausalLM(nn.Module):
         position_embeddings: Any,
         recompute: bool,
         extra: dict[str, Any],
+        *,
         scoped: bool,
         compiled: bool = False,
     ) -> Tensor:
@@ -628,10 +629,10 @@ class ShardedCausalLM(nn.Module):
             all_reduce_flat([weight.grad], self.comm.tied_group)
 
 
-#: How a packed forward runs its decoder layers (``algorithm.layers``): ``"auto"`` through
-#: torch.compile where the varlen attention kernel runs (a CUDA GPU), as written elsewhere; ``"eager"``
-#: as written everywhere.
-LAYER_MODES = ("auto", "eager")
+#: How a packed forward runs its decoder layers (``algorithm.layers``): ``"eager"`` (the default) as
+#: written; ``"compiled"`` each layer through :func:`compiled_layer` where the varlen attention kernel
+#: runs (a CUDA GPU) and no activation recompute is planned, as written elsewhere.
+LAYER_MODES = ("eager", "compiled")
 
 
 @functools.cache
