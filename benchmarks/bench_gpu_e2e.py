@@ -247,10 +247,11 @@ PROFILE_COUNTED = (
 
 
 def run_nereus(  # noqa: ANN001
-    folder: Path, steps: int, new_tokens: int, out: Path, plan, cluster, measure=None
+    folder: Path, steps: int, new_tokens: int, out: Path, plan, cluster, measure=None, layers: str = "eager"
 ) -> dict:
-    """nereus GRPO on GPU 0 under ``plan``: bf16 weights with fp32 masters; with ``measure``, the last
-    step's training stage runs through it (:func:`on_last_call`)."""
+    """nereus GRPO on GPU 0 under ``plan``: bf16 weights with fp32 masters, decoder layers run as
+    ``layers`` (``algorithm.layers``); with ``measure``, the last step's training stage runs through it
+    (:func:`on_last_call`)."""
     import csv
 
     import lightning.pytorch as pl
@@ -274,6 +275,7 @@ def run_nereus(  # noqa: ANN001
         actor_lr=1e-6,
         kl_loss_coef=0.001,
         ignore_eos=True,
+        layers=layers,
     )
     if measure is not None:
         module.update = on_last_call(module.update, steps, measure)
@@ -481,6 +483,7 @@ def main(argv: list[str] | None = None, profiler=profile_tables) -> None:  # noq
     parser.add_argument("--recompute", type=int, choices=(0, 1), help="override recompute (0/1)")
     parser.add_argument("--tag", default="", help="suffix of the result file (e.g. mb4)")
     parser.add_argument("--profile", action="store_true", help="profile the last step's training stage")
+    parser.add_argument("--layers", default="eager", help="algorithm.layers: eager or compiled")
     args = parser.parse_args(argv if argv is not None else sys.argv[1:])
     if args.report is not None:
         print(report([Path(p) for p in args.report]))
@@ -505,7 +508,7 @@ def main(argv: list[str] | None = None, profiler=profile_tables) -> None:  # noq
         plan = with_slots(plan, args.micro_batch, recompute)
         profile = Path(args.out) / f"profile_{args.shape}_n{args.new_tokens}.txt"
         measure = profiler(profile) if args.profile else None
-        result = run_nereus(folder, args.steps, args.new_tokens, run_dir, plan, cluster, measure)
+        result = run_nereus(folder, args.steps, args.new_tokens, run_dir, plan, cluster, measure, args.layers)
         result["planner_choice"] = chosen
         result["predicted_peak_gib"] = predicted_peaks(plan, models, cluster, workload)
         result["cost_model"] = cost_model(plan, models, cluster, workload, result["steps"][args.warmup :])
@@ -523,6 +526,7 @@ def main(argv: list[str] | None = None, profiler=profile_tables) -> None:  # noq
         transformers=importlib.metadata.version("transformers"),
         micro_batch=args.micro_batch,
         recompute=args.recompute,
+        layers=args.layers if args.system == "nereus" else None,
         params=params_of(folder),
         gpu_gib=gpu_bytes() / 2**30 if torch.cuda.is_available() else None,
     )

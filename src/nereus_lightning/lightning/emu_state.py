@@ -269,6 +269,7 @@ class EMUStates:
                 state.params = {n: _frozen(t) for n, t in state.params.items()}
             module = ShardedCausalLM(config, comm, module_params(state))
             module.recompute = cand.recompute  # as the planner priced the stage's activations
+            module.layers = self.roles.layers
             if ms.trains:
                 lr = self.roles.learning_rates.get(ms.model, 1e-3)
                 self.optimizers[name] = (

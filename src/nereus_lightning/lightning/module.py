@@ -61,6 +61,7 @@ from nereus_lightning.lightning.stages import (
 from nereus_lightning.lightning.strategy import NereusStrategy
 from nereus_lightning.models import token_scores
 from nereus_lightning.models.generation import ShardedGenerator
+from nereus_lightning.models.sharded import LAYER_MODES
 from nereus_lightning.rl import algorithm as rl
 from nereus_lightning.rl import losses
 from nereus_lightning.rl.batch import RolloutBatch, dp_slice
@@ -149,6 +150,7 @@ def check_hyperparameters(values: Mapping[str, Any]) -> None:
         ("rollout_engine", "algorithm.rollout_engine", tuple(ENGINES)),
         ("on_nonfinite", "trainer.on_nonfinite", ON_NONFINITE),
         ("decode", "algorithm.decode", DECODE_MODES),
+        ("layers", "algorithm.layers", LAYER_MODES),
     )
     for name, key, allowed in choices:
         if name in values:
@@ -264,6 +266,9 @@ class RLModule(L.LightningModule):
         decode: the built-in engine's decode loop: ``"static"`` (a preallocated KV cache, each
             decode step replayed as a CUDA graph on GPUs), ``"eager"`` (transformers ``generate``,
             the reference) or ``"auto"`` (static on GPUs, eager on the CPU).
+        layers: how packed inference and training passes run the decoder layers: ``"eager"`` (as
+            written) or ``"compiled"`` (through torch.compile where the varlen attention kernel runs,
+            a GPU in bf16; activation recompute and the CPU run them as written).
         on_nonfinite: a NaN/inf reward or gradient norm ``"raise"`` s (naming the step, the
             model-stage and the first bad sample or tensor) or ``"skip"`` s the update.
         val_greedy: validation decodes greedily (else it samples like training).
@@ -329,6 +334,7 @@ class RLModule(L.LightningModule):
         vllm: Mapping[str, Any] | None = None,
         ignore_eos: bool = False,
         decode: str = "auto",
+        layers: str = "eager",
         on_nonfinite: str = "raise",
         val_greedy: bool = True,
         rollout_data_dir: str | None = None,
@@ -436,6 +442,7 @@ class RLModule(L.LightningModule):
             Decoding(
                 None if hp.ignore_eos else self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, hp.decode
             ),
+            layers=hp.layers,
         )
 
     def workload(self, step: int = 0) -> Workload:

@@ -23,6 +23,7 @@ from torch import nn
 
 from nereus_lightning.engines.base import Decoding
 from nereus_lightning.engines.registry import ENGINES
+from nereus_lightning.models.sharded import LAYER_MODES
 from nereus_lightning.spec.errors import NereusConfigError
 from nereus_lightning.spec.families import family_of
 from nereus_lightning.spec.model import MODEL_PRESETS, ModelSpec
@@ -45,6 +46,9 @@ class RoleModels:
         tokenizer: saved beside each trained model in the checkpoint's ``hf/<model>/`` folder.
         decoding: how generated responses end and are padded, for the strategy's rollout engines
             (None: the module generates without them).
+        layers: how the units' packed passes run their decoder layers
+            (:data:`~nereus_lightning.models.sharded.LAYER_MODES`; ``"compiled"``: through torch.compile
+            where the varlen attention kernel runs).
     """
 
     algorithm: str
@@ -53,6 +57,7 @@ class RoleModels:
     rollout_engine: str = "hf"
     tokenizer: Any = None
     decoding: Decoding | None = None
+    layers: str = "eager"
 
     def __post_init__(self) -> None:
         workflow(self.algorithm)  # an unknown algorithm fails here, naming the known ones
@@ -62,6 +67,8 @@ class RoleModels:
             raise ValueError(f"role models {unknown} are not roles of {self.algorithm!r} ({sorted(roles)})")
         if self.rollout_engine not in ENGINES:
             raise ValueError(f"rollout_engine {self.rollout_engine!r} is not one of {list(ENGINES)}")
+        if self.layers not in LAYER_MODES:
+            raise ValueError(f"layers {self.layers!r} is not one of {list(LAYER_MODES)}")
 
     def present(self) -> dict[str, nn.Module]:
         """The roles that have a model."""

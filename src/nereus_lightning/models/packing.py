@@ -17,13 +17,13 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache, lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from nereus_lightning.spec.errors import NereusConfigError
+from nereus_lightning.spec.errors import NereusConfigError, require
 
 log = logging.getLogger(__name__)
 
@@ -157,17 +157,23 @@ def packed_attention(
     scaling: float | None = None,
     sliding_window: int | None = None,
     nereus_documents: Documents | None = None,
+    nereus_varlen: Varlen | None = None,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
-    """Softmax attention of ``[1, heads, T, D]`` tensors within each packed sequence (sdpa per sequence)."""
+    """Softmax attention of ``[1, heads, T, D]`` tensors within each packed sequence.
+
+    One FlashAttention varlen call where :func:`varlen_of` gave its arguments (``nereus_varlen``: no
+    host data, so a compiled stage traces it), else sdpa per sequence of ``nereus_documents``.
+    """
     unsupported = [k for k in _UNSUPPORTED if kwargs.get(k) is not None]
-    if unsupported or nereus_documents is None:
+    if unsupported or (nereus_documents is None and nereus_varlen is None):
         what = f"attention arguments {unsupported}" if unsupported else "no packed documents"
         raise NereusConfigError(f"packed attention: {what}; this family must run padded micro-batches")
     window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
-    if dropout == 0.0 and query.is_cuda and _varlen_works(query.device, query.dtype):
-        return _varlen(query, key, value, nereus_documents, scaling, window), None
-    return _per_sequence(query, key, value, nereus_documents, dropout, scaling, window), None
+    if nereus_varlen is not None and dropout == 0.0:
+        return _varlen(query, key, value, nereus_varlen, scaling, window), None
+    require(nereus_documents is not None, "documents", "attention dropout needs the packed documents")
+    return _per_sequence(query, key, value, nereus_documents, dropout, scaling, window), None  # type: ignore[arg-type]
 
 
 def _per_sequence(
@@ -195,8 +201,31 @@ def _per_sequence(
     return out.transpose(1, 2).contiguous()
 
 
+class Varlen(NamedTuple):
+    """The varlen kernel's view of a packed row: ``cu_seqlens`` on the device and the longest sequence.
+
+    A tuple, so that a compiled stage takes the length as a dynamic int rather than guarding on it.
+    """
+
+    bounds: Tensor
+    longest: int
+
+
+def varlen_of(documents: Documents, device: torch.device, dtype: torch.dtype) -> Varlen | None:
+    """The varlen kernel's arguments for ``documents`` where it runs (``device``, ``dtype``), else None."""
+    if device.type != "cuda" or not _varlen_works(device, dtype):
+        return None
+    return varlen_args(documents, device)
+
+
+def varlen_args(documents: Documents, device: torch.device) -> Varlen:
+    """:class:`Varlen` of ``documents`` on ``device``."""
+    longest = max((b - a for a, b in documents.spans()), default=0)
+    return Varlen(_device_bounds(documents.bounds, device), longest)
+
+
 def _varlen(
-    query: Tensor, key: Tensor, value: Tensor, documents: Documents, scaling: float | None, window: int | None
+    query: Tensor, key: Tensor, value: Tensor, varlen: Varlen, scaling: float | None, window: int | None
 ) -> Tensor:
     """:func:`packed_attention` as one FlashAttention varlen call (``torch.nn.attention.varlen``, CUDA)."""
     from torch.nn.attention.varlen import varlen_attn
@@ -205,8 +234,7 @@ def _varlen(
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, D]
     if groups > 1:  # the kernel's own GQA is not in every torch version that has it
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    bounds = _device_bounds(documents.bounds, query.device)
-    longest = max((b - a for a, b in documents.spans()), default=0)
+    bounds, longest = varlen.bounds, varlen.longest
     left = -1 if window is None else window - 1  # transformers: i - window < j <= i
     out: Tensor = varlen_attn(  # type: ignore[assignment]  # a tensor without return_aux
         q.contiguous(),
@@ -251,7 +279,9 @@ def _varlen_works(device: torch.device, dtype: torch.dtype) -> bool:
         with torch.enable_grad():  # the first use may be in a no-grad pass
             ok = all(
                 _agree(
-                    _per_sequence(q, k, v, docs, 0.0, 0.125, w), _varlen(q, k, v, docs, 0.125, w), (q, k, v)
+                    _per_sequence(q, k, v, docs, 0.0, 0.125, w),
+                    _varlen(q, k, v, varlen_args(docs, device), 0.125, w),
+                    (q, k, v),
                 )
                 for w in (None, 9)
             )

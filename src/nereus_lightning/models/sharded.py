@@ -37,7 +37,7 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from nereus_lightning.models.groups import ReplicaComm
-from nereus_lightning.models.packing import Documents, packed_attention_for, packing_refusal
+from nereus_lightning.models.packing import Documents, packed_attention_for, packing_refusal, varlen_of
 from nereus_lightning.models.sharding import (
     Fused,
     Style,
@@ -286,6 +286,7 @@ class ShardedCausalLM(nn.Module):
         self.layer_ids = layer_range(config.num_hidden_layers, layout.pp, comm.pp_rank)
         self.value_head = has_value_head(config)
         self.recompute = False  # activation recompute in training forwards (see :meth:`stage`)
+        self.layers = "eager"  # how packed forwards run their layers (:data:`LAYER_MODES`, :meth:`stage`)
         plan = tp_plan_of(config)
         tied = is_tied(config)
         family = family_model(local_config(config, layout.tp, plan), self.value_head)
@@ -486,8 +487,58 @@ class ShardedCausalLM(nn.Module):
         # Activation recompute (the plan's ``Candidate.recompute``): each layer keeps only its input
         # and runs again in the backward pass; TP collectives inside rerun in the same order on every rank.
         recompute = self.recompute and cache is None and torch.is_grad_enabled()
-        if documents is not None:
-            with_cache["nereus_documents"] = documents
+        args = (hidden, masks, position_ids, position_embeddings, recompute)
+        if documents is None:
+            hidden = self._layers(*args, with_cache, scoped=False)
+        elif (varlen := varlen_of(documents, hidden.device, hidden.dtype)) is not None and self._compiles(
+            recompute
+        ):
+            with packed_attention_for(self.local_config):
+                hidden = self._compiled_layers(*args, {"nereus_varlen": varlen})
+        else:
+            packed = {"nereus_documents": documents, "nereus_varlen": varlen}
+            hidden = self._layers(*args, packed, scoped=True)
+        if self.comm.is_last_stage:
+            hidden = self.model.norm(hidden)
+        return hidden
+
+    def _compiles(self, recompute: bool) -> bool:
+        """Whether a packed forward on the varlen kernel runs its layers through :func:`compiled_layer`.
+
+        Not under activation recompute: a checkpoint traced by torch.compile refuses layers with side
+        effects (transformers' hub kernels set a context variable), and falling back inside it would
+        recompute other tensors than the forward saved.
+        """
+        return self.layers == "compiled" and not recompute
+
+    def _compiled_layers(self, *args: Any) -> Tensor:
+        """:meth:`_layers` through :func:`compiled_layer`; a compiler failure names the way out."""
+        from torch._dynamo.exc import BackendCompilerFailed
+
+        try:
+            return self._layers(*args, scoped=False, compiled=True)
+        except BackendCompilerFailed as exc:  # e.g. no C compiler or Triton for inductor
+            raise NereusConfigError(
+                "algorithm.layers: torch.compile could not compile the decoder layers "
+                f"({exc.inner_exception!r}); set algorithm.layers=eager to run them as written"
+            ) from exc
+
+    def _layers(
+        self,
+        hidden: Tensor,
+        masks: dict[str, Any],
+        position_ids: Tensor,
+        position_embeddings: Any,
+        recompute: bool,
+        extra: dict[str, Any],
+        *,
+        scoped: bool,
+        compiled: bool = False,
+    ) -> Tensor:
+        """This stage's decoder layers on ``hidden``; ``extra`` goes to every layer (a cache, or the
+        packed row's attention arguments), each on :func:`packed_attention_for` where ``scoped`` and
+        through :func:`compiled_layer` where ``compiled``."""
+        run = compiled_layer() if compiled else ShardedCausalLM._layer
         for i in self.layer_ids:
             layer = self.model.layers[str(i)]
             kwargs = dict(
@@ -498,16 +549,14 @@ class ShardedCausalLM(nn.Module):
                     if isinstance(position_embeddings, dict)
                     else position_embeddings
                 ),
-                **with_cache,
+                **extra,
             )
             if recompute:
                 hidden = torch.utils.checkpoint.checkpoint(
-                    self._layer, layer, hidden, documents is not None, use_reentrant=False, **kwargs
+                    self._layer, layer, hidden, scoped, use_reentrant=False, **kwargs
                 )
             else:
-                hidden = self._layer(layer, hidden, documents is not None, **kwargs)
-        if self.comm.is_last_stage:
-            hidden = self.model.norm(hidden)
+                hidden = run(self, layer, hidden, scoped, **kwargs)
         return hidden
 
     def _position_embeddings(self, hidden: Tensor, position_ids: Tensor) -> Any:
@@ -518,9 +567,9 @@ class ShardedCausalLM(nn.Module):
         kinds = {self.local_config.layer_types[i] for i in self.layer_ids}
         return {kind: rotary(hidden, position_ids, kind) for kind in sorted(kinds)}
 
-    def _layer(self, layer: nn.Module, hidden: Tensor, packed: bool, **kwargs: Any) -> Tensor:
-        """One decoder layer; a packed row's attention stays within each sequence (also when recomputed)."""
-        if not packed:
+    def _layer(self, layer: nn.Module, hidden: Tensor, scoped: bool, **kwargs: Any) -> Tensor:
+        """One decoder layer, on the packed attention where ``scoped`` (also when recomputed)."""
+        if not scoped:
             return layer(hidden, **kwargs)
         with packed_attention_for(self.local_config):
             return layer(hidden, **kwargs)
@@ -578,6 +627,25 @@ class ShardedCausalLM(nn.Module):
             if weight.grad is None:
                 weight.grad = torch.zeros_like(weight)
             all_reduce_flat([weight.grad], self.comm.tied_group)
+
+
+#: How a packed forward runs its decoder layers (``algorithm.layers``): ``"eager"`` (the default) as
+#: written; ``"compiled"`` each layer through :func:`compiled_layer` where the varlen attention kernel
+#: runs (a CUDA GPU) and no activation recompute is planned, as written elsewhere.
+LAYER_MODES = ("eager", "compiled")
+
+
+@functools.cache
+def compiled_layer() -> Any:
+    """:meth:`ShardedCausalLM._layer` through ``torch.compile``, the token count dynamic from the start.
+
+    One wrapper for every layer: the layers of a family share its code and take their parameters as
+    graph inputs, so one compile serves them all (a stage compiles in seconds, not once per layer or
+    as one graph of the whole stack). Inductor fuses each layer's norms, rotary embedding, activation
+    and residual adds: an eager layer launches about sixty kernels per pass, which bounds a small
+    model's training by the host. TP collectives break the graph and run eagerly.
+    """
+    return torch.compile(ShardedCausalLM._layer, dynamic=True)
 
 
 def attention_kinds(config: Any) -> tuple[str, ...]:

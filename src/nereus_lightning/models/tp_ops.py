@@ -4,7 +4,9 @@
 - :func:`reduce_from_tp`: all-reduce forward, identity backward (after a row-parallel matmul).
 - :func:`gather_from_tp`: all-gather along the last dim forward, keep own slice backward.
 
-Every function is a no-op when the group has one rank.
+Every function is a no-op when the group has one rank. Their collectives are opaque to
+torch.compile (a compiled layer runs them eagerly, between its compiled pieces): every rank then
+issues them in program order, as the eager layer does.
 """
 
 from __future__ import annotations
@@ -70,12 +72,20 @@ class _GatherFromTP(torch.autograd.Function):
 
 def copy_to_tp(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     """Identity forward, sum of gradients over ``group`` backward."""
-    return x if _size(group) == 1 else _CopyToTP.apply(x, group)
+    return x if group is None else _apply(_CopyToTP, x, group)
 
 
 def reduce_from_tp(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     """Sum over ``group`` forward, identity backward."""
-    return x if _size(group) == 1 else _ReduceFromTP.apply(x, group)
+    return x if group is None else _apply(_ReduceFromTP, x, group)
+
+
+@torch.compiler.disable
+def _apply(fn: type[torch.autograd.Function], x: Tensor, group: dist.ProcessGroup, *args: object) -> Tensor:
+    """``fn.apply`` outside any compiled graph; the identity for a group of one rank."""
+    if _size(group) == 1:
+        return x
+    return fn.apply(x, group, *args)
 
 
 def group_order(group: dist.ProcessGroup, ranks: Sequence[int]) -> tuple[int, ...]:
@@ -85,7 +95,6 @@ def group_order(group: dist.ProcessGroup, ranks: Sequence[int]) -> tuple[int, ..
 
 def gather_from_tp(x: Tensor, group: dist.ProcessGroup | None, ranks: Sequence[int], tp_rank: int) -> Tensor:
     """Concatenate the last dim of ``x`` over ``group`` in the tp order of ``ranks``; backward: own slice."""
-    if _size(group) == 1:
+    if group is None:
         return x
-    assert group is not None
-    return _GatherFromTP.apply(x, group, group_order(group, ranks), tp_rank)
+    return _apply(_GatherFromTP, x, group, group_order(group, ranks), tp_rank)
