@@ -6,8 +6,8 @@ any interval has been seen (the paper's rule). Every clock is started at the fir
 controller sees (``CrossingClock.start``): its first interval runs from there to the first
 crossing, since the signal held at least that long (a pool stable for 30 steps is not expected to
 change in one; a length that took 13 steps to move 30% is not expected to move again in one).
-A pool that only grew is judged over the supply's stability instead (``PoolTrigger.stability``):
-the gain of GPUs that arrive lasts until the supply next takes GPUs away.
+A pool that grew to the whole cluster is judged over the supply's stability instead
+(``PoolTrigger.stability``): it can only change next by losing GPUs.
 A gain refused under a horizon that the conditions then outlast is looked at again
 (:class:`Recheck`).
 """
@@ -133,15 +133,16 @@ class PoolTrigger:
 
     Losing a GPU the current plan uses is a revocation (urgent); any other change is not.
 
-    A pool that only grew gets the supply's observed stability as its horizon (:meth:`stability`):
-    GPUs that arrive are worth using for as long as the supply keeps them, and the pool's
-    crossing clock measures something else there: after a revocation burst, the short interval
-    before the GPUs came back is how long the burst lasted, not how long the returned GPUs stay.
+    A pool that grew to the whole cluster (``capacity`` GPUs) can only change next by losing
+    GPUs: its horizon is the supply's observed stability (:meth:`stability`), not the crossing
+    clock's, whose intervals mix in how long revocation bursts lasted (after a burst, the short
+    interval before the GPUs came back says nothing about how long they stay).
     """
 
-    def __init__(self, alpha: float = 0.5) -> None:
+    def __init__(self, alpha: float = 0.5, capacity: int | None = None) -> None:
         self.reference: tuple[int, ...] | None = None
         self.clock = CrossingClock(alpha)
+        self.capacity = capacity  # GPUs of the whole cluster (None: unknown)
         self.losses = 0  # changes of the pool that took GPUs away (revocations or not)
 
     def check(self, step: int, pool: tuple[int, ...], used: frozenset[int]) -> Trigger | None:
@@ -161,11 +162,13 @@ class PoolTrigger:
             return Trigger(
                 "revocation", self.clock.horizon, urgent=True, detail=f"{detail}; lost {len(lost)} in use"
             )
-        if gone:
+        if gone or self.capacity is None or len(pool) < self.capacity:
             return Trigger("pool", self.clock.horizon, detail=detail)
         horizon = self.stability(step)
         return Trigger(
-            "pool", horizon, detail=f"{detail}; H = the supply's stability, {horizon:.1f} steps per loss"
+            "pool",
+            horizon,
+            detail=f"{detail}, the whole cluster; H = the supply's stability, {horizon:.1f} steps per loss",
         )
 
     def stability(self, step: int) -> float:
