@@ -126,3 +126,63 @@ def test_a_recheck_that_still_does_not_pay_waits_longer_and_a_trigger_clears_it(
     fresh = controller(backend, plan=SMALL)
     fresh.load_state_dict(state)
     assert fresh.recheck.state_dict() == ctl.recheck.state_dict()
+
+
+def _burst(tran: float):  # noqa: ANN202
+    """A controller on BIG whose pool held the whole cluster for 6 steps, lost half of it at step 6
+    and got it back at step 7; BIG saves 1 s/step over SMALL and its transition costs ``tran`` s."""
+    backend = FakeBackend(
+        lambda cluster, workload: [SMALL, BIG] if cluster.num_gpus >= 4 else [SMALL],
+        {SMALL: 10.0, BIG: 9.0},
+        tran={BIG: tran},
+    )
+    ctl = controller(backend, plan=BIG)
+    ctl.pool.capacity = 4  # a cluster of 4 GPUs
+    for s in range(6):
+        ctl.step(sig(s, gpus=4))
+    assert ctl.step(sig(6, gpus=2)).changes_plan and ctl.plan == SMALL  # the revocation
+    return ctl, ctl.step(sig(7, gpus=4))
+
+
+def test_the_whole_cluster_back_after_a_revocation_burst_is_judged_over_the_supply_stability():
+    # The crossing clock's intervals are 6 steps (4 GPUs) and 1 (the burst): its EMA, 3.5 steps,
+    # would refuse a move paying back in 2.5 steps (> gamma * 3.5). A whole cluster can only lose
+    # GPUs next: one loss in the 7 steps seen, H = 7, and 2.5 <= 0.5 * 7.
+    ctl, d = _burst(2.5)
+    assert ctl.pool.clock.horizon == 3.5
+    assert d.kind == "transition" and d.target == BIG and d.horizon == 7.0
+    assert "H = the supply's stability, 7.0 steps per loss" in d.triggers[0].detail
+
+
+def test_a_pool_short_of_the_cluster_keeps_the_crossing_clock():
+    # The same burst on a larger cluster: the pool may still grow, any change is its next crossing.
+    backend = FakeBackend(
+        lambda cluster, workload: [SMALL, BIG] if cluster.num_gpus >= 4 else [SMALL],
+        {SMALL: 10.0, BIG: 9.0},
+        tran={BIG: 2.5},
+    )
+    ctl = controller(backend, plan=BIG)
+    assert ctl.pool.capacity == 256  # paper_cluster2: 64 nodes x 4 GPUs
+    for s in range(6):
+        ctl.step(sig(s, gpus=4))
+    ctl.step(sig(6, gpus=2))
+    d = ctl.step(sig(7, gpus=4))
+    assert d.kind == "keep" and d.horizon == 3.5
+
+
+def test_a_growth_that_does_not_pay_back_over_the_supply_stability_is_still_refused():
+    ctl, d = _burst(4.0)  # pays back in 4 steps > 0.5 * 7
+    assert d.kind == "keep" and d.horizon == 7.0 and ctl.plan == SMALL
+    assert "pays back in 4.00 steps > gamma*H_x = 0.5*7.00" in d.reason
+
+
+def test_pool_loss_count_round_trips_and_old_state_counts_none():
+    ctl, _ = _burst(2.5)
+    state = ctl.state_dict()
+    assert state["pool"]["losses"] == 1
+    fresh = controller(FakeBackend([SMALL, BIG], {SMALL: 10.0, BIG: 9.0}), plan=SMALL)
+    fresh.load_state_dict(state)
+    assert fresh.pool.losses == 1
+    del state["pool"]["losses"]  # a checkpoint of an older version
+    fresh.load_state_dict(state)
+    assert fresh.pool.losses == 0

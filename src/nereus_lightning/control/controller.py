@@ -192,7 +192,7 @@ class Controller:
             n: DriftTrigger(n, self.config.delta_len, self.config.ema_alpha)
             for n in self.config.drift_signals
         }
-        self.pool = PoolTrigger(self.config.ema_alpha)
+        self.pool = PoolTrigger(self.config.ema_alpha, cluster.num_nodes * cluster.gpus_per_node)
         self.memory_clock = CrossingClock(self.config.ema_alpha)
         self.recheck = Recheck()
         self.transition_scale = 1.0

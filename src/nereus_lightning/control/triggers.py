@@ -6,6 +6,8 @@ any interval has been seen (the paper's rule). Every clock is started at the fir
 controller sees (``CrossingClock.start``): its first interval runs from there to the first
 crossing, since the signal held at least that long (a pool stable for 30 steps is not expected to
 change in one; a length that took 13 steps to move 30% is not expected to move again in one).
+A pool that grew to the whole cluster is judged over the supply's stability instead
+(``PoolTrigger.stability``): it can only change next by losing GPUs.
 A gain refused under a horizon that the conditions then outlast is looked at again
 (:class:`Recheck`).
 """
@@ -130,11 +132,18 @@ class PoolTrigger:
     """Fires when the GPU pool differs from the pool of the last replan.
 
     Losing a GPU the current plan uses is a revocation (urgent); any other change is not.
+
+    A pool that grew to the whole cluster (``capacity`` GPUs) can only change next by losing
+    GPUs: its horizon is the supply's observed stability (:meth:`stability`), not the crossing
+    clock's, whose intervals mix in how long revocation bursts lasted (after a burst, the short
+    interval before the GPUs came back says nothing about how long they stay).
     """
 
-    def __init__(self, alpha: float = 0.5) -> None:
+    def __init__(self, alpha: float = 0.5, capacity: int | None = None) -> None:
         self.reference: tuple[int, ...] | None = None
         self.clock = CrossingClock(alpha)
+        self.capacity = capacity  # GPUs of the whole cluster (None: unknown)
+        self.losses = 0  # changes of the pool that took GPUs away (revocations or not)
 
     def check(self, step: int, pool: tuple[int, ...], used: frozenset[int]) -> Trigger | None:
         """A ``pool`` or ``revocation`` trigger if the pool changed since the reference."""
@@ -145,13 +154,29 @@ class PoolTrigger:
         if pool == self.reference:
             return None
         self.clock.cross(step)
+        gone = set(self.reference) - set(pool)
+        self.losses += bool(gone)
         lost = used - set(pool)
         detail = f"{len(self.reference)} -> {len(pool)} GPUs"
         if lost:
             return Trigger(
                 "revocation", self.clock.horizon, urgent=True, detail=f"{detail}; lost {len(lost)} in use"
             )
-        return Trigger("pool", self.clock.horizon, detail=detail)
+        if gone or self.capacity is None or len(pool) < self.capacity:
+            return Trigger("pool", self.clock.horizon, detail=detail)
+        horizon = self.stability(step)
+        return Trigger(
+            "pool",
+            horizon,
+            detail=f"{detail}, the whole cluster; H = the supply's stability, {horizon:.1f} steps per loss",
+        )
+
+    def stability(self, step: int) -> float:
+        """Steps observed per loss of GPUs: the expected steps until the supply next takes GPUs
+        away, for losses that come at a steady rate (the rate's estimate over every step seen).
+        Before any loss, the steps observed: the supply has held at least that long."""
+        origin = self.clock.origin if self.clock.origin is not None else step - 1
+        return max(float(step - origin), 1.0) / max(self.losses, 1)
 
     def reset(self, pool: tuple[int, ...]) -> None:
         """Move the reference to ``pool``."""
@@ -162,12 +187,14 @@ class PoolTrigger:
         return {
             "reference": None if self.reference is None else list(self.reference),
             "clock": self.clock.state_dict(),
+            "losses": self.losses,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
         self.reference = None if state["reference"] is None else tuple(state["reference"])
         self.clock.load_state_dict(state["clock"])
+        self.losses = int(state.get("losses", 0))  # absent in checkpoints of older versions
 
 
 class Recheck:
