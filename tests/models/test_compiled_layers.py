@@ -182,3 +182,12 @@ def test_compiled_layers_under_tp_and_pp_equal_eager(dist4) -> None:
         assert errors.keys() == {"output", "grads"}
         for key, err in errors.items():
             assert err <= 1e-6, f"rank {rank} {key}: {err:.2e}"
+
+
+def test_an_unknown_layer_mode_is_refused_naming_the_key() -> None:
+    from nereus_lightning.lightning.module import check_hyperparameters
+    from nereus_lightning.spec.errors import NereusConfigError
+
+    check_hyperparameters({"layers": "compiled"})
+    with pytest.raises(NereusConfigError, match="algorithm.layers: 'auto' is not one of 'eager', 'compiled'"):
+        check_hyperparameters({"layers": "auto"})
