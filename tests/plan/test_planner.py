@@ -495,10 +495,8 @@ def test_a_ppo_plan_prices_the_critic_as_the_value_model_the_body_builds():
     actor's vocabulary-sized LM head and no logits: at the same layout its training peak is below the
     actor's by at least the LM head's training state."""
     workload, cluster = Workload("ppo"), cluster_preset("h200x8").with_gpus(16)
-    critic_gpus = {"critic_train": tuple(range(8, 16))}
-    plan = Plan.of(
-        {ms.name: Candidate(Layout(8, 1), 1, critic_gpus.get(ms.name, tuple(range(8)))) for ms in workload.stages}
-    )
+    gpus = {ms.name: range(8, 16) if ms.name == "critic_train" else range(8) for ms in workload.stages}
+    plan = Plan.of({name: Candidate(Layout(8, 1), 1, tuple(g)) for name, g in gpus.items()})
     models = job_models(L8)
     stage = {ms.name: ms for ms in workload.stages}
     critic, actor = (stage_work(stage[n], models, workload) for n in ("critic_train", "actor_train"))
