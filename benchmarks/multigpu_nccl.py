@@ -390,8 +390,8 @@ def timing_model(quick: bool) -> Any:
 
 
 def hf_config(spec: Any):
-    """The transformers LlamaConfig of a ModelSpec (shapes only; a value model's names its
-    ``LlamaForTokenClassification``, as ``lightning.roles.build_value_model`` marks a critic)."""
+    """The transformers LlamaConfig of a ModelSpec (shapes only); a value model's config names
+    ``LlamaForTokenClassification``, as ``lightning.roles.build_value_model`` marks a critic."""
     from transformers import LlamaConfig
 
     value = {"num_labels": spec.num_labels, "architectures": ["LlamaForTokenClassification"]}
@@ -523,9 +523,10 @@ def transition_timing(checks: Checks, dev: torch.device, quick: bool, repeats: i
     samples: dict[str, list[float]] = {k: [] for k in dags}
     reports: dict[str, Any] = {}
     held, first, small = 0, {}, spec.num_params * 12 * len(stages) < 2e9
+    specs = {ms.name: models[ms.model] for ms in work.stages}
     for repeat in range(repeats):
         # Every cycle starts from the same random state (same seeds), so a cycle need not end where it began.
-        held = random_units(start, {ms.name: models[ms.model] for ms in work.stages}, dev)
+        held = random_units(start, specs, dev)
         if repeat == 0:
             first = {name: gather_logical_state(name, dst=0) for name in stages} if small else {}
             prepare_groups([r for dag in dags.values() for r in dag_rank_sets(dag)])
