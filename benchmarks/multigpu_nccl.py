@@ -390,9 +390,11 @@ def timing_model(quick: bool) -> Any:
 
 
 def hf_config(spec: Any):
-    """The transformers LlamaConfig of a ModelSpec (shapes only)."""
+    """The transformers LlamaConfig of a ModelSpec (shapes only); a value model's config names
+    ``LlamaForTokenClassification``, as ``lightning.roles.build_value_model`` marks a critic."""
     from transformers import LlamaConfig
 
+    value = {"num_labels": spec.num_labels, "architectures": ["LlamaForTokenClassification"]}
     return LlamaConfig(
         hidden_size=spec.hidden,
         intermediate_size=spec.intermediate,
@@ -402,6 +404,7 @@ def hf_config(spec: Any):
         vocab_size=spec.vocab,
         tie_word_embeddings=spec.tie_embeddings,
         max_position_embeddings=4096,
+        **(value if spec.num_labels else {}),
     )
 
 
@@ -441,17 +444,18 @@ def doubling_plans(stages: tuple[str, ...], tp: int, n_from: int):
     return Plan.of(start), Plan.of(doubled), Plan.of(merged)
 
 
-def random_units(plan: Any, spec: Any, dev: torch.device) -> int:
-    """Live units of ``plan`` with random training state (no model needed); returns this rank's bytes."""
+def random_units(plan: Any, specs: dict[str, Any], dev: torch.device) -> int:
+    """Live units of ``plan`` with random training state (no model needed), each model-stage of its
+    ModelSpec in ``specs``; returns this rank's bytes."""
     from nereus_lightning.emu import EMU, Counters, StateSchema, Unit, registry
 
     rank = dist.get_rank()
     registry().clear()
-    schema = StateSchema.of(hf_config(spec))  # shapes from a meta-device model
-    schema = replace(schema, dtypes=("float32",) * len(schema.names))
     held = 0
     gen = torch.Generator(device=dev).manual_seed(1000 + rank)
     for i, (name, cand) in enumerate(plan.items()):
+        schema = StateSchema.of(hf_config(specs[name]))  # shapes from a meta-device model
+        schema = replace(schema, dtypes=("float32",) * len(schema.names))
         registry().declare(name, schema, True)
         unit = Unit(cand.layout, cand.replica_gpus(0))
         emu = None
@@ -501,6 +505,7 @@ def transition_timing(checks: Checks, dev: torch.device, quick: bool, repeats: i
     start, doubled, merged = doubling_plans(stages, tp, n_from)
     cluster = (CLUSTER_PRESETS["h200x8"] if dev.type == "cuda" else CLUSTER_PRESETS["cpu4"]).with_gpus(world)
     work = Workload("ppo")
+    models = default_models(spec)  # the critic a value model, as the body builds it
     mixed = replace(spec, dtype="bfloat16")  # bf16 weights + fp32 master + fp32 moments: 14 B/param
     pairs = {
         f"Extend {n_from}->{2 * n_from} GPUs": (start, doubled),
@@ -511,16 +516,17 @@ def transition_timing(checks: Checks, dev: torch.device, quick: bool, repeats: i
     infeasible: dict[str, str] = {}
     for key, (a, b) in pairs.items():
         try:
-            dags[key] = build_transition(a, b, default_models(spec), cluster, work)
+            dags[key] = build_transition(a, b, models, cluster, work)
         except InfeasiblePlanError as exc:  # the brain refuses it (memory): say so, time the others
             infeasible[key] = str(exc)
     mixed_cost = {k: build_transition(*pairs[k], default_models(mixed), cluster, work).cost for k in dags}
     samples: dict[str, list[float]] = {k: [] for k in dags}
     reports: dict[str, Any] = {}
     held, first, small = 0, {}, spec.num_params * 12 * len(stages) < 2e9
+    specs = {ms.name: models[ms.model] for ms in work.stages}
     for repeat in range(repeats):
         # Every cycle starts from the same random state (same seeds), so a cycle need not end where it began.
-        held = random_units(start, spec, dev)
+        held = random_units(start, specs, dev)
         if repeat == 0:
             first = {name: gather_logical_state(name, dst=0) for name in stages} if small else {}
             prepare_groups([r for dag in dags.values() for r in dag_rank_sets(dag)])

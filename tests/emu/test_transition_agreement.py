@@ -20,11 +20,13 @@ import pytest
 from nereus_lightning.emu import Merge, Split, StateSchema, Unit, merge, reshard_plan, split, unit_holdings
 from nereus_lightning.emu.transfer_plan import element_count
 from nereus_lightning.plan.layout import Layout
+from nereus_lightning.plan.planner import job_models
 from nereus_lightning.plan.units import common_layout, split_units
 from nereus_lightning.spec.errors import NereusConfigError
 from nereus_lightning.spec.model import ModelSpec
 from nereus_lightning.testing.tiny import tiny_config
 from nereus_lightning.transition.pieces import geometry
+from nereus_lightning.transition.scenarios import default_models
 from nereus_lightning.transition.tsub import merge_pattern, placed, split_pattern
 
 LAYOUTS = [Layout(t, p) for t in (1, 2, 4, 8, 16) for p in (1, 2, 4, 8, 16) if t * p <= 16]
@@ -66,6 +68,17 @@ SHAPES = {  # name: (config, parameter dtype)
         "bfloat16",
     ),
 }
+
+
+@pytest.mark.parametrize("shape, kind", [("qwen2_critic", "qwen2"), ("qwen3_critic_bf16", "qwen3")])
+def test_the_role_mapping_gives_the_critic_these_value_model_shapes(shape: str, kind: str) -> None:
+    """``plan.job_models`` (and ``transition.scenarios.default_models``, through it) price a job's
+    critic and reward model as the value model of the actor's architecture: the critic shapes above."""
+    config, dtype = SHAPES[shape]
+    actor = replace(ModelSpec.from_hf_config(tiny_config(kind)), dtype=dtype)
+    value = replace(ModelSpec.from_hf_config(config), dtype=dtype)
+    for models in (job_models(actor), default_models(actor)):
+        assert models["critic"] == value and models["reward"] == value and models["actor"] == actor
 
 
 def _fits(schema: StateSchema, layout: Layout) -> bool:

@@ -307,7 +307,7 @@ def test_a_sharded_step_sums_its_gradients_and_gathers_its_weights_once_whatever
 
 def test_training_slot_counts_tp_allreduces_per_block():
     c = _cluster(gpn=4)
-    w = _work("training", role="critic", sequences=64)  # no LM head
+    w = _work("training", role="critic", model=L8.as_value_model(), sequences=64)  # no LM head
     lay = Layout(2, 1)
     for rc, passes, launched in ((False, 3, 3), (True, 4, RECOMPUTE_LAUNCH_PASSES)):
         slot = slot_affine(w, lay, rc, canonical_links(lay, 1, c), c).at(1)

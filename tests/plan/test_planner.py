@@ -20,7 +20,7 @@ from nereus_lightning.plan.cost import (
     replica_sequences,
     stage_work,
 )
-from nereus_lightning.plan.memory import memory_cap
+from nereus_lightning.plan.memory import memory_cap, optimizer_bytes_per_param
 from nereus_lightning.plan.options import CandidateTable, fastest_sharded, shard_options, undominated
 from nereus_lightning.plan.overlap import colocated
 from nereus_lightning.plan.planner import STEP_TOLERANCE
@@ -481,9 +481,30 @@ def test_estimate_reports_violations_instead_of_raising():
     assert est.phase_latency["inference"] == pytest.approx(sum(est.stage_latency[n] for n in infer))
 
 
-def test_job_models_defaults_to_the_actor():
-    models = job_models(L8, reward=model_preset("qwen3_14b"))
-    assert models["critic"] is L8 and models["reference"] is L8 and models["reward"].name == "Qwen3-14B"
+def test_job_models_defaults_to_the_actor_and_makes_critic_and_reward_value_models():
+    reward = model_preset("qwen3_14b")
+    models = job_models(L8, reward=reward)
+    assert models["actor"] is L8 and models["reference"] is L8
+    assert models["critic"] == L8.as_value_model() and models["reward"] == reward.as_value_model()
+    critic = reward.as_value_model(num_labels=2)
+    assert job_models(L8, critic=critic)["critic"] is critic  # a value model stays as it is
+
+
+def test_a_ppo_plan_prices_the_critic_as_the_value_model_the_body_builds():
+    """The critic (``lightning.roles.build_value_model``) has a one-output ``score`` head in place of the
+    actor's vocabulary-sized LM head and no logits: at the same layout its training peak is below the
+    actor's by at least the LM head's training state."""
+    workload, cluster = Workload("ppo"), cluster_preset("h200x8").with_gpus(16)
+    gpus = {ms.name: range(8, 16) if ms.name == "critic_train" else range(8) for ms in workload.stages}
+    plan = Plan.of({name: Candidate(Layout(8, 1), 1, tuple(g)) for name, g in gpus.items()})
+    models = job_models(L8)
+    stage = {ms.name: ms for ms in workload.stages}
+    critic, actor = (stage_work(stage[n], models, workload) for n in ("critic_train", "actor_train"))
+    assert critic.model.num_params == L8.num_params - L8.lm_head_params + L8.hidden + 1
+    assert (actor.lm_head, critic.lm_head) == (True, False)
+    est = estimate_plan(plan, models, cluster, workload)
+    head_state = L8.lm_head_params / 8 * (2 * L8.dtype_bytes + optimizer_bytes_per_param(L8))
+    assert est.stage_memory["actor_train"] - est.stage_memory["critic_train"] >= head_state
 
 
 def test_nodes_that_are_not_a_power_of_two():

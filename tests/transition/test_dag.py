@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+from nereus_lightning.plan.layout import Layout
 from nereus_lightning.spec.errors import InfeasiblePlanError, NereusConfigError
 from nereus_lightning.transition import (
     Primitive,
@@ -51,6 +52,18 @@ def test_dp_doubling_is_extend_only_and_rank_aligned() -> None:
         assert [(t.src_gpu, t.dst_gpu) for t in n.transfers] == list(zip(src, dst, strict=True))
         assert all(t.bytes == shard_bytes(geo, n.targets[0].layout, 0) for t in n.transfers)
     assert validate(dag).valid
+
+
+def test_the_critic_moves_the_state_of_the_value_model_the_body_builds() -> None:
+    """The default role mapping gives the critic a one-output ``score`` head, not the actor's LM head:
+    a DP doubling of ``critic_train`` moves the value model's shards."""
+    cur = plan(critic_train=cand(2, 1, range(0, 4)))
+    tgt = plan(critic_train=cand(2, 1, range(8)))
+    dag = build_transition(cur, tgt, MODELS, CLUSTER, PPO)
+    value, causal = (geometry(m, True) for m in (MODELS["actor"].as_value_model(), MODELS["actor"]))
+    moved = {t.bytes for n in lanes(dag) for t in n.transfers}
+    assert moved == {shard_bytes(value, Layout(2, 1), 0)}
+    assert shard_bytes(value, Layout(2, 1), 0) < shard_bytes(causal, Layout(2, 1), 0)
 
 
 def test_tp_merge_in_place_copies_nothing() -> None:
@@ -182,7 +195,8 @@ def test_cost_of_one_intra_node_extend() -> None:
 
 
 def test_cost_shares_a_nic() -> None:
-    """Two model-stages extending across the same pair of nodes share one NIC: twice the time."""
+    """Two model-stages extending across the same pair of nodes share one NIC: the time of both
+    model-stages' bytes (the critic's a little fewer than the actor's: a value head for the LM head)."""
     one = plan(actor_train=cand(2, 1, (0, 1)), critic_train=cand(2, 1, (2, 3)))
     cur_a = plan(actor_train=cand(2, 1, (0, 1)), critic_train=cand(2, 1, (2, 3)))
     tgt_a = plan(actor_train=cand(2, 1, (0, 1, 8, 9)), critic_train=cand(2, 1, (2, 3)))
@@ -190,8 +204,12 @@ def test_cost_shares_a_nic() -> None:
     single = build_transition(cur_a, tgt_a, MODELS, CLUSTER, PPO)
     double = build_transition(one, tgt_b, MODELS, CLUSTER, PPO)
     nic = 2 * single.nodes[0].transfers[0].bytes / CLUSTER.inter_bw
+    critic = sum(t.bytes for n in lanes(double) if n.model_stage == "critic_train" for t in n.transfers)
+    assert 0 < critic < 2 * single.nodes[0].transfers[0].bytes
     assert single.cost == pytest.approx(CLUSTER.comm_setup + nic + CLUSTER.inter_latency)
-    assert double.cost == pytest.approx(CLUSTER.comm_setup + 2 * nic + CLUSTER.inter_latency)
+    assert double.cost == pytest.approx(
+        CLUSTER.comm_setup + nic + critic / CLUSTER.inter_bw + CLUSTER.inter_latency
+    )
     sched = schedule(double)
     assert sched.makespan == double.cost and len(sched.critical_path) >= 1
 

@@ -33,6 +33,15 @@ run on the presets' 1 GiB less: infeasibility messages that quote the cap, as ma
 Regenerated 2026-12-06 (12 of 467 changed, all of them cases whose input plans changed: the timed
 grow and drift scenarios, whose planner now prices ZeRO's shard-group collectives once per step;
 the other 455 DAGs, baselines and messages identical, with the shard-degree re-cut in the build).
+
+Regenerated 2026-12-06 again (399 of 467 changed): the cases' critic and reward model are now the
+value models the body builds (``transition.scenarios.default_models`` maps the roles through
+``plan.job_models``: a one-output ``score`` head in place of Llama-3.1-8B's LM head, 525M fewer
+parameters). 310 cases' inputs changed (the random cases' clusters are sized from the plans'
+resident peaks, the timed scenarios' plans are the planner's), 89 more changed their DAG or baseline
+alone (the critic's and reward model's transfers and memory effects); the 68 others, where no critic
+or reward state moves or sizes the cluster (the hand cases move the actor alone), are identical.
+298 DAGs are feasible (295 before; of the 30 timed scenarios 23, 20 before).
 """
 
 from __future__ import annotations

@@ -73,8 +73,9 @@ def build_models(
     reward: str | None = None,
     **fields: Any,
 ) -> dict[str, ModelSpec]:
-    """The role -> model mapping of an RL job: the actor from ``preset``/``config``; other roles are
-    preset names (or config.json paths), defaulting to the actor's architecture."""
+    """The role -> model mapping of an RL job (``plan.job_models``): the actor from ``preset``/``config``;
+    other roles are preset names (or config.json paths), defaulting to the actor's architecture, the
+    critic and the reward model as value models."""
     from nereus_lightning.plan.planner import job_models
 
     actor = build_model(preset, config, **fields)

@@ -95,8 +95,9 @@ class StageWork:
 
     @property
     def lm_head(self) -> bool:
-        """Actor and reference need vocabulary logits; critic and reward have a scalar value head."""
-        return self.role in ("actor", "reference")
+        """Whether the model computes vocabulary logits (a causal LM: actor, reference); a value model
+        (critic, reward: ``ModelSpec.num_labels``) has a ``score`` head of a few outputs instead."""
+        return not self.model.num_labels
 
     @property
     def mean_len(self) -> float:

@@ -92,13 +92,19 @@ def job_models(
     reference: ModelSpec | None = None,
     reward: ModelSpec | None = None,
 ) -> dict[str, ModelSpec]:
-    """The role -> model mapping of an RL job; missing roles use the actor's architecture."""
+    """The role -> model mapping of an RL job, as the body builds it (``lightning.roles``): missing roles
+    use the actor's architecture, and the critic and the reward model are the value models of theirs."""
     return {
         "actor": actor,
-        "critic": critic or actor,
+        "critic": _value_model(critic or actor),
         "reference": reference or actor,
-        "reward": reward or actor,
+        "reward": _value_model(reward or actor),
     }
+
+
+def _value_model(model: ModelSpec) -> ModelSpec:
+    """``model`` as a value model: a causal LM's :meth:`~ModelSpec.as_value_model`, a value model itself."""
+    return model if model.num_labels else model.as_value_model()
 
 
 @dataclass(frozen=True)

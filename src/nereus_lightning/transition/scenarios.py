@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 
 from nereus_lightning.plan.layout import Candidate, Layout, Plan, moving_shard_groups
 from nereus_lightning.plan.memory import MEMORY_HEADROOM, state_bytes_per_gpu
+from nereus_lightning.plan.planner import job_models
 from nereus_lightning.plan.rows import recut_stages
 from nereus_lightning.spec.cluster import CLUSTER_PRESETS, ClusterSpec
 from nereus_lightning.spec.model import MODEL_PRESETS, ModelSpec
@@ -56,9 +57,9 @@ class TransitionCase:
 
 
 def default_models(model: ModelSpec | None = None) -> dict[str, ModelSpec]:
-    """The same model for all four PPO roles (Llama-3.1-8B unless given)."""
-    m = model or MODEL_PRESETS["llama3_8b"]
-    return {"actor": m, "critic": m, "reference": m, "reward": m}
+    """The four PPO roles of one architecture (Llama-3.1-8B unless given), as ``plan.job_models`` maps
+    them (critic and reward model its value model)."""
+    return job_models(model or MODEL_PRESETS["llama3_8b"])
 
 
 def overlap_kind(a: ModelStage, b: ModelStage) -> str:
