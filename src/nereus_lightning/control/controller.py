@@ -490,6 +490,8 @@ class Controller:
         assert self.plan is not None
         cfg = self.config
         r, reasons = self._replan_context(signals, triggers)
+        latencies_ahead = partial(self.latencies_at, self.horizon_workloads(r), self.cluster_at(signals))
+        r = replace(r, current_ahead=latencies_ahead(self.plan))
         decision = partial(  # every verdict of this step carries these
             Decision,
             step=signals.step,
@@ -520,7 +522,14 @@ class Controller:
         )
         budget = max(2, cfg.dag_budget_gpus // max(r.dag_cluster.num_gpus, 1))
         search = TargetSearch(
-            r, self.backend, self._profitable, cfg.gamma, budget, self.transition_scale, first
+            r,
+            self.backend,
+            self._profitable,
+            cfg.gamma,
+            budget,
+            self.transition_scale,
+            first,
+            latencies_ahead,
         )
         search.run(source, cfg.try_follow_pool, cfg.pin_training)
         reasons += source.reasons
@@ -609,6 +618,36 @@ class Controller:
             response_len=mean,
             response_len_p95=max(base.response_len_p95, ahead["response_len_p95"], mean),
             prompt_len=max(base.prompt_len, int(round(ahead["prompt_len"]))),
+        )
+
+    def horizon_workloads(self, replan: Replan) -> tuple[Workload, ...]:
+        """The lengths forecast over the horizon (``LengthForecast.over_horizon``), where the payback
+        rule values a target's gain (``search.horizon_gain``): on a steady rise the gain of a plan
+        that scales better grows over the steps it will run. Empty while the forecast has no trend
+        (the gain at the planning lengths, the paper's rule), on the urgent path (no payback) and
+        under the any-gain rule (any gain now is admitted)."""
+        if replan.urgent or replan.current_latency is None or self.config.admission != "payback":
+            return ()
+        base = replan.workload
+        return tuple(
+            replace(
+                base,
+                response_len=ahead["response_len"],
+                response_len_p95=ahead["response_len_p95"],
+                prompt_len=int(round(ahead["prompt_len"])),
+            )
+            for ahead in self.forecast.over_horizon(replan.horizon)
+        )
+
+    def latencies_at(
+        self, workloads: tuple[Workload, ...], cluster: ClusterSpec, plan: Plan
+    ) -> tuple[float, ...]:
+        """``plan``'s predicted step latency at each of ``workloads`` on ``cluster``."""
+        return tuple(
+            self.backend.estimate(
+                plan, cluster, w, self.calibration, memory=self.memory_calibration
+            ).step_latency
+            for w in workloads
         )
 
     def _admit(self, r: Replan, search: TargetSearch, reasons: list[str], decision: Any) -> Decision:
