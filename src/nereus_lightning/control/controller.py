@@ -10,9 +10,10 @@ paper (section 4 of "Nereus: Adaptive Parallelism for LLM Post-Training"):
   as much as its transition (``triggers.Recheck``);
 * admission: the target must be feasible (the cost model's memory check with its headroom, and a
   safe transition DAG); then it must pay back: ``dL > 0 and L_tran / dL <= gamma * H_x`` with
-  H_x the smallest horizon of the firing triggers (a due recheck keeps its own); if the best
-  target fails, slower candidates with cheaper transitions are tried before the current plan is
-  kept;
+  H_x the smallest horizon of the firing triggers (a due recheck keeps its own) and, while the
+  lengths follow a trend, dL the mean gain at the lengths forecast over H_x
+  (:meth:`Controller.horizon_workloads`); if the best target fails, slower candidates with
+  cheaper transitions are tried before the current plan is kept;
 * urgent path (revocation, memory pressure that breaks the current plan): profitability is
   waived, smaller micro-batches and recomputation are considered, and checkpoint/restart is the
   last resort;
