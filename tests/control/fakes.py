@@ -74,9 +74,11 @@ def controller(
 ) -> Controller:
     """A controller over ``backend`` on paper_cluster2 at ``plan``; ``cfg``: ``ControllerConfig`` fields.
 
-    It only weighs the backend's plans (``try_follow_pool`` off unless given).
+    It only weighs the backend's plans (``try_follow_pool`` off unless given) and replans only
+    on the paper's triggers (``quiet_check_every`` off unless given).
     """
     cfg.setdefault("try_follow_pool", False)
+    cfg.setdefault("quiet_check_every", 0)
     max_steps = cfg.pop("max_steps", None)
     return Controller(
         backend,

@@ -253,3 +253,21 @@ def test_payback_values_the_gain_over_the_forecast_lengths_of_the_horizon(length
         assert entry["dL_horizon"] == pytest.approx(0.55)
     else:
         assert "dL_horizon" not in entry
+
+
+@pytest.mark.parametrize(("l_tran", "kind"), [(0.3, "transition"), (0.5, "keep")])
+def test_a_quiet_check_finds_a_plan_that_became_faster_under_the_thresholds(l_tran, kind):
+    # +20% length (under delta_len = 30%): B becomes 0.2 s/step faster and no trigger fires. The
+    # quiet check at step 4 admits it iff it pays back within gamma * 4 = 2 steps (1.5 vs 2.5).
+    backend = FakeBackend([A, B], {A: _per_token(10.0), B: _per_token(9.0, 1.0)}, tran={B: l_tran})
+    ctl = controller(backend, quiet_check_every=4)
+    for step, length in enumerate((1000, 1000, 1200, 1200)):
+        assert ctl.step(sig(step, length=length)).kind == "none"
+    d = ctl.step(sig(4, length=1200))
+    assert [t.kind for t in d.triggers] == ["quiet"] and d.horizon == 4.0 and d.kind == kind
+    assert ctl.drift["response_len"].reference == 1000  # no crossing: the references stay
+    assert ctl.step(sig(5, length=1200)).kind == "none"  # the next check is 4 steps on
+    off = controller(backend)  # quiet checks off: the gain under the threshold is never looked at
+    assert all(
+        off.step(sig(s, length=n)).kind == "none" for s, n in enumerate((1000, 1000, 1200, 1200, 1200))
+    )
