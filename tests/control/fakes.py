@@ -31,7 +31,8 @@ class FakeEstimate:
 
 
 class FakeBackend:
-    """``latency[plan]`` and ``feasible[plan]`` (default True); ``candidates`` is what the planner returns."""
+    """``latency[plan]`` (s/step, or a function of the workload) and ``feasible[plan]`` (default
+    True); ``candidates`` is what the planner returns."""
 
     def __init__(self, candidates, latency, tran=None, feasible=None, op_time=None):
         self.candidates = candidates
@@ -41,22 +42,24 @@ class FakeBackend:
         self.op_time = op_time or {}
         self.calls = {"plan": 0, "estimate": 0, "transition_cost": 0}
 
-    def _est(self, plan):
+    def _est(self, plan, workload):
         if plan not in self.latency:  # plans the test did not script do not fit
             return FakeEstimate(float("inf"), False)
-        return FakeEstimate(self.latency[plan], self.feasible.get(plan, True), op_time=dict(self.op_time))
+        latency = self.latency[plan]
+        latency = latency(workload) if callable(latency) else latency
+        return FakeEstimate(latency, self.feasible.get(plan, True), op_time=dict(self.op_time))
 
     def plan(self, cluster, workload, calibration, memory=None):
         self.calls["plan"] += 1
         cands = self.candidates(cluster, workload) if callable(self.candidates) else self.candidates
-        opts = [(p, self._est(p)) for p in cands if self.feasible.get(p, True)]
+        opts = [(p, self._est(p, workload)) for p in cands if self.feasible.get(p, True)]
         if not opts:
             raise InfeasiblePlanError("nothing fits")
         return sorted(opts, key=lambda pe: pe[1].step_latency)
 
     def estimate(self, plan, cluster, workload, calibration, memory=None):
         self.calls["estimate"] += 1
-        return self._est(plan)
+        return self._est(plan, workload)
 
     def transition_cost(self, current, target, cluster, workload):
         self.calls["transition_cost"] += 1
@@ -71,9 +74,11 @@ def controller(
 ) -> Controller:
     """A controller over ``backend`` on paper_cluster2 at ``plan``; ``cfg``: ``ControllerConfig`` fields.
 
-    It only weighs the backend's plans (``try_follow_pool`` off unless given).
+    It only weighs the backend's plans (``try_follow_pool`` off unless given) and replans only
+    on the paper's triggers (``quiet_check_every`` off unless given).
     """
     cfg.setdefault("try_follow_pool", False)
+    cfg.setdefault("quiet_check_every", 0)
     max_steps = cfg.pop("max_steps", None)
     return Controller(
         backend,

@@ -224,3 +224,50 @@ def test_a_due_recheck_keeps_its_horizon_beside_a_crossing():
     # shrink the recheck's horizon, and a longer crossing horizon is kept.
     assert smallest_horizon([Trigger("drift:response_len", 2.0), Trigger("recheck", 6.0)]) == 6.0
     assert smallest_horizon([Trigger("recheck", 1.0), Trigger("pool", 3.0)]) == 3.0
+
+
+def _per_token(s_per_k: float, base: float = 0.0):  # noqa: ANN202
+    """A latency linear in the mean response length: ``base`` + ``s_per_k`` s per 1,000 tokens."""
+    return lambda w: base + s_per_k * w.response_len / 1000
+
+
+@pytest.mark.parametrize(
+    ("lengths", "l_tran", "kind"),
+    [
+        ((1000, 1100, 1200, 1350), 0.7, "transition"),  # 2.00 steps now, 1.27 over the rise
+        ((1000, 1100, 1200, 1350), 1.0, "keep"),  # 2.86 now, 1.82 over the rise > 1.5
+        ((1000, 1000, 1000, 1350), 0.7, "keep"),  # a level shift: no trend, the gain now
+    ],
+)
+def test_payback_values_the_gain_over_the_forecast_lengths_of_the_horizon(lengths, l_tran, kind):
+    # B scales better with the length: 0.35 s/step faster at 1,350 tokens, 0.55 at the mean of
+    # the rise forecast over H = 3 steps (1,550 tokens: +100 per step); gamma * H = 1.5 steps.
+    backend = FakeBackend([A, B], {A: _per_token(10.0), B: _per_token(9.0, 1.0)}, tran={B: l_tran})
+    ctl = controller(backend, drift_signals=("response_len",))
+    for step, length in enumerate(lengths):
+        d = ctl.step(sig(step, length=length))
+    assert d.horizon == 3.0 and d.kind == kind
+    (entry,) = d.considered
+    assert entry["dL"] == pytest.approx(0.35)
+    if lengths[1] > lengths[0]:
+        assert entry["dL_horizon"] == pytest.approx(0.55)
+    else:
+        assert "dL_horizon" not in entry
+
+
+@pytest.mark.parametrize(("l_tran", "kind"), [(0.3, "transition"), (0.5, "keep")])
+def test_a_quiet_check_finds_a_plan_that_became_faster_under_the_thresholds(l_tran, kind):
+    # +20% length (under delta_len = 30%): B becomes 0.2 s/step faster and no trigger fires. The
+    # quiet check at step 4 admits it iff it pays back within gamma * 4 = 2 steps (1.5 vs 2.5).
+    backend = FakeBackend([A, B], {A: _per_token(10.0), B: _per_token(9.0, 1.0)}, tran={B: l_tran})
+    ctl = controller(backend, quiet_check_every=4)
+    for step, length in enumerate((1000, 1000, 1200, 1200)):
+        assert ctl.step(sig(step, length=length)).kind == "none"
+    d = ctl.step(sig(4, length=1200))
+    assert [t.kind for t in d.triggers] == ["quiet"] and d.horizon == 4.0 and d.kind == kind
+    assert ctl.drift["response_len"].reference == 1000  # no crossing: the references stay
+    assert ctl.step(sig(5, length=1200)).kind == "none"  # the next check is 4 steps on
+    off = controller(backend)  # quiet checks off: the gain under the threshold is never looked at
+    assert all(
+        off.step(sig(s, length=n)).kind == "none" for s, n in enumerate((1000, 1000, 1200, 1200, 1200))
+    )

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from nereus_lightning.control import DecisionLog
+from nereus_lightning.control.forecast import LengthForecast, horizon_offsets
 from tests.control.fakes import FakeBackend, controller, gen_plan, sig
 
 SMALL, BIG = gen_plan(1, 2), gen_plan(1, 4)  # 2 GPUs; the same layout over 4
@@ -186,3 +189,18 @@ def test_pool_loss_count_round_trips_and_old_state_counts_none():
     del state["pool"]["losses"]  # a checkpoint of an older version
     fresh.load_state_dict(state)
     assert fresh.pool.losses == 0
+
+
+def test_the_horizon_forecast_samples_the_mean_over_the_steps_ahead_and_is_empty_without_trend():
+    offsets = horizon_offsets(6.0, 4)
+    assert sum(offsets) / len(offsets) == pytest.approx(3.5)  # the mean of steps 1 .. 6
+    assert offsets[0] > 0.5 and offsets[-1] < 6.5
+    forecast = LengthForecast()
+    for step, length in enumerate((1000.0, 1000.0, 1000.0)):
+        forecast.observe(sig(step, length=length))
+    assert forecast.over_horizon(6.0) == []  # flat: every step runs at the last measurement
+    forecast.observe(sig(3, length=1050.0))
+    assert forecast.over_horizon(6.0) == []  # a level shift: the slopes disagree, no trend
+    forecast.observe(sig(4, length=1100.0))
+    means = [lengths["response_len"] for lengths in forecast.over_horizon(6.0)]
+    assert sum(means) / len(means) == pytest.approx(1100.0 + 50.0 * 3.5)

@@ -88,7 +88,7 @@ class PinningBackend(FakeBackend):
 
     def plan_pinned(self, cluster, workload, calibration, layouts, memory=None):
         self.pinned_calls.append(dict(layouts))
-        return [(p, self._est(p)) for p in self.pinned_plans]
+        return [(p, self._est(p, workload)) for p in self.pinned_plans]
 
 
 def train_plan(tp: int, pp: int, dp: int, micro_batch: int = 1) -> Plan:

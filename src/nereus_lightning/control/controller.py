@@ -7,12 +7,14 @@ paper (section 4 of "Nereus: Adaptive Parallelism for LLM Post-Training"):
 * triggers: a pool change, a predicted or measured memory violation, or a drifting signal that
   moved more than ``delta`` (relative) from its reference; references reset after every
   triggered replan; a faster target refused there is rechecked once the gain given up has cost
-  as much as its transition (``triggers.Recheck``);
+  as much as its transition (``triggers.Recheck``); after ``quiet_check_every`` steps without a
+  replan, a ``quiet`` check looks for a plan that became faster under the thresholds;
 * admission: the target must be feasible (the cost model's memory check with its headroom, and a
   safe transition DAG); then it must pay back: ``dL > 0 and L_tran / dL <= gamma * H_x`` with
-  H_x the smallest horizon of the firing triggers (a due recheck keeps its own); if the best
-  target fails, slower candidates with cheaper transitions are tried before the current plan is
-  kept;
+  H_x the smallest horizon of the firing triggers (a due recheck keeps its own) and, while the
+  lengths follow a trend, dL the mean gain at the lengths forecast over H_x
+  (:meth:`Controller.horizon_workloads`); if the best target fails, slower candidates with
+  cheaper transitions are tried before the current plan is kept;
 * urgent path (revocation, memory pressure that breaks the current plan): profitability is
   waived, smaller micro-batches and recomputation are considered, and checkpoint/restart is the
   last resort;
@@ -92,6 +94,11 @@ class ControllerConfig:
       step earlier, which is safer on a machine that fails at the planner's headroom but cost
       time on the simulated one (it runs plans up to the full GPU memory) and gained nothing
       elsewhere (see the ablation in benchmarks/results/controller.json).
+    * ``quiet_check_every``: after this many steps without a replan, look for a faster plan anyway
+      (a ``quiet`` trigger): drifts under ``delta_len`` and calibration updates can make another
+      plan faster without any trigger firing. Its target must pay back within ``gamma`` times the
+      steps to the next such check (its H_x), and it leaves the drift references where they are;
+      0 turns it off.
     * ``pin_training``: if the best target fails, also ask the planner for the best plans that
       keep every training model-stage's current TP/PP layout (no Split/Merge of optimizer state:
       cheap, and safe when a Split would not fit next to the co-resident state).
@@ -117,6 +124,7 @@ class ControllerConfig:
     selection: str = "net_benefit"
     forecast_steps: float = 0.0
     forecast_window: int = 3
+    quiet_check_every: int = 4
     pin_training: bool = True
     dag_budget_gpus: int = 4096
 
@@ -129,6 +137,11 @@ class ControllerConfig:
             f"{self.admission!r} not in {ADMISSION_RULES}",
         )
         require(self.replan_every >= 0, "controller.replan_every", f"must be >= 0, got {self.replan_every}")
+        require(
+            self.quiet_check_every >= 0,
+            "controller.quiet_check_every",
+            f"must be >= 0, got {self.quiet_check_every}",
+        )
         for name in self.drift_signals:
             require(
                 name in DRIFT_SIGNALS,
@@ -328,6 +341,10 @@ class Controller:
         k = self.config.replan_every
         if k and step - self.last_replan_step >= k:
             triggers.append(Trigger("schedule", float(k), detail=f"every {k} steps"))
+        quiet = self.config.quiet_check_every
+        if quiet and step - self.last_replan_step >= quiet:
+            triggers.append(Trigger("quiet", float(quiet), detail=f"no replan for {quiet} steps"))
+            self.last_replan_step = step  # the next check comes `quiet` steps on
         recheck = self.recheck.check(step)
         if recheck is not None:
             triggers.append(recheck)
@@ -490,6 +507,8 @@ class Controller:
         assert self.plan is not None
         cfg = self.config
         r, reasons = self._replan_context(signals, triggers)
+        latencies_ahead = partial(self.latencies_at, self.horizon_workloads(r), self.cluster_at(signals))
+        r = replace(r, current_ahead=latencies_ahead(self.plan))
         decision = partial(  # every verdict of this step carries these
             Decision,
             step=signals.step,
@@ -520,7 +539,14 @@ class Controller:
         )
         budget = max(2, cfg.dag_budget_gpus // max(r.dag_cluster.num_gpus, 1))
         search = TargetSearch(
-            r, self.backend, self._profitable, cfg.gamma, budget, self.transition_scale, first
+            r,
+            self.backend,
+            self._profitable,
+            cfg.gamma,
+            budget,
+            self.transition_scale,
+            first,
+            latencies_ahead,
         )
         search.run(source, cfg.try_follow_pool, cfg.pin_training)
         reasons += source.reasons
@@ -609,6 +635,36 @@ class Controller:
             response_len=mean,
             response_len_p95=max(base.response_len_p95, ahead["response_len_p95"], mean),
             prompt_len=max(base.prompt_len, int(round(ahead["prompt_len"]))),
+        )
+
+    def horizon_workloads(self, replan: Replan) -> tuple[Workload, ...]:
+        """The lengths forecast over the horizon (``LengthForecast.over_horizon``), where the payback
+        rule values a target's gain (``search.horizon_gain``): on a steady rise the gain of a plan
+        that scales better grows over the steps it will run. Empty while the forecast has no trend
+        (the gain at the planning lengths, the paper's rule), on the urgent path (no payback) and
+        under the any-gain rule (any gain now is admitted)."""
+        if replan.urgent or replan.current_latency is None or self.config.admission != "payback":
+            return ()
+        base = replan.workload
+        return tuple(
+            replace(
+                base,
+                response_len=ahead["response_len"],
+                response_len_p95=ahead["response_len_p95"],
+                prompt_len=int(round(ahead["prompt_len"])),
+            )
+            for ahead in self.forecast.over_horizon(replan.horizon)
+        )
+
+    def latencies_at(
+        self, workloads: tuple[Workload, ...], cluster: ClusterSpec, plan: Plan
+    ) -> tuple[float, ...]:
+        """``plan``'s predicted step latency at each of ``workloads`` on ``cluster``."""
+        return tuple(
+            self.backend.estimate(
+                plan, cluster, w, self.calibration, memory=self.memory_calibration
+            ).step_latency
+            for w in workloads
         )
 
     def _admit(self, r: Replan, search: TargetSearch, reasons: list[str], decision: Any) -> Decision:

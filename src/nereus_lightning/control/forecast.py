@@ -77,6 +77,17 @@ class LengthForecast:
             return None
         return self._moved(steps, [_minmod(s) for s in self._slopes()])
 
+    def over_horizon(self, horizon: float, points: int = 4) -> list[dict[str, float]]:
+        """The lengths at ``points`` steps spread over the next ``horizon`` steps along the minmod
+        trend (``horizon_offsets``); empty before two observations or while no length has a trend
+        (then every step of the horizon runs at the last measurement)."""
+        if len(self.history) < 2:
+            return []
+        slopes = [_minmod(s) for s in self._slopes()]
+        if not any(slopes):
+            return []
+        return [self._moved(k, slopes) for k in horizon_offsets(horizon, points)]
+
     def next_step(self) -> dict[str, float] | None:
         """The next step's lengths on the safe side: moved on by the trend or by the last step's
         own change, whichever is larger (a rise that has just begun, or a level shift, may go on
@@ -123,6 +134,13 @@ class LengthForecast:
         )
         self.scored = int(state.get("scored", 0))  # absent in checkpoints of older versions
         self.surprises = [float(x) for x in state.get("surprises", ())]
+
+
+def horizon_offsets(horizon: float, points: int) -> tuple[float, ...]:
+    """``points`` step offsets whose mean stands for the mean over the steps 1 .. ``horizon``
+    after the last measurement: the midpoints of equal parts of [0.5, horizon + 0.5]."""
+    span = max(horizon, 1.0)
+    return tuple(0.5 + span * (i + 0.5) / points for i in range(points))
 
 
 def _minmod(slopes: list[float]) -> float:

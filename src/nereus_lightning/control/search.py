@@ -45,11 +45,31 @@ class Replan:
     dag_cluster: ClusterSpec
     workload: Workload
     current_risk: float = 0.0  # the current plan's priced risk of running out of memory at a jump
+    # The current plan's predicted latencies at the lengths forecast over the horizon
+    # (``LengthForecast.over_horizon``); empty: the gain is valued at the planning lengths.
+    current_ahead: tuple[float, ...] = ()
 
     @property
     def current_expected(self) -> float | None:
         """The current plan's expected step time (None: broken)."""
         return None if self.current_latency is None else self.current_latency + self.current_risk
+
+
+def horizon_gain(
+    gain: float,
+    current: float,
+    target: float,
+    current_ahead: tuple[float, ...],
+    target_ahead: tuple[float, ...],
+) -> float:
+    """A target's mean gain over the horizon: ``gain`` (at the planning lengths, where the two
+    plans predict ``current`` and ``target`` s/step) moved by how their difference changes at the
+    lengths forecast over the horizon (``*_ahead``, one latency per forecast point); ``gain``
+    itself without a forecast."""
+    if not current_ahead:
+        return gain
+    ahead = sum(c - t for c, t in zip(current_ahead, target_ahead, strict=True)) / len(current_ahead)
+    return gain + ahead - (current - target)
 
 
 def layouts_of(plan: Plan) -> tuple:
@@ -61,7 +81,10 @@ class TargetSearch:
     """Prices targets of one replan and keeps the best admitted one (the incumbent).
 
     ``profitable(dL, L_tran, H)`` is the controller's payback rule; ``scale`` its calibrated
-    transition-cost factor; ``first`` the selection "first" (stop at the first admitted target).
+    transition-cost factor; ``first`` the selection "first" (stop at the first admitted target);
+    ``latencies_ahead(plan)`` a plan's predicted latencies at the lengths forecast over the
+    horizon, read where ``Replan.current_ahead`` has them: on a length trend the gain the payback
+    rule weighs is the mean over the horizon (``horizon_gain``), not the gain at the lengths now.
     """
 
     def __init__(
@@ -73,8 +96,10 @@ class TargetSearch:
         budget: int,
         scale: float = 1.0,
         first: bool = False,
+        latencies_ahead: Callable[[Plan], tuple[float, ...]] = lambda plan: (),
     ) -> None:
         self.r, self.backend, self.profitable = replan, backend, profitable
+        self.latencies_ahead = latencies_ahead
         self.budget, self.scale, self.first = budget, scale, first
         # Weight of one s/step over the horizon: the payback rule's gamma * H_x; on the urgent
         # path (payback waived) the new plan runs at least one step whatever gamma is.
@@ -98,11 +123,22 @@ class TargetSearch:
         as the one in); one that does not even fit the next step also loses that step (it runs
         out of memory)."""
         assert self.ref is not None  # set by evaluate before any target is judged
-        gain = self.ref - opt.expected
         if opt.lasts:
-            return self.weight * gain - l_tran
+            return self.weight * self.gain(opt) - l_tran
         lost = 0.0 if opt.runs_next else opt.latency
-        return min(self.weight, 1.0) * gain - 2 * l_tran - lost
+        return min(self.weight, 1.0) * (self.ref - opt.expected) - 2 * l_tran - lost
+
+    def gain(self, opt: Option) -> float:
+        """``opt``'s gain over the reference latency, its mean over the horizon's forecast lengths
+        where there is a forecast (``horizon_gain``); priced once per target."""
+        assert self.ref is not None
+        if "gain" not in opt.notes:
+            r = self.r
+            ahead = self.latencies_ahead(opt.plan) if r.current_ahead else ()
+            now = self.ref - opt.expected
+            current = r.current_latency if r.current_latency is not None else self.ref
+            opt.notes["gain"] = horizon_gain(now, current, opt.latency, r.current_ahead, ahead)
+        return float(opt.notes["gain"])
 
     def evaluate(self, opt: Option) -> bool:
         """Price and judge one target; True when the search should stop (selection "first")."""
@@ -150,7 +186,10 @@ class TargetSearch:
         if r.urgent:
             entry["verdict"] = "reachable (urgent: profitability waived)"
         else:
-            ok, why = self.profitable(d_l, l_tran, r.horizon)
+            gain = self.gain(opt)
+            if gain != d_l:
+                entry["dL_horizon"] = round(gain, 6)  # the mean gain over the forecast lengths
+            ok, why = self.profitable(gain, l_tran, r.horizon)
             entry["verdict"] = why
             if not ok:
                 return False

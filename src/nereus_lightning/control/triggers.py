@@ -22,13 +22,13 @@ from nereus_lightning.spec.errors import require
 
 URGENT_KINDS = ("revocation", "memory")
 #: Trigger kinds that are no crossing of a drift threshold: they leave the drift references where they are.
-NON_CROSSING_KINDS = ("recheck", "headroom")
+NON_CROSSING_KINDS = ("recheck", "headroom", "quiet")
 
 
 @dataclass(frozen=True)
 class Trigger:
     """One reason to replan: ``kind`` is ``drift:<signal>``, ``pool``, ``revocation``, ``memory``,
-    ``schedule`` or ``recheck``.
+    ``schedule``, ``quiet``, ``recheck`` or ``headroom``.
     """
 
     kind: str
