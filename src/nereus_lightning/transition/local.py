@@ -33,9 +33,10 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from functools import lru_cache
 from itertools import accumulate, chain, compress, cycle, repeat
-from operator import ne, not_
+from operator import itemgetter, ne, not_
 from typing import NamedTuple
 
 import numpy as np
@@ -225,21 +226,55 @@ def tile_current_units(a: Layout, s: Layout, current: Candidate, slot_list: Sequ
     tiles: dict[int, Tiles] = {}
     not_slots = set(pieces).difference(slot_list) if k > 1 else set()
     if not_slots:  # the units with such a piece may lie on slots another way
-        slot_at = {g: slot for slot in slot_list for g in slot}
-        for i in sorted({where[t] // k for t in not_slots}):
-            u = current.gpus[i * a.size : (i + 1) * a.size]
-            # Slots are disjoint, so they tile ``u`` exactly iff they cover its GPUs and no more.
-            on_slots = list(dict.fromkeys(map(slot_at.get, u, repeat(()))))  # (): in no slot
-            if () not in on_slots and sum(map(len, on_slots)) == len(u):
-                pieces[i * k : (i + 1) * k] = on_slots
-                tiles[i] = positions_in(u, on_slots)
+        units = sorted({where[t] // k for t in not_slots})
+        for i, row, tile in _slot_tilings(a, current.gpus, units, slot_list):
+            pieces[i * k : (i + 1) * k] = row
+            tiles[i] = tile
         where = dict(zip(pieces, range(len(pieces)), strict=True))
     return Tiling(Rows(pieces, tiles, by_position, k), where)
 
 
-def positions_in(unit: Gpus, parts: Sequence[Gpus]) -> Tiles:
-    """The positions in ``unit`` of each of ``parts``' GPUs."""
-    return positions(parts, {g: x for x, g in enumerate(unit)})
+def _slot_tilings(
+    a: Layout, gpus: Gpus, units: list[int], slot_list: Sequence[Gpus]
+) -> Iterator[tuple[int, list[Gpus], Tiles]]:
+    """Per unit ``i`` of ``units`` (indices of the layout-``a`` units on ``gpus``) that the slots tile
+    exactly: ``i``, its slots in the order of their first GPU in it, and their positions in it.
+
+    Units are mostly alike: where the GPUs of a unit at the positions of the last tiling found are
+    slots, that is its tiling (slots are disjoint, and these cover it); else it is looked at GPU by
+    GPU (:func:`_slots_tiling`).
+    """
+    slot_at = {g: slot for slot in slot_list for g in slot}
+    slots = set(slot_list)
+    tile: Tiles = ()
+    for i in units:
+        u = gpus[i * a.size : (i + 1) * a.size]
+        row = parts_at(tile)(u) if tile else []
+        if not row or not all(map(slots.__contains__, row)):
+            row, tile = _slots_tiling(u, slot_at)
+            if not row:
+                continue
+        yield i, row, tile
+
+
+def _slots_tiling(u: Gpus, slot_at: Mapping[int, Gpus]) -> tuple[list[Gpus], Tiles]:
+    """The slots on the GPUs ``u`` in the order of their first GPU there and their positions in ``u``,
+    if they tile ``u`` exactly (else none): slots are disjoint, so they do iff they cover its GPUs
+    and no more."""
+    on_slots = list(dict.fromkeys(map(slot_at.get, u, repeat(()))))  # (): in no slot
+    if () in on_slots or sum(map(len, on_slots)) != len(u):
+        return [], ()
+    return on_slots, positions(on_slots, {g: x for x, g in enumerate(u)})
+
+
+@lru_cache(maxsize=1024)
+def parts_at(tile: Tiles) -> Callable[[Gpus], list[Gpus]]:
+    """A function from a unit's GPUs to the GPU tuples at the positions of each part of ``tile``
+    (parts of one size)."""
+    take = itemgetter(*chain.from_iterable(tile))
+    if len(tile) * len(tile[0]) == 1:
+        return lambda gpus: [(take(gpus),)]
+    return lambda gpus: list(zip(*[iter(take(gpus))] * len(tile[0]), strict=True))
 
 
 def positions(parts: Sequence[Gpus], at: Mapping[int, int]) -> Tiles:
@@ -257,7 +292,12 @@ def choose_target_slots(
 ) -> Rows:
     """Phase 2: per target unit, the T_sub units its Merge fuses: its strided slots (``strided``,
     unit-major; the unit itself if it is a T_sub unit) when all exist or the unit holds none of
-    this model-stage's GPUs now, else the ones :func:`_slots_of` finds."""
+    this model-stage's GPUs now, else the ones :func:`_slots_of` finds.
+
+    Units are mostly alike: where the GPUs of a unit at the positions of the last T_sub units found
+    that all exist are T_sub units too, those are what :func:`_slots_of` finds (they exist, cover the
+    unit and stand where the others stood: strided slots first, the rest by their first GPU).
+    """
     by_position = sub_positions(b, s)
     k = len(by_position)
     flat, tiles = list(strided), {}
@@ -265,8 +305,14 @@ def choose_target_slots(
     todo = sorted({j // k for j, t in enumerate(strided) if t in absent}) if absent else []
     sub_at: dict[int, Gpus] = {}  # the T_sub unit each current GPU would be part of (made on first need)
     at: dict[int, int] = {}  # each target GPU's position in its unit (made on first need)
+    existing: Tiles = ()  # the positions of the last T_sub units found that all exist
     for i in todo:
         v = tgt_units[i]
+        found = parts_at(existing)(v) if existing else []
+        if found and all(map(where.__contains__, found)):
+            flat[i * k : (i + 1) * k] = found
+            tiles[i] = existing
+            continue
         if held.isdisjoint(v):
             continue
         if not sub_at:
@@ -277,6 +323,8 @@ def choose_target_slots(
         if found is not row:
             flat[i * k : (i + 1) * k] = found
             tiles[i] = positions(found, at)
+            if all(map(where.__contains__, found)):
+                existing = tiles[i]
     return Rows(flat, tiles, by_position, k)
 
 
