@@ -106,9 +106,10 @@ def local_lanes(
         return [_recut(geo, memory_of(a), memory_of(b), current, target)]
     s = common_layout(a, b)
     cur_units, tgt_units = gpu_chunks(current.gpus, a.size), gpu_chunks(target.gpus, b.size)
-    strided = all_subs(b, s, len(tgt_units))(target.gpus)  # every target unit's strided slots
-    tiling = tile_current_units(a, s, current, strided)
-    slots = choose_target_slots(b, s, tgt_units, strided, tiling.where, set(current.gpus))
+    # Every target unit's strided slots (a T_sub target unit is its own).
+    strided = tgt_units if b == s else all_subs(b, s, len(tgt_units))(target.gpus)
+    tiling = tile_current_units(a, s, current, cur_units, strided)
+    slots = choose_target_slots(b, s, tgt_units, strided, tiling.where, current.gpus)
     reuse = decide_reuse(slots.flat, tiling)
     candidates: list[Gpus] = []  # T_sub units an Extend may copy: those of the split units
     if reuse.missing:
@@ -215,13 +216,16 @@ class Tiling(NamedTuple):
     where: dict[Gpus, int]
 
 
-def tile_current_units(a: Layout, s: Layout, current: Candidate, slot_list: Sequence[Gpus]) -> Tiling:
-    """Phase 1: each current unit's T_sub units: the target's slots (``slot_list``) when they tile
-    the unit exactly (then Merge or nothing follows in place), else the position-wise split
-    (``sub_positions``)."""
+def tile_current_units(
+    a: Layout, s: Layout, current: Candidate, units: list[Gpus], slot_list: Sequence[Gpus]
+) -> Tiling:
+    """Phase 1: each current unit's T_sub units (``units``: the current units' GPUs): the target's
+    slots (``slot_list``) when they tile the unit exactly (then Merge or nothing follows in place),
+    else the position-wise split (``sub_positions``)."""
     by_position = sub_positions(a, s)
     k = len(by_position)
-    pieces = all_subs(a, s, len(current.gpus) // a.size)(current.gpus)  # position-wise, unit-major
+    # Position-wise, unit-major (a unit of layout T_sub is its own).
+    pieces = list(units) if a == s else all_subs(a, s, len(units))(current.gpus)
     where = dict(zip(pieces, range(len(pieces)), strict=True))
     tiles: dict[int, Tiles] = {}
     not_slots = set(pieces).difference(slot_list) if k > 1 else set()
@@ -288,11 +292,11 @@ def choose_target_slots(
     tgt_units: list[Gpus],
     strided: list[Gpus],
     where: dict[Gpus, int],
-    held: set[int],
+    current_gpus: Gpus,
 ) -> Rows:
     """Phase 2: per target unit, the T_sub units its Merge fuses: its strided slots (``strided``,
     unit-major; the unit itself if it is a T_sub unit) when all exist or the unit holds none of
-    this model-stage's GPUs now, else the ones :func:`_slots_of` finds.
+    this model-stage's GPUs now (``current_gpus``), else the ones :func:`_slots_of` finds.
 
     Units are mostly alike: where the GPUs of a unit at the positions of the last T_sub units found
     that all exist are T_sub units too, those are what :func:`_slots_of` finds (they exist, cover the
@@ -301,19 +305,20 @@ def choose_target_slots(
     by_position = sub_positions(b, s)
     k = len(by_position)
     flat, tiles = list(strided), {}
-    absent = set(strided).difference(where)
-    todo = sorted({j // k for j, t in enumerate(strided) if t in absent}) if absent else []
+    absent = list(compress(range(len(strided)), map(not_, map(where.__contains__, strided))))
+    todo = sorted({j // k for j in absent}) if k > 1 else absent
+    held = set(current_gpus) if todo else set()
     sub_at: dict[int, Gpus] = {}  # the T_sub unit each current GPU would be part of (made on first need)
     at: dict[int, int] = {}  # each target GPU's position in its unit (made on first need)
     existing: Tiles = ()  # the positions of the last T_sub units found that all exist
     for i in todo:
         v = tgt_units[i]
+        if held.isdisjoint(v):
+            continue
         found = parts_at(existing)(v) if existing else []
         if found and all(map(where.__contains__, found)):
             flat[i * k : (i + 1) * k] = found
             tiles[i] = existing
-            continue
-        if held.isdisjoint(v):
             continue
         if not sub_at:
             sub_at = {g: t for t in where for g in t}
@@ -391,8 +396,7 @@ def decide_reuse(slots: list[Gpus], tiling: Tiling) -> Reuse:
     reused = set(compress(slots, exists))
     missing = list(compress(slots, map(not_, exists)))
     pieces = tiling.pieces
-    on_slot = np.fromiter(map(reused.__contains__, pieces.flat), dtype=bool, count=len(pieces.flat))
-    split_units: list[int] = np.flatnonzero(on_slot.reshape(-1, pieces.k).any(axis=1)).tolist()
+    split_units = sorted({tiling.where[t] // pieces.k for t in reused})
     if missing and not split_units:
         units = len(pieces.flat) // pieces.k
         split_units = list(range(min(units, -(-len(missing) // pieces.k))))
