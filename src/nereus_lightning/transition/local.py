@@ -230,8 +230,8 @@ def tile_current_units(
     tiles: dict[int, Tiles] = {}
     not_slots = set(pieces).difference(slot_list) if k > 1 else set()
     if not_slots:  # the units with such a piece may lie on slots another way
-        units = sorted({where[t] // k for t in not_slots})
-        for i, row, tile in _slot_tilings(a, current.gpus, units, slot_list):
+        off_slots = sorted({where[t] // k for t in not_slots})
+        for i, row, tile in _slot_tilings(a, current.gpus, off_slots, slot_list):
             pieces[i * k : (i + 1) * k] = row
             tiles[i] = tile
         where = dict(zip(pieces, range(len(pieces)), strict=True))
@@ -429,7 +429,7 @@ def plan_extends(
     pools: dict[int, list[int]] = defaultdict(list)  # per node: its candidates, then its slots made
     for k, t in enumerate(candidates):
         pools[t[0] // gpus_per_node].append(k)
-    remote = _RemoteSources(candidates, fresh, gpus_per_node)
+    remote: _RemoteSources | None = None  # (made on first need)
     tail: dict[int, int] = {}  # per node without candidates: its newest slot (the next source there)
     sources: list[Gpus] = []
     made_by: list[int | None] = []
@@ -447,6 +447,7 @@ def plan_extends(
                 pool.append(n_cand + j)
                 load[si] += 1
             else:
+                remote = remote or _RemoteSources(candidates, fresh, gpus_per_node)
                 si = remote.pick(load)  # (counts its load)
                 tail[node] = n_cand + j
         if si < n_cand:
@@ -660,7 +661,7 @@ def _merges(
         todo = list(range(len(tgt_units)))
     every = len(todo) == len(tgt_units)
     units = tgt_units if every else [tgt_units[i] for i in todo]
-    rows = [slots.row(i) for i in todo]
+    rows = gpu_chunks(slots.flat, slots.k) if every else [slots.row(i) for i in todo]
     tiles = [slots.tiles_of(i) for i in todo] if slots.tiles else [slots.default] * len(todo)
     if made_by or readers:
         deps = [_made_or_read(row, made_by, readers) for row in rows]
@@ -683,8 +684,10 @@ def _merges(
 
 
 def _made_or_read(
-    row: list[Gpus], made_by: dict[Gpus, int], readers: dict[Gpus, list[int]]
+    row: Sequence[Gpus], made_by: dict[Gpus, int], readers: dict[Gpus, list[int]]
 ) -> tuple[int, ...]:
     """The lanes that made a slot of ``row`` or read one (ascending)."""
-    made = {made_by[t] for t in row if t in made_by}
-    return tuple(sorted(made.union(*map(readers.get, row, repeat(())))))
+    lanes = set(map(made_by.get, row, repeat(-1)))
+    lanes.discard(-1)  # (a slot nothing made)
+    lanes.update(*map(readers.get, row, repeat(())))
+    return tuple(sorted(lanes))
