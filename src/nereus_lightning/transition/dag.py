@@ -92,8 +92,19 @@ class Units(Sequence[Unit]):
 
     def gpus_of(self, ks: Sequence[int], width: int) -> list[int]:
         """Every GPU of the units of lanes ``ks`` of ``width`` alike lanes, in order."""
+        if len(ks) == width:
+            return list(chain.from_iterable(self.gpus))
         n = len(self.gpus) // width
+        if n == 1:  # a unit per lane
+            return list(chain.from_iterable(map(self.gpus.__getitem__, ks)))
         return [g for k in ks for unit in self.gpus[k * n : (k + 1) * n] for g in unit]
+
+    def by_lane(self, width: int) -> Sequence[Sequence[int]]:
+        """Every GPU of each lane's units, lane by lane (``width`` alike lanes)."""
+        n = len(self.gpus) // width
+        if n == 1:  # a unit per lane
+            return self.gpus
+        return [list(chain.from_iterable(self.gpus[k * n : (k + 1) * n])) for k in range(width)]
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Units):

@@ -135,11 +135,11 @@ def waiting_lanes(steps: Sequence[StepLanes], contested: set[int]) -> dict[int, 
     waiting: dict[int, tuple[int, ...]] = {}
     for x in sorted(steps, key=lambda x: x.step):
         if acquires_some(x.op, x.sources, x.targets):
-            n = len(x.ids)
-            for k, lane in enumerate(x.ids):
-                onto = x.targets.gpus_of((k,), n)
-                if x.op is not Primitive.EXTEND:  # a re-cut to a larger shard degree
-                    onto = list(acquired_gpus(x.op, x.sources.gpus_of((k,), n), onto))
+            onto_by_lane = x.targets.by_lane(len(x.ids))
+            if x.op is not Primitive.EXTEND:  # a re-cut to a larger shard degree
+                had_by_lane = x.sources.by_lane(len(x.ids))
+                onto_by_lane = [acquired_gpus(x.op, *gpus) for gpus in zip(had_by_lane, onto_by_lane, strict=True)]
+            for lane, onto in zip(x.ids, onto_by_lane, strict=True):
                 if not contested.isdisjoint(onto):
                     waiting[lane] = tuple(sorted(contested.intersection(onto)))
         if waiting:  # (none before the first Extend onto a contested GPU)
