@@ -33,8 +33,7 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from functools import lru_cache
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from itertools import accumulate, chain, compress, cycle, repeat
 from operator import itemgetter, ne, not_
 from typing import NamedTuple
@@ -109,7 +108,7 @@ def local_lanes(
     # Every target unit's strided slots (a T_sub target unit is its own).
     strided = tgt_units if b == s else all_subs(b, s, len(tgt_units))(target.gpus)
     tiling = tile_current_units(a, s, current, cur_units, strided)
-    slots = choose_target_slots(b, s, tgt_units, strided, tiling.where, current.gpus)
+    slots = choose_target_slots(b, s, tgt_units, strided, tiling.where, current, target)
     reuse = decide_reuse(slots.flat, tiling)
     candidates: list[Gpus] = []  # T_sub units an Extend may copy: those of the split units
     if reuse.missing:
@@ -244,21 +243,23 @@ def _slot_tilings(
     """Per unit ``i`` of ``units`` (indices of the layout-``a`` units on ``gpus``) that the slots tile
     exactly: ``i``, its slots in the order of their first GPU in it, and their positions in it.
 
-    Units are mostly alike: where the GPUs of a unit at the positions of the last tiling found are
-    slots, that is its tiling (slots are disjoint, and these cover it); else it is looked at GPU by
-    GPU (:func:`_slots_tiling`).
+    Units are mostly alike: the units whose GPUs at the positions of the first tiling found are
+    slots have that tiling (slots are disjoint, and these cover them), found at once
+    (:func:`_alike`); the others are looked at GPU by GPU (:func:`_slots_tiling`).
     """
     slot_at = {g: slot for slot in slot_list for g in slot}
-    slots = set(slot_list)
-    tile: Tiles = ()
+    alike: dict[int, list[Gpus]] = {}
     for i in units:
+        if i in alike:
+            continue
         u = gpus[i * a.size : (i + 1) * a.size]
-        row = parts_at(tile)(u) if tile else []
-        if not row or not all(map(slots.__contains__, row)):
-            row, tile = _slots_tiling(u, slot_at)
-            if not row:
-                continue
+        row, tile = _slots_tiling(u, slot_at)
+        if not row:
+            continue
         yield i, row, tile
+        if not alike:
+            alike = _alike(gpus, a.size, units, tile, set(slot_list))
+            yield from ((j, parts, tile) for j, parts in alike.items() if j > i)
 
 
 def _slots_tiling(u: Gpus, slot_at: Mapping[int, Gpus]) -> tuple[list[Gpus], Tiles]:
@@ -271,14 +272,20 @@ def _slots_tiling(u: Gpus, slot_at: Mapping[int, Gpus]) -> tuple[list[Gpus], Til
     return on_slots, positions(on_slots, {g: x for x, g in enumerate(u)})
 
 
-@lru_cache(maxsize=1024)
-def parts_at(tile: Tiles) -> Callable[[Gpus], list[Gpus]]:
-    """A function from a unit's GPUs to the GPU tuples at the positions of each part of ``tile``
-    (parts of one size)."""
-    take = itemgetter(*chain.from_iterable(tile))
-    if len(tile) * len(tile[0]) == 1:
-        return lambda gpus: [(take(gpus),)]
-    return lambda gpus: list(zip(*[iter(take(gpus))] * len(tile[0]), strict=True))
+def _alike(
+    gpus: Gpus, size: int, units: Sequence[int], tile: Tiles, exists: Container[Gpus]
+) -> dict[int, list[Gpus]]:
+    """Per unit of ``units`` (indices of the ``size``-GPU units on ``gpus``) whose GPUs at the positions
+    of each part of ``tile`` (parts of one size) form parts that all are in ``exists``: those parts.
+    All units at once: one index per GPU taken."""
+    at = np.asarray(units)[:, None] * size + np.fromiter(chain.from_iterable(tile), dtype=np.int64)
+    taken = [gpus[x] for x in at.ravel().tolist()] if at.size == 1 else itemgetter(*at.ravel().tolist())(gpus)
+    parts = gpu_chunks(taken, len(tile[0]))
+    fits = list(map(exists.__contains__, parts))
+    k = len(tile)
+    if all(fits):
+        return {i: parts[j * k : (j + 1) * k] for j, i in enumerate(units)}
+    return {i: parts[j * k : (j + 1) * k] for j, i in enumerate(units) if all(fits[j * k : (j + 1) * k])}
 
 
 def positions(parts: Sequence[Gpus], at: Mapping[int, int]) -> Tiles:
@@ -292,33 +299,30 @@ def choose_target_slots(
     tgt_units: list[Gpus],
     strided: list[Gpus],
     where: dict[Gpus, int],
-    current_gpus: Gpus,
+    current: Candidate,
+    target: Candidate,
 ) -> Rows:
     """Phase 2: per target unit, the T_sub units its Merge fuses: its strided slots (``strided``,
     unit-major; the unit itself if it is a T_sub unit) when all exist or the unit holds none of
-    this model-stage's GPUs now (``current_gpus``), else the ones :func:`_slots_of` finds.
+    this model-stage's GPUs now, else the ones :func:`_slots_of` finds.
 
-    Units are mostly alike: where the GPUs of a unit at the positions of the last T_sub units found
-    that all exist are T_sub units too, those are what :func:`_slots_of` finds (they exist, cover the
-    unit and stand where the others stood: strided slots first, the rest by their first GPU).
+    Units are mostly alike: the units whose GPUs at the positions of the first T_sub units found
+    that all exist are T_sub units too get those, found at once (:func:`_alike`): they are what
+    :func:`_slots_of` finds there (they exist, cover the unit and stand where the others stood:
+    strided slots first, the rest by their first GPU).
     """
     by_position = sub_positions(b, s)
     k = len(by_position)
     flat, tiles = list(strided), {}
     absent = list(compress(range(len(strided)), map(not_, map(where.__contains__, strided))))
     todo = sorted({j // k for j in absent}) if k > 1 else absent
-    held = set(current_gpus) if todo else set()
+    held = set(current.gpus) if todo else set()
     sub_at: dict[int, Gpus] = {}  # the T_sub unit each current GPU would be part of (made on first need)
     at: dict[int, int] = {}  # each target GPU's position in its unit (made on first need)
-    existing: Tiles = ()  # the positions of the last T_sub units found that all exist
+    alike: dict[int, list[Gpus]] = {}
     for i in todo:
         v = tgt_units[i]
-        if held.isdisjoint(v):
-            continue
-        found = parts_at(existing)(v) if existing else []
-        if found and all(map(where.__contains__, found)):
-            flat[i * k : (i + 1) * k] = found
-            tiles[i] = existing
+        if i in alike or held.isdisjoint(v):
             continue
         if not sub_at:
             sub_at = {g: t for t in where for g in t}
@@ -328,8 +332,11 @@ def choose_target_slots(
         if found is not row:
             flat[i * k : (i + 1) * k] = found
             tiles[i] = positions(found, at)
-            if all(map(where.__contains__, found)):
-                existing = tiles[i]
+            if not alike and all(map(where.__contains__, found)):
+                alike = _alike(target.gpus, b.size, todo, tiles[i], where)
+                for j, parts in alike.items():
+                    flat[j * k : (j + 1) * k] = parts
+                    tiles[j] = tiles[i]
     return Rows(flat, tiles, by_position, k)
 
 
