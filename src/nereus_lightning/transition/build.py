@@ -151,11 +151,13 @@ def _cached_build(
         # A model-stage touching a GPU that may overflow needs per-replica memory ordering.
         careful = {name for name, steps in lanes.items() if any(_touches(x, tight) for x in steps)}
     waiting = {
-        name: waiting_lanes(lanes[name], gpus) for name, gpus in contested.items() if name not in careful
+        name: waiting_lanes(lanes[name], set().union(*held.values()))
+        for name, held in contested.items()
+        if name not in careful
     }
     peers = {p for name in waiting for p in ctx.peers[name]}
     left_by = {p: _left_by(p, lanes[p], p in careful, waiting.get(p, {})) for p in peers}
-    waits = {name: _wait_keys(ctx, name, lanes_waiting, left_by) for name, lanes_waiting in waiting.items()}
+    waits = {name: _wait_keys(contested[name], lanes_waiting, left_by) for name, lanes_waiting in waiting.items()}
     nodes = _union(lanes, careful, waits)
     order, resource = _order_with_resource_edges(nodes, ctx, growth, tight, contested)
     return TransitionDAG(_numbered_in_order(nodes, order, resource), ctx, global_order=True)
@@ -248,14 +250,15 @@ def _check_plan(label: str, plan: Plan, ctx: TransitionContext, per_gpu: bool = 
     return mem
 
 
-def _contested(ctx: TransitionContext) -> dict[str, set[int]]:
-    """Per model-stage whose target holds GPUs its peers hold now, those GPUs (*contested*)."""
+def _contested(ctx: TransitionContext) -> dict[str, dict[str, set[int]]]:
+    """Per model-stage whose target holds GPUs its peers hold now (*contested* GPUs): per such peer
+    (in plan order), those it holds."""
     out = {}
     for name, peers in ctx.peers.items():
         mine = set(ctx.target[name].gpus) if peers else set()
-        theirs = set().union(*(mine.intersection(ctx.current[other].gpus) for other in peers))
-        if theirs:
-            out[name] = theirs
+        held = {other: mine.intersection(ctx.current[other].gpus) for other in peers}
+        if any(held.values()):
+            out[name] = {other: gpus for other, gpus in held.items() if gpus}
     return out
 
 
@@ -327,19 +330,19 @@ def _leaves_some(x: StepLanes) -> bool:
 
 
 def _wait_keys(
-    ctx: TransitionContext,
-    name: str,
+    contested: Mapping[str, set[int]],
     waiting: Mapping[int, tuple[int, ...]],
     left_by: Mapping[str, Mapping[int, Hashable] | None],
 ) -> dict[int, Hashable]:
-    """Per waiting lane of model-stage ``name`` (with the contested GPUs it lands on), what it
-    waits for besides its deps: the calls by which its peers leave those GPUs (``_left_by``;
-    None: never). Each lane waits alone where a GPU is held by more than one peer or left twice."""
+    """Per waiting lane of a model-stage (with the contested GPUs it lands on; ``contested``: per peer,
+    those it holds, :func:`_contested`), what it waits for besides its deps: the calls by which its
+    peers leave those GPUs (``_left_by``; None: never). Each lane waits alone where a GPU is held by
+    more than one peer or left twice."""
     onto = set().union(*waiting.values())
     release: dict[int, Hashable] = {}
     held = 0
-    for other in ctx.peers[name]:
-        theirs = onto.intersection(ctx.current[other].gpus)
+    for other, gpus in contested.items():
+        theirs = onto.intersection(gpus)
         calls = left_by[other]
         if theirs and calls is None:
             return {lane: ("alone", lane) for lane in waiting}
@@ -402,19 +405,17 @@ class _PeerWaits:
     releases it, once (more than one peer holds it only where those
     peers are colocated now)."""
 
-    def __init__(self, ctx: TransitionContext, contested: Mapping[str, set[int]]) -> None:
+    def __init__(self, ctx: TransitionContext, contested: Mapping[str, Mapping[str, set[int]]]) -> None:
         self.ctx = ctx
         self.still: dict[str, dict[str, set[int]]] = {}  # waiter -> peer -> contested GPUs it holds
         self.gone: dict[str, list[tuple[int, set[int]]]] = {}  # waiter -> (node, contested GPUs it left)
         self.watchers: dict[str, list[str]] = {}  # peer -> the model-stages waiting for its GPUs
         self.onto: dict[int, tuple[int, ...]] = {}  # per node asked about: the GPUs it acquires
-        for name, gpus in contested.items():
-            self.still[name], self.gone[name] = {}, []
-            for other in ctx.peers[name]:
-                theirs = gpus.intersection(ctx.current[other].gpus)
-                if theirs:
-                    self.watchers.setdefault(other, []).append(name)
-                    self.still[name][other] = theirs
+        for name, held in contested.items():
+            self.still[name] = {other: set(gpus) for other, gpus in held.items()}
+            self.gone[name] = []
+            for other in held:
+                self.watchers.setdefault(other, []).append(name)
 
     def _onto(self, i: int, n: LocalNode) -> tuple[int, ...]:
         """The GPUs node ``n`` (node ``i``) acquires (found once: a blocked node is asked again)."""
@@ -507,7 +508,7 @@ def _order_with_resource_edges(
     ctx: TransitionContext,
     growth: np.ndarray,
     tight: set[int],
-    contested: Mapping[str, set[int]],
+    contested: Mapping[str, Mapping[str, set[int]]],
 ) -> tuple[list[int], dict[int, list[int]]]:
     """Replay ``nodes`` in priority order (see the module docstring): the order (node indices) and
     each node's resource deps (indices; ``growth`` and ``tight`` from :func:`_tight`, ``contested``

@@ -149,11 +149,7 @@ def _replay_units(dag: TransitionDAG, order: Sequence[Node], problems: list[str]
     ctx = dag.context
     live = {name: _units(c) for name, c in ctx.current.items()}
     # per model-stage with peers (only peers can conflict) and GPU: how many of its units hold it
-    count = {
-        name: np.bincount(ctx.current[name].gpus, minlength=ctx.cluster.num_gpus).tolist()
-        for name, peers in ctx.peers.items()
-        if peers
-    }
+    count = {name: _held(ctx.current[name].gpus, ctx.cluster.num_gpus) for name, peers in ctx.peers.items() if peers}
     for n in order:
         units = live[n.model_stage]
         have = units.setdefault(n.sources.layout, set())
@@ -169,7 +165,11 @@ def _replay_units(dag: TransitionDAG, order: Sequence[Node], problems: list[str]
             again = next(g for i, g in enumerate(gpus) if g in gpus[:i] or _live(units, g))
             where = Unit(n.targets.layout, again)
             problems.append(f"structure{label}: {n} creates {where} where a unit already is")
-        units.setdefault(n.targets.layout, set()).update(made)
+        same_layout = units.get(n.targets.layout)
+        if same_layout:
+            same_layout.update(made)
+        else:
+            units[n.targets.layout] = made
         if not any(units.values()):
             problems.append(f"last copy{label}: {n.model_stage} has no unit left after {n}")
         if n.model_stage in count:
@@ -178,6 +178,14 @@ def _replay_units(dag: TransitionDAG, order: Sequence[Node], problems: list[str]
         ends = {layout: gpus for layout, gpus in live[name].items() if gpus}
         if ends != _units(c):
             problems.append(f"structure{label}: {name} ends with {ends}, not the target")
+
+
+def _held(gpus: Gpus, num_gpus: int) -> list[int]:
+    """Per GPU of the pool, how many times ``gpus`` lists it."""
+    held = [0] * num_gpus
+    for g in gpus:
+        held[g] += 1
+    return held
 
 
 def _live(units: dict[Layout, set[Gpus]], gpus: Gpus) -> bool:
