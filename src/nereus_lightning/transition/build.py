@@ -47,9 +47,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Collection, Hashable, Mapping, Sequence
-from dataclasses import replace
 from functools import lru_cache
-from itertools import chain
 
 import numpy as np
 
@@ -204,7 +202,7 @@ def _context(
     ctx = TransitionContext(current, target, stages, dict(models), cluster, workload, unit_memory)
     resident = _check_plan("current", current, ctx)
     _check_plan("target", target, ctx, per_gpu=False)
-    return replace(ctx, current_memory=tuple(resident.tolist()))
+    return TransitionContext(current, target, stages, ctx.models, cluster, workload, unit_memory, tuple(resident.tolist()))
 
 
 def _recut(
@@ -231,8 +229,7 @@ def _check_plan(label: str, plan: Plan, ctx: TransitionContext, per_gpu: bool = 
     run in turn); returns the resident state per GPU (or, without ``per_gpu``, nothing when the sum
     of every model-stage's unit memory fits anyway)."""
     n = ctx.cluster.num_gpus
-    every = np.fromiter(chain.from_iterable(c.gpus for _, c in plan.items()), dtype=np.int64)
-    if every.size and (every.min() < 0 or every.max() >= n):
+    if any(min(c.gpus) < 0 or max(c.gpus) >= n for _, c in plan.items()):
         name, bad = next((name, g) for name, c in plan.items() for g in c.gpus if not 0 <= g < n)
         raise NereusConfigError(f"{label} plan: {name} uses GPU {bad}, outside the pool 0..{n - 1}")
     cap = memory_cap(ctx.cluster)
