@@ -34,7 +34,7 @@ from __future__ import annotations
 import heapq
 from collections import defaultdict
 from collections.abc import Callable, Container, Iterator, Mapping, Sequence
-from itertools import accumulate, chain, compress, cycle, repeat
+from itertools import accumulate, chain, compress, repeat
 from operator import itemgetter, ne, not_
 from typing import NamedTuple
 
@@ -318,7 +318,6 @@ def choose_target_slots(
     todo = sorted({j // k for j in absent}) if k > 1 else absent
     held = set(current.gpus) if todo else set()
     sub_at: dict[int, Gpus] = {}  # the T_sub unit each current GPU would be part of (made on first need)
-    at: dict[int, int] = {}  # each target GPU's position in its unit (made on first need)
     alike: dict[int, list[Gpus]] = {}
     for i in todo:
         v = tgt_units[i]
@@ -326,12 +325,11 @@ def choose_target_slots(
             continue
         if not sub_at:
             sub_at = {g: t for t in where for g in t}
-            at = dict(zip(chain.from_iterable(tgt_units), cycle(range(b.size))))
         row = strided[i * k : (i + 1) * k]
         found = _slots_of(v, row, b, s, where, sub_at)
         if found is not row:
             flat[i * k : (i + 1) * k] = found
-            tiles[i] = positions(found, at)
+            tiles[i] = positions(found, {g: x for x, g in enumerate(v)})
             if not alike and all(map(where.__contains__, found)):
                 alike = _alike(target.gpus, b.size, todo, tiles[i], where)
                 for j, parts in alike.items():
