@@ -565,13 +565,18 @@ def _patterned(
     units: list[Gpus], tiles: list[Tiles], pattern_of: Callable[[Tiles], tuple[Pattern, tuple[int, ...]]]
 ) -> tuple[tuple[tuple[Gpus, Pattern], ...], np.ndarray]:
     """Each Split's or Merge's lane arguments (its unit's GPUs and the pattern of its ``tiles``) and
-    their transfer buffers, in order; units are mostly alike, so each pattern is made once."""
-    patterns = {t: pattern_of(t) for t in set(tiles)}
+    their transfer buffers, in order; units are mostly alike, so each pattern is made once (the tiles
+    are a few objects, told apart by identity before their values are compared)."""
+    ids = list(map(id, tiles))
+    distinct = dict(zip(ids, tiles))  # each tile object, in order of first use
+    patterns = {t: pattern_of(t) for t in set(distinct.values())}
     if len(patterns) == 1:  # every unit alike
         ((pattern, buf),) = patterns.values()
         return tuple(zip(units, repeat(pattern))), np.tile(np.asarray(buf, dtype=np.float64), len(units))
-    args = tuple(zip(units, (patterns[t][0] for t in tiles), strict=True))
-    return args, np.fromiter(chain.from_iterable(patterns[t][1] for t in tiles), dtype=np.float64)
+    made = [patterns[t] for t in distinct.values()]
+    at = list(map(dict(zip(distinct, range(len(made)))).__getitem__, ids))  # per unit: its tile's in made
+    args = tuple(zip(units, map([pattern for pattern, _ in made].__getitem__, at), strict=True))
+    return args, np.asarray([buf for _, buf in made], dtype=np.float64)[at].ravel()
 
 
 def _destroys(
