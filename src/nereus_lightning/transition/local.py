@@ -317,6 +317,8 @@ def choose_target_slots(
     absent = list(compress(range(len(strided)), map(not_, map(where.__contains__, strided))))
     todo = sorted({j // k for j in absent}) if k > 1 else absent
     held = set(current.gpus) if todo else set()
+    if held.isdisjoint(chain.from_iterable(map(tgt_units.__getitem__, todo))):
+        todo = []  # none of them holds a GPU of this model-stage now
     sub_at: dict[int, Gpus] = {}  # the T_sub unit each current GPU would be part of (made on first need)
     alike: dict[int, list[Gpus]] = {}
     for i in todo:
@@ -401,7 +403,10 @@ def decide_reuse(slots: list[Gpus], tiling: Tiling) -> Reuse:
     reused = set(compress(slots, exists))
     missing = list(compress(slots, map(not_, exists)))
     pieces = tiling.pieces
-    split_units = sorted({tiling.where[t] // pieces.k for t in reused})
+    if len(reused) == len(pieces.flat):  # every piece is reused (a piece is one only once)
+        split_units = list(range(len(pieces.flat) // pieces.k))
+    else:
+        split_units = sorted({tiling.where[t] // pieces.k for t in reused})
     if missing and not split_units:
         units = len(pieces.flat) // pieces.k
         split_units = list(range(min(units, -(-len(missing) // pieces.k))))
