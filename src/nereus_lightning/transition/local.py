@@ -436,9 +436,10 @@ def plan_extends(
     n_cand = len(candidates)
     fresh = list(map(not_, map(reused.__contains__, candidates))) + [True] * len(missing)  # by source
     load = [0] * len(fresh)  # source index: candidates 0..n_cand-1, then slot j as n_cand + j
+    node_of = [t[0] // gpus_per_node for t in candidates]  # per candidate
     pools: dict[int, list[int]] = defaultdict(list)  # per node: its candidates, then its slots made
-    for k, t in enumerate(candidates):
-        pools[t[0] // gpus_per_node].append(k)
+    for k, node in enumerate(node_of):
+        pools[node].append(k)
     remote: _RemoteSources | None = None  # (made on first need)
     tail: dict[int, int] = {}  # per node without candidates: its newest slot (the next source there)
     sources: list[Gpus] = []
@@ -457,7 +458,7 @@ def plan_extends(
                 pool.append(n_cand + j)
                 load[si] += 1
             else:
-                remote = remote or _RemoteSources(candidates, fresh, gpus_per_node, len(missing))
+                remote = remote or _RemoteSources(node_of, fresh, len(missing))
                 si = remote.pick(load)  # (counts its load)
                 tail[node] = n_cand + j
         if si < n_cand:
@@ -483,9 +484,10 @@ class _RemoteSources:
     ``most_load``), a node's ``sends * span + its best candidate's key`` (``span`` above any such key).
     """
 
-    def __init__(self, candidates: list[Gpus], fresh: list[bool], gpus_per_node: int, most_load: int) -> None:
-        self.n, self.fresh, self.span = len(candidates), fresh, (2 * most_load + 2) * len(candidates)
-        self.node_of = [t[0] // gpus_per_node for t in candidates]
+    def __init__(self, node_of: list[int], fresh: list[bool], most_load: int) -> None:
+        """``node_of``: each candidate's node; ``fresh``: whether it is not reused (by index)."""
+        self.n, self.fresh, self.span = len(node_of), fresh, (2 * most_load + 2) * len(node_of)
+        self.node_of = node_of
         self.of_node: dict[int, list[int]] = defaultdict(list)
         for k, node in enumerate(self.node_of):
             self.of_node[node].append(fresh[k] * self.n + k)  # (load 0)
