@@ -229,7 +229,8 @@ def _check_plan(label: str, plan: Plan, ctx: TransitionContext, per_gpu: bool = 
     run in turn); returns the resident state per GPU (or, without ``per_gpu``, nothing when the sum
     of every model-stage's unit memory fits anyway)."""
     n = ctx.cluster.num_gpus
-    if any(min(c.gpus) < 0 or max(c.gpus) >= n for _, c in plan.items()):
+    ranges = [sorted(c.gpus) for _, c in plan.items()]  # (sorting ints: the quickest min and max)
+    if any(r[0] < 0 or r[-1] >= n for r in ranges):
         name, bad = next((name, g) for name, c in plan.items() for g in c.gpus if not 0 <= g < n)
         raise NereusConfigError(f"{label} plan: {name} uses GPU {bad}, outside the pool 0..{n - 1}")
     cap = memory_cap(ctx.cluster)
