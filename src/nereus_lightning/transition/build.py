@@ -329,7 +329,7 @@ def _leaves_some(x: StepLanes) -> bool:
 
 def _wait_keys(
     contested: Mapping[str, set[int]],
-    waiting: Mapping[int, tuple[int, ...]],
+    waiting: Mapping[int, Collection[int]],
     left_by: Mapping[str, Mapping[int, Hashable] | None],
 ) -> dict[int, Hashable]:
     """Per waiting lane of a model-stage (with the contested GPUs it lands on; ``contested``: per peer,

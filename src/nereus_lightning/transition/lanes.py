@@ -13,7 +13,7 @@ ids.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from enum import IntEnum
 from itertools import chain, repeat
 from typing import Any, NamedTuple
@@ -129,11 +129,11 @@ class LocalNode(NamedTuple):
         )
 
 
-def waiting_lanes(steps: Sequence[StepLanes], contested: set[int]) -> dict[int, tuple[int, ...]]:
+def waiting_lanes(steps: Sequence[StepLanes], contested: set[int]) -> dict[int, Collection[int]]:
     """The lanes a same-stage peer can make wait: those acquiring a ``contested`` GPU (one a peer holds
     now; :func:`~nereus_lightning.transition.dag.acquired_gpus`) and every lane after one of them; each
     with the contested GPUs it lands on."""
-    waiting: dict[int, tuple[int, ...]] = {}
+    waiting: dict[int, Collection[int]] = {}
     for x in sorted(steps, key=lambda x: x.step):
         if acquires_some(x.op, x.sources, x.targets):
             onto_by_lane = x.targets.by_lane(len(x.ids))
@@ -142,7 +142,7 @@ def waiting_lanes(steps: Sequence[StepLanes], contested: set[int]) -> dict[int, 
                 onto_by_lane = [acquired_gpus(x.op, *gpus) for gpus in zip(had_by_lane, onto_by_lane, strict=True)]
             for lane, onto in zip(x.ids, onto_by_lane, strict=True):
                 if not contested.isdisjoint(onto):
-                    waiting[lane] = tuple(sorted(contested.intersection(onto)))
+                    waiting[lane] = contested.intersection(onto)
         if waiting:  # (none before the first Extend onto a contested GPU)
             for lane, deps in zip(x.ids, x.deps, strict=True):
                 if not waiting.keys().isdisjoint(deps):
