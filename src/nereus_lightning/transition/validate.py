@@ -134,10 +134,12 @@ def _replay_memory(dag: TransitionDAG, order: Sequence[Node], problems: list[str
 
 def _earlier_sums(keys: np.ndarray, values: np.ndarray) -> np.ndarray:
     """Per entry: the sum of the ``values`` of the entries before it with the same key."""
-    by_key = np.argsort(keys, kind="stable")  # entries grouped by key, in their order inside a group
+    by_key = keys.argsort(kind="stable")  # entries grouped by key, in their order inside a group
+    grouped = keys[by_key]
     ordered = values[by_key]
-    running = np.cumsum(ordered) - ordered  # sums of the entries before, over the grouped list
-    first = np.searchsorted(keys[by_key], keys[by_key])  # where each entry's group starts
+    running = ordered.cumsum() - ordered  # sums of the entries before, over the grouped list
+    starts = np.flatnonzero(np.concatenate(([True], grouped[1:] != grouped[:-1])))  # where a key begins
+    first = np.repeat(starts, np.diff(starts, append=len(grouped)))  # where each entry's group starts
     out = np.empty_like(values)
     out[by_key] = running - running[first]
     return out
