@@ -202,7 +202,8 @@ def _context(
     ctx = TransitionContext(current, target, stages, dict(models), cluster, workload, unit_memory)
     resident = _check_plan("current", current, ctx)
     _check_plan("target", target, ctx, per_gpu=False)
-    return TransitionContext(current, target, stages, ctx.models, cluster, workload, unit_memory, tuple(resident.tolist()))
+    resident.flags.writeable = False
+    return TransitionContext(current, target, stages, ctx.models, cluster, workload, unit_memory, resident)
 
 
 def _recut(
@@ -353,12 +354,12 @@ def _wait_keys(
 
 def _tight(ctx: TransitionContext, growth: np.ndarray) -> set[int]:
     """GPUs whose resident state plus every node's growth there may pass the memory cap."""
-    over = np.asarray(ctx.current_memory) + growth > memory_cap(ctx.cluster)
+    over = ctx.current_memory + growth > memory_cap(ctx.cluster)
     return set(np.flatnonzero(over).tolist())
 
 
 def _never_fits(
-    parts: Sequence[tuple[str, StepLanes]], tight: set[int], base: Sequence[float], cap: float
+    parts: Sequence[tuple[str, StepLanes]], tight: set[int], base: np.ndarray, cap: float
 ) -> None:
     """Raise at once if an acquisition cannot fit even after every other call on its GPU freed
     all it ever frees (the replay would block it forever and stop with it stuck).
@@ -470,8 +471,10 @@ class _MemoryBook:
     """Memory on the tight GPUs as the replay admits nodes: resident bytes, growth of every node
     admitted so far, what they freed, and which nodes freed (bit i: node i)."""
 
-    def __init__(self, base: Sequence[float], tight: set[int], cap: float) -> None:
-        self.base, self.tight, self.cap = base, tight, cap
+    def __init__(self, base: np.ndarray, tight: set[int], cap: float) -> None:
+        at = sorted(tight)
+        self.base = dict(zip(at, base[at].tolist()))  # resident bytes of each tight GPU
+        self.tight, self.cap = tight, cap
         self.grown = dict.fromkeys(tight, 0.0)
         self.freed = dict.fromkeys(tight, 0.0)
         self.freers = dict.fromkeys(tight, 0)

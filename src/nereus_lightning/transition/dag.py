@@ -17,7 +17,7 @@ iterating them gives :class:`Unit` objects and ``(gpu, net, transient)`` triples
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import chain
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar, overload
@@ -413,7 +413,8 @@ class TransitionContext:
     cluster: ClusterSpec
     workload: Workload
     unit_memory: Mapping[tuple[str, Layout], float]  # per-GPU resident bytes of one unit
-    current_memory: tuple[float, ...] = ()  # resident bytes per GPU under ``current``
+    # Resident bytes per GPU under ``current`` (a read-only array; none: not found yet).
+    current_memory: np.ndarray = field(default_factory=lambda: np.zeros(0), compare=False)
 
     def memory_of(self, model_stage: str, layout: Layout) -> float:
         """Per-GPU bytes one unit of ``model_stage`` under ``layout`` keeps resident."""

@@ -90,16 +90,16 @@ def _structure(dag: TransitionDAG) -> list[str]:
     return out
 
 
-def _resident(dag: TransitionDAG) -> list[float]:
+def _resident(dag: TransitionDAG) -> np.ndarray:
     """Resident bytes per GPU before the transition (the context's, else the current plan's units)."""
     ctx = dag.context
-    if ctx.current_memory:
-        return list(ctx.current_memory)
+    if len(ctx.current_memory):
+        return np.asarray(ctx.current_memory, dtype=np.float64)
     mem = [0.0] * ctx.cluster.num_gpus
     for name, c in ctx.current.items():
         for g in c.gpus:
             mem[g] += ctx.memory_of(name, c.layout)
-    return mem
+    return np.asarray(mem)
 
 
 def _units(c: Candidate) -> dict[Layout, set[Gpus]]:
@@ -117,7 +117,7 @@ def _replay(dag: TransitionDAG, order: Sequence[Node], problems: list[str], labe
 def _replay_memory(dag: TransitionDAG, order: Sequence[Node], problems: list[str], label: str) -> float:
     """Per-GPU memory in ``order``: resident units plus the running node's growth and buffers."""
     cap = memory_cap(dag.context.cluster) * (1 + 1e-9)
-    base = np.asarray(_resident(dag))
+    base = _resident(dag)
     eff = dag.effects if order is dag.nodes else Effects.of([n.mem for n in order])
     # On its GPU while a node runs: what is resident, what every earlier effect there left, and
     # what this one adds (its growth and buffers).
@@ -257,14 +257,14 @@ def _fits_in_any_order(dag: TransitionDAG) -> bool:
     """Whether every GPU fits its resident bytes plus the growth of every node on it (what all of
     them may add if nothing were freed): then no order, sequential or concurrent, passes the cap."""
     cap = memory_cap(dag.context.cluster) * (1 + 1e-9)
-    return bool(np.all(np.asarray(_resident(dag)) + dag.memory_growth() <= cap))
+    return bool(np.all(_resident(dag) + dag.memory_growth() <= cap))
 
 
 def _concurrent_memory(dag: TransitionDAG, problems: list[str]) -> float:
     """Check 3: start every ready node at once; finish acquisitions before releases. Returns the peak."""
     cap = memory_cap(dag.context.cluster) * (1 + 1e-9)
     nodes = dag.nodes
-    mem = _resident(dag)
+    mem = _resident(dag).tolist()
     peak = max(mem, default=0.0)
     succs: list[list[int]] = [[] for _ in nodes]
     for n in nodes:
