@@ -303,7 +303,7 @@ def _left_by(
 ) -> dict[int, Hashable] | None:
     """The call by which model-stage ``name`` leaves each GPU it leaves: its lane where that lane
     has a node of its own (``careful``: all; else those ``waiting``), else its step; None if it
-    leaves a GPU twice."""
+    leaves a GPU twice. A call is named by a string (its hash is kept: the wait keys hash it per GPU)."""
     out: dict[int, Hashable] = {}
     count = 0
     for x in steps:
@@ -311,11 +311,11 @@ def _left_by(
             continue
         n = len(x.ids)
         alone = [k for k, lane in enumerate(x.ids) if careful or lane in waiting]
-        parts = [([k], (name, "lane", x.ids[k])) for k in alone]
+        parts = [([k], f"{name} lane {x.ids[k]}") for k in alone]
         apart = set(alone)
         shared = [k for k in range(n) if k not in apart]
         if shared:
-            parts.append((shared, (name, "step", x.step)))
+            parts.append((shared, f"{name} step {int(x.step)}"))
         for ks, call in parts:
             gpus = released_gpus(x.op, x.sources.gpus_of(ks, n), x.targets.gpus_of(ks, n))
             out.update(dict.fromkeys(gpus, call))
