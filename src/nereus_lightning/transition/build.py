@@ -155,7 +155,9 @@ def _cached_build(
     }
     peers = {p for name in waiting for p in ctx.peers[name]}
     left_by = {p: _left_by(p, lanes[p], p in careful, waiting.get(p, {})) for p in peers}
-    waits = {name: _wait_keys(contested[name], lanes_waiting, left_by) for name, lanes_waiting in waiting.items()}
+    waits = {
+        name: _wait_keys(contested[name], lanes_waiting, left_by) for name, lanes_waiting in waiting.items()
+    }
     nodes = _union(lanes, careful, waits)
     order, resource = _order_with_resource_edges(nodes, ctx, growth, tight, contested)
     return TransitionDAG(_numbered_in_order(nodes, order, resource), ctx, global_order=True)
@@ -473,7 +475,7 @@ class _MemoryBook:
 
     def __init__(self, base: np.ndarray, tight: set[int], cap: float) -> None:
         at = sorted(tight)
-        self.base = dict(zip(at, base[at].tolist()))  # resident bytes of each tight GPU
+        self.base = dict(zip(at, base[at].tolist(), strict=True))  # resident bytes of each tight GPU
         self.tight, self.cap = tight, cap
         self.grown = dict.fromkeys(tight, 0.0)
         self.freed = dict.fromkeys(tight, 0.0)

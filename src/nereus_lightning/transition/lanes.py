@@ -139,7 +139,9 @@ def waiting_lanes(steps: Sequence[StepLanes], contested: set[int]) -> dict[int, 
             onto_by_lane = x.targets.by_lane(len(x.ids))
             if x.op is not Primitive.EXTEND:  # a re-cut to a larger shard degree
                 had_by_lane = x.sources.by_lane(len(x.ids))
-                onto_by_lane = [acquired_gpus(x.op, *gpus) for gpus in zip(had_by_lane, onto_by_lane, strict=True)]
+                onto_by_lane = [
+                    acquired_gpus(x.op, *gpus) for gpus in zip(had_by_lane, onto_by_lane, strict=True)
+                ]
             for lane, onto in zip(x.ids, onto_by_lane, strict=True):
                 if not contested.isdisjoint(onto):
                     waiting[lane] = contested.intersection(onto)

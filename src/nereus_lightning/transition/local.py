@@ -580,13 +580,14 @@ def _patterned(
     their transfer buffers, in order; units are mostly alike, so each pattern is made once (the tiles
     are a few objects, told apart by identity before their values are compared)."""
     ids = list(map(id, tiles))
-    distinct = dict(zip(ids, tiles))  # each tile object, in order of first use
+    distinct = dict(zip(ids, tiles, strict=True))  # each tile object, in order of first use
     patterns = {t: pattern_of(t) for t in set(distinct.values())}
     if len(patterns) == 1:  # every unit alike
         ((pattern, buf),) = patterns.values()
         return tuple(zip(units, repeat(pattern))), np.tile(np.asarray(buf, dtype=np.float64), len(units))
     made = [patterns[t] for t in distinct.values()]
-    at = list(map(dict(zip(distinct, range(len(made)))).__getitem__, ids))  # per unit: its tile's in made
+    index = dict(zip(distinct, range(len(made)), strict=True))
+    at = list(map(index.__getitem__, ids))  # per unit: the index of its tile's pattern in made
     args = tuple(zip(units, map([pattern for pattern, _ in made].__getitem__, at), strict=True))
     return args, np.asarray([buf for _, buf in made], dtype=np.float64)[at].ravel()
 

@@ -151,7 +151,11 @@ def _replay_units(dag: TransitionDAG, order: Sequence[Node], problems: list[str]
     ctx = dag.context
     live = {name: _units(c) for name, c in ctx.current.items()}
     # per model-stage with peers (only peers can conflict) and GPU: how many of its units hold it
-    count = {name: _held(ctx.current[name].gpus, ctx.cluster.num_gpus) for name, peers in ctx.peers.items() if peers}
+    count = {
+        name: _held(ctx.current[name].gpus, ctx.cluster.num_gpus)
+        for name, peers in ctx.peers.items()
+        if peers
+    }
     for n in order:
         units = live[n.model_stage]
         have = units.setdefault(n.sources.layout, set())
