@@ -34,6 +34,7 @@ from __future__ import annotations
 import heapq
 from collections import defaultdict
 from collections.abc import Callable, Container, Iterator, Mapping, Sequence
+from functools import lru_cache
 from itertools import accumulate, chain, compress, repeat
 from operator import itemgetter, ne, not_
 from typing import NamedTuple
@@ -277,15 +278,30 @@ def _alike(
 ) -> dict[int, list[Gpus]]:
     """Per unit of ``units`` (indices of the ``size``-GPU units on ``gpus``) whose GPUs at the positions
     of each part of ``tile`` (parts of one size) form parts that all are in ``exists``: those parts.
-    All units at once: one index per GPU taken."""
-    at = np.asarray(units)[:, None] * size + np.fromiter(chain.from_iterable(tile), dtype=np.int64)
-    taken = [gpus[x] for x in at.ravel().tolist()] if at.size == 1 else itemgetter(*at.ravel().tolist())(gpus)
-    parts = gpu_chunks(taken, len(tile[0]))
+    All units at once (:func:`_unit_parts`)."""
+    every = len(units) * size == len(gpus)  # (units ascend: then they are every unit)
+    parts = (_every_unit_parts(tile, size, len(units)) if every else _unit_parts(tile, size, units))(gpus)
     fits = list(map(exists.__contains__, parts))
     k = len(tile)
     if all(fits):
         return {i: parts[j * k : (j + 1) * k] for j, i in enumerate(units)}
     return {i: parts[j * k : (j + 1) * k] for j, i in enumerate(units) if all(fits[j * k : (j + 1) * k])}
+
+
+def _unit_parts(tile: Tiles, size: int, units: Sequence[int]) -> Callable[[Gpus], list[Gpus]]:
+    """A function from GPUs of ``size``-GPU units to the parts at ``tile``'s positions (parts of one
+    size) in each of ``units`` (indices), unit-major: one itemgetter."""
+    at = np.asarray(units)[:, None] * size + np.fromiter(chain.from_iterable(tile), dtype=np.int64)
+    take = itemgetter(*at.ravel().tolist())
+    if at.size == 1:
+        return lambda gpus: [(take(gpus),)]
+    return lambda gpus: gpu_chunks(take(gpus), len(tile[0]))
+
+
+@lru_cache(maxsize=256)
+def _every_unit_parts(tile: Tiles, size: int, count: int) -> Callable[[Gpus], list[Gpus]]:
+    """:func:`_unit_parts` of the first ``count`` units (positions only: made once per shape)."""
+    return _unit_parts(tile, size, range(count))
 
 
 def positions(parts: Sequence[Gpus], at: Mapping[int, int]) -> Tiles:
