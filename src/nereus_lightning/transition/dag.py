@@ -413,7 +413,7 @@ class TransitionContext:
     cluster: ClusterSpec
     workload: Workload
     unit_memory: Mapping[tuple[str, Layout], float]  # per-GPU resident bytes of one unit
-    # Resident bytes per GPU under ``current`` (a read-only array; none: not found yet).
+    # Resident bytes per GPU under ``current`` (a read-only array; empty: not found).
     current_memory: np.ndarray = field(default_factory=lambda: np.zeros(0), compare=False)
 
     def memory_of(self, model_stage: str, layout: Layout) -> float:

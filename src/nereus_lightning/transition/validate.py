@@ -159,13 +159,12 @@ def _replay_units(dag: TransitionDAG, order: Sequence[Node], problems: list[str]
     for n in order:
         units = live[n.model_stage]
         have = units.setdefault(n.sources.layout, set())
-        read = set(n.sources.gpus)  # (each unit hashed once: set operations on sets reuse the hashes)
-        if not have.issuperset(read):
+        if not have.issuperset(n.sources.gpus):
             missing = [Unit(n.sources.layout, g) for g in n.sources.gpus if g not in have]
             problems.append(f"structure{label}: {n} reads units that do not exist: {missing}")
             return
         if n.op is not Primitive.EXTEND:  # every other primitive consumes its sources
-            have.difference_update(read)
+            have.difference_update(n.sources.gpus)
         made = set(n.targets.gpus)
         if len(made) < len(n.targets.gpus) or any(not s.isdisjoint(made) for s in units.values()):
             gpus = n.targets.gpus
