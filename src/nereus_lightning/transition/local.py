@@ -703,7 +703,7 @@ def _merges(
     rows = gpu_chunks(slots.flat, slots.k) if every else [slots.row(i) for i in todo]
     tiles = [slots.tiles_of(i) for i in todo] if slots.tiles else [slots.default] * len(todo)
     if made_by or readers:
-        deps = [_made_or_read(row, made_by, readers) for row in rows]
+        deps = _made_or_read(rows, made_by, readers)
     else:  # nothing was made or read before: the Merges wait for nothing
         deps = [()] * len(todo)
     args, buffers = _patterned(units, tiles, lambda t: merge_pattern(geo, s, b, t))
@@ -723,10 +723,14 @@ def _merges(
 
 
 def _made_or_read(
-    row: Sequence[Gpus], made_by: dict[Gpus, int], readers: dict[Gpus, list[int]]
-) -> tuple[int, ...]:
-    """The lanes that made a slot of ``row`` or read one (ascending)."""
-    lanes = set(map(made_by.get, row, repeat(-1)))
-    lanes.discard(-1)  # (a slot nothing made)
-    lanes.update(*map(readers.get, row, repeat(())))
-    return tuple(sorted(lanes))
+    rows: Sequence[Sequence[Gpus]], made_by: dict[Gpus, int], readers: dict[Gpus, list[int]]
+) -> list[tuple[int, ...]]:
+    """Per row of slots, the lanes that made a slot of it or read one (ascending)."""
+    made, read = made_by.get, readers.get
+    out = []
+    for row in rows:
+        lanes = [lane for lane in map(made, row) if lane is not None]
+        for t in row:
+            lanes += read(t, ())
+        out.append(tuple(sorted(set(lanes))) if len(lanes) > 1 else tuple(lanes))
+    return out
