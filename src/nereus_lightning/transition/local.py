@@ -330,7 +330,7 @@ def choose_target_slots(
     by_position = sub_positions(b, s)
     k = len(by_position)
     flat, tiles = list(strided), {}
-    absent = list(compress(range(len(strided)), map(not_, map(where.__contains__, strided))))
+    absent = [j for j, t in enumerate(strided) if t not in where]
     todo = sorted({j // k for j in absent}) if k > 1 else absent
     held = set(current.gpus) if todo else set()
     if held.isdisjoint(chain.from_iterable(map(tgt_units.__getitem__, todo))):
@@ -450,7 +450,7 @@ def plan_extends(
     slot made before it there.
     """
     n_cand = len(candidates)
-    fresh = list(map(not_, map(reused.__contains__, candidates))) + [True] * len(missing)  # by source
+    fresh = [t not in reused for t in candidates] + [True] * len(missing)  # by source index
     load = [0] * len(fresh)  # source index: candidates 0..n_cand-1, then slot j as n_cand + j
     node_of = [t[0] // gpus_per_node for t in candidates]  # per candidate
     pools: dict[int, list[int]] = defaultdict(list)  # per node: its candidates, then its slots made
