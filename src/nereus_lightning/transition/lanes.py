@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from enum import IntEnum
-from itertools import chain, repeat
 from typing import Any, NamedTuple
 
 from nereus_lightning.transition.dag import Memory, Node, Primitive, Units, acquired_gpus, acquires_some
@@ -175,10 +174,10 @@ def group(
             parts = [ks for ks in by_key.values() if ks]
         for ks in parts:
             every = len(ks) == len(x.ids)
-            ids = x.ids if every else list(map(x.ids.__getitem__, ks))
-            deps = set(chain.from_iterable(x.deps if every else map(x.deps.__getitem__, ks)))
-            node_of.update(zip(ids, repeat(first + len(out))))
-            out.append(LocalNode(name, x, tuple(ks), tuple(sorted(set(map(node_of.__getitem__, deps))))))
+            lane_deps = x.deps if every else [x.deps[k] for k in ks]
+            deps = {node_of[d] for lane in lane_deps for d in lane}  # (lanes wait for earlier steps)
+            node_of.update(dict.fromkeys(x.ids if every else [x.ids[k] for k in ks], first + len(out)))
+            out.append(LocalNode(name, x, tuple(ks), tuple(sorted(deps))))
     return out
 
 
