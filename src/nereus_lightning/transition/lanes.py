@@ -124,7 +124,7 @@ class LocalNode(NamedTuple):
             x.mem.take(ks, n),
             resource_deps,
             x.make_transfers,
-            x.lane_args if len(ks) == n else tuple(x.lane_args[k] for k in ks),
+            x.lane_args if len(ks) == n else tuple([x.lane_args[k] for k in ks]),
         )
 
 
