@@ -351,6 +351,9 @@ def _wait_keys(
         held += len(theirs)
     if held != len(release):
         return {lane: ("alone", lane) for lane in waiting}
+    calls_made = frozenset(release.values())
+    if len(calls_made) == 1:  # one call leaves them all: a lane waits for it if it lands on one of them
+        return {lane: calls_made if gpus else frozenset() for lane, gpus in waiting.items()}
     return {lane: frozenset(map(release.__getitem__, gpus)) for lane, gpus in waiting.items()}
 
 
