@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from nereus_lightning.plan.layout import moving_shard_groups
 from nereus_lightning.plan.rows import recut_stages
 from nereus_lightning.spec.errors import InfeasiblePlanError
-from nereus_lightning.transition import build_transition, per_component_baseline, validate
+from nereus_lightning.transition import Primitive, build_transition, per_component_baseline, validate
 from nereus_lightning.transition.scenarios import OVERLAP_KINDS, TransitionCase, random_case
 from tests.helpers import cand, plan
 from tests.transition.helpers import CLUSTER, MODELS, PPO
@@ -42,18 +42,27 @@ def test_sharded_training_stages_keep_the_dag_acyclic_and_safe_or_infeasible(
 
 
 def test_sharded_cases_are_drawn_and_some_are_feasible() -> None:
-    """The sharded generator gives sharded layouts on either side, and some of its cases move."""
-    shards, feasible = set(), 0
-    for seed in range(40):
+    """The sharded generator gives sharded layouts on either side, and some of its cases move; some
+    re-cut a training model-stage to another shard degree in place, and those that are feasible hold
+    its re-cut Splits (a larger degree) and Merges (a smaller one). Every case is acyclic and
+    validates, or is reported infeasible with a reason (:func:`check_transition`)."""
+    shards, feasible, recut, recut_ops = set(), 0, 0, []
+    for seed in range(80):
         case = random_case(random.Random(seed), OVERLAP_KINDS[seed % 3], 64, sharded=True)
         shards |= {(c.layout.shard, c.layout.zero) for p in (case.current, case.target) for _, c in p.items()}
+        current, target, models, _, workload = case.args()
+        role = {ms.name: ms.model for ms in workload.stages}
+        recut += bool(recut_stages(current, target, {n: models[role[n]] for n in current}))
+        check_transition(case, seed)
         try:
-            build_transition(*case.args())
+            dag = build_transition(*case.args())
         except InfeasiblePlanError:
             continue
         feasible += 1
-    assert {s for s, _ in shards} == {1, 2, 4} and {z for _, z in shards} == {0, 1, 2, 3}
-    assert feasible >= 10
+        recut_ops += [n.op for n in dag.nodes if n.sources.layout.shard != n.targets.layout.shard]
+    assert {s for s, _ in shards} == {1, 2, 4, 8} and {z for _, z in shards} == {0, 1, 2, 3}
+    assert feasible >= 20
+    assert recut >= 10 and set(recut_ops) == {Primitive.SPLIT, Primitive.MERGE}
 
 
 def check_case(seed: int, kind: str, num_gpus: int, sharded: bool = False) -> None:

@@ -77,12 +77,15 @@ class Candidate:
     def __post_init__(self) -> None:
         require(self.dp >= 1, "candidate.dp", f"must be >= 1, got {self.dp}")
         require(self.micro_batch >= 1, "candidate.micro_batch", f"must be >= 1, got {self.micro_batch}")
-        require(
-            len(self.gpus) == self.dp * self.layout.size,
-            "candidate.gpus",
-            f"{len(self.gpus)} GPUs given for dp={self.dp} x {self.layout} = {self.dp * self.layout.size}",
-        )
-        require(len(set(self.gpus)) == len(self.gpus), "candidate.gpus", f"GPU ids repeat in {self.gpus}")
+        size = self.dp * self.layout.size
+        if len(self.gpus) != size:  # (the messages are made only when needed)
+            require(
+                False,
+                "candidate.gpus",
+                f"{len(self.gpus)} GPUs given for dp={self.dp} x {self.layout} = {size}",
+            )
+        if len(set(self.gpus)) != len(self.gpus):
+            require(False, "candidate.gpus", f"GPU ids repeat in {self.gpus}")
 
     @property
     def num_gpus(self) -> int:

@@ -24,6 +24,9 @@ def stage_groups(plan: Plan, members: Sequence[str]) -> tuple[tuple[str, ...], .
     order = [n for n in plan if n in wanted]
     if len(order) < 2:  # (nothing to compare)
         return (tuple(order),) if order else ()
+    every = [plan[n].gpus for n in order]
+    if len(set().union(*every)) == sum(map(len, every)):  # (a candidate lists a GPU once) all disjoint
+        return tuple((n,) for n in order)
     gpus = {n: frozenset(plan[n].gpus) for n in order}
     groups: list[list[str]] = []
     for n in order:  # merge n with every group it shares a GPU with (keeping the first one's place)

@@ -88,6 +88,7 @@ class Unit(_UnitFields):
         return f"{self.layout}@{list(self.gpus)}"
 
 
+@lru_cache(maxsize=1024)
 def common_layout(a: Layout, b: Layout) -> Layout:
     """``T_sub``: the largest layout into which both ``a`` and ``b`` can be split."""
     return Layout(gcd(a.tp, b.tp), gcd(a.pp, b.pp))

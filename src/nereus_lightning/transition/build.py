@@ -47,9 +47,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Collection, Hashable, Mapping, Sequence
-from dataclasses import replace
 from functools import lru_cache
-from itertools import chain
 
 import numpy as np
 
@@ -151,11 +149,15 @@ def _cached_build(
         # A model-stage touching a GPU that may overflow needs per-replica memory ordering.
         careful = {name for name, steps in lanes.items() if any(_touches(x, tight) for x in steps)}
     waiting = {
-        name: waiting_lanes(lanes[name], gpus) for name, gpus in contested.items() if name not in careful
+        name: waiting_lanes(lanes[name], set().union(*held.values()))
+        for name, held in contested.items()
+        if name not in careful
     }
     peers = {p for name in waiting for p in ctx.peers[name]}
     left_by = {p: _left_by(p, lanes[p], p in careful, waiting.get(p, {})) for p in peers}
-    waits = {name: _wait_keys(ctx, name, lanes_waiting, left_by) for name, lanes_waiting in waiting.items()}
+    waits = {
+        name: _wait_keys(contested[name], lanes_waiting, left_by) for name, lanes_waiting in waiting.items()
+    }
     nodes = _union(lanes, careful, waits)
     order, resource = _order_with_resource_edges(nodes, ctx, growth, tight, contested)
     return TransitionDAG(_numbered_in_order(nodes, order, resource), ctx, global_order=True)
@@ -202,7 +204,8 @@ def _context(
     ctx = TransitionContext(current, target, stages, dict(models), cluster, workload, unit_memory)
     resident = _check_plan("current", current, ctx)
     _check_plan("target", target, ctx, per_gpu=False)
-    return replace(ctx, current_memory=tuple(resident.tolist()))
+    resident.flags.writeable = False
+    return TransitionContext(current, target, stages, ctx.models, cluster, workload, unit_memory, resident)
 
 
 def _recut(
@@ -229,8 +232,8 @@ def _check_plan(label: str, plan: Plan, ctx: TransitionContext, per_gpu: bool = 
     run in turn); returns the resident state per GPU (or, without ``per_gpu``, nothing when the sum
     of every model-stage's unit memory fits anyway)."""
     n = ctx.cluster.num_gpus
-    every = np.fromiter(chain.from_iterable(c.gpus for _, c in plan.items()), dtype=np.int64)
-    if every.size and (every.min() < 0 or every.max() >= n):
+    ranges = [sorted(c.gpus) for _, c in plan.items()]  # (sorting ints: the quickest min and max)
+    if any(r[0] < 0 or r[-1] >= n for r in ranges):
         name, bad = next((name, g) for name, c in plan.items() for g in c.gpus if not 0 <= g < n)
         raise NereusConfigError(f"{label} plan: {name} uses GPU {bad}, outside the pool 0..{n - 1}")
     cap = memory_cap(ctx.cluster)
@@ -248,14 +251,15 @@ def _check_plan(label: str, plan: Plan, ctx: TransitionContext, per_gpu: bool = 
     return mem
 
 
-def _contested(ctx: TransitionContext) -> dict[str, set[int]]:
-    """Per model-stage whose target holds GPUs its peers hold now, those GPUs (*contested*)."""
+def _contested(ctx: TransitionContext) -> dict[str, dict[str, set[int]]]:
+    """Per model-stage whose target holds GPUs its peers hold now (*contested* GPUs): per such peer
+    (in plan order), those it holds."""
     out = {}
     for name, peers in ctx.peers.items():
         mine = set(ctx.target[name].gpus) if peers else set()
-        theirs = set().union(*(mine.intersection(ctx.current[other].gpus) for other in peers))
-        if theirs:
-            out[name] = theirs
+        held = {other: mine.intersection(ctx.current[other].gpus) for other in peers}
+        if any(held.values()):
+            out[name] = {other: gpus for other, gpus in held.items() if gpus}
     return out
 
 
@@ -301,7 +305,7 @@ def _left_by(
 ) -> dict[int, Hashable] | None:
     """The call by which model-stage ``name`` leaves each GPU it leaves: its lane where that lane
     has a node of its own (``careful``: all; else those ``waiting``), else its step; None if it
-    leaves a GPU twice."""
+    leaves a GPU twice. A call is named by a string (its hash is kept: the wait keys hash it per GPU)."""
     out: dict[int, Hashable] = {}
     count = 0
     for x in steps:
@@ -309,11 +313,11 @@ def _left_by(
             continue
         n = len(x.ids)
         alone = [k for k, lane in enumerate(x.ids) if careful or lane in waiting]
-        parts = [([k], (name, "lane", x.ids[k])) for k in alone]
+        parts = [([k], f"{name} lane {x.ids[k]}") for k in alone]
         apart = set(alone)
         shared = [k for k in range(n) if k not in apart]
         if shared:
-            parts.append((shared, (name, "step", x.step)))
+            parts.append((shared, f"{name} step {int(x.step)}"))
         for ks, call in parts:
             gpus = released_gpus(x.op, x.sources.gpus_of(ks, n), x.targets.gpus_of(ks, n))
             out.update(dict.fromkeys(gpus, call))
@@ -327,19 +331,19 @@ def _leaves_some(x: StepLanes) -> bool:
 
 
 def _wait_keys(
-    ctx: TransitionContext,
-    name: str,
-    waiting: Mapping[int, tuple[int, ...]],
+    contested: Mapping[str, set[int]],
+    waiting: Mapping[int, Collection[int]],
     left_by: Mapping[str, Mapping[int, Hashable] | None],
 ) -> dict[int, Hashable]:
-    """Per waiting lane of model-stage ``name`` (with the contested GPUs it lands on), what it
-    waits for besides its deps: the calls by which its peers leave those GPUs (``_left_by``;
-    None: never). Each lane waits alone where a GPU is held by more than one peer or left twice."""
+    """Per waiting lane of a model-stage (with the contested GPUs it lands on; ``contested``: per peer,
+    those it holds, :func:`_contested`), what it waits for besides its deps: the calls by which its
+    peers leave those GPUs (``_left_by``; None: never). Each lane waits alone where a GPU is held by
+    more than one peer or left twice."""
     onto = set().union(*waiting.values())
     release: dict[int, Hashable] = {}
     held = 0
-    for other in ctx.peers[name]:
-        theirs = onto.intersection(ctx.current[other].gpus)
+    for other, gpus in contested.items():
+        theirs = onto.intersection(gpus)
         calls = left_by[other]
         if theirs and calls is None:
             return {lane: ("alone", lane) for lane in waiting}
@@ -347,17 +351,20 @@ def _wait_keys(
         held += len(theirs)
     if held != len(release):
         return {lane: ("alone", lane) for lane in waiting}
+    calls_made = frozenset(release.values())
+    if len(calls_made) == 1:  # one call leaves them all: a lane waits for it if it lands on one of them
+        return {lane: calls_made if gpus else frozenset() for lane, gpus in waiting.items()}
     return {lane: frozenset(map(release.__getitem__, gpus)) for lane, gpus in waiting.items()}
 
 
 def _tight(ctx: TransitionContext, growth: np.ndarray) -> set[int]:
     """GPUs whose resident state plus every node's growth there may pass the memory cap."""
-    over = np.asarray(ctx.current_memory) + growth > memory_cap(ctx.cluster)
+    over = ctx.current_memory + growth > memory_cap(ctx.cluster)
     return set(np.flatnonzero(over).tolist())
 
 
 def _never_fits(
-    parts: Sequence[tuple[str, StepLanes]], tight: set[int], base: Sequence[float], cap: float
+    parts: Sequence[tuple[str, StepLanes]], tight: set[int], base: np.ndarray, cap: float
 ) -> None:
     """Raise at once if an acquisition cannot fit even after every other call on its GPU freed
     all it ever frees (the replay would block it forever and stop with it stuck).
@@ -402,19 +409,17 @@ class _PeerWaits:
     releases it, once (more than one peer holds it only where those
     peers are colocated now)."""
 
-    def __init__(self, ctx: TransitionContext, contested: Mapping[str, set[int]]) -> None:
+    def __init__(self, ctx: TransitionContext, contested: Mapping[str, Mapping[str, set[int]]]) -> None:
         self.ctx = ctx
         self.still: dict[str, dict[str, set[int]]] = {}  # waiter -> peer -> contested GPUs it holds
         self.gone: dict[str, list[tuple[int, set[int]]]] = {}  # waiter -> (node, contested GPUs it left)
         self.watchers: dict[str, list[str]] = {}  # peer -> the model-stages waiting for its GPUs
         self.onto: dict[int, tuple[int, ...]] = {}  # per node asked about: the GPUs it acquires
-        for name, gpus in contested.items():
-            self.still[name], self.gone[name] = {}, []
-            for other in ctx.peers[name]:
-                theirs = gpus.intersection(ctx.current[other].gpus)
-                if theirs:
-                    self.watchers.setdefault(other, []).append(name)
-                    self.still[name][other] = theirs
+        for name, held in contested.items():
+            self.still[name] = {other: set(gpus) for other, gpus in held.items()}
+            self.gone[name] = []
+            for other in held:
+                self.watchers.setdefault(other, []).append(name)
 
     def _onto(self, i: int, n: LocalNode) -> tuple[int, ...]:
         """The GPUs node ``n`` (node ``i``) acquires (found once: a blocked node is asked again)."""
@@ -471,8 +476,10 @@ class _MemoryBook:
     """Memory on the tight GPUs as the replay admits nodes: resident bytes, growth of every node
     admitted so far, what they freed, and which nodes freed (bit i: node i)."""
 
-    def __init__(self, base: Sequence[float], tight: set[int], cap: float) -> None:
-        self.base, self.tight, self.cap = base, tight, cap
+    def __init__(self, base: np.ndarray, tight: set[int], cap: float) -> None:
+        at = sorted(tight)
+        self.base = dict(zip(at, base[at].tolist(), strict=True))  # resident bytes of each tight GPU
+        self.tight, self.cap = tight, cap
         self.grown = dict.fromkeys(tight, 0.0)
         self.freed = dict.fromkeys(tight, 0.0)
         self.freers = dict.fromkeys(tight, 0)
@@ -507,7 +514,7 @@ def _order_with_resource_edges(
     ctx: TransitionContext,
     growth: np.ndarray,
     tight: set[int],
-    contested: Mapping[str, set[int]],
+    contested: Mapping[str, Mapping[str, set[int]]],
 ) -> tuple[list[int], dict[int, list[int]]]:
     """Replay ``nodes`` in priority order (see the module docstring): the order (node indices) and
     each node's resource deps (indices; ``growth`` and ``tight`` from :func:`_tight`, ``contested``

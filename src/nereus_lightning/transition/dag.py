@@ -17,7 +17,7 @@ iterating them gives :class:`Unit` objects and ``(gpu, net, transient)`` triples
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import chain
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar, overload
@@ -92,8 +92,19 @@ class Units(Sequence[Unit]):
 
     def gpus_of(self, ks: Sequence[int], width: int) -> list[int]:
         """Every GPU of the units of lanes ``ks`` of ``width`` alike lanes, in order."""
+        if len(ks) == width:
+            return list(chain.from_iterable(self.gpus))
         n = len(self.gpus) // width
+        if n == 1:  # a unit per lane
+            return list(chain.from_iterable(map(self.gpus.__getitem__, ks)))
         return [g for k in ks for unit in self.gpus[k * n : (k + 1) * n] for g in unit]
+
+    def by_lane(self, width: int) -> Sequence[Sequence[int]]:
+        """Every GPU of each lane's units, lane by lane (``width`` alike lanes)."""
+        n = len(self.gpus) // width
+        if n == 1:  # a unit per lane
+            return self.gpus
+        return [list(chain.from_iterable(self.gpus[k * n : (k + 1) * n])) for k in range(width)]
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Units):
@@ -264,10 +275,9 @@ def acquires_some(op: Primitive, sources: Units, targets: Units) -> bool:
     """Whether a call of ``op`` reading ``sources`` and making ``targets`` (of one or more alike lanes)
     may newly place state on a GPU (:func:`acquired_gpus`): an Extend, or a Split or Merge whose
     targets span more GPUs than its sources (a re-cut to a larger shard degree)."""
-    if op is Primitive.EXTEND:
-        return True
-    grows = len(targets) * targets.layout.size > len(sources) * sources.layout.size
-    return op is not Primitive.DESTROY and grows
+    if op is Primitive.EXTEND or op is Primitive.DESTROY:
+        return op is Primitive.EXTEND
+    return len(targets) * targets.layout.size > len(sources) * sources.layout.size
 
 
 def releases_some(op: Primitive, sources: Units, targets: Units) -> bool:
@@ -275,10 +285,9 @@ def releases_some(op: Primitive, sources: Units, targets: Units) -> bool:
     may leave a GPU (:func:`released_gpus`): a Destroy of something, or a Split or Merge whose targets
     span fewer GPUs than its sources (a Split's units lie on its source's GPUs; a re-cut to a smaller
     shard degree keeps some of them)."""
-    if op is Primitive.DESTROY:
-        return len(sources) > 0
-    shrinks = len(targets) * targets.layout.size < len(sources) * sources.layout.size
-    return op is not Primitive.EXTEND and shrinks
+    if op is Primitive.DESTROY or op is Primitive.EXTEND:
+        return op is Primitive.DESTROY and len(sources) > 0
+    return len(targets) * targets.layout.size < len(sources) * sources.layout.size
 
 
 def released_gpus(op: Primitive, sources: Iterable[int], targets: Iterable[int]) -> tuple[int, ...]:
@@ -402,7 +411,8 @@ class TransitionContext:
     cluster: ClusterSpec
     workload: Workload
     unit_memory: Mapping[tuple[str, Layout], float]  # per-GPU resident bytes of one unit
-    current_memory: tuple[float, ...] = ()  # resident bytes per GPU under ``current``
+    # Resident bytes per GPU under ``current`` (a read-only array; empty: not found).
+    current_memory: np.ndarray = field(default_factory=lambda: np.zeros(0), compare=False)
 
     def memory_of(self, model_stage: str, layout: Layout) -> float:
         """Per-GPU bytes one unit of ``model_stage`` under ``layout`` keeps resident."""

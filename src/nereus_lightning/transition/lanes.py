@@ -13,7 +13,7 @@ ids.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from enum import IntEnum
 from typing import Any, NamedTuple
 
@@ -124,24 +124,26 @@ class LocalNode(NamedTuple):
             x.mem.take(ks, n),
             resource_deps,
             x.make_transfers,
-            x.lane_args if len(ks) == n else tuple(x.lane_args[k] for k in ks),
+            x.lane_args if len(ks) == n else tuple([x.lane_args[k] for k in ks]),
         )
 
 
-def waiting_lanes(steps: Sequence[StepLanes], contested: set[int]) -> dict[int, tuple[int, ...]]:
+def waiting_lanes(steps: Sequence[StepLanes], contested: set[int]) -> dict[int, Collection[int]]:
     """The lanes a same-stage peer can make wait: those acquiring a ``contested`` GPU (one a peer holds
     now; :func:`~nereus_lightning.transition.dag.acquired_gpus`) and every lane after one of them; each
     with the contested GPUs it lands on."""
-    waiting: dict[int, tuple[int, ...]] = {}
+    waiting: dict[int, Collection[int]] = {}
     for x in sorted(steps, key=lambda x: x.step):
         if acquires_some(x.op, x.sources, x.targets):
-            n = len(x.ids)
-            for k, lane in enumerate(x.ids):
-                onto = x.targets.gpus_of((k,), n)
-                if x.op is not Primitive.EXTEND:  # a re-cut to a larger shard degree
-                    onto = list(acquired_gpus(x.op, x.sources.gpus_of((k,), n), onto))
+            onto_by_lane = x.targets.by_lane(len(x.ids))
+            if x.op is not Primitive.EXTEND:  # a re-cut to a larger shard degree
+                had_by_lane = x.sources.by_lane(len(x.ids))
+                onto_by_lane = [
+                    acquired_gpus(x.op, *gpus) for gpus in zip(had_by_lane, onto_by_lane, strict=True)
+                ]
+            for lane, onto in zip(x.ids, onto_by_lane, strict=True):
                 if not contested.isdisjoint(onto):
-                    waiting[lane] = tuple(sorted(contested.intersection(onto)))
+                    waiting[lane] = contested.intersection(onto)
         if waiting:  # (none before the first Extend onto a contested GPU)
             for lane, deps in zip(x.ids, x.deps, strict=True):
                 if not waiting.keys().isdisjoint(deps):
@@ -172,9 +174,10 @@ def group(
             parts = [ks for ks in by_key.values() if ks]
         for ks in parts:
             every = len(ks) == len(x.ids)
+            lane_deps = x.deps if every else [x.deps[k] for k in ks]
+            deps = {node_of[d] for lane in lane_deps for d in lane}  # (lanes wait for earlier steps)
             node_of.update(dict.fromkeys(x.ids if every else [x.ids[k] for k in ks], first + len(out)))
-            deps = set().union(*(x.deps if every else [x.deps[k] for k in ks]))
-            out.append(LocalNode(name, x, tuple(ks), tuple(sorted({node_of[d] for d in deps}))))
+            out.append(LocalNode(name, x, tuple(ks), tuple(sorted(deps))))
     return out
 
 

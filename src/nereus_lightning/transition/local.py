@@ -33,9 +33,10 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
-from itertools import accumulate, chain, compress, cycle, repeat
-from operator import ne, not_
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
+from functools import lru_cache
+from itertools import accumulate, chain, compress, repeat
+from operator import itemgetter, ne, not_
 from typing import NamedTuple
 
 import numpy as np
@@ -105,9 +106,10 @@ def local_lanes(
         return [_recut(geo, memory_of(a), memory_of(b), current, target)]
     s = common_layout(a, b)
     cur_units, tgt_units = gpu_chunks(current.gpus, a.size), gpu_chunks(target.gpus, b.size)
-    strided = all_subs(b, s, len(tgt_units))(target.gpus)  # every target unit's strided slots
-    tiling = tile_current_units(a, s, current, strided)
-    slots = choose_target_slots(b, s, tgt_units, strided, tiling.where, set(current.gpus))
+    # Every target unit's strided slots (a T_sub target unit is its own).
+    strided = tgt_units if b == s else all_subs(b, s, len(tgt_units))(target.gpus)
+    tiling = tile_current_units(a, s, current, cur_units, strided)
+    slots = choose_target_slots(b, s, tgt_units, strided, tiling.where, current, target)
     reuse = decide_reuse(slots.flat, tiling)
     candidates: list[Gpus] = []  # T_sub units an Extend may copy: those of the split units
     if reuse.missing:
@@ -214,32 +216,92 @@ class Tiling(NamedTuple):
     where: dict[Gpus, int]
 
 
-def tile_current_units(a: Layout, s: Layout, current: Candidate, slot_list: Sequence[Gpus]) -> Tiling:
-    """Phase 1: each current unit's T_sub units: the target's slots (``slot_list``) when they tile
-    the unit exactly (then Merge or nothing follows in place), else the position-wise split
-    (``sub_positions``)."""
+def tile_current_units(
+    a: Layout, s: Layout, current: Candidate, units: list[Gpus], slot_list: Sequence[Gpus]
+) -> Tiling:
+    """Phase 1: each current unit's T_sub units (``units``: the current units' GPUs): the target's
+    slots (``slot_list``) when they tile the unit exactly (then Merge or nothing follows in place),
+    else the position-wise split (``sub_positions``)."""
     by_position = sub_positions(a, s)
     k = len(by_position)
-    pieces = all_subs(a, s, len(current.gpus) // a.size)(current.gpus)  # position-wise, unit-major
+    # Position-wise, unit-major (a unit of layout T_sub is its own).
+    pieces = list(units) if a == s else all_subs(a, s, len(units))(current.gpus)
     where = dict(zip(pieces, range(len(pieces)), strict=True))
     tiles: dict[int, Tiles] = {}
     not_slots = set(pieces).difference(slot_list) if k > 1 else set()
     if not_slots:  # the units with such a piece may lie on slots another way
-        slot_at = {g: slot for slot in slot_list for g in slot}
-        for i in sorted({where[t] // k for t in not_slots}):
-            u = current.gpus[i * a.size : (i + 1) * a.size]
-            # Slots are disjoint, so they tile ``u`` exactly iff they cover its GPUs and no more.
-            on_slots = list(dict.fromkeys(map(slot_at.get, u, repeat(()))))  # (): in no slot
-            if () not in on_slots and sum(map(len, on_slots)) == len(u):
-                pieces[i * k : (i + 1) * k] = on_slots
-                tiles[i] = positions_in(u, on_slots)
+        off_slots = sorted({where[t] // k for t in not_slots})
+        for i, row, tile in _slot_tilings(a, current.gpus, off_slots, slot_list):
+            pieces[i * k : (i + 1) * k] = row
+            tiles[i] = tile
         where = dict(zip(pieces, range(len(pieces)), strict=True))
     return Tiling(Rows(pieces, tiles, by_position, k), where)
 
 
-def positions_in(unit: Gpus, parts: Sequence[Gpus]) -> Tiles:
-    """The positions in ``unit`` of each of ``parts``' GPUs."""
-    return positions(parts, {g: x for x, g in enumerate(unit)})
+def _slot_tilings(
+    a: Layout, gpus: Gpus, units: list[int], slot_list: Sequence[Gpus]
+) -> Iterator[tuple[int, list[Gpus], Tiles]]:
+    """Per unit ``i`` of ``units`` (indices of the layout-``a`` units on ``gpus``) that the slots tile
+    exactly: ``i``, its slots in the order of their first GPU in it, and their positions in it.
+
+    Units are mostly alike: the units whose GPUs at the positions of the first tiling found are
+    slots have that tiling (slots are disjoint, and these cover them), found at once
+    (:func:`_alike`); the others are looked at GPU by GPU (:func:`_slots_tiling`).
+    """
+    slot_at = {g: slot for slot in slot_list for g in slot}
+    alike: dict[int, list[Gpus]] = {}
+    for i in units:
+        if i in alike:
+            continue
+        u = gpus[i * a.size : (i + 1) * a.size]
+        row, tile = _slots_tiling(u, slot_at)
+        if not row:
+            continue
+        yield i, row, tile
+        if not alike:
+            alike = _alike(gpus, a.size, units, tile, set(slot_list))
+            yield from ((j, parts, tile) for j, parts in alike.items() if j > i)
+
+
+def _slots_tiling(u: Gpus, slot_at: Mapping[int, Gpus]) -> tuple[list[Gpus], Tiles]:
+    """The slots on the GPUs ``u`` in the order of their first GPU there and their positions in ``u``,
+    if they tile ``u`` exactly (else none): slots are disjoint, so they do iff they cover its GPUs
+    and no more."""
+    on_slots = list(dict.fromkeys(map(slot_at.get, u, repeat(()))))  # (): in no slot
+    if () in on_slots or sum(map(len, on_slots)) != len(u):
+        return [], ()
+    return on_slots, positions(on_slots, {g: x for x, g in enumerate(u)})
+
+
+def _alike(
+    gpus: Gpus, size: int, units: Sequence[int], tile: Tiles, exists: Container[Gpus]
+) -> dict[int, list[Gpus]]:
+    """Per unit of ``units`` (indices of the ``size``-GPU units on ``gpus``) whose GPUs at the positions
+    of each part of ``tile`` (parts of one size) form parts that all are in ``exists``: those parts.
+    All units at once (:func:`_unit_parts`)."""
+    every = len(units) * size == len(gpus)  # (units ascend: then they are every unit)
+    parts = (_every_unit_parts(tile, size, len(units)) if every else _unit_parts(tile, size, units))(gpus)
+    fits = list(map(exists.__contains__, parts))
+    k = len(tile)
+    if all(fits):
+        return {i: parts[j * k : (j + 1) * k] for j, i in enumerate(units)}
+    return {i: parts[j * k : (j + 1) * k] for j, i in enumerate(units) if all(fits[j * k : (j + 1) * k])}
+
+
+def _unit_parts(tile: Tiles, size: int, units: Sequence[int]) -> Callable[[Gpus], list[Gpus]]:
+    """A function from GPUs of ``size``-GPU units to the parts at ``tile``'s positions (parts of one
+    size) in each of ``units`` (indices), unit-major: one itemgetter."""
+    at = np.asarray(units)[:, None] * size + np.fromiter(chain.from_iterable(tile), dtype=np.int64)
+    take = itemgetter(*at.ravel().tolist())
+    if at.size == 1:
+        return lambda gpus: [(take(gpus),)]
+    return lambda gpus: gpu_chunks(take(gpus), len(tile[0]))
+
+
+@lru_cache(maxsize=256)
+def _every_unit_parts(tile: Tiles, size: int, count: int) -> Callable[[Gpus], list[Gpus]]:
+    """:func:`_unit_parts` of the first ``count`` units (positions only: made once per shape)."""
+    return _unit_parts(tile, size, range(count))
 
 
 def positions(parts: Sequence[Gpus], at: Mapping[int, int]) -> Tiles:
@@ -253,30 +315,44 @@ def choose_target_slots(
     tgt_units: list[Gpus],
     strided: list[Gpus],
     where: dict[Gpus, int],
-    held: set[int],
+    current: Candidate,
+    target: Candidate,
 ) -> Rows:
     """Phase 2: per target unit, the T_sub units its Merge fuses: its strided slots (``strided``,
     unit-major; the unit itself if it is a T_sub unit) when all exist or the unit holds none of
-    this model-stage's GPUs now, else the ones :func:`_slots_of` finds."""
+    this model-stage's GPUs now, else the ones :func:`_slots_of` finds.
+
+    Units are mostly alike: the units whose GPUs at the positions of the first T_sub units found
+    that all exist are T_sub units too get those, found at once (:func:`_alike`): they are what
+    :func:`_slots_of` finds there (they exist, cover the unit and stand where the others stood:
+    strided slots first, the rest by their first GPU).
+    """
     by_position = sub_positions(b, s)
     k = len(by_position)
     flat, tiles = list(strided), {}
-    absent = set(strided).difference(where)
-    todo = sorted({j // k for j, t in enumerate(strided) if t in absent}) if absent else []
+    absent = [j for j, t in enumerate(strided) if t not in where]
+    todo = sorted({j // k for j in absent}) if k > 1 else absent
+    held = set(current.gpus) if todo else set()
+    if held.isdisjoint(chain.from_iterable(map(tgt_units.__getitem__, todo))):
+        todo = []  # none of them holds a GPU of this model-stage now
     sub_at: dict[int, Gpus] = {}  # the T_sub unit each current GPU would be part of (made on first need)
-    at: dict[int, int] = {}  # each target GPU's position in its unit (made on first need)
+    alike: dict[int, list[Gpus]] = {}
     for i in todo:
         v = tgt_units[i]
-        if held.isdisjoint(v):
+        if i in alike or held.isdisjoint(v):
             continue
         if not sub_at:
             sub_at = {g: t for t in where for g in t}
-            at = dict(zip(chain.from_iterable(tgt_units), cycle(range(b.size))))
         row = strided[i * k : (i + 1) * k]
         found = _slots_of(v, row, b, s, where, sub_at)
         if found is not row:
             flat[i * k : (i + 1) * k] = found
-            tiles[i] = positions(found, at)
+            tiles[i] = positions(found, {g: x for x, g in enumerate(v)})
+            if not alike and all(map(where.__contains__, found)):
+                alike = _alike(target.gpus, b.size, todo, tiles[i], where)
+                for j, parts in alike.items():
+                    flat[j * k : (j + 1) * k] = parts
+                    tiles[j] = tiles[i]
     return Rows(flat, tiles, by_position, k)
 
 
@@ -343,8 +419,10 @@ def decide_reuse(slots: list[Gpus], tiling: Tiling) -> Reuse:
     reused = set(compress(slots, exists))
     missing = list(compress(slots, map(not_, exists)))
     pieces = tiling.pieces
-    on_slot = np.fromiter(map(reused.__contains__, pieces.flat), dtype=bool, count=len(pieces.flat))
-    split_units: list[int] = np.flatnonzero(on_slot.reshape(-1, pieces.k).any(axis=1)).tolist()
+    if len(reused) == len(pieces.flat):  # every piece is reused (a piece is one only once)
+        split_units = list(range(len(pieces.flat) // pieces.k))
+    else:
+        split_units = sorted({tiling.where[t] // pieces.k for t in reused})
     if missing and not split_units:
         units = len(pieces.flat) // pieces.k
         split_units = list(range(min(units, -(-len(missing) // pieces.k))))
@@ -374,10 +452,11 @@ def plan_extends(
     n_cand = len(candidates)
     fresh = [t not in reused for t in candidates] + [True] * len(missing)  # by source index
     load = [0] * len(fresh)  # source index: candidates 0..n_cand-1, then slot j as n_cand + j
+    node_of = [t[0] // gpus_per_node for t in candidates]  # per candidate
     pools: dict[int, list[int]] = defaultdict(list)  # per node: its candidates, then its slots made
-    for k, t in enumerate(candidates):
-        pools[t[0] // gpus_per_node].append(k)
-    remote = _RemoteSources(candidates, fresh, gpus_per_node)
+    for k, node in enumerate(node_of):
+        pools[node].append(k)
+    remote: _RemoteSources | None = None  # (made on first need)
     tail: dict[int, int] = {}  # per node without candidates: its newest slot (the next source there)
     sources: list[Gpus] = []
     made_by: list[int | None] = []
@@ -395,6 +474,7 @@ def plan_extends(
                 pool.append(n_cand + j)
                 load[si] += 1
             else:
+                remote = remote or _RemoteSources(node_of, fresh, len(missing))
                 si = remote.pick(load)  # (counts its load)
                 tail[node] = n_cand + j
         if si < n_cand:
@@ -415,33 +495,39 @@ class _RemoteSources:
 
     Per node its candidates in a heap by (load, fresh, index), and the nodes in a heap by (sends,
     their best candidate), both updated at each pick; a load that grew by a local Extend only
-    makes a stale top, re-keyed when found (keys only grow).
+    makes a stale top, re-keyed when found (keys only grow). Keys are ints that order as those
+    tuples: a candidate's ``(load * 2 + fresh) * n + index`` (``n`` candidates, loads at most
+    ``most_load``), a node's ``sends * span + its best candidate's key`` (``span`` above any such key).
     """
 
-    def __init__(self, candidates: list[Gpus], fresh: list[bool], gpus_per_node: int) -> None:
-        self.of_node: dict[int, list[tuple[int, bool, int]]] = defaultdict(list)
-        for k, t in enumerate(candidates):
-            self.of_node[t[0] // gpus_per_node].append((0, fresh[k], k))
+    def __init__(self, node_of: list[int], fresh: list[bool], most_load: int) -> None:
+        """``node_of``: each candidate's node; ``fresh``: whether it is not reused (by index)."""
+        self.n, self.fresh, self.span = len(node_of), fresh, (2 * most_load + 2) * len(node_of)
+        self.node_of = node_of
+        self.of_node: dict[int, list[int]] = defaultdict(list)
+        for k, node in enumerate(self.node_of):
+            self.of_node[node].append(fresh[k] * self.n + k)  # (load 0)
         for heap in self.of_node.values():
             heapq.heapify(heap)
-        self.nodes = [(0, heap[0], node) for node, heap in self.of_node.items()]
+        self.nodes = [heap[0] for heap in self.of_node.values()]  # (no sends yet)
         heapq.heapify(self.nodes)
 
     def pick(self, load: list[int]) -> int:
         """The best candidate now, counted as one more send of its node and one more load of it."""
+        n, span = self.n, self.span
         while True:
-            n_sent, best, node = self.nodes[0]
-            heap = self.of_node[node]
-            while heap[0][0] != load[heap[0][2]]:  # its load grew since (a local Extend): re-key it
-                _, is_fresh, k = heap[0]
-                heapq.heapreplace(heap, (load[k], is_fresh, k))
+            n_sent, best = divmod(self.nodes[0], span)
+            heap = self.of_node[self.node_of[best % n]]
+            while heap[0] // (2 * n) != load[heap[0] % n]:  # its load grew since (a local Extend): re-key it
+                k = heap[0] % n
+                heapq.heapreplace(heap, (load[k] * 2 + self.fresh[k]) * n + k)
             if best == heap[0]:
                 break
-            heapq.heapreplace(self.nodes, (n_sent, heap[0], node))
-        _, is_fresh, k = best
+            heapq.heapreplace(self.nodes, n_sent * span + heap[0])
+        k = best % n
         load[k] += 1
-        heapq.heapreplace(heap, (load[k], is_fresh, k))
-        heapq.heapreplace(self.nodes, (n_sent + 1, heap[0], node))
+        heapq.heapreplace(heap, (load[k] * 2 + self.fresh[k]) * n + k)
+        heapq.heapreplace(self.nodes, (n_sent + 1) * span + heap[0])
         return k
 
 
@@ -507,13 +593,19 @@ def _patterned(
     units: list[Gpus], tiles: list[Tiles], pattern_of: Callable[[Tiles], tuple[Pattern, tuple[int, ...]]]
 ) -> tuple[tuple[tuple[Gpus, Pattern], ...], np.ndarray]:
     """Each Split's or Merge's lane arguments (its unit's GPUs and the pattern of its ``tiles``) and
-    their transfer buffers, in order; units are mostly alike, so each pattern is made once."""
-    patterns = {t: pattern_of(t) for t in set(tiles)}
+    their transfer buffers, in order; units are mostly alike, so each pattern is made once (the tiles
+    are a few objects, told apart by identity before their values are compared)."""
+    ids = list(map(id, tiles))
+    distinct = dict(zip(ids, tiles, strict=True))  # each tile object, in order of first use
+    patterns = {t: pattern_of(t) for t in set(distinct.values())}
     if len(patterns) == 1:  # every unit alike
         ((pattern, buf),) = patterns.values()
         return tuple(zip(units, repeat(pattern))), np.tile(np.asarray(buf, dtype=np.float64), len(units))
-    args = tuple(zip(units, (patterns[t][0] for t in tiles), strict=True))
-    return args, np.fromiter(chain.from_iterable(patterns[t][1] for t in tiles), dtype=np.float64)
+    made = [patterns[t] for t in distinct.values()]
+    index = dict(zip(distinct, range(len(made)), strict=True))
+    at = list(map(index.__getitem__, ids))  # per unit: the index of its tile's pattern in made
+    args = tuple(zip(units, map([pattern for pattern, _ in made].__getitem__, at), strict=True))
+    return args, np.asarray([buf for _, buf in made], dtype=np.float64)[at].ravel()
 
 
 def _destroys(
@@ -608,10 +700,10 @@ def _merges(
         todo = list(range(len(tgt_units)))
     every = len(todo) == len(tgt_units)
     units = tgt_units if every else [tgt_units[i] for i in todo]
-    rows = [slots.row(i) for i in todo]
+    rows = gpu_chunks(slots.flat, slots.k) if every else [slots.row(i) for i in todo]
     tiles = [slots.tiles_of(i) for i in todo] if slots.tiles else [slots.default] * len(todo)
     if made_by or readers:
-        deps = [_made_or_read(row, made_by, readers) for row in rows]
+        deps = _made_or_read(rows, made_by, readers)
     else:  # nothing was made or read before: the Merges wait for nothing
         deps = [()] * len(todo)
     args, buffers = _patterned(units, tiles, lambda t: merge_pattern(geo, s, b, t))
@@ -631,8 +723,14 @@ def _merges(
 
 
 def _made_or_read(
-    row: list[Gpus], made_by: dict[Gpus, int], readers: dict[Gpus, list[int]]
-) -> tuple[int, ...]:
-    """The lanes that made a slot of ``row`` or read one (ascending)."""
-    made = {made_by[t] for t in row if t in made_by}
-    return tuple(sorted(made.union(*map(readers.get, row, repeat(())))))
+    rows: Sequence[Sequence[Gpus]], made_by: dict[Gpus, int], readers: dict[Gpus, list[int]]
+) -> list[tuple[int, ...]]:
+    """Per row of slots, the lanes that made a slot of it or read one (ascending)."""
+    made, read = made_by.get, readers.get
+    out = []
+    for row in rows:
+        lanes = [lane for lane in map(made, row) if lane is not None]
+        for t in row:
+            lanes += read(t, ())
+        out.append(tuple(sorted(set(lanes))) if len(lanes) > 1 else tuple(lanes))
+    return out

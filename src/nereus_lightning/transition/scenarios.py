@@ -17,7 +17,9 @@ model-stages of one stage share one run of blocks (they run in turn there, ``pla
 and the target is drawn independently of the current plan, so every kind of overlap mixes with it.
 
 With ``sharded``, :func:`random_case` gives training model-stages ZeRO-sharded replicas too
-(:func:`shard_training`): shard groups of the drawn replicas, at a random degree and ZeRO stage.
+(:func:`shard_training`): shard groups of the drawn replicas, at a random degree and ZeRO stage; and in
+half of those cases a training model-stage that stays on its GPUs is re-cut to another shard degree in
+place (:func:`recut_training`, ``plan.rows.recut_in_place``) where it has enough shard groups.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from dataclasses import dataclass, replace
 from nereus_lightning.plan.layout import Candidate, Layout, Plan, moving_shard_groups
 from nereus_lightning.plan.memory import MEMORY_HEADROOM, state_bytes_per_gpu
 from nereus_lightning.plan.planner import job_models
-from nereus_lightning.plan.rows import recut_stages
+from nereus_lightning.plan.rows import recut_in_place, recut_stages
 from nereus_lightning.spec.cluster import CLUSTER_PRESETS, ClusterSpec
 from nereus_lightning.spec.model import MODEL_PRESETS, ModelSpec
 from nereus_lightning.spec.workload import ModelStage, Workload
@@ -153,6 +155,39 @@ def shard_training(rng: random.Random, plan: Plan, workload: Workload) -> Plan:
     return Plan.of(out)
 
 
+def recut_training(
+    rng: random.Random, current: Plan, target: Plan, workload: Workload, models: dict[str, ModelSpec]
+) -> tuple[Plan, Plan]:
+    """``current`` and ``target`` with one training model-stage that stays on its GPUs (at random, among
+    those of four or more shard groups) re-cut in place: the same replicas, model cut and ZeRO stage on
+    both sides, each replica holding ``d`` shard groups on all its GPUs on one side and ``d / 2`` on the
+    first half of them on the other (a re-cut to a smaller degree, or to a larger one), ``lcm = d``
+    dividing every row count. Both plans as they were when no model-stage qualifies."""
+    stages = {ms.name: ms for ms in workload.stages}
+    staying = [
+        n for n, c in current.items() if stages[n].trains and c.gpus == target[n].gpus and _groups(c) >= 4
+    ]
+    if not staying:
+        return current, target
+    name = rng.choice(staying)
+    c = current[name]
+    degree = rng.choice([d for d in (4, 8) if _groups(c) % d == 0])
+    zero, cut = rng.choice((1, 2, 3)), c.layout.model_size
+    replicas = _groups(c) // degree
+    whole = Candidate(Layout(c.layout.tp, c.layout.pp, degree, zero), replicas, c.gpus)
+    half = tuple(g for r in range(replicas) for g in whole.replica_gpus(r)[: degree // 2 * cut])
+    halved = Candidate(Layout(c.layout.tp, c.layout.pp, degree // 2, zero), replicas, half)
+    a, b = (whole, halved) if rng.random() < 0.5 else (halved, whole)
+    if not recut_in_place(models[stages[name].model], a, b):  # a degree whose rows are not all whole
+        return current, target
+    return current.replace(name, a), target.replace(name, b)
+
+
+def _groups(c: Candidate) -> int:
+    """How many whole model cuts (shard groups of ``Layout(tp, pp)``) lie on ``c``'s GPUs."""
+    return len(c.gpus) // c.layout.model_size
+
+
 def _blocks(c: Candidate, block: int) -> set[int]:
     return {g // block for g in c.gpus}
 
@@ -222,7 +257,8 @@ def random_case(
     sharded: bool = False,
 ) -> TransitionCase:
     """A random PPO transition on ``num_gpus`` GPUs whose moves include overlap ``kind`` (``sharded``:
-    with ZeRO-sharded training model-stages, :func:`shard_training`)."""
+    with ZeRO-sharded training model-stages, :func:`shard_training`, half of the time one of them re-cut
+    to another shard degree in place, :func:`recut_training`)."""
     if kind not in OVERLAP_KINDS:
         raise ValueError(f"kind {kind!r} is not one of {OVERLAP_KINDS}")
     models = models or default_models()
@@ -237,6 +273,8 @@ def random_case(
         raise RuntimeError(f"no {kind} case found on {num_gpus} GPUs")
     if sharded:
         current, target = shard_training(rng, current, workload), shard_training(rng, target, workload)
+        if rng.random() < 0.5:
+            current, target = recut_training(rng, current, target, workload, models)
     cluster = _case_cluster(rng, current, target, workload, models, num_gpus, gpn, slack)
     return TransitionCase(
         current, target, models, cluster, workload, kind, overlaps_of(current, target, workload)

@@ -90,16 +90,16 @@ def _structure(dag: TransitionDAG) -> list[str]:
     return out
 
 
-def _resident(dag: TransitionDAG) -> list[float]:
+def _resident(dag: TransitionDAG) -> np.ndarray:
     """Resident bytes per GPU before the transition (the context's, else the current plan's units)."""
     ctx = dag.context
-    if ctx.current_memory:
-        return list(ctx.current_memory)
+    if len(ctx.current_memory):
+        return np.asarray(ctx.current_memory, dtype=np.float64)
     mem = [0.0] * ctx.cluster.num_gpus
     for name, c in ctx.current.items():
         for g in c.gpus:
             mem[g] += ctx.memory_of(name, c.layout)
-    return mem
+    return np.asarray(mem)
 
 
 def _units(c: Candidate) -> dict[Layout, set[Gpus]]:
@@ -117,7 +117,7 @@ def _replay(dag: TransitionDAG, order: Sequence[Node], problems: list[str], labe
 def _replay_memory(dag: TransitionDAG, order: Sequence[Node], problems: list[str], label: str) -> float:
     """Per-GPU memory in ``order``: resident units plus the running node's growth and buffers."""
     cap = memory_cap(dag.context.cluster) * (1 + 1e-9)
-    base = np.asarray(_resident(dag))
+    base = _resident(dag)
     eff = dag.effects if order is dag.nodes else Effects.of([n.mem for n in order])
     # On its GPU while a node runs: what is resident, what every earlier effect there left, and
     # what this one adds (its growth and buffers).
@@ -134,10 +134,12 @@ def _replay_memory(dag: TransitionDAG, order: Sequence[Node], problems: list[str
 
 def _earlier_sums(keys: np.ndarray, values: np.ndarray) -> np.ndarray:
     """Per entry: the sum of the ``values`` of the entries before it with the same key."""
-    by_key = np.argsort(keys, kind="stable")  # entries grouped by key, in their order inside a group
+    by_key = keys.argsort(kind="stable")  # entries grouped by key, in their order inside a group
+    grouped = keys[by_key]
     ordered = values[by_key]
-    running = np.cumsum(ordered) - ordered  # sums of the entries before, over the grouped list
-    first = np.searchsorted(keys[by_key], keys[by_key])  # where each entry's group starts
+    running = ordered.cumsum() - ordered  # sums of the entries before, over the grouped list
+    starts = np.flatnonzero(np.concatenate(([True], grouped[1:] != grouped[:-1])))  # where a key begins
+    first = np.repeat(starts, np.diff(starts, append=len(grouped)))  # where each entry's group starts
     out = np.empty_like(values)
     out[by_key] = running - running[first]
     return out
@@ -150,7 +152,7 @@ def _replay_units(dag: TransitionDAG, order: Sequence[Node], problems: list[str]
     live = {name: _units(c) for name, c in ctx.current.items()}
     # per model-stage with peers (only peers can conflict) and GPU: how many of its units hold it
     count = {
-        name: np.bincount(ctx.current[name].gpus, minlength=ctx.cluster.num_gpus).tolist()
+        name: _held(ctx.current[name].gpus, ctx.cluster.num_gpus)
         for name, peers in ctx.peers.items()
         if peers
     }
@@ -169,7 +171,11 @@ def _replay_units(dag: TransitionDAG, order: Sequence[Node], problems: list[str]
             again = next(g for i, g in enumerate(gpus) if g in gpus[:i] or _live(units, g))
             where = Unit(n.targets.layout, again)
             problems.append(f"structure{label}: {n} creates {where} where a unit already is")
-        units.setdefault(n.targets.layout, set()).update(made)
+        same_layout = units.get(n.targets.layout)
+        if same_layout:
+            same_layout.update(made)
+        else:
+            units[n.targets.layout] = made
         if not any(units.values()):
             problems.append(f"last copy{label}: {n.model_stage} has no unit left after {n}")
         if n.model_stage in count:
@@ -178,6 +184,14 @@ def _replay_units(dag: TransitionDAG, order: Sequence[Node], problems: list[str]
         ends = {layout: gpus for layout, gpus in live[name].items() if gpus}
         if ends != _units(c):
             problems.append(f"structure{label}: {name} ends with {ends}, not the target")
+
+
+def _held(gpus: Gpus, num_gpus: int) -> list[int]:
+    """Per GPU of the pool, how many times ``gpus`` lists it."""
+    held = [0] * num_gpus
+    for g in gpus:
+        held[g] += 1
+    return held
 
 
 def _live(units: dict[Layout, set[Gpus]], gpus: Gpus) -> bool:
@@ -246,14 +260,14 @@ def _fits_in_any_order(dag: TransitionDAG) -> bool:
     """Whether every GPU fits its resident bytes plus the growth of every node on it (what all of
     them may add if nothing were freed): then no order, sequential or concurrent, passes the cap."""
     cap = memory_cap(dag.context.cluster) * (1 + 1e-9)
-    return bool(np.all(np.asarray(_resident(dag)) + dag.memory_growth() <= cap))
+    return bool(np.all(_resident(dag) + dag.memory_growth() <= cap))
 
 
 def _concurrent_memory(dag: TransitionDAG, problems: list[str]) -> float:
     """Check 3: start every ready node at once; finish acquisitions before releases. Returns the peak."""
     cap = memory_cap(dag.context.cluster) * (1 + 1e-9)
     nodes = dag.nodes
-    mem = _resident(dag)
+    mem = _resident(dag).tolist()
     peak = max(mem, default=0.0)
     succs: list[list[int]] = [[] for _ in nodes]
     for n in nodes:
