@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 
-from nereus_lightning.spec.errors import require
+from nereus_lightning.spec.errors import NereusConfigError, require
 
 #: ZeRO stages: what a shard group cuts into row blocks (each stage adds to the one before).
 ZERO_STAGES = {1: "optimizer state", 2: "+ gradients", 3: "+ parameters"}
@@ -77,15 +77,15 @@ class Candidate:
     def __post_init__(self) -> None:
         require(self.dp >= 1, "candidate.dp", f"must be >= 1, got {self.dp}")
         require(self.micro_batch >= 1, "candidate.micro_batch", f"must be >= 1, got {self.micro_batch}")
+        # The GPU checks format their messages only on failure: a plan makes many candidates of
+        # up to thousands of GPUs each.
         size = self.dp * self.layout.size
-        if len(self.gpus) != size:  # (the messages are made only when needed)
-            require(
-                False,
-                "candidate.gpus",
-                f"{len(self.gpus)} GPUs given for dp={self.dp} x {self.layout} = {size}",
+        if len(self.gpus) != size:
+            raise NereusConfigError(
+                f"candidate.gpus: {len(self.gpus)} GPUs given for dp={self.dp} x {self.layout} = {size}"
             )
         if len(set(self.gpus)) != len(self.gpus):
-            require(False, "candidate.gpus", f"GPU ids repeat in {self.gpus}")
+            raise NereusConfigError(f"candidate.gpus: GPU ids repeat in {self.gpus}")
 
     @property
     def num_gpus(self) -> int:

@@ -275,8 +275,10 @@ def acquires_some(op: Primitive, sources: Units, targets: Units) -> bool:
     """Whether a call of ``op`` reading ``sources`` and making ``targets`` (of one or more alike lanes)
     may newly place state on a GPU (:func:`acquired_gpus`): an Extend, or a Split or Merge whose
     targets span more GPUs than its sources (a re-cut to a larger shard degree)."""
-    if op is Primitive.EXTEND or op is Primitive.DESTROY:
-        return op is Primitive.EXTEND
+    if op is Primitive.EXTEND:
+        return True
+    if op is Primitive.DESTROY:
+        return False
     return len(targets) * targets.layout.size > len(sources) * sources.layout.size
 
 
@@ -285,8 +287,10 @@ def releases_some(op: Primitive, sources: Units, targets: Units) -> bool:
     may leave a GPU (:func:`released_gpus`): a Destroy of something, or a Split or Merge whose targets
     span fewer GPUs than its sources (a Split's units lie on its source's GPUs; a re-cut to a smaller
     shard degree keeps some of them)."""
-    if op is Primitive.DESTROY or op is Primitive.EXTEND:
-        return op is Primitive.DESTROY and len(sources) > 0
+    if op is Primitive.DESTROY:
+        return len(sources) > 0
+    if op is Primitive.EXTEND:
+        return False
     return len(targets) * targets.layout.size < len(sources) * sources.layout.size
 
 

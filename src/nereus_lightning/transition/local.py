@@ -474,7 +474,7 @@ def plan_extends(
                 pool.append(n_cand + j)
                 load[si] += 1
             else:
-                remote = remote or _RemoteSources(node_of, fresh, len(missing))
+                remote = remote or _RemoteSources(node_of, fresh)
                 si = remote.pick(load)  # (counts its load)
                 tail[node] = n_cand + j
         if si < n_cand:
@@ -495,39 +495,34 @@ class _RemoteSources:
 
     Per node its candidates in a heap by (load, fresh, index), and the nodes in a heap by (sends,
     their best candidate), both updated at each pick; a load that grew by a local Extend only
-    makes a stale top, re-keyed when found (keys only grow). Keys are ints that order as those
-    tuples: a candidate's ``(load * 2 + fresh) * n + index`` (``n`` candidates, loads at most
-    ``most_load``), a node's ``sends * span + its best candidate's key`` (``span`` above any such key).
+    makes a stale top, re-keyed when found (keys only grow).
     """
 
-    def __init__(self, node_of: list[int], fresh: list[bool], most_load: int) -> None:
+    def __init__(self, node_of: list[int], fresh: list[bool]) -> None:
         """``node_of``: each candidate's node; ``fresh``: whether it is not reused (by index)."""
-        self.n, self.fresh, self.span = len(node_of), fresh, (2 * most_load + 2) * len(node_of)
-        self.node_of = node_of
-        self.of_node: dict[int, list[int]] = defaultdict(list)
-        for k, node in enumerate(self.node_of):
-            self.of_node[node].append(fresh[k] * self.n + k)  # (load 0)
+        self.of_node: dict[int, list[tuple[int, bool, int]]] = defaultdict(list)
+        for k, node in enumerate(node_of):
+            self.of_node[node].append((0, fresh[k], k))
         for heap in self.of_node.values():
             heapq.heapify(heap)
-        self.nodes = [heap[0] for heap in self.of_node.values()]  # (no sends yet)
+        self.nodes = [(0, heap[0], node) for node, heap in self.of_node.items()]
         heapq.heapify(self.nodes)
 
     def pick(self, load: list[int]) -> int:
         """The best candidate now, counted as one more send of its node and one more load of it."""
-        n, span = self.n, self.span
         while True:
-            n_sent, best = divmod(self.nodes[0], span)
-            heap = self.of_node[self.node_of[best % n]]
-            while heap[0] // (2 * n) != load[heap[0] % n]:  # its load grew since (a local Extend): re-key it
-                k = heap[0] % n
-                heapq.heapreplace(heap, (load[k] * 2 + self.fresh[k]) * n + k)
+            n_sent, best, node = self.nodes[0]
+            heap = self.of_node[node]
+            while heap[0][0] != load[heap[0][2]]:  # its load grew since (a local Extend): re-key it
+                _, is_fresh, k = heap[0]
+                heapq.heapreplace(heap, (load[k], is_fresh, k))
             if best == heap[0]:
                 break
-            heapq.heapreplace(self.nodes, n_sent * span + heap[0])
-        k = best % n
+            heapq.heapreplace(self.nodes, (n_sent, heap[0], node))
+        _, is_fresh, k = best
         load[k] += 1
-        heapq.heapreplace(heap, (load[k] * 2 + self.fresh[k]) * n + k)
-        heapq.heapreplace(self.nodes, (n_sent + 1) * span + heap[0])
+        heapq.heapreplace(heap, (load[k], is_fresh, k))
+        heapq.heapreplace(self.nodes, (n_sent + 1, heap[0], node))
         return k
 
 
