@@ -247,7 +247,7 @@ PROFILE_COUNTED = (
 
 
 def run_nereus(  # noqa: ANN001
-    folder: Path, steps: int, new_tokens: int, out: Path, plan, cluster, measure=None, layers: str = "eager"
+    folder: Path, steps: int, new_tokens: int, out: Path, plan, cluster, measure=None, layers: str = "compiled"
 ) -> dict:
     """nereus GRPO on GPU 0 under ``plan``: bf16 weights with fp32 masters, decoder layers run as
     ``layers`` (``algorithm.layers``); with ``measure``, the last step's training stage runs through it
@@ -483,7 +483,7 @@ def main(argv: list[str] | None = None, profiler=profile_tables) -> None:  # noq
     parser.add_argument("--recompute", type=int, choices=(0, 1), help="override recompute (0/1)")
     parser.add_argument("--tag", default="", help="suffix of the result file (e.g. mb4)")
     parser.add_argument("--profile", action="store_true", help="profile the last step's training stage")
-    parser.add_argument("--layers", default="eager", help="algorithm.layers: eager or compiled")
+    parser.add_argument("--layers", default="compiled", help="algorithm.layers: compiled or eager")
     args = parser.parse_args(argv if argv is not None else sys.argv[1:])
     if args.report is not None:
         print(report([Path(p) for p in args.report]))

@@ -1,4 +1,4 @@
-# Compiled decoder layers (algorithm.layers=compiled) against the layers as written (eager), and TRL, in one
+# Compiled decoder layers (algorithm.layers=compiled, the default) against the layers as written (eager), and TRL, in one
 # call at 256 tokens: the GPU test of the compiled path first, then per shape in SHAPES (default
 # "0.5b") nereus compiled, nereus eager and, with TRL=1, TRL. Logs go to files: inductor's compile
 # workers outlive a timed-out run and would hold a pipe open.
@@ -16,8 +16,8 @@ b() {
     echo "$name rc=$? $(( $(date +%s) - s ))s: $(tail -c 300 "$OUT/$name.log" | tail -1)"
 }
 for shape in ${SHAPES:-0.5b}; do
-    b "${T_AUTO:-150}" "compiled_$shape" --system nereus --shape "$shape" --new-tokens 256 --layers compiled --tag compiled
-    b "${T_EAGER:-80}" "eager_$shape" --system nereus --shape "$shape" --new-tokens 256 --layers eager
+    b "${T_AUTO:-150}" "compiled_$shape" --system nereus --shape "$shape" --new-tokens 256 --layers compiled
+    b "${T_EAGER:-80}" "eager_$shape" --system nereus --shape "$shape" --new-tokens 256 --layers eager --tag eager
     [ "${TRL:-0}" = 1 ] && b "${T_TRL:-100}" "trl_$shape" --system trl --shape "$shape" --new-tokens 256
 done
 ls "$OUT"

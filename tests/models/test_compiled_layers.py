@@ -130,9 +130,8 @@ def test_eager_layers_or_no_varlen_kernel_run_as_written() -> None:
     from torch._dynamo.utils import counters
 
     sharded = ShardedCausalLM.from_model(tiny_model("qwen2"), ReplicaComm.single())
-    assert sharded.layers == "eager"  # the default
+    assert sharded.layers == "compiled"  # the default
     counters.clear()
-    sharded.layers = "compiled"
     _pass(sharded, LENGTHS[0], 0)  # on the CPU: no varlen kernel, so nothing compiles
     with _varlen_everywhere():
         sharded.layers = "eager"

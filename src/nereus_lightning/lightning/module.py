@@ -266,9 +266,9 @@ class RLModule(L.LightningModule):
         decode: the built-in engine's decode loop: ``"static"`` (a preallocated KV cache, each
             decode step replayed as a CUDA graph on GPUs), ``"eager"`` (transformers ``generate``,
             the reference) or ``"auto"`` (static on GPUs, eager on the CPU).
-        layers: how packed inference and training passes run the decoder layers: ``"eager"`` (as
-            written) or ``"compiled"`` (through torch.compile where the varlen attention kernel runs,
-            a GPU in bf16; activation recompute and the CPU run them as written).
+        layers: how packed inference and training passes run the decoder layers: ``"compiled"`` (the
+            default: through torch.compile where the varlen attention kernel runs, a GPU in bf16;
+            activation recompute and the CPU run them as written) or ``"eager"`` (always as written).
         on_nonfinite: a NaN/inf reward or gradient norm ``"raise"`` s (naming the step, the
             model-stage and the first bad sample or tensor) or ``"skip"`` s the update.
         val_greedy: validation decodes greedily (else it samples like training).
@@ -334,7 +334,7 @@ class RLModule(L.LightningModule):
         vllm: Mapping[str, Any] | None = None,
         ignore_eos: bool = False,
         decode: str = "auto",
-        layers: str = "eager",
+        layers: str = "compiled",
         on_nonfinite: str = "raise",
         val_greedy: bool = True,
         rollout_data_dir: str | None = None,

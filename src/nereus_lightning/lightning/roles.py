@@ -57,7 +57,7 @@ class RoleModels:
     rollout_engine: str = "hf"
     tokenizer: Any = None
     decoding: Decoding | None = None
-    layers: str = "eager"
+    layers: str = "compiled"
 
     def __post_init__(self) -> None:
         workflow(self.algorithm)  # an unknown algorithm fails here, naming the known ones

@@ -286,7 +286,7 @@ class ShardedCausalLM(nn.Module):
         self.layer_ids = layer_range(config.num_hidden_layers, layout.pp, comm.pp_rank)
         self.value_head = has_value_head(config)
         self.recompute = False  # activation recompute in training forwards (see :meth:`stage`)
-        self.layers = "eager"  # how packed forwards run their layers (:data:`LAYER_MODES`, :meth:`stage`)
+        self.layers = "compiled"  # how packed forwards run their layers (:data:`LAYER_MODES`, :meth:`stage`)
         plan = tp_plan_of(config)
         tied = is_tied(config)
         family = family_model(local_config(config, layout.tp, plan), self.value_head)
@@ -629,9 +629,9 @@ class ShardedCausalLM(nn.Module):
             all_reduce_flat([weight.grad], self.comm.tied_group)
 
 
-#: How a packed forward runs its decoder layers (``algorithm.layers``): ``"eager"`` (the default) as
-#: written; ``"compiled"`` each layer through :func:`compiled_layer` where the varlen attention kernel
-#: runs (a CUDA GPU) and no activation recompute is planned, as written elsewhere.
+#: How a packed forward runs its decoder layers (``algorithm.layers``): ``"compiled"`` (the default)
+#: each layer through :func:`compiled_layer` where the varlen attention kernel runs (a CUDA GPU) and no
+#: activation recompute is planned, as written elsewhere; ``"eager"`` always as written.
 LAYER_MODES = ("eager", "compiled")
 
 
