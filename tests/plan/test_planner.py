@@ -243,12 +243,15 @@ def _random_instance(rng: random.Random):
     return models, cluster, workload, calibration
 
 
+INSTANCES = 120
+
+
 def test_planner_matches_brute_force_on_random_instances():
     """The plan is within STEP_TOLERANCE of the brute-force fastest step (its slots made lean), and
     planned with no tolerance it is the fastest."""
     rng = random.Random(20260)
     compared = infeasible = shared = leaner = 0
-    for _ in range(220):
+    for _ in range(INSTANCES):
         models, cluster, workload, calibration = _random_instance(rng)
         expected = _brute_force(models, cluster, workload, calibration)
         try:
@@ -273,8 +276,8 @@ def test_planner_matches_brute_force_on_random_instances():
         shared += bool(colocated(result.plan, {ms.name: ms.stage for ms in workload.stages}))
     # Colocation makes every instance of these small models feasible; both kinds of plan win often;
     # some plans are leaner and slower than the fastest.
-    assert compared + infeasible == 220 and compared >= 150 and leaner >= 10
-    assert 20 <= shared <= compared - 20
+    assert compared + infeasible == INSTANCES and compared >= 80 and leaner >= 5
+    assert 10 <= shared <= compared - 10
 
 
 def test_only_a_row_of_the_same_resident_state_stands_in_for_another():
