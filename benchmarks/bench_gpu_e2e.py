@@ -247,7 +247,14 @@ PROFILE_COUNTED = (
 
 
 def run_nereus(  # noqa: ANN001
-    folder: Path, steps: int, new_tokens: int, out: Path, plan, cluster, measure=None, layers: str = "compiled"
+    folder: Path,
+    steps: int,
+    new_tokens: int,
+    out: Path,
+    plan,
+    cluster,
+    measure=None,
+    layers: str = "compiled",
 ) -> dict:
     """nereus GRPO on GPU 0 under ``plan``: bf16 weights with fp32 masters, decoder layers run as
     ``layers`` (``algorithm.layers``); with ``measure``, the last step's training stage runs through it
