@@ -54,14 +54,15 @@ PROMPTS, SAMPLES = 16, 4
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def make_folder(shape: str, root: Path) -> Path:
-    """A Qwen2 folder of ``shape`` (random weights, bf16) beside a small tokenizer trained here."""
+def make_folder(shape: str, root: Path, weights: bool = True) -> Path:
+    """A Qwen2 folder of ``shape`` (random weights, bf16; only the config without ``weights``) beside
+    a small tokenizer trained here."""
     import torch
     import transformers as tf
 
     from nereus_lightning.testing.folders import train_tokenizer
 
-    folder = root / f"qwen2-{shape}"
+    folder = root / f"qwen2-{shape}{'' if weights else '-config'}"
     if (folder / "config.json").is_file():
         return folder
     tokenizer = train_tokenizer(
@@ -77,7 +78,10 @@ def make_folder(shape: str, root: Path) -> Path:
         bos_token_id=None,
     )
     torch.manual_seed(0)
-    tf.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
+    if weights:
+        tf.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
+    else:
+        config.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
 

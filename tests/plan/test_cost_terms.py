@@ -20,6 +20,7 @@ from nereus_lightning.plan.comm import (
     p2p_time,
 )
 from nereus_lightning.plan.cost import (
+    DECODE_KERNELS_PER_LAYER,
     HOST_BW,
     KERNELS_PER_LAYER,
     RECOMPUTE_LAUNCH_PASSES,
@@ -214,7 +215,7 @@ def test_decode_reads_weights_plus_the_whole_static_cache_and_pays_its_launches(
     # One sequence: reads dominate (8 GB per step at 1 TB/s vs 15 GFLOP at 100 TFLOP/s).
     assert wave.at(1)["decode"] == pytest.approx(300 * (wave.decode_fixed + wave.decode_per_seq))
     # A replayed decode step still pays its kernels (class launch), whatever the batch.
-    launch = 300 * 32 * KERNELS_PER_LAYER * c.launch_s
+    launch = 300 * 32 * DECODE_KERNELS_PER_LAYER * c.launch_s
     assert wave.at(1)["launch"] == wave.at(4)["launch"] == pytest.approx(launch)
     # vLLM pages its cache: a step reads the running context (prompt + half the mean response).
     paged = replace(w, engine=GenerationEngine("vllm"), gpu_memory=64e9)

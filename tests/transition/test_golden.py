@@ -42,6 +42,11 @@ resident peaks, the timed scenarios' plans are the planner's), 89 more changed t
 alone (the critic's and reward model's transfers and memory effects); the 68 others, where no critic
 or reward state moves or sizes the cluster (the hand cases move the actor alone), are identical.
 298 DAGs are feasible (295 before; of the 30 timed scenarios 23, 20 before).
+
+Regenerated 2026-12-06 a third time (2 of 467 changed, both timed scenarios at 1,024 GPUs whose
+plans the planner makes): a decode step is priced at the fused kernels of a replayed graph
+(``cost.DECODE_KERNELS_PER_LAYER``, 8 a layer, was 16), so the grow and drift plans at that size
+changed; the DAG that was feasible still is, the infeasible one still is. The other 465 are identical.
 """
 
 from __future__ import annotations

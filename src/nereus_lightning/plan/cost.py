@@ -9,8 +9,9 @@ is as slow as its slowest replica, which gets ``ceil(sequences / dp)`` sequences
   reads the weights and the KV cache it attends over once (``max(FLOPs / peak, bytes / HBM)``):
   the static decoder attends over its whole preallocated cache every step, vLLM over the
   running context (:func:`decode_context`). Each step also pays the fixed cost of its kernels
-  (class ``launch``, :func:`_launch_time`): a replayed CUDA graph saves the host's launch work,
-  but at decode sizes every kernel still takes about a launch's time on the GPU.
+  (class ``launch``, :data:`DECODE_KERNELS_PER_LAYER`): a replayed CUDA graph of fused kernels
+  saves the host's launch work, but at decode sizes every kernel still takes about a launch's time
+  on the GPU.
 - Inference = forward passes of ``micro_batch`` sequences through a pipeline.
 - Training = 1F1B pipeline, ``(a + pp - 1)`` micro-batch slots per optimizer step, then the DP
   gradient all-reduce and the AdamW update, for every mini-batch and PPO epoch. A ZeRO-sharded
@@ -58,9 +59,12 @@ ADAMW_BYTES_PER_PARAM = 32
 #: Kernels one transformer layer launches per forward-like pass in an eager framework (norms,
 #: QKV / output / MLP GEMMs, rotary, attention, activation, residual adds: ~10-20). With
 #: ``ClusterSpec.launch_s`` this is the fixed host cost of a pass, paid whatever its batch.
-#: A decode step replayed as a CUDA graph (inductor-fused) pays about as much on the GPU (the
-#: measured decode steps are in the README's "One GPU" section).
 KERNELS_PER_LAYER = 16
+#: Kernels one layer runs per decode step, replayed as a CUDA graph of fused kernels (the built-in
+#: engine's inductor graph, vLLM's own): the QKV, output, gate-up and down GEMMs, attention, the
+#: rotary embedding with the cache write, the activation, and the norm with its residual add. At
+#: decode sizes each takes about a launch's time on the GPU, whatever the batch.
+DECODE_KERNELS_PER_LAYER = 8
 Ideal = dict[str, float]
 
 
@@ -354,7 +358,7 @@ def wave_affine(work: StageWork, layout: Layout, links: Links, cluster: ClusterS
     parts = [
         ("gemm", _launch_time(L, cluster), gemm),  # the prefill's launches
         ("attention", 0.0, attn),
-        ("launch", steps * _launch_time(L, cluster), 0.0),  # every decode step's kernels
+        ("launch", steps * L * DECODE_KERNELS_PER_LAYER * cluster.launch_s, 0.0),  # every decode step's
     ]
     if tp > 1:
         allreduce = lambda b: allreduce_time(b, tp, links.tp, cluster)  # noqa: E731
