@@ -63,3 +63,15 @@ def test_after_an_unannounced_length_jump_nereus_keeps_headroom_for_the_next():
     nereus = comp.records["nereus(gamma=0.5)"]
     assert [r.step for r in nereus if not r.feasible] in ([], [8])
     assert comp.summaries["nereus(gamma=0.5)"].gap_to_oracle < 0.01
+
+
+def test_a_step_that_runs_out_of_memory_is_charged_a_restart():
+    # The static plan runs out of memory at the curriculum's doublings; the body does not catch
+    # that error, so each such step costs its time and a checkpoint/restart.
+    combo = COMBINATIONS[3]
+    setup = make_setup(combo.model, combo.cluster, {"algorithm": combo.algorithm}, seed=1, restart_s=250.0)
+    trace = family_trace("curriculum", combo.shape, 1)
+    records = run_experiment(setup, trace, ["static"], plot=False)["comparison"].records["static"]
+    lost = [r.step_s for r in records if not r.feasible]
+    ran = [r.step_s for r in records if r.feasible]
+    assert lost and ran and max(ran) < 250.0 <= min(lost) < 250.0 + max(ran) * 1.5

@@ -30,7 +30,7 @@ class StepRecord:
     step: int
     num_gpus: int
     response_len: float
-    step_s: float  # true step latency
+    step_s: float  # true step latency; an infeasible step adds the restart its OOM forces
     transition_s: float  # time spent moving to this step's plan (0 if none)
     action: str  # "initial", "none", "transition", "restart"
     feasible: bool
@@ -120,7 +120,8 @@ def simulate(
         if ok:
             last = machine.run_step(s, plan, cluster_s, workload_at(workload, truth_sig))
             ok = last.feasible
-            step_s = last.latency
+            # A step over a GPU's memory runs out of it: the job dies and restarts from its checkpoint.
+            step_s = last.latency if ok else last.latency + machine.restart_s
         else:
             step_s, last = math.nan, None
         records.append(
