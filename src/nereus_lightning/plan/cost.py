@@ -358,7 +358,7 @@ def wave_affine(work: StageWork, layout: Layout, links: Links, cluster: ClusterS
     parts = [
         ("gemm", _launch_time(L, cluster), gemm),  # the prefill's launches
         ("attention", 0.0, attn),
-        ("launch", steps * L * DECODE_KERNELS_PER_LAYER * cluster.launch_s, 0.0),  # every decode step's
+        ("launch", steps * L * DECODE_KERNELS_PER_LAYER * cluster.launch_s, 0.0),  # the decode steps
     ]
     if tp > 1:
         allreduce = lambda b: allreduce_time(b, tp, links.tp, cluster)  # noqa: E731
