@@ -3,13 +3,12 @@ measured ones of ``bench_gpu_e2e.py`` runs (issue 31: decode priced at length, w
 
 Usage: ``PYTHONPATH=src:. python benchmarks/gpu_generation_pricing.py RUN.json ...`` (the nereus JSON
 files of ``benchmarks/results/h100``); on the CPU: each run's plan, model shape and prompt length are
-rebuilt from its JSON, the cluster is the preset of the GPU it ran on.
+rebuilt from its JSON, the cluster as ``cluster=auto`` built it from the GPU's name and memory.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import tempfile
 from pathlib import Path
@@ -20,10 +19,8 @@ from nereus_lightning.control.attribution import phase_times_of
 from nereus_lightning.plan.estimate import estimate_plan
 from nereus_lightning.plan.layout import Candidate, Layout, Plan
 from nereus_lightning.plan.planner import job_models
-from nereus_lightning.spec import ModelSpec, Workload, cluster_preset
-
-#: The preset of each GPU the JSON files name.
-PRESETS = {"NVIDIA H100 80GB HBM3": "h100x8", "NVIDIA H200": "h200x8"}
+from nereus_lightning.spec import ModelSpec, Workload
+from nereus_lightning.spec.cluster import DeviceFacts, cluster_from_devices
 
 
 def _plan(text: str) -> Plan:
@@ -34,9 +31,7 @@ def _plan(text: str) -> Plan:
 def repriced(run: dict, root: Path) -> float:
     """Generation seconds this version's cost model predicts, before calibration, for ``run``."""
     folder = make_folder(run["shape"], root, weights=False)
-    cluster = cluster_preset(PRESETS[run["gpu"]]).with_gpus(1)
-    if run.get("gpu_gib"):
-        cluster = dataclasses.replace(cluster, gpu_memory=run["gpu_gib"] * 2**30)
+    cluster = cluster_from_devices(DeviceFacts(run["gpu"], run["gpu_gib"] * 2**30), 1, 1)
     n = float(run["new_tokens"])
     workload = Workload(
         algorithm="grpo",

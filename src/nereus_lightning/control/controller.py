@@ -39,6 +39,7 @@ decision log with its latency, ``L_tran``, net benefit and verdict.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from functools import partial
 from typing import Any
@@ -271,12 +272,7 @@ class Controller:
         ahead = self.forecast.ahead(self.config.forecast_steps) if self.config.forecast_steps > 0 else None
         if ahead is None:
             return self.workload_at(signals)
-        return replace(
-            self.workload,
-            response_len=float(ahead["response_len"]),
-            response_len_p95=float(ahead["response_len_p95"]),
-            prompt_len=int(round(ahead["prompt_len"])),
-        )
+        return at_lengths(self.workload, ahead)
 
     def next_step_workload(self, signals: StepSignals) -> Workload:
         """The lengths the next step is checked for: the planning lengths, or the next step's
@@ -645,15 +641,8 @@ class Controller:
         under the any-gain rule (any gain now is admitted)."""
         if replan.urgent or replan.current_latency is None or self.config.admission != "payback":
             return ()
-        base = replan.workload
         return tuple(
-            replace(
-                base,
-                response_len=ahead["response_len"],
-                response_len_p95=ahead["response_len_p95"],
-                prompt_len=int(round(ahead["prompt_len"])),
-            )
-            for ahead in self.forecast.over_horizon(replan.horizon)
+            at_lengths(replan.workload, ahead) for ahead in self.forecast.over_horizon(replan.horizon)
         )
 
     def latencies_at(
@@ -890,6 +879,16 @@ class Controller:
 
     def __repr__(self) -> str:
         return f"Controller(gamma={self.config.gamma}, plan={describe_plan(self.plan)})"
+
+
+def at_lengths(workload: Workload, lengths: Mapping[str, float]) -> Workload:
+    """``workload`` at a forecast's ``lengths`` (``response_len``, ``response_len_p95``, ``prompt_len``)."""
+    return replace(
+        workload,
+        response_len=float(lengths["response_len"]),
+        response_len_p95=float(lengths["response_len_p95"]),
+        prompt_len=int(round(lengths["prompt_len"])),
+    )
 
 
 def workload_at(workload: Workload, signals: StepSignals) -> Workload:
