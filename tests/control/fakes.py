@@ -75,10 +75,11 @@ def controller(
     """A controller over ``backend`` on paper_cluster2 at ``plan``; ``cfg``: ``ControllerConfig`` fields.
 
     It only weighs the backend's plans (``try_follow_pool`` off unless given) and replans only
-    on the paper's triggers (``quiet_check_every`` off unless given).
+    on the paper's triggers (``quiet_check_every`` and ``retune`` off unless given).
     """
     cfg.setdefault("try_follow_pool", False)
     cfg.setdefault("quiet_check_every", 0)
+    cfg.setdefault("retune", False)
     max_steps = cfg.pop("max_steps", None)
     return Controller(
         backend,

@@ -124,6 +124,32 @@ def test_pinned_training_layouts_are_tried_only_when_the_best_target_fails():
     assert ctl.step(sig(1, length=2000)).kind == "keep" and backend.pinned_calls == []
 
 
+def test_retune_takes_free_micro_batch_changes_between_triggers():
+    # The current layouts and GPUs with another micro-batch: nothing moves, so at a boundary
+    # without triggers the controller takes it when faster, without moving the drift references.
+    cur = train_plan(1, 4, 1)
+    tuned, other = train_plan(1, 4, 1, micro_batch=2), train_plan(4, 1, 1, micro_batch=2)
+
+    def run(pinned, tran, latency=None, **cfg):
+        lat = {cur: 20.0, tuned: 18.0, other: 9.0, **(latency or {})}
+        backend = PinningBackend([cur], lat, tran=tran, pinned_plans=[pinned])
+        ctl = controller(backend, plan=cur, **{"retune": True, **cfg})
+        return ctl, ctl.step(sig(0))  # a plan handed in: the first boundary has no trigger
+
+    ctl, d = run(tuned, {tuned: 0.0})
+    assert d.kind == "transition" and d.target == tuned and d.transition_cost == 0.0
+    assert "retune" in d.reason and [t.kind for t in d.triggers] == ["retune"]
+    assert ctl.plan == tuned and ctl.step(sig(1, length=1100)).kind == "none"  # nothing faster now
+    assert ctl.drift["response_len"].reference == 1000.0  # references stay: no crossing
+    assert ctl.step(sig(2, length=1400)).triggers[0].kind == "drift:response_len"
+    # The planner's pick with another layout is not a retune: only micro-batch and recompute are taken.
+    assert run(other, {other: 0.0})[1].kind == "none"
+    # Not faster, or a transition that moves state, or switched off: nothing happens.
+    assert run(tuned, {tuned: 0.0}, latency={tuned: 21.0})[1].kind == "none"
+    assert run(tuned, {tuned: 0.5})[1].kind == "none"
+    assert run(tuned, {tuned: 0.0}, retune=False)[1].kind == "none"
+
+
 def test_planner_pins_layouts():
     models = job_models(MODEL_PRESETS["llama3_8b"])
     cluster = CLUSTER_PRESETS["paper_cluster2"].with_gpus(16)

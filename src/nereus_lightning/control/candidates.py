@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from nereus_lightning.control.backend import Estimate, PlanningBackend
@@ -253,6 +253,30 @@ class CandidateSource:
         safe = min(ranked, key=lambda o: (layout_changes(o.plan, self.current), o.expected))
         yield safe
         yield from (o for o in ranked if o is not safe)
+
+    def retuned(self) -> Option | None:
+        """The current plan with the planner's micro-batches and recomputation for this replan's
+        lengths, where it keeps a model-stage's layout and replica count (the planner asked with
+        every layout pinned): nothing moves, so a faster one pays back at once. None where nothing
+        changes, it is not faster, or the backend cannot pin layouts."""
+        plan_pinned = getattr(self.backend, "plan_pinned", None)
+        if plan_pinned is None:
+            return None
+        layouts = {n: c.layout for n, c in self.current.items()}
+        try:
+            planned = plan_pinned(self.cluster, self.workload, self.calibration, layouts, memory=self.memory)
+        except InfeasiblePlanError:
+            return None
+        best = planned[0][0]
+        tuned = Plan(
+            tuple(
+                (n, replace(c, micro_batch=best[n].micro_batch, recompute=best[n].recompute))
+                if n in best and (best[n].layout, best[n].dp) == (c.layout, c.dp)
+                else (n, c)
+                for n, c in self.current.items()
+            )
+        )
+        return self.price(tuned, "current layouts and GPUs, micro-batches retuned")
 
     def pinned(self) -> Iterator[Option]:
         """The planner's best plans with every training model-stage kept at its current layout.

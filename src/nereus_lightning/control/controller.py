@@ -103,6 +103,10 @@ class ControllerConfig:
     * ``pin_training``: if the best target fails, also ask the planner for the best plans that
       keep every training model-stage's current TP/PP layout (no Split/Merge of optimizer state:
       cheap, and safe when a Split would not fit next to the co-resident state).
+    * ``retune``: at every boundary where no trigger fires, take the planner's micro-batches and
+      recomputation for the current layouts and GPUs when they are faster at the lengths now
+      (nothing moves, so the gain pays back at once): micro-batches follow the lengths up and
+      down between replans.
     * ``dag_budget_gpus``: per round of targets (the regular ones, then the pinned ones) at most
       ``max(2, dag_budget_gpus // pool size)`` transition DAGs are priced (4 at 1,024 GPUs, 64 at
       64): DAG pricing grows with the pool, so this bounds the replan time where it matters;
@@ -128,6 +132,7 @@ class ControllerConfig:
     quiet_check_every: int = 4
     pin_training: bool = True
     dag_budget_gpus: int = 4096
+    retune: bool = True
 
     def __post_init__(self) -> None:
         require(self.gamma >= 0, "controller.gamma", f"must be >= 0, got {self.gamma}")
@@ -222,6 +227,7 @@ class Controller:
         self.max_steps = max_steps
         self._relaunched = False  # state restored: the next pool trigger's pool is the launch's
         self._headroom_checked: tuple[Plan, bool] | None = None  # (plan, whether it held a jump)
+        self._retuned: tuple | None = None  # what the last retune looked at (plan, pool, lengths)
 
     # ----------------------------------------------------------------------------- per step
     def step(self, signals: StepSignals) -> Decision:
@@ -237,14 +243,17 @@ class Controller:
             relaunch = self._relaunch(signals, triggers) if self._relaunched else None
             self._relaunched = False
             if relaunch is None and not triggers:
-                return Decision(signals.step, "none")
-            decision = relaunch or self._replan(signals, triggers)
-            if relaunch is not None or any(t.kind not in NON_CROSSING_KINDS for t in triggers):
-                self._reset_references(signals)  # neither is a crossing: references stay
-                self.recheck.settle(signals.step)
-            self.recheck.refuse(
-                signals.step, None if relaunch else refused_payback(decision), self.config.gamma
-            )
+                decision = self._retune(signals)
+                if decision.kind == "none":
+                    return decision
+            else:
+                decision = relaunch or self._replan(signals, triggers)
+                if relaunch is not None or any(t.kind not in NON_CROSSING_KINDS for t in triggers):
+                    self._reset_references(signals)  # neither is a crossing: references stay
+                    self.recheck.settle(signals.step)
+                self.recheck.refuse(
+                    signals.step, None if relaunch else refused_payback(decision), self.config.gamma
+                )
         if decision.changes_plan:
             self.plan = decision.target
             self._estimates.clear()
@@ -399,13 +408,8 @@ class Controller:
         self, signals: StepSignals, workload: Workload, whole_memory: bool = False
     ) -> tuple[Estimate, dict[str, float]]:
         tol = self.config.memory_check_tolerance
-        key = (
-            signals.num_gpus,
-            _bucket(workload.response_len, tol),
-            _bucket(workload.response_len_p95, tol),
-            _bucket(workload.prompt_len + 1, tol),
-            whole_memory,  # judged against the whole GPU memory (``full_memory``), not the cap
-        )
+        # whole_memory: judged against the whole GPU memory (``full_memory``), not the cap
+        key = (signals.num_gpus, *(_bucket(x, tol) for x in _lengths(workload)), whole_memory)
         hit = self._estimates.get(key)
         if hit is None:
             assert self.plan is not None
@@ -517,22 +521,7 @@ class Controller:
             signals=signals,
         )
         first = cfg.selection == "first"
-        source = CandidateSource(
-            self.backend,
-            self.calibration,
-            self.plan,
-            self.workload.algorithm,
-            self.workload.sequences_per_step,
-            self.cluster_at(signals),
-            r.workload,
-            r.urgent,
-            r.current_expected,
-            safe_first=not first,
-            memory=self.memory_calibration,
-            lasting=self.lasting_workload(signals, r) if r.urgent else self.next_step_workload(signals),
-            next_step=self.next_step_workload(signals),
-            surprise=self.surprise(signals),
-        )
+        source = self._candidates(r)
         budget = max(2, cfg.dag_budget_gpus // max(r.dag_cluster.num_gpus, 1))
         search = TargetSearch(
             r,
@@ -564,6 +553,72 @@ class Controller:
                 ),
             )
         return self._keep_or_restart(r, search, decision)
+
+    def _candidates(self, r: Replan) -> CandidateSource:
+        """The targets of replan ``r``, priced on its pool and lengths."""
+        assert self.plan is not None
+        signals = r.signals
+        return CandidateSource(
+            self.backend,
+            self.calibration,
+            self.plan,
+            self.workload.algorithm,
+            self.workload.sequences_per_step,
+            self.cluster_at(signals),
+            r.workload,
+            r.urgent,
+            r.current_expected,
+            safe_first=self.config.selection != "first",
+            memory=self.memory_calibration,
+            lasting=self.lasting_workload(signals, r) if r.urgent else self.next_step_workload(signals),
+            next_step=self.next_step_workload(signals),
+            surprise=self.surprise(signals),
+        )
+
+    def _retune(self, signals: StepSignals) -> Decision:
+        """At a boundary without triggers: the current layouts and GPUs with the planner's
+        micro-batches and recomputation for the lengths now (``CandidateSource.retuned``), taken
+        when faster. Nothing moves, so any gain pays back at once; the drift references and the
+        replan clock stay where they are."""
+        none = Decision(signals.step, "none")
+        if not self.config.retune or self.plan is None:
+            return none
+        # One pinned planner call per look: looked at again once the plan, the pool or a length
+        # (in buckets of ``memory_check_tolerance``) has changed.
+        work, tol = self.planning_workload(signals), self.config.memory_check_tolerance
+        key = (self.plan, signals.num_gpus, *(_bucket(x, tol) for x in _lengths(work)))
+        if key == self._retuned:
+            return none
+        self._retuned = key
+        trigger = Trigger("retune", 1.0, detail="micro-batches and recomputation retuned to the lengths")
+        r, _ = self._replan_context(signals, [trigger])
+        if r.urgent or r.current_expected is None or r.intact is None:
+            return none
+        opt = self._candidates(r).retuned()
+        if opt is None or not opt.lasts:
+            return none
+        try:
+            l_tran = self.backend.transition_cost(r.intact, opt.plan, r.dag_cluster, r.workload)
+        except InfeasiblePlanError:
+            return none
+        if l_tran > 0:
+            return none
+        d_l = r.current_expected - opt.expected
+        return Decision(
+            signals.step,
+            "transition",
+            reason=f"retune: {opt.source}, {d_l:.3f} s/step faster with no state moved",
+            triggers=r.triggers,
+            current=self.plan,
+            target=opt.plan,
+            current_latency=r.current_latency,
+            target_latency=opt.latency,
+            delta_latency=d_l,
+            transition_cost=0.0,
+            horizon=r.horizon,
+            gamma=self.config.gamma,
+            signals=signals,
+        )
 
     def _replan_context(self, signals: StepSignals, triggers: list[Trigger]) -> tuple[Replan, list[str]]:
         """What this replan knows: horizon, urgency, the current plan's latency, the intact units."""
@@ -928,6 +983,11 @@ def _headroom_note(current_risk: float, target_risk: float) -> str:
 def _efficiencies(calibration: Any) -> dict[str, float]:
     # Efficiencies the estimate was priced with (empty when the calibration does not expose them).
     return calibration.efficiencies() if hasattr(calibration, "efficiencies") else {}
+
+
+def _lengths(workload: Workload) -> tuple[float, float, float]:
+    """The lengths a plan is priced at: mean and p95 response, prompt (+1: never zero)."""
+    return workload.response_len, workload.response_len_p95, workload.prompt_len + 1
 
 
 def _bucket(value: float, tol: float) -> int:

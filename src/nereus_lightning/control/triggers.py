@@ -22,13 +22,14 @@ from nereus_lightning.spec.errors import require
 
 URGENT_KINDS = ("revocation", "memory")
 #: Trigger kinds that are no crossing of a drift threshold: they leave the drift references where they are.
-NON_CROSSING_KINDS = ("recheck", "headroom", "quiet")
+NON_CROSSING_KINDS = ("recheck", "headroom", "quiet", "retune")
 
 
 @dataclass(frozen=True)
 class Trigger:
     """One reason to replan: ``kind`` is ``drift:<signal>``, ``pool``, ``revocation``, ``memory``,
-    ``schedule``, ``quiet``, ``recheck`` or ``headroom``.
+    ``schedule``, ``quiet``, ``recheck``, ``headroom`` or ``retune`` (a boundary without the others,
+    where only micro-batches and recomputation may change).
     """
 
     kind: str

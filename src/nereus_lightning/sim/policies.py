@@ -240,7 +240,7 @@ def make_policy(
     # plan for the measured lengths, never ask for pinned-layout plans and replan only on their
     # own triggers (no quiet checks): Nereus' target choice is part of the policy being compared,
     # not of the machinery they share.
-    plain = dict(selection="first", forecast_steps=0.0, pin_training=False, quiet_check_every=0)
+    plain = dict(selection="first", forecast_steps=0.0, pin_training=False, quiet_check_every=0, retune=False)
     if spec.kind == "always":
         cfg = _with(base, admission="any_gain", replan_every=1, **plain)
     elif spec.kind == "every_k":
