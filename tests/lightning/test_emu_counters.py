@@ -44,6 +44,45 @@ def test_counters_count_updates_and_syncs_across_a_transition(dist4):
     assert out["ref_infer"].policy_version == 0  # the reference never receives weights
 
 
+def retuned_units(rank: int, world_size: int) -> dict:
+    """A PPO step under P1, then P1 with other micro-batches and recomputation on one stage, then a step:
+    what moved and whether this rank's modules and optimizers stayed."""
+    from dataclasses import replace
+
+    from nereus_lightning.lightning import NereusStrategy, PPOModule
+    from nereus_lightning.plan.layout import Plan
+
+    module = PPOModule(task=small_task(), prompts_per_step=4, seed=3)
+    opt = module.configure_optimizers()
+    strategy = NereusStrategy.without_trainer(module)
+    p1 = plan_of("ppo", EMU_P1)
+    tuned = Plan.of({n: replace(c, micro_batch=2, recompute=n == "actor_train") for n, c in p1.items()})
+    strategy.transition(p1)
+    module.rl_step(0, strategy, opt)
+    before = {n: (id(m), id(strategy.units.optimizers.get(n))) for n, m in strategy.units.units.items()}
+    strategy.transition(tuned)
+    out = {
+        "mode": strategy.units.last_transition.get("mode"),
+        "plan": strategy.plan == tuned and all(c == tuned[n] for n, c in strategy.units.plan.items()),
+        "kept": before
+        == {n: (id(m), id(strategy.units.optimizers.get(n))) for n, m in strategy.units.units.items()},
+        "recompute": {n: m.recompute for n, m in strategy.units.units.items()},
+    }
+    module.rl_step(1, strategy, opt)
+    state = strategy.units.logical_state("actor_train")
+    out["actor_steps"] = None if state is None else state.counters.optimizer_step
+    return out
+
+
+def test_a_micro_batch_change_alone_moves_nothing_and_keeps_the_modules(dist4):
+    outs = dist4.run(retuned_units)
+    for rank, out in enumerate(outs):
+        assert out["mode"] == "retune" and out["plan"] and out["kept"], (rank, out)
+        assert all(on == (name == "actor_train") for name, on in out["recompute"].items()), (rank, out)
+        assert ("actor_train" in out["recompute"]) is (rank in (0, 1)), (rank, out)  # its GPUs
+    assert outs[0]["actor_steps"] == 2  # both steps trained after the retune
+
+
 def saved_stages(rank: int, world_size: int, folder: str, dtype: torch.dtype) -> dict:
     """One PPO step with the role models in ``dtype``, a save; an actor update nobody syncs, a save; each save
     resumed under another plan. Rank 0: what each save holds and what differs after its resume.

@@ -125,6 +125,10 @@ class EMUStates:
         if self.plan == target:
             return False
         self.engines.check(self._generation_sites(target))  # refused before anything moves
+        if self.plan is not None and list(self.plan) == list(target):
+            if all(c.same_units(target[n]) for n, c in self.plan.items()):
+                self._retune(target)
+                return True
         self.residency_of.settle()  # the transition reads every unit
         if self.plan is None:
             self._create(target)
@@ -142,6 +146,14 @@ class EMUStates:
         self.residency_of.offload_idle(target)
         self.engines.place(self._generation_sites(target, built=True))
         return True
+
+    def _retune(self, target: Plan) -> None:
+        """A plan with the same units and other micro-batches or recomputation: nothing moves and the
+        modules, optimizers and engines stay (the step reads micro-batches from the plan)."""
+        self.plan = target
+        for name, module in self.units.items():
+            module.recompute = target[name].recompute
+        self.last_transition = {"mode": "retune", "bytes": 0}
 
     def _transition(self, target: Plan) -> TransitionRun:
         """Run the brain's transition to ``target``: sharded units whose shard degree alone changes are
