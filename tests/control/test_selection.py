@@ -144,9 +144,10 @@ def test_retune_takes_free_micro_batch_changes_between_triggers():
     assert ctl.step(sig(2, length=1400)).triggers[0].kind == "drift:response_len"
     # The planner's pick with another layout is not a retune: only micro-batch and recompute are taken.
     assert run(other, {other: 0.0})[1].kind == "none"
-    # Not faster, or a transition that moves state, or switched off: nothing happens.
+    # Not faster, or switched off: nothing happens. No transition DAG is priced (nothing moves).
     assert run(tuned, {tuned: 0.0}, latency={tuned: 21.0})[1].kind == "none"
-    assert run(tuned, {tuned: 0.5})[1].kind == "none"
+    ctl, d = run(tuned, {tuned: None})  # a DAG, were one priced, would be refused
+    assert d.target == tuned and ctl.backend.calls["transition_cost"] == 0
     assert run(tuned, {tuned: 0.0}, retune=False)[1].kind == "none"
 
 

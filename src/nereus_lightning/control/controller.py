@@ -594,14 +594,8 @@ class Controller:
         r, _ = self._replan_context(signals, [trigger])
         if r.urgent or r.current_expected is None or r.intact is None:
             return none
-        opt = self._candidates(r).retuned()
+        opt = self._candidates(r).retuned()  # the same units: no DAG to price
         if opt is None or not opt.lasts:
-            return none
-        try:
-            l_tran = self.backend.transition_cost(r.intact, opt.plan, r.dag_cluster, r.workload)
-        except InfeasiblePlanError:
-            return none
-        if l_tran > 0:
             return none
         d_l = r.current_expected - opt.expected
         return Decision(
