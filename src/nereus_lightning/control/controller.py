@@ -509,17 +509,7 @@ class Controller:
         r, reasons = self._replan_context(signals, triggers)
         latencies_ahead = partial(self.latencies_at, self.horizon_workloads(r), self.cluster_at(signals))
         r = replace(r, current_ahead=latencies_ahead(self.plan))
-        decision = partial(  # every verdict of this step carries these
-            Decision,
-            step=signals.step,
-            triggers=r.triggers,
-            current=self.plan,
-            current_latency=r.current_latency,
-            horizon=r.horizon,
-            gamma=cfg.gamma,
-            urgent=r.urgent,
-            signals=signals,
-        )
+        decision = self._decision(r)
         first = cfg.selection == "first"
         source = self._candidates(r)
         budget = max(2, cfg.dag_budget_gpus // max(r.dag_cluster.num_gpus, 1))
@@ -598,20 +588,27 @@ class Controller:
         if opt is None or not opt.lasts:
             return none
         d_l = r.current_expected - opt.expected
-        return Decision(
-            signals.step,
-            "transition",
+        return self._decision(r)(
+            kind="transition",
             reason=f"retune: {opt.source}, {d_l:.3f} s/step faster with no state moved",
-            triggers=r.triggers,
-            current=self.plan,
             target=opt.plan,
-            current_latency=r.current_latency,
             target_latency=opt.latency,
             delta_latency=d_l,
             transition_cost=0.0,
+        )
+
+    def _decision(self, r: Replan) -> partial[Decision]:
+        """A verdict of replan ``r``: ``Decision`` with the fields every verdict of its step carries."""
+        return partial(
+            Decision,
+            step=r.signals.step,
+            triggers=r.triggers,
+            current=self.plan,
+            current_latency=r.current_latency,
             horizon=r.horizon,
             gamma=self.config.gamma,
-            signals=signals,
+            urgent=r.urgent,
+            signals=r.signals,
         )
 
     def _replan_context(self, signals: StepSignals, triggers: list[Trigger]) -> tuple[Replan, list[str]]:
