@@ -582,11 +582,12 @@ class Controller:
         self._retuned = key
         trigger = Trigger("retune", 1.0, detail="micro-batches and recomputation retuned to the lengths")
         r, _ = self._replan_context(signals, [trigger])
-        if r.urgent or r.current_expected is None or r.intact is None:
+        if r.urgent:  # (also when the current plan is broken: lost GPUs or over memory)
             return none
         opt = self._candidates(r).retuned()  # the same units: no DAG to price
         if opt is None or not opt.lasts:
             return none
+        assert r.current_expected is not None  # not urgent: the current plan runs
         d_l = r.current_expected - opt.expected
         return self._decision(r)(
             kind="transition",

@@ -125,10 +125,13 @@ class EMUStates:
         if self.plan == target:
             return False
         self.engines.check(self._generation_sites(target))  # refused before anything moves
-        if self.plan is not None and list(self.plan) == list(target):
-            if all(c.same_units(target[n]) for n, c in self.plan.items()):
-                self._retune(target)
-                return True
+        if (
+            self.plan is not None
+            and list(self.plan) == list(target)
+            and all(c.same_units(target[n]) for n, c in self.plan.items())
+        ):
+            self._retune(target)
+            return True
         self.residency_of.settle()  # the transition reads every unit
         if self.plan is None:
             self._create(target)
