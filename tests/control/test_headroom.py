@@ -63,3 +63,29 @@ def test_headroom_is_bought_only_where_it_costs_less_than_the_risk():
     decisions = run(relief_latency=13.0)
     assert decisions[4].kind == "keep" and "headroom" in [t.kind for t in decisions[4].triggers]
     assert all(x.kind == "none" for x in decisions[5:])  # refused for this plan: not asked again
+
+
+def test_a_faster_target_that_would_not_hold_a_jump_is_tried_relieved():
+    # The current plan holds a jump already (A relieved at the jump, step 4). At step 6 the planner's
+    # best B is faster (9.5 s) but would not hold another x2 jump: with its risk it is no faster
+    # than the current plan, yet B with recomputation (9.8 s) holds it and is.
+    b, b_rc = gen_plan(2, 4), gen_plan(2, 4, recompute=True)
+    holds = {**HOLDS, b: 3000.0, b_rc: 12000.0}
+
+    class Held(FakeBackend):
+        def estimate(self, plan, cluster, workload, calibration, memory=None):
+            est = super().estimate(plan, cluster, workload, calibration)
+            est.feasible = est.feasible and workload.response_len_p95 <= holds.get(plan, 0.0)
+            return est
+
+    def offered(cluster, workload):  # B is the planner's plan once the lengths pass 2,500
+        return [b] if workload.response_len > 2500 else [A]
+
+    latency = {A: 10.0, A_RC: 10.5, b: 9.5, b_rc: 9.8}
+    ctl = controller(Held(offered, latency, tran={A_RC: 0.5, b: 0.5, b_rc: 0.5}))
+    decisions = [ctl.step(sig(s, length=n)) for s, n in enumerate((1000, 1000, 1000, 1000, 2000, 2000, 2700))]
+    assert decisions[4].target == A_RC
+    d = decisions[6]
+    assert d.kind == "transition" and d.target == b_rc, d.reason
+    risky = next(c for c in d.considered if c["source"] == "planner best, relieved")
+    assert risky["latency"] == 9.8

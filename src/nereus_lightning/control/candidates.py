@@ -116,6 +116,9 @@ class CandidateSource:
         self.next_step = next_step
         self.seen: set[Plan] = {current}
         self.reasons: list[str] = []
+        # Faster than the current plan but for their jump risk: not targets, yet their relieved
+        # variants may be (taken up by the next ``relieved``).
+        self._risky: list[Option] = []
 
     def price(self, plan: Plan, source: str, est: Estimate | None = None) -> Option | None:
         """``plan`` as an option, or None if already seen, infeasible, or (not urgent) not faster."""
@@ -133,6 +136,8 @@ class CandidateSource:
             opt.at_jump = self.at_jump(plan, self.surprise)
             opt.risk = self.surprise.risk(opt.at_jump, est.step_latency)
         if not self.urgent and self.current_latency is not None and opt.expected >= self.current_latency:
+            if opt.latency < self.current_latency:
+                self._risky.append(opt)
             return None
         if self.lasting is not None:
             opt.at_lasting = self.estimate(plan, self.lasting)
@@ -167,13 +172,17 @@ class CandidateSource:
         """Each of ``options`` that does not last or does not hold a length jump, with the
         model-stages that pass the cap at the lengths forecast over the horizon (or at the jump)
         relieved (``relief_variants``): a little slower, and it lasts (the layouts, and so the
-        transition, stay the same)."""
-        return [
+        transition, stay the same). Also the plans priced since the last call that were faster
+        than the current plan but for their jump risk: relieved, they may be faster still."""
+        risky, self._risky = self._risky, []
+        out = [
             self.price(v, f"{o.source}, relieved")
-            for o in options
+            for o in (*options, *risky)
             if o is not None
             for v in relief_variants(o.plan, short_of(o))
         ]
+        self._risky = []  # (a variant still short of the jump is not relieved twice)
+        return out
 
     def jump_relief(self) -> list[Option | None]:
         """The current plan relieved where it does not hold a length jump (its layouts kept: the
