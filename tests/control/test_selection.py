@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from nereus_lightning.control import ControllerConfig, LengthForecast
-from nereus_lightning.control.candidates import Option, layout_changes
+from nereus_lightning.control.candidates import Option, layout_changes, same_cut
 from nereus_lightning.control.search import Replan, TargetSearch
 from nereus_lightning.control.triggers import Trigger
 from nereus_lightning.plan import job_models, plan_job
@@ -108,7 +110,7 @@ def test_pinned_training_layouts_are_tried_only_when_the_best_target_fails():
     ctl.step(sig(0))
     d = ctl.step(sig(1, length=2000))  # best has no safe DAG: the pinned plan is reachable
     assert d.kind == "transition" and d.target == pinned
-    assert backend.pinned_calls == [{"actor_train": Layout(1, 4)}]
+    assert backend.pinned_calls == [{"actor_train": frozenset({Layout(1, 4)})}]
     assert d.considered[-1]["source"].startswith("training layouts kept")
     # When the best target is admitted, no pinned planner call is made.
     backend = PinningBackend([best], {cur: 20.0, best: 8.0}, tran={best: 1.0}, pinned_plans=[pinned])
@@ -164,6 +166,25 @@ def test_planner_pins_layouts():
         plan_job(models, cluster, Workload(), pinned={"nope": other})
     with pytest.raises(InfeasiblePlanError, match="pinned to"):
         plan_job(models, cluster, Workload(), pinned={"actor_train": Layout(1, 1)})  # 8B + Adam on one GPU
+
+
+def test_a_sharded_training_pin_keeps_the_model_cut_and_lets_the_shard_degree_follow_the_pool():
+    # An 8B actor trained as one replica of TP2 x ZeRO-2 over 4 shard groups (8 GPUs) loses two GPUs:
+    # its own layout needs 8, but the same TP x PP cut and ZeRO stage with fewer shards fits 6, and
+    # a replica on a subset of its GPUs re-cuts its rows in place (no Split of its state).
+    sharded = Layout(2, 1, shard=4, zero=2)
+    assert same_cut(sharded, 6) == {replace(sharded, shard=s) for s in (2, 3, 4)}
+    assert same_cut(Layout(2, 2), 64) == {Layout(2, 2)}  # unsharded: no ZeRO stage to keep
+    models = job_models(MODEL_PRESETS["llama3_8b"])
+    cluster = CLUSTER_PRESETS["b200x8"].with_gpus(6)
+    with pytest.raises(InfeasiblePlanError, match="no candidate of that layout fits 6 GPUs"):
+        plan_job(models, cluster, Workload("grpo"), pinned={"actor_train": sharded})
+    result = plan_job(models, cluster, Workload("grpo"), pinned={"actor_train": same_cut(sharded, 6)})
+    for plan in (result.plan, *(p for p, _ in result.alternatives)):
+        kept = plan["actor_train"].layout
+        assert (kept.tp, kept.pp, kept.zero) == (2, 1, 2) and kept.shard in (2, 3)
+    with pytest.raises(InfeasiblePlanError, match="no candidate of those layouts fits 1 GPUs"):
+        plan_job(models, cluster.with_gpus(1), Workload("grpo"), pinned={"actor_train": same_cut(sharded, 1)})
 
 
 def test_length_forecast_extrapolates_the_trend_and_clamps():

@@ -30,7 +30,7 @@ from nereus_lightning.control.variants import (
     place_near,
     relief_variants,
 )
-from nereus_lightning.plan.layout import Plan
+from nereus_lightning.plan.layout import Layout, Plan
 from nereus_lightning.plan.memory import full_memory
 from nereus_lightning.spec.cluster import ClusterSpec
 from nereus_lightning.spec.errors import InfeasiblePlanError
@@ -288,17 +288,20 @@ class CandidateSource:
         return self.price(tuned, "current layouts and GPUs, micro-batches retuned")
 
     def pinned(self) -> Iterator[Option]:
-        """The planner's best plans with every training model-stage kept at its current layout.
+        """The planner's best plans with every training model-stage kept at its current TP x PP cut
+        and ZeRO stage (:func:`same_cut`: a sharded one may change its shard degree).
 
-        Their transitions move no training state between layouts (Extend/Destroy only there),
-        so they are cheap and stay safe where a Split would not fit next to co-resident state.
-        Needs a backend with ``plan_pinned``; yields nothing otherwise or when nothing fits.
+        Their transitions move no training state between model cuts (Extend/Destroy, or rows
+        re-cut in place), so they are cheap and stay safe where a Split would not fit next to
+        co-resident state. Needs a backend with ``plan_pinned``; yields nothing otherwise or when
+        nothing fits.
         """
         plan_pinned = getattr(self.backend, "plan_pinned", None)
         if plan_pinned is None:
             return
         trains = {ms.name for ms in workflow(self.algorithm) if ms.trains}
-        layouts = {n: c.layout for n, c in self.current.items() if n in trains}
+        gpus = self.cluster.num_gpus
+        layouts = {n: same_cut(c.layout, gpus) for n, c in self.current.items() if n in trains}
         if not layouts:
             return
         try:
@@ -317,6 +320,16 @@ class CandidateSource:
             )
         found += self.relieved(found)
         yield from self._safe_first(o for o in found if o is not None)
+
+
+def same_cut(layout: Layout, gpus: int) -> frozenset[Layout]:
+    """``layout`` and, where it is ZeRO-sharded, every other shard degree of its TP x PP cut and
+    ZeRO stage that fits ``gpus``: a replica that loses or gains GPUs keeps its model cut and
+    re-cuts its rows (``plan.rows.recut_in_place``) instead of moving its whole state."""
+    if layout.shard == 1:
+        return frozenset((layout,))
+    most = gpus // layout.model_size
+    return frozenset(replace(layout, shard=s) for s in range(2, max(most, layout.shard) + 1))
 
 
 def layout_changes(plan: Plan, current: Plan) -> int:

@@ -49,7 +49,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from nereus_lightning.plan.calibration import Calibration, MemoryCalibration
@@ -228,7 +228,7 @@ def plan_job(
     workload: Workload,
     calibration: Calibration | None = None,
     alternatives: int = 4,
-    pinned: Mapping[str, Layout] | None = None,
+    pinned: Mapping[str, Layout | Collection[Layout]] | None = None,
     pool_key: str = "cluster.num_gpus",
     memory: MemoryCalibration | None = None,
     step_tolerance: float = STEP_TOLERANCE,
@@ -242,9 +242,9 @@ def plan_job(
     ``memory`` holds the measured memory factor of each stage: a stage's predicted peaks times its
     factor must fit the cap.
 
-    ``pinned`` restricts model-stages to one layout each (their DP degree, micro-batch and
-    recomputation stay free): the controller asks for plans that keep the training layouts it
-    runs, whose transitions need no Split/Merge of optimizer state. ``pool_key`` is the caller's
+    ``pinned`` restricts model-stages to one layout each, or to a set of layouts (their DP degree,
+    micro-batch and recomputation stay free): the controller asks for plans that keep the training
+    layouts it runs, whose transitions need no Split/Merge of optimizer state. ``pool_key`` is the caller's
     config key for the pool size, which infeasibility messages tell the user to raise
     (``nereus-train`` passes ``trainer.devices``).
 
@@ -264,11 +264,12 @@ def plan_job(
         )
     stage_of = {ms.name: ms.stage for ms in stages}
     search = _Search(works, stage_of, cluster, calibration, budget, cap, factors, pinned, pool_key)
-    pins = dict(pinned or {})
-    stuck = [n for n in pins if not search.fronts(n, search.cap(n))]
+    stuck = [n for n in search.pinned if not search.fronts(n, search.cap(n))]
     if stuck:
+        pins = sorted(str(layout) for layout in search.pinned[stuck[0]])
+        which = "that layout" if len(pins) == 1 else "those layouts"
         raise InfeasiblePlanError(
-            f"{stuck[0]} pinned to {pins[stuck[0]]}: no candidate of that layout fits {budget} GPUs under "
+            f"{stuck[0]} pinned to {' or '.join(pins)}: no candidate of {which} fits {budget} GPUs under "
             f"the cap of {cap / 1e9:.1f} GB per GPU; pin fewer model-stages or another layout"
         )
     failed = [
@@ -406,14 +407,16 @@ class _Search:
         budget: int,
         cap: float,
         factors: Mapping[str, float],
-        pinned: Mapping[str, Layout] | None = None,
+        pinned: Mapping[str, Layout | Collection[Layout]] | None = None,
         pool_key: str = "cluster.num_gpus",
     ) -> None:
         self.works, self.stage_of, self.budget = works, dict(stage_of), budget
         self.factors = {stage: factors.get(stage, 1.0) for stage in STAGES}
         self.caps = {stage: cap / factor for stage, factor in self.factors.items()}
         self.memory_cap = cap
-        self.pinned, self.pool_key = dict(pinned or {}), pool_key
+        # Each pinned model-stage -> the layouts it may take.
+        self.pinned = {n: frozenset((v,) if isinstance(v, Layout) else v) for n, v in (pinned or {}).items()}
+        self.pool_key = pool_key
         self.stages = [s for s in STAGES if any(v == s for v in stage_of.values())]
         self.members = {s: tuple(n for n, v in stage_of.items() if v == s) for s in self.stages}
         self.partitions = {s: list(partitions(m)) for s, m in self.members.items()}
@@ -440,13 +443,13 @@ class _Search:
         state.
         """
         table = self.tables[name]
-        layout = self.pinned.get(name)
+        allowed = self.pinned.get(name)
         trains = self.works[name].trains
-        key = (id(table), memory, resident if trains else math.inf, least if trains else -math.inf, layout)
+        key = (id(table), memory, resident if trains else math.inf, least if trains else -math.inf, allowed)
         if key not in self._fronts:
             rows = table.rows_within(memory, resident, least)
-            if layout is not None:
-                rows = [row for row in rows if row[4] == layout]
+            if allowed is not None:
+                rows = [row for row in rows if row[4] in allowed]
             self._fronts[key] = frontier_of_rows(rows)
         return self._fronts[key]
 
@@ -459,9 +462,11 @@ class _Search:
         """
         key = (name, resident, least)
         if key not in self._fastest:
-            layout = self.pinned.get(name)
+            allowed = self.pinned.get(name)
             rows = self.tables[name].rows_within(self.cap(name), resident, least)
-            self._fastest[key] = min((r[1] for r in rows if layout in (None, r[4])), default=math.inf)
+            self._fastest[key] = min(
+                (r[1] for r in rows if allowed is None or r[4] in allowed), default=math.inf
+            )
         return self._fastest[key]
 
     def _member_front(self, name: str, rho: float) -> list[Option]:
@@ -493,8 +498,8 @@ class _Search:
         """The per-GPU states ``name`` (a training model-stage) can keep, ascending (its pinned layout's, if
         pinned).
         """
-        layout = self.pinned.get(name)
-        return sorted({row[3] for row in self.tables[name].rows if layout in (None, row[1])})
+        allowed = self.pinned.get(name)
+        return sorted({row[3] for row in self.tables[name].rows if allowed is None or row[1] in allowed})
 
     def _coresident_front(self, block: tuple[str, ...], rho: float, limit: float) -> list[Group]:
         """Training model-stages side by side: their states sum to at most ``rho`` and each
