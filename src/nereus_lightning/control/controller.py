@@ -101,8 +101,9 @@ class ControllerConfig:
       steps to the next such check (its H_x), and it leaves the drift references where they are;
       0 turns it off.
     * ``pin_training``: if the best target fails, also ask the planner for the best plans that
-      keep every training model-stage's current TP/PP layout (no Split/Merge of optimizer state:
-      cheap, and safe when a Split would not fit next to the co-resident state).
+      keep every training model-stage's current TP/PP layout and ZeRO stage (no Split/Merge of
+      optimizer state: cheap, and safe when a Split would not fit next to the co-resident state);
+      a ZeRO-sharded replica may change its shard degree, its rows re-cut in place.
     * ``retune``: at every boundary where no trigger fires, take the planner's micro-batches and
       recomputation for the current layouts and GPUs when they are faster at the lengths now
       (nothing moves, so the gain pays back at once): micro-batches follow the lengths up and
