@@ -166,6 +166,8 @@ def test_planner_pins_layouts():
         plan_job(models, cluster, Workload(), pinned={"nope": other})
     with pytest.raises(InfeasiblePlanError, match="pinned to"):
         plan_job(models, cluster, Workload(), pinned={"actor_train": Layout(1, 1)})  # 8B + Adam on one GPU
+    with pytest.raises(NereusConfigError, match="no layout given for"):
+        plan_job(models, cluster, Workload(), pinned={"actor_train": frozenset()})
 
 
 def test_a_sharded_training_pin_keeps_the_model_cut_and_lets_the_shard_degree_follow_the_pool():

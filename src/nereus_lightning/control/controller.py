@@ -410,7 +410,7 @@ class Controller:
     ) -> tuple[Estimate, dict[str, float]]:
         tol = self.config.memory_check_tolerance
         # whole_memory: judged against the whole GPU memory (``full_memory``), not the cap
-        key = (signals.num_gpus, *(_bucket(x, tol) for x in _lengths(workload)), whole_memory)
+        key = (signals.num_gpus, *_length_buckets(workload, tol), whole_memory)
         hit = self._estimates.get(key)
         if hit is None:
             assert self.plan is not None
@@ -577,7 +577,7 @@ class Controller:
         # One pinned planner call per look: looked at again once the plan, the pool or a length
         # (in buckets of ``memory_check_tolerance``) has changed.
         work, tol = self.planning_workload(signals), self.config.memory_check_tolerance
-        key = (self.plan, signals.num_gpus, *(_bucket(x, tol) for x in _lengths(work)))
+        key = (self.plan, signals.num_gpus, *_length_buckets(work, tol))
         if key == self._retuned:
             return none
         self._retuned = key
@@ -978,9 +978,11 @@ def _efficiencies(calibration: Any) -> dict[str, float]:
     return calibration.efficiencies() if hasattr(calibration, "efficiencies") else {}
 
 
-def _lengths(workload: Workload) -> tuple[float, float, float]:
-    """The lengths a plan is priced at: mean and p95 response, prompt (+1: never zero)."""
-    return workload.response_len, workload.response_len_p95, workload.prompt_len + 1
+def _length_buckets(workload: Workload, tol: float) -> tuple[int, int, int]:
+    """The lengths a plan is priced at (mean and p95 response, prompt + 1: never zero), each in
+    relative buckets of ``tol``: a cache key that changes once a length has moved by ``tol``."""
+    mean, p95, prompt = workload.response_len, workload.response_len_p95, workload.prompt_len + 1
+    return _bucket(mean, tol), _bucket(p95, tol), _bucket(prompt, tol)
 
 
 def _bucket(value: float, tol: float) -> int:

@@ -262,6 +262,11 @@ def plan_job(
         raise NereusConfigError(
             f"plan_job.pinned: unknown model-stages {sorted(unknown)}; known: {sorted(works)}"
         )
+    empty = [n for n, v in (pinned or {}).items() if not isinstance(v, Layout) and not v]
+    if empty:
+        raise NereusConfigError(
+            f"plan_job.pinned: no layout given for {sorted(empty)}; give one or more, or unpin them"
+        )
     stage_of = {ms.name: ms.stage for ms in stages}
     search = _Search(works, stage_of, cluster, calibration, budget, cap, factors, pinned, pool_key)
     stuck = [n for n in search.pinned if not search.fronts(n, search.cap(n))]
