@@ -36,6 +36,42 @@ def test_the_forecast_scores_its_misses():
     assert g.surprise() == f.surprise()
 
 
+def test_the_forecast_keeps_its_smaller_misses():
+    f = LengthForecast(window=3, clamp=0.3)
+    for step, length in enumerate((1000, 1100, 1200, 1430, 1500)):  # forecast 1,300 for 1,430: 10% short
+        f.observe(sig(step, length=length))
+    assert f.surprise() is None and f.misses == [pytest.approx(1.1)] and f.scored == 4
+    g = LengthForecast()
+    g.load_state_dict(f.state_dict())
+    assert g.misses == f.misses
+
+
+def shortfall_run(relief_latency: float) -> list:
+    """A rise that outran its forecast by 10% once (step 3), then steady: the decisions."""
+    backend = Capped([A], {A: 10.0, A_RC: relief_latency}, tran={A_RC: 0.5})
+    ctl = controller(backend, plan=A)
+    lengths = (1000, 1100, 1200, 1430, 1660, 1890, 2120, 2350)
+    return [ctl.step(sig(step, length=n)) for step, n in enumerate(lengths)]
+
+
+def test_a_plan_that_would_not_hold_a_forecast_miss_like_an_earlier_one_moves_to_headroom():
+    # At 2,350 tokens the trend says 2,838 p95 next, inside A's 3,000; 10% more, as one step in
+    # 7 came in, is past it: A's risk is 1/7 of its 10 s step, A with recomputation holds it for
+    # 0.5 s/step more. (The rise went on to 2,750 tokens: A would have run out.)
+    decisions = shortfall_run(relief_latency=10.5)
+    assert all(d.kind in ("none", "keep") for d in decisions[:-1])
+    d = decisions[-1]
+    assert d.kind == "transition" and d.target == A_RC and not d.urgent
+    assert "headroom" in [t.kind for t in d.triggers]
+    assert "forecast miss" in d.reason
+
+
+def test_headroom_for_a_forecast_miss_is_bought_only_where_it_costs_less_than_the_risk():
+    decisions = shortfall_run(relief_latency=12.0)  # 2 s/step more than A: above A's 1/7 x 10 s
+    assert all(d.target != A_RC for d in decisions)
+    assert "headroom" in [t.kind for t in decisions[-1].triggers]
+
+
 def run(relief_latency: float) -> list:
     """Flat lengths, a jump to twice the length at step 4, flat again: the decisions."""
     backend = Capped([A], {A: 10.0, A_RC: relief_latency}, tran={A_RC: 0.5})

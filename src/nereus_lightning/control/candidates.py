@@ -11,13 +11,16 @@ target that does not last with its over-cap model-stages relieved (:meth:`Candid
 Once the run has shown length jumps that no forecast announced (:class:`Surprise`), every target
 is also judged at the lengths planned for times the largest such jump: one that runs out of memory
 there is charged the expected cost of that (:attr:`Option.risk`), and its relieved variants, which
-hold the jump, compete with it on expected step time (:attr:`Option.expected`).
+hold the jump, compete with it on expected step time (:attr:`Option.expected`). Smaller misses
+of the forecast are priced the same way (:class:`Shortfall`): a target that would run out of
+memory if the next step came in above its forecast as far as earlier steps did is charged the
+share of steps that did.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -55,6 +58,42 @@ class Surprise:
         return 0.0 if at_jump.feasible else self.rate * latency
 
 
+@dataclass(frozen=True)
+class Shortfall:
+    """How far above their forecast the lengths of past steps came in (``LengthForecast.misses``).
+
+    ``next_step``: the next step's forecast lengths; ``ratios``: ascending, each a step's p95 over
+    the forecast made for it, where it came in above it (by less than a ``Surprise``);
+    ``scored``: how many steps were compared with their forecast.
+    """
+
+    next_step: Workload
+    ratios: tuple[float, ...]
+    scored: int
+
+    def at(self, ratio: float) -> Workload:
+        """The next step's forecast lengths times ``ratio``."""
+        w = self.next_step
+        return replace(w, response_len=w.response_len * ratio, response_len_p95=w.response_len_p95 * ratio)
+
+    @property
+    def worst(self) -> Workload:
+        """The next step's lengths if it misses its forecast as far as the worst miss so far."""
+        return self.at(self.ratios[-1])
+
+    def rate(self, holds: Callable[[Workload], bool]) -> float:
+        """The share of scored steps that came in above what a plan holds, for a plan that does
+        not hold :attr:`worst`: a bisection over the misses with ``holds`` (the plan fits there)."""
+        lo, hi = -1, len(self.ratios) - 1  # holds at ratios[lo] (-1: none known), not at ratios[hi]
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if holds(self.at(self.ratios[mid])):
+                lo = mid
+            else:
+                hi = mid
+        return (len(self.ratios) - hi) / self.scored
+
+
 @dataclass
 class Option:
     """One priced target: its plan, estimate, where it came from, and admission notes."""
@@ -66,8 +105,9 @@ class Option:
     lasts: bool = True  # still feasible at the lengths forecast over the horizon
     runs_next: bool = True  # feasible at the next step's lengths (the memory check's)
     at_lasting: Estimate | None = None  # its estimate at those lengths (None: not checked)
-    risk: float = 0.0  # expected s/step lost to running out of memory at a length jump (Surprise)
+    risk: float = 0.0  # expected s/step lost to running out of memory (Surprise, Shortfall)
     at_jump: Estimate | None = None  # its estimate at the jump's lengths (None: not checked)
+    at_shortfall: Estimate | None = None  # its estimate at Shortfall.worst (None: not checked)
 
     @property
     def latency(self) -> float:
@@ -99,6 +139,7 @@ class CandidateSource:
         lasting: Workload | None = None,
         surprise: Surprise | None = None,
         next_step: Workload | None = None,
+        shortfall: Shortfall | None = None,
     ) -> None:
         self.backend, self.calibration, self.current = backend, calibration, current
         self.memory = memory  # the memory calibration every plan is priced with
@@ -107,7 +148,7 @@ class CandidateSource:
         # current_latency: the current plan's expected step time (``Option.expected``'s terms)
         self.urgent, self.current_latency = urgent, current_latency
         self.safe_first = safe_first
-        self.surprise = surprise
+        self.surprise, self.shortfall = surprise, shortfall
         # The lengths forecast over the horizon (outside the urgent path: the next step's): a
         # target infeasible there does not last. No second pricing where they are the planned ones.
         self.lasting = None if lasting == workload else lasting
@@ -133,8 +174,13 @@ class CandidateSource:
             return None
         opt = Option(plan, est, source)
         if self.surprise is not None:
-            opt.at_jump = self.at_jump(plan, self.surprise)
+            opt.at_jump = self.at_whole_memory(plan, self.surprise.workload)
             opt.risk = self.surprise.risk(opt.at_jump, est.step_latency)
+        if self.shortfall is not None:
+            opt.at_shortfall = self.at_whole_memory(plan, self.shortfall.worst)
+            if not opt.at_shortfall.feasible:
+                holds = lambda w: bool(self.at_whole_memory(plan, w).feasible)  # noqa: E731
+                opt.risk += self.shortfall.rate(holds) * est.step_latency
         if not self.urgent and self.current_latency is not None and opt.expected >= self.current_latency:
             if opt.latency < self.current_latency:
                 self._risky.append(opt)
@@ -160,20 +206,20 @@ class CandidateSource:
         """``plan`` priced at ``workload`` on this replan's pool."""
         return self.backend.estimate(plan, self.cluster, workload, self.calibration, memory=self.memory)
 
-    def at_jump(self, plan: Plan, surprise: Surprise) -> Estimate:
-        """``plan`` priced at a length jump, its memory against the whole GPU memory
-        (``full_memory``): the planner's headroom absorbs prediction errors at the lengths planned
-        for, and the jump is already the worst one seen."""
+    def at_whole_memory(self, plan: Plan, workload: Workload) -> Estimate:
+        """``plan`` priced at a length jump or a forecast miss, its memory against the whole GPU
+        memory (``full_memory``): the planner's headroom absorbs prediction errors at the lengths
+        planned for, and these lengths are already the worst ones seen."""
         return self.backend.estimate(
-            plan, full_memory(self.cluster), surprise.workload, self.calibration, memory=self.memory
+            plan, full_memory(self.cluster), workload, self.calibration, memory=self.memory
         )
 
     def relieved(self, options: list[Option | None]) -> list[Option | None]:
-        """Each of ``options`` that does not last or does not hold a length jump, with the
-        model-stages that pass the cap at the lengths forecast over the horizon (or at the jump)
-        relieved (``relief_variants``): a little slower, and it lasts (the layouts, and so the
-        transition, stay the same). Also the plans priced since the last call that were faster
-        than the current plan but for their jump risk: relieved, they may be faster still."""
+        """Each of ``options`` that does not last or does not hold a length jump or the worst
+        forecast miss, with the model-stages that pass the cap there relieved (``short_of``,
+        ``relief_variants``): a little slower, and it lasts (the layouts, and so the transition,
+        stay the same). Also the plans priced since the last call that were faster than the
+        current plan but for their priced risk: relieved, they may be faster still."""
         risky, self._risky = self._risky, []
         out = [
             self.price(v, f"{o.source}, relieved")
@@ -184,19 +230,18 @@ class CandidateSource:
         self._risky = []  # (a variant still short of the jump is not relieved twice)
         return out
 
-    def jump_relief(self) -> list[Option | None]:
-        """The current plan relieved where it does not hold a length jump (its layouts kept: the
-        cheapest move to headroom); empty without a surprise or where it holds it. (The other
-        targets that do not hold it are relieved in :meth:`relieved`.)"""
-        if self.surprise is None:
-            return []
-        at_jump = self.at_jump(self.current, self.surprise)
-        if at_jump.feasible:
-            return []
-        return [
-            self.price(v, "current plan relieved for a length jump")
-            for v in relief_variants(self.current, over_cap(at_jump, self.current))
-        ]
+    def headroom_relief(self) -> list[Option | None]:
+        """The current plan relieved where it does not hold a length jump or the worst forecast
+        miss (its layouts kept: the cheapest move to headroom); empty where it holds both. (The
+        other targets that do not are relieved in :meth:`relieved`.)"""
+        worst = [x.workload for x in (self.surprise,) if x is not None]
+        worst += [x.worst for x in (self.shortfall,) if x is not None]
+        short: set[str] = set()
+        for workload in worst:
+            est = self.at_whole_memory(self.current, workload)
+            short |= set() if est.feasible else over_cap(est, self.current)
+        variants = relief_variants(self.current, short)
+        return [self.price(v, "current plan relieved for headroom") for v in variants]
 
     def regular(self, signals: StepSignals, try_follow_pool: bool) -> Iterator[Option]:
         """The planner's best plan, then every fallback fastest first.
@@ -245,7 +290,7 @@ class CandidateSource:
                     self.price(v, "smaller micro-batches / recomputation")
                     for v in relief_variants(base, over_cap(est, base))
                 ]
-        rest += self.jump_relief()
+        rest += self.headroom_relief()
         rest += self.relieved([best, *rest])
         yield from self._safe_first(o for o in rest if o is not None)
 
@@ -339,12 +384,14 @@ def layout_changes(plan: Plan, current: Plan) -> int:
 
 def short_of(opt: Option) -> set[str]:
     """The model-stages of ``opt`` that pass the cap at the lengths forecast over the horizon (if
-    it does not last) or at a length jump (if it does not hold one); empty where it does both."""
+    it does not last), at a length jump or at the worst forecast miss (if it does not hold them);
+    empty where it does all three."""
     out: set[str] = set()
     if opt.at_lasting is not None and not opt.lasts:
         out |= over_cap(opt.at_lasting, opt.plan)
-    if opt.at_jump is not None and not opt.at_jump.feasible:
-        out |= over_cap(opt.at_jump, opt.plan)
+    for est in (opt.at_jump, opt.at_shortfall):
+        if est is not None and not est.feasible:
+            out |= over_cap(est, opt.plan)
     return out
 
 

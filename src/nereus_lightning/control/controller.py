@@ -21,7 +21,9 @@ paper (section 4 of "Nereus: Adaptive Parallelism for LLM Post-Training"):
 * headroom for unannounced length jumps: once the length forecast has been surprised
   (``LengthForecast.surprise``), plans are compared on expected step time, their latency plus
   the priced risk of running out of memory at a jump like the largest seen
-  (``candidates.Surprise``); a ``headroom`` trigger fires when the current plan stops holding one;
+  (``candidates.Surprise``), and so, once the next step has come in above its forecast, at a miss
+  like the earlier ones (``candidates.Shortfall``); a ``headroom`` trigger fires when the current
+  plan stops holding either;
 * calibration: measured op-class times correct the time model (``calibration``), and measured
   per-stage peak memory the memory model (``memory_calibration``, a
   :class:`~nereus_lightning.plan.calibration.MemoryCalibration`): every plan, the current one
@@ -46,7 +48,7 @@ from typing import Any
 
 from nereus_lightning.control.attribution import PHASES, PhasedEstimate, op_times
 from nereus_lightning.control.backend import Estimate, PlanningBackend, op_totals
-from nereus_lightning.control.candidates import CandidateSource, Surprise
+from nereus_lightning.control.candidates import CandidateSource, Shortfall, Surprise
 from nereus_lightning.control.decision import Decision, DecisionLog, describe_plan
 from nereus_lightning.control.forecast import LengthForecast
 from nereus_lightning.control.search import Replan, TargetSearch
@@ -314,6 +316,15 @@ class Controller:
         )
         return Surprise(jump, rate)
 
+    def shortfall(self, signals: StepSignals) -> Shortfall | None:
+        """How far above their forecast earlier steps came in (``LengthForecast.misses``), as a
+        :class:`~nereus_lightning.control.candidates.Shortfall` around the next step's forecast;
+        None while none did."""
+        if not self.forecast.misses:
+            return None
+        ratios = tuple(sorted(self.forecast.misses))
+        return Shortfall(self.next_step_workload(signals), ratios, self.forecast.scored)
+
     def cluster_at(self, signals: StepSignals) -> ClusterSpec:
         """The cluster restricted to the pool of ``signals``."""
         return self.cluster.with_gpus(signals.num_gpus)
@@ -371,28 +382,60 @@ class Controller:
         return bool(est.feasible)
 
     def _headroom_trigger(self, signals: StepSignals) -> Trigger | None:
-        """A replan when the run has shown unannounced length jumps and the current plan would run
-        out of memory at one as large as the largest: its priced risk (``Surprise.risk``) is then
-        weighed against the plans that hold it. It fires when a plan is first seen not to hold it
-        (as the lengths grow, a plan chosen for its headroom may lose it, and with it the reason
-        it was chosen); its horizon is the p95 length's drift clock (the headroom is worth as much
-        as the plan runs, until the next crossing of the length the jumps are measured on)."""
-        surprise = self.surprise(signals)
-        if surprise is None or self.plan is None or not self.config.drift_triggers:
+        """A replan when the current plan would run out of memory at a length jump like the largest
+        unannounced one or at a miss of the length forecast like the worst so far: its priced risk
+        (``Surprise``, ``Shortfall``) is then weighed against the plans that hold them. It fires
+        when a plan is first seen not to hold them (as the lengths grow, a plan chosen for its
+        headroom may lose it, and with it the reason it was chosen); its horizon is the p95
+        length's drift clock (the headroom is worth as much as the plan runs, until the next
+        crossing of the length the jumps and misses are measured on)."""
+        if self.plan is None or not self.config.drift_triggers:
             return None
-        holds = bool(self._cached_estimate(signals, surprise.workload, whole_memory=True)[0].feasible)
-        seen, self._headroom_checked = self._headroom_checked, (self.plan, holds)
-        if holds or seen == (self.plan, False):
+        short = self._short_of_headroom(signals)
+        if short is None:
             return None
-        rate, ratio = self.forecast.surprise() or (0.0, 0.0)
-        p95 = self.drift.get("response_len_p95")  # the signal the jumps are measured on
+        seen, self._headroom_checked = self._headroom_checked, (self.plan, not short)
+        if not short or seen == (self.plan, False):
+            return None
+        p95 = self.drift.get("response_len_p95")
         horizon = p95.clock.horizon if p95 is not None else 1.0
-        return Trigger(
-            "headroom",
-            horizon,
-            detail=f"the current plan runs out of memory at a length jump like the largest unannounced "
-            f"one (x{ratio:.2f}, {rate:.0%} of steps)",
-        )
+        detail = "the current plan runs out of memory at " + " and ".join(short)
+        return Trigger("headroom", horizon, detail=detail)
+
+    def _short_of_headroom(self, signals: StepSignals) -> list[str] | None:
+        """What the current plan does not hold of the jumps and forecast misses seen so far; None
+        while there were none."""
+        surprise, shortfall = self.surprise(signals), self.shortfall(signals)
+        if surprise is None and shortfall is None:
+            return None
+        short = []
+        if surprise is not None and not self._holds(signals, surprise.workload):
+            rate, ratio = self.forecast.surprise() or (0.0, 0.0)
+            short.append(
+                f"a length jump like the largest unannounced one (x{ratio:.2f}, {rate:.0%} of steps)"
+            )
+        if shortfall is not None and not self._holds(signals, shortfall.worst):
+            short.append(
+                f"a miss of the length forecast like the worst so far (x{shortfall.ratios[-1]:.2f}; "
+                f"{len(shortfall.ratios) / shortfall.scored:.0%} of steps came in above their forecast)"
+            )
+        return short
+
+    def _holds(self, signals: StepSignals, workload: Workload) -> bool:
+        """Whether the current plan fits ``workload`` in the whole GPU memory (``full_memory``)."""
+        return bool(self._cached_estimate(signals, workload, whole_memory=True)[0].feasible)
+
+    def _current_risk(self, signals: StepSignals, latency: float) -> float:
+        """The current plan's priced risk of running out of memory at a length jump or a forecast
+        miss like those seen (``Surprise.risk``, ``Shortfall.rate``), in s/step."""
+        risk = 0.0
+        surprise, shortfall = self.surprise(signals), self.shortfall(signals)
+        if surprise is not None:
+            at_jump = self._cached_estimate(signals, surprise.workload, whole_memory=True)[0]
+            risk += surprise.risk(at_jump, latency)
+        if shortfall is not None and not self._holds(signals, shortfall.worst):
+            risk += shortfall.rate(partial(self._holds, signals)) * latency
+        return risk
 
     def _current_estimate(self, signals: StepSignals, workload: Workload | None = None) -> Estimate:
         """The current plan's estimate at ``workload`` (default: the measured lengths), re-priced
@@ -414,7 +457,7 @@ class Controller:
         hit = self._estimates.get(key)
         if hit is None:
             assert self.plan is not None
-            if len(self._estimates) >= 4:
+            if len(self._estimates) >= 8:
                 self._estimates.clear()
             cluster, memory = self.cluster_at(signals), self.memory_calibration
             if whole_memory:
@@ -564,6 +607,7 @@ class Controller:
             lasting=self.lasting_workload(signals, r) if r.urgent else self.next_step_workload(signals),
             next_step=self.next_step_workload(signals),
             surprise=self.surprise(signals),
+            shortfall=self.shortfall(signals),
         )
 
     def _retune(self, signals: StepSignals) -> Decision:
@@ -638,16 +682,12 @@ class Controller:
             reasons.append(
                 "GPUs of the current plan were lost" if lost else "the current plan no longer fits"
             )
-        risk = 0.0
-        surprise = self.surprise(signals)
-        if current_latency is not None and surprise is not None:
-            at_jump = self._cached_estimate(signals, surprise.workload, whole_memory=True)[0]
-            risk = surprise.risk(at_jump, current_latency)
-            if risk > 0:
-                reasons.append(
-                    f"the current plan runs out of memory at a length jump like the largest unannounced "
-                    f"one: priced at {risk:.2f} s/step"
-                )
+        risk = 0.0 if current_latency is None else self._current_risk(signals, current_latency)
+        if risk > 0:
+            reasons.append(
+                f"the current plan may run out of memory at a length jump or a forecast miss like "
+                f"those seen: priced at {risk:.2f} s/step"
+            )
         replan = Replan(
             signals,
             tuple(triggers),
@@ -964,12 +1004,12 @@ def refused_payback(decision: Decision) -> float | None:
 
 
 def _headroom_note(current_risk: float, target_risk: float) -> str:
-    """What moving does to the priced risk of running out of memory at a length jump (if any)."""
+    """What moving does to the priced risk of running out of memory (if any)."""
     if current_risk <= target_risk:
         return ""
     return (
-        f"; expected step times include the risk of running out of memory at a length jump "
-        f"({current_risk:.2f} s/step for the current plan, {target_risk:.2f} for the target)"
+        f"; expected step times include the risk of running out of memory at a length jump or a "
+        f"forecast miss ({current_risk:.2f} s/step for the current plan, {target_risk:.2f} for the target)"
     )
 
 

@@ -17,7 +17,9 @@ No trend sees a jump coming (a curriculum raising the length cap at a step nobod
 The forecast keeps score of its own misses: every step whose p95 length came in more than
 ``clamp`` above the next-step forecast made for it is a *surprise*, and :meth:`LengthForecast.surprise`
 reports how often they came and the largest step-to-step rise among them, so the controller can
-price the risk of the next one (``control.candidates.Surprise``).
+price the risk of the next one (``control.candidates.Surprise``). Smaller misses are kept as
+well (:attr:`LengthForecast.misses`): the risk that the next step comes in above its forecast by
+as much as an earlier one did is priced the same way (``control.candidates.Shortfall``).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class LengthForecast:
         self.history: deque[tuple[int, tuple[float, ...]]] = deque(maxlen=window)
         self.scored = 0  # steps whose p95 was compared with the forecast made for it
         self.surprises: list[float] = []  # p95 over the step before's, where it beat the forecast by > clamp
+        self.misses: list[float] = []  # p95 over its forecast, where it beat it by up to clamp
 
     def observe(self, signals: StepSignals) -> None:
         """Record one step's measured lengths (a repeated step index replaces the older entry) and
@@ -56,10 +59,13 @@ class LengthForecast:
             self.history.pop()
         elif self.history:
             last = self.history[-1][1][_P95]
-            expected = (self.next_step() or {}).get("response_len_p95", last)
+            forecast = self.next_step()
+            expected = last if forecast is None else forecast["response_len_p95"]
             self.scored += 1
             if last > 0 and signals.response_len_p95 > expected * (1 + self.clamp):
                 self.surprises.append(signals.response_len_p95 / last)
+            elif forecast is not None and signals.response_len_p95 > expected > 0:
+                self.misses.append(signals.response_len_p95 / expected)
         self.history.append((signals.step, values))
 
     def surprise(self) -> tuple[float, float] | None:
@@ -124,6 +130,7 @@ class LengthForecast:
             "history": [[s, list(v)] for s, v in self.history],
             "scored": self.scored,
             "surprises": list(self.surprises),
+            "misses": list(self.misses),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -134,6 +141,7 @@ class LengthForecast:
         )
         self.scored = int(state.get("scored", 0))  # absent in checkpoints of older versions
         self.surprises = [float(x) for x in state.get("surprises", ())]
+        self.misses = [float(x) for x in state.get("misses", ())]
 
 
 def horizon_offsets(horizon: float, points: int) -> tuple[float, ...]:
