@@ -7,7 +7,8 @@ infeasible steps than any other; then the same verdict per combination, on each 
 s/step and total infeasible steps over all its families and seeds. Writes
 ``benchmarks/results/drift_families.json``.
 
-Usage: ``python benchmarks/bench_drift_families.py [--seeds N] [--combos i,j] [--families a,b]``.
+Usage: ``python benchmarks/bench_drift_families.py [--seeds N] [--first-seed S] [--combos i,j]
+[--families a,b]`` (``--first-seed``: held-out members, seeds S .. S+N-1).
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
     """Run the grid; print one line per run and a summary; write the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=1)
+    parser.add_argument("--first-seed", type=int, default=0, help="the first seed of each family run")
     parser.add_argument("--combos", default="", help="comma-separated indices into COMBINATIONS")
     parser.add_argument("--families", default="", help="comma-separated family names")
     parser.add_argument("--out", default=str(RESULTS / "drift_families.json"))
@@ -91,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
     runs = []
     for combo in combos:
         for family in families:
-            for seed in range(args.seeds):
+            for seed in range(args.first_seed, args.first_seed + args.seeds):
                 t = time.perf_counter()
                 rows = run_one(combo, family, seed)
                 v = verdict(rows)

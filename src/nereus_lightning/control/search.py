@@ -11,8 +11,8 @@ Outside the urgent path the lengths are those of the next step's memory check, a
 the cap there is not taken: the memory trigger would move away from it at the next boundary.
 
 Targets are compared on their expected step time (``Option.expected``: the latency plus the
-priced risk of running out of memory at a length jump), and so is the current plan
-(``Replan.current_risk``): the gain of moving to headroom is the risk it removes.
+priced risk of running out of memory at a length jump or a forecast miss), and so is the current
+plan (``Replan.current_risk``): the gain of moving to headroom is the risk it removes.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class Replan:
     intact: Plan | None  # the current plan's units still readable (where a DAG starts)
     dag_cluster: ClusterSpec
     workload: Workload
-    current_risk: float = 0.0  # the current plan's priced risk of running out of memory at a jump
+    current_risk: float = 0.0  # the current plan's priced risk of running out of memory (jump, miss)
     # The current plan's predicted latencies at the lengths forecast over the horizon
     # (``LengthForecast.over_horizon``); empty: the gain is valued at the planning lengths.
     current_ahead: tuple[float, ...] = ()
@@ -155,7 +155,7 @@ class TargetSearch:
             "dL": None if math.isinf(d_l) else round(d_l, 6),
         }
         if opt.risk > 0:
-            entry["oom_risk_s"] = round(opt.risk, 6)  # does not hold a length jump: priced
+            entry["oom_risk_s"] = round(opt.risk, 6)  # does not hold a jump or forecast miss: priced
         if not opt.lasts:
             entry["lasts"] = False  # infeasible at the lengths forecast over the horizon
         self.considered.append(entry)
