@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from nereus_lightning.control import LengthForecast
+from nereus_lightning.control.candidates import Shortfall
+from nereus_lightning.spec.workload import Workload
 from tests.control.fakes import FakeBackend, controller, gen_plan, sig
 
 A = gen_plan(1, 4)  # runs out of memory above HOLDS[A] p95 tokens
@@ -44,6 +46,22 @@ def test_the_forecast_keeps_its_smaller_misses():
     g = LengthForecast()
     g.load_state_dict(f.state_dict())
     assert g.misses == f.misses
+
+
+def test_the_shortfall_rate_is_the_share_of_steps_that_missed_further_than_a_plan_holds():
+    base = Workload("ppo", response_len=1000, response_len_p95=1100)
+    short = Shortfall(base, (1.02, 1.05, 1.1, 1.2, 1.25), scored=20)
+    assert short.worst.response_len_p95 == pytest.approx(1375)
+    # levels (p95): 1,122  1,155  1,210  1,320  1,375
+    for holds_p95, rate in ((1200, 3 / 20), (1140, 4 / 20), (1100, 5 / 20), (1300, 2 / 20)):
+        asked: list[float] = []
+
+        def holds(w, cap=holds_p95, asked=asked):
+            asked.append(w.response_len_p95)
+            return w.response_len_p95 <= cap
+
+        assert short.rate(holds) == pytest.approx(rate)
+        assert len(asked) <= 3  # a bisection, not a scan
 
 
 def shortfall_run(relief_latency: float) -> list:
