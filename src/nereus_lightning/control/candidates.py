@@ -36,7 +36,7 @@ from nereus_lightning.control.variants import (
 from nereus_lightning.plan.layout import Layout, Plan
 from nereus_lightning.plan.memory import full_memory
 from nereus_lightning.spec.cluster import ClusterSpec
-from nereus_lightning.spec.errors import InfeasiblePlanError
+from nereus_lightning.spec.errors import InfeasiblePlanError, require
 from nereus_lightning.spec.workload import Workload, workflow
 
 
@@ -70,6 +70,18 @@ class Shortfall:
     next_step: Workload
     ratios: tuple[float, ...]
     scored: int
+
+    def __post_init__(self) -> None:
+        require(
+            bool(self.ratios) and list(self.ratios) == sorted(self.ratios) and self.ratios[0] > 1,
+            "shortfall.ratios",
+            f"must be ascending misses above 1, got {self.ratios}",
+        )
+        require(
+            self.scored >= len(self.ratios),
+            "shortfall.scored",
+            f"{self.scored} steps scored cannot hold {len(self.ratios)} misses",
+        )
 
     def at(self, ratio: float) -> Workload:
         """The next step's forecast lengths times ``ratio``."""
@@ -179,8 +191,8 @@ class CandidateSource:
         if self.shortfall is not None:
             opt.at_shortfall = self.at_whole_memory(plan, self.shortfall.worst)
             if not opt.at_shortfall.feasible:
-                holds = lambda w: bool(self.at_whole_memory(plan, w).feasible)  # noqa: E731
-                opt.risk += self.shortfall.rate(holds) * est.step_latency
+                rate = self.shortfall.rate(lambda w: bool(self.at_whole_memory(plan, w).feasible))
+                opt.risk += rate * est.step_latency
         if not self.urgent and self.current_latency is not None and opt.expected >= self.current_latency:
             if opt.latency < self.current_latency:
                 self._risky.append(opt)
@@ -234,12 +246,16 @@ class CandidateSource:
         """The current plan relieved where it does not hold a length jump or the worst forecast
         miss (its layouts kept: the cheapest move to headroom); empty where it holds both. (The
         other targets that do not are relieved in :meth:`relieved`.)"""
-        worst = [x.workload for x in (self.surprise,) if x is not None]
-        worst += [x.worst for x in (self.shortfall,) if x is not None]
+        worst = []
+        if self.surprise is not None:
+            worst.append(self.surprise.workload)
+        if self.shortfall is not None:
+            worst.append(self.shortfall.worst)
         short: set[str] = set()
         for workload in worst:
             est = self.at_whole_memory(self.current, workload)
-            short |= set() if est.feasible else over_cap(est, self.current)
+            if not est.feasible:
+                short |= over_cap(est, self.current)
         variants = relief_variants(self.current, short)
         return [self.price(v, "current plan relieved for headroom") for v in variants]
 
