@@ -6,6 +6,7 @@ import pytest
 
 from nereus_lightning.control import LengthForecast
 from nereus_lightning.control.candidates import Shortfall
+from nereus_lightning.spec.errors import NereusConfigError
 from nereus_lightning.spec.workload import Workload
 from tests.control.fakes import FakeBackend, controller, gen_plan, sig
 
@@ -62,6 +63,14 @@ def test_the_shortfall_rate_is_the_share_of_steps_that_missed_further_than_a_pla
 
         assert short.rate(holds) == pytest.approx(rate)
         assert len(asked) <= 3  # a bisection, not a scan
+
+
+def test_a_shortfall_refuses_misses_it_cannot_price():
+    base = Workload("ppo", response_len=1000, response_len_p95=1100)
+    with pytest.raises(NereusConfigError, match="shortfall.ratios"):
+        Shortfall(base, (1.2, 1.1), scored=5)
+    with pytest.raises(NereusConfigError, match="shortfall.scored"):
+        Shortfall(base, (1.1, 1.2), scored=1)
 
 
 def shortfall_run(relief_latency: float) -> list:
